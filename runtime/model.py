@@ -1,0 +1,403 @@
+"""DeepSeek-V3 and its MTP module in plain PyTorch, top to bottom like the math.
+
+Two attention paths share every weight:
+- dense: a [B, S] batch with a causal mask and the naive MLA expansion through kv_b_proj
+  (training and reference forwards);
+- paged: a flat ragged batch of T new tokens from many sequences, written into a latent KV cache
+  that holds only normalized c_kv and the roped shared key, attended with absorbed MLA (decode,
+  chunked prefill and speculative verification are all "a chunk of q tokens per sequence").
+The model knows nothing about requests; `PagedBatch` describes where each token lives.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from runtime.config import ModelConfig, yarn_mscale
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch description for the paged path
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class PagedBatch:
+    """Where the T new tokens of B sequences go in the cache and what each one may attend to.
+
+    Tokens are flat ([T]); attention pads them to [B, Q] queries against [B, L] context slots.
+    """
+
+    positions: Tensor  # [T] absolute position of each new token
+    slot_mapping: Tensor  # [T] cache slot each new token's latent is written to
+    context_slots: Tensor  # [B, L] cache slots of each sequence's context, new tokens included
+    mask: Tensor  # [B, Q, L] True where query q of sequence b may attend to context slot l
+    query_index: Tensor  # [B, Q] flat index of each query; padding points at T (a zero row)
+    token_index: Tensor  # [T] position of each flat token in the [B * Q] padded layout
+    last_index: Tensor  # [B] flat index of the last new token of each sequence
+
+    @classmethod
+    def build(
+        cls, start_lens: Tensor, query_lens: Tensor, block_tables: Tensor, block_size: int
+    ) -> "PagedBatch":
+        """start_lens[b] tokens of sequence b are cached already; query_lens[b] new ones follow."""
+        device = block_tables.device
+        start_lens = start_lens.to(device=device, dtype=torch.long)
+        query_lens = query_lens.to(device=device, dtype=torch.long)
+        B = query_lens.numel()
+        Q = int(query_lens.max())
+        total = start_lens + query_lens
+        L = int(total.max())
+        q_off = torch.arange(Q, device=device)
+        q_valid = q_off[None, :] < query_lens[:, None]  # [B, Q]
+        pos_pad = start_lens[:, None] + q_off[None, :]  # [B, Q]
+        positions = pos_pad[q_valid]  # [T]
+        T = positions.numel()
+        seq_of_token = torch.arange(B, device=device)[:, None].expand(B, Q)[q_valid]
+        slot_mapping = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+        ctx = torch.arange(L, device=device)
+        ctx_blocks = block_tables.gather(1, (ctx // block_size).clamp(max=block_tables.shape[1] - 1)[None].expand(B, L))
+        context_slots = torch.where(ctx[None] < total[:, None], ctx_blocks * block_size + ctx % block_size, 0)
+        mask = (ctx[None, None, :] <= pos_pad[:, :, None]) & q_valid[:, :, None]
+        mask[:, :, 0] |= ~q_valid  # padding queries see slot 0 so softmax stays finite
+        query_index = torch.full((B, Q), T, dtype=torch.long, device=device)
+        query_index[q_valid] = torch.arange(T, device=device)
+        token_index = torch.arange(B * Q, device=device).view(B, Q)[q_valid]
+        last_index = torch.cumsum(query_lens, 0) - 1
+        return cls(positions, slot_mapping, context_slots, mask, query_index, token_index, last_index)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks
+# ---------------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> tuple[Tensor, float]:
+    """Inverse frequencies (YaRN-blended when rope_scaling is set) and the cos/sin scale."""
+    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    rs = cfg.rope_scaling
+    if rs is None:
+        return freq, 1.0
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(rs.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(rs.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(rs.beta_slow)), dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    freq = freq / rs.factor * ramp + freq * (1 - ramp)
+    attention_factor = 1.0
+    if rs.mscale and rs.mscale_all_dim:
+        attention_factor = yarn_mscale(rs.factor, rs.mscale) / yarn_mscale(rs.factor, rs.mscale_all_dim)
+    return freq, attention_factor
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate interleaved pairs (x0, x1), (x2, x3)...; the result is laid out [evens | odds].
+
+    Queries and keys get the same permutation, so their dot products equal the interleaved form.
+    """
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-head latent attention
+# ---------------------------------------------------------------------------------------------
+class MLA(nn.Module):
+    def __init__(self, cfg: ModelConfig, cache_layer: int):
+        super().__init__()
+        self.cfg, self.cache_layer = cfg, cache_layer
+        H, h = cfg.hidden_size, cfg.num_attention_heads
+        self.n_heads = h
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(H, h * cfg.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(H, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(H, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(h * cfg.v_head_dim, H, bias=False)
+
+    def _queries(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        cfg = self.cfg
+        q = self.q_proj(x) if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(*x.shape[:-1], self.n_heads, cfg.qk_head_dim)
+        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        return q_nope, apply_rope(q_pe, cos.unsqueeze(-2), sin.unsqueeze(-2))
+
+    def _latent(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], dim=-1)
+        return self.kv_a_layernorm(c), apply_rope(k_pe, cos, sin)
+
+    def forward_dense(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x [B, S, H], causal over S; the naive expansion of c into per-head keys and values."""
+        cfg = self.cfg
+        B, S, _ = x.shape
+        q_nope, q_pe = self._queries(x, cos, sin)
+        c, k_pe = self._latent(x, cos, sin)
+        kv = self.kv_b_proj(c).view(B, S, self.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
+        k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(B, S, self.n_heads, -1)], dim=-1)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=cfg.softmax_scale
+        )
+        return self.o_proj(o.transpose(1, 2).reshape(B, S, -1))
+
+    def forward_paged(self, x: Tensor, cos: Tensor, sin: Tensor, batch: PagedBatch, kv_cache: Tensor) -> Tensor:
+        """x [T, H]: write each token's latent to its slot, then absorbed attention over the cache.
+
+        scores = (q_nope W_UK) . c + q_pe . k_pe, so one matmul against the [c | k_pe] cache rows;
+        out = (softmax @ c) W_UV^T. No per-head keys or values are ever materialized.
+        """
+        cfg, h = self.cfg, self.n_heads
+        T = x.shape[0]
+        q_nope, q_pe = self._queries(x, cos, sin)  # [T, h, nope], [T, h, rope]
+        c, k_pe = self._latent(x, cos, sin)
+        cache = kv_cache[self.cache_layer]
+        cache[batch.slot_mapping] = torch.cat([c, k_pe], dim=-1).to(cache.dtype)
+
+        w = self.kv_b_proj.weight.view(h, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        w_uk, w_uv = w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
+        q_lat = torch.einsum("thd,hdc->thc", q_nope, w_uk)
+        q = torch.cat([q_lat, q_pe], dim=-1)  # [T, h, latent]
+        q = torch.cat([q, q.new_zeros(1, h, q.shape[-1])])[batch.query_index]  # [B, Q, h, latent]
+        B, Q = batch.query_index.shape
+        ctx = cache[batch.context_slots].to(q.dtype)  # [B, L, latent]
+        scores = torch.bmm(q.view(B, Q * h, -1), ctx.transpose(1, 2)) * cfg.softmax_scale  # [B, Q*h, L]
+        scores = scores.view(B, Q, h, -1).masked_fill(~batch.mask[:, :, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1).view(B, Q * h, -1)
+        o_lat = torch.bmm(probs, ctx[..., : cfg.kv_lora_rank]).view(B * Q, h, -1)[batch.token_index]
+        o = torch.einsum("thc,hvc->thv", o_lat, w_uv)
+        return self.o_proj(o.reshape(T, h * cfg.v_head_dim))
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixture of experts (noaux_tc routing)
+# ---------------------------------------------------------------------------------------------
+class Gate(nn.Module):
+    """Sigmoid scores; the correction bias steers selection only; group-limited top-k."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        cfg = self.cfg
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
+        biased = scores + self.e_score_correction_bias
+        groups = biased.view(-1, cfg.n_group, cfg.n_routed_experts // cfg.n_group)
+        group_scores = groups.topk(2, dim=-1).values.sum(-1)  # [T, n_group]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(cfg.topk_group, dim=-1).indices, True)
+        biased = groups.masked_fill(~keep[..., None], float("-inf")).flatten(1)
+        idx = biased.topk(cfg.num_experts_per_tok, dim=-1).indices  # [T, k]
+        weights = scores.gather(1, idx)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return (weights * cfg.routed_scaling_factor).to(x.dtype), idx
+
+
+class Experts(nn.Module):
+    """Routed experts stacked as [E, out, in] tensors.
+
+    Small batches (decode, verify) gather the chosen experts' weights into one batched matmul with
+    no host sync; large ones (prefill, training) group tokens by expert, one matmul per expert.
+    """
+
+    gather_limit = 64  # token-expert pairs up to which gathering weights beats grouping tokens
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, H, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_proj = nn.Parameter(torch.empty(E, I, H))
+        self.up_proj = nn.Parameter(torch.empty(E, I, H))
+        self.down_proj = nn.Parameter(torch.empty(E, H, I))
+
+    def forward(self, x: Tensor, weights: Tensor, idx: Tensor) -> Tensor:
+        T, k = idx.shape
+        if T * k <= self.gather_limit:
+            xk = x[:, None, :, None].expand(T, k, -1, 1)  # [T, k, H, 1]
+            g = (self.gate_proj[idx] @ xk).squeeze(-1)
+            u = (self.up_proj[idx] @ xk).squeeze(-1)
+            y = (self.down_proj[idx] @ (F.silu(g) * u).unsqueeze(-1)).squeeze(-1)  # [T, k, H]
+            return torch.einsum("tk,tkh->th", weights, y)
+        flat = idx.flatten()
+        order = flat.argsort()
+        counts = torch.bincount(flat, minlength=self.gate_proj.shape[0]).tolist()
+        token = order // k
+        xs = x[token]
+        outs = []
+        for e, rows in enumerate(xs.split(counts)):
+            if counts[e]:
+                outs.append(F.linear(F.silu(F.linear(rows, self.gate_proj[e])) * F.linear(rows, self.up_proj[e]),
+                                     self.down_proj[e]))
+        y = torch.cat(outs) * weights.flatten()[order, None]
+        return torch.zeros_like(x).index_add_(0, token, y)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = Gate(cfg)
+        self.experts = Experts(cfg)
+        self.shared_experts = MLP(cfg.hidden_size, cfg.n_shared_experts * cfg.moe_intermediate_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, idx = self.gate(flat)
+        return (self.experts(flat, weights, idx) + self.shared_experts(flat)).view_as(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoder, model, MTP
+# ---------------------------------------------------------------------------------------------
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, cache_layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MLA(cfg, cache_layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: PagedBatch | None, kv_cache: Tensor | None) -> Tensor:
+        h = self.input_layernorm(x)
+        if batch is None:
+            x = x + self.self_attn.forward_dense(h, cos, sin)
+        else:
+            x = x + self.self_attn.forward_paged(h, cos, sin, batch, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class SharedHead(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+
+class MTPLayer(nn.Module):
+    """h' = eh_proj([enorm(embed(t_next)); hnorm(h)]) -> one decoder layer -> shared_head."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.block = DecoderLayer(cfg, layer_idx, cache_layer=layer_idx)
+        self.shared_head = SharedHead(cfg)
+
+    def forward(
+        self, next_ids: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor,
+        batch: PagedBatch | None = None, kv_cache: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Returns (logits for the token after next_ids, hidden after shared_head.norm)."""
+        x = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(next_ids)), self.hnorm(hidden)], dim=-1))
+        h = self.shared_head.norm(self.block(x, cos, sin, batch, kv_cache))
+        return self.shared_head.head(h), h
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, cache_layer=i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """Target model plus `num_nextn_predict_layers` MTP layers (cache layers N, N+1, ...)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = DeepseekV3Model(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        N = cfg.num_hidden_layers
+        self.mtp = nn.ModuleList(MTPLayer(cfg, N + j) for j in range(cfg.num_nextn_predict_layers))
+        inv_freq, self.rope_attention_factor = rope_inv_freq(cfg)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @property
+    def num_cache_layers(self) -> int:
+        return self.cfg.num_hidden_layers + self.cfg.num_nextn_predict_layers
+
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq
+        dtype = self.lm_head.weight.dtype
+        return ((freqs.cos() * self.rope_attention_factor).to(dtype),
+                (freqs.sin() * self.rope_attention_factor).to(dtype))
+
+    def forward(
+        self, input_ids: Tensor, positions: Tensor | None = None,
+        batch: PagedBatch | None = None, kv_cache: Tensor | None = None,
+    ) -> Tensor:
+        """Hidden states after the final norm (what lm_head and the MTP module see).
+
+        Dense: input_ids [B, S] (positions default to 0..S-1). Paged: input_ids [T] with `batch`.
+        """
+        if positions is None:
+            positions = batch.positions if batch is not None else torch.arange(input_ids.shape[-1], device=input_ids.device)
+        cos, sin = self.rope(positions)
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, batch, kv_cache)
+        return self.model.norm(x)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(hidden)
+
+    def mtp_forward(
+        self, depth: int, next_ids: Tensor, hidden: Tensor, positions: Tensor | None = None,
+        batch: PagedBatch | None = None, kv_cache: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """MTP layer `depth` at the positions of `hidden`: logits for t+2 and its own hidden."""
+        if positions is None:
+            positions = batch.positions if batch is not None else torch.arange(next_ids.shape[-1], device=next_ids.device)
+        cos, sin = self.rope(positions)
+        return self.mtp[depth](next_ids, hidden, cos, sin, batch, kv_cache)
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, seed: int | None = None) -> None:
+        """GPT-2 style init for training from scratch: residual outputs scaled by 1/sqrt(2L)."""
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        resid_std = std / math.sqrt(2 * (self.cfg.num_hidden_layers + self.cfg.num_nextn_predict_layers))
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                s = resid_std if name.endswith(("o_proj.weight", "down_proj.weight", "down_proj")) else std
+                p.copy_(torch.randn(p.shape, generator=gen) * s)
+        for m in self.modules():
+            if isinstance(m, Gate):
+                m.e_score_correction_bias.zero_()
