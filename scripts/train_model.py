@@ -1,0 +1,192 @@
+"""Train the project's small DeepSeek-V3 + MTP model with the runtime's own model code.
+
+Loss = next-token CE + mtp_weight x MTP CE (the MTP layer sees the target's final hidden state
+after model.norm and the embedding of the next token, and predicts the token after it).
+Experts are balanced without an auxiliary loss, as DeepSeek-V3 does: after every step each MoE
+gate's e_score_correction_bias moves by gamma * sign(mean load - expert load).
+
+  python scripts/train_model.py --data_dir data --out_dir runs/mini --steps 3000
+  python scripts/train_model.py --data_dir data --out_dir runs/mini --resume   # continue
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from runtime.config import ModelConfig
+from runtime.model import DeepseekV3ForCausalLM, Gate
+
+# Every DeepSeek-V3 feature on, proportioned so one MTP step is cheap next to the 14-layer target.
+MINI_CONFIG = dict(
+    architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+    vocab_size=4096, hidden_size=256, intermediate_size=768, moe_intermediate_size=128,
+    num_hidden_layers=14, num_nextn_predict_layers=1, first_k_dense_replace=1, moe_layer_freq=1,
+    num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=64,
+    qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+    n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+    routed_scaling_factor=2.5, norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc",
+    hidden_act="silu", rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=2048,
+    rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=512, beta_fast=32,
+                      beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
+    bos_token_id=0, eos_token_id=1, tie_word_embeddings=False, attention_bias=False, torch_dtype="bfloat16",
+)
+
+
+def batches(tokens: np.ndarray, batch_size: int, length: int, gen: np.random.Generator) -> torch.Tensor:
+    starts = gen.integers(0, len(tokens) - length, size=batch_size)
+    return torch.from_numpy(np.stack([tokens[s : s + length] for s in starts]).astype(np.int64))
+
+
+def losses(model: DeepseekV3ForCausalLM, chunk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """chunk [B, S+2] -> (main CE, MTP CE, MTP top-1 agreement with the true token t+2)."""
+    x, y, y2 = chunk[:, :-2], chunk[:, 1:-1], chunk[:, 2:]
+    hidden = model(x)
+    main = F.cross_entropy(model.logits(hidden).flatten(0, 1), y.flatten())
+    mtp_logits, _ = model.mtp_forward(0, y, hidden)
+    mtp = F.cross_entropy(mtp_logits.flatten(0, 1), y2.flatten())
+    acc = (mtp_logits.argmax(-1) == y2).float().mean()
+    return main, mtp, acc
+
+
+@torch.no_grad()
+def evaluate(model: DeepseekV3ForCausalLM, val: np.ndarray, args: argparse.Namespace) -> dict[str, float]:
+    model.eval()
+    gen = np.random.default_rng(1234)
+    out = np.zeros(3)
+    for _ in range(args.eval_batches):
+        out += [t.item() for t in losses(model, batches(val, args.batch_size, args.seq_len + 2, gen).to(args.device))]
+    model.train()
+    main, mtp, acc = out / args.eval_batches
+    return {"val_loss": main, "val_mtp_loss": mtp, "val_mtp_acc": acc}
+
+
+def progress(step: int, elapsed_s: float, args: argparse.Namespace) -> float:
+    """Fraction of training done: by steps, or by wall-clock time when a budget is set."""
+    by_steps = step / args.steps
+    return max(by_steps, elapsed_s / (60 * args.time_budget_min)) if args.time_budget_min else by_steps
+
+
+def lr_at(step: int, done: float, args: argparse.Namespace) -> float:
+    """Linear warm-up, then a cosine over the remaining fraction of training down to min_lr_ratio."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    warm = args.warmup / args.steps
+    t = min(1.0, max(0.0, (done - warm) / (1 - warm)))
+    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def save(path: Path, state: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data_dir", type=Path, default=Path("data"))
+    p.add_argument("--out_dir", type=Path, default=Path("runs/mini"))
+    p.add_argument("--config", type=Path, help="config.json to train (default: the built-in mini config)")
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--batch_size", type=int, default=16)
+    p.add_argument("--seq_len", type=int, default=256)
+    p.add_argument("--time_budget_min", type=float, default=0.0,
+                   help="finish the schedule after this many minutes of training (resumes included) even if steps remain")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--min_lr_ratio", type=float, default=0.1)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--weight_decay", type=float, default=0.1)
+    p.add_argument("--mtp_weight", type=float, default=0.3)
+    p.add_argument("--bias_gamma", type=float, default=1e-3)
+    p.add_argument("--eval_every", type=int, default=200)
+    p.add_argument("--eval_batches", type=int, default=4)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    raw = json.loads(args.config.read_text()) if args.config else MINI_CONFIG
+    cfg = ModelConfig.from_dict(raw)
+    (args.out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+
+    train = np.memmap(args.data_dir / "train.bin", dtype=np.uint16, mode="r")
+    val = np.memmap(args.data_dir / "val.bin", dtype=np.uint16, mode="r")
+    torch.manual_seed(args.seed)
+    model = DeepseekV3ForCausalLM(cfg).to(args.device)
+    model.init_weights(seed=args.seed)
+    decay = [p_ for n, p_ in model.named_parameters() if p_.dim() >= 2 and "embed" not in n]
+    no_decay = [p_ for n, p_ in model.named_parameters() if not (p_.dim() >= 2 and "embed" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
+    step, gen, elapsed_before = 0, np.random.default_rng(args.seed), 0.0
+    ckpt_path = args.out_dir / "ckpt.pt"
+    if args.resume and ckpt_path.exists():
+        state = torch.load(ckpt_path, map_location=args.device, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        step, gen, elapsed_before = state["step"], state["rng"], state["elapsed_s"]
+        print(f"resumed at step {step}")
+
+    gates = [m for m in model.modules() if isinstance(m, Gate)]
+    loads: dict[Gate, torch.Tensor] = {}
+    hooks = [g.register_forward_hook(lambda mod, inp, out: loads.__setitem__(
+        mod, torch.bincount(out[1].flatten(), minlength=cfg.n_routed_experts).float())) for g in gates]
+
+    log = (args.out_dir / "log.jsonl").open("a")
+    model.train()
+    t0, tokens_seen = time.time(), 0
+    bar = tqdm(total=args.steps, initial=step, desc="train", dynamic_ncols=True)
+    done = 0.0
+    while done < 1.0:
+        done = progress(step, elapsed_before + time.time() - t0, args)
+        lr = lr_at(step, done, args)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        chunk = batches(train, args.batch_size, args.seq_len + 2, gen).to(args.device)
+        main_loss, mtp_loss, _ = losses(model, chunk)
+        loss = main_loss + args.mtp_weight * mtp_loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        with torch.no_grad():  # auxiliary-loss-free balancing
+            for g, load in loads.items():
+                g.e_score_correction_bias += args.bias_gamma * torch.sign(load.mean() - load)
+        step += 1
+        tokens_seen += chunk.numel()
+        bar.update(1)
+        bar.set_postfix(loss=f"{main_loss.item():.3f}", mtp=f"{mtp_loss.item():.3f}",
+                        tok_s=f"{tokens_seen / (time.time() - t0):.0f}")
+        elapsed = elapsed_before + time.time() - t0
+        done = progress(step, elapsed, args)
+        record = {"step": step, "loss": main_loss.item(), "mtp_loss": mtp_loss.item(), "lr": lr, "elapsed_s": elapsed}
+        if step % args.eval_every == 0 or done >= 1.0:
+            record |= evaluate(model, val, args)
+            tqdm.write(json.dumps(record))
+            save(ckpt_path, {"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "rng": gen,
+                             "elapsed_s": elapsed,
+                             "config": cfg.to_dict(), "args": vars(args) | {"data_dir": str(args.data_dir),
+                                                                          "out_dir": str(args.out_dir),
+                                                                          "config": str(args.config)}})
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+    for h in hooks:
+        h.remove()
+    bar.close()
+
+
+if __name__ == "__main__":
+    main()
