@@ -1,0 +1,318 @@
+"""Read DeepSeek-V3/R1 Hugging Face checkpoints exactly as released, one shard at a time.
+
+A 671B checkpoint is ~690 GB in 163 shards, so nothing here holds more than one shard's tensors
+(plus a block scale that may sit in another shard). Problems are found when the directory is
+opened (missing shards, truncated or corrupt files) or by `validate` (missing tensors, wrong
+shapes, FP8 weights without scales), with messages that name the file and the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Callable, Iterator, Mapping
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from runtime.config import ModelConfig
+from runtime.fp8 import BLOCK, FP8_DTYPE, dequantize_block_fp8, scale_shape
+
+INDEX_NAME = "model.safetensors.index.json"
+SCALE_SUFFIX = "_scale_inv"
+FP8_CODE = "F8_E4M3"  # safetensors' name for float8_e4m3fn
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+_PROJ = r"(gate_proj|up_proj|down_proj)"
+_FP8_RE = re.compile(
+    r"^model\.layers\.\d+\.("
+    r"self_attn\.(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)"
+    rf"|mlp\.({_PROJ}|experts\.\d+\.{_PROJ}|shared_experts\.{_PROJ})"
+    r")\.weight$"
+)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that is incomplete, corrupt or does not match its config.json."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What a shard's header says about one tensor; read without touching the data."""
+
+    dtype: str  # safetensors dtype code: "BF16", "F32", "F8_E4M3", ...
+    shape: tuple[int, ...]
+
+
+# ---- names and shapes of the release layout ---------------------------------------------------
+def expected_tensor_shapes(cfg: ModelConfig, include_mtp: bool = True) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the release layout with its logical (dequantized) shape, in release order:
+    embedding, target layers, final norm, lm_head, then the MTP layers (the last shards)."""
+    H, V = cfg.hidden_size, cfg.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, H)}
+    for layer in range(cfg.num_hidden_layers):
+        shapes.update(_layer_shapes(cfg, layer))
+    shapes["model.norm.weight"] = (H,)
+    shapes["lm_head.weight"] = (V, H)
+    if include_mtp:
+        first = cfg.num_hidden_layers
+        for layer in range(first, first + cfg.num_nextn_predict_layers):
+            p = f"model.layers.{layer}."
+            shapes[p + "embed_tokens.weight"] = (V, H)
+            shapes[p + "enorm.weight"] = (H,)
+            shapes[p + "hnorm.weight"] = (H,)
+            shapes[p + "eh_proj.weight"] = (H, 2 * H)
+            shapes.update(_layer_shapes(cfg, layer))
+            shapes[p + "shared_head.norm.weight"] = (H,)
+            shapes[p + "shared_head.head.weight"] = (V, H)
+    return shapes
+
+
+def _layer_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    p, H, heads = f"model.layers.{layer}.", cfg.hidden_size, cfg.num_attention_heads
+    s: dict[str, tuple[int, ...]] = {p + "input_layernorm.weight": (H,)}
+    a = p + "self_attn."
+    if cfg.q_lora_rank is not None:
+        s[a + "q_a_proj.weight"] = (cfg.q_lora_rank, H)
+        s[a + "q_a_layernorm.weight"] = (cfg.q_lora_rank,)
+        s[a + "q_b_proj.weight"] = (heads * cfg.qk_head_dim, cfg.q_lora_rank)
+    else:
+        s[a + "q_proj.weight"] = (heads * cfg.qk_head_dim, H)
+    s[a + "kv_a_proj_with_mqa.weight"] = (cfg.kv_lora_rank + cfg.qk_rope_head_dim, H)
+    s[a + "kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
+    s[a + "kv_b_proj.weight"] = (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+    s[a + "o_proj.weight"] = (H, heads * cfg.v_head_dim)
+    s[p + "post_attention_layernorm.weight"] = (H,)
+    if cfg.is_moe_layer(layer):
+        s[p + "mlp.gate.weight"] = (cfg.n_routed_experts, H)
+        s[p + "mlp.gate.e_score_correction_bias"] = (cfg.n_routed_experts,)
+        for e in range(cfg.n_routed_experts):
+            s.update(_mlp_shapes(p + f"mlp.experts.{e}.", H, cfg.moe_intermediate_size))
+        if cfg.n_shared_experts:
+            s.update(_mlp_shapes(p + "mlp.shared_experts.", H, cfg.n_shared_experts * cfg.moe_intermediate_size))
+    else:
+        s.update(_mlp_shapes(p + "mlp.", H, cfg.intermediate_size))
+    return s
+
+
+def _mlp_shapes(prefix: str, hidden: int, inter: int) -> dict[str, tuple[int, ...]]:
+    return {
+        prefix + "gate_proj.weight": (inter, hidden),
+        prefix + "up_proj.weight": (inter, hidden),
+        prefix + "down_proj.weight": (hidden, inter),
+    }
+
+
+def is_fp8_quantized(name: str) -> bool:
+    """True for the tensors the FP8 release stores as float8_e4m3fn plus `<name>_scale_inv`:
+    the 2-D Linear weights of attention and of every MLP/expert (MTP block included). Embeddings,
+    lm_head, norms, the router, eh_proj and shared_head stay bf16."""
+    return _FP8_RE.match(name) is not None
+
+
+def layer_of(name: str) -> int | None:
+    """Decoder layer index of a tensor name, None for top-level tensors."""
+    m = _LAYER_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def is_mtp_tensor(name: str, cfg: ModelConfig) -> bool:
+    """MTP modules are stored as layers num_hidden_layers.. after the target's layers."""
+    layer = layer_of(name)
+    return layer is not None and layer >= cfg.num_hidden_layers
+
+
+# ---- safetensors headers ----------------------------------------------------------------------
+def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
+    """Tensors of one safetensors file in data order, from its header only.
+
+    Also checks that the file holds every byte the header declares, so a truncated download
+    fails when the checkpoint is opened rather than hours into a conversion.
+    """
+    size = file.stat().st_size
+    with open(file, "rb") as fh:
+        prefix = fh.read(8)
+        if len(prefix) < 8:
+            raise CheckpointError(f"{file}: file is {size} bytes, expected a safetensors file (8-byte header length first)")
+        n = int.from_bytes(prefix, "little")
+        if n > size - 8:
+            raise CheckpointError(
+                f"{file}: invalid safetensors header: declares {n} header bytes, expected at most {size - 8} (the file size less 8)"
+            )
+        try:
+            header = json.loads(fh.read(n))
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+            raise CheckpointError(f"{file}: invalid safetensors header: not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: invalid safetensors header: {type(header).__name__}, expected a JSON object")
+    header.pop("__metadata__", None)
+    try:
+        entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+        infos = {name: TensorInfo(e["dtype"], tuple(e["shape"])) for name, e in entries}
+        data_len = max((e["data_offsets"][1] for _, e in entries), default=0)
+    except (TypeError, KeyError, IndexError) as e:
+        raise CheckpointError(f"{file}: invalid safetensors header: bad tensor entry ({e!r})") from None
+    need = 8 + n + data_len
+    if size < need:
+        raise CheckpointError(
+            f"{file}: file is truncated: {size} bytes, expected {need} (8 + {n}-byte header + {data_len} bytes of data)"
+        )
+    try:  # let safetensors check what we did not (dtypes, overlapping offsets, ...)
+        with safe_open(file, "pt"):
+            pass
+    except SafetensorError as e:
+        raise CheckpointError(f"{file}: invalid safetensors file ({e})") from None
+    return infos
+
+
+# ---- the checkpoint ---------------------------------------------------------------------------
+class HFCheckpoint:
+    """A DeepSeek-V3 checkpoint directory: config.json plus sharded (indexed) or single safetensors."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(f"{self.path}: not a directory, expected a checkpoint directory")
+        self.config = ModelConfig.from_json(self.path / "config.json")
+        index = self.path / INDEX_NAME
+        if index.is_file():
+            self._source = index  # where a tensor is expected to be listed, for error messages
+            weight_map = _read_index(index)
+            self._headers = {shard: read_safetensors_header(self.path / shard) for shard in sorted(set(weight_map.values()))}
+            for name, shard in weight_map.items():
+                if name not in self._headers[shard]:
+                    raise CheckpointError(f"{self.path / shard}: tensor {name!r} is not in this shard, expected there by {INDEX_NAME}")
+        else:
+            files = sorted(self.path.glob("*.safetensors"))
+            if len(files) != 1:
+                raise CheckpointError(
+                    f"{self.path}: {len(files)} *.safetensors files and no {INDEX_NAME}, "
+                    "expected an index or a single model.safetensors"
+                )
+            self._source = files[0]
+            self._headers = {files[0].name: read_safetensors_header(files[0])}
+            weight_map = {name: files[0].name for name in self._headers[files[0].name]}
+        self._weight_map = weight_map
+        qc = self.config.quantization_config
+        self.block: tuple[int, int] = tuple(qc.weight_block_size) if qc else BLOCK
+
+    @property
+    def quantized(self) -> bool:
+        return self.config.quantization_config is not None
+
+    @property
+    def weight_map(self) -> Mapping[str, str]:
+        """Stored tensor name -> shard file name."""
+        return MappingProxyType(self._weight_map)
+
+    @property
+    def tensor_names(self) -> list[str]:
+        """Every stored tensor, `*_scale_inv` included."""
+        return list(self._weight_map)
+
+    @property
+    def shard_files(self) -> list[Path]:
+        return [self.path / shard for shard in self._headers]
+
+    def tensor_info(self, name: str) -> TensorInfo:
+        """Stored dtype and shape, from the header."""
+        return self._headers[self._shard_of(name)][name]
+
+    def iter_tensors(
+        self,
+        names: Callable[[str], bool] | None = None,
+        dequantize: bool = True,
+        dtype: torch.dtype | None = torch.float32,
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (name, tensor) shard by shard, in data order, holding one tensor at a time.
+
+        dequantize=True: FP8 weights come out as q * scale_inv in `dtype` (float32 when dtype is
+        None) and the `*_scale_inv` tensors are not yielded. dequantize=False: tensors exactly as
+        stored, for passthrough conversion. `dtype=None` keeps the stored dtype; `names` filters
+        on the stored name.
+        """
+        for shard, header in self._headers.items():
+            wanted = [
+                n for n in header
+                if self._weight_map.get(n) == shard
+                and (names is None or names(n))
+                and not (dequantize and n.endswith(SCALE_SUFFIX))
+            ]
+            if not wanted:
+                continue
+            with safe_open(self.path / shard, "pt") as f:
+                for name in wanted:
+                    yield name, self._load(f, shard, name, dequantize, dtype)
+
+    def get(self, name: str, dequantize: bool = True, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """One tensor, read from its shard (same conventions as iter_tensors)."""
+        shard = self._shard_of(name)
+        with safe_open(self.path / shard, "pt") as f:
+            return self._load(f, shard, name, dequantize, dtype)
+
+    def validate(self, include_mtp: bool = False) -> None:
+        """Check every tensor of the release layout is present with its shape, from headers only."""
+        if include_mtp and self.config.num_nextn_predict_layers == 0:
+            raise CheckpointError(
+                f"{self.path / 'config.json'}: MTP was asked for but field 'num_nextn_predict_layers' is 0, expected >= 1"
+            )
+        for name, shape in expected_tensor_shapes(self.config, include_mtp).items():
+            if name not in self._weight_map:
+                raise CheckpointError(f"{self._source}: tensor {name!r} is missing, expected shape {list(shape)}")
+            self._check_shape(name, shape)
+            if self.tensor_info(name).dtype == FP8_CODE:
+                self._check_shape(self._scale_of(name), scale_shape(shape, self.block))
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _shard_of(self, name: str) -> str:
+        shard = self._weight_map.get(name)
+        if shard is None:
+            raise CheckpointError(f"{self._source}: no tensor {name!r}")
+        return shard
+
+    def _scale_of(self, weight: str) -> str:
+        """Name of the block scale that every float8 weight needs."""
+        scale = weight + SCALE_SUFFIX
+        if scale not in self._weight_map:
+            raise CheckpointError(
+                f"{self.path / self._weight_map[weight]}: float8_e4m3fn tensor {weight!r} has no {scale!r}, "
+                "expected its float32 block scale"
+            )
+        return scale
+
+    def _check_shape(self, name: str, shape: tuple[int, ...]) -> None:
+        shard = self._shard_of(name)
+        got = self._headers[shard][name].shape
+        if got != shape:
+            raise CheckpointError(f"{self.path / shard}: tensor {name!r} has shape {list(got)}, expected {list(shape)}")
+
+    def _load(self, f, shard: str, name: str, dequantize: bool, dtype: torch.dtype | None) -> torch.Tensor:
+        t = f.get_tensor(name)
+        if not (dequantize and t.dtype == FP8_DTYPE):
+            return t if dtype is None else t.to(dtype)
+        scale_name = self._scale_of(name)
+        scale_shard = self._weight_map[scale_name]
+        if scale_shard == shard:
+            scale = f.get_tensor(scale_name)
+        else:  # the release may split a weight and its scale across shards
+            with safe_open(self.path / scale_shard, "pt") as g:
+                scale = g.get_tensor(scale_name)
+        return dequantize_block_fp8(t, scale, self.block, dtype or torch.float32)
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    """The index's weight_map, after checking that every shard it names exists."""
+    try:
+        raw = json.loads(index.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{index}: not valid JSON ({e})") from None
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index}: field 'weight_map' is missing or malformed, expected {{tensor name: shard file}}")
+    for shard in sorted(set(weight_map.values())):
+        if not (index.parent / shard).is_file():
+            raise CheckpointError(f"{index}: shard {shard!r} named in weight_map does not exist, expected {index.parent / shard}")
+    return weight_map

@@ -1,0 +1,378 @@
+"""Reading and writing the released HF layout on a tiny FP8 checkpoint, and every error a broken
+checkpoint should give (file + tensor/field + what was expected)."""
+
+from __future__ import annotations
+
+import json
+import struct
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import runtime.checkpoint as checkpoint
+from builder.hf_writer import write_hf_checkpoint
+from runtime.checkpoint import (
+    INDEX_NAME,
+    CheckpointError,
+    HFCheckpoint,
+    expected_tensor_shapes,
+    is_fp8_quantized,
+    is_mtp_tensor,
+    layer_of,
+)
+from runtime.config import ConfigError, ModelConfig
+
+SHARD_BYTES = 20_000  # the tiny model is ~89 KB stored: 5 shards
+
+
+@pytest.fixture
+def make_ckpt(tmp_path, tiny_cfg, tiny_weights):
+    """make_ckpt(drop=..., replace=..., **writer kwargs, config overrides via cfg=) -> (path, cfg, originals)."""
+
+    def make(cfg: dict | None = None, *, drop=(), replace=None, name="ckpt", **kwargs):
+        config = ModelConfig.from_dict(cfg or tiny_cfg())
+        originals = dict(tiny_weights(config, 0))
+        stream = ((n, (replace or {}).get(n, t)) for n, t in originals.items() if n not in drop)
+        kwargs.setdefault("max_shard_bytes", SHARD_BYTES)
+        return write_hf_checkpoint(tmp_path / name, config, stream, **kwargs), config, originals
+
+    return make
+
+
+def assert_close_to_stored(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    """FP8 weights within e4m3 rounding of their (single, <=128x128) block; the rest within bf16's."""
+    if is_fp8_quantized(name):
+        bound = want.abs() * 2**-4 + want.abs().max() / 448 * 2**-10
+    elif name.endswith("e_score_correction_bias"):
+        bound = torch.zeros_like(want)
+    else:
+        bound = want.abs() * 2**-8
+    assert got.shape == want.shape, name
+    assert ((got - want).abs() <= bound * (1 + 1e-5)).all(), name
+
+
+def test_tensor_classification():
+    assert is_fp8_quantized("model.layers.0.self_attn.q_a_proj.weight")
+    assert is_fp8_quantized("model.layers.5.self_attn.q_proj.weight")
+    assert is_fp8_quantized("model.layers.0.mlp.down_proj.weight")
+    assert is_fp8_quantized("model.layers.3.mlp.experts.7.up_proj.weight")
+    assert is_fp8_quantized("model.layers.61.mlp.shared_experts.gate_proj.weight")
+    for name in [
+        "model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
+        "model.layers.3.mlp.gate.weight", "model.layers.3.mlp.gate.e_score_correction_bias",
+        "model.layers.0.self_attn.q_a_layernorm.weight", "model.layers.61.eh_proj.weight",
+        "model.layers.61.shared_head.head.weight", "model.layers.61.embed_tokens.weight",
+        "model.layers.0.self_attn.q_a_proj.weight_scale_inv",
+    ]:
+        assert not is_fp8_quantized(name), name
+    assert layer_of("model.layers.12.mlp.gate.weight") == 12
+    assert layer_of("lm_head.weight") is None
+
+
+def test_expected_shapes(tiny_cfg):
+    cfg = ModelConfig.from_dict(tiny_cfg())
+    shapes = expected_tensor_shapes(cfg)
+    assert shapes["model.layers.0.mlp.gate_proj.weight"] == (64, 32)  # dense layer 0
+    assert "model.layers.0.mlp.gate.weight" not in shapes
+    assert shapes["model.layers.1.self_attn.q_b_proj.weight"] == (4 * 12, 24)
+    assert shapes["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"] == (16 + 4, 32)
+    assert shapes["model.layers.1.self_attn.kv_b_proj.weight"] == (4 * 16, 16)
+    assert shapes["model.layers.2.mlp.experts.7.down_proj.weight"] == (32, 16)
+    assert shapes["model.layers.3.eh_proj.weight"] == (32, 64)
+    assert shapes["model.layers.3.mlp.shared_experts.up_proj.weight"] == (16, 32)
+    assert not any(layer_of(n) == 3 for n in expected_tensor_shapes(cfg, include_mtp=False))
+    no_lora = expected_tensor_shapes(ModelConfig.from_dict(tiny_cfg(q_lora_rank=None)))
+    assert no_lora["model.layers.0.self_attn.q_proj.weight"] == (48, 32)
+    assert "model.layers.0.self_attn.q_a_proj.weight" not in no_lora
+
+
+def test_sharded_fp8_roundtrip(make_ckpt):
+    path, cfg, originals = make_ckpt()
+    ck = HFCheckpoint(path)
+    assert ck.config == cfg and ck.quantized
+    n = len(ck.shard_files)
+    assert n >= 3
+    assert [f.name for f in ck.shard_files] == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    expected = expected_tensor_shapes(cfg)
+    scales = {name + "_scale_inv" for name in expected if is_fp8_quantized(name)}
+    assert set(ck.tensor_names) == set(expected) | scales
+    ck.validate(include_mtp=True)
+
+    index = json.loads((path / INDEX_NAME).read_text())
+    stored = dict(ck.iter_tensors(dequantize=False, dtype=None))
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in stored.values())
+    for name, t in stored.items():
+        if is_fp8_quantized(name):
+            want = torch.float8_e4m3fn
+        elif name.endswith(("_scale_inv", "e_score_correction_bias")):
+            want = torch.float32
+        else:
+            want = torch.bfloat16
+        assert t.dtype == want, name
+
+    loaded = dict(ck.iter_tensors())
+    assert loaded.keys() == expected.keys()
+    for name, t in loaded.items():
+        assert t.dtype == torch.float32
+        assert_close_to_stored(name, t, originals[name])
+    name = "model.layers.2.self_attn.o_proj.weight"
+    torch.testing.assert_close(ck.get(name), loaded[name], rtol=0, atol=0)
+    assert ck.get(name, dtype=torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_mtp_tensors_told_apart(make_ckpt):
+    path, cfg, originals = make_ckpt()
+    ck = HFCheckpoint(path)
+    mtp = {n for n, _ in ck.iter_tensors(names=lambda n: is_mtp_tensor(n, cfg))}
+    assert mtp == {n for n in expected_tensor_shapes(cfg) if layer_of(n) == 3}
+    assert "model.layers.3.enorm.weight" in mtp and not is_mtp_tensor("model.layers.2.mlp.gate.weight", cfg)
+
+    target_only, _, _ = make_ckpt(name="target", drop={n for n in originals if is_mtp_tensor(n, cfg)})
+    ck = HFCheckpoint(target_only)
+    ck.validate()
+    with pytest.raises(CheckpointError) as e:
+        ck.validate(include_mtp=True)
+    assert str(e.value) == f"{target_only / INDEX_NAME}: tensor 'model.layers.3.embed_tokens.weight' is missing, expected shape [64, 32]"
+
+
+def test_single_file_checkpoint(make_ckpt):
+    path, cfg, originals = make_ckpt(max_shard_bytes=2**30)
+    (only,) = path.glob("*.safetensors")
+    only.rename(path / "model.safetensors")
+    (path / INDEX_NAME).unlink()
+    ck = HFCheckpoint(path)
+    assert ck.shard_files == [path / "model.safetensors"]
+    ck.validate(include_mtp=True)
+    for name, t in ck.iter_tensors():
+        assert_close_to_stored(name, t, originals[name])
+
+
+def test_several_files_without_index(make_ckpt):
+    path, _, _ = make_ckpt()
+    (path / INDEX_NAME).unlink()
+    with pytest.raises(CheckpointError) as e:
+        HFCheckpoint(path)
+    assert str(e.value).startswith(f"{path}: 5 *.safetensors files and no {INDEX_NAME}, expected an index")
+
+
+def test_bf16_checkpoint(make_ckpt):
+    path, cfg, originals = make_ckpt(fp8=False)
+    ck = HFCheckpoint(path)
+    assert not ck.quantized and "quantization_config" not in json.loads((path / "config.json").read_text())
+    assert not any(n.endswith("_scale_inv") for n in ck.tensor_names)
+    ck.validate(include_mtp=True)
+    assert ck.tensor_info("model.layers.0.self_attn.q_a_proj.weight").dtype == "BF16"
+    name = "model.layers.1.mlp.experts.3.gate_proj.weight"
+    torch.testing.assert_close(ck.get(name), originals[name].bfloat16().float(), rtol=0, atol=0)
+
+
+def test_writer_copies_tokenizer(tmp_path, tiny_cfg):
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text('{"model": {}}')
+    (tok / "tokenizer_config.json").write_text('{"bos_token": "<s>"}')
+    cfg = ModelConfig.from_dict(tiny_cfg())
+    path = write_hf_checkpoint(tmp_path / "c", cfg, [("model.norm.weight", torch.ones(32))], tokenizer_dir=tok)
+    for fname in ("tokenizer.json", "tokenizer_config.json"):
+        assert (path / fname).read_text() == (tok / fname).read_text()
+
+
+def test_scale_in_another_shard(tmp_path, tiny_cfg):
+    """A weight and its scale split across shards, as a shard boundary may fall between them."""
+    cfg = ModelConfig.from_dict(tiny_cfg())
+    name = "model.layers.0.self_attn.q_a_proj.weight"
+    w = 0.05 * torch.randn(24, 32)
+    path = write_hf_checkpoint(tmp_path / "c", cfg, [(name, w)], max_shard_bytes=w.numel())  # fp8: 1 byte each
+    ck = HFCheckpoint(path)
+    assert ck.weight_map[name] != ck.weight_map[name + "_scale_inv"]
+    assert_close_to_stored(name, dict(ck.iter_tensors())[name], w)
+    assert_close_to_stored(name, ck.get(name), w)
+
+
+def test_passthrough_copy(make_ckpt, tmp_path):
+    path, cfg, _ = make_ckpt()
+    src = HFCheckpoint(path)
+    copy = HFCheckpoint(write_hf_checkpoint(tmp_path / "copy", cfg, src.iter_tensors(dequantize=False, dtype=None)))
+    for name in src.tensor_names:
+        torch.testing.assert_close(copy.get(name, dequantize=False, dtype=None), src.get(name, dequantize=False, dtype=None), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dequantize", [False, True])
+def test_iter_tensors_streams(make_ckpt, monkeypatch, dequantize):
+    """Tensors read from disk and still alive never exceed one shard, and every byte goes through
+    safe_open one shard at a time (plus the scale's shard when dequantizing)."""
+    path, _, _ = make_ckpt()
+    ck = HFCheckpoint(path)
+    stats = {"live": 0, "peak": 0, "read": 0, "open": 0, "max_open": 0}
+    real_safe_open = checkpoint.safe_open
+
+    def release(nbytes: int) -> None:
+        stats["live"] -= nbytes
+
+    class TrackedSafeOpen:
+        def __init__(self, file, framework):
+            self.f = real_safe_open(file, framework)
+
+        def __enter__(self):
+            self.f.__enter__()
+            stats["open"] += 1
+            stats["max_open"] = max(stats["max_open"], stats["open"])
+            return self
+
+        def __exit__(self, *exc):
+            stats["open"] -= 1
+            return self.f.__exit__(*exc)
+
+        def get_tensor(self, name):
+            t = self.f.get_tensor(name)
+            nbytes = t.numel() * t.element_size()
+            stats["live"] += nbytes
+            stats["read"] += nbytes
+            stats["peak"] = max(stats["peak"], stats["live"])
+            weakref.finalize(t, release, nbytes)
+            return t
+
+    monkeypatch.setattr(checkpoint, "safe_open", TrackedSafeOpen)
+    for _, t in ck.iter_tensors(dequantize=dequantize):
+        del t
+    total = json.loads((path / INDEX_NAME).read_text())["metadata"]["total_size"]
+    largest_shard = max(f.stat().st_size for f in ck.shard_files)
+    assert stats["read"] == total  # nothing was read around the tracked path
+    assert stats["live"] == 0 and stats["open"] == 0
+    assert stats["peak"] <= largest_shard <= total / 3
+    assert stats["max_open"] <= (2 if dequantize else 1)
+
+
+def test_writer_refuses_existing_dir(make_ckpt, tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "old.txt").write_text("old")
+    with pytest.raises(FileExistsError, match=str(tmp_path / "ckpt")):
+        make_ckpt()
+    path, _, _ = make_ckpt(force=True)
+    assert not (path / "old.txt").exists()
+    HFCheckpoint(path).validate()
+
+
+def test_writer_failure_leaves_nothing(tmp_path, tiny_cfg, tiny_weights):
+    cfg = ModelConfig.from_dict(tiny_cfg())
+
+    def failing():
+        for i, item in enumerate(tiny_weights(cfg, 0)):
+            if i == 60:  # after a few shards were flushed
+                raise RuntimeError("boom")
+            yield item
+
+    with pytest.raises(RuntimeError, match="boom"):
+        write_hf_checkpoint(tmp_path / "ckpt", cfg, failing(), max_shard_bytes=SHARD_BYTES)
+    assert list(tmp_path.iterdir()) == []
+
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "old.txt").write_text("old")
+    with pytest.raises(RuntimeError, match="boom"):
+        write_hf_checkpoint(tmp_path / "ckpt", cfg, failing(), max_shard_bytes=SHARD_BYTES, force=True)
+    assert list(tmp_path.iterdir()) == [tmp_path / "ckpt"]
+    assert (tmp_path / "ckpt" / "old.txt").read_text() == "old"
+
+
+# ---- broken checkpoints: each error names the file, the tensor or field, and what was expected ----
+def test_error_missing_shard(make_ckpt):
+    path, _, _ = make_ckpt()
+    shard = "model-00002-of-00005.safetensors"
+    (path / shard).unlink()
+    with pytest.raises(CheckpointError) as e:
+        HFCheckpoint(path)
+    assert str(e.value) == f"{path / INDEX_NAME}: shard '{shard}' named in weight_map does not exist, expected {path / shard}"
+
+
+def test_error_missing_tensor(make_ckpt):
+    path, _, _ = make_ckpt(drop={"model.layers.1.mlp.gate.weight"})
+    with pytest.raises(CheckpointError) as e:
+        HFCheckpoint(path).validate()
+    assert str(e.value) == f"{path / INDEX_NAME}: tensor 'model.layers.1.mlp.gate.weight' is missing, expected shape [8, 32]"
+
+
+def test_error_wrong_shape(make_ckpt):
+    name = "model.layers.2.self_attn.o_proj.weight"
+    path, _, _ = make_ckpt(replace={name: torch.randn(32, 16)})
+    ck = HFCheckpoint(path)
+    with pytest.raises(CheckpointError) as e:
+        ck.validate()
+    assert str(e.value) == f"{path / ck.weight_map[name]}: tensor '{name}' has shape [32, 16], expected [32, 32]"
+
+
+def test_error_fp8_weight_without_scale(make_ckpt):
+    path, _, _ = make_ckpt()
+    name = "model.layers.0.self_attn.kv_b_proj.weight"
+    index = json.loads((path / INDEX_NAME).read_text())
+    shard = path / index["weight_map"].pop(name + "_scale_inv")
+    tensors = load_file(shard)
+    del tensors[name + "_scale_inv"]
+    save_file(tensors, shard)
+    (path / INDEX_NAME).write_text(json.dumps(index))
+
+    ck = HFCheckpoint(path)
+    want = (
+        f"{path / ck.weight_map[name]}: float8_e4m3fn tensor '{name}' has no '{name}_scale_inv', "
+        "expected its float32 block scale"
+    )
+    with pytest.raises(CheckpointError) as e:
+        ck.validate()
+    assert str(e.value) == want
+    with pytest.raises(CheckpointError) as e:
+        ck.get(name)
+    assert str(e.value) == want
+
+
+def test_error_model_type(tmp_path, tiny_cfg):
+    (tmp_path / "config.json").write_text(json.dumps(tiny_cfg(model_type="llama")))
+    with pytest.raises(ConfigError) as e:
+        HFCheckpoint(tmp_path)
+    assert str(e.value) == f"{tmp_path / 'config.json'}: field 'model_type' is 'llama', expected 'deepseek_v3'"
+
+
+def test_error_mtp_without_mtp_layers(make_ckpt, tiny_cfg):
+    path, _, _ = make_ckpt(tiny_cfg(num_nextn_predict_layers=0))
+    ck = HFCheckpoint(path)
+    ck.validate()
+    with pytest.raises(CheckpointError) as e:
+        ck.validate(include_mtp=True)
+    assert str(e.value) == (
+        f"{path / 'config.json'}: MTP was asked for but field 'num_nextn_predict_layers' is 0, expected >= 1"
+    )
+
+
+def test_error_truncated_shard(make_ckpt):
+    path, _, _ = make_ckpt()
+    shard = path / "model-00003-of-00005.safetensors"
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.truncate(size - 10)
+    with pytest.raises(CheckpointError) as e:
+        HFCheckpoint(path)
+    assert str(e.value).startswith(f"{shard}: file is truncated: {size - 10} bytes, expected {size} (")
+
+
+@pytest.mark.parametrize(
+    "garbage, detail",
+    [
+        (b"not a safetensors file at all" * 10, "declares"),  # header length decodes to ~10^18
+        (struct.pack("<Q", 12) + b"\xffgarbage!!!\x00" + bytes(100), "not JSON"),
+    ],
+)
+def test_error_corrupt_header(make_ckpt, garbage: bytes, detail: str):
+    path, _, _ = make_ckpt()
+    shard = path / "model-00001-of-00005.safetensors"
+    shard.write_bytes(garbage)
+    with pytest.raises(CheckpointError) as e:
+        HFCheckpoint(path)
+    assert str(e.value).startswith(f"{shard}: invalid safetensors header: {detail}")
+
+
+def test_error_config_not_json(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "deepseek_v3",')
+    with pytest.raises(ConfigError) as e:
+        HFCheckpoint(tmp_path)
+    assert str(e.value).startswith(f"{tmp_path / 'config.json'}: not valid JSON (")
