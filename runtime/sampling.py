@@ -1,0 +1,185 @@
+"""Sampling parameters, target/draft distributions and the acceptance rules of speculative decoding.
+
+Randomness is counter-based: every uniform draw is a hash of (request seed, token position, purpose),
+so a seeded request gives the same output whatever else shares its batch, and the draws are
+vectorized over the batch without per-request generator objects.
+
+Acceptance (rows are sequences, columns draft positions j = 0..k-1, target rows j = 0..k):
+- greedy: accept while the draft equals the target argmax; emit the argmax at the first mismatch;
+- lossless sampling (Leviathan et al.): accept d_j with probability min(1, p_j(d_j) / q_j(d_j));
+  at the first rejection sample from normalize(max(0, p_j - q_j)); after k acceptances sample the
+  bonus token from p_k. The emitted tokens follow p exactly, for any draft distribution q;
+- relaxed (TensorRT-LLM's, for thinking; lossy, greedy only): also accept d_j when it is among the
+  target's top-N and p_j(d_j) >= p_j(top1) - delta.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request generation parameters (names as vLLM / TensorRT-LLM use them)."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = all tokens
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    bad_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the parameter and what was expected."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {list(self.stop)!r}")
+        if vocab_size is not None:
+            for name in ("stop_token_ids", "bad_token_ids"):
+                bad = [t for t in getattr(self, name) if not 0 <= t < vocab_size]
+                if bad:
+                    raise ValueError(f"{name} must be token ids in [0, {vocab_size}), got {bad}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class RelaxedAcceptance:
+    """TensorRT-LLM's relaxed acceptance for reasoning models; off unless configured."""
+
+    top_n: int = 10
+    delta: float = 0.6
+    begin_thinking_token: int = -1
+    end_thinking_token: int = -1
+
+
+# ---- counter-based uniforms --------------------------------------------------------------------
+PURPOSE_ACCEPT, PURPOSE_SAMPLE, PURPOSE_DRAFT = 1, 2, 3
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash (multipliers below 2^31 so int64 products never overflow)."""
+    x = x & _M32
+    for mult in (0x7FEB352D, 0x68E31DA5, 0x5BD1E995):
+        x = ((x ^ (x >> 16)) * mult) & _M32
+    return x ^ (x >> 15)
+
+
+def uniforms(seeds: Tensor, positions: Tensor, purpose: int) -> Tensor:
+    """U(0,1) float64 draws, one per (seed, position) pair; same inputs give the same numbers."""
+    hi = _mix32(_mix32(seeds ^ (seeds >> 32)) ^ _mix32(positions * 4 + purpose))
+    lo = _mix32(hi ^ 0x27D4EB2F)
+    return (hi.double() * 2.0**32 + lo.double() + 0.5) / 2.0**64
+
+
+# ---- distributions ---------------------------------------------------------------------------
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters of a batch as tensors (rows are token positions to decide)."""
+
+    temperature: Tensor  # [R] float; 0 marks a greedy row
+    top_k: Tensor  # [R] long; 0 = off
+    top_p: Tensor  # [R] float
+    bad_mask: Tensor | None = field(default=None)  # [R, V] True where the token is banned
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool((self.temperature == 0).all())
+
+
+def probabilities(logits: Tensor, st: SamplingTensors) -> Tensor:
+    """Softmax of logits/temperature after top-k and top-p; greedy rows become one-hot argmax."""
+    logits = logits.float()
+    if st.bad_mask is not None:
+        logits = logits.masked_fill(st.bad_mask, float("-inf"))
+    greedy = st.temperature == 0
+    temp = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
+    scaled = logits / temp[:, None]
+    if bool(((st.top_k > 0) | (st.top_p < 1)).any()):
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        rank = torch.arange(scaled.shape[-1], device=scaled.device)
+        drop = (st.top_k[:, None] > 0) & (rank[None, :] >= st.top_k[:, None])
+        sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+        drop |= (sorted_probs.cumsum(-1) - sorted_probs) >= st.top_p[:, None]  # keep the smallest nucleus
+        scaled = scaled.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = scaled.softmax(-1)
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None], one_hot, probs)
+    return probs
+
+
+def sample(probs: Tensor, u: Tensor) -> Tensor:
+    """Inverse-CDF sampling of one token per row with the given uniforms."""
+    cdf = probs.double().cumsum(-1)
+    u = u[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, u).clamp(max=probs.shape[-1] - 1).squeeze(-1)
+
+
+def accept(
+    drafts: Tensor, draft_probs: Tensor | None, target_probs: Tensor, num_drafts: Tensor,
+    seeds: Tensor, positions: Tensor, greedy: Tensor,
+    relaxed: RelaxedAcceptance | None = None, relaxed_probs: Tensor | None = None, relaxed_mask: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Decide a prefix of each row's drafts and the token that follows it.
+
+    drafts [B, K] (padding past num_drafts[b] is ignored), draft_probs [B, K, V] or None for one-hot
+    (argmax) drafts, target_probs [B, K+1, V] after temperature/top-k/top-p (one-hot for greedy rows),
+    positions [B] the absolute position of each row's first draft, greedy [B] bool. Relaxed
+    acceptance needs the plain softmax of the target logits [B, K, V] and a [B, K] mask of the draft
+    positions inside a thinking span. Returns (num_accepted [B], next_token [B]): row b emits
+    drafts[b, :num_accepted[b]] then next_token[b].
+    """
+    B, K = drafts.shape
+    row = torch.arange(B, device=drafts.device)
+    if K == 0:
+        num_accepted = torch.zeros(B, dtype=torch.long, device=drafts.device)
+        residual = target_probs[:, 0]
+    else:
+        cols = torch.arange(K, device=drafts.device)
+        p_draft = target_probs[:, :K].gather(-1, drafts[..., None]).squeeze(-1)  # p_j(d_j)
+        q_draft = torch.ones_like(p_draft) if draft_probs is None else draft_probs.gather(-1, drafts[..., None]).squeeze(-1)
+        u = uniforms(seeds[:, None].expand(B, K), positions[:, None] + cols[None, :], PURPOSE_ACCEPT)
+        ok_random = u < (p_draft / q_draft.clamp_min(1e-30)).double()
+        ok_greedy = drafts == target_probs[:, :K].argmax(-1)
+        if relaxed is not None and relaxed_probs is not None:
+            top = relaxed_probs.topk(relaxed.top_n, dim=-1)
+            p_relaxed = relaxed_probs.gather(-1, drafts[..., None]).squeeze(-1)
+            in_top = (top.indices == drafts[..., None]).any(-1)
+            ok_greedy |= relaxed_mask & in_top & (p_relaxed >= top.values[..., 0] - relaxed.delta)
+        ok = torch.where(greedy[:, None], ok_greedy, ok_random) & (cols[None, :] < num_drafts[:, None])
+        num_accepted = ok.long().cumprod(-1).sum(-1)  # [B]
+        # The token after the accepted prefix comes from normalize(max(0, p - q)) at the first
+        # rejection, or from p itself after the last draft (where q is zero).
+        rejected = num_accepted < num_drafts
+        at = num_accepted.clamp(max=K - 1)
+        p_next = target_probs[row, num_accepted]  # [B, V]
+        if draft_probs is None:  # q is one-hot on the rejected draft
+            d = drafts[row, at]
+            residual = p_next.clone()
+            residual[row, d] = torch.where(rejected, 0.0, p_next[row, d])
+        else:
+            q_next = torch.where(rejected[:, None], draft_probs[row, at], 0.0)
+            residual = (p_next - q_next).clamp_min(0)
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)  # p == q: sample p
+    next_token = torch.where(greedy, target_probs[row, num_accepted].argmax(-1),
+                             sample(residual, uniforms(seeds, positions + num_accepted, PURPOSE_SAMPLE)))
+    return num_accepted, next_token

@@ -1,0 +1,179 @@
+"""Which sequences run in the next step, with how many tokens and how many drafts.
+
+Each step: running decodes first (1 + k tokens each, draft tokens reserved in the token budget and
+in the KV cache), then prefill chunks for partially prefilled and waiting sequences within
+max_num_tokens. When the cache cannot grow a running sequence, the most recently admitted one is
+preempted: its blocks are freed and it is recomputed later from its tokens. Nothing is dropped.
+
+The draft length comes from a `DraftPolicy`: fixed, off, or adaptive: the k that maximizes
+expected tokens per second for the current batch size, from the measured acceptance and a step
+cost table profiled on this machine at start-up (k = 0 when verifying costs more than it saves).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass
+
+from runtime.kv_cache import KVCache, OutOfBlocks
+from runtime.sequence import Sequence, Status
+from runtime.worker import Scheduled, StepResult
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_size: int
+    max_num_tokens: int
+    max_seq_len: int
+
+
+@dataclass
+class StepCosts:
+    """Measured seconds of a target forward with q tokens for each of b sequences, and of an MTP
+    forward with one token per sequence, at the profiled batch sizes."""
+
+    batch_sizes: list[int]
+    target: dict[int, list[float]]  # q -> seconds per batch size
+    mtp: list[float]  # seconds per batch size
+
+    def _interp(self, values: list[float], b: int) -> float:
+        bs = self.batch_sizes
+        i = bisect.bisect_left(bs, b)
+        if i == 0:
+            return values[0]
+        if i == len(bs):
+            return values[-1] * b / bs[-1]
+        lo, hi = bs[i - 1], bs[i]
+        return values[i - 1] + (values[i] - values[i - 1]) * (b - lo) / (hi - lo)
+
+    def step_seconds(self, b: int, k: int) -> float:
+        qs = sorted(self.target)
+        q = min(qs, key=lambda x: abs(x - (k + 1)))
+        target = self._interp(self.target[q], b) * (k + 1) / q
+        return target + (k * self._interp(self.mtp, b) if k else 0.0)
+
+
+class DraftPolicy:
+    """mode 'off' (k = 0), 'fixed' (k = max_k), or 'adaptive' (throughput-optimal k per step)."""
+
+    def __init__(self, mode: str, max_k: int, costs: StepCosts | None = None, prior_acceptance: float = 0.7,
+                 smoothing: float = 0.05):
+        if mode not in ("off", "fixed", "adaptive"):
+            raise ValueError(f"speculation must be 'off', 'fixed' or 'adaptive', got {mode!r}")
+        if mode == "adaptive" and costs is None:
+            raise ValueError("adaptive speculation needs measured step costs")
+        self.mode, self.max_k, self.costs = mode, max_k if mode != "off" else 0, costs
+        self.acceptance = prior_acceptance  # per-position acceptance probability, smoothed
+        self.smoothing = smoothing
+
+    def observe(self, results: list[StepResult]) -> None:
+        """Per-position acceptance = accepted / reached, where position j is reached if 1..j-1 passed."""
+        reached = sum(min(r.num_accepted + 1, r.num_drafts) for r in results if r.num_drafts)
+        if reached:
+            accepted = sum(r.num_accepted for r in results if r.num_drafts)
+            self.acceptance += self.smoothing * (accepted / reached - self.acceptance)
+
+    def expected_tokens(self, k: int) -> float:
+        a = min(self.acceptance, 0.999)
+        return (1 - a ** (k + 1)) / (1 - a)
+
+    def choose(self, batch_size: int) -> int:
+        if self.mode != "adaptive" or batch_size == 0:
+            return self.max_k
+        return max(range(self.max_k + 1),
+                   key=lambda k: self.expected_tokens(k) / self.costs.step_seconds(batch_size, k))
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache: KVCache, policy: DraftPolicy):
+        self.config, self.cache, self.policy = config, cache, policy
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.admissions = 0  # admission counter: preemption takes the latest admitted
+        self.last_k = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Finished or cancelled: give its blocks back at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.cache.release(seq.block_table)
+        seq.status = Status.FINISHED
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt_latest(self) -> Sequence:
+        victim = max(self.running, key=lambda s: s.admitted_at)
+        self.running.remove(victim)
+        self.cache.release(victim.block_table)
+        victim.reset_for_recompute()
+        self.waiting.appendleft(victim)
+        return victim
+
+    def _drafts_for(self, seq: Sequence, k: int) -> int:
+        if not seq.can_draft:
+            return 0
+        room = min(self.config.max_seq_len - seq.num_tokens, seq.params.max_tokens - seq.num_output_tokens - 1)
+        return max(0, min(k, room))
+
+    def schedule(self) -> list[Scheduled]:
+        budget = self.config.max_num_tokens
+        decodes = [s for s in self.running if not s.in_prefill]
+        k = self.policy.choose(len(decodes))
+        self.last_k = k
+        plan: list[Scheduled] = []
+        for seq in sorted(decodes, key=lambda s: s.admitted_at):
+            if seq not in self.running:  # preempted while making room for an older sequence
+                continue
+            if budget < 1:
+                break
+            drafts = min(self._drafts_for(seq, k), budget - 1)
+            while True:
+                try:
+                    self.cache.grow(seq.block_table, seq.num_tokens + drafts)
+                    break
+                except OutOfBlocks:
+                    if self._preempt_latest() is seq:
+                        break
+            if seq in self.running:
+                plan.append(Scheduled(seq, 1 + drafts, drafts))
+                budget -= 1 + drafts
+
+        # Prefill: sequences already admitted first, then the queue, while the budget and blocks allow.
+        for seq in [s for s in self.running if s.in_prefill]:
+            if budget <= 0:
+                break
+            chunk = min(seq.num_tokens - 1 - seq.num_cached, budget)
+            try:
+                self.cache.grow(seq.block_table, seq.num_cached + chunk)
+            except OutOfBlocks:
+                continue
+            plan.append(Scheduled(seq, chunk))
+            budget -= chunk
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size:
+            seq = self.waiting[0]
+            chunk = min(seq.num_tokens - 1 - seq.num_cached, budget)
+            try:
+                self.cache.grow(seq.block_table, seq.num_cached + max(chunk, 1))
+            except OutOfBlocks:
+                break  # new requests wait for blocks
+            self.waiting.popleft()
+            self.admissions += 1
+            seq.status, seq.admitted_at = Status.RUNNING, self.admissions
+            self.running.append(seq)
+            plan.append(Scheduled(seq, chunk) if chunk else Scheduled(seq, 1, 0))
+            budget -= max(chunk, 1)
+        return plan
+
+    def after_step(self, results: list[StepResult]) -> None:
+        """Give back blocks past what each sequence needs (rejected drafts), learn acceptance."""
+        for r in results:
+            if r.seq.status is Status.RUNNING:
+                self.cache.shrink(r.seq.block_table, r.seq.num_tokens)
+        self.policy.observe(results)

@@ -1,0 +1,71 @@
+"""The state of one request as the scheduler and the model runner see it.
+
+Invariant while running: the target KV cache holds every position but the last token's
+(num_cached == num_tokens - 1 once prefill is done), so each decode step feeds the last token plus
+its drafts. The MTP cache lags: positions < num_mtp are done, and the target hidden states of
+positions num_mtp .. num_cached - 1 wait in `pending_hidden` until the next drafting step.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from runtime.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    token_ids: list[int]  # prompt followed by everything generated
+    num_prompt_tokens: int
+    params: SamplingParams
+    seed: int
+    arrival_time: float = field(default_factory=time.perf_counter)
+    status: Status = Status.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    num_mtp: int = 0
+    pending_hidden: Tensor | None = None
+    in_thinking: bool = False
+    admitted_at: int = -1  # step at which it last joined the running batch (preemption order)
+    # statistics
+    num_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_cached < self.num_tokens - 1
+
+    @property
+    def can_draft(self) -> bool:
+        """Drafting needs the MTP output at position num_tokens - 2, i.e. pending hidden states."""
+        return not self.in_prefill and self.pending_hidden is not None and self.pending_hidden.shape[0] > 0
+
+    def reset_for_recompute(self) -> None:
+        """After preemption: the cache is gone, the tokens stay; prefill recomputes them."""
+        self.block_table = []
+        self.num_cached = self.num_mtp = 0
+        self.pending_hidden = None
+        self.status = Status.WAITING

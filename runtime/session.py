@@ -1,0 +1,72 @@
+"""The Python entry point: open a checkpoint or an engine, generate text, with MTP drafting.
+
+    from runtime import Session, SamplingParams
+    with Session("models/deepseek-v3-mini", num_draft_tokens=3) as s:
+        [out] = s.generate(["def fib(n):"], SamplingParams(max_tokens=64))
+        print(out.text, out.stats.acceptance_rate)
+
+A session runs on the in-flight batching executor: the prompts of one `generate` call share steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from runtime.executor import Executor, ExecutorConfig, RequestStats
+from runtime.sampling import SamplingParams
+
+
+@dataclass
+class GenerationResult:
+    prompt: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stats: RequestStats
+
+
+class Session:
+    def __init__(self, path: str | Path, num_draft_tokens: int = 3, speculation: str = "fixed",
+                 device: str = "cpu", dtype: str | None = None, **limits: int | None):
+        """`speculation` 'fixed' drafts num_draft_tokens every step; 'adaptive' picks up to that many
+        per step from the batch size and measured acceptance; num_draft_tokens=0 is plain decoding."""
+        mode = "off" if num_draft_tokens == 0 else speculation
+        self.executor = Executor(path, ExecutorConfig(num_draft_tokens=num_draft_tokens, speculation=mode,
+                                                      device=device, dtype=dtype, **limits))
+        self.tokenizer = self.executor.tokenizer
+
+    def _encode(self, prompt: str) -> list[int]:
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError("prompt must be a non-empty string")
+        return self.tokenizer.encode(prompt)
+
+    def generate(self, prompts: str | list[str], params: SamplingParams | None = None) -> list[GenerationResult]:
+        """One result per prompt, in order; all prompts run together in the in-flight batch."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        params = params or SamplingParams()
+        ids = [self._encode(p) for p in prompts]  # validate everything before submitting anything
+        handles = [self.executor.submit(i, params) for i in ids]
+        outs = [h.result() for h in handles]
+        return [GenerationResult(p, o.text, o.token_ids, o.finish_reason, o.stats) for p, o in zip(prompts, outs)]
+
+    def stream(self, prompt: str, params: SamplingParams | None = None) -> Iterator[str]:
+        """Text deltas as they are decoded; each is valid UTF-8 on its own."""
+        handle = self.executor.submit(self._encode(prompt), params or SamplingParams())
+        try:
+            for out in handle:
+                if out.text_delta:
+                    yield out.text_delta
+        finally:
+            if not handle.finished:
+                handle.cancel()
+
+    def close(self) -> None:
+        self.executor.shutdown()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

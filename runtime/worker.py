@@ -1,0 +1,206 @@
+"""The model runner: turns a scheduled step into forwards, then drafts, verifies and accepts.
+
+One step for a batch of sequences, each with its own number of new target tokens:
+1. draft: for sequences given k > 0, one MTP forward catches the MTP cache up over the positions the
+   target verified since the last draft (teacher-forced: true hidden states, true next tokens);
+   its output at the last position proposes draft 1; drafts 2..k re-run the single MTP module on
+   its own previous draft and its own hidden state after shared_head.norm;
+2. verify: one ragged target forward over prefill chunks and [last token, d1..dk] chunks together;
+3. accept a prefix of each sequence's drafts and emit one more token (sampling.accept); rejected
+   positions are simply left behind: the sequence's length is what the cache is trusted up to,
+   and the scheduler gives back blocks past it.
+k = 0 is plain decoding through the same code.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from runtime.kv_cache import KVCache
+from runtime.model import DeepseekV3ForCausalLM, PagedBatch
+from runtime.sampling import (PURPOSE_DRAFT, RelaxedAcceptance, SamplingTensors, accept, probabilities, sample,
+                              uniforms)
+from runtime.sequence import Sequence
+
+
+@dataclass
+class Scheduled:
+    """One sequence's share of a step: target tokens to run and how many of them are drafts."""
+
+    seq: Sequence
+    num_new: int  # prefill chunk length, or 1 + num_drafts when decoding
+    num_drafts: int = 0
+
+
+@dataclass
+class StepResult:
+    seq: Sequence
+    new_token_ids: list[int]
+    num_drafts: int
+    num_accepted: int
+
+
+class ModelRunner:
+    def __init__(self, model: DeepseekV3ForCausalLM, kv_cache: KVCache,
+                 relaxed: RelaxedAcceptance | None = None, keep_mtp_inputs: bool = True):
+        self.model, self.cache = model, kv_cache
+        self.device = kv_cache.tensor.device
+        self.relaxed = relaxed
+        self.keep_mtp_inputs = keep_mtp_inputs and model.cfg.num_nextn_predict_layers > 0
+        self.timings = {"draft": 0.0, "target": 0.0}
+
+    # ---- batch plumbing -----------------------------------------------------------------------
+    def _paged_batch(self, seqs: list[Sequence], starts: list[int], lens: list[int]) -> PagedBatch:
+        width = max(len(s.block_table) for s in seqs)
+        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.long)
+        return PagedBatch.build(torch.tensor(starts), torch.tensor(lens), tables.to(self.device), self.cache.block_size)
+
+    def _ids(self, values: list[int]) -> Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    @staticmethod
+    def sampling_tensors(seqs: list[Sequence], rows_per_seq: list[int], vocab: int, device: torch.device) -> SamplingTensors:
+        rep = torch.tensor(rows_per_seq)
+        temp = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32).repeat_interleave(rep)
+        top_k = torch.tensor([s.params.top_k for s in seqs], dtype=torch.long).repeat_interleave(rep)
+        top_p = torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32).repeat_interleave(rep)
+        bad = None
+        if any(s.params.bad_token_ids for s in seqs):
+            bad = torch.zeros(len(seqs), vocab, dtype=torch.bool)
+            for i, s in enumerate(seqs):
+                bad[i, list(s.params.bad_token_ids)] = True
+            bad = bad.repeat_interleave(rep, dim=0).to(device)
+        return SamplingTensors(temp.to(device), top_k.to(device), top_p.to(device), bad)
+
+    # ---- drafting -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def draft(self, items: list[Scheduled]) -> tuple[Tensor, Tensor | None]:
+        """Drafts [B, K] (K = max k) and their draft distributions [B, K, V] (None if all greedy)."""
+        model, seqs = self.model, [it.seq for it in items]
+        ks = [it.num_drafts for it in items]
+        K = max(ks)
+        # Catch-up: positions num_mtp .. num_cached-1, inputs h_i and the true token t_{i+1}.
+        starts = [s.num_mtp for s in seqs]
+        lens = [s.pending_hidden.shape[0] for s in seqs]
+        next_ids = self._ids([t for s in seqs for t in s.token_ids[s.num_mtp + 1 : s.num_cached + 1]])
+        hidden = torch.cat([s.pending_hidden for s in seqs])
+        batch = self._paged_batch(seqs, starts, lens)
+        logits, h = model.mtp_forward(0, next_ids, hidden, batch=batch, kv_cache=self.cache.tensor)
+        logits, h = logits[batch.last_index], h[batch.last_index]
+        for s in seqs:
+            s.num_mtp, s.pending_hidden = s.num_cached, None
+
+        st = self.sampling_tensors(seqs, [1] * len(seqs), model.cfg.vocab_size, self.device)
+        seeds = self._ids([s.seed for s in seqs])
+        drafts, probs = [], []
+        positions = self._ids([s.num_tokens for s in seqs])  # absolute position of draft 1
+        for j in range(K):
+            q = probabilities(logits, st)
+            d = q.argmax(-1) if st.all_greedy else torch.where(
+                st.temperature == 0, q.argmax(-1), sample(q, uniforms(seeds, positions + j, PURPOSE_DRAFT)))
+            drafts.append(d)
+            probs.append(q)
+            if j + 1 == K:
+                break
+            # Draft j+2 at position num_tokens - 1 + j from the MTP's own hidden state and draft.
+            active = [i for i, k in enumerate(ks) if k > j + 1]
+            sub = [seqs[i] for i in active]
+            batch = self._paged_batch(sub, [s.num_tokens - 1 + j for s in sub], [1] * len(sub))
+            idx = self._ids(active)
+            sub_logits, sub_h = model.mtp_forward(0, d[idx], h[idx], batch=batch, kv_cache=self.cache.tensor)
+            logits, h = logits.clone(), h.clone()
+            logits[idx], h[idx] = sub_logits, sub_h
+        draft_probs = None if st.all_greedy else torch.stack(probs, dim=1)
+        return torch.stack(drafts, dim=1), draft_probs
+
+    # ---- one step -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, items: list[Scheduled]) -> list[StepResult]:
+        """Run one step. Prefill chunks cover every prompt token but the last, so they emit nothing;
+        decode items feed [last token, drafts...] and emit 1..k+1 tokens."""
+        t0 = time.perf_counter()
+        drafting = [it for it in items if it.num_drafts > 0]
+        drafts, draft_probs = self.draft(drafting) if drafting else (None, None)
+        draft_of = {id(it.seq): drafts[i, : it.num_drafts].tolist() for i, it in enumerate(drafting)}
+        t1 = time.perf_counter()
+
+        seqs = [it.seq for it in items]
+        decoding = [i for i, s in enumerate(seqs) if not s.in_prefill]
+        tokens: list[int] = []
+        for it in items:
+            s = it.seq
+            tokens += ([s.token_ids[-1]] + draft_of.get(id(s), [])) if not s.in_prefill else \
+                s.token_ids[s.num_cached : s.num_cached + it.num_new]
+        batch = self._paged_batch(seqs, [s.num_cached for s in seqs], [it.num_new for it in items])
+        hidden = self.model(self._ids(tokens), batch=batch, kv_cache=self.cache.tensor)
+        results = self._verify(items, decoding, hidden, batch, drafts, draft_probs, drafting) if decoding else {}
+
+        out, offset = [], 0
+        for i, it in enumerate(items):
+            s = it.seq
+            emitted, accepted = results.get(i, ([], 0))
+            trusted = accepted + 1 if emitted else it.num_new  # positions whose target KV is now valid
+            if self.keep_mtp_inputs:
+                rows = hidden[offset : offset + trusted]
+                s.pending_hidden = rows if s.pending_hidden is None else torch.cat([s.pending_hidden, rows])
+            offset += it.num_new
+            s.num_cached += trusted
+            s.token_ids += emitted
+            if self.relaxed is not None:
+                for t in emitted:
+                    r = self.relaxed
+                    s.in_thinking = True if t == r.begin_thinking_token else False if t == r.end_thinking_token else s.in_thinking
+            s.num_steps += bool(emitted)
+            s.num_draft_tokens += it.num_drafts
+            s.num_accepted_draft_tokens += accepted
+            out.append(StepResult(s, emitted, it.num_drafts, accepted))
+        self.timings["draft"] += t1 - t0
+        self.timings["target"] += time.perf_counter() - t1
+        return out
+
+    def _verify(self, items: list[Scheduled], decoding: list[int], hidden: Tensor, batch: PagedBatch,
+                drafts: Tensor | None, draft_probs: Tensor | None, drafting: list[Scheduled]
+                ) -> dict[int, tuple[list[int], int]]:
+        """Target distributions at each decoding sequence's last k+1 positions, then acceptance."""
+        V = self.model.cfg.vocab_size
+        seqs = [items[i].seq for i in decoding]
+        ks = [items[i].num_drafts for i in decoding]
+        B, K = len(seqs), max(ks)
+        # Row j of sequence b is chunk position j (j <= k_b); rows past k_b repeat the last one.
+        ends = batch.last_index[self._ids(decoding)]
+        back = torch.tensor([[max(k - j, 0) for j in range(K + 1)] for k in ks], device=self.device)
+        logits = self.model.logits(hidden[(ends[:, None] - back).flatten()]).view(B, K + 1, V)
+        st = self.sampling_tensors(seqs, [K + 1] * B, V, self.device)
+        target_probs = probabilities(logits.flatten(0, 1), st).view(B, K + 1, V)
+        d = torch.zeros(B, K, dtype=torch.long, device=self.device)
+        dp = None if draft_probs is None else draft_probs.new_zeros(B, K, V)
+        row_of = {id(it.seq): r for r, it in enumerate(drafting)}
+        for b, s in enumerate(seqs):
+            if ks[b]:
+                d[b] = drafts[row_of[id(s)]]
+                if dp is not None:
+                    dp[b] = draft_probs[row_of[id(s)]]
+        greedy = st.temperature.view(B, K + 1)[:, 0] == 0
+        relaxed_kw = {}
+        if self.relaxed is not None and K:
+            relaxed_kw = dict(relaxed=self.relaxed, relaxed_probs=logits[:, :K].float().softmax(-1),
+                              relaxed_mask=self._thinking_mask(seqs, d, ks))
+        num_acc, nxt = accept(d, dp, target_probs, self._ids(ks), self._ids([s.seed for s in seqs]),
+                              self._ids([s.num_tokens for s in seqs]), greedy, **relaxed_kw)
+        num_acc, nxt, d = num_acc.tolist(), nxt.tolist(), d.tolist()
+        return {i: (d[b][: num_acc[b]] + [nxt[b]], num_acc[b]) for b, i in enumerate(decoding)}
+
+    def _thinking_mask(self, seqs: list[Sequence], drafts: Tensor, ks: list[int]) -> Tensor:
+        """[B, K] True where a draft position lies between <think> and </think>."""
+        r = self.relaxed
+        mask = torch.zeros(drafts.shape, dtype=torch.bool)
+        for b, s in enumerate(seqs):
+            state = s.in_thinking
+            for j, t in enumerate(drafts[b, : ks[b]].tolist()):
+                mask[b, j] = state
+                state = True if t == r.begin_thinking_token else False if t == r.end_thinking_token else state
+        return mask.to(self.device)

@@ -1,0 +1,43 @@
+"""Export a training checkpoint to the DeepSeek-V3 release layout (FP8 weights, shards, tokenizer).
+
+  python scripts/export_model.py --ckpt runs/mini/ckpt.pt --tokenizer_dir data --out_dir models/deepseek-v3-mini
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from builder.hf_writer import write_hf_checkpoint
+from runtime.config import ModelConfig, QuantizationConfig
+from runtime.model import DeepseekV3ForCausalLM
+from runtime.weights import release_tensors
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", type=Path, required=True)
+    p.add_argument("--tokenizer_dir", type=Path, required=True)
+    p.add_argument("--out_dir", type=Path, required=True)
+    p.add_argument("--max_shard_mb", type=float, default=12.0, help="shard size (the release has several shards)")
+    p.add_argument("--bf16", action="store_true", help="write bf16 Linear weights instead of FP8 blocks")
+    p.add_argument("--force", action="store_true")
+    args = p.parse_args()
+
+    state = torch.load(args.ckpt, map_location="cpu", weights_only=False)
+    cfg = ModelConfig.from_dict({**state["config"], "torch_dtype": "bfloat16"})
+    if not args.bf16:
+        cfg = ModelConfig.from_dict({**cfg.to_dict(), "quantization_config": vars(QuantizationConfig()) | {
+            "weight_block_size": [128, 128]}})
+    model = DeepseekV3ForCausalLM(cfg)
+    model.load_state_dict(state["model"])
+    write_hf_checkpoint(args.out_dir, cfg, release_tensors(model), fp8=not args.bf16,
+                        max_shard_bytes=int(args.max_shard_mb * 2**20), tokenizer_dir=args.tokenizer_dir,
+                        force=args.force)
+    print(f"step {state['step']} -> {args.out_dir}")
+
+
+if __name__ == "__main__":
+    main()
