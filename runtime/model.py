@@ -38,6 +38,7 @@ class PagedBatch:
     query_index: Tensor  # [B, Q] flat index of each query; padding points at T (a zero row)
     token_index: Tensor  # [T] position of each flat token in the [B * Q] padded layout
     last_index: Tensor  # [B] flat index of the last new token of each sequence
+    uniform: bool  # every sequence has the same number of new tokens: [T] is already [B, Q]
 
     @classmethod
     def build(
@@ -67,7 +68,8 @@ class PagedBatch:
         query_index[q_valid] = torch.arange(T, device=device)
         token_index = torch.arange(B * Q, device=device).view(B, Q)[q_valid]
         last_index = torch.cumsum(query_lens, 0) - 1
-        return cls(positions, slot_mapping, context_slots, mask, query_index, token_index, last_index)
+        return cls(positions, slot_mapping, context_slots, mask, query_index, token_index, last_index,
+                   uniform=T == B * Q)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,8 +82,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        x32 = x if x.dtype == torch.float32 else x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * (normed if x.dtype == torch.float32 else normed.to(x.dtype))
 
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[Tensor, float]:
@@ -188,13 +191,16 @@ class MLA(nn.Module):
         w_uk, w_uv = w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
         q_lat = torch.einsum("thd,hdc->thc", q_nope, w_uk)
         q = torch.cat([q_lat, q_pe], dim=-1)  # [T, h, latent]
-        q = torch.cat([q, q.new_zeros(1, h, q.shape[-1])])[batch.query_index]  # [B, Q, h, latent]
         B, Q = batch.query_index.shape
+        if not batch.uniform:
+            q = torch.cat([q, q.new_zeros(1, h, q.shape[-1])])[batch.query_index]  # [B, Q, h, latent]
         ctx = cache[batch.context_slots].to(q.dtype)  # [B, L, latent]
         scores = torch.bmm(q.view(B, Q * h, -1), ctx.transpose(1, 2)) * cfg.softmax_scale  # [B, Q*h, L]
         scores = scores.view(B, Q, h, -1).masked_fill(~batch.mask[:, :, None, :], float("-inf"))
         probs = scores.softmax(dim=-1).view(B, Q * h, -1)
-        o_lat = torch.bmm(probs, ctx[..., : cfg.kv_lora_rank]).view(B * Q, h, -1)[batch.token_index]
+        o_lat = torch.bmm(probs, ctx[..., : cfg.kv_lora_rank]).view(B * Q, h, -1)
+        if not batch.uniform:
+            o_lat = o_lat[batch.token_index]
         o = torch.einsum("thc,hvc->thv", o_lat, w_uv)
         return self.o_proj(o.reshape(T, h * cfg.v_head_dim))
 
@@ -230,11 +236,12 @@ class Gate(nn.Module):
 class Experts(nn.Module):
     """Routed experts stacked as [E, out, in] tensors.
 
-    Small batches (decode, verify) gather the chosen experts' weights into one batched matmul with
-    no host sync; large ones (prefill, training) group tokens by expert, one matmul per expert.
+    Few token-expert pairs (decode): tokens are grouped by expert and each chosen expert runs one
+    matmul over its tokens, as DeepSeek's reference does. Once the pairs outnumber the experts
+    (verify chunks, prefill, training) every expert is hit anyway, so all of them run as two wide
+    matmuls and one batched matmul whose unchosen rows are zero-weighted: a fixed number of ops,
+    which is what keeps a k+1-token verification as cheap as a 1-token decode on CPU.
     """
-
-    gather_limit = 64  # token-expert pairs up to which gathering weights beats grouping tokens
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -244,23 +251,22 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
 
     def forward(self, x: Tensor, weights: Tensor, idx: Tensor) -> Tensor:
+        E, I, H = self.gate_proj.shape
         T, k = idx.shape
-        if T * k <= self.gather_limit:
-            xk = x[:, None, :, None].expand(T, k, -1, 1)  # [T, k, H, 1]
-            g = (self.gate_proj[idx] @ xk).squeeze(-1)
-            u = (self.up_proj[idx] @ xk).squeeze(-1)
-            y = (self.down_proj[idx] @ (F.silu(g) * u).unsqueeze(-1)).squeeze(-1)  # [T, k, H]
-            return torch.einsum("tk,tkh->th", weights, y)
+        if T * k >= E:
+            combine = x.new_zeros(T, E).scatter_(1, idx, weights)
+            g = F.linear(x, self.gate_proj.view(E * I, H)).view(T, E, I)
+            u = F.linear(x, self.up_proj.view(E * I, H)).view(T, E, I)
+            act = (F.silu(g) * u * combine[..., None]).transpose(0, 1)  # [E, T, I]
+            return torch.bmm(act, self.down_proj.transpose(1, 2)).sum(0)
         flat = idx.flatten()
         order = flat.argsort()
-        counts = torch.bincount(flat, minlength=self.gate_proj.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=E).tolist()
         token = order // k
-        xs = x[token]
-        outs = []
-        for e, rows in enumerate(xs.split(counts)):
-            if counts[e]:
-                outs.append(F.linear(F.silu(F.linear(rows, self.gate_proj[e])) * F.linear(rows, self.up_proj[e]),
-                                     self.down_proj[e]))
+        outs = [
+            F.linear(F.silu(F.linear(rows, self.gate_proj[e])) * F.linear(rows, self.up_proj[e]), self.down_proj[e])
+            for e, rows in enumerate(x[token].split(counts)) if counts[e]
+        ]
         y = torch.cat(outs) * weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, token, y)
 

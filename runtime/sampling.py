@@ -134,6 +134,14 @@ def sample(probs: Tensor, u: Tensor) -> Tensor:
     return torch.searchsorted(cdf, u).clamp(max=probs.shape[-1] - 1).squeeze(-1)
 
 
+def accept_greedy(drafts: Tensor, target_argmax: Tensor, num_drafts: Tensor) -> tuple[Tensor, Tensor]:
+    """Greedy acceptance from argmaxes alone: drafts [B, K], target_argmax [B, K+1]."""
+    K = drafts.shape[1]
+    ok = (drafts == target_argmax[:, :K]) & (torch.arange(K, device=drafts.device)[None, :] < num_drafts[:, None])
+    num_accepted = ok.long().cumprod(-1).sum(-1)
+    return num_accepted, target_argmax.gather(1, num_accepted[:, None]).squeeze(1)
+
+
 def accept(
     drafts: Tensor, draft_probs: Tensor | None, target_probs: Tensor, num_drafts: Tensor,
     seeds: Tensor, positions: Tensor, greedy: Tensor,

@@ -22,8 +22,8 @@ from torch import Tensor
 
 from runtime.kv_cache import KVCache
 from runtime.model import DeepseekV3ForCausalLM, PagedBatch
-from runtime.sampling import (PURPOSE_DRAFT, RelaxedAcceptance, SamplingTensors, accept, probabilities, sample,
-                              uniforms)
+from runtime.sampling import (PURPOSE_DRAFT, RelaxedAcceptance, SamplingTensors, accept, accept_greedy,
+                              probabilities, sample, uniforms)
 from runtime.sequence import Sequence
 
 
@@ -94,27 +94,34 @@ class ModelRunner:
         for s in seqs:
             s.num_mtp, s.pending_hidden = s.num_cached, None
 
-        st = self.sampling_tensors(seqs, [1] * len(seqs), model.cfg.vocab_size, self.device)
-        seeds = self._ids([s.seed for s in seqs])
+        all_greedy = all(s.params.greedy for s in seqs)
+        if not all_greedy:
+            st = self.sampling_tensors(seqs, [1] * len(seqs), model.cfg.vocab_size, self.device)
+            seeds = self._ids([s.seed for s in seqs])
+            positions = self._ids([s.num_tokens for s in seqs])  # absolute position of draft 1
         drafts, probs = [], []
-        positions = self._ids([s.num_tokens for s in seqs])  # absolute position of draft 1
         for j in range(K):
-            q = probabilities(logits, st)
-            d = q.argmax(-1) if st.all_greedy else torch.where(
-                st.temperature == 0, q.argmax(-1), sample(q, uniforms(seeds, positions + j, PURPOSE_DRAFT)))
+            if all_greedy:
+                d = logits.argmax(-1)
+            else:
+                q = probabilities(logits, st)
+                d = torch.where(st.temperature == 0, q.argmax(-1), sample(q, uniforms(seeds, positions + j, PURPOSE_DRAFT)))
+                probs.append(q)
             drafts.append(d)
-            probs.append(q)
             if j + 1 == K:
                 break
             # Draft j+2 at position num_tokens - 1 + j from the MTP's own hidden state and draft.
             active = [i for i, k in enumerate(ks) if k > j + 1]
             sub = [seqs[i] for i in active]
             batch = self._paged_batch(sub, [s.num_tokens - 1 + j for s in sub], [1] * len(sub))
-            idx = self._ids(active)
-            sub_logits, sub_h = model.mtp_forward(0, d[idx], h[idx], batch=batch, kv_cache=self.cache.tensor)
-            logits, h = logits.clone(), h.clone()
-            logits[idx], h[idx] = sub_logits, sub_h
-        draft_probs = None if st.all_greedy else torch.stack(probs, dim=1)
+            if len(active) == len(seqs):
+                logits, h = model.mtp_forward(0, d, h, batch=batch, kv_cache=self.cache.tensor)
+            else:
+                idx = self._ids(active)
+                sub_logits, sub_h = model.mtp_forward(0, d[idx], h[idx], batch=batch, kv_cache=self.cache.tensor)
+                logits, h = logits.clone(), h.clone()
+                logits[idx], h[idx] = sub_logits, sub_h
+        draft_probs = torch.stack(probs, dim=1) if probs else None
         return torch.stack(drafts, dim=1), draft_probs
 
     # ---- one step -----------------------------------------------------------------------------
@@ -174,8 +181,6 @@ class ModelRunner:
         ends = batch.last_index[self._ids(decoding)]
         back = torch.tensor([[max(k - j, 0) for j in range(K + 1)] for k in ks], device=self.device)
         logits = self.model.logits(hidden[(ends[:, None] - back).flatten()]).view(B, K + 1, V)
-        st = self.sampling_tensors(seqs, [K + 1] * B, V, self.device)
-        target_probs = probabilities(logits.flatten(0, 1), st).view(B, K + 1, V)
         d = torch.zeros(B, K, dtype=torch.long, device=self.device)
         dp = None if draft_probs is None else draft_probs.new_zeros(B, K, V)
         row_of = {id(it.seq): r for r, it in enumerate(drafting)}
@@ -184,13 +189,18 @@ class ModelRunner:
                 d[b] = drafts[row_of[id(s)]]
                 if dp is not None:
                     dp[b] = draft_probs[row_of[id(s)]]
-        greedy = st.temperature.view(B, K + 1)[:, 0] == 0
-        relaxed_kw = {}
-        if self.relaxed is not None and K:
-            relaxed_kw = dict(relaxed=self.relaxed, relaxed_probs=logits[:, :K].float().softmax(-1),
-                              relaxed_mask=self._thinking_mask(seqs, d, ks))
-        num_acc, nxt = accept(d, dp, target_probs, self._ids(ks), self._ids([s.seed for s in seqs]),
-                              self._ids([s.num_tokens for s in seqs]), greedy, **relaxed_kw)
+        if self.relaxed is None and all(s.params.greedy and not s.params.bad_token_ids for s in seqs):
+            num_acc, nxt = accept_greedy(d, logits.argmax(-1), self._ids(ks))
+        else:
+            st = self.sampling_tensors(seqs, [K + 1] * B, V, self.device)
+            target_probs = probabilities(logits.flatten(0, 1), st).view(B, K + 1, V)
+            greedy = st.temperature.view(B, K + 1)[:, 0] == 0
+            relaxed_kw = {}
+            if self.relaxed is not None and K:
+                relaxed_kw = dict(relaxed=self.relaxed, relaxed_probs=logits[:, :K].float().softmax(-1),
+                                  relaxed_mask=self._thinking_mask(seqs, d, ks))
+            num_acc, nxt = accept(d, dp, target_probs, self._ids(ks), self._ids([s.seed for s in seqs]),
+                                  self._ids([s.num_tokens for s in seqs]), greedy, **relaxed_kw)
         num_acc, nxt, d = num_acc.tolist(), nxt.tolist(), d.tolist()
         return {i: (d[b][: num_acc[b]] + [nxt[b]], num_acc[b]) for b, i in enumerate(decoding)}
 
