@@ -95,3 +95,99 @@ def tiny_cfg() -> Callable[..., dict[str, Any]]:
 def tiny_weights() -> Callable[..., Iterator[tuple[str, torch.Tensor]]]:
     """Factory: tiny_weights(cfg, seed) -> (name, tensor) stream (see random_tensors)."""
     return random_tensors
+
+
+def write_tiny_checkpoint(path, cfg_dict: dict[str, Any] | None = None, *, fp8: bool = False, seed: int = 0,
+                          max_shard_bytes: int = 20_000):
+    """A sharded tiny HF checkpoint with a real (word-level, 64-token) tokenizer.json; returns its path."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from builder.hf_writer import write_hf_checkpoint
+
+    cfg = ModelConfig.from_dict(cfg_dict or tiny_config_dict())
+    path = write_hf_checkpoint(Path(path), cfg, random_tensors(cfg, seed), fp8=fp8, max_shard_bytes=max_shard_bytes)
+    vocab = {f"w{i}": i for i in range(cfg.vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w2"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path) -> Callable[..., Any]:
+    """Factory: tiny_checkpoint(name="hf", cfg_dict=None, fp8=False, seed=0) -> path under tmp_path."""
+
+    def make(name: str = "hf", cfg_dict: dict[str, Any] | None = None, **kwargs: Any):
+        return write_tiny_checkpoint(tmp_path / name, cfg_dict, **kwargs)
+
+    return make
+
+
+# ---- runtime tests (test_speculative / test_executor / test_session) ------------------------------
+import os  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# DSV3_TEST_MODEL points the shipped-model tests at another checkpoint (e.g. a partial export)
+SHIPPED_MODEL_DIR = Path(os.environ.get("DSV3_TEST_MODEL", REPO_ROOT / "models" / "deepseek-v3-mini"))
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def project_tokenizer_dir() -> Path | None:
+    """The project's 4096-token tokenizer: from the shipped model (present in CI), else data/."""
+    for d in (SHIPPED_MODEL_DIR, REPO_ROOT / "data"):
+        if all((d / f).is_file() for f in _TOKENIZER_FILES):
+            return d
+    return None
+
+
+def bigram_tensors(cfg: ModelConfig, seed: int = 0, head_scale: float = 0.5, embed_scale: float = 5.0,
+                   h_noise: float = 0.05) -> Iterator[tuple[str, torch.Tensor]]:
+    """Random weights (random_tensors) reshaped so the MTP module is a decent draft model.
+
+    Large embeddings make every hidden state close to its own token's embedding, so the target is
+    roughly a bigram model; the MTP layer shares the embedding and the head and its eh_proj passes
+    the embedding of the next token through, so it predicts roughly what the target will say one
+    position later. Acceptance lands around 0.3-0.7: both accepted and rejected drafts occur.
+    head_scale sets the logit spread (0.5: entropy ~6 nats over 4096 tokens, top-1 ~0.04).
+    """
+    ts = dict(random_tensors(cfg, seed))
+    g = torch.Generator().manual_seed(seed + 12345)
+    H, mtp = cfg.hidden_size, f"model.layers.{cfg.num_hidden_layers}."
+    ts["model.embed_tokens.weight"] = ts["model.embed_tokens.weight"] * embed_scale
+    ts["lm_head.weight"] = ts["lm_head.weight"] * (head_scale / 0.05)
+    if cfg.num_nextn_predict_layers:
+        ts[mtp + "embed_tokens.weight"] = ts["model.embed_tokens.weight"].clone()
+        ts[mtp + "shared_head.head.weight"] = ts["lm_head.weight"].clone()
+        eh = torch.zeros(H, 2 * H)
+        eh[:, :H] = torch.eye(H)
+        eh[:, H:] = h_noise * torch.randn(H, H, generator=g)
+        ts[mtp + "eh_proj.weight"] = eh
+    yield from ts.items()
+
+
+def write_spec_checkpoint(out_dir: Path, seed: int = 0, **overrides: Any) -> Path:
+    """A tiny fp32 HF checkpoint with the project tokenizer (vocab 4096) and a usable MTP draft."""
+    from builder.hf_writer import write_hf_checkpoint
+
+    tok = project_tokenizer_dir()
+    if tok is None:
+        pytest.skip("the project tokenizer (models/deepseek-v3-mini or data/) is not present")
+    cfg = ModelConfig.from_dict(tiny_config_dict(**{"vocab_size": 4096, **overrides}))
+    return write_hf_checkpoint(out_dir, cfg, bigram_tensors(cfg, seed), fp8=False, tokenizer_dir=tok, force=True)
+
+
+@pytest.fixture(scope="session")
+def spec_checkpoint(tmp_path_factory) -> Path:
+    """Session-wide tiny checkpoint for the runtime tests (see write_spec_checkpoint)."""
+    return write_spec_checkpoint(tmp_path_factory.mktemp("spec") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def shipped_model_dir() -> Path:
+    """models/deepseek-v3-mini (committed; the trained model), skipped where it is absent."""
+    if not (SHIPPED_MODEL_DIR / "config.json").is_file():
+        pytest.skip(f"{SHIPPED_MODEL_DIR} is not present")
+    return SHIPPED_MODEL_DIR

@@ -1,0 +1,159 @@
+"""build_engine: HF checkpoint or TensorRT-LLM checkpoint -> engine directory.
+
+Flags follow TensorRT-LLM's (`trtllm-build`, `convert_checkpoint.py`, the LLM API). Everything is
+validated before any work starts; user errors exit with code 2 and one line on stderr; the
+output directory appears only when the build is complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+from builder.convert import (
+    BuildError,
+    check_output_dir,
+    check_tokenizer,
+    convert_checkpoint,
+    max_draft_len_allowed,
+    open_hf_checkpoint,
+    validate_build,
+)
+from builder.engine import TrtllmCheckpoint, build_engine
+from builder.trtllm import TrtllmOptions, build_trtllm_engine
+from runtime.checkpoint import CheckpointError, HFCheckpoint
+from runtime.config import ConfigError, ModelConfig
+from runtime.engine import BuildConfig, EngineError
+
+DEFAULT_DRAFT_LEN = 4  # when --max_draft_len is not given (capped by what the checkpoint allows)
+NO_QUANT = "NO_QUANT"
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not in (0, 1]")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="build_engine", description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint_dir", type=Path, help="TensorRT-LLM checkpoint (from builder.convert)")
+    src.add_argument("--model_dir", type=Path, help="HF DeepSeek-V3 checkpoint (converted on the fly)")
+    p.add_argument("--output_dir", type=Path, required=True)
+    p.add_argument("--tokenizer_dir", type=Path, help="default: the input directory")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"],
+                   help="default: the checkpoint's; from --model_dir float32 (native) or bfloat16 (trtllm)")
+    p.add_argument("--max_batch_size", type=_positive, default=BuildConfig.max_batch_size)
+    p.add_argument("--max_seq_len", type=_positive, default=BuildConfig.max_seq_len)
+    p.add_argument("--max_num_tokens", type=_positive, default=BuildConfig.max_num_tokens)
+    p.add_argument("--max_draft_len", type=_non_negative,
+                   help=f"default: {DEFAULT_DRAFT_LEN}, or less where the MTP layers allow less")
+    p.add_argument("--kv_block_size", type=_positive, default=BuildConfig.kv_block_size)
+    p.add_argument("--tp_size", type=_positive, help="default: 1, or the checkpoint's")
+    p.add_argument("--ep_size", type=_positive, help="default: 1, or the checkpoint's")
+    p.add_argument("--quant_algo", choices=["FP8_BLOCK_SCALES", "FP8", NO_QUANT],
+                   help="default: as the checkpoint is (FP8_BLOCK_SCALES for the FP8 release)")
+    p.add_argument("--backend", choices=["native", "trtllm"], default="native")
+    p.add_argument("--force", action="store_true", help="replace an existing output directory")
+    t = p.add_argument_group("--backend trtllm (LLM API options)")
+    t.add_argument("--enable_attention_dp", action="store_true")
+    t.add_argument("--kv_cache_dtype", choices=["auto", "fp8"], default=TrtllmOptions.kv_cache_dtype)
+    t.add_argument("--free_gpu_memory_fraction", type=_fraction, default=TrtllmOptions.free_gpu_memory_fraction)
+    t.add_argument("--enable_block_reuse", action=argparse.BooleanOptionalAction, default=TrtllmOptions.enable_block_reuse)
+    t.add_argument("--cuda_graph_padding", action=argparse.BooleanOptionalAction, default=TrtllmOptions.cuda_graph_padding)
+    t.add_argument("--use_mtp_vanilla", action="store_true")
+    t.add_argument("--use_relaxed_acceptance_for_thinking", action="store_true")
+    t.add_argument("--relaxed_topk", type=_positive, default=TrtllmOptions.relaxed_topk)
+    t.add_argument("--relaxed_delta", type=float, default=TrtllmOptions.relaxed_delta)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        run(args)
+    except (BuildError, EngineError, CheckpointError, ConfigError) as e:
+        print(f"build_engine: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("build_engine: interrupted; no output directory was written", file=sys.stderr)
+        return 130
+    print(f"build_engine: wrote {args.output_dir}", file=sys.stderr)
+    return 0
+
+
+def run(args: argparse.Namespace) -> None:
+    check_output_dir(args.output_dir, args.force)
+    options = TrtllmOptions(
+        enable_attention_dp=args.enable_attention_dp, kv_cache_dtype=args.kv_cache_dtype,
+        free_gpu_memory_fraction=args.free_gpu_memory_fraction, enable_block_reuse=args.enable_block_reuse,
+        cuda_graph_padding=args.cuda_graph_padding, use_mtp_vanilla=args.use_mtp_vanilla,
+        use_relaxed_acceptance_for_thinking=args.use_relaxed_acceptance_for_thinking,
+        relaxed_topk=args.relaxed_topk, relaxed_delta=args.relaxed_delta,
+    )
+    if args.backend == "native" and options != TrtllmOptions():
+        raise BuildError("the LLM API options (--enable_attention_dp, --kv_cache_dtype, ...) apply to --backend trtllm only")
+    if args.checkpoint_dir is not None:
+        if args.backend == "trtllm":
+            raise BuildError("--backend trtllm needs --model_dir: TensorRT-LLM's PyTorch backend loads the HF layout")
+        ckpt = TrtllmCheckpoint.read(args.checkpoint_dir)
+        b = ckpt.build
+        build = build_config(args, ckpt.model_config, dtype=b.dtype, tp_size=b.tp_size, ep_size=b.ep_size,
+                             quant_algo=b.quant_algo)
+        tokenizer_dir = args.tokenizer_dir or args.checkpoint_dir
+        check_tokenizer(tokenizer_dir)
+        build_engine(args.checkpoint_dir, args.output_dir, build, tokenizer_dir=tokenizer_dir, force=args.force)
+        return
+    hf_ckpt = HFCheckpoint(args.model_dir)
+    cfg = hf_ckpt.config
+    build = build_config(args, cfg, dtype="bfloat16" if args.backend == "trtllm" else "float32", tp_size=1, ep_size=1,
+                         quant_algo="FP8_BLOCK_SCALES" if hf_ckpt.quantized else None)
+    open_hf_checkpoint(args.model_dir, build)
+    tokenizer_dir = args.tokenizer_dir or args.model_dir
+    check_tokenizer(tokenizer_dir)
+    if args.backend == "trtllm":
+        build_trtllm_engine(args.model_dir, args.output_dir, build, options, tokenizer_dir=tokenizer_dir, force=args.force)
+        return
+    validate_build(cfg, build, str(args.model_dir / "config.json"), use_mtp_vanilla=args.use_mtp_vanilla)
+    args.output_dir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{args.output_dir.name}.ckpt-", dir=args.output_dir.parent) as tmp:
+        convert_checkpoint(args.model_dir, Path(tmp) / "ckpt", build)
+        build_engine(Path(tmp) / "ckpt", args.output_dir, build, tokenizer_dir=tokenizer_dir, force=args.force)
+
+
+def build_config(args: argparse.Namespace, cfg: ModelConfig, *, dtype: str, tp_size: int, ep_size: int,
+                 quant_algo: str | None) -> BuildConfig:
+    """The flags over the source's own dtype, tp_size, ep_size and quant_algo (given as keywords);
+    the draft length defaults to DEFAULT_DRAFT_LEN capped by what the checkpoint allows."""
+    if args.quant_algo is not None:
+        quant_algo = None if args.quant_algo == NO_QUANT else args.quant_algo
+    max_draft_len = args.max_draft_len
+    if max_draft_len is None:
+        max_draft_len = min(DEFAULT_DRAFT_LEN, max_draft_len_allowed(cfg, args.backend, args.use_mtp_vanilla)[0])
+    return BuildConfig(
+        max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, max_num_tokens=args.max_num_tokens,
+        max_draft_len=max_draft_len, dtype=args.dtype or dtype, kv_block_size=args.kv_block_size,
+        tp_size=args.tp_size or tp_size, ep_size=args.ep_size or ep_size, quant_algo=quant_algo, backend=args.backend,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""TensorRT-LLM checkpoint -> native engine directory, with the build-time work done once.
+
+Per rank, the fused TensorRT-LLM tensors are cut back into the runtime's parameters (fused_a ->
+q_a_proj + kv_a_proj_with_mqa, expert mlp.fc -> up_proj + gate_proj stacked [E, out, in], ...),
+kv_b_proj is stored per head as [heads, nope + v, kv_lora] (the W_UK / W_UV split of absorbed
+MLA is then a view), FP8 weights keep their scales, and engine.json records the model, the
+limits and the hashes. Rank files stay separate: `runtime.engine.load_engine` merges them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from builder.convert import (
+    BuildError,
+    RankFileWriter,
+    TensorLayout,
+    atomic_dir,
+    copy_tokenizer,
+    rank_layout,
+    validate_build,
+)
+from runtime.checkpoint import read_safetensors_header
+from runtime.config import ModelConfig
+from runtime.engine import SCALE_SUFFIX, BuildConfig, EngineError, EngineManifest
+from runtime.fp8 import FP8_DTYPE
+
+BUILDER_VERSION = importlib.metadata.version("dsv3-mtp")
+_DTYPE_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", FP8_DTYPE: "F8_E4M3"}
+
+
+@dataclass(frozen=True)
+class TrtllmCheckpoint:
+    """A TensorRT-LLM checkpoint directory as `builder.convert` writes it."""
+
+    path: Path
+    model_config: ModelConfig
+    build: BuildConfig  # dtype, tp_size, ep_size, quant_algo and max_draft_len it was converted with
+
+    @property
+    def rank_files(self) -> list[Path]:
+        return [self.path / f"rank{r}.safetensors" for r in range(self.build.tp_size)]
+
+    @classmethod
+    def read(cls, path: str | Path) -> "TrtllmCheckpoint":
+        """Parse config.json and check every rank file's header against the layout it implies."""
+        path = Path(path)
+        source = path / "config.json"
+        if not source.is_file():
+            raise BuildError(f"{source}: file not found, expected a TensorRT-LLM checkpoint directory")
+        try:
+            raw = json.loads(source.read_text())
+        except ValueError as e:
+            raise BuildError(f"{source}: not valid JSON ({e})") from None
+        cfg = model_config_from_trtllm(raw, str(source))
+        mapping, quant = raw.get("mapping") or {}, raw.get("quantization") or {}
+        tp, ep, moe_tp = mapping.get("tp_size", 1), mapping.get("moe_ep_size", 1), mapping.get("moe_tp_size", 1)
+        if mapping.get("world_size", 1) != tp or mapping.get("pp_size", 1) != 1 or moe_tp * ep != tp:
+            raise BuildError(
+                f"{source}: field 'mapping' is {mapping}, expected world_size = tp_size, pp_size 1 "
+                "and moe_tp_size * moe_ep_size = tp_size"
+            )
+        algo = quant.get("quant_algo")
+        if algo not in (None, "FP8_BLOCK_SCALES", "FP8"):
+            raise BuildError(
+                f"{source}: unsupported quantization: quant_algo {algo!r}, expected FP8_BLOCK_SCALES, FP8 or null"
+            )
+        try:
+            build = BuildConfig(dtype=raw["dtype"], tp_size=tp, ep_size=ep, quant_algo=algo,
+                                max_draft_len=raw["speculative_decoding"]["max_draft_len"])
+        except EngineError as e:
+            raise BuildError(f"{source}: {e}") from None
+        ckpt = cls(path, cfg, build)
+        ckpt.check_rank_files()
+        return ckpt
+
+    def check_rank_files(self) -> None:
+        """Each rank file present, readable, and holding exactly the tensors, dtypes and shapes expected."""
+        layout = rank_layout(self.model_config, self.build)
+        expected = {}
+        for t in layout:
+            expected[t.tensor.name] = (_DTYPE_CODES[t.dtype], t.shape)
+            if t.scale_shape is not None:
+                expected[t.tensor.scale_name] = ("F32", t.scale_shape)
+        for file in self.rank_files:
+            if not file.is_file():
+                raise BuildError(
+                    f"{file}: rank file missing, expected {self.build.tp_size} rank files for tp_size {self.build.tp_size}"
+                )
+            header = read_safetensors_header(file)
+            for name, (dtype, shape) in expected.items():
+                if name not in header:
+                    raise BuildError(f"{file}: tensor {name!r} is missing, expected {dtype} {list(shape)}")
+                got = header[name]
+                if (got.dtype, got.shape) != (dtype, shape):
+                    raise BuildError(
+                        f"{file}: tensor {name!r} is {got.dtype} {list(got.shape)}, expected {dtype} {list(shape)}"
+                    )
+            extra = sorted(set(header) - set(expected))
+            if extra:
+                raise BuildError(f"{file}: unexpected tensor(s) {', '.join(extra[:5])}")
+
+
+def model_config_from_trtllm(raw: dict[str, Any], source: str) -> ModelConfig:
+    """ModelConfig back from a TensorRT-LLM config.json (the inverse of `convert.trtllm_config`)."""
+    if raw.get("architecture") != "DeepseekV3ForCausalLM":
+        raise BuildError(f"{source}: field 'architecture' is {raw.get('architecture')!r}, expected 'DeepseekV3ForCausalLM'")
+    try:
+        moe, spec = raw["moe"], raw["speculative_decoding"]
+        fields = {
+            "model_type": "deepseek_v3",
+            "architectures": [raw["architecture"]],
+            "torch_dtype": raw["dtype"],
+            "n_routed_experts": moe["num_experts"],
+            "num_experts_per_tok": moe["top_k"],
+            "n_group": moe["device_limited_n_group"],
+            "topk_group": moe["device_limited_topk_group"],
+            "routed_scaling_factor": moe["device_limited_routed_scaling_factor"],
+            "norm_topk_prob": moe["norm_topk_prob"],
+            "scoring_func": moe["scoring_func"],
+            "topk_method": moe["topk_method"],
+            "moe_intermediate_size": raw["moe_inter_size"],
+            "n_shared_experts": moe["shared_expert_intermediate_size"] // raw["moe_inter_size"],
+            "rms_norm_eps": raw["norm_epsilon"],
+            "rope_theta": raw["rotary_base"],
+            "rope_scaling": raw["rotary_scaling"],
+            "num_nextn_predict_layers": spec["num_nextn_predict_layers"],
+        }
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                     "v_head_dim", "first_k_dense_replace", "moe_layer_freq", "max_position_embeddings",
+                     "bos_token_id", "eos_token_id"):
+            fields[name] = raw[name]
+    except (KeyError, TypeError) as e:
+        raise BuildError(f"{source}: missing field {e}, expected a DeepSeek-V3 TensorRT-LLM checkpoint config") from None
+    return ModelConfig.from_dict(fields, source=source)
+
+
+def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, build: BuildConfig, *,
+                 tokenizer_dir: str | Path | None = None, force: bool = False, progress: bool = True) -> Path:
+    """Write the native engine for a TensorRT-LLM checkpoint; return output_dir.
+
+    dtype, tp_size, ep_size and quant_algo are the checkpoint's: `build` must agree with them.
+    """
+    ckpt = TrtllmCheckpoint.read(checkpoint_dir)
+    source = str(ckpt.path / "config.json")
+    for name in ("dtype", "tp_size", "ep_size", "quant_algo"):
+        want, got = getattr(ckpt.build, name), getattr(build, name)
+        if want != got:
+            raise BuildError(f"--{name} {got} differs from the checkpoint's {want} ({source}); convert again or leave it out")
+    if build.backend != "native":
+        raise BuildError(f"--backend {build.backend}: a TensorRT-LLM checkpoint builds native engines only; "
+                         "use --model_dir for --backend trtllm")
+    validate_build(ckpt.model_config, build, source)
+    tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir is not None else ckpt.path
+    layout = rank_layout(ckpt.model_config, build)
+    cfg = ckpt.model_config
+    with atomic_dir(Path(output_dir), force) as tmp:
+        tokenizer_files = copy_tokenizer(tokenizer_dir, tmp)
+        weights = []
+        for rank, file in enumerate(tqdm(ckpt.rank_files, desc="build", unit="rank", disable=not progress)):
+            weights.append(f"rank{rank}.safetensors")
+            _build_rank(file, tmp / weights[-1], layout, cfg)
+        manifest = EngineManifest.create(tmp, dataclasses.replace(cfg, torch_dtype=build.dtype), build, weights,
+                                         tokenizer_files, BUILDER_VERSION)
+        manifest.write(tmp)
+    return Path(output_dir)
+
+
+def _build_rank(src: Path, dst: Path, layout: list[TensorLayout], cfg: ModelConfig) -> None:
+    """Cut one TensorRT-LLM rank file into runtime parameters, one (expert) slice at a time."""
+    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    for t in layout:
+        for p in t.parts:
+            shape = p.shape
+            if p.name.endswith("kv_b_proj.weight"):  # per head: [heads, nope + v, kv_lora]
+                d = cfg.qk_nope_head_dim + cfg.v_head_dim
+                shape = (shape[0] // d, d, shape[1])
+            specs[p.name] = (t.dtype, shape)
+            if p.scale_shape is not None:
+                specs[p.name + SCALE_SUFFIX] = (torch.float32, p.scale_shape)
+    with safe_open(src, "pt") as f, RankFileWriter(dst, specs) as writer:
+        for t in layout:
+            data, scale = f.get_slice(t.tensor.name), f.get_slice(t.tensor.scale_name) if t.scale_shape is not None else None
+            if len(t.shape) == 3:  # stacked experts
+                for e in range(t.shape[0]):
+                    _write_parts(writer, t, data[e], None if scale is None else scale[e], e)
+            else:
+                _write_parts(writer, t, data[:], None if scale is None else scale[:], 0)
+
+
+def _write_parts(writer: RankFileWriter, t: TensorLayout, data: torch.Tensor, scale: torch.Tensor | None,
+                 local: int) -> None:
+    """Write each part of fused `data` (one expert's, for stacked tensors) at its runtime parameter."""
+    for p in t.parts:
+        per_expert = p.shape[1:] if len(t.shape) == 3 else p.shape
+        piece = data if data.dim() == 1 else data[p.row:p.row + per_expert[-2]]
+        writer.write(p.name, piece, local * piece.numel())
+        if scale is not None:
+            if scale.dim() >= 2:  # block grid rows of this part
+                s = scale[p.scale_row:p.scale_row + p.scale_shape[-2]]
+            else:  # per-tensor: one scale per part
+                s = scale[p.scale_row]
+            writer.write(p.name + SCALE_SUFFIX, s, local * s.numel())

@@ -1,0 +1,108 @@
+"""--backend trtllm: an engine directory for TensorRT-LLM's PyTorch backend.
+
+TensorRT-LLM runs DeepSeek-V3 and its MTP layer only in the PyTorch backend, which loads the
+Hugging Face layout itself (FP8 blocks as released, `weight_scale_inv` names, the MTP layer at
+index num_hidden_layers). So this build validates, links the released files into `hf/` and
+writes the LLM-API options (`extra_llm_api_options.yaml`) for
+`trtllm-serve <engine>/hf --backend pytorch --extra_llm_api_options <engine>/extra_llm_api_options.yaml`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from tqdm import tqdm
+
+from builder.convert import BuildError, atomic_dir, copy_tokenizer, open_hf_checkpoint, validate_build
+from builder.engine import BUILDER_VERSION
+from runtime.checkpoint import INDEX_NAME
+from runtime.config import ModelConfig
+from runtime.engine import BuildConfig, EngineManifest
+
+LLM_API_OPTIONS = "extra_llm_api_options.yaml"
+HF_DIR = "hf"
+
+
+@dataclass(frozen=True)
+class TrtllmOptions:
+    """LLM-API options with no meaning for the native runtime; each is one build_engine flag."""
+
+    enable_attention_dp: bool = False
+    kv_cache_dtype: str = "auto"  # or "fp8"
+    free_gpu_memory_fraction: float = 0.9
+    enable_block_reuse: bool = True
+    cuda_graph_padding: bool = True
+    use_mtp_vanilla: bool = False
+    use_relaxed_acceptance_for_thinking: bool = False
+    relaxed_topk: int = 1
+    relaxed_delta: float = 0.0
+
+
+def llm_api_options(cfg: ModelConfig, build: BuildConfig, options: TrtllmOptions) -> dict[str, Any]:
+    """The `LLM(...)` arguments, as trtllm-serve's --extra_llm_api_options YAML takes them."""
+    out: dict[str, Any] = {
+        "dtype": build.dtype,
+        "tensor_parallel_size": build.tp_size,
+        "moe_expert_parallel_size": build.ep_size,
+        "enable_attention_dp": options.enable_attention_dp,
+        "max_batch_size": build.max_batch_size,
+        "max_num_tokens": build.max_num_tokens,
+        "max_seq_len": build.max_seq_len,
+        "kv_cache_config": {
+            "dtype": options.kv_cache_dtype,
+            "free_gpu_memory_fraction": options.free_gpu_memory_fraction,
+            "enable_block_reuse": options.enable_block_reuse,
+            "tokens_per_block": build.kv_block_size,
+        },
+        "cuda_graph_config": {"enable_padding": options.cuda_graph_padding, "max_batch_size": build.max_batch_size},
+    }
+    if build.max_draft_len:
+        spec: dict[str, Any] = {"decoding_type": "MTP", "num_nextn_predict_layers": build.max_draft_len}
+        if options.use_mtp_vanilla:
+            spec["use_mtp_vanilla"] = True
+        if options.use_relaxed_acceptance_for_thinking:
+            spec |= {"use_relaxed_acceptance_for_thinking": True, "relaxed_topk": options.relaxed_topk,
+                     "relaxed_delta": options.relaxed_delta}
+        out["speculative_config"] = spec
+    return out
+
+
+def build_trtllm_engine(model_dir: str | Path, output_dir: str | Path, build: BuildConfig,
+                        options: TrtllmOptions = TrtllmOptions(), *, tokenizer_dir: str | Path | None = None,
+                        force: bool = False, progress: bool = True) -> Path:
+    """Write a --backend trtllm engine directory for the HF checkpoint in model_dir; return output_dir."""
+    model_dir = Path(model_dir)
+    ckpt, cfg = open_hf_checkpoint(model_dir, build)
+    source = str(model_dir / "config.json")
+    released = "FP8_BLOCK_SCALES" if ckpt.quantized else None
+    if build.quant_algo != released:
+        raise BuildError(
+            f"--quant_algo {build.quant_algo} with --backend trtllm: TensorRT-LLM loads the weights as released, "
+            f"which are {released} ({source}); leave --quant_algo out"
+        )
+    validate_build(cfg, build, source, use_mtp_vanilla=options.use_mtp_vanilla)
+    with atomic_dir(Path(output_dir), force) as tmp:
+        hf = tmp / HF_DIR
+        hf.mkdir()
+        shards = sorted({f.name for f in ckpt.shard_files})
+        released_files = shards + [n for n in ("config.json", INDEX_NAME) if (model_dir / n).is_file()]
+        for name in tqdm(released_files, desc="link", unit="file", disable=not progress):
+            _link_or_copy(model_dir / name, hf / name)
+        tokenizer = copy_tokenizer(Path(tokenizer_dir) if tokenizer_dir is not None else model_dir, hf)
+        (tmp / LLM_API_OPTIONS).write_text(yaml.safe_dump(llm_api_options(cfg, build, options), sort_keys=False))
+        files = [f"{HF_DIR}/{n}" for n in released_files + tokenizer] + [LLM_API_OPTIONS]
+        EngineManifest.create(tmp, cfg, build, [f"{HF_DIR}/{s}" for s in shards], files, BUILDER_VERSION).write(tmp)
+    return Path(output_dir)
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """Hard link (no copy of hundreds of GB; shares the bytes with the source) or copy across devices."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)

@@ -1,0 +1,399 @@
+"""Engine directories: what `build_engine` writes and what the runtime loads.
+
+An engine directory holds `engine.json` (model config, build limits and options, hashes), one
+`rank{N}.safetensors` per tensor-parallel rank with the runtime's own parameter names, and the
+tokenizer files. The native runtime is one process, so `load_engine` merges the rank files into
+one model; the split rule (`split_dim`, `shard_index`) lives here because the converter cuts
+tensors with the same rule the loader glues them back with. A plain Hugging Face checkpoint
+directory loads too, with default limits. See docs/engine-format.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import Tensor
+
+from runtime.checkpoint import CheckpointError, HFCheckpoint
+from runtime.config import ConfigError, ModelConfig
+from runtime.fp8 import dequantize_block_fp8, dequantize_tensor_fp8
+from runtime.model import DeepseekV3ForCausalLM, rope_inv_freq
+from runtime.weights import WeightsError, load_weights
+
+FORMAT_VERSION = 1
+ENGINE_JSON = "engine.json"
+SCALE_SUFFIX = "_scale_inv"  # FP8 weights: `<name>` float8_e4m3fn + `<name>_scale_inv` (block grid or 0-d)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+QUANT_ALGOS = (None, "FP8_BLOCK_SCALES", "FP8")
+BACKENDS = ("native", "trtllm")
+HF_MAX_SEQ_LEN = 4096  # cap on max_seq_len when a plain HF checkpoint is loaded
+HF_MAX_DRAFT_LEN = 4  # draft length given to a plain HF checkpoint that has an MTP layer
+
+
+class EngineError(ValueError):
+    """An engine directory this runtime cannot or must not load; the message says why."""
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    """Limits and options fixed at build time; the executor checks its own settings against them."""
+
+    max_batch_size: int = 8
+    max_seq_len: int = 1024
+    max_num_tokens: int = 2048
+    max_draft_len: int = 4
+    dtype: str = "float32"  # CPU has no fast bf16, so float32 is the native default
+    kv_block_size: int = 16
+    tp_size: int = 1
+    ep_size: int = 1
+    quant_algo: str | None = None
+    backend: str = "native"
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_seq_len", "max_num_tokens", "kv_block_size", "tp_size", "ep_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise EngineError(f"{name} is {value!r}, expected a positive integer")
+        if not isinstance(self.max_draft_len, int) or self.max_draft_len < 0:
+            raise EngineError(f"max_draft_len is {self.max_draft_len!r}, expected an integer >= 0")
+        if self.dtype not in DTYPES:
+            raise EngineError(f"dtype is {self.dtype!r}, expected one of {', '.join(DTYPES)}")
+        if self.quant_algo not in QUANT_ALGOS:
+            raise EngineError(f"quant_algo is {self.quant_algo!r}, expected FP8_BLOCK_SCALES, FP8 or none")
+        if self.backend not in BACKENDS:
+            raise EngineError(f"backend is {self.backend!r}, expected one of {', '.join(BACKENDS)}")
+        if self.tp_size % self.ep_size:
+            raise EngineError(
+                f"ep_size {self.ep_size} does not divide tp_size {self.tp_size}, expected a divisor "
+                "(MoE ranks are moe_tp_size x moe_ep_size = tp_size)"
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    # TensorRT-LLM's rank layout: tp_rank = moe_tp_rank * moe_ep_size + moe_ep_rank.
+    @property
+    def moe_tp_size(self) -> int:
+        return self.tp_size // self.ep_size
+
+    def moe_ep_rank(self, rank: int) -> int:
+        return rank % self.ep_size
+
+    def moe_tp_rank(self, rank: int) -> int:
+        return rank // self.ep_size
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str) -> "BuildConfig":
+        unknown = sorted(set(raw) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise EngineError(f"{source}: unknown build field(s) {', '.join(unknown)}")
+        try:
+            return cls(**raw)
+        except EngineError as e:
+            raise EngineError(f"{source}: {e}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class LoadedEngine:
+    model: DeepseekV3ForCausalLM  # eval mode, on its device, in build.dtype, requires_grad False
+    model_config: ModelConfig
+    build: BuildConfig  # as built, with dtype the one loaded
+    tokenizer_dir: Path
+    path: Path
+
+
+# ---- how tensors are split across ranks (shared by the converter and the loader) -----------
+_EXPERT_DIMS = {"experts.gate_proj": 1, "experts.up_proj": 1, "experts.down_proj": 2}
+_ROWS = ("embed_tokens.weight", "lm_head.weight", "shared_head.head.weight",  # vocabulary
+         "q_b_proj.weight", "q_proj.weight", "kv_b_proj.weight",  # attention heads
+         "gate_proj.weight", "up_proj.weight")  # dense MLP and shared experts, column parallel
+_COLS = ("o_proj.weight", "down_proj.weight")  # row parallel
+
+
+def split_dim(name: str) -> int | None:
+    """Dimension of parameter `name` (runtime naming, experts stacked [E, out, in]) that tensor
+    parallelism splits; None when every rank holds all of it. Routed experts are also split by
+    expert index (dim 0) over moe_ep_size; the returned dim is their moe_tp split."""
+    for suffix, dim in _EXPERT_DIMS.items():
+        if name.endswith(suffix):
+            return dim
+    if name.endswith(_ROWS):
+        return 0
+    if name.endswith(_COLS):
+        return 1
+    return None
+
+
+def shard_index(name: str, shape: Sequence[int], build: BuildConfig, rank: int) -> tuple[slice, ...]:
+    """The part of full parameter `name` (of `shape`) that `rank` holds.
+
+    Each split dim is cut into equal chunks of ceil(n / parts); only the vocabulary may not
+    divide evenly, and the slice is clipped to the real rows (rank files pad it with zeros).
+    """
+    index = [slice(None)] * len(shape)
+    dim = split_dim(name)
+    if dim is None:
+        return tuple(index)
+    if name.endswith(tuple(_EXPERT_DIMS)):
+        index[0] = _chunk(shape[0], build.ep_size, build.moe_ep_rank(rank))
+        index[dim] = _chunk(shape[dim], build.moe_tp_size, build.moe_tp_rank(rank))
+    else:
+        index[dim] = _chunk(shape[dim], build.tp_size, rank)
+    return tuple(index)
+
+
+def shard_shape(name: str, shape: Sequence[int], build: BuildConfig) -> tuple[int, ...]:
+    """Shape every rank file stores for parameter `name` of full `shape` (padded vocabulary)."""
+    out = list(shape)
+    dim = split_dim(name)
+    if dim is not None:
+        if name.endswith(tuple(_EXPERT_DIMS)):
+            out[0] = math.ceil(shape[0] / build.ep_size)
+            out[dim] = math.ceil(shape[dim] / build.moe_tp_size)
+        else:
+            out[dim] = math.ceil(shape[dim] / build.tp_size)
+    return tuple(out)
+
+
+def _chunk(n: int, parts: int, i: int) -> slice:
+    size = math.ceil(n / parts)
+    return slice(min(i * size, n), min((i + 1) * size, n))
+
+
+# ---- engine.json ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EngineManifest:
+    """engine.json: the model, the build, the files it needs and the hashes that vouch for them."""
+
+    model_config: ModelConfig
+    build: BuildConfig
+    weights: tuple[str, ...]  # weight files, relative to the engine directory, rank order
+    files: dict[str, str]  # every file the engine needs (weights, tokenizer, ...) -> sha256
+    builder_version: str
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def content_hash(self) -> str:
+        """sha256 over the model config, the build and each file's sha256."""
+        payload = {"model_config": self.model_config.to_dict(), "build": self.build.to_dict(),
+                   "weights": list(self.weights), "files": self.files}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+    @classmethod
+    def create(cls, engine_dir: Path, model_config: ModelConfig, build: BuildConfig, weights: Sequence[str],
+               files: Sequence[str], builder_version: str) -> "EngineManifest":
+        """Hash `files` (weights included) as they lie in engine_dir now."""
+        hashes = {f: file_sha256(engine_dir / f) for f in sorted(set(weights) | set(files))}
+        return cls(model_config, build, tuple(weights), hashes, builder_version)
+
+    def write(self, engine_dir: Path) -> None:
+        raw = {
+            "format_version": self.format_version,
+            "builder_version": self.builder_version,
+            "backend": self.build.backend,
+            "model_config": self.model_config.to_dict(),
+            "build": self.build.to_dict(),
+            "weights": list(self.weights),
+            "files": self.files,
+            "content_hash": self.content_hash,
+        }
+        (engine_dir / ENGINE_JSON).write_text(json.dumps(raw, indent=2) + "\n")
+
+    @classmethod
+    def read(cls, engine_dir: Path) -> "EngineManifest":
+        """Parse engine.json, refusing a newer format before reading anything else."""
+        path = engine_dir / ENGINE_JSON
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise EngineError(f"{path}: cannot read engine.json ({e})") from None
+        version = raw.get("format_version") if isinstance(raw, dict) else None
+        if not isinstance(version, int):
+            raise EngineError(f"{path}: field 'format_version' is {version!r}, expected an integer")
+        if version > FORMAT_VERSION:
+            raise EngineError(
+                f"{path}: format_version {version} is newer than this runtime supports ({FORMAT_VERSION}); "
+                "upgrade the runtime or rebuild the engine with this version's build_engine"
+            )
+        try:
+            build = BuildConfig.from_dict(raw["build"], source=f"{path}: field 'build'")
+            model_config = ModelConfig.from_dict(raw["model_config"], source=f"{path}: field 'model_config'")
+            manifest = cls(model_config, build, tuple(raw["weights"]), dict(raw["files"]),
+                           raw["builder_version"], version)
+            stored_hash = raw["content_hash"]
+        except KeyError as e:
+            raise EngineError(f"{path}: missing field {e}") from None
+        except ConfigError as e:
+            raise EngineError(str(e)) from None
+        if raw.get("backend") != build.backend:
+            raise EngineError(f"{path}: field 'backend' is {raw.get('backend')!r}, expected {build.backend!r} as in 'build'")
+        if stored_hash != manifest.content_hash:
+            raise EngineError(
+                f"{path}: content_hash does not match the model_config, build and file hashes it lists; "
+                "engine.json was edited or is corrupt, rebuild the engine"
+            )
+        return manifest
+
+    def verify_files(self, engine_dir: Path, hashes: bool = True) -> None:
+        """Every weight file present; with `hashes`, every listed file with its recorded sha256."""
+        for name in self.weights:
+            if not (engine_dir / name).is_file():
+                raise EngineError(
+                    f"{engine_dir / name}: weight file missing, expected {len(self.weights)} "
+                    f"({', '.join(self.weights)}) for tp_size {self.build.tp_size}"
+                )
+        if not hashes:
+            return
+        for name, digest in self.files.items():
+            file = engine_dir / name
+            if not file.is_file():
+                raise EngineError(f"{file}: file missing, expected it as listed in {ENGINE_JSON}")
+            got = file_sha256(file)
+            if got != digest:
+                raise EngineError(
+                    f"{file}: content hash mismatch (sha256 {got[:16]}..., expected {digest[:16]}... "
+                    f"from {ENGINE_JSON}); the file changed or is corrupt, rebuild the engine"
+                )
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ---- loading ----------------------------------------------------------------------------------
+def load_engine(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
+                *, verify: bool = True) -> LoadedEngine:
+    """Load an engine directory (engine.json) or a plain HF DeepSeek-V3 checkpoint directory.
+
+    dtype overrides the engine's build dtype; verify=False skips hashing the files (big engines).
+    """
+    path = Path(path)
+    if (path / ENGINE_JSON).is_file():
+        manifest = EngineManifest.read(path)
+        if manifest.build.backend == "trtllm":
+            raise EngineError(
+                f"{path}: built with --backend trtllm; run it with the TensorRT-LLM backend "
+                f"(trtllm-serve {path / 'hf'} --backend pytorch --extra_llm_api_options "
+                f"{path / 'extra_llm_api_options.yaml'}) or rebuild with --backend native"
+            )
+        if len(manifest.weights) != manifest.build.tp_size:
+            raise EngineError(
+                f"{path / ENGINE_JSON}: lists {len(manifest.weights)} weight files, expected one per rank "
+                f"(tp_size {manifest.build.tp_size})"
+            )
+        manifest.verify_files(path, hashes=verify)
+        cfg, build = manifest.model_config, _as_loaded(manifest.build, dtype)
+        model = _empty_model(cfg, device, build.torch_dtype)
+        _load_ranks(model, path, manifest.weights, build)
+        return LoadedEngine(model, cfg, build, path, path)
+    if (path / "config.json").is_file():
+        return _load_hf(path, device, dtype)
+    raise EngineError(
+        f"{path}: neither {ENGINE_JSON} nor config.json found, expected an engine directory "
+        "(from build_engine) or a Hugging Face DeepSeek-V3 checkpoint directory"
+    )
+
+
+def _load_hf(path: Path, device: str | torch.device, dtype: str | torch.dtype | None) -> LoadedEngine:
+    """A released checkpoint, dequantized as it streams in, with default limits."""
+    try:
+        ckpt = HFCheckpoint(path)
+        cfg = ckpt.config
+        build = _as_loaded(BuildConfig(
+            max_seq_len=min(cfg.max_position_embeddings, HF_MAX_SEQ_LEN),
+            max_draft_len=HF_MAX_DRAFT_LEN if cfg.num_nextn_predict_layers else 0,
+            quant_algo="FP8_BLOCK_SCALES" if ckpt.quantized else None,
+        ), dtype)
+        model = _empty_model(cfg, device, build.torch_dtype)
+        load_weights(model, ckpt.iter_tensors(dequantize=True, dtype=None), source=str(path))
+    except (CheckpointError, ConfigError, WeightsError) as e:
+        raise EngineError(str(e)) from e
+    return LoadedEngine(model, cfg, build, path, path)
+
+
+def _as_loaded(build: BuildConfig, dtype: str | torch.dtype | None) -> BuildConfig:
+    """The build with the dtype the model is loaded in (the `dtype` argument overrides the built one)."""
+    if dtype is None:
+        return build
+    name = {v: k for k, v in DTYPES.items()}.get(dtype, dtype)
+    if name not in DTYPES:
+        raise EngineError(f"dtype {dtype!r} is not supported, expected one of {', '.join(DTYPES)}")
+    return dataclasses.replace(build, dtype=name)
+
+
+def _empty_model(cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype) -> DeepseekV3ForCausalLM:
+    """Uninitialized parameters in `dtype` on `device` (weights overwrite all of them); buffers stay fp32."""
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(cfg)
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    model.to_empty(device=device)
+    model.inv_freq.copy_(rope_inv_freq(cfg)[0])
+    return model.eval().requires_grad_(False)
+
+
+def _load_ranks(model: DeepseekV3ForCausalLM, engine_dir: Path, files: Sequence[str], build: BuildConfig) -> None:
+    """Copy each rank's slices into the full parameters; replicated tensors come from rank 0."""
+    cfg = model.cfg
+    params = dict(model.named_parameters()) | dict(model.named_buffers())
+    params.pop("inv_freq")
+    filled = dict.fromkeys(params, 0)
+    with torch.no_grad():
+        for rank, fname in enumerate(files):
+            file = engine_dir / fname
+            try:
+                with safe_open(file, "pt") as f:
+                    keys = set(f.keys())
+                    for name in f.keys():
+                        if name.endswith(SCALE_SUFFIX) or (rank > 0 and split_dim(name) is None):
+                            continue
+                        if name not in params:
+                            raise EngineError(f"{file}: unexpected tensor {name!r}")
+                        full = params[name]
+                        if name.endswith("kv_b_proj.weight"):  # stored per head [heads, nope+v, kv_lora]
+                            full = full.view(cfg.num_attention_heads, -1, cfg.kv_lora_rank)
+                        filled[name] += _copy_shard(file, f, keys, name, full, build, rank)
+            except SafetensorError as e:
+                raise EngineError(f"{file}: invalid safetensors file ({e})") from None
+    for name, p in params.items():
+        if filled[name] != p.numel():
+            raise EngineError(f"{engine_dir}: tensor {name!r} is missing from the rank files")
+
+
+def _copy_shard(file: Path, f, keys: set[str], name: str, full: Tensor, build: BuildConfig, rank: int) -> int:
+    """Copy rank's stored piece of `name` into its slice of `full` (dequantized); return elements filled."""
+    target = full[shard_index(name, full.shape, build, rank)]
+    stored = f.get_slice(name).get_shape()
+    want = shard_shape(name, full.shape, build)
+    if tuple(stored) != want:
+        raise EngineError(f"{file}: tensor {name!r} has shape {list(stored)}, expected {list(want)}")
+    t = f.get_tensor(name)
+    if target.shape != t.shape:  # the padded tail of the vocabulary
+        t = t[tuple(slice(0, n) for n in target.shape)]
+    scale = f.get_tensor(name + SCALE_SUFFIX) if name + SCALE_SUFFIX in keys else None
+    if scale is None:
+        target.copy_(t)
+    elif scale.dim() < t.dim():  # per-tensor: one scale per weight (per expert when stacked)
+        target.copy_(dequantize_tensor_fp8(t, scale.view(*scale.shape, 1, 1)))
+    elif t.dim() == 3:  # stacked experts: one block grid per expert
+        for e in range(t.shape[0]):
+            target[e].copy_(dequantize_block_fp8(t[e], scale[e]))
+    else:
+        target.copy_(dequantize_block_fp8(t, scale))
+    return target.numel()

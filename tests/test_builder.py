@@ -1,0 +1,404 @@
+"""HF -> TensorRT-LLM checkpoint -> engine on tiny models: same logits as the HF checkpoint, rank
+files holding only their shard, config.json fields, every build_engine error and atomic output,
+and the files of --backend trtllm."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import builder.convert as convert
+import builder.engine as engine_builder
+from builder.cli import main
+from builder.convert import BuildError, _Source, _stored_piece, convert_checkpoint, rank_layout
+from builder.engine import TrtllmCheckpoint, build_engine, model_config_from_trtllm
+from conftest import tiny_config_dict, write_tiny_checkpoint
+from runtime.checkpoint import HFCheckpoint
+from runtime.config import ModelConfig
+from runtime.engine import BuildConfig, EngineError, load_engine
+from runtime.fp8 import FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8
+
+LIMITS = dict(max_seq_len=256)  # the tiny model's max_position_embeddings
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("src") / "hf")
+
+
+@pytest.fixture(scope="module")
+def hf_fp8(tmp_path_factory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("src") / "hf_fp8", fp8=True)
+
+
+def outputs(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense-forward logits and MTP logits of an engine or checkpoint, on a fixed batch."""
+    model = load_engine(path).model
+    ids = torch.arange(14).view(2, 7) * 5 % 64
+    with torch.no_grad():
+        hidden = model(ids)
+        return model.logits(hidden), model.mtp_forward(0, ids, hidden)[0]
+
+
+def build(src: Path, out: Path, **kw) -> Path:
+    b = BuildConfig(**LIMITS, **kw)
+    convert_checkpoint(src, out / "ckpt", b, progress=False)
+    return build_engine(out / "ckpt", out / "engine", b, progress=False)
+
+
+def cli(*args: str) -> int:
+    """build_engine's exit code; argparse's own errors exit through SystemExit."""
+    try:
+        return main([str(a) for a in args])
+    except SystemExit as e:
+        return e.code
+
+
+# ---- round trips ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("tp,ep", [(2, 2), (4, 2)])
+def test_roundtrip_same_logits(hf, tmp_path, tp, ep):
+    engine = build(hf, tmp_path, tp_size=tp, ep_size=ep)
+    (want, want_mtp), (got, got_mtp) = outputs(hf), outputs(engine)
+    assert (got - want).abs().max() <= 1e-5
+    assert (got_mtp - want_mtp).abs().max() <= 1e-5
+
+
+def test_padded_vocabulary_roundtrip(tiny_checkpoint, tmp_path):
+    src = tiny_checkpoint(cfg_dict=tiny_config_dict(vocab_size=66))
+    engine = build(src, tmp_path, tp_size=4, ep_size=1)
+    with safe_open(tmp_path / "ckpt" / "rank3.safetensors", "pt") as f:
+        emb = f.get_tensor("transformer.vocab_embedding.weight")
+    assert emb.shape == (17, 32) and emb[15:].abs().sum() == 0  # 66 rows padded to 68
+    (want, _), (got, _) = outputs(src), outputs(engine)
+    assert (got - want).abs().max() <= 1e-5
+
+
+def test_fp8_passthrough_equals_hf(hf_fp8, tmp_path):
+    engine = build(hf_fp8, tmp_path, tp_size=2, ep_size=2, quant_algo="FP8_BLOCK_SCALES")
+    (want, want_mtp), (got, got_mtp) = outputs(hf_fp8), outputs(engine)
+    assert torch.equal(got, want) and torch.equal(got_mtp, want_mtp)
+    # the released bytes and scales pass through unchanged (expert 5 sits on rank 1 as local expert 1)
+    ck = HFCheckpoint(hf_fp8)
+    with safe_open(tmp_path / "ckpt" / "rank1.safetensors", "pt") as f:
+        fc, scale = f.get_tensor("transformer.layers.1.mlp.fc.weight"), f.get_tensor("transformer.layers.1.mlp.fc.weights_scaling_factor")
+        assert f.get_tensor("transformer.layers.1.attention.kv_b_proj.weight").dtype == torch.float32
+        assert f.get_tensor("transformer.mtp_layers.0.eh_proj.weight").dtype == torch.float32
+    up = "model.layers.1.mlp.experts.5.up_proj.weight"
+    assert fc.dtype == FP8_DTYPE and fc.shape == (4, 32, 32)
+    assert torch.equal(fc[1, :16].view(torch.uint8), ck.get(up, dequantize=False, dtype=None).view(torch.uint8))
+    assert torch.equal(scale[1, :1], ck.get(up + "_scale_inv", dequantize=False, dtype=None))
+
+
+@pytest.mark.parametrize("algo", ["FP8_BLOCK_SCALES", "FP8"])
+def test_fp8_from_fp32_source(hf, tmp_path, algo):
+    engine = build(hf, tmp_path, tp_size=2, ep_size=1, quant_algo=algo)
+    want = dict(load_engine(hf).model.named_parameters())
+    for name, got in load_engine(engine).model.named_parameters():
+        if convert.is_quantized(name, algo):  # within e4m3 rounding (3 mantissa bits)
+            assert (got - want[name]).norm() <= 0.05 * want[name].norm(), name
+        else:
+            assert torch.equal(got, want[name]), name
+    with safe_open(tmp_path / "ckpt" / "rank0.safetensors", "pt") as f0, \
+            safe_open(tmp_path / "ckpt" / "rank1.safetensors", "pt") as f1:
+        name = "transformer.layers.0.attention.fused_a.weights_scaling_factor"
+        if algo == "FP8":  # one scale per released weight, computed before splitting: shared by all ranks
+            assert f0.get_tensor(name).shape == (2,) and torch.equal(f0.get_tensor(name), f1.get_tensor(name))
+        else:  # q_a_proj and kv_a_proj_with_mqa each on their own 128x128 grid
+            assert f0.get_tensor(name).shape == (2, 1)
+
+
+def test_block_split_inside_a_block_requantizes():
+    """A split at a row that is not a multiple of 128 and crosses a block boundary is requantized."""
+    w = torch.randn(300, 256) * torch.linspace(0.1, 10, 300)[:, None]
+    q, s = quantize_block_fp8(w)
+    source = _Source(q, s)
+    part = convert.PartLayout("model.layers.0.self_attn.q_b_proj.weight", (150, 256), 0, (2, 2), 0)
+    b = BuildConfig(quant_algo="FP8_BLOCK_SCALES")
+    head, head_scale = _stored_piece(source, (slice(0, 150), slice(None)), part, b)
+    assert torch.equal(head.view(torch.uint8), q[:150].view(torch.uint8)) and torch.equal(head_scale, s[:2])
+    tail, tail_scale = _stored_piece(source, (slice(150, 300), slice(None)), part, b)
+    assert tail_scale.shape == (2, 2)
+    deq = dequantize_block_fp8(tail, tail_scale)
+    assert ((deq - w[150:]).abs() <= w[150:].abs().max() / 448 * 2 + w[150:].abs() / 8).all()
+
+
+# ---- rank files and config.json ------------------------------------------------------------------
+def test_rank_files_hold_only_their_shard(hf, tmp_path):
+    b = BuildConfig(**LIMITS, tp_size=4, ep_size=2)  # moe_tp_size 2
+    ckpt = convert_checkpoint(hf, tmp_path / "ckpt", b, progress=False)
+    src = dict(HFCheckpoint(hf).iter_tensors())
+    layout = {t.tensor.name: t.shape for t in rank_layout(ModelConfig.from_dict(tiny_config_dict()), b)}
+    for rank in range(4):
+        t = load_file(ckpt / f"rank{rank}.safetensors")
+        assert {n: tuple(v.shape) for n, v in t.items()} == layout
+        ep, mtp = rank % 2, rank // 2
+        L = "transformer.layers.1."
+        assert t[L + "attention.q_b_proj.weight"].shape == (12, 24)  # 1 of 4 heads
+        assert torch.equal(t[L + "attention.dense.weight"], src["model.layers.1.self_attn.o_proj.weight"][:, rank * 8:(rank + 1) * 8])
+        assert torch.equal(t["transformer.layers.0.mlp.fc.weight"], src["model.layers.0.mlp.gate_proj.weight"][rank * 16:(rank + 1) * 16])
+        assert t[L + "mlp.fc.weight"].shape == (4, 16, 32)  # 4 of 8 experts, [up; gate] each 8 of 16 rows
+        e = 4 * ep + 3
+        assert torch.equal(t[L + "mlp.fc.weight"][3, :8], src[f"model.layers.1.mlp.experts.{e}.up_proj.weight"][mtp * 8:(mtp + 1) * 8])
+        assert torch.equal(t[L + "mlp.fc.weight"][3, 8:], src[f"model.layers.1.mlp.experts.{e}.gate_proj.weight"][mtp * 8:(mtp + 1) * 8])
+        assert torch.equal(t[L + "mlp.proj.weight"][3], src[f"model.layers.1.mlp.experts.{e}.down_proj.weight"][:, mtp * 8:(mtp + 1) * 8])
+        assert torch.equal(t[L + "attention.fused_a.weight"], torch.cat([src["model.layers.1.self_attn.q_a_proj.weight"],
+                                                                          src["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"]]))
+        assert torch.equal(t["transformer.mtp_layers.0.shared_head.weight"], src["model.layers.3.shared_head.head.weight"][rank * 16:(rank + 1) * 16])
+        assert t["transformer.mtp_layers.0.mlp.router.weight"].dtype == torch.float32
+
+
+def test_trtllm_config_fields(hf, tmp_path):
+    b = BuildConfig(**LIMITS, tp_size=2, ep_size=2, quant_algo="FP8_BLOCK_SCALES", dtype="bfloat16", max_draft_len=3)
+    ckpt = convert_checkpoint(hf, tmp_path / "ckpt", b, progress=False)
+    c = json.loads((ckpt / "config.json").read_text())
+    assert c["architecture"] == "DeepseekV3ForCausalLM" and c["dtype"] == "bfloat16" and c["logits_dtype"] == "float32"
+    assert (c["vocab_size"], c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"]) == (64, 32, 3, 4)
+    assert (c["kv_lora_rank"], c["q_lora_rank"], c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]) == (16, 24, 8, 4, 8)
+    assert (c["first_k_dense_replace"], c["moe_layer_freq"], c["rotary_base"]) == (1, 1, 10000.0)
+    assert c["rotary_scaling"]["type"] == "yarn" and c["rotary_scaling"]["mscale_all_dim"] == 1.0
+    assert c["moe"] == {"num_experts": 8, "top_k": 2, "shared_expert_intermediate_size": 16, "normalization_mode": 4,
+                        "norm_topk_prob": True, "device_limited_n_group": 2, "device_limited_topk_group": 1,
+                        "device_limited_routed_scaling_factor": 2.5, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+    assert c["mapping"] == {"world_size": 2, "tp_size": 2, "pp_size": 1, "moe_tp_size": 1, "moe_ep_size": 2}
+    assert c["quantization"]["quant_algo"] == "FP8_BLOCK_SCALES" and c["quantization"]["group_size"] == 128
+    assert "*kv_b_proj*" in c["quantization"]["exclude_modules"] and "*eh_proj*" in c["quantization"]["exclude_modules"]
+    assert c["speculative_decoding"] == {"decoding_type": "MTP", "num_nextn_predict_layers": 1, "max_draft_len": 3,
+                                         "draft_layer_prefix": "transformer.mtp_layers."}
+    back = model_config_from_trtllm(c, "config.json")
+    orig = HFCheckpoint(hf).config.to_dict()
+    orig.pop("quantization_config", None)
+    assert back.to_dict() | {"torch_dtype": orig["torch_dtype"]} == orig
+
+
+# ---- build_engine: happy paths and atomic output -------------------------------------------------
+def test_cli_model_dir_and_checkpoint_dir(hf, tmp_path, capsys):
+    assert cli("--model_dir", hf, "--output_dir", tmp_path / "e1", "--max_seq_len", 256, "--tp_size", 2, "--ep_size", 2) == 0
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # the temporary checkpoint is gone
+    manifest = json.loads((tmp_path / "e1" / "engine.json").read_text())
+    assert manifest["build"]["max_draft_len"] == 4 and manifest["build"]["tp_size"] == 2
+    assert sorted(manifest["files"]) == ["rank0.safetensors", "rank1.safetensors", "tokenizer.json"]
+    convert_checkpoint(hf, tmp_path / "ckpt", BuildConfig(**LIMITS, tp_size=2), progress=False)
+    assert cli("--checkpoint_dir", tmp_path / "ckpt", "--output_dir", tmp_path / "e2", "--max_seq_len", 256,
+               "--tokenizer_dir", hf) == 0
+    e2 = load_engine(tmp_path / "e2")
+    assert e2.build == BuildConfig(max_seq_len=256, tp_size=2)
+    assert (tmp_path / "e2" / "tokenizer.json").read_bytes() == (hf / "tokenizer.json").read_bytes()
+    assert cli("--checkpoint_dir", tmp_path / "ckpt", "--output_dir", tmp_path / "e2", "--max_seq_len", 128,
+               "--tokenizer_dir", hf, "--force") == 0
+    assert load_engine(tmp_path / "e2").build.max_seq_len == 128
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("disk full"), KeyboardInterrupt()])
+def test_failed_build_leaves_nothing(hf, tmp_path, monkeypatch, exc):
+    calls = []
+
+    def failing(*args):
+        calls.append(args)
+        if len(calls) == 2:
+            raise exc
+
+    monkeypatch.setattr(engine_builder, "_build_rank", failing)
+    out = tmp_path / "out"
+    args = ["--model_dir", hf, "--output_dir", out, "--max_seq_len", 256, "--tp_size", 2]
+    if isinstance(exc, KeyboardInterrupt):
+        assert cli(*args) == 130
+    else:
+        with pytest.raises(RuntimeError, match="disk full"):
+            cli(*args)
+    assert len(calls) == 2
+    assert list(tmp_path.iterdir()) == []  # no output, no temporary engine or checkpoint
+
+
+def test_interrupted_conversion_leaves_nothing(hf, tmp_path, monkeypatch):
+    def interrupt(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(convert, "_write_shard", interrupt)
+    assert cli("--model_dir", hf, "--output_dir", tmp_path / "out", "--max_seq_len", 256) == 130
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---- build_engine: user errors -------------------------------------------------------------------
+def error(capsys, *args: str) -> str:
+    """Run build_engine expecting a user error: exit code 2, one message line, no traceback."""
+    capsys.readouterr()
+    assert cli(*args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+def test_error_missing_and_corrupt_inputs(hf, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert error(capsys, "--model_dir", tmp_path / "nope", "--output_dir", out) == (
+        f"build_engine: error: {tmp_path / 'nope'}: not a directory, expected a checkpoint directory")
+    broken = tmp_path / "broken"
+    shutil.copytree(hf, broken)
+    shard = sorted(broken.glob("model-*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:-10])
+    assert error(capsys, "--model_dir", broken, "--output_dir", out).startswith(
+        f"build_engine: error: {shard}: file is truncated: ")
+    shutil.copytree(hf, tmp_path / "notok")
+    (tmp_path / "notok" / "tokenizer.json").unlink()
+    assert error(capsys, "--model_dir", tmp_path / "notok", "--output_dir", out, "--max_seq_len", 256) == (
+        f"build_engine: error: {tmp_path / 'notok' / 'tokenizer.json'}: tokenizer file not found, "
+        "expected tokenizer.json next to the weights (or --tokenizer_dir)")
+    assert error(capsys, "--checkpoint_dir", hf / "nope", "--output_dir", out) == (
+        f"build_engine: error: {hf / 'nope' / 'config.json'}: file not found, expected a TensorRT-LLM checkpoint directory")
+    assert not out.exists()
+
+
+def test_error_wrong_shapes(tiny_checkpoint, hf, tmp_path, capsys):
+    src = tiny_checkpoint("bad")
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    shard = src / index["weight_map"][name]
+    tensors = load_file(shard)
+    tensors[name] = torch.zeros(10, 16, dtype=torch.bfloat16)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    assert error(capsys, "--model_dir", src, "--output_dir", tmp_path / "o") == (
+        f"build_engine: error: {shard}: tensor {name!r} has shape [10, 16], expected [64, 16]")
+    ckpt = convert_checkpoint(hf, tmp_path / "ckpt", BuildConfig(**LIMITS, tp_size=2), progress=False)
+    rank1 = load_file(ckpt / "rank1.safetensors")
+    rank1["transformer.layers.0.attention.dense.weight"] = torch.zeros(32, 32)
+    save_file(rank1, ckpt / "rank1.safetensors")
+    assert error(capsys, "--checkpoint_dir", ckpt, "--output_dir", tmp_path / "o", "--tokenizer_dir", hf) == (
+        f"build_engine: error: {ckpt / 'rank1.safetensors'}: tensor 'transformer.layers.0.attention.dense.weight' "
+        "is F32 [32, 32], expected F32 [32, 16]")
+    (ckpt / "rank1.safetensors").unlink()
+    assert error(capsys, "--checkpoint_dir", ckpt, "--output_dir", tmp_path / "o", "--tokenizer_dir", hf) == (
+        f"build_engine: error: {ckpt / 'rank1.safetensors'}: rank file missing, expected 2 rank files for tp_size 2")
+
+
+def test_error_unsupported_quantization(tiny_checkpoint, hf, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert error(capsys, "--model_dir", hf, "--output_dir", out, "--quant_algo", "NVFP4") == (
+        "build_engine: error: argument --quant_algo: invalid choice: 'NVFP4' (choose from 'FP8_BLOCK_SCALES', 'FP8', 'NO_QUANT')")
+    cfg = tiny_config_dict()
+    cfg["quantization_config"]["weight_block_size"] = [64, 64]
+    src = tiny_checkpoint("b64", cfg, fp8=True)
+    assert error(capsys, "--model_dir", src, "--output_dir", out, "--max_seq_len", 256) == (
+        f"build_engine: error: {src / 'config.json'}: unsupported quantization: weight_block_size [64, 64], "
+        "expected [128, 128] (FP8_BLOCK_SCALES)")
+    ckpt = convert_checkpoint(hf, tmp_path / "ckpt", BuildConfig(**LIMITS), progress=False)
+    c = json.loads((ckpt / "config.json").read_text())
+    c["quantization"]["quant_algo"] = "W4A8_AWQ"
+    (ckpt / "config.json").write_text(json.dumps(c))
+    assert error(capsys, "--checkpoint_dir", ckpt, "--output_dir", out) == (
+        f"build_engine: error: {ckpt / 'config.json'}: unsupported quantization: quant_algo 'W4A8_AWQ', "
+        "expected FP8_BLOCK_SCALES, FP8 or null")
+    assert not out.exists()
+
+
+def test_error_parallelism(tiny_checkpoint, hf, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert error(capsys, "--model_dir", hf, "--output_dir", out, "--tp_size", 3) == (
+        f"build_engine: error: --tp_size 3 does not divide num_attention_heads (4) of {hf / 'config.json'}")
+    assert error(capsys, "--model_dir", hf, "--output_dir", out, "--ep_size", 2) == (
+        "build_engine: error: ep_size 2 does not divide tp_size 1, expected a divisor "
+        "(MoE ranks are moe_tp_size x moe_ep_size = tp_size)")
+    src = tiny_checkpoint("e6", tiny_config_dict(n_routed_experts=6))
+    assert error(capsys, "--model_dir", src, "--output_dir", out, "--tp_size", 4, "--ep_size", 4) == (
+        f"build_engine: error: --ep_size 4 does not divide n_routed_experts (6) of {src / 'config.json'}")
+    assert error(capsys, "--model_dir", hf, "--output_dir", out, "--tp_size", 0) == (
+        "build_engine: error: argument --tp_size: '0' is not a positive integer")
+    assert not out.exists()
+
+
+def test_error_existing_output(hf, tmp_path, capsys):
+    (tmp_path / "out").mkdir()
+    assert error(capsys, "--model_dir", hf, "--output_dir", tmp_path / "out") == (
+        f"build_engine: error: {tmp_path / 'out'}: output directory already exists; pass --force to replace it")
+
+
+def test_error_draft_len(tiny_checkpoint, hf, tmp_path, capsys):
+    out, cfg = tmp_path / "out", hf / "config.json"
+    assert error(capsys, "--model_dir", hf, "--output_dir", out, "--max_seq_len", 256, "--max_draft_len", 9) == (
+        f"build_engine: error: --max_draft_len 9 exceeds 8, the most {cfg} allows: "
+        "the MTP module is re-run per draft token, up to a cap of 8")
+    src = tiny_checkpoint("nomtp", tiny_config_dict(num_nextn_predict_layers=0))
+    assert error(capsys, "--model_dir", src, "--output_dir", out, "--max_seq_len", 256, "--max_draft_len", 1) == (
+        f"build_engine: error: --max_draft_len 1 exceeds 0, the most {src / 'config.json'} allows: "
+        "num_nextn_predict_layers is 0 (no MTP layer to draft with)")
+    assert error(capsys, "--model_dir", hf, "--output_dir", out, "--max_seq_len", 256, "--backend", "trtllm",
+                 "--use_mtp_vanilla", "--max_draft_len", 2) == (
+        f"build_engine: error: --max_draft_len 2 exceeds 1, the most {cfg} allows: "
+        "TensorRT-LLM's vanilla MTP drafts one token per MTP layer (num_nextn_predict_layers 1)")
+    assert error(capsys, "--model_dir", hf, "--output_dir", out, "--max_seq_len", 512) == (
+        f"build_engine: error: --max_seq_len 512 exceeds max_position_embeddings (256) of {cfg}")
+    assert cli("--model_dir", src, "--output_dir", out, "--max_seq_len", 256) == 0  # default k is 0 without MTP
+    assert load_engine(out).build.max_draft_len == 0
+
+
+def test_error_flags_against_checkpoint(hf, tmp_path, capsys):
+    ckpt = convert_checkpoint(hf, tmp_path / "ckpt", BuildConfig(**LIMITS, tp_size=2), progress=False)
+    out = tmp_path / "out"
+    assert error(capsys, "--checkpoint_dir", ckpt, "--output_dir", out, "--max_seq_len", 256, "--tokenizer_dir", hf,
+                 "--dtype", "bfloat16") == (
+        f"build_engine: error: --dtype bfloat16 differs from the checkpoint's float32 ({ckpt / 'config.json'}); "
+        "convert again or leave it out")
+    assert error(capsys, "--checkpoint_dir", ckpt, "--output_dir", out, "--backend", "trtllm") == (
+        "build_engine: error: --backend trtllm needs --model_dir: TensorRT-LLM's PyTorch backend loads the HF layout")
+    assert error(capsys, "--model_dir", hf, "--output_dir", out, "--enable_attention_dp") == (
+        "build_engine: error: the LLM API options (--enable_attention_dp, --kv_cache_dtype, ...) apply to --backend trtllm only")
+    assert error(capsys, "--model_dir", hf, "--output_dir", out, "--backend", "trtllm", "--max_seq_len", 256,
+                 "--quant_algo", "FP8") == (
+        f"build_engine: error: --quant_algo FP8 with --backend trtllm: TensorRT-LLM loads the weights as released, "
+        f"which are None ({hf / 'config.json'}); leave --quant_algo out")
+
+
+# ---- --backend trtllm ----------------------------------------------------------------------------
+def test_trtllm_backend_files(hf_fp8, tmp_path):
+    out = tmp_path / "trt"
+    assert cli("--model_dir", hf_fp8, "--output_dir", out, "--backend", "trtllm", "--max_seq_len", 256,
+               "--tp_size", 4, "--ep_size", 2, "--max_draft_len", 3, "--max_batch_size", 16, "--max_num_tokens", 512,
+               "--kv_block_size", 32, "--enable_attention_dp", "--kv_cache_dtype", "fp8",
+               "--free_gpu_memory_fraction", "0.8", "--no-enable_block_reuse", "--use_relaxed_acceptance_for_thinking",
+               "--relaxed_topk", 10, "--relaxed_delta", "0.6") == 0
+    opts = yaml.safe_load((out / "extra_llm_api_options.yaml").read_text())
+    assert opts == {
+        "dtype": "bfloat16", "tensor_parallel_size": 4, "moe_expert_parallel_size": 2, "enable_attention_dp": True,
+        "max_batch_size": 16, "max_num_tokens": 512, "max_seq_len": 256,
+        "kv_cache_config": {"dtype": "fp8", "free_gpu_memory_fraction": 0.8, "enable_block_reuse": False,
+                            "tokens_per_block": 32},
+        "cuda_graph_config": {"enable_padding": True, "max_batch_size": 16},
+        "speculative_config": {"decoding_type": "MTP", "num_nextn_predict_layers": 3,
+                               "use_relaxed_acceptance_for_thinking": True, "relaxed_topk": 10, "relaxed_delta": 0.6},
+    }
+    manifest = json.loads((out / "engine.json").read_text())
+    assert manifest["backend"] == "trtllm" and manifest["build"]["quant_algo"] == "FP8_BLOCK_SCALES"
+    shards = sorted(p.name for p in hf_fp8.glob("model-*.safetensors"))
+    assert manifest["weights"] == [f"hf/{s}" for s in shards]
+    for name in shards + ["config.json", "model.safetensors.index.json", "tokenizer.json"]:
+        assert (out / "hf" / name).read_bytes() == (hf_fp8 / name).read_bytes()
+    assert os.stat(out / "hf" / shards[0]).st_ino == os.stat(hf_fp8 / shards[0]).st_ino  # hard link
+    with safe_open(out / "hf" / shards[0], "pt") as f:
+        assert any(k.endswith("weight_scale_inv") for k in f.keys())
+    with pytest.raises(EngineError, match="built with --backend trtllm; run it with the TensorRT-LLM backend"):
+        load_engine(out)
+
+
+def test_trtllm_backend_defaults(hf, tmp_path):
+    assert cli("--model_dir", hf, "--output_dir", tmp_path / "t", "--backend", "trtllm", "--max_seq_len", 256) == 0
+    opts = yaml.safe_load((tmp_path / "t" / "extra_llm_api_options.yaml").read_text())
+    assert opts["speculative_config"] == {"decoding_type": "MTP", "num_nextn_predict_layers": 4}
+    assert opts["kv_cache_config"] == {"dtype": "auto", "free_gpu_memory_fraction": 0.9, "enable_block_reuse": True,
+                                       "tokens_per_block": 16}
+    assert (opts["tensor_parallel_size"], opts["moe_expert_parallel_size"], opts["enable_attention_dp"]) == (1, 1, False)
+
+
+def test_trtllm_checkpoint_reads_back(hf, tmp_path):
+    b = BuildConfig(**LIMITS, tp_size=2, ep_size=2, quant_algo="FP8", dtype="bfloat16", max_draft_len=2)
+    ckpt = TrtllmCheckpoint.read(convert_checkpoint(hf, tmp_path / "ckpt", b, progress=False))
+    assert ckpt.build == BuildConfig(tp_size=2, ep_size=2, quant_algo="FP8", dtype="bfloat16", max_draft_len=2)
+    with pytest.raises(BuildError, match="max_seq_len 512 exceeds"):
+        build_engine(ckpt.path, tmp_path / "e", BuildConfig(max_seq_len=512, tp_size=2, ep_size=2, quant_algo="FP8",
+                                                            dtype="bfloat16"), tokenizer_dir=hf, progress=False)

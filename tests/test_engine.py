@@ -1,0 +1,169 @@
+"""load_engine: engine directories and plain HF checkpoints, the BuildConfig rules, the rank split
+rule, and every refusal (newer format, trtllm backend, changed or missing files)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from builder.convert import convert_checkpoint
+from builder.engine import build_engine
+from conftest import tiny_config_dict, write_tiny_checkpoint
+from runtime.engine import (
+    BuildConfig,
+    EngineError,
+    LoadedEngine,
+    load_engine,
+    shard_index,
+    shard_shape,
+    split_dim,
+)
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("src") / "hf")
+
+
+@pytest.fixture(scope="module")
+def built(hf, tmp_path_factory) -> Path:
+    """A tp=2, ep=2 engine; tests copy it before breaking it."""
+    root = tmp_path_factory.mktemp("engine")
+    b = BuildConfig(max_seq_len=256, tp_size=2, ep_size=2)
+    convert_checkpoint(hf, root / "ckpt", b, progress=False)
+    return build_engine(root / "ckpt", root / "engine", b, progress=False)
+
+
+@pytest.fixture
+def engine(built, tmp_path) -> Path:
+    return Path(shutil.copytree(built, tmp_path / "engine"))
+
+
+def test_load_engine_directory(built, hf):
+    e = load_engine(built)
+    assert isinstance(e, LoadedEngine) and e.path == built and e.tokenizer_dir == built
+    assert e.build == BuildConfig(max_seq_len=256, tp_size=2, ep_size=2)
+    assert e.model_config.num_nextn_predict_layers == 1 and e.model_config.quantization_config is None
+    assert not e.model.training and not any(p.requires_grad for p in e.model.parameters())
+    assert {p.dtype for p in e.model.parameters()} == {torch.float32}
+    ref = load_engine(hf).model
+    for (name, p), (_, q) in zip(e.model.state_dict().items(), ref.state_dict().items()):
+        assert torch.equal(p, q), name
+    e16 = load_engine(built, dtype="bfloat16")
+    assert e16.build.dtype == "bfloat16" and {p.dtype for p in e16.model.parameters()} == {torch.bfloat16}
+    assert e16.model.model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32
+    with pytest.raises(EngineError, match="dtype 'float16' is not supported, expected one of float32, bfloat16"):
+        load_engine(built, dtype="float16")
+
+
+def test_load_hf_checkpoint_defaults(hf, tiny_checkpoint):
+    e = load_engine(hf, dtype=torch.bfloat16)
+    assert e.path == hf and e.tokenizer_dir == hf
+    assert e.build == BuildConfig(max_seq_len=256, max_draft_len=4, dtype="bfloat16")
+    assert e.model.lm_head.weight.dtype == torch.bfloat16 and e.model.inv_freq.dtype == torch.float32
+    no_mtp = load_engine(tiny_checkpoint("nomtp", tiny_config_dict(num_nextn_predict_layers=0, max_position_embeddings=8192)))
+    assert no_mtp.build.max_draft_len == 0 and no_mtp.build.max_seq_len == 4096 and len(no_mtp.model.mtp) == 0
+    fp8 = load_engine(tiny_checkpoint("fp8", fp8=True))
+    assert fp8.build.quant_algo == "FP8_BLOCK_SCALES" and fp8.model.lm_head.weight.dtype == torch.float32
+
+
+def test_refuses_newer_format(engine):
+    raw = json.loads((engine / "engine.json").read_text())
+    raw["format_version"] = 2
+    (engine / "engine.json").write_text(json.dumps(raw))
+    with pytest.raises(EngineError) as e:
+        load_engine(engine)
+    assert str(e.value) == (f"{engine / 'engine.json'}: format_version 2 is newer than this runtime supports (1); "
+                            "upgrade the runtime or rebuild the engine with this version's build_engine")
+
+
+def test_refuses_trtllm_backend(hf, tmp_path):
+    from builder.trtllm import build_trtllm_engine
+
+    out = build_trtllm_engine(hf, tmp_path / "trt", BuildConfig(max_seq_len=256, backend="trtllm"), progress=False)
+    with pytest.raises(EngineError) as e:
+        load_engine(out)
+    assert str(e.value).startswith(f"{out}: built with --backend trtllm; run it with the TensorRT-LLM backend (trtllm-serve ")
+    assert str(e.value).endswith("or rebuild with --backend native")
+
+
+def test_refuses_changed_file(engine):
+    rank1 = engine / "rank1.safetensors"
+    data = bytearray(rank1.read_bytes())
+    data[-3] ^= 0x01
+    rank1.write_bytes(bytes(data))
+    with pytest.raises(EngineError, match=r"rank1\.safetensors: content hash mismatch .*the file changed or is corrupt"):
+        load_engine(engine)
+    load_engine(engine, verify=False)  # still a valid safetensors file: only the hash knows
+
+
+def test_refuses_edited_engine_json(engine):
+    raw = json.loads((engine / "engine.json").read_text())
+    raw["build"]["max_batch_size"] = 64
+    (engine / "engine.json").write_text(json.dumps(raw))
+    with pytest.raises(EngineError) as e:
+        load_engine(engine)
+    assert str(e.value) == (f"{engine / 'engine.json'}: content_hash does not match the model_config, build and file "
+                            "hashes it lists; engine.json was edited or is corrupt, rebuild the engine")
+
+
+def test_refuses_missing_rank_file(engine):
+    (engine / "rank1.safetensors").unlink()
+    msg = (f"{engine / 'rank1.safetensors'}: weight file missing, expected 2 (rank0.safetensors, rank1.safetensors) "
+           "for tp_size 2")
+    with pytest.raises(EngineError) as e:
+        load_engine(engine)
+    assert str(e.value) == msg
+    with pytest.raises(EngineError, match="weight file missing"):
+        load_engine(engine, verify=False)
+
+
+def test_refuses_other_directories(tmp_path):
+    with pytest.raises(EngineError, match="neither engine.json nor config.json found"):
+        load_engine(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config_dict()))
+    with pytest.raises(EngineError, match=r"0 \*\.safetensors files and no model\.safetensors\.index\.json"):
+        load_engine(tmp_path)
+
+
+def test_build_config_rules():
+    assert BuildConfig().to_dict() == {
+        "max_batch_size": 8, "max_seq_len": 1024, "max_num_tokens": 2048, "max_draft_len": 4, "dtype": "float32",
+        "kv_block_size": 16, "tp_size": 1, "ep_size": 1, "quant_algo": None, "backend": "native"}
+    for kwargs, msg in [
+        (dict(max_batch_size=0), "max_batch_size is 0, expected a positive integer"),
+        (dict(max_draft_len=-1), "max_draft_len is -1, expected an integer >= 0"),
+        (dict(dtype="float16"), "dtype is 'float16', expected one of float32, bfloat16"),
+        (dict(quant_algo="NVFP4"), "quant_algo is 'NVFP4', expected FP8_BLOCK_SCALES, FP8 or none"),
+        (dict(backend="tensorrt"), "backend is 'tensorrt', expected one of native, trtllm"),
+        (dict(tp_size=4, ep_size=3), "ep_size 3 does not divide tp_size 4, expected a divisor "
+                                     "(MoE ranks are moe_tp_size x moe_ep_size = tp_size)"),
+    ]:
+        with pytest.raises(EngineError) as e:
+            BuildConfig(**kwargs)
+        assert str(e.value) == msg
+    with pytest.raises(EngineError, match="engine.json: unknown build field"):
+        BuildConfig.from_dict({"max_beam_width": 2}, "engine.json")
+    b = BuildConfig(tp_size=8, ep_size=4)
+    assert b.moe_tp_size == 2 and (b.moe_ep_rank(5), b.moe_tp_rank(5)) == (1, 1)
+
+
+def test_split_rule():
+    assert split_dim("model.layers.3.self_attn.q_b_proj.weight") == 0
+    assert split_dim("model.layers.3.self_attn.o_proj.weight") == 1
+    assert split_dim("model.layers.3.self_attn.kv_a_proj_with_mqa.weight") is None
+    assert split_dim("model.layers.3.mlp.gate.weight") is None  # router: replicated
+    assert split_dim("mtp.0.block.mlp.experts.down_proj") == 2
+    assert split_dim("mtp.0.eh_proj.weight") is None
+    assert split_dim("mtp.0.shared_head.head.weight") == 0
+    b = BuildConfig(tp_size=4, ep_size=2)
+    # experts [E=8, I=16, H=32]: rank 3 is moe_ep_rank 1 (experts 4..7), moe_tp_rank 1 (rows 8..15)
+    assert shard_index("model.layers.1.mlp.experts.up_proj", (8, 16, 32), b, 3) == (slice(4, 8), slice(8, 16), slice(None))
+    assert shard_shape("model.layers.1.mlp.experts.up_proj", (8, 16, 32), b) == (4, 8, 32)
+    # a vocabulary of 66 over 4 ranks: 17 rows each, the last rank holds 15 real ones
+    assert shard_index("lm_head.weight", (66, 32), b, 3) == (slice(51, 66), slice(None))
+    assert shard_shape("lm_head.weight", (66, 32), b) == (17, 32)
