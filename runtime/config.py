@@ -25,8 +25,8 @@ class RopeScaling:
     original_max_position_embeddings: int
     beta_fast: float = 32.0
     beta_slow: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 0.0
+    mscale: float | None = None  # None when config.json leaves the key out (it changes the cos/sin scale)
+    mscale_all_dim: float | None = None
     type: str = "yarn"
 
 

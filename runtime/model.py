@@ -102,10 +102,9 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[Tensor, float]:
     high = min(math.ceil(correction_dim(rs.beta_slow)), dim - 1)
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
     freq = freq / rs.factor * ramp + freq * (1 - ramp)
-    attention_factor = 1.0
-    if rs.mscale and rs.mscale_all_dim:
-        attention_factor = yarn_mscale(rs.factor, rs.mscale) / yarn_mscale(rs.factor, rs.mscale_all_dim)
-    return freq, attention_factor
+    if rs.mscale and rs.mscale_all_dim:  # DeepSeek-V3 gives both (equal): the factor is 1
+        return freq, yarn_mscale(rs.factor, rs.mscale) / yarn_mscale(rs.factor, rs.mscale_all_dim)
+    return freq, yarn_mscale(rs.factor, 1.0)  # plain YaRN, as HF and vLLM
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -141,10 +140,10 @@ class MLA(nn.Module):
             self.q_proj = nn.Linear(H, h * cfg.qk_head_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(H, cfg.q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)  # fixed eps, as DeepSeek and HF
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(H, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(h * cfg.v_head_dim, H, bias=False)
 
