@@ -17,7 +17,6 @@ import contextlib
 import json
 import math
 import shutil
-import tempfile
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
+from builder.atomic import atomic_dir as atomic
 from runtime.checkpoint import SCALE_SUFFIX, HFCheckpoint
 from runtime.config import ModelConfig
 from runtime.engine import BuildConfig, shard_index, shard_shape
@@ -278,19 +278,10 @@ def check_output_dir(out_dir: Path, force: bool) -> None:
 
 @contextlib.contextmanager
 def atomic_dir(out_dir: Path, force: bool) -> Iterator[Path]:
-    """Yield a temporary sibling of out_dir that replaces out_dir only if the block completes."""
-    out_dir = Path(out_dir)
+    """Check out_dir may be (re)placed, then build it atomically (builder.atomic)."""
     check_output_dir(out_dir, force)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+    with atomic(out_dir) as tmp:
         yield tmp
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def check_tokenizer(src: Path) -> list[str]:

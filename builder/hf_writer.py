@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Iterable
 
@@ -18,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from builder.atomic import atomic_dir
 from runtime.checkpoint import INDEX_NAME, SCALE_SUFFIX, is_fp8_quantized
 from runtime.config import ModelConfig, QuantizationConfig
 from runtime.fp8 import FP8_DTYPE, quantize_block_fp8
@@ -51,9 +51,7 @@ def write_hf_checkpoint(
         config = dataclasses.replace(config, quantization_config=None)
     block = config.quantization_config.weight_block_size if fp8 else None
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+    with atomic_dir(out_dir) as tmp:
         (tmp / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
         shards: list[list[str]] = []  # tensor names per shard, in order
         shard: dict[str, torch.Tensor] = {}
@@ -97,12 +95,6 @@ def write_hf_checkpoint(
                 if (tokenizer_dir / fname).is_file():
                     shutil.copy2(tokenizer_dir / fname, tmp / fname)
 
-        if out_dir.exists():  # force=True
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 
