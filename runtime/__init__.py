@@ -1,6 +1,19 @@
-"""Native runtime for DeepSeek-V3/R1 with MTP speculative decoding."""
+"""Native runtime for DeepSeek-V3/R1 with MTP speculative decoding.
 
-from runtime.sampling import SamplingParams
-from runtime.session import GenerationResult, Session
+`Session` and `SamplingParams` are imported lazily, so that light users of the package (the
+Triton tokenizer models) do not load the model code and torch.
+"""
 
 __all__ = ["GenerationResult", "SamplingParams", "Session"]
+
+
+def __getattr__(name: str):
+    if name == "SamplingParams":
+        from runtime.sampling import SamplingParams
+
+        return SamplingParams
+    if name in ("Session", "GenerationResult"):
+        from runtime import session
+
+        return getattr(session, name)
+    raise AttributeError(f"module 'runtime' has no attribute {name!r}")

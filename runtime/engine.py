@@ -112,6 +112,7 @@ class LoadedEngine:
     build: BuildConfig  # as built, with dtype the one loaded
     tokenizer_dir: Path
     path: Path
+    built: bool = True  # False for a plain HF checkpoint: its limits are defaults, not build choices
 
 
 # ---- how tensors are split across ranks (shared by the converter and the loader) -----------
@@ -301,7 +302,7 @@ def load_engine(path: str | Path, device: str | torch.device = "cpu", dtype: str
         cfg, build = manifest.model_config, _as_loaded(manifest.build, dtype)
         model = _empty_model(cfg, device, build.torch_dtype)
         _load_ranks(model, path, manifest.weights, build)
-        return LoadedEngine(model, cfg, build, path, path)
+        return LoadedEngine(model, cfg, build, path, path, built=False)
     if (path / "config.json").is_file():
         return _load_hf(path, device, dtype)
     raise EngineError(
@@ -324,7 +325,7 @@ def _load_hf(path: Path, device: str | torch.device, dtype: str | torch.dtype | 
         load_weights(model, ckpt.iter_tensors(dequantize=True, dtype=None), source=str(path))
     except (CheckpointError, ConfigError, WeightsError) as e:
         raise EngineError(str(e)) from e
-    return LoadedEngine(model, cfg, build, path, path)
+    return LoadedEngine(model, cfg, build, path, path, built=False)
 
 
 def _as_loaded(build: BuildConfig, dtype: str | torch.dtype | None) -> BuildConfig:

@@ -8,7 +8,6 @@ iterators, and frees a cancelled request's blocks at once.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import os
@@ -18,7 +17,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator, Callable, Iterator
+from typing import Callable
 
 import torch
 
@@ -26,9 +25,13 @@ from runtime.engine import LoadedEngine, load_engine
 from runtime.kv_cache import KVCache
 from runtime.sampling import RelaxedAcceptance, SamplingParams
 from runtime.scheduler import DraftPolicy, Scheduler, SchedulerConfig, StepCosts
-from runtime.sequence import Sequence, Status
-from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
-from runtime.worker import ModelRunner, Scheduled
+from runtime.outputs import (ExecutorStats, RequestHandle, RequestOutput, RequestStats, RequestTracker,
+                             validate_request)
+from runtime.sequence import Sequence
+from runtime.tokenizer import Tokenizer
+from runtime.worker import ModelRunner, StepResult
+
+__all__ = ["Executor", "ExecutorConfig", "ExecutorStats", "RequestHandle", "RequestOutput", "RequestStats"]
 
 log = logging.getLogger("runtime.executor")
 
@@ -48,110 +51,6 @@ class ExecutorConfig:
     relaxed_acceptance: RelaxedAcceptance | None = None
 
 
-@dataclass
-class RequestStats:
-    prompt_tokens: int
-    output_tokens: int
-    num_draft_tokens: int
-    num_accepted_draft_tokens: int
-    num_steps: int
-    ttft_s: float | None
-    tpot_s: float | None
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def tokens_per_step(self) -> float:
-        return self.output_tokens / self.num_steps if self.num_steps else 0.0
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    token_ids: list[int]
-    text_delta: str
-    text: str
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "cancelled" | "error"
-    stats: RequestStats
-
-
-@dataclass
-class ExecutorStats:
-    running: int
-    queued: int
-    kv_blocks_used: int
-    kv_blocks_free: int
-    requests_finished: int
-    generated_tokens: int
-    draft_tokens: int
-    accepted_draft_tokens: int
-    current_draft_len: int
-    acceptance_estimate: float
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
-
-
-class RequestHandle:
-    """Outputs of one request: iterate (blocking or async) over deltas, or wait for the result."""
-
-    def __init__(self, request_id: str, executor: "Executor"):
-        self.request_id = request_id
-        self._executor = executor
-        self._outputs: queue.Queue[RequestOutput] = queue.Queue()
-        self._final: RequestOutput | None = None
-        self._done = threading.Event()
-
-    def _push(self, out: RequestOutput) -> None:
-        if out.finished:
-            self._final = out
-            self._done.set()
-        self._outputs.put(out)
-
-    @property
-    def finished(self) -> bool:
-        return self._done.is_set()
-
-    def cancel(self) -> None:
-        self._executor.cancel(self.request_id)
-
-    def result(self, timeout: float | None = None) -> RequestOutput:
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
-        return self._final
-
-    def __iter__(self) -> Iterator[RequestOutput]:
-        while True:
-            out = self._outputs.get()
-            yield out
-            if out.finished:
-                return
-
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        while True:
-            out = await asyncio.to_thread(self._outputs.get)
-            yield out
-            if out.finished:
-                return
-
-
-@dataclass(eq=False)
-class _Request:
-    seq: Sequence
-    handle: RequestHandle
-    detok: IncrementalDetokenizer
-    stop_ids: frozenset[int]
-    callback: Callable[[RequestOutput], None] | None
-    text: str = ""  # reported so far
-    held: str = ""  # decoded but not reported yet (could start a stop string)
-    emitted: int = 0  # output tokens already reported
-
-
 class Executor:
     def __init__(self, engine: str | Path | LoadedEngine, config: ExecutorConfig = ExecutorConfig()):
         self.engine = engine if isinstance(engine, LoadedEngine) else load_engine(
@@ -163,7 +62,7 @@ class Executor:
             max_num_tokens=self._limit("max_num_tokens", config.max_num_tokens, build.max_num_tokens),
             max_seq_len=self._limit("max_seq_len", config.max_seq_len, build.max_seq_len))
         k = config.num_draft_tokens if config.speculation != "off" else 0
-        if k > build.max_draft_len:
+        if k > build.max_draft_len and self.engine.built:
             raise ValueError(f"num_draft_tokens {k} exceeds the engine's max_draft_len {build.max_draft_len} "
                              f"({self.engine.path})")
         if k and cfg.num_nextn_predict_layers == 0:
@@ -178,7 +77,9 @@ class Executor:
         costs = self.profile(k) if config.speculation == "adaptive" and k else None
         self.policy = DraftPolicy(config.speculation if k else "off", k, costs)
         self.scheduler = Scheduler(self.limits, self.cache, self.policy)
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, tuple[Sequence, RequestTracker]] = {}
+        self._live_ids: set[str] = set()  # submitted and not finished (guarded: submit runs on callers' threads)
+        self._live_lock = threading.Lock()
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._wake = threading.Event()
         self._counts = dict(finished=0, generated=0, drafted=0, accepted=0)
@@ -188,42 +89,52 @@ class Executor:
         self._thread.start()
 
     def _limit(self, name: str, asked: int | None, built: int) -> int:
+        """An engine's limits are what it was built for; a plain checkpoint's are only defaults."""
         if asked is None:
             return built
-        if asked > built:
+        if asked > built and self.engine.built:
             raise ValueError(f"{name} {asked} exceeds the engine's {name} {built} ({self.engine.path}); "
                              f"rebuild the engine with --{name} {asked}")
         return asked
 
     # ---- public API ---------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the parameter when this request cannot run here."""
+        validate_request(prompt_token_ids, params, self.engine.model_config.vocab_size, self.limits.max_seq_len)
+        need = self.cache.blocks_for(len(prompt_token_ids) + params.max_tokens + self.policy.max_k)
+        if need > self.cache.allocator.num_blocks:
+            raise ValueError(f"max_tokens {params.max_tokens} with a {len(prompt_token_ids)}-token prompt needs {need} "
+                             f"KV blocks; the cache has {self.cache.allocator.num_blocks} (raise kv_cache_tokens)")
+
     def submit(self, prompt_token_ids: list[int], params: SamplingParams,
                on_output: Callable[[RequestOutput], None] | None = None, request_id: str | None = None) -> RequestHandle:
         """Queue a request; invalid parameters raise ValueError naming the parameter."""
-        params.validate(self.engine.model_config.vocab_size)
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("prompt must not be empty")
-        vocab = self.engine.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if n >= self.limits.max_seq_len:
-            raise ValueError(f"prompt has {n} tokens; max_seq_len is {self.limits.max_seq_len}")
-        if n + params.max_tokens > self.limits.max_seq_len:
-            raise ValueError(f"max_tokens {params.max_tokens} with a {n}-token prompt exceeds max_seq_len "
-                             f"{self.limits.max_seq_len}; at most {self.limits.max_seq_len - n}")
+        self.validate(prompt_token_ids, params)
         if self._stopping:
             raise RuntimeError("executor is shut down")
         rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        with self._live_lock:
+            if rid in self._live_ids:
+                raise ValueError(f"request_id {rid!r} is already in flight")
+            self._live_ids.add(rid)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(6), "little")
-        seq = Sequence(rid, list(prompt_token_ids), n, params, seed)
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos and self.tokenizer.eos_token_id is not None:
-            stop_ids.add(self.tokenizer.eos_token_id)
+        seq = Sequence(rid, list(prompt_token_ids), len(prompt_token_ids), params, seed,
+                       in_thinking=self._thinking_after(prompt_token_ids))
         handle = RequestHandle(rid, self)
-        req = _Request(seq, handle, IncrementalDetokenizer(self.tokenizer), frozenset(stop_ids), on_output)
-        self._inbox.put(("add", req))
+        tracker = RequestTracker.create(rid, len(prompt_token_ids), params, self.tokenizer, self.limits.max_seq_len,
+                                        handle, on_output)
+        self._inbox.put(("add", (seq, tracker)))
         self._wake.set()
         return handle
+
+    def _thinking_after(self, tokens: list[int]) -> bool:
+        """Whether a relaxed-acceptance thinking span is open after these tokens (R1's chat template
+        opens it at the end of the prompt)."""
+        r = self.config.relaxed_acceptance
+        if r is None:
+            return False
+        last = {t: i for i, t in enumerate(tokens) if t in (r.begin_thinking_token, r.end_thinking_token)}
+        return last.get(r.begin_thinking_token, -1) > last.get(r.end_thinking_token, -1)
 
     def cancel(self, request_id: str) -> None:
         self._inbox.put(("cancel", request_id))
@@ -251,20 +162,24 @@ class Executor:
 
     # ---- profiling for adaptive speculation ---------------------------------------------------
     @torch.inference_mode()
-    def profile(self, max_k: int, context: int = 64, repeats: int = 3) -> StepCosts:
-        """Time target forwards (q tokens per sequence) and MTP forwards at a few batch sizes."""
+    def profile(self, max_k: int, context: int = 64, repeats: int = 5) -> StepCosts:
+        """Time target forwards (q tokens per sequence) and MTP forwards at a few batch sizes
+        (medians; costs forced non-decreasing in q, as they are, so noise cannot invert them)."""
         model, cache = self.engine.model, self.cache
-        sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= self.limits.max_batch_size]
-        if sizes[-1] != self.limits.max_batch_size:
-            sizes.append(self.limits.max_batch_size)
+        fits = cache.allocator.num_free // cache.blocks_for(context + max_k + 1)
+        largest = max(1, min(self.limits.max_batch_size, fits))
+        context = min(context, cache.allocator.num_free * cache.block_size // largest - max_k - 1)
+        sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < largest] + [largest]
         tables = [cache.allocator.allocate(cache.blocks_for(context + max_k + 1)) for _ in range(sizes[-1])]
         try:
             def timed(fn) -> float:
                 fn()
-                t0 = time.perf_counter()
+                times = []
                 for _ in range(repeats):
+                    t0 = time.perf_counter()
                     fn()
-                return (time.perf_counter() - t0) / repeats
+                    times.append(time.perf_counter() - t0)
+                return sorted(times)[repeats // 2]
 
             target = {q: [] for q in range(1, max_k + 2)}
             mtp = []
@@ -283,6 +198,8 @@ class Executor:
         finally:
             for t in tables:
                 cache.allocator.free(t)
+        for q in range(2, max_k + 2):
+            target[q] = [max(a, b) for a, b in zip(target[q], target[q - 1])]
         return StepCosts(sizes, target, mtp)
 
     # ---- the step loop ------------------------------------------------------------------------
@@ -294,22 +211,24 @@ class Executor:
                 self._wake.clear()
                 continue
             plan = self.scheduler.schedule()
-            if not plan:
+            if not plan:  # everything waits for blocks that running requests will free
+                self._wake.wait(0.01)
+                self._wake.clear()
                 continue
             try:
                 results = self.runner.step(plan)
             except Exception as e:  # a broken step fails its requests, never the executor
                 log.exception("step failed")
                 for item in plan:
-                    self._finish(self._requests[item.seq.request_id], "error", error=str(e))
+                    self._finish(item.seq.request_id, "error", error=str(e))
                 continue
             self.scheduler.after_step(results)
             now = time.perf_counter()
             for r in results:
-                if r.new_token_ids:
-                    self._process(self._requests[r.seq.request_id], r.num_drafts, r.num_accepted, now)
-        for req in list(self._requests.values()):
-            self._finish(req, "cancelled")
+                if r.new_token_ids and r.seq.request_id in self._requests:
+                    self._process(r, now)
+        for rid in list(self._requests):
+            self._finish(rid, "cancelled")
 
     def _drain_inbox(self) -> None:
         while True:
@@ -318,75 +237,37 @@ class Executor:
             except queue.Empty:
                 return
             if kind == "add":
-                self._requests[item.seq.request_id] = item
-                self.scheduler.add(item.seq)
+                seq, tracker = item
+                self._requests[seq.request_id] = (seq, tracker)
+                self.scheduler.add(seq)
             elif item in self._requests:
-                self._finish(self._requests[item], "cancelled")
+                self._finish(item, "cancelled")
 
-    def _process(self, req: _Request, num_drafts: int, num_accepted: int, now: float) -> None:
-        """Apply stop conditions to the tokens a step emitted, then report the delta.
-
-        With stop strings, the last (longest stop - 1) characters are held back until they can no
-        longer start a stop string, so a client never sees part of one.
-        """
-        seq, p = req.seq, req.seq.params
-        seq.first_token_time = seq.first_token_time or now
-        seq.last_token_time = now
-        self._counts["drafted"] += num_drafts
-        self._counts["accepted"] += num_accepted
-        start = seq.num_prompt_tokens + req.emitted
-        new, reason = seq.token_ids[start:], None
-        for i, t in enumerate(new):
-            if t in req.stop_ids:
-                new, reason = new[:i], "stop"
-                break
-            if req.emitted + i + 1 >= p.max_tokens or start + i + 1 >= self.limits.max_seq_len:
-                new, reason = new[: i + 1], "length"
-                break
-        del seq.token_ids[start + len(new):]
-        req.emitted += len(new)
+    def _process(self, r: StepResult, now: float) -> None:
+        """Apply the stop rules to the tokens a step emitted and report them."""
+        seq, tracker = self._requests[r.seq.request_id]
+        tracker.num_steps += 1
+        tracker.num_draft_tokens += r.num_drafts
+        tracker.num_accepted_draft_tokens += r.num_accepted
+        self._counts["drafted"] += r.num_drafts
+        self._counts["accepted"] += r.num_accepted
+        new, delta, reason = tracker.consume(r.new_token_ids, now)
         self._counts["generated"] += len(new)
-        req.held += req.detok.push(new) + (req.detok.flush() if reason else "")
-        hits = [i for i in (req.held.find(s) for s in p.stop) if i >= 0]
-        if hits:
-            delta, reason = req.held[: min(hits)], "stop"
-        elif reason is None and p.stop:
-            keep = max(map(len, p.stop)) - 1
-            delta = req.held[: max(len(req.held) - keep, 0)]
+        if reason is None:
+            tracker.report(new, delta, None)
         else:
-            delta = req.held
-        req.held = req.held[len(delta):]
-        req.text += delta
-        if reason is not None:
-            self._finish(req, reason, new, delta)
-        else:
-            self._report(req, new, delta, False, None)
+            del seq.token_ids[seq.num_prompt_tokens + len(tracker.token_ids):]
+            self._finish(seq.request_id, reason, new, delta)
 
-    def _report(self, req: _Request, new: list[int], delta: str, finished: bool, reason: str | None) -> None:
-        seq = req.seq
-        n_out = seq.num_output_tokens
-        ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time else None
-        tpot = ((seq.last_token_time - seq.first_token_time) / (n_out - 1)) if n_out > 1 else None
-        stats = RequestStats(seq.num_prompt_tokens, n_out, seq.num_draft_tokens, seq.num_accepted_draft_tokens,
-                             seq.num_steps, ttft, tpot)
-        out = RequestOutput(seq.request_id, new, seq.token_ids[seq.num_prompt_tokens :], delta, req.text, finished,
-                            reason, stats)
-        if req.callback is not None:
-            try:
-                req.callback(out)
-            except Exception:
-                log.exception("output callback of %s failed", seq.request_id)
-        req.handle._push(out)
-
-    def _finish(self, req: _Request, reason: str, new: list[int] | None = None, delta: str = "",
+    def _finish(self, request_id: str, reason: str, new: list[int] | None = None, delta: str = "",
                 error: str | None = None) -> None:
-        self.scheduler.remove(req.seq)
-        self._requests.pop(req.seq.request_id, None)
-        req.seq.finish_reason = reason
+        if request_id not in self._requests:
+            return
+        seq, tracker = self._requests.pop(request_id)
+        with self._live_lock:
+            self._live_ids.discard(request_id)
+        self.scheduler.remove(seq)
         self._counts["finished"] += 1
         if error:
-            log.error("request %s failed: %s", req.seq.request_id, error)
-        self._report(req, new or [], delta, True, reason)
-        log.info("request %s finished (%s): %d prompt + %d output tokens, acceptance %.2f",
-                 req.seq.request_id, reason, req.seq.num_prompt_tokens, req.seq.num_output_tokens,
-                 req.seq.num_accepted_draft_tokens / max(req.seq.num_draft_tokens, 1))
+            log.error("request %s failed: %s", request_id, error)
+        tracker.report(new or [], delta, reason, error)

@@ -9,7 +9,6 @@ positions num_mtp .. num_cached - 1 wait in `pending_hidden` until the next draf
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 from torch import Tensor
@@ -30,21 +29,13 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     seed: int
-    arrival_time: float = field(default_factory=time.perf_counter)
     status: Status = Status.WAITING
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0
     num_mtp: int = 0
     pending_hidden: Tensor | None = None
     in_thinking: bool = False
-    admitted_at: int = -1  # step at which it last joined the running batch (preemption order)
-    # statistics
-    num_steps: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_draft_tokens: int = 0
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finish_reason: str | None = None
+    admitted_at: int = -1  # admission order of its last admission (preemption takes the latest)
 
     @property
     def num_tokens(self) -> int:

@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from runtime.executor import Executor, ExecutorConfig, RequestStats
+from runtime.executor import ExecutorConfig
+from runtime.outputs import RequestStats
 from runtime.sampling import SamplingParams
+from runtime.trtllm_executor import create_executor
 
 
 @dataclass
@@ -31,10 +33,11 @@ class Session:
     def __init__(self, path: str | Path, num_draft_tokens: int = 3, speculation: str = "fixed",
                  device: str = "cpu", dtype: str | None = None, **limits: int | None):
         """`speculation` 'fixed' drafts num_draft_tokens every step; 'adaptive' picks up to that many
-        per step from the batch size and measured acceptance; num_draft_tokens=0 is plain decoding."""
+        per step from the batch size and measured acceptance; num_draft_tokens=0 is plain decoding.
+        An engine built with --backend trtllm runs on TensorRT-LLM (runtime.trtllm_executor)."""
         mode = "off" if num_draft_tokens == 0 else speculation
-        self.executor = Executor(path, ExecutorConfig(num_draft_tokens=num_draft_tokens, speculation=mode,
-                                                      device=device, dtype=dtype, **limits))
+        self.executor = create_executor(path, ExecutorConfig(num_draft_tokens=num_draft_tokens, speculation=mode,
+                                                             device=device, dtype=dtype, **limits))
         self.tokenizer = self.executor.tokenizer
 
     def _encode(self, prompt: str) -> list[int]:
@@ -46,7 +49,9 @@ class Session:
         """One result per prompt, in order; all prompts run together in the in-flight batch."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         params = params or SamplingParams()
-        ids = [self._encode(p) for p in prompts]  # validate everything before submitting anything
+        ids = [self._encode(p) for p in prompts]
+        for i in ids:  # validate everything before submitting anything
+            self.executor.validate(i, params)
         handles = [self.executor.submit(i, params) for i in ids]
         outs = [h.result() for h in handles]
         return [GenerationResult(p, o.text, o.token_ids, o.finish_reason, o.stats) for p, o in zip(prompts, outs)]

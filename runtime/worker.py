@@ -161,9 +161,6 @@ class ModelRunner:
                 for t in emitted:
                     r = self.relaxed
                     s.in_thinking = True if t == r.begin_thinking_token else False if t == r.end_thinking_token else s.in_thinking
-            s.num_steps += bool(emitted)
-            s.num_draft_tokens += it.num_drafts
-            s.num_accepted_draft_tokens += accepted
             out.append(StepResult(s, emitted, it.num_drafts, accepted))
         self.timings["draft"] += t1 - t0
         self.timings["target"] += time.perf_counter() - t1

@@ -1,7 +1,8 @@
 """Train the project's small DeepSeek-V3 + MTP model with the runtime's own model code.
 
 Loss = next-token CE + mtp_weight x MTP CE (the MTP layer sees the target's final hidden state
-after model.norm and the embedding of the next token, and predicts the token after it).
+after model.norm and the embedding of the next token, and predicts the token after it; it shares
+the embedding and the output head with the main model, as DeepSeek-V3 does).
 Experts are balanced without an auxiliary loss, as DeepSeek-V3 does: after every step each MoE
 gate's e_score_correction_bias moves by gamma * sign(mean load - expert load).
 
@@ -129,6 +130,9 @@ def main() -> None:
     torch.manual_seed(args.seed)
     model = DeepseekV3ForCausalLM(cfg).to(args.device)
     model.init_weights(seed=args.seed)
+    for mtp in model.mtp:  # DeepSeek-V3 shares the embedding and output head with its MTP modules;
+        mtp.embed_tokens.weight = model.model.embed_tokens.weight  # the release stores copies
+        mtp.shared_head.head.weight = model.lm_head.weight
     decay = [p_ for n, p_ in model.named_parameters() if p_.dim() >= 2 and "embed" not in n]
     no_decay = [p_ for n, p_ in model.named_parameters() if not (p_.dim() >= 2 and "embed" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},

@@ -1,0 +1,222 @@
+"""The output side of a request, shared by every backend's executor.
+
+Request validation, stop conditions (stop token ids and eos, max_tokens, max_seq_len, stop strings),
+UTF-8-safe text deltas, per-request statistics and delivery to callbacks and iterators live here
+once, so the native executor and the TensorRT-LLM adapter answer the same request the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator
+
+from runtime.sampling import SamplingParams
+from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+
+if TYPE_CHECKING:  # only for annotations: executors import this module
+    from runtime.executor import Executor
+
+log = logging.getLogger("runtime.outputs")
+
+
+@dataclass
+class RequestStats:
+    prompt_tokens: int
+    output_tokens: int
+    num_draft_tokens: int
+    num_accepted_draft_tokens: int
+    num_steps: int
+    ttft_s: float | None
+    tpot_s: float | None
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.output_tokens / self.num_steps if self.num_steps else 0.0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    token_ids: list[int]
+    text_delta: str
+    text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "cancelled" | "error"
+    stats: RequestStats
+    error: str | None = None  # what went wrong when finish_reason is "error"
+
+
+@dataclass
+class ExecutorStats:
+    running: int
+    queued: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    requests_finished: int
+    generated_tokens: int
+    draft_tokens: int
+    accepted_draft_tokens: int
+    current_draft_len: int
+    acceptance_estimate: float
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+
+class RequestHandle:
+    """Outputs of one request: iterate (blocking or async) over deltas, or wait for the result."""
+
+    def __init__(self, request_id: str, executor: "Executor"):
+        self.request_id = request_id
+        self._executor = executor
+        self._outputs: queue.Queue[RequestOutput] = queue.Queue()
+        self._final: RequestOutput | None = None
+        self._done = threading.Event()
+
+    def _push(self, out: RequestOutput) -> None:
+        if out.finished:
+            self._final = out
+            self._done.set()
+        self._outputs.put(out)
+
+    @property
+    def finished(self) -> bool:
+        return self._done.is_set()
+
+    def cancel(self) -> None:
+        self._executor.cancel(self.request_id)
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
+        return self._final
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        while True:
+            out = self._outputs.get()
+            yield out
+            if out.finished:
+                return
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while True:
+            out = await asyncio.to_thread(self._outputs.get)
+            yield out
+            if out.finished:
+                return
+
+
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_seq_len: int) -> None:
+    """Raise ValueError naming the parameter and what was expected."""
+    params.validate(vocab_size)
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise ValueError("prompt must not be empty")
+    if any(not 0 <= t < vocab_size for t in prompt_token_ids):
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+    if n >= max_seq_len:
+        raise ValueError(f"prompt has {n} tokens; max_seq_len is {max_seq_len}")
+    if n + params.max_tokens > max_seq_len:
+        raise ValueError(f"max_tokens {params.max_tokens} with a {n}-token prompt exceeds max_seq_len "
+                         f"{max_seq_len}; at most {max_seq_len - n}")
+
+
+@dataclass(eq=False)
+class RequestTracker:
+    """What a request has reported so far, and the rules for what it reports next."""
+
+    request_id: str
+    num_prompt_tokens: int
+    params: SamplingParams
+    handle: RequestHandle
+    detok: IncrementalDetokenizer
+    stop_ids: frozenset[int]
+    max_seq_len: int
+    callback: Callable[[RequestOutput], None] | None = None
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    token_ids: list[int] = field(default_factory=list)  # output tokens reported
+    text: str = ""  # reported so far
+    held: str = ""  # decoded but not reported yet (could start a stop string)
+    num_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    finished: bool = False
+
+    @classmethod
+    def create(cls, request_id: str, num_prompt_tokens: int, params: SamplingParams, tokenizer: Tokenizer,
+               max_seq_len: int, handle: RequestHandle,
+               callback: Callable[[RequestOutput], None] | None = None) -> "RequestTracker":
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos and tokenizer.eos_token_id is not None:
+            stop_ids.add(tokenizer.eos_token_id)
+        return cls(request_id, num_prompt_tokens, params, handle, IncrementalDetokenizer(tokenizer),
+                   frozenset(stop_ids), max_seq_len, callback)
+
+    def consume(self, new: list[int], now: float, reason: str | None = None) -> tuple[list[int], str, str | None]:
+        """Apply the stop rules to newly generated ids: returns (ids kept, text delta, finish reason).
+
+        Stop ids end the output before them, max_tokens / max_seq_len after the token that reaches
+        them. With stop strings, the last (longest stop - 1) characters are held back until they can
+        no longer start one, so a client never sees part of a stop string.
+        """
+        p = self.params
+        if new:
+            self.first_token_time = self.first_token_time or now
+            self.last_token_time = now
+        for i, t in enumerate(new):
+            if t in self.stop_ids:
+                new, reason = new[:i], "stop"
+                break
+            emitted = len(self.token_ids) + i + 1
+            if emitted >= p.max_tokens or self.num_prompt_tokens + emitted >= self.max_seq_len:
+                new, reason = new[: i + 1], "length"
+                break
+        self.token_ids += new
+        self.held += self.detok.push(new) + (self.detok.flush() if reason else "")
+        hits = [i for i in (self.held.find(s) for s in p.stop) if i >= 0]
+        if hits:
+            delta, reason = self.held[: min(hits)], "stop"
+        elif reason is None and p.stop:
+            delta = self.held[: max(len(self.held) - (max(map(len, p.stop)) - 1), 0)]
+        else:
+            delta = self.held
+        self.held = self.held[len(delta):]
+        self.text += delta
+        return new, delta, reason
+
+    def stats(self) -> RequestStats:
+        n_out = len(self.token_ids)
+        ttft = self.first_token_time - self.arrival_time if self.first_token_time else None
+        tpot = (self.last_token_time - self.first_token_time) / (n_out - 1) if n_out > 1 else None
+        return RequestStats(self.num_prompt_tokens, n_out, self.num_draft_tokens, self.num_accepted_draft_tokens,
+                            self.num_steps, ttft, tpot)
+
+    def report(self, new: list[int], delta: str, reason: str | None, error: str | None = None) -> None:
+        """Deliver one output (final when reason is set) to the callback and the handle."""
+        self.finished = reason is not None
+        out = RequestOutput(self.request_id, list(new), list(self.token_ids), delta, self.text, self.finished,
+                            reason, self.stats(), error)
+        if self.callback is not None:
+            try:
+                self.callback(out)
+            except Exception:
+                log.exception("output callback of %s failed", self.request_id)
+        self.handle._push(out)
+        if self.finished:
+            s = out.stats
+            log.info("request %s finished (%s): %d prompt + %d output tokens, %d/%d drafts accepted",
+                     self.request_id, reason, s.prompt_tokens, s.output_tokens, s.num_accepted_draft_tokens,
+                     s.num_draft_tokens)

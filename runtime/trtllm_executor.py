@@ -1,0 +1,607 @@
+"""The executor for `build_engine --backend trtllm` engines: TensorRT-LLM's LLM API behind our API.
+
+`TrtllmExecutor` has the public surface of `runtime.executor.Executor` (`submit`, `cancel`,
+`stats`, `shutdown`, `tokenizer`, context manager) and returns the same `RequestHandle`,
+`RequestOutput`, `RequestStats` and `ExecutorStats`, so `Session` and the Triton model can take
+either. Underneath it opens the engine directory (engine.json with backend "trtllm", the HF
+layout under `hf/`, `extra_llm_api_options.yaml`), builds
+`tensorrt_llm.LLM(model=<engine>/hf, backend="pytorch", **<the YAML>)` and streams each request
+through `LLM.generate_async(..., streaming=True)` on an asyncio loop in a background thread.
+
+What stays ours, so that text handling is identical to the native executor: the text (our
+`IncrementalDetokenizer` over the token ids TensorRT-LLM streams; its own detokenizer is switched
+off), stop strings (matched on that text with the native hold-back rule, then the upstream request
+is aborted), and the truncation at stop token ids, eos and max_tokens (re-applied to the streamed
+ids). TensorRT-LLM is still told max_tokens, end_id and stop_token_ids so that it stops computing.
+
+`tensorrt_llm` is imported only when an executor is constructed (`import_tensorrt_llm`); this
+module imports without it. Nothing here has run against the real package: the tests inject a test
+double module (a contract test of the names and arguments we use; see docs/trtllm-backend.md).
+
+Upstream names used, and where they come from (NVIDIA/TensorRT-LLM, main branch as of the 1.x
+releases; the LLM API of the PyTorch backend, which is the only one that runs DeepSeek-V3 + MTP):
+- `tensorrt_llm.LLM` (tensorrt_llm/llmapi/llm.py: `class LLM(_TorchLLM)` since 1.0, whose
+  `__init__` does `kwargs.pop("backend", "pytorch")`; in 0.19-0.21 `LLM(backend="pytorch")` selects
+  the same backend, `tensorrt_llm._torch.LLM` is deprecated and raises ImportError in 1.x).
+- `LLM.generate_async(inputs, sampling_params=None, ..., streaming=False, ...)` (same file); inputs
+  `{"prompt_token_ids": [...]}` (tensorrt_llm/inputs/data.py, TokensPrompt). It must be called on
+  the thread running the event loop: GenerationResultBase creates its asyncio queue only when
+  `has_event_loop()` (tensorrt_llm/executor/result.py).
+- The result (`RequestOutput(DetokenizedGenerationResultBase, GenerationResult)`) is async
+  iterable (`__aiter__`/`__anext__` yield itself, updated), with `.finished`, `.abort()`,
+  `.decoding_iter`, `.outputs[0]` a `CompletionOutput` with cumulative `.token_ids`,
+  `.finish_reason` in {'stop', 'length', 'timeout', 'cancelled', None} and (1.x)
+  `.request_perf_metrics` (tensorrt_llm/executor/result.py).
+- `request_perf_metrics.speculative_decoding.{total_draft_tokens, total_accepted_draft_tokens,
+  acceptance_rate}` (bindings RequestPerfMetrics, read the same way by
+  triton_backend/.../tensorrt_llm/1/model.py and the accuracy tests), filled when the request has
+  `return_perf_metrics=True`.
+- `tensorrt_llm.SamplingParams` fields (tensorrt_llm/sampling_params.py): see
+  `to_trtllm_sampling_kwargs`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import itertools
+import logging
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import yaml
+
+from runtime.engine import ENGINE_JSON, BuildConfig, EngineError, EngineManifest, file_sha256
+from runtime.executor import Executor, ExecutorConfig
+from runtime.outputs import ExecutorStats, RequestHandle, RequestOutput, RequestTracker, validate_request
+from runtime.sampling import SamplingParams
+from runtime.scheduler import SchedulerConfig
+from runtime.tokenizer import Tokenizer
+
+log = logging.getLogger("runtime.trtllm_executor")
+
+LLM_API_OPTIONS = "extra_llm_api_options.yaml"  # as builder.trtllm writes it (tested equal)
+SEED_MODULUS = 2**64  # TensorRT-LLM's seed is a uint64 (SamplingConfig.randomSeed)
+
+TRTLLM_MISSING_MESSAGE = (
+    "TensorRT-LLM is not available: the Python package `tensorrt_llm` could not be imported. "
+    "Engines built with --backend trtllm run only where TensorRT-LLM and its CUDA libraries are installed: "
+    "run inside NVIDIA's TensorRT-LLM container (nvcr.io/nvidia/tensorrt-llm/release:<version>) or the "
+    "Triton TensorRT-LLM container (nvcr.io/nvidia/tritonserver:<xx.yy>-trtllm-python-py3), "
+    "or rebuild the engine with --backend native."
+)
+
+# SamplingParams fields we may leave out when an older TensorRT-LLM lacks them: the adapter
+# re-applies what they ask for itself (or, for perf metrics, reports 0 draft tokens).
+_OPTIONAL_UPSTREAM_FIELDS = ("detokenize", "include_stop_str_in_output", "return_perf_metrics")
+
+
+class TensorRTLLMUnavailable(ImportError):
+    """`tensorrt_llm` cannot be imported here; the message says where it can."""
+
+
+def import_tensorrt_llm() -> Any:
+    """The `tensorrt_llm` module, or TensorRTLLMUnavailable naming the package and the containers."""
+    try:
+        import tensorrt_llm
+    except (ImportError, OSError) as e:  # OSError: a wheel whose CUDA libraries are missing
+        raise TensorRTLLMUnavailable(
+            f"{TRTLLM_MISSING_MESSAGE}\n(import failed with {type(e).__name__}: {e})") from e
+    return tensorrt_llm
+
+
+# ---- pure mappings (unit-tested) --------------------------------------------------------------
+def to_trtllm_sampling_kwargs(params: SamplingParams, tokenizer: Any) -> dict[str, Any]:
+    """Keyword arguments for `tensorrt_llm.SamplingParams` equivalent to our `params`.
+
+    `tokenizer` needs `eos_token_id` and `pad_token_id` (ours, or anything with them). Field
+    names and conventions are those of tensorrt_llm/sampling_params.py:
+    - greedy (temperature 0): `temperature=0.0, top_k=1`, no top_p. Greedy under every version's
+      rule: 1.x `params_imply_greedy_decoding` (top_k == 1 or temperature == 0); older
+      `_greedy_decoding` (top_k in (None, 1) and top_p in (None, 0)); the C++
+      `SamplingConfig::checkTemperature` accepts 0.
+    - sampling: `temperature`, `top_p` (always given: None means 0 in older C++ defaults), `top_k`
+      only when ours is > 0 (ours 0 = off; upstream None = "C++ runtime default 0, i.e., all
+      logits"), `seed` modulo 2**64 (a uint64 upstream). An unseeded request is given a random
+      seed by `TrtllmExecutor.submit` (upstream None would be seed 0 for every request).
+    - eos: `end_id` = the tokenizer's eos, or -1 (no end token) when `ignore_eos` or there is none.
+      Upstream's own `ignore_eos=True` is NOT used: executor/base_worker.py then also drops every
+      stop word (`stop_words=[] if ignore_eos`), which would ignore our stop_token_ids.
+      `pad_id` = the tokenizer's pad, else eos, else -1 (upstream's default is pad = end).
+    - `stop_token_ids` as a list; `bad_token_ids` as a list (upstream's `_get_bad_words` turns it
+      into single-token bad words `[[id], ...]`).
+    - stop strings are not passed: upstream's `stop` needs `_setup(tokenizer)`, which LLM calls
+      only when end_id is None, and it matches token sequences, not text. The executor matches
+      them on the detokenized text exactly as the native executor does and aborts the request.
+    - `include_stop_str_in_output=True`: upstream never trims tokens it already streamed (it trims
+      stop words from `token_ids` at the end otherwise); the executor trims itself.
+    - `detokenize=False` (we detokenize), `return_perf_metrics=True` (draft/accepted counts).
+    """
+    eos = tokenizer.eos_token_id
+    end_id = -1 if params.ignore_eos or eos is None else eos
+    pad = tokenizer.pad_token_id
+    if pad is None:
+        pad = eos if eos is not None else -1
+    kwargs: dict[str, Any] = {"max_tokens": params.max_tokens, "end_id": end_id, "pad_id": pad}
+    if params.greedy:
+        kwargs.update(temperature=0.0, top_k=1)
+    else:
+        kwargs.update(temperature=float(params.temperature), top_p=float(params.top_p))
+        if params.top_k > 0:
+            kwargs["top_k"] = params.top_k
+        if params.seed is not None:
+            kwargs["seed"] = params.seed % SEED_MODULUS
+    if params.stop_token_ids:
+        kwargs["stop_token_ids"] = list(params.stop_token_ids)
+    if params.bad_token_ids:
+        kwargs["bad_token_ids"] = list(params.bad_token_ids)
+    kwargs.update(include_stop_str_in_output=True, detokenize=False, return_perf_metrics=True)
+    return kwargs
+
+
+def adapt_to_upstream_fields(kwargs: dict[str, Any], sampling_params_cls: Any) -> dict[str, Any]:
+    """`kwargs` fitted to the fields a given `tensorrt_llm.SamplingParams` class has.
+
+    `seed` becomes `random_seed` for versions that call it that; optional fields
+    (_OPTIONAL_UPSTREAM_FIELDS) the class lacks are dropped; any other missing field is an error
+    naming it (this TensorRT-LLM is too old for the adapter).
+    """
+    fields = _field_names(sampling_params_cls)
+    if fields is None:  # not introspectable: pass as is
+        return dict(kwargs)
+    out = {}
+    for name, value in kwargs.items():
+        if name in fields:
+            out[name] = value
+        elif name == "seed" and "random_seed" in fields:
+            out["random_seed"] = value
+        elif name in _OPTIONAL_UPSTREAM_FIELDS:
+            log.debug("tensorrt_llm.SamplingParams has no %r; left out", name)
+        else:
+            raise RuntimeError(
+                f"tensorrt_llm.SamplingParams has no field {name!r}, which the trtllm executor needs; "
+                "use TensorRT-LLM 1.0 or newer (the versions whose LLM API runs DeepSeek-V3 with MTP)")
+    return out
+
+
+def _field_names(cls: Any) -> set[str] | None:
+    if dataclasses.is_dataclass(cls):
+        return {f.name for f in dataclasses.fields(cls) if f.init}
+    try:
+        import inspect
+
+        return set(inspect.signature(cls).parameters) - {"self"}
+    except (TypeError, ValueError):
+        return None
+
+
+def llm_kwargs_for(options: Mapping[str, Any], manifest: EngineManifest, config: ExecutorConfig | None = None,
+                   overrides: Mapping[str, Any] | None = None, source: str = LLM_API_OPTIONS) -> dict[str, Any]:
+    """The `LLM(...)` keyword arguments: the engine's LLM-API options (the YAML), with the serving
+    settings of `config` applied (None: as built) and then `overrides` merged in (dicts deeply).
+
+    From ExecutorConfig: num_draft_tokens / speculation -> speculative_config (0 or "off" removes
+    it; otherwise num_nextn_predict_layers = k, at most the built max_draft_len; "adaptive" runs
+    as "fixed", TensorRT-LLM's MTP drafts a fixed length); max_batch_size, max_num_tokens,
+    max_seq_len -> the same keys, at most the built values (cuda_graph_config.max_batch_size is
+    lowered with max_batch_size); kv_cache_tokens -> kv_cache_config.max_tokens; dtype -> dtype;
+    relaxed_acceptance -> speculative_config.{use_relaxed_acceptance_for_thinking, relaxed_topk,
+    relaxed_delta, begin_thinking_phase_token, end_thinking_phase_token}. `device` does not apply
+    (TensorRT-LLM places ranks on the visible GPUs) and is ignored.
+    """
+    if not isinstance(options, Mapping):
+        raise EngineError(f"{source}: expected a mapping of LLM-API options, got {type(options).__name__}")
+    kwargs = copy.deepcopy(dict(options))
+    build, cfg = manifest.build, manifest.model_config
+    if config is not None:
+        for name in ("max_batch_size", "max_num_tokens", "max_seq_len"):
+            asked, built = getattr(config, name), getattr(build, name)
+            if asked is None:
+                continue
+            if asked > built:
+                raise ValueError(f"{name} {asked} exceeds the engine's {name} {built}; "
+                                 f"rebuild the engine with --{name} {asked}")
+            kwargs[name] = asked
+        graphs = kwargs.get("cuda_graph_config")
+        if config.max_batch_size is not None and isinstance(graphs, dict) and "max_batch_size" in graphs:
+            graphs["max_batch_size"] = min(graphs["max_batch_size"], config.max_batch_size)
+        if config.kv_cache_tokens is not None:
+            kwargs.setdefault("kv_cache_config", {})["max_tokens"] = config.kv_cache_tokens
+        if config.dtype is not None:
+            kwargs["dtype"] = config.dtype
+        if config.speculation not in ("off", "fixed", "adaptive"):
+            raise ValueError(f"speculation must be 'off', 'fixed' or 'adaptive', got {config.speculation!r}")
+        k = config.num_draft_tokens if config.speculation != "off" else 0
+        if not isinstance(k, int) or k < 0:
+            raise ValueError(f"num_draft_tokens must be an integer >= 0, got {k!r}")
+        if k > build.max_draft_len:
+            raise ValueError(f"num_draft_tokens {k} exceeds the engine's max_draft_len {build.max_draft_len}")
+        if k and cfg.num_nextn_predict_layers == 0:
+            raise ValueError("the model has no MTP layer; use num_draft_tokens=0")
+        if k == 0:
+            kwargs.pop("speculative_config", None)
+        else:
+            spec = dict(kwargs.get("speculative_config") or {"decoding_type": "MTP"})
+            if spec.get("use_mtp_vanilla") and k > cfg.num_nextn_predict_layers:
+                raise ValueError(f"num_draft_tokens {k} with use_mtp_vanilla needs as many MTP layers; "
+                                 f"the model has {cfg.num_nextn_predict_layers}")
+            # tensorrt_llm/llmapi/llm_args.py, MTPDecodingConfig: a validator sets max_draft_len (and
+            # max_total_draft_tokens) to num_nextn_predict_layers; with a one-layer checkpoint and
+            # use_mtp_vanilla False that layer is re-run (MTP Eagle), so k may exceed the layer count.
+            spec["num_nextn_predict_layers"] = k
+            if config.speculation == "adaptive":
+                log.warning("speculation 'adaptive' is not available with TensorRT-LLM; drafting a fixed %d", k)
+            relaxed = config.relaxed_acceptance
+            if relaxed is not None:
+                spec.update(use_relaxed_acceptance_for_thinking=True, relaxed_topk=relaxed.top_n,
+                            relaxed_delta=relaxed.delta)
+                if relaxed.begin_thinking_token >= 0:
+                    spec["begin_thinking_phase_token"] = relaxed.begin_thinking_token
+                if relaxed.end_thinking_token >= 0:
+                    spec["end_thinking_phase_token"] = relaxed.end_thinking_token
+            kwargs["speculative_config"] = spec
+    return _deep_merge(kwargs, overrides or {})
+
+
+def _deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def draft_len_of(llm_kwargs: Mapping[str, Any]) -> int:
+    spec = llm_kwargs.get("speculative_config") or {}
+    return int(spec.get("num_nextn_predict_layers", 0)) if isinstance(spec, Mapping) else 0
+
+
+def speculative_counts(result: Any) -> tuple[int, int] | None:
+    """(total_draft_tokens, total_accepted_draft_tokens) TensorRT-LLM reports for a request so far,
+    or None where it reports none (no `request_perf_metrics`, e.g. before 1.0 or without
+    return_perf_metrics, or no `speculative_decoding` in it)."""
+    outputs = getattr(result, "outputs", None) or []
+    metrics = getattr(outputs[0], "request_perf_metrics", None) if outputs else None
+    if metrics is None:
+        metrics = getattr(result, "request_perf_metrics", None)
+    spec = getattr(metrics, "speculative_decoding", None) if metrics is not None else None
+    if spec is None:
+        return None
+    try:
+        return int(spec.total_draft_tokens), int(spec.total_accepted_draft_tokens)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+_UPSTREAM_REASONS = {"stop": "stop", "length": "length", "cancelled": "cancelled", "timeout": "error", None: "stop"}
+
+
+# ---- engine directory -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TrtllmEngine:
+    """A `--backend trtllm` engine directory, read and checked (no TensorRT-LLM needed)."""
+
+    path: Path
+    manifest: EngineManifest
+    model_dir: Path  # the HF layout TensorRT-LLM loads (`hf/`)
+    options: dict[str, Any]  # extra_llm_api_options.yaml
+
+    @classmethod
+    def open(cls, path: str | Path, verify_weights: bool = False) -> "TrtllmEngine":
+        """Read engine.json (refusing a native engine), check that every listed file is there, hash
+        the small ones (options, config, tokenizer) and, with verify_weights, the weights too."""
+        path = Path(path)
+        if not (path / ENGINE_JSON).is_file():
+            raise EngineError(f"{path}: no {ENGINE_JSON}; expected an engine directory built with "
+                              "build_engine --backend trtllm")
+        manifest = EngineManifest.read(path)
+        if manifest.build.backend != "trtllm":
+            raise EngineError(f"{path}: built with --backend {manifest.build.backend}; run it with "
+                              "runtime.executor.Executor, or rebuild with --backend trtllm")
+        manifest.verify_files(path, hashes=False)
+        for name, digest in manifest.files.items():
+            file = path / name
+            if not file.is_file():
+                raise EngineError(f"{file}: file missing, expected it as listed in {ENGINE_JSON}")
+            if (verify_weights or name not in manifest.weights) and file_sha256(file) != digest:
+                raise EngineError(f"{file}: content hash mismatch with {ENGINE_JSON}; the file changed "
+                                  "or is corrupt, rebuild the engine")
+        parents = {Path(w).parent for w in manifest.weights}
+        if len(parents) != 1:
+            raise EngineError(f"{path / ENGINE_JSON}: weights {list(manifest.weights)} are not in one directory")
+        model_dir = path / parents.pop()
+        options_file = path / LLM_API_OPTIONS
+        if not options_file.is_file():
+            raise EngineError(f"{options_file}: missing; rebuild the engine with build_engine --backend trtllm")
+        try:
+            options = yaml.safe_load(options_file.read_text())
+        except yaml.YAMLError as e:
+            raise EngineError(f"{options_file}: invalid YAML ({e})") from None
+        if not isinstance(options, dict):
+            raise EngineError(f"{options_file}: expected a mapping of LLM-API options")
+        return cls(path, manifest, model_dir, options)
+
+    @property
+    def build(self) -> BuildConfig:
+        return self.manifest.build
+
+
+def is_trtllm_engine(path: str | Path) -> bool:
+    """True when `path` is an engine directory whose engine.json says backend "trtllm"."""
+    path = Path(path)
+    if not (path / ENGINE_JSON).is_file():
+        return False
+    try:
+        return EngineManifest.read(path).build.backend == "trtllm"
+    except EngineError:
+        return False
+
+
+def create_executor(path: str | Path, config: ExecutorConfig = ExecutorConfig(), **kwargs: Any):
+    """`TrtllmExecutor` for a --backend trtllm engine, else the native `Executor` (for Session and
+    the Triton model)."""
+    if is_trtllm_engine(path):
+        return TrtllmExecutor(path, config, **kwargs)
+    return Executor(path, config)
+
+
+# ---- the executor -----------------------------------------------------------------------------
+@dataclass(eq=False)
+class _Request(RequestTracker):
+    """The shared output side plus the upstream request it streams from."""
+
+    prompt: list[int] = field(default_factory=list)
+    seen: int = 0  # upstream output tokens consumed
+    upstream: Any = None  # tensorrt_llm's RequestOutput once submitted
+    upstream_done: bool = False
+
+
+class TrtllmExecutor:
+    """Runs a `--backend trtllm` engine with TensorRT-LLM, with `Executor`'s public API.
+
+    `config` None serves the engine as built (the YAML as is); an `ExecutorConfig` applies its
+    serving settings (see `llm_kwargs_for`). `llm_overrides` are merged into the LLM arguments
+    last. `verify_weights` hashes the weight files too (slow for a full model; off by default,
+    their presence is always checked). Statistics: num_draft_tokens / num_accepted_draft_tokens
+    are TensorRT-LLM's per-request speculative-decoding metrics where it reports them and 0
+    otherwise (`reports_draft_stats` says which); num_steps is its `decoding_iter`, else the
+    number of streamed responses with tokens; ttft/tpot are measured here as in the native
+    executor. ExecutorStats' KV-block counts are 0: TensorRT-LLM's iteration stats are not read.
+    """
+
+    def __init__(self, engine: str | Path | TrtllmEngine, config: ExecutorConfig | None = None, *,
+                 llm_overrides: Mapping[str, Any] | None = None, verify_weights: bool = False):
+        self.engine = engine if isinstance(engine, TrtllmEngine) else TrtllmEngine.open(engine, verify_weights)
+        self.model_config = self.engine.manifest.model_config
+        self.config = config
+        self.llm_kwargs = llm_kwargs_for(self.engine.options, self.engine.manifest, config, llm_overrides,
+                                         source=str(self.engine.path / LLM_API_OPTIONS))
+        self.num_draft_tokens = draft_len_of(self.llm_kwargs)
+        build = self.engine.build
+        self.limits = SchedulerConfig(
+            max_batch_size=int(self.llm_kwargs.get("max_batch_size", build.max_batch_size)),
+            max_num_tokens=int(self.llm_kwargs.get("max_num_tokens", build.max_num_tokens)),
+            max_seq_len=int(self.llm_kwargs.get("max_seq_len", build.max_seq_len)))
+        self.tokenizer = Tokenizer.from_dir(self.engine.model_dir)
+        self.reports_draft_stats: bool | None = None  # unknown until a request has finished
+
+        self._trtllm = import_tensorrt_llm()
+        # fail now, not on the first request, when this TensorRT-LLM lacks a field we need
+        adapt_to_upstream_fields(to_trtllm_sampling_kwargs(
+            SamplingParams(temperature=1.0, top_k=1, seed=0, stop_token_ids=(0,), bad_token_ids=(0,)), self.tokenizer),
+            self._trtllm.SamplingParams)
+        # tensorrt_llm/llmapi/llm.py: LLM(model, ..., **kwargs); backend "pytorch" (the default in 1.x)
+        self.llm = self._trtllm.LLM(model=str(self.engine.model_dir), backend="pytorch", **self.llm_kwargs)
+
+        self._requests: dict[str, _Request] = {}  # in flight; touched on the loop thread only
+        self._ids_in_flight: set[str] = set()
+        self._lock = threading.Lock()
+        self._tasks: set[asyncio.Task] = set()
+        self._counts = dict(finished=0, generated=0, drafted=0, accepted=0)
+        self._ids = itertools.count()
+        self._stopping = False
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_loop, name="trtllm-executor", daemon=True)
+        self._thread.start()
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+
+    # ---- public API ---------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the parameter when this request cannot run here."""
+        validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.limits.max_seq_len)
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams,
+               on_output: Callable[[RequestOutput], None] | None = None, request_id: str | None = None) -> RequestHandle:
+        """Queue a request; invalid parameters raise ValueError naming the parameter."""
+        self.validate(prompt_token_ids, params)
+        if self._stopping:
+            raise RuntimeError("executor is shut down")
+        rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        with self._lock:
+            if rid in self._ids_in_flight:
+                raise ValueError(f"request_id {rid!r} is already in flight")
+            self._ids_in_flight.add(rid)
+        if not params.greedy and params.seed is None:  # as native: unseeded means a fresh random seed
+            params = dataclasses.replace(params, seed=int.from_bytes(os.urandom(6), "little"))
+        handle = RequestHandle(rid, self)
+        req = _Request.create(rid, len(prompt_token_ids), params, self.tokenizer, self.limits.max_seq_len, handle,
+                              on_output)
+        req.prompt = list(prompt_token_ids)
+        try:
+            self._loop.call_soon_threadsafe(self._start, req)
+        except RuntimeError:  # the loop closed since the check above
+            with self._lock:
+                self._ids_in_flight.discard(rid)
+            raise RuntimeError("executor is shut down") from None
+        return handle
+
+    def cancel(self, request_id: str) -> None:
+        """Finish the request as "cancelled" and abort it in TensorRT-LLM; unknown ids are ignored."""
+        try:
+            self._loop.call_soon_threadsafe(self._cancel_now, request_id)
+        except RuntimeError:  # shut down: nothing is in flight
+            pass
+
+    def stats(self) -> ExecutorStats:
+        reqs = list(self._requests.values())
+        c = self._counts
+        return ExecutorStats(
+            running=sum(1 for r in reqs if r.upstream is not None), queued=sum(1 for r in reqs if r.upstream is None),
+            kv_blocks_used=0, kv_blocks_free=0, requests_finished=c["finished"], generated_tokens=c["generated"],
+            draft_tokens=c["drafted"], accepted_draft_tokens=c["accepted"], current_draft_len=self.num_draft_tokens,
+            acceptance_estimate=c["accepted"] / c["drafted"] if c["drafted"] else 0.0)
+
+    def shutdown(self) -> None:
+        """Cancel what is in flight (finish reason "cancelled"), stop the loop, shut TensorRT-LLM down."""
+        if self._closed:
+            return
+        self._stopping = True
+        try:
+            asyncio.run_coroutine_threadsafe(self._shutdown_on_loop(), self._loop).result(timeout=30)
+        except Exception:
+            log.exception("cancelling requests at shutdown failed")
+        self._closed = True
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+        if not self._thread.is_alive():
+            self._loop.close()
+        try:
+            self.llm.shutdown()
+        except Exception:
+            log.exception("tensorrt_llm.LLM.shutdown failed")
+
+    def __enter__(self) -> "TrtllmExecutor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ---- on the loop thread -------------------------------------------------------------------
+    def _start(self, req: _Request) -> None:
+        if self._stopping:
+            self._finish(req, "cancelled")
+            return
+        self._requests[req.request_id] = req
+        task = self._loop.create_task(self._stream(req))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _stream(self, req: _Request) -> None:
+        if req.finished:  # cancelled before it started
+            return
+        try:
+            kwargs = adapt_to_upstream_fields(to_trtllm_sampling_kwargs(req.params, self.tokenizer),
+                                              self._trtllm.SamplingParams)
+            sampling_params = self._trtllm.SamplingParams(**kwargs)
+            req.upstream = self.llm.generate_async({"prompt_token_ids": req.prompt},
+                                                   sampling_params=sampling_params, streaming=True)
+        except Exception as e:
+            log.exception("submitting %s to TensorRT-LLM failed", req.request_id)
+            self._finish(req, "error", error=f"{type(e).__name__}: {e}")
+            return
+        try:
+            async for out in req.upstream:
+                if req.finished:
+                    break  # cancelled here, or finished by our own stop rules; abort already sent
+                self._on_response(req, out)
+                if req.finished:
+                    break
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            if not req.finished:
+                log.exception("TensorRT-LLM request %s failed", req.request_id)
+                self._finish(req, "error", error=f"{type(e).__name__}: {e}")
+            return
+        if not req.finished:
+            self._finish(req, "error", error="TensorRT-LLM's stream ended without a finished output")
+
+    def _on_response(self, req: _Request, out: Any) -> None:
+        now = time.perf_counter()
+        completion = out.outputs[0]
+        ids = list(completion.token_ids or [])
+        new = ids[req.seen:]
+        req.seen = max(req.seen, len(ids))
+        req.upstream_done = bool(out.finished)
+        steps = getattr(out, "decoding_iter", None)
+        if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0:
+            req.num_steps = steps
+        elif new:
+            req.num_steps += 1
+        counts = speculative_counts(out)
+        if counts is not None:
+            drafted, accepted = counts
+            self._counts["drafted"] += max(drafted - req.num_draft_tokens, 0)
+            self._counts["accepted"] += max(accepted - req.num_accepted_draft_tokens, 0)
+            req.num_draft_tokens, req.num_accepted_draft_tokens = drafted, accepted
+            self.reports_draft_stats = True
+        if new or out.finished:
+            upstream_reason = _UPSTREAM_REASONS.get(completion.finish_reason, "error") if out.finished else None
+            if out.finished and completion.finish_reason not in _UPSTREAM_REASONS:
+                log.error("request %s: unknown TensorRT-LLM finish reason %r", req.request_id, completion.finish_reason)
+            self._process(req, new, now, upstream_reason)
+        if req.finished and not req.upstream_done:
+            self._abort_upstream(req)
+
+    def _process(self, req: _Request, new: list[int], now: float, upstream_reason: str | None) -> None:
+        """The shared stop rules over the newly streamed ids (TensorRT-LLM's own finish reason is
+        used when none of ours fires), then report the delta."""
+        new, delta, reason = req.consume(new, now)
+        self._counts["generated"] += len(new)
+        reason = reason or upstream_reason
+        if reason is not None:
+            self._finish(req, reason, new, delta)
+        else:
+            req.report(new, delta, None)
+
+    def _finish(self, req: _Request, reason: str, new: list[int] | None = None, delta: str = "",
+                error: str | None = None) -> None:
+        if req.finished:
+            return
+        req.finished = True
+        self._requests.pop(req.request_id, None)
+        with self._lock:
+            self._ids_in_flight.discard(req.request_id)
+        self._counts["finished"] += 1
+        if req.upstream_done and self.reports_draft_stats is None and speculative_counts(req.upstream) is None:
+            self.reports_draft_stats = False
+            log.warning("TensorRT-LLM reported no speculative-decoding metrics (request_perf_metrics); "
+                        "draft and accepted token counts are reported as 0")
+        if error:
+            log.error("request %s failed: %s", req.request_id, error)
+        req.report(new or [], delta, reason, error)
+
+    def _cancel_now(self, request_id: str) -> None:
+        req = self._requests.get(request_id)
+        if req is None or req.finished:
+            return
+        self._finish(req, "cancelled")
+        if req.upstream is not None and not req.upstream_done:
+            self._abort_upstream(req)
+
+    @staticmethod
+    def _abort_upstream(req: _Request) -> None:
+        try:
+            req.upstream.abort()  # tensorrt_llm/executor/result.py: GenerationResult.abort()
+        except Exception:
+            log.exception("aborting %s in TensorRT-LLM failed", req.request_id)
+
+    async def _shutdown_on_loop(self) -> None:
+        for req in list(self._requests.values()):
+            self._cancel_now(req.request_id)
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

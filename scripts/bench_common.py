@@ -1,0 +1,265 @@
+"""Helpers shared by the benchmark scripts: machine info, held-out prompts, engine limits,
+markdown tables, atomic result files, target lines.
+
+Every benchmark writes `docs/benchmarks/<name>.json` and `<name>.md` (and sometimes `.png`),
+each written to a temporary file in the same folder and renamed into place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `python scripts/x.py` puts scripts/ first, not the repo root
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+DEFAULT_MODEL = "models/deepseek-v3-mini"
+DEFAULT_OUT_DIR = "docs/benchmarks"
+PROMPTS_FILE = "heldout_prompts.json"
+
+
+# ---- setup ----------------------------------------------------------------------------------
+def add_common_args(p, *, threads_help: str = "torch intra-op threads (0: torch's default)") -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help="HF DeepSeek-V3 checkpoint or engine directory")
+    p.add_argument("--out_dir", type=Path, default=Path(DEFAULT_OUT_DIR))
+    p.add_argument("--threads", type=int, default=0, help=threads_help)
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny settings, results still written")
+
+
+def set_threads(n: int) -> None:
+    if n > 0:
+        torch.set_num_threads(n)
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on; load average tells whether something else was running."""
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except AttributeError:
+        affinity = None
+    info: dict[str, Any] = {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_model": cpu,
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": affinity,
+        "torch_version": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+        "cuda_available": torch.cuda.is_available(),
+        "load_average_1m_5m_15m": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+    }
+    try:
+        import transformers
+        info["transformers_version"] = transformers.__version__
+    except Exception:  # transformers is optional for most scripts
+        pass
+    return info
+
+
+def _git(*args: str) -> str | None:
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+    except Exception:
+        return None
+
+
+def load_prompts(model_dir: str | Path, path: str | Path | None = None) -> list[dict[str, str]]:
+    """Held-out prompts ({"source", "text"}): `path`, else `<model>/heldout_prompts.json`, else
+    `data/heldout_prompts.json`."""
+    candidates = [Path(path)] if path else [Path(model_dir) / PROMPTS_FILE, ROOT / "data" / PROMPTS_FILE]
+    for c in candidates:
+        if c.is_file():
+            items = json.loads(c.read_text())
+            if not items or not all(isinstance(x, dict) and x.get("text") for x in items):
+                raise SystemExit(f"{c}: expected a list of {{'source', 'text'}} objects")
+            return [{"source": x.get("source", "?"), "text": x["text"]} for x in items]
+    raise SystemExit(f"no held-out prompts: looked for {', '.join(map(str, candidates))}")
+
+
+def round_robin_by_source(items: list[dict[str, str]], n: int) -> list[dict[str, str]]:
+    """The first n prompts taking one from each source in turn (sources in order of appearance)."""
+    by_source: dict[str, list[dict[str, str]]] = {}
+    for x in items:
+        by_source.setdefault(x["source"], []).append(x)
+    out, queues = [], [list(v) for v in by_source.values()]
+    while len(out) < n and any(queues):
+        for q in queues:
+            if q and len(out) < n:
+                out.append(q.pop(0))
+    return out
+
+
+def load_engine_for_bench(model: str | Path, **limits: int | None):
+    """Load once (share it between executors). Limits above what the engine was built with are
+    raised on the loaded copy (the native runtime has no compiled-in limits; a plain HF checkpoint
+    only gets defaults such as max_batch_size 8); the raise is returned so it can be recorded."""
+    from runtime.engine import load_engine  # noqa: WPS433 (import after sys.path fix)
+
+    engine = load_engine(model)
+    raised = {}
+    for name, value in limits.items():
+        built = getattr(engine.build, name)
+        if value is not None and value > built:
+            raised[name] = {"built": built, "used": value}
+    if raised:
+        engine.build = dataclasses.replace(engine.build, **{k: v["used"] for k, v in raised.items()})
+    return engine, raised
+
+
+def engine_info(engine) -> dict[str, Any]:
+    cfg = engine.model_config
+    n_params = sum(p.numel() for p in engine.model.parameters())
+    n_mtp = sum(p.numel() for p in engine.model.mtp.parameters())
+    return {
+        "path": str(engine.path),
+        "build": engine.build.to_dict(),
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_nextn_predict_layers": cfg.num_nextn_predict_layers,
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size,
+        "n_routed_experts": cfg.n_routed_experts,
+        "parameters_total": n_params,
+        "parameters_mtp": n_mtp,
+        "parameters_target": n_params - n_mtp,
+        "dtype": str(next(engine.model.parameters()).dtype),
+    }
+
+
+# ---- statistics -----------------------------------------------------------------------------
+def mean(xs: Iterable[float | None]) -> float | None:
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    return statistics.fmean(xs) if xs else None
+
+
+def percentile(xs: Sequence[float | None], q: float) -> float | None:
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    i = (len(xs) - 1) * q / 100
+    lo, hi = math.floor(i), math.ceil(i)
+    return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b not in (None, 0) else None
+
+
+class Timer:
+    def __enter__(self) -> "Timer":
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = time.perf_counter() - self.t0
+
+
+# ---- formatting -----------------------------------------------------------------------------
+def fmt(x: Any, digits: int = 2) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, float):
+        if math.isnan(x):
+            return "-"
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def md_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], digits: int = 2) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join(fmt(x, digits) for x in r) + " |")
+    return "\n".join(lines)
+
+
+def target_line(name: str, value: float | None, goal: float, unit: str = "x") -> dict[str, Any]:
+    """A target next to its measured value (reported, never asserted)."""
+    met = None if value is None else value >= goal
+    return {"target": name, "goal": goal, "measured": value, "met": met,
+            "text": f"{name}: {fmt(value)}{unit} (target >= {goal}{unit}) "
+                    f"{'-' if met is None else 'MET' if met else 'NOT MET'}"}
+
+
+def machine_md(info: dict[str, Any]) -> str:
+    keys = ("date_utc", "cpu_model", "cpu_count", "torch_threads", "torch_version", "transformers_version",
+            "load_average_1m_5m_15m", "git_commit", "git_dirty", "command")
+    return "\n".join(f"- {k}: `{info[k]}`" for k in keys if k in info)
+
+
+# ---- atomic outputs -------------------------------------------------------------------------
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def write_json(path: Path, obj: Any) -> None:
+    _atomic_write_bytes(path, (json.dumps(obj, indent=2, default=_json_default) + "\n").encode())
+
+
+def write_text(path: Path, text: str) -> None:
+    _atomic_write_bytes(path, (text.rstrip() + "\n").encode())
+
+
+def save_figure(fig, path: Path, dpi: int = 120) -> None:
+    import io
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
+    _atomic_write_bytes(path, buf.getvalue())
+
+
+def _json_default(o: Any) -> Any:
+    if dataclasses.is_dataclass(o):
+        return dataclasses.asdict(o)
+    if isinstance(o, Path):
+        return str(o)
+    if isinstance(o, torch.Tensor):
+        return o.tolist()
+    raise TypeError(f"not JSON serializable: {type(o).__name__}")
+
+
+def write_results(out_dir: Path, name: str, results: dict[str, Any], markdown: str) -> tuple[Path, Path]:
+    js, md = out_dir / f"{name}.json", out_dir / f"{name}.md"
+    write_json(js, results)
+    write_text(md, markdown)
+    return js, md

@@ -1,0 +1,365 @@
+"""In-flight batching under load: plain decoding vs fixed-k MTP vs adaptive MTP, side by side.
+
+Two sweeps over the same requests (held-out prompts, greedy, ignore_eos, output lengths drawn
+uniformly from [--min_tokens, --max_tokens]), every mode on its own executor, modes interleaved
+level by level so slow drift on the machine hits all of them alike:
+- closed loop: C clients, each sending its next request when the previous one finishes, for
+  C in --concurrency (N = max(--num_requests, 2C) requests per level);
+- open loop: Poisson arrivals at each QPS (like vLLM's serving table); by default the rates are
+  fractions of the plain mode's best request throughput in the closed-loop sweep.
+Reported per level and mode: mean/p50/p99 TPOT, mean/p99 TTFT, output tokens/s, request
+throughput, acceptance, drafts per decode step; ratios against plain; a PNG plot.
+
+  python scripts/benchmark_serving.py            # full run
+  python scripts/benchmark_serving.py --quick    # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+import threading
+import time
+from typing import Any
+
+from bench_common import (add_common_args, engine_info, load_engine_for_bench, load_prompts, machine_info, machine_md,
+                          md_table, mean, percentile, ratio, save_figure, set_threads, target_line, write_results)
+
+from tqdm import tqdm  # noqa: E402
+
+from runtime.executor import Executor, ExecutorConfig, RequestOutput  # noqa: E402
+from runtime.sampling import SamplingParams  # noqa: E402
+
+MODE_ORDER = ("plain", "fixed", "adaptive")
+
+
+def make_requests(prompt_ids: list[list[int]], n: int, lo: int, hi: int, seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [(prompt_ids[rng.randrange(len(prompt_ids))], rng.randint(lo, hi)) for _ in range(n)]
+
+
+class _Collector:
+    """Per-request records, finish times taken in the executor thread when the last output lands."""
+
+    def __init__(self, n: int, bar: tqdm | None):
+        self.records: list[dict[str, Any] | None] = [None] * n
+        self.finished = threading.Event()
+        self._left = n
+        self._lock = threading.Lock()
+        self._bar = bar
+
+    def callback(self, i: int, submitted: float):
+        def on_output(out: RequestOutput) -> None:
+            if not out.finished:
+                return
+            s = out.stats
+            self.records[i] = {"submitted": submitted, "finished": time.perf_counter(),
+                               "finish_reason": out.finish_reason, "prompt_tokens": s.prompt_tokens,
+                               "output_tokens": s.output_tokens, "ttft_s": s.ttft_s, "tpot_s": s.tpot_s,
+                               "num_steps": s.num_steps, "num_draft_tokens": s.num_draft_tokens,
+                               "num_accepted_draft_tokens": s.num_accepted_draft_tokens}
+            with self._lock:
+                self._left -= 1
+                if self._bar is not None:
+                    self._bar.update(1)
+                if self._left == 0:
+                    self.finished.set()
+        return on_output
+
+
+def closed_loop(ex: Executor, reqs: list[tuple[list[int], int]], concurrency: int, timeout: float,
+                bar: tqdm | None) -> dict[str, Any]:
+    col = _Collector(len(reqs), bar)
+    order = iter(range(len(reqs)))
+    lock = threading.Lock()
+    errors: list[str] = []
+
+    def client() -> None:
+        while True:
+            with lock:
+                i = next(order, None)
+            if i is None:
+                return
+            ids, n = reqs[i]
+            try:
+                ex.submit(ids, SamplingParams(max_tokens=n, ignore_eos=True),
+                          on_output=col.callback(i, time.perf_counter())).result(timeout)
+            except Exception as e:  # recorded; the level is marked incomplete
+                errors.append(f"{type(e).__name__}: {e}")
+                return
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return summarize(col.records, t0, errors) | _policy(ex)
+
+
+def poisson_loop(ex: Executor, reqs: list[tuple[list[int], int]], qps: float, seed: int, timeout: float,
+                 bar: tqdm | None) -> dict[str, Any]:
+    rng = random.Random(seed)
+    arrivals, t = [], 0.0
+    for _ in reqs:
+        arrivals.append(t)
+        t += rng.expovariate(qps)
+    col = _Collector(len(reqs), bar)
+    t0 = time.perf_counter()
+    for i, ((ids, n), at) in enumerate(zip(reqs, arrivals)):
+        delay = t0 + at - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        ex.submit(ids, SamplingParams(max_tokens=n, ignore_eos=True), on_output=col.callback(i, time.perf_counter()))
+    errors = [] if col.finished.wait(timeout) else [f"timed out after {timeout} s"]
+    out = summarize(col.records, t0, errors) | _policy(ex)
+    out["offered_qps"] = qps
+    return out
+
+
+def _policy(ex: Executor) -> dict[str, Any]:
+    """The draft policy's state after a level (adaptive: its smoothed per-position acceptance)."""
+    st = ex.stats()
+    return {"policy_acceptance_estimate_end": st.acceptance_estimate, "policy_last_k": st.current_draft_len}
+
+
+def summarize(records: list[dict[str, Any] | None], t0: float, errors: list[str]) -> dict[str, Any]:
+    done = [r for r in records if r is not None]
+    if not done:
+        return {"completed": 0, "requests": len(records), "errors": errors}
+    wall = max(r["finished"] for r in done) - t0
+    out_tokens = sum(r["output_tokens"] for r in done)
+    drafted = sum(r["num_draft_tokens"] for r in done)
+    accepted = sum(r["num_accepted_draft_tokens"] for r in done)
+    decode_steps = sum(r["num_steps"] for r in done)  # token-emitting steps (each may carry drafts)
+    tpots = [r["tpot_s"] for r in done]
+    ttfts = [r["ttft_s"] for r in done]
+    return {
+        "requests": len(records), "completed": len(done), "errors": errors[:5],
+        "wall_s": wall, "output_tokens": out_tokens,
+        "output_tokens_per_s": out_tokens / wall, "requests_per_s": len(done) / wall,
+        "tpot_mean_s": mean(tpots), "tpot_p50_s": percentile(tpots, 50), "tpot_p99_s": percentile(tpots, 99),
+        "ttft_mean_s": mean(ttfts), "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
+        "latency_mean_s": mean(r["finished"] - r["submitted"] for r in done),
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "drafts_per_decode_step": drafted / decode_steps if decode_steps else 0.0,
+        "decode_tokens_per_step": out_tokens / decode_steps if decode_steps else None,
+    }
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else x * 1e3
+
+
+def plot(results: dict[str, Any], modes: list[str], path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    conc = results["concurrency_sweep"]
+    qps = results["qps_sweep"]
+    panels = 3 if qps else 2
+    fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.2))
+    for m in modes:
+        cs = [row["concurrency"] for row in conc]
+        axes[0].plot(cs, [row[m].get("output_tokens_per_s") for row in conc], marker="o", label=m)
+        axes[1].plot(cs, [_ms(row[m].get("tpot_mean_s")) for row in conc], marker="o", label=m)
+        if qps:
+            axes[2].plot([row["qps"] for row in qps], [_ms(row[m].get("tpot_mean_s")) for row in qps],
+                         marker="o", label=m)
+    for ax in axes[:2]:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency (closed loop)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("output tokens/s")
+    axes[0].set_title("throughput vs concurrency")
+    axes[1].set_ylabel("mean TPOT (ms)")
+    axes[1].set_title("TPOT vs concurrency")
+    if qps:
+        axes[2].set_xlabel("offered QPS (Poisson)")
+        axes[2].set_ylabel("mean TPOT (ms)")
+        axes[2].set_title("TPOT vs request rate")
+        axes[2].grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(results["title"], fontsize=10)
+    save_figure(fig, path)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p)
+    p.add_argument("--prompts", help="prompts JSON (default: <model>/heldout_prompts.json)")
+    p.add_argument("--modes", default="plain,fixed,adaptive")
+    p.add_argument("--fixed_k", type=int, default=1, help="draft length of the fixed-k MTP mode")
+    p.add_argument("--adaptive_k", type=int, default=4, help="largest draft length adaptive MTP may pick")
+    p.add_argument("--concurrency", default="1,2,4,8,16,32")
+    p.add_argument("--num_requests", type=int, default=16, help="requests per concurrency level (at least 2C)")
+    p.add_argument("--qps", default="auto",
+                   help="comma-separated Poisson rates (req/s), 'auto' (fractions of plain's best closed-loop "
+                        "request throughput) or 'none'")
+    p.add_argument("--qps_fractions", default="0.25,0.5,0.75,1.0")
+    p.add_argument("--qps_requests", type=int, default=24, help="requests per QPS level")
+    p.add_argument("--min_tokens", type=int, default=64)
+    p.add_argument("--max_tokens", type=int, default=128)
+    p.add_argument("--timeout", type=float, default=1800, help="seconds one level may take before it is cut")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--name", default="serving")
+    args = p.parse_args()
+    if args.quick:
+        args.concurrency, args.num_requests, args.qps_fractions, args.qps_requests = "1,4", 4, "0.5", 4
+        args.min_tokens, args.max_tokens = 8, 16
+        args.name += "_quick"
+    set_threads(args.threads)
+    modes = [m for m in MODE_ORDER if m in args.modes.split(",")]
+    levels = [int(c) for c in args.concurrency.split(",")]
+    max_c = max(levels)
+
+    texts = load_prompts(args.model, args.prompts)
+    engine, raised = load_engine_for_bench(args.model, max_batch_size=max_c)
+    eng_info = engine_info(engine)
+    configs = {
+        "plain": ExecutorConfig(num_draft_tokens=0, speculation="off"),
+        "fixed": ExecutorConfig(num_draft_tokens=args.fixed_k, speculation="fixed"),
+        "adaptive": ExecutorConfig(num_draft_tokens=args.adaptive_k, speculation="adaptive"),
+    }
+    executors: dict[str, Executor] = {}
+    max_seq_len = min(engine.build.max_seq_len, 1024)
+    for m in modes:
+        t = time.perf_counter()
+        executors[m] = Executor(engine, dataclasses.replace(configs[m], max_batch_size=max_c, max_seq_len=max_seq_len))
+        print(f"{m}: executor ready in {time.perf_counter() - t:.1f} s"
+              f"{' (profiled step costs for adaptive)' if m == 'adaptive' else ''}")
+    tok = executors[modes[0]].tokenizer
+    prompt_ids = [tok.encode(x["text"]) for x in texts]
+    info = machine_info()
+
+    # Warm-up: a burst at full concurrency on every executor (allocator, all batch shapes).
+    warm = make_requests(prompt_ids, max_c, 4, 8, seed=args.seed + 999)
+    for m in modes:
+        closed_loop(executors[m], warm, max_c, args.timeout, None)
+
+    title = (f"{args.model}: {eng_info['parameters_target'] / 1e6:.1f}M target params, "
+             f"{info['torch_threads']} torch threads, {info['cpu_count']} CPUs; fixed k={args.fixed_k}, "
+             f"adaptive k<={args.adaptive_k}")
+    results: dict[str, Any] = {
+        "benchmark": "serving", "quick": args.quick, "title": title,
+        "settings": {"modes": modes, "fixed_k": args.fixed_k, "adaptive_k": args.adaptive_k,
+                     "concurrency": levels, "num_requests": args.num_requests, "output_tokens": [args.min_tokens,
+                                                                                                 args.max_tokens],
+                     "qps_requests": args.qps_requests, "greedy": True, "ignore_eos": True,
+                     "max_batch_size": max_c, "max_seq_len": max_seq_len, "engine_limits_raised": raised,
+                     "prompts": len(prompt_ids), "prompt_tokens_mean": mean(len(i) for i in prompt_ids)},
+        "machine": info, "engine": eng_info, "concurrency_sweep": [], "qps_sweep": []}
+    n_total = sum(max(args.num_requests, 2 * c) for c in levels) * len(modes)
+    bar = tqdm(total=n_total, desc="closed loop", dynamic_ncols=True)
+    for c in levels:
+        reqs = make_requests(prompt_ids, max(args.num_requests, 2 * c), args.min_tokens, args.max_tokens,
+                             seed=args.seed + c)
+        row: dict[str, Any] = {"concurrency": c}
+        for m in modes:
+            bar.set_postfix(c=c, mode=m)
+            row[m] = closed_loop(executors[m], reqs, c, args.timeout, bar)
+        results["concurrency_sweep"].append(row)
+    bar.close()
+
+    if args.qps == "none":
+        rates = []
+    elif args.qps == "auto":
+        base = "plain" if "plain" in modes else modes[0]
+        cap = max(row[base].get("requests_per_s", 0) for row in results["concurrency_sweep"])
+        rates = [round(cap * float(f), 3) for f in args.qps_fractions.split(",")]
+        results["settings"]["qps_auto_capacity_req_s"] = cap
+    else:
+        rates = [float(x) for x in args.qps.split(",")]
+    results["settings"]["qps"] = rates
+    if rates:
+        bar = tqdm(total=len(rates) * len(modes) * args.qps_requests, desc="poisson", dynamic_ncols=True)
+        for j, q in enumerate(rates):
+            reqs = make_requests(prompt_ids, args.qps_requests, args.min_tokens, args.max_tokens,
+                                 seed=args.seed + 10_000 + j)
+            row = {"qps": q}
+            for m in modes:
+                bar.set_postfix(qps=q, mode=m)
+                row[m] = poisson_loop(executors[m], reqs, q, args.seed + j, args.timeout, bar)
+            results["qps_sweep"].append(row)
+        bar.close()
+    for ex in executors.values():
+        ex.shutdown()
+
+    # Ratios against plain and the targets.
+    for row in results["concurrency_sweep"] + results["qps_sweep"]:
+        if "plain" in row:
+            for m in modes:
+                row[m]["tok_s_vs_plain"] = ratio(row[m].get("output_tokens_per_s"), row["plain"].get("output_tokens_per_s"))
+                row[m]["tpot_speedup_vs_plain"] = ratio(row["plain"].get("tpot_mean_s"), row[m].get("tpot_mean_s"))
+    conc = {row["concurrency"]: row for row in results["concurrency_sweep"]}
+    targets = []
+    if 1 in conc and 16 in conc:
+        for m in modes:
+            targets.append(target_line(f"{m}: output tok/s at concurrency 16 vs 1",
+                                       ratio(conc[16][m].get("output_tokens_per_s"), conc[1][m].get("output_tokens_per_s")), 6.0))
+    if "adaptive" in modes and "plain" in modes:
+        worst = min((conc[c]["adaptive"]["tok_s_vs_plain"] or 0 for c in conc), default=None)
+        low = [conc[c]["adaptive"]["tok_s_vs_plain"] or 0 for c in conc if c <= 4]
+        targets.append(target_line("adaptive vs plain output tok/s, worst concurrency level", worst, 1.0))
+        if low:
+            targets.append(target_line("adaptive vs plain output tok/s, worst level at concurrency <= 4", min(low), 1.3))
+        if results["qps_sweep"]:
+            targets.append(target_line("adaptive vs plain TPOT speed-up, worst Poisson rate (info)",
+                                       min(r["adaptive"]["tpot_speedup_vs_plain"] or 0 for r in results["qps_sweep"]), 1.0))
+    results["targets"] = targets
+    png = args.out_dir / f"{args.name}.png"
+    try:
+        plot(results, modes, png)
+        results["plot"] = png.name
+    except Exception as e:  # matplotlib missing: the tables still stand
+        results["plot_error"] = f"{type(e).__name__}: {e}"
+        print(f"no plot: {results['plot_error']}")
+
+    md = [f"# In-flight batching: plain vs fixed-k MTP vs adaptive MTP{' (quick smoke run)' if args.quick else ''}",
+          "", f"Model `{args.model}` ({eng_info['parameters_target'] / 1e6:.2f}M target + "
+          f"{eng_info['parameters_mtp'] / 1e6:.2f}M MTP parameters); {len(prompt_ids)} held-out prompts "
+          f"(~{results['settings']['prompt_tokens_mean']:.0f} tokens), output {args.min_tokens}-{args.max_tokens} "
+          f"tokens (uniform, ignore_eos), greedy; plain = k 0, fixed = k {args.fixed_k} every step, adaptive = "
+          f"k 0..{args.adaptive_k} chosen per step from the batch size, measured acceptance and profiled step "
+          "costs. Modes run on separate executors, interleaved per level. Ratios are against plain "
+          "at the same level (tok/s: output tokens/s; TPOT: plain TPOT / mode TPOT).", ""]
+    if raised:
+        md += [f"Engine limits raised for this run: {raised}.", ""]
+    md += ["## Closed loop (C clients, next request when one finishes)", ""]
+    headers = ["C", "mode", "output tok/s", "req/s", "TPOT mean ms", "TPOT p99 ms", "TTFT mean ms", "TTFT p99 ms",
+               "acceptance", "drafts/step", "tok/s vs plain", "TPOT vs plain", "done"]
+
+    def rows_of(sweep: list[dict[str, Any]], key: str) -> list[list[Any]]:
+        rows = []
+        for row in sweep:
+            for m in modes:
+                s = row[m]
+                rows.append([row[key], m, s.get("output_tokens_per_s"), s.get("requests_per_s"),
+                             _ms(s.get("tpot_mean_s")), _ms(s.get("tpot_p99_s")), _ms(s.get("ttft_mean_s")),
+                             _ms(s.get("ttft_p99_s")), s.get("acceptance_rate"), s.get("drafts_per_decode_step"),
+                             s.get("tok_s_vs_plain"), s.get("tpot_speedup_vs_plain"),
+                             f"{s.get('completed')}/{s.get('requests')}"])
+        return rows
+
+    md.append(md_table(headers, rows_of(results["concurrency_sweep"], "concurrency")))
+    if results["qps_sweep"]:
+        md += ["", "## Poisson arrivals (open loop)", "",
+               f"{args.qps_requests} requests per rate; rates "
+               + (f"= {args.qps_fractions} x plain's best closed-loop request throughput "
+                  f"({results['settings']['qps_auto_capacity_req_s']:.3f} req/s)" if args.qps == "auto" else "as given")
+               + ". Below capacity every mode serves the offered load, so output tok/s ratios stay near 1 by "
+               "construction: compare TPOT and TTFT here.", "", md_table(["QPS"] + headers[1:], rows_of(results["qps_sweep"], "qps"))]
+    md += ["", "## Targets", "", *[f"- {t['text']}" for t in targets]]
+    if "plot" in results:
+        md += ["", f"![serving]({results['plot']})"]
+    md += ["", "## Machine", "", machine_md(info)]
+    js, mdp = write_results(args.out_dir, args.name, results, "\n".join(md))
+    print("\n".join(md[md.index("## Closed loop (C clients, next request when one finishes)"):]))
+    print(f"wrote {js}, {mdp}" + (f", {png}" if "plot" in results else ""))
+
+
+if __name__ == "__main__":
+    main()

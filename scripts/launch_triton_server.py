@@ -1,0 +1,396 @@
+#!/usr/bin/env python3
+"""Launch tritonserver on a model repository (TensorRT-LLM backend's launch_triton_server.py,
+made to work without NVIDIA's container).
+
+The `nvidia-pytriton` wheel ships the real tritonserver, but not runnable in place: the Python
+backend looks for its stub next to libtriton_python.so, the wheel keeps one stub per Python
+version elsewhere, and the binaries need the wheel's bundled libraries and a shared libpython on
+the library path. This script prepares a private copy of the backends with the right stub, sets
+LD_LIBRARY_PATH and PATH (the stub takes its Python environment from the `python3` first on PATH),
+starts the server bound to 127.0.0.1 unless told otherwise, waits until /v2/health/ready answers,
+and stops it on SIGINT/SIGTERM. With --world_size N it runs one tritonserver per rank under
+mpirun, as upstream does (rank 0 serves, the other ranks load only the engine model).
+
+    python scripts/launch_triton_server.py --model_repo /tmp/repo --http_port 8000
+
+As a library (tests): `with start_server(repo) as server: ... server.http_url ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import ctypes
+import importlib.util
+import itertools
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+CONTAINER_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
+SHM_DIR = Path("/dev/shm")
+PR_SET_PDEATHSIG = 1
+_prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the forked child only calls it
+_instance_counter = itertools.count()
+
+
+@dataclass(frozen=True)
+class TritonInstall:
+    """Where the pieces of a tritonserver installation are."""
+
+    tritonserver: Path
+    backends: Path  # contains python/libtriton_python.so
+    caches: Path | None
+    stub: Path | None  # the wheel's Python stub, to put next to libtriton_python.so (None: already there)
+    lib_dirs: tuple[Path, ...]  # to prepend to LD_LIBRARY_PATH
+
+
+def find_install(tritonserver: str | Path | None = None) -> TritonInstall:
+    """The installation to use: `tritonserver` if given, else the nvidia-pytriton wheel's, else
+    NVIDIA's container layout (/opt/tritonserver)."""
+    if tritonserver is not None:
+        binary = Path(tritonserver).resolve()
+        if not binary.is_file():
+            raise FileNotFoundError(f"--tritonserver {tritonserver}: no such file")
+        root = binary.parent.parent
+        return _install_from_root(root, binary)
+    spec = importlib.util.find_spec("pytriton")
+    if spec is not None and spec.submodule_search_locations:
+        root = Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
+        if (root / "bin" / "tritonserver").is_file():
+            return _install_from_root(root, root / "bin" / "tritonserver")
+    if CONTAINER_TRITONSERVER.is_file():
+        return _install_from_root(CONTAINER_TRITONSERVER.parent.parent, CONTAINER_TRITONSERVER)
+    raise FileNotFoundError(
+        "tritonserver not found: install it with `pip install nvidia-pytriton==0.7.0` "
+        "or pass --tritonserver PATH")
+
+
+def _install_from_root(root: Path, binary: Path) -> TritonInstall:
+    backends = root / "backends"
+    if not (backends / "python" / "libtriton_python.so").is_file():
+        raise FileNotFoundError(f"{backends}/python/libtriton_python.so not found (Python backend missing)")
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        if (backends / "python" / "triton_python_backend_stub").is_file():
+            stub = None  # a container build: the stub is in place
+        else:
+            raise FileNotFoundError(f"no Python backend stub for Python {version} under {root}")
+    lib_dirs = [d for d in (root.parent.parent / "nvidia_pytriton.libs", root / "lib") if d.is_dir()]
+    if stub is not None:  # a stub built elsewhere links a shared libpython we must point it to
+        lib_dirs.append(find_libpython_dir())
+    caches = root / "caches" if (root / "caches").is_dir() else None
+    return TritonInstall(binary, backends, caches, stub, tuple(dict.fromkeys(lib_dirs)))
+
+
+def find_libpython_dir() -> Path:
+    """Directory of the shared libpython of the running Python's version, which the stub links."""
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    names = [sysconfig.get_config_var("INSTSONAME"), f"libpython{version}.so.1.0", f"libpython{version}.so"]
+    multiarch = sysconfig.get_config_var("MULTIARCH") or ""
+    dirs = [sysconfig.get_config_var("LIBDIR"), Path(sys.base_prefix) / "lib",
+            Path("/usr/lib") / multiarch, Path("/usr/local/lib"), Path("/usr/lib")]
+    for d in dirs:
+        for name in names:
+            if d and name and ".so" in name and (Path(d) / name).is_file():
+                return Path(d)
+    raise FileNotFoundError(
+        f"no shared libpython{version} found (looked in {', '.join(str(d) for d in dirs if d)}); the "
+        f"Python backend stub needs one: use a Python built with --enable-shared or install libpython{version}")
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct ports free on `host` now (all sockets held until all are chosen)."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(n):
+            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            s.bind((host, 0))
+            ports.append(s.getsockname()[1])
+        return ports
+
+
+def prepare_backends(install: TritonInstall, workdir: Path) -> Path:
+    """The backend directory to use: the installation's when its Python stub is in place (a
+    container), else a copy in `workdir` with the wheel's stub for this Python added."""
+    if install.stub is None:
+        return install.backends
+    backends = workdir / "backends"
+    shutil.copytree(install.backends, backends, ignore=shutil.ignore_patterns("__pycache__"))
+    dst = backends / "python" / "triton_python_backend_stub"
+    shutil.copy2(install.stub, dst)
+    dst.chmod(0o755)
+    return backends
+
+
+def server_env(install: TritonInstall, base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for tritonserver: bundled libraries and libpython on LD_LIBRARY_PATH, this
+    Python's bin directory first on PATH (the stub's `python3`)."""
+    env = dict(os.environ if base is None else base)
+    libs = [str(d) for d in install.lib_dirs]
+    if env.get("LD_LIBRARY_PATH"):
+        libs.append(env["LD_LIBRARY_PATH"])
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(libs)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return env
+
+
+def build_command(install: TritonInstall, backends: Path, model_repo: Path, *,
+                  host: str, http_port: int, grpc_port: int, metrics_port: int, world_size: int = 1,
+                  engine_model_names: Sequence[str] = ("tensorrt_llm",), log_verbose: int = 0,
+                  exit_timeout_s: int = 10, shm_prefix: str = "dsv3_", mpirun: str = "mpirun",
+                  extra_args: Sequence[str] = ()) -> list[str]:
+    """The tritonserver command line; with world_size > 1 an mpirun MPMD line with one
+    tritonserver per rank, rank 0 serving and the others loading only the engine model(s)."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    cmd: list[str] = [mpirun, "--allow-run-as-root"] if world_size > 1 else []
+    for rank in range(world_size):
+        if world_size > 1:
+            cmd += ["-n", "1"]
+        cmd += [
+            str(install.tritonserver),
+            f"--model-repository={model_repo}",
+            f"--backend-directory={backends}",
+            f"--http-address={host}", f"--http-port={http_port}",
+            f"--grpc-address={host}", f"--grpc-port={grpc_port}",
+            f"--metrics-address={host}", f"--metrics-port={metrics_port}",
+            "--allow-gpu-metrics=false",
+            "--disable-auto-complete-config",
+            f"--exit-timeout-secs={exit_timeout_s}",
+            # distinct per server and rank: python stubs of two servers must not share shm regions
+            f"--backend-config=python,shm-region-prefix-name={shm_prefix}{rank}_",
+        ]
+        if install.caches is not None:
+            cmd.append(f"--cache-directory={install.caches}")
+        if log_verbose:
+            cmd.append(f"--log-verbose={log_verbose}")
+        if rank > 0:
+            cmd += ["--model-control-mode=explicit", *(f"--load-model={m}" for m in engine_model_names)]
+        cmd += list(extra_args)
+        if world_size > 1 and rank < world_size - 1:
+            cmd.append(":")
+    return cmd
+
+
+@dataclass
+class TritonServer:
+    """A running tritonserver (or mpirun of several); stop() it, or use it as a context manager."""
+
+    process: subprocess.Popen
+    host: str
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    log_path: Path | None
+    workdir: Path
+    shm_prefix: str  # of the Python backend's shared-memory regions, unique to this server
+    _log_handle: object | None = field(default=None, repr=False)
+
+    @property
+    def client_host(self) -> str:
+        """Address a client on this machine connects to."""
+        return "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.client_host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.client_host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.client_host}:{self.metrics_port}/metrics"
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Poll readiness; raise RuntimeError (with the log's tail) if the server exits or times out."""
+        deadline = time.monotonic() + timeout_s
+        while not self.is_ready():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with status {self.process.returncode} before "
+                                   f"becoming ready{self._log_tail()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"tritonserver not ready after {timeout_s:.0f} s{self._log_tail()}")
+            time.sleep(0.1)
+
+    def _log_tail(self, n: int = 40) -> str:
+        if self.log_path is None or not self.log_path.is_file():
+            return ""
+        lines = self.log_path.read_text(errors="replace").splitlines()[-n:]
+        return f"; last log lines ({self.log_path}):\n" + "\n".join(lines)
+
+    def stop(self, sig: int = signal.SIGINT, timeout_s: float = 30.0) -> int | None:
+        """Forward `sig` (tritonserver shuts down gracefully on SIGINT/SIGTERM; mpirun forwards
+        it to the ranks), wait, then kill the whole process group; return the exit status."""
+        atexit.unregister(self.stop)
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        # The group also holds the Python backend stubs, which can outlive a server that exited
+        # (they ignore SIGTERM), and the stubs leave their shared-memory regions behind.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+        for region in SHM_DIR.glob(f"{self.shm_prefix}*"):
+            region.unlink(missing_ok=True)
+        if self._log_handle is not None:
+            self._log_handle.close()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        return self.process.returncode
+
+    def __enter__(self) -> TritonServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_server(model_repo: str | Path, *, http_port: int = 0, grpc_port: int = 0, metrics_port: int = 0,
+                 host: str = "127.0.0.1", log_file: str | Path | None = None, log_verbose: int = 0,
+                 world_size: int = 1, tritonserver: str | Path | None = None, ready_timeout_s: float = 300.0,
+                 exit_timeout_s: int = 10, extra_args: Sequence[str] = (), capture_output: bool = True,
+                 env: dict[str, str] | None = None) -> TritonServer:
+    """Start tritonserver on `model_repo` and wait until it is ready; ports 0 pick free ones.
+
+    Server output goes to `log_file`; without one, to a file in the private work directory when
+    `capture_output` (removed at stop), else to this process's stdout/stderr. The server is
+    stopped at interpreter exit and gets SIGTERM if the calling thread dies, so call this from a
+    thread that outlives the server (normally the main thread).
+    """
+    model_repo = Path(model_repo).resolve()
+    if not model_repo.is_dir():
+        raise FileNotFoundError(f"--model_repo {model_repo}: not a directory")
+    install = find_install(tritonserver)
+    mpirun = shutil.which("mpirun") if world_size > 1 else "mpirun"
+    if mpirun is None:
+        raise FileNotFoundError(f"world_size {world_size} needs mpirun on PATH (one tritonserver per rank)")
+    bind_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
+    chosen = iter(free_ports(3, bind_host))
+    http_port, grpc_port, metrics_port = (p or next(chosen) for p in (http_port, grpc_port, metrics_port))
+
+    workdir = Path(tempfile.mkdtemp(prefix="tritonserver-"))
+    try:
+        backends = prepare_backends(install, workdir)
+        shm_prefix = f"dsv3_{os.getpid()}_{next(_instance_counter)}_"
+        cmd = build_command(install, backends, model_repo, host=host, http_port=http_port,
+                            grpc_port=grpc_port, metrics_port=metrics_port, world_size=world_size,
+                            log_verbose=log_verbose, exit_timeout_s=exit_timeout_s, mpirun=mpirun,
+                            shm_prefix=shm_prefix, extra_args=extra_args)
+        log_path = Path(log_file).resolve() if log_file else (workdir / "server.log" if capture_output else None)
+        handle = open(log_path, "ab") if log_path else None
+        # own session: Ctrl-C in a terminal reaches only us, and stop() can kill the whole group
+        proc = subprocess.Popen(cmd, env=server_env(install, env), stdin=subprocess.DEVNULL, stdout=handle,
+                                stderr=subprocess.STDOUT if handle else None, start_new_session=True,
+                                preexec_fn=_terminate_with_parent)
+    except BaseException:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    server = TritonServer(proc, host, http_port, grpc_port, metrics_port, log_path, workdir, shm_prefix, handle)
+    atexit.register(server.stop)  # a caller that dies of an exception still stops its server
+    try:
+        server.wait_ready(ready_timeout_s)
+    except BaseException:
+        server.stop(timeout_s=5)
+        raise
+    return server
+
+
+def _terminate_with_parent() -> None:
+    """In the child: get SIGTERM when the process that started the server dies, even by SIGKILL
+    (a killed test run would otherwise leave a server holding its ports)."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class _Stop(Exception):
+    """Raised from the signal handler so the main thread unwinds into server.stop()."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stop(signum: int, _frame: object) -> None:
+    raise _Stop(signum)
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model_repo", required=True, type=Path, help="filled model repository")
+    parser.add_argument("--tritonserver", type=Path, help="tritonserver binary (default: the nvidia-pytriton wheel's)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
+    parser.add_argument("--http_port", type=int, default=8000)
+    parser.add_argument("--grpc_port", type=int, default=8001)
+    parser.add_argument("--metrics_port", type=int, default=8002)
+    parser.add_argument("--world_size", type=int, default=1, help="ranks (one tritonserver each, via mpirun)")
+    parser.add_argument("--log_file", type=Path, help="write server output here instead of the terminal")
+    parser.add_argument("--log_verbose", type=int, default=0, help="tritonserver --log-verbose level")
+    parser.add_argument("--ready_timeout", type=float, default=600.0, help="seconds to wait for readiness")
+    parser.add_argument("--exit_timeout", type=int, default=10,
+                        help="seconds tritonserver waits for in-flight requests when stopping")
+    args = parser.parse_args(argv)
+
+    server = None
+    status = 0
+    with _stop_on_signals():
+        try:
+            t0 = time.monotonic()
+            server = start_server(args.model_repo, http_port=args.http_port, grpc_port=args.grpc_port,
+                                  metrics_port=args.metrics_port, host=args.host, log_file=args.log_file,
+                                  log_verbose=args.log_verbose, world_size=args.world_size,
+                                  tritonserver=args.tritonserver, ready_timeout_s=args.ready_timeout,
+                                  exit_timeout_s=args.exit_timeout, capture_output=False)
+            print(f"tritonserver ready in {time.monotonic() - t0:.1f} s: http {server.http_url}, "
+                  f"grpc {server.grpc_url}, metrics {server.metrics_url} (pid {server.process.pid})", flush=True)
+            status = server.process.wait()
+            print(f"tritonserver exited with status {status}", file=sys.stderr)
+        except _Stop as stop:
+            if server is not None:
+                server.stop(stop.signum)
+                server = None
+        except (FileNotFoundError, RuntimeError, TimeoutError, ValueError) as e:
+            print(f"launch_triton_server: {e}", file=sys.stderr)
+            status = 1
+        finally:
+            if server is not None:
+                server.stop()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

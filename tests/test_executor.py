@@ -1,0 +1,561 @@
+"""The in-flight batching executor: exactness under batching, chunked prefill, preemption, limits,
+cancellation, streaming and statistics, and the adaptive draft-length policy.
+
+Everything runs in float32 on CPU on a tiny random model whose MTP layer is a usable draft model
+(conftest.bigram_tensors), so drafts are both accepted and rejected. Greedy outputs are compared
+token for token with the same prompt decoded alone without speculation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from runtime.engine import load_engine
+from runtime.executor import Executor, ExecutorConfig, RequestOutput
+from runtime.sampling import SamplingParams
+from runtime.scheduler import DraftPolicy, StepCosts
+from runtime.worker import StepResult
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+TEXTS = [
+    "x",
+    "def fib(n):",
+    "In the beginning God created the heaven and the earth.",
+    "import os\nimport sys\n\n\nclass Config:\n    \"\"\"Settings read from the environment.\"\"\"\n\n    def __init__(self):",
+    "And the earth was without form, and void; and darkness was upon the face of the deep. And the Spirit of God "
+    "moved upon the face of the waters. And God said, Let there be light: and there was light.",
+    "    for key, value in sorted(items.items()):\n        if value is None:\n            continue\n",
+    "Copyright (c) the authors. Permission is hereby granted, free of charge, to any person obtaining a copy",
+    "for i in range(10):",
+]
+MAX_TOKENS = [16, 24, 12, 20, 24, 8, 16, 24]
+
+
+@pytest.fixture(scope="module")
+def engine(spec_checkpoint):
+    return load_engine(spec_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(engine):
+    from runtime.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(engine.tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    ids = [tokenizer.encode(t) for t in TEXTS]
+    assert len({len(i) for i in ids}) == len(ids), "prompt lengths should all differ"
+    return ids
+
+
+@pytest.fixture(scope="module")
+def alone(engine, prompts):
+    """Greedy output of each prompt decoded alone, without speculation."""
+    out = []
+    with Executor(engine, ExecutorConfig(num_draft_tokens=0, speculation="off")) as ex:
+        for p, n in zip(prompts, MAX_TOKENS):
+            r = ex.submit(p, SamplingParams(max_tokens=n, ignore_eos=True)).result(60)
+            assert len(r.token_ids) == n
+            out.append(r.token_ids)
+    return out
+
+
+def wait_until(cond, timeout: float = 30.0, what: str = "condition") -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.002)
+
+
+def assert_all_free(ex: Executor) -> None:
+    s = ex.stats()
+    assert s.kv_blocks_used == 0 and s.kv_blocks_free == ex.cache.allocator.num_blocks, s
+    assert s.running == 0 and s.queued == 0, s
+
+
+# ---------------------------------------------------------------------------------------------
+# Exactness under batching
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("speculation, k", [("fixed", 2), ("adaptive", 3), ("off", 0)])
+def test_batched_staggered_equals_alone(engine, prompts, alone, speculation, k) -> None:
+    """Mixed prompt lengths and max_tokens, arriving in three waves while others decode, plus a
+    sampled request in the batch: every greedy output equals the prompt decoded alone."""
+    # adaptive: a batch limit of 4 keeps start-up profiling short (and makes later waves queue)
+    limit = 4 if speculation == "adaptive" else None
+    with Executor(engine, ExecutorConfig(num_draft_tokens=k, speculation=speculation, max_batch_size=limit)) as ex:
+        greedy = lambda n: SamplingParams(max_tokens=n, ignore_eos=True)  # noqa: E731
+        handles = {}
+        for i in (0, 3, 4):
+            handles[i] = ex.submit(prompts[i], greedy(MAX_TOKENS[i]))
+        sampled = ex.submit(prompts[2], SamplingParams(max_tokens=30, temperature=1.0, seed=3, ignore_eos=True))
+        wait_until(lambda: ex.stats().generated_tokens >= 10, what="the first wave to decode")
+        for i in (1, 2, 5):
+            handles[i] = ex.submit(prompts[i], greedy(MAX_TOKENS[i]))
+        wait_until(lambda: ex.stats().generated_tokens >= 40, what="the second wave to decode")
+        for i in (6, 7):
+            handles[i] = ex.submit(prompts[i], greedy(MAX_TOKENS[i]))
+        outs = {i: h.result(60) for i, h in handles.items()}
+        assert sampled.result(60).finish_reason == "length"
+        for i, o in sorted(outs.items()):
+            assert o.token_ids == alone[i], f"prompt {i} ({speculation}, k={k}) differs from its output alone"
+            assert o.finish_reason == "length"
+        stats = ex.stats()
+        if k:
+            assert stats.draft_tokens > 0 and stats.accepted_draft_tokens > 0, stats
+        else:
+            assert stats.draft_tokens == 0
+        assert_all_free(ex)
+
+
+def test_adaptive_reports_its_draft_length(engine, prompts) -> None:
+    with Executor(engine, ExecutorConfig(num_draft_tokens=3, speculation="adaptive", max_batch_size=3)) as ex:
+        costs = ex.policy.costs
+        assert isinstance(costs, StepCosts) and costs.batch_sizes == [1, 2, 3]
+        assert sorted(costs.target) == [1, 2, 3, 4]
+        assert all(len(v) == len(costs.batch_sizes) and min(v) > 0 for v in costs.target.values())
+        seen = set()
+        h = ex.submit(prompts[3], SamplingParams(max_tokens=24, ignore_eos=True),
+                      on_output=lambda o: seen.add(ex.stats().current_draft_len))
+        h.result(60)
+        assert seen <= {0, 1, 2, 3}
+        assert_all_free(ex)
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunked prefill
+# ---------------------------------------------------------------------------------------------
+def record_plans(ex: Executor) -> list[list[tuple[str, int, int]]]:
+    """Wrap the runner so each step's plan [(request id, num_new, num_drafts)] is recorded."""
+    plans: list[list[tuple[str, int, int]]] = []
+    step = ex.runner.step
+
+    def recording(items):
+        plans.append([(it.seq.request_id, it.num_new, it.num_drafts) for it in items])
+        return step(items)
+
+    ex.runner.step = recording
+    return plans
+
+
+@pytest.mark.parametrize("k, budget", [(0, 8), (3, 8), (3, 3)])
+def test_chunked_prefill_equals_one_shot(engine, prompts, alone, k, budget) -> None:
+    long_ids = [4, 6]  # 60 and 36 tokens
+    assert all(len(prompts[i]) > 4 * budget for i in long_ids)
+    spec = "fixed" if k else "off"
+    with Executor(engine, ExecutorConfig(num_draft_tokens=k, speculation=spec, max_num_tokens=budget)) as ex:
+        plans = record_plans(ex)
+        hs = {i: ex.submit(prompts[i], SamplingParams(max_tokens=MAX_TOKENS[i], ignore_eos=True)) for i in long_ids}
+        outs = {i: h.result(60) for i, h in hs.items()}
+        assert_all_free(ex)
+    for i in long_ids:
+        assert outs[i].token_ids == alone[i], f"prompt {i} with max_num_tokens={budget}, k={k}"
+    assert all(sum(n for _, n, _ in plan) <= budget for plan in plans), "a step ran more tokens than max_num_tokens"
+    prefill_steps = {rid: sum(1 for plan in plans for r, n, d in plan if r == rid and d == 0 and n > 1)
+                     for rid in {h.request_id for h in hs.values()}}
+    assert all(n >= 4 for n in prefill_steps.values()), f"prompts were not prefilled in chunks: {prefill_steps}"
+    if k:
+        assert max(d for plan in plans for _, _, d in plan) == min(k, budget - 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Preemption
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("k", [0, 2])
+def test_preemption_with_tiny_kv_cache(engine, prompts, alone, k) -> None:
+    """Room for little more than one sequence (8 blocks of 16): six greedy requests and a seeded
+    sampled one still all finish with their own outputs, sequences really are preempted (and
+    recomputed), and every block is free at the end."""
+    ids = [1, 2, 3, 4, 6, 7]
+    spec = "fixed" if k else "off"
+    sampled = SamplingParams(max_tokens=24, temperature=1.0, seed=9, ignore_eos=True)
+    with Executor(engine, ExecutorConfig(num_draft_tokens=k, speculation=spec)) as ex:
+        sampled_alone = ex.submit(prompts[5], sampled).result(30).token_ids
+    with Executor(engine, ExecutorConfig(num_draft_tokens=k, speculation=spec, kv_cache_tokens=7 * 16)) as ex:
+        assert ex.cache.allocator.num_blocks == 8
+        need = max(len(prompts[i]) + MAX_TOKENS[i] + k for i in ids)
+        assert need <= 7 * 16 < 2 * need, "the cache should hold one sequence but not two"
+        preempted = []
+        orig = ex.scheduler._preempt_latest
+
+        def counting():
+            victim = orig()
+            preempted.append(victim.request_id)
+            return victim
+
+        ex.scheduler._preempt_latest = counting
+        hs = {i: ex.submit(prompts[i], SamplingParams(max_tokens=MAX_TOKENS[i], ignore_eos=True)) for i in ids}
+        hs["sampled"] = ex.submit(prompts[5], sampled)
+        outs = {i: h.result(120) for i, h in hs.items()}
+        assert_all_free(ex)
+    assert len(preempted) >= 2, "too little preemption: the test does not exercise it"
+    for i in ids:
+        assert outs[i].finish_reason == "length"
+        assert outs[i].token_ids == alone[i], f"prompt {i} changed after preemption (k={k})"
+    assert outs["sampled"].token_ids == sampled_alone, "a seeded sampled request changed with preemption"
+
+
+def test_request_larger_than_kv_cache_does_not_hang(engine, prompts) -> None:
+    """A request that can never fit in the KV cache (3 blocks of 16; prompt + max_tokens = 70)
+    must be refused at submit or finish with an error; it must not spin forever."""
+    with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed", kv_cache_tokens=32)) as ex:
+        try:
+            h = ex.submit(prompts[2], SamplingParams(max_tokens=70 - len(prompts[2]), ignore_eos=True))
+        except ValueError:
+            return
+        try:
+            out = h.result(8)
+        except TimeoutError:
+            pytest.fail(f"the request neither was refused nor finished: {ex.stats()}")
+        assert out.finish_reason == "error"
+        assert_all_free(ex)
+
+
+def test_adaptive_with_small_kv_cache_starts(engine, prompts, alone) -> None:
+    """Profiling for adaptive speculation must not need more KV blocks than the cache has."""
+    with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="adaptive", kv_cache_tokens=7 * 16)) as ex:
+        out = ex.submit(prompts[3], SamplingParams(max_tokens=MAX_TOKENS[3], ignore_eos=True)).result(60)
+        assert out.token_ids == alone[3]
+        assert_all_free(ex)
+
+
+# ---------------------------------------------------------------------------------------------
+# Limits
+# ---------------------------------------------------------------------------------------------
+def test_limits_above_the_engine_are_refused(engine) -> None:
+    """A built engine's limits are hard; a plain checkpoint's are defaults that a config may raise."""
+    with Executor(engine, ExecutorConfig(max_batch_size=100, speculation="off")) as ex:
+        assert ex.limits.max_batch_size == 100
+    engine = dataclasses.replace(engine, built=True)
+    path = engine.path
+    with pytest.raises(ValueError) as e:
+        Executor(engine, ExecutorConfig(max_batch_size=100, speculation="off"))
+    assert str(e.value) == (f"max_batch_size 100 exceeds the engine's max_batch_size 8 ({path}); "
+                            "rebuild the engine with --max_batch_size 100")
+    with pytest.raises(ValueError, match=r"^max_seq_len 100000 exceeds the engine's max_seq_len 256 "):
+        Executor(engine, ExecutorConfig(max_seq_len=100_000, speculation="off"))
+    with pytest.raises(ValueError, match=r"^max_num_tokens 4096 exceeds the engine's max_num_tokens 2048 "):
+        Executor(engine, ExecutorConfig(max_num_tokens=4096, speculation="off"))
+    with pytest.raises(ValueError, match=r"^num_draft_tokens 5 exceeds the engine's max_draft_len 4 "):
+        Executor(engine, ExecutorConfig(num_draft_tokens=5, speculation="fixed"))
+    with pytest.raises(ValueError, match="speculation must be 'off', 'fixed' or 'adaptive', got 'always'"):
+        Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="always"))
+
+
+def test_max_batch_size_respected(engine, prompts) -> None:
+    limit = 2
+    with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed", max_batch_size=limit)) as ex:
+        running, queued = [], []
+
+        def on_output(o: RequestOutput) -> None:  # runs on the executor thread, between steps
+            s = ex.stats()
+            running.append(s.running)
+            queued.append(s.queued)
+            assert s.kv_blocks_used + s.kv_blocks_free == ex.cache.allocator.num_blocks
+
+        hs = [ex.submit(p, SamplingParams(max_tokens=12, ignore_eos=True), on_output=on_output) for p in prompts[:6]]
+        outs = [h.result(60) for h in hs]
+        assert_all_free(ex)
+    assert all(len(o.token_ids) == 12 for o in outs)
+    assert max(running) == limit, f"never ran {limit} at once: {running}"
+    assert max(queued) > 0
+    assert ex.stats().requests_finished == 6
+
+
+# ---------------------------------------------------------------------------------------------
+# Cancellation
+# ---------------------------------------------------------------------------------------------
+def test_cancel_frees_blocks_at_once(engine, prompts) -> None:
+    with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed")) as ex:
+        other = ex.submit(prompts[1], SamplingParams(max_tokens=150, ignore_eos=True))
+        started = threading.Event()
+        at_finish = {}
+
+        def on_output(o: RequestOutput) -> None:  # executor thread
+            if len(o.token_ids) >= 5:
+                started.set()
+            if o.finished:  # the request's blocks must already be back
+                at_finish["used"] = ex.stats().kv_blocks_used
+                at_finish["held_by_running"] = sum(len(s.block_table) for s in ex.scheduler.running)
+                at_finish["running"] = [s.request_id for s in ex.scheduler.running]
+
+        h = ex.submit(prompts[4], SamplingParams(max_tokens=150, ignore_eos=True), on_output=on_output)
+        assert started.wait(30)
+        assert ex.stats().kv_blocks_used >= ex.cache.blocks_for(len(prompts[4]) + 5)
+        h.cancel()
+        out = h.result(10)
+        assert out.finished and out.finish_reason == "cancelled"
+        assert 5 <= len(out.token_ids) < 150
+        assert at_finish["running"] == [other.request_id]
+        assert at_finish["used"] == at_finish["held_by_running"], at_finish
+        assert not other.finished, "the other request should still be running"
+        assert len(other.result(60).token_ids) == 150
+        assert_all_free(ex)
+
+        # alone: blocks drop to zero as soon as the cancelled handle finishes
+        base = ex.stats().generated_tokens
+        h = ex.submit(prompts[4], SamplingParams(max_tokens=150, ignore_eos=True))
+        wait_until(lambda: ex.stats().generated_tokens >= base + 5, what="decoding")
+        assert ex.stats().kv_blocks_used > 0
+        h.cancel()
+        assert h.result(10).finish_reason == "cancelled"
+        assert ex.stats().kv_blocks_used == 0
+
+
+def test_cancel_queued_and_unknown_requests(engine, prompts) -> None:
+    with Executor(engine, ExecutorConfig(num_draft_tokens=0, speculation="off", max_batch_size=1)) as ex:
+        first = ex.submit(prompts[1], SamplingParams(max_tokens=40, ignore_eos=True))
+        queued = ex.submit(prompts[2], SamplingParams(max_tokens=40, ignore_eos=True))
+        wait_until(lambda: ex.stats().generated_tokens >= 1, what="the first request to start")
+        queued.cancel()
+        out = queued.result(10)
+        assert out.finish_reason == "cancelled" and out.token_ids == []
+        ex.cancel("no-such-request")  # ignored
+        assert first.result(60).finish_reason == "length"
+        assert_all_free(ex)
+
+
+def test_shutdown_cancels_unfinished(engine, prompts) -> None:
+    ex = Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed"))
+    h = ex.submit(prompts[4], SamplingParams(max_tokens=190, ignore_eos=True))
+    wait_until(lambda: ex.stats().generated_tokens >= 3, what="decoding")
+    ex.shutdown()
+    assert h.result(5).finish_reason == "cancelled"
+    with pytest.raises(RuntimeError, match="executor is shut down"):
+        ex.submit(prompts[0], SamplingParams())
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming and statistics
+# ---------------------------------------------------------------------------------------------
+def check_stream(outs: list[RequestOutput], tokenizer) -> None:
+    assert outs and outs[-1].finished and not any(o.finished for o in outs[:-1])
+    final = outs[-1]
+    assert "".join(o.text_delta for o in outs) == final.text
+    text = ""
+    ids: list[int] = []
+    for o in outs:
+        text += o.text_delta
+        ids += o.new_token_ids
+        assert o.text == text, "RequestOutput.text is not the concatenation of the deltas so far"
+        assert o.token_ids == ids
+        o.text_delta.encode("utf-8")  # no lone surrogates
+    assert final.text == tokenizer.decode(final.token_ids)
+
+
+def test_streaming_callback_and_stats(engine, prompts, tokenizer) -> None:
+    with Executor(engine, ExecutorConfig(num_draft_tokens=3, speculation="fixed")) as ex:
+        streams: dict[str, list[RequestOutput]] = {}
+        lock = threading.Lock()
+
+        def on_output(o: RequestOutput) -> None:
+            with lock:
+                streams.setdefault(o.request_id, []).append(o)
+
+        params = [SamplingParams(max_tokens=20, ignore_eos=True),
+                  SamplingParams(max_tokens=20, temperature=0.8, top_k=50, seed=1, ignore_eos=True),
+                  SamplingParams(max_tokens=15, ignore_eos=True)]
+        hs = [ex.submit(p, sp, on_output=on_output) for p, sp in zip(prompts[1:4], params)]
+        finals = [h.result(60) for h in hs]
+        stats = ex.stats()
+    for h, final in zip(hs, finals):
+        outs = streams[h.request_id]
+        assert outs[-1] is final or outs[-1] == final
+        check_stream(outs, tokenizer)
+        st = final.stats
+        assert st.output_tokens == len(final.token_ids)
+        assert st.prompt_tokens == len(prompts[1 + hs.index(h)])
+        assert 0 < st.num_steps <= st.output_tokens
+        assert st.num_accepted_draft_tokens <= st.num_draft_tokens
+        assert st.acceptance_rate == pytest.approx(st.num_accepted_draft_tokens / st.num_draft_tokens)
+        assert st.tokens_per_step == pytest.approx(st.output_tokens / st.num_steps)
+        assert st.ttft_s is not None and st.ttft_s > 0 and st.tpot_s is not None and st.tpot_s > 0
+    assert stats.requests_finished == 3
+    assert stats.generated_tokens == sum(len(f.token_ids) for f in finals)
+    assert stats.draft_tokens == sum(f.stats.num_draft_tokens for f in finals)
+    assert stats.accepted_draft_tokens == sum(f.stats.num_accepted_draft_tokens for f in finals)
+    assert stats.acceptance_rate == pytest.approx(stats.accepted_draft_tokens / stats.draft_tokens)
+    assert stats.current_draft_len == 3
+    # each step emits 1..k+1 tokens: steps >= tokens / 4, and drafting helped at least once
+    assert sum(f.stats.num_steps for f in finals) < stats.generated_tokens
+
+
+def test_blocking_and_async_iteration(engine, prompts, tokenizer) -> None:
+    with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed")) as ex:
+        sp = SamplingParams(max_tokens=18, ignore_eos=True)
+        blocking = list(ex.submit(prompts[3], sp))
+        check_stream(blocking, tokenizer)
+
+        async def collect(handle):
+            return [o async for o in handle]
+
+        async def main():
+            handles = [ex.submit(prompts[3], sp), ex.submit(prompts[5], sp)]
+            return await asyncio.gather(*(collect(h) for h in handles))
+
+        a, b = asyncio.run(main())
+        check_stream(a, tokenizer)
+        check_stream(b, tokenizer)
+        assert a[-1].token_ids == blocking[-1].token_ids
+        assert len(b[-1].token_ids) == 18
+        assert_all_free(ex)
+
+
+def test_running_and_queued_stats_while_busy(engine, prompts) -> None:
+    """Seen from the executor thread (output callbacks), every request is running, queued or
+    finished, never more than max_batch_size run, and blocks used + free = all blocks."""
+    submitted = threading.Event()
+    seen: list = []
+
+    with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed", max_batch_size=3)) as ex:
+        def on_output(o: RequestOutput) -> None:
+            if submitted.is_set():
+                seen.append(ex.stats())
+
+        hs = [ex.submit(p, SamplingParams(max_tokens=30, ignore_eos=True), on_output=on_output) for p in prompts[:6]]
+        submitted.set()
+        for h in hs:
+            h.result(60)
+        final = ex.stats()
+    assert seen
+    for st in seen:
+        assert st.running + st.queued + st.requests_finished == 6, st
+        assert st.running <= 3
+        assert st.kv_blocks_used + st.kv_blocks_free == ex.cache.allocator.num_blocks
+    assert max(st.running for st in seen) == 3 and max(st.queued for st in seen) > 0
+    assert (final.running, final.queued, final.requests_finished, final.kv_blocks_used) == (0, 0, 6, 0)
+
+
+
+def test_one_token_prompt(engine) -> None:
+    """A prompt of just BOS has no hidden state to draft from at first; drafting starts later."""
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
+    with Executor(engine, ExecutorConfig(num_draft_tokens=0, speculation="off")) as ex:
+        plain = ex.submit([0], sp).result(30)
+    with Executor(engine, ExecutorConfig(num_draft_tokens=3, speculation="fixed")) as ex:
+        spec = ex.submit([0], sp).result(30)
+        assert_all_free(ex)
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.num_draft_tokens > 0
+
+
+def test_bad_token_ids_never_emitted(engine, prompts, alone) -> None:
+    banned = tuple(alone[3][:6])
+    with Executor(engine, ExecutorConfig(num_draft_tokens=0, speculation="off")) as ex:
+        plain = ex.submit(prompts[3], SamplingParams(max_tokens=20, ignore_eos=True, bad_token_ids=banned)).result(30)
+    with Executor(engine, ExecutorConfig(num_draft_tokens=3, speculation="fixed")) as ex:
+        greedy = ex.submit(prompts[3], SamplingParams(max_tokens=20, ignore_eos=True, bad_token_ids=banned))
+        sampled = [ex.submit(prompts[3], SamplingParams(max_tokens=20, temperature=1.0, seed=s, ignore_eos=True,
+                                                        bad_token_ids=banned)) for s in range(4)]
+        greedy = greedy.result(30)
+        sampled = [h.result(30) for h in sampled]
+        assert_all_free(ex)
+    assert not set(plain.token_ids) & set(banned)
+    assert greedy.token_ids == plain.token_ids
+    assert plain.token_ids != alone[3][:20]
+    for o in sampled:
+        assert not set(o.token_ids) & set(banned)
+
+
+def test_raising_callback_does_not_break_the_request(engine, prompts, alone) -> None:
+    calls = []
+
+    def boom(o: RequestOutput) -> None:
+        calls.append(o)
+        raise RuntimeError("client bug")
+
+    with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed")) as ex:
+        out = ex.submit(prompts[3], SamplingParams(max_tokens=MAX_TOKENS[3], ignore_eos=True), on_output=boom).result(30)
+        assert out.token_ids == alone[3] and calls and calls[-1].finished
+        assert ex.submit(prompts[1], SamplingParams(max_tokens=5, ignore_eos=True)).result(30).finish_reason == "length"
+
+
+def test_duplicate_request_id(engine, prompts) -> None:
+    """Reusing a request_id must be refused (ValueError) or work; it must not kill the executor
+    thread (today: KeyError in Executor._loop, and every later request hangs)."""
+    with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed")) as ex:
+        a = ex.submit(prompts[1], SamplingParams(max_tokens=10, ignore_eos=True), request_id="same")
+        try:
+            b = ex.submit(prompts[1], SamplingParams(max_tokens=20, ignore_eos=True), request_id="same")
+        except ValueError as e:
+            assert "same" in str(e)
+            b = None
+        try:
+            assert len(a.result(5).token_ids) == 10
+            if b is not None:
+                assert len(b.result(5).token_ids) == 20
+            # the executor still serves new requests
+            ex.submit(prompts[2], SamplingParams(max_tokens=5, ignore_eos=True)).result(5)
+        except TimeoutError as e:
+            pytest.fail(f"a duplicate request_id broke the executor ({e}; executor thread alive: "
+                        f"{ex._thread.is_alive()})")
+        assert_all_free(ex)
+
+
+# ---------------------------------------------------------------------------------------------
+# Adaptive speculation policy
+# ---------------------------------------------------------------------------------------------
+def costs(target_per_token: float, target_fixed: float, mtp: float) -> StepCosts:
+    """A target forward with q tokens per sequence costs fixed + q * per_token (for batch size 1;
+    x batch size elsewhere); an MTP forward costs `mtp`."""
+    sizes = [1, 2, 4, 8]
+    return StepCosts(sizes, {q: [b * (target_fixed + q * target_per_token) for b in sizes] for q in range(1, 6)},
+                     [b * mtp for b in sizes])
+
+
+def test_draft_policy_off_when_verification_costs_more() -> None:
+    # compute-bound: verifying k drafts costs k+1 full forwards, and drafting is not free either
+    policy = DraftPolicy("adaptive", 4, costs(target_per_token=1.0, target_fixed=0.0, mtp=0.3), prior_acceptance=0.7)
+    assert policy.choose(1) == 0
+    assert policy.choose(8) == 0
+
+
+def test_draft_policy_max_k_when_drafting_is_cheap() -> None:
+    # memory-bound: extra query tokens are almost free, the MTP layer costs 1% of a step
+    policy = DraftPolicy("adaptive", 4, costs(target_per_token=0.001, target_fixed=1.0, mtp=0.01), prior_acceptance=0.9)
+    assert policy.choose(1) == 4
+    assert policy.choose(3) == 4
+
+
+def test_draft_policy_intermediate_and_learning() -> None:
+    c = costs(target_per_token=0.2, target_fixed=1.0, mtp=0.05)
+    policy = DraftPolicy("adaptive", 4, c, prior_acceptance=0.6)
+    k = policy.choose(1)
+    # brute force: the k maximizing E[tokens] / seconds
+    a = 0.6
+    best = max(range(5), key=lambda k: ((1 - a ** (k + 1)) / (1 - a)) / c.step_seconds(1, k))
+    assert k == best and 0 < k < 4
+    # acceptance drops to zero: the policy learns it and stops drafting
+    for _ in range(200):
+        policy.observe([StepResult(None, [1], num_drafts=k or 1, num_accepted=0)])
+    assert policy.acceptance < 0.01
+    assert policy.choose(1) == 0
+    # all drafts accepted for a while: it drafts the most again
+    for _ in range(400):
+        policy.observe([StepResult(None, [1] * 5, num_drafts=4, num_accepted=4)])
+    assert policy.acceptance > 0.99
+    assert policy.choose(1) == 4
+
+
+def test_draft_policy_modes() -> None:
+    assert DraftPolicy("fixed", 3).choose(8) == 3
+    assert DraftPolicy("off", 3).choose(1) == 0
+    with pytest.raises(ValueError, match="adaptive speculation needs measured step costs"):
+        DraftPolicy("adaptive", 3)
+    with pytest.raises(ValueError, match="speculation must be 'off', 'fixed' or 'adaptive', got 'x'"):
+        DraftPolicy("x", 3)
+    # per-position acceptance: [accepted 1 of 3 drafts] reached positions 1 and 2 -> 1/2
+    p = DraftPolicy("fixed", 3, prior_acceptance=0.0, smoothing=1.0)
+    p.observe([StepResult(None, [1, 2], num_drafts=3, num_accepted=1)])
+    assert p.acceptance == pytest.approx(0.5)
+    p.observe([StepResult(None, [1, 2, 3, 4], num_drafts=3, num_accepted=3)])
+    assert p.acceptance == pytest.approx(1.0)

@@ -1,0 +1,261 @@
+"""The Python entry point: `Session.generate` / `Session.stream`, stop conditions, statistics,
+seeds, and parameter validation with exact messages.
+
+Runs on a tiny random model with the project tokenizer (conftest.write_spec_checkpoint); one
+smoke test uses the shipped model when it is present.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import pytest
+
+from runtime import SamplingParams, Session
+from runtime.session import GenerationResult
+from runtime.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+MAX_SEQ_LEN = 96
+PROMPT = "def fib(n):\n    if n < 2:"
+PROMPTS = [PROMPT, "In the beginning God created", "x"]
+
+
+@pytest.fixture(scope="module")
+def session(spec_checkpoint):
+    with Session(spec_checkpoint, num_draft_tokens=3, max_seq_len=MAX_SEQ_LEN) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def reference(session):
+    """Greedy output of PROMPTS without stops (ignore_eos), 40 tokens each."""
+    return session.generate(PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True))
+
+
+def wait_idle(session: Session, timeout: float = 10) -> None:
+    end = time.monotonic() + timeout
+    while True:
+        st = session.executor.stats()
+        if st.running == 0 and st.queued == 0:
+            return
+        if time.monotonic() > end:
+            raise TimeoutError(f"session still busy: {st}")
+        time.sleep(0.005)
+
+
+def test_public_import() -> None:
+    import runtime
+
+    assert runtime.Session is Session and runtime.SamplingParams is SamplingParams
+    assert {"Session", "SamplingParams"} <= set(runtime.__all__)
+
+
+def test_generate_returns_text_ids_and_stats(session, reference) -> None:
+    assert [r.prompt for r in reference] == PROMPTS
+    for r in reference:
+        assert isinstance(r, GenerationResult)
+        assert len(r.token_ids) == 40 and r.finish_reason == "length"
+        assert r.text == session.tokenizer.decode(r.token_ids) and r.text
+        st = r.stats
+        assert st.output_tokens == 40
+        assert st.prompt_tokens == len(session.tokenizer.encode(r.prompt))
+        assert st.num_draft_tokens > 0 and 0 <= st.num_accepted_draft_tokens <= st.num_draft_tokens
+        assert st.acceptance_rate == pytest.approx(st.num_accepted_draft_tokens / st.num_draft_tokens)
+        assert st.tokens_per_step == pytest.approx(40 / st.num_steps)
+        assert 1.0 <= st.tokens_per_step <= 4.0
+        assert st.ttft_s > 0 and st.tpot_s > 0
+    assert sum(r.stats.num_accepted_draft_tokens for r in reference) > 0
+    # a single string gives a one-element list
+    [one] = session.generate(PROMPTS[1], SamplingParams(max_tokens=40, ignore_eos=True))
+    assert one.token_ids == reference[1].token_ids
+
+
+def test_speculation_matches_plain_decoding(spec_checkpoint, reference) -> None:
+    with Session(spec_checkpoint, num_draft_tokens=0, max_seq_len=MAX_SEQ_LEN) as plain:
+        outs = plain.generate(PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    assert all(o.stats.num_draft_tokens == 0 and o.stats.num_steps == 40 for o in outs)
+
+
+def test_stream_deltas(session, reference) -> None:
+    deltas = list(session.stream(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True)))
+    assert len(deltas) > 1
+    for d in deltas:
+        assert isinstance(d, str) and d
+        assert d.encode("utf-8").decode("utf-8") == d  # valid UTF-8 on its own (no lone surrogates)
+    assert "".join(deltas) == reference[0].text
+
+
+def test_stream_multibyte_characters_are_never_split(spec_checkpoint) -> None:
+    """Sampled output of a random model is full of partial byte-level tokens: every delta is
+    still whole characters and the deltas join to the decoded text."""
+    with Session(spec_checkpoint, num_draft_tokens=2, max_seq_len=MAX_SEQ_LEN) as s:
+        params = SamplingParams(max_tokens=60, temperature=1.0, seed=5, ignore_eos=True)
+        deltas = list(s.stream("héllo wörld — ünïcode ✓", params))
+        [full] = s.generate("héllo wörld — ünïcode ✓", params)
+    assert "".join(deltas) == full.text == s.tokenizer.decode(full.token_ids)
+    for d in deltas:
+        d.encode("utf-8")
+
+
+def test_stream_closed_early_cancels(session) -> None:
+    wait_idle(session)
+    before = session.executor.stats()
+    gen = session.stream(PROMPT, SamplingParams(max_tokens=80, ignore_eos=True))
+    next(gen)
+    gen.close()
+    wait_idle(session)
+    after = session.executor.stats()
+    assert after.kv_blocks_used == 0
+    assert after.requests_finished == before.requests_finished + 1
+    assert after.generated_tokens - before.generated_tokens < 80, "closing the stream did not cancel the request"
+
+
+def test_stop_on_max_tokens(session, reference) -> None:
+    [r] = session.generate(PROMPT, SamplingParams(max_tokens=7, ignore_eos=True))
+    assert r.finish_reason == "length" and r.token_ids == reference[0].token_ids[:7]
+    assert r.stats.output_tokens == 7
+
+
+@pytest.mark.parametrize("cut", [(12, 3), (25, 6)])
+def test_stop_strings(session, reference, cut) -> None:
+    """Text is truncated before the stop string, finish_reason is 'stop', and the streamed deltas
+    never show any part of the stop string."""
+    full = reference[0].text
+    start, length = cut
+    stop = full[start:start + length]
+    first = full.index(stop)
+    assert first <= start and stop.strip()
+    params = SamplingParams(max_tokens=40, ignore_eos=True, stop=(stop, "\x00never\x00"))
+    [r] = session.generate(PROMPT, params)
+    assert r.finish_reason == "stop"
+    assert r.text == full[:first]
+    assert stop not in r.text
+    deltas = list(session.stream(PROMPT, params))
+    assert "".join(deltas) == full[:first]
+
+
+def test_stop_token_ids(session, reference) -> None:
+    ids = reference[1].token_ids
+    stop_id = ids[5]
+    i = ids.index(stop_id)
+    [r] = session.generate(PROMPTS[1], SamplingParams(max_tokens=40, ignore_eos=True, stop_token_ids=(stop_id,)))
+    assert r.finish_reason == "stop"
+    assert r.token_ids == ids[:i]
+    assert r.text == session.tokenizer.decode(ids[:i])
+
+
+def test_stop_on_eos(spec_checkpoint, tmp_path, reference) -> None:
+    """A checkpoint whose tokenizer names a token the model produces as eos: generation ends at
+    it ('stop', eos not in the text); ignore_eos runs past it."""
+    ref = reference[1].token_ids
+    eos_id = ref[6]
+    i = ref.index(eos_id)
+    ckpt = tmp_path / "eos"
+    shutil.copytree(spec_checkpoint, ckpt)
+    cfg_file = ckpt / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["eos_token"] = Tokenizer.from_dir(spec_checkpoint).backend.id_to_token(eos_id)
+    cfg_file.write_text(json.dumps(cfg))
+    with Session(ckpt, num_draft_tokens=3, max_seq_len=MAX_SEQ_LEN) as s:
+        assert s.tokenizer.eos_token_id == eos_id
+        [r] = s.generate(PROMPTS[1], SamplingParams(max_tokens=40))
+        [r2] = s.generate(PROMPTS[1], SamplingParams(max_tokens=40, ignore_eos=True))
+    assert r.finish_reason == "stop"
+    assert r.token_ids == ref[:i]
+    assert r2.finish_reason == "length" and r2.token_ids == ref
+
+
+def test_seed_reproducibility(session) -> None:
+    def run(seed):
+        [r] = session.generate(PROMPT, SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=seed,
+                                                      ignore_eos=True))
+        return r.token_ids
+
+    a, b, c = run(11), run(11), run(12)
+    assert a == b
+    assert a != c
+    # unseeded requests draw a fresh seed each time
+    [u1, u2] = session.generate([PROMPT, PROMPT], SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True))
+    assert u1.token_ids != u2.token_ids
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: exact messages
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("params, message", [
+    (SamplingParams(temperature=-0.5), "temperature must be >= 0, got -0.5"),
+    (SamplingParams(top_p=0.0), "top_p must be in (0, 1], got 0.0"),
+    (SamplingParams(top_p=1.5), "top_p must be in (0, 1], got 1.5"),
+    (SamplingParams(top_k=-1), "top_k must be an integer >= 0, got -1"),
+    (SamplingParams(max_tokens=0), "max_tokens must be an integer >= 1, got 0"),
+    (SamplingParams(max_tokens=-3), "max_tokens must be an integer >= 1, got -3"),
+    (SamplingParams(stop_token_ids=(5000,)), "stop_token_ids must be token ids in [0, 4096), got [5000]"),
+    (SamplingParams(stop=("",)), "stop must be a list of non-empty strings, got ['']"),
+])
+def test_invalid_params(session, params, message) -> None:
+    with pytest.raises(ValueError) as e:
+        session.generate(PROMPT, params)
+    assert str(e.value) == message
+
+
+def test_max_tokens_past_max_seq_len(session) -> None:
+    n = len(session.tokenizer.encode(PROMPT))
+    with pytest.raises(ValueError) as e:
+        session.generate(PROMPT, SamplingParams(max_tokens=MAX_SEQ_LEN))
+    assert str(e.value) == (f"max_tokens {MAX_SEQ_LEN} with a {n}-token prompt exceeds max_seq_len {MAX_SEQ_LEN}; "
+                            f"at most {MAX_SEQ_LEN - n}")
+    # exactly at the limit is fine
+    [r] = session.generate(PROMPT, SamplingParams(max_tokens=MAX_SEQ_LEN - n, ignore_eos=True))
+    assert len(r.token_ids) == MAX_SEQ_LEN - n and r.finish_reason == "length"
+
+
+def test_empty_and_too_long_prompts(session) -> None:
+    with pytest.raises(ValueError) as e:
+        session.generate("", SamplingParams())
+    assert str(e.value) == "prompt must be a non-empty string"
+    with pytest.raises(ValueError) as e:
+        list(session.stream("", SamplingParams()))
+    assert str(e.value) == "prompt must be a non-empty string"
+    long = "word " * 200
+    n = len(session.tokenizer.encode(long))
+    assert n >= MAX_SEQ_LEN
+    with pytest.raises(ValueError) as e:
+        session.generate(long, SamplingParams())
+    assert str(e.value) == f"prompt has {n} tokens; max_seq_len is {MAX_SEQ_LEN}"
+    with pytest.raises(ValueError) as e:
+        session.executor.submit([], SamplingParams())
+    assert str(e.value) == "prompt must not be empty"
+
+
+def test_invalid_prompt_in_a_batch_submits_nothing(session) -> None:
+    """generate() validates every prompt before submitting any (its docstring says so): a batch
+    whose second prompt is too long raises and leaves no request running in the background."""
+    wait_idle(session)
+    before = session.executor.stats()
+    with pytest.raises(ValueError, match="prompt has"):
+        session.generate([PROMPT, "word " * 200], SamplingParams(max_tokens=8, ignore_eos=True))
+    with pytest.raises(ValueError, match="exceeds max_seq_len"):
+        session.generate(["x", PROMPT * 3], SamplingParams(max_tokens=60, ignore_eos=True))
+    time.sleep(0.3)
+    wait_idle(session)
+    after = session.executor.stats()
+    assert after.requests_finished == before.requests_finished, (
+        f"{after.requests_finished - before.requests_finished} request(s) of the failed generate() calls ran anyway")
+    assert after.generated_tokens == before.generated_tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# The shipped model
+# ---------------------------------------------------------------------------------------------
+def test_shipped_model_session(shipped_model_dir) -> None:
+    with Session(shipped_model_dir, num_draft_tokens=2) as s:
+        [r] = s.generate("def main():\n", SamplingParams(max_tokens=24, ignore_eos=True))
+        deltas = list(s.stream("def main():\n", SamplingParams(max_tokens=24, ignore_eos=True)))
+    assert r.finish_reason == "length" and len(r.token_ids) == 24
+    assert "".join(deltas) == r.text
+    assert r.stats.num_accepted_draft_tokens > 0 and r.stats.tokens_per_step > 1.0

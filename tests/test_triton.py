@@ -1,0 +1,578 @@
+"""Serving through the real tritonserver (nvidia-pytriton's binary) on loopback ports.
+
+One server per module on a tiny random DeepSeek-V3 + MTP checkpoint; clients are tritonclient
+over HTTP (generate, generate_stream SSE) and gRPC streaming, plus raw sockets for a client
+that disconnects. Greedy outputs are compared with an in-process runtime.Session on the same
+checkpoint. The tiny tokenizer splits CJK and emoji across tokens and random weights emit such
+pieces, so streamed chunks are checked to be whole UTF-8 that adds up to the full text.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+
+grpcclient = pytest.importorskip("tritonclient.grpc")
+
+from runtime.sampling import SamplingParams  # noqa: E402
+from runtime.session import Session  # noqa: E402
+from triton_util import (ROOT, TEMPLATE_REPO, TritonServer, add_model, fill_model_repo,  # noqa: E402
+                         make_tiny_checkpoint, repo_values, start_server)
+from fill_template import fill, parse_substitutions  # noqa: E402  (on sys.path via triton_util)
+from launch_triton_server import build_command, find_install, free_ports  # noqa: E402
+
+MAX_SEQ_LEN = 1024  # the tiny checkpoint's max_position_embeddings (make_tiny_checkpoint)
+TOKENS = 24  # generated per request in the comparisons with the session
+PROMPTS = ["hello world", "日本語のテキスト", "def f(x):", "emoji 😀 and 東京", "the quick brown fox", "中文的文本",
+           "naïve café", "return x * 2", "한국어", "北京是中国的首都", "lazy dog", "fox jumps", "東京は日本の首都です",
+           "hello 日本", "quick", "🇯🇵 flag"]
+DTYPES = {np.dtype(object): "BYTES", np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32",
+          np.dtype(bool): "BOOL", np.dtype(np.uint64): "UINT64"}
+
+
+# ---- fixtures ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("triton") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
+    work = tmp_path_factory.mktemp("triton_server")
+    repo = fill_model_repo(work / "repo", repo_values(checkpoint))
+    # the BLS also works as a plain (non-decoupled) model, for clients of unary ModelInfer
+    add_model(repo, TEMPLATE_REPO / "tensorrt_llm_bls", repo_values(checkpoint, decoupled_mode="false"),
+              name="tensorrt_llm_bls_sync")
+    t0 = time.monotonic()
+    srv = start_server(repo, log_file=work / "server.log", ready_timeout_s=240, exit_timeout_s=3)
+    print(f"tritonserver ready in {time.monotonic() - t0:.1f} s; log {work / 'server.log'}")
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def session(checkpoint: Path) -> Iterator[Session]:
+    with Session(checkpoint, num_draft_tokens=3, speculation="fixed") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def expected(session: Session) -> dict[str, Any]:
+    """The session's greedy result of TOKENS tokens for every prompt."""
+    return dict(zip(PROMPTS, session.generate(PROMPTS, SamplingParams(max_tokens=TOKENS))))
+
+
+# ---- clients ----------------------------------------------------------------------------------
+def grpc_inputs(**values: Any) -> list:
+    """tritonclient gRPC inputs from numpy-able values, each with a leading batch dim of 1."""
+    inputs = []
+    for name, value in values.items():
+        arr = np.asarray(value)
+        if arr.dtype.kind in "US":
+            arr = np.vectorize(lambda s: s.encode() if isinstance(s, str) else s, otypes=[object])(arr)
+        arr = arr.reshape(1, -1) if arr.ndim < 2 else arr
+        arr = arr.astype({"i": np.int32, "f": np.float32}.get(arr.dtype.kind, arr.dtype))
+        i = grpcclient.InferInput(name, list(arr.shape), DTYPES[arr.dtype])
+        i.set_data_from_numpy(arr)
+        inputs.append(i)
+    return inputs
+
+
+@dataclass
+class Streamed:
+    chunks: list[bytes] = field(default_factory=list)  # text_output per response (raw bytes)
+    ids: list[int] = field(default_factory=list)  # output_ids, for tensorrt_llm
+    stats: dict[str, float] = field(default_factory=dict)  # last response's speculative stats
+    error: str | None = None
+    times: list[float] = field(default_factory=list)  # arrival time of each response
+
+    @property
+    def text(self) -> str:
+        return b"".join(self.chunks).decode("utf-8")
+
+
+def grpc_stream(server: TritonServer, model: str, request_id: str = "", timeout: float = 60,
+                on_first: Any = None, **values: Any) -> Streamed:
+    """Run one request over gRPC streaming. `on_first(client)` runs after the first response with
+    data; if it returns True, reading stops there."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error, time.monotonic())))
+    out = Streamed()
+    try:
+        client.async_stream_infer(model, grpc_inputs(**values), request_id=request_id,
+                                  enable_empty_final_response=True)
+        while True:
+            result, error, at = responses.get(timeout=timeout)
+            if error is not None:
+                out.error = error.message()
+                return out
+            text, ids = result.as_numpy("text_output"), result.as_numpy("output_ids")
+            if text is not None or ids is not None:
+                out.times.append(at)
+                out.chunks += [] if text is None else list(text.reshape(-1))
+                out.ids += [] if ids is None else ids.reshape(-1).tolist()
+            for k in ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens"):
+                if result.as_numpy(k) is not None:
+                    out.stats[k] = result.as_numpy(k).item()
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return out
+            if on_first is not None and len(out.times) == 1 and on_first(client):
+                return out
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def http_generate(server: TritonServer, model: str, endpoint: str = "generate", **body: Any) -> tuple[int, Any]:
+    """POST to the generate extension; returns (status, parsed JSON) or, for generate_stream,
+    (status, [raw bytes of each SSE event's JSON])."""
+    data = json.dumps(body, default=lambda v: v.item()).encode()  # numpy scalars as JSON numbers
+    req = urllib.request.Request(f"http://{server.http_url}/v2/models/{model}/{endpoint}", data,
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            raw = r.read()
+            status = r.status
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+    if endpoint == "generate":
+        return status, json.loads(raw)
+    return status, [line[len(b"data: "):] for line in raw.split(b"\n") if line.startswith(b"data: ")]
+
+
+def metrics(server: TritonServer) -> dict[str, float]:
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def metric(values: dict[str, float], name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    total = 0.0
+    for key, v in values.items():
+        if key.split("{")[0] == name and all(f'{k}="{val}"' in key for k, val in labels.items()):
+            total += v
+    return total
+
+
+def wait_for(condition: Any, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+def assert_healthy(server: TritonServer) -> None:
+    """Ready, and a normal request still works."""
+    assert server.is_ready()
+    out = grpc_stream(server, "ensemble", text_input="hello", max_tokens=4)
+    assert out.error is None and out.chunks
+
+
+# ---- fill_template and launcher (no server) ----------------------------------------------------
+def test_fill_template_escapes_and_leaves_other_placeholders(tmp_path: Path) -> None:
+    subs = parse_substitutions(r"engine_dir:/e/x,stop:a\,b,url:http://h:1/p,colon:\:z")
+    assert subs == {"engine_dir": "/e/x", "stop": "a,b", "url": "http://h:1/p", "colon": ":z"}
+    text = fill('p: "${engine_dir}" q: "${other}" s: ${stop} d: ${max_queue_size}', {"engine_dir": "/e", "stop": "a,b"})
+    assert text == 'p: "/e" q: "${other}" s: a,b d: 0'
+    config = tmp_path / "config.pbtxt"
+    config.write_text("x: ${a}\n")
+    script = ROOT / "scripts" / "fill_template.py"
+    subprocess.run([sys.executable, script, "-i", config, "a:1\\,2"], check=True)
+    assert config.read_text() == "x: 1,2\n"
+    bad = subprocess.run([sys.executable, script, config, "typo:1"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "typo" in bad.stderr
+
+
+def test_every_template_placeholder_is_filled_by_the_test_values(tmp_path: Path) -> None:
+    repo = fill_model_repo(tmp_path / "repo", repo_values(Path("/engine")))
+    left = {p for c in repo.glob("*/config.pbtxt") for p in re.findall(r"\$\{(\w+)\}", c.read_text())}
+    # these stay as placeholders on purpose: their models read an unfilled one as "use the default"
+    assert left <= {"add_special_tokens", "skip_special_tokens", "max_tokens_in_paged_kv_cache",
+                    "executor_max_batch_size", "executor_max_seq_len", "device", "exclude_input_in_output"}
+
+
+def test_launcher_world_size_command_runs_one_server_per_rank() -> None:
+    install = find_install()
+    cmd = build_command(install, Path("/b"), Path("/repo"), host="127.0.0.1", http_port=1, grpc_port=2,
+                        metrics_port=3, world_size=2, mpirun="mpirun", shm_prefix="t_")
+    assert cmd[:4] == ["mpirun", "--allow-run-as-root", "-n", "1"]
+    rank0, rank1 = " ".join(cmd).split(" : ")
+    assert "--http-address=127.0.0.1" in rank0 and "--grpc-address=127.0.0.1" in rank0
+    assert "shm-region-prefix-name=t_0_" in rank0 and "shm-region-prefix-name=t_1_" in rank1
+    assert "--load-model" not in rank0
+    assert "--model-control-mode=explicit" in rank1 and "--load-model=tensorrt_llm" in rank1
+    single = build_command(install, Path("/b"), Path("/repo"), host="0.0.0.0", http_port=1, grpc_port=2,
+                           metrics_port=3)
+    assert single[0] == str(install.tritonserver) and ":" not in single
+
+
+ECHO_MODEL = '''
+import triton_python_backend_utils as pb_utils
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse(
+            [pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN").as_numpy())]) for r in requests]
+'''
+ECHO_CONFIG = '''name: "echo"
+backend: "python"
+max_batch_size: 4
+input [ { name: "IN" data_type: TYPE_STRING dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_STRING dims: [ 1 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+'''
+
+
+def test_launcher_cli_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
+    (tmp_path / "repo" / "echo" / "1").mkdir(parents=True)
+    (tmp_path / "repo" / "echo" / "config.pbtxt").write_text(ECHO_CONFIG)
+    (tmp_path / "repo" / "echo" / "1" / "model.py").write_text(ECHO_MODEL)
+    http, grpc, metrics_port = free_ports(3)
+    proc = subprocess.Popen([sys.executable, ROOT / "scripts" / "launch_triton_server.py", "--model_repo",
+                             tmp_path / "repo", "--http_port", str(http), "--grpc_port", str(grpc),
+                             "--metrics_port", str(metrics_port), "--log_file", tmp_path / "server.log"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "ready" in line, proc.stderr.read() if proc.poll() is not None else line
+        body = json.dumps({"IN": "hi"}).encode()
+        with urllib.request.urlopen(urllib.request.Request(
+                f"http://127.0.0.1:{http}/v2/models/echo/generate", body), timeout=10) as r:
+            assert json.loads(r.read())["OUT"] == "hi"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", http), timeout=1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# ---- the server ------------------------------------------------------------------------------
+def test_all_models_ready_on_loopback(server: TritonServer) -> None:
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    assert client.is_server_ready()
+    for model in ("ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls",
+                  "tensorrt_llm_bls_sync"):
+        assert client.is_model_ready(model), model
+    assert server.host == "127.0.0.1"
+    assert client.get_model_config("tensorrt_llm").config.model_transaction_policy.decoupled
+
+
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_http_generate_matches_session(server: TritonServer, expected: dict, model: str) -> None:
+    for prompt in PROMPTS[:4]:
+        status, body = http_generate(server, model, text_input=prompt, max_tokens=TOKENS,
+                                     exclude_input_in_output=True)
+        assert status == 200, body
+        want = expected[prompt]
+        assert body["text_output"] == want.text
+        assert body["total_draft_tokens"] == want.stats.num_draft_tokens > 0
+        assert body["total_accepted_draft_tokens"] == want.stats.num_accepted_draft_tokens
+        assert body["acceptance_rate"] == pytest.approx(want.stats.acceptance_rate, abs=1e-6)
+
+
+def test_http_generate_includes_the_prompt_unless_excluded(server: TritonServer, expected: dict) -> None:
+    prompt = PROMPTS[1]
+    status, body = http_generate(server, "ensemble", text_input=prompt, max_tokens=TOKENS)
+    assert status == 200
+    assert body["text_output"] == prompt + expected[prompt].text  # upstream's default
+
+
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_http_generate_stream_sends_utf8_deltas(server: TritonServer, expected: dict, model: str) -> None:
+    for prompt in PROMPTS[:4]:
+        status, events = http_generate(server, model, "generate_stream", text_input=prompt, max_tokens=TOKENS,
+                                       stream=True, exclude_input_in_output=True)
+        assert status == 200
+        assert len(events) > 1
+        texts = [json.loads(e.decode("utf-8"))["text_output"] for e in events]  # strict UTF-8
+        assert "".join(texts) == expected[prompt].text
+
+
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_grpc_streaming_chunks_are_whole_characters(server: TritonServer, session: Session, expected: dict,
+                                                    model: str) -> None:
+    tok = session.tokenizer
+    split_chars = 0
+    for prompt in PROMPTS:
+        want = expected[prompt]
+        # does this output contain a token that is only part of a character?
+        split_chars += sum(1 for t in want.token_ids if _incomplete_utf8(tok.byte_table[t]))
+        out = grpc_stream(server, model, text_input=prompt, max_tokens=TOKENS, stream=True,
+                          exclude_input_in_output=True)
+        assert out.error is None
+        for chunk in out.chunks:
+            chunk.decode("utf-8")  # strict: every chunk is whole UTF-8 on its own
+        assert out.text == want.text
+        assert len(out.chunks) > 1
+    assert split_chars > 0, "no output split a character: the test would not see a broken chunk"
+
+
+def _incomplete_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+        return False
+    except UnicodeDecodeError as e:
+        return e.reason == "unexpected end of data" or e.start == 0
+
+
+def test_grpc_non_streaming_is_one_response(server: TritonServer, expected: dict) -> None:
+    prompt = PROMPTS[2]
+    out = grpc_stream(server, "ensemble", text_input=prompt, max_tokens=TOKENS, stream=False,
+                      exclude_input_in_output=True)
+    assert out.error is None and len(out.chunks) == 1
+    assert out.text == expected[prompt].text
+
+
+def test_non_decoupled_bls_answers_unary_infer(server: TritonServer, expected: dict) -> None:
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    prompt = PROMPTS[0]
+    result = client.infer("tensorrt_llm_bls_sync", grpc_inputs(text_input=prompt, max_tokens=TOKENS,
+                                                               exclude_input_in_output=True))
+    assert result.as_numpy("text_output").reshape(-1)[0].decode() == expected[prompt].text
+    with pytest.raises(InferenceServerException, match="stream"):
+        client.infer("tensorrt_llm_bls_sync", grpc_inputs(text_input=prompt, max_tokens=4, stream=True))
+
+
+def test_tensorrt_llm_direct_streams_the_session_tokens(server: TritonServer, session: Session,
+                                                        expected: dict) -> None:
+    prompt = PROMPTS[3]
+    ids = session.tokenizer.encode(prompt)
+    out = grpc_stream(server, "tensorrt_llm", input_ids=np.array([ids], np.int32),
+                      input_lengths=np.array([[len(ids)]], np.int32), request_output_len=np.array([[TOKENS]], np.int32),
+                      streaming=np.array([[True]]))
+    assert out.error is None
+    assert out.ids == expected[prompt].token_ids
+
+
+def test_concurrent_streaming_clients_share_the_batch(server: TritonServer, expected: dict) -> None:
+    results: dict[str, Streamed] = {}
+
+    def run(prompt: str) -> None:
+        results[prompt] = grpc_stream(server, "ensemble", text_input=prompt, max_tokens=TOKENS, stream=True,
+                                      exclude_input_in_output=True)
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert len(results) == len(PROMPTS) == 16
+    for prompt, out in results.items():
+        assert out.error is None, (prompt, out.error)
+        assert out.text == expected[prompt].text, prompt
+    # in-flight batching: while one stream is running, others are too
+    spans = [(r.times[0], r.times[-1]) for r in results.values()]
+    overlapping = max(sum(1 for a, b in spans if a <= t <= b) for t, _ in spans)
+    assert overlapping >= 4
+
+
+def test_stop_words_end_the_output(server: TritonServer, expected: dict) -> None:
+    prompt, full = next((p, expected[p].text) for p in PROMPTS
+                        if len(expected[p].text) > 12 and "\ufffd" not in expected[p].text[4:10])
+    stop = full[4:7]
+    start = full.index(stop)
+    out = grpc_stream(server, "ensemble", text_input=prompt, max_tokens=TOKENS, stop_words=[[stop]],
+                      exclude_input_in_output=True)
+    assert out.error is None
+    # generation ends with the token that completes the stop word (as TensorRT-LLM, it is kept)
+    assert full.startswith(out.text) and stop in out.text and len(out.text) < len(full)
+    assert out.text.index(stop) == start
+
+
+def test_bad_words_are_never_generated(server: TritonServer, session: Session, expected: dict) -> None:
+    tok = session.tokenizer
+    for prompt in PROMPTS:
+        first = expected[prompt].token_ids[0]
+        word = tok.decode([first])
+        if word and tok.encode(word, add_bos=False) == [first]:
+            break
+    else:
+        pytest.skip("no greedy output starts with a token that is a word on its own")
+    out = grpc_stream(server, "ensemble", text_input=prompt, max_tokens=TOKENS, bad_words=[[word]],
+                      exclude_input_in_output=True)
+    assert out.error is None
+    assert out.text != expected[prompt].text
+    ids = tok.encode(prompt)  # the engine's own word list: [1, 2, W] (ids, end offsets)
+    out = grpc_stream(server, "tensorrt_llm", input_ids=np.array([ids], np.int32),
+                      input_lengths=np.array([[len(ids)]], np.int32), request_output_len=np.array([[TOKENS]], np.int32),
+                      bad_words_list=np.array([[[first], [1]]], np.int32), exclude_input_in_output=np.array([[True]]))
+    assert out.error is None and len(out.ids) == TOKENS and first not in out.ids
+
+
+# ---- cancellation ----------------------------------------------------------------------------
+# Seconds of generation, so a cancellation always lands mid-way; end_id -1: no end token.
+LONG = dict(text_input="hello", max_tokens=MAX_SEQ_LEN - 8, end_id=-1, stream=True)
+
+
+def _cancelled(server: TritonServer) -> float:
+    return metric(metrics(server), "nv_trt_llm_requests_total", finish_reason="cancelled")
+
+
+def _kv_free(server: TritonServer) -> bool:
+    return metric(metrics(server), "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="used") == 0
+
+
+@pytest.mark.parametrize("model", ["tensorrt_llm_bls", "tensorrt_llm"])
+def test_grpc_stream_cancel_frees_kv_blocks(server: TritonServer, session: Session, model: str) -> None:
+    before = _cancelled(server)
+    values = LONG if model == "tensorrt_llm_bls" else dict(
+        input_ids=np.array([session.tokenizer.encode("hello")], np.int32),
+        request_output_len=np.array([[MAX_SEQ_LEN - 8]], np.int32), end_id=np.array([[-1]], np.int32),
+        streaming=np.array([[True]]))
+    out = grpc_stream(server, model, on_first=lambda c: c.stop_stream(cancel_requests=True) or True, **values)
+    assert out.error is None
+    assert wait_for(lambda: _cancelled(server) == before + 1 and _kv_free(server))
+    assert_healthy(server)
+
+
+def test_http_disconnect_cancels_the_request(server: TritonServer) -> None:
+    before = _cancelled(server)
+    body = json.dumps(LONG).encode()
+    with socket.create_connection(("127.0.0.1", server.http_port), timeout=30) as sock:
+        sock.sendall(b"POST /v2/models/tensorrt_llm_bls/generate_stream HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        received = b""
+        while b"data: " not in received:  # the headers may come in a segment of their own
+            chunk = sock.recv(4096)
+            assert chunk, received
+            received += chunk
+    assert wait_for(lambda: _cancelled(server) == before + 1 and _kv_free(server))
+    assert_healthy(server)
+
+
+def test_stop_request_cancels_an_ensemble_stream(server: TritonServer) -> None:
+    """TensorRT-LLM's way to cancel through the ensemble: a `stop` request with the same id."""
+    before = _cancelled(server)
+
+    def stop(_client: Any) -> bool:
+        reply = grpc_stream(server, "tensorrt_llm", request_id="job-7", input_ids=np.zeros((1, 1), np.int32),
+                            input_lengths=np.zeros((1, 1), np.int32), request_output_len=np.zeros((1, 1), np.int32),
+                            stop=np.ones((1, 1), bool))
+        assert reply.error is None
+        return False  # keep reading the ensemble's stream to its end
+
+    out = grpc_stream(server, "ensemble", request_id="job-7", on_first=stop, **LONG)
+    assert out.error is None
+    assert wait_for(lambda: _cancelled(server) == before + 1 and _kv_free(server))
+    assert len(out.chunks) < MAX_SEQ_LEN - 8
+
+
+def test_cancelled_ensemble_stream_leaves_the_server_healthy(server: TritonServer) -> None:
+    """Triton 2.51 neither passes an ensemble client's cancellation on to the running engine
+    request nor releases the cancelled ensemble request (see triton_repo/README.md): the request
+    runs to its end, after which its KV blocks are free again, and the server keeps serving."""
+    grpc_stream(server, "ensemble", on_first=lambda c: c.stop_stream(cancel_requests=True) or True,
+                **dict(LONG, max_tokens=100))
+    assert wait_for(lambda: _kv_free(server))
+    assert_healthy(server)
+
+
+# ---- bad requests ----------------------------------------------------------------------------
+GOOD = dict(text_input="hello", max_tokens=8)
+BAD_REQUESTS = {
+    "missing_text_input": (dict(max_tokens=8), "text_input"),
+    "max_tokens_zero": (dict(GOOD, max_tokens=0), "max_tokens"),
+    "max_tokens_negative": (dict(GOOD, max_tokens=-3), "max_tokens"),
+    "max_tokens_too_large": (dict(GOOD, max_tokens=100_000), "max_tokens"),
+    "temperature_negative": (dict(GOOD, temperature=-0.5), "temperature"),
+    "top_p_above_one": (dict(GOOD, top_p=1.5), "top_p"),
+    "top_p_zero": (dict(GOOD, top_p=0.0), "top_p"),
+    "top_k_negative": (dict(GOOD, top_k=-1), "top_k"),
+    "text_input_not_utf8": (dict(GOOD, text_input=[[b"\xff\xfe bad"]]), "text_input"),
+    "prompt_over_limit": (dict(GOOD, text_input="hello world " * MAX_SEQ_LEN), "prompt"),
+    "bad_word_of_several_tokens": (dict(GOOD, bad_words=[["hello world"]]), "bad_words"),
+    "beam_search": (dict(GOOD, beam_width=2), "beam_width"),
+    "seed_too_large": (dict(GOOD, seed=np.uint64(2**64 - 1)), "seed"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS), ids=list(BAD_REQUESTS))
+def test_bad_request_names_the_parameter(server: TritonServer, case: str) -> None:
+    values, name = BAD_REQUESTS[case]
+    if case == "text_input_not_utf8":  # bytes JSON cannot carry: gRPC only
+        out = grpc_stream(server, "ensemble", **values)
+        assert out.error is not None and name in out.error, out.error
+    else:
+        out = grpc_stream(server, "ensemble", **values)
+        assert out.error is not None and name in out.error, out.error
+        status, body = http_generate(server, "tensorrt_llm_bls", **values)
+        assert status == 400 and name in body["error"], body
+    assert_healthy(server)
+
+
+# ---- the shipped model -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def shipped_server(shipped_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
+    work = tmp_path_factory.mktemp("triton_shipped")
+    repo = fill_model_repo(work / "repo", repo_values(shipped_model_dir))
+    srv = start_server(repo, log_file=work / "server.log", ready_timeout_s=240, exit_timeout_s=3)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_shipped_model_streams_what_the_session_generates(shipped_server: TritonServer,
+                                                          shipped_model_dir: Path) -> None:
+    held_out = json.loads((shipped_model_dir / "heldout_prompts.json").read_text())
+    prompts = [p["text"][:200] for p in held_out[:4]]
+    with Session(shipped_model_dir, num_draft_tokens=3, speculation="fixed") as s:
+        want = s.generate(prompts, SamplingParams(max_tokens=32))
+    results: dict[int, Streamed] = {}
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, grpc_stream(
+        shipped_server, "ensemble", text_input=prompts[i], max_tokens=32, stream=True,
+        exclude_input_in_output=True))) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for i, w in enumerate(want):
+        assert results[i].error is None
+        assert results[i].text == w.text
+        assert results[i].stats["total_draft_tokens"] == w.stats.num_draft_tokens
+    assert sum(r.stats["total_accepted_draft_tokens"] for r in results.values()) > 0  # the MTP head works
+
+
+# ---- metrics ---------------------------------------------------------------------------------
+def test_metrics_report_requests_tokens_acceptance_kv_and_queue(server: TritonServer) -> None:
+    grpc_stream(server, "ensemble", text_input="hello", max_tokens=8)
+
+    def settled() -> bool:
+        m = metrics(server)
+        return metric(m, "nv_trt_llm_request_metrics", request_type="active") == 0 and \
+            metric(m, "nv_trt_llm_generated_tokens_total") > 0
+
+    assert wait_for(settled)
+    m = metrics(server)
+    assert metric(m, "nv_trt_llm_requests_total", finish_reason="length") > 0
+    assert metric(m, "nv_trt_llm_draft_tokens_total", draft_token_type="proposed") > 0
+    assert 0 <= metric(m, "nv_trt_llm_spec_decode_metrics", spec_decode_type="acceptance_rate") <= 1
+    assert metric(m, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="max") > 0
+    assert metric(m, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="used") == 0
+    assert metric(m, "nv_trt_llm_request_metrics", request_type="waiting") == 0
+    assert metric(m, "nv_llm_output_token_len_count") > 0

@@ -1,0 +1,673 @@
+"""The TensorRT-LLM adapter (runtime.trtllm_executor) and scripts/check_trtllm.py, without TensorRT-LLM.
+
+TensorRT-LLM cannot be installed here, so this file has three kinds of tests:
+- the pure mappings: our SamplingParams -> tensorrt_llm.SamplingParams keyword arguments (every
+  field), ExecutorConfig + the engine's YAML -> LLM(...) keyword arguments;
+- the error raised where `tensorrt_llm` cannot be imported (the exact message), and the check
+  script's exit status 2 there;
+- a CONTRACT TEST against a test double of the `tensorrt_llm` module injected into
+  sys.modules["tensorrt_llm"] (`make_tensorrt_llm_double`). The double has the names and
+  signatures the adapter relies on, as upstream documents them (SamplingParams field names from
+  tensorrt_llm/sampling_params.py, LLM(model, **llm_args), generate_async(inputs, sampling_params,
+  ..., streaming), the result's async iteration / finished / outputs[0].token_ids / finish_reason
+  / request_perf_metrics.speculative_decoding / abort()) and replays token streams the tests script,
+  stopping the way upstream does (end_id, stop_token_ids, max_tokens, abort). These tests check
+  that our calls use those names and arguments and that the streamed outputs become our
+  RequestOutputs (text deltas, finish reasons, statistics), including output identical to the
+  native executor's for the same token stream. A contract test is never a proof that the adapter
+  runs with the real TensorRT-LLM: nothing here imports it, uses a GPU or serves a trtllm engine
+  through Triton.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import dataclasses
+import importlib
+import json
+import logging
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Any, Callable, Sequence
+
+import pytest
+import yaml
+
+import builder.trtllm as builder_trtllm
+from builder.trtllm import build_trtllm_engine
+from runtime.engine import BuildConfig, EngineError
+from runtime.executor import Executor, ExecutorConfig, RequestOutput
+from runtime.sampling import RelaxedAcceptance, SamplingParams
+from runtime.scheduler import SchedulerConfig
+from runtime.trtllm_executor import (
+    LLM_API_OPTIONS,
+    TensorRTLLMUnavailable,
+    TrtllmEngine,
+    TrtllmExecutor,
+    adapt_to_upstream_fields,
+    create_executor,
+    is_trtllm_engine,
+    llm_kwargs_for,
+    to_trtllm_sampling_kwargs,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+EXACT_MISSING_MESSAGE = (
+    "TensorRT-LLM is not available: the Python package `tensorrt_llm` could not be imported. "
+    "Engines built with --backend trtllm run only where TensorRT-LLM and its CUDA libraries are installed: "
+    "run inside NVIDIA's TensorRT-LLM container (nvcr.io/nvidia/tensorrt-llm/release:<version>) or the "
+    "Triton TensorRT-LLM container (nvcr.io/nvidia/tritonserver:<xx.yy>-trtllm-python-py3), "
+    "or rebuild the engine with --backend native.\n"
+    "(import failed with ModuleNotFoundError: import of tensorrt_llm halted; None in sys.modules)"
+)
+
+# ---- the test double of `tensorrt_llm` ------------------------------------------------------------
+# The init fields of tensorrt_llm.SamplingParams (tensorrt_llm/sampling_params.py, 1.x): a keyword
+# the adapter passes that is not one of these fails like upstream's kw_only dataclass would.
+UPSTREAM_SAMPLING_FIELDS = (
+    "end_id", "pad_id", "max_tokens", "bad", "bad_token_ids", "stop", "stop_token_ids",
+    "include_stop_str_in_output", "embedding_bias", "logits_processor", "apply_batched_logits_processor",
+    "n", "best_of", "use_beam_search", "top_k", "top_p", "top_p_min", "top_p_reset_ids", "top_p_decay", "seed",
+    "temperature", "min_tokens", "beam_search_diversity_rate", "repetition_penalty", "presence_penalty",
+    "frequency_penalty", "length_penalty", "early_stopping", "no_repeat_ngram_size", "min_p", "beam_width_array",
+    "logprobs", "prompt_logprobs", "return_context_logits", "return_generation_logits", "exclude_input_from_output",
+    "return_encoder_output", "return_perf_metrics", "additional_model_outputs", "lookahead_config",
+    "guided_decoding", "ignore_eos", "detokenize", "add_special_tokens", "truncate_prompt_tokens",
+    "skip_special_tokens", "spaces_between_special_tokens",
+)
+_SAMPLING_DEFAULTS = {"max_tokens": 32, "include_stop_str_in_output": False, "n": 1, "use_beam_search": False,
+                      "return_perf_metrics": False, "ignore_eos": False, "detokenize": True}
+# LLM-API arguments (tensorrt_llm/llmapi/llm_args.py: TorchLlmArgs, KvCacheConfig, CudaGraphConfig,
+# MTPDecodingConfig) that the engine's YAML and the executor's overrides may use.
+UPSTREAM_LLM_ARGS = {
+    "backend": None, "dtype": None, "tensor_parallel_size": None, "moe_expert_parallel_size": None,
+    "enable_attention_dp": None, "max_batch_size": None, "max_num_tokens": None, "max_seq_len": None,
+    "kv_cache_config": {"dtype", "free_gpu_memory_fraction", "enable_block_reuse", "tokens_per_block", "max_tokens"},
+    "cuda_graph_config": {"enable_padding", "max_batch_size", "batch_sizes"},
+    "speculative_config": {"decoding_type", "num_nextn_predict_layers", "use_relaxed_acceptance_for_thinking",
+                           "relaxed_topk", "relaxed_delta", "use_mtp_vanilla", "mtp_eagle_one_model",
+                           "begin_thinking_phase_token", "end_thinking_phase_token"},
+}
+
+
+def sampling_params_class(names: Sequence[str] = UPSTREAM_SAMPLING_FIELDS) -> type:
+    return dataclasses.make_dataclass(
+        "SamplingParams", [(n, Any, field(default=_SAMPLING_DEFAULTS.get(n))) for n in names], kw_only=True)
+
+
+@dataclass
+class Plan:
+    """What the double's "model" generates for one request: tokens[i] (a list, or a function of
+    i for an endless stream), `steps` tokens per iteration (cycled; MTP-like accepted + 1), an
+    optional failure at an iteration, and the delay before each response."""
+
+    tokens: Sequence[int] | Callable[[int], int]
+    steps: Sequence[int] = (1,)
+    delay: float = 0.0
+    fail_at: int | None = None
+    finish_reason: str | None = None  # replaces upstream's own reason on the final response
+
+    def token(self, i: int) -> int | None:
+        if callable(self.tokens):
+            return self.tokens(i)
+        return self.tokens[i] if i < len(self.tokens) else None
+
+
+def default_plan(prompt: list[int], sp: Any) -> Plan:
+    base = sum(prompt)
+    return Plan(lambda i: 100 + (base + 37 * i) % 3000, steps=(1, 2, 4, 3))
+
+
+def make_tensorrt_llm_double() -> ModuleType:
+    """A module standing in for `tensorrt_llm` (see the module docstring)."""
+    mod = ModuleType("tensorrt_llm")
+    mod.__version__ = "test-double"
+    mod.SamplingParams = sampling_params_class()
+    mod.llms = []  # every LLM constructed
+    mod.plan = default_plan  # (prompt ids, SamplingParams) -> Plan
+    mod.report_metrics = True  # fill outputs[0].request_perf_metrics when asked for
+
+    class CompletionOutput:  # tensorrt_llm/executor/result.py
+        def __init__(self) -> None:
+            self.index, self.text, self.token_ids = 0, "", []
+            self.finish_reason: str | None = None
+            self.stop_reason = None
+            self.request_perf_metrics = None
+
+    class RequestOutput:  # tensorrt_llm/llmapi/llm.py (a GenerationResult)
+        def __init__(self, llm: "LLM", inputs: dict, sp: Any, streaming: bool) -> None:
+            self.llm, self.inputs, self.sampling_params, self.streaming = llm, inputs, sp, streaming
+            self.prompt_token_ids = list(inputs["prompt_token_ids"])
+            self.outputs = [CompletionOutput()]
+            self.finished = False
+            self.decoding_iter = 0
+            self.abort_calls = 0
+            self._plan = mod.plan(self.prompt_token_ids, sp)
+            self._pos = 0
+            self._drafted = self._accepted = 0
+
+        def abort(self) -> None:
+            self.abort_calls += 1
+
+        def __aiter__(self) -> "RequestOutput":
+            return self
+
+        async def __anext__(self) -> "RequestOutput":
+            if self.finished:
+                raise StopAsyncIteration
+            await asyncio.sleep(self._plan.delay)
+            out, sp, plan = self.outputs[0], self.sampling_params, self._plan
+            if self.abort_calls:
+                return self._done("cancelled")
+            if plan.fail_at is not None and self.decoding_iter == plan.fail_at:
+                raise RuntimeError("test double: the engine failed")
+            size = plan.steps[self.decoding_iter % len(plan.steps)]
+            self.decoding_iter += 1
+            reason = None
+            for _ in range(size):
+                t = plan.token(self._pos)
+                if t is None:
+                    reason = "length"
+                    break
+                self._pos += 1
+                if t == sp.end_id:  # end token: finished, not in the output
+                    reason = "stop"
+                    break
+                out.token_ids.append(t)
+                if t in (sp.stop_token_ids or []):
+                    reason = "stop"
+                    if not sp.include_stop_str_in_output:
+                        out.token_ids.pop()
+                    break
+                if len(out.token_ids) >= sp.max_tokens:
+                    reason = "length"
+                    break
+            if sp.return_perf_metrics and mod.report_metrics:
+                k = self.llm.draft_len
+                self._drafted += k
+                self._accepted += min(size - 1, k)
+                spec = SimpleNamespace(total_draft_tokens=self._drafted, total_accepted_draft_tokens=self._accepted,
+                                       acceptance_rate=self._accepted / self._drafted if self._drafted else 0.0)
+                out.request_perf_metrics = SimpleNamespace(speculative_decoding=spec)
+            return self._done(reason) if reason else self
+
+        def _done(self, reason: str) -> "RequestOutput":
+            self.outputs[0].finish_reason = self._plan.finish_reason or reason
+            self.finished = True
+            return self
+
+    class LLM:  # tensorrt_llm/llmapi/llm.py
+        def __init__(self, model: str, **kwargs: Any) -> None:
+            if not isinstance(model, str) or not (Path(model) / "config.json").is_file():
+                raise ValueError(f"test double: model {model!r} is not an HF checkpoint directory")
+            for key, value in kwargs.items():
+                if key not in UPSTREAM_LLM_ARGS:
+                    raise TypeError(f"test double: LLM got an unexpected argument {key!r}")
+                sub = UPSTREAM_LLM_ARGS[key]
+                if sub is not None and not set(value) <= sub:
+                    raise TypeError(f"test double: {key} has unexpected keys {sorted(set(value) - sub)}")
+            self.model, self.kwargs = model, kwargs
+            self.requests: list[RequestOutput] = []
+            self.shutdown_calls = 0
+            mod.llms.append(self)
+
+        @property
+        def draft_len(self) -> int:
+            return (self.kwargs.get("speculative_config") or {}).get("num_nextn_predict_layers", 0)
+
+        def generate_async(self, inputs: Any, sampling_params: Any = None, lora_request: Any = None,
+                           prompt_adapter_request: Any = None, streaming: bool = False, queries: Any = None,
+                           kv_cache_retention_config: Any = None, disaggregated_params: Any = None) -> RequestOutput:
+            # upstream's result streams asynchronously only when created on a running event loop
+            asyncio.get_running_loop()
+            if not isinstance(sampling_params, mod.SamplingParams):
+                raise TypeError("test double: sampling_params must be a tensorrt_llm.SamplingParams")
+            if not isinstance(inputs, dict) or set(inputs) != {"prompt_token_ids"}:
+                raise TypeError(f"test double: unexpected inputs {inputs!r}")
+            result = RequestOutput(self, inputs, sampling_params, streaming)
+            self.requests.append(result)
+            return result
+
+        def shutdown(self) -> None:
+            self.shutdown_calls += 1
+
+    mod.LLM = LLM
+    return mod
+
+
+@pytest.fixture
+def trtllm(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """The test double, as sys.modules["tensorrt_llm"] for this test."""
+    mod = make_tensorrt_llm_double()
+    monkeypatch.setitem(sys.modules, "tensorrt_llm", mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def engine_dir(spec_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A --backend trtllm engine of the tiny checkpoint (project tokenizer), max_draft_len 3."""
+    build = BuildConfig(max_seq_len=256, max_draft_len=3, max_batch_size=8, max_num_tokens=512, dtype="bfloat16",
+                        backend="trtllm")
+    return build_trtllm_engine(spec_checkpoint, tmp_path_factory.mktemp("trtllm") / "engine", build, progress=False)
+
+
+@pytest.fixture(scope="module")
+def engine(engine_dir: Path) -> TrtllmEngine:
+    return TrtllmEngine.open(engine_dir)
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.005)
+
+
+def check_stream(outs: list[RequestOutput]) -> None:
+    """Deltas add up: each output's text/token_ids are the concatenation so far; one final output."""
+    assert outs and outs[-1].finished and not any(o.finished for o in outs[:-1])
+    text, ids = "", []
+    for o in outs:
+        text += o.text_delta
+        ids += o.new_token_ids
+        assert o.text == text and o.token_ids == ids
+        o.text_delta.encode("utf-8")
+
+
+class Tok:  # the two attributes to_trtllm_sampling_kwargs reads
+    def __init__(self, eos: int | None = 1, pad: int | None = 2) -> None:
+        self.eos_token_id, self.pad_token_id = eos, pad
+
+
+COMMON = {"include_stop_str_in_output": True, "detokenize": False, "return_perf_metrics": True}
+
+
+# ---- mapping of sampling parameters ---------------------------------------------------------------
+def test_greedy_maps_to_top_k_1_temperature_0() -> None:
+    assert to_trtllm_sampling_kwargs(SamplingParams(), Tok()) == {
+        "max_tokens": 64, "end_id": 1, "pad_id": 2, "temperature": 0.0, "top_k": 1, **COMMON}
+    # greedy: top_k / top_p / seed have no effect in ours, and are not passed
+    assert to_trtllm_sampling_kwargs(SamplingParams(max_tokens=3, top_k=5, top_p=0.5, seed=9), Tok()) == {
+        "max_tokens": 3, "end_id": 1, "pad_id": 2, "temperature": 0.0, "top_k": 1, **COMMON}
+
+
+def test_every_sampling_field_maps() -> None:
+    params = SamplingParams(max_tokens=5, temperature=0.7, top_k=40, top_p=0.9, seed=-3, stop=("END", "\n\n"),
+                            stop_token_ids=(5, 6), bad_token_ids=(7, 8), ignore_eos=True)
+    assert to_trtllm_sampling_kwargs(params, Tok()) == {
+        "max_tokens": 5, "end_id": -1, "pad_id": 2, "temperature": 0.7, "top_p": 0.9, "top_k": 40,
+        "seed": 2**64 - 3, "stop_token_ids": [5, 6], "bad_token_ids": [7, 8], **COMMON}
+    # top_k 0 (ours: off) is left to upstream's default (None: all logits); top_p is always given
+    kw = to_trtllm_sampling_kwargs(SamplingParams(temperature=1.0, seed=2**64 + 5), Tok())
+    assert "top_k" not in kw and kw["top_p"] == 1.0 and kw["seed"] == 5 and kw["end_id"] == 1
+    # stop strings stay with the adapter (matched on the text, as natively)
+    assert "stop" not in kw and "stop" not in to_trtllm_sampling_kwargs(params, Tok())
+
+
+def test_end_and_pad_ids_from_the_tokenizer() -> None:
+    assert to_trtllm_sampling_kwargs(SamplingParams(), Tok(eos=7, pad=None))["pad_id"] == 7
+    kw = to_trtllm_sampling_kwargs(SamplingParams(), Tok(eos=None, pad=None))
+    assert (kw["end_id"], kw["pad_id"]) == (-1, -1)
+    assert to_trtllm_sampling_kwargs(SamplingParams(ignore_eos=True), Tok(eos=7, pad=3))["end_id"] == -1
+
+
+def test_sampling_kwargs_are_upstream_field_names() -> None:
+    """Contract: every keyword we pass is a tensorrt_llm.SamplingParams field."""
+    params = SamplingParams(max_tokens=5, temperature=0.7, top_k=40, top_p=0.9, seed=1, stop=("x",),
+                            stop_token_ids=(5,), bad_token_ids=(7,), ignore_eos=True)
+    for p in (params, SamplingParams()):
+        kw = to_trtllm_sampling_kwargs(p, Tok())
+        assert set(kw) <= set(UPSTREAM_SAMPLING_FIELDS)
+        assert adapt_to_upstream_fields(kw, sampling_params_class()) == kw
+
+
+def test_older_sampling_params_are_adapted() -> None:
+    old = sampling_params_class([n for n in UPSTREAM_SAMPLING_FIELDS
+                                 if n not in ("seed", "detokenize", "return_perf_metrics")] + ["random_seed"])
+    kw = to_trtllm_sampling_kwargs(SamplingParams(temperature=0.5, seed=4), Tok())
+    assert adapt_to_upstream_fields(kw, old) == {
+        "max_tokens": 64, "end_id": 1, "pad_id": 2, "temperature": 0.5, "top_p": 1.0, "random_seed": 4,
+        "include_stop_str_in_output": True}
+    too_old = sampling_params_class([n for n in UPSTREAM_SAMPLING_FIELDS if n != "stop_token_ids"])
+    with pytest.raises(RuntimeError, match="has no field 'stop_token_ids'.*TensorRT-LLM 1.0 or newer"):
+        adapt_to_upstream_fields(to_trtllm_sampling_kwargs(SamplingParams(stop_token_ids=(3,)), Tok()), too_old)
+
+
+# ---- the LLM arguments ------------------------------------------------------------------------------
+def test_options_constant_matches_the_builder() -> None:
+    assert LLM_API_OPTIONS == builder_trtllm.LLM_API_OPTIONS
+
+
+def test_llm_kwargs_as_built_and_with_executor_config(engine: TrtllmEngine, caplog) -> None:
+    opts = yaml.safe_load((engine.path / LLM_API_OPTIONS).read_text())
+    m = engine.manifest
+    assert llm_kwargs_for(engine.options, m) == opts == engine.options
+    assert opts["speculative_config"] == {"decoding_type": "MTP", "num_nextn_predict_layers": 3}
+    assert "speculative_config" not in llm_kwargs_for(opts, m, ExecutorConfig(num_draft_tokens=0))
+    assert "speculative_config" not in llm_kwargs_for(opts, m, ExecutorConfig(num_draft_tokens=3, speculation="off"))
+    two = llm_kwargs_for(opts, m, ExecutorConfig(num_draft_tokens=2, speculation="fixed"))
+    assert two == {**opts, "speculative_config": {"decoding_type": "MTP", "num_nextn_predict_layers": 2}}
+    with caplog.at_level(logging.WARNING, "runtime.trtllm_executor"):
+        assert llm_kwargs_for(opts, m, ExecutorConfig(num_draft_tokens=2, speculation="adaptive")) == two
+    assert "'adaptive' is not available with TensorRT-LLM" in caplog.text
+    limited = llm_kwargs_for(opts, m, ExecutorConfig(num_draft_tokens=1, speculation="fixed", max_batch_size=4,
+                                                     max_num_tokens=256, max_seq_len=128, kv_cache_tokens=4096,
+                                                     dtype="float16", relaxed_acceptance=RelaxedAcceptance(10, 0.6, 3, 4)),
+                             overrides={"kv_cache_config": {"free_gpu_memory_fraction": 0.5}, "enable_attention_dp": True})
+    assert limited == {
+        **opts, "max_batch_size": 4, "max_num_tokens": 256, "max_seq_len": 128, "dtype": "float16",
+        "enable_attention_dp": True, "cuda_graph_config": {"enable_padding": True, "max_batch_size": 4},
+        "kv_cache_config": {**opts["kv_cache_config"], "max_tokens": 4096, "free_gpu_memory_fraction": 0.5},
+        "speculative_config": {"decoding_type": "MTP", "num_nextn_predict_layers": 1,
+                               "use_relaxed_acceptance_for_thinking": True, "relaxed_topk": 10, "relaxed_delta": 0.6,
+                               "begin_thinking_phase_token": 3, "end_thinking_phase_token": 4}}
+    assert opts == yaml.safe_load((engine.path / LLM_API_OPTIONS).read_text())  # not modified in place
+
+
+@pytest.mark.parametrize("config, message", [
+    (ExecutorConfig(num_draft_tokens=4, speculation="fixed"), "num_draft_tokens 4 exceeds the engine's max_draft_len 3"),
+    (ExecutorConfig(max_seq_len=512), "max_seq_len 512 exceeds the engine's max_seq_len 256; rebuild the engine "
+                                      "with --max_seq_len 512"),
+    (ExecutorConfig(speculation="sometimes"), "speculation must be 'off', 'fixed' or 'adaptive', got 'sometimes'"),
+])
+def test_llm_kwargs_refuse_more_than_built(engine: TrtllmEngine, config: ExecutorConfig, message: str) -> None:
+    with pytest.raises(ValueError) as e:
+        llm_kwargs_for(engine.options, engine.manifest, config)
+    assert str(e.value) == message
+
+
+def test_engine_directory_checks(engine_dir: Path, spec_checkpoint: Path, tmp_path: Path) -> None:
+    assert is_trtllm_engine(engine_dir) and not is_trtllm_engine(spec_checkpoint)
+    assert TrtllmEngine.open(engine_dir).model_dir == engine_dir / "hf"
+    with pytest.raises(EngineError, match="no engine.json; expected an engine directory built with build_engine "
+                                          "--backend trtllm"):
+        TrtllmEngine.open(spec_checkpoint)
+    edited = tmp_path / "edited"
+    shutil.copytree(engine_dir, edited)
+    (edited / LLM_API_OPTIONS).write_text((edited / LLM_API_OPTIONS).read_text().replace("max_batch_size: 8",
+                                                                                          "max_batch_size: 64"))
+    with pytest.raises(EngineError, match="extra_llm_api_options.yaml: content hash mismatch"):
+        TrtllmEngine.open(edited)
+
+
+# ---- without TensorRT-LLM -----------------------------------------------------------------------------
+def test_missing_package_error_is_exact(engine_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "tensorrt_llm", None)  # `import tensorrt_llm` fails, as on this machine
+    with pytest.raises(TensorRTLLMUnavailable) as e:
+        TrtllmExecutor(engine_dir)
+    assert isinstance(e.value, ImportError)
+    assert str(e.value) == EXACT_MISSING_MESSAGE
+
+
+def test_tensorrt_llm_is_imported_only_inside_a_function() -> None:
+    tree = ast.parse((ROOT / "runtime" / "trtllm_executor.py").read_text())
+    top_level = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    names = {a.name for n in top_level for a in n.names} | {n.module for n in top_level if isinstance(n, ast.ImportFrom)}
+    assert not any(str(x).startswith("tensorrt_llm") for x in names)
+    inner = [(f.name, a.name) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+             for n in ast.walk(f) if isinstance(n, ast.Import) for a in n.names if a.name.startswith("tensorrt_llm")]
+    assert inner == [("import_tensorrt_llm", "tensorrt_llm")]
+
+
+def test_check_script_exits_2_without_tensorrt_llm(engine_dir: Path, monkeypatch, capsys) -> None:
+    check = _import_check()
+    monkeypatch.setitem(sys.modules, "tensorrt_llm", None)
+    assert check.main(["--engine_dir", str(engine_dir), "--skip_triton"]) == 2
+    assert capsys.readouterr().err == f"check_trtllm: {EXACT_MISSING_MESSAGE}\n"
+
+
+def _import_check() -> ModuleType:
+    if str(ROOT / "scripts") not in sys.path:
+        sys.path.insert(0, str(ROOT / "scripts"))
+    return importlib.import_module("check_trtllm")
+
+
+# ---- contract test with the test double --------------------------------------------------------------
+def test_contract_llm_built_from_the_yaml(engine_dir: Path, trtllm: ModuleType) -> None:
+    with TrtllmExecutor(engine_dir) as ex:
+        [llm] = trtllm.llms
+        assert llm.model == str(engine_dir / "hf")
+        assert llm.kwargs == {"backend": "pytorch", **yaml.safe_load((engine_dir / LLM_API_OPTIONS).read_text())}
+        assert ex.num_draft_tokens == 3
+        assert ex.limits == SchedulerConfig(max_batch_size=8, max_num_tokens=512, max_seq_len=256)
+        assert ex.tokenizer.eos_token_id == 1
+    assert llm.shutdown_calls == 1
+    with TrtllmExecutor(engine_dir, ExecutorConfig(num_draft_tokens=0, speculation="off")):
+        assert "speculative_config" not in trtllm.llms[1].kwargs
+
+
+def test_contract_stream_becomes_request_outputs(engine_dir: Path, trtllm: ModuleType) -> None:
+    with TrtllmExecutor(engine_dir, ExecutorConfig(num_draft_tokens=3, speculation="fixed")) as ex:
+        prompt = ex.tokenizer.encode("def fib(n):")
+        params = SamplingParams(max_tokens=20, ignore_eos=True)
+        seen: list[RequestOutput] = []
+        outs = list(ex.submit(prompt, params, on_output=seen.append))
+        stats = ex.stats()
+        [req] = trtllm.llms[0].requests
+        assert req.inputs == {"prompt_token_ids": prompt} and req.streaming is True
+        assert req.sampling_params == trtllm.SamplingParams(**to_trtllm_sampling_kwargs(params, ex.tokenizer))
+        check_stream(outs)
+        assert outs == seen
+        final = outs[-1]
+        plan = default_plan(prompt, None)
+        assert final.token_ids == [plan.token(i) for i in range(20)] and final.finish_reason == "length"
+        assert final.text == ex.tokenizer.decode(final.token_ids)
+        # steps of 1, 2, 4, 3 tokens: 8 upstream responses, one RequestOutput each
+        assert [len(o.new_token_ids) for o in outs] == [1, 2, 4, 3, 1, 2, 4, 3]
+        s = final.stats
+        assert (s.prompt_tokens, s.output_tokens, s.num_steps) == (len(prompt), 20, 8)
+        assert (s.num_draft_tokens, s.num_accepted_draft_tokens) == (24, 12)  # what the double reported
+        assert s.acceptance_rate == 0.5 and s.ttft_s > 0 and s.tpot_s > 0
+        assert ex.reports_draft_stats is True
+        assert (stats.requests_finished, stats.generated_tokens, stats.draft_tokens, stats.accepted_draft_tokens,
+                stats.current_draft_len, stats.running, stats.queued) == (1, 20, 24, 12, 3, 0, 0)
+        assert stats.acceptance_rate == stats.acceptance_estimate == 0.5
+
+
+def test_contract_without_perf_metrics_reports_zero(engine_dir: Path, trtllm: ModuleType, caplog) -> None:
+    trtllm.report_metrics = False
+    with TrtllmExecutor(engine_dir) as ex, caplog.at_level(logging.WARNING, "runtime.trtllm_executor"):
+        out = ex.submit([5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True)).result(5)
+        assert (out.stats.num_draft_tokens, out.stats.num_accepted_draft_tokens) == (0, 0)
+        assert ex.reports_draft_stats is False and ex.stats().draft_tokens == 0
+    assert "reported no speculative-decoding metrics" in caplog.text
+
+
+def test_contract_sampling_request_gets_a_seed(engine_dir: Path, trtllm: ModuleType) -> None:
+    with TrtllmExecutor(engine_dir) as ex:
+        ex.submit([5, 6], SamplingParams(max_tokens=2, temperature=0.8, top_k=20)).result(5)
+        ex.submit([5, 6], SamplingParams(max_tokens=2, temperature=0.8, seed=11)).result(5)
+    a, b = (r.sampling_params for r in trtllm.llms[0].requests)
+    assert isinstance(a.seed, int) and 0 <= a.seed < 2**48 and (a.temperature, a.top_k, a.top_p) == (0.8, 20, 1.0)
+    assert b.seed == 11
+
+
+def test_contract_cancel_aborts_upstream(engine_dir: Path, trtllm: ModuleType) -> None:
+    trtllm.plan = lambda prompt, sp: Plan(lambda i: 100 + i % 50, delay=0.005)
+    with TrtllmExecutor(engine_dir) as ex:
+        h = ex.submit([5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True))
+        first = next(iter(h))
+        assert not first.finished and first.new_token_ids == [100]
+        h.cancel()
+        final = h.result(5)
+        assert final.finished and final.finish_reason == "cancelled"
+        [req] = trtllm.llms[0].requests
+        wait_until(lambda: req.abort_calls == 1)
+        ex.cancel("no-such-request")  # ignored
+        wait_until(lambda: ex.stats().running == 0)
+        assert ex.stats().requests_finished == 1
+        # cancelled before it reached TensorRT-LLM: never submitted there
+        h2 = ex.submit([5, 6, 7], SamplingParams(max_tokens=5), request_id="early")
+        ex.cancel("early")
+        out = h2.result(5)
+        assert (out.finish_reason, out.token_ids, out.text) == ("cancelled", [], "")
+        assert len(trtllm.llms[0].requests) == 1
+
+
+def test_contract_stop_string_finishes_and_aborts(engine_dir: Path, trtllm: ModuleType) -> None:
+    with TrtllmExecutor(engine_dir) as ex:
+        prompt = [5, 6, 7]
+        plan = default_plan(prompt, None)
+        full = ex.tokenizer.decode([plan.token(i) for i in range(40)])
+        stop = full[len(full) // 2: len(full) // 2 + 3]
+        out = ex.submit(prompt, SamplingParams(max_tokens=40, stop=(stop,))).result(5)
+        assert out.finish_reason == "stop" and out.text == full[: full.index(stop)]
+        [req] = trtllm.llms[0].requests
+        assert req.abort_calls == 1 and not req.finished  # upstream did not know the stop string
+
+
+def test_contract_finish_reasons_from_upstream(engine_dir: Path, trtllm: ModuleType) -> None:
+    tokens = [100, 101, 102, 1, 103, 104]  # 1 is eos
+    trtllm.plan = lambda prompt, sp: Plan(tokens)
+    with TrtllmExecutor(engine_dir) as ex:
+        out = ex.submit([5], SamplingParams(max_tokens=10)).result(5)
+        assert (out.token_ids, out.finish_reason) == ([100, 101, 102], "stop")  # upstream stopped at end_id
+        out = ex.submit([5], SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=(103,))).result(5)
+        assert (out.token_ids, out.finish_reason) == ([100, 101, 102, 1], "stop")  # stop id not in the output
+        trtllm.plan = lambda prompt, sp: Plan(tokens, finish_reason="cancelled")
+        out = ex.submit([5], SamplingParams(max_tokens=10, ignore_eos=True)).result(5)
+        assert (out.token_ids, out.finish_reason) == (tokens, "cancelled")  # ended by upstream, not by us
+        trtllm.plan = lambda prompt, sp: Plan(tokens, fail_at=2)
+        out = ex.submit([5], SamplingParams(max_tokens=10, ignore_eos=True)).result(5)
+        assert (out.token_ids, out.finish_reason) == ([100, 101], "error")
+        trtllm.plan = lambda prompt, sp: Plan(tokens, finish_reason="timeout")
+        out = ex.submit([5], SamplingParams(max_tokens=10, ignore_eos=True)).result(5)
+        assert out.finish_reason == "error"
+        assert ex.stats().requests_finished == 5
+        trtllm.plan = default_plan  # the executor still serves
+        assert ex.submit([5], SamplingParams(max_tokens=3)).result(5).finish_reason == "length"
+
+
+def test_contract_submit_validation_and_shutdown(engine_dir: Path, trtllm: ModuleType) -> None:
+    trtllm.plan = lambda prompt, sp: Plan(lambda i: 100 + i % 50, delay=0.005)
+    ex = TrtllmExecutor(engine_dir)
+    cases = [([], SamplingParams(), "prompt must not be empty"),
+             ([5, 4096], SamplingParams(), r"prompt token ids must be in \[0, 4096\)"),
+             ([5, 6, 7], SamplingParams(max_tokens=300), "max_tokens 300 with a 3-token prompt exceeds max_seq_len "
+                                                         "256; at most 253"),
+             ([5], SamplingParams(top_p=0), r"top_p must be in \(0, 1\]"),
+             ([5], SamplingParams(bad_token_ids=(5000,)), r"bad_token_ids must be token ids in \[0, 4096\)")]
+    for prompt, params, message in cases:
+        with pytest.raises(ValueError, match=message):
+            ex.submit(prompt, params)
+    h = ex.submit([5, 6], SamplingParams(max_tokens=200, ignore_eos=True), request_id="same")
+    with pytest.raises(ValueError, match="request_id 'same' is already in flight"):
+        ex.submit([5, 6], SamplingParams(max_tokens=5), request_id="same")
+    next(iter(h))
+    ex.shutdown()
+    assert h.result(5).finish_reason == "cancelled"
+    assert trtllm.llms[0].requests[0].abort_calls == 1 and trtllm.llms[0].shutdown_calls == 1
+    with pytest.raises(RuntimeError, match="executor is shut down"):
+        ex.submit([5], SamplingParams())
+    ex.shutdown()  # idempotent
+    h.cancel()  # after shutdown: ignored
+    assert trtllm.llms[0].shutdown_calls == 1
+
+
+def test_create_executor_dispatches_on_the_backend(engine_dir: Path, spec_checkpoint: Path, trtllm: ModuleType,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    config = ExecutorConfig(num_draft_tokens=0, speculation="off")
+    with create_executor(engine_dir, config) as ex:
+        assert isinstance(ex, TrtllmExecutor) and ex.num_draft_tokens == 0
+    native_calls = []
+    monkeypatch.setattr("runtime.trtllm_executor.Executor", lambda *a: native_calls.append(a) or "native")
+    assert create_executor(spec_checkpoint, config) == "native" and native_calls == [(spec_checkpoint, config)]
+
+
+# ---- the same text as the native executor for the same token stream --------------------------------
+PARITY_PROMPTS = ["def fib(n):", "In the beginning God created the heaven and the earth."]
+
+
+@pytest.fixture(scope="module")
+def native(spec_checkpoint: Path) -> dict[str, Any]:
+    """Greedy streams of the native executor (one token per step) on the tiny checkpoint: the raw
+    continuation of each prompt, and the outputs of each parity case."""
+    with Executor(spec_checkpoint, ExecutorConfig(num_draft_tokens=0, speculation="off")) as ex:
+        tok = ex.tokenizer
+        prompts = [tok.encode(p) for p in PARITY_PROMPTS]
+        raw = [ex.submit(p, SamplingParams(max_tokens=48, ignore_eos=True)).result(60).token_ids for p in prompts]
+        text = tok.decode(raw[1])
+        stop = text[len(text) // 3: len(text) // 3 + 3]
+        cases = {
+            "eos": (0, SamplingParams(max_tokens=32)),
+            "length": (1, SamplingParams(max_tokens=30, ignore_eos=True)),
+            "stop_string": (1, SamplingParams(max_tokens=48, ignore_eos=True, stop=(stop, "\x00never"))),
+            "stop_token": (1, SamplingParams(max_tokens=48, ignore_eos=True, stop_token_ids=(raw[1][9],))),
+        }
+        streams = {name: (i, params, list(ex.submit(prompts[i], params))) for name, (i, params) in cases.items()}
+    assert streams["stop_string"][2][-1].finish_reason == "stop"
+    return {"prompts": prompts, "raw": raw, "streams": streams}
+
+
+@pytest.mark.parametrize("steps", [(1,), (3, 1, 4, 2)], ids=["one-token-steps", "mtp-like-steps"])
+def test_contract_same_outputs_as_native(engine_dir: Path, trtllm: ModuleType, native: dict, steps) -> None:
+    """The double replays the native model's own greedy tokens; the adapter's RequestOutputs must
+    be the native executor's (one token per step: output for output; larger steps: same text,
+    finish reason and, without stop strings, the same tokens)."""
+    by_prompt = {tuple(p): r for p, r in zip(native["prompts"], native["raw"])}
+    trtllm.plan = lambda prompt, sp: Plan(by_prompt[tuple(prompt)], steps=steps)
+
+    def view(o: RequestOutput) -> tuple:
+        return o.new_token_ids, o.token_ids, o.text_delta, o.text, o.finished, o.finish_reason
+
+    with TrtllmExecutor(engine_dir) as ex:
+        for name, (i, params, want) in native["streams"].items():
+            got = list(ex.submit(native["prompts"][i], params))
+            check_stream(got)
+            if steps == (1,):
+                assert [view(o) for o in got] == [view(o) for o in want], name
+            else:
+                assert (got[-1].text, got[-1].finish_reason) == (want[-1].text, want[-1].finish_reason), name
+                if not params.stop:
+                    assert got[-1].token_ids == want[-1].token_ids, name
+            assert (got[-1].stats.prompt_tokens, got[-1].stats.output_tokens) == (
+                want[-1].stats.prompt_tokens, len(got[-1].token_ids))
+
+
+# ---- scripts/check_trtllm.py on the session path, with the double -----------------------------------
+def test_check_script_session_path_with_the_double(engine_dir: Path, trtllm: ModuleType, tmp_path: Path,
+                                                   capsys) -> None:
+    check = _import_check()
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["def fib(n):", {"text": "for i in range(10):"}]))
+    args = ["--engine_dir", str(engine_dir), "--skip_triton", "--prompts_file", str(prompts), "--max_tokens", "8",
+            "--json_out", str(tmp_path / "out.json")]
+    assert check.main(args) == 0
+    out = capsys.readouterr().out
+    assert "session k=0" in out and "session k=3" in out and "TPOT" in out and "acceptance" in out
+    assert out.rstrip().endswith("PASS")
+    assert [llm.kwargs.get("speculative_config", {}).get("num_nextn_predict_layers", 0) for llm in trtllm.llms] == [0, 3]
+    assert all(llm.kwargs["kv_cache_config"]["free_gpu_memory_fraction"] == 0.5 for llm in trtllm.llms)
+    results = json.loads((tmp_path / "out.json").read_text())
+    assert len(results["paths"]["session_k3"]) == 2
+    # outputs that depend on the draft length fail the check
+    trtllm.plan = lambda prompt, sp: Plan(lambda i: 100 + i + trtllm.llms[-1].draft_len)
+    assert check.main(args) == 1
+    assert "MISMATCH session k=3 vs k=0 at output token 0" in capsys.readouterr().out
+
+
+def test_check_script_builds_the_shipped_model(shipped_model_dir: Path, trtllm: ModuleType, tmp_path: Path,
+                                               capsys) -> None:
+    """The default flow without --engine_dir: `build_engine --backend trtllm` as a subprocess, then
+    the session path (with the double); Triton skipped."""
+    check = _import_check()
+    args = ["--model_dir", str(shipped_model_dir), "--work_dir", str(tmp_path), "--skip_triton", "--num_prompts", "2",
+            "--max_tokens", "4"]
+    assert check.main(args) == 0
+    engine = tmp_path / "engine"
+    assert is_trtllm_engine(engine)
+    assert trtllm.llms[0].model == str(engine / "hf")
+    assert yaml.safe_load((engine / LLM_API_OPTIONS).read_text())["speculative_config"]["num_nextn_predict_layers"] == 3
+    assert capsys.readouterr().out.rstrip().endswith("PASS")
+
+
+def test_contract_too_old_tensorrt_llm_fails_at_construction(engine_dir: Path, trtllm: ModuleType) -> None:
+    trtllm.SamplingParams = sampling_params_class([n for n in UPSTREAM_SAMPLING_FIELDS if n != "bad_token_ids"])
+    with pytest.raises(RuntimeError, match="has no field 'bad_token_ids'"):
+        TrtllmExecutor(engine_dir)
+    assert trtllm.llms == []

@@ -1,0 +1,103 @@
+"""Helpers for tests that run the real tritonserver: a tiny model, a filled model repository,
+and the server itself (scripts/launch_triton_server.py as a library).
+
+The tiny checkpoint has a byte-level BPE trained here on mixed ASCII/CJK/emoji text, so many
+tokens are pieces of a multi-byte character: random weights then generate split characters,
+the hard case for streaming UTF-8. Nothing depends on files outside the repository.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from builder.hf_writer import write_hf_checkpoint
+from conftest import random_tensors, tiny_config_dict
+from runtime.config import ModelConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+TEMPLATE_REPO = ROOT / "triton_repo"
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from fill_template import fill  # noqa: E402  (scripts/ is not a package)
+from launch_triton_server import TritonServer, start_server  # noqa: E402
+
+BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"
+CORPUS = [
+    "hello world, the quick brown fox jumps over the lazy dog",
+    "def f(x):\n    return x * 2\n",
+    "日本語のテキスト、中文的文本和한국어 텍스트",
+    "東京は日本の首都です。北京是中国的首都。",
+    "emoji 😀👍🏽 🇯🇵 naïve café",
+]
+
+
+def build_tokenizer(out_dir: Path, vocab_size: int = 512) -> int:
+    """Write tokenizer.json + tokenizer_config.json (DeepSeek-style specials at ids 0-2); return
+    the vocabulary size."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[AddedToken(t, special=True, normalized=False) for t in (BOS, EOS, PAD)])
+    tok.train_from_iterator(CORPUS * 4, trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, 0)])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    config = {"add_bos_token": True, "bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    return tok.get_vocab_size(with_added_tokens=True)
+
+
+def make_tiny_checkpoint(out_dir: Path, seed: int = 0) -> Path:
+    """A random tiny DeepSeek-V3 + MTP checkpoint (HF layout) with its tokenizer."""
+    tok_dir = out_dir.parent / f"{out_dir.name}-tokenizer"
+    vocab = build_tokenizer(tok_dir)
+    cfg = ModelConfig.from_dict(tiny_config_dict(vocab_size=vocab, eos_token_id=1, bos_token_id=0,
+                                                 max_position_embeddings=1024))
+    return write_hf_checkpoint(out_dir, cfg, random_tensors(cfg, seed), tokenizer_dir=tok_dir)
+
+
+def fill_model_repo(dst: Path, values: dict[str, str], src: Path = TEMPLATE_REPO) -> Path:
+    """Copy the template repository to `dst` and fill each config.pbtxt with the keys it has."""
+    for model in sorted(p.parent for p in src.glob("*/config.pbtxt")):
+        add_model(dst, model, values)
+    return dst
+
+
+def add_model(repo: Path, template: Path, values: dict[str, str], name: str | None = None) -> Path:
+    """Copy one template model into `repo` (as `name`, renaming it in its config) and fill it."""
+    dst = repo / (name or template.name)
+    shutil.copytree(template, dst, ignore=shutil.ignore_patterns("__pycache__"))
+    config = dst / "config.pbtxt"
+    text = config.read_text().replace(f'name: "{template.name}"', f'name: "{dst.name}"', 1)
+    config.write_text(fill(text, {k: v for k, v in values.items() if "${" + k + "}" in text}, str(config)))
+    return dst
+
+
+def repo_values(engine_dir: Path, **overrides: str) -> dict[str, str]:
+    """The substitutions a test deployment uses (overrides win)."""
+    values = {
+        "triton_max_batch_size": "16",
+        "decoupled_mode": "true",
+        "engine_dir": str(engine_dir),
+        "tokenizer_dir": str(engine_dir),
+        "num_draft_tokens": "3",
+        "speculation": "fixed",
+        "preprocessing_instance_count": "1",
+        "postprocessing_instance_count": "1",
+        "bls_instance_count": "1",
+        "tensorrt_llm_model_name": "tensorrt_llm",
+        "cancellation_check_period_ms": "20",
+        "stats_check_period_ms": "50",
+    }
+    values.update(overrides)
+    return values
+
+
+__all__ = ["TritonServer", "add_model", "fill_model_repo", "make_tiny_checkpoint", "repo_values", "start_server"]

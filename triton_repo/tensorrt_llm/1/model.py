@@ -1,0 +1,366 @@
+"""Triton `tensorrt_llm`: TensorRT-LLM's engine model over runtime's executor (the native
+`Executor`, or `TrtllmExecutor` for a --backend trtllm engine: `create_executor` picks).
+
+Decoupled, one instance: execute() only translates tensors into Executor.submit calls and
+returns, so every request in flight shares the executor's batch. The executor's output callback
+queues outputs; one sender thread turns them into responses (keeping Triton IPC off the step
+loop), notices cancelled requests and cancels them in the executor, which frees their KV blocks.
+A metrics thread publishes the executor's stats as Triton custom metrics.
+
+Streaming chunks are cut where the executor's own text has caught up with the tokens, so each
+chunk's ids decode to whole characters (and never to a held-back partial stop string).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import threading
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from runtime.executor import ExecutorConfig, RequestOutput, RequestStats
+from runtime.sampling import SamplingParams
+from runtime.trtllm_executor import create_executor
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+# Inputs TensorRT-LLM clients send that this runtime implements only at their neutral value.
+NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "beam_width": (lambda v: v == 1, "1 (no beam search)"),
+    "num_return_sequences": (lambda v: v == 1, "1"),
+    "repetition_penalty": (lambda v: v == 1, "1.0"),
+    "presence_penalty": (lambda v: v == 0, "0.0"),
+    "frequency_penalty": (lambda v: v == 0, "0.0"),
+    "min_tokens": (lambda v: v <= 1, "<= 1"),
+    "return_log_probs": (lambda v: not v, "false"),
+    "return_context_logits": (lambda v: not v, "false"),
+    "return_generation_logits": (lambda v: not v, "false"),
+}
+
+
+def parameter(model_config: dict, name: str, cast: Callable[[str], Any] = str) -> Any:
+    """A model parameter's value, None when absent or left as a `${...}` placeholder."""
+    value = model_config.get("parameters", {}).get(name, {}).get("string_value", "")
+    return None if value == "" or value.startswith("${") else cast(value)
+
+
+def as_bool(value: str) -> bool:
+    return value.lower() in ("1", "true", "yes", "t", "y")
+
+
+@dataclass(eq=False)
+class Stream:
+    """One Triton request in flight."""
+
+    sender: Any  # pb_utils.InferenceResponseSender
+    triton_id: str  # the client's request id (TensorRT-LLM's `stop` input names it)
+    streaming: bool
+    prefix: list[int]  # prompt ids put before a non-streamed output (empty when excluded)
+    executor_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    pending: list[int] = field(default_factory=list)  # streamed ids not sent yet
+    pending_text: str = ""  # the executor's text for them so far
+
+
+def word_list(request: Any, name: str) -> list[list[int]]:
+    """TensorRT-LLM's [1, 2, W] word list (ids, end offsets padded with -1) -> words as id lists."""
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    if t is None:
+        return []
+    arr = t.as_numpy()
+    if arr.ndim == 3:
+        if arr.shape[0] != 1:
+            raise ValueError(f"{name}: one request per batch item expected, got batch {arr.shape[0]}")
+        arr = arr[0]
+    if arr.ndim != 2 or arr.shape[0] != 2:
+        raise ValueError(f"{name} must have shape [2, W] (ids, offsets), got {list(t.as_numpy().shape)}")
+    ids, offsets = arr[0].tolist(), [o for o in arr[1].tolist() if o >= 0]
+    if offsets != sorted(offsets) or (offsets and offsets[-1] > len(ids)):
+        raise ValueError(f"{name}: offsets {offsets} are not increasing ends within {len(ids)} ids")
+    return [ids[a:b] for a, b in zip([0] + offsets, offsets) if b > a]
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise pb_utils.TritonModelException(
+                "tensorrt_llm must be decoupled (model_transaction_policy { decoupled: true }): it answers "
+                "from the executor's thread so that concurrent requests share one batch")
+        rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
+        if rank:
+            raise pb_utils.TritonModelException(
+                f"rank {rank}: the native runtime runs in one process (ranks are merged at load); use world_size 1")
+        engine_dir = parameter(config, "gpt_model_path")
+        if engine_dir is None:
+            raise pb_utils.TritonModelException("tensorrt_llm: parameter gpt_model_path (engine_dir) is not set")
+        num_draft = parameter(config, "num_draft_tokens", int)
+        executor_config = ExecutorConfig(
+            num_draft_tokens=3 if num_draft is None else num_draft,
+            speculation=parameter(config, "speculation") or "adaptive",
+            max_batch_size=parameter(config, "executor_max_batch_size", int),
+            max_seq_len=parameter(config, "executor_max_seq_len", int),
+            kv_cache_tokens=parameter(config, "max_tokens_in_paged_kv_cache", int),
+            device=parameter(config, "device") or "cpu")
+        self.executor = create_executor(engine_dir, executor_config)
+        self.tokenizer = self.executor.tokenizer
+        self.exclude_input_default = bool(parameter(config, "exclude_input_in_output", as_bool))
+        self.cancel_period_s = (parameter(config, "cancellation_check_period_ms", int) or 100) / 1000
+        self.stats_period_s = (parameter(config, "stats_check_period_ms", int) or 100) / 1000
+        self._create_metrics(args["model_name"], args["model_version"])
+
+        self._outbox: queue.Queue[tuple[Stream, RequestOutput] | None] = queue.Queue()
+        self._active: set[Stream] = set()
+        self._lock = threading.Lock()
+        self._running = True
+        self._threads = [threading.Thread(target=self._send_loop, name="responder", daemon=True),
+                         threading.Thread(target=self._metrics_loop, name="metrics", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    # ---- requests -------------------------------------------------------------------------------
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                if self._scalar(request, "stop", False):
+                    self._stop(request.request_id(), sender)
+                    continue
+                prompt, params, streaming, exclude = self._convert(request)
+                stream = Stream(sender, request.request_id(), streaming, [] if exclude else prompt)
+                with self._lock:
+                    self._active.add(stream)
+                try:
+                    self.executor.submit(prompt, params, request_id=stream.executor_id,
+                                         on_output=lambda out, s=stream: self._outbox.put((s, out)))
+                except BaseException:
+                    with self._lock:
+                        self._active.discard(stream)
+                    raise
+            except Exception as e:  # invalid request (ValueError names the parameter) or executor stopped
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))), flags=FINAL)
+        return None
+
+    @staticmethod
+    def _scalar(request: Any, name: str, default: Any = None) -> Any:
+        t = pb_utils.get_input_tensor_by_name(request, name)
+        if t is None:
+            return default
+        arr = t.as_numpy().reshape(-1)
+        if arr.size != 1:
+            raise ValueError(f"{name}: expected one value (one prompt per request), got {arr.size}")
+        return arr[0].item()
+
+    def _convert(self, request: Any) -> tuple[list[int], SamplingParams, bool, bool]:
+        """Triton tensors -> (prompt ids, SamplingParams, streaming, exclude_input_in_output)."""
+        for name, (is_neutral, supported) in NEUTRAL.items():
+            value = self._scalar(request, name)
+            if value is not None and not is_neutral(value):
+                raise ValueError(f"{name}={value} is not supported by this runtime (supported: {supported})")
+        ids = pb_utils.get_input_tensor_by_name(request, "input_ids")
+        if ids is None:
+            raise ValueError("input_ids is required")
+        ids = ids.as_numpy()
+        if ids.ndim == 2 and ids.shape[0] != 1:
+            raise ValueError(f"input_ids: one prompt per request expected, got batch {ids.shape[0]} "
+                             "(requests are batched in flight; send them separately)")
+        ids = ids.reshape(-1)
+        length = self._scalar(request, "input_lengths", len(ids))
+        if not 0 <= length <= len(ids):
+            raise ValueError(f"input_lengths {length} is outside [0, {len(ids)}] (the input_ids given)")
+        max_tokens = self._scalar(request, "request_output_len")
+        if max_tokens is None:
+            raise ValueError("request_output_len (max_tokens) is required")
+
+        stop, stop_ids = [], []
+        for word in word_list(request, "stop_words_list"):
+            if len(word) == 1 and word[0] in self.tokenizer.special_ids:
+                stop_ids.append(word[0])  # special tokens never show in the text a stop string is matched in
+            else:
+                stop.append(self.tokenizer.decode(word, skip_special_tokens=False))
+        bad_ids = []
+        for word in word_list(request, "bad_words_list"):
+            if len(word) != 1:
+                raise ValueError(f"bad_words: {self.tokenizer.decode(word, skip_special_tokens=False)!r} is "
+                                 f"{len(word)} tokens; only single-token bad words are supported")
+            bad_ids.append(word[0])
+        seed = self._scalar(request, "seed")
+        end_id = self._scalar(request, "end_id")
+        ignore_eos = end_id is not None and end_id != self.tokenizer.eos_token_id
+        if ignore_eos and end_id >= 0:  # a custom end id replaces eos; a negative one means none
+            stop_ids.append(end_id)
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self._scalar(request, "temperature", 0.0),
+            top_k=self._scalar(request, "runtime_top_k", 0),
+            top_p=self._scalar(request, "runtime_top_p", 1.0),
+            seed=seed,
+            stop=tuple(stop),
+            stop_token_ids=tuple(stop_ids),
+            bad_token_ids=tuple(bad_ids),
+            ignore_eos=ignore_eos)
+        streaming = bool(self._scalar(request, "streaming", False))
+        exclude = bool(self._scalar(request, "exclude_input_in_output", self.exclude_input_default))
+        return ids[:length].tolist(), params, streaming, exclude
+
+    def _stop(self, triton_id: str, sender: Any) -> None:
+        """TensorRT-LLM's `stop` input: cancel the requests in flight with this request id."""
+        if not triton_id:
+            raise ValueError("stop: a request id is needed to say which request to stop")
+        with self._lock:
+            ids = [s.executor_id for s in self._active if s.triton_id == triton_id]
+        for i in ids:
+            self.executor.cancel(i)
+        sender.send(pb_utils.InferenceResponse([]), flags=FINAL)
+
+    # ---- responses ------------------------------------------------------------------------------
+    def _send_loop(self) -> None:
+        next_check = time.monotonic() + self.cancel_period_s
+        while True:
+            try:
+                item = self._outbox.get(timeout=self.cancel_period_s)
+            except queue.Empty:
+                item = ()
+            if item is None:
+                return
+            if item:
+                try:
+                    self._deliver(*item)
+                except Exception:  # never lose the thread: other requests depend on it
+                    pb_utils.Logger.log_error(f"tensorrt_llm: delivering a response failed: {traceback.format_exc()}")
+            if time.monotonic() >= next_check:
+                self._cancel_abandoned()
+                next_check = time.monotonic() + self.cancel_period_s
+
+    def _deliver(self, stream: Stream, out: RequestOutput) -> None:
+        if out.finish_reason == "error":
+            self._close(stream, out, pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                f"generation failed for request {out.request_id}; see the server log")))
+            return
+        if stream.streaming:
+            stream.pending += out.new_token_ids
+            stream.pending_text += out.text_delta
+            if not out.finished and (not stream.pending or
+                                     self.tokenizer.decode(stream.pending) != stream.pending_text):
+                return  # the chunk would end inside a character or show held-back text
+            ids, stream.pending, stream.pending_text = stream.pending, [], ""
+        elif out.finished:
+            ids = stream.prefix + out.token_ids
+        else:
+            return
+        response = self._response(ids, out.stats)
+        if out.finished:
+            self._close(stream, out, response)
+        else:
+            try:
+                stream.sender.send(response)
+            except Exception:  # the client is gone: stop generating for it
+                self.executor.cancel(stream.executor_id)
+
+    def _close(self, stream: Stream, out: RequestOutput, response: Any) -> None:
+        with self._lock:
+            self._active.discard(stream)
+        with contextlib.suppress(Exception):  # a client that cancelled is not there to tell
+            stream.sender.send(response, flags=FINAL)
+        if out.finish_reason in self.metrics["requests"]:
+            self.metrics["requests"][out.finish_reason].increment(1)
+        self.metrics["input_tokens"].observe(out.stats.prompt_tokens)
+        self.metrics["output_tokens"].observe(out.stats.output_tokens)
+
+    @staticmethod
+    def _response(ids: list[int], stats: RequestStats) -> Any:
+        return pb_utils.InferenceResponse([
+            pb_utils.Tensor("output_ids", np.array(ids, np.int32).reshape(1, 1, -1)),
+            pb_utils.Tensor("sequence_length", np.array([[len(ids)]], np.int32)),
+            pb_utils.Tensor("acceptance_rate", np.array([[stats.acceptance_rate]], np.float32)),
+            pb_utils.Tensor("total_accepted_draft_tokens", np.array([[stats.num_accepted_draft_tokens]], np.int32)),
+            pb_utils.Tensor("total_draft_tokens", np.array([[stats.num_draft_tokens]], np.int32)),
+        ])
+
+    def _cancel_abandoned(self) -> None:
+        """Cancel requests whose client cancelled or disconnected (frees their KV blocks now)."""
+        with self._lock:
+            streams = list(self._active)
+        for s in streams:
+            if s.sender.is_cancelled():
+                self.executor.cancel(s.executor_id)
+
+    # ---- metrics --------------------------------------------------------------------------------
+    def _create_metrics(self, model: str, version: str) -> None:
+        """Upstream's families where upstream has one (dashboards keep working), plus counters
+        and speculative-decoding gauges."""
+        labels = {"model": model, "version": version}
+        family = pb_utils.MetricFamily
+        # Metric objects die with their family: keep the families for the model's lifetime.
+        self._families = request, kv, spec, finished, tokens, drafts, input_len, output_len = (
+            family("nv_trt_llm_request_metrics", "TRT LLM request metrics", family.GAUGE),
+            family("nv_trt_llm_kv_cache_block_metrics", "TRT LLM KV cache block metrics", family.GAUGE),
+            family("nv_trt_llm_spec_decode_metrics", "Speculative (MTP) decoding metrics", family.GAUGE),
+            family("nv_trt_llm_requests_total", "Requests finished, by finish reason", family.COUNTER),
+            family("nv_trt_llm_generated_tokens_total", "Tokens generated", family.COUNTER),
+            family("nv_trt_llm_draft_tokens_total", "MTP draft tokens proposed and accepted", family.COUNTER),
+            family("nv_llm_input_token_len", "TRT LLM response metrics", family.HISTOGRAM),
+            family("nv_llm_output_token_len", "TRT LLM response metrics", family.HISTOGRAM))
+        buckets = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000]
+        self.metrics = {
+            "active": request.Metric(labels={"request_type": "active", **labels}),
+            "scheduled": request.Metric(labels={"request_type": "scheduled", **labels}),
+            "waiting": request.Metric(labels={"request_type": "waiting", **labels}),
+            "max": request.Metric(labels={"request_type": "max", **labels}),
+            "kv_used": kv.Metric(labels={"kv_cache_block_type": "used", **labels}),
+            "kv_free": kv.Metric(labels={"kv_cache_block_type": "free", **labels}),
+            "kv_max": kv.Metric(labels={"kv_cache_block_type": "max", **labels}),
+            "kv_fraction": kv.Metric(labels={"kv_cache_block_type": "fraction", **labels}),
+            "acceptance_rate": spec.Metric(labels={"spec_decode_type": "acceptance_rate", **labels}),
+            "acceptance_estimate": spec.Metric(labels={"spec_decode_type": "acceptance_estimate", **labels}),
+            "draft_len": spec.Metric(labels={"spec_decode_type": "draft_len", **labels}),
+            "requests": {reason: finished.Metric(labels={"finish_reason": reason, **labels})
+                         for reason in ("stop", "length", "cancelled", "error")},
+            "generated": tokens.Metric(labels=labels),
+            "drafted": drafts.Metric(labels={"draft_token_type": "proposed", **labels}),
+            "accepted": drafts.Metric(labels={"draft_token_type": "accepted", **labels}),
+            "input_tokens": input_len.Metric(
+                labels={"response_metric_type": "total_input_tokens", **labels}, buckets=buckets),
+            "output_tokens": output_len.Metric(
+                labels={"response_metric_type": "total_output_tokens", **labels}, buckets=buckets),
+        }
+        self.metrics["max"].set(self.executor.limits.max_batch_size)
+
+    def _metrics_loop(self) -> None:
+        m, last = self.metrics, {"generated": 0, "drafted": 0, "accepted": 0}
+        while self._running:
+            time.sleep(self.stats_period_s)
+            s = self.executor.stats()
+            blocks = s.kv_blocks_used + s.kv_blocks_free
+            m["active"].set(s.running + s.queued)
+            m["scheduled"].set(s.running)
+            m["waiting"].set(s.queued)
+            m["kv_used"].set(s.kv_blocks_used)
+            m["kv_free"].set(s.kv_blocks_free)
+            m["kv_max"].set(blocks)
+            m["kv_fraction"].set(s.kv_blocks_used / blocks if blocks else 0.0)
+            m["acceptance_rate"].set(s.acceptance_rate)
+            m["acceptance_estimate"].set(s.acceptance_estimate)
+            m["draft_len"].set(s.current_draft_len)
+            for key, total in (("generated", s.generated_tokens), ("drafted", s.draft_tokens),
+                               ("accepted", s.accepted_draft_tokens)):
+                if total > last[key]:
+                    m[key].increment(total - last[key])
+                    last[key] = total
+
+    def finalize(self) -> None:
+        """Stop the executor (it finishes what is in flight as cancelled), send those last
+        responses, then stop the threads."""
+        self._running = False
+        self.executor.shutdown()
+        self._outbox.put(None)
+        for t in self._threads:
+            t.join(timeout=10)

@@ -1,0 +1,142 @@
+"""Triton `tensorrt_llm_bls`: the ensemble's pipeline as business-logic scripting.
+
+preprocessing -> tensorrt_llm (decoupled) -> postprocessing per response, renaming tensors as
+the ensemble does. Decoupled: each request runs on its own thread so requests overlap (they meet
+in tensorrt_llm's in-flight batch), and a watcher turns a client's cancellation into
+TensorRT-LLM's `stop` request for the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+import uuid
+from typing import Any, Iterator
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+TO_PREPROCESSING = {"text_input": "QUERY", "max_tokens": "REQUEST_OUTPUT_LEN", "bad_words": "BAD_WORDS_DICT",
+                    "stop_words": "STOP_WORDS_DICT", "end_id": "END_ID", "pad_id": "PAD_ID"}
+PREPROCESSED = {"INPUT_ID": "input_ids", "REQUEST_INPUT_LEN": "input_lengths",
+                "REQUEST_OUTPUT_LEN": "request_output_len", "BAD_WORDS_IDS": "bad_words_list",
+                "STOP_WORDS_IDS": "stop_words_list", "OUT_END_ID": "end_id", "OUT_PAD_ID": "pad_id"}
+TO_ENGINE = {"exclude_input_in_output": "exclude_input_in_output", "top_k": "runtime_top_k",
+             "top_p": "runtime_top_p", "temperature": "temperature", "length_penalty": "len_penalty",
+             "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens",
+             "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty", "seed": "seed",
+             "return_log_probs": "return_log_probs", "return_context_logits": "return_context_logits",
+             "return_generation_logits": "return_generation_logits", "return_perf_metrics": "return_perf_metrics",
+             "beam_width": "beam_width", "num_return_sequences": "num_return_sequences", "stream": "streaming"}
+STATS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens")
+CANCEL_CHECK_S = 0.05
+
+
+class BLSError(Exception):
+    """An error response from a composing model, passed on to the client as it is."""
+
+
+def renamed(request: Any, names: dict[str, str]) -> list:
+    """The request's tensors among `names`, under their new names."""
+    out = []
+    for old, new in names.items():
+        t = pb_utils.get_input_tensor_by_name(request, old)
+        if t is not None:
+            out.append(pb_utils.Tensor(new, t.as_numpy()))
+    return out
+
+
+def outputs(response: Any) -> dict[str, np.ndarray]:
+    if response.has_error():
+        raise BLSError(response.error().message())
+    return {t.name(): t.as_numpy() for t in response.output_tensors()}
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        config = json.loads(args["model_config"])
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        name = config.get("parameters", {}).get("tensorrt_llm_model_name", {}).get("string_value", "")
+        self.engine_model = "tensorrt_llm" if name in ("", "${tensorrt_llm_model_name}") else name
+        self._watched: dict[str, Any] = {}  # engine request id -> the client's request
+        self._lock = threading.Lock()
+        self._running = True
+        if self.decoupled:
+            threading.Thread(target=self._watch_cancellations, name="cancellations", daemon=True).start()
+
+    def execute(self, requests: list) -> list | None:
+        if self.decoupled:
+            for request in requests:
+                threading.Thread(target=self._serve, args=(request,), daemon=True).start()
+            return None
+        return [self._respond_once(request) for request in requests]
+
+    def _serve(self, request: Any) -> None:
+        sender = request.get_response_sender()
+        last = None
+        try:
+            for response in self._generate(request):
+                sender.send(response)
+        except Exception as e:  # an invalid request, or the client went away
+            last = pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e)))
+        with contextlib.suppress(Exception):
+            sender.send(last, flags=FINAL)
+
+    def _respond_once(self, request: Any) -> Any:
+        """Non-decoupled mode: one response per request, so no streaming."""
+        try:
+            stream = pb_utils.get_input_tensor_by_name(request, "stream")
+            if stream is not None and stream.as_numpy().any():
+                raise ValueError("stream=true needs tensorrt_llm_bls to be decoupled (decoupled_mode:true)")
+            *_, last = self._generate(request)
+            return last
+        except Exception as e:
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e)))
+
+    def _generate(self, request: Any) -> Iterator[Any]:
+        pre = outputs(pb_utils.InferenceRequest(
+            model_name="preprocessing", inputs=renamed(request, TO_PREPROCESSING),
+            requested_output_names=list(PREPROCESSED)).exec())
+        engine_id = request.request_id() or uuid.uuid4().hex
+        engine_request = pb_utils.InferenceRequest(
+            model_name=self.engine_model, request_id=engine_id,
+            inputs=[pb_utils.Tensor(PREPROCESSED[k], v) for k, v in pre.items()] + renamed(request, TO_ENGINE),
+            requested_output_names=["output_ids", "sequence_length", *STATS])
+        with self._lock:
+            self._watched[engine_id] = request
+        try:
+            for response in engine_request.exec(decoupled=True):
+                out = outputs(response)
+                if "output_ids" not in out:
+                    continue  # a flags-only final response
+                text = outputs(pb_utils.InferenceRequest(
+                    model_name="postprocessing", requested_output_names=["OUTPUT"],
+                    inputs=[pb_utils.Tensor("TOKENS_BATCH", out["output_ids"]),
+                            pb_utils.Tensor("SEQUENCE_LENGTH", out["sequence_length"])]).exec())["OUTPUT"]
+                yield pb_utils.InferenceResponse([pb_utils.Tensor("text_output", text),
+                                                  *(pb_utils.Tensor(k, out[k]) for k in STATS)])
+        finally:
+            with self._lock:
+                self._watched.pop(engine_id, None)
+
+    def _watch_cancellations(self) -> None:
+        """Stop the engine's work for clients that cancelled or went away."""
+        while self._running:
+            time.sleep(CANCEL_CHECK_S)
+            with self._lock:
+                cancelled = [i for i, r in self._watched.items() if r.is_cancelled()]
+            for engine_id in cancelled:
+                with self._lock:
+                    self._watched.pop(engine_id, None)
+                pb_utils.InferenceRequest(
+                    model_name=self.engine_model, request_id=engine_id, requested_output_names=[],
+                    inputs=[pb_utils.Tensor("input_ids", np.zeros((1, 1), np.int32)),
+                            pb_utils.Tensor("input_lengths", np.zeros((1, 1), np.int32)),
+                            pb_utils.Tensor("request_output_len", np.zeros((1, 1), np.int32)),
+                            pb_utils.Tensor("stop", np.ones((1, 1), bool))]).exec(decoupled=True)
+
+    def finalize(self) -> None:
+        self._running = False
