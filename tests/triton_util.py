@@ -9,7 +9,6 @@ the hard case for streaming UTF-8. Nothing depends on files outside the reposito
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -20,11 +19,10 @@ from conftest import random_tensors, tiny_config_dict
 from runtime.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-TEMPLATE_REPO = ROOT / "triton_repo"
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from fill_template import fill  # noqa: E402  (scripts/ is not a package)
-from launch_triton_server import TritonServer, start_server  # noqa: E402
+from launch_triton_server import TritonServer, start_server  # noqa: E402  (scripts/ is not a package)
+from make_model_repo import TEMPLATE_REPO, add_model, default_values, fill_model_repo  # noqa: E402
 
 BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"
 CORPUS = [
@@ -63,41 +61,11 @@ def make_tiny_checkpoint(out_dir: Path, seed: int = 0) -> Path:
     return write_hf_checkpoint(out_dir, cfg, random_tensors(cfg, seed), tokenizer_dir=tok_dir)
 
 
-def fill_model_repo(dst: Path, values: dict[str, str], src: Path = TEMPLATE_REPO) -> Path:
-    """Copy the template repository to `dst` and fill each config.pbtxt with the keys it has."""
-    for model in sorted(p.parent for p in src.glob("*/config.pbtxt")):
-        add_model(dst, model, values)
-    return dst
-
-
-def add_model(repo: Path, template: Path, values: dict[str, str], name: str | None = None) -> Path:
-    """Copy one template model into `repo` (as `name`, renaming it in its config) and fill it."""
-    dst = repo / (name or template.name)
-    shutil.copytree(template, dst, ignore=shutil.ignore_patterns("__pycache__"))
-    config = dst / "config.pbtxt"
-    text = config.read_text().replace(f'name: "{template.name}"', f'name: "{dst.name}"', 1)
-    config.write_text(fill(text, {k: v for k, v in values.items() if "${" + k + "}" in text}, str(config)))
-    return dst
-
-
 def repo_values(engine_dir: Path, **overrides: str) -> dict[str, str]:
-    """The substitutions a test deployment uses (overrides win)."""
-    values = {
-        "triton_max_batch_size": "16",
-        "decoupled_mode": "true",
-        "engine_dir": str(engine_dir),
-        "tokenizer_dir": str(engine_dir),
-        "num_draft_tokens": "3",
-        "speculation": "fixed",
-        "preprocessing_instance_count": "1",
-        "postprocessing_instance_count": "1",
-        "bls_instance_count": "1",
-        "tensorrt_llm_model_name": "tensorrt_llm",
-        "cancellation_check_period_ms": "20",
-        "stats_check_period_ms": "50",
-    }
-    values.update(overrides)
-    return values
+    """The substitutions a test deployment uses: fixed speculation, short polling periods."""
+    return default_values(engine_dir, **{"triton_max_batch_size": "16", "speculation": "fixed",
+                                         "cancellation_check_period_ms": "20", "stats_check_period_ms": "50",
+                                         **overrides})
 
 
 __all__ = ["TritonServer", "add_model", "fill_model_repo", "make_tiny_checkpoint", "repo_values", "start_server"]

@@ -1,0 +1,55 @@
+"""The README's main job: build an FP8 engine from the shipped model, serve it with Triton, stream
+one request over gRPC, print the text with its MTP acceptance, stop the server."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from launch_triton_server import start_server  # noqa: E402  (scripts/ is not a package)
+from make_model_repo import default_values, fill_model_repo  # noqa: E402
+from triton_client import stream_generate  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model_dir", type=Path, default=ROOT / "models" / "deepseek-v3-mini")
+    p.add_argument("--engine_dir", type=Path, default=ROOT / "engines" / "deepseek-v3-mini")
+    p.add_argument("--prompt", default="def fibonacci(n):\n")
+    p.add_argument("--max_tokens", type=int, default=96)
+    p.add_argument("--num_draft_tokens", type=int, default=3)
+    args = p.parse_args()
+
+    print(f"== build_engine {args.model_dir} -> {args.engine_dir}", flush=True)
+    subprocess.run([Path(sys.executable).with_name("build_engine"), "--model_dir", args.model_dir, "--output_dir",
+                    args.engine_dir, "--max_draft_len", str(args.num_draft_tokens), "--force"], check=True)
+    repo = args.engine_dir.parent / "triton_repo"
+    shutil.rmtree(repo, ignore_errors=True)
+    fill_model_repo(repo, default_values(args.engine_dir.resolve(), num_draft_tokens=str(args.num_draft_tokens),
+                                         speculation="fixed"))
+    print(f"== tritonserver --model-repository={repo}", flush=True)
+    t0 = time.perf_counter()
+    with start_server(repo, log_file=args.engine_dir.parent / "tritonserver.log") as server:
+        print(f"ready in {time.perf_counter() - t0:.1f} s: gRPC {server.grpc_url}, HTTP {server.http_url}, "
+              f"metrics {server.metrics_url}", flush=True)
+        print(f"== streaming {args.max_tokens} tokens over gRPC\n{args.prompt}", end="", flush=True)
+        stats, first, last, n = {}, None, None, 0
+        for chunk in stream_generate(server.grpc_url, args.prompt, args.max_tokens):
+            print(chunk.text, end="", flush=True)
+            stats = chunk.stats or stats
+            first, last, n = first or chunk.at, chunk.at, n + 1
+        print(f"\n== MTP: {int(stats.get('total_accepted_draft_tokens', 0))} of "
+              f"{int(stats.get('total_draft_tokens', 0))} draft tokens accepted "
+              f"(acceptance {stats.get('acceptance_rate', 0):.2f}); {n} streamed responses")
+    print("== server stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Stream text from the `ensemble` model over gRPC, the way TensorRT-LLM's Triton clients do.
+
+  python scripts/triton_client.py --url 127.0.0.1:8001 --max_tokens 64 "def fibonacci(n):"
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+
+@dataclass
+class StreamChunk:
+    text: str  # this response's text delta
+    at: float  # perf_counter when it arrived
+    stats: dict[str, float] = field(default_factory=dict)  # acceptance_rate, total_*_draft_tokens
+
+
+def _input(name: str, value: np.ndarray, dtype: str) -> grpcclient.InferInput:
+    i = grpcclient.InferInput(name, list(value.shape), dtype)
+    i.set_data_from_numpy(value)
+    return i
+
+
+def stream_generate(url: str, prompt: str, max_tokens: int, temperature: float = 0.0, seed: int | None = None,
+                    model: str = "ensemble", timeout_s: float = 300.0) -> Iterator[StreamChunk]:
+    """Yield the streamed responses of one request; raises RuntimeError with Triton's message."""
+    inputs = [
+        _input("text_input", np.array([[prompt.encode()]], dtype=object), "BYTES"),
+        _input("max_tokens", np.array([[max_tokens]], dtype=np.int32), "INT32"),
+        _input("stream", np.array([[True]]), "BOOL"),
+        _input("temperature", np.array([[temperature]], dtype=np.float32), "FP32"),
+    ]
+    if seed is not None:
+        inputs.append(_input("seed", np.array([[seed]], dtype=np.uint64), "UINT64"))
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: responses.put((result, error, time.perf_counter())))
+    try:
+        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        while True:
+            result, error, at = responses.get(timeout=timeout_s)
+            if error is not None:
+                raise RuntimeError(error.message())
+            text = result.as_numpy("text_output")
+            stats = {k: result.as_numpy(k).item() for k in
+                     ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens")
+                     if result.as_numpy(k) is not None}
+            chunk = b"".join(text.reshape(-1)).decode() if text is not None else ""
+            if chunk or stats:
+                yield StreamChunk(chunk, at, stats)
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("prompt")
+    p.add_argument("--url", default="127.0.0.1:8001")
+    p.add_argument("--max_tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    args = p.parse_args(argv)
+    stats: dict[str, float] = {}
+    for chunk in stream_generate(args.url, args.prompt, args.max_tokens, args.temperature):
+        print(chunk.text, end="", flush=True)
+        stats = chunk.stats or stats
+    print()
+    if stats:
+        print(f"[MTP] acceptance {stats.get('acceptance_rate', 0):.2f}: "
+              f"{int(stats.get('total_accepted_draft_tokens', 0))} of {int(stats.get('total_draft_tokens', 0))} "
+              "draft tokens accepted")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
