@@ -8,13 +8,11 @@ iterators, and frees a cancelled request's blocks at once.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import queue
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -25,7 +23,7 @@ from runtime.engine import LoadedEngine, load_engine
 from runtime.kv_cache import KVCache
 from runtime.sampling import RelaxedAcceptance, SamplingParams
 from runtime.scheduler import DraftPolicy, Scheduler, SchedulerConfig, StepCosts
-from runtime.outputs import (ExecutorStats, RequestHandle, RequestOutput, RequestStats, RequestTracker,
+from runtime.outputs import (ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestStats, RequestTracker,
                              validate_request)
 from runtime.sequence import Sequence
 from runtime.tokenizer import Tokenizer
@@ -78,12 +76,11 @@ class Executor:
         self.policy = DraftPolicy(config.speculation if k else "off", k, costs)
         self.scheduler = Scheduler(self.limits, self.cache, self.policy)
         self._requests: dict[str, tuple[Sequence, RequestTracker]] = {}
-        self._live_ids: set[str] = set()  # submitted and not finished (guarded: submit runs on callers' threads)
-        self._live_lock = threading.Lock()
+
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._wake = threading.Event()
         self._counts = dict(finished=0, generated=0, drafted=0, accepted=0)
-        self._ids = itertools.count()
+        self._ids = RequestIds()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="executor", daemon=True)
         self._thread.start()
@@ -112,11 +109,7 @@ class Executor:
         self.validate(prompt_token_ids, params)
         if self._stopping:
             raise RuntimeError("executor is shut down")
-        rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        with self._live_lock:
-            if rid in self._live_ids:
-                raise ValueError(f"request_id {rid!r} is already in flight")
-            self._live_ids.add(rid)
+        rid = self._ids.claim(request_id)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(6), "little")
         seq = Sequence(rid, list(prompt_token_ids), len(prompt_token_ids), params, seed,
                        in_thinking=self._thinking_after(prompt_token_ids))
@@ -264,8 +257,7 @@ class Executor:
         if request_id not in self._requests:
             return
         seq, tracker = self._requests.pop(request_id)
-        with self._live_lock:
-            self._live_ids.discard(request_id)
+        self._ids.release(request_id)
         self.scheduler.remove(seq)
         self._counts["finished"] += 1
         if error:

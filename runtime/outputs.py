@@ -8,10 +8,12 @@ once, so the native executor and the TensorRT-LLM adapter answer the same reques
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator
 
@@ -115,6 +117,28 @@ class RequestHandle:
             yield out
             if out.finished:
                 return
+
+
+class RequestIds:
+    """Ids of the requests in flight; submit runs on callers' threads, so access is locked."""
+
+    def __init__(self) -> None:
+        self._live: set[str] = set()
+        self._lock = threading.Lock()
+        self._counter = itertools.count()
+
+    def claim(self, request_id: str | None) -> str:
+        """A fresh id when None; a given one must not be in flight already."""
+        rid = request_id or f"req-{next(self._counter)}-{uuid.uuid4().hex[:8]}"
+        with self._lock:
+            if rid in self._live:
+                raise ValueError(f"request_id {rid!r} is already in flight")
+            self._live.add(rid)
+        return rid
+
+    def release(self, request_id: str) -> None:
+        with self._lock:
+            self._live.discard(request_id)
 
 
 def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_seq_len: int) -> None:

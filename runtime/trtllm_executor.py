@@ -45,12 +45,10 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
-import itertools
 import logging
 import os
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -59,7 +57,7 @@ import yaml
 
 from runtime.engine import ENGINE_JSON, BuildConfig, EngineError, EngineManifest, file_sha256
 from runtime.executor import Executor, ExecutorConfig
-from runtime.outputs import ExecutorStats, RequestHandle, RequestOutput, RequestTracker, validate_request
+from runtime.outputs import ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestTracker, validate_request
 from runtime.sampling import SamplingParams
 from runtime.scheduler import SchedulerConfig
 from runtime.tokenizer import Tokenizer
@@ -402,11 +400,9 @@ class TrtllmExecutor:
         self.llm = self._trtllm.LLM(model=str(self.engine.model_dir), backend="pytorch", **self.llm_kwargs)
 
         self._requests: dict[str, _Request] = {}  # in flight; touched on the loop thread only
-        self._ids_in_flight: set[str] = set()
-        self._lock = threading.Lock()
         self._tasks: set[asyncio.Task] = set()
         self._counts = dict(finished=0, generated=0, drafted=0, accepted=0)
-        self._ids = itertools.count()
+        self._ids = RequestIds()
         self._stopping = False
         self._closed = False
         self._loop = asyncio.new_event_loop()
@@ -428,11 +424,7 @@ class TrtllmExecutor:
         self.validate(prompt_token_ids, params)
         if self._stopping:
             raise RuntimeError("executor is shut down")
-        rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        with self._lock:
-            if rid in self._ids_in_flight:
-                raise ValueError(f"request_id {rid!r} is already in flight")
-            self._ids_in_flight.add(rid)
+        rid = self._ids.claim(request_id)
         if not params.greedy and params.seed is None:  # as native: unseeded means a fresh random seed
             params = dataclasses.replace(params, seed=int.from_bytes(os.urandom(6), "little"))
         handle = RequestHandle(rid, self)
@@ -442,8 +434,7 @@ class TrtllmExecutor:
         try:
             self._loop.call_soon_threadsafe(self._start, req)
         except RuntimeError:  # the loop closed since the check above
-            with self._lock:
-                self._ids_in_flight.discard(rid)
+            self._ids.release(rid)
             raise RuntimeError("executor is shut down") from None
         return handle
 
@@ -572,8 +563,7 @@ class TrtllmExecutor:
             return
         req.finished = True
         self._requests.pop(req.request_id, None)
-        with self._lock:
-            self._ids_in_flight.discard(req.request_id)
+        self._ids.release(req.request_id)
         self._counts["finished"] += 1
         if req.upstream_done and self.reports_draft_stats is None and speculative_counts(req.upstream) is None:
             self.reports_draft_stats = False
