@@ -30,8 +30,10 @@ def _input(name: str, value: np.ndarray, dtype: str) -> grpcclient.InferInput:
 
 
 def stream_generate(url: str, prompt: str, max_tokens: int, temperature: float = 0.0, seed: int | None = None,
-                    model: str = "ensemble", timeout_s: float = 300.0) -> Iterator[StreamChunk]:
-    """Yield the streamed responses of one request; raises RuntimeError with Triton's message."""
+                    end_id: int | None = None, model: str = "ensemble", timeout_s: float = 300.0
+                    ) -> Iterator[StreamChunk]:
+    """Yield the streamed responses of one request (end_id -1: ignore eos, as TensorRT-LLM's
+    clients do); raises RuntimeError with Triton's message."""
     inputs = [
         _input("text_input", np.array([[prompt.encode()]], dtype=object), "BYTES"),
         _input("max_tokens", np.array([[max_tokens]], dtype=np.int32), "INT32"),
@@ -40,6 +42,8 @@ def stream_generate(url: str, prompt: str, max_tokens: int, temperature: float =
     ]
     if seed is not None:
         inputs.append(_input("seed", np.array([[seed]], dtype=np.uint64), "UINT64"))
+    if end_id is not None:
+        inputs.append(_input("end_id", np.array([[end_id]], dtype=np.int32), "INT32"))
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: responses.put((result, error, time.perf_counter())))
