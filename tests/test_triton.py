@@ -209,7 +209,8 @@ def test_every_template_placeholder_is_filled_by_the_test_values(tmp_path: Path)
     left = {p for c in repo.glob("*/config.pbtxt") for p in re.findall(r"\$\{(\w+)\}", c.read_text())}
     # these stay as placeholders on purpose: their models read an unfilled one as "use the default"
     assert left <= {"add_special_tokens", "skip_special_tokens", "max_tokens_in_paged_kv_cache",
-                    "executor_max_batch_size", "executor_max_seq_len", "device", "exclude_input_in_output"}
+                    "executor_max_batch_size", "executor_max_seq_len", "device", "torch_threads",
+                    "exclude_input_in_output"}
 
 
 def test_launcher_world_size_command_runs_one_server_per_rank() -> None:
