@@ -1,0 +1,100 @@
+"""Held-out perplexity and MTP acceptance of the FP8 engine vs a BF16 one, on the shipped model.
+
+  python scripts/export_model.py --ckpt runs/mini/ckpt.pt --tokenizer_dir data --out_dir /tmp/mini-bf16 --bf16
+  python scripts/benchmark_fp8.py --bf16_model /tmp/mini-bf16 [--val_bin data/val.bin]
+
+Both engines come from build_engine (FP8_BLOCK_SCALES as shipped; NO_QUANT from the BF16 export of
+the same training checkpoint) and run in fp32 on CPU, so the only difference is the weights' format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import (add_common_args, load_prompts, machine_info, machine_md, md_table,  # noqa: E402
+                          round_robin_by_source, set_threads, write_results)
+
+
+@torch.inference_mode()
+def perplexity(model, tokens: np.ndarray, window: int, max_windows: int) -> dict[str, float]:
+    """Main and MTP cross-entropy over non-overlapping windows of held-out tokens."""
+    n = min(max_windows, (len(tokens) - 2) // window)
+    main = mtp = 0.0
+    for i in range(n):
+        chunk = torch.from_numpy(tokens[i * window : (i + 1) * window + 2].astype(np.int64))[None]
+        hidden = model(chunk[:, :-2])
+        main += F.cross_entropy(model.logits(hidden)[0], chunk[0, 1:-1]).item()
+        mtp_logits, _ = model.mtp_forward(0, chunk[:, 1:-1], hidden)
+        mtp += F.cross_entropy(mtp_logits[0], chunk[0, 2:]).item()
+    return {"val_loss": main / n, "ppl": float(np.exp(main / n)), "mtp_loss": mtp / n, "tokens": n * window}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p)
+    p.add_argument("--bf16_model", type=Path, required=True, help="BF16 export of the same training checkpoint")
+    p.add_argument("--val_bin", type=Path, default=Path("data/val.bin"))
+    p.add_argument("--window", type=int, default=256)
+    p.add_argument("--max_windows", type=int, default=64)
+    p.add_argument("--prompts", type=int, default=20)
+    p.add_argument("--max_tokens", type=int, default=96)
+    args = p.parse_args()
+    set_threads(args.threads)
+    from runtime import SamplingParams, Session  # noqa: WPS433
+    from runtime.engine import load_engine  # noqa: WPS433
+
+    tokens = np.fromfile(args.val_bin, dtype=np.uint16)
+    n_prompts = 4 if args.quick else args.prompts
+    prompts = [x["text"] for x in round_robin_by_source(load_prompts(args.model), n_prompts)]
+    work = Path(tempfile.mkdtemp(prefix="bench-fp8-"))
+    rows, results = [], {}
+    try:
+        for name, src, quant in (("FP8 (block 128x128)", args.model, "FP8_BLOCK_SCALES"),
+                                 ("BF16", args.bf16_model, "NO_QUANT")):
+            engine = work / quant
+            subprocess.run([Path(sys.executable).with_name("build_engine"), "--model_dir", src, "--output_dir", engine,
+                            "--quant_algo", quant, "--max_draft_len", "1"], check=True, capture_output=True)
+            size = sum(f.stat().st_size for f in engine.glob("*.safetensors"))
+            ppl = perplexity(load_engine(engine).model, tokens, args.window, 4 if args.quick else args.max_windows)
+            with Session(engine, num_draft_tokens=1) as s:
+                outs = s.generate(prompts, SamplingParams(max_tokens=16 if args.quick else args.max_tokens,
+                                                          ignore_eos=True))
+            drafted = sum(o.stats.num_draft_tokens for o in outs)
+            accepted = sum(o.stats.num_accepted_draft_tokens for o in outs)
+            results[name] = {**ppl, "acceptance_k1": accepted / drafted, "weight_bytes": size,
+                             "outputs": [o.token_ids for o in outs]}
+            rows.append([name, ppl["val_loss"], ppl["ppl"], ppl["mtp_loss"], accepted / drafted, size / 2**20])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    fp8, bf16 = results.values()
+    same = sum(a == b for a, b in zip(fp8["outputs"], bf16["outputs"]))
+    info = machine_info()
+    md = "\n\n".join([
+        "# FP8 engine vs BF16 engine (shipped model, fp32 compute on CPU)",
+        f"Held-out tokens: {fp8['tokens']} from `{args.val_bin}` in windows of {args.window}; MTP acceptance at "
+        f"k=1 over {len(prompts)} held-out prompts, greedy.",
+        md_table(["engine", "val loss", "perplexity", "MTP loss", "MTP acceptance (k=1)", "weights MiB"], rows, 3),
+        f"Greedy outputs identical between the two engines for {same} of {len(prompts)} prompts.",
+        "## Machine", machine_md(info)])
+    name = "fp8_quick" if args.quick else "fp8"
+    for r in results.values():
+        r.pop("outputs")
+    js, mdp = write_results(args.out_dir, name, {"results": results, "identical_outputs": same,
+                                                 "prompts": len(prompts), "machine": info}, md)
+    print(md)
+    print(f"wrote {js} and {mdp}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
