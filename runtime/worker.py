@@ -178,14 +178,14 @@ class ModelRunner:
         ends = batch.last_index[self._ids(decoding)]
         back = torch.tensor([[max(k - j, 0) for j in range(K + 1)] for k in ks], device=self.device)
         logits = self.model.logits(hidden[(ends[:, None] - back).flatten()]).view(B, K + 1, V)
-        d = torch.zeros(B, K, dtype=torch.long, device=self.device)
-        dp = None if draft_probs is None else draft_probs.new_zeros(B, K, V)
-        row_of = {id(it.seq): r for r, it in enumerate(drafting)}
-        for b, s in enumerate(seqs):
-            if ks[b]:
-                d[b] = drafts[row_of[id(s)]]
-                if dp is not None:
-                    dp[b] = draft_probs[row_of[id(s)]]
+        d, dp = torch.zeros(B, K, dtype=torch.long, device=self.device), None
+        if K:  # the drafting sequences' rows, in decoding order (zeros where a sequence drafts nothing)
+            row_of = {id(it.seq): r for r, it in enumerate(drafting)}
+            rows = self._ids([row_of.get(id(s), 0) for s in seqs])
+            has = self._ids(ks) > 0
+            d = torch.where(has[:, None], drafts[rows], 0)
+            if draft_probs is not None:
+                dp = torch.where(has[:, None, None], draft_probs[rows], 0.0)
         if self.relaxed is None and all(s.params.greedy and not s.params.bad_token_ids for s in seqs):
             num_acc, nxt = accept_greedy(d, logits.argmax(-1), self._ids(ks))
         else:
