@@ -155,7 +155,7 @@ class Executor:
 
     # ---- profiling for adaptive speculation ---------------------------------------------------
     @torch.inference_mode()
-    def profile(self, max_k: int, context: int = 64, repeats: int = 5) -> StepCosts:
+    def profile(self, max_k: int, context: int = 64, repeats: int = 3) -> StepCosts:
         """Time target forwards (q tokens per sequence) and MTP forwards at a few batch sizes
         (medians; costs forced non-decreasing in q, as they are, so noise cannot invert them)."""
         model, cache = self.engine.model, self.cache

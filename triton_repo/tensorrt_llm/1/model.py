@@ -247,7 +247,7 @@ class TritonPythonModel:
     def _deliver(self, stream: Stream, out: RequestOutput) -> None:
         if out.finish_reason == "error":
             self._close(stream, out, pb_utils.InferenceResponse(error=pb_utils.TritonError(
-                f"generation failed for request {out.request_id}; see the server log")))
+                f"generation failed for request {out.request_id}: {out.error or 'see the server log'}")))
             return
         if stream.streaming:
             stream.pending += out.new_token_ids
