@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Run every benchmark on the shipped model and write docs/benchmarks/*.{json,md,png}.
+# Two at a time, one torch thread each, on a 2-core machine; each reports ratios measured side by
+# side within its own run. Usage: bash scripts/run_benchmarks.sh [BF16_EXPORT_DIR]
+#   BF16_EXPORT_DIR: a BF16 export of the same training checkpoint (scripts/export_model.py --bf16),
+#   needed only by the FP8-vs-BF16 comparison, which is skipped without it.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_env.sh || exit 1
+. .venv/bin/activate
+export OMP_NUM_THREADS=1
+mkdir -p docs/benchmarks/logs
+run() { local name=$1; shift; echo "== $name: $*"; python "$@" --threads 1 > "docs/benchmarks/logs/$name.log" 2>&1; echo "== $name: exit $?"; }
+val=(); [ -f data/val.bin ] && val=(--val_bin data/val.bin --val_tokens 65536)
+
+run acceptance scripts/measure_acceptance.py "${val[@]}" &
+if [ $# -ge 1 ] && [ -f data/val.bin ]; then run fp8 scripts/benchmark_fp8.py --bf16_model "$1" & fi
+wait
+run speculative scripts/benchmark_speculative.py &
+run triton scripts/benchmark_triton.py &
+wait
+run serving scripts/benchmark_serving.py &
+run load_test scripts/load_test.py &
+wait
+ls docs/benchmarks
