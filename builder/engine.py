@@ -29,9 +29,9 @@ from builder.convert import (
     rank_layout,
     validate_build,
 )
-from runtime.checkpoint import read_safetensors_header
+from runtime.checkpoint import SCALE_SUFFIX, read_safetensors_header
 from runtime.config import ModelConfig
-from runtime.engine import SCALE_SUFFIX, BuildConfig, EngineError, EngineManifest
+from runtime.engine import BuildConfig, EngineError, EngineManifest
 from runtime.fp8 import FP8_DTYPE
 
 BUILDER_VERSION = importlib.metadata.version("dsv3-mtp")

@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
-from runtime.checkpoint import CheckpointError, HFCheckpoint
+from runtime.checkpoint import SCALE_SUFFIX, CheckpointError, HFCheckpoint  # FP8: `<name>` + `<name>_scale_inv`
 from runtime.config import ConfigError, ModelConfig
 from runtime.fp8 import dequantize_block_fp8, dequantize_tensor_fp8
 from runtime.model import DeepseekV3ForCausalLM, rope_inv_freq
@@ -30,7 +30,6 @@ from runtime.weights import WeightsError, load_weights
 
 FORMAT_VERSION = 1
 ENGINE_JSON = "engine.json"
-SCALE_SUFFIX = "_scale_inv"  # FP8 weights: `<name>` float8_e4m3fn + `<name>_scale_inv` (block grid or 0-d)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 QUANT_ALGOS = (None, "FP8_BLOCK_SCALES", "FP8")
 BACKENDS = ("native", "trtllm")
