@@ -19,7 +19,7 @@ wait
 run speculative scripts/benchmark_speculative.py &
 run triton scripts/benchmark_triton.py &
 wait
-run serving scripts/benchmark_serving.py &
-run load_test scripts/load_test.py &
+run serving scripts/benchmark_serving.py --num_requests 8 --qps_requests 12 --min_tokens 48 --max_tokens 96 &
+run load_test scripts/load_test.py --max_output_tokens 64 --modes plain,adaptive &
 wait
 ls docs/benchmarks
