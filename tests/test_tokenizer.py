@@ -1,8 +1,8 @@
 """Tokenizer loading/encoding and the streaming detokenizer.
 
-Every test runs on a tiny byte-level BPE built here (so nothing skips in CI) and, when it
-exists, on the project's data/tokenizer.json. The tiny one is trained on a few ASCII lines, so
-CJK and emoji are split into single-byte tokens: the hardest case for streaming.
+Every test runs on a tiny byte-level BPE built here and on the shipped model's tokenizer
+(models/deepseek-v3-mini, built by scripts/prepare_data.py). The tiny one is trained on a few
+ASCII lines, so CJK and emoji are split into single-byte tokens: the hardest case for streaming.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from tokenizers import Tokenizer as Backend
 
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
-DATA_DIR = Path(__file__).resolve().parents[1] / "data"
+DATA_DIR = Path(__file__).resolve().parents[1] / "models" / "deepseek-v3-mini"
 BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"
 THINK, END_THINK = "<think>", "</think>"
 CONFIG = {"add_bos_token": True, "add_eos_token": False, "bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
@@ -68,7 +68,7 @@ def tok(request: pytest.FixtureRequest, tiny_dir: Path) -> Tokenizer:
     if request.param == "tiny":
         return Tokenizer.from_dir(tiny_dir)
     if not (DATA_DIR / "tokenizer.json").is_file():
-        pytest.skip(f"{DATA_DIR / 'tokenizer.json'} not built (run scripts/prepare_data.py); tiny tokenizer still tested")
+        pytest.skip(f"{DATA_DIR / 'tokenizer.json'} missing; tiny tokenizer still tested")
     return Tokenizer.from_dir(DATA_DIR)
 
 
