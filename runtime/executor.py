@@ -8,6 +8,7 @@ iterators, and frees a cancelled request's blocks at once.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -124,10 +125,7 @@ class Executor:
         """Whether a relaxed-acceptance thinking span is open after these tokens (R1's chat template
         opens it at the end of the prompt)."""
         r = self.config.relaxed_acceptance
-        if r is None:
-            return False
-        last = {t: i for i, t in enumerate(tokens) if t in (r.begin_thinking_token, r.end_thinking_token)}
-        return last.get(r.begin_thinking_token, -1) > last.get(r.end_thinking_token, -1)
+        return r is not None and functools.reduce(r.advance, tokens, False)
 
     def cancel(self, request_id: str) -> None:
         self._inbox.put(("cancel", request_id))

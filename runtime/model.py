@@ -325,11 +325,14 @@ class MTPLayer(nn.Module):
 
     def forward(
         self, next_ids: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor,
-        batch: PagedBatch | None = None, kv_cache: Tensor | None = None,
+        batch: PagedBatch | None = None, kv_cache: Tensor | None = None, rows: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """Returns (logits for the token after next_ids, hidden after shared_head.norm)."""
+        """Returns (logits for the token after next_ids, hidden after shared_head.norm), at `rows`
+        only when given (drafting needs the head at each sequence's last position alone)."""
         x = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(next_ids)), self.hnorm(hidden)], dim=-1))
         h = self.shared_head.norm(self.block(x, cos, sin, batch, kv_cache))
+        if rows is not None:
+            h = h[rows]
         return self.shared_head.head(h), h
 
 
@@ -385,13 +388,14 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def mtp_forward(
         self, depth: int, next_ids: Tensor, hidden: Tensor, positions: Tensor | None = None,
-        batch: PagedBatch | None = None, kv_cache: Tensor | None = None,
+        batch: PagedBatch | None = None, kv_cache: Tensor | None = None, rows: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """MTP layer `depth` at the positions of `hidden`: logits for t+2 and its own hidden."""
+        """MTP layer `depth` at the positions of `hidden`: logits for t+2 and its own hidden
+        (at `rows` only, when given)."""
         if positions is None:
             positions = batch.positions if batch is not None else torch.arange(next_ids.shape[-1], device=next_ids.device)
         cos, sin = self.rope(positions)
-        return self.mtp[depth](next_ids, hidden, cos, sin, batch, kv_cache)
+        return self.mtp[depth](next_ids, hidden, cos, sin, batch, kv_cache, rows)
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, seed: int | None = None) -> None:

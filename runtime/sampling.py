@@ -69,6 +69,10 @@ class RelaxedAcceptance:
     begin_thinking_token: int = -1
     end_thinking_token: int = -1
 
+    def advance(self, thinking: bool, token: int) -> bool:
+        """Whether a thinking span is open after `token`, given whether one was open before it."""
+        return True if token == self.begin_thinking_token else False if token == self.end_thinking_token else thinking
+
 
 # ---- counter-based uniforms --------------------------------------------------------------------
 PURPOSE_ACCEPT, PURPOSE_SAMPLE, PURPOSE_DRAFT = 1, 2, 3

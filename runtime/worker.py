@@ -89,8 +89,8 @@ class ModelRunner:
         next_ids = self._ids([t for s in seqs for t in s.token_ids[s.num_mtp + 1 : s.num_cached + 1]])
         hidden = torch.cat([s.pending_hidden for s in seqs])
         batch = self._paged_batch(seqs, starts, lens)
-        logits, h = model.mtp_forward(0, next_ids, hidden, batch=batch, kv_cache=self.cache.tensor)
-        logits, h = logits[batch.last_index], h[batch.last_index]
+        logits, h = model.mtp_forward(0, next_ids, hidden, batch=batch, kv_cache=self.cache.tensor,
+                                      rows=batch.last_index)
         for s in seqs:
             s.num_mtp, s.pending_hidden = s.num_cached, None
 
@@ -132,7 +132,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         drafting = [it for it in items if it.num_drafts > 0]
         drafts, draft_probs = self.draft(drafting) if drafting else (None, None)
-        draft_of = {id(it.seq): drafts[i, : it.num_drafts].tolist() for i, it in enumerate(drafting)}
+        rows = drafts.tolist() if drafting else []
+        draft_of = {id(it.seq): rows[i][: it.num_drafts] for i, it in enumerate(drafting)}
         t1 = time.perf_counter()
 
         seqs = [it.seq for it in items]
@@ -159,8 +160,7 @@ class ModelRunner:
             s.token_ids += emitted
             if self.relaxed is not None:
                 for t in emitted:
-                    r = self.relaxed
-                    s.in_thinking = True if t == r.begin_thinking_token else False if t == r.end_thinking_token else s.in_thinking
+                    s.in_thinking = self.relaxed.advance(s.in_thinking, t)
             out.append(StepResult(s, emitted, it.num_drafts, accepted))
         self.timings["draft"] += t1 - t0
         self.timings["target"] += time.perf_counter() - t1
@@ -203,11 +203,10 @@ class ModelRunner:
 
     def _thinking_mask(self, seqs: list[Sequence], drafts: Tensor, ks: list[int]) -> Tensor:
         """[B, K] True where a draft position lies between <think> and </think>."""
-        r = self.relaxed
         mask = torch.zeros(drafts.shape, dtype=torch.bool)
         for b, s in enumerate(seqs):
             state = s.in_thinking
             for j, t in enumerate(drafts[b, : ks[b]].tolist()):
                 mask[b, j] = state
-                state = True if t == r.begin_thinking_token else False if t == r.end_thinking_token else state
+                state = self.relaxed.advance(state, t)
         return mask.to(self.device)
