@@ -117,23 +117,6 @@ def round_robin_by_source(items: list[dict[str, str]], n: int) -> list[dict[str,
     return out
 
 
-def load_engine_for_bench(model: str | Path, **limits: int | None):
-    """Load once (share it between executors). Limits above what the engine was built with are
-    raised on the loaded copy (the native runtime has no compiled-in limits; a plain HF checkpoint
-    only gets defaults such as max_batch_size 8); the raise is returned so it can be recorded."""
-    from runtime.engine import load_engine  # noqa: WPS433 (import after sys.path fix)
-
-    engine = load_engine(model)
-    raised = {}
-    for name, value in limits.items():
-        built = getattr(engine.build, name)
-        if value is not None and value > built:
-            raised[name] = {"built": built, "used": value}
-    if raised:
-        engine.build = dataclasses.replace(engine.build, **{k: v["used"] for k, v in raised.items()})
-    return engine, raised
-
-
 def engine_info(engine) -> dict[str, Any]:
     cfg = engine.model_config
     n_params = sum(p.numel() for p in engine.model.parameters())

@@ -23,11 +23,12 @@ import threading
 import time
 from typing import Any
 
-from bench_common import (add_common_args, engine_info, load_engine_for_bench, load_prompts, machine_info, machine_md,
+from bench_common import (add_common_args, engine_info, load_prompts, machine_info, machine_md,
                           md_table, mean, percentile, ratio, save_figure, set_threads, target_line, write_results)
 
 from tqdm import tqdm  # noqa: E402
 
+from runtime.engine import load_engine  # noqa: E402
 from runtime.executor import Executor, ExecutorConfig, RequestOutput  # noqa: E402
 from runtime.sampling import SamplingParams  # noqa: E402
 
@@ -217,12 +218,12 @@ def main() -> None:
     max_c = max(levels)
 
     texts = load_prompts(args.model, args.prompts)
-    engine, raised = load_engine_for_bench(args.model, max_batch_size=max_c)
+    engine = load_engine(args.model)
     eng_info = engine_info(engine)
     configs = {
-        "plain": ExecutorConfig(num_draft_tokens=0, speculation="off"),
-        "fixed": ExecutorConfig(num_draft_tokens=args.fixed_k, speculation="fixed"),
-        "adaptive": ExecutorConfig(num_draft_tokens=args.adaptive_k, speculation="adaptive"),
+        "plain": ExecutorConfig(num_draft_tokens=0, speculation="off", max_batch_size=max_c),
+        "fixed": ExecutorConfig(num_draft_tokens=args.fixed_k, speculation="fixed", max_batch_size=max_c),
+        "adaptive": ExecutorConfig(num_draft_tokens=args.adaptive_k, speculation="adaptive", max_batch_size=max_c),
     }
     executors: dict[str, Executor] = {}
     max_seq_len = min(engine.build.max_seq_len, 1024)
@@ -249,7 +250,7 @@ def main() -> None:
                      "concurrency": levels, "num_requests": args.num_requests, "output_tokens": [args.min_tokens,
                                                                                                  args.max_tokens],
                      "qps_requests": args.qps_requests, "greedy": True, "ignore_eos": True,
-                     "max_batch_size": max_c, "max_seq_len": max_seq_len, "engine_limits_raised": raised,
+                     "max_batch_size": max_c, "max_seq_len": max_seq_len,
                      "prompts": len(prompt_ids), "prompt_tokens_mean": mean(len(i) for i in prompt_ids)},
         "machine": info, "engine": eng_info, "concurrency_sweep": [], "qps_sweep": []}
     n_total = sum(max(args.num_requests, 2 * c) for c in levels) * len(modes)
@@ -326,8 +327,6 @@ def main() -> None:
           f"k 0..{args.adaptive_k} chosen per step from the batch size, measured acceptance and profiled step "
           "costs. Modes run on separate executors, interleaved per level. Ratios are against plain "
           "at the same level (tok/s: output tokens/s; TPOT: plain TPOT / mode TPOT).", ""]
-    if raised:
-        md += [f"Engine limits raised for this run: {raised}.", ""]
     md += ["## Closed loop (C clients, next request when one finishes)", ""]
     headers = ["C", "mode", "output tok/s", "req/s", "TPOT mean ms", "TPOT p99 ms", "TTFT mean ms", "TTFT p99 ms",
                "acceptance", "drafts/step", "tok/s vs plain", "TPOT vs plain", "done"]

@@ -19,13 +19,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_common import (Timer, add_common_args, engine_info, load_engine_for_bench, load_prompts, machine_info,
+from bench_common import (Timer, add_common_args, engine_info, load_prompts, machine_info,
                           machine_md, md_table, mean, percentile, ratio, round_robin_by_source, set_threads,
                           target_line, write_results)
 
 import torch  # noqa: E402  (bench_common puts the repo root on sys.path first)
 from tqdm import tqdm  # noqa: E402
 
+from runtime.engine import load_engine  # noqa: E402
 from runtime.executor import Executor, ExecutorConfig  # noqa: E402
 from runtime.kv_cache import KVCache  # noqa: E402
 from runtime.model import PagedBatch  # noqa: E402
@@ -346,7 +347,7 @@ def main() -> None:
         raise SystemExit("--ks must include 0 (the baseline)")
 
     prompts = round_robin_by_source(load_prompts(args.model, args.prompts), args.num_prompts)
-    engine, raised = load_engine_for_bench(args.model)
+    engine = load_engine(args.model)
     eng_info = engine_info(engine)
     model_dir = Path(args.model)
     info = machine_info()
@@ -460,8 +461,7 @@ def main() -> None:
         "settings": {"num_prompts": len(prompts), "max_tokens": args.max_tokens, "ks": ks, "greedy": True,
                      "ignore_eos": True, "batch_size": 1, "speculation": "fixed",
                      "prompt_tokens": [len(i) for i in prompt_ids],
-                     "prompt_sources": [x["source"] for x in prompts],
-                     "engine_limits_raised": raised},
+                     "prompt_sources": [x["source"] for x in prompts]},
         "machine": info,
         "engine": eng_info,
         "hf": {"error": hf_error, **{k: v for k, v in hf_meta.items()}} if not args.no_hf else None,

@@ -21,12 +21,13 @@ import threading
 import time
 from typing import Any
 
-from bench_common import (add_common_args, engine_info, load_engine_for_bench, load_prompts, machine_info, machine_md,
+from bench_common import (add_common_args, engine_info, load_prompts, machine_info, machine_md,
                           md_table, mean, percentile, set_threads, write_results)
 
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from runtime.engine import load_engine  # noqa: E402
 from runtime.executor import Executor, ExecutorConfig  # noqa: E402
 from runtime.sampling import SamplingParams  # noqa: E402
 
@@ -177,7 +178,7 @@ def main() -> int:
     t_start = time.perf_counter()
     modes = [m for m in args.modes.split(",") if m]
 
-    engine, raised = load_engine_for_bench(args.model, max_batch_size=args.concurrency)
+    engine = load_engine(args.model)
     texts = load_prompts(args.model, args.prompts)
     from runtime.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(engine.tokenizer_dir)
@@ -249,7 +250,7 @@ def main() -> int:
                      "fixed_k": args.k, "adaptive_k": args.adaptive_k, "max_prompt_tokens": args.max_prompt_tokens,
                      "max_output_tokens": args.max_output_tokens, "max_num_tokens": args.max_num_tokens,
                      "kv_cache_tokens": args.kv_cache_tokens, "timeout_s": args.timeout, "seed": args.seed,
-                     "greedy": True, "engine_limits_raised": raised,
+                     "greedy": True,
                      "prompt_tokens_mean": mean(len(r["prompt_ids"]) for r in reqs),
                      "max_tokens_mean": mean(r["max_tokens"] for r in reqs),
                      "ignore_eos_fraction": mean(float(r["ignore_eos"]) for r in reqs)},

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_common import (add_common_args, engine_info, load_engine_for_bench, load_prompts, machine_info, machine_md,
+from bench_common import (add_common_args, engine_info, load_prompts, machine_info, machine_md,
                           md_table, mean, round_robin_by_source, set_threads, write_results)
 
 import numpy as np  # noqa: E402
@@ -29,6 +29,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from runtime.engine import load_engine  # noqa: E402
 from runtime.executor import Executor, ExecutorConfig  # noqa: E402
 from runtime.sampling import SamplingParams  # noqa: E402
 
@@ -142,7 +143,7 @@ def main() -> None:
     set_threads(args.threads)
     t_start = time.perf_counter()
     prompts = round_robin_by_source(load_prompts(args.model, args.prompts), args.num_prompts)
-    engine, raised = load_engine_for_bench(args.model, max_batch_size=args.batch)
+    engine = load_engine(args.model)
     if engine.model_config.num_nextn_predict_layers == 0:
         raise SystemExit(f"{args.model} has no MTP layer")
     info = machine_info()
@@ -179,7 +180,7 @@ def main() -> None:
         **headline_val,
         "settings": {"num_prompts": len(prompts), "max_tokens": args.max_tokens, "ks": ks, "greedy": True,
                      "ignore_eos": not args.stop_at_eos, "batch": args.batch, "val_tokens": args.val_tokens,
-                     "seq_len": args.seq_len, "engine_limits_raised": raised},
+                     "seq_len": args.seq_len},
         "free_running": free, "heldout_texts": heldout, "val": val,
         "seconds": time.perf_counter() - t_start, "machine": info, "engine": engine_info(engine)}
 
