@@ -12,7 +12,9 @@ The model knows nothing about requests; `PagedBatch` describes where each token 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -33,8 +35,9 @@ class PagedBatch:
 
     positions: Tensor  # [T] absolute position of each new token
     slot_mapping: Tensor  # [T] cache slot each new token's latent is written to
-    context_slots: Tensor  # [B, L] cache slots of each sequence's context, new tokens included
-    mask: Tensor  # [B, Q, L] True where query q of sequence b may attend to context slot l
+    context_slots: Tensor  # [B * L] cache slots of each sequence's context, new tokens included
+    context_len: int  # L
+    blocked: Tensor | None  # [B, Q, 1, L] True where query q of sequence b must not see slot l; None: nothing is
     query_index: Tensor  # [B, Q] flat index of each query; padding points at T (a zero row)
     token_index: Tensor  # [T] position of each flat token in the [B * Q] padded layout
     last_index: Tensor  # [B] flat index of the last new token of each sequence
@@ -42,34 +45,44 @@ class PagedBatch:
 
     @classmethod
     def build(
-        cls, start_lens: Tensor, query_lens: Tensor, block_tables: Tensor, block_size: int
+        cls, start_lens: Sequence[int], query_lens: Sequence[int], block_tables: Tensor, block_size: int
     ) -> "PagedBatch":
-        """start_lens[b] tokens of sequence b are cached already; query_lens[b] new ones follow."""
+        """start_lens[b] tokens of sequence b are cached already; query_lens[b] new ones follow.
+
+        block_tables [B, >= blocks of the longest sequence]; lengths are host integers, so the
+        shapes are known without a device sync and decode steps skip the masking work.
+        """
         device = block_tables.device
-        start_lens = start_lens.to(device=device, dtype=torch.long)
-        query_lens = query_lens.to(device=device, dtype=torch.long)
-        B = query_lens.numel()
-        Q = int(query_lens.max())
-        total = start_lens + query_lens
-        L = int(total.max())
-        q_off = torch.arange(Q, device=device)
-        q_valid = q_off[None, :] < query_lens[:, None]  # [B, Q]
-        pos_pad = start_lens[:, None] + q_off[None, :]  # [B, Q]
-        positions = pos_pad[q_valid]  # [T]
-        T = positions.numel()
-        seq_of_token = torch.arange(B, device=device)[:, None].expand(B, Q)[q_valid]
-        slot_mapping = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
-        ctx = torch.arange(L, device=device)
-        ctx_blocks = block_tables.gather(1, (ctx // block_size).clamp(max=block_tables.shape[1] - 1)[None].expand(B, L))
-        context_slots = torch.where(ctx[None] < total[:, None], ctx_blocks * block_size + ctx % block_size, 0)
-        mask = (ctx[None, None, :] <= pos_pad[:, :, None]) & q_valid[:, :, None]
-        mask[:, :, 0] |= ~q_valid  # padding queries see slot 0 so softmax stays finite
-        query_index = torch.full((B, Q), T, dtype=torch.long, device=device)
-        query_index[q_valid] = torch.arange(T, device=device)
-        token_index = torch.arange(B * Q, device=device).view(B, Q)[q_valid]
-        last_index = torch.cumsum(query_lens, 0) - 1
-        return cls(positions, slot_mapping, context_slots, mask, query_index, token_index, last_index,
-                   uniform=T == B * Q)
+        B, Q = len(query_lens), max(query_lens)
+        totals = [s + q for s, q in zip(start_lens, query_lens)]
+        L, T = max(totals), sum(query_lens)
+        num_blocks = -(-L // block_size)
+        slots = block_tables[:, :num_blocks, None] * block_size + torch.arange(block_size, device=device)
+        context_slots = slots.view(B, num_blocks * block_size)[:, :L]  # past a sequence's end: masked
+        pos_pad = torch.tensor(start_lens, device=device)[:, None] + torch.arange(Q, device=device)  # [B, Q]
+        uniform = T == B * Q
+        if uniform:
+            positions = pos_pad.flatten()
+            slot_mapping = context_slots.gather(1, pos_pad).flatten()
+            query_index = torch.arange(T, device=device).view(B, Q)
+            token_index = query_index.flatten()
+        else:
+            q_valid = torch.arange(Q, device=device) < torch.tensor(query_lens, device=device)[:, None]
+            positions = pos_pad[q_valid]
+            slot_mapping = context_slots.gather(1, pos_pad.clamp(max=L - 1))[q_valid]
+            query_index = torch.full((B, Q), T, dtype=torch.long, device=device)
+            query_index[q_valid] = torch.arange(T, device=device)
+            token_index = torch.arange(B * Q, device=device).view(B, Q)[q_valid]
+        blocked = None
+        if Q > 1 or any(t != L for t in totals):
+            blocked = torch.arange(L, device=device) > pos_pad[:, :, None]  # [B, Q, L]
+            if not uniform:
+                blocked |= ~q_valid[:, :, None]
+                blocked[:, :, 0] &= q_valid  # padding queries see slot 0 so softmax stays finite
+            blocked = blocked[:, :, None, :]
+        last_index = torch.tensor(list(accumulate(query_lens)), device=device) - 1
+        return cls(positions, slot_mapping, context_slots.flatten(), L, blocked, query_index, token_index,
+                   last_index, uniform)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -82,9 +95,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x if x.dtype == torch.float32 else x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * (normed if x.dtype == torch.float32 else normed.to(x.dtype))
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[Tensor, float]:
@@ -107,13 +120,10 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[Tensor, float]:
     return freq, yarn_mscale(rs.factor, 1.0)  # plain YaRN, as HF and vLLM
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate interleaved pairs (x0, x1), (x2, x3)...; the result is laid out [evens | odds].
-
-    Queries and keys get the same permutation, so their dot products equal the interleaved form.
-    """
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+def apply_rope(x: Tensor, rot: Tensor) -> Tensor:
+    """Rotate interleaved pairs (x0, x1), (x2, x3)... as complex numbers by `rot` (one per pair)."""
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * rot).flatten(-2).to(x.dtype)
 
 
 class MLP(nn.Module):
@@ -147,23 +157,23 @@ class MLA(nn.Module):
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(h * cfg.v_head_dim, H, bias=False)
 
-    def _queries(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    def _queries(self, x: Tensor, rot: Tensor) -> tuple[Tensor, Tensor]:
         cfg = self.cfg
         q = self.q_proj(x) if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(*x.shape[:-1], self.n_heads, cfg.qk_head_dim)
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-        return q_nope, apply_rope(q_pe, cos.unsqueeze(-2), sin.unsqueeze(-2))
+        return q_nope, apply_rope(q_pe, rot.unsqueeze(-2))
 
-    def _latent(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    def _latent(self, x: Tensor, rot: Tensor) -> tuple[Tensor, Tensor]:
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], dim=-1)
-        return self.kv_a_layernorm(c), apply_rope(k_pe, cos, sin)
+        return self.kv_a_layernorm(c), apply_rope(k_pe, rot)
 
-    def forward_dense(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward_dense(self, x: Tensor, rot: Tensor) -> Tensor:
         """x [B, S, H], causal over S; the naive expansion of c into per-head keys and values."""
         cfg = self.cfg
         B, S, _ = x.shape
-        q_nope, q_pe = self._queries(x, cos, sin)
-        c, k_pe = self._latent(x, cos, sin)
+        q_nope, q_pe = self._queries(x, rot)
+        c, k_pe = self._latent(x, rot)
         kv = self.kv_b_proj(c).view(B, S, self.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
@@ -173,7 +183,7 @@ class MLA(nn.Module):
         )
         return self.o_proj(o.transpose(1, 2).reshape(B, S, -1))
 
-    def forward_paged(self, x: Tensor, cos: Tensor, sin: Tensor, batch: PagedBatch, kv_cache: Tensor) -> Tensor:
+    def forward_paged(self, x: Tensor, rot: Tensor, batch: PagedBatch, kv_cache: Tensor) -> Tensor:
         """x [T, H]: write each token's latent to its slot, then absorbed attention over the cache.
 
         scores = (q_nope W_UK) . c + q_pe . k_pe, so one matmul against the [c | k_pe] cache rows;
@@ -181,27 +191,27 @@ class MLA(nn.Module):
         """
         cfg, h = self.cfg, self.n_heads
         T = x.shape[0]
-        q_nope, q_pe = self._queries(x, cos, sin)  # [T, h, nope], [T, h, rope]
-        c, k_pe = self._latent(x, cos, sin)
+        q_nope, q_pe = self._queries(x, rot)  # [T, h, nope], [T, h, rope]
+        c, k_pe = self._latent(x, rot)
         cache = kv_cache[self.cache_layer]
-        cache[batch.slot_mapping] = torch.cat([c, k_pe], dim=-1).to(cache.dtype)
+        cache.index_copy_(0, batch.slot_mapping, torch.cat([c, k_pe], dim=-1))
 
         w = self.kv_b_proj.weight.view(h, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
-        w_uk, w_uv = w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
-        q_lat = torch.einsum("thd,hdc->thc", q_nope, w_uk)
-        q = torch.cat([q_lat, q_pe], dim=-1)  # [T, h, latent]
+        w_uk, w_uv = w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]  # [h, nope, c], [h, v, c]
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, h, c]
+        q = torch.cat([q_lat, q_pe], dim=-1) * cfg.softmax_scale  # [T, h, latent]
         B, Q = batch.query_index.shape
         if not batch.uniform:
             q = torch.cat([q, q.new_zeros(1, h, q.shape[-1])])[batch.query_index]  # [B, Q, h, latent]
-        ctx = cache[batch.context_slots].to(q.dtype)  # [B, L, latent]
-        scores = torch.bmm(q.view(B, Q * h, -1), ctx.transpose(1, 2)) * cfg.softmax_scale  # [B, Q*h, L]
-        scores = scores.view(B, Q, h, -1).masked_fill(~batch.mask[:, :, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1).view(B, Q * h, -1)
-        o_lat = torch.bmm(probs, ctx[..., : cfg.kv_lora_rank]).view(B * Q, h, -1)
+        ctx = cache.index_select(0, batch.context_slots).view(B, batch.context_len, -1)  # [B, L, latent]
+        scores = torch.bmm(q.view(B, Q * h, -1), ctx.transpose(1, 2))  # [B, Q*h, L]
+        if batch.blocked is not None:
+            scores = scores.view(B, Q, h, -1).masked_fill(batch.blocked, float("-inf")).view(B, Q * h, -1)
+        o_lat = torch.bmm(scores.softmax(dim=-1), ctx[..., : cfg.kv_lora_rank]).view(B * Q, h, -1)
         if not batch.uniform:
             o_lat = o_lat[batch.token_index]
-        o = torch.einsum("thc,hvc->thv", o_lat, w_uv)
-        return self.o_proj(o.reshape(T, h * cfg.v_head_dim))
+        o = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2))  # [h, T, v]
+        return self.o_proj(o.transpose(0, 1).reshape(T, h * cfg.v_head_dim))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,14 +243,15 @@ class Gate(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts stacked as [E, out, in] tensors.
+    """Routed experts stacked as [E, out, in] tensors; three ways to run them, by how many
+    (token, expert) pairs the batch has, because on CPU the op count matters as much as FLOPs:
 
-    Tokens are grouped by expert and each chosen expert runs one matmul over its tokens, as
-    DeepSeek's reference does. Between E and 2E token-expert pairs (a batch-1 verification chunk)
-    nearly every expert is hit by a row or two, and per-op overhead dominates on CPU, so all experts
-    run as two wide matmuls and one batched matmul with unchosen rows zero-weighted: a fixed op
-    count that keeps verifying k+1 tokens about as cheap as decoding one. Measured: grouped wins
-    below E pairs and above 2E (prefill, training), where computing every expert costs real FLOPs.
+    - up to E pairs (decode, verifying a few tokens): one small MLP per pair, its routing weight
+      folded into the down projection's addmm; no sorting, gathering or scattering;
+    - E to 2E pairs (a few sequences verifying together): nearly every expert is hit by a row or
+      two, so all experts run as two wide matmuls and one batched matmul, unchosen rows zeroed;
+    - more (prefill, training): tokens grouped by expert, one matmul per chosen expert, as
+      DeepSeek's reference does, since computing every expert would cost real FLOPs.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -250,10 +261,21 @@ class Experts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(E, I, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
 
+    def _mlp(self, e: int, rows: Tensor) -> Tensor:
+        return F.silu(F.linear(rows, self.gate_proj[e])) * F.linear(rows, self.up_proj[e])
+
     def forward(self, x: Tensor, weights: Tensor, idx: Tensor) -> Tensor:
         E, I, H = self.gate_proj.shape
         T, k = idx.shape
-        if E <= T * k <= 2 * E:
+        if T * k <= E:
+            out = []
+            for t, (experts, ws) in enumerate(zip(idx.tolist(), weights.tolist())):
+                row, acc = x[t : t + 1], x.new_zeros(1, H)
+                for e, w in zip(experts, ws):
+                    acc = torch.addmm(acc, self._mlp(e, row), self.down_proj[e].t(), alpha=w)
+                out.append(acc)
+            return out[0] if T == 1 else torch.cat(out)
+        if T * k <= 2 * E:  # measured: grouped wins from 2E pairs up
             combine = x.new_zeros(T, E).scatter_(1, idx, weights)
             g = F.linear(x, self.gate_proj.view(E * I, H)).view(T, E, I)
             u = F.linear(x, self.up_proj.view(E * I, H)).view(T, E, I)
@@ -263,10 +285,7 @@ class Experts(nn.Module):
         order = flat.argsort()
         counts = torch.bincount(flat, minlength=E).tolist()
         token = order // k
-        outs = [
-            F.linear(F.silu(F.linear(rows, self.gate_proj[e])) * F.linear(rows, self.up_proj[e]), self.down_proj[e])
-            for e, rows in enumerate(x[token].split(counts)) if counts[e]
-        ]
+        outs = [F.linear(self._mlp(e, rows), self.down_proj[e]) for e, rows in enumerate(x[token].split(counts)) if counts[e]]
         y = torch.cat(outs) * weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, token, y)
 
@@ -295,12 +314,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: PagedBatch | None, kv_cache: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, rot: Tensor, batch: PagedBatch | None, kv_cache: Tensor | None) -> Tensor:
         h = self.input_layernorm(x)
         if batch is None:
-            x = x + self.self_attn.forward_dense(h, cos, sin)
+            x = x + self.self_attn.forward_dense(h, rot)
         else:
-            x = x + self.self_attn.forward_paged(h, cos, sin, batch, kv_cache)
+            x = x + self.self_attn.forward_paged(h, rot, batch, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -324,13 +343,13 @@ class MTPLayer(nn.Module):
         self.shared_head = SharedHead(cfg)
 
     def forward(
-        self, next_ids: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor,
+        self, next_ids: Tensor, hidden: Tensor, rot: Tensor,
         batch: PagedBatch | None = None, kv_cache: Tensor | None = None, rows: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Returns (logits for the token after next_ids, hidden after shared_head.norm), at `rows`
         only when given (drafting needs the head at each sequence's last position alone)."""
         x = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(next_ids)), self.hnorm(hidden)], dim=-1))
-        h = self.shared_head.norm(self.block(x, cos, sin, batch, kv_cache))
+        h = self.shared_head.norm(self.block(x, rot, batch, kv_cache))
         if rows is not None:
             h = h[rows]
         return self.shared_head.head(h), h
@@ -361,11 +380,10 @@ class DeepseekV3ForCausalLM(nn.Module):
     def num_cache_layers(self) -> int:
         return self.cfg.num_hidden_layers + self.cfg.num_nextn_predict_layers
 
-    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+    def rope(self, positions: Tensor) -> Tensor:
+        """One complex rotation per position and rope pair, scaled by the YaRN attention factor."""
         freqs = positions[..., None].float() * self.inv_freq
-        dtype = self.lm_head.weight.dtype
-        return ((freqs.cos() * self.rope_attention_factor).to(dtype),
-                (freqs.sin() * self.rope_attention_factor).to(dtype))
+        return torch.polar(torch.full_like(freqs, self.rope_attention_factor), freqs)
 
     def forward(
         self, input_ids: Tensor, positions: Tensor | None = None,
@@ -377,10 +395,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         """
         if positions is None:
             positions = batch.positions if batch is not None else torch.arange(input_ids.shape[-1], device=input_ids.device)
-        cos, sin = self.rope(positions)
+        rot = self.rope(positions)
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, batch, kv_cache)
+            x = layer(x, rot, batch, kv_cache)
         return self.model.norm(x)
 
     def logits(self, hidden: Tensor) -> Tensor:
@@ -394,8 +412,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         (at `rows` only, when given)."""
         if positions is None:
             positions = batch.positions if batch is not None else torch.arange(next_ids.shape[-1], device=next_ids.device)
-        cos, sin = self.rope(positions)
-        return self.mtp[depth](next_ids, hidden, cos, sin, batch, kv_cache, rows)
+        return self.mtp[depth](next_ids, hidden, self.rope(positions), batch, kv_cache, rows)
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, seed: int | None = None) -> None:

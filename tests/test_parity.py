@@ -193,9 +193,7 @@ class PagedRunner:
         per-sequence MTP logits from the target hidden states of this same forward.
         """
         sizes = [len(c) for c in chunks]
-        batch = PagedBatch.build(
-            torch.tensor([self.lens[s] for s in seqs]), torch.tensor(sizes), self.block_tables[seqs], BLOCK_SIZE
-        )
+        batch = PagedBatch.build([self.lens[s] for s in seqs], sizes, self.block_tables[seqs], BLOCK_SIZE)
         hidden = self.model(torch.cat(chunks), batch=batch, kv_cache=self.kv_cache)
         logits = self.model.logits(hidden).split(sizes)
         mtp = None

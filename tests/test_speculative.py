@@ -680,9 +680,9 @@ def test_rollback_after_rejected_drafts(tiny_engine) -> None:
         fresh_table = list(range(len(table)))
         ids = torch.tensor(tokens[:num_cached])
         with torch.inference_mode():
-            batch = PagedBatch.build(torch.tensor([0]), torch.tensor([num_cached]), torch.tensor([fresh_table]), 2)
+            batch = PagedBatch.build([0], [num_cached], torch.tensor([fresh_table]), 2)
             hidden = m(ids, batch=batch, kv_cache=fresh.tensor)
-            mb = PagedBatch.build(torch.tensor([0]), torch.tensor([num_mtp]), torch.tensor([fresh_table]), 2)
+            mb = PagedBatch.build([0], [num_mtp], torch.tensor([fresh_table]), 2)
             m.mtp_forward(0, torch.tensor(tokens[1:num_mtp + 1]), hidden[:num_mtp], batch=mb, kv_cache=fresh.tensor)
         slots = torch.tensor([table[i // 2] * 2 + i % 2 for i in range(num_cached)])
         n_t = cfg.num_hidden_layers
