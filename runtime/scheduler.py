@@ -6,8 +6,9 @@ max_num_tokens. When the cache cannot grow a running sequence, the most recently
 preempted: its blocks are freed and it is recomputed later from its tokens. Nothing is dropped.
 
 The draft length comes from a `DraftPolicy`: fixed, off, or adaptive: the k that maximizes
-expected tokens per second for the current batch size, from the measured acceptance and a step
-cost table profiled on this machine at start-up (k = 0 when verifying costs more than it saves).
+expected tokens per second for the current batch size, from the acceptance measured per draft depth
+and a step cost table profiled on this machine at start-up (k = 0 when verifying costs more than it
+saves).
 """
 
 from __future__ import annotations
@@ -55,7 +56,12 @@ class StepCosts:
 
 
 class DraftPolicy:
-    """mode 'off' (k = 0), 'fixed' (k = max_k), or 'adaptive' (throughput-optimal k per step)."""
+    """mode 'off' (k = 0), 'fixed' (k = max_k), or 'adaptive' (throughput-optimal k per step).
+
+    Acceptance is learned per draft depth: a[j] = P(draft j+1 accepted | drafts 1..j accepted),
+    since a draft chained on drafts is right less often than the first one; treating depths as
+    one i.i.d. rate over-values long drafts.
+    """
 
     def __init__(self, mode: str, max_k: int, costs: StepCosts | None = None, prior_acceptance: float = 0.7,
                  smoothing: float = 0.05):
@@ -64,19 +70,33 @@ class DraftPolicy:
         if mode == "adaptive" and costs is None:
             raise ValueError("adaptive speculation needs measured step costs")
         self.mode, self.max_k, self.costs = mode, max_k if mode != "off" else 0, costs
-        self.acceptance = prior_acceptance  # per-position acceptance probability, smoothed
+        self.acceptance_by_depth = [prior_acceptance] * max(max_k, 1)  # smoothed conditional rates
         self.smoothing = smoothing
 
+    @property
+    def acceptance(self) -> float:
+        """Acceptance of the first draft (what k = 1 would see)."""
+        return self.acceptance_by_depth[0]
+
     def observe(self, results: list[StepResult]) -> None:
-        """Per-position acceptance = accepted / reached, where position j is reached if 1..j-1 passed."""
-        reached = sum(min(r.num_accepted + 1, r.num_drafts) for r in results if r.num_drafts)
-        if reached:
-            accepted = sum(r.num_accepted for r in results if r.num_drafts)
-            self.acceptance += self.smoothing * (accepted / reached - self.acceptance)
+        """Depth j is reached when drafts 1..j-1 passed; it counts as accepted when draft j did too."""
+        reached = [0] * len(self.acceptance_by_depth)
+        accepted = [0] * len(self.acceptance_by_depth)
+        for r in results:
+            for j in range(min(r.num_accepted + 1, r.num_drafts)):
+                reached[j] += 1
+                accepted[j] += j < r.num_accepted
+        for j, n in enumerate(reached):
+            if n:
+                self.acceptance_by_depth[j] += self.smoothing * (accepted[j] / n - self.acceptance_by_depth[j])
 
     def expected_tokens(self, k: int) -> float:
-        a = min(self.acceptance, 0.999)
-        return (1 - a ** (k + 1)) / (1 - a)
+        """1 + sum over depths j <= k of P(drafts 1..j all accepted)."""
+        total, p = 1.0, 1.0
+        for a in self.acceptance_by_depth[:k]:
+            p *= a
+            total += p
+        return total
 
     def choose(self, batch_size: int) -> int:
         if self.mode != "adaptive" or batch_size == 0:

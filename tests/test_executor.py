@@ -553,9 +553,25 @@ def test_draft_policy_modes() -> None:
         DraftPolicy("adaptive", 3)
     with pytest.raises(ValueError, match="speculation must be 'off', 'fixed' or 'adaptive', got 'x'"):
         DraftPolicy("x", 3)
-    # per-position acceptance: [accepted 1 of 3 drafts] reached positions 1 and 2 -> 1/2
-    p = DraftPolicy("fixed", 3, prior_acceptance=0.0, smoothing=1.0)
+    # acceptance per depth: [accepted 1 of 3 drafts] reached depths 1 (accepted) and 2 (rejected)
+    p = DraftPolicy("fixed", 3, prior_acceptance=0.5, smoothing=1.0)
     p.observe([StepResult(None, [1, 2], num_drafts=3, num_accepted=1)])
-    assert p.acceptance == pytest.approx(0.5)
-    p.observe([StepResult(None, [1, 2, 3, 4], num_drafts=3, num_accepted=3)])
-    assert p.acceptance == pytest.approx(1.0)
+    assert p.acceptance_by_depth == pytest.approx([1.0, 0.0, 0.5])  # depth 3 not reached: prior kept
+    assert p.acceptance == 1.0
+    assert p.expected_tokens(1) == pytest.approx(2.0) and p.expected_tokens(3) == pytest.approx(2.0)
+    p.observe([StepResult(None, [1, 2, 3, 4], num_drafts=3, num_accepted=3),
+               StepResult(None, [1, 2, 3], num_drafts=3, num_accepted=2)])
+    assert p.acceptance_by_depth == pytest.approx([1.0, 1.0, 0.5])
+    assert p.expected_tokens(3) == pytest.approx(1 + 1 + 1 + 0.5)
+
+
+def test_draft_policy_prefers_short_drafts_when_deep_drafts_fail() -> None:
+    # the first draft is right 80% of the time, chained ones never: a pooled i.i.d. rate would still
+    # pay for long drafts; per-depth rates settle on k = 1
+    c = costs(target_per_token=0.05, target_fixed=1.0, mtp=0.05)
+    policy = DraftPolicy("adaptive", 4, c, prior_acceptance=0.7, smoothing=0.1)
+    for i in range(300):
+        policy.observe([StepResult(None, [], num_drafts=4, num_accepted=1 if i % 5 else 0)])
+    assert policy.acceptance == pytest.approx(0.8, abs=0.1)
+    assert policy.acceptance_by_depth[1] < 0.05  # depths 3 and 4 are never reached
+    assert policy.choose(1) == 1
