@@ -101,7 +101,7 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[Tensor, float]:
-    """Inverse frequencies (YaRN-blended when rope_scaling is set) and the cos/sin scale."""
+    """Inverse frequencies (YaRN-blended when rope_scaling is set) and the rotation's scale."""
     dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
     freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     rs = cfg.rope_scaling
