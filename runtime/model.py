@@ -268,13 +268,11 @@ class Experts(nn.Module):
         E, I, H = self.gate_proj.shape
         T, k = idx.shape
         if T * k <= E:
-            out = []
+            out = x.new_zeros(T, H)
             for t, (experts, ws) in enumerate(zip(idx.tolist(), weights.tolist())):
-                row, acc = x[t : t + 1], x.new_zeros(1, H)
                 for e, w in zip(experts, ws):
-                    acc = torch.addmm(acc, self._mlp(e, row), self.down_proj[e].t(), alpha=w)
-                out.append(acc)
-            return out[0] if T == 1 else torch.cat(out)
+                    out[t : t + 1].addmm_(self._mlp(e, x[t : t + 1]), self.down_proj[e].t(), alpha=w)
+            return out
         if T * k <= 2 * E:  # measured: grouped wins from 2E pairs up
             combine = x.new_zeros(T, E).scatter_(1, idx, weights)
             g = F.linear(x, self.gate_proj.view(E * I, H)).view(T, E, I)
