@@ -437,6 +437,28 @@ def test_mtp_paged_matches_reference(pair):
         assert_close(got[s], want[s, :L], f"MTP paged seq {s}")
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("T", [0, 1, 2, 3, 4, 9])
+def test_routed_experts_both_paths_match_sum_over_pairs(pair, T):
+    """The per-pair path (fewer pairs than experts) and the grouped path equal sum_j w_j MLP_e_j(x)."""
+    experts = pair.ours.model.layers[1].mlp.experts
+    E, k = pair.cfg.n_routed_experts, pair.cfg.num_experts_per_tok
+    g = torch.Generator().manual_seed(70 + T)
+    x = torch.randn(T, pair.cfg.hidden_size, generator=g)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if T else torch.zeros(0, k, dtype=torch.long)
+    w = torch.rand(T, k, generator=g)
+    want = torch.zeros(T, pair.cfg.hidden_size)
+    for t in range(T):
+        for j in range(k):
+            e = int(idx[t, j])
+            h = F.silu(x[t] @ experts.gate_proj[e].T) * (x[t] @ experts.up_proj[e].T)
+            want[t] += w[t, j] * (h @ experts.down_proj[e].T)
+    got = experts(x, w, idx)
+    assert got.shape == want.shape
+    if T:
+        assert_close(got, want, f"routed experts, {T * k} pairs for {E} experts")
+
+
 # ---------------------------------------------------------------------------------------------
 # The comparisons above can fail
 # ---------------------------------------------------------------------------------------------
