@@ -27,13 +27,13 @@ from tqdm import tqdm
 from runtime.config import ModelConfig
 from runtime.model import DeepseekV3ForCausalLM, Gate
 
-# Every DeepSeek-V3 feature on, proportioned so one MTP step is cheap next to the 14-layer target.
+# Every DeepSeek-V3 feature on, proportioned so one MTP step is cheap next to the 21-layer target.
 # Head dims keep V3's proportions (nope 2 x rope, v = nope); every FP8 matrix dimension is below 128
 # or a multiple of it, which transformers' FP8 loader assumes when it infers the block size.
 MINI_CONFIG = dict(
     architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
     vocab_size=4096, hidden_size=256, intermediate_size=768, moe_intermediate_size=128,
-    num_hidden_layers=14, num_nextn_predict_layers=1, first_k_dense_replace=1, moe_layer_freq=1,
+    num_hidden_layers=21, num_nextn_predict_layers=1, first_k_dense_replace=1, moe_layer_freq=1,
     num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=64,
     qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
     n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
