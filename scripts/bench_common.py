@@ -17,9 +17,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `python scripts/x.py` puts scripts/ first, not the repo root
@@ -134,6 +135,28 @@ def engine_info(engine) -> dict[str, Any]:
         "parameters_target": n_params - n_mtp,
         "dtype": str(next(engine.model.parameters()).dtype),
     }
+
+
+# ---- load -----------------------------------------------------------------------------------
+def closed_loop_clients(num_requests: int, concurrency: int, send: Callable[[int], bool | None],
+                        join_until: float | None = None) -> None:
+    """`concurrency` client threads; each sends request i (the next unsent index) once its previous
+    one finished, and stops when the indices run out or `send` returns False. Joins the threads
+    (until the perf_counter time `join_until`, when given)."""
+    lock, order = threading.Lock(), iter(range(num_requests))
+
+    def client() -> None:
+        while True:
+            with lock:
+                i = next(order, None)
+            if i is None or send(i) is False:
+                return
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(None if join_until is None else max(0.0, join_until - time.perf_counter()))
 
 
 # ---- statistics -----------------------------------------------------------------------------

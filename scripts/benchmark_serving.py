@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any
 
-from bench_common import (add_common_args, engine_info, load_prompts, machine_info, machine_md,
+from bench_common import (add_common_args, closed_loop_clients, engine_info, load_prompts, machine_info, machine_md,
                           md_table, mean, percentile, ratio, save_figure, set_threads, target_line, write_results)
 
 from tqdm import tqdm  # noqa: E402
@@ -72,30 +72,20 @@ class _Collector:
 def closed_loop(ex: Executor, reqs: list[tuple[list[int], int]], concurrency: int, timeout: float,
                 bar: tqdm | None) -> dict[str, Any]:
     col = _Collector(len(reqs), bar)
-    order = iter(range(len(reqs)))
-    lock = threading.Lock()
     errors: list[str] = []
 
-    def client() -> None:
-        while True:
-            with lock:
-                i = next(order, None)
-            if i is None:
-                return
-            ids, n = reqs[i]
-            try:
-                ex.submit(ids, SamplingParams(max_tokens=n, ignore_eos=True),
-                          on_output=col.callback(i, time.perf_counter())).result(timeout)
-            except Exception as e:  # recorded; the level is marked incomplete
-                errors.append(f"{type(e).__name__}: {e}")
-                return
+    def send(i: int) -> bool:
+        ids, n = reqs[i]
+        try:
+            ex.submit(ids, SamplingParams(max_tokens=n, ignore_eos=True),
+                      on_output=col.callback(i, time.perf_counter())).result(timeout)
+        except Exception as e:  # recorded; the level is marked incomplete
+            errors.append(f"{type(e).__name__}: {e}")
+            return False
+        return True
 
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    closed_loop_clients(len(reqs), concurrency, send)
     return summarize(col.records, t0, errors) | _policy(ex)
 
 

@@ -15,12 +15,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import (ROOT, add_common_args, load_prompts, machine_info, machine_md, md_table, mean,  # noqa: E402
+from bench_common import (ROOT, add_common_args, closed_loop_clients, load_prompts, machine_info, machine_md, md_table, mean,  # noqa: E402
                           ratio, round_robin_by_source, set_threads, target_line, write_results)
 from launch_triton_server import start_server  # noqa: E402
 from make_model_repo import default_values, fill_model_repo  # noqa: E402
@@ -39,24 +38,9 @@ def one_request(url: str, prompt: str, max_tokens: int) -> dict[str, float]:
 def closed_loop(url: str, prompts: list[str], concurrency: int, n_requests: int, max_tokens: int) -> dict:
     """`concurrency` clients, each sending its next request when the last one finishes."""
     results: list[dict[str, float]] = []
-    lock, counter = threading.Lock(), iter(range(n_requests))
-
-    def client() -> None:
-        while True:
-            with lock:
-                i = next(counter, None)
-            if i is None:
-                return
-            r = one_request(url, prompts[i % len(prompts)], max_tokens)
-            with lock:
-                results.append(r)
-
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    closed_loop_clients(n_requests, concurrency,
+                        lambda i: results.append(one_request(url, prompts[i % len(prompts)], max_tokens)))
     wall = time.perf_counter() - t0
     return {"concurrency": concurrency, "requests": len(results), "tpot_s": mean(r["tpot_s"] for r in results),
             "ttft_s": mean(r["ttft_s"] for r in results), "output_tok_s": sum(r["tokens"] for r in results) / wall}

@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any
 
-from bench_common import (add_common_args, engine_info, load_prompts, machine_info, machine_md,
+from bench_common import (add_common_args, closed_loop_clients, engine_info, load_prompts, machine_info, machine_md,
                           md_table, mean, percentile, set_threads, write_results)
 
 import torch  # noqa: E402
@@ -82,8 +82,6 @@ def run_mode(engine, name: str, cfg: ExecutorConfig, reqs: list[dict[str, Any]],
              deadline: Deadline) -> dict[str, Any]:
     results: list[Any] = [None] * len(reqs)
     errors: list[str] = []
-    order = iter(range(len(reqs)))
-    lock = threading.Lock()
     bar = tqdm(total=len(reqs), desc=f"{name} (C={concurrency})", dynamic_ncols=True)
     ex = Executor(engine, cfg)
     peak = {"kv_blocks_used": 0, "running": 0}
@@ -95,28 +93,22 @@ def run_mode(engine, name: str, cfg: ExecutorConfig, reqs: list[dict[str, Any]],
             peak["kv_blocks_used"] = max(peak["kv_blocks_used"], s.kv_blocks_used)
             peak["running"] = max(peak["running"], s.running)
 
-    def client() -> None:
-        while True:
-            with lock:
-                i = next(order, None)
-            if i is None or deadline.passed:
-                return
-            try:
-                t0 = time.perf_counter()
-                o = ex.submit(reqs[i]["prompt_ids"], params_of(reqs[i])).result(timeout=deadline.left())
-                results[i] = (o, time.perf_counter() - t0)
-            except Exception as e:
-                errors.append(f"request {i}: {type(e).__name__}: {e}")
-            bar.update(1)
+    def send(i: int) -> bool:
+        if deadline.passed:
+            return False
+        try:
+            t0 = time.perf_counter()
+            o = ex.submit(reqs[i]["prompt_ids"], params_of(reqs[i])).result(timeout=deadline.left())
+            results[i] = (o, time.perf_counter() - t0)
+        except Exception as e:
+            errors.append(f"request {i}: {type(e).__name__}: {e}")
+        bar.update(1)
+        return True
 
     mon = threading.Thread(target=sampler, daemon=True)
     mon.start()
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=deadline.left() + 5)
+    closed_loop_clients(len(reqs), concurrency, send, join_until=time.perf_counter() + deadline.left() + 5)
     wall = time.perf_counter() - t0
     stop_sampling.set()
     bar.close()
