@@ -16,27 +16,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
-import torch
-import torch.nn.functional as F
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (add_common_args, load_prompts, machine_info, machine_md, md_table,  # noqa: E402
                           round_robin_by_source, set_threads, write_results)
-
-
-@torch.inference_mode()
-def perplexity(model, tokens: np.ndarray, window: int, max_windows: int) -> dict[str, float]:
-    """Main and MTP cross-entropy over non-overlapping windows of held-out tokens."""
-    n = min(max_windows, (len(tokens) - 2) // window)
-    main = mtp = 0.0
-    for i in range(n):
-        chunk = torch.from_numpy(tokens[i * window : (i + 1) * window + 2].astype(np.int64))[None]
-        hidden = model(chunk[:, :-2])
-        main += F.cross_entropy(model.logits(hidden)[0], chunk[0, 1:-1]).item()
-        mtp_logits, _ = model.mtp_forward(0, chunk[:, 1:-1], hidden)
-        mtp += F.cross_entropy(mtp_logits[0], chunk[0, 2:]).item()
-    return {"val_loss": main / n, "ppl": float(np.exp(main / n)), "mtp_loss": mtp / n, "tokens": n * window}
+from measure_acceptance import teacher_forced, val_windows  # noqa: E402
 
 
 def main() -> int:
@@ -53,7 +36,7 @@ def main() -> int:
     from runtime import SamplingParams, Session  # noqa: WPS433
     from runtime.engine import load_engine  # noqa: WPS433
 
-    tokens = np.fromfile(args.val_bin, dtype=np.uint16)
+    windows = val_windows(args.val_bin, args.window, 8, args.window * (4 if args.quick else args.max_windows))
     n_prompts = 4 if args.quick else args.prompts
     prompts = [x["text"] for x in round_robin_by_source(load_prompts(args.model), n_prompts)]
     work = Path(tempfile.mkdtemp(prefix="bench-fp8-"))
@@ -65,15 +48,16 @@ def main() -> int:
             subprocess.run([Path(sys.executable).with_name("build_engine"), "--model_dir", src, "--output_dir", engine,
                             "--quant_algo", quant, "--max_draft_len", "1"], check=True, capture_output=True)
             size = sum(f.stat().st_size for f in engine.glob("*.safetensors"))
-            ppl = perplexity(load_engine(engine).model, tokens, args.window, 4 if args.quick else args.max_windows)
+            losses = teacher_forced(load_engine(engine).model, windows, name)
             with Session(engine, num_draft_tokens=1) as s:
                 outs = s.generate(prompts, SamplingParams(max_tokens=16 if args.quick else args.max_tokens,
                                                           ignore_eos=True))
             drafted = sum(o.stats.num_draft_tokens for o in outs)
             accepted = sum(o.stats.num_accepted_draft_tokens for o in outs)
-            results[name] = {**ppl, "acceptance_k1": accepted / drafted, "weight_bytes": size,
+            results[name] = {**losses, "acceptance_k1": accepted / drafted, "weight_bytes": size,
                              "outputs": [o.token_ids for o in outs]}
-            rows.append([name, ppl["val_loss"], ppl["ppl"], ppl["mtp_loss"], accepted / drafted, size / 2**20])
+            rows.append([name, losses["main_loss"], losses["main_ppl"], losses["mtp_loss"], accepted / drafted,
+                         size / 2**20])
     finally:
         shutil.rmtree(work, ignore_errors=True)
     fp8, bf16 = results.values()
