@@ -77,7 +77,6 @@ class Executor:
         self.policy = DraftPolicy(config.speculation if k else "off", k, costs)
         self.scheduler = Scheduler(self.limits, self.cache, self.policy)
         self._requests: dict[str, tuple[Sequence, RequestTracker]] = {}
-
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._wake = threading.Event()
         self._counts = dict(finished=0, generated=0, drafted=0, accepted=0)
