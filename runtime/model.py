@@ -26,22 +26,34 @@ from runtime.config import ModelConfig, yarn_mscale
 # ---------------------------------------------------------------------------------------------
 # Batch description for the paged path
 # ---------------------------------------------------------------------------------------------
+SHORT_QUERY = 8  # sequences with at most this many new tokens share one padded attention group
+
+
 @dataclass
-class PagedBatch:
-    """Where the T new tokens of B sequences go in the cache and what each one may attend to.
+class AttentionGroup:
+    """Consecutive sequences attended together: flat tokens [start, end) padded to [B, Q] queries
+    against [B, L] context slots. Decodes (1 + k tokens each) share one group; each longer prefill
+    chunk gets its own, so a 60-token chunk does not pad every decode in the step to 60 queries."""
 
-    Tokens are flat ([T]); attention pads them to [B, Q] queries against [B, L] context slots.
-    """
-
-    positions: Tensor  # [T] absolute position of each new token
-    slot_mapping: Tensor  # [T] cache slot each new token's latent is written to
+    start: int
+    end: int
+    batch_size: int  # B
+    num_queries: int  # Q
     context_slots: Tensor  # [B * L] cache slots of each sequence's context, new tokens included
     context_len: int  # L
     blocked: Tensor | None  # [B, Q, 1, L] True where query q of sequence b must not see slot l; None: nothing is
-    query_index: Tensor  # [B, Q] flat index of each query; padding points at T (a zero row)
-    token_index: Tensor  # [T] position of each flat token in the [B * Q] padded layout
-    last_index: Tensor  # [B] flat index of the last new token of each sequence
-    uniform: bool  # every sequence has the same number of new tokens: [T] is already [B, Q]
+    query_index: Tensor | None  # [B, Q] row of each query in [start, end); padding points at a zero row; None: no padding
+    token_index: Tensor | None  # [end - start] position of each token in the [B * Q] padded layout
+
+
+@dataclass
+class PagedBatch:
+    """Where the T new tokens of many sequences go in the cache and what each one may attend to."""
+
+    positions: Tensor  # [T] absolute position of each new token
+    slot_mapping: Tensor  # [T] cache slot each new token's latent is written to
+    last_index: Tensor  # [sequences] flat index of the last new token of each sequence
+    groups: list[AttentionGroup]
 
     @classmethod
     def build(
@@ -49,40 +61,55 @@ class PagedBatch:
     ) -> "PagedBatch":
         """start_lens[b] tokens of sequence b are cached already; query_lens[b] new ones follow.
 
-        block_tables [B, >= blocks of the longest sequence]; lengths are host integers, so the
-        shapes are known without a device sync and decode steps skip the masking work.
+        block_tables [sequences, >= blocks of the longest sequence]; lengths are host integers, so
+        the shapes are known without a device sync and decode steps skip the masking work.
         """
-        device = block_tables.device
-        B, Q = len(query_lens), max(query_lens)
-        totals = [s + q for s, q in zip(start_lens, query_lens)]
-        L, T = max(totals), sum(query_lens)
-        num_blocks = -(-L // block_size)
-        slots = block_tables[:, :num_blocks, None] * block_size + torch.arange(block_size, device=device)
-        context_slots = slots.view(B, num_blocks * block_size)[:, :L]  # past a sequence's end: masked
-        pos_pad = torch.tensor(start_lens, device=device)[:, None] + torch.arange(Q, device=device)  # [B, Q]
-        uniform = T == B * Q
-        if uniform:
-            positions = pos_pad.flatten()
-            slot_mapping = context_slots.gather(1, pos_pad).flatten()
-            query_index = torch.arange(T, device=device).view(B, Q)
-            token_index = query_index.flatten()
-        else:
-            q_valid = torch.arange(Q, device=device) < torch.tensor(query_lens, device=device)[:, None]
-            positions = pos_pad[q_valid]
-            slot_mapping = context_slots.gather(1, pos_pad.clamp(max=L - 1))[q_valid]
-            query_index = torch.full((B, Q), T, dtype=torch.long, device=device)
-            query_index[q_valid] = torch.arange(T, device=device)
-            token_index = torch.arange(B * Q, device=device).view(B, Q)[q_valid]
-        blocked = None
-        if Q > 1 or any(t != L for t in totals):
-            blocked = torch.arange(L, device=device) > pos_pad[:, :, None]  # [B, Q, L]
-            if not uniform:
-                blocked |= ~q_valid[:, :, None]
-                blocked[:, :, 0] &= q_valid  # padding queries see slot 0 so softmax stays finite
-            blocked = blocked[:, :, None, :]
-        last_index = torch.tensor(list(accumulate(query_lens)), device=device) - 1
-        return cls(positions, slot_mapping, context_slots.flatten(), L, blocked, query_index, token_index,
-                   last_index, uniform)
+        bounds = [b for b in range(1, len(query_lens))
+                  if max(query_lens[b - 1], query_lens[b]) > SHORT_QUERY] + [len(query_lens)]
+        groups, positions, slots, b0, t0 = [], [], [], 0, 0
+        for b1 in bounds:
+            g, pos, slot = _build_group(start_lens[b0:b1], query_lens[b0:b1], block_tables[b0:b1], block_size, t0)
+            groups.append(g)
+            positions.append(pos)
+            slots.append(slot)
+            b0, t0 = b1, g.end
+        last_index = torch.tensor(list(accumulate(query_lens)), device=block_tables.device) - 1
+        if len(groups) == 1:
+            return cls(positions[0], slots[0], last_index, groups)
+        return cls(torch.cat(positions), torch.cat(slots), last_index, groups)
+
+
+def _build_group(start_lens: Sequence[int], query_lens: Sequence[int], block_tables: Tensor, block_size: int,
+                 start: int) -> tuple[AttentionGroup, Tensor, Tensor]:
+    """One attention group and its tokens' positions and cache slots."""
+    device = block_tables.device
+    B, Q = len(query_lens), max(query_lens)
+    totals = [s + q for s, q in zip(start_lens, query_lens)]
+    L, T = max(totals), sum(query_lens)
+    num_blocks = -(-L // block_size)
+    slots = block_tables[:, :num_blocks, None] * block_size + torch.arange(block_size, device=device)
+    context_slots = slots.view(B, num_blocks * block_size)[:, :L]  # past a sequence's end: masked
+    pos_pad = torch.tensor(start_lens, device=device)[:, None] + torch.arange(Q, device=device)  # [B, Q]
+    query_index = token_index = None
+    if T == B * Q:
+        positions = pos_pad.flatten()
+        slot_mapping = context_slots.gather(1, pos_pad).flatten()
+    else:
+        q_valid = torch.arange(Q, device=device) < torch.tensor(query_lens, device=device)[:, None]
+        positions = pos_pad[q_valid]
+        slot_mapping = context_slots.gather(1, pos_pad.clamp(max=L - 1))[q_valid]
+        query_index = torch.full((B, Q), T, dtype=torch.long, device=device)
+        query_index[q_valid] = torch.arange(T, device=device)
+        token_index = torch.arange(B * Q, device=device).view(B, Q)[q_valid]
+    blocked = None
+    if Q > 1 or any(t != L for t in totals):
+        blocked = torch.arange(L, device=device) > pos_pad[:, :, None]  # [B, Q, L]
+        if query_index is not None:
+            blocked |= ~q_valid[:, :, None]
+            blocked[:, :, 0] &= q_valid  # padding queries see slot 0 so softmax stays finite
+        blocked = blocked[:, :, None, :]
+    group = AttentionGroup(start, start + T, B, Q, context_slots.flatten(), L, blocked, query_index, token_index)
+    return group, positions, slot_mapping
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,6 +210,18 @@ class MLA(nn.Module):
         )
         return self.o_proj(o.transpose(1, 2).reshape(B, S, -1))
 
+    def _attend(self, q: Tensor, cache: Tensor, g: AttentionGroup) -> Tensor:
+        """Softmax over one group's context rows, [c | k_pe] . q, then the weighted sum of c."""
+        B, Q, h = g.batch_size, g.num_queries, self.n_heads
+        if g.query_index is not None:
+            q = torch.cat([q, q.new_zeros(1, h, q.shape[-1])])[g.query_index]  # [B, Q, h, latent]
+        ctx = cache.index_select(0, g.context_slots).view(B, g.context_len, -1)  # [B, L, latent]
+        scores = torch.bmm(q.view(B, Q * h, -1), ctx.transpose(1, 2))  # [B, Q*h, L]
+        if g.blocked is not None:
+            scores = scores.view(B, Q, h, -1).masked_fill(g.blocked, float("-inf")).view(B, Q * h, -1)
+        o_lat = torch.bmm(scores.softmax(dim=-1), ctx[..., : self.cfg.kv_lora_rank]).view(B * Q, h, -1)
+        return o_lat if g.token_index is None else o_lat[g.token_index]  # [T_g, h, c]
+
     def forward_paged(self, x: Tensor, rot: Tensor, batch: PagedBatch, kv_cache: Tensor) -> Tensor:
         """x [T, H]: write each token's latent to its slot, then absorbed attention over the cache.
 
@@ -200,16 +239,10 @@ class MLA(nn.Module):
         w_uk, w_uv = w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]  # [h, nope, c], [h, v, c]
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, h, c]
         q = torch.cat([q_lat, q_pe], dim=-1) * cfg.softmax_scale  # [T, h, latent]
-        B, Q = batch.query_index.shape
-        if not batch.uniform:
-            q = torch.cat([q, q.new_zeros(1, h, q.shape[-1])])[batch.query_index]  # [B, Q, h, latent]
-        ctx = cache.index_select(0, batch.context_slots).view(B, batch.context_len, -1)  # [B, L, latent]
-        scores = torch.bmm(q.view(B, Q * h, -1), ctx.transpose(1, 2))  # [B, Q*h, L]
-        if batch.blocked is not None:
-            scores = scores.view(B, Q, h, -1).masked_fill(batch.blocked, float("-inf")).view(B, Q * h, -1)
-        o_lat = torch.bmm(scores.softmax(dim=-1), ctx[..., : cfg.kv_lora_rank]).view(B * Q, h, -1)
-        if not batch.uniform:
-            o_lat = o_lat[batch.token_index]
+        if len(batch.groups) == 1:
+            o_lat = self._attend(q, cache, batch.groups[0])
+        else:
+            o_lat = torch.cat([self._attend(q[g.start : g.end], cache, g) for g in batch.groups])
         o = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2))  # [h, T, v]
         return self.o_proj(o.transpose(0, 1).reshape(T, h * cfg.v_head_dim))
 

@@ -306,15 +306,16 @@ def test_paged_decode_matches_hf(pair):
 # ---------------------------------------------------------------------------------------------
 # 3. A multi-token chunk appended to a cache
 # ---------------------------------------------------------------------------------------------
-# Prefill lengths, not block aligned and unequal (the padded ragged path); 23 tokens x 3 experts
-# take the all-experts MoE path, decode steps (<= 2 tokens) the grouped one.
+# Prefill lengths, not block aligned and unequal: each longer than SHORT_QUERY, so each is its own
+# attention group; chunks of 5 and 5 (one uniform group), 5 and 2 (one padded group), 10 and 3 (a
+# long group and a short one in one step).
 CHUNK_PREFIX = (9, 14)
-# Lengths up to 14 and 19 -> 4 and 5 blocks, scattered and interleaved; seq 0's last entry is
-# padding (never addressed); blocks 6, 8 and 10 are never written.
+# Lengths up to 19 and 19 -> 5 blocks each, scattered and interleaved; blocks 8 and 10 are never
+# written (6 only by the 10-token chunk).
 CHUNK_TABLES = [[11, 2, 9, 4, 6], [1, 7, 5, 3, 0]]
 
 
-@pytest.mark.parametrize("chunk_lens", [(5, 5), (5, 2)], ids=["uniform_chunk", "ragged_chunk"])
+@pytest.mark.parametrize("chunk_lens", [(5, 5), (5, 2), (10, 3)], ids=["uniform_chunk", "ragged_chunk", "two_groups"])
 @torch.no_grad()
 def test_paged_chunk_matches_hf_and_hf_cache(pair, chunk_lens):
     """Prefill both sequences in one paged forward, then append a chunk to each in another."""
