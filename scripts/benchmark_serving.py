@@ -4,7 +4,8 @@ Two sweeps over the same requests (held-out prompts, greedy, ignore_eos, output 
 uniformly from [--min_tokens, --max_tokens]), every mode on its own executor, modes interleaved
 level by level so slow drift on the machine hits all of them alike:
 - closed loop: C clients, each sending its next request when the previous one finishes, for
-  C in --concurrency (N = max(--num_requests, 2C) requests per level);
+  C in --concurrency (N = max(--num_requests, --requests_per_client x C) requests per level, so
+  the start-up burst and the drain at the end are a small part of each level);
 - open loop: Poisson arrivals at each QPS (like vLLM's serving table); by default the rates are
   fractions of the plain mode's best request throughput in the closed-loop sweep.
 Reported per level and mode: mean/p50/p99 TPOT, mean/p99 TTFT, output tokens/s, request
@@ -67,6 +68,10 @@ class _Collector:
                 if self._left == 0:
                     self.finished.set()
         return on_output
+
+
+def level_requests(args: argparse.Namespace, concurrency: int) -> int:
+    return max(args.num_requests, args.requests_per_client * concurrency)
 
 
 def closed_loop(ex: Executor, reqs: list[tuple[list[int], int]], concurrency: int, timeout: float,
@@ -186,7 +191,9 @@ def main() -> None:
     p.add_argument("--fixed_k", type=int, default=1, help="draft length of the fixed-k MTP mode")
     p.add_argument("--adaptive_k", type=int, default=4, help="largest draft length adaptive MTP may pick")
     p.add_argument("--concurrency", default="1,2,4,8,16,32")
-    p.add_argument("--num_requests", type=int, default=16, help="requests per concurrency level (at least 2C)")
+    p.add_argument("--num_requests", type=int, default=16, help="requests per concurrency level (at least "
+                   "--requests_per_client x C)")
+    p.add_argument("--requests_per_client", type=int, default=4)
     p.add_argument("--qps", default="auto",
                    help="comma-separated Poisson rates (req/s), 'auto' (fractions of plain's best closed-loop "
                         "request throughput) or 'none'")
@@ -200,6 +207,7 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.concurrency, args.num_requests, args.qps_fractions, args.qps_requests = "1,4", 4, "0.5", 4
+        args.requests_per_client = 2
         args.min_tokens, args.max_tokens = 8, 16
         args.name += "_quick"
     set_threads(args.threads)
@@ -237,16 +245,17 @@ def main() -> None:
     results: dict[str, Any] = {
         "benchmark": "serving", "quick": args.quick, "title": title,
         "settings": {"modes": modes, "fixed_k": args.fixed_k, "adaptive_k": args.adaptive_k,
-                     "concurrency": levels, "num_requests": args.num_requests, "output_tokens": [args.min_tokens,
-                                                                                                 args.max_tokens],
+                     "concurrency": levels, "num_requests": args.num_requests,
+                     "requests_per_client": args.requests_per_client,
+                     "output_tokens": [args.min_tokens, args.max_tokens],
                      "qps_requests": args.qps_requests, "greedy": True, "ignore_eos": True,
                      "max_batch_size": max_c, "max_seq_len": max_seq_len,
                      "prompts": len(prompt_ids), "prompt_tokens_mean": mean(len(i) for i in prompt_ids)},
         "machine": info, "engine": eng_info, "concurrency_sweep": [], "qps_sweep": []}
-    n_total = sum(max(args.num_requests, 2 * c) for c in levels) * len(modes)
+    n_total = sum(level_requests(args, c) for c in levels) * len(modes)
     bar = tqdm(total=n_total, desc="closed loop", dynamic_ncols=True)
     for c in levels:
-        reqs = make_requests(prompt_ids, max(args.num_requests, 2 * c), args.min_tokens, args.max_tokens,
+        reqs = make_requests(prompt_ids, level_requests(args, c), args.min_tokens, args.max_tokens,
                              seed=args.seed + c)
         row: dict[str, Any] = {"concurrency": c}
         for m in modes:
@@ -317,7 +326,8 @@ def main() -> None:
           f"k 0..{args.adaptive_k} chosen per step from the batch size, measured acceptance and profiled step "
           "costs. Modes run on separate executors, interleaved per level. Ratios are against plain "
           "at the same level (tok/s: output tokens/s; TPOT: plain TPOT / mode TPOT).", ""]
-    md += ["## Closed loop (C clients, next request when one finishes)", ""]
+    md += ["## Closed loop (C clients, next request when one finishes)", "",
+           f"max({args.num_requests}, {args.requests_per_client} x C) requests per level.", ""]
     headers = ["C", "mode", "output tok/s", "req/s", "TPOT mean ms", "TPOT p99 ms", "TTFT mean ms", "TTFT p99 ms",
                "acceptance", "drafts/step", "tok/s vs plain", "TPOT vs plain", "done"]
 
