@@ -86,7 +86,6 @@ def lr_at(step: int, done: float, args: argparse.Namespace) -> float:
     warm = args.warmup / args.steps
     t = min(1.0, max(0.0, (done - warm) / (1 - warm)))
     return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
-    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def save(path: Path, state: dict) -> None:
