@@ -1,0 +1,130 @@
+"""Fine-tune only the MTP module on the target model's own predictions (self-distillation).
+
+Drafts are accepted when they match what the target would emit, not what the corpus says next,
+so after joint training the MTP layer is trained further on KL(target(t+1) || MTP(t)): the target
+model is frozen and only run forward; the MTP layer sees the target's final hidden state at t and
+the token t+1, and learns the target's distribution for t+2. The embedding and output head stay
+shared with (and equal to) the main model's, as DeepSeek-V3 has them. Writes a checkpoint in the
+training format, which `export_model.py` turns into a release.
+
+  python scripts/distill_mtp.py --ckpt runs/mini21/ckpt.pt --out runs/mini21-distill/ckpt.pt --time_budget_min 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from train_model import batches, save  # noqa: E402  (scripts/ is on sys.path when run as a script)
+
+from runtime.config import ModelConfig  # noqa: E402
+from runtime.model import DeepseekV3ForCausalLM, Gate  # noqa: E402
+
+
+def distill_loss(model: DeepseekV3ForCausalLM, chunk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """chunk [B, S+1] -> (KL(target || MTP) per position, agreement of the two argmaxes)."""
+    x = chunk[:, :-1]
+    with torch.no_grad():
+        hidden = model(x)
+        teacher = F.log_softmax(model.logits(hidden[:, 1:]), dim=-1)  # target's view of t+2 at t+1
+    student, _ = model.mtp_forward(0, x[:, 1:], hidden[:, :-1])
+    student = F.log_softmax(student, dim=-1)
+    kl = F.kl_div(student.flatten(0, 1), teacher.flatten(0, 1), log_target=True, reduction="batchmean")
+    agree = (student.argmax(-1) == teacher.argmax(-1)).float().mean()
+    return kl, agree
+
+
+@torch.no_grad()
+def evaluate(model: DeepseekV3ForCausalLM, val: np.ndarray, args: argparse.Namespace) -> dict[str, float]:
+    gen = np.random.default_rng(1234)
+    kl = agree = 0.0
+    for _ in range(args.eval_batches):
+        k, a = distill_loss(model, batches(val, args.batch_size, args.seq_len + 1, gen))
+        kl, agree = kl + k.item(), agree + a.item()
+    return {"val_kl": kl / args.eval_batches, "val_agreement": agree / args.eval_batches}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", type=Path, required=True, help="training checkpoint (train_model.py)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--data_dir", type=Path, default=Path("data"))
+    p.add_argument("--time_budget_min", type=float, default=30.0)
+    p.add_argument("--batch_size", type=int, default=16)
+    p.add_argument("--seq_len", type=int, default=256)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--min_lr_ratio", type=float, default=0.1)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--bias_gamma", type=float, default=1e-3)
+    p.add_argument("--eval_every", type=int, default=100)
+    p.add_argument("--eval_batches", type=int, default=8)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    state = torch.load(args.ckpt, map_location="cpu", weights_only=False)
+    cfg = ModelConfig.from_dict(state["config"])
+    model = DeepseekV3ForCausalLM(cfg)
+    model.load_state_dict(state["model"])
+    model.eval()  # no dropout anywhere; eval() only documents that the target is frozen
+    mtp = model.mtp[0]
+    shared = {id(mtp.embed_tokens.weight), id(mtp.shared_head.head.weight)}
+    trained = [q for q in mtp.parameters() if id(q) not in shared]
+    for q in model.parameters():
+        q.requires_grad_(False)
+    for q in trained:
+        q.requires_grad_(True)
+    opt = torch.optim.AdamW(trained, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    gate = next(m for m in mtp.modules() if isinstance(m, Gate))
+    load = {}
+    gate.register_forward_hook(lambda mod, inp, out: load.__setitem__(
+        "v", torch.bincount(out[1].flatten(), minlength=cfg.n_routed_experts).float()))
+
+    train = np.memmap(args.data_dir / "train.bin", dtype=np.uint16, mode="r")
+    val = np.memmap(args.data_dir / "val.bin", dtype=np.uint16, mode="r")
+    gen = np.random.default_rng(args.seed)
+    log = [{"step": 0} | evaluate(model, val, args)]
+    tqdm.write(json.dumps(log[-1]))
+    budget, t0, step = 60 * args.time_budget_min, time.time(), 0
+    bar = tqdm(total=round(budget), desc="distill (s)", dynamic_ncols=True)
+    while (elapsed := time.time() - t0) < budget:
+        done = elapsed / budget
+        cos = 0.5 * (1 + math.cos(math.pi * done))
+        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (args.min_lr_ratio + (1 - args.min_lr_ratio) * cos)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        kl, agree = distill_loss(model, batches(train, args.batch_size, args.seq_len + 1, gen))
+        opt.zero_grad(set_to_none=True)
+        kl.backward()
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
+        opt.step()
+        with torch.no_grad():  # auxiliary-loss-free balancing of the MTP layer's experts
+            gate.e_score_correction_bias += args.bias_gamma * torch.sign(load["v"].mean() - load["v"])
+        step += 1
+        bar.update(round(time.time() - t0) - bar.n)
+        bar.set_postfix(step=step, kl=f"{kl.item():.3f}", agree=f"{agree.item():.3f}")
+        if step % args.eval_every == 0:
+            log.append({"step": step, "lr": lr} | evaluate(model, val, args))
+            tqdm.write(json.dumps(log[-1]))
+    bar.close()
+    log.append({"step": step} | evaluate(model, val, args))
+    tqdm.write(json.dumps(log[-1]))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    save(args.out, {"model": model.state_dict(), "step": state["step"], "config": state["config"],
+                    "args": state["args"], "distill": {"args": vars(args) | {"ckpt": str(args.ckpt), "out": str(args.out),
+                                                                           "data_dir": str(args.data_dir)},
+                                                        "steps": step, "log": log}})
+
+
+if __name__ == "__main__":
+    main()
