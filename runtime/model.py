@@ -26,7 +26,7 @@ from runtime.config import ModelConfig, yarn_mscale
 # ---------------------------------------------------------------------------------------------
 # Batch description for the paged path
 # ---------------------------------------------------------------------------------------------
-SHORT_QUERY = 8  # sequences with at most this many new tokens share one padded attention group
+SHORT_QUERY = 8  # sequences with at most this many new tokens (a decode with up to 7 drafts) share one padded group
 
 
 @dataclass
@@ -59,11 +59,13 @@ class PagedBatch:
     def build(
         cls, start_lens: Sequence[int], query_lens: Sequence[int], block_tables: Tensor, block_size: int
     ) -> "PagedBatch":
-        """start_lens[b] tokens of sequence b are cached already; query_lens[b] new ones follow.
+        """start_lens[b] tokens of sequence b are cached already; query_lens[b] >= 1 new ones follow.
 
         block_tables [sequences, >= blocks of the longest sequence]; lengths are host integers, so
         the shapes are known without a device sync and decode steps skip the masking work.
         """
+        if min(query_lens) < 1:
+            raise ValueError(f"every sequence in a paged batch needs at least one new token, got {list(query_lens)}")
         bounds = [b for b in range(1, len(query_lens))
                   if max(query_lens[b - 1], query_lens[b]) > SHORT_QUERY] + [len(query_lens)]
         groups, positions, slots, b0, t0 = [], [], [], 0, 0
@@ -74,8 +76,6 @@ class PagedBatch:
             slots.append(slot)
             b0, t0 = b1, g.end
         last_index = torch.tensor(list(accumulate(query_lens)), device=block_tables.device) - 1
-        if len(groups) == 1:
-            return cls(positions[0], slots[0], last_index, groups)
         return cls(torch.cat(positions), torch.cat(slots), last_index, groups)
 
 
@@ -239,7 +239,7 @@ class MLA(nn.Module):
         w_uk, w_uv = w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]  # [h, nope, c], [h, v, c]
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, h, c]
         q = torch.cat([q_lat, q_pe], dim=-1) * cfg.softmax_scale  # [T, h, latent]
-        if len(batch.groups) == 1:
+        if len(batch.groups) == 1:  # the common case (decode only): no copy
             o_lat = self._attend(q, cache, batch.groups[0])
         else:
             o_lat = torch.cat([self._attend(q[g.start : g.end], cache, g) for g in batch.groups])

@@ -193,7 +193,8 @@ def main() -> None:
     p.add_argument("--concurrency", default="1,2,4,8,16,32")
     p.add_argument("--num_requests", type=int, default=16, help="requests per concurrency level (at least "
                    "--requests_per_client x C)")
-    p.add_argument("--requests_per_client", type=int, default=4)
+    p.add_argument("--requests_per_client", type=int, default=4,
+                   help="at least this many requests per client at each concurrency level")
     p.add_argument("--qps", default="auto",
                    help="comma-separated Poisson rates (req/s), 'auto' (fractions of plain's best closed-loop "
                         "request throughput) or 'none'")

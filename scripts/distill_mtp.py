@@ -3,11 +3,11 @@
 Drafts are accepted when they match what the target would emit, not what the corpus says next,
 so after joint training the MTP layer is trained further on KL(target(t+1) || MTP(t)): the target
 model is frozen and only run forward; the MTP layer sees the target's final hidden state at t and
-the token t+1, and learns the target's distribution for t+2. The embedding and output head stay
-shared with (and equal to) the main model's, as DeepSeek-V3 has them. Writes a checkpoint in the
+the token t+1, and learns the target's distribution for t+2. Its embedding and output head are
+frozen and stay equal to the main model's, as DeepSeek-V3 shares them. Writes a checkpoint in the
 training format, which `export_model.py` turns into a release.
 
-  python scripts/distill_mtp.py --ckpt runs/mini21/ckpt.pt --out runs/mini21-distill/ckpt.pt --time_budget_min 30
+  python scripts/distill_mtp.py --ckpt runs/mini/ckpt.pt --out runs/mini-distill/ckpt.pt --time_budget_min 35
 """
 
 from __future__ import annotations
@@ -23,15 +23,14 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from train_model import batches, save  # noqa: E402  (scripts/ is on sys.path when run as a script)
+from train_model import batches, save  # scripts/ is on sys.path when run as a script
 
-from runtime.config import ModelConfig  # noqa: E402
-from runtime.model import DeepseekV3ForCausalLM, Gate  # noqa: E402
+from runtime.config import ModelConfig
+from runtime.model import DeepseekV3ForCausalLM, Gate
 
 
-def distill_loss(model: DeepseekV3ForCausalLM, chunk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """chunk [B, S+1] -> (KL(target || MTP) per position, agreement of the two argmaxes)."""
-    x = chunk[:, :-1]
+def distill_loss(model: DeepseekV3ForCausalLM, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, S] -> (KL(target || MTP) per position, agreement of the two argmaxes)."""
     with torch.no_grad():
         hidden = model(x)
         teacher = F.log_softmax(model.logits(hidden[:, 1:]), dim=-1)  # target's view of t+2 at t+1
@@ -47,7 +46,7 @@ def evaluate(model: DeepseekV3ForCausalLM, val: np.ndarray, args: argparse.Names
     gen = np.random.default_rng(1234)
     kl = agree = 0.0
     for _ in range(args.eval_batches):
-        k, a = distill_loss(model, batches(val, args.batch_size, args.seq_len + 1, gen))
+        k, a = distill_loss(model, batches(val, args.batch_size, args.seq_len, gen))
         kl, agree = kl + k.item(), agree + a.item()
     return {"val_kl": kl / args.eval_batches, "val_agreement": agree / args.eval_batches}
 
@@ -78,8 +77,8 @@ def main() -> None:
     model.load_state_dict(state["model"])
     model.eval()  # no dropout anywhere; eval() only documents that the target is frozen
     mtp = model.mtp[0]
-    shared = {id(mtp.embed_tokens.weight), id(mtp.shared_head.head.weight)}
-    trained = [q for q in mtp.parameters() if id(q) not in shared]
+    copies = {id(mtp.embed_tokens.weight), id(mtp.shared_head.head.weight)}  # of the main model's
+    trained = [q for q in mtp.parameters() if id(q) not in copies]
     for q in model.parameters():
         q.requires_grad_(False)
     for q in trained:
@@ -103,7 +102,7 @@ def main() -> None:
         lr = args.lr * min(1.0, (step + 1) / args.warmup) * (args.min_lr_ratio + (1 - args.min_lr_ratio) * cos)
         for group in opt.param_groups:
             group["lr"] = lr
-        kl, agree = distill_loss(model, batches(train, args.batch_size, args.seq_len + 1, gen))
+        kl, agree = distill_loss(model, batches(train, args.batch_size, args.seq_len, gen))
         opt.zero_grad(set_to_none=True)
         kl.backward()
         torch.nn.utils.clip_grad_norm_(trained, 1.0)

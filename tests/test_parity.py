@@ -438,6 +438,44 @@ def test_mtp_paged_matches_reference(pair):
         assert_close(got[s], want[s, :L], f"MTP paged seq {s}")
 
 
+# Short, long, short: a padded group at token 0, a 12-token chunk alone, a padded group after it.
+GROUP_STARTS, GROUP_LENS = (6, 2, 0, 9, 4), (1, 3, 12, 2, 1)
+GROUP_TABLES = [[0, 5, 0], [1, 6, 0], [2, 7, 10], [3, 8, 11], [4, 9, 0]]
+
+
+@torch.no_grad()
+def test_attention_groups_match_one_padded_group(pair, monkeypatch):
+    """Splitting a step into attention groups changes nothing but the padding: target hidden states
+    and MTP logits equal those of one group padding every sequence to the longest chunk."""
+    cfg, model = pair.cfg, pair.ours
+    cache = 10.0 * torch.randn(model.num_cache_layers, NUM_BLOCKS * BLOCK_SIZE, cfg.latent_dim,
+                               generator=torch.Generator().manual_seed(80))
+    ids = token_ids(cfg, (sum(GROUP_LENS),), seed=81)
+    tables = torch.tensor(GROUP_TABLES)
+
+    def run() -> tuple[PagedBatch, torch.Tensor, torch.Tensor]:
+        batch = PagedBatch.build(GROUP_STARTS, GROUP_LENS, tables, BLOCK_SIZE)
+        kv = cache.clone()
+        hidden = model(ids, batch=batch, kv_cache=kv)
+        mtp, _ = model.mtp_forward(0, ids, hidden, batch=batch, kv_cache=kv, rows=batch.last_index)
+        return batch, hidden, mtp
+
+    grouped, hidden, mtp = run()
+    assert [(g.start, g.end, g.batch_size, g.num_queries, g.query_index is not None) for g in grouped.groups] == [
+        (0, 4, 2, 3, True), (4, 16, 1, 12, False), (16, 19, 2, 2, True)]
+    monkeypatch.setattr("runtime.model.SHORT_QUERY", 10**6)
+    single, hidden_one, mtp_one = run()
+    assert len(single.groups) == 1
+    assert torch.equal(grouped.positions, single.positions) and torch.equal(grouped.slot_mapping, single.slot_mapping)
+    assert_close(hidden, hidden_one, "attention groups vs one padded group, target hidden")
+    assert_close(mtp, mtp_one, "attention groups vs one padded group, MTP logits")
+
+
+def test_paged_batch_rejects_empty_query():
+    with pytest.raises(ValueError, match=r"at least one new token, got \[3, 0, 2\]"):
+        PagedBatch.build([0, 4, 1], [3, 0, 2], torch.zeros(3, 2, dtype=torch.long), BLOCK_SIZE)
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("T", [0, 1, 2, 3, 4, 9])
 def test_routed_experts_both_paths_match_sum_over_pairs(pair, T):
