@@ -27,13 +27,16 @@ from runtime.config import ModelConfig, yarn_mscale
 # Batch description for the paged path
 # ---------------------------------------------------------------------------------------------
 SHORT_QUERY = 8  # sequences with at most this many new tokens (a decode with up to 7 drafts) share one padded group
+SPLIT_MIN_ROWS = 256  # a run of short sequences is cut where that saves more padded context rows (~ one group's cost)
 
 
 @dataclass
 class AttentionGroup:
     """Consecutive sequences attended together: flat tokens [start, end) padded to [B, Q] queries
-    against [B, L] context slots. Decodes (1 + k tokens each) share one group; each longer prefill
-    chunk gets its own, so a 60-token chunk does not pad every decode in the step to 60 queries."""
+    against [B, L] context slots. Decodes (1 + k tokens each) share a group; each longer prefill
+    chunk gets its own, so a 60-token chunk does not pad every decode in the step to 60 queries, and
+    decodes are cut into more groups where their contexts differ enough (one 1000-token context
+    would otherwise make every decode in the step gather 1000 rows)."""
 
     start: int
     end: int
@@ -66,8 +69,14 @@ class PagedBatch:
         """
         if min(query_lens) < 1:
             raise ValueError(f"every sequence in a paged batch needs at least one new token, got {list(query_lens)}")
-        bounds = [b for b in range(1, len(query_lens))
-                  if max(query_lens[b - 1], query_lens[b]) > SHORT_QUERY] + [len(query_lens)]
+        n, totals = len(query_lens), [s + q for s, q in zip(start_lens, query_lens)]
+        long = [q > SHORT_QUERY for q in query_lens]
+        bounds, run = [], 0
+        for b in range(1, n + 1):
+            if b == n or long[b] or long[b - 1]:  # [run, b) is one long chunk or a run of short ones
+                bounds += [] if long[run] else _cuts(totals, run, b)
+                bounds.append(b)
+                run = b
         groups, positions, slots, b0, t0 = [], [], [], 0, 0
         for b1 in bounds:
             g, pos, slot = _build_group(start_lens[b0:b1], query_lens[b0:b1], block_tables[b0:b1], block_size, t0)
@@ -77,6 +86,19 @@ class PagedBatch:
             b0, t0 = b1, g.end
         last_index = torch.tensor(list(accumulate(query_lens)), device=block_tables.device) - 1
         return cls(torch.cat(positions), torch.cat(slots), last_index, groups)
+
+
+def _cuts(totals: Sequence[int], lo: int, hi: int) -> list[int]:
+    """Where to cut sequences lo..hi-1 into groups: each cut saves more than SPLIT_MIN_ROWS of the
+    padded context rows (sequences x longest context, per group). Best when sorted by length."""
+    if hi - lo < 2:
+        return []
+    head = list(accumulate(totals[lo:hi], max))  # longest context of lo..lo+j
+    tail = list(accumulate(reversed(totals[lo:hi]), max))[::-1]  # longest context of lo+j..hi-1
+    saved, j = max(((hi - lo) * head[-1] - j * head[j - 1] - (hi - lo - j) * tail[j], j) for j in range(1, hi - lo))
+    if saved <= SPLIT_MIN_ROWS:
+        return []
+    return _cuts(totals, lo, lo + j) + [lo + j] + _cuts(totals, lo + j, hi)
 
 
 def _build_group(start_lens: Sequence[int], query_lens: Sequence[int], block_tables: Tensor, block_size: int,

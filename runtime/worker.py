@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from runtime.kv_cache import KVCache
-from runtime.model import DeepseekV3ForCausalLM, PagedBatch
+from runtime.model import SHORT_QUERY, DeepseekV3ForCausalLM, PagedBatch
 from runtime.sampling import (PURPOSE_DRAFT, RelaxedAcceptance, SamplingTensors, accept, accept_greedy,
                               probabilities, sample, uniforms)
 from runtime.sequence import Sequence
@@ -128,7 +128,9 @@ class ModelRunner:
     @torch.inference_mode()
     def step(self, items: list[Scheduled]) -> list[StepResult]:
         """Run one step. Prefill chunks cover every prompt token but the last, so they emit nothing;
-        decode items feed [last token, drafts...] and emit 1..k+1 tokens."""
+        decode items feed [last token, drafts...] and emit 1..k+1 tokens. Items run shortest context
+        first, long chunks last, so sequences of similar length share attention groups."""
+        items = sorted(items, key=lambda it: (it.num_new > SHORT_QUERY, it.seq.num_cached + it.num_new))
         t0 = time.perf_counter()
         drafting = [it for it in items if it.num_drafts > 0]
         drafts, draft_probs = self.draft(drafting) if drafting else (None, None)

@@ -438,37 +438,49 @@ def test_mtp_paged_matches_reference(pair):
         assert_close(got[s], want[s, :L], f"MTP paged seq {s}")
 
 
-# Short, long, short: a padded group at token 0, a 12-token chunk alone, a padded group after it.
-GROUP_STARTS, GROUP_LENS = (6, 2, 0, 9, 4), (1, 3, 12, 2, 1)
-GROUP_TABLES = [[0, 5, 0], [1, 6, 0], [2, 7, 10], [3, 8, 11], [4, 9, 0]]
+# (cached lengths, new tokens, expected groups as (first token, end, sequences, queries, padded)).
+GROUP_CASES = {
+    # short, long, short: a padded group at token 0, a 12-token chunk alone, a padded group after it
+    "chunk_between_decodes": ((6, 2, 0, 9, 4), (1, 3, 12, 2, 1),
+                              [(0, 4, 2, 3, True), (4, 16, 1, 12, False), (16, 19, 2, 2, True)]),
+    # one long context among short ones: cut so the short ones do not gather 301 rows each
+    "long_context_among_decodes": ((2, 3, 300, 1, 2), (1, 1, 1, 1, 1),
+                                   [(0, 2, 2, 1, False), (2, 3, 1, 1, False), (3, 5, 2, 1, False)]),
+}
 
 
 @torch.no_grad()
-def test_attention_groups_match_one_padded_group(pair, monkeypatch):
+@pytest.mark.parametrize("case", GROUP_CASES)
+def test_attention_groups_match_one_padded_group(pair, monkeypatch, case):
     """Splitting a step into attention groups changes nothing but the padding: target hidden states
-    and MTP logits equal those of one group padding every sequence to the longest chunk."""
+    and MTP logits equal those of one group padding every sequence to the longest chunk and context."""
+    starts, lens, expected = GROUP_CASES[case]
     cfg, model = pair.cfg, pair.ours
-    cache = 10.0 * torch.randn(model.num_cache_layers, NUM_BLOCKS * BLOCK_SIZE, cfg.latent_dim,
-                               generator=torch.Generator().manual_seed(80))
-    ids = token_ids(cfg, (sum(GROUP_LENS),), seed=81)
-    tables = torch.tensor(GROUP_TABLES)
+    g = torch.Generator().manual_seed(80)
+    need = [-(-(s + q) // BLOCK_SIZE) for s, q in zip(starts, lens)]
+    ids_of_blocks = torch.randperm(sum(need), generator=g).split(need)  # scattered blocks
+    tables = torch.zeros(len(need), max(need), dtype=torch.long)
+    for b, blocks in enumerate(ids_of_blocks):
+        tables[b, : len(blocks)] = blocks
+    cache = 10.0 * torch.randn(model.num_cache_layers, sum(need) * BLOCK_SIZE, cfg.latent_dim, generator=g)
+    ids = token_ids(cfg, (sum(lens),), seed=81)
 
     def run() -> tuple[PagedBatch, torch.Tensor, torch.Tensor]:
-        batch = PagedBatch.build(GROUP_STARTS, GROUP_LENS, tables, BLOCK_SIZE)
+        batch = PagedBatch.build(starts, lens, tables, BLOCK_SIZE)
         kv = cache.clone()
         hidden = model(ids, batch=batch, kv_cache=kv)
         mtp, _ = model.mtp_forward(0, ids, hidden, batch=batch, kv_cache=kv, rows=batch.last_index)
         return batch, hidden, mtp
 
     grouped, hidden, mtp = run()
-    assert [(g.start, g.end, g.batch_size, g.num_queries, g.query_index is not None) for g in grouped.groups] == [
-        (0, 4, 2, 3, True), (4, 16, 1, 12, False), (16, 19, 2, 2, True)]
+    assert [(g.start, g.end, g.batch_size, g.num_queries, g.query_index is not None) for g in grouped.groups] == expected
     monkeypatch.setattr("runtime.model.SHORT_QUERY", 10**6)
+    monkeypatch.setattr("runtime.model.SPLIT_MIN_ROWS", 10**9)
     single, hidden_one, mtp_one = run()
     assert len(single.groups) == 1
     assert torch.equal(grouped.positions, single.positions) and torch.equal(grouped.slot_mapping, single.slot_mapping)
-    assert_close(hidden, hidden_one, "attention groups vs one padded group, target hidden")
-    assert_close(mtp, mtp_one, "attention groups vs one padded group, MTP logits")
+    assert_close(hidden, hidden_one, f"{case}: attention groups vs one padded group, target hidden")
+    assert_close(mtp, mtp_one, f"{case}: attention groups vs one padded group, MTP logits")
 
 
 def test_paged_batch_rejects_empty_query():
