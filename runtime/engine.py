@@ -338,11 +338,18 @@ def _as_loaded(build: BuildConfig, dtype: str | torch.dtype | None) -> BuildConf
 
 
 def _empty_model(cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype) -> DeepseekV3ForCausalLM:
-    """Uninitialized parameters in `dtype` on `device` (weights overwrite all of them); buffers stay fp32."""
+    """Uninitialized parameters in `dtype` on `device` (weights overwrite all of them); buffers stay fp32.
+
+    Matmul weights keep their [out, in] shape but are stored K-major (each [in, out] contiguous): F.linear
+    then runs x @ W as a plain NN gemm, which MKL does faster for 2..128 rows (batch-16 decode ~6%,
+    a 63-token prefill ~12%; batch 1 the same). Embedding tables stay row-major for their lookups.
+    """
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(cfg)
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         p.data = p.data.to(dtype)
+        if p.dim() >= 2 and not name.endswith("embed_tokens.weight"):
+            p.data = p.data.mT.contiguous().mT
     model.to_empty(device=device)
     model.inv_freq.copy_(rope_inv_freq(cfg)[0])
     return model.eval().requires_grad_(False)
