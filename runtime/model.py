@@ -217,8 +217,9 @@ class MLA(nn.Module):
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], dim=-1)
         return self.kv_a_layernorm(c), apply_rope(k_pe, rot)
 
-    def forward_dense(self, x: Tensor, rot: Tensor) -> Tensor:
-        """x [B, S, H], causal over S; the naive expansion of c into per-head keys and values."""
+    def forward_dense(self, x: Tensor, rot: Tensor, mask: Tensor | None = None) -> Tensor:
+        """x [B, S, H], causal over S unless `mask` [S, S] (True: row may attend to column) says
+        otherwise; the naive expansion of c into per-head keys and values."""
         cfg = self.cfg
         B, S, _ = x.shape
         q_nope, q_pe = self._queries(x, rot)
@@ -228,7 +229,8 @@ class MLA(nn.Module):
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(B, S, self.n_heads, -1)], dim=-1)
         o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=cfg.softmax_scale
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None,
+            scale=cfg.softmax_scale,
         )
         return self.o_proj(o.transpose(1, 2).reshape(B, S, -1))
 
@@ -360,10 +362,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: Tensor, rot: Tensor, batch: PagedBatch | None, kv_cache: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, rot: Tensor, batch: PagedBatch | None, kv_cache: Tensor | None,
+                mask: Tensor | None = None) -> Tensor:
         h = self.input_layernorm(x)
         if batch is None:
-            x = x + self.self_attn.forward_dense(h, rot)
+            x = x + self.self_attn.forward_dense(h, rot, mask)
         else:
             x = x + self.self_attn.forward_paged(h, rot, batch, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -391,11 +394,12 @@ class MTPLayer(nn.Module):
     def forward(
         self, next_ids: Tensor, hidden: Tensor, rot: Tensor,
         batch: PagedBatch | None = None, kv_cache: Tensor | None = None, rows: Tensor | None = None,
+        mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Returns (logits for the token after next_ids, hidden after shared_head.norm), at `rows`
         only when given (drafting needs the head at each sequence's last position alone)."""
         x = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(next_ids)), self.hnorm(hidden)], dim=-1))
-        h = self.shared_head.norm(self.block(x, rot, batch, kv_cache))
+        h = self.shared_head.norm(self.block(x, rot, batch, kv_cache, mask))
         if rows is not None:
             h = h[rows]
         return self.shared_head.head(h), h
@@ -453,12 +457,13 @@ class DeepseekV3ForCausalLM(nn.Module):
     def mtp_forward(
         self, depth: int, next_ids: Tensor, hidden: Tensor, positions: Tensor | None = None,
         batch: PagedBatch | None = None, kv_cache: Tensor | None = None, rows: Tensor | None = None,
+        mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """MTP layer `depth` at the positions of `hidden`: logits for t+2 and its own hidden
-        (at `rows` only, when given)."""
+        (at `rows` only, when given). Dense `mask` [S, S]: see `MLA.forward_dense`."""
         if positions is None:
             positions = batch.positions if batch is not None else torch.arange(next_ids.shape[-1], device=next_ids.device)
-        return self.mtp[depth](next_ids, hidden, self.rope(positions), batch, kv_cache, rows)
+        return self.mtp[depth](next_ids, hidden, self.rope(positions), batch, kv_cache, rows, mask)
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, seed: int | None = None) -> None:

@@ -7,6 +7,12 @@ the token t+1, and learns the target's distribution for t+2. Its embedding and o
 frozen and stay equal to the main model's, as DeepSeek-V3 shares them. Writes a checkpoint in the
 training format, which `export_model.py` turns into a release.
 
+Drafts after the first re-run the layer on its own hidden state, so each window is also trained the
+way the second draft runs (`--depth2_weight`): at t+1 the layer gets its own hidden from t and the
+target's greedy token t+2 (the first draft whenever that draft is accepted) and attends to the
+first-draft entries before t+1 and to itself, as the paged cache holds them while drafting; it
+learns the target's distribution for t+3.
+
   python scripts/distill_mtp.py --ckpt runs/mini/ckpt.pt --out runs/mini-distill/ckpt.pt --time_budget_min 35
 """
 
@@ -29,26 +35,54 @@ from runtime.config import ModelConfig
 from runtime.model import DeepseekV3ForCausalLM, Gate
 
 
-def distill_loss(model: DeepseekV3ForCausalLM, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [B, S] -> (KL(target || MTP) per position, agreement of the two argmaxes)."""
+def chained_rows(ids: torch.Tensor, hidden: torch.Tensor, own: torch.Tensor, greedy: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """First-draft rows at positions 0..n-1 (ids [B, n] the token after each position, hidden [B, n]
+    the target's) followed by second-draft rows at 1..n-1 (greedy [B, n-1] the target's token there,
+    own [B, n] the layer's hidden from the first draft one position back) -> (ids, hidden, positions,
+    mask) for one dense MTP forward that sees what the paged cache holds while drafting."""
+    n = ids.shape[1]
+    ones = torch.ones(2 * n - 1, 2 * n - 1, dtype=torch.bool, device=ids.device)
+    mask = torch.zeros_like(ones)
+    mask[:n, :n] = ones[:n, :n].tril()  # first drafts: causal among themselves
+    mask[n:, :n] = ones[n:, :n].tril()  # the second draft at p: the first drafts before p ...
+    mask[n:, n:] = torch.eye(n - 1, dtype=torch.bool, device=ids.device)  # ... and itself
+    positions = torch.cat([torch.arange(n), torch.arange(1, n)]).to(ids.device)
+    return torch.cat([ids, greedy], dim=1), torch.cat([hidden, own[:, :-1]], dim=1), positions, mask
+
+
+def distill_loss(model: DeepseekV3ForCausalLM, x: torch.Tensor, depth2_weight: float) -> dict[str, torch.Tensor]:
+    """x [B, S] -> KL(target || MTP) and argmax agreement, for the first draft and, when
+    depth2_weight > 0, the second draft chained on the first; "loss" weighs the two KLs."""
     with torch.no_grad():
         hidden = model(x)
-        teacher = F.log_softmax(model.logits(hidden[:, 1:]), dim=-1)  # target's view of t+2 at t+1
-    student, _ = model.mtp_forward(0, x[:, 1:], hidden[:, :-1])
+        teacher = F.log_softmax(model.logits(hidden[:, 1:]), dim=-1)  # [B, n]: target's view of t+2 at t+1
+    n = x.shape[1] - 1
+    ids, hid, targets, positions, mask = x[:, 1:], hidden[:, :-1], teacher, None, None
+    if depth2_weight > 0:
+        with torch.no_grad():
+            _, own = model.mtp_forward(0, ids, hid)
+        ids, hid, positions, mask = chained_rows(ids, hid, own, teacher[:, :-1].argmax(-1))
+        targets = torch.cat([teacher, teacher[:, 1:]], dim=1)  # the second draft at p predicts t+3
+    student, _ = model.mtp_forward(0, ids, hid, positions=positions, mask=mask)
     student = F.log_softmax(student, dim=-1)
-    kl = F.kl_div(student.flatten(0, 1), teacher.flatten(0, 1), log_target=True, reduction="batchmean")
-    agree = (student.argmax(-1) == teacher.argmax(-1)).float().mean()
-    return kl, agree
+    kl = F.kl_div(student, targets, log_target=True, reduction="none").sum(-1)  # [B, rows]
+    agree = (student.argmax(-1) == targets.argmax(-1)).float()
+    out = {"kl": kl[:, :n].mean(), "agree": agree[:, :n].mean()}
+    if depth2_weight > 0:
+        out |= {"kl2": kl[:, n:].mean(), "agree2": agree[:, n:].mean()}
+    out["loss"] = out["kl"] + depth2_weight * out.get("kl2", 0.0)
+    return out
 
 
 @torch.no_grad()
 def evaluate(model: DeepseekV3ForCausalLM, val: np.ndarray, args: argparse.Namespace) -> dict[str, float]:
     gen = np.random.default_rng(1234)
-    kl = agree = 0.0
+    sums: dict[str, float] = {}
     for _ in range(args.eval_batches):
-        k, a = distill_loss(model, batches(val, args.batch_size, args.seq_len, gen))
-        kl, agree = kl + k.item(), agree + a.item()
-    return {"val_kl": kl / args.eval_batches, "val_agreement": agree / args.eval_batches}
+        for k, v in distill_loss(model, batches(val, args.batch_size, args.seq_len, gen), 1.0).items():
+            sums[k] = sums.get(k, 0.0) + v.item()
+    return {f"val_{k}": v / args.eval_batches for k, v in sums.items() if k != "loss"}
 
 
 def main() -> None:
@@ -62,6 +96,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--min_lr_ratio", type=float, default=0.1)
     p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--depth2_weight", type=float, default=1.0,
+                   help="weight of the chained second draft's KL (0: train the first draft only)")
     p.add_argument("--bias_gamma", type=float, default=1e-3)
     p.add_argument("--eval_every", type=int, default=100)
     p.add_argument("--eval_batches", type=int, default=8)
@@ -102,16 +138,16 @@ def main() -> None:
         lr = args.lr * min(1.0, (step + 1) / args.warmup) * (args.min_lr_ratio + (1 - args.min_lr_ratio) * cos)
         for group in opt.param_groups:
             group["lr"] = lr
-        kl, agree = distill_loss(model, batches(train, args.batch_size, args.seq_len, gen))
+        losses = distill_loss(model, batches(train, args.batch_size, args.seq_len, gen), args.depth2_weight)
         opt.zero_grad(set_to_none=True)
-        kl.backward()
+        losses["loss"].backward()
         torch.nn.utils.clip_grad_norm_(trained, 1.0)
         opt.step()
         with torch.no_grad():  # auxiliary-loss-free balancing of the MTP layer's experts
             gate.e_score_correction_bias += args.bias_gamma * torch.sign(load["v"].mean() - load["v"])
         step += 1
         bar.update(round(time.time() - t0) - bar.n)
-        bar.set_postfix(step=step, kl=f"{kl.item():.3f}", agree=f"{agree.item():.3f}")
+        bar.set_postfix(step=step, **{k: f"{v.item():.3f}" for k, v in losses.items() if k != "loss"})
         if step % args.eval_every == 0:
             log.append({"step": step, "lr": lr} | evaluate(model, val, args))
             tqdm.write(json.dumps(log[-1]))

@@ -438,6 +438,36 @@ def test_mtp_paged_matches_reference(pair):
         assert_close(got[s], want[s, :L], f"MTP paged seq {s}")
 
 
+@torch.no_grad()
+def test_chained_draft_training_rows_match_paged_drafting(pair, monkeypatch):
+    """scripts/distill_mtp.py trains the second draft in one dense forward with a mask; each of its
+    rows must equal the paged second draft: the cache holds the first drafts before p, the layer
+    re-runs on its own hidden state and writes its entry at p."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    from distill_mtp import chained_rows
+
+    model, S = pair.ours, 11
+    n = S - 1
+    ids = token_ids(pair.cfg, (1, S), seed=90)
+    greedy = token_ids(pair.cfg, (1, n - 1), seed=91)  # any tokens: the rows must match for all
+    hidden = model(ids)
+    _, own = model.mtp_forward(0, ids[:, 1:], hidden[:, :-1])
+    rows, rows_hidden, positions, mask = chained_rows(ids[:, 1:], hidden[:, :-1], own, greedy)
+    dense, _ = model.mtp_forward(0, rows, rows_hidden, positions=positions, mask=mask)
+
+    runner = PagedRunner(model, [[9, 6, 3]])
+    batch = PagedBatch.build([0], [S], runner.block_tables, BLOCK_SIZE)
+    paged_hidden = model(ids[0], batch=batch, kv_cache=runner.kv_cache)
+    batch = PagedBatch.build([0], [n], runner.block_tables, BLOCK_SIZE)
+    first, paged_own = model.mtp_forward(0, ids[0, 1:], paged_hidden[:-1], batch=batch, kv_cache=runner.kv_cache)
+    assert_close(first, dense[0, :n], "first-draft rows vs paged MTP")
+    for p in range(1, n):
+        kv = runner.kv_cache.clone()
+        batch = PagedBatch.build([p], [1], runner.block_tables, BLOCK_SIZE)
+        second, _ = model.mtp_forward(0, greedy[0, p - 1: p], paged_own[p - 1: p], batch=batch, kv_cache=kv)
+        assert_close(second[0], dense[0, n + p - 1], f"second draft at position {p}")
+
+
 # (cached lengths, new tokens, expected groups as (first token, end, sequences, queries, padded)).
 GROUP_CASES = {
     # short, long, short: a padded group at token 0, a 12-token chunk alone, a padded group after it
