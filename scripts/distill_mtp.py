@@ -9,9 +9,10 @@ training format, which `export_model.py` turns into a release.
 
 Drafts after the first re-run the layer on its own hidden state, so each window is also trained the
 way the second draft runs (`--depth2_weight`): at t+1 the layer gets its own hidden from t and the
-target's greedy token t+2 (the first draft whenever that draft is accepted) and attends to the
-first-draft entries before t+1 and to itself, as the paged cache holds them while drafting; it
-learns the target's distribution for t+3.
+token t+2 and attends to the first-draft entries before t+1 and to itself, as the paged cache holds
+them while drafting; it learns the target's distribution for t+3. The token is the window's own,
+because the target's distribution for t+3 is conditioned on it (when drafting, an accepted first
+draft is the token the target continues from).
 
   python scripts/distill_mtp.py --ckpt runs/mini/ckpt.pt --out runs/mini-distill/ckpt.pt --time_budget_min 35
 """
@@ -35,10 +36,10 @@ from runtime.config import ModelConfig
 from runtime.model import DeepseekV3ForCausalLM, Gate
 
 
-def chained_rows(ids: torch.Tensor, hidden: torch.Tensor, own: torch.Tensor, greedy: torch.Tensor
+def chained_rows(ids: torch.Tensor, hidden: torch.Tensor, own: torch.Tensor, next_ids: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """First-draft rows at positions 0..n-1 (ids [B, n] the token after each position, hidden [B, n]
-    the target's) followed by second-draft rows at 1..n-1 (greedy [B, n-1] the target's token there,
+    the target's) followed by second-draft rows at 1..n-1 (next_ids [B, n-1] the token after each,
     own [B, n] the layer's hidden from the first draft one position back) -> (ids, hidden, positions,
     mask) for one dense MTP forward that sees what the paged cache holds while drafting."""
     n = ids.shape[1]
@@ -48,7 +49,7 @@ def chained_rows(ids: torch.Tensor, hidden: torch.Tensor, own: torch.Tensor, gre
     mask[n:, :n] = ones[n:, :n].tril()  # the second draft at p: the first drafts before p ...
     mask[n:, n:] = torch.eye(n - 1, dtype=torch.bool, device=ids.device)  # ... and itself
     positions = torch.cat([torch.arange(n), torch.arange(1, n)]).to(ids.device)
-    return torch.cat([ids, greedy], dim=1), torch.cat([hidden, own[:, :-1]], dim=1), positions, mask
+    return torch.cat([ids, next_ids], dim=1), torch.cat([hidden, own[:, :-1]], dim=1), positions, mask
 
 
 def distill_loss(model: DeepseekV3ForCausalLM, x: torch.Tensor, depth2_weight: float) -> dict[str, torch.Tensor]:
@@ -62,7 +63,7 @@ def distill_loss(model: DeepseekV3ForCausalLM, x: torch.Tensor, depth2_weight: f
     if depth2_weight > 0:
         with torch.no_grad():
             _, own = model.mtp_forward(0, ids, hid)
-        ids, hid, positions, mask = chained_rows(ids, hid, own, teacher[:, :-1].argmax(-1))
+        ids, hid, positions, mask = chained_rows(ids, hid, own, ids[:, 1:])
         targets = torch.cat([teacher, teacher[:, 1:]], dim=1)  # the second draft at p predicts t+3
     student, _ = model.mtp_forward(0, ids, hid, positions=positions, mask=mask)
     student = F.log_softmax(student, dim=-1)

@@ -449,10 +449,10 @@ def test_chained_draft_training_rows_match_paged_drafting(pair, monkeypatch):
     model, S = pair.ours, 11
     n = S - 1
     ids = token_ids(pair.cfg, (1, S), seed=90)
-    greedy = token_ids(pair.cfg, (1, n - 1), seed=91)  # any tokens: the rows must match for all
+    next_ids = token_ids(pair.cfg, (1, n - 1), seed=91)  # any tokens: the rows must match for all
     hidden = model(ids)
     _, own = model.mtp_forward(0, ids[:, 1:], hidden[:, :-1])
-    rows, rows_hidden, positions, mask = chained_rows(ids[:, 1:], hidden[:, :-1], own, greedy)
+    rows, rows_hidden, positions, mask = chained_rows(ids[:, 1:], hidden[:, :-1], own, next_ids)
     dense, _ = model.mtp_forward(0, rows, rows_hidden, positions=positions, mask=mask)
 
     runner = PagedRunner(model, [[9, 6, 3]])
@@ -464,7 +464,7 @@ def test_chained_draft_training_rows_match_paged_drafting(pair, monkeypatch):
     for p in range(1, n):
         kv = runner.kv_cache.clone()
         batch = PagedBatch.build([p], [1], runner.block_tables, BLOCK_SIZE)
-        second, _ = model.mtp_forward(0, greedy[0, p - 1: p], paged_own[p - 1: p], batch=batch, kv_cache=kv)
+        second, _ = model.mtp_forward(0, next_ids[0, p - 1: p], paged_own[p - 1: p], batch=batch, kv_cache=kv)
         assert_close(second[0], dense[0, n + p - 1], f"second draft at position {p}")
 
 
