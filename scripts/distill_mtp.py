@@ -8,11 +8,12 @@ frozen and stay equal to the main model's, as DeepSeek-V3 shares them. Writes a 
 training format, which `export_model.py` turns into a release.
 
 Drafts after the first re-run the layer on its own hidden state, so each window is also trained the
-way the second draft runs (`--depth2_weight`): at t+1 the layer gets its own hidden from t and the
-token t+2 and attends to the first-draft entries before t+1 and to itself, as the paged cache holds
-them while drafting; it learns the target's distribution for t+3. The token is the window's own,
-because the target's distribution for t+3 is conditioned on it (when drafting, an accepted first
-draft is the token the target continues from).
+way drafts 2..D run (`--chain_depth D`): draft d at position p gets the layer's own hidden from
+draft d-1 at p-1 and the token after p, and attends to the first-draft entries up to p-d+1, to the
+entries drafts 2..d-1 left at the positions in between and to itself, as the paged cache holds them
+while drafting; it learns the target's distribution for the token after next. The token is the
+window's own, because that distribution is conditioned on it (when drafting, an accepted draft is
+the token the target continues from).
 
   python scripts/distill_mtp.py --ckpt runs/mini/ckpt.pt --out runs/mini-distill/ckpt.pt --time_budget_min 35
 """
@@ -36,43 +37,52 @@ from runtime.config import ModelConfig
 from runtime.model import DeepseekV3ForCausalLM, Gate
 
 
-def chained_rows(ids: torch.Tensor, hidden: torch.Tensor, own: torch.Tensor, next_ids: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """First-draft rows at positions 0..n-1 (ids [B, n] the token after each position, hidden [B, n]
-    the target's) followed by second-draft rows at 1..n-1 (next_ids [B, n-1] the token after each,
-    own [B, n] the layer's hidden from the first draft one position back) -> (ids, hidden, positions,
-    mask) for one dense MTP forward that sees what the paged cache holds while drafting."""
-    n = ids.shape[1]
-    ones = torch.ones(2 * n - 1, 2 * n - 1, dtype=torch.bool, device=ids.device)
-    mask = torch.zeros_like(ones)
-    mask[:n, :n] = ones[:n, :n].tril()  # first drafts: causal among themselves
-    mask[n:, :n] = ones[n:, :n].tril()  # the second draft at p: the first drafts before p ...
-    mask[n:, n:] = torch.eye(n - 1, dtype=torch.bool, device=ids.device)  # ... and itself
-    positions = torch.cat([torch.arange(n), torch.arange(1, n)]).to(ids.device)
-    return torch.cat([ids, next_ids], dim=1), torch.cat([hidden, own[:, :-1]], dim=1), positions, mask
+def draft_rows(ids: torch.Tensor, hidden: torch.Tensor, owns: list[torch.Tensor]
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of drafts 1..D for one dense MTP forward that sees what the paged cache holds while drafting.
+
+    ids [B, n]: the token after each position 0..n-1; hidden [B, n]: the target's hidden there;
+    owns[d-1]: the layer's hidden out of the draft-d rows (positions d-1..n-1), for d = 1..D-1.
+    Draft d has a row at each position p = d-1..n-1. Returns (ids, hidden, positions, mask [rows, rows]).
+    """
+    n, depth = ids.shape[1], len(owns) + 1
+    rows_ids = torch.cat([ids[:, d - 1:] for d in range(1, depth + 1)], dim=1)
+    rows_hidden = torch.cat([hidden] + [own[:, :-1] for own in owns], dim=1)
+    draft = torch.cat([torch.full((n - d + 1,), d) for d in range(1, depth + 1)]).to(ids.device)
+    positions = torch.cat([torch.arange(d - 1, n) for d in range(1, depth + 1)]).to(ids.device)
+    first = (positions - draft + 1)[:, None]  # the last first-draft entry row r's chain starts from
+    col_draft, col_pos = draft[None], positions[None]
+    mask = ((col_draft == 1) & (col_pos <= first)) | (
+        (col_draft > 1) & (col_draft <= draft[:, None]) & (col_pos == first + col_draft - 1))
+    return rows_ids, rows_hidden, positions, mask
 
 
-def distill_loss(model: DeepseekV3ForCausalLM, x: torch.Tensor, depth2_weight: float) -> dict[str, torch.Tensor]:
-    """x [B, S] -> KL(target || MTP) and argmax agreement, for the first draft and, when
-    depth2_weight > 0, the second draft chained on the first; "loss" weighs the two KLs."""
+def chained_logits(model: DeepseekV3ForCausalLM, ids: torch.Tensor, hidden: torch.Tensor, depth: int
+                   ) -> list[torch.Tensor]:
+    """MTP logits of drafts 1..depth at every position they reach (see `draft_rows`): the hidden
+    states each draft leaves for the next come from forwards without gradient, the last forward
+    (all drafts) keeps it."""
+    owns: list[torch.Tensor] = []
+    for d in range(1, depth + 1):
+        with torch.set_grad_enabled(torch.is_grad_enabled() and d == depth):
+            rows_ids, rows_hidden, positions, mask = draft_rows(ids, hidden, owns)
+            logits, own = model.mtp_forward(0, rows_ids, rows_hidden, positions=positions, mask=mask)
+        sizes = [ids.shape[1] - j + 1 for j in range(1, d + 1)]
+        owns.append(own.split(sizes, dim=1)[-1])
+    return list(logits.split(sizes, dim=1))
+
+
+def distill_loss(model: DeepseekV3ForCausalLM, x: torch.Tensor, depth: int) -> dict[str, torch.Tensor]:
+    """x [B, S] -> KL(target || MTP) and argmax agreement of drafts 1..depth; "loss" sums the KLs."""
     with torch.no_grad():
         hidden = model(x)
-        teacher = F.log_softmax(model.logits(hidden[:, 1:]), dim=-1)  # [B, n]: target's view of t+2 at t+1
-    n = x.shape[1] - 1
-    ids, hid, targets, positions, mask = x[:, 1:], hidden[:, :-1], teacher, None, None
-    if depth2_weight > 0:
-        with torch.no_grad():
-            _, own = model.mtp_forward(0, ids, hid)
-        ids, hid, positions, mask = chained_rows(ids, hid, own, ids[:, 1:])
-        targets = torch.cat([teacher, teacher[:, 1:]], dim=1)  # the second draft at p predicts t+3
-    student, _ = model.mtp_forward(0, ids, hid, positions=positions, mask=mask)
-    student = F.log_softmax(student, dim=-1)
-    kl = F.kl_div(student, targets, log_target=True, reduction="none").sum(-1)  # [B, rows]
-    agree = (student.argmax(-1) == targets.argmax(-1)).float()
-    out = {"kl": kl[:, :n].mean(), "agree": agree[:, :n].mean()}
-    if depth2_weight > 0:
-        out |= {"kl2": kl[:, n:].mean(), "agree2": agree[:, n:].mean()}
-    out["loss"] = out["kl"] + depth2_weight * out.get("kl2", 0.0)
+        teacher = F.log_softmax(model.logits(hidden[:, 1:]), dim=-1)  # [B, S-1]: target's view of t+2 at t+1
+    out: dict[str, torch.Tensor] = {}
+    for d, logits in enumerate(chained_logits(model, x[:, 1:], hidden[:, :-1], depth), start=1):
+        student, target = F.log_softmax(logits, dim=-1), teacher[:, d - 1:]  # draft d at p predicts p+2
+        out[f"kl{d}"] = F.kl_div(student, target, log_target=True, reduction="none").sum(-1).mean()
+        out[f"agree{d}"] = (student.argmax(-1) == target.argmax(-1)).float().mean()
+    out["loss"] = sum(out[f"kl{d}"] for d in range(1, depth + 1))
     return out
 
 
@@ -81,7 +91,7 @@ def evaluate(model: DeepseekV3ForCausalLM, val: np.ndarray, args: argparse.Names
     gen = np.random.default_rng(1234)
     sums: dict[str, float] = {}
     for _ in range(args.eval_batches):
-        for k, v in distill_loss(model, batches(val, args.batch_size, args.seq_len, gen), 1.0).items():
+        for k, v in distill_loss(model, batches(val, args.batch_size, args.seq_len, gen), args.eval_depth).items():
             sums[k] = sums.get(k, 0.0) + v.item()
     return {f"val_{k}": v / args.eval_batches for k, v in sums.items() if k != "loss"}
 
@@ -97,8 +107,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--min_lr_ratio", type=float, default=0.1)
     p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--depth2_weight", type=float, default=1.0,
-                   help="weight of the chained second draft's KL (0: train the first draft only)")
+    p.add_argument("--chain_depth", type=int, default=2, help="train drafts 1..D, each chained on the one before")
+    p.add_argument("--eval_depth", type=int, default=4, help="report drafts 1..D on validation windows")
     p.add_argument("--bias_gamma", type=float, default=1e-3)
     p.add_argument("--eval_every", type=int, default=100)
     p.add_argument("--eval_batches", type=int, default=8)
@@ -139,7 +149,7 @@ def main() -> None:
         lr = args.lr * min(1.0, (step + 1) / args.warmup) * (args.min_lr_ratio + (1 - args.min_lr_ratio) * cos)
         for group in opt.param_groups:
             group["lr"] = lr
-        losses = distill_loss(model, batches(train, args.batch_size, args.seq_len, gen), args.depth2_weight)
+        losses = distill_loss(model, batches(train, args.batch_size, args.seq_len, gen), args.chain_depth)
         opt.zero_grad(set_to_none=True)
         losses["loss"].backward()
         torch.nn.utils.clip_grad_norm_(trained, 1.0)

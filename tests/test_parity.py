@@ -440,32 +440,33 @@ def test_mtp_paged_matches_reference(pair):
 
 @torch.no_grad()
 def test_chained_draft_training_rows_match_paged_drafting(pair, monkeypatch):
-    """scripts/distill_mtp.py trains the second draft in one dense forward with a mask; each of its
-    rows must equal the paged second draft: the cache holds the first drafts before p, the layer
-    re-runs on its own hidden state and writes its entry at p."""
+    """scripts/distill_mtp.py trains drafts 1..D in one dense forward with a mask; every row must
+    equal the paged draft: draft d at p re-runs the layer on the hidden draft d-1 left at p-1, with
+    the first drafts up to p-d+1 and the entries of the chain's earlier drafts in the cache."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
-    from distill_mtp import chained_rows
+    from distill_mtp import chained_logits
 
-    model, S = pair.ours, 11
+    model, S, depth = pair.ours, 11, 3
     n = S - 1
     ids = token_ids(pair.cfg, (1, S), seed=90)
-    next_ids = token_ids(pair.cfg, (1, n - 1), seed=91)  # any tokens: the rows must match for all
-    hidden = model(ids)
-    _, own = model.mtp_forward(0, ids[:, 1:], hidden[:, :-1])
-    rows, rows_hidden, positions, mask = chained_rows(ids[:, 1:], hidden[:, :-1], own, next_ids)
-    dense, _ = model.mtp_forward(0, rows, rows_hidden, positions=positions, mask=mask)
+    dense = chained_logits(model, ids[:, 1:], model(ids)[:, :-1], depth)  # draft d: [1, n - d + 1, V]
 
     runner = PagedRunner(model, [[9, 6, 3]])
     batch = PagedBatch.build([0], [S], runner.block_tables, BLOCK_SIZE)
     paged_hidden = model(ids[0], batch=batch, kv_cache=runner.kv_cache)
     batch = PagedBatch.build([0], [n], runner.block_tables, BLOCK_SIZE)
-    first, paged_own = model.mtp_forward(0, ids[0, 1:], paged_hidden[:-1], batch=batch, kv_cache=runner.kv_cache)
-    assert_close(first, dense[0, :n], "first-draft rows vs paged MTP")
-    for p in range(1, n):
-        kv = runner.kv_cache.clone()
-        batch = PagedBatch.build([p], [1], runner.block_tables, BLOCK_SIZE)
-        second, _ = model.mtp_forward(0, next_ids[0, p - 1: p], paged_own[p - 1: p], batch=batch, kv_cache=kv)
-        assert_close(second[0], dense[0, n + p - 1], f"second draft at position {p}")
+    first, first_own = model.mtp_forward(0, ids[0, 1:], paged_hidden[:-1], batch=batch, kv_cache=runner.kv_cache)
+    assert_close(first, dense[0][0], "first drafts vs paged MTP")
+    checked = 0
+    for m in range(n - 1):  # the chain that continues from the first draft at m
+        kv, own = runner.kv_cache.clone(), first_own[m: m + 1]
+        for d in range(2, min(depth, n - m) + 1):
+            p = m + d - 1
+            batch = PagedBatch.build([p], [1], runner.block_tables, BLOCK_SIZE)
+            logits, own = model.mtp_forward(0, ids[0, p + 1: p + 2], own, batch=batch, kv_cache=kv)
+            assert_close(logits[0], dense[d - 1][0, p - d + 1], f"draft {d} at position {p}")
+            checked += 1
+    assert checked == (n - 1) + (n - 2)
 
 
 # (cached lengths, new tokens, expected groups as (first token, end, sequences, queries, padded)).
