@@ -14,7 +14,7 @@ mkdir -p docs/benchmarks/logs
 run() { local name=$1; shift; echo "== $name: $*"; python "$@" --threads 1 > "docs/benchmarks/logs/$name.log" 2>&1; echo "== $name: exit $?"; }
 val=(); [ -f data/val.bin ] && val=(--val_bin data/val.bin --val_tokens 65536)
 
-run acceptance scripts/measure_acceptance.py "${val[@]}" &
+run acceptance scripts/measure_acceptance.py --ks 1,2,3,4 "${val[@]}" &
 if [ $# -ge 1 ] && [ -f data/val.bin ]; then run fp8 scripts/benchmark_fp8.py --bf16_model "$1" & fi
 run load_test scripts/load_test.py --max_output_tokens 64 --modes plain,adaptive &
 wait
