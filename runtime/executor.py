@@ -49,6 +49,14 @@ class ExecutorConfig:
     dtype: str | None = None
     relaxed_acceptance: RelaxedAcceptance | None = None
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 0:
+            raise ValueError(f"num_draft_tokens must be an integer >= 0, got {self.num_draft_tokens!r}")
+        for name in ("max_batch_size", "max_num_tokens", "max_seq_len", "kv_cache_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
 
 class Executor:
     def __init__(self, engine: str | Path | LoadedEngine, config: ExecutorConfig = ExecutorConfig()):
@@ -82,6 +90,7 @@ class Executor:
         self._counts = dict(finished=0, generated=0, drafted=0, accepted=0)
         self._ids = RequestIds()
         self._stopping = False
+        self._submit_lock = threading.Lock()  # a submit either lands before shutdown or is refused
         self._thread = threading.Thread(target=self._loop, name="executor", daemon=True)
         self._thread.start()
 
@@ -98,7 +107,7 @@ class Executor:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the parameter when this request cannot run here."""
         validate_request(prompt_token_ids, params, self.engine.model_config.vocab_size, self.limits.max_seq_len)
-        need = self.cache.blocks_for(len(prompt_token_ids) + params.max_tokens + self.policy.max_k)
+        need = self.cache.blocks_for(len(prompt_token_ids) + params.max_tokens)  # drafts stop at max_tokens - 1
         if need > self.cache.allocator.num_blocks:
             raise ValueError(f"max_tokens {params.max_tokens} with a {len(prompt_token_ids)}-token prompt needs {need} "
                              f"KV blocks; the cache has {self.cache.allocator.num_blocks} (raise kv_cache_tokens)")
@@ -107,8 +116,6 @@ class Executor:
                on_output: Callable[[RequestOutput], None] | None = None, request_id: str | None = None) -> RequestHandle:
         """Queue a request; invalid parameters raise ValueError naming the parameter."""
         self.validate(prompt_token_ids, params)
-        if self._stopping:
-            raise RuntimeError("executor is shut down")
         rid = self._ids.claim(request_id)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(6), "little")
         seq = Sequence(rid, list(prompt_token_ids), len(prompt_token_ids), params, seed,
@@ -116,7 +123,11 @@ class Executor:
         handle = RequestHandle(rid, self)
         tracker = RequestTracker.create(rid, len(prompt_token_ids), params, self.tokenizer, self.limits.max_seq_len,
                                         handle, on_output)
-        self._inbox.put(("add", (seq, tracker)))
+        with self._submit_lock:
+            if self._stopping:
+                self._ids.release(rid)
+                raise RuntimeError("executor is shut down")
+            self._inbox.put(("add", (seq, tracker)))
         self._wake.set()
         return handle
 
@@ -140,7 +151,8 @@ class Executor:
             acceptance_estimate=self.policy.acceptance)
 
     def shutdown(self) -> None:
-        self._stopping = True
+        with self._submit_lock:
+            self._stopping = True
         self._wake.set()
         self._thread.join(timeout=30)
 
@@ -217,6 +229,7 @@ class Executor:
             for r in results:
                 if r.new_token_ids and r.seq.request_id in self._requests:
                     self._process(r, now)
+        self._drain_inbox()  # submitted but never scheduled: cancelled too, never lost
         for rid in list(self._requests):
             self._finish(rid, "cancelled")
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import queue
 import threading
 import time
 import uuid
@@ -77,47 +76,54 @@ class ExecutorStats:
 
 
 class RequestHandle:
-    """Outputs of one request: iterate (blocking or async) over deltas, or wait for the result."""
+    """Outputs of one request: iterate (blocking or async) over deltas, or wait for the result.
+
+    Outputs are kept in order and a shared cursor marks what iteration has handed out; it moves
+    only when an output is delivered, so an async iteration cancelled while waiting (a timeout)
+    loses nothing and the next iteration carries on where it stopped.
+    """
 
     def __init__(self, request_id: str, executor: "Executor"):
         self.request_id = request_id
         self._executor = executor
-        self._outputs: queue.Queue[RequestOutput] = queue.Queue()
-        self._final: RequestOutput | None = None
-        self._done = threading.Event()
+        self._outputs: list[RequestOutput] = []
+        self._next = 0  # index of the next output iteration hands out
+        self._arrived = threading.Condition()
 
     def _push(self, out: RequestOutput) -> None:
-        if out.finished:
-            self._final = out
-            self._done.set()
-        self._outputs.put(out)
+        with self._arrived:
+            self._outputs.append(out)
+            self._arrived.notify_all()
+
+    def _wait(self, index: int) -> RequestOutput:
+        with self._arrived:
+            self._arrived.wait_for(lambda: len(self._outputs) > index)
+            return self._outputs[index]
 
     @property
     def finished(self) -> bool:
-        return self._done.is_set()
+        return bool(self._outputs) and self._outputs[-1].finished
 
     def cancel(self) -> None:
         self._executor.cancel(self.request_id)
 
     def result(self, timeout: float | None = None) -> RequestOutput:
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
-        return self._final
+        with self._arrived:
+            if not self._arrived.wait_for(lambda: self.finished, timeout):
+                raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
+            return self._outputs[-1]
+
+    def _deliver(self, out: RequestOutput) -> RequestOutput:
+        self._next += 1
+        return out
 
     def __iter__(self) -> Iterator[RequestOutput]:
-        while True:
-            out = self._outputs.get()
-            yield out
-            if out.finished:
-                return
+        while self._next == 0 or not self._outputs[self._next - 1].finished:
+            yield self._deliver(self._wait(self._next))
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        while True:
-            out = await asyncio.to_thread(self._outputs.get)
-            yield out
-            if out.finished:
-                return
-
+        while self._next == 0 or not self._outputs[self._next - 1].finished:
+            yield self._deliver(await asyncio.to_thread(self._wait, self._next))
 
 class RequestIds:
     """Ids of the requests in flight; submit runs on callers' threads, so access is locked."""
@@ -189,37 +195,45 @@ class RequestTracker:
         return cls(request_id, num_prompt_tokens, params, handle, IncrementalDetokenizer(tokenizer),
                    frozenset(stop_ids), max_seq_len, callback)
 
-    def consume(self, new: list[int], now: float, reason: str | None = None) -> tuple[list[int], str, str | None]:
+    def consume(self, new: list[int], now: float) -> tuple[list[int], str, str | None]:
         """Apply the stop rules to newly generated ids: returns (ids kept, text delta, finish reason).
 
-        Stop ids end the output before them, max_tokens / max_seq_len after the token that reaches
-        them. With stop strings, the last (longest stop - 1) characters are held back until they can
-        no longer start one, so a client never sees part of a stop string.
+        Ids are taken one at a time, so a step that emitted several (speculation) ends exactly where
+        plain decoding would: before a stop id, at the token that reaches max_tokens / max_seq_len,
+        or at the token that completes a stop string (the text cut before it). With stop strings,
+        the last (longest stop - 1) characters are held back until they can no longer start one, so
+        a client never sees part of a stop string.
         """
         p = self.params
         if new:
             self.first_token_time = self.first_token_time or now
             self.last_token_time = now
-        for i, t in enumerate(new):
+        kept: list[int] = []
+        reason, hit = None, -1
+        for t in new:
             if t in self.stop_ids:
-                new, reason = new[:i], "stop"
+                reason = "stop"
+            else:
+                kept.append(t)
+                self.held += self.detok.push([t])
+                emitted = len(self.token_ids) + len(kept)
+                if emitted >= p.max_tokens or self.num_prompt_tokens + emitted >= self.max_seq_len:
+                    reason = "length"
+            if reason:
+                self.held += self.detok.flush()
+            hit = min((i for i in (self.held.find(s) for s in p.stop) if i >= 0), default=-1)
+            if reason or hit >= 0:
                 break
-            emitted = len(self.token_ids) + i + 1
-            if emitted >= p.max_tokens or self.num_prompt_tokens + emitted >= self.max_seq_len:
-                new, reason = new[: i + 1], "length"
-                break
-        self.token_ids += new
-        self.held += self.detok.push(new) + (self.detok.flush() if reason else "")
-        hits = [i for i in (self.held.find(s) for s in p.stop) if i >= 0]
-        if hits:
-            delta, reason = self.held[: min(hits)], "stop"
+        self.token_ids += kept
+        if hit >= 0:
+            delta, reason = self.held[:hit], "stop"
         elif reason is None and p.stop:
             delta = self.held[: max(len(self.held) - (max(map(len, p.stop)) - 1), 0)]
         else:
             delta = self.held
         self.held = self.held[len(delta):]
         self.text += delta
-        return new, delta, reason
+        return kept, delta, reason
 
     def stats(self) -> RequestStats:
         n_out = len(self.token_ids)

@@ -251,6 +251,35 @@ def test_limits_above_the_engine_are_refused(engine) -> None:
         Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="always"))
 
 
+@pytest.mark.parametrize("field,value,message", [
+    ("max_num_tokens", 0, "max_num_tokens must be an integer >= 1, got 0"),
+    ("max_batch_size", 0, "max_batch_size must be an integer >= 1, got 0"),
+    ("max_seq_len", 2.5, "max_seq_len must be an integer >= 1, got 2.5"),
+    ("kv_cache_tokens", -16, "kv_cache_tokens must be an integer >= 1, got -16"),
+    ("num_draft_tokens", -1, "num_draft_tokens must be an integer >= 0, got -1"),
+])
+def test_config_values_are_checked(field, value, message) -> None:
+    """A zero limit would leave every request waiting forever: refused when the config is made."""
+    with pytest.raises(ValueError) as e:
+        ExecutorConfig(**{field: value})
+    assert str(e.value) == message
+
+
+def test_drafts_need_no_kv_room_past_max_tokens(engine, prompts, alone) -> None:
+    """Drafts stop at max_tokens - 1, so a cache that holds prompt + max_tokens serves k = 4 too."""
+    prompt = prompts[3]
+    blocks = -(-(len(prompt) + 1) // 16)
+    n = blocks * 16 - len(prompt)  # prompt + max_tokens fills `blocks` blocks exactly
+    assert 1 <= n <= MAX_TOKENS[3]
+    config = ExecutorConfig(num_draft_tokens=4, speculation="fixed", kv_cache_tokens=(blocks - 1) * 16)
+    with Executor(engine, config) as ex:
+        assert ex.cache.allocator.num_blocks == blocks
+        out = ex.submit(prompt, SamplingParams(max_tokens=n, ignore_eos=True)).result(60)
+        assert out.token_ids == alone[3][:n]
+        assert out.stats.num_draft_tokens > 0
+        assert_all_free(ex)
+
+
 def test_max_batch_size_respected(engine, prompts) -> None:
     limit = 2
     with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed", max_batch_size=limit)) as ex:
@@ -334,6 +363,17 @@ def test_shutdown_cancels_unfinished(engine, prompts) -> None:
         ex.submit(prompts[0], SamplingParams())
 
 
+def test_shutdown_right_after_submit_loses_no_request(engine, prompts) -> None:
+    """Requests still in the inbox when shutdown starts are cancelled, never left unfinished."""
+    for _ in range(3):
+        ex = Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed"))
+        handles = [ex.submit(p, SamplingParams(max_tokens=8, ignore_eos=True)) for p in prompts[:3]]
+        ex.shutdown()
+        for h in handles:
+            assert h.result(5).finish_reason in ("cancelled", "length")
+        assert_all_free(ex)
+
+
 # ---------------------------------------------------------------------------------------------
 # Streaming and statistics
 # ---------------------------------------------------------------------------------------------
@@ -407,6 +447,25 @@ def test_blocking_and_async_iteration(engine, prompts, tokenizer) -> None:
         check_stream(b, tokenizer)
         assert a[-1].token_ids == blocking[-1].token_ids
         assert len(b[-1].token_ids) == 18
+        assert_all_free(ex)
+
+
+def test_async_iteration_survives_a_cancelled_wait(engine, prompts, tokenizer) -> None:
+    """A timeout while awaiting the next output (asyncio.wait_for) must not swallow that output:
+    iterating again carries on where the cancelled wait stopped."""
+    with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed", max_batch_size=1)) as ex:
+        first = ex.submit(prompts[4], SamplingParams(max_tokens=24, ignore_eos=True))
+        h = ex.submit(prompts[3], SamplingParams(max_tokens=12, ignore_eos=True))  # waits behind the first
+
+        async def main():
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(h.__aiter__().__anext__(), 0.001)
+            return [o async for o in h]
+
+        outs = asyncio.run(main())
+        check_stream(outs, tokenizer)
+        assert len(outs[-1].token_ids) == 12
+        first.result(60)
         assert_all_free(ex)
 
 

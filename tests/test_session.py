@@ -139,6 +139,38 @@ def test_stop_strings(session, reference, cut) -> None:
     assert "".join(deltas) == full[:first]
 
 
+@pytest.mark.parametrize("stop_at", [3, 9, 17, 30])
+def test_stop_string_inside_a_multi_token_step(session, reference, stop_at) -> None:
+    """A speculative step emits several tokens at once; the request must end at the token that
+    completes the stop string, exactly as one token per step does (ids, text, reason)."""
+    from runtime.outputs import RequestTracker
+    from runtime.tokenizer import IncrementalDetokenizer
+
+    ids, tok = reference[0].token_ids, session.tokenizer
+    detok = IncrementalDetokenizer(tok)
+    texts = [detok.push([t]) for t in ids]  # the text each token completes
+    prefix = lambda n: "".join(texts[:n])  # noqa: E731
+    # a stop string: the last two characters once at least stop_at + 1 tokens are in (not blank)
+    stop = next(prefix(i)[-2:] for i in range(stop_at + 1, len(ids)) if prefix(i)[-2:].strip()
+                and "\ufffd" not in prefix(i)[-2:])
+    n = next(i for i in range(1, len(ids) + 1) if stop in prefix(i))  # the token that completes it
+    params = SamplingParams(max_tokens=40, ignore_eos=True, stop=(stop,))
+
+    def run(step: int) -> tuple[list[int], str, str | None]:
+        tracker = RequestTracker.create("r", 5, params, tok, MAX_SEQ_LEN, handle=None)
+        text, reason = "", None
+        for i in range(0, len(ids), step):
+            _, delta, reason = tracker.consume(ids[i: i + step], now=1.0)
+            text += delta
+            if reason:
+                break
+        return tracker.token_ids, text, reason
+
+    assert run(1) == (ids[:n], prefix(n)[: prefix(n).index(stop)], "stop")
+    for step in (2, 4, 5):
+        assert run(step) == run(1), f"{step} tokens per step ended elsewhere than one token per step"
+
+
 def test_stop_token_ids(session, reference) -> None:
     ids = reference[1].token_ids
     stop_id = ids[5]
