@@ -1,8 +1,12 @@
 """Sampling parameters, target/draft distributions and the acceptance rules of speculative decoding.
 
 Randomness is counter-based: every uniform draw is a hash of (request seed, token position, purpose),
-so a seeded request gives the same output whatever else shares its batch, and the draws are
-vectorized over the batch without per-request generator objects.
+so a seeded request draws the same numbers whatever else shares its batch, and the draws are
+vectorized over the batch without per-request generator objects. Its output repeats when its
+draft lengths repeat (always at k = 0; at a fixed k unless a full token budget cuts drafts).
+Lossless acceptance consumes the draws differently for different k, so under adaptive
+speculation, whose k follows the load, a seeded sampled request can take another path, drawn
+from the same distribution. Greedy output never depends on k.
 
 Acceptance (rows are sequences, columns draft positions j = 0..k-1, target rows j = 0..k):
 - greedy: accept while the draft equals the target argmax; emit the argmax at the first mismatch;
@@ -122,7 +126,8 @@ def probabilities(logits: Tensor, st: SamplingTensors) -> Tensor:
         rank = torch.arange(scaled.shape[-1], device=scaled.device)
         drop = (st.top_k[:, None] > 0) & (rank[None, :] >= st.top_k[:, None])
         sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
-        drop |= (sorted_probs.cumsum(-1) - sorted_probs) >= st.top_p[:, None]  # keep the smallest nucleus
+        nucleus = (sorted_probs.cumsum(-1) - sorted_probs) >= st.top_p[:, None]  # keep the smallest nucleus
+        drop |= nucleus & (st.top_p[:, None] < 1)  # rounding must not cut the tail of a row without top-p
         scaled = scaled.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = scaled.softmax(-1)
     if bool(greedy.any()):

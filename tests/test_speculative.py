@@ -514,6 +514,21 @@ def test_relaxed_thinking_opened_in_prompt(tiny_engine) -> None:
         f"{out.stats.num_draft_tokens} drafts accepted")
 
 
+def test_distribution_of_a_row_does_not_depend_on_its_batch() -> None:
+    """Rows without top-k / top-p keep their whole distribution when they share the batch with a
+    row that uses them (the nucleus cut must not round away their tails), bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(8, 4096, generator=g) * 3
+    alone = probabilities(logits, SamplingTensors(torch.full((8,), 0.9), torch.zeros(8, dtype=torch.long),
+                                                  torch.ones(8)))
+    mixed = probabilities(torch.cat([logits, logits[:1]]),
+                          SamplingTensors(torch.tensor([0.9] * 8 + [0.7]), torch.tensor([0] * 8 + [50]),
+                                          torch.tensor([1.0] * 8 + [0.5])))
+    assert (alone > 0).all()
+    assert torch.equal(mixed[:8], alone)
+    assert (mixed[8] > 0).sum() <= 50
+
+
 # ---------------------------------------------------------------------------------------------
 # End-to-end sampling through the executor
 # ---------------------------------------------------------------------------------------------
