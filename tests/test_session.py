@@ -220,7 +220,11 @@ def test_seed_reproducibility(session) -> None:
 # Validation: exact messages
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("params, message", [
-    (SamplingParams(temperature=-0.5), "temperature must be >= 0, got -0.5"),
+    (SamplingParams(temperature=-0.5), "temperature must be a finite number >= 0, got -0.5"),
+    (SamplingParams(temperature=float("inf")), "temperature must be a finite number >= 0, got inf"),
+    (SamplingParams(temperature=None), "temperature must be a finite number >= 0, got None"),
+    (SamplingParams(top_p=None), "top_p must be in (0, 1], got None"),
+    (SamplingParams(max_tokens=True), "max_tokens must be an integer >= 1, got True"),
     (SamplingParams(top_p=0.0), "top_p must be in (0, 1], got 0.0"),
     (SamplingParams(top_p=1.5), "top_p must be in (0, 1], got 1.5"),
     (SamplingParams(top_k=-1), "top_k must be an integer >= 0, got -1"),
@@ -233,6 +237,14 @@ def test_invalid_params(session, params, message) -> None:
     with pytest.raises(ValueError) as e:
         session.generate(PROMPT, params)
     assert str(e.value) == message
+
+
+def test_numpy_integers_are_accepted(session, reference) -> None:
+    """Parameters often come from numpy arrays (Triton tensors): numpy integers are integers."""
+    import numpy as np
+
+    [r] = session.generate(PROMPT, SamplingParams(max_tokens=np.int64(5), top_k=np.int32(0), ignore_eos=True))
+    assert r.token_ids == reference[0].token_ids[:5]
 
 
 def test_max_tokens_past_max_seq_len(session) -> None:
