@@ -7,7 +7,10 @@ tools/fill_template.py, so the same deployment scripts work on our model reposit
 
 Values containing ',' or ':' escape them with '\\'. Placeholders not named are left as they
 are (string.Template.safe_substitute), so a template can be filled in several passes; a key the
-file does not contain is an error (a typo would otherwise be silently ignored).
+file does not contain is an error (a typo would otherwise be silently ignored), except the keys of
+upstream's templates that this repository has no use for (GPU memory, beam search, LoRA, logits
+outputs, ...): those are accepted and reported as ignored, so upstream's documented commands run
+unchanged.
 """
 
 from __future__ import annotations
@@ -19,6 +22,22 @@ from string import Template
 
 # Upstream fills these two when not given, so dynamic_batching blocks stay valid.
 DEFAULTS = {"max_queue_size": "0", "max_queue_delay_microseconds": "0"}
+
+# Placeholders of TensorRT-LLM backend's inflight_batcher_llm templates that ours do not have.
+UPSTREAM_ONLY = frozenset({
+    "triton_backend", "batching_strategy", "max_beam_width", "max_attention_window_size", "sink_token_length",
+    "batch_scheduler_policy", "kv_cache_free_gpu_mem_fraction", "cross_kv_cache_fraction",
+    "kv_cache_host_memory_bytes", "kv_cache_onboard_blocks", "enable_trt_overlap", "iter_stats_max_iterations",
+    "request_stats_max_iterations", "enable_kv_cache_reuse", "normalize_log_probs", "enable_chunked_context",
+    "gpu_device_ids", "participant_ids", "lora_cache_optimal_adapter_size", "lora_cache_max_adapter_size",
+    "lora_cache_gpu_memory_fraction", "lora_cache_host_memory_bytes", "lora_prefetch_dir", "decoding_mode",
+    "medusa_choices", "eagle_choices", "gpu_weights_percent", "enable_context_fmha_fp32_acc", "multi_block_mode",
+    "cuda_graph_mode", "cuda_graph_cache_size", "speculative_decoding_fast_logits", "encoder_engine_dir",
+    "encoder_input_features_data_type", "logits_datatype", "prompt_embedding_table_data_type", "accumulate_tokens",
+    "tensorrt_llm_model_name", "tensorrt_llm_draft_model_name", "multimodal_encoders_name",
+    "guided_decoding_backend", "xgrammar_tokenizer_info_path", "lookahead_window_size", "lookahead_ngram_size",
+    "lookahead_verification_set_size", *DEFAULTS,
+})
 
 
 def split_escaped(text: str, delimiter: str, maxsplit: int = -1, unescape: bool = True) -> list[str]:
@@ -55,11 +74,15 @@ def parse_substitutions(text: str) -> dict[str, str]:
     return subs
 
 
+def placeholders(template_text: str) -> set[str]:
+    tmpl = Template(template_text)
+    return {m.group("named") or m.group("braced") for m in tmpl.pattern.finditer(template_text)} - {None}
+
+
 def fill(template_text: str, substitutions: dict[str, str], source: str = "template") -> str:
     """Return the template with `substitutions` (plus DEFAULTS) applied."""
     tmpl = Template(template_text)
-    names = {m.group("named") or m.group("braced") for m in tmpl.pattern.finditer(template_text)} - {None}
-    missing = sorted(set(substitutions) - names)
+    missing = sorted(set(substitutions) - placeholders(template_text) - UPSTREAM_ONLY)
     if missing:
         raise KeyError(f"{source}: no placeholder ${{{missing[0]}}} (keys not found: {', '.join(missing)})")
     return tmpl.safe_substitute({**DEFAULTS, **substitutions})
@@ -72,10 +95,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-i", "--in_place", action="store_true", help="rewrite the file instead of printing")
     args = parser.parse_args(argv)
     try:
-        text = fill(args.file_path.read_text(), parse_substitutions(args.substitutions), str(args.file_path))
+        template, subs = args.file_path.read_text(), parse_substitutions(args.substitutions)
+        text = fill(template, subs, str(args.file_path))
     except (KeyError, ValueError, OSError) as e:
         print(f"fill_template: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         return 2
+    ignored = sorted(set(subs) - placeholders(template) - set(DEFAULTS))
+    if ignored:
+        print(f"fill_template: {args.file_path}: ignored (not used by this repository): {', '.join(ignored)}",
+              file=sys.stderr)
     if args.in_place:
         args.file_path.write_text(text)
     else:

@@ -202,6 +202,14 @@ def test_fill_template_escapes_and_leaves_other_placeholders(tmp_path: Path) -> 
     assert config.read_text() == "x: 1,2\n"
     bad = subprocess.run([sys.executable, script, config, "typo:1"], capture_output=True, text=True)
     assert bad.returncode == 2 and "typo" in bad.stderr
+    # upstream's documented commands pass keys our templates do not have: accepted, reported
+    config.write_text("x: ${a}\n")
+    upstream = subprocess.run([sys.executable, script, "-i", config, "a:2,batching_strategy:inflight_fused_batching,"
+                               "logits_datatype:TYPE_FP32,max_queue_size:0"], capture_output=True, text=True)
+    assert upstream.returncode == 0, upstream.stderr
+    assert config.read_text() == "x: 2\n"
+    assert upstream.stderr == (f"fill_template: {config}: ignored (not used by this repository): batching_strategy, "
+                               "logits_datatype\n")
 
 
 def test_every_template_placeholder_is_filled_by_the_test_values(tmp_path: Path) -> None:
@@ -313,21 +321,25 @@ def test_http_generate_stream_sends_utf8_deltas(server: TritonServer, expected: 
 
 
 @pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+@pytest.mark.parametrize("stop_words", [None, [["\x00never\x00"]]], ids=["no_stop_words", "stop_words"])
 def test_grpc_streaming_chunks_are_whole_characters(server: TritonServer, session: Session, expected: dict,
-                                                    model: str) -> None:
+                                                    model: str, stop_words: Any) -> None:
+    """Every chunk is whole UTF-8, and a request with stop words streams too (it must not wait
+    for the end because the runtime holds back text that could start a stop string)."""
     tok = session.tokenizer
     split_chars = 0
+    extra = {} if stop_words is None else {"stop_words": stop_words}
     for prompt in PROMPTS:
         want = expected[prompt]
         # does this output contain a token that is only part of a character?
         split_chars += sum(1 for t in want.token_ids if _incomplete_utf8(tok.byte_table[t]))
         out = grpc_stream(server, model, text_input=prompt, max_tokens=TOKENS, stream=True,
-                          exclude_input_in_output=True)
+                          exclude_input_in_output=True, **extra)
         assert out.error is None
         for chunk in out.chunks:
             chunk.decode("utf-8")  # strict: every chunk is whole UTF-8 on its own
         assert out.text == want.text
-        assert len(out.chunks) > 1
+        assert len(out.chunks) > TOKENS // 4
     assert split_chars > 0, "no output split a character: the test would not see a broken chunk"
 
 
@@ -392,7 +404,7 @@ def test_concurrent_streaming_clients_share_the_batch(server: TritonServer, expe
     assert overlapping >= 4
 
 
-def test_stop_words_end_the_output(server: TritonServer, expected: dict) -> None:
+def test_stop_words_end_the_output(server: TritonServer, session: Session, expected: dict) -> None:
     prompt, full = next((p, expected[p].text) for p in PROMPTS
                         if len(expected[p].text) > 12 and "\ufffd" not in expected[p].text[4:10])
     stop = full[4:7]
@@ -401,7 +413,9 @@ def test_stop_words_end_the_output(server: TritonServer, expected: dict) -> None
                       exclude_input_in_output=True)
     assert out.error is None
     # generation ends with the token that completes the stop word (as TensorRT-LLM, it is kept)
-    assert full.startswith(out.text) and stop in out.text and len(out.text) < len(full)
+    ids = expected[prompt].token_ids
+    n = next(i for i in range(1, len(ids) + 1) if stop in session.tokenizer.decode(ids[:i]))
+    assert out.text == session.tokenizer.decode(ids[:n])
     assert out.text.index(stop) == start
 
 
@@ -448,6 +462,29 @@ def test_grpc_stream_cancel_frees_kv_blocks(server: TritonServer, session: Sessi
     out = grpc_stream(server, model, on_first=lambda c: c.stop_stream(cancel_requests=True) or True, **values)
     assert out.error is None
     assert wait_for(lambda: _cancelled(server) == before + 1 and _kv_free(server))
+    assert_healthy(server)
+
+
+def test_bls_cancel_hits_only_its_own_request(server: TritonServer) -> None:
+    """Two BLS clients may use the same request id; cancelling one must not end the other."""
+    before = _cancelled(server)
+    finished = metric(metrics(server), "nv_trt_llm_requests_total", finish_reason="length")
+    other: dict[str, Streamed] = {}
+    thread = threading.Thread(target=lambda: other.update(out=grpc_stream(
+        server, "tensorrt_llm_bls", request_id="same-id", **dict(LONG, max_tokens=MAX_SEQ_LEN // 2))))
+    thread.start()
+    try:
+        assert wait_for(lambda: metric(metrics(server), "nv_trt_llm_request_metrics", request_type="active") >= 1)
+        out = grpc_stream(server, "tensorrt_llm_bls", request_id="same-id",
+                          on_first=lambda c: c.stop_stream(cancel_requests=True) or True, **LONG)
+        assert out.error is None
+    finally:
+        thread.join(120)
+    assert wait_for(lambda: _cancelled(server) == before + 1 and _kv_free(server))
+    assert other["out"].error is None
+    assert metric(metrics(server), "nv_trt_llm_requests_total", finish_reason="length") == finished + 1, \
+        "the other request did not run to max_tokens"
+    assert _cancelled(server) == before + 1
     assert_healthy(server)
 
 
@@ -509,6 +546,8 @@ BAD_REQUESTS = {
     "bad_word_of_several_tokens": (dict(GOOD, bad_words=[["hello world"]]), "bad_words"),
     "beam_search": (dict(GOOD, beam_width=2), "beam_width"),
     "seed_too_large": (dict(GOOD, seed=np.uint64(2**64 - 1)), "seed"),
+    "end_id_out_of_range": (dict(GOOD, end_id=10**7), "end_id must be a token id"),
+    "perf_metrics": (dict(GOOD, return_perf_metrics=True), "return_perf_metrics"),
 }
 
 

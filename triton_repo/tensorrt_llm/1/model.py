@@ -7,8 +7,8 @@ queues outputs; one sender thread turns them into responses (keeping Triton IPC 
 loop), notices cancelled requests and cancels them in the executor, which frees their KV blocks.
 A metrics thread publishes the executor's stats as Triton custom metrics.
 
-Streaming chunks are cut where the executor's own text has caught up with the tokens, so each
-chunk's ids decode to whole characters (and never to a held-back partial stop string).
+Streaming chunks end on whole characters: ids whose text ends inside a character (U+FFFD) wait
+for the next output. Stop words stay in the output, as upstream's do.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "return_log_probs": (lambda v: not v, "false"),
     "return_context_logits": (lambda v: not v, "false"),
     "return_generation_logits": (lambda v: not v, "false"),
+    "return_perf_metrics": (lambda v: not v, "false"),
 }
 
 
@@ -68,7 +69,6 @@ class Stream:
     prefix: list[int]  # prompt ids put before a non-streamed output (empty when excluded)
     executor_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     pending: list[int] = field(default_factory=list)  # streamed ids not sent yet
-    pending_text: str = ""  # the executor's text for them so far
 
 
 def word_list(request: Any, name: str) -> list[list[int]]:
@@ -200,6 +200,9 @@ class TritonPythonModel:
         end_id = self._scalar(request, "end_id")
         ignore_eos = end_id is not None and end_id != self.tokenizer.eos_token_id
         if ignore_eos and end_id >= 0:  # a custom end id replaces eos; a negative one means none
+            if end_id >= self.tokenizer.vocab_size:
+                raise ValueError(f"end_id must be a token id in [0, {self.tokenizer.vocab_size}) or negative "
+                                 f"(no end id), got {end_id}")
             stop_ids.append(end_id)
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -251,11 +254,9 @@ class TritonPythonModel:
             return
         if stream.streaming:
             stream.pending += out.new_token_ids
-            stream.pending_text += out.text_delta
-            if not out.finished and (not stream.pending or
-                                     self.tokenizer.decode(stream.pending) != stream.pending_text):
-                return  # the chunk would end inside a character or show held-back text
-            ids, stream.pending, stream.pending_text = stream.pending, [], ""
+            if not out.finished and (not stream.pending or self.tokenizer.decode(stream.pending).endswith("\ufffd")):
+                return  # the chunk would end inside a character
+            ids, stream.pending = stream.pending, []
         elif out.finished:
             ids = stream.prefix + out.token_ids
         else:

@@ -100,7 +100,7 @@ class TritonPythonModel:
         pre = outputs(pb_utils.InferenceRequest(
             model_name="preprocessing", inputs=renamed(request, TO_PREPROCESSING),
             requested_output_names=list(PREPROCESSED)).exec())
-        engine_id = request.request_id() or uuid.uuid4().hex
+        engine_id = f"{request.request_id()}#{uuid.uuid4().hex}"  # unique: a stop for it ends this request only
         engine_request = pb_utils.InferenceRequest(
             model_name=self.engine_model, request_id=engine_id,
             inputs=[pb_utils.Tensor(PREPROCESSED[k], v) for k, v in pre.items()] + renamed(request, TO_ENGINE),
