@@ -2,8 +2,9 @@
 
 Each step: running decodes first (1 + k tokens each, draft tokens reserved in the token budget and
 in the KV cache), then prefill chunks for partially prefilled and waiting sequences within
-max_num_tokens. When the cache cannot grow a running sequence, the most recently admitted one is
-preempted: its blocks are freed and it is recomputed later from its tokens. Nothing is dropped.
+max_num_tokens. When the cache cannot hold a decode's drafts, it decodes without them; when it
+cannot grow a running sequence at all, the most recently admitted one is preempted: its blocks
+are freed and it is recomputed later from its tokens. Nothing is dropped.
 
 The draft length comes from a `DraftPolicy`: fixed, off, or adaptive: the k that maximizes
 expected tokens per second for the current batch size, from the acceptance measured per draft depth
@@ -159,7 +160,9 @@ class Scheduler:
                     self.cache.grow(seq.block_table, seq.num_tokens + drafts)
                     break
                 except OutOfBlocks:
-                    if self._preempt_latest() is seq:
+                    if drafts:  # drafts are optional: decode without them before preempting anyone
+                        drafts = 0
+                    elif self._preempt_latest() is seq:
                         break
             if seq in self.running:
                 plan.append(Scheduled(seq, 1 + drafts, drafts))

@@ -571,6 +571,28 @@ def costs(target_per_token: float, target_fixed: float, mtp: float) -> StepCosts
                      [b * mtp for b in sizes])
 
 
+def test_drafts_are_dropped_before_anyone_is_preempted(engine) -> None:
+    """When the cache holds a decode's next token but not its drafts, the step decodes without
+    drafts: preempting another request for optional drafts would throw its work away."""
+    import torch
+
+    from runtime.kv_cache import KVCache
+    from runtime.scheduler import Scheduler, SchedulerConfig
+    from runtime.sequence import Sequence, Status
+
+    cache = KVCache(engine.model_config, num_blocks=4, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_batch_size=8, max_num_tokens=64, max_seq_len=64), cache,
+                      DraftPolicy("fixed", 3))
+    for i in range(2):  # two decoding sequences of 8 tokens fill the 4 blocks
+        seq = Sequence(f"r{i}", list(range(8)), 4, SamplingParams(max_tokens=32), seed=i, status=Status.RUNNING,
+                       block_table=cache.allocator.allocate(2), num_cached=7, num_mtp=6,
+                       pending_hidden=torch.zeros(1, engine.model_config.hidden_size), admitted_at=i + 1)
+        sched.running.append(seq)
+    plan = sched.schedule()
+    assert [(it.seq.request_id, it.num_new, it.num_drafts) for it in plan] == [("r0", 1, 0), ("r1", 1, 0)]
+    assert len(sched.running) == 2 and not sched.waiting
+
+
 def test_draft_policy_off_when_verification_costs_more() -> None:
     # compute-bound: verifying k drafts costs k+1 full forwards, and drafting is not free either
     policy = DraftPolicy("adaptive", 4, costs(target_per_token=1.0, target_fixed=0.0, mtp=0.3), prior_acceptance=0.7)
