@@ -50,6 +50,14 @@ class SamplingParams:
     bad_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
 
+    def __post_init__(self) -> None:
+        """A single stop string is one stop string (not one per character); lists become tuples."""
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        for name in ("stop", "stop_token_ids", "bad_token_ids"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the parameter and what was expected."""
         if not _is_int(self.max_tokens) or self.max_tokens < 1:

@@ -171,6 +171,11 @@ def test_stop_string_inside_a_multi_token_step(session, reference, stop_at) -> N
         assert run(step) == run(1), f"{step} tokens per step ended elsewhere than one token per step"
 
 
+def test_a_single_stop_string_is_not_split_into_characters() -> None:
+    assert SamplingParams(stop="def").stop == ("def",)
+    assert SamplingParams(stop=["a", "b"], stop_token_ids=[3]) == SamplingParams(stop=("a", "b"), stop_token_ids=(3,))
+
+
 def test_stop_token_ids(session, reference) -> None:
     ids = reference[1].token_ids
     stop_id = ids[5]
