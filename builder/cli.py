@@ -8,8 +8,10 @@ output directory appears only when the build is complete.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from builder.convert import (
@@ -86,8 +88,14 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM (kill, docker stop, a scheduler's time limit) cleans up like Ctrl-C
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
     try:
         run(args)
     except (BuildError, EngineError, CheckpointError, ConfigError) as e:
@@ -102,6 +110,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> None:
     check_output_dir(args.output_dir, args.force)
+    out = args.output_dir.resolve()
+    for flag, src in (("--model_dir", args.model_dir), ("--checkpoint_dir", args.checkpoint_dir),
+                      ("--tokenizer_dir", args.tokenizer_dir), ("the current directory", Path.cwd())):
+        if src is not None and (out == src.resolve() or out in src.resolve().parents):
+            raise BuildError(f"--output_dir {args.output_dir} is or contains {flag} ({src}); "
+                             "replacing it would delete that; choose another directory")
     options = TrtllmOptions(
         enable_attention_dp=args.enable_attention_dp, kv_cache_dtype=args.kv_cache_dtype,
         free_gpu_memory_fraction=args.free_gpu_memory_fraction, enable_block_reuse=args.enable_block_reuse,

@@ -280,8 +280,11 @@ def check_output_dir(out_dir: Path, force: bool) -> None:
 def atomic_dir(out_dir: Path, force: bool) -> Iterator[Path]:
     """Check out_dir may be (re)placed, then build it atomically (builder.atomic)."""
     check_output_dir(out_dir, force)
-    with atomic(out_dir) as tmp:
-        yield tmp
+    try:
+        with atomic(out_dir, force) as tmp:
+            yield tmp
+    except FileExistsError as e:
+        raise BuildError(str(e)) from None
 
 
 def check_tokenizer(src: Path) -> list[str]:

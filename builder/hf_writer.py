@@ -51,7 +51,7 @@ def write_hf_checkpoint(
         config = dataclasses.replace(config, quantization_config=None)
     block = config.quantization_config.weight_block_size if fp8 else None
 
-    with atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir, force) as tmp:
         (tmp / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
         shards: list[list[str]] = []  # tensor names per shard, in order
         shard: dict[str, torch.Tensor] = {}

@@ -301,7 +301,7 @@ def load_engine(path: str | Path, device: str | torch.device = "cpu", dtype: str
         cfg, build = manifest.model_config, _as_loaded(manifest.build, dtype)
         model = _empty_model(cfg, device, build.torch_dtype)
         _load_ranks(model, path, manifest.weights, build)
-        return LoadedEngine(model, cfg, build, path, path, built=False)
+        return LoadedEngine(model, cfg, build, path, path)
     if (path / "config.json").is_file():
         return _load_hf(path, device, dtype)
     raise EngineError(

@@ -226,6 +226,82 @@ def test_interrupted_conversion_leaves_nothing(hf, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_sigterm_cleans_up_like_ctrl_c(hf, tmp_path):
+    """kill / docker stop / a scheduler's time limit send SIGTERM: no hidden temporaries stay."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    work = tmp_path / "w"
+    work.mkdir()
+    # slow the build down enough to be caught mid-way: a rank file is written slowly
+    code = ("import sys, time, builder.engine as e; orig = e._build_rank\n"
+            "def slow(*a):\n    time.sleep(0.3)\n    return orig(*a)\n"
+            "e._build_rank = slow\nfrom builder.cli import main\nsys.exit(main(sys.argv[1:]))")
+    proc = subprocess.Popen([sys.executable, "-c", code, "--model_dir", str(hf), "--output_dir", str(work / "out"),
+                             "--max_seq_len", "256", "--tp_size", "2"], cwd=Path(__file__).resolve().parents[1], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not any(work.glob(".out.*")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted; no output directory was written" in err
+    assert list(work.iterdir()) == []
+
+
+def test_force_replaces_atomically_and_never_deletes_inputs(hf, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out"
+    assert cli("--model_dir", hf, "--output_dir", out, "--max_seq_len", 256) == 0
+    old = sorted(p.name for p in out.iterdir())
+    # interrupted after the new engine is complete but before it replaces the old one: the old stays whole
+    import builder.atomic as atomic
+
+    def interrupted_rename(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(atomic.os, "rename", interrupted_rename)
+    assert cli("--model_dir", hf, "--output_dir", out, "--max_seq_len", 128, "--force") == 130
+    monkeypatch.undo()
+    assert sorted(p.name for p in out.iterdir()) == old and load_engine(out).build.max_seq_len == 256
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    # an output directory that is or contains an input is refused, even with --force
+    inside = tmp_path / "models"
+    shutil.copytree(hf, inside / "hf")
+    assert error(capsys, "--model_dir", inside / "hf", "--output_dir", inside, "--force") == (
+        f"build_engine: error: --output_dir {inside} is or contains --model_dir ({inside / 'hf'}); "
+        "replacing it would delete that; choose another directory")
+    monkeypatch.chdir(inside)
+    assert error(capsys, "--model_dir", inside / "hf", "--output_dir", ".", "--force") == (
+        f"build_engine: error: --output_dir . is or contains --model_dir ({inside / 'hf'}); "
+        "replacing it would delete that; choose another directory")
+    assert (inside / "hf" / "config.json").is_file()
+
+
+def test_output_that_appears_during_the_build_is_not_replaced(hf, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out"
+    orig = engine_builder._build_rank
+
+    def meanwhile(*args):
+        out.mkdir(exist_ok=True)
+        (out / "precious.txt").write_text("x")
+        return orig(*args)
+
+    monkeypatch.setattr(engine_builder, "_build_rank", meanwhile)
+    assert error(capsys, "--model_dir", hf, "--output_dir", out, "--max_seq_len", 256) == (
+        f"build_engine: error: {out}: appeared while the output was being written; not replaced (--force replaces it)")
+    assert sorted(p.name for p in out.iterdir()) == ["precious.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_loaded_engine_limits_are_hard(hf, tmp_path):
+    """An engine directory's limits are build choices: loading marks it built (a plain checkpoint is not)."""
+    engine = build(hf, tmp_path)
+    assert load_engine(engine).built is True
+    assert load_engine(hf).built is False
+
+
 # ---- build_engine: user errors -------------------------------------------------------------------
 def error(capsys, *args: str) -> str:
     """Run build_engine expecting a user error: exit code 2, one message line, no traceback."""
