@@ -68,9 +68,10 @@ def validate_build(cfg: ModelConfig, build: BuildConfig, source: str, use_mtp_va
 
 def validate_sharding(cfg: ModelConfig, build: BuildConfig, source: str) -> None:
     """tp_size and ep_size must split heads, MLP widths and experts evenly (the vocabulary is padded)."""
+    dense = any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers))
     divides = [
         ("--tp_size", build.tp_size, "num_attention_heads", cfg.num_attention_heads),
-        ("--tp_size", build.tp_size, "intermediate_size", cfg.intermediate_size),
+        *([("--tp_size", build.tp_size, "intermediate_size", cfg.intermediate_size)] if dense else []),
         ("--tp_size", build.tp_size, "n_shared_experts * moe_intermediate_size", cfg.n_shared_experts * cfg.moe_intermediate_size),
         ("--ep_size", build.ep_size, "n_routed_experts", cfg.n_routed_experts),
         ("--tp_size / --ep_size", build.moe_tp_size, "moe_intermediate_size", cfg.moe_intermediate_size),

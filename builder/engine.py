@@ -76,7 +76,9 @@ class TrtllmCheckpoint:
             )
         try:
             build = BuildConfig(dtype=raw["dtype"], tp_size=tp, ep_size=ep, quant_algo=algo,
-                                max_draft_len=raw["speculative_decoding"]["max_draft_len"])
+                                max_draft_len=(raw.get("speculative_decoding") or {}).get("max_draft_len", 0))
+        except KeyError as e:
+            raise BuildError(f"{source}: missing field {e}") from None
         except EngineError as e:
             raise BuildError(f"{source}: {e}") from None
         ckpt = cls(path, cfg, build)

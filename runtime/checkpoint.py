@@ -24,6 +24,7 @@ from runtime.fp8 import BLOCK, FP8_DTYPE, dequantize_block_fp8, scale_shape
 INDEX_NAME = "model.safetensors.index.json"
 SCALE_SUFFIX = "_scale_inv"
 FP8_CODE = "F8_E4M3"  # safetensors' name for float8_e4m3fn
+FLOAT_CODES = ("BF16", "F16", "F32", FP8_CODE)  # what a release tensor may be stored as
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 _PROJ = r"(gate_proj|up_proj|down_proj)"
@@ -263,8 +264,16 @@ class HFCheckpoint:
             if name not in self._weight_map:
                 raise CheckpointError(f"{self._source}: tensor {name!r} is missing, expected shape {list(shape)}")
             self._check_shape(name, shape)
-            if self.tensor_info(name).dtype == FP8_CODE:
-                self._check_shape(self._scale_of(name), scale_shape(shape, self.block))
+            dtype = self.tensor_info(name).dtype
+            if dtype not in FLOAT_CODES:
+                raise CheckpointError(f"{self.path / self._shard_of(name)}: tensor {name!r} is {dtype}, "
+                                      f"expected one of {', '.join(FLOAT_CODES)}")
+            if dtype == FP8_CODE:
+                scale = self._scale_of(name)
+                self._check_shape(scale, scale_shape(shape, self.block))
+                if self.tensor_info(scale).dtype != "F32":
+                    raise CheckpointError(f"{self.path / self._shard_of(scale)}: tensor {scale!r} is "
+                                          f"{self.tensor_info(scale).dtype}, expected F32 (block scales)")
 
     # ---- internals ----------------------------------------------------------------------------
     def _shard_of(self, name: str) -> str:

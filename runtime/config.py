@@ -17,6 +17,18 @@ class ConfigError(ValueError):
     """A config.json that is missing, unreadable or describes a model we cannot run."""
 
 
+POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                 "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group", "n_shared_experts",
+                 "moe_layer_freq", "max_position_embeddings")
+NON_NEGATIVE_INTS = ("num_nextn_predict_layers", "first_k_dense_replace")
+POSITIVE_NUMBERS = ("routed_scaling_factor", "rms_norm_eps", "rope_theta")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """YaRN parameters (`rope_scaling` in config.json). Both mscale keys matter."""
@@ -120,11 +132,19 @@ class ModelConfig:
         if missing:
             raise ConfigError(f"{source}: missing required field(s) {', '.join(missing)}")
         kwargs: dict[str, Any] = {k: raw[k] for k in known if k in raw}
-        for name in required + ["num_nextn_predict_layers", "first_k_dense_replace"]:
-            if name in kwargs and not isinstance(kwargs[name], int):
-                raise ConfigError(f"{source}: field {name!r} must be an integer, got {kwargs[name]!r}")
-        if kwargs.get("q_lora_rank") is not None and not isinstance(kwargs["q_lora_rank"], int):
-            raise ConfigError(f"{source}: field 'q_lora_rank' must be an integer or null")
+        for name in POSITIVE_INTS + NON_NEGATIVE_INTS:
+            low = 1 if name in POSITIVE_INTS else 0
+            if name in kwargs and (not _is_int(kwargs[name]) or kwargs[name] < low):
+                raise ConfigError(f"{source}: field {name!r} must be an integer >= {low}, got {kwargs[name]!r}")
+        for name in POSITIVE_NUMBERS:
+            value = kwargs.get(name, 1.0)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+                raise ConfigError(f"{source}: field {name!r} must be a number > 0, got {value!r}")
+        if kwargs.get("q_lora_rank") is not None and not (_is_int(kwargs["q_lora_rank"]) and kwargs["q_lora_rank"] > 0):
+            raise ConfigError(f"{source}: field 'q_lora_rank' must be an integer >= 1 or null")
+        for name in ("rope_scaling", "quantization_config"):
+            if raw.get(name) is not None and not isinstance(raw[name], dict):
+                raise ConfigError(f"{source}: field {name!r} must be an object or null, got {raw[name]!r}")
         if raw.get("rope_scaling") is not None:
             rs = dict(raw["rope_scaling"])
             rs_type = rs.pop("type", rs.pop("rope_type", "yarn"))
@@ -142,7 +162,11 @@ class ModelConfig:
                     f"{source}: field 'quantization_config.quant_method' is {q.get('quant_method')!r}, "
                     "expected 'fp8'"
                 )
-            q["weight_block_size"] = tuple(q.get("weight_block_size", (128, 128)))
+            block = q.get("weight_block_size", [128, 128])
+            if not (isinstance(block, list) and len(block) == 2 and all(_is_int(b) and b > 0 for b in block)):
+                raise ConfigError(f"{source}: field 'quantization_config.weight_block_size' must be two integers "
+                                  f">= 1, got {block!r}")
+            q["weight_block_size"] = tuple(block)
             kwargs["quantization_config"] = QuantizationConfig(
                 **{k: v for k, v in q.items() if k in QuantizationConfig.__dataclass_fields__}
             )

@@ -237,6 +237,10 @@ class EngineManifest:
             raise EngineError(f"{path}: missing field {e}") from None
         except ConfigError as e:
             raise EngineError(str(e)) from None
+        except EngineError:
+            raise
+        except (TypeError, ValueError, AttributeError) as e:
+            raise EngineError(f"{path}: malformed field ({e}); rebuild the engine") from None
         if raw.get("backend") != build.backend:
             raise EngineError(f"{path}: field 'backend' is {raw.get('backend')!r}, expected {build.backend!r} as in 'build'")
         if stored_hash != manifest.content_hash:
@@ -315,6 +319,7 @@ def _load_hf(path: Path, device: str | torch.device, dtype: str | torch.dtype | 
     try:
         ckpt = HFCheckpoint(path)
         cfg = ckpt.config
+        ckpt.validate(include_mtp=cfg.num_nextn_predict_layers > 0)  # headers only: names, shapes, dtypes
         build = _as_loaded(BuildConfig(
             max_seq_len=min(cfg.max_position_embeddings, HF_MAX_SEQ_LEN),
             max_draft_len=HF_MAX_DRAFT_LEN if cfg.num_nextn_predict_layers else 0,

@@ -31,7 +31,7 @@ def to_internal(name: str, cfg: ModelConfig) -> tuple[str, int | None]:
         j, rest = int(m.group(1)) - cfg.num_hidden_layers, m.group(2)
         name = f"mtp.{j}.{rest}" if rest.startswith(_MTP_OWN) else f"mtp.{j}.block.{rest}"
     e = _EXPERT.fullmatch(name)
-    if e:
+    if e and int(e.group(2)) < cfg.n_routed_experts:  # past n_routed_experts: an unexpected tensor
         return f"{e.group(1)}.{e.group(3)}", int(e.group(2))
     return name, None
 

@@ -414,6 +414,20 @@ def test_error_draft_len(tiny_checkpoint, hf, tmp_path, capsys):
     assert load_engine(out).build.max_draft_len == 0
 
 
+def test_trtllm_checkpoint_without_max_draft_len(hf, tmp_path):
+    """A speculative_decoding section without max_draft_len reads as k = 0 (it was a KeyError traceback)."""
+    ckpt = convert_checkpoint(hf, tmp_path / "ckpt", BuildConfig(**LIMITS), progress=False)
+    raw = json.loads((ckpt / "config.json").read_text())
+    del raw["speculative_decoding"]["max_draft_len"]
+    (ckpt / "config.json").write_text(json.dumps(raw))
+    assert TrtllmCheckpoint.read(ckpt).build.max_draft_len == 0
+
+
+def test_tp_size_ignores_intermediate_size_without_dense_layers(tiny_checkpoint, tmp_path):
+    src = tiny_checkpoint("alldense0", tiny_config_dict(first_k_dense_replace=0, intermediate_size=50))
+    assert cli("--model_dir", src, "--output_dir", tmp_path / "out", "--max_seq_len", 256, "--tp_size", 4) == 0
+
+
 def test_error_flags_against_checkpoint(hf, tmp_path, capsys):
     ckpt = convert_checkpoint(hf, tmp_path / "ckpt", BuildConfig(**LIMITS, tp_size=2), progress=False)
     out = tmp_path / "out"

@@ -326,6 +326,63 @@ def test_error_fp8_weight_without_scale(make_ckpt):
     assert str(e.value) == want
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (dict(n_group=0), "field 'n_group' must be an integer >= 1, got 0"),
+    (dict(moe_layer_freq=0), "field 'moe_layer_freq' must be an integer >= 1, got 0"),
+    (dict(n_shared_experts=0), "field 'n_shared_experts' must be an integer >= 1, got 0"),
+    (dict(num_attention_heads=True), "field 'num_attention_heads' must be an integer >= 1, got True"),
+    (dict(first_k_dense_replace=-1), "field 'first_k_dense_replace' must be an integer >= 0, got -1"),
+    (dict(rms_norm_eps="1e-6"), "field 'rms_norm_eps' must be a number > 0, got '1e-6'"),
+    (dict(rope_theta=0), "field 'rope_theta' must be a number > 0, got 0"),
+    (dict(rope_scaling="yarn"), "field 'rope_scaling' must be an object or null, got 'yarn'"),
+    (dict(quantization_config={"quant_method": "fp8", "weight_block_size": 128}),
+     "field 'quantization_config.weight_block_size' must be two integers >= 1, got 128"),
+])
+def test_error_config_field_types(tiny_cfg, overrides, message):
+    """Malformed fields are refused when config.json is read, naming the field (no ZeroDivisionError
+    or TypeError later, no model that only fails when it runs)."""
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.from_dict(tiny_cfg(**overrides), source="c.json")
+    assert str(e.value) == f"c.json: {message}"
+
+
+@pytest.mark.parametrize("name, stored, message", [
+    ("model.embed_tokens.weight", torch.zeros(64, 32, dtype=torch.int64), "is I64, expected one of BF16, F16, F32, F8_E4M3"),
+    ("model.layers.1.self_attn.q_b_proj.weight_scale_inv", torch.ones(1, 1, dtype=torch.bfloat16),
+     "is BF16, expected F32 (block scales)"),
+])
+def test_error_tensor_dtypes(make_ckpt, name, stored, message):
+    path, _, _ = make_ckpt(fp8=True)
+    index = json.loads((path / INDEX_NAME).read_text())
+    shard = path / index["weight_map"][name]
+    tensors = load_file(shard)
+    assert tensors[name].shape == stored.shape
+    tensors[name] = stored
+    save_file(tensors, shard)
+    with pytest.raises(CheckpointError) as e:
+        HFCheckpoint(path).validate()
+    assert str(e.value) == f"{shard}: tensor {name!r} {message}"
+
+
+def test_error_expert_past_n_routed_experts(make_ckpt):
+    """A stray expert index is an unexpected tensor, as any other name the config does not have."""
+    path, cfg, _ = make_ckpt(fp8=False)
+    index = json.loads((path / INDEX_NAME).read_text())
+    src = "model.layers.1.mlp.experts.0.up_proj.weight"
+    shard = path / index["weight_map"][src]
+    tensors = load_file(shard)
+    stray = f"model.layers.1.mlp.experts.{cfg.n_routed_experts}.up_proj.weight"
+    tensors[stray] = tensors[src].clone()
+    save_file(tensors, shard)
+    index["weight_map"][stray] = index["weight_map"][src]
+    (path / INDEX_NAME).write_text(json.dumps(index))
+    from runtime.engine import EngineError, load_engine
+
+    with pytest.raises(EngineError) as e:
+        load_engine(path)
+    assert str(e.value) == f"{path}: unexpected tensor {stray!r}"
+
+
 def test_error_model_type(tmp_path, tiny_cfg):
     (tmp_path / "config.json").write_text(json.dumps(tiny_cfg(model_type="llama")))
     with pytest.raises(ConfigError) as e:

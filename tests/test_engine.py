@@ -113,6 +113,17 @@ def test_refuses_edited_engine_json(engine):
                             "hashes it lists; engine.json was edited or is corrupt, rebuild the engine")
 
 
+@pytest.mark.parametrize("edit", [{"build": None}, {"files": ["rank0.safetensors"]}, {"model_config": []},
+                                  {"weights": None}], ids=["build", "files", "model_config", "weights"])
+def test_refuses_malformed_engine_json_fields(engine, edit):
+    raw = json.loads((engine / "engine.json").read_text())
+    (engine / "engine.json").write_text(json.dumps({**raw, **edit}))
+    with pytest.raises(EngineError) as e:
+        load_engine(engine)
+    assert str(e.value).startswith(f"{engine / 'engine.json'}: malformed field (")
+    assert str(e.value).endswith("); rebuild the engine")
+
+
 def test_refuses_missing_rank_file(engine):
     (engine / "rank1.safetensors").unlink()
     msg = (f"{engine / 'rank1.safetensors'}: weight file missing, expected 2 (rank0.safetensors, rank1.safetensors) "
