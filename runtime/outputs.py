@@ -32,8 +32,8 @@ class RequestStats:
     num_draft_tokens: int
     num_accepted_draft_tokens: int
     num_steps: int
-    ttft_s: float | None
-    tpot_s: float | None
+    ttft_s: float | None  # submit -> the first step that emitted tokens
+    tpot_s: float | None  # seconds per output token after that first step (it may emit several)
 
     @property
     def acceptance_rate(self) -> float:
@@ -177,6 +177,7 @@ class RequestTracker:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     last_token_time: float | None = None
+    num_first_tokens: int = 0  # tokens the first emitting step delivered (speculation: up to k + 1)
     token_ids: list[int] = field(default_factory=list)  # output tokens reported
     text: str = ""  # reported so far
     held: str = ""  # decoded but not reported yet (could start a stop string)
@@ -205,6 +206,7 @@ class RequestTracker:
         a client never sees part of a stop string.
         """
         p = self.params
+        first = bool(new) and self.first_token_time is None
         if new:
             self.first_token_time = self.first_token_time or now
             self.last_token_time = now
@@ -225,6 +227,8 @@ class RequestTracker:
             if reason or hit >= 0:
                 break
         self.token_ids += kept
+        if first:
+            self.num_first_tokens = len(kept)
         if hit >= 0:
             delta, reason = self.held[:hit], "stop"
         elif reason is None and p.stop:
@@ -238,7 +242,8 @@ class RequestTracker:
     def stats(self) -> RequestStats:
         n_out = len(self.token_ids)
         ttft = self.first_token_time - self.arrival_time if self.first_token_time else None
-        tpot = (self.last_token_time - self.first_token_time) / (n_out - 1) if n_out > 1 else None
+        after_first = n_out - self.num_first_tokens
+        tpot = (self.last_token_time - self.first_token_time) / after_first if after_first > 0 else None
         return RequestStats(self.num_prompt_tokens, n_out, self.num_draft_tokens, self.num_accepted_draft_tokens,
                             self.num_steps, ttft, tpot)
 

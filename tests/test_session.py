@@ -171,6 +171,21 @@ def test_stop_string_inside_a_multi_token_step(session, reference, stop_at) -> N
         assert run(step) == run(1), f"{step} tokens per step ended elsewhere than one token per step"
 
 
+def test_tpot_counts_the_tokens_after_the_first_step(session) -> None:
+    """A speculative first step may emit several tokens at once: TPOT is the time after it over the
+    tokens after it (not over n - 1, which would credit those tokens to no time)."""
+    from runtime.outputs import RequestTracker
+
+    tracker = RequestTracker.create("r", 5, SamplingParams(max_tokens=40, ignore_eos=True), session.tokenizer,
+                                    MAX_SEQ_LEN, handle=None, callback=None)
+    tracker.arrival_time = 0.0
+    for ids, t in (([10, 11, 12], 1.0), ([13], 2.0), ([14, 15], 3.0)):
+        tracker.consume(ids, now=t)
+    s = tracker.stats()
+    assert s.output_tokens == 6 and s.ttft_s == 1.0
+    assert s.tpot_s == pytest.approx((3.0 - 1.0) / 3)
+
+
 def test_a_single_stop_string_is_not_split_into_characters() -> None:
     assert SamplingParams(stop="def").stop == ("def",)
     assert SamplingParams(stop=["a", "b"], stop_token_ids=[3]) == SamplingParams(stop=("a", "b"), stop_token_ids=(3,))
