@@ -183,17 +183,22 @@ class Executor:
                     times.append(time.perf_counter() - t0)
                 return sorted(times)[repeats // 2]
 
+            # random tokens, so sequences route to different experts as real ones do (one id for all
+            # would send every token to the same experts and under-price large batches)
+            gen = torch.Generator().manual_seed(0)
+            vocab = model.cfg.vocab_size
             target = {q: [] for q in range(1, max_k + 2)}
             mtp = []
             for b in sizes:
                 seqs = tables[:b]
                 for q in target:
-                    ids = torch.zeros(b * q, dtype=torch.long, device=self.config.device)
+                    ids = torch.randint(vocab, (b * q,), generator=gen).to(self.config.device)
                     batch = self.runner._paged_batch(
                         [Sequence("p", [], 0, SamplingParams(), 0, block_table=t) for t in seqs], [context] * b, [q] * b)
                     target[q].append(timed(lambda: model.logits(model(ids, batch=batch, kv_cache=cache.tensor))))
-                ids = torch.zeros(b, dtype=torch.long, device=self.config.device)
-                hidden = torch.zeros(b, model.cfg.hidden_size, dtype=model.lm_head.weight.dtype, device=self.config.device)
+                ids = torch.randint(vocab, (b,), generator=gen).to(self.config.device)
+                hidden = torch.randn(b, model.cfg.hidden_size, generator=gen).to(model.lm_head.weight.dtype).to(
+                    self.config.device)
                 batch = self.runner._paged_batch(
                     [Sequence("p", [], 0, SamplingParams(), 0, block_table=t) for t in seqs], [context] * b, [1] * b)
                 mtp.append(timed(lambda: model.mtp_forward(0, ids, hidden, batch=batch, kv_cache=cache.tensor)))
