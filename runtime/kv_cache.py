@@ -39,6 +39,10 @@ class BlockAllocator:
     def free(self, blocks: list[int]) -> None:
         self._free.extend(reversed(blocks))
 
+    def all_free(self) -> bool:
+        """Every block is on the free list exactly once (no leak, no double free)."""
+        return sorted(self._free) == list(range(self.num_blocks))
+
 
 class KVCache:
     """[cache layers, num_blocks * block_size, latent_dim] plus the allocator that hands out blocks."""

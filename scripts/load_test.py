@@ -47,7 +47,8 @@ class Deadline:
 def make_requests(texts: list[dict[str, str]], tok, n: int, max_prompt: int, max_output: int,
                   seed: int) -> list[dict[str, Any]]:
     """Prompts: the start of a shuffled concatenation of held-out texts, 1..max_prompt tokens
-    (bos first); outputs: 1..max_output tokens; half of them stop at EOS, half ignore it."""
+    (bos first); outputs: 1..max_output tokens; half of them stop at EOS or at a newline (a stop
+    string, so speculative steps that emit several tokens past it are cut), half run to max_tokens."""
     rng = random.Random(seed)
     pieces = [tok.encode(x["text"]) for x in texts]
     bos = tok.bos_token_id
@@ -58,12 +59,13 @@ def make_requests(texts: list[dict[str, str]], tok, n: int, max_prompt: int, max
         length = rng.randint(1, max_prompt)
         ids = ([bos] if bos is not None else []) + stream[: length - (bos is not None)]
         reqs.append({"id": i, "prompt_ids": ids[:max(length, 1)], "max_tokens": rng.randint(1, max_output),
-                     "ignore_eos": rng.random() < 0.5})
+                     "stops": rng.random() < 0.5})
     return reqs
 
 
 def params_of(r: dict[str, Any]) -> SamplingParams:
-    return SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=r["ignore_eos"])
+    return SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=not r["stops"],
+                          stop=("\n",) if r["stops"] else ())
 
 
 def run_reference(engine, reqs: list[dict[str, Any]], deadline: Deadline) -> tuple[list[dict] | None, str | None]:
@@ -74,7 +76,7 @@ def run_reference(engine, reqs: list[dict[str, Any]], deadline: Deadline) -> tup
                 o = ex.submit(r["prompt_ids"], params_of(r)).result(timeout=deadline.left())
             except TimeoutError:
                 return None, f"timed out in the reference pass after {len(out)} requests"
-            out.append({"token_ids": o.token_ids, "finish_reason": o.finish_reason})
+            out.append({"token_ids": o.token_ids, "text": o.text, "finish_reason": o.finish_reason})
     return out, None
 
 
@@ -115,10 +117,12 @@ def run_mode(engine, name: str, cfg: ExecutorConfig, reqs: list[dict[str, Any]],
     time.sleep(0.2)  # let the step loop drain its inbox (cancelled/finished bookkeeping)
     end = ex.stats()
     blocks_total = ex.cache.allocator.num_blocks
+    free_list_intact = ex.cache.allocator.all_free()
     ex.shutdown()
     return {"results": results, "errors": errors, "wall_s": wall, "peak": peak,
             "end_stats": {"running": end.running, "queued": end.queued, "kv_blocks_used": end.kv_blocks_used,
                           "kv_blocks_free": end.kv_blocks_free, "kv_blocks_total": blocks_total,
+                          "free_list_intact": free_list_intact,
                           "requests_finished": end.requests_finished, "generated_tokens": end.generated_tokens,
                           "draft_tokens": end.draft_tokens, "accepted_draft_tokens": end.accepted_draft_tokens}}
 
@@ -202,7 +206,7 @@ def main() -> int:
             o, _ = res
             if o.finish_reason not in ("stop", "length"):
                 bad_reason.append({"id": r["id"], "finish_reason": o.finish_reason})
-            if o.token_ids != ref["token_ids"] or o.finish_reason != ref["finish_reason"]:
+            if o.token_ids != ref["token_ids"] or o.text != ref["text"] or o.finish_reason != ref["finish_reason"]:
                 d = divergence_margin(engine.model, r["prompt_ids"], ref["token_ids"], o.token_ids)
                 mism.append({"id": r["id"], "prompt_tokens": len(r["prompt_ids"]), "max_tokens": r["max_tokens"],
                              "finish_reason": o.finish_reason, "reference_finish_reason": ref["finish_reason"], **d})
@@ -213,7 +217,8 @@ def main() -> int:
             "all_completed": not incomplete and not run["errors"],
             "outputs_equal_reference": not mism,
             "finish_reasons_ok": not bad_reason,
-            "kv_blocks_all_free": es["kv_blocks_used"] == 0 and es["kv_blocks_free"] == es["kv_blocks_total"],
+            "kv_blocks_all_free": es["kv_blocks_used"] == 0 and es["kv_blocks_free"] == es["kv_blocks_total"]
+                                  and es["free_list_intact"],
             "executor_empty": es["running"] == 0 and es["queued"] == 0,
         }
         for c, ok in checks.items():
@@ -245,23 +250,28 @@ def main() -> int:
                      "greedy": True,
                      "prompt_tokens_mean": mean(len(r["prompt_ids"]) for r in reqs),
                      "max_tokens_mean": mean(r["max_tokens"] for r in reqs),
-                     "ignore_eos_fraction": mean(float(r["ignore_eos"]) for r in reqs)},
+                     "stopping_fraction": mean(float(r["stops"]) for r in reqs)},
         "reference": {"executor": "plain (k 0), max_batch_size 1, one request at a time", "seconds": t_ref,
                       "finish_reasons": {fr: sum(1 for x in reference or [] if x["finish_reason"] == fr)
                                          for fr in ("stop", "length")}},
         "modes": mode_results, "total_seconds": time.perf_counter() - t_start,
         "machine": info, "engine": engine_info(engine)}
 
+    finish = results["reference"]["finish_reasons"]
+    mode_names = [{"plain": "plain", "fixed": f"fixed k={args.k}", "adaptive": f"adaptive k<={args.adaptive_k}"}[m]
+                  for m in modes]
     rows = [[m, f"{r['completed']}/{args.num_requests}", len(r["mismatches"]), r["checks"]["kv_blocks_all_free"],
              r["checks"]["executor_empty"], r["peak"]["kv_blocks_used"], r["peak"]["running"], r["wall_s"],
              r["output_tokens_per_s"], r["tpot_mean_s"] * 1e3 if r["tpot_mean_s"] else None,
              r["ttft_p99_s"], r["acceptance_rate"]] for m, r in mode_results.items()]
     md = [f"# Load test{' (quick smoke run)' if args.quick else ''}: {'PASSED' if ok else 'FAILED'}", "",
           f"{args.num_requests} greedy requests, prompts 1-{args.max_prompt_tokens} tokens (mean "
-          f"{results['settings']['prompt_tokens_mean']:.0f}), outputs 1-{args.max_output_tokens} tokens (half stop "
-          f"at EOS), {args.concurrency} closed-loop clients, max_num_tokens {args.max_num_tokens} per step; every "
-          f"output compared token for token with the same request run alone on a plain executor "
-          f"(max_batch_size 1, {t_ref:.0f} s). Fixed mode k={args.k}, adaptive k<={args.adaptive_k}.", "",
+          f"{results['settings']['prompt_tokens_mean']:.0f}), outputs 1-{args.max_output_tokens} tokens (half may "
+          f"stop at EOS or a newline stop string; in the reference {finish['stop']} stopped, {finish['length']} ran to "
+          f"max_tokens), {args.concurrency} closed-loop clients, max_num_tokens {args.max_num_tokens} per step; every "
+          f"output compared token for token (and text) with the same request run alone on a plain executor "
+          f"(max_batch_size 1, {t_ref:.0f} s). Modes: {', '.join(mode_names)}. KV blocks all free: every block on "
+          f"the free list exactly once.", "",
           md_table(["mode", "completed", "mismatches", "KV blocks all free", "executor empty", "peak KV blocks",
                     "peak running", "wall s", "output tok/s", "TPOT ms", "TTFT p99 s", "acceptance"], rows)]
     for m, r in mode_results.items():

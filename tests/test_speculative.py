@@ -132,7 +132,11 @@ def test_block_allocator_allocate_free_exhaust() -> None:
     assert set(z) == set(x), "freed blocks are handed out again"
     a.free(y)
     a.free(z)
+    assert a.all_free()
     assert a.num_free == 5 and sorted(a.allocate(5)) == list(range(5))
+    # a double free and a leak keep the count right; all_free still sees them
+    a.free([0, 0, 1, 2])
+    assert a.num_free == 4 and not a.all_free()
 
 
 def test_kv_cache_grow_shrink_release() -> None:
