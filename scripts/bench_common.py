@@ -74,7 +74,9 @@ def machine_info() -> dict[str, Any]:
         "cuda_available": torch.cuda.is_available(),
         "load_average_1m_5m_15m": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "git_commit": _git("rev-parse", "HEAD"),
-        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        # changed tracked files, but not the benchmark outputs this very run rewrites
+        "git_dirty_files": (_git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                                 ":(exclude)docs/benchmarks") or "").splitlines(),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
     }
     try:
@@ -217,7 +219,7 @@ def target_line(name: str, value: float | None, goal: float, unit: str = "x") ->
 
 def machine_md(info: dict[str, Any]) -> str:
     keys = ("date_utc", "cpu_model", "cpu_count", "torch_threads", "torch_version", "transformers_version",
-            "load_average_1m_5m_15m", "git_commit", "git_dirty", "command")
+            "load_average_1m_5m_15m", "git_commit", "git_dirty_files", "command")
     return "\n".join(f"- {k}: `{info[k]}`" for k in keys if k in info)
 
 

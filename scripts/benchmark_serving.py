@@ -350,8 +350,9 @@ def main() -> None:
                f"{args.qps_requests} requests per rate; rates "
                + (f"= {args.qps_fractions} x plain's best closed-loop request throughput "
                   f"({results['settings']['qps_auto_capacity_req_s']:.3f} req/s)" if args.qps == "auto" else "as given")
-               + ". Below capacity every mode serves the offered load, so output tok/s ratios stay near 1 by "
-               "construction: compare TPOT and TTFT here.", "", md_table(["QPS"] + headers[1:], rows_of(results["qps_sweep"], "qps"))]
+               + ". With this few requests per rate, a level's wall time is mostly the time to drain its last "
+               "requests, so the tok/s and req/s columns measure tail latency rather than capacity: compare TPOT "
+               "and TTFT here.", "", md_table(["QPS"] + headers[1:], rows_of(results["qps_sweep"], "qps"))]
     md += ["", "## Targets", "", *[f"- {t['text']}" for t in targets]]
     if "plot" in results:
         md += ["", f"![serving]({results['plot']})"]

@@ -86,31 +86,34 @@ def free_running(engine, prompts: list[dict[str, str]], k: int, max_tokens: int,
 
 @torch.inference_mode()
 def teacher_forced(model, windows: list[torch.Tensor], desc: str) -> dict[str, Any]:
-    """windows: [B, S+2] token chunks. Sums over every position, then token-weighted means."""
+    """windows: [B, S+2] token chunks. Sums over every position, then token-weighted means.
+
+    Both heads are scored on the same targets t_2..t_S of each window (the main model at positions
+    1..S-1, the MTP layer at 0..S-2), so their losses and accuracies compare; the first target of a
+    window (right after its start) is the hardest and only the main model could be scored on it.
+    """
     sums = dict(main_nll=0.0, mtp_nll=0.0, main_correct=0, mtp_correct=0, agree=0)
-    n_main = n_mtp = n_agree = 0
+    n = 0
     for chunk in tqdm(windows, desc=desc, dynamic_ncols=True):
-        x, y, y2 = chunk[:, :-2], chunk[:, 1:-1], chunk[:, 2:]
+        x, y = chunk[:, :-2], chunk[:, 1:-1]
         hidden = model(x)
-        logits = model.logits(hidden).float()
-        mtp_logits, _ = model.mtp_forward(0, y, hidden)
-        mtp_logits = mtp_logits.float()
-        sums["main_nll"] += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
-        sums["mtp_nll"] += F.cross_entropy(mtp_logits.flatten(0, 1), y2.flatten(), reduction="sum").item()
+        logits = model.logits(hidden).float()[:, 1:]
+        mtp_logits = model.mtp_forward(0, y, hidden)[0].float()[:, :-1]
+        target = chunk[:, 2:-1]
+        sums["main_nll"] += F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum").item()
+        sums["mtp_nll"] += F.cross_entropy(mtp_logits.flatten(0, 1), target.flatten(), reduction="sum").item()
         main_pred, mtp_pred = logits.argmax(-1), mtp_logits.argmax(-1)
-        sums["main_correct"] += (main_pred == y).sum().item()
-        sums["mtp_correct"] += (mtp_pred == y2).sum().item()
+        sums["main_correct"] += (main_pred == target).sum().item()
+        sums["mtp_correct"] += (mtp_pred == target).sum().item()
         # MTP at i drafts t_{i+2}; the main model decides t_{i+2} at position i+1 (true prefix).
-        sums["agree"] += (mtp_pred[:, :-1] == main_pred[:, 1:]).sum().item()
-        n_main += y.numel()
-        n_mtp += y2.numel()
-        n_agree += mtp_pred[:, :-1].numel()
-    return {"tokens": n_main,
-            "main_loss": sums["main_nll"] / n_main, "mtp_loss": sums["mtp_nll"] / n_mtp,
-            "main_ppl": math.exp(sums["main_nll"] / n_main),
-            "main_top1_accuracy": sums["main_correct"] / n_main,
-            "mtp_top1_accuracy": sums["mtp_correct"] / n_mtp,
-            "mtp_agreement_with_main": sums["agree"] / n_agree}
+        sums["agree"] += (mtp_pred == main_pred).sum().item()
+        n += target.numel()
+    return {"tokens": n,
+            "main_loss": sums["main_nll"] / n, "mtp_loss": sums["mtp_nll"] / n,
+            "main_ppl": math.exp(sums["main_nll"] / n),
+            "main_top1_accuracy": sums["main_correct"] / n,
+            "mtp_top1_accuracy": sums["mtp_correct"] / n,
+            "mtp_agreement_with_main": sums["agree"] / n}
 
 
 def val_windows(path: Path, seq_len: int, batch: int, max_tokens: int) -> list[torch.Tensor]:
@@ -155,7 +158,7 @@ def main() -> None:
     from runtime.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(engine.tokenizer_dir)
     text_windows = [torch.tensor([tok.encode(x["text"])]) for x in prompts]
-    heldout = teacher_forced(model, [w for w in text_windows if w.shape[1] >= 3], "held-out prompt texts")
+    heldout = teacher_forced(model, [w for w in text_windows if w.shape[1] >= 4], "held-out prompt texts")
 
     val = {}
     for path in args.val_bin:
