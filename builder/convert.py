@@ -17,6 +17,7 @@ import contextlib
 import json
 import math
 import shutil
+import sys
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -28,7 +29,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from builder.atomic import atomic_dir as atomic
-from runtime.checkpoint import SCALE_SUFFIX, HFCheckpoint
+from runtime.checkpoint import FP8_CODE, SCALE_SUFFIX, HFCheckpoint
 from runtime.config import ModelConfig
 from runtime.engine import BuildConfig, shard_index, shard_shape
 from runtime.fp8 import BLOCK, FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8, quantize_tensor_fp8, scale_shape
@@ -386,6 +387,11 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, build: Bui
     where = {p.name: (t, p) for t in layout for p in t.parts}
     shapes = parameter_shapes(cfg)
     names = [n for n in ckpt.tensor_names if not n.endswith(SCALE_SUFFIX)]
+    split = blocks_split(ckpt, cfg, build, where, shapes)
+    if split:
+        print(f"build_engine: note: --tp_size {build.tp_size} cuts through the 128x128 FP8 blocks of {len(split)} "
+              f"tensors (e.g. {split[0]}); their rank pieces are quantized again on their own grid, so the "
+              "engine is close to, not bit-identical with, the release (docs/engine-format.md)", file=sys.stderr)
     with atomic_dir(output_dir, force) as tmp:
         (tmp / "config.json").write_text(json.dumps(trtllm_config(cfg, build), indent=2) + "\n")
         specs = {}
@@ -506,6 +512,26 @@ def _stored_piece(source: _Source, index: tuple[slice, ...], part: PartLayout,
         if None not in grid:
             return source.tensor[index], source.scale[grid]
     return quantize_block_fp8(source.dequantized[index])
+
+
+def blocks_split(ckpt: HFCheckpoint, cfg: ModelConfig, build: BuildConfig,
+                 where: dict[str, tuple[TensorLayout, PartLayout]], shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """Block-FP8 tensors of the checkpoint whose rank pieces `_stored_piece` must quantize again."""
+    if build.quant_algo != "FP8_BLOCK_SCALES" or not ckpt.quantized:
+        return []
+    split = []
+    for name in ckpt.tensor_names:
+        internal, expert = to_internal(name, cfg)
+        if (internal not in where or ckpt.tensor_info(name).dtype != FP8_CODE
+                or not is_quantized(where[internal][1].name, build.quant_algo)):
+            continue
+        shape = ckpt.tensor_info(name).shape
+        for rank in range(build.tp_size):
+            index = shard_index(where[internal][1].name, shapes[internal], build, rank)
+            if None in (_block_slice(s, n) for s, n in zip(index[1:] if expert is not None else index, shape)):
+                split.append(name)
+                break
+    return split
 
 
 def _block_slice(s: slice, n: int) -> slice | None:

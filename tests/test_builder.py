@@ -131,6 +131,25 @@ def test_block_split_inside_a_block_requantizes():
 
 
 # ---- rank files and config.json ------------------------------------------------------------------
+def test_blocks_split_names_the_tensors_that_are_quantized_again(shipped_model_dir, hf_fp8):
+    """The shipped model's 384 q_b_proj rows split at 192 for tp 2 (not a multiple of 128): those
+    tensors are quantized again, and build_engine says so; tp 1 and the tiny model (pieces inside one
+    block) keep the release bytes."""
+    from builder.convert import blocks_split, parameter_shapes
+
+    def split(path: Path, tp: int) -> list[str]:
+        ckpt = HFCheckpoint(path)
+        build = BuildConfig(tp_size=tp, max_seq_len=256, quant_algo="FP8_BLOCK_SCALES")
+        where = {p.name: (t, p) for t in rank_layout(ckpt.config, build) for p in t.parts}
+        return blocks_split(ckpt, ckpt.config, build, where, parameter_shapes(ckpt.config))
+
+    assert split(shipped_model_dir, 1) == []
+    at_tp2 = split(shipped_model_dir, 2)
+    assert len(at_tp2) == 22 and "model.layers.0.self_attn.q_b_proj.weight" in at_tp2
+    assert all(n.endswith(("q_b_proj.weight", "kv_b_proj.weight")) for n in at_tp2)
+    assert split(hf_fp8, 2) == []
+
+
 def test_rank_files_hold_only_their_shard(hf, tmp_path):
     b = BuildConfig(**LIMITS, tp_size=4, ep_size=2)  # moe_tp_size 2
     ckpt = convert_checkpoint(hf, tmp_path / "ckpt", b, progress=False)
