@@ -92,6 +92,12 @@ class RelaxedAcceptance:
     begin_thinking_token: int = -1
     end_thinking_token: int = -1
 
+    def __post_init__(self) -> None:
+        if not _is_int(self.top_n) or self.top_n < 1:
+            raise ValueError(f"relaxed acceptance top_n must be an integer >= 1, got {self.top_n!r}")
+        if not _is_number(self.delta) or not 0 <= self.delta <= 1:
+            raise ValueError(f"relaxed acceptance delta must be in [0, 1], got {self.delta!r}")
+
     def advance(self, thinking: bool, token: int) -> bool:
         """Whether a thinking span is open after `token`, given whether one was open before it."""
         return True if token == self.begin_thinking_token else False if token == self.end_thinking_token else thinking
@@ -197,7 +203,7 @@ def accept(
         ok_random = u < (p_draft / q_draft.clamp_min(1e-30)).double()
         ok_greedy = drafts == target_probs[:, :K].argmax(-1)
         if relaxed is not None and relaxed_probs is not None:
-            top = relaxed_probs.topk(relaxed.top_n, dim=-1)
+            top = relaxed_probs.topk(min(relaxed.top_n, relaxed_probs.shape[-1]), dim=-1)
             p_relaxed = relaxed_probs.gather(-1, drafts[..., None]).squeeze(-1)
             in_top = (top.indices == drafts[..., None]).any(-1)
             ok_greedy |= relaxed_mask & in_top & (p_relaxed >= top.values[..., 0] - relaxed.delta)

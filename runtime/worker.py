@@ -196,7 +196,10 @@ class ModelRunner:
             greedy = st.temperature.view(B, K + 1)[:, 0] == 0
             relaxed_kw = {}
             if self.relaxed is not None and K:
-                relaxed_kw = dict(relaxed=self.relaxed, relaxed_probs=logits[:, :K].float().softmax(-1),
+                plain = logits[:, :K].float()
+                if st.bad_mask is not None:  # a banned token is never accepted, relaxed or not
+                    plain = plain.masked_fill(st.bad_mask.view(B, K + 1, V)[:, :K], float("-inf"))
+                relaxed_kw = dict(relaxed=self.relaxed, relaxed_probs=plain.softmax(-1),
                                   relaxed_mask=self._thinking_mask(seqs, d, ks))
             num_acc, nxt = accept(d, dp, target_probs, self._ids(ks), self._ids([s.seed for s in seqs]),
                                   self._ids([s.num_tokens for s in seqs]), greedy, **relaxed_kw)

@@ -491,6 +491,48 @@ def test_relaxed_acceptance_end_to_end(tiny_engine) -> None:
     assert on.token_ids != plain.token_ids, "relaxed acceptance (delta=1) changed nothing"
 
 
+def test_relaxed_acceptance_never_emits_bad_tokens() -> None:
+    """Inside a thinking span relaxed acceptance takes drafts in the target's top-N; a banned token
+    must not pass that way either (the relaxed distribution is the masked one)."""
+    from conftest import bigram_tensors
+    from runtime.model import DeepseekV3ForCausalLM
+    from runtime.weights import load_weights
+    from runtime.worker import Scheduled
+
+    V = 512
+    cfg = ModelConfig.from_dict(tiny_config_dict(vocab_size=V))
+    model = DeepseekV3ForCausalLM(cfg)
+    load_weights(model, bigram_tensors(cfg, 0))
+    model.eval()
+    banned = frozenset(range(0, V, 2))
+    relaxed = RelaxedAcceptance(top_n=10, delta=0.6, begin_thinking_token=V - 1, end_thinking_token=V - 3)
+    cache = KVCache(cfg, num_blocks=200, block_size=4)
+    runner = ModelRunner(model, cache, relaxed=relaxed)
+    prompt = [11, 23, 7, 91, V - 1]  # ends with <think>
+    seq = Sequence("r", list(prompt), len(prompt), SamplingParams(max_tokens=60, bad_token_ids=tuple(banned)),
+                   seed=0, in_thinking=True)
+    drafted = accepted = 0
+    with torch.no_grad():
+        cache.grow(seq.block_table, 4)
+        runner.step([Scheduled(seq, 4)])
+        while seq.num_output_tokens < 60:
+            k = min(3, 60 - seq.num_output_tokens - 1) if seq.can_draft else 0
+            cache.grow(seq.block_table, seq.num_tokens + k)
+            [r] = runner.step([Scheduled(seq, 1 + k, k)])
+            drafted, accepted = drafted + r.num_drafts, accepted + r.num_accepted
+            cache.shrink(seq.block_table, seq.num_tokens)
+    out = seq.token_ids[len(prompt):]
+    assert not banned & set(out), f"banned tokens emitted: {sorted(banned & set(out))}"
+    assert 0 < accepted < drafted
+
+
+def test_relaxed_acceptance_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"^relaxed acceptance top_n must be an integer >= 1, got 0$"):
+        RelaxedAcceptance(top_n=0)
+    with pytest.raises(ValueError, match=r"^relaxed acceptance delta must be in \[0, 1\], got -0.1$"):
+        RelaxedAcceptance(delta=-0.1)
+
+
 def test_relaxed_thinking_opened_in_prompt(tiny_engine) -> None:
     """A prompt that ends inside a thinking span (R1's chat template ends with "<think>\\n")
     must start relaxed acceptance at the first draft, as TensorRT-LLM does (it counts the begin
