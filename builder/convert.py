@@ -389,7 +389,7 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, build: Bui
     names = [n for n in ckpt.tensor_names if not n.endswith(SCALE_SUFFIX)]
     split = blocks_split(ckpt, cfg, build, where, shapes)
     if split:
-        print(f"build_engine: note: --tp_size {build.tp_size} cuts through the 128x128 FP8 blocks of {len(split)} "
+        print(f"note: tp_size {build.tp_size} cuts through the 128x128 FP8 blocks of {len(split)} "
               f"tensors (e.g. {split[0]}); their rank pieces are quantized again on their own grid, so the "
               "engine is close to, not bit-identical with, the release (docs/engine-format.md)", file=sys.stderr)
     with atomic_dir(output_dir, force) as tmp:

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyError, ValueError, OSError) as e:
         print(f"fill_template: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         return 2
-    ignored = sorted(set(subs) - placeholders(template) - set(DEFAULTS))
+    ignored = sorted(set(subs) - placeholders(template))
     if ignored:
         print(f"fill_template: {args.file_path}: ignored (not used by this repository): {', '.join(ignored)}",
               file=sys.stderr)

@@ -209,7 +209,7 @@ def test_fill_template_escapes_and_leaves_other_placeholders(tmp_path: Path) -> 
     assert upstream.returncode == 0, upstream.stderr
     assert config.read_text() == "x: 2\n"
     assert upstream.stderr == (f"fill_template: {config}: ignored (not used by this repository): batching_strategy, "
-                               "logits_datatype\n")
+                               "logits_datatype, max_queue_size\n")
 
 
 def test_every_template_placeholder_is_filled_by_the_test_values(tmp_path: Path) -> None:
