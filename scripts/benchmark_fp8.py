@@ -1,10 +1,11 @@
-"""Held-out perplexity and MTP acceptance of the FP8 engine vs a BF16 one, on the shipped model.
+"""Held-out perplexity and MTP acceptance of the FP8 engine vs the unquantized BF16 export, on the shipped model.
 
   python scripts/export_model.py --ckpt runs/mini/ckpt.pt --tokenizer_dir data --out_dir /tmp/mini-bf16 --bf16
   python scripts/benchmark_fp8.py --bf16_model /tmp/mini-bf16 [--val_bin data/val.bin]
 
 Both engines come from build_engine (FP8_BLOCK_SCALES as shipped; NO_QUANT from the BF16 export of
-the same training checkpoint) and run in fp32 on CPU, so the only difference is the weights' format.
+the same training checkpoint, its weights stored as fp32) and run in fp32 on CPU, so the only
+difference is the weights' values: FP8 block-quantized or the BF16 ones.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def main() -> int:
     rows, results = [], {}
     try:
         for name, src, quant in (("FP8 (block 128x128)", args.model, "FP8_BLOCK_SCALES"),
-                                 ("BF16", args.bf16_model, "NO_QUANT")):
+                                 ("BF16 export, unquantized (fp32)", args.bf16_model, "NO_QUANT")):
             engine = work / quant
             subprocess.run([Path(sys.executable).with_name("build_engine"), "--model_dir", src, "--output_dir", engine,
                             "--quant_algo", quant, "--max_draft_len", "1"], check=True, capture_output=True)
@@ -64,7 +65,7 @@ def main() -> int:
     same = sum(a == b for a, b in zip(fp8["outputs"], bf16["outputs"]))
     info = machine_info()
     md = "\n\n".join([
-        "# FP8 engine vs BF16 engine (shipped model, fp32 compute on CPU)",
+        "# FP8 engine vs the unquantized BF16 export (shipped model, fp32 compute on CPU)",
         f"Held-out tokens: {fp8['tokens']} from `{args.val_bin}` in windows of {args.window}; MTP acceptance at "
         f"k=1 over {len(prompts)} held-out prompts, greedy.",
         md_table(["engine", "val loss", "perplexity", "MTP loss", "MTP acceptance (k=1)", "weights MiB"], rows, 3),
