@@ -302,6 +302,15 @@ def test_http_generate_matches_session(server: TritonServer, expected: dict, mod
         assert body["acceptance_rate"] == pytest.approx(want.stats.acceptance_rate, abs=1e-6)
 
 
+def test_top_p_zero_means_not_set(server: TritonServer, expected: dict) -> None:
+    """TensorRT-LLM's Triton model reads runtime_top_p <= 0 as unset; clients rely on that."""
+    prompt = PROMPTS[2]
+    status, body = http_generate(server, "ensemble", text_input=prompt, max_tokens=TOKENS, top_p=0.0,
+                                 exclude_input_in_output=True)
+    assert status == 200, body
+    assert body["text_output"] == expected[prompt].text
+
+
 def test_http_generate_includes_the_prompt_unless_excluded(server: TritonServer, expected: dict) -> None:
     prompt = PROMPTS[1]
     status, body = http_generate(server, "ensemble", text_input=prompt, max_tokens=TOKENS)
@@ -539,7 +548,6 @@ BAD_REQUESTS = {
     "max_tokens_too_large": (dict(GOOD, max_tokens=100_000), "max_tokens"),
     "temperature_negative": (dict(GOOD, temperature=-0.5), "temperature"),
     "top_p_above_one": (dict(GOOD, top_p=1.5), "top_p"),
-    "top_p_zero": (dict(GOOD, top_p=0.0), "top_p"),
     "top_k_negative": (dict(GOOD, top_k=-1), "top_k"),
     "text_input_not_utf8": (dict(GOOD, text_input=[[b"\xff\xfe bad"]]), "text_input"),
     "prompt_over_limit": (dict(GOOD, text_input="hello world " * MAX_SEQ_LEN), "prompt"),

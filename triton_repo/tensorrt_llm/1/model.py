@@ -197,6 +197,7 @@ class TritonPythonModel:
                                  f"{len(word)} tokens; only single-token bad words are supported")
             bad_ids.append(word[0])
         seed = self._scalar(request, "seed")
+        top_p = self._scalar(request, "runtime_top_p", 1.0)
         end_id = self._scalar(request, "end_id")
         ignore_eos = end_id is not None and end_id != self.tokenizer.eos_token_id
         if ignore_eos and end_id >= 0:  # a custom end id replaces eos; a negative one means none
@@ -208,7 +209,7 @@ class TritonPythonModel:
             max_tokens=max_tokens,
             temperature=self._scalar(request, "temperature", 0.0),
             top_k=self._scalar(request, "runtime_top_k", 0),
-            top_p=self._scalar(request, "runtime_top_p", 1.0),
+            top_p=top_p if top_p > 0 else 1.0,  # upstream reads top_p <= 0 as "not set"
             seed=seed,
             stop=tuple(stop),
             stop_token_ids=tuple(stop_ids),
