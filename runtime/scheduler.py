@@ -9,7 +9,7 @@ are freed and it is recomputed later from its tokens. Nothing is dropped.
 The draft length comes from a `DraftPolicy`: fixed, off, or adaptive: the k that maximizes
 expected tokens per second for the current batch size, from the acceptance measured per draft depth
 and a step cost table profiled on this machine at start-up (k = 0 when verifying costs more than it
-saves).
+saves), and no more than leaves the token budget to prompts waiting to be prefilled.
 """
 
 from __future__ import annotations
@@ -137,6 +137,15 @@ class Scheduler:
         self.waiting.appendleft(victim)
         return victim
 
+    def _draft_room(self, num_decodes: int, budget: int) -> int:
+        """Drafts per decode that still leave the step's token budget to the prefill work waiting for
+        it: a draft that delays admitting a request costs more throughput than it brings (adaptive
+        speculation only; a fixed k is the user's choice)."""
+        seats = max(self.config.max_batch_size - len(self.running), 0)
+        waiting = [s for s in self.running if s.in_prefill] + list(self.waiting)[:seats]
+        prefill = sum(s.num_tokens - 1 - s.num_cached for s in waiting)
+        return max(0, (budget - num_decodes - prefill) // num_decodes)
+
     def _drafts_for(self, seq: Sequence, k: int) -> int:
         if not seq.can_draft:
             return 0
@@ -147,6 +156,8 @@ class Scheduler:
         budget = self.config.max_num_tokens
         decodes = [s for s in self.running if not s.in_prefill]
         k = self.policy.choose(len(decodes))
+        if self.policy.mode == "adaptive" and decodes:
+            k = min(k, self._draft_room(len(decodes), budget))
         self.last_k = k
         plan: list[Scheduled] = []
         for seq in sorted(decodes, key=lambda s: s.admitted_at):

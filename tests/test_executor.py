@@ -607,6 +607,35 @@ def test_draft_policy_max_k_when_drafting_is_cheap() -> None:
     assert policy.choose(3) == 4
 
 
+def test_adaptive_drafts_leave_the_budget_to_waiting_prefill(engine) -> None:
+    """With a tight token budget, adaptive drafts must not hold back the admission of waiting
+    requests (that lowered throughput below plain decoding in the load test); without waiting
+    work they take the policy's k. A fixed k is kept either way."""
+    import torch
+
+    from runtime.kv_cache import KVCache
+    from runtime.scheduler import Scheduler, SchedulerConfig
+    from runtime.sequence import Sequence, Status
+
+    def plan(mode: str, waiting_prompt: int | None) -> list[int]:
+        policy = DraftPolicy(mode, 4, costs(target_per_token=0.001, target_fixed=1.0, mtp=0.01), prior_acceptance=0.9)
+        cache = KVCache(engine.model_config, num_blocks=64, block_size=4)
+        sched = Scheduler(SchedulerConfig(max_batch_size=8, max_num_tokens=24, max_seq_len=64), cache, policy)
+        for i in range(4):
+            seq = Sequence(f"r{i}", list(range(8)), 4, SamplingParams(max_tokens=32), seed=i, status=Status.RUNNING,
+                           block_table=cache.allocator.allocate(2), num_cached=7, num_mtp=6,
+                           pending_hidden=torch.zeros(1, engine.model_config.hidden_size), admitted_at=i + 1)
+            sched.running.append(seq)
+        if waiting_prompt:
+            sched.add(Sequence("new", list(range(waiting_prompt)), waiting_prompt, SamplingParams(max_tokens=8), seed=9))
+        return [it.num_drafts for it in sched.schedule() if it.seq.request_id != "new"]
+
+    assert plan("adaptive", None) == [4, 4, 4, 4]  # 4 x 5 tokens fit in 24
+    assert plan("adaptive", 9) == [3, 3, 3, 3]  # 8 prompt tokens to prefill: (24 - 4 - 8) // 4 drafts each
+    assert plan("adaptive", 21) == [0, 0, 0, 0]
+    assert plan("fixed", 21) == [4, 4, 4, 4]
+
+
 def test_draft_policy_intermediate_and_learning() -> None:
     c = costs(target_per_token=0.2, target_fixed=1.0, mtp=0.05)
     policy = DraftPolicy("adaptive", 4, c, prior_acceptance=0.6)
