@@ -265,7 +265,8 @@ def draft_len_of(llm_kwargs: Mapping[str, Any]) -> int:
 def speculative_counts(result: Any) -> tuple[int, int] | None:
     """(total_draft_tokens, total_accepted_draft_tokens) TensorRT-LLM reports for a request so far,
     or None where it reports none (no `request_perf_metrics`, e.g. before 1.0 or without
-    return_perf_metrics, or no `speculative_decoding` in it)."""
+    return_perf_metrics, no `speculative_decoding` in it, or that section left at zero: the PyTorch
+    backend's TorchSampler never fills it in the 1.x releases)."""
     outputs = getattr(result, "outputs", None) or []
     metrics = getattr(outputs[0], "request_perf_metrics", None) if outputs else None
     if metrics is None:
@@ -274,9 +275,10 @@ def speculative_counts(result: Any) -> tuple[int, int] | None:
     if spec is None:
         return None
     try:
-        return int(spec.total_draft_tokens), int(spec.total_accepted_draft_tokens)
+        drafted, accepted = int(spec.total_draft_tokens), int(spec.total_accepted_draft_tokens)
     except (AttributeError, TypeError, ValueError):
         return None
+    return (drafted, accepted) if drafted > 0 else None
 
 
 _UPSTREAM_REASONS = {"stop": "stop", "length": "length", "cancelled": "cancelled", "timeout": "error", None: "stop"}
@@ -417,6 +419,11 @@ class TrtllmExecutor:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the parameter when this request cannot run here."""
         validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.limits.max_seq_len)
+        # tensorrt_llm/llmapi/llm.py, _check_arguments: without chunked prefill the whole prompt must
+        # fit one step's max_num_tokens (generate_async raises otherwise)
+        if not self.llm_kwargs.get("enable_chunked_prefill") and len(prompt_token_ids) > self.limits.max_num_tokens:
+            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; max_num_tokens is {self.limits.max_num_tokens} "
+                             "(TensorRT-LLM without chunked prefill takes a prompt in one step)")
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams,
                on_output: Callable[[RequestOutput], None] | None = None, request_id: str | None = None) -> RequestHandle:
@@ -455,7 +462,7 @@ class TrtllmExecutor:
             acceptance_estimate=c["accepted"] / c["drafted"] if c["drafted"] else 0.0)
 
     def shutdown(self) -> None:
-        """Cancel what is in flight (finish reason "cancelled"), stop the loop, shut TensorRT-LLM down."""
+        """Cancel what is in flight (finish reason "cancelled"), shut TensorRT-LLM down, stop the loop."""
         if self._closed:
             return
         self._stopping = True
@@ -464,14 +471,14 @@ class TrtllmExecutor:
         except Exception:
             log.exception("cancelling requests at shutdown failed")
         self._closed = True
+        try:  # while our loop still runs: TensorRT-LLM may still hand results to it while stopping
+            self.llm.shutdown()
+        except Exception:
+            log.exception("tensorrt_llm.LLM.shutdown failed")
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=30)
         if not self._thread.is_alive():
             self._loop.close()
-        try:
-            self.llm.shutdown()
-        except Exception:
-            log.exception("tensorrt_llm.LLM.shutdown failed")
 
     def __enter__(self) -> "TrtllmExecutor":
         return self

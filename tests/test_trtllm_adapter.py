@@ -567,6 +567,28 @@ def test_contract_submit_validation_and_shutdown(engine_dir: Path, trtllm: Modul
     ex.shutdown()  # idempotent
     h.cancel()  # after shutdown: ignored
     assert trtllm.llms[0].shutdown_calls == 1
+    # without chunked prefill TensorRT-LLM takes a prompt in one step: longer than max_num_tokens is refused
+    with TrtllmExecutor(engine_dir, llm_overrides={"max_num_tokens": 64}) as small:
+        with pytest.raises(ValueError) as e:
+            small.submit([5] * 65, SamplingParams(max_tokens=3))
+        assert str(e.value) == ("prompt has 65 tokens; max_num_tokens is 64 (TensorRT-LLM without chunked prefill "
+                                "takes a prompt in one step)")
+
+
+def test_zeroed_speculative_metrics_are_not_reported_counts() -> None:
+    """The PyTorch backend of the 1.x releases sends request_perf_metrics.speculative_decoding left at
+    zero even when it drafted: that is "not reported", not "nothing drafted"."""
+    from types import SimpleNamespace
+
+    from runtime.trtllm_executor import speculative_counts
+
+    def result(drafted: int, accepted: int):
+        spec = SimpleNamespace(total_draft_tokens=drafted, total_accepted_draft_tokens=accepted)
+        return SimpleNamespace(outputs=[SimpleNamespace(request_perf_metrics=SimpleNamespace(speculative_decoding=spec))])
+
+    assert speculative_counts(result(0, 0)) is None
+    assert speculative_counts(result(12, 9)) == (12, 9)
+    assert speculative_counts(SimpleNamespace(outputs=[SimpleNamespace(request_perf_metrics=None)])) is None
 
 
 def test_create_executor_dispatches_on_the_backend(engine_dir: Path, spec_checkpoint: Path, trtllm: ModuleType,
