@@ -257,6 +257,34 @@ def _deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any
     return out
 
 
+def adapt_llm_kwargs(kwargs: Mapping[str, Any], kv_cache_fields: set[str] | None,
+                     mtp_fields: set[str] | None) -> dict[str, Any]:
+    """LLM arguments fitted to the installed release's config classes (None: not introspectable, as is).
+
+    kv_cache_config.tokens_per_block exists from the 1.1-era releases on (left out before, with a
+    warning: the block size is then upstream's); MTPDecodingConfig spells the thinking-phase tokens
+    BEGIN_/END_THINKING_PHASE_TOKEN in 1.0/1.1 and lower-case later.
+    """
+    out = copy.deepcopy(dict(kwargs))
+    kv = out.get("kv_cache_config")
+    if kv_cache_fields is not None and isinstance(kv, dict) and "tokens_per_block" in kv \
+            and "tokens_per_block" not in kv_cache_fields:
+        log.warning("this TensorRT-LLM's KvCacheConfig has no tokens_per_block; its default block size is used")
+        kv.pop("tokens_per_block")
+    spec = out.get("speculative_config")
+    if mtp_fields is not None and isinstance(spec, dict):
+        for name in ("begin_thinking_phase_token", "end_thinking_phase_token"):
+            if name in spec and name not in mtp_fields and name.upper() in mtp_fields:
+                spec[name.upper()] = spec.pop(name)
+    return out
+
+
+def _model_fields(cls: Any) -> set[str] | None:
+    """Field names of a pydantic config class of tensorrt_llm.llmapi, None when there is none."""
+    fields = getattr(cls, "model_fields", None)
+    return set(fields) if isinstance(fields, Mapping) else None
+
+
 def draft_len_of(llm_kwargs: Mapping[str, Any]) -> int:
     spec = llm_kwargs.get("speculative_config") or {}
     return int(spec.get("num_nextn_predict_layers", 0)) if isinstance(spec, Mapping) else 0
@@ -399,7 +427,10 @@ class TrtllmExecutor:
             SamplingParams(temperature=1.0, top_k=1, seed=0, stop_token_ids=(0,), bad_token_ids=(0,)), self.tokenizer),
             self._trtllm.SamplingParams)
         # tensorrt_llm/llmapi/llm.py: LLM(model, ..., **kwargs); backend "pytorch" (the default in 1.x)
-        self.llm = self._trtllm.LLM(model=str(self.engine.model_dir), backend="pytorch", **self.llm_kwargs)
+        llmapi = getattr(self._trtllm, "llmapi", None)
+        kwargs = adapt_llm_kwargs(self.llm_kwargs, _model_fields(getattr(llmapi, "KvCacheConfig", None)),
+                                  _model_fields(getattr(llmapi, "MTPDecodingConfig", None)))
+        self.llm = self._trtllm.LLM(model=str(self.engine.model_dir), backend="pytorch", **kwargs)
 
         self._requests: dict[str, _Request] = {}  # in flight; touched on the loop thread only
         self._tasks: set[asyncio.Task] = set()

@@ -575,6 +575,28 @@ def test_contract_submit_validation_and_shutdown(engine_dir: Path, trtllm: Modul
                                 "takes a prompt in one step)")
 
 
+def test_llm_kwargs_fit_the_installed_release() -> None:
+    """Field names moved between releases: tokens_per_block is left out where KvCacheConfig lacks it
+    (1.0), thinking-phase tokens are upper-case where MTPDecodingConfig spells them so (1.0/1.1)."""
+    from runtime.trtllm_executor import adapt_llm_kwargs
+
+    kwargs = {"kv_cache_config": {"dtype": "auto", "tokens_per_block": 16},
+              "speculative_config": {"decoding_type": "MTP", "num_nextn_predict_layers": 3,
+                                     "begin_thinking_phase_token": 7, "end_thinking_phase_token": 8}}
+    old = adapt_llm_kwargs(kwargs, {"dtype", "free_gpu_memory_fraction"},
+                           {"decoding_type", "num_nextn_predict_layers", "BEGIN_THINKING_PHASE_TOKEN",
+                            "END_THINKING_PHASE_TOKEN"})
+    assert old == {"kv_cache_config": {"dtype": "auto"},
+                   "speculative_config": {"decoding_type": "MTP", "num_nextn_predict_layers": 3,
+                                          "BEGIN_THINKING_PHASE_TOKEN": 7, "END_THINKING_PHASE_TOKEN": 8}}
+    new = adapt_llm_kwargs(kwargs, {"dtype", "tokens_per_block"},
+                           {"decoding_type", "num_nextn_predict_layers", "begin_thinking_phase_token",
+                            "end_thinking_phase_token"})
+    assert new == kwargs
+    assert adapt_llm_kwargs(kwargs, None, None) == kwargs
+    assert kwargs["kv_cache_config"]["tokens_per_block"] == 16, "the input was modified"
+
+
 def test_zeroed_speculative_metrics_are_not_reported_counts() -> None:
     """The PyTorch backend of the 1.x releases sends request_perf_metrics.speculative_decoding left at
     zero even when it drafted: that is "not reported", not "nothing drafted"."""
