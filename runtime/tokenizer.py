@@ -131,6 +131,12 @@ class Tokenizer:
         return self.backend.decode(ids, skip_special_tokens=False)
 
     @cached_property
+    def byte_fallback_ids(self) -> frozenset[int]:
+        """Ids of SentencePiece-style byte tokens (<0x00>..<0xFF>), built once."""
+        return frozenset(i for t, i in self.backend.get_vocab(with_added_tokens=False).items()
+                         if len(t) == 6 and t.startswith("<0x") and t.endswith(">"))
+
+    @cached_property
     def byte_table(self) -> tuple[bytes, ...]:
         """id -> the bytes the ByteLevel decoder turns that token into, built once.
 
@@ -162,7 +168,9 @@ class IncrementalDetokenizer:
     valid (errors="replace"), so each chunk is valid text and bad model output never raises.
     Other tokenizers (e.g. SentencePiece-style byte fallback): a sliding window of ids is
     re-decoded and text is held back while it ends in U+FFFD (vLLM's scheme), so the work per
-    token is bounded by the window, which closes whenever text is emitted.
+    token is bounded by the window, which closes whenever text is emitted; and while the window
+    ends in a byte token, since the byte-fallback decoder judges a run of byte tokens as a whole
+    (a byte that decodes alone can become U+FFFD once its run turns out invalid).
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
@@ -188,6 +196,8 @@ class IncrementalDetokenizer:
             data = b"".join(self._table[i] for i in ids if 0 <= i < n and i not in self._skip)
             return self._emit(self._utf8.decode(data))
         self._ids.extend(i for i in ids if i not in self._skip)
+        if self._ids and self._ids[-1] in self._tok.byte_fallback_ids:  # a byte run counts once closed
+            return ""
         prev, new = self._window()
         if len(new) <= len(prev) or new.endswith(_REPLACEMENT):
             return ""

@@ -227,3 +227,12 @@ def test_byte_fallback_tokenizer_streams(tmp_path: Path) -> None:
             assert all("\ufffd" not in piece for piece in out)
     invalid = [vocab["a"], vocab["<0x80>"], vocab["<0xE6>"]]
     assert "".join(stream(t, invalid)) == t.decode(invalid) == "a\ufffd\ufffd"
+    # a byte that decodes alone ("A") turns into U+FFFD once its run is invalid (E4 without its
+    # continuation): the stream must hold the run until it closes, as decode judges it whole
+    run = [vocab["a"], vocab["<0x41>"], vocab["<0xE4>"], vocab["b"]]
+    assert t.decode(run) == "a\ufffd\ufffdb"
+    assert "".join(stream(t, run)) == t.decode(run)
+    for _ in range(300):  # random byte runs between letters
+        ids = [rng.choice([vocab["a"], vocab["b"], *(vocab[f"<0x{b:02X}>"] for b in (0x41, 0x80, 0xE4, 0xB8, 0xAD))])
+               for _ in range(rng.randint(1, 10))]
+        assert "".join(stream(t, ids)) == t.decode(ids), ids
