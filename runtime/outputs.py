@@ -239,6 +239,13 @@ class RequestTracker:
         self.text += delta
         return kept, delta, reason
 
+    def release_held(self) -> str:
+        """The text held back for a possible stop string (and an incomplete final character), for a
+        request that ends without one (cancelled, failed): it belongs to tokens already reported."""
+        delta, self.held = self.held + self.detok.flush(), ""
+        self.text += delta
+        return delta
+
     def stats(self) -> RequestStats:
         n_out = len(self.token_ids)
         ttft = self.first_token_time - self.arrival_time if self.first_token_time else None

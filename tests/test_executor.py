@@ -340,6 +340,19 @@ def test_cancel_frees_blocks_at_once(engine, prompts) -> None:
         assert ex.stats().kv_blocks_used == 0
 
 
+def test_cancelled_request_text_covers_its_tokens(engine, prompts, tokenizer) -> None:
+    """With stop strings, text that could start one is held back; a request cancelled meanwhile
+    still reports it: its final text is the text of its tokens."""
+    with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed")) as ex:
+        h = ex.submit(prompts[4], SamplingParams(max_tokens=190, ignore_eos=True, stop=("\x00never stop here\x00",)))
+        wait_until(lambda: ex.stats().generated_tokens >= 6, what="decoding")
+        h.cancel()
+        out = h.result(10)
+        assert out.finish_reason == "cancelled" and len(out.token_ids) >= 6
+        assert out.text == tokenizer.decode(out.token_ids)
+        assert_all_free(ex)
+
+
 def test_cancel_queued_and_unknown_requests(engine, prompts) -> None:
     with Executor(engine, ExecutorConfig(num_draft_tokens=0, speculation="off", max_batch_size=1)) as ex:
         first = ex.submit(prompts[1], SamplingParams(max_tokens=40, ignore_eos=True))
