@@ -115,6 +115,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
+    for name in ("warmup", "eval_every", "chain_depth", "eval_depth"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.threads:
         torch.set_num_threads(args.threads)
 

@@ -80,10 +80,12 @@ def progress(step: int, elapsed_s: float, args: argparse.Namespace) -> float:
 
 
 def lr_at(step: int, done: float, args: argparse.Namespace) -> float:
-    """Linear warm-up, then a cosine over the remaining fraction of training down to min_lr_ratio."""
-    if step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    warm = args.warmup / args.steps
+    """Linear warm-up over the first warmup / steps of training, then a cosine over the rest down to
+    min_lr_ratio. Both are measured in `done`, so with a time budget the warm-up is a share of the
+    time and the cosine starts at its peak where the warm-up ends (no jump)."""
+    warm = min(1.0, args.warmup / args.steps)
+    if done < warm:
+        return args.lr * min(1.0, max((step + 1) / args.warmup, done / warm))
     t = min(1.0, max(0.0, (done - warm) / (1 - warm)))
     return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
@@ -117,6 +119,9 @@ def main() -> None:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
+    for name in ("steps", "warmup", "eval_every"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -154,9 +159,7 @@ def main() -> None:
     model.train()
     t0, tokens_seen = time.time(), 0
     bar = tqdm(total=args.steps, initial=step, desc="train", dynamic_ncols=True)
-    done = 0.0
-    while done < 1.0:
-        done = progress(step, elapsed_before + time.time() - t0, args)
+    while (done := progress(step, elapsed_before + time.time() - t0, args)) < 1.0:  # a finished run resumes to nothing
         lr = lr_at(step, done, args)
         for group in opt.param_groups:
             group["lr"] = lr
