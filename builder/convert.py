@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -508,8 +508,8 @@ def _stored_piece(source: _Source, index: tuple[slice, ...], part: PartLayout,
         q, scale = source.per_tensor
         return q[index], scale
     if source.scale is not None:
-        grid = tuple(_block_slice(s, n) for s, n in zip(index, source.tensor.shape))
-        if None not in grid:
+        grid = _source_grid(index, source.tensor.shape)
+        if grid is not None:
             return source.tensor[index], source.scale[grid]
     return quantize_block_fp8(source.dequantized[index])
 
@@ -525,13 +525,19 @@ def blocks_split(ckpt: HFCheckpoint, cfg: ModelConfig, build: BuildConfig,
         if (internal not in where or ckpt.tensor_info(name).dtype != FP8_CODE
                 or not is_quantized(where[internal][1].name, build.quant_algo)):
             continue
-        shape = ckpt.tensor_info(name).shape
+        part = where[internal][1].name
         for rank in range(build.tp_size):
-            index = shard_index(where[internal][1].name, shapes[internal], build, rank)
-            if None in (_block_slice(s, n) for s, n in zip(index[1:] if expert is not None else index, shape)):
+            index = shard_index(part, shapes[internal], build, rank)
+            if _source_grid(index[1:] if expert is not None else index, ckpt.tensor_info(name).shape) is None:
                 split.append(name)
                 break
     return split
+
+
+def _source_grid(index: tuple[slice, ...], shape: Sequence[int]) -> tuple[slice, ...] | None:
+    """The source block scales of a piece, if each 128x128 block of it lies in one source block."""
+    grid = tuple(_block_slice(s, n) for s, n in zip(index, shape))
+    return None if None in grid else grid
 
 
 def _block_slice(s: slice, n: int) -> slice | None:

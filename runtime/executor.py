@@ -272,8 +272,6 @@ class Executor:
         if request_id not in self._requests:
             return
         seq, tracker = self._requests.pop(request_id)
-        if reason in ("cancelled", "error"):
-            delta += tracker.release_held()
         self._ids.release(request_id)
         self.scheduler.remove(seq)
         self._counts["finished"] += 1

@@ -125,6 +125,7 @@ class RequestHandle:
         while self._next == 0 or not self._outputs[self._next - 1].finished:
             yield self._deliver(await asyncio.to_thread(self._wait, self._next))
 
+
 class RequestIds:
     """Ids of the requests in flight; submit runs on callers' threads, so access is locked."""
 
@@ -223,7 +224,8 @@ class RequestTracker:
                     reason = "length"
             if reason:
                 self.held += self.detok.flush()
-            hit = min((i for i in (self.held.find(s) for s in p.stop) if i >= 0), default=-1)
+            if p.stop:
+                hit = min((i for i in (self.held.find(s) for s in p.stop) if i >= 0), default=-1)
             if reason or hit >= 0:
                 break
         self.token_ids += kept
@@ -239,13 +241,6 @@ class RequestTracker:
         self.text += delta
         return kept, delta, reason
 
-    def release_held(self) -> str:
-        """The text held back for a possible stop string (and an incomplete final character), for a
-        request that ends without one (cancelled, failed): it belongs to tokens already reported."""
-        delta, self.held = self.held + self.detok.flush(), ""
-        self.text += delta
-        return delta
-
     def stats(self) -> RequestStats:
         n_out = len(self.token_ids)
         ttft = self.first_token_time - self.arrival_time if self.first_token_time else None
@@ -255,7 +250,13 @@ class RequestTracker:
                             self.num_steps, ttft, tpot)
 
     def report(self, new: list[int], delta: str, reason: str | None, error: str | None = None) -> None:
-        """Deliver one output (final when reason is set) to the callback and the handle."""
+        """Deliver one output (final when reason is set) to the callback and the handle. A request that
+        ends without consume() deciding it (cancelled, failed) also delivers the text held back for a
+        possible stop string: it belongs to tokens already reported."""
+        if reason in ("cancelled", "error"):
+            held, self.held = self.held + self.detok.flush(), ""
+            self.text += held
+            delta += held
         self.finished = reason is not None
         out = RequestOutput(self.request_id, list(new), list(self.token_ids), delta, self.text, self.finished,
                             reason, self.stats(), error)

@@ -143,7 +143,7 @@ class Scheduler:
         speculation only; a fixed k is the user's choice)."""
         seats = max(self.config.max_batch_size - len(self.running), 0)
         waiting = [s for s in self.running if s.in_prefill] + list(self.waiting)[:seats]
-        prefill = sum(s.num_tokens - 1 - s.num_cached for s in waiting)
+        prefill = sum(s.num_to_prefill for s in waiting)
         return max(0, (budget - num_decodes - prefill) // num_decodes)
 
     def _drafts_for(self, seq: Sequence, k: int) -> int:
@@ -183,7 +183,7 @@ class Scheduler:
         for seq in [s for s in self.running if s.in_prefill]:
             if budget <= 0:
                 break
-            chunk = min(seq.num_tokens - 1 - seq.num_cached, budget)
+            chunk = min(seq.num_to_prefill, budget)
             try:
                 self.cache.grow(seq.block_table, seq.num_cached + chunk)
             except OutOfBlocks:
@@ -192,7 +192,7 @@ class Scheduler:
             budget -= chunk
         while self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size:
             seq = self.waiting[0]
-            chunk = min(seq.num_tokens - 1 - seq.num_cached, budget)
+            chunk = min(seq.num_to_prefill, budget)
             try:
                 self.cache.grow(seq.block_table, seq.num_cached + max(chunk, 1))
             except OutOfBlocks:

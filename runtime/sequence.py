@@ -46,8 +46,13 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def num_to_prefill(self) -> int:
+        """Tokens still to run before the first decode (every token but the last is cached then)."""
+        return self.num_tokens - 1 - self.num_cached
+
+    @property
     def in_prefill(self) -> bool:
-        return self.num_cached < self.num_tokens - 1
+        return self.num_to_prefill > 0
 
     @property
     def can_draft(self) -> bool:

@@ -600,8 +600,6 @@ class TrtllmExecutor:
         if req.finished:
             return
         req.finished = True
-        if reason in ("cancelled", "error"):
-            delta += req.release_held()
         self._requests.pop(req.request_id, None)
         self._ids.release(req.request_id)
         self._counts["finished"] += 1
