@@ -25,7 +25,8 @@ from torch import Tensor
 from runtime.checkpoint import SCALE_SUFFIX, CheckpointError, HFCheckpoint  # FP8: `<name>` + `<name>_scale_inv`
 from runtime.config import ConfigError, ModelConfig
 from runtime.fp8 import dequantize_block_fp8, dequantize_tensor_fp8
-from runtime.model import DeepseekV3ForCausalLM, rope_inv_freq
+from runtime import kernels
+from runtime.model import DeepseekV3ForCausalLM, Experts, FP8Linear, rope_inv_freq
 from runtime.weights import WeightsError, load_weights
 
 FORMAT_VERSION = 1
@@ -282,12 +283,47 @@ def file_sha256(path: Path) -> str:
 
 # ---- loading ----------------------------------------------------------------------------------
 def load_engine(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
-                *, verify: bool = True) -> LoadedEngine:
+                *, verify: bool = True, cpu_kernels: bool = True) -> LoadedEngine:
     """Load an engine directory (engine.json) or a plain HF DeepSeek-V3 checkpoint directory.
 
-    dtype overrides the engine's build dtype; verify=False skips hashing the files (big engines).
+    dtype overrides the engine's build dtype; verify=False skips hashing the files (big engines);
+    cpu_kernels: on CPU in float32, run the C++ kernels and keep FP8 weights FP8 (`use_cpu_kernels`).
     """
-    path = Path(path)
+    loaded = _load(Path(path), device, dtype, verify)
+    if cpu_kernels:
+        use_cpu_kernels(loaded.model)
+    return loaded
+
+
+def use_cpu_kernels(model: DeepseekV3ForCausalLM) -> int:
+    """Switch a float32 CPU model to the C++ kernels where this machine can run them: paged attention
+    in `kernels.mla_attention` (latent sizes multiples of 16), and every linear weight (stacked experts
+    included) whose values are exactly 128x128-block FP8, as an FP8 release's are, packed and kept
+    FP8: a quarter of the bytes. Weights the release keeps in BF16, kv_b_proj (read per head by
+    absorbed attention) and the router stay float32. Returns how many weights were packed."""
+    p = next(model.parameters())
+    if p.device.type != "cpu" or p.dtype != torch.float32 or kernels.cpu_kernels() is None:
+        return 0
+    cfg = model.cfg
+    model.kernel_attention = cfg.kv_lora_rank % kernels.PANEL == 0 and cfg.latent_dim % kernels.PANEL == 0
+    packed = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.Linear) and child.bias is None and name != "kv_b_proj":
+                weight = kernels.pack_fp8(child.weight.data)
+                if weight is not None:
+                    setattr(module, name, FP8Linear(weight))
+                    packed += 1
+        if isinstance(module, Experts) and cfg.hidden_size % kernels.PANEL == cfg.moe_intermediate_size % kernels.PANEL == 0:
+            weights = [kernels.pack_fp8(w.data) for w in (module.gate_proj, module.up_proj, module.down_proj)]
+            if all(w is not None for w in weights):
+                module.packed = tuple(weights)
+                del module.gate_proj, module.up_proj, module.down_proj
+                packed += 3
+    return packed
+
+
+def _load(path: Path, device: str | torch.device, dtype: str | torch.dtype | None, verify: bool) -> LoadedEngine:
     if (path / ENGINE_JSON).is_file():
         manifest = EngineManifest.read(path)
         if manifest.build.backend == "trtllm":

@@ -48,6 +48,7 @@ class ExecutorConfig:
     device: str = "cpu"
     dtype: str | None = None
     relaxed_acceptance: RelaxedAcceptance | None = None
+    cpu_kernels: bool = True  # on CPU in float32: C++ attention and FP8 kernels (see engine.use_cpu_kernels)
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 0:
@@ -61,7 +62,7 @@ class ExecutorConfig:
 class Executor:
     def __init__(self, engine: str | Path | LoadedEngine, config: ExecutorConfig = ExecutorConfig()):
         self.engine = engine if isinstance(engine, LoadedEngine) else load_engine(
-            engine, device=config.device, dtype=config.dtype)
+            engine, device=config.device, dtype=config.dtype, cpu_kernels=config.cpu_kernels)
         build, cfg = self.engine.build, self.engine.model_config
         self.config = config
         self.limits = SchedulerConfig(

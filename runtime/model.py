@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from runtime import kernels
 from runtime.config import ModelConfig, yarn_mscale
 
 
@@ -56,19 +57,26 @@ class PagedBatch:
     positions: Tensor  # [T] absolute position of each new token
     slot_mapping: Tensor  # [T] cache slot each new token's latent is written to
     last_index: Tensor  # [sequences] flat index of the last new token of each sequence
-    groups: list[AttentionGroup]
+    groups: list[AttentionGroup]  # empty when the CPU kernel attends (it reads the block tables itself)
+    token_seq: Tensor | None = None  # [T] sequence of each token, for the CPU kernel
+    block_tables: Tensor | None = None  # for the CPU kernel
+    block_size: int = 0
 
     @classmethod
     def build(
-        cls, start_lens: Sequence[int], query_lens: Sequence[int], block_tables: Tensor, block_size: int
+        cls, start_lens: Sequence[int], query_lens: Sequence[int], block_tables: Tensor, block_size: int,
+        kernel_attention: bool = False,
     ) -> "PagedBatch":
         """start_lens[b] tokens of sequence b are cached already; query_lens[b] >= 1 new ones follow.
 
         block_tables [sequences, >= blocks of the longest sequence]; lengths are host integers, so
         the shapes are known without a device sync and decode steps skip the masking work.
+        kernel_attention: attention runs in `kernels.mla_attention`, which needs only each token's sequence.
         """
         if min(query_lens) < 1:
             raise ValueError(f"every sequence in a paged batch needs at least one new token, got {list(query_lens)}")
+        if kernel_attention:
+            return cls._per_token(start_lens, query_lens, block_tables, block_size)
         n, totals = len(query_lens), [s + q for s, q in zip(start_lens, query_lens)]
         long = [q > SHORT_QUERY for q in query_lens]
         bounds, run = [], 0
@@ -86,6 +94,18 @@ class PagedBatch:
             b0, t0 = b1, g.end
         last_index = torch.tensor(list(accumulate(query_lens)), device=block_tables.device) - 1
         return cls(torch.cat(positions), torch.cat(slots), last_index, groups)
+
+
+    @classmethod
+    def _per_token(cls, start_lens: Sequence[int], query_lens: Sequence[int], block_tables: Tensor,
+                   block_size: int) -> "PagedBatch":
+        n = len(query_lens)
+        token_seq = torch.repeat_interleave(torch.arange(n), torch.tensor(query_lens))
+        ends = torch.tensor(list(accumulate(query_lens)))
+        positions = torch.arange(int(ends[-1])) - (ends - torch.tensor(query_lens) - torch.tensor(start_lens))[token_seq]
+        tables = block_tables.long().contiguous()
+        slot_mapping = tables[token_seq, positions // block_size] * block_size + positions % block_size
+        return cls(positions, slot_mapping, ends - 1, [], token_seq, tables, block_size)
 
 
 def _cuts(totals: Sequence[int], lo: int, hi: int) -> list[int]:
@@ -173,6 +193,17 @@ def apply_rope(x: Tensor, rot: Tensor) -> Tensor:
     """Rotate interleaved pairs (x0, x1), (x2, x3)... as complex numbers by `rot` (one per pair)."""
     pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
     return torch.view_as_real(pairs * rot).flatten(-2).to(x.dtype)
+
+
+class FP8Linear(nn.Module):
+    """A bias-free Linear whose weight stays FP8 in memory (the CPU kernel's packed blocks)."""
+
+    def __init__(self, packed: kernels.PackedFP8):
+        super().__init__()
+        self.packed = packed
+
+    def forward(self, x: Tensor) -> Tensor:
+        return kernels.fp8_linear(x, self.packed)
 
 
 class MLP(nn.Module):
@@ -263,7 +294,10 @@ class MLA(nn.Module):
         w_uk, w_uv = w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]  # [h, nope, c], [h, v, c]
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, h, c]
         q = torch.cat([q_lat, q_pe], dim=-1) * cfg.softmax_scale  # [T, h, latent]
-        if len(batch.groups) == 1:  # the common case (decode only): no copy
+        if batch.token_seq is not None:
+            o_lat = kernels.mla_attention(q, cache, batch.positions, batch.token_seq, batch.block_tables,
+                                          batch.block_size, cfg.kv_lora_rank)
+        elif len(batch.groups) == 1:  # the common case (decode only): no copy
             o_lat = self._attend(q, cache, batch.groups[0])
         else:
             o_lat = torch.cat([self._attend(q[g.start : g.end], cache, g) for g in batch.groups])
@@ -308,6 +342,8 @@ class Experts(nn.Module):
     - otherwise tokens grouped by expert, one matmul chain per chosen expert, as DeepSeek's
       reference does (measured faster from E pairs up; computing every expert for every token
       was never faster here and would cost E / top-k times the FLOPs).
+
+    With FP8 weights packed for the CPU kernel (`packed`: gate, up, down) all of it is one call.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -316,11 +352,14 @@ class Experts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(E, I, H))
         self.up_proj = nn.Parameter(torch.empty(E, I, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
+        self.packed: tuple[kernels.PackedFP8, kernels.PackedFP8, kernels.PackedFP8] | None = None
 
     def _mlp(self, e: int, rows: Tensor) -> Tensor:
         return F.silu(F.linear(rows, self.gate_proj[e])) * F.linear(rows, self.up_proj[e])
 
     def forward(self, x: Tensor, weights: Tensor, idx: Tensor) -> Tensor:
+        if self.packed is not None:
+            return kernels.moe_experts(x, weights, idx, *self.packed)
         E, _, H = self.gate_proj.shape
         T, k = idx.shape
         if T * k < E:
@@ -425,6 +464,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.mtp = nn.ModuleList(MTPLayer(cfg, N + j) for j in range(cfg.num_nextn_predict_layers))
         inv_freq, self.rope_attention_factor = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.kernel_attention = False  # paged attention in runtime.kernels (engine.use_cpu_kernels)
 
     @property
     def num_cache_layers(self) -> int:

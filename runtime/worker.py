@@ -57,7 +57,7 @@ class ModelRunner:
     def _paged_batch(self, seqs: list[Sequence], starts: list[int], lens: list[int]) -> PagedBatch:
         width = max(len(s.block_table) for s in seqs)
         tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.long)
-        return PagedBatch.build(starts, lens, tables.to(self.device), self.cache.block_size)
+        return PagedBatch.build(starts, lens, tables.to(self.device), self.cache.block_size, self.model.kernel_attention)
 
     def _ids(self, values: list[int]) -> Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -56,14 +56,14 @@ def measure_step_costs(model, max_k: int, context: int, repeats: int, block_size
 
     def target(q: int):
         ids = torch.randint(0, cfg.vocab_size, (q,), generator=gen)
-        batch = PagedBatch.build([context], [q], tables, block_size)
+        batch = PagedBatch.build([context], [q], tables, block_size, model.kernel_attention)
         return model.logits(model(ids, batch=batch, kv_cache=cache.tensor))
 
     hidden = torch.randn(1, cfg.hidden_size, generator=gen).to(dtype)
 
     def mtp():
         ids = torch.randint(0, cfg.vocab_size, (1,), generator=gen)
-        batch = PagedBatch.build([context], [1], tables, block_size)
+        batch = PagedBatch.build([context], [1], tables, block_size, model.kernel_attention)
         return model.mtp_forward(0, ids, hidden, batch=batch, kv_cache=cache.tensor)
 
     fns = {f"target_q{q}": (lambda q=q: target(q)) for q in range(1, max_k + 2)}

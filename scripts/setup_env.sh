@@ -16,3 +16,5 @@ if [ ! -f "$stamp" ]; then
   python -m pip install -q -e ".[test,serve,bench]"
   touch "$stamp"
 fi
+# Build the runtime's CPU kernels now rather than inside the first request (about 30 s, once).
+python -c "from runtime.kernels import cpu_kernels; cpu_kernels()"

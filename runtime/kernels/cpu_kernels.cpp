@@ -1,0 +1,321 @@
+// CPU kernels for the native runtime (x86-64 with AVX-512): the three places where a decode step
+// on CPU spends its time in many small ATen calls or in streaming fp32 weights.
+//
+// fp8_linear   y = x W^T with W kept as FP8 e4m3 in 128x128 scaled blocks, as the release stores it
+//              (a quarter of the fp32 bytes); each block's partial sum is scaled once, as DeepGEMM does.
+// moe_experts  the routed experts of a MoE layer for a ragged set of tokens, in one call.
+// mla_attention absorbed MLA over the paged latent cache, read in place through the block tables.
+//
+// Every output row is computed with the same arithmetic in the same order whatever the other rows
+// of the batch are, so a request's result does not depend on what it is batched with.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 128;  // FP8 scale block (both dims)
+constexpr int64_t kLanes = 16;   // floats per AVX-512 register; weights are packed in panels of 16 rows
+
+// 16 e4m3 bytes -> 16 floats equal to the e4m3 values times 2^-8. Moving the byte into an fp16
+// pattern (sign to bit 15, exponent and mantissa to bits 13..7) keeps subnormals exact; the 2^8 is
+// folded into the block scales when the weights are packed.
+inline __m512 fp8x16(const uint8_t* p) {
+  const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i sign = _mm256_and_si256(_mm256_slli_epi16(v, 8), _mm256_set1_epi16(static_cast<short>(0x8000)));
+  const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x7F)), 7);
+  return _mm512_cvtph_ps(_mm256_or_si256(sign, rest));
+}
+
+// y[MT rows, NT*16 cols] = x[MT, K] . panels; `scale` holds one entry per k-block of this n-block.
+template <int MT, int NT>
+void gemm_tile(const float* x, int64_t ldx, int64_t K, const uint8_t* panels, const float* scale, float* y,
+               int64_t ldy, int64_t last_cols) {
+  __m512 acc[MT][NT], part[MT][NT];
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
+    const int64_t k1 = std::min(K, k0 + kBlock);
+    for (int m = 0; m < MT; ++m)
+      for (int j = 0; j < NT; ++j) part[m][j] = _mm512_setzero_ps();
+    for (int64_t k = k0; k < k1; ++k) {
+      __m512 w[NT];
+      for (int j = 0; j < NT; ++j) w[j] = fp8x16(panels + (j * K + k) * kLanes);
+      for (int m = 0; m < MT; ++m) {
+        const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
+        for (int j = 0; j < NT; ++j) part[m][j] = _mm512_fmadd_ps(xb, w[j], part[m][j]);
+      }
+    }
+    const __m512 s = _mm512_set1_ps(scale[k0 / kBlock]);
+    for (int m = 0; m < MT; ++m)
+      for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_fmadd_ps(part[m][j], s, acc[m][j]);
+  }
+  const __mmask16 tail = last_cols >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << last_cols) - 1);
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) _mm512_mask_storeu_ps(y + m * ldy + j * kLanes, j == NT - 1 ? tail : 0xFFFF, acc[m][j]);
+}
+
+// MT rows against panels [p0, p1) (all inside one 128-row n-block), NT panels at a time.
+template <int MT, int NT>
+void gemm_rows(const float* x, int64_t ldx, int64_t K, const uint8_t* packed, const float* scale, int64_t k_blocks,
+               float* y, int64_t ldy, int64_t N, int64_t p0, int64_t p1) {
+  const float* s = scale + (p0 * kLanes / kBlock) * k_blocks;
+  int64_t p = p0;
+  for (; p + NT <= p1; p += NT)
+    gemm_tile<MT, NT>(x, ldx, K, packed + p * K * kLanes, s, y + p * kLanes, ldy,
+                      std::min(kLanes, N - (p + NT - 1) * kLanes));
+  for (; p < p1; ++p)
+    gemm_tile<MT, 1>(x, ldx, K, packed + p * K * kLanes, s, y + p * kLanes, ldy, std::min(kLanes, N - p * kLanes));
+}
+
+// y[MT, NT*16] (+)= (sum over one k-block of x . w) * s, with the block's weights already
+// converted to floats in `w` [k, NT*16]: the same arithmetic as gemm_tile, for many rows.
+template <int MT, int NT>
+void block_tile(const float* x, int64_t ldx, const float* w, int64_t klen, float s, float* y, int64_t ldy,
+                int64_t last_cols, bool first) {
+  __m512 part[MT][NT];
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) part[m][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < klen; ++k) {
+    __m512 wv[NT];
+    for (int j = 0; j < NT; ++j) wv[j] = _mm512_loadu_ps(w + (k * NT + j) * kLanes);
+    for (int m = 0; m < MT; ++m) {
+      const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
+      for (int j = 0; j < NT; ++j) part[m][j] = _mm512_fmadd_ps(xb, wv[j], part[m][j]);
+    }
+  }
+  const __m512 sv = _mm512_set1_ps(s);
+  const __mmask16 tail = last_cols >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << last_cols) - 1);
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) {
+      const __mmask16 mask = j == NT - 1 ? tail : 0xFFFF;
+      float* dst = y + m * ldy + j * kLanes;
+      const __m512 prev = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, dst);
+      _mm512_mask_storeu_ps(dst, mask, _mm512_fmadd_ps(part[m][j], sv, prev));
+    }
+}
+
+template <int NT>
+void block_rows(const float* x, int64_t M, int64_t K, int64_t k0, const float* w, int64_t klen, float s, float* y,
+                int64_t N, int64_t last_cols) {
+  const bool first = k0 == 0;
+  int64_t m = 0;
+  for (; m + 6 <= M; m += 6) block_tile<6, NT>(x + m * K + k0, K, w, klen, s, y + m * N, N, last_cols, first);
+  const float* xr = x + m * K + k0;
+  float* yr = y + m * N;
+  switch (M - m) {
+    case 5: block_tile<5, NT>(xr, K, w, klen, s, yr, N, last_cols, first); break;
+    case 4: block_tile<4, NT>(xr, K, w, klen, s, yr, N, last_cols, first); break;
+    case 3: block_tile<3, NT>(xr, K, w, klen, s, yr, N, last_cols, first); break;
+    case 2: block_tile<2, NT>(xr, K, w, klen, s, yr, N, last_cols, first); break;
+    case 1: block_tile<1, NT>(xr, K, w, klen, s, yr, N, last_cols, first); break;
+    default: break;
+  }
+}
+
+// Many rows: each (two panels x one k-block) of weights is converted once into an L1-sized buffer and
+// used by every row, instead of once per six rows.
+void gemm_many_rows(const float* x, int64_t M, int64_t K, const uint8_t* packed, const float* scale, int64_t k_blocks,
+                    float* y, int64_t N, int64_t p0, int64_t p1) {
+  alignas(64) float w[kBlock * 2 * kLanes];
+  const float* s = scale + (p0 * kLanes / kBlock) * k_blocks;
+  for (int64_t p = p0; p < p1; p += 2) {
+    const int64_t nt = std::min<int64_t>(2, p1 - p), last = std::min(kLanes, N - (p + nt - 1) * kLanes);
+    for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
+      const int64_t klen = std::min(kBlock, K - k0);
+      for (int64_t k = 0; k < klen; ++k)
+        for (int64_t j = 0; j < nt; ++j)
+          _mm512_store_ps(w + (k * nt + j) * kLanes, fp8x16(packed + ((p + j) * K + k0 + k) * kLanes));
+      if (nt == 2) block_rows<2>(x, M, K, k0, w, klen, s[k0 / kBlock], y + p * kLanes, N, last);
+      else block_rows<1>(x, M, K, k0, w, klen, s[k0 / kBlock], y + p * kLanes, N, last);
+    }
+  }
+}
+
+// y[M, N] = x[M, K] W^T for W packed as [ceil(N/16), K, 16] e4m3 bytes with scale [ceil(N/128), ceil(K/128)].
+// Up to six rows convert weights in registers; more go through gemm_many_rows (same sums, same order).
+void fp8_gemm(const float* x, int64_t M, int64_t K, const uint8_t* packed, const float* scale, int64_t N, float* y) {
+  const int64_t panels = (N + kLanes - 1) / kLanes, per_block = kBlock / kLanes, k_blocks = (K + kBlock - 1) / kBlock;
+  const int64_t n_blocks = (panels + per_block - 1) / per_block;
+  at::parallel_for(0, n_blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t p0 = b * per_block, p1 = std::min(panels, p0 + per_block);
+      switch (M) {
+        case 6: gemm_rows<6, 2>(x, K, K, packed, scale, k_blocks, y, N, N, p0, p1); break;
+        case 5: gemm_rows<5, 2>(x, K, K, packed, scale, k_blocks, y, N, N, p0, p1); break;
+        case 4: gemm_rows<4, 3>(x, K, K, packed, scale, k_blocks, y, N, N, p0, p1); break;
+        case 3: gemm_rows<3, 4>(x, K, K, packed, scale, k_blocks, y, N, N, p0, p1); break;
+        case 2: gemm_rows<2, 4>(x, K, K, packed, scale, k_blocks, y, N, N, p0, p1); break;
+        case 1: gemm_rows<1, 8>(x, K, K, packed, scale, k_blocks, y, N, N, p0, p1); break;
+        case 0: break;
+        default: gemm_many_rows(x, M, K, packed, scale, k_blocks, y, N, p0, p1);
+      }
+    }
+  });
+}
+
+inline __m512 exp16(__m512 x) {  // exp, ~1 ulp (x clamped at -87): 2^n * p(r), r = x - n ln2, |r| <= ln2/2
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+void check(bool ok, const char* what) { TORCH_CHECK(ok, "cpu_kernels: ", what); }
+
+}  // namespace
+
+torch::Tensor fp8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale, int64_t N) {
+  check(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1);
+  check(packed.scalar_type() == torch::kUInt8 && packed.dim() == 3 && packed.size(0) == (N + kLanes - 1) / kLanes &&
+            packed.size(1) == K && packed.size(2) == kLanes && packed.is_contiguous(), "packed weight shape");
+  check(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.size(0) == (N + kBlock - 1) / kBlock &&
+            scale.size(1) == (K + kBlock - 1) / kBlock, "scale shape");
+  auto y = torch::empty({M, N}, x.options());
+  fp8_gemm(x.data_ptr<float>(), M, K, packed.data_ptr<uint8_t>(), scale.data_ptr<float>(), N, y.data_ptr<float>());
+  return y;
+}
+
+// out[t] = sum over the k experts chosen for token t (in expert order) of w[t, j] * down(silu(gate(x)) * up(x)).
+torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& idx, const torch::Tensor& weights,
+                          const torch::Tensor& gate, const torch::Tensor& gate_scale, const torch::Tensor& up,
+                          const torch::Tensor& up_scale, const torch::Tensor& down, const torch::Tensor& down_scale) {
+  check(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous float32 [T, H]");
+  check(idx.scalar_type() == torch::kLong && weights.scalar_type() == torch::kFloat && idx.sizes() == weights.sizes() &&
+            idx.size(0) == x.size(0) && idx.is_contiguous() && weights.is_contiguous(), "idx/weights [T, k]");
+  check(gate.dim() == 4 && gate.is_contiguous() && up.sizes() == gate.sizes() && up.is_contiguous() && down.dim() == 4 &&
+            down.is_contiguous() && gate.size(2) == x.size(1), "expert panels [E, I/16, H, 16] and [E, H/16, I, 16]");
+  const int64_t T = x.size(0), H = x.size(1), k = idx.size(1), E = gate.size(0), I = gate.size(1) * kLanes;
+  check(down.size(0) == E && down.size(2) == I && down.size(1) * kLanes == H, "expert sizes must be multiples of 16");
+  const int64_t gate_stride = gate[0].numel(), down_stride = down[0].numel();
+  const int64_t gs_stride = gate_scale[0].numel(), ds_stride = down_scale[0].numel();
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  const float* wp = weights.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  auto out = torch::zeros({T, H}, x.options());
+  float* op = out.data_ptr<float>();
+  std::vector<int64_t> rows;
+  std::vector<float> row_w, xs, g, u, y;
+  for (int64_t e = 0; e < E; ++e) {
+    rows.clear();
+    row_w.clear();
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t j = 0; j < k; ++j)
+        if (ip[t * k + j] == e) {
+          rows.push_back(t);
+          row_w.push_back(wp[t * k + j]);
+        }
+    const int64_t R = static_cast<int64_t>(rows.size());
+    if (R == 0) continue;
+    xs.resize(R * H);
+    g.resize(R * I);
+    u.resize(R * I);
+    y.resize(R * H);
+    for (int64_t r = 0; r < R; ++r) std::copy_n(xp + rows[r] * H, H, xs.data() + r * H);
+    fp8_gemm(xs.data(), R, H, gate.data_ptr<uint8_t>() + e * gate_stride, gate_scale.data_ptr<float>() + e * gs_stride, I, g.data());
+    fp8_gemm(xs.data(), R, H, up.data_ptr<uint8_t>() + e * gate_stride, up_scale.data_ptr<float>() + e * gs_stride, I, u.data());
+    for (int64_t i = 0; i < R * I; i += kLanes) {  // silu(g) * u
+      const __m512 gv = _mm512_loadu_ps(g.data() + i);
+      const __m512 sig = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
+      _mm512_storeu_ps(g.data() + i, _mm512_mul_ps(_mm512_div_ps(gv, sig), _mm512_loadu_ps(u.data() + i)));
+    }
+    fp8_gemm(g.data(), R, I, down.data_ptr<uint8_t>() + e * down_stride, down_scale.data_ptr<float>() + e * ds_stride, H, y.data());
+    for (int64_t r = 0; r < R; ++r) {
+      float* dst = op + rows[r] * H;
+      const float* src = y.data() + r * H;
+      const float w = row_w[r];
+      for (int64_t c = 0; c < H; ++c) dst[c] += w * src[c];
+    }
+  }
+  return out;
+}
+
+// o[t, h, :R] = softmax_l(q[t, h] . cache[slot(l)]) @ cache[slot(l), :R] over positions l = 0..positions[t] of the
+// token's sequence; slot(l) = tables[seq[t], l / block_size] * block_size + l % block_size. q is pre-scaled.
+torch::Tensor mla_attention(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& positions,
+                            const torch::Tensor& seq, const torch::Tensor& tables, int64_t block_size, int64_t rank) {
+  check(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.is_contiguous(), "q must be contiguous float32 [T, h, D]");
+  const int64_t T = q.size(0), heads = q.size(1), D = q.size(2);
+  check(cache.dim() == 2 && cache.size(1) == D && cache.scalar_type() == torch::kFloat && cache.is_contiguous(), "cache [slots, D]");
+  check(D % kLanes == 0 && rank % kLanes == 0 && rank <= D, "latent sizes must be multiples of 16");
+  check(positions.scalar_type() == torch::kLong && seq.scalar_type() == torch::kLong && tables.scalar_type() == torch::kLong &&
+            positions.size(0) == T && seq.size(0) == T && tables.dim() == 2 && tables.is_contiguous(), "positions/seq/tables");
+  auto out = torch::empty({T, heads, rank}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* cp = cache.data_ptr<float>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* sq = seq.data_ptr<int64_t>();
+  const int64_t* tb = tables.data_ptr<int64_t>();
+  const int64_t max_blocks = tables.size(1), dv = D / kLanes, rv = rank / kLanes;
+  float* outp = out.data_ptr<float>();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scores, rowsum(heads);
+    std::vector<const float*> ctx;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t L = pos[t] + 1;
+      check(L <= max_blocks * block_size, "position past the block table");
+      const int64_t* table = tb + sq[t] * max_blocks;
+      ctx.resize(L);
+      for (int64_t l = 0; l < L; ++l) ctx[l] = cp + (table[l / block_size] * block_size + l % block_size) * D;
+      const int64_t Lp = (L + kLanes - 1) / kLanes * kLanes;
+      scores.assign(heads * Lp, -INFINITY);
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* qh = qp + (t * heads + h) * D;
+        float* s = scores.data() + h * Lp;
+        for (int64_t l = 0; l < L; ++l) {
+          __m512 acc = _mm512_setzero_ps();
+          for (int64_t d = 0; d < dv; ++d)
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + d * kLanes), _mm512_loadu_ps(ctx[l] + d * kLanes), acc);
+          s[l] = _mm512_reduce_add_ps(acc);
+        }
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int64_t l = 0; l < Lp; l += kLanes) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + l));
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t l = 0; l < Lp; l += kLanes) {
+          const __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + l), m));
+          const __m512 p_valid = _mm512_maskz_mov_ps(l + kLanes <= L ? 0xFFFF : static_cast<__mmask16>((1u << (L - l)) - 1), p);
+          _mm512_storeu_ps(s + l, p_valid);
+          sum = _mm512_add_ps(sum, p_valid);
+        }
+        rowsum[h] = _mm512_reduce_add_ps(sum);
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* s = scores.data() + h * Lp;
+        float* o = outp + (t * heads + h) * rank;
+        for (int64_t r0 = 0; r0 < rv; r0 += 4) {  // four independent accumulator chains
+          const int64_t n = std::min<int64_t>(4, rv - r0);
+          __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+          for (int64_t l = 0; l < L; ++l) {
+            const __m512 p = _mm512_set1_ps(s[l]);
+            for (int64_t j = 0; j < n; ++j) acc[j] = _mm512_fmadd_ps(p, _mm512_loadu_ps(ctx[l] + (r0 + j) * kLanes), acc[j]);
+          }
+          const __m512 inv = _mm512_set1_ps(1.0f / rowsum[h]);
+          for (int64_t j = 0; j < n; ++j) _mm512_storeu_ps(o + (r0 + j) * kLanes, _mm512_mul_ps(acc[j], inv));
+        }
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("fp8_linear", &fp8_linear, "y = x W^T, W block-scaled FP8 packed in 16-row panels");
+  m.def("moe_experts", &moe_experts, "routed experts of one MoE layer, FP8 weights");
+  m.def("mla_attention", &mla_attention, "absorbed MLA over the paged latent cache");
+}

@@ -1,0 +1,149 @@
+"""The CPU kernels against the PyTorch path they replace, and the property the executor relies on:
+a row's result does not depend on the other rows it is computed with (bit for bit)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from runtime import kernels
+from runtime.config import ModelConfig
+from runtime.engine import load_engine, use_cpu_kernels
+from runtime.fp8 import dequantize_block_fp8, quantize_block_fp8
+from runtime.kv_cache import KVCache
+from runtime.model import DeepseekV3ForCausalLM, Experts, FP8Linear, MLA, PagedBatch
+from tests.conftest import tiny_config_dict
+
+pytestmark = pytest.mark.skipif(kernels.cpu_kernels() is None, reason="CPU kernels need x86-64 with AVX-512")
+
+
+def fp8_weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """A weight whose 128x128 blocks are exactly FP8 values times a scale (what an FP8 release loads as)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.logspace(-3, 0, k)  # wide range: subnormal FP8 values too
+    return dequantize_block_fp8(*quantize_block_fp8(w))
+
+
+@pytest.mark.parametrize("n,k", [(128, 256), (100, 200), (4096, 256), (16, 16), (300, 129)])
+def test_fp8_linear_matches_the_dequantized_matmul(n, k) -> None:
+    w = fp8_weight(n, k)
+    packed = kernels.pack_fp8(w)
+    assert packed is not None
+    for m in (1, 2, 3, 5, 6, 7, 13, 64):
+        x = torch.randn(m, k)
+        torch.testing.assert_close(kernels.fp8_linear(x, packed), x @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_linear_rows_do_not_depend_on_the_batch() -> None:
+    w = fp8_weight(300, 256)
+    packed = kernels.pack_fp8(w)
+    x = torch.randn(40, 256)
+    alone = torch.cat([kernels.fp8_linear(x[i : i + 1], packed) for i in range(40)])
+    for m in (2, 5, 6, 7, 17, 40):  # register path up to 6 rows, buffered path above
+        assert torch.equal(kernels.fp8_linear(x[:m], packed), alone[:m]), m
+
+
+def test_subnormal_fp8_values_are_exact() -> None:
+    q = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)  # every e4m3 code
+    q = q[~q.float().isnan()][:240].view(16, 15)  # finite codes, subnormals and both zeros included
+    w = q.float()  # scale 1
+    packed = kernels.pack_fp8(w)
+    assert packed is not None
+    eye = torch.eye(15)
+    assert torch.equal(kernels.fp8_linear(eye, packed), w.t())
+
+
+def test_pack_fp8_refuses_weights_that_are_not_fp8() -> None:
+    assert kernels.pack_fp8(torch.randn(64, 64)) is None  # arbitrary float32 values
+    assert kernels.pack_fp8(fp8_weight(64, 64).bfloat16()) is None  # not float32
+    w = fp8_weight(64, 64)
+    w[3, 7] = w[3, 7] * (1 + 2**-20)  # one value off the FP8 grid
+    assert kernels.pack_fp8(w) is None
+
+
+def test_moe_experts_match_the_pytorch_experts() -> None:
+    cfg = ModelConfig.from_dict(tiny_config_dict(hidden_size=64, moe_intermediate_size=32))
+    experts = Experts(cfg)
+    with torch.no_grad():
+        for p in (experts.gate_proj, experts.up_proj, experts.down_proj):
+            p.copy_(torch.stack([fp8_weight(*p.shape[1:], seed=e) * 4 for e in range(p.shape[0])]))
+    packed = tuple(kernels.pack_fp8(p.data) for p in (experts.gate_proj, experts.up_proj, experts.down_proj))
+    gen = torch.Generator().manual_seed(1)
+    for tokens in (1, 3, 40):  # per-pair and grouped PyTorch paths
+        x = torch.randn(tokens, 64, generator=gen)
+        idx = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(tokens)])
+        weights = torch.rand(tokens, 2, generator=gen)
+        got, ref = kernels.moe_experts(x, weights, idx, *packed), experts(x, weights, idx)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6 * ref.abs().max().item())
+        alone = torch.cat([kernels.moe_experts(x[i : i + 1], weights[i : i + 1], idx[i : i + 1], *packed)
+                           for i in range(tokens)])
+        assert torch.equal(got, alone)
+
+
+def kernel_cfg() -> ModelConfig:
+    """Tiny, but with latent sizes the attention kernel takes (multiples of 16)."""
+    return ModelConfig.from_dict(tiny_config_dict(kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16))
+
+
+def test_mla_attention_matches_the_padded_groups() -> None:
+    """Ragged step: decodes, a verify chunk, a prefill chunk after a cached prefix, a fresh prefill."""
+    cfg = kernel_cfg()
+    torch.manual_seed(0)
+    attn = MLA(cfg, cache_layer=0)
+    model = DeepseekV3ForCausalLM(cfg)
+    starts, lens, bs = [5, 40, 0, 17, 3], [1, 4, 30, 12, 1], 4
+    blocks = [-(-(s + q) // bs) for s, q in zip(starts, lens)]
+    cache = KVCache(cfg, num_blocks=sum(blocks) + 1, block_size=bs)
+    cache.tensor.normal_()
+    width = max(blocks)
+    ids = torch.randperm(sum(blocks) + 1)[: sum(blocks)].tolist()  # scattered blocks
+    tables, at = [], 0
+    for n in blocks:
+        tables.append(ids[at : at + n] + [0] * (width - n))
+        at += n
+    tables = torch.tensor(tables)
+    x = torch.randn(sum(lens), cfg.hidden_size)
+    outs = []
+    for kernel in (False, True):
+        batch = PagedBatch.build(starts, lens, tables, bs, kernel_attention=kernel)
+        assert (batch.token_seq is not None) == kernel
+        kv = cache.tensor.clone()
+        with torch.no_grad():
+            outs.append((attn.forward_paged(x, model.rope(batch.positions), batch, kv), kv))
+    (ref, ref_kv), (got, got_kv) = outs
+    assert torch.equal(got_kv, ref_kv)  # same slots written
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_use_cpu_kernels_packs_exactly_the_fp8_weights(tiny_checkpoint) -> None:
+    path = tiny_checkpoint("fp8", tiny_config_dict(hidden_size=64, moe_intermediate_size=32, kv_lora_rank=32,
+                                                   qk_rope_head_dim=16), fp8=True)
+    plain = load_engine(path, cpu_kernels=False).model
+    fast = load_engine(path).model
+    assert fast.kernel_attention and not plain.kernel_attention
+    packed = {n for n, m in fast.named_modules() if isinstance(m, FP8Linear)}
+    assert "model.layers.0.self_attn.q_a_proj" in packed and "mtp.0.block.self_attn.o_proj" in packed
+    for kept in ("lm_head", "mtp.0.eh_proj", "mtp.0.shared_head.head", "model.layers.0.self_attn.kv_b_proj"):
+        assert kept not in packed  # BF16 in the release, or read per head
+    assert all(m.packed is not None for m in fast.modules() if isinstance(m, Experts))
+    assert use_cpu_kernels(plain.bfloat16()) == 0  # only float32 models switch
+
+
+def test_shipped_model_logits_with_and_without_kernels(shipped_model_dir) -> None:
+    fast, plain = (load_engine(shipped_model_dir, cpu_kernels=k).model for k in (True, False))
+    assert fast.kernel_attention
+    cfg, bs = fast.cfg, 16
+    starts, lens = [0, 100, 37], [50, 1, 4]
+    blocks = [-(-(s + q) // bs) for s, q in zip(starts, lens)]
+    cache = KVCache(cfg, num_blocks=sum(blocks), block_size=bs)
+    cache.tensor.normal_()
+    width = max(blocks)
+    tables = torch.tensor([cache.allocator.allocate(n) + [0] * (width - n) for n in blocks])
+    ids = torch.randint(cfg.vocab_size, (sum(lens),), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        logits = [m.logits(m(ids, batch=PagedBatch.build(starts, lens, tables, bs, m.kernel_attention),
+                             kv_cache=cache.tensor.clone())) for m in (fast, plain)]
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+    assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
+    assert F.cosine_similarity(logits[0], logits[1], dim=-1).min() > 0.99999
