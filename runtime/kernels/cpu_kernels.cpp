@@ -21,14 +21,14 @@ namespace {
 constexpr int64_t kBlock = 128;  // FP8 scale block (both dims)
 constexpr int64_t kLanes = 16;   // floats per AVX-512 register; weights are packed in panels of 16 rows
 
-// 16 e4m3 bytes -> 16 floats equal to the e4m3 values times 2^-8. Moving the byte into an fp16
-// pattern (sign to bit 15, exponent and mantissa to bits 13..7) keeps subnormals exact; the 2^8 is
-// folded into the block scales when the weights are packed.
+// 16 e4m3 bytes -> 16 floats equal to the e4m3 values times 2^-8. Sign-extending each byte to 16
+// bits and shifting it left by 7 gives the fp16 pattern s|s|eeee|mmm|0000000; clearing bit 14 leaves
+// s|0|eeee|mmm, an fp16 2^8 times smaller than the e4m3 value, subnormals included. The 2^8 is folded
+// into the block scales when the weights are packed.
 inline __m512 fp8x16(const uint8_t* p) {
-  const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i sign = _mm256_and_si256(_mm256_slli_epi16(v, 8), _mm256_set1_epi16(static_cast<short>(0x8000)));
-  const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x7F)), 7);
-  return _mm512_cvtph_ps(_mm256_or_si256(sign, rest));
+  const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i half = _mm256_and_si256(_mm256_slli_epi16(v, 7), _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+  return _mm512_cvtph_ps(half);
 }
 
 // y[MT rows, NT*16 cols] = x[MT, K] . panels; `scale` holds one entry per k-block of this n-block.
@@ -158,6 +158,22 @@ void fp8_gemm(const float* x, int64_t M, int64_t K, const uint8_t* packed, const
   });
 }
 
+// r[i] = sum of the 16 lanes of v[i]: halves, quarters, pairs and lanes added in a tree (45 operations
+// instead of 16 separate horizontal sums).
+inline __m512 sum16(const __m512* v) {
+  __m512 h[8], q[4], p[2];
+  for (int i = 0; i < 8; ++i)  // 256-bit halves: [v2i lo+hi | v2i+1 lo+hi]
+    h[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit quarters: one per vector, in order 4i..4i+3
+    q[i] = _mm512_add_ps(_mm512_shuffle_f32x4(h[2 * i], h[2 * i + 1], 0x88), _mm512_shuffle_f32x4(h[2 * i], h[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // pairs of lanes within each quarter
+    p[i] = _mm512_add_ps(_mm512_shuffle_ps(q[2 * i], q[2 * i + 1], 0x44), _mm512_shuffle_ps(q[2 * i], q[2 * i + 1], 0xEE));
+  __m512 r = _mm512_add_ps(_mm512_shuffle_ps(p[0], p[1], 0x88), _mm512_shuffle_ps(p[0], p[1], 0xDD));
+  // lane order is now (vector index) 0,4,8,12 | 1,5,9,13 | ... per quarter: put it back to 0..15
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  return _mm512_permutexvar_ps(order, r);
+}
+
 inline __m512 exp16(__m512 x) {  // exp, ~1 ulp (x clamped at -87): 2^n * p(r), r = x - n ln2, |r| <= ln2/2
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -264,50 +280,85 @@ torch::Tensor mla_attention(const torch::Tensor& q, const torch::Tensor& cache, 
   const int64_t max_blocks = tables.size(1), dv = D / kLanes, rv = rank / kLanes;
   float* outp = out.data_ptr<float>();
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores, rowsum(heads);
+    std::vector<float> scores, rowsum(heads), zeros(D, 0.0f);
     std::vector<const float*> ctx;
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t L = pos[t] + 1;
+      const int64_t L = pos[t] + 1, Lp = (L + kLanes - 1) / kLanes * kLanes;
       check(L <= max_blocks * block_size, "position past the block table");
       const int64_t* table = tb + sq[t] * max_blocks;
-      ctx.resize(L);
+      ctx.resize(Lp);  // row of each position; the padding up to 16 reads zeros (its scores are masked)
       for (int64_t l = 0; l < L; ++l) ctx[l] = cp + (table[l / block_size] * block_size + l % block_size) * D;
-      const int64_t Lp = (L + kLanes - 1) / kLanes * kLanes;
-      scores.assign(heads * Lp, -INFINITY);
-      for (int64_t h = 0; h < heads; ++h) {
-        const float* qh = qp + (t * heads + h) * D;
-        float* s = scores.data() + h * Lp;
-        for (int64_t l = 0; l < L; ++l) {
-          __m512 acc = _mm512_setzero_ps();
-          for (int64_t d = 0; d < dv; ++d)
-            acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + d * kLanes), _mm512_loadu_ps(ctx[l] + d * kLanes), acc);
-          s[l] = _mm512_reduce_add_ps(acc);
+      for (int64_t l = L; l < Lp; ++l) ctx[l] = zeros.data();
+      scores.resize(heads * Lp);
+      // Positions outer, heads inner: a chunk of 16 context rows is read from L2 once and used by every head.
+      for (int64_t l0 = 0; l0 < L; l0 += kLanes) {
+        const float* const* rows = ctx.data() + l0;
+        for (int64_t i = kLanes; i < 2 * kLanes && l0 + i < L; ++i)  // the next chunk's rows, from L3
+          for (int64_t b = 0; b < D * 4; b += 64) _mm_prefetch(reinterpret_cast<const char*>(rows[i]) + b, _MM_HINT_T0);
+        for (int64_t h = 0; h < heads; ++h) {  // 16 partial dot products, then one tree
+          const float* qh = qp + (t * heads + h) * D;
+          __m512 acc[kLanes];
+#pragma GCC unroll 16
+          for (int i = 0; i < kLanes; ++i) acc[i] = _mm512_setzero_ps();
+          for (int64_t d = 0; d < dv; ++d) {
+            const __m512 qd = _mm512_loadu_ps(qh + d * kLanes);
+#pragma GCC unroll 16
+            for (int i = 0; i < kLanes; ++i) acc[i] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(rows[i] + d * kLanes), acc[i]);
+          }
+          _mm512_storeu_ps(scores.data() + h * Lp + l0, sum16(acc));
         }
+      }
+      const __mmask16 tail = L % kLanes ? static_cast<__mmask16>((1u << (L % kLanes)) - 1) : 0xFFFF;
+      for (int64_t h = 0; h < heads; ++h) {  // softmax numerators in place; padding set to 0
+        float* s = scores.data() + h * Lp;
         __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int64_t l = 0; l < Lp; l += kLanes) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + l));
+        for (int64_t l = 0; l < Lp; l += kLanes)
+          mx = _mm512_mask_max_ps(mx, l + kLanes < Lp ? 0xFFFF : tail, mx, _mm512_loadu_ps(s + l));
         const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
         __m512 sum = _mm512_setzero_ps();
         for (int64_t l = 0; l < Lp; l += kLanes) {
-          const __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + l), m));
-          const __m512 p_valid = _mm512_maskz_mov_ps(l + kLanes <= L ? 0xFFFF : static_cast<__mmask16>((1u << (L - l)) - 1), p);
-          _mm512_storeu_ps(s + l, p_valid);
-          sum = _mm512_add_ps(sum, p_valid);
+          const __m512 p = _mm512_maskz_mov_ps(l + kLanes < Lp ? 0xFFFF : tail, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + l), m)));
+          _mm512_storeu_ps(s + l, p);
+          sum = _mm512_add_ps(sum, p);
         }
         rowsum[h] = _mm512_reduce_add_ps(sum);
       }
-      for (int64_t h = 0; h < heads; ++h) {
-        const float* s = scores.data() + h * Lp;
-        float* o = outp + (t * heads + h) * rank;
-        for (int64_t r0 = 0; r0 < rv; r0 += 4) {  // four independent accumulator chains
-          const int64_t n = std::min<int64_t>(4, rv - r0);
-          __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-          for (int64_t l = 0; l < L; ++l) {
-            const __m512 p = _mm512_set1_ps(s[l]);
-            for (int64_t j = 0; j < n; ++j) acc[j] = _mm512_fmadd_ps(p, _mm512_loadu_ps(ctx[l] + (r0 + j) * kLanes), acc[j]);
+      float* o = outp + t * heads * rank;
+      std::fill_n(o, heads * rank, 0.0f);
+      for (int64_t l0 = 0; l0 < L; l0 += kLanes) {  // o += p . c, again 16 rows at a time for every head
+        const float* const* rows = ctx.data() + l0;
+        const int64_t n = std::min(kLanes, L - l0);
+        for (int64_t h = 0; h < heads; ++h) {
+          const float* s = scores.data() + h * Lp + l0;
+          float* oh = o + h * rank;
+          int64_t r = 0;
+          for (; r + 4 <= rv; r += 4) {  // four independent accumulator chains
+            float* dst = oh + r * kLanes;
+            __m512 a0 = _mm512_loadu_ps(dst), a1 = _mm512_loadu_ps(dst + kLanes), a2 = _mm512_loadu_ps(dst + 2 * kLanes),
+                   a3 = _mm512_loadu_ps(dst + 3 * kLanes);
+            for (int64_t i = 0; i < n; ++i) {
+              const __m512 p = _mm512_set1_ps(s[i]);
+              const float* c = rows[i] + r * kLanes;
+              a0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(c), a0);
+              a1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(c + kLanes), a1);
+              a2 = _mm512_fmadd_ps(p, _mm512_loadu_ps(c + 2 * kLanes), a2);
+              a3 = _mm512_fmadd_ps(p, _mm512_loadu_ps(c + 3 * kLanes), a3);
+            }
+            _mm512_storeu_ps(dst, a0);
+            _mm512_storeu_ps(dst + kLanes, a1);
+            _mm512_storeu_ps(dst + 2 * kLanes, a2);
+            _mm512_storeu_ps(dst + 3 * kLanes, a3);
           }
-          const __m512 inv = _mm512_set1_ps(1.0f / rowsum[h]);
-          for (int64_t j = 0; j < n; ++j) _mm512_storeu_ps(o + (r0 + j) * kLanes, _mm512_mul_ps(acc[j], inv));
+          for (; r < rv; ++r) {
+            __m512 a = _mm512_loadu_ps(oh + r * kLanes);
+            for (int64_t i = 0; i < n; ++i) a = _mm512_fmadd_ps(_mm512_set1_ps(s[i]), _mm512_loadu_ps(rows[i] + r * kLanes), a);
+            _mm512_storeu_ps(oh + r * kLanes, a);
+          }
         }
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        const __m512 inv = _mm512_set1_ps(1.0f / rowsum[h]);
+        for (int64_t r = 0; r < rv; ++r) _mm512_storeu_ps(o + (h * rank) + r * kLanes, _mm512_mul_ps(_mm512_loadu_ps(o + h * rank + r * kLanes), inv));
       }
     }
   });
