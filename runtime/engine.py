@@ -26,7 +26,7 @@ from runtime.checkpoint import SCALE_SUFFIX, CheckpointError, HFCheckpoint  # FP
 from runtime.config import ConfigError, ModelConfig
 from runtime.fp8 import dequantize_block_fp8, dequantize_tensor_fp8
 from runtime import kernels
-from runtime.model import DeepseekV3ForCausalLM, Experts, FP8Linear, rope_inv_freq
+from runtime.model import MLA, DeepseekV3ForCausalLM, Experts, PackedLinear, RMSNorm, rope_inv_freq
 from runtime.weights import WeightsError, load_weights
 
 FORMAT_VERSION = 1
@@ -297,22 +297,27 @@ def load_engine(path: str | Path, device: str | torch.device = "cpu", dtype: str
 
 def use_cpu_kernels(model: DeepseekV3ForCausalLM) -> int:
     """Switch a float32 CPU model to the C++ kernels where this machine can run them: paged attention
-    in `kernels.mla_attention` (latent sizes multiples of 16), and every linear weight (stacked experts
-    included) whose values are exactly 128x128-block FP8, as an FP8 release's are, packed and kept
-    FP8: a quarter of the bytes. Weights the release keeps in BF16, kv_b_proj (read per head by
-    absorbed attention) and the router stay float32. Returns how many weights were packed."""
+    in `kernels.mla_attention` (latent sizes multiples of 16), and every linear weight kept in the form
+    the release stores it: exactly 128x128-block FP8 values (stacked experts included) as FP8, a
+    quarter of the float32 bytes; other exactly-BF16 weights (heads, eh_proj) as BF16, half. kv_b_proj
+    (read per head by absorbed attention) and the router stay float32; nothing is rounded.
+    Returns how many weights were packed."""
     p = next(model.parameters())
     if p.device.type != "cpu" or p.dtype != torch.float32 or kernels.cpu_kernels() is None:
         return 0
     cfg = model.cfg
-    model.kernel_attention = cfg.kv_lora_rank % kernels.PANEL == 0 and cfg.latent_dim % kernels.PANEL == 0
+    model.kernel_attention = all(n % kernels.PANEL == 0 for n in (cfg.kv_lora_rank, cfg.latent_dim, cfg.v_head_dim))
     packed = 0
     for module in list(model.modules()):
+        if isinstance(module, RMSNorm):
+            module.kernel = True
+        if isinstance(module, MLA) and model.kernel_attention:
+            module.use_kernel()
         for name, child in list(module.named_children()):
             if isinstance(child, torch.nn.Linear) and child.bias is None and name != "kv_b_proj":
-                weight = kernels.pack_fp8(child.weight.data)
+                weight = kernels.pack_fp8(child.weight.data) or kernels.pack_bf16(child.weight.data)
                 if weight is not None:
-                    setattr(module, name, FP8Linear(weight))
+                    setattr(module, name, PackedLinear(weight))
                     packed += 1
         if isinstance(module, Experts) and cfg.hidden_size % kernels.PANEL == cfg.moe_intermediate_size % kernels.PANEL == 0:
             weights = [kernels.pack_fp8(w.data) for w in (module.gate_proj, module.up_proj, module.down_proj)]

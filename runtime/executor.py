@@ -198,7 +198,7 @@ class Executor:
                         [Sequence("p", [], 0, SamplingParams(), 0, block_table=t) for t in seqs], [context] * b, [q] * b)
                     target[q].append(timed(lambda: model.logits(model(ids, batch=batch, kv_cache=cache.tensor))))
                 ids = torch.randint(vocab, (b,), generator=gen).to(self.config.device)
-                hidden = torch.randn(b, model.cfg.hidden_size, generator=gen).to(model.lm_head.weight.dtype).to(
+                hidden = torch.randn(b, model.cfg.hidden_size, generator=gen).to(cache.tensor.dtype).to(
                     self.config.device)
                 batch = self.runner._paged_batch(
                     [Sequence("p", [], 0, SamplingParams(), 0, block_table=t) for t in seqs], [context] * b, [1] * b)

@@ -162,8 +162,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.kernel = False  # inference on CPU: runtime.kernels.rms_norm (engine.use_cpu_kernels)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.kernel:
+            return kernels.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
@@ -195,15 +198,15 @@ def apply_rope(x: Tensor, rot: Tensor) -> Tensor:
     return torch.view_as_real(pairs * rot).flatten(-2).to(x.dtype)
 
 
-class FP8Linear(nn.Module):
-    """A bias-free Linear whose weight stays FP8 in memory (the CPU kernel's packed blocks)."""
+class PackedLinear(nn.Module):
+    """A bias-free Linear whose weight stays in the release's FP8 (or BF16) form, for the CPU kernel."""
 
-    def __init__(self, packed: kernels.PackedFP8):
+    def __init__(self, packed: kernels.PackedWeight):
         super().__init__()
         self.packed = packed
 
     def forward(self, x: Tensor) -> Tensor:
-        return kernels.fp8_linear(x, self.packed)
+        return kernels.packed_linear(x, self.packed)
 
 
 class MLP(nn.Module):
@@ -236,11 +239,20 @@ class MLA(nn.Module):
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(h * cfg.v_head_dim, H, bias=False)
+        self.absorbed: tuple[Tensor, Tensor] | None = None  # W_UK [h, nope, c], W_UV^T [h, c, v] for the CPU kernel
+
+    def use_kernel(self) -> None:
+        """Split kv_b_proj into the per-head absorption weights the CPU kernels read."""
+        cfg = self.cfg
+        w = self.kv_b_proj.weight.view(self.n_heads, -1, cfg.kv_lora_rank)
+        self.absorbed = (w[:, : cfg.qk_nope_head_dim].contiguous(), w[:, cfg.qk_nope_head_dim :].transpose(1, 2).contiguous())
+
+    def _project_q(self, x: Tensor) -> Tensor:
+        return self.q_proj(x) if self.cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
 
     def _queries(self, x: Tensor, rot: Tensor) -> tuple[Tensor, Tensor]:
         cfg = self.cfg
-        q = self.q_proj(x) if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(*x.shape[:-1], self.n_heads, cfg.qk_head_dim)
+        q = self._project_q(x).view(*x.shape[:-1], self.n_heads, cfg.qk_head_dim)
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         return q_nope, apply_rope(q_pe, rot.unsqueeze(-2))
 
@@ -285,19 +297,22 @@ class MLA(nn.Module):
         """
         cfg, h = self.cfg, self.n_heads
         T = x.shape[0]
+        cache = kv_cache[self.cache_layer]
+        if batch.token_seq is not None:  # the same steps in two CPU kernels
+            w_uk, w_uv = self.absorbed
+            q = kernels.mla_prepare(self._project_q(x), self.kv_a_proj_with_mqa(x), rot, self.kv_a_layernorm.weight,
+                                    self.kv_a_layernorm.eps, w_uk, cfg.softmax_scale, cache, batch.slot_mapping)
+            return self.o_proj(kernels.mla_attention(q, cache, batch.positions, batch.token_seq, batch.block_tables,
+                                                     batch.block_size, w_uv))
         q_nope, q_pe = self._queries(x, rot)  # [T, h, nope], [T, h, rope]
         c, k_pe = self._latent(x, rot)
-        cache = kv_cache[self.cache_layer]
         cache.index_copy_(0, batch.slot_mapping, torch.cat([c, k_pe], dim=-1))
 
         w = self.kv_b_proj.weight.view(h, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         w_uk, w_uv = w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]  # [h, nope, c], [h, v, c]
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, h, c]
         q = torch.cat([q_lat, q_pe], dim=-1) * cfg.softmax_scale  # [T, h, latent]
-        if batch.token_seq is not None:
-            o_lat = kernels.mla_attention(q, cache, batch.positions, batch.token_seq, batch.block_tables,
-                                          batch.block_size, cfg.kv_lora_rank)
-        elif len(batch.groups) == 1:  # the common case (decode only): no copy
+        if len(batch.groups) == 1:  # the common case (decode only): no copy
             o_lat = self._attend(q, cache, batch.groups[0])
         else:
             o_lat = torch.cat([self._attend(q[g.start : g.end], cache, g) for g in batch.groups])
@@ -352,7 +367,7 @@ class Experts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(E, I, H))
         self.up_proj = nn.Parameter(torch.empty(E, I, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
-        self.packed: tuple[kernels.PackedFP8, kernels.PackedFP8, kernels.PackedFP8] | None = None
+        self.packed: tuple[kernels.PackedWeight, kernels.PackedWeight, kernels.PackedWeight] | None = None
 
     def _mlp(self, e: int, rows: Tensor) -> Tensor:
         return F.silu(F.linear(rows, self.gate_proj[e])) * F.linear(rows, self.up_proj[e])

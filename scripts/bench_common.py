@@ -28,6 +28,9 @@ if str(ROOT) not in sys.path:  # `python scripts/x.py` puts scripts/ first, not 
 
 import torch  # noqa: E402
 
+from runtime.checkpoint import expected_tensor_shapes, is_mtp_tensor  # noqa: E402
+from runtime.model import PackedLinear  # noqa: E402
+
 DEFAULT_MODEL = "models/deepseek-v3-mini"
 DEFAULT_OUT_DIR = "docs/benchmarks"
 PROMPTS_FILE = "heldout_prompts.json"
@@ -122,8 +125,9 @@ def round_robin_by_source(items: list[dict[str, str]], n: int) -> list[dict[str,
 
 def engine_info(engine) -> dict[str, Any]:
     cfg = engine.model_config
-    n_params = sum(p.numel() for p in engine.model.parameters())
-    n_mtp = sum(p.numel() for p in engine.model.mtp.parameters())
+    shapes = expected_tensor_shapes(cfg)  # the release's tensors (the loaded model may hold some packed)
+    n_params = sum(math.prod(s) for s in shapes.values())
+    n_mtp = sum(math.prod(s) for name, s in shapes.items() if is_mtp_tensor(name, cfg))
     return {
         "path": str(engine.path),
         "build": engine.build.to_dict(),
@@ -136,6 +140,7 @@ def engine_info(engine) -> dict[str, Any]:
         "parameters_mtp": n_mtp,
         "parameters_target": n_params - n_mtp,
         "dtype": str(next(engine.model.parameters()).dtype),
+        "weights_packed_for_cpu_kernels": sum(isinstance(m, PackedLinear) for m in engine.model.modules()),
     }
 
 

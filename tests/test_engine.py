@@ -69,7 +69,7 @@ def test_load_hf_checkpoint_defaults(hf, tiny_checkpoint):
     assert e.model.lm_head.weight.dtype == torch.bfloat16 and e.model.inv_freq.dtype == torch.float32
     no_mtp = load_engine(tiny_checkpoint("nomtp", tiny_config_dict(num_nextn_predict_layers=0, max_position_embeddings=8192)))
     assert no_mtp.build.max_draft_len == 0 and no_mtp.build.max_seq_len == 4096 and len(no_mtp.model.mtp) == 0
-    fp8 = load_engine(tiny_checkpoint("fp8", fp8=True))
+    fp8 = load_engine(tiny_checkpoint("fp8", fp8=True), cpu_kernels=False)  # packed for the kernels: test_kernels
     assert fp8.build.quant_algo == "FP8_BLOCK_SCALES" and fp8.model.lm_head.weight.dtype == torch.float32
 
 

@@ -12,7 +12,7 @@ from runtime.config import ModelConfig
 from runtime.engine import load_engine, use_cpu_kernels
 from runtime.fp8 import dequantize_block_fp8, quantize_block_fp8
 from runtime.kv_cache import KVCache
-from runtime.model import DeepseekV3ForCausalLM, Experts, FP8Linear, MLA, PagedBatch
+from runtime.model import DeepseekV3ForCausalLM, Experts, PackedLinear, MLA, PagedBatch
 from tests.conftest import tiny_config_dict
 
 pytestmark = pytest.mark.skipif(kernels.cpu_kernels() is None, reason="CPU kernels need x86-64 with AVX-512")
@@ -32,16 +32,16 @@ def test_fp8_linear_matches_the_dequantized_matmul(n, k) -> None:
     assert packed is not None
     for m in (1, 2, 3, 5, 6, 7, 13, 64):
         x = torch.randn(m, k)
-        torch.testing.assert_close(kernels.fp8_linear(x, packed), x @ w.t(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(kernels.packed_linear(x, packed), x @ w.t(), rtol=1e-5, atol=1e-5)
 
 
 def test_fp8_linear_rows_do_not_depend_on_the_batch() -> None:
     w = fp8_weight(300, 256)
     packed = kernels.pack_fp8(w)
     x = torch.randn(40, 256)
-    alone = torch.cat([kernels.fp8_linear(x[i : i + 1], packed) for i in range(40)])
+    alone = torch.cat([kernels.packed_linear(x[i : i + 1], packed) for i in range(40)])
     for m in (2, 5, 6, 7, 17, 40):  # register path up to 6 rows, buffered path above
-        assert torch.equal(kernels.fp8_linear(x[:m], packed), alone[:m]), m
+        assert torch.equal(kernels.packed_linear(x[:m], packed), alone[:m]), m
 
 
 def test_subnormal_fp8_values_are_exact() -> None:
@@ -51,7 +51,7 @@ def test_subnormal_fp8_values_are_exact() -> None:
     packed = kernels.pack_fp8(w)
     assert packed is not None
     eye = torch.eye(15)
-    assert torch.equal(kernels.fp8_linear(eye, packed), w.t())
+    assert torch.equal(kernels.packed_linear(eye, packed), w.t())
 
 
 def test_pack_fp8_refuses_weights_that_are_not_fp8() -> None:
@@ -83,7 +83,8 @@ def test_moe_experts_match_the_pytorch_experts() -> None:
 
 def kernel_cfg() -> ModelConfig:
     """Tiny, but with latent sizes the attention kernel takes (multiples of 16)."""
-    return ModelConfig.from_dict(tiny_config_dict(kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16))
+    return ModelConfig.from_dict(tiny_config_dict(kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+                                                  v_head_dim=16))
 
 
 def test_mla_attention_matches_the_padded_groups() -> None:
@@ -91,6 +92,7 @@ def test_mla_attention_matches_the_padded_groups() -> None:
     cfg = kernel_cfg()
     torch.manual_seed(0)
     attn = MLA(cfg, cache_layer=0)
+    attn.use_kernel()
     model = DeepseekV3ForCausalLM(cfg)
     starts, lens, bs = [5, 40, 0, 17, 3], [1, 4, 30, 12, 1], 4
     blocks = [-(-(s + q) // bs) for s, q in zip(starts, lens)]
@@ -112,22 +114,48 @@ def test_mla_attention_matches_the_padded_groups() -> None:
         with torch.no_grad():
             outs.append((attn.forward_paged(x, model.rope(batch.positions), batch, kv), kv))
     (ref, ref_kv), (got, got_kv) = outs
-    assert torch.equal(got_kv, ref_kv)  # same slots written
+    torch.testing.assert_close(got_kv, ref_kv, rtol=1e-5, atol=1e-5)  # the same slots written, the same latents
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_use_cpu_kernels_packs_exactly_the_fp8_weights(tiny_checkpoint) -> None:
+def test_use_cpu_kernels_keeps_each_weight_in_its_release_form(tiny_checkpoint) -> None:
     path = tiny_checkpoint("fp8", tiny_config_dict(hidden_size=64, moe_intermediate_size=32, kv_lora_rank=32,
-                                                   qk_rope_head_dim=16), fp8=True)
+                                                   qk_rope_head_dim=16, v_head_dim=16), fp8=True)
     plain = load_engine(path, cpu_kernels=False).model
     fast = load_engine(path).model
     assert fast.kernel_attention and not plain.kernel_attention
-    packed = {n for n, m in fast.named_modules() if isinstance(m, FP8Linear)}
-    assert "model.layers.0.self_attn.q_a_proj" in packed and "mtp.0.block.self_attn.o_proj" in packed
-    for kept in ("lm_head", "mtp.0.eh_proj", "mtp.0.shared_head.head", "model.layers.0.self_attn.kv_b_proj"):
-        assert kept not in packed  # BF16 in the release, or read per head
+    packed = {n: m.packed.panels.dtype for n, m in fast.named_modules() if isinstance(m, PackedLinear)}
+    assert packed["model.layers.0.self_attn.q_a_proj"] == torch.uint8  # FP8 in the release
+    assert packed["mtp.0.block.self_attn.o_proj"] == torch.uint8
+    for name in ("lm_head", "mtp.0.eh_proj", "mtp.0.shared_head.head"):  # BF16 in the release
+        assert packed[name] == torch.bfloat16
+    assert "model.layers.0.self_attn.kv_b_proj" not in packed  # read per head by absorbed attention
     assert all(m.packed is not None for m in fast.modules() if isinstance(m, Experts))
+    plain_params = dict(plain.named_parameters())
+    for name, module in fast.named_modules():
+        if isinstance(module, PackedLinear):  # the packed weight holds exactly the loaded values
+            w = plain_params[name + ".weight"]
+            assert torch.equal(kernels.packed_linear(torch.eye(w.shape[1]), module.packed), w.t())
     assert use_cpu_kernels(plain.bfloat16()) == 0  # only float32 models switch
+
+
+def test_rms_norm_matches_and_takes_strided_rows() -> None:
+    x = torch.randn(7, 96)
+    w = torch.randn(64)
+    got = kernels.rms_norm(x[:, :64], w, 1e-6)  # rows 96 apart, as the latent part of kv_a's output
+    torch.testing.assert_close(got, F.rms_norm(x[:, :64], (64,), w, 1e-6), rtol=1e-5, atol=1e-6)
+    x3 = torch.randn(2, 3, 40)  # 40: a masked tail
+    torch.testing.assert_close(kernels.rms_norm(x3, w[:40], 1e-6), F.rms_norm(x3, (40,), w[:40], 1e-6),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_linear_matches_and_refuses_other_values() -> None:
+    w = torch.randn(300, 200).bfloat16().float()
+    packed = kernels.pack_bf16(w)
+    x = torch.randn(9, 200)
+    torch.testing.assert_close(kernels.packed_linear(x, packed), x @ w.t(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(kernels.packed_linear(x[:1], packed), kernels.packed_linear(x, packed)[:1])
+    assert kernels.pack_bf16(torch.randn(30, 20)) is None
 
 
 def test_shipped_model_logits_with_and_without_kernels(shipped_model_dir) -> None:

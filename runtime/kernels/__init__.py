@@ -58,9 +58,10 @@ def cpu_kernels() -> ModuleType | None:
 
 
 @dataclass
-class PackedFP8:
-    """A weight [N, K] (or experts stacked [E, N, K]) as e4m3 bytes in panels [(E,) ceil(N/16), K, 16]
-    and its 128x128 block scales [(E,) ceil(N/128), ceil(K/128)], times 2^8 for the kernel."""
+class PackedWeight:
+    """A weight [N, K] (or experts stacked [E, N, K]) in panels [(E,) ceil(N/16), K, 16] of e4m3 bytes
+    (uint8) or bfloat16, with scales per 128x128 block [(E,) ceil(N/128), ceil(K/128)] (FP8: the
+    release's scales times 2^8 for the kernel; BF16: ones)."""
 
     panels: Tensor
     scale: Tensor
@@ -68,42 +69,71 @@ class PackedFP8:
     in_features: int
 
 
-def pack_fp8(w: Tensor) -> PackedFP8 | None:
-    """Pack `w` if every 128x128 block of it (of each expert's matrix) is exactly FP8 values times one
-    scale, what an FP8 release dequantizes to; None otherwise, so a weight the release keeps in BF16
-    is never rounded."""
+def _panels(mats: list[Tensor], dtype: torch.dtype) -> Tensor:
+    N, K = mats[0].shape
+    rows = -(-N // PANEL) * PANEL
+    out = []
+    for m in mats:
+        padded = torch.zeros(rows, K, dtype=dtype)
+        padded[:N] = m
+        out.append(padded.view(rows // PANEL, PANEL, K).transpose(1, 2).contiguous())
+    return torch.stack(out) if len(out) > 1 else out[0]
+
+
+def pack_fp8(w: Tensor) -> PackedWeight | None:
+    """Pack `w` [N, K] or [E, N, K] if every 128x128 block (of each expert's matrix) is exactly FP8 values
+    times one scale, what an FP8 release dequantizes to; None otherwise, so nothing is ever rounded."""
     if w.dtype != torch.float32 or w.dim() not in (2, 3):
         return None
     mats = list(w) if w.dim() == 3 else [w]
-    N, K = mats[0].shape
-    rows = -(-N // PANEL) * PANEL
-    panels, scales = [], []
+    codes, scales = [], []
     for m in mats:
         q, scale = quantize_block_fp8(m)
         if not torch.equal(dequantize_block_fp8(q, scale), m):
             return None
-        padded = torch.zeros(rows, K, dtype=torch.uint8)
-        padded[:N] = q.view(torch.uint8)
-        panels.append(padded.view(rows // PANEL, PANEL, K).transpose(1, 2).contiguous())
+        codes.append(q.view(torch.uint8))
         scales.append(scale * FP8_TO_HALF)
-    if w.dim() == 2:
-        return PackedFP8(panels[0], scales[0].contiguous(), N, K)
-    return PackedFP8(torch.stack(panels), torch.stack(scales).contiguous(), N, K)
+    scale = torch.stack(scales) if w.dim() == 3 else scales[0]
+    return PackedWeight(_panels(codes, torch.uint8), scale.contiguous(), *w.shape[-2:])
 
 
-def fp8_linear(x: Tensor, w: PackedFP8) -> Tensor:
+def pack_bf16(w: Tensor) -> PackedWeight | None:
+    """Pack a float32 [N, K] weight whose values are all BF16 (a release's unquantized weights); else None."""
+    if w.dtype != torch.float32 or w.dim() != 2 or not torch.equal(w.bfloat16().float(), w):
+        return None
+    N, K = w.shape
+    ones = torch.ones(-(-N // 128), -(-K // 128))
+    return PackedWeight(_panels([w.bfloat16()], torch.bfloat16), ones, N, K)
+
+
+def packed_linear(x: Tensor, w: PackedWeight) -> Tensor:
     """x [..., K] float32 -> [..., N]."""
     flat = x.reshape(-1, w.in_features).contiguous()
-    return cpu_kernels().fp8_linear(flat, w.panels, w.scale, w.out_features).view(*x.shape[:-1], w.out_features)
+    return cpu_kernels().packed_linear(flat, w.panels, w.scale, w.out_features).view(*x.shape[:-1], w.out_features)
 
 
-def moe_experts(x: Tensor, weights: Tensor, idx: Tensor, gate: PackedFP8, up: PackedFP8, down: PackedFP8) -> Tensor:
+def moe_experts(x: Tensor, weights: Tensor, idx: Tensor, gate: PackedWeight, up: PackedWeight,
+                down: PackedWeight) -> Tensor:
     """Routed experts (stacked, packed) for tokens x [T, H] routed by idx / weights [T, k]."""
     return cpu_kernels().moe_experts(x.contiguous(), idx.contiguous(), weights.float().contiguous(),
                                      gate.panels, gate.scale, up.panels, up.scale, down.panels, down.scale)
 
 
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    return cpu_kernels().rms_norm(rows, weight, eps).view(x.shape)
+
+
+def mla_prepare(q: Tensor, kv: Tensor, rot: Tensor, kv_norm: Tensor, eps: float, w_uk: Tensor, scale: float,
+                cache: Tensor, slot_mapping: Tensor) -> Tensor:
+    """q [T, h*(nope+rope)], kv [T, rank+rope] (projections), rot complex [T, rope/2]: writes the normalized,
+    roped latents to their cache slots; returns the absorbed queries [T, h, rank+rope], scaled."""
+    return cpu_kernels().mla_prepare(q.contiguous(), kv, torch.view_as_real(rot), kv_norm, eps, w_uk, scale, cache,
+                                     slot_mapping)
+
+
 def mla_attention(q: Tensor, cache: Tensor, positions: Tensor, token_seq: Tensor, block_tables: Tensor,
-                  block_size: int, rank: int) -> Tensor:
-    """q [T, h, rank + rope] (scaled) against each token's own sequence in the paged cache [slots, rank + rope]."""
-    return cpu_kernels().mla_attention(q.contiguous(), cache, positions, token_seq, block_tables, block_size, rank)
+                  block_size: int, w_uv: Tensor) -> Tensor:
+    """Absorbed queries [T, h, rank+rope] against each token's own sequence in the paged cache; returns the
+    heads' outputs [T, h*v] (w_uv [h, rank, v])."""
+    return cpu_kernels().mla_attention(q, cache, positions, token_seq, block_tables, block_size, w_uv)

@@ -1,8 +1,9 @@
 // CPU kernels for the native runtime (x86-64 with AVX-512): the three places where a decode step
 // on CPU spends its time in many small ATen calls or in streaming fp32 weights.
 //
-// fp8_linear   y = x W^T with W kept as FP8 e4m3 in 128x128 scaled blocks, as the release stores it
-//              (a quarter of the fp32 bytes); each block's partial sum is scaled once, as DeepGEMM does.
+// packed_linear y = x W^T with W kept as the release stores it: FP8 e4m3 in 128x128 scaled blocks (a
+//              quarter of the fp32 bytes; each block's partial sum is scaled once, as DeepGEMM does), or
+//              BF16 for the few weights the release does not quantize.
 // moe_experts  the routed experts of a MoE layer for a ragged set of tokens, in one call.
 // mla_attention absorbed MLA over the paged latent cache, read in place through the block tables.
 //
@@ -21,19 +22,29 @@ namespace {
 constexpr int64_t kBlock = 128;  // FP8 scale block (both dims)
 constexpr int64_t kLanes = 16;   // floats per AVX-512 register; weights are packed in panels of 16 rows
 
-// 16 e4m3 bytes -> 16 floats equal to the e4m3 values times 2^-8. Sign-extending each byte to 16
-// bits and shifting it left by 7 gives the fp16 pattern s|s|eeee|mmm|0000000; clearing bit 14 leaves
-// s|0|eeee|mmm, an fp16 2^8 times smaller than the e4m3 value, subnormals included. The 2^8 is folded
-// into the block scales when the weights are packed.
-inline __m512 fp8x16(const uint8_t* p) {
-  const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i half = _mm256_and_si256(_mm256_slli_epi16(v, 7), _mm256_set1_epi16(static_cast<short>(0xBFFF)));
-  return _mm512_cvtph_ps(half);
-}
+// Weight formats: 16 consecutive stored values -> 16 floats.
+// Fp8: e4m3 bytes -> the e4m3 values times 2^-8. Sign-extending each byte to 16 bits and shifting it
+// left by 7 gives the fp16 pattern s|s|eeee|mmm|0000000; clearing bit 14 leaves s|0|eeee|mmm, an fp16
+// 2^8 times smaller than the e4m3 value, subnormals included. The 2^8 is folded into the block scales.
+struct Fp8 {
+  using T = uint8_t;
+  static __m512 load16(const T* p) {
+    const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(v, 7), _mm256_set1_epi16(static_cast<short>(0xBFFF))));
+  }
+};
+// Bf16: the weights a release keeps in BF16 (heads, eh_proj), exactly; block scales are all 1.
+struct Bf16 {
+  using T = uint16_t;
+  static __m512 load16(const T* p) {
+    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  }
+};
 
 // y[MT rows, NT*16 cols] = x[MT, K] . panels; `scale` holds one entry per k-block of this n-block.
-template <int MT, int NT>
-void gemm_tile(const float* x, int64_t ldx, int64_t K, const uint8_t* panels, const float* scale, float* y,
+template <class W, int MT, int NT>
+void gemm_tile(const float* x, int64_t ldx, int64_t K, const typename W::T* panels, const float* scale, float* y,
                int64_t ldy, int64_t last_cols) {
   __m512 acc[MT][NT], part[MT][NT];
   for (int m = 0; m < MT; ++m)
@@ -44,7 +55,7 @@ void gemm_tile(const float* x, int64_t ldx, int64_t K, const uint8_t* panels, co
       for (int j = 0; j < NT; ++j) part[m][j] = _mm512_setzero_ps();
     for (int64_t k = k0; k < k1; ++k) {
       __m512 w[NT];
-      for (int j = 0; j < NT; ++j) w[j] = fp8x16(panels + (j * K + k) * kLanes);
+      for (int j = 0; j < NT; ++j) w[j] = W::load16(panels + (j * K + k) * kLanes);
       for (int m = 0; m < MT; ++m) {
         const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
         for (int j = 0; j < NT; ++j) part[m][j] = _mm512_fmadd_ps(xb, w[j], part[m][j]);
@@ -60,16 +71,16 @@ void gemm_tile(const float* x, int64_t ldx, int64_t K, const uint8_t* panels, co
 }
 
 // MT rows against panels [p0, p1) (all inside one 128-row n-block), NT panels at a time.
-template <int MT, int NT>
-void gemm_rows(const float* x, int64_t ldx, int64_t K, const uint8_t* packed, const float* scale, int64_t k_blocks,
+template <class W, int MT, int NT>
+void gemm_rows(const float* x, int64_t ldx, int64_t K, const typename W::T* packed, const float* scale, int64_t k_blocks,
                float* y, int64_t ldy, int64_t N, int64_t p0, int64_t p1) {
   const float* s = scale + (p0 * kLanes / kBlock) * k_blocks;
   int64_t p = p0;
   for (; p + NT <= p1; p += NT)
-    gemm_tile<MT, NT>(x, ldx, K, packed + p * K * kLanes, s, y + p * kLanes, ldy,
+    gemm_tile<W, MT, NT>(x, ldx, K, packed + p * K * kLanes, s, y + p * kLanes, ldy,
                       std::min(kLanes, N - (p + NT - 1) * kLanes));
   for (; p < p1; ++p)
-    gemm_tile<MT, 1>(x, ldx, K, packed + p * K * kLanes, s, y + p * kLanes, ldy, std::min(kLanes, N - p * kLanes));
+    gemm_tile<W, MT, 1>(x, ldx, K, packed + p * K * kLanes, s, y + p * kLanes, ldy, std::min(kLanes, N - p * kLanes));
 }
 
 // y[MT, NT*16] (+)= (sum over one k-block of x . w) * s, with the block's weights already
@@ -119,7 +130,8 @@ void block_rows(const float* x, int64_t M, int64_t K, int64_t k0, const float* w
 
 // Many rows: each (two panels x one k-block) of weights is converted once into an L1-sized buffer and
 // used by every row, instead of once per six rows.
-void gemm_many_rows(const float* x, int64_t M, int64_t K, const uint8_t* packed, const float* scale, int64_t k_blocks,
+template <class W>
+void gemm_many_rows(const float* x, int64_t M, int64_t K, const typename W::T* packed, const float* scale, int64_t k_blocks,
                     float* y, int64_t N, int64_t p0, int64_t p1) {
   alignas(64) float w[kBlock * 2 * kLanes];
   const float* s = scale + (p0 * kLanes / kBlock) * k_blocks;
@@ -129,30 +141,32 @@ void gemm_many_rows(const float* x, int64_t M, int64_t K, const uint8_t* packed,
       const int64_t klen = std::min(kBlock, K - k0);
       for (int64_t k = 0; k < klen; ++k)
         for (int64_t j = 0; j < nt; ++j)
-          _mm512_store_ps(w + (k * nt + j) * kLanes, fp8x16(packed + ((p + j) * K + k0 + k) * kLanes));
+          _mm512_store_ps(w + (k * nt + j) * kLanes, W::load16(packed + ((p + j) * K + k0 + k) * kLanes));
       if (nt == 2) block_rows<2>(x, M, K, k0, w, klen, s[k0 / kBlock], y + p * kLanes, N, last);
       else block_rows<1>(x, M, K, k0, w, klen, s[k0 / kBlock], y + p * kLanes, N, last);
     }
   }
 }
 
-// y[M, N] = x[M, K] W^T for W packed as [ceil(N/16), K, 16] e4m3 bytes with scale [ceil(N/128), ceil(K/128)].
+// y[M, N] = x[M, K] W^T for W packed as [ceil(N/16), K, 16] values with scale [ceil(N/128), ceil(K/128)].
 // Up to six rows convert weights in registers; more go through gemm_many_rows (same sums, same order).
-void fp8_gemm(const float* x, int64_t M, int64_t K, const uint8_t* packed, const float* scale, int64_t N, float* y) {
+template <class W>
+void packed_gemm(const float* x, int64_t M, int64_t K, const typename W::T* packed, const float* scale, int64_t N,
+                 float* y) {
   const int64_t panels = (N + kLanes - 1) / kLanes, per_block = kBlock / kLanes, k_blocks = (K + kBlock - 1) / kBlock;
   const int64_t n_blocks = (panels + per_block - 1) / per_block;
   at::parallel_for(0, n_blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t p0 = b * per_block, p1 = std::min(panels, p0 + per_block);
       switch (M) {
-        case 6: gemm_rows<6, 2>(x, K, K, packed, scale, k_blocks, y, N, N, p0, p1); break;
-        case 5: gemm_rows<5, 2>(x, K, K, packed, scale, k_blocks, y, N, N, p0, p1); break;
-        case 4: gemm_rows<4, 3>(x, K, K, packed, scale, k_blocks, y, N, N, p0, p1); break;
-        case 3: gemm_rows<3, 4>(x, K, K, packed, scale, k_blocks, y, N, N, p0, p1); break;
-        case 2: gemm_rows<2, 4>(x, K, K, packed, scale, k_blocks, y, N, N, p0, p1); break;
-        case 1: gemm_rows<1, 8>(x, K, K, packed, scale, k_blocks, y, N, N, p0, p1); break;
+        case 6: gemm_rows<W, 6, 2>(x, K, K, packed, scale, k_blocks, y, N, N, p0, p1); break;
+        case 5: gemm_rows<W, 5, 2>(x, K, K, packed, scale, k_blocks, y, N, N, p0, p1); break;
+        case 4: gemm_rows<W, 4, 3>(x, K, K, packed, scale, k_blocks, y, N, N, p0, p1); break;
+        case 3: gemm_rows<W, 3, 4>(x, K, K, packed, scale, k_blocks, y, N, N, p0, p1); break;
+        case 2: gemm_rows<W, 2, 4>(x, K, K, packed, scale, k_blocks, y, N, N, p0, p1); break;
+        case 1: gemm_rows<W, 1, 8>(x, K, K, packed, scale, k_blocks, y, N, N, p0, p1); break;
         case 0: break;
-        default: gemm_many_rows(x, M, K, packed, scale, k_blocks, y, N, p0, p1);
+        default: gemm_many_rows<W>(x, M, K, packed, scale, k_blocks, y, N, p0, p1);
       }
     }
   });
@@ -191,19 +205,75 @@ inline __m512 exp16(__m512 x) {  // exp, ~1 ulp (x clamped at -87): 2^n * p(r), 
   return _mm512_scalef_ps(p, n);
 }
 
+// out[0:m] = scale * (a[0:n] @ W[n, m]), m a multiple of 16: broadcast-FMA over rows of W, 4 chains.
+inline void matvec(const float* a, int64_t n, const float* W, int64_t m, float scale, float* out) {
+  int64_t j = 0;
+  for (; j + 4 * kLanes <= m; j += 4 * kLanes) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t i = 0; i < n; ++i) {
+      const __m512 b = _mm512_set1_ps(a[i]);
+      const float* w = W + i * m + j;
+      a0 = _mm512_fmadd_ps(b, _mm512_loadu_ps(w), a0);
+      a1 = _mm512_fmadd_ps(b, _mm512_loadu_ps(w + kLanes), a1);
+      a2 = _mm512_fmadd_ps(b, _mm512_loadu_ps(w + 2 * kLanes), a2);
+      a3 = _mm512_fmadd_ps(b, _mm512_loadu_ps(w + 3 * kLanes), a3);
+    }
+    const __m512 sv = _mm512_set1_ps(scale);
+    _mm512_storeu_ps(out + j, _mm512_mul_ps(a0, sv));
+    _mm512_storeu_ps(out + j + kLanes, _mm512_mul_ps(a1, sv));
+    _mm512_storeu_ps(out + j + 2 * kLanes, _mm512_mul_ps(a2, sv));
+    _mm512_storeu_ps(out + j + 3 * kLanes, _mm512_mul_ps(a3, sv));
+  }
+  for (; j < m; j += kLanes) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) acc = _mm512_fmadd_ps(_mm512_set1_ps(a[i]), _mm512_loadu_ps(W + i * m + j), acc);
+    _mm512_storeu_ps(out + j, _mm512_mul_ps(acc, _mm512_set1_ps(scale)));
+  }
+}
+
+// y[0:n] = x * rsqrt(mean(x^2) + eps) * w
+inline void rms_norm_row(const float* x, int64_t n, const float* w, float eps, float* y) {
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const __mmask16 mk = i + kLanes <= n ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 v = _mm512_maskz_loadu_ps(mk, x + i);
+    ss = _mm512_fmadd_ps(v, v, ss);
+  }
+  const __m512 r = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(n) + eps));
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const __mmask16 mk = i + kLanes <= n ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(y + i, mk, _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, x + i), r), _mm512_maskz_loadu_ps(mk, w + i)));
+  }
+}
+
+// Interleaved pairs (x0, x1), (x2, x3)... rotated by rot = (re, im) per pair, times `scale`.
+inline void rope_row(const float* x, const float* rot, int64_t pairs, float scale, float* y) {
+  for (int64_t i = 0; i < pairs; ++i) {
+    const float a = x[2 * i], b = x[2 * i + 1], re = rot[2 * i], im = rot[2 * i + 1];
+    y[2 * i] = (a * re - b * im) * scale;
+    y[2 * i + 1] = (a * im + b * re) * scale;
+  }
+}
+
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "cpu_kernels: ", what); }
 
 }  // namespace
 
-torch::Tensor fp8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale, int64_t N) {
+torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale, int64_t N) {
   check(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1);
-  check(packed.scalar_type() == torch::kUInt8 && packed.dim() == 3 && packed.size(0) == (N + kLanes - 1) / kLanes &&
-            packed.size(1) == K && packed.size(2) == kLanes && packed.is_contiguous(), "packed weight shape");
+  check(packed.dim() == 3 && packed.size(0) == (N + kLanes - 1) / kLanes && packed.size(1) == K &&
+            packed.size(2) == kLanes && packed.is_contiguous(), "packed weight shape");
   check(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.size(0) == (N + kBlock - 1) / kBlock &&
             scale.size(1) == (K + kBlock - 1) / kBlock, "scale shape");
   auto y = torch::empty({M, N}, x.options());
-  fp8_gemm(x.data_ptr<float>(), M, K, packed.data_ptr<uint8_t>(), scale.data_ptr<float>(), N, y.data_ptr<float>());
+  if (packed.scalar_type() == torch::kUInt8)
+    packed_gemm<Fp8>(x.data_ptr<float>(), M, K, packed.data_ptr<uint8_t>(), scale.data_ptr<float>(), N, y.data_ptr<float>());
+  else if (packed.scalar_type() == torch::kBFloat16)
+    packed_gemm<Bf16>(x.data_ptr<float>(), M, K, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
+                      scale.data_ptr<float>(), N, y.data_ptr<float>());
+  else
+    check(false, "packed weights must be uint8 (e4m3) or bfloat16");
   return y;
 }
 
@@ -243,14 +313,14 @@ torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& idx, cons
     u.resize(R * I);
     y.resize(R * H);
     for (int64_t r = 0; r < R; ++r) std::copy_n(xp + rows[r] * H, H, xs.data() + r * H);
-    fp8_gemm(xs.data(), R, H, gate.data_ptr<uint8_t>() + e * gate_stride, gate_scale.data_ptr<float>() + e * gs_stride, I, g.data());
-    fp8_gemm(xs.data(), R, H, up.data_ptr<uint8_t>() + e * gate_stride, up_scale.data_ptr<float>() + e * gs_stride, I, u.data());
+    packed_gemm<Fp8>(xs.data(), R, H, gate.data_ptr<uint8_t>() + e * gate_stride, gate_scale.data_ptr<float>() + e * gs_stride, I, g.data());
+    packed_gemm<Fp8>(xs.data(), R, H, up.data_ptr<uint8_t>() + e * gate_stride, up_scale.data_ptr<float>() + e * gs_stride, I, u.data());
     for (int64_t i = 0; i < R * I; i += kLanes) {  // silu(g) * u
       const __m512 gv = _mm512_loadu_ps(g.data() + i);
       const __m512 sig = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
       _mm512_storeu_ps(g.data() + i, _mm512_mul_ps(_mm512_div_ps(gv, sig), _mm512_loadu_ps(u.data() + i)));
     }
-    fp8_gemm(g.data(), R, I, down.data_ptr<uint8_t>() + e * down_stride, down_scale.data_ptr<float>() + e * ds_stride, H, y.data());
+    packed_gemm<Fp8>(g.data(), R, I, down.data_ptr<uint8_t>() + e * down_stride, down_scale.data_ptr<float>() + e * ds_stride, H, y.data());
     for (int64_t r = 0; r < R; ++r) {
       float* dst = op + rows[r] * H;
       const float* src = y.data() + r * H;
@@ -261,26 +331,78 @@ torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& idx, cons
   return out;
 }
 
-// o[t, h, :R] = softmax_l(q[t, h] . cache[slot(l)]) @ cache[slot(l), :R] over positions l = 0..positions[t] of the
-// token's sequence; slot(l) = tables[seq[t], l / block_size] * block_size + l % block_size. q is pre-scaled.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  check(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "x must be float32 [rows, n], rows contiguous");
+  check(w.scalar_type() == torch::kFloat && w.is_contiguous() && w.numel() == x.size(1), "weight [n]");
+  const int64_t rows = x.size(0), n = x.size(1), ld = x.stride(0);
+  auto y = torch::empty({rows, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) rms_norm_row(xp + r * ld, n, w.data_ptr<float>(), static_cast<float>(eps), yp + r * n);
+  return y;
+}
+
+// The absorbed-MLA inputs of T new tokens: writes each token's latent (normalized c_kv | roped k_pe) to
+// its cache slot and returns the queries [T, h, rank + rope] = scale * (q_nope W_UK | rope(q_pe)).
+torch::Tensor mla_prepare(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& rot,
+                          const torch::Tensor& kv_norm, double eps, const torch::Tensor& w_uk, double scale,
+                          torch::Tensor cache, const torch::Tensor& slots) {
+  check(w_uk.dim() == 3 && w_uk.is_contiguous() && w_uk.scalar_type() == torch::kFloat, "w_uk [h, nope, rank]");
+  const int64_t heads = w_uk.size(0), nope = w_uk.size(1), rank = w_uk.size(2), T = q.size(0);
+  check(cache.dim() == 2 && cache.is_contiguous() && cache.scalar_type() == torch::kFloat, "cache [slots, D]");
+  const int64_t D = cache.size(1), rope = D - rank;
+  check(rank % kLanes == 0 && rope % 2 == 0, "latent sizes");
+  check(q.dim() == 2 && q.is_contiguous() && q.size(1) == heads * (nope + rope), "q [T, h * (nope + rope)]");
+  check(kv.dim() == 2 && kv.stride(1) == 1 && kv.size(0) == T && kv.size(1) == D, "kv [T, rank + rope]");
+  check(rot.is_contiguous() && rot.numel() == T * rope, "rot [T, rope / 2, 2]");
+  check(slots.scalar_type() == torch::kLong && slots.numel() == T && kv_norm.numel() == rank, "slots / norm weight");
+  auto out = torch::empty({T, heads, D}, q.options());
+  const float *qp = q.data_ptr<float>(), *kvp = kv.data_ptr<float>(), *rp = rot.data_ptr<float>();
+  const float *nw = kv_norm.data_ptr<float>(), *wk = w_uk.data_ptr<float>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  float *cp = cache.data_ptr<float>(), *op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* kvt = kvp + t * kv.stride(0);
+    float* row = cp + sp[t] * D;
+    rms_norm_row(kvt, rank, nw, static_cast<float>(eps), row);
+    rope_row(kvt + rank, rp + t * rope, rope / 2, 1.0f, row + rank);
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* qh = qp + (t * heads + h) * (nope + rope);
+      float* o = op + (t * heads + h) * D;
+      matvec(qh, nope, wk + h * nope * rank, rank, sc, o);
+      rope_row(qh + nope, rp + t * rope, rope / 2, sc, o + rank);
+    }
+  }
+  return out;
+}
+
+// o[t, h] = (softmax_l(q[t, h] . cache[slot(l)]) @ cache[slot(l), :rank]) W_UV[h]^T over positions l = 0..positions[t]
+// of the token's sequence; slot(l) = tables[seq[t], l / block_size] * block_size + l % block_size; q is pre-scaled.
 torch::Tensor mla_attention(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& positions,
-                            const torch::Tensor& seq, const torch::Tensor& tables, int64_t block_size, int64_t rank) {
+                            const torch::Tensor& seq, const torch::Tensor& tables, int64_t block_size,
+                            const torch::Tensor& w_uv) {
   check(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.is_contiguous(), "q must be contiguous float32 [T, h, D]");
   const int64_t T = q.size(0), heads = q.size(1), D = q.size(2);
   check(cache.dim() == 2 && cache.size(1) == D && cache.scalar_type() == torch::kFloat && cache.is_contiguous(), "cache [slots, D]");
-  check(D % kLanes == 0 && rank % kLanes == 0 && rank <= D, "latent sizes must be multiples of 16");
+  check(D % kLanes == 0, "latent sizes must be multiples of 16");
   check(positions.scalar_type() == torch::kLong && seq.scalar_type() == torch::kLong && tables.scalar_type() == torch::kLong &&
             positions.size(0) == T && seq.size(0) == T && tables.dim() == 2 && tables.is_contiguous(), "positions/seq/tables");
-  auto out = torch::empty({T, heads, rank}, q.options());
+  check(w_uv.dim() == 3 && w_uv.is_contiguous() && w_uv.size(0) == heads && w_uv.size(1) <= D &&
+            w_uv.size(1) % kLanes == 0 && w_uv.size(2) % kLanes == 0 && w_uv.scalar_type() == torch::kFloat,
+        "w_uv [h, rank, v], rank and v multiples of 16");
+  const int64_t rank = w_uv.size(1), vdim = w_uv.size(2);
+  auto out = torch::empty({T, heads * vdim}, q.options());
   const float* qp = q.data_ptr<float>();
   const float* cp = cache.data_ptr<float>();
+  const float* wv = w_uv.data_ptr<float>();
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* sq = seq.data_ptr<int64_t>();
   const int64_t* tb = tables.data_ptr<int64_t>();
   const int64_t max_blocks = tables.size(1), dv = D / kLanes, rv = rank / kLanes;
   float* outp = out.data_ptr<float>();
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores, rowsum(heads), zeros(D, 0.0f);
+    std::vector<float> scores, rowsum(heads), zeros(D, 0.0f), olat(heads * rank);
     std::vector<const float*> ctx;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t L = pos[t] + 1, Lp = (L + kLanes - 1) / kLanes * kLanes;
@@ -323,7 +445,7 @@ torch::Tensor mla_attention(const torch::Tensor& q, const torch::Tensor& cache, 
         }
         rowsum[h] = _mm512_reduce_add_ps(sum);
       }
-      float* o = outp + t * heads * rank;
+      float* o = olat.data();
       std::fill_n(o, heads * rank, 0.0f);
       for (int64_t l0 = 0; l0 < L; l0 += kLanes) {  // o += p . c, again 16 rows at a time for every head
         const float* const* rows = ctx.data() + l0;
@@ -356,17 +478,17 @@ torch::Tensor mla_attention(const torch::Tensor& q, const torch::Tensor& cache, 
           }
         }
       }
-      for (int64_t h = 0; h < heads; ++h) {
-        const __m512 inv = _mm512_set1_ps(1.0f / rowsum[h]);
-        for (int64_t r = 0; r < rv; ++r) _mm512_storeu_ps(o + (h * rank) + r * kLanes, _mm512_mul_ps(_mm512_loadu_ps(o + h * rank + r * kLanes), inv));
-      }
+      for (int64_t h = 0; h < heads; ++h)  // (softmax @ c) W_UV^T
+        matvec(o + h * rank, rank, wv + h * rank * vdim, vdim, 1.0f / rowsum[h], outp + (t * heads + h) * vdim);
     }
   });
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("fp8_linear", &fp8_linear, "y = x W^T, W block-scaled FP8 packed in 16-row panels");
+  m.def("packed_linear", &packed_linear, "y = x W^T, W block-scaled FP8 or BF16 packed in 16-row panels");
   m.def("moe_experts", &moe_experts, "routed experts of one MoE layer, FP8 weights");
   m.def("mla_attention", &mla_attention, "absorbed MLA over the paged latent cache");
+  m.def("mla_prepare", &mla_prepare, "absorbed-MLA queries; latents written to the cache");
+  m.def("rms_norm", &rms_norm, "RMSNorm of rows");
 }
