@@ -26,7 +26,7 @@ from runtime.checkpoint import SCALE_SUFFIX, CheckpointError, HFCheckpoint  # FP
 from runtime.config import ConfigError, ModelConfig
 from runtime.fp8 import dequantize_block_fp8, dequantize_tensor_fp8
 from runtime import kernels
-from runtime.model import MLA, DeepseekV3ForCausalLM, Experts, PackedLinear, RMSNorm, rope_inv_freq
+from runtime.model import MLA, DeepseekV3ForCausalLM, MoE, PackedLinear, RMSNorm, rope_inv_freq
 from runtime.weights import WeightsError, load_weights
 
 FORMAT_VERSION = 1
@@ -308,6 +308,17 @@ def use_cpu_kernels(model: DeepseekV3ForCausalLM) -> int:
     cfg = model.cfg
     model.kernel_attention = all(n % kernels.PANEL == 0 for n in (cfg.kv_lora_rank, cfg.latent_dim, cfg.v_head_dim))
     packed = 0
+    if cfg.hidden_size % kernels.PANEL == cfg.moe_intermediate_size % kernels.PANEL == 0 and \
+            cfg.n_shared_experts > 0 and cfg.n_routed_experts <= kernels.MAX_EXPERTS:
+        for moe in [m for m in model.modules() if isinstance(m, MoE)]:
+            routed = [kernels.pack_fp8(w.data) for w in (moe.experts.gate_proj, moe.experts.up_proj, moe.experts.down_proj)]
+            mlp = moe.shared_experts
+            shared = [kernels.pack_fp8(lin.weight.data) for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+            if all(w is not None for w in routed + shared):
+                moe.packed = kernels.PackedMoE(tuple(routed), tuple(shared))
+                moe.gate.weight.data = moe.gate.weight.data.contiguous()  # row per expert, as the kernel reads it
+                del moe.experts, moe.shared_experts
+                packed += 6
     for module in list(model.modules()):
         if isinstance(module, RMSNorm):
             module.kernel = True
@@ -319,12 +330,6 @@ def use_cpu_kernels(model: DeepseekV3ForCausalLM) -> int:
                 if weight is not None:
                     setattr(module, name, PackedLinear(weight))
                     packed += 1
-        if isinstance(module, Experts) and cfg.hidden_size % kernels.PANEL == cfg.moe_intermediate_size % kernels.PANEL == 0:
-            weights = [kernels.pack_fp8(w.data) for w in (module.gate_proj, module.up_proj, module.down_proj)]
-            if all(w is not None for w in weights):
-                module.packed = tuple(weights)
-                del module.gate_proj, module.up_proj, module.down_proj
-                packed += 3
     return packed
 
 

@@ -357,8 +357,6 @@ class Experts(nn.Module):
     - otherwise tokens grouped by expert, one matmul chain per chosen expert, as DeepSeek's
       reference does (measured faster from E pairs up; computing every expert for every token
       was never faster here and would cost E / top-k times the FLOPs).
-
-    With FP8 weights packed for the CPU kernel (`packed`: gate, up, down) all of it is one call.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -367,14 +365,11 @@ class Experts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(E, I, H))
         self.up_proj = nn.Parameter(torch.empty(E, I, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
-        self.packed: tuple[kernels.PackedWeight, kernels.PackedWeight, kernels.PackedWeight] | None = None
 
     def _mlp(self, e: int, rows: Tensor) -> Tensor:
         return F.silu(F.linear(rows, self.gate_proj[e])) * F.linear(rows, self.up_proj[e])
 
     def forward(self, x: Tensor, weights: Tensor, idx: Tensor) -> Tensor:
-        if self.packed is not None:
-            return kernels.moe_experts(x, weights, idx, *self.packed)
         E, _, H = self.gate_proj.shape
         T, k = idx.shape
         if T * k < E:
@@ -395,12 +390,16 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.cfg = cfg
         self.gate = Gate(cfg)
         self.experts = Experts(cfg)
         self.shared_experts = MLP(cfg.hidden_size, cfg.n_shared_experts * cfg.moe_intermediate_size)
+        self.packed: kernels.PackedMoE | None = None  # FP8 weights for the CPU kernel: all of the below in one call
 
     def forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, x.shape[-1])
+        if self.packed is not None:
+            return kernels.moe(flat, self.gate.weight, self.gate.e_score_correction_bias, self.cfg, self.packed).view_as(x)
         weights, idx = self.gate(flat)
         return (self.experts(flat, weights, idx) + self.shared_experts(flat)).view_as(x)
 

@@ -12,7 +12,7 @@ from runtime.config import ModelConfig
 from runtime.engine import load_engine, use_cpu_kernels
 from runtime.fp8 import dequantize_block_fp8, quantize_block_fp8
 from runtime.kv_cache import KVCache
-from runtime.model import DeepseekV3ForCausalLM, Experts, PackedLinear, MLA, PagedBatch
+from runtime.model import MLA, DeepseekV3ForCausalLM, MoE, PackedLinear, PagedBatch
 from tests.conftest import tiny_config_dict
 
 pytestmark = pytest.mark.skipif(kernels.cpu_kernels() is None, reason="CPU kernels need x86-64 with AVX-512")
@@ -62,21 +62,30 @@ def test_pack_fp8_refuses_weights_that_are_not_fp8() -> None:
     assert kernels.pack_fp8(w) is None
 
 
-def test_moe_experts_match_the_pytorch_experts() -> None:
-    cfg = ModelConfig.from_dict(tiny_config_dict(hidden_size=64, moe_intermediate_size=32))
-    experts = Experts(cfg)
-    with torch.no_grad():
-        for p in (experts.gate_proj, experts.up_proj, experts.down_proj):
-            p.copy_(torch.stack([fp8_weight(*p.shape[1:], seed=e) * 4 for e in range(p.shape[0])]))
-    packed = tuple(kernels.pack_fp8(p.data) for p in (experts.gate_proj, experts.up_proj, experts.down_proj))
+def test_moe_layer_matches_the_pytorch_moe() -> None:
+    """Routing (grouped, biased, normalized, scaled), routed experts and the shared expert in one call."""
+    cfg = ModelConfig.from_dict(tiny_config_dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=16,
+                                                 num_experts_per_tok=3, n_group=4, topk_group=2))
+    moe = MoE(cfg)
     gen = torch.Generator().manual_seed(1)
-    for tokens in (1, 3, 40):  # per-pair and grouped PyTorch paths
+    with torch.no_grad():
+        for p in (moe.experts.gate_proj, moe.experts.up_proj, moe.experts.down_proj):
+            p.copy_(torch.stack([fp8_weight(*p.shape[1:], seed=e) for e in range(p.shape[0])]))
+        for i, lin in enumerate((moe.shared_experts.gate_proj, moe.shared_experts.up_proj, moe.shared_experts.down_proj)):
+            lin.weight.copy_(fp8_weight(*lin.weight.shape, seed=100 + i))
+        moe.gate.weight.copy_(torch.randn(16, 64, generator=gen) * 0.3)
+        moe.gate.e_score_correction_bias.copy_(torch.randn(16, generator=gen) * 0.1)
+    routed = tuple(kernels.pack_fp8(p.data) for p in (moe.experts.gate_proj, moe.experts.up_proj, moe.experts.down_proj))
+    shared = tuple(kernels.pack_fp8(lin.weight.data) for lin in (moe.shared_experts.gate_proj,
+                                                                 moe.shared_experts.up_proj, moe.shared_experts.down_proj))
+    packed = kernels.PackedMoE(routed, shared)
+    for tokens in (1, 3, 40):  # the PyTorch per-pair and grouped paths
         x = torch.randn(tokens, 64, generator=gen)
-        idx = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(tokens)])
-        weights = torch.rand(tokens, 2, generator=gen)
-        got, ref = kernels.moe_experts(x, weights, idx, *packed), experts(x, weights, idx)
+        with torch.no_grad():
+            ref = moe(x)
+        got = kernels.moe(x, moe.gate.weight, moe.gate.e_score_correction_bias, cfg, packed)
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6 * ref.abs().max().item())
-        alone = torch.cat([kernels.moe_experts(x[i : i + 1], weights[i : i + 1], idx[i : i + 1], *packed)
+        alone = torch.cat([kernels.moe(x[i : i + 1], moe.gate.weight, moe.gate.e_score_correction_bias, cfg, packed)
                            for i in range(tokens)])
         assert torch.equal(got, alone)
 
@@ -130,7 +139,7 @@ def test_use_cpu_kernels_keeps_each_weight_in_its_release_form(tiny_checkpoint) 
     for name in ("lm_head", "mtp.0.eh_proj", "mtp.0.shared_head.head"):  # BF16 in the release
         assert packed[name] == torch.bfloat16
     assert "model.layers.0.self_attn.kv_b_proj" not in packed  # read per head by absorbed attention
-    assert all(m.packed is not None for m in fast.modules() if isinstance(m, Experts))
+    assert all(m.packed is not None for m in fast.modules() if isinstance(m, MoE))
     plain_params = dict(plain.named_parameters())
     for name, module in fast.named_modules():
         if isinstance(module, PackedLinear):  # the packed weight holds exactly the loaded values

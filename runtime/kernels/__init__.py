@@ -19,6 +19,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
+from runtime.config import ModelConfig
 from runtime.fp8 import dequantize_block_fp8, quantize_block_fp8
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,7 @@ SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-mavx512f"]
 PANEL = 16  # weight rows per packed panel (one AVX-512 register of outputs)
+MAX_EXPERTS = 256  # the routing kernel's limit (DeepSeek-V3: 256)
 FP8_TO_HALF = 256.0  # the kernel reads e4m3 bytes as fp16 values 2^8 times too small
 
 
@@ -112,11 +114,20 @@ def packed_linear(x: Tensor, w: PackedWeight) -> Tensor:
     return cpu_kernels().packed_linear(flat, w.panels, w.scale, w.out_features).view(*x.shape[:-1], w.out_features)
 
 
-def moe_experts(x: Tensor, weights: Tensor, idx: Tensor, gate: PackedWeight, up: PackedWeight,
-                down: PackedWeight) -> Tensor:
-    """Routed experts (stacked, packed) for tokens x [T, H] routed by idx / weights [T, k]."""
-    return cpu_kernels().moe_experts(x.contiguous(), idx.contiguous(), weights.float().contiguous(),
-                                     gate.panels, gate.scale, up.panels, up.scale, down.panels, down.scale)
+@dataclass
+class PackedMoE:
+    """A MoE layer's FP8 weights for `moe`: routed experts stacked, then the shared expert."""
+
+    experts: tuple[PackedWeight, PackedWeight, PackedWeight]  # gate, up, down
+    shared: tuple[PackedWeight, PackedWeight, PackedWeight]
+
+
+def moe(x: Tensor, gate: Tensor, bias: Tensor, cfg: ModelConfig, w: PackedMoE) -> Tensor:
+    """A whole MoE layer for tokens x [T, H]: noaux_tc routing (router weight gate [E, H], bias [E]),
+    routed experts, shared expert."""
+    panels = [t for p in w.experts + w.shared for t in (p.panels, p.scale)]
+    return cpu_kernels().moe(x.contiguous(), gate, bias, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok,
+                             cfg.norm_topk_prob, cfg.routed_scaling_factor, *panels)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

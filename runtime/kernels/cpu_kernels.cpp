@@ -4,7 +4,7 @@
 // packed_linear y = x W^T with W kept as the release stores it: FP8 e4m3 in 128x128 scaled blocks (a
 //              quarter of the fp32 bytes; each block's partial sum is scaled once, as DeepGEMM does), or
 //              BF16 for the few weights the release does not quantize.
-// moe_experts  the routed experts of a MoE layer for a ragged set of tokens, in one call.
+// moe          a whole MoE layer (routing, routed and shared experts) for a ragged set of tokens.
 // mla_attention absorbed MLA over the paged latent cache, read in place through the block tables.
 //
 // Every output row is computed with the same arithmetic in the same order whatever the other rows
@@ -277,57 +277,141 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
   return y;
 }
 
-// out[t] = sum over the k experts chosen for token t (in expert order) of w[t, j] * down(silu(gate(x)) * up(x)).
-torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& idx, const torch::Tensor& weights,
-                          const torch::Tensor& gate, const torch::Tensor& gate_scale, const torch::Tensor& up,
-                          const torch::Tensor& up_scale, const torch::Tensor& down, const torch::Tensor& down_scale) {
+namespace {
+
+// One FP8 MLP's packed weights: down(silu(gate(x)) * up(x)).
+struct Mlp {
+  const uint8_t *gate, *up, *down;
+  const float *gate_scale, *up_scale, *down_scale;
+  int64_t inter;
+};
+
+Mlp mlp_at(const torch::Tensor& gate, const torch::Tensor& gs, const torch::Tensor& up, const torch::Tensor& us,
+           const torch::Tensor& down, const torch::Tensor& ds, int64_t e) {  // expert e of stacked panels (e = 0: a single MLP)
+  check(gate.scalar_type() == torch::kUInt8 && up.scalar_type() == torch::kUInt8 && down.scalar_type() == torch::kUInt8 &&
+            gate.is_contiguous() && up.sizes() == gate.sizes() && up.is_contiguous() && down.is_contiguous() &&
+            gs.is_contiguous() && us.sizes() == gs.sizes() && us.is_contiguous() && ds.is_contiguous(), "FP8 MLP panels");
+  const int64_t gp = gate.numel() / (gate.dim() == 4 ? gate.size(0) : 1), dp = down.numel() / (down.dim() == 4 ? down.size(0) : 1);
+  const int64_t gsp = gs.numel() / (gs.dim() == 3 ? gs.size(0) : 1), dsp = ds.numel() / (ds.dim() == 3 ? ds.size(0) : 1);
+  return {gate.data_ptr<uint8_t>() + e * gp, up.data_ptr<uint8_t>() + e * gp, down.data_ptr<uint8_t>() + e * dp,
+          gs.data_ptr<float>() + e * gsp, us.data_ptr<float>() + e * gsp, ds.data_ptr<float>() + e * dsp,
+          gate.size(gate.dim() - 3) * kLanes};
+}
+
+// y[R, H] = down(silu(gate(x)) * up(x)) for rows x[R, H]; g, u: scratch.
+void mlp_rows(const float* x, int64_t R, int64_t H, const Mlp& w, std::vector<float>& g, std::vector<float>& u, float* y) {
+  const int64_t I = w.inter;
+  g.resize(R * I);
+  u.resize(R * I);
+  packed_gemm<Fp8>(x, R, H, w.gate, w.gate_scale, I, g.data());
+  packed_gemm<Fp8>(x, R, H, w.up, w.up_scale, I, u.data());
+  for (int64_t i = 0; i < R * I; i += kLanes) {
+    const __m512 gv = _mm512_loadu_ps(g.data() + i);
+    const __m512 sig = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
+    _mm512_storeu_ps(g.data() + i, _mm512_mul_ps(_mm512_div_ps(gv, sig), _mm512_loadu_ps(u.data() + i)));
+  }
+  packed_gemm<Fp8>(g.data(), R, I, w.down, w.down_scale, H, y);
+}
+
+// noaux_tc routing of one token: sigmoid scores, the correction bias steering selection only, the best
+// topk_group groups (a group scored by its two best biased experts), then top_k experts among them;
+// weights = scores of the chosen, normalized if asked, times the scaling factor. Ties go to the lower index.
+void route(const float* score, const float* bias, int64_t E, int64_t n_group, int64_t topk_group, int64_t top_k,
+           bool normalize, float scaling, int64_t* idx, float* weights) {
+  float biased[256], group_score[64];
+  const int64_t per_group = E / n_group;
+  for (int64_t e = 0; e < E; ++e) biased[e] = score[e] + bias[e];
+  for (int64_t g = 0; g < n_group; ++g) {
+    float a = -INFINITY, b = -INFINITY;
+    for (int64_t e = g * per_group; e < (g + 1) * per_group; ++e) {
+      const float v = biased[e];
+      if (v > a) { b = a; a = v; } else if (v > b) { b = v; }
+    }
+    group_score[g] = per_group > 1 ? a + b : a;
+  }
+  bool keep[64] = {};
+  for (int64_t n = 0; n < topk_group; ++n) {
+    int64_t best = -1;
+    for (int64_t g = 0; g < n_group; ++g)
+      if (!keep[g] && (best < 0 || group_score[g] > group_score[best])) best = g;
+    keep[best] = true;
+  }
+  bool taken[256] = {};
+  float sum = 0.0f;
+  for (int64_t n = 0; n < top_k; ++n) {
+    int64_t best = -1;
+    for (int64_t e = 0; e < E; ++e)
+      if (keep[e / per_group] && !taken[e] && (best < 0 || biased[e] > biased[best])) best = e;
+    taken[best] = true;
+    idx[n] = best;
+    weights[n] = score[best];
+    sum += score[best];
+  }
+  for (int64_t n = 0; n < top_k; ++n) weights[n] = (normalize ? weights[n] / (sum + 1e-20f) : weights[n]) * scaling;
+}
+
+}  // namespace
+
+// A whole MoE layer for tokens x [T, H]: routing (gate [E, H] float32, bias [E]), the routed experts
+// (stacked FP8 panels) and the shared expert (FP8 panels). A token's output is its experts' outputs
+// added in expert order, then the shared expert's: the same whatever else is in the batch.
+torch::Tensor moe(const torch::Tensor& x, const torch::Tensor& gate_w, const torch::Tensor& bias, int64_t n_group,
+                  int64_t topk_group, int64_t top_k, bool normalize, double scaling,
+                  const torch::Tensor& eg, const torch::Tensor& egs, const torch::Tensor& eu, const torch::Tensor& eus,
+                  const torch::Tensor& ed, const torch::Tensor& eds,
+                  const torch::Tensor& sg, const torch::Tensor& sgs, const torch::Tensor& su, const torch::Tensor& sus,
+                  const torch::Tensor& sd, const torch::Tensor& sds) {
   check(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous float32 [T, H]");
-  check(idx.scalar_type() == torch::kLong && weights.scalar_type() == torch::kFloat && idx.sizes() == weights.sizes() &&
-            idx.size(0) == x.size(0) && idx.is_contiguous() && weights.is_contiguous(), "idx/weights [T, k]");
-  check(gate.dim() == 4 && gate.is_contiguous() && up.sizes() == gate.sizes() && up.is_contiguous() && down.dim() == 4 &&
-            down.is_contiguous() && gate.size(2) == x.size(1), "expert panels [E, I/16, H, 16] and [E, H/16, I, 16]");
-  const int64_t T = x.size(0), H = x.size(1), k = idx.size(1), E = gate.size(0), I = gate.size(1) * kLanes;
-  check(down.size(0) == E && down.size(2) == I && down.size(1) * kLanes == H, "expert sizes must be multiples of 16");
-  const int64_t gate_stride = gate[0].numel(), down_stride = down[0].numel();
-  const int64_t gs_stride = gate_scale[0].numel(), ds_stride = down_scale[0].numel();
-  const int64_t* ip = idx.data_ptr<int64_t>();
-  const float* wp = weights.data_ptr<float>();
+  const int64_t T = x.size(0), H = x.size(1), E = gate_w.size(0);
+  check(gate_w.scalar_type() == torch::kFloat && gate_w.is_contiguous() && gate_w.size(1) == H && bias.numel() == E &&
+            bias.scalar_type() == torch::kFloat, "router weight [E, H] and bias [E], float32");
+  check(E <= 256 && n_group <= 64 && E % n_group == 0 && topk_group <= n_group && top_k <= E / n_group * topk_group,
+        "routing sizes");
+  check(eg.dim() == 4 && eg.size(0) == E && eg.size(2) == H && ed.dim() == 4 && ed.size(1) * kLanes == H &&
+            ed.size(2) == eg.size(1) * kLanes, "expert panels [E, I/16, H, 16] and [E, H/16, I, 16]");
+  check(sg.dim() == 3 && sg.size(1) == H && sd.dim() == 3 && sd.size(0) * kLanes == H, "shared expert panels");
   const float* xp = x.data_ptr<float>();
-  auto out = torch::zeros({T, H}, x.options());
+  const float *gw = gate_w.data_ptr<float>(), *bp = bias.data_ptr<float>();
+  std::vector<int64_t> idx(T * top_k), rows;
+  std::vector<float> weights(T * top_k), score(E), row_w, xs, g, u, y;
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t e = 0; e < E; ++e) {
+      __m512 acc = _mm512_setzero_ps();
+      int64_t i = 0;
+      for (; i + kLanes <= H; i += kLanes) acc = _mm512_fmadd_ps(_mm512_loadu_ps(xp + t * H + i), _mm512_loadu_ps(gw + e * H + i), acc);
+      float dot = _mm512_reduce_add_ps(acc);
+      for (; i < H; ++i) dot += xp[t * H + i] * gw[e * H + i];
+      score[e] = 1.0f / (1.0f + std::exp(-dot));
+    }
+    route(score.data(), bp, E, n_group, topk_group, top_k, normalize, static_cast<float>(scaling),
+          idx.data() + t * top_k, weights.data() + t * top_k);
+  }
+  auto out = torch::empty({T, H}, x.options());
   float* op = out.data_ptr<float>();
-  std::vector<int64_t> rows;
-  std::vector<float> row_w, xs, g, u, y;
+  mlp_rows(xp, T, H, mlp_at(sg, sgs, su, sus, sd, sds, 0), g, u, op);  // the shared expert, then the routed ones added
+  std::vector<float> routed(T * H, 0.0f);
   for (int64_t e = 0; e < E; ++e) {
     rows.clear();
     row_w.clear();
     for (int64_t t = 0; t < T; ++t)
-      for (int64_t j = 0; j < k; ++j)
-        if (ip[t * k + j] == e) {
+      for (int64_t j = 0; j < top_k; ++j)
+        if (idx[t * top_k + j] == e) {
           rows.push_back(t);
-          row_w.push_back(wp[t * k + j]);
+          row_w.push_back(weights[t * top_k + j]);
         }
     const int64_t R = static_cast<int64_t>(rows.size());
     if (R == 0) continue;
     xs.resize(R * H);
-    g.resize(R * I);
-    u.resize(R * I);
     y.resize(R * H);
     for (int64_t r = 0; r < R; ++r) std::copy_n(xp + rows[r] * H, H, xs.data() + r * H);
-    packed_gemm<Fp8>(xs.data(), R, H, gate.data_ptr<uint8_t>() + e * gate_stride, gate_scale.data_ptr<float>() + e * gs_stride, I, g.data());
-    packed_gemm<Fp8>(xs.data(), R, H, up.data_ptr<uint8_t>() + e * gate_stride, up_scale.data_ptr<float>() + e * gs_stride, I, u.data());
-    for (int64_t i = 0; i < R * I; i += kLanes) {  // silu(g) * u
-      const __m512 gv = _mm512_loadu_ps(g.data() + i);
-      const __m512 sig = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
-      _mm512_storeu_ps(g.data() + i, _mm512_mul_ps(_mm512_div_ps(gv, sig), _mm512_loadu_ps(u.data() + i)));
-    }
-    packed_gemm<Fp8>(g.data(), R, I, down.data_ptr<uint8_t>() + e * down_stride, down_scale.data_ptr<float>() + e * ds_stride, H, y.data());
+    mlp_rows(xs.data(), R, H, mlp_at(eg, egs, eu, eus, ed, eds, e), g, u, y.data());
     for (int64_t r = 0; r < R; ++r) {
-      float* dst = op + rows[r] * H;
+      float* dst = routed.data() + rows[r] * H;
       const float* src = y.data() + r * H;
-      const float w = row_w[r];
-      for (int64_t c = 0; c < H; ++c) dst[c] += w * src[c];
+      for (int64_t c = 0; c < H; ++c) dst[c] += row_w[r] * src[c];
     }
   }
+  for (int64_t i = 0; i < T * H; ++i) op[i] = routed[i] + op[i];
   return out;
 }
 
@@ -487,7 +571,7 @@ torch::Tensor mla_attention(const torch::Tensor& q, const torch::Tensor& cache, 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &packed_linear, "y = x W^T, W block-scaled FP8 or BF16 packed in 16-row panels");
-  m.def("moe_experts", &moe_experts, "routed experts of one MoE layer, FP8 weights");
+  m.def("moe", &moe, "one MoE layer: noaux_tc routing, routed and shared FP8 experts");
   m.def("mla_attention", &mla_attention, "absorbed MLA over the paged latent cache");
   m.def("mla_prepare", &mla_prepare, "absorbed-MLA queries; latents written to the cache");
   m.def("rms_norm", &rms_norm, "RMSNorm of rows");
