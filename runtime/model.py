@@ -99,13 +99,13 @@ class PagedBatch:
     @classmethod
     def _per_token(cls, start_lens: Sequence[int], query_lens: Sequence[int], block_tables: Tensor,
                    block_size: int) -> "PagedBatch":
-        n = len(query_lens)
-        token_seq = torch.repeat_interleave(torch.arange(n), torch.tensor(query_lens))
-        ends = torch.tensor(list(accumulate(query_lens)))
-        positions = torch.arange(int(ends[-1])) - (ends - torch.tensor(query_lens) - torch.tensor(start_lens))[token_seq]
+        device = block_tables.device
+        seq = torch.tensor([b for b, q in enumerate(query_lens) for _ in range(q)], device=device)
+        positions = torch.tensor([s + i for s, q in zip(start_lens, query_lens) for i in range(q)], device=device)
         tables = block_tables.long().contiguous()
-        slot_mapping = tables[token_seq, positions // block_size] * block_size + positions % block_size
-        return cls(positions, slot_mapping, ends - 1, [], token_seq, tables, block_size)
+        slot_mapping = tables[seq, positions // block_size] * block_size + positions % block_size
+        last_index = torch.tensor(list(accumulate(query_lens)), device=device) - 1
+        return cls(positions, slot_mapping, last_index, [], seq, tables, block_size)
 
 
 def _cuts(totals: Sequence[int], lo: int, hi: int) -> list[int]:
