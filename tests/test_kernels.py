@@ -184,3 +184,24 @@ def test_shipped_model_logits_with_and_without_kernels(shipped_model_dir) -> Non
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
     assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
     assert F.cosine_similarity(logits[0], logits[1], dim=-1).min() > 0.99999
+
+
+def test_shipped_model_rows_do_not_depend_on_the_batch(shipped_model_dir) -> None:
+    """With the kernels every op of a paged step is row-wise with fixed arithmetic, so a sequence's logits
+    are bit for bit the same alone and inside a ragged batch (other decodes, a verify chunk, a prefill)."""
+    model = load_engine(shipped_model_dir).model
+    cfg, bs = model.cfg, 16
+    gen = torch.Generator().manual_seed(3)
+    starts, lens = [40, 0, 77, 12], [1, 30, 4, 1]  # sequence 2 is the one watched
+    blocks = [-(-(s + q) // bs) for s, q in zip(starts, lens)]
+    cache = KVCache(cfg, num_blocks=sum(blocks), block_size=bs)
+    cache.tensor.normal_(generator=gen)
+    width = max(blocks)
+    tables = torch.tensor([cache.allocator.allocate(n) + [0] * (width - n) for n in blocks])
+    ids = torch.randint(cfg.vocab_size, (sum(lens),), generator=gen)
+    with torch.inference_mode():
+        together = model.logits(model(ids, batch=PagedBatch.build(starts, lens, tables, bs, True), kv_cache=cache.tensor.clone()))
+        mine = slice(sum(lens[:2]), sum(lens[:3]))
+        alone = model.logits(model(ids[mine], batch=PagedBatch.build(starts[2:3], lens[2:3], tables[2:3], bs, True),
+                                   kv_cache=cache.tensor.clone()))
+    assert torch.equal(together[mine], alone)
