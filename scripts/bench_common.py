@@ -29,7 +29,7 @@ if str(ROOT) not in sys.path:  # `python scripts/x.py` puts scripts/ first, not 
 import torch  # noqa: E402
 
 from runtime.checkpoint import expected_tensor_shapes, is_mtp_tensor  # noqa: E402
-from runtime.model import PackedLinear  # noqa: E402
+from runtime.model import MoE, PackedLinear  # noqa: E402
 
 DEFAULT_MODEL = "models/deepseek-v3-mini"
 DEFAULT_OUT_DIR = "docs/benchmarks"
@@ -123,6 +123,18 @@ def round_robin_by_source(items: list[dict[str, str]], n: int) -> list[dict[str,
     return out
 
 
+def weight_bytes_in_memory(model) -> int:
+    """Bytes the loaded model's weights occupy: parameters plus the CPU kernels' packed FP8/BF16 panels."""
+    tensors = {id(t): t for t in model.parameters()}
+    for m in model.modules():
+        packs = [m.packed] if isinstance(m, PackedLinear) else []
+        if isinstance(m, MoE) and m.packed is not None:
+            packs = list(m.packed.experts + m.packed.shared)
+        for p in packs:
+            tensors[id(p.panels)], tensors[id(p.scale)] = p.panels, p.scale
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def engine_info(engine) -> dict[str, Any]:
     cfg = engine.model_config
     shapes = expected_tensor_shapes(cfg)  # the release's tensors (the loaded model may hold some packed)
@@ -141,6 +153,7 @@ def engine_info(engine) -> dict[str, Any]:
         "parameters_target": n_params - n_mtp,
         "dtype": str(next(engine.model.parameters()).dtype),
         "weights_packed_for_cpu_kernels": sum(isinstance(m, PackedLinear) for m in engine.model.modules()),
+        "weight_bytes_in_memory": weight_bytes_in_memory(engine.model),
     }
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (add_common_args, load_prompts, machine_info, machine_md, md_table,  # noqa: E402
-                          round_robin_by_source, set_threads, write_results)
+                          round_robin_by_source, set_threads, write_results, weight_bytes_in_memory)
 from measure_acceptance import teacher_forced, val_windows  # noqa: E402
 
 
@@ -49,16 +49,18 @@ def main() -> int:
             subprocess.run([Path(sys.executable).with_name("build_engine"), "--model_dir", src, "--output_dir", engine,
                             "--quant_algo", quant, "--max_draft_len", "1"], check=True, capture_output=True)
             size = sum(f.stat().st_size for f in engine.glob("*.safetensors"))
-            losses = teacher_forced(load_engine(engine).model, windows, name)
+            model = load_engine(engine).model
+            resident = weight_bytes_in_memory(model)
+            losses = teacher_forced(model, windows, name)
             with Session(engine, num_draft_tokens=1) as s:
                 outs = s.generate(prompts, SamplingParams(max_tokens=16 if args.quick else args.max_tokens,
                                                           ignore_eos=True))
             drafted = sum(o.stats.num_draft_tokens for o in outs)
             accepted = sum(o.stats.num_accepted_draft_tokens for o in outs)
-            results[name] = {**losses, "acceptance_k1": accepted / drafted, "weight_bytes": size,
+            results[name] = {**losses, "acceptance_k1": accepted / drafted, "weight_bytes": size, "weight_bytes_in_memory": resident,
                              "outputs": [o.token_ids for o in outs]}
             rows.append([name, losses["main_loss"], losses["main_ppl"], losses["mtp_loss"], accepted / drafted,
-                         size / 2**20])
+                         size / 2**20, resident / 2**20])
     finally:
         shutil.rmtree(work, ignore_errors=True)
     fp8, bf16 = results.values()
@@ -68,7 +70,8 @@ def main() -> int:
         "# FP8 engine vs the unquantized BF16 export (shipped model, fp32 compute on CPU)",
         f"Held-out tokens: {fp8['tokens']} from `{args.val_bin}` in windows of {args.window}; MTP acceptance at "
         f"k=1 over {len(prompts)} held-out prompts, greedy.",
-        md_table(["engine", "val loss", "perplexity", "MTP loss", "MTP acceptance (k=1)", "weights MiB"], rows, 3),
+        md_table(["engine", "val loss", "perplexity", "MTP loss", "MTP acceptance (k=1)", "weights MiB (files)",
+                  "weights MiB (loaded on CPU)"], rows, 3),
         f"Greedy outputs identical between the two engines for {same} of {len(prompts)} prompts.",
         "## Machine", machine_md(info)])
     name = "fp8_quick" if args.quick else "fp8"

@@ -613,6 +613,16 @@ def test_draft_policy_off_when_verification_costs_more() -> None:
     assert policy.choose(8) == 0
 
 
+def test_draft_policy_needs_a_margin_over_plain() -> None:
+    # k=1 predicted at 1.6 / (1 + 0.2 + 0.3) = 1.07x plain: under MIN_GAIN, so no drafts
+    policy = DraftPolicy("adaptive", 1, costs(target_per_token=0.2, target_fixed=0.8, mtp=0.3), prior_acceptance=0.6)
+    assert policy.expected_tokens(1) / policy.costs.step_seconds(1, 1) < DraftPolicy.MIN_GAIN / policy.costs.step_seconds(1, 0)
+    assert policy.choose(1) == 0
+    # cheaper drafting: 1.6 / (1 + 0.2 + 0.1) = 1.23x, so k=1
+    policy = DraftPolicy("adaptive", 1, costs(target_per_token=0.2, target_fixed=0.8, mtp=0.1), prior_acceptance=0.6)
+    assert policy.choose(1) == 1
+
+
 def test_draft_policy_max_k_when_drafting_is_cheap() -> None:
     # memory-bound: extra query tokens are almost free, the MTP layer costs 1% of a step
     policy = DraftPolicy("adaptive", 4, costs(target_per_token=0.001, target_fixed=1.0, mtp=0.01), prior_acceptance=0.9)
