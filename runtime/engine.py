@@ -330,6 +330,12 @@ def use_cpu_kernels(model: DeepseekV3ForCausalLM) -> int:
                 if weight is not None:
                     setattr(module, name, PackedLinear(weight))
                     packed += 1
+    for mtp in model.mtp:  # the release stores the MTP head as a copy of lm_head: one copy, warm in cache for both
+        head = mtp.shared_head.head
+        if isinstance(head, PackedLinear) and isinstance(model.lm_head, PackedLinear) and \
+                torch.equal(head.packed.panels, model.lm_head.packed.panels) and \
+                torch.equal(head.packed.scale, model.lm_head.packed.scale):
+            head.packed = model.lm_head.packed
     return packed
 
 

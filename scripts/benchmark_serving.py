@@ -214,6 +214,10 @@ def main() -> None:
     set_threads(args.threads)
     modes = [m for m in MODE_ORDER if m in args.modes.split(",")]
     levels = [int(c) for c in args.concurrency.split(",")]
+    if min(levels) < 1:
+        p.error(f"--concurrency: levels must be >= 1, got {args.concurrency}")
+    if args.qps not in ("none", "auto") and min(float(x) for x in args.qps.split(",")) <= 0:
+        p.error(f"--qps: rates must be > 0 requests/s (or 'none' to skip the sweep), got {args.qps}")
     max_c = max(levels)
 
     texts = load_prompts(args.model, args.prompts)
