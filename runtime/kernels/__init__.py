@@ -1,10 +1,10 @@
 """The native runtime's CPU kernels (`cpu_kernels.cpp`), compiled on first use and cached.
 
-On CPU a decode step is dominated by per-operation overhead and by streaming weights, so three
-pieces run as C++ with AVX-512 instead of chains of small ATen calls: FP8 block-scaled linear layers
-(the release's FP8 weights stay FP8 in memory), the routed experts of a MoE layer, and absorbed MLA
-over the paged latent cache. Without AVX-512 (or a compiler) the runtime uses its PyTorch path,
-which computes the same thing.
+On CPU a decode step in ATen is dominated by per-operation overhead and by streaming fp32 weights,
+so the serving path runs C++ with AVX-512 instead: linear layers whose weights stay in the release's
+FP8 (or BF16) form, a whole MoE layer per call, absorbed MLA in two calls over the paged latent
+cache, and RMSNorm. Without AVX-512 (or a compiler) the runtime uses its PyTorch path, which
+computes the same thing.
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
-// CPU kernels for the native runtime (x86-64 with AVX-512): the three places where a decode step
-// on CPU spends its time in many small ATen calls or in streaming fp32 weights.
+// CPU kernels for the native runtime (x86-64 with AVX-512): the serving path's decode step without
+// chains of small ATen calls and without streaming fp32 weights.
 //
 // packed_linear y = x W^T with W kept as the release stores it: FP8 e4m3 in 128x128 scaled blocks (a
 //              quarter of the fp32 bytes; each block's partial sum is scaled once, as DeepGEMM does), or
 //              BF16 for the few weights the release does not quantize.
 // moe          a whole MoE layer (routing, routed and shared experts) for a ragged set of tokens.
+// mla_prepare  absorbed-MLA queries of new tokens; their latents normalized, roped, written to the cache.
 // mla_attention absorbed MLA over the paged latent cache, read in place through the block tables.
+// rms_norm     RMSNorm of rows.
 //
 // Every output row is computed with the same arithmetic in the same order whatever the other rows
 // of the batch are, so a request's result does not depend on what it is batched with.
