@@ -205,3 +205,14 @@ def test_shipped_model_rows_do_not_depend_on_the_batch(shipped_model_dir) -> Non
         alone = model.logits(model(ids[mine], batch=PagedBatch.build(starts[2:3], lens[2:3], tables[2:3], bs, True),
                                    kv_cache=cache.tensor.clone()))
     assert torch.equal(together[mine], alone)
+
+
+def test_attention_kernel_refuses_block_ids_past_the_cache() -> None:
+    """A bad block table is an error, not a read past the cache (which could take the server down)."""
+    cache = torch.zeros(32, 32)
+    q = torch.zeros(1, 2, 32)
+    w_uv = torch.zeros(2, 16, 16)
+    with pytest.raises(RuntimeError, match="block id past the cache"):
+        kernels.mla_attention(q, cache, torch.tensor([5]), torch.tensor([0]), torch.tensor([[9]]), 16, w_uv)
+    with pytest.raises(RuntimeError, match="position past the block table"):
+        kernels.mla_attention(q, cache, torch.tensor([20]), torch.tensor([0]), torch.tensor([[1]]), 16, w_uv)

@@ -450,6 +450,7 @@ torch::Tensor mla_prepare(const torch::Tensor& q, const torch::Tensor& kv, const
   const float sc = static_cast<float>(scale);
   for (int64_t t = 0; t < T; ++t) {
     const float* kvt = kvp + t * kv.stride(0);
+    check(sp[t] >= 0 && sp[t] < cache.size(0), "cache slot out of range");
     float* row = cp + sp[t] * D;
     rms_norm_row(kvt, rank, nw, static_cast<float>(eps), row);
     rope_row(kvt + rank, rp + t * rope, rope / 2, 1.0f, row + rank);
@@ -493,7 +494,10 @@ torch::Tensor mla_attention(const torch::Tensor& q, const torch::Tensor& cache, 
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t L = pos[t] + 1, Lp = (L + kLanes - 1) / kLanes * kLanes;
       check(L <= max_blocks * block_size, "position past the block table");
+      check(sq[t] >= 0 && sq[t] < tables.size(0), "sequence index out of range");
       const int64_t* table = tb + sq[t] * max_blocks;
+      for (int64_t b = 0; b * block_size < L; ++b)
+        check(table[b] >= 0 && (table[b] + 1) * block_size <= cache.size(0), "block id past the cache");
       ctx.resize(Lp);  // row of each position; the padding up to 16 reads zeros (its scores are masked)
       for (int64_t l = 0; l < L; ++l) ctx[l] = cp + (table[l / block_size] * block_size + l % block_size) * D;
       for (int64_t l = L; l < Lp; ++l) ctx[l] = zeros.data();
