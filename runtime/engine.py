@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,8 @@ from runtime.fp8 import dequantize_block_fp8, dequantize_tensor_fp8
 from runtime import kernels
 from runtime.model import MLA, DeepseekV3ForCausalLM, MoE, PackedLinear, RMSNorm, rope_inv_freq
 from runtime.weights import WeightsError, load_weights
+
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 ENGINE_JSON = "engine.json"
@@ -309,8 +312,8 @@ def use_cpu_kernels(model: DeepseekV3ForCausalLM) -> int:
     model.kernel_attention = all(n % kernels.PANEL == 0 for n in (cfg.kv_lora_rank, cfg.latent_dim, cfg.v_head_dim))
     packed = 0
     if cfg.hidden_size % kernels.PANEL == cfg.moe_intermediate_size % kernels.PANEL == 0 and \
-            cfg.n_shared_experts > 0 and cfg.n_routed_experts <= kernels.MAX_EXPERTS:
-        for moe in [m for m in model.modules() if isinstance(m, MoE)]:
+            cfg.n_shared_experts > 0 and cfg.n_routed_experts <= kernels.MAX_EXPERTS and cfg.n_group <= kernels.MAX_GROUPS:
+        for moe in [m for m in model.modules() if isinstance(m, MoE) and m.packed is None]:
             routed = [kernels.pack_fp8(w.data) for w in (moe.experts.gate_proj, moe.experts.up_proj, moe.experts.down_proj)]
             mlp = moe.shared_experts
             shared = [kernels.pack_fp8(lin.weight.data) for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
@@ -330,6 +333,9 @@ def use_cpu_kernels(model: DeepseekV3ForCausalLM) -> int:
                 if weight is not None:
                     setattr(module, name, PackedLinear(weight))
                     packed += 1
+    left = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and not n.endswith("kv_b_proj")]
+    log.info("CPU kernels: %d weights packed (FP8 or BF16 as stored), %d linear layers left in float32%s", packed,
+             len(left), f" (e.g. {left[0]})" if left else "")
     for mtp in model.mtp:  # the release stores the MTP head as a copy of lm_head: one copy, warm in cache for both
         head = mtp.shared_head.head
         if isinstance(head, PackedLinear) and isinstance(model.lm_head, PackedLinear) and \

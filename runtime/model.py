@@ -324,7 +324,9 @@ class MLA(nn.Module):
 # Mixture of experts (noaux_tc routing)
 # ---------------------------------------------------------------------------------------------
 class Gate(nn.Module):
-    """Sigmoid scores; the correction bias steers selection only; group-limited top-k."""
+    """Sigmoid scores; the correction bias steers selection only; group-limited top-k. (Exact ties
+    between experts, e.g. saturated sigmoids, go to an order torch.topk leaves unspecified; the CPU
+    kernel's routing takes the lower expert index.)"""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

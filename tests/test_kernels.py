@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from runtime import kernels
 from runtime.config import ModelConfig
 from runtime.engine import load_engine, use_cpu_kernels
-from runtime.fp8 import dequantize_block_fp8, quantize_block_fp8
+from runtime.fp8 import dequantize_block_fp8, dequantize_tensor_fp8, quantize_block_fp8, quantize_tensor_fp8
 from runtime.kv_cache import KVCache
 from runtime.model import MLA, DeepseekV3ForCausalLM, MoE, PackedLinear, PagedBatch
 from tests.conftest import tiny_config_dict
@@ -52,6 +52,31 @@ def test_subnormal_fp8_values_are_exact() -> None:
     assert packed is not None
     eye = torch.eye(15)
     assert torch.equal(kernels.packed_linear(eye, packed), w.t())
+
+
+def test_pack_fp8_takes_power_of_two_and_per_tensor_scales() -> None:
+    w = torch.randn(200, 300) * 0.05
+    pow2 = torch.exp2(torch.ceil(torch.log2(quantize_block_fp8(w)[1])))  # UE8M0-style block scales
+    full = pow2.repeat_interleave(128, 0).repeat_interleave(128, 1)[:200, :300]
+    ue8m0 = dequantize_block_fp8((w / full).to(torch.float8_e4m3fn), pow2)
+    q, s = quantize_tensor_fp8(w)
+    per_tensor = dequantize_tensor_fp8(q, s)
+    x = torch.randn(3, 300)
+    for exact in (ue8m0, per_tensor):
+        packed = kernels.pack_fp8(exact)
+        assert packed is not None and packed.panels.dtype == torch.uint8
+        assert torch.equal(kernels.packed_linear(torch.eye(300), packed), exact.t())
+        torch.testing.assert_close(kernels.packed_linear(x, packed), x @ exact.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_nan_reaches_the_attention_output() -> None:
+    """As in the PyTorch path: a NaN query is not turned into a finite average of the context."""
+    cache = torch.randn(32, 32)
+    q = torch.zeros(1, 2, 32)
+    q[0, 0, 3] = float("nan")
+    out = kernels.mla_attention(q, cache, torch.tensor([5]), torch.tensor([0]), torch.tensor([[0, 1]]), 16,
+                                torch.randn(2, 16, 16))
+    assert out[0, :16].isnan().all() and not out[0, 16:].isnan().any()
 
 
 def test_pack_fp8_refuses_weights_that_are_not_fp8() -> None:
@@ -145,6 +170,7 @@ def test_use_cpu_kernels_keeps_each_weight_in_its_release_form(tiny_checkpoint) 
         if isinstance(module, PackedLinear):  # the packed weight holds exactly the loaded values
             w = plain_params[name + ".weight"]
             assert torch.equal(kernels.packed_linear(torch.eye(w.shape[1]), module.packed), w.t())
+    assert use_cpu_kernels(fast) == 0  # a second switch finds nothing left to pack
     assert use_cpu_kernels(plain.bfloat16()) == 0  # only float32 models switch
 
 
@@ -214,5 +240,9 @@ def test_attention_kernel_refuses_block_ids_past_the_cache() -> None:
     w_uv = torch.zeros(2, 16, 16)
     with pytest.raises(RuntimeError, match="block id past the cache"):
         kernels.mla_attention(q, cache, torch.tensor([5]), torch.tensor([0]), torch.tensor([[9]]), 16, w_uv)
-    with pytest.raises(RuntimeError, match="position past the block table"):
+    with pytest.raises(RuntimeError, match="position negative or past the block table"):
         kernels.mla_attention(q, cache, torch.tensor([20]), torch.tensor([0]), torch.tensor([[1]]), 16, w_uv)
+    with pytest.raises(RuntimeError, match="position negative or past the block table"):
+        kernels.mla_attention(q, cache, torch.tensor([-1]), torch.tensor([0]), torch.tensor([[1]]), 16, w_uv)
+    with pytest.raises(RuntimeError, match="block id past the cache"):  # no overflow in the bounds check
+        kernels.mla_attention(q, cache, torch.tensor([2]), torch.tensor([0]), torch.tensor([[2**62 - 1]]), 4, w_uv)

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from runtime.config import ModelConfig
-from runtime.fp8 import dequantize_block_fp8, quantize_block_fp8
+from runtime.fp8 import BLOCK, FP8_MAX, MIN_SCALE, dequantize_block_fp8, quantize_block_fp8
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-mavx512f"]
 PANEL = 16  # weight rows per packed panel (one AVX-512 register of outputs)
-MAX_EXPERTS = 256  # the routing kernel's limit (DeepSeek-V3: 256)
+MAX_EXPERTS, MAX_GROUPS = 256, 64  # the routing kernel's limits (DeepSeek-V3: 256 experts in 8 groups)
 FP8_TO_HALF = 256.0  # the kernel reads e4m3 bytes as fp16 values 2^8 times too small
 
 
@@ -82,19 +82,35 @@ def _panels(mats: list[Tensor], dtype: torch.dtype) -> Tensor:
     return torch.stack(out) if len(out) > 1 else out[0]
 
 
+def _fp8_codes(m: Tensor) -> tuple[Tensor, Tensor] | None:
+    """(e4m3 codes, block scales) that reproduce the float32 matrix `m` exactly, or None. Tried in turn:
+    block scale = block amax / 448 (DeepSeek's recipe), the power of two at or above it (UE8M0 scales),
+    one scale for the whole tensor (per-tensor FP8)."""
+    q, scale = quantize_block_fp8(m)
+    per_tensor = (m.abs().amax() / FP8_MAX).clamp(min=MIN_SCALE)  # as quantize_tensor_fp8
+    candidates = [scale, torch.exp2(torch.ceil(torch.log2(scale))), per_tensor.expand_as(scale)]
+    for i, s in enumerate(candidates):
+        if i:
+            full = s.repeat_interleave(BLOCK[0], 0).repeat_interleave(BLOCK[1], 1)[: m.shape[0], : m.shape[1]]
+            q = (m / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        if torch.equal(dequantize_block_fp8(q, s), m):
+            return q, s
+    return None
+
+
 def pack_fp8(w: Tensor) -> PackedWeight | None:
     """Pack `w` [N, K] or [E, N, K] if every 128x128 block (of each expert's matrix) is exactly FP8 values
-    times one scale, what an FP8 release dequantizes to; None otherwise, so nothing is ever rounded."""
+    times one scale, what an FP8 checkpoint dequantizes to; None otherwise, so nothing is ever rounded."""
     if w.dtype != torch.float32 or w.dim() not in (2, 3):
         return None
     mats = list(w) if w.dim() == 3 else [w]
     codes, scales = [], []
     for m in mats:
-        q, scale = quantize_block_fp8(m)
-        if not torch.equal(dequantize_block_fp8(q, scale), m):
+        found = _fp8_codes(m)
+        if found is None:
             return None
-        codes.append(q.view(torch.uint8))
-        scales.append(scale * FP8_TO_HALF)
+        codes.append(found[0].view(torch.uint8))
+        scales.append(found[1] * FP8_TO_HALF)
     scale = torch.stack(scales) if w.dim() == 3 else scales[0]
     return PackedWeight(_panels(codes, torch.uint8), scale.contiguous(), *w.shape[-2:])
 
@@ -131,6 +147,8 @@ def moe(x: Tensor, gate: Tensor, bias: Tensor, cfg: ModelConfig, w: PackedMoE) -
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    if x.stride(-1) != 1:
+        x = x.contiguous()
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     return cpu_kernels().rms_norm(rows, weight, eps).view(x.shape)
 
@@ -139,12 +157,13 @@ def mla_prepare(q: Tensor, kv: Tensor, rot: Tensor, kv_norm: Tensor, eps: float,
                 cache: Tensor, slot_mapping: Tensor) -> Tensor:
     """q [T, h*(nope+rope)], kv [T, rank+rope] (projections), rot complex [T, rope/2]: writes the normalized,
     roped latents to their cache slots; returns the absorbed queries [T, h, rank+rope], scaled."""
-    return cpu_kernels().mla_prepare(q.contiguous(), kv, torch.view_as_real(rot), kv_norm, eps, w_uk, scale, cache,
-                                     slot_mapping)
+    return cpu_kernels().mla_prepare(q.contiguous(), kv, torch.view_as_real(rot.contiguous()), kv_norm, eps, w_uk,
+                                     scale, cache, slot_mapping.contiguous())
 
 
 def mla_attention(q: Tensor, cache: Tensor, positions: Tensor, token_seq: Tensor, block_tables: Tensor,
                   block_size: int, w_uv: Tensor) -> Tensor:
     """Absorbed queries [T, h, rank+rope] against each token's own sequence in the paged cache; returns the
     heads' outputs [T, h*v] (w_uv [h, rank, v])."""
-    return cpu_kernels().mla_attention(q, cache, positions, token_seq, block_tables, block_size, w_uv)
+    return cpu_kernels().mla_attention(q, cache, positions.contiguous(), token_seq.contiguous(), block_tables, block_size,
+                                       w_uv)

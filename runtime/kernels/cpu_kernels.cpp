@@ -191,7 +191,7 @@ inline __m512 sum16(const __m512* v) {
 }
 
 inline __m512 exp16(__m512 x) {  // exp, ~1 ulp (x clamped at -87): 2^n * p(r), r = x - n ln2, |r| <= ln2/2
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);  // operand order: a NaN in x comes through
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -292,12 +292,19 @@ Mlp mlp_at(const torch::Tensor& gate, const torch::Tensor& gs, const torch::Tens
            const torch::Tensor& down, const torch::Tensor& ds, int64_t e) {  // expert e of stacked panels (e = 0: a single MLP)
   check(gate.scalar_type() == torch::kUInt8 && up.scalar_type() == torch::kUInt8 && down.scalar_type() == torch::kUInt8 &&
             gate.is_contiguous() && up.sizes() == gate.sizes() && up.is_contiguous() && down.is_contiguous() &&
-            gs.is_contiguous() && us.sizes() == gs.sizes() && us.is_contiguous() && ds.is_contiguous(), "FP8 MLP panels");
+            gate.size(-1) == kLanes && down.size(-1) == kLanes && down.size(-2) == gate.size(-3) * kLanes &&
+            down.size(-3) * kLanes == gate.size(-2), "FP8 MLP panels [I/16, H, 16] and [H/16, I, 16]");
+  const int64_t inter = gate.size(-3) * kLanes, hidden = gate.size(-2);
+  check(gs.scalar_type() == torch::kFloat && us.scalar_type() == torch::kFloat && ds.scalar_type() == torch::kFloat &&
+            gs.is_contiguous() && us.sizes() == gs.sizes() && us.is_contiguous() && ds.is_contiguous() &&
+            gs.size(-2) == (inter + kBlock - 1) / kBlock && gs.size(-1) == (hidden + kBlock - 1) / kBlock &&
+            ds.size(-2) == (hidden + kBlock - 1) / kBlock && ds.size(-1) == (inter + kBlock - 1) / kBlock &&
+            gs.dim() == gate.dim() - 1 && ds.dim() == down.dim() - 1, "FP8 MLP block scales");
   const int64_t gp = gate.numel() / (gate.dim() == 4 ? gate.size(0) : 1), dp = down.numel() / (down.dim() == 4 ? down.size(0) : 1);
   const int64_t gsp = gs.numel() / (gs.dim() == 3 ? gs.size(0) : 1), dsp = ds.numel() / (ds.dim() == 3 ? ds.size(0) : 1);
   return {gate.data_ptr<uint8_t>() + e * gp, up.data_ptr<uint8_t>() + e * gp, down.data_ptr<uint8_t>() + e * dp,
           gs.data_ptr<float>() + e * gsp, us.data_ptr<float>() + e * gsp, ds.data_ptr<float>() + e * dsp,
-          gate.size(gate.dim() - 3) * kLanes};
+          inter};
 }
 
 // y[R, H] = down(silu(gate(x)) * up(x)) for rows x[R, H]; g, u: scratch.
@@ -366,12 +373,18 @@ torch::Tensor moe(const torch::Tensor& x, const torch::Tensor& gate_w, const tor
   check(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous float32 [T, H]");
   const int64_t T = x.size(0), H = x.size(1), E = gate_w.size(0);
   check(gate_w.scalar_type() == torch::kFloat && gate_w.is_contiguous() && gate_w.size(1) == H && bias.numel() == E &&
-            bias.scalar_type() == torch::kFloat, "router weight [E, H] and bias [E], float32");
+            bias.scalar_type() == torch::kFloat && bias.is_contiguous(), "router weight [E, H] and bias [E], float32");
+  check(n_group >= 1 && topk_group >= 1 && top_k >= 1, "routing sizes must be >= 1");
   check(E <= 256 && n_group <= 64 && E % n_group == 0 && topk_group <= n_group && top_k <= E / n_group * topk_group,
         "routing sizes");
-  check(eg.dim() == 4 && eg.size(0) == E && eg.size(2) == H && ed.dim() == 4 && ed.size(1) * kLanes == H &&
-            ed.size(2) == eg.size(1) * kLanes, "expert panels [E, I/16, H, 16] and [E, H/16, I, 16]");
-  check(sg.dim() == 3 && sg.size(1) == H && sd.dim() == 3 && sd.size(0) * kLanes == H, "shared expert panels");
+  check(eg.dim() == 4 && eg.size(0) == E && eg.size(2) == H && ed.dim() == 4 && ed.size(0) == E &&
+            egs.dim() == 3 && egs.size(0) == E && eds.dim() == 3 && eds.size(0) == E,
+        "expert panels [E, I/16, H, 16] and [E, H/16, I, 16], scales [E, ...]");
+  check(sg.dim() == 3 && sg.size(1) == H && sd.dim() == 3, "shared expert panels");
+  for (const auto* t : {&x, &gate_w, &bias, &eg, &egs, &eu, &eus, &ed, &eds, &sg, &sgs, &su, &sus, &sd, &sds})
+    check(t->device().is_cpu(), "tensors must be on the CPU");
+  mlp_at(eg, egs, eu, eus, ed, eds, 0);  // shape checks of both MLPs before any work
+  mlp_at(sg, sgs, su, sus, sd, sds, 0);
   const float* xp = x.data_ptr<float>();
   const float *gw = gate_w.data_ptr<float>(), *bp = bias.data_ptr<float>();
   std::vector<int64_t> idx(T * top_k), rows;
@@ -441,16 +454,17 @@ torch::Tensor mla_prepare(const torch::Tensor& q, const torch::Tensor& kv, const
   check(q.dim() == 2 && q.is_contiguous() && q.size(1) == heads * (nope + rope), "q [T, h * (nope + rope)]");
   check(kv.dim() == 2 && kv.stride(1) == 1 && kv.size(0) == T && kv.size(1) == D, "kv [T, rank + rope]");
   check(rot.is_contiguous() && rot.numel() == T * rope, "rot [T, rope / 2, 2]");
-  check(slots.scalar_type() == torch::kLong && slots.numel() == T && kv_norm.numel() == rank, "slots / norm weight");
+  check(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.numel() == T && kv_norm.numel() == rank &&
+            kv_norm.is_contiguous(), "slots / norm weight");
   auto out = torch::empty({T, heads, D}, q.options());
   const float *qp = q.data_ptr<float>(), *kvp = kv.data_ptr<float>(), *rp = rot.data_ptr<float>();
   const float *nw = kv_norm.data_ptr<float>(), *wk = w_uk.data_ptr<float>();
   const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) check(sp[t] >= 0 && sp[t] < cache.size(0), "cache slot out of range");  // before any write
   float *cp = cache.data_ptr<float>(), *op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   for (int64_t t = 0; t < T; ++t) {
     const float* kvt = kvp + t * kv.stride(0);
-    check(sp[t] >= 0 && sp[t] < cache.size(0), "cache slot out of range");
     float* row = cp + sp[t] * D;
     rms_norm_row(kvt, rank, nw, static_cast<float>(eps), row);
     rope_row(kvt + rank, rp + t * rope, rope / 2, 1.0f, row + rank);
@@ -474,7 +488,8 @@ torch::Tensor mla_attention(const torch::Tensor& q, const torch::Tensor& cache, 
   check(cache.dim() == 2 && cache.size(1) == D && cache.scalar_type() == torch::kFloat && cache.is_contiguous(), "cache [slots, D]");
   check(D % kLanes == 0, "latent sizes must be multiples of 16");
   check(positions.scalar_type() == torch::kLong && seq.scalar_type() == torch::kLong && tables.scalar_type() == torch::kLong &&
-            positions.size(0) == T && seq.size(0) == T && tables.dim() == 2 && tables.is_contiguous(), "positions/seq/tables");
+            positions.numel() == T && seq.numel() == T && positions.is_contiguous() && seq.is_contiguous() &&
+            tables.dim() == 2 && tables.is_contiguous() && block_size >= 1, "positions/seq/tables");
   check(w_uv.dim() == 3 && w_uv.is_contiguous() && w_uv.size(0) == heads && w_uv.size(1) <= D &&
             w_uv.size(1) % kLanes == 0 && w_uv.size(2) % kLanes == 0 && w_uv.scalar_type() == torch::kFloat,
         "w_uv [h, rank, v], rank and v multiples of 16");
@@ -493,11 +508,11 @@ torch::Tensor mla_attention(const torch::Tensor& q, const torch::Tensor& cache, 
     std::vector<const float*> ctx;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t L = pos[t] + 1, Lp = (L + kLanes - 1) / kLanes * kLanes;
-      check(L <= max_blocks * block_size, "position past the block table");
+      check(L >= 1 && L <= max_blocks * block_size, "position negative or past the block table");
       check(sq[t] >= 0 && sq[t] < tables.size(0), "sequence index out of range");
       const int64_t* table = tb + sq[t] * max_blocks;
       for (int64_t b = 0; b * block_size < L; ++b)
-        check(table[b] >= 0 && (table[b] + 1) * block_size <= cache.size(0), "block id past the cache");
+        check(table[b] >= 0 && table[b] < cache.size(0) / block_size, "block id past the cache");
       ctx.resize(Lp);  // row of each position; the padding up to 16 reads zeros (its scores are masked)
       for (int64_t l = 0; l < L; ++l) ctx[l] = cp + (table[l / block_size] * block_size + l % block_size) * D;
       for (int64_t l = L; l < Lp; ++l) ctx[l] = zeros.data();
@@ -576,9 +591,11 @@ torch::Tensor mla_attention(const torch::Tensor& q, const torch::Tensor& cache, 
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("packed_linear", &packed_linear, "y = x W^T, W block-scaled FP8 or BF16 packed in 16-row panels");
-  m.def("moe", &moe, "one MoE layer: noaux_tc routing, routed and shared FP8 experts");
-  m.def("mla_attention", &mla_attention, "absorbed MLA over the paged latent cache");
-  m.def("mla_prepare", &mla_prepare, "absorbed-MLA queries; latents written to the cache");
-  m.def("rms_norm", &rms_norm, "RMSNorm of rows");
+  // The kernels touch no Python object: other threads (request intake, streaming) run meanwhile, as with ATen ops.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("packed_linear", &packed_linear, "y = x W^T, W block-scaled FP8 or BF16 packed in 16-row panels", nogil);
+  m.def("moe", &moe, "one MoE layer: noaux_tc routing, routed and shared FP8 experts", nogil);
+  m.def("mla_attention", &mla_attention, "absorbed MLA over the paged latent cache", nogil);
+  m.def("mla_prepare", &mla_prepare, "absorbed-MLA queries; latents written to the cache", nogil);
+  m.def("rms_norm", &rms_norm, "RMSNorm of rows", nogil);
 }
