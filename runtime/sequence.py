@@ -3,7 +3,9 @@
 Invariant while running: the target KV cache holds every position but the last token's
 (num_cached == num_tokens - 1 once prefill is done), so each decode step feeds the last token plus
 its drafts. The MTP cache lags: positions < num_mtp are done, and the target hidden states of
-positions num_mtp .. num_cached - 1 wait in `pending_hidden` until the next drafting step.
+positions num_mtp .. num_cached - 1 wait in `pending_hidden` until the next drafting step, as the
+chunks each step appended (joined once, when drafting uses them: a sequence that does not draft for
+a while would otherwise copy its growing backlog every step).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0
     num_mtp: int = 0
-    pending_hidden: Tensor | None = None
+    pending_hidden: list[Tensor] = field(default_factory=list)
     in_thinking: bool = False
     admitted_at: int = -1  # admission order of its last admission (preemption takes the latest)
 
@@ -57,11 +59,11 @@ class Sequence:
     @property
     def can_draft(self) -> bool:
         """Drafting needs the MTP output at position num_tokens - 2, i.e. pending hidden states."""
-        return not self.in_prefill and self.pending_hidden is not None and self.pending_hidden.shape[0] > 0
+        return not self.in_prefill and any(h.shape[0] for h in self.pending_hidden)
 
     def reset_for_recompute(self) -> None:
         """After preemption: the cache is gone, the tokens stay; prefill recomputes them."""
         self.block_table = []
         self.num_cached = self.num_mtp = 0
-        self.pending_hidden = None
+        self.pending_hidden = []
         self.status = Status.WAITING

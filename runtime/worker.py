@@ -85,14 +85,14 @@ class ModelRunner:
         K = max(ks)
         # Catch-up: positions num_mtp .. num_cached-1, inputs h_i and the true token t_{i+1}.
         starts = [s.num_mtp for s in seqs]
-        lens = [s.pending_hidden.shape[0] for s in seqs]
+        lens = [sum(h.shape[0] for h in s.pending_hidden) for s in seqs]
         next_ids = self._ids([t for s in seqs for t in s.token_ids[s.num_mtp + 1 : s.num_cached + 1]])
-        hidden = torch.cat([s.pending_hidden for s in seqs])
+        hidden = torch.cat([h for s in seqs for h in s.pending_hidden])
         batch = self._paged_batch(seqs, starts, lens)
         logits, h = model.mtp_forward(0, next_ids, hidden, batch=batch, kv_cache=self.cache.tensor,
                                       rows=batch.last_index)
         for s in seqs:
-            s.num_mtp, s.pending_hidden = s.num_cached, None
+            s.num_mtp, s.pending_hidden = s.num_cached, []
 
         all_greedy = all(s.params.greedy for s in seqs)
         if not all_greedy:
@@ -154,9 +154,8 @@ class ModelRunner:
             s = it.seq
             emitted, accepted = results.get(i, ([], 0))
             trusted = accepted + 1 if emitted else it.num_new  # positions whose target KV is now valid
-            if self.keep_mtp_inputs:
-                rows = hidden[offset : offset + trusted]
-                s.pending_hidden = rows if s.pending_hidden is None else torch.cat([s.pending_hidden, rows])
+            if self.keep_mtp_inputs:  # a copy: a view would keep the whole step's hidden states alive
+                s.pending_hidden.append(hidden[offset : offset + trusted].clone())
             offset += it.num_new
             s.num_cached += trusted
             s.token_ids += emitted

@@ -601,7 +601,7 @@ def test_drafts_are_dropped_before_anyone_is_preempted(engine) -> None:
     for i in range(2):  # two decoding sequences of 8 tokens fill the 4 blocks
         seq = Sequence(f"r{i}", list(range(8)), 4, SamplingParams(max_tokens=32), seed=i, status=Status.RUNNING,
                        block_table=cache.allocator.allocate(2), num_cached=7, num_mtp=6,
-                       pending_hidden=torch.zeros(1, engine.model_config.hidden_size), admitted_at=i + 1)
+                       pending_hidden=[torch.zeros(1, engine.model_config.hidden_size)], admitted_at=i + 1)
         sched.running.append(seq)
     plan = sched.schedule()
     assert [(it.seq.request_id, it.num_new, it.num_drafts) for it in plan] == [("r0", 1, 0), ("r1", 1, 0)]
@@ -649,7 +649,7 @@ def test_adaptive_drafts_leave_the_budget_to_waiting_prefill(engine) -> None:
         for i in range(4):
             seq = Sequence(f"r{i}", list(range(8)), 4, SamplingParams(max_tokens=32), seed=i, status=Status.RUNNING,
                            block_table=cache.allocator.allocate(2), num_cached=7, num_mtp=6,
-                           pending_hidden=torch.zeros(1, engine.model_config.hidden_size), admitted_at=i + 1)
+                           pending_hidden=[torch.zeros(1, engine.model_config.hidden_size)], admitted_at=i + 1)
             sched.running.append(seq)
         if waiting_prompt:
             sched.add(Sequence("new", list(range(waiting_prompt)), waiting_prompt, SamplingParams(max_tokens=8), seed=9))
