@@ -23,10 +23,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
+from runtime import kernels
 from runtime.checkpoint import SCALE_SUFFIX, CheckpointError, HFCheckpoint  # FP8: `<name>` + `<name>_scale_inv`
 from runtime.config import ConfigError, ModelConfig
 from runtime.fp8 import dequantize_block_fp8, dequantize_tensor_fp8
-from runtime import kernels
 from runtime.model import MLA, DeepseekV3ForCausalLM, MoE, PackedLinear, RMSNorm, rope_inv_freq
 from runtime.weights import WeightsError, load_weights
 

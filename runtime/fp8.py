@@ -30,17 +30,18 @@ def _to_fp8(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_block_fp8(
-    w: torch.Tensor, block: tuple[int, int] = BLOCK
+    w: torch.Tensor, block: tuple[int, int] = BLOCK, scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a 2-D weight per block: returns (q float8_e4m3fn, scale_inv float32 [ceil(out/bo), ceil(in/bi)])."""
+    """Quantize a 2-D weight per block: returns (q float8_e4m3fn, scale_inv float32 [ceil(out/bo), ceil(in/bi)]).
+    The scales are block amax / 448 unless given."""
     if w.dim() != 2:
         raise ValueError(f"quantize_block_fp8: weight has shape {list(w.shape)}, expected 2-D")
     (rows, cols), (bo, bi) = w.shape, block
     nr, nc = scale_shape(w.shape, block)
     padded = F.pad(w.float(), (0, nc * bi - cols, 0, nr * bo - rows))
     blocks = padded.view(nr, bo, nc, bi)
-    amax = blocks.abs().amax(dim=(1, 3))
-    scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
+    if scale is None:
+        scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=MIN_SCALE)
     q = _to_fp8(blocks / scale[:, None, :, None]).view(nr * bo, nc * bi)[:rows, :cols].contiguous()
     return q, scale
 

@@ -95,14 +95,13 @@ class PagedBatch:
         last_index = torch.tensor(list(accumulate(query_lens)), device=block_tables.device) - 1
         return cls(torch.cat(positions), torch.cat(slots), last_index, groups)
 
-
     @classmethod
     def _per_token(cls, start_lens: Sequence[int], query_lens: Sequence[int], block_tables: Tensor,
                    block_size: int) -> "PagedBatch":
         device = block_tables.device
         seq = torch.tensor([b for b, q in enumerate(query_lens) for _ in range(q)], device=device)
         positions = torch.tensor([s + i for s, q in zip(start_lens, query_lens) for i in range(q)], device=device)
-        tables = block_tables.long().contiguous()
+        tables = block_tables.contiguous()
         slot_mapping = tables[seq, positions // block_size] * block_size + positions % block_size
         last_index = torch.tensor(list(accumulate(query_lens)), device=device) - 1
         return cls(positions, slot_mapping, last_index, [], seq, tables, block_size)

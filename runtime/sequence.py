@@ -59,7 +59,7 @@ class Sequence:
     @property
     def can_draft(self) -> bool:
         """Drafting needs the MTP output at position num_tokens - 2, i.e. pending hidden states."""
-        return not self.in_prefill and any(h.shape[0] for h in self.pending_hidden)
+        return not self.in_prefill and bool(self.pending_hidden)
 
     def reset_for_recompute(self) -> None:
         """After preemption: the cache is gone, the tokens stay; prefill recomputes them."""

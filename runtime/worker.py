@@ -85,7 +85,7 @@ class ModelRunner:
         K = max(ks)
         # Catch-up: positions num_mtp .. num_cached-1, inputs h_i and the true token t_{i+1}.
         starts = [s.num_mtp for s in seqs]
-        lens = [sum(h.shape[0] for h in s.pending_hidden) for s in seqs]
+        lens = [s.num_cached - s.num_mtp for s in seqs]  # the pending hidden rows
         next_ids = self._ids([t for s in seqs for t in s.token_ids[s.num_mtp + 1 : s.num_cached + 1]])
         hidden = torch.cat([h for s in seqs for h in s.pending_hidden])
         batch = self._paged_batch(seqs, starts, lens)

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from runtime.config import ModelConfig
-from runtime.fp8 import BLOCK, FP8_MAX, MIN_SCALE, dequantize_block_fp8, quantize_block_fp8
+from runtime.fp8 import dequantize_block_fp8, quantize_block_fp8, quantize_tensor_fp8, scale_shape
 
 log = logging.getLogger(__name__)
 
@@ -87,12 +87,10 @@ def _fp8_codes(m: Tensor) -> tuple[Tensor, Tensor] | None:
     block scale = block amax / 448 (DeepSeek's recipe), the power of two at or above it (UE8M0 scales),
     one scale for the whole tensor (per-tensor FP8)."""
     q, scale = quantize_block_fp8(m)
-    per_tensor = (m.abs().amax() / FP8_MAX).clamp(min=MIN_SCALE)  # as quantize_tensor_fp8
-    candidates = [scale, torch.exp2(torch.ceil(torch.log2(scale))), per_tensor.expand_as(scale)]
+    candidates = [scale, torch.exp2(torch.ceil(torch.log2(scale))), quantize_tensor_fp8(m)[1].expand_as(scale)]
     for i, s in enumerate(candidates):
         if i:
-            full = s.repeat_interleave(BLOCK[0], 0).repeat_interleave(BLOCK[1], 1)[: m.shape[0], : m.shape[1]]
-            q = (m / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            q = quantize_block_fp8(m, scale=s)[0]
         if torch.equal(dequantize_block_fp8(q, s), m):
             return q, s
     return None
@@ -119,9 +117,7 @@ def pack_bf16(w: Tensor) -> PackedWeight | None:
     """Pack a float32 [N, K] weight whose values are all BF16 (a release's unquantized weights); else None."""
     if w.dtype != torch.float32 or w.dim() != 2 or not torch.equal(w.bfloat16().float(), w):
         return None
-    N, K = w.shape
-    ones = torch.ones(-(-N // 128), -(-K // 128))
-    return PackedWeight(_panels([w.bfloat16()], torch.bfloat16), ones, N, K)
+    return PackedWeight(_panels([w.bfloat16()], torch.bfloat16), torch.ones(scale_shape(w.shape)), *w.shape)
 
 
 def packed_linear(x: Tensor, w: PackedWeight) -> Tensor:
@@ -137,13 +133,17 @@ class PackedMoE:
     experts: tuple[PackedWeight, PackedWeight, PackedWeight]  # gate, up, down
     shared: tuple[PackedWeight, PackedWeight, PackedWeight]
 
+    @functools.cached_property
+    def tensors(self) -> tuple[Tensor, ...]:
+        """Panels and scales in the kernel's argument order, gathered once rather than every forward."""
+        return tuple(t for p in self.experts + self.shared for t in (p.panels, p.scale))
+
 
 def moe(x: Tensor, gate: Tensor, bias: Tensor, cfg: ModelConfig, w: PackedMoE) -> Tensor:
     """A whole MoE layer for tokens x [T, H]: noaux_tc routing (router weight gate [E, H], bias [E]),
     routed experts, shared expert."""
-    panels = [t for p in w.experts + w.shared for t in (p.panels, p.scale)]
     return cpu_kernels().moe(x.contiguous(), gate, bias, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok,
-                             cfg.norm_topk_prob, cfg.routed_scaling_factor, *panels)
+                             cfg.norm_topk_prob, cfg.routed_scaling_factor, *w.tensors)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -46,8 +46,8 @@ struct Bf16 {
 
 // y[MT rows, NT*16 cols] = x[MT, K] . panels; `scale` holds one entry per k-block of this n-block.
 template <class W, int MT, int NT>
-void gemm_tile(const float* x, int64_t ldx, int64_t K, const typename W::T* panels, const float* scale, float* y,
-               int64_t ldy, int64_t last_cols) {
+void gemm_tile(const float* x, int64_t K, const typename W::T* panels, const float* scale, float* y, int64_t N,
+               int64_t last_cols) {
   __m512 acc[MT][NT], part[MT][NT];
   for (int m = 0; m < MT; ++m)
     for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_setzero_ps();
@@ -59,7 +59,7 @@ void gemm_tile(const float* x, int64_t ldx, int64_t K, const typename W::T* pane
       __m512 w[NT];
       for (int j = 0; j < NT; ++j) w[j] = W::load16(panels + (j * K + k) * kLanes);
       for (int m = 0; m < MT; ++m) {
-        const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
+        const __m512 xb = _mm512_set1_ps(x[m * K + k]);
         for (int j = 0; j < NT; ++j) part[m][j] = _mm512_fmadd_ps(xb, w[j], part[m][j]);
       }
     }
@@ -69,20 +69,19 @@ void gemm_tile(const float* x, int64_t ldx, int64_t K, const typename W::T* pane
   }
   const __mmask16 tail = last_cols >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << last_cols) - 1);
   for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < NT; ++j) _mm512_mask_storeu_ps(y + m * ldy + j * kLanes, j == NT - 1 ? tail : 0xFFFF, acc[m][j]);
+    for (int j = 0; j < NT; ++j) _mm512_mask_storeu_ps(y + m * N + j * kLanes, j == NT - 1 ? tail : 0xFFFF, acc[m][j]);
 }
 
 // MT rows against panels [p0, p1) (all inside one 128-row n-block), NT panels at a time.
 template <class W, int MT, int NT>
-void gemm_rows(const float* x, int64_t ldx, int64_t K, const typename W::T* packed, const float* scale, int64_t k_blocks,
-               float* y, int64_t ldy, int64_t N, int64_t p0, int64_t p1) {
+void gemm_rows(const float* x, int64_t K, const typename W::T* packed, const float* scale, int64_t k_blocks, float* y,
+               int64_t N, int64_t p0, int64_t p1) {
   const float* s = scale + (p0 * kLanes / kBlock) * k_blocks;
   int64_t p = p0;
   for (; p + NT <= p1; p += NT)
-    gemm_tile<W, MT, NT>(x, ldx, K, packed + p * K * kLanes, s, y + p * kLanes, ldy,
-                      std::min(kLanes, N - (p + NT - 1) * kLanes));
+    gemm_tile<W, MT, NT>(x, K, packed + p * K * kLanes, s, y + p * kLanes, N, std::min(kLanes, N - (p + NT - 1) * kLanes));
   for (; p < p1; ++p)
-    gemm_tile<W, MT, 1>(x, ldx, K, packed + p * K * kLanes, s, y + p * kLanes, ldy, std::min(kLanes, N - p * kLanes));
+    gemm_tile<W, MT, 1>(x, K, packed + p * K * kLanes, s, y + p * kLanes, N, std::min(kLanes, N - p * kLanes));
 }
 
 // y[MT, NT*16] (+)= (sum over one k-block of x . w) * s, with the block's weights already
@@ -161,12 +160,12 @@ void packed_gemm(const float* x, int64_t M, int64_t K, const typename W::T* pack
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t p0 = b * per_block, p1 = std::min(panels, p0 + per_block);
       switch (M) {
-        case 6: gemm_rows<W, 6, 2>(x, K, K, packed, scale, k_blocks, y, N, N, p0, p1); break;
-        case 5: gemm_rows<W, 5, 2>(x, K, K, packed, scale, k_blocks, y, N, N, p0, p1); break;
-        case 4: gemm_rows<W, 4, 3>(x, K, K, packed, scale, k_blocks, y, N, N, p0, p1); break;
-        case 3: gemm_rows<W, 3, 4>(x, K, K, packed, scale, k_blocks, y, N, N, p0, p1); break;
-        case 2: gemm_rows<W, 2, 4>(x, K, K, packed, scale, k_blocks, y, N, N, p0, p1); break;
-        case 1: gemm_rows<W, 1, 8>(x, K, K, packed, scale, k_blocks, y, N, N, p0, p1); break;
+        case 6: gemm_rows<W, 6, 2>(x, K, packed, scale, k_blocks, y, N, p0, p1); break;
+        case 5: gemm_rows<W, 5, 2>(x, K, packed, scale, k_blocks, y, N, p0, p1); break;
+        case 4: gemm_rows<W, 4, 3>(x, K, packed, scale, k_blocks, y, N, p0, p1); break;
+        case 3: gemm_rows<W, 3, 4>(x, K, packed, scale, k_blocks, y, N, p0, p1); break;
+        case 2: gemm_rows<W, 2, 4>(x, K, packed, scale, k_blocks, y, N, p0, p1); break;
+        case 1: gemm_rows<W, 1, 8>(x, K, packed, scale, k_blocks, y, N, p0, p1); break;
         case 0: break;
         default: gemm_many_rows<W>(x, M, K, packed, scale, k_blocks, y, N, p0, p1);
       }
@@ -281,15 +280,22 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
 
 namespace {
 
-// One FP8 MLP's packed weights: down(silu(gate(x)) * up(x)).
+// One FP8 MLP's packed weights, down(silu(gate(x)) * up(x)); for stacked experts, expert 0's, and
+// `expert(e)` moves to expert e.
 struct Mlp {
   const uint8_t *gate, *up, *down;
   const float *gate_scale, *up_scale, *down_scale;
-  int64_t inter;
+  int64_t inter, panel_stride, down_stride, scale_stride, down_scale_stride;
+
+  Mlp expert(int64_t e) const {
+    return {gate + e * panel_stride, up + e * panel_stride, down + e * down_stride, gate_scale + e * scale_stride,
+            up_scale + e * scale_stride, down_scale + e * down_scale_stride, inter, 0, 0, 0, 0};
+  }
 };
 
-Mlp mlp_at(const torch::Tensor& gate, const torch::Tensor& gs, const torch::Tensor& up, const torch::Tensor& us,
-           const torch::Tensor& down, const torch::Tensor& ds, int64_t e) {  // expert e of stacked panels (e = 0: a single MLP)
+// Panels [(E,) I/16, H, 16] / [(E,) H/16, I, 16] with their block scales, checked once per call.
+Mlp checked_mlp(const torch::Tensor& gate, const torch::Tensor& gs, const torch::Tensor& up, const torch::Tensor& us,
+                const torch::Tensor& down, const torch::Tensor& ds) {
   check(gate.scalar_type() == torch::kUInt8 && up.scalar_type() == torch::kUInt8 && down.scalar_type() == torch::kUInt8 &&
             gate.is_contiguous() && up.sizes() == gate.sizes() && up.is_contiguous() && down.is_contiguous() &&
             gate.size(-1) == kLanes && down.size(-1) == kLanes && down.size(-2) == gate.size(-3) * kLanes &&
@@ -300,11 +306,10 @@ Mlp mlp_at(const torch::Tensor& gate, const torch::Tensor& gs, const torch::Tens
             gs.size(-2) == (inter + kBlock - 1) / kBlock && gs.size(-1) == (hidden + kBlock - 1) / kBlock &&
             ds.size(-2) == (hidden + kBlock - 1) / kBlock && ds.size(-1) == (inter + kBlock - 1) / kBlock &&
             gs.dim() == gate.dim() - 1 && ds.dim() == down.dim() - 1, "FP8 MLP block scales");
-  const int64_t gp = gate.numel() / (gate.dim() == 4 ? gate.size(0) : 1), dp = down.numel() / (down.dim() == 4 ? down.size(0) : 1);
-  const int64_t gsp = gs.numel() / (gs.dim() == 3 ? gs.size(0) : 1), dsp = ds.numel() / (ds.dim() == 3 ? ds.size(0) : 1);
-  return {gate.data_ptr<uint8_t>() + e * gp, up.data_ptr<uint8_t>() + e * gp, down.data_ptr<uint8_t>() + e * dp,
-          gs.data_ptr<float>() + e * gsp, us.data_ptr<float>() + e * gsp, ds.data_ptr<float>() + e * dsp,
-          inter};
+  const int64_t n = gate.dim() == 4 ? gate.size(0) : 1;
+  return {gate.data_ptr<uint8_t>(), up.data_ptr<uint8_t>(), down.data_ptr<uint8_t>(), gs.data_ptr<float>(),
+          us.data_ptr<float>(), ds.data_ptr<float>(), inter, gate.numel() / n, down.numel() / n, gs.numel() / n,
+          ds.numel() / n};
 }
 
 // y[R, H] = down(silu(gate(x)) * up(x)) for rows x[R, H]; g, u: scratch.
@@ -383,8 +388,7 @@ torch::Tensor moe(const torch::Tensor& x, const torch::Tensor& gate_w, const tor
   check(sg.dim() == 3 && sg.size(1) == H && sd.dim() == 3, "shared expert panels");
   for (const auto* t : {&x, &gate_w, &bias, &eg, &egs, &eu, &eus, &ed, &eds, &sg, &sgs, &su, &sus, &sd, &sds})
     check(t->device().is_cpu(), "tensors must be on the CPU");
-  mlp_at(eg, egs, eu, eus, ed, eds, 0);  // shape checks of both MLPs before any work
-  mlp_at(sg, sgs, su, sus, sd, sds, 0);
+  const Mlp routed_mlp = checked_mlp(eg, egs, eu, eus, ed, eds), shared_mlp = checked_mlp(sg, sgs, su, sus, sd, sds);
   const float* xp = x.data_ptr<float>();
   const float *gw = gate_w.data_ptr<float>(), *bp = bias.data_ptr<float>();
   std::vector<int64_t> idx(T * top_k), rows;
@@ -403,7 +407,7 @@ torch::Tensor moe(const torch::Tensor& x, const torch::Tensor& gate_w, const tor
   }
   auto out = torch::empty({T, H}, x.options());
   float* op = out.data_ptr<float>();
-  mlp_rows(xp, T, H, mlp_at(sg, sgs, su, sus, sd, sds, 0), g, u, op);  // the shared expert, then the routed ones added
+  mlp_rows(xp, T, H, shared_mlp, g, u, op);  // the shared expert, then the routed ones added
   std::vector<float> routed(T * H, 0.0f);
   for (int64_t e = 0; e < E; ++e) {
     rows.clear();
@@ -419,7 +423,7 @@ torch::Tensor moe(const torch::Tensor& x, const torch::Tensor& gate_w, const tor
     xs.resize(R * H);
     y.resize(R * H);
     for (int64_t r = 0; r < R; ++r) std::copy_n(xp + rows[r] * H, H, xs.data() + r * H);
-    mlp_rows(xs.data(), R, H, mlp_at(eg, egs, eu, eus, ed, eds, e), g, u, y.data());
+    mlp_rows(xs.data(), R, H, routed_mlp.expert(e), g, u, y.data());
     for (int64_t r = 0; r < R; ++r) {
       float* dst = routed.data() + rows[r] * H;
       const float* src = y.data() + r * H;
