@@ -27,7 +27,7 @@ from runtime import kernels
 from runtime.checkpoint import SCALE_SUFFIX, CheckpointError, HFCheckpoint  # FP8: `<name>` + `<name>_scale_inv`
 from runtime.config import ConfigError, ModelConfig
 from runtime.fp8 import dequantize_block_fp8, dequantize_tensor_fp8
-from runtime.model import MLA, DeepseekV3ForCausalLM, MoE, PackedLinear, RMSNorm, rope_inv_freq
+from runtime.model import MLA, MLP, DecoderLayer, DeepseekV3ForCausalLM, MoE, PackedLinear, RMSNorm, rope_inv_freq
 from runtime.weights import WeightsError, load_weights
 
 log = logging.getLogger(__name__)
@@ -342,7 +342,36 @@ def use_cpu_kernels(model: DeepseekV3ForCausalLM) -> int:
                 torch.equal(head.packed.panels, model.lm_head.packed.panels) and \
                 torch.equal(head.packed.scale, model.lm_head.packed.scale):
             head.packed = model.lm_head.packed
+    layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
+    for layer in layers:
+        layer.fused = _fused_layer(layer)
+    log.info("CPU kernels: %d of %d decoder layers run as one call each", sum(la.fused is not None for la in layers),
+             len(layers))
     return packed
+
+
+def _fused_layer(layer: DecoderLayer) -> object | None:
+    """The layer's weights gathered for `kernels.decoder_layer`, or None where some part of the layer is not
+    on the kernels (a float32 linear, attention without the kernel, no q LoRA, an unpacked MoE)."""
+    attn, ffn = layer.self_attn, layer.mlp
+    linears = [getattr(attn, name, None) for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")]
+    if isinstance(ffn, MLP):
+        linears += [ffn.gate_proj, ffn.up_proj, ffn.down_proj]
+    elif not isinstance(ffn, MoE) or ffn.packed is None:
+        return None
+    if attn.absorbed is None or not all(isinstance(lin, PackedLinear) for lin in linears):
+        return None
+    w = [lin.packed for lin in linears]
+    cfg = attn.cfg
+    moe = isinstance(ffn, MoE)
+    return kernels.cpu_kernels().make_layer(
+        attn.cache_layer, layer.input_layernorm.weight, attn.q_a_layernorm.weight, attn.kv_a_layernorm.weight,
+        layer.post_attention_layernorm.weight, layer.input_layernorm.eps, attn.q_a_layernorm.eps,
+        attn.kv_a_layernorm.eps, *[[p.panels, p.scale] for p in w[:4]], [p.out_features for p in w],
+        *attn.absorbed, cfg.softmax_scale,
+        ffn.gate.weight if moe else None, ffn.gate.e_score_correction_bias if moe else None, cfg.n_group,
+        cfg.topk_group, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.routed_scaling_factor,
+        list(ffn.packed.tensors) if moe else [], [t for p in w[4:] for t in (p.panels, p.scale)])
 
 
 def _load(path: Path, device: str | torch.device, dtype: str | torch.dtype | None, verify: bool) -> LoadedEngine:

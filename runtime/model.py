@@ -98,13 +98,19 @@ class PagedBatch:
     @classmethod
     def _per_token(cls, start_lens: Sequence[int], query_lens: Sequence[int], block_tables: Tensor,
                    block_size: int) -> "PagedBatch":
-        device = block_tables.device
-        seq = torch.tensor([b for b, q in enumerate(query_lens) for _ in range(q)], device=device)
-        positions = torch.tensor([s + i for s, q in zip(start_lens, query_lens) for i in range(q)], device=device)
+        """Host integers in, one tensor out: on CPU a decode step is short enough for per-op costs to show."""
         tables = block_tables.contiguous()
-        slot_mapping = tables[seq, positions // block_size] * block_size + positions % block_size
-        last_index = torch.tensor(list(accumulate(query_lens)), device=device) - 1
-        return cls(positions, slot_mapping, last_index, [], seq, tables, block_size)
+        rows = tables.tolist()
+        positions = [p for s, q in zip(start_lens, query_lens) for p in range(s, s + q)]
+        seq = [b for b, q in enumerate(query_lens) for _ in range(q)]
+        try:
+            slots = [rows[b][p // block_size] * block_size + p % block_size for b, p in zip(seq, positions)]
+        except IndexError:
+            raise ValueError(f"block_tables {list(tables.shape)} do not cover the positions up to {max(positions)} "
+                             f"(block size {block_size}), or have fewer rows than sequences") from None
+        T = len(positions)
+        flat = torch.tensor(positions + slots + seq + [e - 1 for e in accumulate(query_lens)], device=tables.device)
+        return cls(flat[:T], flat[T : 2 * T], flat[3 * T :], [], flat[2 * T : 3 * T], tables, block_size)
 
 
 def _cuts(totals: Sequence[int], lo: int, hi: int) -> list[int]:
@@ -415,9 +421,13 @@ class DecoderLayer(nn.Module):
         self.self_attn = MLA(cfg, cache_layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.fused: object | None = None  # the whole layer as one CPU kernel call (engine.use_cpu_kernels)
 
     def forward(self, x: Tensor, rot: Tensor, batch: PagedBatch | None, kv_cache: Tensor | None,
                 mask: Tensor | None = None) -> Tensor:
+        if self.fused is not None and batch is not None and batch.token_seq is not None:
+            return kernels.decoder_layer(self.fused, x, rot, kv_cache, batch.slot_mapping, batch.positions,
+                                         batch.token_seq, batch.block_tables, batch.block_size)
         h = self.input_layernorm(x)
         if batch is None:
             x = x + self.self_attn.forward_dense(h, rot, mask)

@@ -12,7 +12,7 @@ from runtime.config import ModelConfig
 from runtime.engine import load_engine, use_cpu_kernels
 from runtime.fp8 import dequantize_block_fp8, dequantize_tensor_fp8, quantize_block_fp8, quantize_tensor_fp8
 from runtime.kv_cache import KVCache
-from runtime.model import MLA, DeepseekV3ForCausalLM, MoE, PackedLinear, PagedBatch
+from runtime.model import MLA, DecoderLayer, DeepseekV3ForCausalLM, MoE, PackedLinear, PagedBatch
 from tests.conftest import tiny_config_dict
 
 pytestmark = pytest.mark.skipif(kernels.cpu_kernels() is None, reason="CPU kernels need x86-64 with AVX-512")
@@ -246,3 +246,51 @@ def test_attention_kernel_refuses_block_ids_past_the_cache() -> None:
         kernels.mla_attention(q, cache, torch.tensor([-1]), torch.tensor([0]), torch.tensor([[1]]), 16, w_uv)
     with pytest.raises(RuntimeError, match="block id past the cache"):  # no overflow in the bounds check
         kernels.mla_attention(q, cache, torch.tensor([2]), torch.tensor([0]), torch.tensor([[2**62 - 1]]), 4, w_uv)
+
+
+def _ragged_step(model, seed: int = 5):
+    """A prefill chunk, two decodes and a verify chunk in one paged step: logits, MTP logits, the cache."""
+    cfg, bs = model.cfg, 16
+    gen = torch.Generator().manual_seed(seed)
+    starts, lens = [0, 40, 77, 12], [30, 1, 4, 1]
+    blocks = [-(-(s + q) // bs) for s, q in zip(starts, lens)]
+    cache = KVCache(cfg, num_blocks=sum(blocks), block_size=bs)
+    cache.tensor.normal_(generator=gen)
+    width = max(blocks)
+    tables = torch.tensor([cache.allocator.allocate(n) + [0] * (width - n) for n in blocks])
+    ids = torch.randint(cfg.vocab_size, (sum(lens),), generator=gen)
+    hidden = torch.randn(sum(lens), cfg.hidden_size, generator=gen)
+    batch = PagedBatch.build(starts, lens, tables, bs, model.kernel_attention)
+    with torch.inference_mode():
+        logits = model.logits(model(ids, batch=batch, kv_cache=cache.tensor))
+        mtp_logits, mtp_hidden = model.mtp_forward(0, ids, hidden, batch=batch, kv_cache=cache.tensor)
+    return logits, mtp_logits, mtp_hidden, cache.tensor
+
+
+def test_whole_layer_call_equals_the_kernels_one_by_one(shipped_model_dir) -> None:
+    """`kernels.decoder_layer` runs DecoderLayer's kernels in its order: the dense first layer, the MoE layers
+    and the MTP block give bit for bit what the layer-by-layer calls give, cache writes included."""
+    model = load_engine(shipped_model_dir).model
+    layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
+    assert len(layers) == model.num_cache_layers and all(layer.fused is not None for layer in layers)
+    fused = _ragged_step(model)
+    for layer in layers:
+        layer.fused = None
+    one_by_one = _ragged_step(model)
+    for a, b in zip(fused, one_by_one):
+        assert torch.equal(a, b)
+
+
+def test_layers_the_whole_layer_call_cannot_run_stay_on_the_kernels_one_by_one(tiny_checkpoint) -> None:
+    """Without a q LoRA (DeepSeek-V2-Lite style) a layer is not fused, and still matches the PyTorch path."""
+    path = tiny_checkpoint("noqlora", tiny_config_dict(hidden_size=64, moe_intermediate_size=32, kv_lora_rank=32,
+                                                       qk_rope_head_dim=16, v_head_dim=16, q_lora_rank=None), fp8=True)
+    fast, plain = (load_engine(path, cpu_kernels=k).model for k in (True, False))
+    assert fast.kernel_attention and all(m.fused is None for m in fast.modules() if isinstance(m, DecoderLayer))
+    for a, b in zip(_ragged_step(fast), _ragged_step(plain)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_paged_batch_names_block_tables_that_do_not_cover_the_positions() -> None:
+    with pytest.raises(ValueError, match=r"block_tables \[1, 2\] do not cover the positions up to 40 \(block size 16\)"):
+        PagedBatch.build([40], [1], torch.tensor([[3, 4]]), 16, True)

@@ -3,7 +3,7 @@
 On CPU a decode step in ATen is dominated by per-operation overhead and by streaming fp32 weights,
 so the serving path runs C++ with AVX-512 instead: linear layers whose weights stay in the release's
 FP8 (or BF16) form, a whole MoE layer per call, absorbed MLA in two calls over the paged latent
-cache, and RMSNorm. Without AVX-512 (or a compiler) the runtime uses its PyTorch path, which
+cache, RMSNorm, and a whole decoder layer composed of these. Without AVX-512 (or a compiler) the runtime uses its PyTorch path, which
 computes the same thing.
 """
 
@@ -167,3 +167,12 @@ def mla_attention(q: Tensor, cache: Tensor, positions: Tensor, token_seq: Tensor
     heads' outputs [T, h*v] (w_uv [h, rank, v])."""
     return cpu_kernels().mla_attention(q, cache, positions.contiguous(), token_seq.contiguous(), block_tables, block_size,
                                        w_uv)
+
+
+def decoder_layer(layer: object, x: Tensor, rot: Tensor, kv_cache: Tensor, slot_mapping: Tensor, positions: Tensor,
+                  token_seq: Tensor, block_tables: Tensor, block_size: int) -> Tensor:
+    """A whole decoder layer (`layer` from `make_layer`) over tokens x [T, H] in one call: the kernels above in
+    DecoderLayer's order, so the result is bit for bit that of calling them one by one, without the Python in
+    between (on a small model it took as long as the kernels). rot: complex [T, rope/2]."""
+    return cpu_kernels().decoder_layer(layer, x.contiguous(), torch.view_as_real(rot.contiguous()), kv_cache, slot_mapping,
+                                       positions, token_seq, block_tables, block_size)

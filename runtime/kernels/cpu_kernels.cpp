@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -594,6 +595,75 @@ torch::Tensor mla_attention(const torch::Tensor& q, const torch::Tensor& cache, 
   return out;
 }
 
+
+// ---- a whole decoder layer per call: the kernels above in the order model.DecoderLayer runs them ----------
+
+// A packed linear weight: panels, block scales, output features.
+struct Linear {
+  torch::Tensor panels, scale;
+  int64_t out_features;
+  torch::Tensor operator()(const torch::Tensor& x) const { return packed_linear(x, panels, scale, out_features); }
+};
+
+// One DeepSeek decoder layer's weights for `decoder_layer`, gathered once: absorbed MLA with a q LoRA,
+// then either a MoE layer (router non-empty) or a dense MLP (`mlp` = gate, up, down).
+struct Layer {
+  int64_t cache_layer;
+  torch::Tensor input_norm, q_a_norm, kv_a_norm, post_norm;
+  double eps, q_a_eps, kv_a_eps;
+  Linear q_a, q_b, kv_a, o;
+  torch::Tensor w_uk, w_uv;
+  double softmax_scale;
+  torch::Tensor router, bias;
+  int64_t n_group, topk_group, top_k;
+  bool normalize;
+  double scaling;
+  std::vector<torch::Tensor> experts;  // MoE: routed then shared panels and scales, in `moe`'s order
+  std::vector<Linear> mlp;             // dense layer: gate, up, down
+};
+
+// x [T, H] -> the layer's output, exactly as DecoderLayer.forward computes it with the kernels one by one.
+torch::Tensor decoder_layer(const Layer& L, const torch::Tensor& x, const torch::Tensor& rot, const torch::Tensor& kv_cache,
+                            const torch::Tensor& slots, const torch::Tensor& positions, const torch::Tensor& seq,
+                            const torch::Tensor& tables, int64_t block_size) {
+  check(kv_cache.dim() == 3 && L.cache_layer < kv_cache.size(0), "kv_cache [layers, slots, D] holds this layer");
+  const torch::Tensor cache = kv_cache.select(0, L.cache_layer);
+  const torch::Tensor h = rms_norm(x, L.input_norm, L.eps);
+  const torch::Tensor q = mla_prepare(L.q_b(rms_norm(L.q_a(h), L.q_a_norm, L.q_a_eps)), L.kv_a(h), rot, L.kv_a_norm,
+                                      L.kv_a_eps, L.w_uk, L.softmax_scale, cache, slots);
+  const torch::Tensor y = x + L.o(mla_attention(q, cache, positions, seq, tables, block_size, L.w_uv));
+  const torch::Tensor f = rms_norm(y, L.post_norm, L.eps);
+  if (L.router.defined()) {
+    const auto& e = L.experts;
+    return y + moe(f, L.router, L.bias, L.n_group, L.topk_group, L.top_k, L.normalize, L.scaling, e[0], e[1], e[2], e[3],
+                   e[4], e[5], e[6], e[7], e[8], e[9], e[10], e[11]);
+  }
+  return y + L.mlp[2](at::silu(L.mlp[0](f)) * L.mlp[1](f));
+}
+
+Layer make_layer(int64_t cache_layer, torch::Tensor input_norm, torch::Tensor q_a_norm, torch::Tensor kv_a_norm,
+                 torch::Tensor post_norm, double eps, double q_a_eps, double kv_a_eps, std::vector<torch::Tensor> q_a,
+                 std::vector<torch::Tensor> q_b, std::vector<torch::Tensor> kv_a, std::vector<torch::Tensor> o,
+                 std::vector<int64_t> out_features, torch::Tensor w_uk, torch::Tensor w_uv, double softmax_scale,
+                 std::optional<torch::Tensor> router, std::optional<torch::Tensor> bias, int64_t n_group,
+                 int64_t topk_group, int64_t top_k, bool normalize, double scaling, std::vector<torch::Tensor> experts,
+                 std::vector<torch::Tensor> mlp) {
+  check(cache_layer >= 0, "cache_layer must be >= 0");
+  const bool is_moe = router.has_value();
+  check(out_features.size() == (is_moe ? 4u : 7u) && q_a.size() == 2 && q_b.size() == 2 && kv_a.size() == 2 && o.size() == 2,
+        "linears: (panels, scale) each, and out_features for q_a, q_b, kv_a, o (and the MLP's gate, up, down)");
+  check(is_moe == bias.has_value() && (is_moe ? experts.size() == 12 && mlp.empty() : experts.empty() && mlp.size() == 6),
+        "a MoE layer takes router, bias and 12 expert tensors; a dense one 6 MLP tensors");
+  auto lin = [&](const std::vector<torch::Tensor>& t, size_t i, size_t j) { return Linear{t[i], t[i + 1], out_features[j]}; };
+  Layer L{cache_layer, input_norm, q_a_norm, kv_a_norm, post_norm, eps, q_a_eps, kv_a_eps,
+          lin(q_a, 0, 0), lin(q_b, 0, 1), lin(kv_a, 0, 2), lin(o, 0, 3), w_uk, w_uv, softmax_scale,
+          router.value_or(torch::Tensor()), bias.value_or(torch::Tensor()), n_group, topk_group, top_k, normalize, scaling,
+          experts, {}};
+  if (!is_moe)
+    for (size_t j = 0; j < 3; ++j) L.mlp.push_back(lin(mlp, 2 * j, 4 + j));
+  return L;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The kernels touch no Python object: other threads (request intake, streaming) run meanwhile, as with ATen ops.
   const auto nogil = py::call_guard<py::gil_scoped_release>();
@@ -602,4 +672,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mla_attention", &mla_attention, "absorbed MLA over the paged latent cache", nogil);
   m.def("mla_prepare", &mla_prepare, "absorbed-MLA queries; latents written to the cache", nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm of rows", nogil);
+  py::class_<Layer>(m, "Layer", "one decoder layer's kernel weights (see make_layer)");
+  m.def("make_layer", &make_layer, "gather one decoder layer's weights for decoder_layer");
+  m.def("decoder_layer", &decoder_layer, "one decoder layer: attention and MoE or MLP, with the kernels above", nogil);
 }
