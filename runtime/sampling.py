@@ -168,12 +168,12 @@ def sample(probs: Tensor, u: Tensor) -> Tensor:
     return torch.searchsorted(cdf, u).clamp(max=probs.shape[-1] - 1).squeeze(-1)
 
 
-def accept_greedy(drafts: Tensor, target_argmax: Tensor, num_drafts: Tensor) -> tuple[Tensor, Tensor]:
-    """Greedy acceptance from argmaxes alone: drafts [B, K], target_argmax [B, K+1]."""
-    K = drafts.shape[1]
-    ok = (drafts == target_argmax[:, :K]) & (torch.arange(K, device=drafts.device)[None, :] < num_drafts[:, None])
-    num_accepted = ok.long().cumprod(-1).sum(-1)
-    return num_accepted, target_argmax.gather(1, num_accepted[:, None]).squeeze(1)
+def accept_greedy(drafts: list[int], target_argmax: list[int]) -> int:
+    """How many leading drafts equal the target's argmax at their position (target_argmax has one more)."""
+    n = 0
+    while n < len(drafts) and drafts[n] == target_argmax[n]:
+        n += 1
+    return n
 
 
 def accept(

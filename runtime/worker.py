@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 from torch import Tensor
@@ -135,7 +136,7 @@ class ModelRunner:
         drafting = [it for it in items if it.num_drafts > 0]
         drafts, draft_probs = self.draft(drafting) if drafting else (None, None)
         rows = drafts.tolist() if drafting else []
-        draft_of = {id(it.seq): rows[i][: it.num_drafts] for i, it in enumerate(drafting)}
+        draft_of = {id(it.seq): row[: it.num_drafts] for row, it in zip(rows, drafting)}
         t1 = time.perf_counter()
 
         seqs = [it.seq for it in items]
@@ -147,7 +148,7 @@ class ModelRunner:
                 s.token_ids[s.num_cached : s.num_cached + it.num_new]
         batch = self._paged_batch(seqs, [s.num_cached for s in seqs], [it.num_new for it in items])
         hidden = self.model(self._ids(tokens), batch=batch, kv_cache=self.cache.tensor)
-        results = self._verify(items, decoding, hidden, batch, drafts, draft_probs, drafting) if decoding else {}
+        results = self._verify(items, decoding, hidden, rows, draft_probs, drafting) if decoding else {}
 
         out, offset = [], 0
         for i, it in enumerate(items):
@@ -167,42 +168,43 @@ class ModelRunner:
         self.timings["target"] += time.perf_counter() - t1
         return out
 
-    def _verify(self, items: list[Scheduled], decoding: list[int], hidden: Tensor, batch: PagedBatch,
-                drafts: Tensor | None, draft_probs: Tensor | None, drafting: list[Scheduled]
-                ) -> dict[int, tuple[list[int], int]]:
+    def _verify(self, items: list[Scheduled], decoding: list[int], hidden: Tensor, drafts: list[list[int]],
+                draft_probs: Tensor | None, drafting: list[Scheduled]) -> dict[int, tuple[list[int], int]]:
         """Target distributions at each decoding sequence's last k+1 positions, then acceptance."""
         V = self.model.cfg.vocab_size
         seqs = [items[i].seq for i in decoding]
         ks = [items[i].num_drafts for i in decoding]
         B, K = len(seqs), max(ks)
         # Row j of sequence b is chunk position j (j <= k_b); rows past k_b repeat the last one.
-        ends = batch.last_index[self._ids(decoding)]
-        back = torch.tensor([[max(k - j, 0) for j in range(K + 1)] for k in ks], device=self.device)
-        logits = self.model.logits(hidden[(ends[:, None] - back).flatten()]).view(B, K + 1, V)
-        d, dp = torch.zeros(B, K, dtype=torch.long, device=self.device), None
-        if K:  # the drafting sequences' rows, in decoding order (zeros where a sequence drafts nothing)
-            row_of = {id(it.seq): r for r, it in enumerate(drafting)}
-            rows = self._ids([row_of.get(id(s), 0) for s in seqs])
-            has = self._ids(ks) > 0
-            d = torch.where(has[:, None], drafts[rows], 0)
-            if draft_probs is not None:
-                dp = torch.where(has[:, None, None], draft_probs[rows], 0.0)
+        ends = list(accumulate(it.num_new for it in items))
+        rows = [ends[i] - 1 - max(k - j, 0) for i, k in zip(decoding, ks) for j in range(K + 1)]
+        logits = self.model.logits(hidden[self._ids(rows)]).view(B, K + 1, V)
+        row_of = {id(it.seq): r for r, it in enumerate(drafting)}
+        d = [drafts[row_of[id(s)]] if k else [0] * K for s, k in zip(seqs, ks)]  # [B][K]; past k_b: ignored
         if self.relaxed is None and all(s.params.greedy and not s.params.bad_token_ids for s in seqs):
-            num_acc, nxt = accept_greedy(d, logits.argmax(-1), self._ids(ks))
-        else:
-            st = self.sampling_tensors(seqs, [K + 1] * B, V, self.device)
-            target_probs = probabilities(logits.flatten(0, 1), st).view(B, K + 1, V)
-            greedy = st.temperature.view(B, K + 1)[:, 0] == 0
-            relaxed_kw = {}
-            if self.relaxed is not None and K:
-                plain = logits[:, :K].float()
-                if st.bad_mask is not None:  # a banned token is never accepted, relaxed or not
-                    plain = plain.masked_fill(st.bad_mask.view(B, K + 1, V)[:, :K], float("-inf"))
-                relaxed_kw = dict(relaxed=self.relaxed, relaxed_probs=plain.softmax(-1),
-                                  relaxed_mask=self._thinking_mask(seqs, d, ks))
-            num_acc, nxt = accept(d, dp, target_probs, self._ids(ks), self._ids([s.seed for s in seqs]),
-                                  self._ids([s.num_tokens for s in seqs]), greedy, **relaxed_kw)
-        num_acc, nxt, d = num_acc.tolist(), nxt.tolist(), d.tolist()
+            out = {}
+            for i, db, k, argmax in zip(decoding, d, ks, logits.argmax(-1).tolist()):
+                n = accept_greedy(db[:k], argmax)
+                out[i] = (db[:n] + [argmax[n]], n)
+            return out
+        dt = self._ids(d).view(B, K)
+        dp = None
+        if draft_probs is not None:
+            has = self._ids(ks) > 0
+            dp = torch.where(has[:, None, None], draft_probs[self._ids([row_of.get(id(s), 0) for s in seqs])], 0.0)
+        st = self.sampling_tensors(seqs, [K + 1] * B, V, self.device)
+        target_probs = probabilities(logits.flatten(0, 1), st).view(B, K + 1, V)
+        greedy = st.temperature.view(B, K + 1)[:, 0] == 0
+        relaxed_kw = {}
+        if self.relaxed is not None and K:
+            plain = logits[:, :K].float()
+            if st.bad_mask is not None:  # a banned token is never accepted, relaxed or not
+                plain = plain.masked_fill(st.bad_mask.view(B, K + 1, V)[:, :K], float("-inf"))
+            relaxed_kw = dict(relaxed=self.relaxed, relaxed_probs=plain.softmax(-1),
+                              relaxed_mask=self._thinking_mask(seqs, dt, ks))
+        num_acc, nxt = accept(dt, dp, target_probs, self._ids(ks), self._ids([s.seed for s in seqs]),
+                              self._ids([s.num_tokens for s in seqs]), greedy, **relaxed_kw)
+        num_acc, nxt = num_acc.tolist(), nxt.tolist()
         return {i: (d[b][: num_acc[b]] + [nxt[b]], num_acc[b]) for b, i in enumerate(decoding)}
 
     def _thinking_mask(self, seqs: list[Sequence], drafts: Tensor, ks: list[int]) -> Tensor:
