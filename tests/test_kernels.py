@@ -294,3 +294,19 @@ def test_layers_the_whole_layer_call_cannot_run_stay_on_the_kernels_one_by_one(t
 def test_paged_batch_names_block_tables_that_do_not_cover_the_positions() -> None:
     with pytest.raises(ValueError, match=r"block_tables \[1, 2\] do not cover the positions up to 40 \(block size 16\)"):
         PagedBatch.build([40], [1], torch.tensor([[3, 4]]), 16, True)
+
+
+def test_results_do_not_depend_on_the_number_of_threads(shipped_model_dir) -> None:
+    """The kernels split work by output columns, tokens and whole experts, and add the experts' outputs in
+    expert order after the parallel part: one thread and two give the same bits."""
+    model = load_engine(shipped_model_dir).model
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _ragged_step(model)
+        torch.set_num_threads(2)
+        two = _ragged_step(model)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)

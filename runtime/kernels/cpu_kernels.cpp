@@ -8,9 +8,12 @@
 // mla_prepare  absorbed-MLA queries of new tokens; their latents normalized, roped, written to the cache.
 // mla_attention absorbed MLA over the paged latent cache, read in place through the block tables.
 // rms_norm     RMSNorm of rows.
+// decoder_layer all of the above for one decoder layer, in one call.
 //
 // Every output row is computed with the same arithmetic in the same order whatever the other rows
 // of the batch are, so a request's result does not depend on what it is batched with.
+// Threads (OpenMP, torch.set_num_threads) split the work by output columns, tokens and whole experts,
+// never inside a sum, so the bits do not depend on the number of threads either.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -392,8 +395,8 @@ torch::Tensor moe(const torch::Tensor& x, const torch::Tensor& gate_w, const tor
   const Mlp routed_mlp = checked_mlp(eg, egs, eu, eus, ed, eds), shared_mlp = checked_mlp(sg, sgs, su, sus, sd, sds);
   const float* xp = x.data_ptr<float>();
   const float *gw = gate_w.data_ptr<float>(), *bp = bias.data_ptr<float>();
-  std::vector<int64_t> idx(T * top_k), rows;
-  std::vector<float> weights(T * top_k), score(E), row_w, xs, g, u, y;
+  std::vector<int64_t> idx(T * top_k);
+  std::vector<float> weights(T * top_k), score(E);
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t e = 0; e < E; ++e) {
       __m512 acc = _mm512_setzero_ps();
@@ -406,31 +409,53 @@ torch::Tensor moe(const torch::Tensor& x, const torch::Tensor& gate_w, const tor
     route(score.data(), bp, E, n_group, topk_group, top_k, normalize, static_cast<float>(scaling),
           idx.data() + t * top_k, weights.data() + t * top_k);
   }
+  // Work items: the shared expert over all rows (item E), each routed expert over its rows. Items are dealt
+  // to the threads longest first; each writes only its own rows, and the routed outputs are added in expert
+  // order afterwards, so the sums do not depend on the threads.
+  std::vector<std::vector<int64_t>> rows(E);
+  std::vector<std::vector<float>> row_w(E), ys(E);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < top_k; ++j) {
+      rows[idx[t * top_k + j]].push_back(t);
+      row_w[idx[t * top_k + j]].push_back(weights[t * top_k + j]);
+    }
   auto out = torch::empty({T, H}, x.options());
   float* op = out.data_ptr<float>();
-  mlp_rows(xp, T, H, shared_mlp, g, u, op);  // the shared expert, then the routed ones added
-  std::vector<float> routed(T * H, 0.0f);
-  for (int64_t e = 0; e < E; ++e) {
-    rows.clear();
-    row_w.clear();
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t j = 0; j < top_k; ++j)
-        if (idx[t * top_k + j] == e) {
-          rows.push_back(t);
-          row_w.push_back(weights[t * top_k + j]);
-        }
-    const int64_t R = static_cast<int64_t>(rows.size());
-    if (R == 0) continue;
-    xs.resize(R * H);
-    y.resize(R * H);
-    for (int64_t r = 0; r < R; ++r) std::copy_n(xp + rows[r] * H, H, xs.data() + r * H);
-    mlp_rows(xs.data(), R, H, routed_mlp.expert(e), g, u, y.data());
-    for (int64_t r = 0; r < R; ++r) {
-      float* dst = routed.data() + rows[r] * H;
-      const float* src = y.data() + r * H;
-      for (int64_t c = 0; c < H; ++c) dst[c] += row_w[r] * src[c];
-    }
+  std::vector<int64_t> items;
+  for (int64_t e = 0; e <= E; ++e)
+    if (e == E || !rows[e].empty()) items.push_back(e);
+  auto size = [&](int64_t e) { return e == E ? T : static_cast<int64_t>(rows[e].size()); };
+  std::stable_sort(items.begin(), items.end(), [&](int64_t a, int64_t b) { return size(a) > size(b); });
+  const int64_t n_bins = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
+  std::vector<std::vector<int64_t>> bins(n_bins);
+  std::vector<int64_t> load(n_bins, 0);
+  for (int64_t e : items) {  // a weight read per expert plus a row's work: rows cost little next to weights
+    const int64_t b = std::min_element(load.begin(), load.end()) - load.begin();
+    bins[b].push_back(e);
+    load[b] += 8 + size(e);
   }
+  at::parallel_for(0, n_bins, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> xs, g, u;
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t e : bins[b]) {
+        if (e == E) {
+          mlp_rows(xp, T, H, shared_mlp, g, u, op);
+          continue;
+        }
+        const int64_t R = size(e);
+        xs.resize(R * H);
+        ys[e].resize(R * H);
+        for (int64_t r = 0; r < R; ++r) std::copy_n(xp + rows[e][r] * H, H, xs.data() + r * H);
+        mlp_rows(xs.data(), R, H, routed_mlp.expert(e), g, u, ys[e].data());
+      }
+  });
+  std::vector<float> routed(T * H, 0.0f);
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t r = 0; r < size(e); ++r) {
+      float* dst = routed.data() + rows[e][r] * H;
+      const float* src = ys[e].data() + r * H;
+      for (int64_t c = 0; c < H; ++c) dst[c] += row_w[e][r] * src[c];
+    }
   for (int64_t i = 0; i < T * H; ++i) op[i] = routed[i] + op[i];
   return out;
 }
