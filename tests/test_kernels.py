@@ -310,3 +310,44 @@ def test_results_do_not_depend_on_the_number_of_threads(shipped_model_dir) -> No
         torch.set_num_threads(threads)
     for a, b in zip(one, two):
         assert torch.equal(a, b)
+
+
+def test_errors_in_parallel_work_reach_the_caller_and_the_pool_goes_on() -> None:
+    """A check that fails on a worker thread is raised in the caller; the next call runs normally."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        cache = torch.randn(64, 32)
+        q = torch.randn(4, 2, 32)
+        w_uv = torch.randn(2, 16, 16)
+        seq, tables = torch.tensor([0, 0, 0, 0]), torch.tensor([[0, 1, 2, 3]])
+        with pytest.raises(RuntimeError, match="position negative or past the block table"):
+            kernels.mla_attention(q, cache, torch.tensor([1, 2, 3, 99]), seq, tables, 16, w_uv)
+        positions = torch.tensor([1, 2, 3, 40])
+        together = kernels.mla_attention(q, cache, positions, seq, tables, 16, w_uv)
+        alone = [kernels.mla_attention(q[i : i + 1], cache, positions[i : i + 1], seq[:1], tables, 16, w_uv) for i in range(4)]
+        assert torch.equal(together, torch.cat(alone))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_kernels_called_from_two_threads_at_once_give_the_same_bits() -> None:
+    """One parallel job at a time: a call made meanwhile from another thread runs on its own thread, correctly."""
+    import threading
+
+    w = kernels.pack_fp8(fp8_weight(4096, 256))
+    x = torch.randn(8, 256)
+    want = kernels.packed_linear(x, w)
+    errors: list[str] = []
+
+    def hammer() -> None:
+        for _ in range(200):
+            if not torch.equal(kernels.packed_linear(x, w), want):
+                errors.append("mismatch")
+
+    workers = [threading.Thread(target=hammer) for _ in range(3)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    assert errors == []

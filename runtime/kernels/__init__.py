@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f")
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-fopenmp"]
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-mavx512f"]
 PANEL = 16  # weight rows per packed panel (one AVX-512 register of outputs)
 MAX_EXPERTS, MAX_GROUPS = 256, 64  # the routing kernel's limits (DeepSeek-V3: 256 experts in 8 groups)
 FP8_TO_HALF = 256.0  # the kernel reads e4m3 bytes as fp16 values 2^8 times too small

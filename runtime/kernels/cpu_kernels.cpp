@@ -12,21 +12,130 @@
 //
 // Every output row is computed with the same arithmetic in the same order whatever the other rows
 // of the batch are, so a request's result does not depend on what it is batched with.
-// Threads (OpenMP, torch.set_num_threads) split the work by output columns, tokens and whole experts,
+// Threads (torch.set_num_threads of them; see Pool) split the work by output columns, tokens and whole experts,
 // never inside a sum, so the bits do not depend on the number of threads either.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <exception>
+#include <functional>
+#include <mutex>
 #include <optional>
+#include <thread>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kBlock = 128;  // FP8 scale block (both dims)
 constexpr int64_t kLanes = 16;   // floats per AVX-512 register; weights are packed in panels of 16 rows
+
+// The kernels' threads: torch.get_num_threads() of them, the caller included, in a pool whose workers spin
+// for a while after each job (a decode step's jobs come microseconds apart), then sleep. Not OpenMP: libgomp
+// cuts its spinning to almost nothing once a second thread of the process runs parallel regions (the
+// executor's thread besides the main one), and a futex wake per region costs as much as a small kernel.
+// One job at a time; a nested call, or one made while another thread's job runs, runs on its caller alone.
+class Pool {
+ public:
+  static Pool& get() {
+    static Pool* pool = new Pool();  // never destroyed: its sleeping workers just end with the process
+    return *pool;
+  }
+
+  // fn(begin, end) over [0, n), `chunk` items at a time, every chunk once. Rethrows the first error.
+  void run(int64_t n, int64_t chunk, const std::function<void(int64_t, int64_t)>& fn) {
+    const int64_t threads = std::min<int64_t>(at::get_num_threads(), (n + chunk - 1) / chunk);
+    if (threads <= 1 || inside_ || !busy_.try_lock()) {
+      if (n > 0) fn(0, n);
+      return;
+    }
+    std::lock_guard<std::mutex> job_lock(busy_, std::adopt_lock);
+    while (static_cast<int64_t>(workers_.size()) < threads - 1)
+      workers_.emplace_back([this, i = static_cast<int64_t>(workers_.size())] { work(i); });
+    {
+      std::lock_guard<std::mutex> lk(m_);
+      fn_ = &fn;
+      n_ = n;
+      chunk_ = chunk;
+      helpers_ = threads - 1;
+      next_ = 0;
+      done_ = 0;
+      error_ = nullptr;
+      open_ = true;
+      ++generation_;
+      if (sleepers_) wake_.notify_all();
+    }
+    inside_ = true;
+    drain();
+    inside_ = false;
+    while (done_.load(std::memory_order_acquire) < n) _mm_pause();
+    {
+      std::lock_guard<std::mutex> lk(m_);
+      open_ = false;  // late workers skip this job
+    }
+    while (users_.load(std::memory_order_acquire) > 0) _mm_pause();
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  static constexpr auto kSpin = std::chrono::microseconds(500);
+
+  void drain() {
+    for (;;) {
+      const int64_t b = next_.fetch_add(chunk_);
+      if (b >= n_) return;
+      const int64_t e = std::min(n_, b + chunk_);
+      try {
+        (*fn_)(b, e);
+      } catch (...) {
+        std::lock_guard<std::mutex> lk(m_);
+        if (!error_) error_ = std::current_exception();
+      }
+      done_.fetch_add(e - b, std::memory_order_release);
+    }
+  }
+
+  void work(int64_t index) {
+    inside_ = true;
+    uint64_t seen = 0;
+    for (;;) {
+      const auto until = std::chrono::steady_clock::now() + kSpin;
+      while (generation_.load(std::memory_order_acquire) == seen && std::chrono::steady_clock::now() < until)
+        for (int i = 0; i < 64; ++i) _mm_pause();
+      std::unique_lock<std::mutex> lk(m_);
+      if (generation_ == seen) {
+        ++sleepers_;
+        wake_.wait(lk, [&] { return generation_ != seen; });
+        --sleepers_;
+      }
+      seen = generation_;
+      if (!open_ || index >= helpers_) continue;
+      users_.fetch_add(1, std::memory_order_acq_rel);
+      lk.unlock();
+      drain();
+      users_.fetch_sub(1, std::memory_order_acq_rel);
+    }
+  }
+
+  std::mutex busy_, m_;
+  std::condition_variable wake_;
+  std::vector<std::thread> workers_;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int64_t> next_{0}, done_{0}, users_{0};
+  const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
+  int64_t n_ = 0, chunk_ = 1, helpers_ = 0, sleepers_ = 0;
+  bool open_ = false;
+  std::exception_ptr error_;
+  static thread_local bool inside_;
+};
+thread_local bool Pool::inside_ = false;
+
+void parallel(int64_t n, const std::function<void(int64_t, int64_t)>& fn, int64_t chunk = 1) { Pool::get().run(n, chunk, fn); }
 
 // Weight formats: 16 consecutive stored values -> 16 floats.
 // Fp8: e4m3 bytes -> the e4m3 values times 2^-8. Sign-extending each byte to 16 bits and shifting it
@@ -160,7 +269,7 @@ void packed_gemm(const float* x, int64_t M, int64_t K, const typename W::T* pack
                  float* y) {
   const int64_t panels = (N + kLanes - 1) / kLanes, per_block = kBlock / kLanes, k_blocks = (K + kBlock - 1) / kBlock;
   const int64_t n_blocks = (panels + per_block - 1) / per_block;
-  at::parallel_for(0, n_blocks, 1, [&](int64_t b0, int64_t b1) {
+  parallel(n_blocks, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t p0 = b * per_block, p1 = std::min(panels, p0 + per_block);
       switch (M) {
@@ -434,7 +543,7 @@ torch::Tensor moe(const torch::Tensor& x, const torch::Tensor& gate_w, const tor
     bins[b].push_back(e);
     load[b] += 8 + size(e);
   }
-  at::parallel_for(0, n_bins, 1, [&](int64_t b0, int64_t b1) {
+  parallel(n_bins, [&](int64_t b0, int64_t b1) {
     std::vector<float> xs, g, u;
     for (int64_t b = b0; b < b1; ++b)
       for (int64_t e : bins[b]) {
@@ -533,7 +642,7 @@ torch::Tensor mla_attention(const torch::Tensor& q, const torch::Tensor& cache, 
   const int64_t* tb = tables.data_ptr<int64_t>();
   const int64_t max_blocks = tables.size(1), dv = D / kLanes, rv = rank / kLanes;
   float* outp = out.data_ptr<float>();
-  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+  parallel(T, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores, rowsum(heads), zeros(D, 0.0f), olat(heads * rank);
     std::vector<const float*> ctx;
     for (int64_t t = t0; t < t1; ++t) {
