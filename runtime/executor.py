@@ -165,9 +165,11 @@ class Executor:
 
     # ---- profiling for adaptive speculation ---------------------------------------------------
     @torch.inference_mode()
-    def profile(self, max_k: int, context: int = 64, repeats: int = 3) -> StepCosts:
+    def profile(self, max_k: int, context: int = 64, repeats: int = 5, warmup: int = 2) -> StepCosts:
         """Time target forwards (q tokens per sequence) and MTP forwards at a few batch sizes
-        (medians; costs forced non-decreasing in q, as they are, so noise cannot invert them)."""
+        (medians after `warmup` untimed calls, which take a fresh model's first-touch costs and
+        start the kernels' threads; costs forced non-decreasing in q, as they are, so noise cannot
+        invert them)."""
         model, cache = self.engine.model, self.cache
         fits = cache.allocator.num_free // cache.blocks_for(context + max_k + 1)
         largest = max(1, min(self.limits.max_batch_size, fits))
@@ -176,7 +178,8 @@ class Executor:
         tables = [cache.allocator.allocate(cache.blocks_for(context + max_k + 1)) for _ in range(sizes[-1])]
         try:
             def timed(fn) -> float:
-                fn()
+                for _ in range(warmup):
+                    fn()
                 times = []
                 for _ in range(repeats):
                     t0 = time.perf_counter()
@@ -218,11 +221,13 @@ class Executor:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
+            t0 = time.perf_counter()
             plan = self.scheduler.schedule()
             if not plan:  # everything waits for blocks that running requests will free
                 self._wake.wait(0.01)
                 self._wake.clear()
                 continue
+            decode_only = not any(it.seq.in_prefill for it in plan)
             try:
                 results = self.runner.step(plan)
             except Exception as e:  # a broken step fails its requests, never the executor
@@ -235,6 +240,8 @@ class Executor:
             for r in results:
                 if r.new_token_ids and r.seq.request_id in self._requests:
                     self._process(r, now)
+            if decode_only:
+                self.policy.observe_step(len(plan), max(it.num_drafts for it in plan), time.perf_counter() - t0)
         self._drain_inbox()  # submitted but never scheduled: cancelled too, never lost
         for rid in list(self._requests):
             self._finish(rid, "cancelled")

@@ -49,6 +49,10 @@ class StepCosts:
         lo, hi = bs[i - 1], bs[i]
         return values[i - 1] + (values[i] - values[i - 1]) * (b - lo) / (hi - lo)
 
+    def bucket(self, b: int) -> int:
+        """The smallest profiled batch size >= b (the largest past the end)."""
+        return self.batch_sizes[min(bisect.bisect_left(self.batch_sizes, b), len(self.batch_sizes) - 1)]
+
     def step_seconds(self, b: int, k: int) -> float:
         qs = sorted(self.target)
         q = min(qs, key=lambda x: abs(x - (k + 1)))
@@ -61,25 +65,26 @@ class DraftPolicy:
 
     Acceptance is learned per draft depth: a[j] = P(draft j+1 accepted | drafts 1..j accepted),
     since a draft chained on drafts is right less often than the first one; treating depths as
-    one i.i.d. rate over-values long drafts. Drafting needs a predicted gain of at least
-    MIN_GAIN: the profiled forwards leave out the runner's own drafting and verification work and
-    the prefill that drafts delay, which cost a few percent (at concurrency 32 under a 256-token
-    budget a predicted 1.1x measured 0.95x of plain). Not modelled either: the MTP layer's pass over
-    each prompt before a request's first draft; with long prompts and short outputs (the load
-    test) speculation then stays at 0.94-1.02x of plain, 0.98x with drafting disabled.
+    one i.i.d. rate over-values long drafts. Step costs are profiled forwards, corrected as the
+    executor runs: for each profiled batch size and k, the ratio of whole decode steps (the
+    runner's Python, drafting's catch-up over positions verified since the last draft, the
+    outputs) to the profiled forwards is learned; a k not yet run there borrows k = 0's ratio.
+    Drafting needs a predicted gain of at least MIN_GAIN, for what stays unmodelled (the prefill
+    work drafts delay).
     """
 
     MIN_GAIN = 1.1
 
     def __init__(self, mode: str, max_k: int, costs: StepCosts | None = None, prior_acceptance: float = 0.7,
-                 smoothing: float = 0.05):
+                 smoothing: float = 0.05, cost_smoothing: float = 0.1):
         if mode not in ("off", "fixed", "adaptive"):
             raise ValueError(f"speculation must be 'off', 'fixed' or 'adaptive', got {mode!r}")
         if mode == "adaptive" and costs is None:
             raise ValueError("adaptive speculation needs measured step costs")
         self.mode, self.max_k, self.costs = mode, max_k if mode != "off" else 0, costs
         self.acceptance_by_depth = [prior_acceptance] * max(max_k, 1)  # smoothed conditional rates
-        self.smoothing = smoothing
+        self.smoothing, self.cost_smoothing = smoothing, cost_smoothing
+        self.cost_ratio: dict[tuple[int, int], float] = {}  # (profiled batch size, k) -> whole step / profiled
 
     @property
     def acceptance(self) -> float:
@@ -98,6 +103,15 @@ class DraftPolicy:
             if n:
                 self.acceptance_by_depth[j] += self.smoothing * (accepted[j] / n - self.acceptance_by_depth[j])
 
+    def observe_step(self, batch_size: int, k: int, seconds: float) -> None:
+        """A whole decode step (no prefill in it) of batch_size sequences at draft length k took `seconds`."""
+        if self.mode != "adaptive" or batch_size == 0:
+            return
+        key = (self.costs.bucket(batch_size), k)
+        ratio = seconds / self.costs.step_seconds(batch_size, k)
+        old = self.cost_ratio.get(key)
+        self.cost_ratio[key] = ratio if old is None else old + self.cost_smoothing * (ratio - old)
+
     def expected_tokens(self, k: int) -> float:
         """1 + sum over depths j <= k of P(drafts 1..j all accepted)."""
         total, p = 1.0, 1.0
@@ -106,15 +120,23 @@ class DraftPolicy:
             total += p
         return total
 
+    def step_seconds(self, batch_size: int, k: int) -> float:
+        """Predicted seconds of a whole decode step: the profiled forwards times the learned ratio."""
+        bucket = self.costs.bucket(batch_size)
+        ratio = self.cost_ratio.get((bucket, k), self.cost_ratio.get((bucket, 0), 1.0))
+        return self.costs.step_seconds(batch_size, k) * ratio
+
     def choose(self, batch_size: int) -> int:
         if self.mode != "adaptive" or batch_size == 0:
             return self.max_k
-        rate = {k: self.expected_tokens(k) / self.costs.step_seconds(batch_size, k) for k in range(self.max_k + 1)}
+        rate = {k: self.expected_tokens(k) / self.step_seconds(batch_size, k) for k in range(self.max_k + 1)}
         best = max(rate, key=rate.get)
         return best if rate[best] >= self.MIN_GAIN * rate[0] else 0
 
 
 class Scheduler:
+    MTP_IDLE_LIMIT = 8  # decode steps in a row without drafts after which adaptive speculation drops a sequence
+
     def __init__(self, config: SchedulerConfig, cache: KVCache, policy: DraftPolicy):
         self.config, self.cache, self.policy = config, cache, policy
         self.waiting: deque[Sequence] = deque()
@@ -163,7 +185,7 @@ class Scheduler:
     def schedule(self) -> list[Scheduled]:
         budget = self.config.max_num_tokens
         decodes = [s for s in self.running if not s.in_prefill]
-        k = self.policy.choose(len(decodes))
+        k = self.policy.choose(len(decodes)) if any(s.can_draft for s in decodes) else 0
         if self.policy.mode == "adaptive" and decodes:
             k = min(k, self._draft_room(len(decodes), budget))
         self.last_k = k
@@ -214,8 +236,14 @@ class Scheduler:
         return plan
 
     def after_step(self, results: list[StepResult]) -> None:
-        """Give back blocks past what each sequence needs (rejected drafts), learn acceptance."""
+        """Give back blocks past what each sequence needs (rejected drafts), learn acceptance; under
+        adaptive speculation, drop drafting for sequences that went MTP_IDLE_LIMIT steps without it."""
         for r in results:
-            if r.seq.status is Status.RUNNING:
-                self.cache.shrink(r.seq.block_table, r.seq.num_tokens)
+            seq = r.seq
+            if seq.status is Status.RUNNING:
+                self.cache.shrink(seq.block_table, seq.num_tokens)
+            if r.new_token_ids and self.policy.mode == "adaptive" and not seq.mtp_dropped:
+                seq.mtp_idle_steps = 0 if r.num_drafts else seq.mtp_idle_steps + 1
+                if seq.mtp_idle_steps > self.MTP_IDLE_LIMIT:
+                    seq.drop_mtp()
         self.policy.observe(results)

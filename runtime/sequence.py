@@ -36,6 +36,8 @@ class Sequence:
     num_cached: int = 0
     num_mtp: int = 0
     pending_hidden: list[Tensor] = field(default_factory=list)
+    mtp_idle_steps: int = 0  # decode steps in a row without drafts
+    mtp_dropped: bool = False  # adaptive speculation gave up drafting for it: no MTP inputs kept
     in_thinking: bool = False
     admitted_at: int = -1  # admission order of its last admission (preemption takes the latest)
 
@@ -60,6 +62,11 @@ class Sequence:
     def can_draft(self) -> bool:
         """Drafting needs the MTP output at position num_tokens - 2, i.e. pending hidden states."""
         return not self.in_prefill and bool(self.pending_hidden)
+
+    def drop_mtp(self) -> None:
+        """Never draft again: keeping MTP inputs costs every step, and catching the MTP cache up over
+        a long backlog costs more than the drafts it would bring."""
+        self.mtp_dropped, self.pending_hidden = True, []
 
     def reset_for_recompute(self) -> None:
         """After preemption: the cache is gone, the tokens stay; prefill recomputes them."""

@@ -155,7 +155,7 @@ class ModelRunner:
             s = it.seq
             emitted, accepted = results.get(i, ([], 0))
             trusted = accepted + 1 if emitted else it.num_new  # positions whose target KV is now valid
-            if self.keep_mtp_inputs:  # a copy: a view would keep the whole step's hidden states alive
+            if self.keep_mtp_inputs and not s.mtp_dropped:  # a copy: a view would keep the step's hidden alive
                 s.pending_hidden.append(hidden[offset : offset + trusted].clone())
             offset += it.num_new
             s.num_cached += trusted

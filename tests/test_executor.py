@@ -19,7 +19,7 @@ import pytest
 from runtime.engine import load_engine
 from runtime.executor import Executor, ExecutorConfig, RequestOutput
 from runtime.sampling import SamplingParams
-from runtime.scheduler import DraftPolicy, StepCosts
+from runtime.scheduler import DraftPolicy, Scheduler, StepCosts
 from runtime.worker import StepResult
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -91,9 +91,11 @@ def test_batched_staggered_equals_alone(engine, prompts, alone, speculation, k, 
     """Mixed prompt lengths and max_tokens, arriving in three waves while others decode, plus a
     sampled request in the batch: every greedy output equals the prompt decoded alone."""
     # adaptive: a batch limit of 4 keeps start-up profiling short (and makes later waves queue); any
-    # predicted gain drafts, so that a noisy profile of the tiny model cannot turn speculation off here
+    # predicted gain drafts and no sequence is given up, so that a noisy profile of the tiny model cannot
+    # turn speculation off here
     limit = 4 if speculation == "adaptive" else None
     monkeypatch.setattr(DraftPolicy, "MIN_GAIN", 1.0)
+    monkeypatch.setattr(Scheduler, "MTP_IDLE_LIMIT", 10**6)
     with Executor(engine, ExecutorConfig(num_draft_tokens=k, speculation=speculation, max_batch_size=limit)) as ex:
         greedy = lambda n: SamplingParams(max_tokens=n, ignore_eos=True)  # noqa: E731
         handles = {}
@@ -710,3 +712,48 @@ def test_draft_policy_prefers_short_drafts_when_deep_drafts_fail() -> None:
     assert policy.acceptance == pytest.approx(0.8, abs=0.1)
     assert policy.acceptance_by_depth[1] < 0.05  # depths 3 and 4 are never reached
     assert policy.choose(1) == 1
+
+
+def test_draft_policy_learns_whole_step_costs() -> None:
+    """The profiled forwards predict k=1 at 1.23x plain; whole steps show drafting costs 40% more than
+    profiled (the runner's own work) while plain steps cost what was profiled: drafting stops. A k not
+    yet run borrows k=0's ratio, and ratios are kept per profiled batch size."""
+    policy = DraftPolicy("adaptive", 1, costs(target_per_token=0.2, target_fixed=0.8, mtp=0.1), prior_acceptance=0.6)
+    assert policy.choose(1) == 1
+    policy.observe_step(1, 0, 1.0 * policy.costs.step_seconds(1, 0))
+    assert policy.step_seconds(1, 1) == pytest.approx(policy.costs.step_seconds(1, 1))  # borrowed ratio 1.0
+    assert policy.choose(1) == 1
+    for _ in range(50):
+        policy.observe_step(1, 1, 1.4 * policy.costs.step_seconds(1, 1))
+    assert policy.cost_ratio[(1, 1)] == pytest.approx(1.4)
+    assert policy.choose(1) == 0
+    assert policy.choose(2) == 1  # nothing learned at batch size 2
+    policy.observe_step(3, 0, 2.0 * policy.costs.step_seconds(3, 0))  # 3 belongs to the profiled size 4
+    assert policy.cost_ratio[(4, 0)] == pytest.approx(2.0) and policy.choose(4) == 1  # k=1 borrows 2.0 too
+
+
+def test_adaptive_gives_up_drafting_for_sequences_that_went_idle(engine) -> None:
+    """Under adaptive speculation a sequence that decoded MTP_IDLE_LIMIT steps in a row without drafts
+    stops keeping MTP inputs and never drafts again; a fixed k keeps them."""
+    import torch
+
+    from runtime.kv_cache import KVCache
+    from runtime.scheduler import SchedulerConfig
+    from runtime.sequence import Sequence, Status
+
+    for mode in ("adaptive", "fixed"):
+        policy = DraftPolicy(mode, 2, costs(target_per_token=1.0, target_fixed=0.0, mtp=0.3))  # drafting never pays
+        cache = KVCache(engine.model_config, num_blocks=16, block_size=4)
+        sched = Scheduler(SchedulerConfig(max_batch_size=8, max_num_tokens=64, max_seq_len=64), cache, policy)
+        seq = Sequence("r", list(range(8)), 4, SamplingParams(max_tokens=32), seed=0, status=Status.RUNNING,
+                       block_table=cache.allocator.allocate(2), num_cached=7, num_mtp=6,
+                       pending_hidden=[torch.zeros(1, engine.model_config.hidden_size)], admitted_at=1)
+        sched.running.append(seq)
+        for step in range(Scheduler.MTP_IDLE_LIMIT + 1):
+            assert seq.can_draft and not seq.mtp_dropped
+            sched.after_step([StepResult(seq, [1], num_drafts=0, num_accepted=0)])
+        if mode == "adaptive":
+            assert seq.mtp_dropped and seq.pending_hidden == [] and not seq.can_draft
+            assert [it.num_drafts for it in sched.schedule()] == [0]
+        else:
+            assert not seq.mtp_dropped and seq.can_draft
