@@ -27,7 +27,7 @@ from runtime import kernels
 from runtime.checkpoint import SCALE_SUFFIX, CheckpointError, HFCheckpoint  # FP8: `<name>` + `<name>_scale_inv`
 from runtime.config import ConfigError, ModelConfig
 from runtime.fp8 import dequantize_block_fp8, dequantize_tensor_fp8
-from runtime.model import MLA, MLP, DecoderLayer, DeepseekV3ForCausalLM, MoE, PackedLinear, RMSNorm, rope_inv_freq
+from runtime.model import MLA, MLP, DecoderLayer, DeepseekV3ForCausalLM, MoE, MTPLayer, PackedLinear, RMSNorm, rope_inv_freq
 from runtime.weights import WeightsError, load_weights
 
 log = logging.getLogger(__name__)
@@ -345,9 +345,23 @@ def use_cpu_kernels(model: DeepseekV3ForCausalLM) -> int:
     layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
     for layer in layers:
         layer.fused = _fused_layer(layer)
-    log.info("CPU kernels: %d of %d decoder layers run as one call each", sum(la.fused is not None for la in layers),
-             len(layers))
+    for mtp in model.mtp:
+        mtp.fused = _fused_mtp(mtp)
+    log.info("CPU kernels: %d of %d decoder layers and %d of %d MTP modules run as one call each",
+             sum(la.fused is not None for la in layers), len(layers), sum(m.fused is not None for m in model.mtp),
+             len(model.mtp))
     return packed
+
+
+def _fused_mtp(mtp: MTPLayer) -> object | None:
+    """The MTP module's weights gathered for `kernels.mtp_layer`, or None where a part is not on the kernels."""
+    eh, head = mtp.eh_proj, mtp.shared_head.head
+    if mtp.block.fused is None or not isinstance(eh, PackedLinear) or not isinstance(head, PackedLinear):
+        return None
+    return kernels.cpu_kernels().make_mtp(
+        mtp.embed_tokens.weight, mtp.enorm.weight, mtp.hnorm.weight, mtp.shared_head.norm.weight, mtp.enorm.eps,
+        eh.packed.panels, eh.packed.scale, head.packed.panels, head.packed.scale, head.packed.out_features,
+        mtp.block.fused)
 
 
 def _fused_layer(layer: DecoderLayer) -> object | None:

@@ -454,6 +454,7 @@ class MTPLayer(nn.Module):
         self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.block = DecoderLayer(cfg, layer_idx, cache_layer=layer_idx)
         self.shared_head = SharedHead(cfg)
+        self.fused: object | None = None  # the whole module as one CPU kernel call (engine.use_cpu_kernels)
 
     def forward(
         self, next_ids: Tensor, hidden: Tensor, rot: Tensor,
@@ -462,6 +463,9 @@ class MTPLayer(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """Returns (logits for the token after next_ids, hidden after shared_head.norm), at `rows`
         only when given (drafting needs the head at each sequence's last position alone)."""
+        if self.fused is not None and batch is not None and batch.token_seq is not None:
+            return kernels.mtp_layer(self.fused, next_ids, hidden, rot, kv_cache, batch.slot_mapping, batch.positions,
+                                     batch.token_seq, batch.block_tables, batch.block_size, rows)
         x = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(next_ids)), self.hnorm(hidden)], dim=-1))
         h = self.shared_head.norm(self.block(x, rot, batch, kv_cache, mask))
         if rows is not None:

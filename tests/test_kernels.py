@@ -12,7 +12,7 @@ from runtime.config import ModelConfig
 from runtime.engine import load_engine, use_cpu_kernels
 from runtime.fp8 import dequantize_block_fp8, dequantize_tensor_fp8, quantize_block_fp8, quantize_tensor_fp8
 from runtime.kv_cache import KVCache
-from runtime.model import MLA, DecoderLayer, DeepseekV3ForCausalLM, MoE, PackedLinear, PagedBatch
+from runtime.model import MLA, DecoderLayer, DeepseekV3ForCausalLM, MoE, MTPLayer, PackedLinear, PagedBatch
 from tests.conftest import tiny_config_dict
 
 pytestmark = pytest.mark.skipif(kernels.cpu_kernels() is None, reason="CPU kernels need x86-64 with AVX-512")
@@ -249,7 +249,8 @@ def test_attention_kernel_refuses_block_ids_past_the_cache() -> None:
 
 
 def _ragged_step(model, seed: int = 5):
-    """A prefill chunk, two decodes and a verify chunk in one paged step: logits, MTP logits, the cache."""
+    """A prefill chunk, two decodes and a verify chunk in one paged step: logits, MTP logits and hidden
+    states (all rows, and each sequence's last row), the cache."""
     cfg, bs = model.cfg, 16
     gen = torch.Generator().manual_seed(seed)
     starts, lens = [0, 40, 77, 12], [30, 1, 4, 1]
@@ -264,18 +265,20 @@ def _ragged_step(model, seed: int = 5):
     with torch.inference_mode():
         logits = model.logits(model(ids, batch=batch, kv_cache=cache.tensor))
         mtp_logits, mtp_hidden = model.mtp_forward(0, ids, hidden, batch=batch, kv_cache=cache.tensor)
-    return logits, mtp_logits, mtp_hidden, cache.tensor
+        last_logits, _ = model.mtp_forward(0, ids, hidden, batch=batch, kv_cache=cache.tensor, rows=batch.last_index)
+    return logits, mtp_logits, mtp_hidden, last_logits, cache.tensor
 
 
 def test_whole_layer_call_equals_the_kernels_one_by_one(shipped_model_dir) -> None:
-    """`kernels.decoder_layer` runs DecoderLayer's kernels in its order: the dense first layer, the MoE layers
-    and the MTP block give bit for bit what the layer-by-layer calls give, cache writes included."""
+    """`kernels.decoder_layer` and `kernels.mtp_layer` run DecoderLayer's and MTPLayer's kernels in their
+    order: the dense first layer, the MoE layers and the MTP module give bit for bit what the calls one by
+    one give, cache writes included."""
     model = load_engine(shipped_model_dir).model
-    layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
-    assert len(layers) == model.num_cache_layers and all(layer.fused is not None for layer in layers)
+    fusable = [m for m in model.modules() if isinstance(m, (DecoderLayer, MTPLayer))]
+    assert len(fusable) == model.num_cache_layers + len(model.mtp) and all(m.fused is not None for m in fusable)
     fused = _ragged_step(model)
-    for layer in layers:
-        layer.fused = None
+    for m in fusable:
+        m.fused = None
     one_by_one = _ragged_step(model)
     for a, b in zip(fused, one_by_one):
         assert torch.equal(a, b)
@@ -286,7 +289,8 @@ def test_layers_the_whole_layer_call_cannot_run_stay_on_the_kernels_one_by_one(t
     path = tiny_checkpoint("noqlora", tiny_config_dict(hidden_size=64, moe_intermediate_size=32, kv_lora_rank=32,
                                                        qk_rope_head_dim=16, v_head_dim=16, q_lora_rank=None), fp8=True)
     fast, plain = (load_engine(path, cpu_kernels=k).model for k in (True, False))
-    assert fast.kernel_attention and all(m.fused is None for m in fast.modules() if isinstance(m, DecoderLayer))
+    assert fast.kernel_attention
+    assert all(m.fused is None for m in fast.modules() if isinstance(m, (DecoderLayer, MTPLayer)))
     for a, b in zip(_ragged_step(fast), _ragged_step(plain)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 

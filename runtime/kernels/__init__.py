@@ -176,3 +176,12 @@ def decoder_layer(layer: object, x: Tensor, rot: Tensor, kv_cache: Tensor, slot_
     between (on a small model it took as long as the kernels). rot: complex [T, rope/2]."""
     return cpu_kernels().decoder_layer(layer, x.contiguous(), torch.view_as_real(rot.contiguous()), kv_cache, slot_mapping,
                                        positions, token_seq, block_tables, block_size)
+
+
+def mtp_layer(mtp: object, ids: Tensor, hidden: Tensor, rot: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
+              positions: Tensor, token_seq: Tensor, block_tables: Tensor, block_size: int,
+              rows: Tensor | None) -> tuple[Tensor, Tensor]:
+    """A whole MTP module (`mtp` from `make_mtp`) in one call, bit for bit MTPLayer's kernels one by one:
+    (logits, hidden after shared_head.norm), at `rows` only when given."""
+    return cpu_kernels().mtp_layer(mtp, ids, hidden, torch.view_as_real(rot.contiguous()), kv_cache, slot_mapping,
+                                   positions, token_seq, block_tables, block_size, rows)

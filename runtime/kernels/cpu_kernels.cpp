@@ -8,7 +8,7 @@
 // mla_prepare  absorbed-MLA queries of new tokens; their latents normalized, roped, written to the cache.
 // mla_attention absorbed MLA over the paged latent cache, read in place through the block tables.
 // rms_norm     RMSNorm of rows.
-// decoder_layer all of the above for one decoder layer, in one call.
+// decoder_layer all of the above for one decoder layer, in one call; mtp_layer the same for an MTP module.
 //
 // Every output row is computed with the same arithmetic in the same order whatever the other rows
 // of the batch are, so a request's result does not depend on what it is batched with.
@@ -798,6 +798,38 @@ Layer make_layer(int64_t cache_layer, torch::Tensor input_norm, torch::Tensor q_
   return L;
 }
 
+// An MTP module's weights for `mtp_layer`: h' = eh_proj([enorm(embed(t)); hnorm(h)]) -> decoder layer ->
+// shared_head.norm, then the head.
+struct Mtp {
+  torch::Tensor embed, enorm, hnorm, head_norm;
+  double eps;
+  Linear eh_proj, head;
+  Layer block;
+};
+
+Mtp make_mtp(torch::Tensor embed, torch::Tensor enorm, torch::Tensor hnorm, torch::Tensor head_norm, double eps,
+             torch::Tensor eh_panels, torch::Tensor eh_scale, torch::Tensor head_panels, torch::Tensor head_scale,
+             int64_t vocab, Layer block) {
+  check(embed.dim() == 2 && embed.scalar_type() == torch::kFloat, "embedding [vocab, H] float32");
+  const int64_t H = embed.size(1);
+  return {embed, enorm, hnorm, head_norm, eps, {eh_panels, eh_scale, H}, {head_panels, head_scale, vocab}, block};
+}
+
+// (logits, hidden after shared_head.norm) of the MTP module, at `rows` only when given, exactly as
+// MTPLayer.forward computes them with the kernels one by one.
+std::tuple<torch::Tensor, torch::Tensor> mtp_layer(const Mtp& M, const torch::Tensor& ids, const torch::Tensor& hidden,
+                                                   const torch::Tensor& rot, const torch::Tensor& kv_cache,
+                                                   const torch::Tensor& slots, const torch::Tensor& positions,
+                                                   const torch::Tensor& seq, const torch::Tensor& tables, int64_t block_size,
+                                                   const std::optional<torch::Tensor>& rows) {
+  const torch::Tensor e = rms_norm(at::embedding(M.embed, ids), M.enorm, M.eps);
+  const torch::Tensor x = M.eh_proj(at::cat({e, rms_norm(hidden.contiguous(), M.hnorm, M.eps)}, -1));
+  torch::Tensor h = rms_norm(decoder_layer(M.block, x, rot, kv_cache, slots, positions, seq, tables, block_size),
+                             M.head_norm, M.eps);
+  if (rows.has_value()) h = h.index({*rows});
+  return {M.head(h), h};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The kernels touch no Python object: other threads (request intake, streaming) run meanwhile, as with ATen ops.
   const auto nogil = py::call_guard<py::gil_scoped_release>();
@@ -809,4 +841,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Layer>(m, "Layer", "one decoder layer's kernel weights (see make_layer)");
   m.def("make_layer", &make_layer, "gather one decoder layer's weights for decoder_layer");
   m.def("decoder_layer", &decoder_layer, "one decoder layer: attention and MoE or MLP, with the kernels above", nogil);
+  py::class_<Mtp>(m, "Mtp", "an MTP module's kernel weights (see make_mtp)");
+  m.def("make_mtp", &make_mtp, "gather an MTP module's weights for mtp_layer");
+  m.def("mtp_layer", &mtp_layer, "an MTP module: embedding, norms, eh_proj, decoder layer, shared head", nogil);
 }
