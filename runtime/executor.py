@@ -240,7 +240,7 @@ class Executor:
             for r in results:
                 if r.new_token_ids and r.seq.request_id in self._requests:
                     self._process(r, now)
-            if decode_only:
+            if decode_only and self.runner.catch_up_rows <= self.policy.max_k + 1:  # not a prompt's MTP catch-up
                 self.policy.observe_step(len(plan), max(it.num_drafts for it in plan), time.perf_counter() - t0)
         self._drain_inbox()  # submitted but never scheduled: cancelled too, never lost
         for rid in list(self._requests):

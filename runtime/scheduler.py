@@ -69,8 +69,9 @@ class DraftPolicy:
     executor runs: for each profiled batch size and k, the ratio of whole decode steps (the
     runner's Python, drafting's catch-up over positions verified since the last draft, the
     outputs) to the profiled forwards is learned; a k not yet run there borrows k = 0's ratio.
-    Drafting needs a predicted gain of at least MIN_GAIN, for what stays unmodelled (the prefill
-    work drafts delay).
+    Steps that catch the MTP cache up over a prompt are left out (a one-off per request, they
+    would price every later step). Drafting needs a predicted gain of at least MIN_GAIN, for what
+    stays unmodelled (those prompt catch-ups, the prefill work drafts delay).
     """
 
     MIN_GAIN = 1.1

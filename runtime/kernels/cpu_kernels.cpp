@@ -106,7 +106,7 @@ class Pool {
     for (;;) {
       const auto until = std::chrono::steady_clock::now() + kSpin;
       while (generation_.load(std::memory_order_acquire) == seen && std::chrono::steady_clock::now() < until)
-        for (int i = 0; i < 64; ++i) _mm_pause();
+        std::this_thread::yield();  // a runnable thread on this core (the server, a client) goes first
       std::unique_lock<std::mutex> lk(m_);
       if (generation_ == seen) {
         ++sleepers_;
