@@ -193,17 +193,23 @@ def test_bf16_linear_matches_and_refuses_other_values() -> None:
     assert kernels.pack_bf16(torch.randn(30, 20)) is None
 
 
+def _random_paged(cfg, starts: list[int], lens: list[int], gen: torch.Generator, bs: int = 16):
+    """A cache of random latents holding each sequence's `starts` tokens and room for its `lens` new ones,
+    block tables padded to one width, and random token ids for the new tokens."""
+    blocks = [-(-(s + q) // bs) for s, q in zip(starts, lens)]
+    cache = KVCache(cfg, num_blocks=sum(blocks), block_size=bs)
+    cache.tensor.normal_(generator=gen)
+    width = max(blocks)
+    tables = torch.tensor([cache.allocator.allocate(n) + [0] * (width - n) for n in blocks])
+    return cache, tables, torch.randint(cfg.vocab_size, (sum(lens),), generator=gen)
+
+
 def test_shipped_model_logits_with_and_without_kernels(shipped_model_dir) -> None:
     fast, plain = (load_engine(shipped_model_dir, cpu_kernels=k).model for k in (True, False))
     assert fast.kernel_attention
     cfg, bs = fast.cfg, 16
     starts, lens = [0, 100, 37], [50, 1, 4]
-    blocks = [-(-(s + q) // bs) for s, q in zip(starts, lens)]
-    cache = KVCache(cfg, num_blocks=sum(blocks), block_size=bs)
-    cache.tensor.normal_()
-    width = max(blocks)
-    tables = torch.tensor([cache.allocator.allocate(n) + [0] * (width - n) for n in blocks])
-    ids = torch.randint(cfg.vocab_size, (sum(lens),), generator=torch.Generator().manual_seed(0))
+    cache, tables, ids = _random_paged(cfg, starts, lens, torch.Generator().manual_seed(0), bs)
     with torch.inference_mode():
         logits = [m.logits(m(ids, batch=PagedBatch.build(starts, lens, tables, bs, m.kernel_attention),
                              kv_cache=cache.tensor.clone())) for m in (fast, plain)]
@@ -219,12 +225,7 @@ def test_shipped_model_rows_do_not_depend_on_the_batch(shipped_model_dir) -> Non
     cfg, bs = model.cfg, 16
     gen = torch.Generator().manual_seed(3)
     starts, lens = [40, 0, 77, 12], [1, 30, 4, 1]  # sequence 2 is the one watched
-    blocks = [-(-(s + q) // bs) for s, q in zip(starts, lens)]
-    cache = KVCache(cfg, num_blocks=sum(blocks), block_size=bs)
-    cache.tensor.normal_(generator=gen)
-    width = max(blocks)
-    tables = torch.tensor([cache.allocator.allocate(n) + [0] * (width - n) for n in blocks])
-    ids = torch.randint(cfg.vocab_size, (sum(lens),), generator=gen)
+    cache, tables, ids = _random_paged(cfg, starts, lens, gen, bs)
     with torch.inference_mode():
         together = model.logits(model(ids, batch=PagedBatch.build(starts, lens, tables, bs, True), kv_cache=cache.tensor.clone()))
         mine = slice(sum(lens[:2]), sum(lens[:3]))
@@ -254,12 +255,7 @@ def _ragged_step(model, seed: int = 5):
     cfg, bs = model.cfg, 16
     gen = torch.Generator().manual_seed(seed)
     starts, lens = [0, 40, 77, 12], [30, 1, 4, 1]
-    blocks = [-(-(s + q) // bs) for s, q in zip(starts, lens)]
-    cache = KVCache(cfg, num_blocks=sum(blocks), block_size=bs)
-    cache.tensor.normal_(generator=gen)
-    width = max(blocks)
-    tables = torch.tensor([cache.allocator.allocate(n) + [0] * (width - n) for n in blocks])
-    ids = torch.randint(cfg.vocab_size, (sum(lens),), generator=gen)
+    cache, tables, ids = _random_paged(cfg, starts, lens, gen, bs)
     hidden = torch.randn(sum(lens), cfg.hidden_size, generator=gen)
     batch = PagedBatch.build(starts, lens, tables, bs, model.kernel_attention)
     with torch.inference_mode():
