@@ -314,8 +314,10 @@ def use_cpu_kernels(model: DeepseekV3ForCausalLM) -> int:
     if cfg.hidden_size % kernels.PANEL == cfg.moe_intermediate_size % kernels.PANEL == 0 and \
             cfg.n_shared_experts > 0 and cfg.n_routed_experts <= kernels.MAX_EXPERTS and cfg.n_group <= kernels.MAX_GROUPS:
         for moe in [m for m in model.modules() if isinstance(m, MoE) and m.packed is None]:
-            routed = [kernels.pack_fp8(w.data) for w in (moe.experts.gate_proj, moe.experts.up_proj, moe.experts.down_proj)]
             mlp = moe.shared_experts
+            if not all(isinstance(lin, torch.nn.Linear) for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+                continue  # an earlier call left these experts unpacked and packed the shared expert alone
+            routed = [kernels.pack_fp8(w.data) for w in (moe.experts.gate_proj, moe.experts.up_proj, moe.experts.down_proj)]
             shared = [kernels.pack_fp8(lin.weight.data) for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
             if all(w is not None for w in routed + shared):
                 moe.packed = kernels.PackedMoE(tuple(routed), tuple(shared))

@@ -240,8 +240,9 @@ class Executor:
             for r in results:
                 if r.new_token_ids and r.seq.request_id in self._requests:
                     self._process(r, now)
-            if decode_only and self.runner.catch_up_rows <= self.policy.max_k + 1:  # not a prompt's MTP catch-up
-                self.policy.observe_step(len(plan), max(it.num_drafts for it in plan), time.perf_counter() - t0)
+            ks = {it.num_drafts for it in plan}  # observed only when every sequence drafted the same k
+            if decode_only and len(ks) == 1 and self.runner.catch_up_rows <= self.policy.max_k + 1:  # no prompt catch-up
+                self.policy.observe_step(len(plan), ks.pop(), time.perf_counter() - t0)
         self._drain_inbox()  # submitted but never scheduled: cancelled too, never lost
         for rid in list(self._requests):
             self._finish(rid, "cancelled")

@@ -414,6 +414,12 @@ class MoE(nn.Module):
 # ---------------------------------------------------------------------------------------------
 # Decoder, model, MTP
 # ---------------------------------------------------------------------------------------------
+def _state_without_fused(module: nn.Module) -> dict:
+    """Copies and pickles leave the fused kernel call behind: it holds the original's tensors
+    (engine.use_cpu_kernels makes a copy its own)."""
+    return {**module.__dict__, "fused": None}
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, cache_layer: int):
         super().__init__()
@@ -422,6 +428,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
         self.fused: object | None = None  # the whole layer as one CPU kernel call (engine.use_cpu_kernels)
+
+    __getstate__ = _state_without_fused
 
     def forward(self, x: Tensor, rot: Tensor, batch: PagedBatch | None, kv_cache: Tensor | None,
                 mask: Tensor | None = None) -> Tensor:
@@ -455,6 +463,8 @@ class MTPLayer(nn.Module):
         self.block = DecoderLayer(cfg, layer_idx, cache_layer=layer_idx)
         self.shared_head = SharedHead(cfg)
         self.fused: object | None = None  # the whole module as one CPU kernel call (engine.use_cpu_kernels)
+
+    __getstate__ = _state_without_fused
 
     def forward(
         self, next_ids: Tensor, hidden: Tensor, rot: Tensor,

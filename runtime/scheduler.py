@@ -70,11 +70,16 @@ class DraftPolicy:
     runner's Python, drafting's catch-up over positions verified since the last draft, the
     outputs) to the profiled forwards is learned; a k not yet run there borrows k = 0's ratio.
     Steps that catch the MTP cache up over a prompt are left out (a one-off per request, they
-    would price every later step). Drafting needs a predicted gain of at least MIN_GAIN, for what
-    stays unmodelled (those prompt catch-ups, the prefill work drafts delay).
+    would price every later step), and so are steps in which not every sequence drafted k. A ratio
+    starts from k = 0's and moves by smoothing, one step's sample clipped to within 2x of it, so a
+    single slow step cannot price a k out. Drafting needs a predicted gain of at least MIN_GAIN, for
+    what stays unmodelled (those prompt catch-ups, the prefill work drafts delay). After EXPLORE_EVERY
+    steps in a row of k = 0 at a batch size, one step drafts the best k, so costs and acceptance
+    learned under other conditions are measured again.
     """
 
     MIN_GAIN = 1.1
+    EXPLORE_EVERY = 100
 
     def __init__(self, mode: str, max_k: int, costs: StepCosts | None = None, prior_acceptance: float = 0.7,
                  smoothing: float = 0.05, cost_smoothing: float = 0.1):
@@ -86,6 +91,7 @@ class DraftPolicy:
         self.acceptance_by_depth = [prior_acceptance] * max(max_k, 1)  # smoothed conditional rates
         self.smoothing, self.cost_smoothing = smoothing, cost_smoothing
         self.cost_ratio: dict[tuple[int, int], float] = {}  # (profiled batch size, k) -> whole step / profiled
+        self.idle: dict[int, int] = {}  # profiled batch size -> steps in a row it chose k = 0
 
     @property
     def acceptance(self) -> float:
@@ -108,10 +114,14 @@ class DraftPolicy:
         """A whole decode step (no prefill in it) of batch_size sequences at draft length k took `seconds`."""
         if self.mode != "adaptive" or batch_size == 0:
             return
-        key = (self.costs.bucket(batch_size), k)
+        bucket = self.costs.bucket(batch_size)
         ratio = seconds / self.costs.step_seconds(batch_size, k)
-        old = self.cost_ratio.get(key)
-        self.cost_ratio[key] = ratio if old is None else old + self.cost_smoothing * (ratio - old)
+        old = self.cost_ratio.get((bucket, k)) or self.cost_ratio.get((bucket, 0))
+        if old is None:
+            self.cost_ratio[(bucket, k)] = ratio
+        else:
+            ratio = min(max(ratio, old / 2), old * 2)
+            self.cost_ratio[(bucket, k)] = old + self.cost_smoothing * (ratio - old)
 
     def expected_tokens(self, k: int) -> float:
         """1 + sum over depths j <= k of P(drafts 1..j all accepted)."""
@@ -127,16 +137,27 @@ class DraftPolicy:
         ratio = self.cost_ratio.get((bucket, k), self.cost_ratio.get((bucket, 0), 1.0))
         return self.costs.step_seconds(batch_size, k) * ratio
 
-    def choose(self, batch_size: int) -> int:
+    def choose(self, batch_size: int, drafters: int | None = None) -> int:
+        """k for a step of batch_size decodes, `drafters` of which can draft (default: all)."""
         if self.mode != "adaptive" or batch_size == 0:
             return self.max_k
-        rate = {k: self.expected_tokens(k) / self.step_seconds(batch_size, k) for k in range(self.max_k + 1)}
+        drafters = batch_size if drafters is None else drafters
+        rate = {k: (batch_size + drafters * (self.expected_tokens(k) - 1)) / self.step_seconds(batch_size, k)
+                for k in range(self.max_k + 1)}
         best = max(rate, key=rate.get)
-        return best if rate[best] >= self.MIN_GAIN * rate[0] else 0
+        bucket = self.costs.bucket(batch_size)
+        if rate[best] >= self.MIN_GAIN * rate[0]:
+            self.idle[bucket] = 0
+            return best
+        self.idle[bucket] = self.idle.get(bucket, 0) + 1
+        if self.idle[bucket] >= self.EXPLORE_EVERY and self.max_k:
+            self.idle[bucket] = 0
+            return max(range(1, self.max_k + 1), key=rate.get)
+        return 0
 
 
 class Scheduler:
-    MTP_IDLE_LIMIT = 8  # decode steps in a row without drafts after which adaptive speculation drops a sequence
+    MTP_IDLE_LIMIT = 8  # decode steps in a row for which adaptive speculation chose k = 0 before it drops a sequence
 
     def __init__(self, config: SchedulerConfig, cache: KVCache, policy: DraftPolicy):
         self.config, self.cache, self.policy = config, cache, policy
@@ -144,6 +165,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.admissions = 0  # admission counter: preemption takes the latest admitted
         self.last_k = 0
+        self.policy_k = 0  # the policy's own choice in the last step (before the token budget's limit)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -186,7 +208,8 @@ class Scheduler:
     def schedule(self) -> list[Scheduled]:
         budget = self.config.max_num_tokens
         decodes = [s for s in self.running if not s.in_prefill]
-        k = self.policy.choose(len(decodes)) if any(s.can_draft for s in decodes) else 0
+        drafters = sum(s.can_draft for s in decodes)
+        k = self.policy_k = self.policy.choose(len(decodes), drafters) if drafters else 0
         if self.policy.mode == "adaptive" and decodes:
             k = min(k, self._draft_room(len(decodes), budget))
         self.last_k = k
@@ -238,13 +261,14 @@ class Scheduler:
 
     def after_step(self, results: list[StepResult]) -> None:
         """Give back blocks past what each sequence needs (rejected drafts), learn acceptance; under
-        adaptive speculation, drop drafting for sequences that went MTP_IDLE_LIMIT steps without it."""
+        adaptive speculation, drop drafting for sequences that decoded MTP_IDLE_LIMIT steps in a row
+        for which the policy chose k = 0 (not steps the token budget, the cache or max_tokens cut)."""
         for r in results:
             seq = r.seq
             if seq.status is Status.RUNNING:
                 self.cache.shrink(seq.block_table, seq.num_tokens)
             if r.new_token_ids and self.policy.mode == "adaptive" and not seq.mtp_dropped:
-                seq.mtp_idle_steps = 0 if r.num_drafts else seq.mtp_idle_steps + 1
-                if seq.mtp_idle_steps > self.MTP_IDLE_LIMIT:
+                seq.mtp_idle_steps = seq.mtp_idle_steps + 1 if self.policy_k == 0 else 0
+                if seq.mtp_idle_steps >= self.MTP_IDLE_LIMIT:
                     seq.drop_mtp()
         self.policy.observe(results)

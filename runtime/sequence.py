@@ -36,7 +36,7 @@ class Sequence:
     num_cached: int = 0
     num_mtp: int = 0
     pending_hidden: list[Tensor] = field(default_factory=list)
-    mtp_idle_steps: int = 0  # decode steps in a row without drafts
+    mtp_idle_steps: int = 0  # decode steps in a row for which adaptive speculation chose k = 0
     mtp_dropped: bool = False  # adaptive speculation gave up drafting for it: no MTP inputs kept
     in_thinking: bool = False
     admitted_at: int = -1  # admission order of its last admission (preemption takes the latest)
@@ -71,6 +71,6 @@ class Sequence:
     def reset_for_recompute(self) -> None:
         """After preemption: the cache is gone, the tokens stay; prefill recomputes them."""
         self.block_table = []
-        self.num_cached = self.num_mtp = 0
+        self.num_cached = self.num_mtp = self.mtp_idle_steps = 0
         self.pending_hidden = []
         self.status = Status.WAITING

@@ -20,5 +20,5 @@ wait
 run load_test scripts/load_test.py --max_output_tokens 64 --modes plain,adaptive
 run triton scripts/benchmark_triton.py
 run speculative scripts/benchmark_speculative.py
-run serving scripts/benchmark_serving.py --num_requests 8 --qps_requests 12 --min_tokens 48 --max_tokens 96
+run serving scripts/benchmark_serving.py --num_requests 8 --requests_per_client 8 --qps_requests 24 --min_tokens 48 --max_tokens 96
 ls docs/benchmarks

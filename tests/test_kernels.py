@@ -351,3 +351,36 @@ def test_kernels_called_from_two_threads_at_once_give_the_same_bits() -> None:
     for t in workers:
         t.join()
     assert errors == []
+
+
+def test_a_forked_child_runs_the_kernels_on_its_own_pool() -> None:
+    """The parent's pool workers do not exist in a forked child (and a lock one held would stay held):
+    the child starts its own pool and gets the parent's bits."""
+    import os
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        w = kernels.pack_fp8(fp8_weight(4096, 256))
+        x = torch.randn(8, 256)
+        want = kernels.packed_linear(x, w)  # the parent's pool has run a job
+        pid = os.fork()
+        if pid == 0:  # the child: exit status 0 when the bits match
+            os._exit(0 if all(torch.equal(kernels.packed_linear(x, w), want) for _ in range(20)) else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_switching_twice_with_experts_left_unpacked(tiny_checkpoint) -> None:
+    """BF16 experts are not FP8, so their MoE stays on the PyTorch path while its shared expert's linears
+    are packed as BF16; a second switch leaves that MoE alone instead of failing on it."""
+    path = tiny_checkpoint("bf16", tiny_config_dict(hidden_size=64, moe_intermediate_size=32, kv_lora_rank=32,
+                                                    qk_rope_head_dim=16, v_head_dim=16))
+    model = load_engine(path, cpu_kernels=False).model
+    for p in model.parameters():
+        p.data = p.data.bfloat16().float()
+    assert use_cpu_kernels(model) > 0
+    assert all(m.packed is None for m in model.modules() if isinstance(m, MoE))
+    assert use_cpu_kernels(model) == 0

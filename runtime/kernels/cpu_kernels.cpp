@@ -12,7 +12,7 @@
 //
 // Every output row is computed with the same arithmetic in the same order whatever the other rows
 // of the batch are, so a request's result does not depend on what it is batched with.
-// Threads (torch.set_num_threads of them; see Pool) split the work by output columns, tokens and whole experts,
+// Threads (torch.get_num_threads() of them; see Pool) split the work by output columns, tokens and whole experts,
 // never inside a sum, so the bits do not depend on the number of threads either.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -27,6 +27,7 @@
 #include <functional>
 #include <mutex>
 #include <optional>
+#include <pthread.h>
 #include <thread>
 #include <vector>
 
@@ -35,15 +36,25 @@ namespace {
 constexpr int64_t kBlock = 128;  // FP8 scale block (both dims)
 constexpr int64_t kLanes = 16;   // floats per AVX-512 register; weights are packed in panels of 16 rows
 
-// The kernels' threads: torch.get_num_threads() of them, the caller included, in a pool whose workers spin
+// The kernels' threads: torch.get_num_threads() of them as the calling thread sees it (set_num_threads before
+// the executor thread starts), the caller included, in a pool whose workers spin
 // for a while after each job (a decode step's jobs come microseconds apart), then sleep. Not OpenMP: libgomp
 // cuts its spinning to almost nothing once a second thread of the process runs parallel regions (the
 // executor's thread besides the main one), and a futex wake per region costs as much as a small kernel.
 // One job at a time; a nested call, or one made while another thread's job runs, runs on its caller alone.
 class Pool {
  public:
+  // Never destroyed: its sleeping workers just end with the process. A forked child starts a new one (the
+  // parent's workers do not exist there, and a lock one of them held would stay held).
   static Pool& get() {
-    static Pool* pool = new Pool();  // never destroyed: its sleeping workers just end with the process
+    static std::once_flag once;
+    std::call_once(once, [] { pthread_atfork(nullptr, nullptr, [] { instance().store(nullptr); }); });
+    Pool* pool = instance().load();
+    if (pool == nullptr) {
+      Pool* fresh = new Pool();
+      if (instance().compare_exchange_strong(pool, fresh)) return *fresh;
+      delete fresh;  // another thread made one first (no worker was started yet)
+    }
     return *pool;
   }
 
@@ -84,6 +95,11 @@ class Pool {
 
  private:
   static constexpr auto kSpin = std::chrono::microseconds(500);
+
+  static std::atomic<Pool*>& instance() {
+    static std::atomic<Pool*> pool{nullptr};
+    return pool;
+  }
 
   void drain() {
     for (;;) {
