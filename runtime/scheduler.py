@@ -71,15 +71,16 @@ class DraftPolicy:
     outputs) to the profiled forwards is learned; a k not yet run there borrows k = 0's ratio.
     Steps that catch the MTP cache up over a prompt are left out (a one-off per request, they
     would price every later step), and so are steps in which not every sequence drafted k. A ratio
-    starts from k = 0's and moves by smoothing, one step's sample clipped to within 2x of it, so a
-    single slow step cannot price a k out. Drafting needs a predicted gain of at least MIN_GAIN, for
-    what stays unmodelled (those prompt catch-ups, the prefill work drafts delay). After EXPLORE_EVERY
-    steps in a row of k = 0 at a batch size, one step drafts the best k, so costs and acceptance
-    learned under other conditions are measured again.
+    starts from k = 0's (from 1, the profile, for k = 0 itself) and moves by smoothing, one step's
+    sample clipped to within 2x of it: an optimistic start that a single slow step cannot turn into
+    a k priced out for good. Drafting needs a predicted gain of at least MIN_GAIN, for what stays
+    unmodelled (those prompt catch-ups, the prefill work drafts delay). Every EXPLORE_EVERY-th step
+    at a batch size runs the next k in turn instead of the chosen one, so the costs and acceptance
+    of draft lengths not chosen lately are measured again.
     """
 
     MIN_GAIN = 1.1
-    EXPLORE_EVERY = 100
+    EXPLORE_EVERY = 64
 
     def __init__(self, mode: str, max_k: int, costs: StepCosts | None = None, prior_acceptance: float = 0.7,
                  smoothing: float = 0.05, cost_smoothing: float = 0.1):
@@ -91,7 +92,7 @@ class DraftPolicy:
         self.acceptance_by_depth = [prior_acceptance] * max(max_k, 1)  # smoothed conditional rates
         self.smoothing, self.cost_smoothing = smoothing, cost_smoothing
         self.cost_ratio: dict[tuple[int, int], float] = {}  # (profiled batch size, k) -> whole step / profiled
-        self.idle: dict[int, int] = {}  # profiled batch size -> steps in a row it chose k = 0
+        self.decisions: dict[int, int] = {}  # profiled batch size -> steps decided there
 
     @property
     def acceptance(self) -> float:
@@ -115,13 +116,9 @@ class DraftPolicy:
         if self.mode != "adaptive" or batch_size == 0:
             return
         bucket = self.costs.bucket(batch_size)
-        ratio = seconds / self.costs.step_seconds(batch_size, k)
-        old = self.cost_ratio.get((bucket, k)) or self.cost_ratio.get((bucket, 0))
-        if old is None:
-            self.cost_ratio[(bucket, k)] = ratio
-        else:
-            ratio = min(max(ratio, old / 2), old * 2)
-            self.cost_ratio[(bucket, k)] = old + self.cost_smoothing * (ratio - old)
+        old = self.cost_ratio.get((bucket, k), self.cost_ratio.get((bucket, 0), 1.0))
+        ratio = min(max(seconds / self.costs.step_seconds(batch_size, k), old / 2), old * 2)
+        self.cost_ratio[(bucket, k)] = old + self.cost_smoothing * (ratio - old)
 
     def expected_tokens(self, k: int) -> float:
         """1 + sum over depths j <= k of P(drafts 1..j all accepted)."""
@@ -145,15 +142,12 @@ class DraftPolicy:
         rate = {k: (batch_size + drafters * (self.expected_tokens(k) - 1)) / self.step_seconds(batch_size, k)
                 for k in range(self.max_k + 1)}
         best = max(rate, key=rate.get)
+        choice = best if rate[best] >= self.MIN_GAIN * rate[0] else 0
         bucket = self.costs.bucket(batch_size)
-        if rate[best] >= self.MIN_GAIN * rate[0]:
-            self.idle[bucket] = 0
-            return best
-        self.idle[bucket] = self.idle.get(bucket, 0) + 1
-        if self.idle[bucket] >= self.EXPLORE_EVERY and self.max_k:
-            self.idle[bucket] = 0
-            return max(range(1, self.max_k + 1), key=rate.get)
-        return 0
+        n = self.decisions[bucket] = self.decisions.get(bucket, 0) + 1
+        if self.max_k and n % self.EXPLORE_EVERY == 0:  # explore: the next k in turn after the chosen one
+            return (choice + 1 + (n // self.EXPLORE_EVERY) % self.max_k) % (self.max_k + 1)
+        return choice
 
 
 class Scheduler:

@@ -715,14 +715,14 @@ def test_draft_policy_prefers_short_drafts_when_deep_drafts_fail() -> None:
 
 def test_draft_policy_learns_whole_step_costs() -> None:
     """The profiled forwards predict k=1 at 1.23x plain; whole steps show drafting costs 40% more than
-    profiled (the runner's own work) while plain steps cost what was profiled: drafting stops. A k not
-    yet run borrows k=0's ratio and starts from it; one slow step moves it little; ratios are kept per
-    profiled batch size."""
+    profiled (the runner's own work) while plain steps cost what was profiled: drafting stops. A ratio
+    starts from k=0's (1 for k=0 itself) and moves by smoothing, a single sample clipped to 2x, so one
+    very slow step moves it little; ratios are kept per profiled batch size."""
     policy = DraftPolicy("adaptive", 1, costs(target_per_token=0.2, target_fixed=0.8, mtp=0.1), prior_acceptance=0.6)
     assert policy.choose(1) == 1
     policy.observe_step(1, 0, 1.0 * policy.costs.step_seconds(1, 0))
+    assert policy.cost_ratio[(1, 0)] == pytest.approx(1.0)
     assert policy.step_seconds(1, 1) == pytest.approx(policy.costs.step_seconds(1, 1))  # borrowed ratio 1.0
-    assert policy.choose(1) == 1
     policy.observe_step(1, 1, 10.0 * policy.costs.step_seconds(1, 1))  # one very slow step: clipped to 2x
     assert policy.cost_ratio[(1, 1)] == pytest.approx(1.1) and policy.choose(1) == 1
     for _ in range(60):
@@ -730,8 +730,9 @@ def test_draft_policy_learns_whole_step_costs() -> None:
     assert policy.cost_ratio[(1, 1)] == pytest.approx(1.4, abs=0.01)
     assert policy.choose(1) == 0
     assert policy.choose(2) == 1  # nothing learned at batch size 2
-    policy.observe_step(3, 0, 2.0 * policy.costs.step_seconds(3, 0))  # 3 belongs to the profiled size 4
-    assert policy.cost_ratio[(4, 0)] == pytest.approx(2.0) and policy.choose(4) == 1  # k=1 borrows 2.0 too
+    for _ in range(60):  # 3 belongs to the profiled size 4
+        policy.observe_step(3, 0, 2.0 * policy.costs.step_seconds(3, 0))
+    assert policy.cost_ratio[(4, 0)] == pytest.approx(2.0, abs=0.01) and policy.choose(4) == 1  # k=1 borrows it
 
 
 def scheduler_with_one_decode(engine, policy: DraftPolicy, max_num_tokens: int = 64):
@@ -786,15 +787,17 @@ def test_idle_steps_count_only_when_the_policy_chose_no_drafts(engine) -> None:
     assert not seq.mtp_dropped and seq.mtp_idle_steps == 0
 
 
-def test_draft_policy_explores_after_a_long_run_of_no_drafts() -> None:
-    """Learned costs say drafting loses at batch size 1; every EXPLORE_EVERY-th step still drafts once,
-    so a ratio learned under other conditions is measured again."""
-    policy = DraftPolicy("adaptive", 1, costs(target_per_token=0.2, target_fixed=0.8, mtp=0.1), prior_acceptance=0.6)
-    policy.observe_step(1, 0, policy.costs.step_seconds(1, 0))
-    for _ in range(60):
-        policy.observe_step(1, 1, 1.4 * policy.costs.step_seconds(1, 1))
-    picks = [policy.choose(1) for _ in range(3 * DraftPolicy.EXPLORE_EVERY)]
-    assert sum(picks) == 3 and picks[DraftPolicy.EXPLORE_EVERY - 1] == 1
+def test_draft_policy_explores_the_draft_lengths_it_does_not_choose() -> None:
+    """Learned costs say drafting loses at batch size 1; every EXPLORE_EVERY-th step still runs another
+    k in turn, so costs learned under other conditions are measured again."""
+    policy = DraftPolicy("adaptive", 2, costs(target_per_token=0.2, target_fixed=0.8, mtp=0.1), prior_acceptance=0.6)
+    for k, ratio in ((0, 1.0), (1, 1.6), (2, 1.6)):
+        for _ in range(100):
+            policy.observe_step(1, k, ratio * policy.costs.step_seconds(1, k))
+    n = 4 * DraftPolicy.EXPLORE_EVERY
+    picks = [policy.choose(1) for _ in range(n)]
+    explored = [picks[i] for i in range(DraftPolicy.EXPLORE_EVERY - 1, n, DraftPolicy.EXPLORE_EVERY)]
+    assert sorted(explored) == [1, 1, 2, 2] and sum(picks) == sum(explored)
 
 
 def test_a_copied_model_leaves_the_fused_calls_behind(engine) -> None:
