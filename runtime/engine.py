@@ -303,8 +303,9 @@ def use_cpu_kernels(model: DeepseekV3ForCausalLM) -> int:
     in `kernels.mla_attention` (latent sizes multiples of 16), and every linear weight kept in the form
     the release stores it: exactly 128x128-block FP8 values (stacked experts included) as FP8, a
     quarter of the float32 bytes; other exactly-BF16 weights (heads, eh_proj) as BF16, half. kv_b_proj
-    (read per head by absorbed attention) and the router stay float32; nothing is rounded.
-    Returns how many weights were packed."""
+    (read per head by absorbed attention) and the router stay float32; nothing is rounded. Layers and
+    MTP modules whose parts are all on the kernels then run as one call each (`kernels.decoder_layer`,
+    `kernels.mtp_layer`). Returns how many weights were packed."""
     p = next(model.parameters())
     if p.device.type != "cpu" or p.dtype != torch.float32 or kernels.cpu_kernels() is None:
         return 0
