@@ -305,7 +305,8 @@ def use_cpu_kernels(model: DeepseekV3ForCausalLM) -> int:
     quarter of the float32 bytes; other exactly-BF16 weights (heads, eh_proj) as BF16, half. kv_b_proj
     (read per head by absorbed attention) and the router stay float32; nothing is rounded. Layers and
     MTP modules whose parts are all on the kernels then run as one call each (`kernels.decoder_layer`,
-    `kernels.mtp_layer`). Returns how many weights were packed."""
+    `kernels.mtp_layer`), and the model's layers all in one when each is (`kernels.decoder_layers`).
+    Returns how many weights were packed."""
     p = next(model.parameters())
     if p.device.type != "cpu" or p.dtype != torch.float32 or kernels.cpu_kernels() is None:
         return 0
@@ -348,6 +349,8 @@ def use_cpu_kernels(model: DeepseekV3ForCausalLM) -> int:
     layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
     for layer in layers:
         layer.fused = _fused_layer(layer)
+    fused = [layer.fused for layer in model.model.layers]
+    model.fused = kernels.cpu_kernels().stack_layers(fused) if all(f is not None for f in fused) else None
     for mtp in model.mtp:
         mtp.fused = _fused_mtp(mtp)
     log.info("CPU kernels: %d of %d decoder layers and %d of %d MTP modules run as one call each",

@@ -504,6 +504,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         inv_freq, self.rope_attention_factor = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.kernel_attention = False  # paged attention in runtime.kernels (engine.use_cpu_kernels)
+        self.fused: object | None = None  # all decoder layers as one CPU kernel call (engine.use_cpu_kernels)
+
+    __getstate__ = _state_without_fused
 
     @property
     def num_cache_layers(self) -> int:
@@ -526,8 +529,12 @@ class DeepseekV3ForCausalLM(nn.Module):
             positions = batch.positions if batch is not None else torch.arange(input_ids.shape[-1], device=input_ids.device)
         rot = self.rope(positions)
         x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, rot, batch, kv_cache)
+        if self.fused is not None and batch is not None and batch.token_seq is not None:
+            x = kernels.decoder_layers(self.fused, x, rot, kv_cache, batch.slot_mapping, batch.positions,
+                                       batch.token_seq, batch.block_tables, batch.block_size)
+        else:
+            for layer in self.model.layers:
+                x = layer(x, rot, batch, kv_cache)
         return self.model.norm(x)
 
     def logits(self, hidden: Tensor) -> Tensor:

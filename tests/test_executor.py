@@ -798,27 +798,3 @@ def test_draft_policy_explores_the_draft_lengths_it_does_not_choose() -> None:
     picks = [policy.choose(1) for _ in range(n)]
     explored = [picks[i] for i in range(DraftPolicy.EXPLORE_EVERY - 1, n, DraftPolicy.EXPLORE_EVERY)]
     assert sorted(explored) == [1, 1, 2, 2] and sum(picks) == sum(explored)
-
-
-def test_a_copied_model_leaves_the_fused_calls_behind(engine) -> None:
-    """The fused kernel calls hold the original's tensors: a deep copy (or a pickle) drops them and runs
-    the kernels one by one, with the same result."""
-    import copy
-
-    import torch
-
-    from runtime.engine import load_engine
-    from runtime.model import DecoderLayer, PagedBatch
-    from runtime.kv_cache import KVCache
-
-    model = load_engine(engine.path).model
-    twin = copy.deepcopy(model)
-    assert all(m.fused is None for m in twin.modules() if isinstance(m, DecoderLayer))
-    cfg = model.cfg
-    cache = KVCache(cfg, num_blocks=4, block_size=16)
-    tables = torch.tensor([cache.allocator.allocate(2)])
-    ids = torch.arange(20) % cfg.vocab_size
-    with torch.inference_mode():
-        outs = [m.logits(m(ids, batch=PagedBatch.build([0], [20], tables, 16, m.kernel_attention),
-                           kv_cache=cache.tensor.clone())) for m in (model, twin)]
-    assert torch.equal(outs[0], outs[1])

@@ -266,18 +266,20 @@ def _ragged_step(model, seed: int = 5):
 
 
 def test_whole_layer_call_equals_the_kernels_one_by_one(shipped_model_dir) -> None:
-    """`kernels.decoder_layer` and `kernels.mtp_layer` run DecoderLayer's and MTPLayer's kernels in their
-    order: the dense first layer, the MoE layers and the MTP module give bit for bit what the calls one by
-    one give, cache writes included."""
+    """`kernels.decoder_layers` (all layers in one call), `kernels.decoder_layer` and `kernels.mtp_layer` run
+    DecoderLayer's and MTPLayer's kernels in their order: the dense first layer, the MoE layers and the MTP
+    module give bit for bit what the calls one by one give, cache writes included."""
     model = load_engine(shipped_model_dir).model
-    fusable = [m for m in model.modules() if isinstance(m, (DecoderLayer, MTPLayer))]
-    assert len(fusable) == model.num_cache_layers + len(model.mtp) and all(m.fused is not None for m in fusable)
-    fused = _ragged_step(model)
+    fusable = [m for m in model.modules() if isinstance(m, (DeepseekV3ForCausalLM, DecoderLayer, MTPLayer))]
+    assert len(fusable) == 1 + model.num_cache_layers + len(model.mtp) and all(m.fused is not None for m in fusable)
+    stacked = _ragged_step(model)
+    model.fused = None
+    per_layer = _ragged_step(model)
     for m in fusable:
         m.fused = None
     one_by_one = _ragged_step(model)
-    for a, b in zip(fused, one_by_one):
-        assert torch.equal(a, b)
+    for a, b, c in zip(stacked, per_layer, one_by_one):
+        assert torch.equal(a, b) and torch.equal(b, c)
 
 
 def test_layers_the_whole_layer_call_cannot_run_stay_on_the_kernels_one_by_one(tiny_checkpoint) -> None:
@@ -286,7 +288,7 @@ def test_layers_the_whole_layer_call_cannot_run_stay_on_the_kernels_one_by_one(t
                                                        qk_rope_head_dim=16, v_head_dim=16, q_lora_rank=None), fp8=True)
     fast, plain = (load_engine(path, cpu_kernels=k).model for k in (True, False))
     assert fast.kernel_attention
-    assert all(m.fused is None for m in fast.modules() if isinstance(m, (DecoderLayer, MTPLayer)))
+    assert all(m.fused is None for m in fast.modules() if isinstance(m, (DeepseekV3ForCausalLM, DecoderLayer, MTPLayer)))
     for a, b in zip(_ragged_step(fast), _ragged_step(plain)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
@@ -384,3 +386,17 @@ def test_switching_twice_with_experts_left_unpacked(tiny_checkpoint) -> None:
     assert use_cpu_kernels(model) > 0
     assert all(m.packed is None for m in model.modules() if isinstance(m, MoE))
     assert use_cpu_kernels(model) == 0
+
+
+def test_a_copied_model_leaves_the_fused_calls_behind(shipped_model_dir) -> None:
+    """The fused kernel calls hold the original's tensors: a deep copy (or a pickle) drops them and runs
+    the kernels one by one, with the same bits."""
+    import copy
+
+    model = load_engine(shipped_model_dir).model
+    twin = copy.deepcopy(model)
+    fusable = (DeepseekV3ForCausalLM, DecoderLayer, MTPLayer)
+    assert all(m.fused is not None for m in model.modules() if isinstance(m, fusable))
+    assert all(m.fused is None for m in twin.modules() if isinstance(m, fusable))
+    for a, b in zip(_ragged_step(model), _ragged_step(twin)):
+        assert torch.equal(a, b)

@@ -178,6 +178,14 @@ def decoder_layer(layer: object, x: Tensor, rot: Tensor, kv_cache: Tensor, slot_
                                        positions, token_seq, block_tables, block_size)
 
 
+def decoder_layers(stack: object, x: Tensor, rot: Tensor, kv_cache: Tensor, slot_mapping: Tensor, positions: Tensor,
+                   token_seq: Tensor, block_tables: Tensor, block_size: int) -> Tensor:
+    """All of a model's decoder layers (`stack` from `stack_layers`) in one call: `decoder_layer` for each in
+    turn, without a Python call per layer."""
+    return cpu_kernels().decoder_layers(stack, x.contiguous(), torch.view_as_real(rot.contiguous()), kv_cache, slot_mapping,
+                                        positions, token_seq, block_tables, block_size)
+
+
 def mtp_layer(mtp: object, ids: Tensor, hidden: Tensor, rot: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
               positions: Tensor, token_seq: Tensor, block_tables: Tensor, block_size: int,
               rows: Tensor | None) -> tuple[Tensor, Tensor]:

@@ -8,7 +8,8 @@
 // mla_prepare  absorbed-MLA queries of new tokens; their latents normalized, roped, written to the cache.
 // mla_attention absorbed MLA over the paged latent cache, read in place through the block tables.
 // rms_norm     RMSNorm of rows.
-// decoder_layer all of the above for one decoder layer, in one call; mtp_layer the same for an MTP module.
+// decoder_layer all of the above for one decoder layer, in one call; decoder_layers for all of a model's;
+//              mtp_layer the same for an MTP module.
 //
 // Every output row is computed with the same arithmetic in the same order whatever the other rows
 // of the batch are, so a request's result does not depend on what it is batched with.
@@ -791,6 +792,19 @@ torch::Tensor decoder_layer(const Layer& L, const torch::Tensor& x, const torch:
   return y + L.mlp[2](at::silu(L.mlp[0](f)) * L.mlp[1](f));
 }
 
+// A model's decoder layers, gathered once, for `decoder_layers`.
+struct LayerStack {
+  std::vector<Layer> layers;
+};
+
+// All the layers in turn in one call: the step's body between the embedding and the final norm.
+torch::Tensor decoder_layers(const LayerStack& stack, torch::Tensor x, const torch::Tensor& rot, const torch::Tensor& kv_cache,
+                             const torch::Tensor& slots, const torch::Tensor& positions, const torch::Tensor& seq,
+                             const torch::Tensor& tables, int64_t block_size) {
+  for (const Layer& L : stack.layers) x = decoder_layer(L, x, rot, kv_cache, slots, positions, seq, tables, block_size);
+  return x;
+}
+
 Layer make_layer(int64_t cache_layer, torch::Tensor input_norm, torch::Tensor q_a_norm, torch::Tensor kv_a_norm,
                  torch::Tensor post_norm, double eps, double q_a_eps, double kv_a_eps, std::vector<torch::Tensor> q_a,
                  std::vector<torch::Tensor> q_b, std::vector<torch::Tensor> kv_a, std::vector<torch::Tensor> o,
@@ -857,6 +871,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Layer>(m, "Layer", "one decoder layer's kernel weights (see make_layer)");
   m.def("make_layer", &make_layer, "gather one decoder layer's weights for decoder_layer");
   m.def("decoder_layer", &decoder_layer, "one decoder layer: attention and MoE or MLP, with the kernels above", nogil);
+  py::class_<LayerStack>(m, "LayerStack", "a model's decoder layers for decoder_layers");
+  m.def("stack_layers", [](std::vector<Layer> layers) { return LayerStack{std::move(layers)}; }, "layers in order");
+  m.def("decoder_layers", &decoder_layers, "decoder layers in turn", nogil);
   py::class_<Mtp>(m, "Mtp", "an MTP module's kernel weights (see make_mtp)");
   m.def("make_mtp", &make_mtp, "gather an MTP module's weights for mtp_layer");
   m.def("mtp_layer", &mtp_layer, "an MTP module: embedding, norms, eh_proj, decoder layer, shared head", nogil);
