@@ -228,6 +228,7 @@ class Executor:
                 self._wake.clear()
                 continue
             decode_only = not any(it.seq.in_prefill for it in plan)
+            catch_up = max((it.seq.num_cached - it.seq.num_mtp for it in plan if it.num_drafts), default=0)
             try:
                 results = self.runner.step(plan)
             except Exception as e:  # a broken step fails its requests, never the executor
@@ -241,7 +242,7 @@ class Executor:
                 if r.new_token_ids and r.seq.request_id in self._requests:
                     self._process(r, now)
             ks = {it.num_drafts for it in plan}  # observed only when every sequence drafted the same k
-            if decode_only and len(ks) == 1 and self.runner.catch_up_rows <= self.policy.max_k + 1:  # no prompt catch-up
+            if decode_only and len(ks) == 1 and catch_up <= self.policy.max_k + 1:  # no MTP catch-up over a prompt
                 self.policy.observe_step(len(plan), ks.pop(), time.perf_counter() - t0)
         self._drain_inbox()  # submitted but never scheduled: cancelled too, never lost
         for rid in list(self._requests):

@@ -95,6 +95,11 @@ class PagedBatch:
         last_index = torch.tensor(list(accumulate(query_lens)), device=block_tables.device) - 1
         return cls(torch.cat(positions), torch.cat(slots), last_index, groups)
 
+    @property
+    def for_kernels(self) -> bool:
+        """Built for the CPU kernels (kernel_attention): per-token sequence ids and block tables, no groups."""
+        return self.token_seq is not None
+
     @classmethod
     def _per_token(cls, start_lens: Sequence[int], query_lens: Sequence[int], block_tables: Tensor,
                    block_size: int) -> "PagedBatch":
@@ -303,7 +308,7 @@ class MLA(nn.Module):
         cfg, h = self.cfg, self.n_heads
         T = x.shape[0]
         cache = kv_cache[self.cache_layer]
-        if batch.token_seq is not None:  # the same steps in two CPU kernels
+        if batch.for_kernels:  # the same steps in two CPU kernels
             w_uk, w_uv = self.absorbed
             q = kernels.mla_prepare(self._project_q(x), self.kv_a_proj_with_mqa(x), rot, self.kv_a_layernorm.weight,
                                     self.kv_a_layernorm.eps, w_uk, cfg.softmax_scale, cache, batch.slot_mapping)
@@ -433,9 +438,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, rot: Tensor, batch: PagedBatch | None, kv_cache: Tensor | None,
                 mask: Tensor | None = None) -> Tensor:
-        if self.fused is not None and batch is not None and batch.token_seq is not None:
-            return kernels.decoder_layer(self.fused, x, rot, kv_cache, batch.slot_mapping, batch.positions,
-                                         batch.token_seq, batch.block_tables, batch.block_size)
+        if self.fused is not None and batch is not None and batch.for_kernels:
+            return kernels.decoder_layer(self.fused, x, rot, kv_cache, batch)
         h = self.input_layernorm(x)
         if batch is None:
             x = x + self.self_attn.forward_dense(h, rot, mask)
@@ -473,9 +477,8 @@ class MTPLayer(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """Returns (logits for the token after next_ids, hidden after shared_head.norm), at `rows`
         only when given (drafting needs the head at each sequence's last position alone)."""
-        if self.fused is not None and batch is not None and batch.token_seq is not None:
-            return kernels.mtp_layer(self.fused, next_ids, hidden, rot, kv_cache, batch.slot_mapping, batch.positions,
-                                     batch.token_seq, batch.block_tables, batch.block_size, rows)
+        if self.fused is not None and batch is not None and batch.for_kernels:
+            return kernels.mtp_layer(self.fused, next_ids, hidden, rot, kv_cache, batch, rows)
         x = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(next_ids)), self.hnorm(hidden)], dim=-1))
         h = self.shared_head.norm(self.block(x, rot, batch, kv_cache, mask))
         if rows is not None:
@@ -529,9 +532,8 @@ class DeepseekV3ForCausalLM(nn.Module):
             positions = batch.positions if batch is not None else torch.arange(input_ids.shape[-1], device=input_ids.device)
         rot = self.rope(positions)
         x = self.model.embed_tokens(input_ids)
-        if self.fused is not None and batch is not None and batch.token_seq is not None:
-            x = kernels.decoder_layers(self.fused, x, rot, kv_cache, batch.slot_mapping, batch.positions,
-                                       batch.token_seq, batch.block_tables, batch.block_size)
+        if self.fused is not None and batch is not None and batch.for_kernels:
+            x = kernels.decoder_layers(self.fused, x, rot, kv_cache, batch)
         else:
             for layer in self.model.layers:
                 x = layer(x, rot, batch, kv_cache)

@@ -116,9 +116,13 @@ class DraftPolicy:
         if self.mode != "adaptive" or batch_size == 0:
             return
         bucket = self.costs.bucket(batch_size)
-        old = self.cost_ratio.get((bucket, k), self.cost_ratio.get((bucket, 0), 1.0))
+        old = self._ratio(bucket, k)
         ratio = min(max(seconds / self.costs.step_seconds(batch_size, k), old / 2), old * 2)
         self.cost_ratio[(bucket, k)] = old + self.cost_smoothing * (ratio - old)
+
+    def _ratio(self, bucket: int, k: int) -> float:
+        """Whole step / profiled forwards at a profiled batch size: learned, else k = 0's, else 1."""
+        return self.cost_ratio.get((bucket, k), self.cost_ratio.get((bucket, 0), 1.0))
 
     def expected_tokens(self, k: int) -> float:
         """1 + sum over depths j <= k of P(drafts 1..j all accepted)."""
@@ -130,9 +134,7 @@ class DraftPolicy:
 
     def step_seconds(self, batch_size: int, k: int) -> float:
         """Predicted seconds of a whole decode step: the profiled forwards times the learned ratio."""
-        bucket = self.costs.bucket(batch_size)
-        ratio = self.cost_ratio.get((bucket, k), self.cost_ratio.get((bucket, 0), 1.0))
-        return self.costs.step_seconds(batch_size, k) * ratio
+        return self.costs.step_seconds(batch_size, k) * self._ratio(self.costs.bucket(batch_size), k)
 
     def choose(self, batch_size: int, drafters: int | None = None) -> int:
         """k for a step of batch_size decodes, `drafters` of which can draft (default: all)."""

@@ -53,7 +53,6 @@ class ModelRunner:
         self.relaxed = relaxed
         self.keep_mtp_inputs = keep_mtp_inputs and model.cfg.num_nextn_predict_layers > 0
         self.timings = {"draft": 0.0, "target": 0.0}
-        self.catch_up_rows = 0  # the most MTP catch-up rows any sequence had in the last step
 
     # ---- batch plumbing -----------------------------------------------------------------------
     def _paged_batch(self, seqs: list[Sequence], starts: list[int], lens: list[int]) -> PagedBatch:
@@ -88,7 +87,6 @@ class ModelRunner:
         # Catch-up: positions num_mtp .. num_cached-1, inputs h_i and the true token t_{i+1}.
         starts = [s.num_mtp for s in seqs]
         lens = [s.num_cached - s.num_mtp for s in seqs]  # the pending hidden rows
-        self.catch_up_rows = max(lens)
         next_ids = self._ids([t for s in seqs for t in s.token_ids[s.num_mtp + 1 : s.num_cached + 1]])
         hidden = torch.cat([h for s in seqs for h in s.pending_hidden])
         batch = self._paged_batch(seqs, starts, lens)
@@ -135,7 +133,6 @@ class ModelRunner:
         first, long chunks last, so sequences of similar length share attention groups."""
         items = sorted(items, key=lambda it: (it.num_new > SHORT_QUERY, it.seq.num_cached + it.num_new))
         t0 = time.perf_counter()
-        self.catch_up_rows = 0
         drafting = [it for it in items if it.num_drafts > 0]
         drafts, draft_probs = self.draft(drafting) if drafting else (None, None)
         rows = drafts.tolist() if drafting else []

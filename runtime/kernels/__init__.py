@@ -15,12 +15,16 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from runtime.config import ModelConfig
 from runtime.fp8 import dequantize_block_fp8, quantize_block_fp8, quantize_tensor_fp8, scale_shape
+
+if TYPE_CHECKING:
+    from runtime.model import PagedBatch
 
 log = logging.getLogger(__name__)
 
@@ -169,27 +173,27 @@ def mla_attention(q: Tensor, cache: Tensor, positions: Tensor, token_seq: Tensor
                                        w_uv)
 
 
-def decoder_layer(layer: object, x: Tensor, rot: Tensor, kv_cache: Tensor, slot_mapping: Tensor, positions: Tensor,
-                  token_seq: Tensor, block_tables: Tensor, block_size: int) -> Tensor:
+def _paged(batch: PagedBatch) -> tuple:
+    """The paged batch as the fused kernels take it, after the step's tensors."""
+    return batch.slot_mapping, batch.positions, batch.token_seq, batch.block_tables, batch.block_size
+
+
+def decoder_layer(layer: object, x: Tensor, rot: Tensor, kv_cache: Tensor, batch: PagedBatch) -> Tensor:
     """A whole decoder layer (`layer` from `make_layer`) over tokens x [T, H] in one call: the kernels above in
     DecoderLayer's order, so the result is bit for bit that of calling them one by one, without the Python in
     between (on a small model it took as long as the kernels). rot: complex [T, rope/2]."""
-    return cpu_kernels().decoder_layer(layer, x.contiguous(), torch.view_as_real(rot.contiguous()), kv_cache, slot_mapping,
-                                       positions, token_seq, block_tables, block_size)
+    return cpu_kernels().decoder_layer(layer, x.contiguous(), torch.view_as_real(rot.contiguous()), kv_cache, *_paged(batch))
 
 
-def decoder_layers(stack: object, x: Tensor, rot: Tensor, kv_cache: Tensor, slot_mapping: Tensor, positions: Tensor,
-                   token_seq: Tensor, block_tables: Tensor, block_size: int) -> Tensor:
+def decoder_layers(stack: object, x: Tensor, rot: Tensor, kv_cache: Tensor, batch: PagedBatch) -> Tensor:
     """All of a model's decoder layers (`stack` from `stack_layers`) in one call: `decoder_layer` for each in
     turn, without a Python call per layer."""
-    return cpu_kernels().decoder_layers(stack, x.contiguous(), torch.view_as_real(rot.contiguous()), kv_cache, slot_mapping,
-                                        positions, token_seq, block_tables, block_size)
+    return cpu_kernels().decoder_layers(stack, x.contiguous(), torch.view_as_real(rot.contiguous()), kv_cache,
+                                        *_paged(batch))
 
 
-def mtp_layer(mtp: object, ids: Tensor, hidden: Tensor, rot: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
-              positions: Tensor, token_seq: Tensor, block_tables: Tensor, block_size: int,
+def mtp_layer(mtp: object, ids: Tensor, hidden: Tensor, rot: Tensor, kv_cache: Tensor, batch: PagedBatch,
               rows: Tensor | None) -> tuple[Tensor, Tensor]:
     """A whole MTP module (`mtp` from `make_mtp`) in one call, bit for bit MTPLayer's kernels one by one:
     (logits, hidden after shared_head.norm), at `rows` only when given."""
-    return cpu_kernels().mtp_layer(mtp, ids, hidden, torch.view_as_real(rot.contiguous()), kv_cache, slot_mapping,
-                                   positions, token_seq, block_tables, block_size, rows)
+    return cpu_kernels().mtp_layer(mtp, ids, hidden, torch.view_as_real(rot.contiguous()), kv_cache, *_paged(batch), rows)
