@@ -553,6 +553,21 @@ class DeepseekV3ForCausalLM(nn.Module):
             positions = batch.positions if batch is not None else torch.arange(next_ids.shape[-1], device=next_ids.device)
         return self.mtp[depth](next_ids, hidden, self.rope(positions), batch, kv_cache, rows, mask)
 
+    def greedy_drafts(self, depth: int, next_ids: Tensor, hidden: Tensor, batch: PagedBatch, kv_cache: Tensor,
+                      num_drafts: int) -> Tensor | None:
+        """Greedy drafts [B, num_drafts] from MTP layer `depth` in one CPU kernel call: the catch-up over `batch`
+        proposes draft 1 at each sequence's last token, drafts 2.. follow at the next positions. None where the
+        layer is not fused; then the caller drafts step by step (the same calls, the same tokens)."""
+        mtp = self.mtp[depth]
+        if mtp.fused is None or not batch.for_kernels:
+            return None
+        after = torch.arange(1, num_drafts, device=next_ids.device)[:, None]
+        draft_positions = batch.positions[batch.last_index][None] + after  # [K - 1, B]
+        rot = self.rope(torch.cat([batch.positions, draft_positions.flatten()]))
+        T = batch.positions.numel()
+        return kernels.mtp_greedy_drafts(mtp.fused, next_ids, hidden, rot[:T], kv_cache, batch, draft_positions,
+                                         rot[T:].view(*draft_positions.shape, self.inv_freq.numel()))
+
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, seed: int | None = None) -> None:
         """GPT-2 style init for training from scratch: residual outputs scaled by 1/sqrt(2L)."""

@@ -90,12 +90,15 @@ class ModelRunner:
         next_ids = self._ids([t for s in seqs for t in s.token_ids[s.num_mtp + 1 : s.num_cached + 1]])
         hidden = torch.cat([h for s in seqs for h in s.pending_hidden])
         batch = self._paged_batch(seqs, starts, lens)
-        logits, h = model.mtp_forward(0, next_ids, hidden, batch=batch, kv_cache=self.cache.tensor,
-                                      rows=batch.last_index)
         for s in seqs:
             s.num_mtp, s.pending_hidden = s.num_cached, []
-
         all_greedy = all(s.params.greedy for s in seqs)
+        if all_greedy and min(ks) == K > 1:  # the whole greedy chain in one kernel call where the layer is fused
+            drafts = model.greedy_drafts(0, next_ids, hidden, batch, self.cache.tensor, K)
+            if drafts is not None:
+                return drafts, None
+        logits, h = model.mtp_forward(0, next_ids, hidden, batch=batch, kv_cache=self.cache.tensor,
+                                      rows=batch.last_index)
         if not all_greedy:
             st = self.sampling_tensors(seqs, [1] * len(seqs), model.cfg.vocab_size, self.device)
             seeds = self._ids([s.seed for s in seqs])

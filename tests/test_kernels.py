@@ -282,6 +282,35 @@ def test_whole_layer_call_equals_the_kernels_one_by_one(shipped_model_dir) -> No
         assert torch.equal(a, b) and torch.equal(b, c)
 
 
+def test_greedy_drafts_in_one_call_equal_drafting_step_by_step(shipped_model_dir) -> None:
+    """`model.greedy_drafts` (the MTP module over a ragged catch-up, then K - 1 steps on its own drafts, in one
+    kernel call) proposes the tokens and writes the MTP cache entries that drafting one step at a time does."""
+    model = load_engine(shipped_model_dir).model
+    cfg, bs, K = model.cfg, 16, 4
+    cache = KVCache(cfg, num_blocks=16, block_size=bs)
+    cache.tensor.normal_(generator=torch.Generator().manual_seed(0))
+    tables = torch.tensor([cache.allocator.allocate(3) for _ in range(3)])
+    starts, lens = [5, 20, 40], [1, 3, 2]  # last catch-up positions 5, 22, 41; drafts 2..4 after them
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (sum(lens),), generator=gen)
+    hidden = torch.randn(sum(lens), cfg.hidden_size, generator=gen)
+    batch = PagedBatch.build(starts, lens, tables, bs, model.kernel_attention)
+    one_call = cache.tensor.clone()
+    with torch.inference_mode():
+        drafts = model.greedy_drafts(0, ids, hidden, batch, one_call, K)
+        by_step = cache.tensor.clone()
+        logits, h = model.mtp_forward(0, ids, hidden, batch=batch, kv_cache=by_step, rows=batch.last_index)
+        want = [logits.argmax(-1)]
+        for j in range(1, K):
+            step = PagedBatch.build([s + n - 1 + j for s, n in zip(starts, lens)], [1] * 3, tables, bs, True)
+            logits, h = model.mtp_forward(0, want[-1], h, batch=step, kv_cache=by_step)
+            want.append(logits.argmax(-1))
+        assert torch.equal(drafts, torch.stack(want, dim=1))
+        assert torch.equal(one_call, by_step)
+        with pytest.raises(RuntimeError, match="block tables do not cover the draft positions"):
+            model.greedy_drafts(0, ids, hidden, batch, one_call, 8)  # draft 8 of the last sequence: position 48
+
+
 def test_layers_the_whole_layer_call_cannot_run_stay_on_the_kernels_one_by_one(tiny_checkpoint) -> None:
     """Without a q LoRA (DeepSeek-V2-Lite style) a layer is not fused, and still matches the PyTorch path."""
     path = tiny_checkpoint("noqlora", tiny_config_dict(hidden_size=64, moe_intermediate_size=32, kv_lora_rank=32,

@@ -197,3 +197,11 @@ def mtp_layer(mtp: object, ids: Tensor, hidden: Tensor, rot: Tensor, kv_cache: T
     """A whole MTP module (`mtp` from `make_mtp`) in one call, bit for bit MTPLayer's kernels one by one:
     (logits, hidden after shared_head.norm), at `rows` only when given."""
     return cpu_kernels().mtp_layer(mtp, ids, hidden, torch.view_as_real(rot.contiguous()), kv_cache, *_paged(batch), rows)
+
+
+def mtp_greedy_drafts(mtp: object, ids: Tensor, hidden: Tensor, rot: Tensor, kv_cache: Tensor, batch: PagedBatch,
+                      draft_positions: Tensor, draft_rot: Tensor) -> Tensor:
+    """Greedy drafts [B, K] in one call: `mtp_layer` over the catch-up (head at each sequence's last token), its
+    argmax, then K - 1 more steps on its own drafts at draft_positions [K - 1, B] (rotations draft_rot, complex)."""
+    return cpu_kernels().mtp_greedy_drafts(mtp, ids, hidden, torch.view_as_real(rot.contiguous()), kv_cache, *_paged(batch),
+                                           batch.last_index, draft_positions, torch.view_as_real(draft_rot.contiguous()))

@@ -860,6 +860,39 @@ std::tuple<torch::Tensor, torch::Tensor> mtp_layer(const Mtp& M, const torch::Te
   return {M.head(h), h};
 }
 
+// Greedy drafts [B, K]: the MTP module over the catch-up tokens (as mtp_layer, the head at `rows`: one per
+// sequence), its argmax as draft 1, then K - 1 more steps, each on the previous draft and the module's own
+// hidden state, at positions draft_positions[j] (one per sequence; rotations draft_rot[j]). The same calls in
+// the same order as drafting step by step, without a trip through Python per draft.
+torch::Tensor mtp_greedy_drafts(const Mtp& M, const torch::Tensor& ids, const torch::Tensor& hidden, const torch::Tensor& rot,
+                                const torch::Tensor& kv_cache, const torch::Tensor& slots, const torch::Tensor& positions,
+                                const torch::Tensor& seq, const torch::Tensor& tables, int64_t block_size,
+                                const torch::Tensor& rows, const torch::Tensor& draft_positions,
+                                const torch::Tensor& draft_rot) {
+  const int64_t B = rows.numel(), K = draft_positions.size(0) + 1;
+  check(draft_positions.dim() == 2 && draft_positions.size(1) == B && draft_positions.scalar_type() == torch::kLong &&
+            draft_rot.dim() == 4 && draft_rot.size(0) == K - 1 && draft_rot.size(1) == B,
+        "draft_positions [K - 1, B] int64 and draft_rot [K - 1, B, pairs, 2]");
+  check(tables.dim() == 2 && tables.size(0) == B && block_size >= 1, "one block table row per drafting sequence");
+  torch::Tensor logits, h;
+  std::tie(logits, h) = mtp_layer(M, ids, hidden, rot, kv_cache, slots, positions, seq, tables, block_size, rows);
+  auto drafts = torch::empty({B, K}, ids.options().dtype(torch::kLong));
+  torch::Tensor d = logits.argmax(-1);
+  drafts.select(1, 0).copy_(d);
+  const torch::Tensor each = torch::arange(B, drafts.options());
+  for (int64_t j = 1; j < K; ++j) {
+    const torch::Tensor pos = draft_positions[j - 1].contiguous();
+    const torch::Tensor block = at::floor_divide(pos, block_size);
+    check(block.max().item<int64_t>() < tables.size(1), "block tables do not cover the draft positions");
+    const torch::Tensor step_slots = tables.gather(1, block.unsqueeze(1)).squeeze(1) * block_size + pos.remainder(block_size);
+    std::tie(logits, h) = mtp_layer(M, d, h, draft_rot[j - 1].contiguous(), kv_cache, step_slots, pos, each, tables,
+                                    block_size, std::nullopt);
+    d = logits.argmax(-1);
+    drafts.select(1, j).copy_(d);
+  }
+  return drafts;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The kernels touch no Python object: other threads (request intake, streaming) run meanwhile, as with ATen ops.
   const auto nogil = py::call_guard<py::gil_scoped_release>();
@@ -877,4 +910,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Mtp>(m, "Mtp", "an MTP module's kernel weights (see make_mtp)");
   m.def("make_mtp", &make_mtp, "gather an MTP module's weights for mtp_layer");
   m.def("mtp_layer", &mtp_layer, "an MTP module: embedding, norms, eh_proj, decoder layer, shared head", nogil);
+  m.def("mtp_greedy_drafts", &mtp_greedy_drafts, "greedy drafts: the MTP module over the catch-up, then on its own drafts",
+        nogil);
 }
