@@ -75,8 +75,10 @@ class DraftPolicy:
     sample clipped to within 2x of it: an optimistic start that a single slow step cannot turn into
     a k priced out for good. Drafting needs a predicted gain of at least MIN_GAIN, for what stays
     unmodelled (those prompt catch-ups, the prefill work drafts delay). Every EXPLORE_EVERY-th step
-    at a batch size runs the next k in turn instead of the chosen one, so the costs and acceptance
-    of draft lengths not chosen lately are measured again.
+    at a batch size runs a neighbour of the chosen k instead (one more draft and one fewer in turn),
+    so the costs and acceptance next to the choice are measured again; the gain is one-peaked in k
+    (each extra draft costs more than the last and is accepted less often), so a far k never beats a
+    near one that loses, and trying it, at a large batch size, costs a step several times plain's.
     """
 
     MIN_GAIN = 1.1
@@ -147,8 +149,9 @@ class DraftPolicy:
         choice = best if rate[best] >= self.MIN_GAIN * rate[0] else 0
         bucket = self.costs.bucket(batch_size)
         n = self.decisions[bucket] = self.decisions.get(bucket, 0) + 1
-        if self.max_k and n % self.EXPLORE_EVERY == 0:  # explore: the next k in turn after the chosen one
-            return (choice + 1 + (n // self.EXPLORE_EVERY) % self.max_k) % (self.max_k + 1)
+        if self.max_k and n % self.EXPLORE_EVERY == 0:  # explore a neighbour: one draft more, then one fewer
+            up = (n // self.EXPLORE_EVERY) % 2 == 1
+            return choice + 1 if choice == 0 or (up and choice < self.max_k) else choice - 1
         return choice
 
 

@@ -787,14 +787,23 @@ def test_idle_steps_count_only_when_the_policy_chose_no_drafts(engine) -> None:
     assert not seq.mtp_dropped and seq.mtp_idle_steps == 0
 
 
-def test_draft_policy_explores_the_draft_lengths_it_does_not_choose() -> None:
-    """Learned costs say drafting loses at batch size 1; every EXPLORE_EVERY-th step still runs another
-    k in turn, so costs learned under other conditions are measured again."""
-    policy = DraftPolicy("adaptive", 2, costs(target_per_token=0.2, target_fixed=0.8, mtp=0.1), prior_acceptance=0.6)
-    for k, ratio in ((0, 1.0), (1, 1.6), (2, 1.6)):
+def test_draft_policy_explores_the_draft_lengths_next_to_its_choice() -> None:
+    """Every EXPLORE_EVERY-th step runs a neighbour of the chosen k, one draft more and one fewer in turn, so
+    costs learned under other conditions are measured again. When drafting loses (k = 0) that is k = 1:
+    a longer draft, which costs a large batch several plain steps, is not tried."""
+    n = 4 * DraftPolicy.EXPLORE_EVERY
+    every = slice(DraftPolicy.EXPLORE_EVERY - 1, n, DraftPolicy.EXPLORE_EVERY)
+
+    def chosen(picks: list[int]) -> list[int]:
+        return [k for i, k in enumerate(picks) if (i + 1) % DraftPolicy.EXPLORE_EVERY]
+
+    policy = DraftPolicy("adaptive", 3, costs(target_per_token=0.2, target_fixed=0.8, mtp=0.1), prior_acceptance=0.6)
+    for k, ratio in ((0, 1.0), (1, 1.6), (2, 1.6), (3, 1.6)):
         for _ in range(100):
             policy.observe_step(1, k, ratio * policy.costs.step_seconds(1, k))
-    n = 4 * DraftPolicy.EXPLORE_EVERY
     picks = [policy.choose(1) for _ in range(n)]
-    explored = [picks[i] for i in range(DraftPolicy.EXPLORE_EVERY - 1, n, DraftPolicy.EXPLORE_EVERY)]
-    assert sorted(explored) == [1, 1, 2, 2] and sum(picks) == sum(explored)
+    assert picks[every] == [1, 1, 1, 1] and set(chosen(picks)) == {0}
+    policy = DraftPolicy("adaptive", 3, costs(target_per_token=0.2, target_fixed=0.8, mtp=0.1))
+    policy.acceptance_by_depth = [0.9, 0.9, 0.05]  # rates 1, 1.46, 1.69, 1.45 x plain: k = 2
+    picks = [policy.choose(1) for _ in range(n)]
+    assert picks[every] == [3, 1, 3, 1] and set(chosen(picks)) == {2}
