@@ -328,8 +328,9 @@ def test_paged_batch_names_block_tables_that_do_not_cover_the_positions() -> Non
 
 
 def test_results_do_not_depend_on_the_number_of_threads(shipped_model_dir) -> None:
-    """The kernels split work by output columns, tokens and whole experts, and add the experts' outputs in
-    expert order after the parallel part: one thread and two give the same bits."""
+    """The kernels split work by output columns, tokens, whole routed experts and the shared expert's two
+    halves, and add the experts' outputs in a fixed order after the parallel part: one thread and two give
+    the same bits."""
     model = load_engine(shipped_model_dir).model
     threads = torch.get_num_threads()
     try:

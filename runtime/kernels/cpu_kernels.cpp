@@ -174,10 +174,10 @@ struct Bf16 {
   }
 };
 
-// y[MT rows, NT*16 cols] = x[MT, K] . panels; `scale` holds one entry per k-block of this n-block.
+// y[MT rows, NT*16 cols] = x[MT, K] . panels (ldp rows apart); `scale` holds one entry per k-block of this n-block.
 template <class W, int MT, int NT>
-void gemm_tile(const float* x, int64_t K, const typename W::T* panels, const float* scale, float* y, int64_t N,
-               int64_t last_cols) {
+void gemm_tile(const float* x, int64_t K, const typename W::T* panels, int64_t ldp, const float* scale, float* y,
+               int64_t N, int64_t last_cols) {
   __m512 acc[MT][NT], part[MT][NT];
   for (int m = 0; m < MT; ++m)
     for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_setzero_ps();
@@ -187,7 +187,7 @@ void gemm_tile(const float* x, int64_t K, const typename W::T* panels, const flo
       for (int j = 0; j < NT; ++j) part[m][j] = _mm512_setzero_ps();
     for (int64_t k = k0; k < k1; ++k) {
       __m512 w[NT];
-      for (int j = 0; j < NT; ++j) w[j] = W::load16(panels + (j * K + k) * kLanes);
+      for (int j = 0; j < NT; ++j) w[j] = W::load16(panels + (j * ldp + k) * kLanes);
       for (int m = 0; m < MT; ++m) {
         const __m512 xb = _mm512_set1_ps(x[m * K + k]);
         for (int j = 0; j < NT; ++j) part[m][j] = _mm512_fmadd_ps(xb, w[j], part[m][j]);
@@ -202,16 +202,18 @@ void gemm_tile(const float* x, int64_t K, const typename W::T* panels, const flo
     for (int j = 0; j < NT; ++j) _mm512_mask_storeu_ps(y + m * N + j * kLanes, j == NT - 1 ? tail : 0xFFFF, acc[m][j]);
 }
 
-// MT rows against panels [p0, p1) (all inside one 128-row n-block), NT panels at a time.
+// MT rows against panels [p0, p1) (all inside one 128-row n-block), NT panels at a time, the rest NT/2 at a time
+// and so on (one panel per tile would leave a single FMA chain, waiting on its own latency).
 template <class W, int MT, int NT>
-void gemm_rows(const float* x, int64_t K, const typename W::T* packed, const float* scale, int64_t k_blocks, float* y,
-               int64_t N, int64_t p0, int64_t p1) {
-  const float* s = scale + (p0 * kLanes / kBlock) * k_blocks;
+void gemm_rows(const float* x, int64_t K, const typename W::T* packed, int64_t ldp, const float* scale, int64_t lds,
+               float* y, int64_t N, int64_t p0, int64_t p1) {
+  const float* s = scale + (p0 * kLanes / kBlock) * lds;
   int64_t p = p0;
   for (; p + NT <= p1; p += NT)
-    gemm_tile<W, MT, NT>(x, K, packed + p * K * kLanes, s, y + p * kLanes, N, std::min(kLanes, N - (p + NT - 1) * kLanes));
-  for (; p < p1; ++p)
-    gemm_tile<W, MT, 1>(x, K, packed + p * K * kLanes, s, y + p * kLanes, N, std::min(kLanes, N - p * kLanes));
+    gemm_tile<W, MT, NT>(x, K, packed + p * ldp * kLanes, ldp, s, y + p * kLanes, N,
+                         std::min(kLanes, N - (p + NT - 1) * kLanes));
+  if constexpr (NT > 1)
+    if (p < p1) gemm_rows<W, MT, NT / 2>(x, K, packed, ldp, scale, lds, y, N, p, p1);
 }
 
 // y[MT, NT*16] (+)= (sum over one k-block of x . w) * s, with the block's weights already
@@ -262,17 +264,17 @@ void block_rows(const float* x, int64_t M, int64_t K, int64_t k0, const float* w
 // Many rows: each (two panels x one k-block) of weights is converted once into an L1-sized buffer and
 // used by every row, instead of once per six rows.
 template <class W>
-void gemm_many_rows(const float* x, int64_t M, int64_t K, const typename W::T* packed, const float* scale, int64_t k_blocks,
-                    float* y, int64_t N, int64_t p0, int64_t p1) {
+void gemm_many_rows(const float* x, int64_t M, int64_t K, const typename W::T* packed, int64_t ldp, const float* scale,
+                    int64_t lds, float* y, int64_t N, int64_t p0, int64_t p1) {
   alignas(64) float w[kBlock * 2 * kLanes];
-  const float* s = scale + (p0 * kLanes / kBlock) * k_blocks;
+  const float* s = scale + (p0 * kLanes / kBlock) * lds;
   for (int64_t p = p0; p < p1; p += 2) {
     const int64_t nt = std::min<int64_t>(2, p1 - p), last = std::min(kLanes, N - (p + nt - 1) * kLanes);
     for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
       const int64_t klen = std::min(kBlock, K - k0);
       for (int64_t k = 0; k < klen; ++k)
         for (int64_t j = 0; j < nt; ++j)
-          _mm512_store_ps(w + (k * nt + j) * kLanes, W::load16(packed + ((p + j) * K + k0 + k) * kLanes));
+          _mm512_store_ps(w + (k * nt + j) * kLanes, W::load16(packed + ((p + j) * ldp + k0 + k) * kLanes));
       if (nt == 2) block_rows<2>(x, M, K, k0, w, klen, s[k0 / kBlock], y + p * kLanes, N, last);
       else block_rows<1>(x, M, K, k0, w, klen, s[k0 / kBlock], y + p * kLanes, N, last);
     }
@@ -281,23 +283,27 @@ void gemm_many_rows(const float* x, int64_t M, int64_t K, const typename W::T* p
 
 // y[M, N] = x[M, K] W^T for W packed as [ceil(N/16), K, 16] values with scale [ceil(N/128), ceil(K/128)].
 // Up to six rows convert weights in registers; more go through gemm_many_rows (same sums, same order).
+// A part of a wider weight: its panels ldp rows apart and its scale rows lds apart; the part must start at a
+// 128-block boundary in both dimensions, or lie inside one block in that dimension.
 template <class W>
 void packed_gemm(const float* x, int64_t M, int64_t K, const typename W::T* packed, const float* scale, int64_t N,
-                 float* y) {
-  const int64_t panels = (N + kLanes - 1) / kLanes, per_block = kBlock / kLanes, k_blocks = (K + kBlock - 1) / kBlock;
+                 float* y, int64_t ldp = 0, int64_t lds = 0) {
+  const int64_t panels = (N + kLanes - 1) / kLanes, per_block = kBlock / kLanes;
+  if (ldp == 0) ldp = K;
+  if (lds == 0) lds = (K + kBlock - 1) / kBlock;
   const int64_t n_blocks = (panels + per_block - 1) / per_block;
   parallel(n_blocks, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t p0 = b * per_block, p1 = std::min(panels, p0 + per_block);
       switch (M) {
-        case 6: gemm_rows<W, 6, 2>(x, K, packed, scale, k_blocks, y, N, p0, p1); break;
-        case 5: gemm_rows<W, 5, 2>(x, K, packed, scale, k_blocks, y, N, p0, p1); break;
-        case 4: gemm_rows<W, 4, 3>(x, K, packed, scale, k_blocks, y, N, p0, p1); break;
-        case 3: gemm_rows<W, 3, 4>(x, K, packed, scale, k_blocks, y, N, p0, p1); break;
-        case 2: gemm_rows<W, 2, 4>(x, K, packed, scale, k_blocks, y, N, p0, p1); break;
-        case 1: gemm_rows<W, 1, 8>(x, K, packed, scale, k_blocks, y, N, p0, p1); break;
+        case 6: gemm_rows<W, 6, 2>(x, K, packed, ldp, scale, lds, y, N, p0, p1); break;
+        case 5: gemm_rows<W, 5, 2>(x, K, packed, ldp, scale, lds, y, N, p0, p1); break;
+        case 4: gemm_rows<W, 4, 3>(x, K, packed, ldp, scale, lds, y, N, p0, p1); break;
+        case 3: gemm_rows<W, 3, 4>(x, K, packed, ldp, scale, lds, y, N, p0, p1); break;
+        case 2: gemm_rows<W, 2, 4>(x, K, packed, ldp, scale, lds, y, N, p0, p1); break;
+        case 1: gemm_rows<W, 1, 8>(x, K, packed, ldp, scale, lds, y, N, p0, p1); break;
         case 0: break;
-        default: gemm_many_rows<W>(x, M, K, packed, scale, k_blocks, y, N, p0, p1);
+        default: gemm_many_rows<W>(x, M, K, packed, ldp, scale, lds, y, N, p0, p1);
       }
     }
   });
@@ -442,19 +448,30 @@ Mlp checked_mlp(const torch::Tensor& gate, const torch::Tensor& gs, const torch:
           ds.numel() / n};
 }
 
-// y[R, H] = down(silu(gate(x)) * up(x)) for rows x[R, H]; g, u: scratch.
-void mlp_rows(const float* x, int64_t R, int64_t H, const Mlp& w, std::vector<float>& g, std::vector<float>& u, float* y) {
-  const int64_t I = w.inter;
+// y[R, H] = down[:, lo:hi](silu(gate[lo:hi](x)) * up[lo:hi](x)) for rows x[R, H]: the MLP over its intermediate
+// features [lo, hi), all of them or a part (see `split_point`) whose output the caller adds up; g, u: scratch.
+void mlp_rows(const float* x, int64_t R, int64_t H, const Mlp& w, int64_t lo, int64_t hi, std::vector<float>& g,
+              std::vector<float>& u, float* y) {
+  const int64_t I = hi - lo, h_blocks = (H + kBlock - 1) / kBlock;
   g.resize(R * I);
   u.resize(R * I);
-  packed_gemm<Fp8>(x, R, H, w.gate, w.gate_scale, I, g.data());
-  packed_gemm<Fp8>(x, R, H, w.up, w.up_scale, I, u.data());
+  packed_gemm<Fp8>(x, R, H, w.gate + lo * H, w.gate_scale + lo / kBlock * h_blocks, I, g.data());
+  packed_gemm<Fp8>(x, R, H, w.up + lo * H, w.up_scale + lo / kBlock * h_blocks, I, u.data());
   for (int64_t i = 0; i < R * I; i += kLanes) {
     const __m512 gv = _mm512_loadu_ps(g.data() + i);
     const __m512 sig = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
     _mm512_storeu_ps(g.data() + i, _mm512_mul_ps(_mm512_div_ps(gv, sig), _mm512_loadu_ps(u.data() + i)));
   }
-  packed_gemm<Fp8>(g.data(), R, I, w.down, w.down_scale, H, y);
+  packed_gemm<Fp8>(g.data(), R, I, w.down + lo * kLanes, w.down_scale + lo / kBlock, H, y, w.inter,
+                   (w.inter + kBlock - 1) / kBlock);
+}
+
+// Where the shared expert is cut in two halves of its intermediate features, so that two threads share it (a
+// batch-1 step has it and two routed experts: three equal items for two threads). A multiple of 128 (a scale block)
+// or, below 256, of 16 inside the one block; 0: not cut. Fixed by the weights alone, so a row's sums never
+// depend on the batch or the threads.
+int64_t split_point(int64_t inter) {
+  return inter >= 2 * kBlock ? inter / 2 / kBlock * kBlock : inter / 2 / kLanes * kLanes;
 }
 
 // noaux_tc routing of one token: sigmoid scores, the correction bias steering selection only, the best
@@ -535,9 +552,10 @@ torch::Tensor moe(const torch::Tensor& x, const torch::Tensor& gate_w, const tor
     route(score.data(), bp, E, n_group, topk_group, top_k, normalize, static_cast<float>(scaling),
           idx.data() + t * top_k, weights.data() + t * top_k);
   }
-  // Work items: the shared expert over all rows (item E), each routed expert over its rows. Items are dealt
-  // to the threads longest first; each writes only its own rows, and the routed outputs are added in expert
-  // order afterwards, so the sums do not depend on the threads.
+  // Work items: each routed expert over its rows, the shared expert's two halves (items E, E + 1; see
+  // split_point) over all rows. Items are dealt to the threads longest first; each writes only its own output,
+  // and the outputs are added in a fixed order afterwards (the shared halves, then the routed experts in
+  // expert order), so the sums do not depend on the threads.
   std::vector<std::vector<int64_t>> rows(E);
   std::vector<std::vector<float>> row_w(E), ys(E);
   for (int64_t t = 0; t < T; ++t)
@@ -547,34 +565,44 @@ torch::Tensor moe(const torch::Tensor& x, const torch::Tensor& gate_w, const tor
     }
   auto out = torch::empty({T, H}, x.options());
   float* op = out.data_ptr<float>();
+  const int64_t shared_inter = shared_mlp.inter, cut = split_point(shared_inter);
+  const int64_t bounds[3] = {0, cut > 0 ? cut : shared_inter, shared_inter};
+  std::vector<float> shared_tail(cut > 0 ? T * H : 0);
   std::vector<int64_t> items;
-  for (int64_t e = 0; e <= E; ++e)
-    if (e == E || !rows[e].empty()) items.push_back(e);
-  auto size = [&](int64_t e) { return e == E ? T : static_cast<int64_t>(rows[e].size()); };
-  std::stable_sort(items.begin(), items.end(), [&](int64_t a, int64_t b) { return size(a) > size(b); });
+  for (int64_t e = 0; e < E; ++e)
+    if (!rows[e].empty()) items.push_back(e);
+  items.push_back(E);
+  if (cut > 0) items.push_back(E + 1);
+  auto size = [&](int64_t e) { return e >= E ? T : static_cast<int64_t>(rows[e].size()); };
+  auto cost = [&](int64_t e) {  // a weight read per expert plus a row's work: rows cost little next to weights
+    const double part = e >= E ? static_cast<double>(bounds[e - E + 1] - bounds[e - E]) / routed_mlp.inter : 1.0;
+    return part * static_cast<double>(8 + size(e));
+  };
+  std::stable_sort(items.begin(), items.end(), [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
   const int64_t n_bins = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
   std::vector<std::vector<int64_t>> bins(n_bins);
-  std::vector<int64_t> load(n_bins, 0);
-  for (int64_t e : items) {  // a weight read per expert plus a row's work: rows cost little next to weights
+  std::vector<double> load(n_bins, 0.0);
+  for (int64_t e : items) {
     const int64_t b = std::min_element(load.begin(), load.end()) - load.begin();
     bins[b].push_back(e);
-    load[b] += 8 + size(e);
+    load[b] += cost(e);
   }
   parallel(n_bins, [&](int64_t b0, int64_t b1) {
     std::vector<float> xs, g, u;
     for (int64_t b = b0; b < b1; ++b)
       for (int64_t e : bins[b]) {
-        if (e == E) {
-          mlp_rows(xp, T, H, shared_mlp, g, u, op);
+        if (e >= E) {
+          mlp_rows(xp, T, H, shared_mlp, bounds[e - E], bounds[e - E + 1], g, u, e == E ? op : shared_tail.data());
           continue;
         }
         const int64_t R = size(e);
         xs.resize(R * H);
         ys[e].resize(R * H);
         for (int64_t r = 0; r < R; ++r) std::copy_n(xp + rows[e][r] * H, H, xs.data() + r * H);
-        mlp_rows(xs.data(), R, H, routed_mlp.expert(e), g, u, ys[e].data());
+        mlp_rows(xs.data(), R, H, routed_mlp.expert(e), 0, routed_mlp.inter, g, u, ys[e].data());
       }
   });
+  for (size_t i = 0; i < shared_tail.size(); ++i) op[i] += shared_tail[i];
   std::vector<float> routed(T * H, 0.0f);
   for (int64_t e = 0; e < E; ++e)
     for (int64_t r = 0; r < size(e); ++r) {
