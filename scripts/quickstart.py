@@ -40,7 +40,7 @@ def main() -> int:
               f"metrics {server.metrics_url}", flush=True)
         print(f"== streaming {args.max_tokens} tokens over gRPC\n{args.prompt}", end="", flush=True)
         stats, first, last, n = {}, None, None, 0
-        for chunk in stream_generate(server.grpc_url, args.prompt, args.max_tokens):
+        for chunk in stream_generate(server.grpc_url, args.prompt, args.max_tokens, perf_metrics=True):
             print(chunk.text, end="", flush=True)
             stats = chunk.stats or stats
             first, last, n = first or chunk.at, chunk.at, n + 1

@@ -30,10 +30,11 @@ def _input(name: str, value: np.ndarray, dtype: str) -> grpcclient.InferInput:
 
 
 def stream_generate(url: str, prompt: str, max_tokens: int, temperature: float = 0.0, seed: int | None = None,
-                    end_id: int | None = None, model: str = "ensemble", timeout_s: float = 300.0
-                    ) -> Iterator[StreamChunk]:
+                    end_id: int | None = None, model: str = "ensemble", timeout_s: float = 300.0,
+                    perf_metrics: bool = False) -> Iterator[StreamChunk]:
     """Yield the streamed responses of one request (end_id -1: ignore eos, as TensorRT-LLM's
-    clients do); raises RuntimeError with Triton's message."""
+    clients do; perf_metrics: ask for the MTP drafting stats with each response); raises
+    RuntimeError with Triton's message."""
     inputs = [
         _input("text_input", np.array([[prompt.encode()]], dtype=object), "BYTES"),
         _input("max_tokens", np.array([[max_tokens]], dtype=np.int32), "INT32"),
@@ -44,6 +45,8 @@ def stream_generate(url: str, prompt: str, max_tokens: int, temperature: float =
         inputs.append(_input("seed", np.array([[seed]], dtype=np.uint64), "UINT64"))
     if end_id is not None:
         inputs.append(_input("end_id", np.array([[end_id]], dtype=np.int32), "INT32"))
+    if perf_metrics:
+        inputs.append(_input("return_perf_metrics", np.array([[True]]), "BOOL"))
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: responses.put((result, error, time.perf_counter())))
@@ -75,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.0)
     args = p.parse_args(argv)
     stats: dict[str, float] = {}
-    for chunk in stream_generate(args.url, args.prompt, args.max_tokens, args.temperature):
+    for chunk in stream_generate(args.url, args.prompt, args.max_tokens, args.temperature, perf_metrics=True):
         print(chunk.text, end="", flush=True)
         stats = chunk.stats or stats
     print()

@@ -291,15 +291,20 @@ def test_all_models_ready_on_loopback(server: TritonServer) -> None:
 
 @pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
 def test_http_generate_matches_session(server: TritonServer, expected: dict, model: str) -> None:
+    """The text, and with return_perf_metrics the request's MTP drafting stats (as upstream's perf metrics,
+    left out of responses that do not ask for them)."""
     for prompt in PROMPTS[:4]:
         status, body = http_generate(server, model, text_input=prompt, max_tokens=TOKENS,
-                                     exclude_input_in_output=True)
+                                     exclude_input_in_output=True, return_perf_metrics=True)
         assert status == 200, body
         want = expected[prompt]
         assert body["text_output"] == want.text
         assert body["total_draft_tokens"] == want.stats.num_draft_tokens > 0
         assert body["total_accepted_draft_tokens"] == want.stats.num_accepted_draft_tokens
         assert body["acceptance_rate"] == pytest.approx(want.stats.acceptance_rate, abs=1e-6)
+    status, body = http_generate(server, model, text_input=PROMPTS[0], max_tokens=TOKENS, exclude_input_in_output=True)
+    assert status == 200 and body["text_output"] == expected[PROMPTS[0]].text
+    assert not {"acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens"} & set(body), body
 
 
 def test_top_p_zero_means_not_set(server: TritonServer, expected: dict) -> None:
@@ -555,7 +560,6 @@ BAD_REQUESTS = {
     "beam_search": (dict(GOOD, beam_width=2), "beam_width"),
     "seed_too_large": (dict(GOOD, seed=np.uint64(2**64 - 1)), "seed"),
     "end_id_out_of_range": (dict(GOOD, end_id=10**7), "end_id must be a token id"),
-    "perf_metrics": (dict(GOOD, return_perf_metrics=True), "return_perf_metrics"),
 }
 
 
@@ -594,7 +598,7 @@ def test_shipped_model_streams_what_the_session_generates(shipped_server: Triton
     results: dict[int, Streamed] = {}
     threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, grpc_stream(
         shipped_server, "ensemble", text_input=prompts[i], max_tokens=32, stream=True,
-        exclude_input_in_output=True))) for i in range(len(prompts))]
+        exclude_input_in_output=True, return_perf_metrics=True))) for i in range(len(prompts))]
     for t in threads:
         t.start()
     for t in threads:

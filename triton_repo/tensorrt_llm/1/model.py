@@ -45,7 +45,6 @@ NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "return_log_probs": (lambda v: not v, "false"),
     "return_context_logits": (lambda v: not v, "false"),
     "return_generation_logits": (lambda v: not v, "false"),
-    "return_perf_metrics": (lambda v: not v, "false"),
 }
 
 
@@ -67,6 +66,7 @@ class Stream:
     triton_id: str  # the client's request id (TensorRT-LLM's `stop` input names it)
     streaming: bool
     prefix: list[int]  # prompt ids put before a non-streamed output (empty when excluded)
+    perf_metrics: bool  # return_perf_metrics: each response carries the request's speculative-decoding stats
     executor_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     pending: list[int] = field(default_factory=list)  # streamed ids not sent yet
 
@@ -139,7 +139,8 @@ class TritonPythonModel:
                     self._stop(request.request_id(), sender)
                     continue
                 prompt, params, streaming, exclude = self._convert(request)
-                stream = Stream(sender, request.request_id(), streaming, [] if exclude else prompt)
+                stream = Stream(sender, request.request_id(), streaming, [] if exclude else prompt,
+                                bool(self._scalar(request, "return_perf_metrics", False)))
                 with self._lock:
                     self._active.add(stream)
                 try:
@@ -262,7 +263,7 @@ class TritonPythonModel:
             ids = stream.prefix + out.token_ids
         else:
             return
-        response = self._response(ids, out.stats)
+        response = self._response(ids, out.stats if stream.perf_metrics else None)
         if out.finished:
             self._close(stream, out, response)
         else:
@@ -282,14 +283,18 @@ class TritonPythonModel:
         self.metrics["output_tokens"].observe(out.stats.output_tokens)
 
     @staticmethod
-    def _response(ids: list[int], stats: RequestStats) -> Any:
-        return pb_utils.InferenceResponse([
-            pb_utils.Tensor("output_ids", np.array(ids, np.int32).reshape(1, 1, -1)),
-            pb_utils.Tensor("sequence_length", np.array([[len(ids)]], np.int32)),
-            pb_utils.Tensor("acceptance_rate", np.array([[stats.acceptance_rate]], np.float32)),
-            pb_utils.Tensor("total_accepted_draft_tokens", np.array([[stats.num_accepted_draft_tokens]], np.int32)),
-            pb_utils.Tensor("total_draft_tokens", np.array([[stats.num_draft_tokens]], np.int32)),
-        ])
+    def _response(ids: list[int], stats: RequestStats | None) -> Any:
+        """output_ids and sequence_length, and the speculative-decoding stats when asked for: as upstream's
+        perf metrics, only with return_perf_metrics, for each tensor costs every streamed token its trip
+        through the server, the ensemble and the client."""
+        tensors = [pb_utils.Tensor("output_ids", np.array(ids, np.int32).reshape(1, 1, -1)),
+                   pb_utils.Tensor("sequence_length", np.array([[len(ids)]], np.int32))]
+        if stats is not None:
+            tensors += [
+                pb_utils.Tensor("acceptance_rate", np.array([[stats.acceptance_rate]], np.float32)),
+                pb_utils.Tensor("total_accepted_draft_tokens", np.array([[stats.num_accepted_draft_tokens]], np.int32)),
+                pb_utils.Tensor("total_draft_tokens", np.array([[stats.num_draft_tokens]], np.int32))]
+        return pb_utils.InferenceResponse(tensors)
 
     def _cancel_abandoned(self) -> None:
         """Cancel requests whose client cancelled or disconnected (frees their KV blocks now)."""

@@ -117,7 +117,7 @@ class TritonPythonModel:
                     inputs=[pb_utils.Tensor("TOKENS_BATCH", out["output_ids"]),
                             pb_utils.Tensor("SEQUENCE_LENGTH", out["sequence_length"])]).exec())["OUTPUT"]
                 yield pb_utils.InferenceResponse([pb_utils.Tensor("text_output", text),
-                                                  *(pb_utils.Tensor(k, out[k]) for k in STATS)])
+                                                  *(pb_utils.Tensor(k, out[k]) for k in STATS if k in out)])
         finally:
             with self._lock:
                 self._watched.pop(engine_id, None)
