@@ -87,9 +87,11 @@ def test_pack_fp8_refuses_weights_that_are_not_fp8() -> None:
     assert kernels.pack_fp8(w) is None
 
 
-def test_moe_layer_matches_the_pytorch_moe() -> None:
-    """Routing (grouped, biased, normalized, scaled), routed experts and the shared expert in one call."""
-    cfg = ModelConfig.from_dict(tiny_config_dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=16,
+@pytest.mark.parametrize("inter", [32, 192, 384])
+def test_moe_layer_matches_the_pytorch_moe(inter) -> None:
+    """Routing (grouped, biased, normalized, scaled), routed experts and the shared expert in one call. The
+    shared expert runs in two halves: cut inside its one scale block (32), or at a block boundary (192, 384)."""
+    cfg = ModelConfig.from_dict(tiny_config_dict(hidden_size=64, moe_intermediate_size=inter, n_routed_experts=16,
                                                  num_experts_per_tok=3, n_group=4, topk_group=2))
     moe = MoE(cfg)
     gen = torch.Generator().manual_seed(1)

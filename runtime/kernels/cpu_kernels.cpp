@@ -467,11 +467,11 @@ void mlp_rows(const float* x, int64_t R, int64_t H, const Mlp& w, int64_t lo, in
 }
 
 // Where the shared expert is cut in two halves of its intermediate features, so that two threads share it (a
-// batch-1 step has it and two routed experts: three equal items for two threads). A multiple of 128 (a scale block)
-// or, below 256, of 16 inside the one block; 0: not cut. Fixed by the weights alone, so a row's sums never
-// depend on the batch or the threads.
+// batch-1 step has it and two routed experts: three equal items for two threads). At a scale block boundary when
+// there are several blocks, else at a multiple of 16 inside the one block; 0: not cut. Fixed by the weights alone,
+// so a row's sums never depend on the batch or the threads.
 int64_t split_point(int64_t inter) {
-  return inter >= 2 * kBlock ? inter / 2 / kBlock * kBlock : inter / 2 / kLanes * kLanes;
+  return inter > kBlock ? std::max(inter / 2 / kBlock, int64_t{1}) * kBlock : inter / 2 / kLanes * kLanes;
 }
 
 // noaux_tc routing of one token: sigmoid scores, the correction bias steering selection only, the best
