@@ -80,7 +80,9 @@ class RequestHandle:
 
     Outputs are kept in order and a shared cursor marks what iteration has handed out; it moves
     only when an output is delivered, so an async iteration cancelled while waiting (a timeout)
-    loses nothing and the next iteration carries on where it stopped.
+    loses nothing and the next iteration carries on where it stopped. Waiting for the result wakes
+    when the request finishes, not at every output (a batch's waiters would take turns at the GIL
+    with the executor's thread at every step).
     """
 
     def __init__(self, request_id: str, executor: "Executor"):
@@ -88,12 +90,16 @@ class RequestHandle:
         self._executor = executor
         self._outputs: list[RequestOutput] = []
         self._next = 0  # index of the next output iteration hands out
-        self._arrived = threading.Condition()
+        lock = threading.Lock()
+        self._arrived = threading.Condition(lock)  # any output
+        self._finished = threading.Condition(lock)  # the final one
 
     def _push(self, out: RequestOutput) -> None:
         with self._arrived:
             self._outputs.append(out)
             self._arrived.notify_all()
+            if out.finished:
+                self._finished.notify_all()
 
     def _wait(self, index: int) -> RequestOutput:
         with self._arrived:
@@ -108,8 +114,8 @@ class RequestHandle:
         self._executor.cancel(self.request_id)
 
     def result(self, timeout: float | None = None) -> RequestOutput:
-        with self._arrived:
-            if not self._arrived.wait_for(lambda: self.finished, timeout):
+        with self._finished:
+            if not self._finished.wait_for(lambda: self.finished, timeout):
                 raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
             return self._outputs[-1]
 
