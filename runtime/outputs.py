@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator
 
 from runtime.sampling import SamplingParams
@@ -78,37 +78,56 @@ class ExecutorStats:
 class RequestHandle:
     """Outputs of one request: iterate (blocking or async) over deltas, or wait for the result.
 
-    Outputs are kept in order and a shared cursor marks what iteration has handed out; it moves
-    only when an output is delivered, so an async iteration cancelled while waiting (a timeout)
-    loses nothing and the next iteration carries on where it stopped. Waiting for the result wakes
-    when the request finishes, not at every output (a batch's waiters would take turns at the GIL
-    with the executor's thread at every step).
+    The handle keeps the newest output (the result, once final) and what iteration has not handed out
+    yet. An output that arrives before a consumer has seen the one waiting is merged into it (tokens
+    and text deltas joined, the rest from the newer), as vLLM merges the outputs a slow consumer has
+    not collected: a consumer that falls behind, or only waits for the result, holds one output rather
+    than one per step, each with a copy of every token so far. An output leaves for good only when it is
+    delivered, so an async iteration cancelled while waiting (a timeout) loses nothing: the next
+    iteration gets it, and what came after. Waiting for the result wakes when the request finishes, not
+    at every output (a batch's waiters would take turns at the GIL with the executor's thread).
     """
 
     def __init__(self, request_id: str, executor: "Executor"):
         self.request_id = request_id
         self._executor = executor
-        self._outputs: list[RequestOutput] = []
-        self._next = 0  # index of the next output iteration hands out
+        self._last: RequestOutput | None = None
+        self._pending: list[RequestOutput] = []  # not delivered: the one a waiter may hold, then the rest merged
+        self._held = False  # _pending[0] was given to a waiter: later outputs are not merged into it
+        self._delivered_final = False
         lock = threading.Lock()
         self._arrived = threading.Condition(lock)  # any output
         self._finished = threading.Condition(lock)  # the final one
 
     def _push(self, out: RequestOutput) -> None:
         with self._arrived:
-            self._outputs.append(out)
+            self._last = out
+            if self._pending and not (self._held and len(self._pending) == 1):
+                last = self._pending[-1]
+                self._pending[-1] = replace(out, new_token_ids=last.new_token_ids + out.new_token_ids,
+                                            text_delta=last.text_delta + out.text_delta)
+            else:
+                self._pending.append(out)
             self._arrived.notify_all()
             if out.finished:
                 self._finished.notify_all()
 
-    def _wait(self, index: int) -> RequestOutput:
+    def _wait(self) -> RequestOutput:
         with self._arrived:
-            self._arrived.wait_for(lambda: len(self._outputs) > index)
-            return self._outputs[index]
+            self._arrived.wait_for(lambda: self._pending)
+            self._held = True
+            return self._pending[0]
+
+    def _deliver(self, out: RequestOutput) -> RequestOutput:
+        with self._arrived:
+            self._pending.pop(0)
+            self._held = False
+            self._delivered_final = out.finished
+        return out
 
     @property
     def finished(self) -> bool:
-        return bool(self._outputs) and self._outputs[-1].finished
+        return self._last is not None and self._last.finished
 
     def cancel(self) -> None:
         self._executor.cancel(self.request_id)
@@ -117,19 +136,15 @@ class RequestHandle:
         with self._finished:
             if not self._finished.wait_for(lambda: self.finished, timeout):
                 raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
-            return self._outputs[-1]
-
-    def _deliver(self, out: RequestOutput) -> RequestOutput:
-        self._next += 1
-        return out
+            return self._last
 
     def __iter__(self) -> Iterator[RequestOutput]:
-        while self._next == 0 or not self._outputs[self._next - 1].finished:
-            yield self._deliver(self._wait(self._next))
+        while not self._delivered_final:
+            yield self._deliver(self._wait())
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        while self._next == 0 or not self._outputs[self._next - 1].finished:
-            yield self._deliver(await asyncio.to_thread(self._wait, self._next))
+        while not self._delivered_final:
+            yield self._deliver(await asyncio.to_thread(self._wait))
 
 
 class RequestIds:

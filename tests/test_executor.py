@@ -466,6 +466,20 @@ def test_blocking_and_async_iteration(engine, prompts, tokenizer) -> None:
         assert_all_free(ex)
 
 
+def test_outputs_not_collected_yet_are_merged(engine, prompts, tokenizer) -> None:
+    """A consumer that only waits for the result leaves the handle holding one merged output, not one per
+    step with a copy of every token so far; iterating afterwards hands out that one output, whose deltas are
+    the whole text. result() is the last step's output."""
+    with Executor(engine, ExecutorConfig(num_draft_tokens=0, speculation="off")) as ex:
+        h = ex.submit(prompts[3], SamplingParams(max_tokens=30, ignore_eos=True))
+        final = h.result(60)
+        assert len(final.new_token_ids) == 1 and len(final.token_ids) == 30  # plain decoding: a token per step
+        outs = list(h)
+        assert len(outs) == 1 and outs[0].new_token_ids == final.token_ids and outs[0].text_delta == final.text
+        check_stream(outs, tokenizer)
+        assert list(h) == []  # delivered
+
+
 def test_async_iteration_survives_a_cancelled_wait(engine, prompts, tokenizer) -> None:
     """A timeout while awaiting the next output (asyncio.wait_for) must not swallow that output:
     iterating again carries on where the cancelled wait stopped."""

@@ -268,6 +268,13 @@ def wait_until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
         time.sleep(0.005)
 
 
+def every_output(ex: object, prompt: list[int], params: SamplingParams) -> list[RequestOutput]:
+    """Each output as the executor reports it (iteration may merge those it has not collected yet)."""
+    seen: list[RequestOutput] = []
+    ex.submit(prompt, params, on_output=seen.append).result(60)
+    return seen
+
+
 def check_stream(outs: list[RequestOutput]) -> None:
     """Deltas add up: each output's text/token_ids are the concatenation so far; one final output."""
     assert outs and outs[-1].finished and not any(o.finished for o in outs[:-1])
@@ -451,14 +458,15 @@ def test_contract_stream_becomes_request_outputs(engine_dir: Path, trtllm: Modul
         [req] = trtllm.llms[0].requests
         assert req.inputs == {"prompt_token_ids": prompt} and req.streaming is True
         assert req.sampling_params == trtllm.SamplingParams(**to_trtllm_sampling_kwargs(params, ex.tokenizer))
-        check_stream(outs)
-        assert outs == seen
-        final = outs[-1]
+        check_stream(outs)  # iteration may get several steps' outputs merged into one
+        check_stream(seen)
+        final = seen[-1]
+        assert (outs[-1].token_ids, outs[-1].text, outs[-1].stats) == (final.token_ids, final.text, final.stats)
         plan = default_plan(prompt, None)
         assert final.token_ids == [plan.token(i) for i in range(20)] and final.finish_reason == "length"
         assert final.text == ex.tokenizer.decode(final.token_ids)
         # steps of 1, 2, 4, 3 tokens: 8 upstream responses, one RequestOutput each
-        assert [len(o.new_token_ids) for o in outs] == [1, 2, 4, 3, 1, 2, 4, 3]
+        assert [len(o.new_token_ids) for o in seen] == [1, 2, 4, 3, 1, 2, 4, 3]
         s = final.stats
         assert (s.prompt_tokens, s.output_tokens, s.num_steps) == (len(prompt), 20, 8)
         assert (s.num_draft_tokens, s.num_accepted_draft_tokens) == (24, 12)  # what the double reported
@@ -643,7 +651,7 @@ def native(spec_checkpoint: Path) -> dict[str, Any]:
             "stop_string": (1, SamplingParams(max_tokens=48, ignore_eos=True, stop=(stop, "\x00never"))),
             "stop_token": (1, SamplingParams(max_tokens=48, ignore_eos=True, stop_token_ids=(raw[1][9],))),
         }
-        streams = {name: (i, params, list(ex.submit(prompts[i], params))) for name, (i, params) in cases.items()}
+        streams = {name: (i, params, every_output(ex, prompts[i], params)) for name, (i, params) in cases.items()}
     assert streams["stop_string"][2][-1].finish_reason == "stop"
     return {"prompts": prompts, "raw": raw, "streams": streams}
 
@@ -661,7 +669,7 @@ def test_contract_same_outputs_as_native(engine_dir: Path, trtllm: ModuleType, n
 
     with TrtllmExecutor(engine_dir) as ex:
         for name, (i, params, want) in native["streams"].items():
-            got = list(ex.submit(native["prompts"][i], params))
+            got = every_output(ex, native["prompts"][i], params)
             check_stream(got)
             if steps == (1,):
                 assert [view(o) for o in got] == [view(o) for o in want], name
