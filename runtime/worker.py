@@ -4,7 +4,8 @@ One step for a batch of sequences, each with its own number of new target tokens
 1. draft: for sequences given k > 0, one MTP forward catches the MTP cache up over the positions the
    target verified since the last draft (teacher-forced: true hidden states, true next tokens);
    its output at the last position proposes draft 1; drafts 2..k re-run the single MTP module on
-   its own previous draft and its own hidden state after shared_head.norm;
+   its own previous draft and its own hidden state after shared_head.norm (greedy, with one k for all:
+   the whole chain in one kernel call, `model.greedy_drafts`);
 2. verify: one ragged target forward over prefill chunks and [last token, d1..dk] chunks together;
 3. accept a prefix of each sequence's drafts and emit one more token (sampling.accept); rejected
    positions are simply left behind: the sequence's length is what the cache is trusted up to,
