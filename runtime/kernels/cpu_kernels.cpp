@@ -292,18 +292,25 @@ void packed_gemm(const float* x, int64_t M, int64_t K, const typename W::T* pack
   if (ldp == 0) ldp = K;
   if (lds == 0) lds = (K + kBlock - 1) / kBlock;
   const int64_t n_blocks = (panels + per_block - 1) / per_block;
-  parallel(n_blocks, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
+  // Fewer column blocks than threads (a narrow weight, q_a or kv_a): the rows are split too, eight or more
+  // each side; a row's sums are the same in any group of rows.
+  const int64_t threads = at::get_num_threads();
+  const int64_t row_parts = n_blocks < threads ? std::max<int64_t>(1, std::min(threads / n_blocks, M / 8)) : 1;
+  parallel(n_blocks * row_parts, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i % n_blocks, m0 = i / n_blocks * M / row_parts, m1 = (i / n_blocks + 1) * M / row_parts;
       const int64_t p0 = b * per_block, p1 = std::min(panels, p0 + per_block);
-      switch (M) {
-        case 6: gemm_rows<W, 6, 2>(x, K, packed, ldp, scale, lds, y, N, p0, p1); break;
-        case 5: gemm_rows<W, 5, 2>(x, K, packed, ldp, scale, lds, y, N, p0, p1); break;
-        case 4: gemm_rows<W, 4, 3>(x, K, packed, ldp, scale, lds, y, N, p0, p1); break;
-        case 3: gemm_rows<W, 3, 4>(x, K, packed, ldp, scale, lds, y, N, p0, p1); break;
-        case 2: gemm_rows<W, 2, 4>(x, K, packed, ldp, scale, lds, y, N, p0, p1); break;
-        case 1: gemm_rows<W, 1, 8>(x, K, packed, ldp, scale, lds, y, N, p0, p1); break;
+      const float* xr = x + m0 * K;
+      float* yr = y + m0 * N;
+      switch (m1 - m0) {
+        case 6: gemm_rows<W, 6, 2>(xr, K, packed, ldp, scale, lds, yr, N, p0, p1); break;
+        case 5: gemm_rows<W, 5, 2>(xr, K, packed, ldp, scale, lds, yr, N, p0, p1); break;
+        case 4: gemm_rows<W, 4, 3>(xr, K, packed, ldp, scale, lds, yr, N, p0, p1); break;
+        case 3: gemm_rows<W, 3, 4>(xr, K, packed, ldp, scale, lds, yr, N, p0, p1); break;
+        case 2: gemm_rows<W, 2, 4>(xr, K, packed, ldp, scale, lds, yr, N, p0, p1); break;
+        case 1: gemm_rows<W, 1, 8>(xr, K, packed, ldp, scale, lds, yr, N, p0, p1); break;
         case 0: break;
-        default: gemm_many_rows<W>(x, M, K, packed, ldp, scale, lds, y, N, p0, p1);
+        default: gemm_many_rows<W>(xr, m1 - m0, K, packed, ldp, scale, lds, yr, N, p0, p1);
       }
     }
   });
