@@ -3,8 +3,9 @@
 On CPU a decode step in ATen is dominated by per-operation overhead and by streaming fp32 weights,
 so the serving path runs C++ with AVX-512 instead: linear layers whose weights stay in the release's
 FP8 (or BF16) form, a whole MoE layer per call, absorbed MLA in two calls over the paged latent
-cache, RMSNorm, and a whole decoder layer composed of these. Without AVX-512 (or a compiler) the runtime uses its PyTorch path, which
-computes the same thing.
+cache, RMSNorm; and composed of these, a whole decoder layer, all of a model's layers, the MTP module
+and its greedy chain of drafts, each in one call. Without AVX-512 (or a compiler) the runtime uses its
+PyTorch path, which computes the same thing.
 """
 
 from __future__ import annotations
@@ -157,12 +158,17 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return cpu_kernels().rms_norm(rows, weight, eps).view(x.shape)
 
 
+def _pairs(rot: Tensor) -> Tensor:
+    """Complex rotations [..., rope/2] as the kernels read them: float pairs [..., rope/2, 2]."""
+    return torch.view_as_real(rot.contiguous())
+
+
 def mla_prepare(q: Tensor, kv: Tensor, rot: Tensor, kv_norm: Tensor, eps: float, w_uk: Tensor, scale: float,
                 cache: Tensor, slot_mapping: Tensor) -> Tensor:
     """q [T, h*(nope+rope)], kv [T, rank+rope] (projections), rot complex [T, rope/2]: writes the normalized,
     roped latents to their cache slots; returns the absorbed queries [T, h, rank+rope], scaled."""
-    return cpu_kernels().mla_prepare(q.contiguous(), kv, torch.view_as_real(rot.contiguous()), kv_norm, eps, w_uk,
-                                     scale, cache, slot_mapping.contiguous())
+    return cpu_kernels().mla_prepare(q.contiguous(), kv, _pairs(rot), kv_norm, eps, w_uk, scale, cache,
+                                     slot_mapping.contiguous())
 
 
 def mla_attention(q: Tensor, cache: Tensor, positions: Tensor, token_seq: Tensor, block_tables: Tensor,
@@ -182,13 +188,13 @@ def decoder_layer(layer: object, x: Tensor, rot: Tensor, kv_cache: Tensor, batch
     """A whole decoder layer (`layer` from `make_layer`) over tokens x [T, H] in one call: the kernels above in
     DecoderLayer's order, so the result is bit for bit that of calling them one by one, without the Python in
     between (on a small model it took as long as the kernels). rot: complex [T, rope/2]."""
-    return cpu_kernels().decoder_layer(layer, x.contiguous(), torch.view_as_real(rot.contiguous()), kv_cache, *_paged(batch))
+    return cpu_kernels().decoder_layer(layer, x.contiguous(), _pairs(rot), kv_cache, *_paged(batch))
 
 
 def decoder_layers(stack: object, x: Tensor, rot: Tensor, kv_cache: Tensor, batch: PagedBatch) -> Tensor:
     """All of a model's decoder layers (`stack` from `stack_layers`) in one call: `decoder_layer` for each in
     turn, without a Python call per layer."""
-    return cpu_kernels().decoder_layers(stack, x.contiguous(), torch.view_as_real(rot.contiguous()), kv_cache,
+    return cpu_kernels().decoder_layers(stack, x.contiguous(), _pairs(rot), kv_cache,
                                         *_paged(batch))
 
 
@@ -196,12 +202,12 @@ def mtp_layer(mtp: object, ids: Tensor, hidden: Tensor, rot: Tensor, kv_cache: T
               rows: Tensor | None) -> tuple[Tensor, Tensor]:
     """A whole MTP module (`mtp` from `make_mtp`) in one call, bit for bit MTPLayer's kernels one by one:
     (logits, hidden after shared_head.norm), at `rows` only when given."""
-    return cpu_kernels().mtp_layer(mtp, ids, hidden, torch.view_as_real(rot.contiguous()), kv_cache, *_paged(batch), rows)
+    return cpu_kernels().mtp_layer(mtp, ids, hidden, _pairs(rot), kv_cache, *_paged(batch), rows)
 
 
 def mtp_greedy_drafts(mtp: object, ids: Tensor, hidden: Tensor, rot: Tensor, kv_cache: Tensor, batch: PagedBatch,
                       draft_positions: Tensor, draft_rot: Tensor) -> Tensor:
     """Greedy drafts [B, K] in one call: `mtp_layer` over the catch-up (head at each sequence's last token), its
     argmax, then K - 1 more steps on its own drafts at draft_positions [K - 1, B] (rotations draft_rot, complex)."""
-    return cpu_kernels().mtp_greedy_drafts(mtp, ids, hidden, torch.view_as_real(rot.contiguous()), kv_cache, *_paged(batch),
-                                           batch.last_index, draft_positions, torch.view_as_real(draft_rot.contiguous()))
+    return cpu_kernels().mtp_greedy_drafts(mtp, ids, hidden, _pairs(rot), kv_cache, *_paged(batch),
+                                           batch.last_index, draft_positions, _pairs(draft_rot))

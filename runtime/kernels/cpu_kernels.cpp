@@ -9,12 +9,13 @@
 // mla_attention absorbed MLA over the paged latent cache, read in place through the block tables.
 // rms_norm     RMSNorm of rows.
 // decoder_layer all of the above for one decoder layer, in one call; decoder_layers for all of a model's;
-//              mtp_layer the same for an MTP module.
+//              mtp_layer the same for an MTP module; mtp_greedy_drafts its greedy chain of k drafts.
 //
 // Every output row is computed with the same arithmetic in the same order whatever the other rows
 // of the batch are, so a request's result does not depend on what it is batched with.
-// Threads (torch.get_num_threads() of them; see Pool) split the work by output columns, tokens and whole experts,
-// never inside a sum, so the bits do not depend on the number of threads either.
+// Threads (torch.get_num_threads() of them; see Pool) split the work by output columns, rows, tokens, whole routed
+// experts and the shared expert's fixed halves, never inside a sum, so the bits do not depend on the number of
+// threads either.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -609,7 +610,6 @@ torch::Tensor moe(const torch::Tensor& x, const torch::Tensor& gate_w, const tor
         mlp_rows(xs.data(), R, H, routed_mlp.expert(e), 0, routed_mlp.inter, g, u, ys[e].data());
       }
   });
-  for (size_t i = 0; i < shared_tail.size(); ++i) op[i] += shared_tail[i];
   std::vector<float> routed(T * H, 0.0f);
   for (int64_t e = 0; e < E; ++e)
     for (int64_t r = 0; r < size(e); ++r) {
@@ -617,7 +617,10 @@ torch::Tensor moe(const torch::Tensor& x, const torch::Tensor& gate_w, const tor
       const float* src = ys[e].data() + r * H;
       for (int64_t c = 0; c < H; ++c) dst[c] += row_w[e][r] * src[c];
     }
-  for (int64_t i = 0; i < T * H; ++i) op[i] = routed[i] + op[i];
+  if (cut > 0)
+    for (int64_t i = 0; i < T * H; ++i) op[i] = routed[i] + (op[i] + shared_tail[i]);
+  else
+    for (int64_t i = 0; i < T * H; ++i) op[i] = routed[i] + op[i];
   return out;
 }
 
