@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from runtime.cuda_graphs import DecodeGraphs
 from runtime.engine import LoadedEngine, load_engine
 from runtime.kv_cache import KVCache
 from runtime.sampling import RelaxedAcceptance, SamplingParams
@@ -49,6 +50,7 @@ class ExecutorConfig:
     dtype: str | None = None
     relaxed_acceptance: RelaxedAcceptance | None = None
     cpu_kernels: bool = True  # on CPU in float32: C++ attention and FP8 kernels (see engine.use_cpu_kernels)
+    cuda_graphs: bool = True  # on CUDA: steps of up to 8 new tokens per sequence replay captured graphs
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 0:
@@ -80,8 +82,9 @@ class Executor:
         capacity = config.kv_cache_tokens or self.limits.max_batch_size * (self.limits.max_seq_len + k + block)
         self.cache = KVCache(cfg, num_blocks=-(-capacity // block) + 1, block_size=block,
                              dtype=next(self.engine.model.parameters()).dtype, device=config.device)
+        graphs = DecodeGraphs(self.engine.model, self.cache) if config.cuda_graphs and self.cache.tensor.is_cuda else None
         self.runner = ModelRunner(self.engine.model, self.cache, config.relaxed_acceptance,
-                                  keep_mtp_inputs=k > 0)
+                                  keep_mtp_inputs=k > 0, graphs=graphs)
         costs = self.profile(k) if config.speculation == "adaptive" and k else None
         self.policy = DraftPolicy(config.speculation if k else "off", k, costs)
         self.scheduler = Scheduler(self.limits, self.cache, self.policy)
@@ -176,14 +179,17 @@ class Executor:
         context = min(context, cache.allocator.num_free * cache.block_size // largest - max_k - 1)
         sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < largest] + [largest]
         tables = [cache.allocator.allocate(cache.blocks_for(context + max_k + 1)) for _ in range(sizes[-1])]
+        sync = torch.cuda.synchronize if cache.tensor.is_cuda else (lambda: None)  # time the GPU's work, not its queueing
         try:
             def timed(fn) -> float:
                 for _ in range(warmup):
                     fn()
                 times = []
                 for _ in range(repeats):
+                    sync()
                     t0 = time.perf_counter()
                     fn()
+                    sync()
                     times.append(time.perf_counter() - t0)
                 return sorted(times)[repeats // 2]
 
@@ -193,19 +199,16 @@ class Executor:
             vocab = model.cfg.vocab_size
             target = {q: [] for q in range(1, max_k + 2)}
             mtp = []
+            runner = self.runner
             for b in sizes:
-                seqs = tables[:b]
+                seqs = [Sequence("p", [], 0, SamplingParams(), 0, block_table=t) for t in tables[:b]]
                 for q in target:
-                    ids = torch.randint(vocab, (b * q,), generator=gen).to(self.config.device)
-                    batch = self.runner._paged_batch(
-                        [Sequence("p", [], 0, SamplingParams(), 0, block_table=t) for t in seqs], [context] * b, [q] * b)
-                    target[q].append(timed(lambda: model.logits(model(ids, batch=batch, kv_cache=cache.tensor))))
+                    ids = torch.randint(vocab, (b * q,), generator=gen).tolist()
+                    target[q].append(timed(lambda: model.logits(runner.forward_target(seqs, [context] * b, [q] * b, ids))))
                 ids = torch.randint(vocab, (b,), generator=gen).to(self.config.device)
                 hidden = torch.randn(b, model.cfg.hidden_size, generator=gen).to(cache.tensor.dtype).to(
                     self.config.device)
-                batch = self.runner._paged_batch(
-                    [Sequence("p", [], 0, SamplingParams(), 0, block_table=t) for t in seqs], [context] * b, [1] * b)
-                mtp.append(timed(lambda: model.mtp_forward(0, ids, hidden, batch=batch, kv_cache=cache.tensor)))
+                mtp.append(timed(lambda: runner.forward_mtp(seqs, [context] * b, [1] * b, ids, hidden)))
         finally:
             for t in tables:
                 cache.allocator.free(t)

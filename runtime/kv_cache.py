@@ -45,13 +45,17 @@ class BlockAllocator:
 
 
 class KVCache:
-    """[cache layers, num_blocks * block_size, latent_dim] plus the allocator that hands out blocks."""
+    """[cache layers, (num_blocks + 1) * block_size, latent_dim] plus the allocator that hands out
+    blocks 0 .. num_blocks - 1. The last block is scratch that no sequence owns: the padding rows of
+    fixed-shape batches (CUDA graphs) write there."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         self.block_size = block_size
         self.num_layers = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
-        self.tensor = torch.zeros(self.num_layers, num_blocks * block_size, cfg.latent_dim, dtype=dtype, device=device)
+        self.scratch_block = num_blocks
+        self.tensor = torch.zeros(self.num_layers, (num_blocks + 1) * block_size, cfg.latent_dim, dtype=dtype,
+                                  device=device)
         self.allocator = BlockAllocator(num_blocks)
 
     @staticmethod

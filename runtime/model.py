@@ -95,6 +95,27 @@ class PagedBatch:
         last_index = torch.tensor(list(accumulate(query_lens)), device=block_tables.device) - 1
         return cls(torch.cat(positions), torch.cat(slots), last_index, groups)
 
+    @classmethod
+    def padded(cls, starts: Tensor, query_lens: Tensor, block_tables: Tensor, block_size: int, num_queries: int,
+               scratch_slot: int) -> "PagedBatch":
+        """B sequences laid out as [B, Q] tokens, from device tensors alone: start [B] cached tokens,
+        query_lens [B] <= Q new ones; tokens past a sequence's query length are padding and write to
+        `scratch_slot`. Shapes depend only on B, Q and the tables' width, and nothing is read back to
+        the host, so a CUDA graph captured over it replays for any values (T = B * Q rows, padding
+        included; last_index points at each sequence's last real token)."""
+        device = block_tables.device
+        B, Q = block_tables.shape[0], num_queries
+        L = block_tables.shape[1] * block_size
+        context_slots = (block_tables[:, :, None] * block_size + torch.arange(block_size, device=device)).view(B, L)
+        steps = torch.arange(Q, device=device)
+        pos = starts[:, None] + steps  # [B, Q]
+        real = steps < query_lens[:, None]
+        slot_mapping = torch.where(real, context_slots.gather(1, pos.clamp(max=L - 1)), scratch_slot)
+        blocked = (torch.arange(L, device=device) > pos[:, :, None])[:, :, None, :]  # [B, Q, 1, L]
+        last_index = torch.arange(B, device=device) * Q + query_lens - 1
+        group = AttentionGroup(0, B * Q, B, Q, context_slots.flatten(), L, blocked, None, None)
+        return cls(pos.flatten(), slot_mapping.flatten(), last_index, [group])
+
     @property
     def for_kernels(self) -> bool:
         """Built for the CPU kernels (kernel_attention): per-token sequence ids and block tables, no groups."""
@@ -361,14 +382,16 @@ class Gate(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts stacked as [E, out, in] tensors, run one of two ways by how many (token,
-    expert) pairs the batch has; on CPU the op count matters as much as the FLOPs:
+    """Routed experts stacked as [E, out, in] tensors, run one of three ways by how many (token,
+    expert) pairs the batch has and where it runs:
 
-    - fewer pairs than experts (decode, verifying a token or two): one small MLP per pair, its
-      routing weight folded into the down projection's addmm; no sorting, gathering or scattering;
-    - otherwise tokens grouped by expert, one matmul chain per chosen expert, as DeepSeek's
-      reference does (measured faster from E pairs up; computing every expert for every token
-      was never faster here and would cost E / top-k times the FLOPs).
+    - no more pairs than experts (decode, verifying a token or two): each pair's expert weights
+      gathered and one batched MLP over the pairs; no sorting, no host sync;
+    - otherwise on CPU: tokens grouped by expert, one matmul chain per chosen expert, as DeepSeek's
+      reference does (the group sizes are read back to the host);
+    - otherwise on CUDA: every expert over every token, weighted by a [T, E] routing matrix that is
+      zero where a token was not routed. E / top-k times the FLOPs, but no host sync, so a CUDA graph
+      can hold it; with a few experts the GPU does not notice the extra FLOPs.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -382,14 +405,25 @@ class Experts(nn.Module):
         return F.silu(F.linear(rows, self.gate_proj[e])) * F.linear(rows, self.up_proj[e])
 
     def forward(self, x: Tensor, weights: Tensor, idx: Tensor) -> Tensor:
-        E, _, H = self.gate_proj.shape
         T, k = idx.shape
-        if T * k < E:
-            out = x.new_zeros(T, H)
-            for t, (experts, ws) in enumerate(zip(idx.tolist(), weights.tolist())):
-                for e, w in zip(experts, ws):
-                    out[t : t + 1].addmm_(self._mlp(e, x[t : t + 1]), self.down_proj[e].t(), alpha=w)
-            return out
+        if T * k <= self.gate_proj.shape[0]:
+            return self._pairs(x, weights, idx)
+        return self._dense(x, weights, idx) if x.is_cuda else self._grouped(x, weights, idx)
+
+    def _pairs(self, x: Tensor, weights: Tensor, idx: Tensor) -> Tensor:
+        (T, k), H = idx.shape, x.shape[-1]
+        e = idx.flatten()
+        rows = x[:, None].expand(T, k, H).reshape(T * k, 1, H)
+        h = F.silu(rows @ self.gate_proj[e].mT) * (rows @ self.up_proj[e].mT)
+        return ((h @ self.down_proj[e].mT).view(T, k, H) * weights[..., None]).sum(1)
+
+    def _dense(self, x: Tensor, weights: Tensor, idx: Tensor) -> Tensor:
+        h = F.silu(x @ self.gate_proj.mT) * (x @ self.up_proj.mT)  # [E, T, I]
+        routed = x.new_zeros(idx.shape[0], self.gate_proj.shape[0]).scatter_(1, idx, weights)  # [T, E]
+        return torch.einsum("te,eth->th", routed, h @ self.down_proj.mT)
+
+    def _grouped(self, x: Tensor, weights: Tensor, idx: Tensor) -> Tensor:
+        E, k = self.gate_proj.shape[0], idx.shape[1]
         flat = idx.flatten()
         order = flat.argsort()
         counts = torch.bincount(flat, minlength=E).tolist()

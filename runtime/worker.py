@@ -22,6 +22,7 @@ from itertools import accumulate
 import torch
 from torch import Tensor
 
+from runtime.cuda_graphs import DecodeGraphs
 from runtime.kv_cache import KVCache
 from runtime.model import SHORT_QUERY, DeepseekV3ForCausalLM, PagedBatch
 from runtime.sampling import (PURPOSE_DRAFT, RelaxedAcceptance, SamplingTensors, accept, accept_greedy,
@@ -48,9 +49,11 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model: DeepseekV3ForCausalLM, kv_cache: KVCache,
-                 relaxed: RelaxedAcceptance | None = None, keep_mtp_inputs: bool = True):
+                 relaxed: RelaxedAcceptance | None = None, keep_mtp_inputs: bool = True,
+                 graphs: DecodeGraphs | None = None):
         self.model, self.cache = model, kv_cache
         self.device = kv_cache.tensor.device
+        self.graphs = graphs
         self.relaxed = relaxed
         self.keep_mtp_inputs = keep_mtp_inputs and model.cfg.num_nextn_predict_layers > 0
         self.timings = {"draft": 0.0, "target": 0.0}
@@ -63,6 +66,25 @@ class ModelRunner:
 
     def _ids(self, values: list[int]) -> Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def forward_target(self, seqs: list[Sequence], starts: list[int], lens: list[int], ids: list[int]) -> Tensor:
+        """Hidden states [sum(lens), H] of lens[b] new tokens after starts[b] cached ones per sequence."""
+        if self.graphs is not None:
+            hidden = self.graphs.target(ids, starts, lens, [s.block_table for s in seqs])
+            if hidden is not None:
+                return hidden
+        batch = self._paged_batch(seqs, starts, lens)
+        return self.model(self._ids(ids), batch=batch, kv_cache=self.cache.tensor)
+
+    def forward_mtp(self, seqs: list[Sequence], starts: list[int], lens: list[int], ids: Tensor,
+                    hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """The MTP layer over the same layout: (logits, hidden after shared_head.norm) at each sequence's last token."""
+        if self.graphs is not None:
+            out = self.graphs.mtp(ids, hidden, starts, lens, [s.block_table for s in seqs])
+            if out is not None:
+                return out
+        batch = self._paged_batch(seqs, starts, lens)
+        return self.model.mtp_forward(0, ids, hidden, batch=batch, kv_cache=self.cache.tensor, rows=batch.last_index)
 
     @staticmethod
     def sampling_tensors(seqs: list[Sequence], rows_per_seq: list[int], vocab: int, device: torch.device) -> SamplingTensors:
@@ -90,16 +112,14 @@ class ModelRunner:
         lens = [s.num_cached - s.num_mtp for s in seqs]  # the pending hidden rows
         next_ids = self._ids([t for s in seqs for t in s.token_ids[s.num_mtp + 1 : s.num_cached + 1]])
         hidden = torch.cat([h for s in seqs for h in s.pending_hidden])
-        batch = self._paged_batch(seqs, starts, lens)
         for s in seqs:
             s.num_mtp, s.pending_hidden = s.num_cached, []
         all_greedy = all(s.params.greedy for s in seqs)
-        if all_greedy and min(ks) == K > 1:  # the whole greedy chain in one kernel call where the layer is fused
-            drafts = model.greedy_drafts(0, next_ids, hidden, batch, self.cache.tensor, K)
+        if all_greedy and min(ks) == K > 1 and model.mtp[0].fused is not None:  # the greedy chain in one kernel call
+            drafts = model.greedy_drafts(0, next_ids, hidden, self._paged_batch(seqs, starts, lens), self.cache.tensor, K)
             if drafts is not None:
                 return drafts, None
-        logits, h = model.mtp_forward(0, next_ids, hidden, batch=batch, kv_cache=self.cache.tensor,
-                                      rows=batch.last_index)
+        logits, h = self.forward_mtp(seqs, starts, lens, next_ids, hidden)
         if not all_greedy:
             st = self.sampling_tensors(seqs, [1] * len(seqs), model.cfg.vocab_size, self.device)
             seeds = self._ids([s.seed for s in seqs])
@@ -118,12 +138,12 @@ class ModelRunner:
             # Draft j+2 at position num_tokens - 1 + j from the MTP's own hidden state and draft.
             active = [i for i, k in enumerate(ks) if k > j + 1]
             sub = [seqs[i] for i in active]
-            batch = self._paged_batch(sub, [s.num_tokens - 1 + j for s in sub], [1] * len(sub))
+            starts = [s.num_tokens - 1 + j for s in sub]
             if len(active) == len(seqs):
-                logits, h = model.mtp_forward(0, d, h, batch=batch, kv_cache=self.cache.tensor)
+                logits, h = self.forward_mtp(sub, starts, [1] * len(sub), d, h)
             else:
                 idx = self._ids(active)
-                sub_logits, sub_h = model.mtp_forward(0, d[idx], h[idx], batch=batch, kv_cache=self.cache.tensor)
+                sub_logits, sub_h = self.forward_mtp(sub, starts, [1] * len(sub), d[idx], h[idx])
                 logits, h = logits.clone(), h.clone()
                 logits[idx], h[idx] = sub_logits, sub_h
         draft_probs = torch.stack(probs, dim=1) if probs else None
@@ -150,8 +170,7 @@ class ModelRunner:
             s = it.seq
             tokens += ([s.token_ids[-1]] + draft_of.get(id(s), [])) if not s.in_prefill else \
                 s.token_ids[s.num_cached : s.num_cached + it.num_new]
-        batch = self._paged_batch(seqs, [s.num_cached for s in seqs], [it.num_new for it in items])
-        hidden = self.model(self._ids(tokens), batch=batch, kv_cache=self.cache.tensor)
+        hidden = self.forward_target(seqs, [s.num_cached for s in seqs], [it.num_new for it in items], tokens)
         results = self._verify(items, decoding, hidden, rows, draft_probs, drafting) if decoding else {}
 
         out, offset = [], 0

@@ -42,6 +42,14 @@ def add_common_args(p, *, threads_help: str = "torch intra-op threads (0: torch'
     p.add_argument("--out_dir", type=Path, default=Path(DEFAULT_OUT_DIR))
     p.add_argument("--threads", type=int, default=0, help=threads_help)
     p.add_argument("--quick", action="store_true", help="smoke run: tiny settings, results still written")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (the native runtime on a GPU)")
+    p.add_argument("--dtype", default=None, help="model dtype (default: the engine's build dtype)")
+
+
+def sync(device: str | torch.device) -> None:
+    """Wait for queued GPU work, so that host clocks time it."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
 
 
 def set_threads(n: int) -> None:

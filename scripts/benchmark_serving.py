@@ -221,7 +221,7 @@ def main() -> None:
     max_c = max(levels)
 
     texts = load_prompts(args.model, args.prompts)
-    engine = load_engine(args.model)
+    engine = load_engine(args.model, device=args.device, dtype=args.dtype)
     eng_info = engine_info(engine)
     configs = {
         "plain": ExecutorConfig(num_draft_tokens=0, speculation="off", max_batch_size=max_c),
@@ -232,7 +232,8 @@ def main() -> None:
     max_seq_len = min(engine.build.max_seq_len, 1024)
     for m in modes:
         t = time.perf_counter()
-        executors[m] = Executor(engine, dataclasses.replace(configs[m], max_batch_size=max_c, max_seq_len=max_seq_len))
+        executors[m] = Executor(engine, dataclasses.replace(configs[m], max_batch_size=max_c, max_seq_len=max_seq_len,
+                                                            device=args.device))
         print(f"{m}: executor ready in {time.perf_counter() - t:.1f} s"
               f"{' (profiled step costs for adaptive)' if m == 'adaptive' else ''}")
     tok = executors[modes[0]].tokenizer
@@ -245,7 +246,7 @@ def main() -> None:
         closed_loop(executors[m], warm, max_c, args.timeout, None)
 
     title = (f"{args.model}: {eng_info['parameters_target'] / 1e6:.1f}M target params, "
-             f"{info['torch_threads']} torch threads, {info['cpu_count']} CPUs; fixed k={args.fixed_k}, "
+             f"{info['torch_threads']} torch threads, {info['cpu_count']} CPUs, {args.device}; fixed k={args.fixed_k}, "
              f"adaptive k<={args.adaptive_k}")
     results: dict[str, Any] = {
         "benchmark": "serving", "quick": args.quick, "title": title,

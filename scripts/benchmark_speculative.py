@@ -1,4 +1,4 @@
-"""MTP speculative decoding at batch 1 on CPU: our runtime at k = 0..4 and HF transformers, side by side.
+"""MTP speculative decoding at batch 1 (CPU, or --device cuda): our runtime at k = 0..4 and HF transformers, side by side.
 
 For every held-out prompt (greedy, ignore_eos, the same number of new tokens everywhere) the
 runs are interleaved: our executor at each k (speculation "fixed", one executor per k, each
@@ -21,16 +21,18 @@ from typing import Any
 
 from bench_common import (Timer, add_common_args, engine_info, load_prompts, machine_info,
                           machine_md, md_table, mean, percentile, ratio, round_robin_by_source, set_threads,
-                          target_line, write_results)
+                          sync, target_line, write_results)
 
 import torch  # noqa: E402  (bench_common puts the repo root on sys.path first)
 from tqdm import tqdm  # noqa: E402
 
 from runtime.engine import load_engine  # noqa: E402
 from runtime.executor import Executor, ExecutorConfig  # noqa: E402
+from runtime.cuda_graphs import DecodeGraphs  # noqa: E402
 from runtime.kv_cache import KVCache  # noqa: E402
-from runtime.model import PagedBatch  # noqa: E402
 from runtime.sampling import SamplingParams  # noqa: E402
+from runtime.sequence import Sequence  # noqa: E402
+from runtime.worker import ModelRunner  # noqa: E402
 
 TARGETS = {"k1_vs_k0": 1.6, "best_vs_k0": 2.0, "k0_vs_hf": 3.0}
 FORMULA = ("ideal(k) = E(k) / (1 + k * c), with E(k) = (1 - a^(k+1)) / (1 - a) the expected tokens per "
@@ -46,27 +48,27 @@ FORMULA = ("ideal(k) = E(k) / (1 + k * c), with E(k) = (1 - a^(k+1)) / (1 - a) t
 @torch.inference_mode()
 def measure_step_costs(model, max_k: int, context: int, repeats: int, block_size: int = 16) -> dict[str, Any]:
     """Median seconds of one target forward + lm_head over q = 1..max_k+1 new tokens, and of one
-    MTP forward (layer + shared head) over 1 token, at batch 1 with `context` cached tokens, on
-    the paged path the runtime decodes with. Calls are interleaved round by round."""
+    MTP forward (layer + shared head) over 1 token, at batch 1 with `context` cached tokens, through
+    the runner's forwards the runtime decodes with (CUDA graphs on a GPU). Calls are interleaved round by round."""
     cfg = model.cfg
-    dtype = next(model.parameters()).dtype
+    param = next(model.parameters())
+    dtype, device = param.dtype, param.device
     blocks = -(-(context + max_k + 2) // block_size)
-    cache = KVCache(cfg, num_blocks=blocks + 1, block_size=block_size, dtype=dtype)
-    tables = torch.tensor([cache.allocator.allocate(blocks)])
+    cache = KVCache(cfg, num_blocks=blocks + 1, block_size=block_size, dtype=dtype, device=device)
+    seq = [Sequence("cost", [], 0, SamplingParams(), 0, block_table=cache.allocator.allocate(blocks))]
+    runner = ModelRunner(model, cache, graphs=DecodeGraphs(model, cache) if device.type == "cuda" else None)
     cache.tensor.normal_()  # context values do not change the cost, but keep them non-degenerate
     gen = torch.Generator().manual_seed(0)
 
     def target(q: int):
-        ids = torch.randint(0, cfg.vocab_size, (q,), generator=gen)
-        batch = PagedBatch.build([context], [q], tables, block_size, model.kernel_attention)
-        return model.logits(model(ids, batch=batch, kv_cache=cache.tensor))
+        ids = torch.randint(0, cfg.vocab_size, (q,), generator=gen).tolist()
+        return model.logits(runner.forward_target(seq, [context], [q], ids))
 
-    hidden = torch.randn(1, cfg.hidden_size, generator=gen).to(dtype)
+    hidden = torch.randn(1, cfg.hidden_size, generator=gen).to(device, dtype)
 
     def mtp():
-        ids = torch.randint(0, cfg.vocab_size, (1,), generator=gen)
-        batch = PagedBatch.build([context], [1], tables, block_size, model.kernel_attention)
-        return model.mtp_forward(0, ids, hidden, batch=batch, kv_cache=cache.tensor)
+        ids = torch.randint(0, cfg.vocab_size, (1,), generator=gen).to(device)
+        return runner.forward_mtp(seq, [context], [1], ids, hidden)
 
     fns = {f"target_q{q}": (lambda q=q: target(q)) for q in range(1, max_k + 2)}
     fns["mtp"] = mtp
@@ -76,8 +78,10 @@ def measure_step_costs(model, max_k: int, context: int, repeats: int, block_size
     samples: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            sync(device)
             t0 = time.perf_counter()
             fn()
+            sync(device)
             samples[name].append(time.perf_counter() - t0)
     med = {k: percentile(v, 50) for k, v in samples.items()}
     return {
@@ -205,12 +209,12 @@ def _patch_mtp_loading(model, model_dir: Path, n_layers: int, own_embed_head: bo
         meta["mtp_fp8_weights_redequantized"], meta["mtp_fp8_max_abs_error_fixed"] = fixed, err
         if embed is not None:
             mtp.embed_tokens, mtp.shared_head = embed, head
-        return mtp
+        return mtp.to(next(model.parameters()).device)  # HF builds it on the CPU
 
     modeling_layers.MtpModel.from_pretrained = classmethod(from_pretrained)
 
 
-def load_hf(model_dir: Path, tie_mtp: bool = False):
+def load_hf(model_dir: Path, tie_mtp: bool = False, device: str = "cpu"):
     """DeepseekV3ForCausalLM.from_pretrained in fp32, with the class-level MTP ignore pattern
     pointed at this checkpoint's MTP layer index (transformers hard-codes 61)."""
     import json
@@ -225,7 +229,11 @@ def load_hf(model_dir: Path, tie_mtp: bool = False):
     hf_ds.DeepseekV3PreTrainedModel._keys_to_ignore_on_load_unexpected = patterns
     # FP8 checkpoints are dequantized on CPU (needs `accelerate`); Linear weights land in fp32
     # but the bf16-stored tensors (embeddings, norms) keep bf16, hence the .float().
-    model = DeepseekV3ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    extra = {}
+    if device != "cpu" and "quantization_config" in cfg:  # with a GPU present, HF would keep FP8 layers
+        from transformers import FineGrainedFP8Config
+        extra["quantization_config"] = FineGrainedFP8Config(dequantize=True)
+    model = DeepseekV3ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, **extra)
     model = model.float().eval()
     model.config.dtype = torch.float32  # MtpModel.from_pretrained builds its layers in config.dtype
     model.generation_config.eos_token_id = None
@@ -240,12 +248,12 @@ def load_hf(model_dir: Path, tie_mtp: bool = False):
         meta |= _fix_fp8_dequantization(model, model_dir)
     if m:
         _patch_mtp_loading(model, model_dir, n, own_embed_head=not tie_mtp, meta=meta)
-    return model, meta
+    return model.to(device), meta
 
 
 @torch.inference_mode()
 def hf_generate(model, prompt_ids: list[int], max_new_tokens: int, use_mtp: bool) -> dict[str, Any]:
-    ids = torch.tensor([prompt_ids])
+    ids = torch.tensor([prompt_ids], device=model.device)
     rec = _StepRecorder()
     t0 = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
@@ -349,7 +357,7 @@ def main() -> None:
         raise SystemExit("--ks must include 0 (the baseline)")
 
     prompts = round_robin_by_source(load_prompts(args.model, args.prompts), args.num_prompts)
-    engine = load_engine(args.model)
+    engine = load_engine(args.model, device=args.device, dtype=args.dtype)
     eng_info = engine_info(engine)
     model_dir = Path(args.model)
     info = machine_info()
@@ -359,7 +367,7 @@ def main() -> None:
     executors: dict[int, Executor] = {}
     for k in ks:
         executors[k] = Executor(engine, ExecutorConfig(num_draft_tokens=k, speculation="fixed" if k else "off",
-                                                       max_batch_size=1))
+                                                       max_batch_size=1, device=args.device))
     tok = executors[0].tokenizer
     prompt_ids = [tok.encode(x["text"]) for x in prompts]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
@@ -374,7 +382,7 @@ def main() -> None:
         else:
             try:
                 with Timer() as t:
-                    hf, hf_meta = load_hf(model_dir, tie_mtp=args.hf_mtp_tied)
+                    hf, hf_meta = load_hf(model_dir, tie_mtp=args.hf_mtp_tied, device=args.device)
                 hf_meta["load_s"] = t.seconds
             except Exception as e:  # report, keep our numbers
                 hf_error = f"HF load failed: {type(e).__name__}: {e}"
@@ -476,7 +484,7 @@ def main() -> None:
         "per_request": {s: [{k: v for k, v in r.items() if k != "token_ids"} for r in runs[s]] for s in settings},
     }
 
-    md = [f"# MTP speculative decoding, batch 1, CPU{' (quick smoke run)' if args.quick else ''}", "",
+    md = [f"# MTP speculative decoding, batch 1, {args.device.upper()}{' (quick smoke run)' if args.quick else ''}", "",
           f"Model `{args.model}` ({eng_info['parameters_target'] / 1e6:.2f}M target + "
           f"{eng_info['parameters_mtp'] / 1e6:.2f}M MTP parameters, {eng_info['dtype']}); "
           f"{len(prompts)} held-out prompts ({', '.join(sorted({x['source'] for x in prompts}))}), "

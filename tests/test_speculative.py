@@ -109,7 +109,8 @@ def test_kv_bytes_per_token(overrides, dtype, elem) -> None:
     cache = KVCache(cfg, num_blocks=num_blocks, block_size=block_size, dtype=dtype)
     t = cache.tensor
     assert t.dtype == dtype
-    assert t.numel() * t.element_size() == expected * num_blocks * block_size  # bytes per slot, all layers
+    assert t.numel() * t.element_size() == expected * (num_blocks + 1) * block_size  # per slot, all layers; +1 scratch block
+    assert cache.allocator.num_free == num_blocks and cache.scratch_block == num_blocks  # scratch is never handed out
     assert t.shape[0] == cfg.num_hidden_layers + cfg.num_nextn_predict_layers
 
 

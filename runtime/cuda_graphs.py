@@ -1,0 +1,133 @@
+"""CUDA graphs for short-query steps (decode, verification, MTP drafting).
+
+On a GPU, a decode step of this runtime is ~1,400 small kernels (21 layers of MLA and MoE); launched
+one by one from Python they take ~25 ms on an H100, where the GPU itself is busy for ~3 ms. A graph
+captured once per batch shape replays them in one launch, as vLLM and TensorRT-LLM do.
+
+A graph needs fixed shapes and no host syncs: batches are laid out as [B, Q] tokens by
+`PagedBatch.padded` (sequences padded to a power-of-two count B, block tables to a power-of-two
+width, tokens past a sequence's query length written to the cache's scratch block), and the MoE
+layer runs its sync-free paths on CUDA. Shapes that do not fit (long prefill chunks) run eagerly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from runtime.kv_cache import KVCache
+from runtime.model import SHORT_QUERY, DeepseekV3ForCausalLM, PagedBatch
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph | None  # None: replayed eagerly (capture=False)
+    meta: Tensor  # [B, 2 + width]: start, query length, block table
+    inputs: list[Tensor]  # [B * Q, ...] each
+    outputs: tuple[Tensor, ...]
+    run: Callable[[], tuple[Tensor, ...]]
+
+
+class DecodeGraphs:
+    """Target and MTP forwards over padded fixed-shape batches, one graph per (kind, B, Q, width).
+
+    capture=False runs the same padded calls eagerly, so the padding is tested where there is no GPU.
+    """
+
+    def __init__(self, model: DeepseekV3ForCausalLM, cache: KVCache, capture: bool = True):
+        self.model, self.cache, self.capture = model, cache, capture
+        self.device = cache.tensor.device
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.graphs: dict[tuple[str, int, int, int], _Graph] = {}
+
+    def target(self, ids: Sequence[int], starts: Sequence[int], lens: Sequence[int],
+               tables: Sequence[Sequence[int]]) -> Tensor | None:
+        """Hidden states [sum(lens), H] after the final norm, as `model(...)` returns them; None when
+        a sequence has more than SHORT_QUERY new tokens."""
+        if max(lens) > SHORT_QUERY:
+            return None
+        ids_t = torch.tensor(ids, dtype=torch.long)
+        g, index = self._prepare("target", starts, lens, tables, [ids_t], self._target_fn)
+        hidden = g.outputs[0]
+        return hidden[: len(ids)].clone() if index is None else hidden[index]
+
+    def mtp(self, ids: Tensor, hidden: Tensor, starts: Sequence[int], lens: Sequence[int],
+            tables: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor] | None:
+        """MTP layer 0 at each sequence's last new token: (logits [B, V], hidden after
+        shared_head.norm [B, H]), as `model.mtp_forward(..., rows=batch.last_index)` returns them."""
+        if max(lens) > SHORT_QUERY:
+            return None
+        g, _ = self._prepare("mtp", starts, lens, tables, [ids, hidden], self._mtp_fn)
+        B = len(starts)
+        return g.outputs[0][:B].clone(), g.outputs[1][:B].clone()
+
+    # ---- the captured calls -------------------------------------------------------------------
+    def _batch(self, meta: Tensor, Q: int) -> PagedBatch:
+        return PagedBatch.padded(meta[:, 0], meta[:, 1], meta[:, 2:], self.cache.block_size, Q,
+                                 self.cache.scratch_block * self.cache.block_size)
+
+    def _target_fn(self, meta: Tensor, Q: int, ids: Tensor) -> tuple[Tensor, ...]:
+        return (self.model(ids, batch=self._batch(meta, Q), kv_cache=self.cache.tensor),)
+
+    def _mtp_fn(self, meta: Tensor, Q: int, ids: Tensor, hidden: Tensor) -> tuple[Tensor, ...]:
+        batch = self._batch(meta, Q)
+        return self.model.mtp_forward(0, ids, hidden, batch=batch, kv_cache=self.cache.tensor, rows=batch.last_index)
+
+    # ---- padding, capture, replay -------------------------------------------------------------
+    def _prepare(self, kind: str, starts: Sequence[int], lens: Sequence[int], tables: Sequence[Sequence[int]],
+                 inputs: list[Tensor], fn: Callable[..., tuple[Tensor, ...]]) -> tuple[_Graph, Tensor | None]:
+        """Fill (or first capture) the graph for this shape and replay it. Returns it and the rows of
+        the real tokens in its [B * Q] layout (None when every sequence has Q tokens)."""
+        n, Q, bs = len(starts), max(lens), self.cache.block_size
+        B = _pow2(n)
+        width = _pow2(max(-(-(s + Q) // bs) for s in starts))
+        scratch = self.cache.scratch_block
+        meta = torch.full((B, 2 + width), scratch, dtype=torch.long)
+        meta[:, :2] = torch.tensor([0, 1])  # padding sequences: one token at position 0 of the scratch block
+        meta[:n, 0], meta[:n, 1] = torch.tensor(starts), torch.tensor(lens)
+        for b, table in enumerate(tables):
+            meta[b, 2 : 2 + len(table)] = torch.tensor(table[:width], dtype=torch.long)
+        index = None
+        if any(q != Q for q in lens):
+            index = torch.tensor([b * Q + j for b, q in enumerate(lens) for j in range(q)], device=self.device)
+        key = (kind, B, Q, width)
+        g = self.graphs.get(key)
+        if g is None:
+            g = self.graphs[key] = self._new(fn, B, Q, width, inputs)
+        g.meta.copy_(meta)
+        for buf, x in zip(g.inputs, inputs):
+            if index is None:
+                buf[: x.shape[0]].copy_(x)
+            else:
+                buf[index] = x.to(self.device)
+        if not self.capture:
+            g.outputs = g.run()
+            return g, index
+        if g.graph is None:
+            self._capture(g)
+        g.graph.replay()
+        return g, index
+
+    def _new(self, fn: Callable[..., tuple[Tensor, ...]], B: int, Q: int, width: int, inputs: list[Tensor]) -> _Graph:
+        meta = torch.zeros(B, 2 + width, dtype=torch.long, device=self.device)
+        bufs = [torch.zeros(B * Q, *x.shape[1:], dtype=x.dtype, device=self.device) for x in inputs]
+        return _Graph(None, meta, bufs, (), lambda: fn(meta, Q, *bufs))
+
+    def _capture(self, g: _Graph) -> None:
+        """Run once on a side stream (allocator and library warm-up), then record. The warm-up computes
+        this very call, so its cache writes are the ones the replay makes again."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            g.run()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        g.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g.graph, pool=self.pool):
+            g.outputs = g.run()

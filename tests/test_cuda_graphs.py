@@ -1,0 +1,134 @@
+"""The fixed-shape batches CUDA graphs replay, checked on CPU without capturing: padded batches give
+the ragged batches' hidden states and cache writes, the MoE layer's sync-free paths give the
+grouped path's sums, and an executor on padded batches gives the same greedy tokens.
+(The capture itself needs a GPU: tests/test_cuda.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.config import ModelConfig
+from runtime.cuda_graphs import DecodeGraphs
+from runtime.engine import load_engine
+from runtime.executor import Executor, ExecutorConfig
+from runtime.kv_cache import KVCache
+from runtime.model import Experts
+from runtime.sampling import SamplingParams
+from runtime.sequence import Sequence
+from runtime.worker import ModelRunner
+
+from conftest import tiny_config_dict
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+
+@pytest.fixture(scope="module")
+def model(spec_checkpoint):
+    return load_engine(spec_checkpoint, cpu_kernels=False).model
+
+
+def _runners(model, graphs: bool, seed: int = 0) -> tuple[ModelRunner, KVCache]:
+    cache = KVCache(model.cfg, num_blocks=40, block_size=4)
+    cache.tensor.copy_(torch.randn(cache.tensor.shape, generator=torch.Generator().manual_seed(seed)))
+    return ModelRunner(model, cache, graphs=DecodeGraphs(model, cache, capture=False) if graphs else None), cache
+
+
+# (cached tokens, new tokens) per sequence: ragged query lengths, contexts across block boundaries,
+# three sequences padded to four
+LAYOUTS = [[(9, 1)], [(5, 4), (13, 1), (2, 3)], [(0, 8), (7, 2)], [(3, 2), (3, 2), (22, 2), (1, 2), (6, 2)]]
+
+
+def _sequences(layout: list[tuple[int, int]]) -> list[Sequence]:
+    seqs, first = [], 0
+    for s, q in layout:
+        n = -(-(s + q) // 4) + 1  # one block more than needed, as the scheduler reserves room for drafts
+        seqs.append(Sequence(f"r{first}", [], 0, SamplingParams(), 0, block_table=list(range(first + n - 1, first - 1, -1))))
+        first += n
+    return seqs
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_padded_target_forward_equals_ragged(model, layout) -> None:
+    eager, cache_e = _runners(model, graphs=False)
+    padded, cache_p = _runners(model, graphs=True)
+    seqs = _sequences(layout)
+    starts, lens = [s for s, _ in layout], [q for _, q in layout]
+    ids = torch.randint(model.cfg.vocab_size, (sum(lens),), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.inference_mode():
+        want = eager.forward_target(seqs, starts, lens, ids)
+        got = padded.forward_target(seqs, starts, lens, ids)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    owned = cache_e.scratch_block * cache_e.block_size  # every slot but the scratch block's
+    torch.testing.assert_close(cache_p.tensor[:, :owned], cache_e.tensor[:, :owned], atol=1e-5, rtol=1e-5)
+    assert not torch.equal(cache_p.tensor[:, :owned], _runners(model, graphs=False)[1].tensor[:, :owned])  # it wrote
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_padded_mtp_forward_equals_ragged(model, layout) -> None:
+    eager, cache_e = _runners(model, graphs=False)
+    padded, cache_p = _runners(model, graphs=True)
+    seqs = _sequences(layout)
+    starts, lens = [s for s, _ in layout], [q for _, q in layout]
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(model.cfg.vocab_size, (sum(lens),), generator=gen)
+    hidden = torch.randn(sum(lens), model.cfg.hidden_size, generator=gen)
+    with torch.inference_mode():
+        want = eager.forward_mtp(seqs, starts, lens, ids, hidden)
+        got = padded.forward_mtp(seqs, starts, lens, ids, hidden)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape == (len(layout), g.shape[1])
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    owned = cache_e.scratch_block * cache_e.block_size
+    torch.testing.assert_close(cache_p.tensor[:, :owned], cache_e.tensor[:, :owned], atol=1e-5, rtol=1e-5)
+
+
+def test_one_graph_per_shape(model) -> None:
+    """Batches of 3 and 4 sequences share the 4-sequence shape; a longer context widens the table to a power of two."""
+    runner, cache = _runners(model, graphs=True)
+    with torch.inference_mode():
+        for layout in ([(3, 2)] * 3, [(5, 2)] * 4, [(3, 2)] * 2, [(40, 2)] * 2):
+            seqs = _sequences(layout)
+            runner.forward_target(seqs, [s for s, _ in layout], [q for _, q in layout], [5] * 2 * len(layout))
+    assert sorted(runner.graphs.graphs) == [("target", 2, 2, 2), ("target", 2, 2, 16), ("target", 4, 2, 2)]
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 4, 9])
+def test_experts_paths_agree(tokens) -> None:
+    """Gathered pairs (T * top-k <= E), every expert (CUDA's sync-free path) and grouped by expert
+    all give the per-token sum of routing weight x expert MLP."""
+    cfg = ModelConfig.from_dict(tiny_config_dict())
+    experts = Experts(cfg)
+    gen = torch.Generator().manual_seed(tokens)
+    for p in experts.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    x = torch.randn(tokens, cfg.hidden_size, generator=gen)
+    idx = torch.stack([torch.randperm(cfg.n_routed_experts, generator=gen)[: cfg.num_experts_per_tok]
+                       for _ in range(tokens)])
+    weights = torch.rand(idx.shape, generator=gen)
+    want = torch.stack([sum(w * torch.nn.functional.linear(experts._mlp(e, x[t]), experts.down_proj[e])
+                            for e, w in zip(idx[t].tolist(), weights[t])) for t in range(tokens)])
+    paths = [experts._dense, experts._grouped] + ([experts._pairs] if tokens * idx.shape[1] <= cfg.n_routed_experts else [])
+    for path in paths:
+        torch.testing.assert_close(path(x, weights, idx), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(experts(x, weights, idx), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_executor_on_padded_batches_equals_eager(spec_checkpoint, k) -> None:
+    """Prompts of different lengths in one batch (short last prefill chunks take the padded path too)."""
+    engine = load_engine(spec_checkpoint, cpu_kernels=False)
+    prompts = [[5 + i] * n for i, n in enumerate((3, 11, 6, 17, 2))]
+    outputs = []
+    for graphs in (False, True):
+        with Executor(engine, ExecutorConfig(num_draft_tokens=k, speculation="fixed" if k else "off",
+                                             max_num_tokens=24)) as ex:
+            if graphs:
+                ex.runner.graphs = DecodeGraphs(engine.model, ex.cache, capture=False)
+            handles = [ex.submit(p, SamplingParams(max_tokens=20, ignore_eos=True)) for p in prompts]
+            outputs.append([h.result(60).token_ids for h in handles])
+            if graphs:
+                assert ex.runner.graphs.graphs, "no step took the padded path"
+                assert ex.stats().kv_blocks_used == 0
+    assert outputs[1] == outputs[0]
