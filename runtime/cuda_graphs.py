@@ -1,4 +1,5 @@
-"""CUDA graphs for short-query steps (decode, verification, MTP drafting).
+"""CUDA graphs for every step of up to MAX_QUERY new tokens per sequence (decode, verification, MTP
+drafting, prefill chunks).
 
 On a GPU, a decode step of this runtime is ~1,400 small kernels (21 layers of MLA and MoE); launched
 one by one from Python they take ~25 ms on an H100, where the GPU itself is busy for ~3 ms. A graph
@@ -7,13 +8,16 @@ captured once per batch shape replays them in one launch, as vLLM and TensorRT-L
 A graph needs fixed shapes and no host syncs: batches are laid out as [B, Q] tokens by
 `PagedBatch.padded` (sequences padded to a power-of-two count B, block tables to a power-of-two
 width, tokens past a sequence's query length written to the cache's scratch block), and the MoE
-layer runs its sync-free paths on CUDA. Shapes that do not fit (long prefill chunks) run eagerly.
+layer runs its sync-free paths on CUDA. Decodes and prefill chunks of a step replay separate graphs
+(see `_groups`); chunks longer than MAX_QUERY run eagerly.
 """
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 from torch import Tensor
@@ -22,8 +26,30 @@ from runtime.kv_cache import KVCache
 from runtime.model import SHORT_QUERY, DeepseekV3ForCausalLM, PagedBatch
 
 
+MAX_QUERY = 512  # longer prefill chunks run eagerly
+MIN_CONTEXT = 256  # block tables padded to at least this many tokens: fewer shapes to capture as contexts grow
+
+
 def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
+
+
+def _groups(lens: Sequence[int]) -> list[list[int]] | None:
+    """Sequences of up to SHORT_QUERY new tokens (decodes) in one graph, longer chunks (prefill, padded
+    to a power of two) in another, so that a prefill chunk does not pad every decode to its length."""
+    if max(lens) > MAX_QUERY:
+        return None
+    short = [i for i, q in enumerate(lens) if q <= SHORT_QUERY]
+    long = [i for i, q in enumerate(lens) if q > SHORT_QUERY]
+    return [g for g in (short, long) if g]
+
+
+def _in_order(pieces: list[Tensor], order: list[int]) -> Tensor:
+    """Concatenated pieces whose rows are `order`, put back in 0, 1, 2, ... order."""
+    out = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+    if order == sorted(order):
+        return out
+    return out[torch.tensor(order, device=out.device).argsort()]
 
 
 @dataclass
@@ -36,7 +62,8 @@ class _Graph:
 
 
 class DecodeGraphs:
-    """Target and MTP forwards over padded fixed-shape batches, one graph per (kind, B, Q, width).
+    """Target and MTP forwards over padded fixed-shape batches, one graph per (kind, B, Q, width):
+    B and the width padded to powers of two, Q exact up to SHORT_QUERY, a power of two above.
 
     capture=False runs the same padded calls eagerly, so the padding is tested where there is no GPU.
     """
@@ -50,23 +77,41 @@ class DecodeGraphs:
     def target(self, ids: Sequence[int], starts: Sequence[int], lens: Sequence[int],
                tables: Sequence[Sequence[int]]) -> Tensor | None:
         """Hidden states [sum(lens), H] after the final norm, as `model(...)` returns them; None when
-        a sequence has more than SHORT_QUERY new tokens."""
-        if max(lens) > SHORT_QUERY:
+        a sequence has more than MAX_QUERY new tokens."""
+        groups = _groups(lens)
+        if groups is None:
             return None
-        ids_t = torch.tensor(ids, dtype=torch.long)
-        g, index = self._prepare("target", starts, lens, tables, [ids_t], self._target_fn)
-        hidden = g.outputs[0]
-        return hidden[: len(ids)].clone() if index is None else hidden[index]
+        ends = list(accumulate(lens))
+        pieces, order = [], []
+        for members in groups:
+            rows = [t for i in members for t in range(ends[i] - lens[i], ends[i])]
+            g, index = self._prepare("target", [starts[i] for i in members], [lens[i] for i in members],
+                                     [tables[i] for i in members], [torch.tensor([ids[t] for t in rows])],
+                                     self._target_fn)
+            hidden = g.outputs[0]
+            pieces.append(hidden[: len(rows)].clone() if index is None else hidden[index])
+            order += rows
+        return _in_order(pieces, order)
 
     def mtp(self, ids: Tensor, hidden: Tensor, starts: Sequence[int], lens: Sequence[int],
             tables: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor] | None:
         """MTP layer 0 at each sequence's last new token: (logits [B, V], hidden after
         shared_head.norm [B, H]), as `model.mtp_forward(..., rows=batch.last_index)` returns them."""
-        if max(lens) > SHORT_QUERY:
+        groups = _groups(lens)
+        if groups is None:
             return None
-        g, _ = self._prepare("mtp", starts, lens, tables, [ids, hidden], self._mtp_fn)
-        B = len(starts)
-        return g.outputs[0][:B].clone(), g.outputs[1][:B].clone()
+        ends = list(accumulate(lens))
+        logits, states = [], []
+        for members in groups:
+            rows = None if len(groups) == 1 else torch.tensor(
+                [t for i in members for t in range(ends[i] - lens[i], ends[i])], device=self.device)
+            inputs = [ids, hidden] if rows is None else [ids[rows], hidden[rows]]
+            g, _ = self._prepare("mtp", [starts[i] for i in members], [lens[i] for i in members],
+                                 [tables[i] for i in members], inputs, self._mtp_fn)
+            logits.append(g.outputs[0][: len(members)].clone())
+            states.append(g.outputs[1][: len(members)].clone())
+        order = [i for members in groups for i in members]
+        return _in_order(logits, order), _in_order(states, order)
 
     # ---- the captured calls -------------------------------------------------------------------
     def _batch(self, meta: Tensor, Q: int) -> PagedBatch:
@@ -86,8 +131,9 @@ class DecodeGraphs:
         """Fill (or first capture) the graph for this shape and replay it. Returns it and the rows of
         the real tokens in its [B * Q] layout (None when every sequence has Q tokens)."""
         n, Q, bs = len(starts), max(lens), self.cache.block_size
+        Q = Q if Q <= SHORT_QUERY else _pow2(Q)
         B = _pow2(n)
-        width = _pow2(max(-(-(s + Q) // bs) for s in starts))
+        width = max(_pow2(max(-(-(s + Q) // bs) for s in starts)), -(-MIN_CONTEXT // bs))
         scratch = self.cache.scratch_block
         meta = torch.full((B, 2 + width), scratch, dtype=torch.long)
         meta[:, :2] = torch.tensor([0, 1])  # padding sequences: one token at position 0 of the scratch block
@@ -122,12 +168,20 @@ class DecodeGraphs:
 
     def _capture(self, g: _Graph) -> None:
         """Run once on a side stream (allocator and library warm-up), then record. The warm-up computes
-        this very call, so its cache writes are the ones the replay makes again."""
+        this very call, so its cache writes are the ones the replay makes again. Python's garbage
+        collector stays off while recording: a collection that freed another runner's graphs in the
+        middle of a capture invalidated it (seen on an H100); vLLM freezes it the same way."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             g.run()
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        g.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g.graph, pool=self.pool):
-            g.outputs = g.run()
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            g.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g.graph, pool=self.pool, capture_error_mode="thread_local"):
+                g.outputs = g.run()
+        finally:
+            if enabled:
+                gc.enable()

@@ -240,10 +240,12 @@ def main() -> None:
     prompt_ids = [tok.encode(x["text"]) for x in texts]
     info = machine_info()
 
-    # Warm-up: a burst at full concurrency on every executor (allocator, all batch shapes).
-    warm = make_requests(prompt_ids, max_c, 4, 8, seed=args.seed + 999)
-    for m in modes:
-        closed_loop(executors[m], warm, max_c, args.timeout, None)
+    # Warm-up: a burst at every concurrency level on every executor (allocator, batch shapes, and on a GPU
+    # the graphs of those shapes, captured here rather than inside a measured level).
+    for c in levels:
+        warm = make_requests(prompt_ids, c, 4, args.max_tokens if args.device != "cpu" else 8, seed=args.seed + 999 + c)
+        for m in modes:
+            closed_loop(executors[m], warm, c, args.timeout, None)
 
     title = (f"{args.model}: {eng_info['parameters_target'] / 1e6:.1f}M target params, "
              f"{info['torch_threads']} torch threads, {info['cpu_count']} CPUs, {args.device}; fixed k={args.fixed_k}, "

@@ -389,8 +389,9 @@ def main() -> None:
         if hf_error:
             print(hf_error)
 
-    # Warm-up: one short request per executor, one generate per HF mode.
-    warm = SamplingParams(max_tokens=min(16, args.max_tokens), ignore_eos=True)
+    # Warm-up: one full-length request per executor (on a GPU it captures the graphs a run meets), one
+    # short generate per HF mode.
+    warm = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     for k, ex in executors.items():
         ex.submit(prompt_ids[0], warm).result()
     hf_modes = [] if hf is None else [("hf_plain", False), ("hf_mtp", True)]

@@ -29,14 +29,15 @@ def model(spec_checkpoint):
 
 
 def _runners(model, graphs: bool, seed: int = 0) -> tuple[ModelRunner, KVCache]:
-    cache = KVCache(model.cfg, num_blocks=40, block_size=4)
+    cache = KVCache(model.cfg, num_blocks=120, block_size=4)
     cache.tensor.copy_(torch.randn(cache.tensor.shape, generator=torch.Generator().manual_seed(seed)))
     return ModelRunner(model, cache, graphs=DecodeGraphs(model, cache, capture=False) if graphs else None), cache
 
 
 # (cached tokens, new tokens) per sequence: ragged query lengths, contexts across block boundaries,
-# three sequences padded to four
-LAYOUTS = [[(9, 1)], [(5, 4), (13, 1), (2, 3)], [(0, 8), (7, 2)], [(3, 2), (3, 2), (22, 2), (1, 2), (6, 2)]]
+# three sequences padded to four; prefill chunks beside decodes (two graphs, rows put back in order)
+LAYOUTS = [[(9, 1)], [(5, 4), (13, 1), (2, 3)], [(0, 8), (7, 2)], [(3, 2), (3, 2), (22, 2), (1, 2), (6, 2)],
+           [(0, 30), (5, 2), (0, 11), (9, 1)], [(2, 20)]]
 
 
 def _sequences(layout: list[tuple[int, int]]) -> list[Sequence]:
@@ -85,13 +86,14 @@ def test_padded_mtp_forward_equals_ragged(model, layout) -> None:
 
 
 def test_one_graph_per_shape(model) -> None:
-    """Batches of 3 and 4 sequences share the 4-sequence shape; a longer context widens the table to a power of two."""
+    """Batches of 3 and 4 sequences share the 4-sequence shape; tables are at least MIN_CONTEXT (256)
+    tokens wide, a longer context widens them to a power of two."""
     runner, cache = _runners(model, graphs=True)
     with torch.inference_mode():
-        for layout in ([(3, 2)] * 3, [(5, 2)] * 4, [(3, 2)] * 2, [(40, 2)] * 2):
+        for layout in ([(3, 2)] * 3, [(5, 2)] * 4, [(3, 2)] * 2, [(40, 2)] * 2, [(300, 2)]):
             seqs = _sequences(layout)
             runner.forward_target(seqs, [s for s, _ in layout], [q for _, q in layout], [5] * 2 * len(layout))
-    assert sorted(runner.graphs.graphs) == [("target", 2, 2, 2), ("target", 2, 2, 16), ("target", 4, 2, 2)]
+    assert sorted(runner.graphs.graphs) == [("target", 1, 2, 128), ("target", 2, 2, 64), ("target", 4, 2, 64)]
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 4, 9])
