@@ -44,6 +44,12 @@ def _groups(lens: Sequence[int]) -> list[list[int]] | None:
     return [g for g in (short, long) if g]
 
 
+def _token_rows(members: list[int], lens: Sequence[int]) -> list[int]:
+    """Rows of the members' new tokens in the flat [sum(lens)] layout."""
+    ends = list(accumulate(lens))
+    return [t for i in members for t in range(ends[i] - lens[i], ends[i])]
+
+
 def _in_order(pieces: list[Tensor], order: list[int]) -> Tensor:
     """Concatenated pieces whose rows are `order`, put back in 0, 1, 2, ... order."""
     out = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
@@ -81,12 +87,10 @@ class DecodeGraphs:
         groups = _groups(lens)
         if groups is None:
             return None
-        ends = list(accumulate(lens))
         pieces, order = [], []
         for members in groups:
-            rows = [t for i in members for t in range(ends[i] - lens[i], ends[i])]
-            g, index = self._prepare("target", [starts[i] for i in members], [lens[i] for i in members],
-                                     [tables[i] for i in members], [torch.tensor([ids[t] for t in rows])],
+            rows = _token_rows(members, lens)
+            g, index = self._prepare("target", members, starts, lens, tables, [torch.tensor([ids[t] for t in rows])],
                                      self._target_fn)
             hidden = g.outputs[0]
             pieces.append(hidden[: len(rows)].clone() if index is None else hidden[index])
@@ -100,14 +104,11 @@ class DecodeGraphs:
         groups = _groups(lens)
         if groups is None:
             return None
-        ends = list(accumulate(lens))
         logits, states = [], []
         for members in groups:
-            rows = None if len(groups) == 1 else torch.tensor(
-                [t for i in members for t in range(ends[i] - lens[i], ends[i])], device=self.device)
+            rows = None if len(groups) == 1 else torch.tensor(_token_rows(members, lens), device=self.device)
             inputs = [ids, hidden] if rows is None else [ids[rows], hidden[rows]]
-            g, _ = self._prepare("mtp", [starts[i] for i in members], [lens[i] for i in members],
-                                 [tables[i] for i in members], inputs, self._mtp_fn)
+            g, _ = self._prepare("mtp", members, starts, lens, tables, inputs, self._mtp_fn)
             logits.append(g.outputs[0][: len(members)].clone())
             states.append(g.outputs[1][: len(members)].clone())
         order = [i for members in groups for i in members]
@@ -126,10 +127,12 @@ class DecodeGraphs:
         return self.model.mtp_forward(0, ids, hidden, batch=batch, kv_cache=self.cache.tensor, rows=batch.last_index)
 
     # ---- padding, capture, replay -------------------------------------------------------------
-    def _prepare(self, kind: str, starts: Sequence[int], lens: Sequence[int], tables: Sequence[Sequence[int]],
-                 inputs: list[Tensor], fn: Callable[..., tuple[Tensor, ...]]) -> tuple[_Graph, Tensor | None]:
-        """Fill (or first capture) the graph for this shape and replay it. Returns it and the rows of
-        the real tokens in its [B * Q] layout (None when every sequence has Q tokens)."""
+    def _prepare(self, kind: str, members: list[int], starts: Sequence[int], lens: Sequence[int],
+                 tables: Sequence[Sequence[int]], inputs: list[Tensor],
+                 fn: Callable[..., tuple[Tensor, ...]]) -> tuple[_Graph, Tensor | None]:
+        """Fill (or first capture) the graph for the shape of sequences `members` and replay it. Returns
+        it and the rows of the real tokens in its [B * Q] layout (None when every sequence has Q tokens)."""
+        starts, lens, tables = ([x[i] for i in members] for x in (starts, lens, tables))
         n, Q, bs = len(starts), max(lens), self.cache.block_size
         Q = Q if Q <= SHORT_QUERY else _pow2(Q)
         B = _pow2(n)

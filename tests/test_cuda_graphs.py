@@ -49,6 +49,13 @@ def _sequences(layout: list[tuple[int, int]]) -> list[Sequence]:
     return seqs
 
 
+def _assert_same_writes(model, padded: KVCache, eager: KVCache) -> None:
+    """Every slot but the scratch block's holds what the eager forward wrote, and something was written."""
+    owned = eager.scratch_block * eager.block_size
+    torch.testing.assert_close(padded.tensor[:, :owned], eager.tensor[:, :owned], atol=1e-5, rtol=1e-5)
+    assert not torch.equal(padded.tensor[:, :owned], _runners(model, graphs=False)[1].tensor[:, :owned])
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_padded_target_forward_equals_ragged(model, layout) -> None:
     eager, cache_e = _runners(model, graphs=False)
@@ -61,9 +68,7 @@ def test_padded_target_forward_equals_ragged(model, layout) -> None:
         got = padded.forward_target(seqs, starts, lens, ids)
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    owned = cache_e.scratch_block * cache_e.block_size  # every slot but the scratch block's
-    torch.testing.assert_close(cache_p.tensor[:, :owned], cache_e.tensor[:, :owned], atol=1e-5, rtol=1e-5)
-    assert not torch.equal(cache_p.tensor[:, :owned], _runners(model, graphs=False)[1].tensor[:, :owned])  # it wrote
+    _assert_same_writes(model, cache_p, cache_e)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -81,8 +86,7 @@ def test_padded_mtp_forward_equals_ragged(model, layout) -> None:
     for g, w in zip(got, want):
         assert g.shape == w.shape == (len(layout), g.shape[1])
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
-    owned = cache_e.scratch_block * cache_e.block_size
-    torch.testing.assert_close(cache_p.tensor[:, :owned], cache_e.tensor[:, :owned], atol=1e-5, rtol=1e-5)
+    _assert_same_writes(model, cache_p, cache_e)
 
 
 def test_one_graph_per_shape(model) -> None:
