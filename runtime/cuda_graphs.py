@@ -15,6 +15,7 @@ layer runs its sync-free paths on CUDA. Decodes and prefill chunks of a step rep
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
@@ -26,6 +27,7 @@ from runtime.kv_cache import KVCache
 from runtime.model import SHORT_QUERY, DeepseekV3ForCausalLM, PagedBatch
 
 
+_CAPTURING = threading.Lock()
 MAX_QUERY = 512  # longer prefill chunks run eagerly
 MIN_CONTEXT = 256  # block tables padded to at least this many tokens: fewer shapes to capture as contexts grow
 
@@ -179,12 +181,13 @@ class DecodeGraphs:
         with torch.cuda.stream(stream):
             g.run()
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
-            g.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g.graph, pool=self.pool, capture_error_mode="thread_local"):
-                g.outputs = g.run()
-        finally:
-            if enabled:
-                gc.enable()
+        with _CAPTURING:  # one capture at a time in the process, so that gc's switch is not raced
+            enabled = gc.isenabled()
+            gc.disable()
+            try:
+                g.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g.graph, pool=self.pool, capture_error_mode="thread_local"):
+                    g.outputs = g.run()
+            finally:
+                if enabled:
+                    gc.enable()
