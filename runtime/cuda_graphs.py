@@ -92,8 +92,8 @@ class DecodeGraphs:
         pieces, order = [], []
         for members in groups:
             rows = _token_rows(members, lens)
-            g, index = self._prepare("target", members, starts, lens, tables, [torch.tensor([ids[t] for t in rows])],
-                                     self._target_fn)
+            group_ids = torch.tensor(ids if len(groups) == 1 else [ids[t] for t in rows])
+            g, index = self._prepare("target", members, starts, lens, tables, [group_ids], self._target_fn)
             hidden = g.outputs[0]
             pieces.append(hidden[: len(rows)].clone() if index is None else hidden[index])
             order += rows
@@ -140,11 +140,10 @@ class DecodeGraphs:
         B = _pow2(n)
         width = max(_pow2(max(-(-(s + Q) // bs) for s in starts)), -(-MIN_CONTEXT // bs))
         scratch = self.cache.scratch_block
-        meta = torch.full((B, 2 + width), scratch, dtype=torch.long)
-        meta[:, :2] = torch.tensor([0, 1])  # padding sequences: one token at position 0 of the scratch block
-        meta[:n, 0], meta[:n, 1] = torch.tensor(starts), torch.tensor(lens)
-        for b, table in enumerate(tables):
-            meta[b, 2 : 2 + len(table)] = torch.tensor(table[:width], dtype=torch.long)
+        # one row per sequence: start, query length, block table padded with the scratch block; padding
+        # sequences: one token at position 0 of the scratch block
+        meta = torch.tensor([[s, q, *t[:width], *[scratch] * (width - len(t[:width]))]
+                             for s, q, t in zip(starts, lens, tables)] + [[0, 1] + [scratch] * width] * (B - n))
         index = None
         if any(q != Q for q in lens):
             index = torch.tensor([b * Q + j for b, q in enumerate(lens) for j in range(q)], device=self.device)

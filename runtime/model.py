@@ -587,14 +587,17 @@ class DeepseekV3ForCausalLM(nn.Module):
             positions = batch.positions if batch is not None else torch.arange(next_ids.shape[-1], device=next_ids.device)
         return self.mtp[depth](next_ids, hidden, self.rope(positions), batch, kv_cache, rows, mask)
 
+    def chains_greedy_drafts(self, depth: int) -> bool:
+        """MTP layer `depth` runs as one CPU kernel call over kernel-attention batches, so `greedy_drafts` can
+        draft a whole greedy chain in one call; elsewhere drafting goes step by step (the same tokens)."""
+        return self.mtp[depth].fused is not None and self.kernel_attention
+
     def greedy_drafts(self, depth: int, next_ids: Tensor, hidden: Tensor, batch: PagedBatch, kv_cache: Tensor,
-                      num_drafts: int) -> Tensor | None:
-        """Greedy drafts [B, num_drafts] from MTP layer `depth` in one CPU kernel call: the catch-up over `batch`
-        proposes draft 1 at each sequence's last token, drafts 2.. follow at the next positions. None where the
-        layer is not fused; then the caller drafts step by step (the same calls, the same tokens)."""
+                      num_drafts: int) -> Tensor:
+        """Greedy drafts [B, num_drafts] from MTP layer `depth` in one CPU kernel call (`chains_greedy_drafts`):
+        the catch-up over `batch` proposes draft 1 at each sequence's last token, drafts 2.. follow at the next
+        positions."""
         mtp = self.mtp[depth]
-        if mtp.fused is None or not batch.for_kernels:
-            return None
         after = torch.arange(1, num_drafts, device=next_ids.device)[:, None]
         draft_positions = batch.positions[batch.last_index][None] + after  # [K - 1, B]
         rot = self.rope(torch.cat([batch.positions, draft_positions.flatten()]))

@@ -115,10 +115,8 @@ class ModelRunner:
         for s in seqs:
             s.num_mtp, s.pending_hidden = s.num_cached, []
         all_greedy = all(s.params.greedy for s in seqs)
-        if all_greedy and min(ks) == K > 1 and model.mtp[0].fused is not None:  # the greedy chain in one kernel call
-            drafts = model.greedy_drafts(0, next_ids, hidden, self._paged_batch(seqs, starts, lens), self.cache.tensor, K)
-            if drafts is not None:
-                return drafts, None
+        if all_greedy and min(ks) == K > 1 and model.chains_greedy_drafts(0):  # the greedy chain in one kernel call
+            return model.greedy_drafts(0, next_ids, hidden, self._paged_batch(seqs, starts, lens), self.cache.tensor, K), None
         logits, h = self.forward_mtp(seqs, starts, lens, next_ids, hidden)
         if not all_greedy:
             st = self.sampling_tensors(seqs, [1] * len(seqs), model.cfg.vocab_size, self.device)
