@@ -141,8 +141,11 @@ class Executor:
         r = self.config.relaxed_acceptance
         return r is not None and functools.reduce(r.advance, tokens, False)
 
-    def cancel(self, request_id: str) -> None:
-        self._inbox.put(("cancel", request_id))
+    def cancel(self, request_id: str, handle: RequestHandle | None = None) -> None:
+        """Cancel the request in flight with this id (unknown ids are ignored); with `handle`, only if that
+        request is the handle's, so a handle kept past its request's end cannot cancel a later one that
+        reuses the id."""
+        self._inbox.put(("cancel", (request_id, handle)))
         self._wake.set()
 
     def stats(self) -> ExecutorStats:
@@ -261,8 +264,11 @@ class Executor:
                 seq, tracker = item
                 self._requests[seq.request_id] = (seq, tracker)
                 self.scheduler.add(seq)
-            elif item in self._requests:
-                self._finish(item, "cancelled")
+            else:
+                rid, handle = item
+                entry = self._requests.get(rid)
+                if entry is not None and (handle is None or entry[1].handle is handle):
+                    self._finish(rid, "cancelled")
 
     def _process(self, r: StepResult, now: float) -> None:
         """Apply the stop rules to the tokens a step emitted and report them."""

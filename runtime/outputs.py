@@ -130,7 +130,8 @@ class RequestHandle:
         return self._last is not None and self._last.finished
 
     def cancel(self) -> None:
-        self._executor.cancel(self.request_id)
+        """Cancel this request; a no-op once it has finished, even if a later request reuses its id."""
+        self._executor.cancel(self.request_id, handle=self)
 
     def result(self, timeout: float | None = None) -> RequestOutput:
         with self._finished:

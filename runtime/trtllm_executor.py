@@ -476,10 +476,11 @@ class TrtllmExecutor:
             raise RuntimeError("executor is shut down") from None
         return handle
 
-    def cancel(self, request_id: str) -> None:
-        """Finish the request as "cancelled" and abort it in TensorRT-LLM; unknown ids are ignored."""
+    def cancel(self, request_id: str, handle: RequestHandle | None = None) -> None:
+        """Finish the request as "cancelled" and abort it in TensorRT-LLM; unknown ids are ignored, and with
+        `handle` a request that is not the handle's (a later one reusing the id)."""
         try:
-            self._loop.call_soon_threadsafe(self._cancel_now, request_id)
+            self._loop.call_soon_threadsafe(self._cancel_now, request_id, handle)
         except RuntimeError:  # shut down: nothing is in flight
             pass
 
@@ -611,9 +612,9 @@ class TrtllmExecutor:
             log.error("request %s failed: %s", req.request_id, error)
         req.report(new or [], delta, reason, error)
 
-    def _cancel_now(self, request_id: str) -> None:
+    def _cancel_now(self, request_id: str, handle: RequestHandle | None = None) -> None:
         req = self._requests.get(request_id)
-        if req is None or req.finished:
+        if req is None or req.finished or (handle is not None and req.handle is not handle):
             return
         self._finish(req, "cancelled")
         if req.upstream is not None and not req.upstream_done:

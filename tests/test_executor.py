@@ -369,6 +369,20 @@ def test_cancel_queued_and_unknown_requests(engine, prompts) -> None:
         assert_all_free(ex)
 
 
+def test_a_finished_requests_handle_does_not_cancel_a_later_one_with_its_id(engine, prompts) -> None:
+    with Executor(engine, ExecutorConfig(num_draft_tokens=0, speculation="off")) as ex:
+        old = ex.submit(prompts[0], SamplingParams(max_tokens=2, ignore_eos=True), request_id="reused")
+        assert old.result(30).finish_reason == "length"
+        new = ex.submit(prompts[1], SamplingParams(max_tokens=30, ignore_eos=True), request_id="reused")
+        old.cancel()
+        assert new.result(60).finish_reason == "length"
+        again = ex.submit(prompts[2], SamplingParams(max_tokens=200, ignore_eos=True), request_id="reused")
+        wait_until(lambda: ex.stats().running == 1, what="the third request to start")
+        ex.cancel("reused")  # by id: whatever is in flight with it
+        assert again.result(30).finish_reason == "cancelled"
+        assert_all_free(ex)
+
+
 def test_shutdown_cancels_unfinished(engine, prompts) -> None:
     ex = Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed"))
     h = ex.submit(prompts[4], SamplingParams(max_tokens=190, ignore_eos=True))

@@ -515,6 +515,13 @@ def test_contract_cancel_aborts_upstream(engine_dir: Path, trtllm: ModuleType) -
         out = h2.result(5)
         assert (out.finish_reason, out.token_ids, out.text) == ("cancelled", [], "")
         assert len(trtllm.llms[0].requests) == 1
+        # a finished request's handle does not cancel a later request that reuses its id
+        h3 = ex.submit([5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True), request_id="early")
+        h2.cancel()
+        assert next(iter(h3)).new_token_ids == [100]
+        h3.cancel()
+        assert h3.result(5).finish_reason == "cancelled"
+        wait_until(lambda: trtllm.llms[0].requests[-1].abort_calls == 1)
 
 
 def test_contract_stop_string_finishes_and_aborts(engine_dir: Path, trtllm: ModuleType) -> None:
