@@ -9,7 +9,9 @@ A graph needs fixed shapes and no host syncs: batches are laid out as [B, Q] tok
 `PagedBatch.padded` (sequences padded to a power-of-two count B, block tables to a power-of-two
 width, tokens past a sequence's query length written to the cache's scratch block), and the MoE
 layer runs its sync-free paths on CUDA. Decodes and prefill chunks of a step replay separate graphs
-(see `_groups`); chunks longer than MAX_QUERY run eagerly.
+(see `_groups`); chunks longer than MAX_QUERY run eagerly. An executor captures every decode shape it
+can meet before it serves (`capture_decodes`, as vLLM does), so no request waits for a capture; prefill
+chunks' shapes are captured on first use.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import gc
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import accumulate
+from itertools import accumulate, product
 
 import torch
 from torch import Tensor
+from tqdm import tqdm
 
 from runtime.kv_cache import KVCache
 from runtime.model import SHORT_QUERY, DeepseekV3ForCausalLM, PagedBatch
@@ -116,6 +119,32 @@ class DecodeGraphs:
         order = [i for members in groups for i in members]
         return _in_order(logits, order), _in_order(states, order)
 
+    def decode_shapes(self, max_batch_size: int, max_query: int, max_seq_len: int, mtp: bool
+                      ) -> list[tuple[str, int, int, int]]:
+        """The (kind, B, Q, width) of every decode step of at most max_batch_size sequences of at most
+        max_seq_len tokens with up to max_query new tokens each (1 + drafts; MTP catch-ups are as long)."""
+        bs = self.cache.block_size
+        sizes = sorted({_pow2(n) for n in range(1, max_batch_size + 1)})
+        widths = sorted({max(_pow2(n), -(-MIN_CONTEXT // bs)) for n in range(1, -(-max_seq_len // bs) + 1)})
+        kinds = ("target", "mtp") if mtp else ("target",)
+        return list(product(kinds, sizes, range(1, min(max_query, SHORT_QUERY) + 1), widths))
+
+    def capture_decodes(self, max_batch_size: int, max_query: int, max_seq_len: int, mtp: bool) -> int:
+        """Capture the graph of every `decode_shapes` shape not captured yet; returns how many. Each runs
+        on a batch of padding sequences, whose tokens write only to the cache's scratch block."""
+        hidden = torch.zeros(1, self.model.cfg.hidden_size, dtype=self.cache.tensor.dtype)
+        ids = torch.zeros(1, dtype=torch.long)
+        todo = [key for key in self.decode_shapes(max_batch_size, max_query, max_seq_len, mtp) if key not in self.graphs]
+        for kind, B, Q, width in tqdm(todo, desc="capturing CUDA graphs", unit="graph", disable=not todo):
+            fn, inputs = (self._target_fn, [ids]) if kind == "target" else (self._mtp_fn, [ids, hidden])
+            g = self.graphs[(kind, B, Q, width)] = self._new(fn, B, Q, width, inputs)
+            g.meta.copy_(torch.tensor([[0, 1] + [self.cache.scratch_block] * width] * B))
+            if self.capture:
+                self._capture(g)
+            else:
+                g.outputs = g.run()
+        return len(todo)
+
     # ---- the captured calls -------------------------------------------------------------------
     def _batch(self, meta: Tensor, Q: int) -> PagedBatch:
         return PagedBatch.padded(meta[:, 0], meta[:, 1], meta[:, 2:], self.cache.block_size, Q,
@@ -141,7 +170,7 @@ class DecodeGraphs:
         width = max(_pow2(max(-(-(s + Q) // bs) for s in starts)), -(-MIN_CONTEXT // bs))
         scratch = self.cache.scratch_block
         # one row per sequence: start, query length, block table padded with the scratch block; padding
-        # sequences: one token at position 0 of the scratch block
+        # sequences: one token at position 0 of the scratch block (as in capture_decodes)
         meta = torch.tensor([[s, q, *t[:width], *[scratch] * (width - len(t[:width]))]
                              for s, q, t in zip(starts, lens, tables)] + [[0, 1] + [scratch] * width] * (B - n))
         index = None

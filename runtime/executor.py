@@ -50,7 +50,7 @@ class ExecutorConfig:
     dtype: str | None = None
     relaxed_acceptance: RelaxedAcceptance | None = None
     cpu_kernels: bool = True  # on CPU in float32: C++ attention and FP8 kernels (see engine.use_cpu_kernels)
-    cuda_graphs: bool = True  # on CUDA: forwards of up to 512 new tokens per sequence replay captured graphs
+    cuda_graphs: bool = True  # on CUDA: forwards of up to 512 new tokens per sequence replay graphs (decodes' captured at start)
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 0:
@@ -83,6 +83,8 @@ class Executor:
         self.cache = KVCache(cfg, num_blocks=-(-capacity // block) + 1, block_size=block,
                              dtype=next(self.engine.model.parameters()).dtype, device=config.device)
         graphs = DecodeGraphs(self.engine.model, self.cache) if config.cuda_graphs and self.cache.tensor.is_cuda else None
+        if graphs is not None:
+            graphs.capture_decodes(self.limits.max_batch_size, k + 1, self.limits.max_seq_len, mtp=k > 0)
         self.runner = ModelRunner(self.engine.model, self.cache, config.relaxed_acceptance,
                                   keep_mtp_inputs=k > 0, graphs=graphs)
         costs = self.profile(k) if config.speculation == "adaptive" and k else None

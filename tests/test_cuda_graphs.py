@@ -121,20 +121,42 @@ def test_experts_paths_agree(tokens) -> None:
     torch.testing.assert_close(experts(x, weights, idx), want, atol=1e-5, rtol=1e-5)
 
 
+def test_decode_shapes_made_up_front_write_only_the_scratch_block(model) -> None:
+    """What an executor captures before serving: every decode shape, on batches of padding sequences whose
+    cache writes all land in the scratch block."""
+    runner, cache = _runners(model, graphs=True)
+    graphs, before = runner.graphs, cache.tensor.clone()
+    made = graphs.capture_decodes(max_batch_size=3, max_query=3, max_seq_len=300, mtp=True)
+    # B 1, 2, 4; Q 1..3; block size 4: tables at least 64 blocks (MIN_CONTEXT), 300 tokens -> 75 -> widths 64, 128
+    assert made == len(graphs.graphs) == 2 * 3 * 3 * 2
+    assert sorted(graphs.graphs) == sorted(graphs.decode_shapes(3, 3, 300, mtp=True))
+    assert {key[3] for key in graphs.graphs} == {64, 128}
+    owned = cache.scratch_block * cache.block_size
+    assert torch.equal(cache.tensor[:, :owned], before[:, :owned])
+    assert not torch.equal(cache.tensor[:, owned:], before[:, owned:])  # the padding tokens did write, there
+    assert graphs.capture_decodes(3, 3, 300, mtp=True) == 0  # nothing left to make
+
+
 @pytest.mark.parametrize("k", [0, 3])
 def test_executor_on_padded_batches_equals_eager(spec_checkpoint, k) -> None:
-    """Prompts of different lengths in one batch (short last prefill chunks take the padded path too)."""
+    """Prompts of different lengths in one batch (short last prefill chunks take the padded path too); every
+    decode step finds its shape among those made before serving, as an executor on CUDA makes them."""
     engine = load_engine(spec_checkpoint, cpu_kernels=False)
     prompts = [[5 + i] * n for i, n in enumerate((3, 11, 6, 17, 2))]
     outputs = []
     for graphs in (False, True):
         with Executor(engine, ExecutorConfig(num_draft_tokens=k, speculation="fixed" if k else "off",
-                                             max_num_tokens=24)) as ex:
+                                             max_num_tokens=24, max_seq_len=64)) as ex:
             if graphs:
                 ex.runner.graphs = DecodeGraphs(engine.model, ex.cache, capture=False)
+                ex.runner.graphs.capture_decodes(ex.limits.max_batch_size, k + 1, ex.limits.max_seq_len, mtp=k > 0)
+                made = set(ex.runner.graphs.graphs)
             handles = [ex.submit(p, SamplingParams(max_tokens=20, ignore_eos=True)) for p in prompts]
             outputs.append([h.result(60).token_ids for h in handles])
             if graphs:
-                assert ex.runner.graphs.graphs, "no step took the padded path"
+                used_later = set(ex.runner.graphs.graphs) - made
+                assert used_later, "no prefill chunk took the padded path"
+                # only prompt work: prefill chunks and the MTP layer's catch-up over a prompt
+                assert all(q > k + 1 for _, _, q, _ in used_later), used_later
                 assert ex.stats().kv_blocks_used == 0
     assert outputs[1] == outputs[0]
