@@ -138,7 +138,7 @@ class DecodeGraphs:
         for kind, B, Q, width in tqdm(todo, desc="capturing CUDA graphs", unit="graph", disable=not todo):
             fn, inputs = (self._target_fn, [ids]) if kind == "target" else (self._mtp_fn, [ids, hidden])
             g = self.graphs[(kind, B, Q, width)] = self._new(fn, B, Q, width, inputs)
-            g.meta.copy_(torch.tensor([[0, 1] + [self.cache.scratch_block] * width] * B))
+            g.meta.copy_(torch.tensor([self._padding_row(width)] * B))
             if self.capture:
                 self._capture(g)
             else:
@@ -169,10 +169,9 @@ class DecodeGraphs:
         B = _pow2(n)
         width = max(_pow2(max(-(-(s + Q) // bs) for s in starts)), -(-MIN_CONTEXT // bs))
         scratch = self.cache.scratch_block
-        # one row per sequence: start, query length, block table padded with the scratch block; padding
-        # sequences: one token at position 0 of the scratch block (as in capture_decodes)
+        # one row per sequence: start, query length, block table padded with the scratch block
         meta = torch.tensor([[s, q, *t[:width], *[scratch] * (width - len(t[:width]))]
-                             for s, q, t in zip(starts, lens, tables)] + [[0, 1] + [scratch] * width] * (B - n))
+                             for s, q, t in zip(starts, lens, tables)] + [self._padding_row(width)] * (B - n))
         index = None
         if any(q != Q for q in lens):
             index = torch.tensor([b * Q + j for b, q in enumerate(lens) for j in range(q)], device=self.device)
@@ -193,6 +192,10 @@ class DecodeGraphs:
             self._capture(g)
         g.graph.replay()
         return g, index
+
+    def _padding_row(self, width: int) -> list[int]:
+        """Metadata of a padding sequence: one token at position 0 of the scratch block."""
+        return [0, 1] + [self.cache.scratch_block] * width
 
     def _new(self, fn: Callable[..., tuple[Tensor, ...]], B: int, Q: int, width: int, inputs: list[Tensor]) -> _Graph:
         meta = torch.zeros(B, 2 + width, dtype=torch.long, device=self.device)

@@ -50,7 +50,7 @@ class ExecutorConfig:
     dtype: str | None = None
     relaxed_acceptance: RelaxedAcceptance | None = None
     cpu_kernels: bool = True  # on CPU in float32: C++ attention and FP8 kernels (see engine.use_cpu_kernels)
-    cuda_graphs: bool = True  # on CUDA: forwards of up to 512 new tokens per sequence replay graphs (decodes' captured at start)
+    cuda_graphs: bool = True  # on CUDA: forwards of <= 512 new tokens per sequence replay graphs (decodes': at start)
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 0:
