@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,8 +26,9 @@ NON_NEGATIVE_INTS = ("num_nextn_predict_layers", "first_k_dense_replace")
 POSITIVE_NUMBERS = ("routed_scaling_factor", "rms_norm_eps", "rope_theta")
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def is_int(value: Any) -> bool:
+    """Python and numpy integers; not bools."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -134,13 +136,13 @@ class ModelConfig:
         kwargs: dict[str, Any] = {k: raw[k] for k in known if k in raw}
         for name in POSITIVE_INTS + NON_NEGATIVE_INTS:
             low = 1 if name in POSITIVE_INTS else 0
-            if name in kwargs and (not _is_int(kwargs[name]) or kwargs[name] < low):
+            if name in kwargs and (not is_int(kwargs[name]) or kwargs[name] < low):
                 raise ConfigError(f"{source}: field {name!r} must be an integer >= {low}, got {kwargs[name]!r}")
         for name in POSITIVE_NUMBERS:
             value = kwargs.get(name, 1.0)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
                 raise ConfigError(f"{source}: field {name!r} must be a number > 0, got {value!r}")
-        if kwargs.get("q_lora_rank") is not None and not (_is_int(kwargs["q_lora_rank"]) and kwargs["q_lora_rank"] > 0):
+        if kwargs.get("q_lora_rank") is not None and not (is_int(kwargs["q_lora_rank"]) and kwargs["q_lora_rank"] > 0):
             raise ConfigError(f"{source}: field 'q_lora_rank' must be an integer >= 1 or null")
         for name in ("rope_scaling", "quantization_config"):
             if raw.get(name) is not None and not isinstance(raw[name], dict):
@@ -163,7 +165,7 @@ class ModelConfig:
                     "expected 'fp8'"
                 )
             block = q.get("weight_block_size", [128, 128])
-            if not (isinstance(block, list) and len(block) == 2 and all(_is_int(b) and b > 0 for b in block)):
+            if not (isinstance(block, list) and len(block) == 2 and all(is_int(b) and b > 0 for b in block)):
                 raise ConfigError(f"{source}: field 'quantization_config.weight_block_size' must be two integers "
                                   f">= 1, got {block!r}")
             q["weight_block_size"] = tuple(block)

@@ -153,11 +153,16 @@ class Executor:
     def stats(self) -> ExecutorStats:
         c = self._counts
         return ExecutorStats(
-            running=len(self.scheduler.running), queued=len(self.scheduler.waiting) + self._inbox.qsize(),
+            running=len(self.scheduler.running), queued=len(self.scheduler.waiting) + self._submitted_not_seen(),
             kv_blocks_used=self.cache.allocator.num_used, kv_blocks_free=self.cache.allocator.num_free,
             requests_finished=c["finished"], generated_tokens=c["generated"], draft_tokens=c["drafted"],
             accepted_draft_tokens=c["accepted"], current_draft_len=self.scheduler.last_k,
             acceptance_estimate=self.policy.acceptance)
+
+    def _submitted_not_seen(self) -> int:
+        """Requests in the inbox (not its cancels), which the step loop has not taken yet."""
+        with self._inbox.mutex:
+            return sum(kind == "add" for kind, _ in self._inbox.queue)
 
     def shutdown(self) -> None:
         with self._submit_lock:
@@ -223,38 +228,48 @@ class Executor:
 
     # ---- the step loop ------------------------------------------------------------------------
     def _loop(self) -> None:
-        while not self._stopping:
-            self._drain_inbox()
-            if not self.scheduler.has_work():
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
-            t0 = time.perf_counter()
-            plan = self.scheduler.schedule()
-            if not plan:  # everything waits for blocks that running requests will free
-                self._wake.wait(0.01)
-                self._wake.clear()
-                continue
-            decode_only = not any(it.seq.in_prefill for it in plan)
-            catch_up = max((it.seq.num_cached - it.seq.num_mtp for it in plan if it.num_drafts), default=0)
-            try:
-                results = self.runner.step(plan)
-            except Exception as e:  # a broken step fails its requests, never the executor
-                log.exception("step failed")
-                for item in plan:
-                    self._finish(item.seq.request_id, "error", error=str(e))
-                continue
-            self.scheduler.after_step(results)
-            now = time.perf_counter()
-            for r in results:
-                if r.new_token_ids and r.seq.request_id in self._requests:
-                    self._process(r, now)
-            ks = {it.num_drafts for it in plan}  # observed only when every sequence drafted the same k
-            if decode_only and len(ks) == 1 and catch_up <= self.policy.max_k + 1:  # no MTP catch-up over a prompt
-                self.policy.observe_step(len(plan), ks.pop(), time.perf_counter() - t0)
-        self._drain_inbox()  # submitted but never scheduled: cancelled too, never lost
+        error = None
+        try:
+            while not self._stopping:
+                self._step()
+        except Exception as e:  # a bug of ours outside a model step: end every request, never leave one hanging
+            log.exception("executor loop failed; no new requests are accepted")
+            error = f"executor stopped: {type(e).__name__}: {e}"
+            with self._submit_lock:
+                self._stopping = True
+        self._drain_inbox()  # submitted but never scheduled: ended too, never lost
         for rid in list(self._requests):
-            self._finish(rid, "cancelled")
+            self._finish(rid, "error" if error else "cancelled", error=error)
+
+    def _step(self) -> None:
+        self._drain_inbox()
+        if not self.scheduler.has_work():
+            self._wake.wait(0.05)
+            self._wake.clear()
+            return
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if not plan:  # everything waits for blocks that running requests will free
+            self._wake.wait(0.01)
+            self._wake.clear()
+            return
+        decode_only = not any(it.seq.in_prefill for it in plan)
+        catch_up = max((it.seq.num_cached - it.seq.num_mtp for it in plan if it.num_drafts), default=0)
+        try:
+            results = self.runner.step(plan)
+        except Exception as e:  # a broken step fails its requests, never the executor
+            log.exception("step failed")
+            for item in plan:
+                self._finish(item.seq.request_id, "error", error=str(e))
+            return
+        self.scheduler.after_step(results)
+        now = time.perf_counter()
+        for r in results:
+            if r.new_token_ids and r.seq.request_id in self._requests:
+                self._process(r, now)
+        ks = {it.num_drafts for it in plan}  # observed only when every sequence drafted the same k
+        if decode_only and len(ks) == 1 and catch_up <= self.policy.max_k + 1:  # no MTP catch-up over a prompt
+            self.policy.observe_step(len(plan), ks.pop(), time.perf_counter() - t0)
 
     def _drain_inbox(self) -> None:
         while True:

@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator
 
+from runtime.config import is_int
 from runtime.sampling import SamplingParams
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -79,22 +80,24 @@ class RequestHandle:
     """Outputs of one request: iterate (blocking or async) over deltas, or wait for the result.
 
     The handle keeps the newest output (the result, once final) and what iteration has not handed out
-    yet. An output that arrives before a consumer has seen the one waiting is merged into it (tokens
+    yet. An output that arrives before a consumer has taken the one waiting is merged into it (tokens
     and text deltas joined, the rest from the newer), as vLLM merges the outputs a slow consumer has
     not collected: a consumer that falls behind, or only waits for the result, holds one output rather
-    than one per step, each with a copy of every token so far. An output leaves for good only when it is
-    delivered, so an async iteration cancelled while waiting (a timeout) loses nothing: the next
-    iteration gets it, and what came after. Waiting for the result wakes when the request finishes, not
-    at every output (a batch's waiters would take turns at the GIL with the executor's thread).
+    than one per step, each with a copy of every token so far. An output leaves only when a consumer
+    takes it, under the lock, so an async wait cancelled by a timeout loses nothing and the same
+    iterator carries on. Async consumers wait on a future of their own event loop, woken by the
+    executor's thread, not on a worker thread each (a pool's threads would run out with many streams).
+    Waiting for the result wakes when the request finishes, not at every output (a batch's waiters
+    would take turns at the GIL with the executor's thread).
     """
 
     def __init__(self, request_id: str, executor: "Executor"):
         self.request_id = request_id
         self._executor = executor
         self._last: RequestOutput | None = None
-        self._pending: list[RequestOutput] = []  # not delivered: the one a waiter may hold, then the rest merged
-        self._held = False  # _pending[0] was given to a waiter: later outputs are not merged into it
+        self._pending: list[RequestOutput] = []  # not taken yet: the oldest, then the rest merged into one
         self._delivered_final = False
+        self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         lock = threading.Lock()
         self._arrived = threading.Condition(lock)  # any output
         self._finished = threading.Condition(lock)  # the final one
@@ -102,7 +105,7 @@ class RequestHandle:
     def _push(self, out: RequestOutput) -> None:
         with self._arrived:
             self._last = out
-            if self._pending and not (self._held and len(self._pending) == 1):
+            if self._pending:
                 last = self._pending[-1]
                 self._pending[-1] = replace(out, new_token_ids=last.new_token_ids + out.new_token_ids,
                                             text_delta=last.text_delta + out.text_delta)
@@ -111,18 +114,17 @@ class RequestHandle:
             self._arrived.notify_all()
             if out.finished:
                 self._finished.notify_all()
+            waiters, self._async_waiters = self._async_waiters, []
+        for loop, future in waiters:
+            try:
+                loop.call_soon_threadsafe(_wake, future)
+            except RuntimeError:  # that consumer's event loop is closed: nobody waits there any more
+                pass
 
-    def _wait(self) -> RequestOutput:
-        with self._arrived:
-            self._arrived.wait_for(lambda: self._pending)
-            self._held = True
-            return self._pending[0]
-
-    def _deliver(self, out: RequestOutput) -> RequestOutput:
-        with self._arrived:
-            self._pending.pop(0)
-            self._held = False
-            self._delivered_final = out.finished
+    def _take(self) -> RequestOutput:
+        """The oldest output not handed out; call with the lock held and something pending."""
+        out = self._pending.pop(0)
+        self._delivered_final = out.finished
         return out
 
     @property
@@ -140,12 +142,33 @@ class RequestHandle:
             return self._last
 
     def __iter__(self) -> Iterator[RequestOutput]:
-        while not self._delivered_final:
-            yield self._deliver(self._wait())
+        while True:
+            with self._arrived:
+                if self._delivered_final:
+                    return
+                self._arrived.wait_for(lambda: self._pending)
+                out = self._take()
+            yield out
 
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        while not self._delivered_final:
-            yield self._deliver(await asyncio.to_thread(self._wait))
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        while True:
+            with self._arrived:
+                if self._delivered_final:
+                    raise StopAsyncIteration
+                if self._pending:
+                    return self._take()
+                loop = asyncio.get_running_loop()
+                future = loop.create_future()
+                self._async_waiters.append((loop, future))
+            await future
+
+
+def _wake(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 class RequestIds:
@@ -158,6 +181,8 @@ class RequestIds:
 
     def claim(self, request_id: str | None) -> str:
         """A fresh id when None; a given one must not be in flight already."""
+        if request_id is not None and (not isinstance(request_id, str) or not request_id):
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         rid = request_id or f"req-{next(self._counter)}-{uuid.uuid4().hex[:8]}"
         with self._lock:
             if rid in self._live:
@@ -172,7 +197,11 @@ class RequestIds:
 
 def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_seq_len: int) -> None:
     """Raise ValueError naming the parameter and what was expected."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
     params.validate(vocab_size)
+    if not isinstance(prompt_token_ids, (list, tuple)) or not all(map(is_int, prompt_token_ids)):
+        raise ValueError(f"prompt must be a list of integer token ids, got {prompt_token_ids!r:.80}")
     n = len(prompt_token_ids)
     if n == 0:
         raise ValueError("prompt must not be empty")
@@ -285,7 +314,7 @@ class RequestTracker:
         if self.callback is not None:
             try:
                 self.callback(out)
-            except Exception:
+            except BaseException:  # user code on the executor's thread (even sys.exit) must not stop serving
                 log.exception("output callback of %s failed", self.request_id)
         self.handle._push(out)
         if self.finished:

@@ -26,14 +26,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-
-def _is_int(value: object) -> bool:
-    """Python and numpy integers; not bools."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+from runtime.config import is_int
 
 
 def _is_number(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _as_given(value: object) -> object:
+    """A list field as the caller wrote it (SamplingParams holds lists as tuples)."""
+    return list(value) if isinstance(value, tuple) else value
 
 
 @dataclass(frozen=True)
@@ -60,23 +62,29 @@ class SamplingParams:
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the parameter and what was expected."""
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be a list of non-empty strings, got {list(self.stop)!r}")
-        if vocab_size is not None:
-            for name in ("stop_token_ids", "bad_token_ids"):
-                bad = [t for t in getattr(self, name) if not 0 <= t < vocab_size]
-                if bad:
-                    raise ValueError(f"{name} must be token ids in [0, {vocab_size}), got {bad}")
+        if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {_as_given(self.stop)!r}")
+        for name in ("stop_token_ids", "bad_token_ids"):
+            ids = getattr(self, name)
+            if not isinstance(ids, tuple) or not all(map(is_int, ids)):
+                raise ValueError(f"{name} must be a list of integer token ids, got {_as_given(ids)!r}")
+            bad = [t for t in ids if vocab_size is not None and not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"{name} must be token ids in [0, {vocab_size}), got {bad}")
+        if vocab_size is not None and len(set(self.bad_token_ids)) == vocab_size:
+            raise ValueError(f"bad_token_ids bans all {vocab_size} tokens; at least one must stay allowed")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
 
     @property
     def greedy(self) -> bool:
@@ -93,7 +101,7 @@ class RelaxedAcceptance:
     end_thinking_token: int = -1
 
     def __post_init__(self) -> None:
-        if not _is_int(self.top_n) or self.top_n < 1:
+        if not is_int(self.top_n) or self.top_n < 1:
             raise ValueError(f"relaxed acceptance top_n must be an integer >= 1, got {self.top_n!r}")
         if not _is_number(self.delta) or not 0 <= self.delta <= 1:
             raise ValueError(f"relaxed acceptance delta must be in [0, 1], got {self.delta!r}")
@@ -145,7 +153,8 @@ def probabilities(logits: Tensor, st: SamplingTensors) -> Tensor:
         logits = logits.masked_fill(st.bad_mask, float("-inf"))
     greedy = st.temperature == 0
     temp = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
-    scaled = logits / temp[:, None]
+    # shifted so the largest is 0: a tiny temperature then sends the rest to -inf (the argmax), not to inf / NaN
+    scaled = (logits - logits.amax(-1, keepdim=True)) / temp[:, None]
     if bool(((st.top_k > 0) | (st.top_p < 1)).any()):
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
         rank = torch.arange(scaled.shape[-1], device=scaled.device)

@@ -47,6 +47,8 @@ class Session:
 
     def generate(self, prompts: str | list[str], params: SamplingParams | None = None) -> list[GenerationResult]:
         """One result per prompt, in order; all prompts run together in the in-flight batch."""
+        if not isinstance(prompts, (str, list, tuple)):
+            raise ValueError(f"prompts must be a string or a list of strings, got {type(prompts).__name__}")
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         params = params or SamplingParams()
         ids = [self._encode(p) for p in prompts]
@@ -57,8 +59,14 @@ class Session:
         return [GenerationResult(p, o.text, o.token_ids, o.finish_reason, o.stats) for p, o in zip(prompts, outs)]
 
     def stream(self, prompt: str, params: SamplingParams | None = None) -> Iterator[str]:
-        """Text deltas as they are decoded; each is valid UTF-8 on its own."""
-        handle = self.executor.submit(self._encode(prompt), params or SamplingParams())
+        """Text deltas as they are decoded; each is valid UTF-8 on its own. Invalid parameters raise
+        here; the request starts at the first next()."""
+        ids, params = self._encode(prompt), params or SamplingParams()
+        self.executor.validate(ids, params)
+        return self._deltas(ids, params)
+
+    def _deltas(self, ids: list[int], params: SamplingParams) -> Iterator[str]:
+        handle = self.executor.submit(ids, params)
         try:
             for out in handle:
                 if out.text_delta:

@@ -105,9 +105,10 @@ def to_trtllm_sampling_kwargs(params: SamplingParams, tokenizer: Any) -> dict[st
       `_greedy_decoding` (top_k in (None, 1) and top_p in (None, 0)); the C++
       `SamplingConfig::checkTemperature` accepts 0.
     - sampling: `temperature`, `top_p` (always given: None means 0 in older C++ defaults), `top_k`
-      only when ours is > 0 (ours 0 = off; upstream None = "C++ runtime default 0, i.e., all
-      logits"), `seed` modulo 2**64 (a uint64 upstream). An unseeded request is given a random
-      seed by `TrtllmExecutor.submit` (upstream None would be seed 0 for every request).
+      only when ours is > 0 and fits upstream's int32 (ours 0 = off; upstream None = "C++ runtime
+      default 0, i.e., all logits"), `seed` modulo 2**64 (a uint64 upstream). An unseeded request
+      is given a random seed by `TrtllmExecutor.submit` (upstream None would be seed 0 for every
+      request).
     - eos: `end_id` = the tokenizer's eos, or -1 (no end token) when `ignore_eos` or there is none.
       Upstream's own `ignore_eos=True` is NOT used: executor/base_worker.py then also drops every
       stop word (`stop_words=[] if ignore_eos`), which would ignore our stop_token_ids.
@@ -131,7 +132,7 @@ def to_trtllm_sampling_kwargs(params: SamplingParams, tokenizer: Any) -> dict[st
         kwargs.update(temperature=0.0, top_k=1)
     else:
         kwargs.update(temperature=float(params.temperature), top_p=float(params.top_p))
-        if params.top_k > 0:
+        if 0 < params.top_k < 2**31:  # a top_k past int32 is past any vocabulary: all tokens
             kwargs["top_k"] = params.top_k
         if params.seed is not None:
             kwargs["seed"] = params.seed % SEED_MODULUS

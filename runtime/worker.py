@@ -90,7 +90,7 @@ class ModelRunner:
     def sampling_tensors(seqs: list[Sequence], rows_per_seq: list[int], vocab: int, device: torch.device) -> SamplingTensors:
         rep = torch.tensor(rows_per_seq)
         temp = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32).repeat_interleave(rep)
-        top_k = torch.tensor([s.params.top_k for s in seqs], dtype=torch.long).repeat_interleave(rep)
+        top_k = torch.tensor([min(s.params.top_k, vocab) for s in seqs], dtype=torch.long).repeat_interleave(rep)
         top_p = torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32).repeat_interleave(rep)
         bad = None
         if any(s.params.bad_token_ids for s in seqs):

@@ -495,21 +495,53 @@ def test_outputs_not_collected_yet_are_merged(engine, prompts, tokenizer) -> Non
 
 
 def test_async_iteration_survives_a_cancelled_wait(engine, prompts, tokenizer) -> None:
-    """A timeout while awaiting the next output (asyncio.wait_for) must not swallow that output:
-    iterating again carries on where the cancelled wait stopped."""
+    """A timeout while awaiting the next output (asyncio.wait_for) must not swallow that output nor
+    end the iterator: the same iterator carries on where the cancelled wait stopped."""
     with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed", max_batch_size=1)) as ex:
         first = ex.submit(prompts[4], SamplingParams(max_tokens=24, ignore_eos=True))
         h = ex.submit(prompts[3], SamplingParams(max_tokens=12, ignore_eos=True))  # waits behind the first
 
         async def main():
-            with pytest.raises(asyncio.TimeoutError):
-                await asyncio.wait_for(h.__aiter__().__anext__(), 0.001)
-            return [o async for o in h]
+            it, outs, timeouts = aiter(h), [], 0
+            while True:
+                try:
+                    outs.append(await asyncio.wait_for(anext(it), 0.001))
+                except asyncio.TimeoutError:
+                    timeouts += 1
+                except StopAsyncIteration:
+                    return outs, timeouts
 
-        outs = asyncio.run(main())
+        outs, timeouts = asyncio.run(main())
+        assert timeouts > 0
         check_stream(outs, tokenizer)
         assert len(outs[-1].token_ids) == 12
         first.result(60)
+        assert_all_free(ex)
+
+
+def test_async_streams_need_no_thread_each(engine, prompts, tokenizer) -> None:
+    """Awaiting outputs must not park a worker thread per stream: with more streams than a pool's
+    threads, the streams of running requests would wait behind those of queued ones. Here the event
+    loop has no threads at all to give."""
+    import concurrent.futures
+
+    class NoThreads(concurrent.futures.ThreadPoolExecutor):
+        def submit(self, *args, **kwargs):
+            raise AssertionError("an async stream asked for a worker thread")
+
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed", max_batch_size=2)) as ex:
+        async def main():
+            asyncio.get_running_loop().set_default_executor(NoThreads())
+
+            async def collect(handle):
+                return [o async for o in handle]
+
+            return await asyncio.gather(*(collect(ex.submit(p, sp)) for p in prompts[:6]))
+
+        for outs in asyncio.run(main()):
+            check_stream(outs, tokenizer)
+            assert len(outs[-1].token_ids) == 12
         assert_all_free(ex)
 
 
@@ -569,17 +601,49 @@ def test_bad_token_ids_never_emitted(engine, prompts, alone) -> None:
         assert not set(o.token_ids) & set(banned)
 
 
-def test_raising_callback_does_not_break_the_request(engine, prompts, alone) -> None:
+@pytest.mark.parametrize("error", [RuntimeError("client bug"), SystemExit(1)])
+def test_raising_callback_does_not_break_the_request(engine, prompts, alone, error) -> None:
+    """A callback runs user code on the executor's thread: whatever it raises (even sys.exit) is
+    logged, and the request and the executor go on."""
     calls = []
 
     def boom(o: RequestOutput) -> None:
         calls.append(o)
-        raise RuntimeError("client bug")
+        raise error
 
     with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed")) as ex:
         out = ex.submit(prompts[3], SamplingParams(max_tokens=MAX_TOKENS[3], ignore_eos=True), on_output=boom).result(30)
         assert out.token_ids == alone[3] and calls and calls[-1].finished
         assert ex.submit(prompts[1], SamplingParams(max_tokens=5, ignore_eos=True)).result(30).finish_reason == "length"
+
+
+def test_a_failing_step_loop_ends_every_request_and_refuses_new_ones(engine, prompts) -> None:
+    """A bug outside the model step (here in the scheduler's bookkeeping) stops the loop: every request
+    in flight or queued finishes with an error naming it, and later submits are refused, rather than
+    hanging their callers."""
+    with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed", max_batch_size=2)) as ex:
+        def broken(results):
+            raise KeyError("bookkeeping")
+
+        ex.scheduler.after_step = broken
+        handles = [ex.submit(p, SamplingParams(max_tokens=10, ignore_eos=True)) for p in prompts[:4]]
+        for h in handles:
+            out = h.result(30)
+            assert (out.finish_reason, out.error) == ("error", "executor stopped: KeyError: 'bookkeeping'")
+        with pytest.raises(RuntimeError, match="^executor is shut down$"):
+            ex.submit(prompts[0], SamplingParams(max_tokens=2))
+
+
+def test_a_top_k_past_the_vocabulary_means_all_tokens(engine, prompts, alone) -> None:
+    """top_k larger than the vocabulary (even past int64) samples from every token, as top_k=0 does,
+    and cannot break the step it shares with other requests."""
+    with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed")) as ex:
+        greedy = ex.submit(prompts[3], SamplingParams(max_tokens=MAX_TOKENS[3], ignore_eos=True))
+        huge, off = (ex.submit(prompts[1], SamplingParams(max_tokens=12, temperature=1.0, top_k=top_k, seed=5,
+                                                           ignore_eos=True)) for top_k in (2**64, 0))
+        assert greedy.result(30).token_ids == alone[3]
+        assert huge.result(30).finish_reason == "length"
+        assert huge.result().token_ids == off.result(30).token_ids
 
 
 def test_duplicate_request_id(engine, prompts) -> None:
@@ -601,6 +665,10 @@ def test_duplicate_request_id(engine, prompts) -> None:
         except TimeoutError as e:
             pytest.fail(f"a duplicate request_id broke the executor ({e}; executor thread alive: "
                         f"{ex._thread.is_alive()})")
+        for rid in ("", 7):
+            with pytest.raises(ValueError) as e:
+                ex.submit(prompts[1], SamplingParams(max_tokens=2), request_id=rid)
+            assert str(e.value) == f"request_id must be a non-empty string, got {rid!r}"
         assert_all_free(ex)
 
 

@@ -252,6 +252,12 @@ def test_seed_reproducibility(session) -> None:
     (SamplingParams(max_tokens=-3), "max_tokens must be an integer >= 1, got -3"),
     (SamplingParams(stop_token_ids=(5000,)), "stop_token_ids must be token ids in [0, 4096), got [5000]"),
     (SamplingParams(stop=("",)), "stop must be a list of non-empty strings, got ['']"),
+    (SamplingParams(stop=None), "stop must be a list of non-empty strings, got None"),
+    (SamplingParams(stop_token_ids=5), "stop_token_ids must be a list of integer token ids, got 5"),
+    (SamplingParams(stop_token_ids=["a"]), "stop_token_ids must be a list of integer token ids, got ['a']"),
+    (SamplingParams(bad_token_ids=[1.0]), "bad_token_ids must be a list of integer token ids, got [1.0]"),
+    (SamplingParams(bad_token_ids=list(range(4096))), "bad_token_ids bans all 4096 tokens; at least one must stay allowed"),
+    (SamplingParams(ignore_eos="no"), "ignore_eos must be true or false, got 'no'"),
 ])
 def test_invalid_params(session, params, message) -> None:
     with pytest.raises(ValueError) as e:
@@ -278,12 +284,35 @@ def test_max_tokens_past_max_seq_len(session) -> None:
     assert len(r.token_ids) == MAX_SEQ_LEN - n and r.finish_reason == "length"
 
 
+def test_stream_checks_its_parameters_when_called(session) -> None:
+    """stream() is lazy (the request starts at the first next()) but refuses bad input at once."""
+    with pytest.raises(ValueError) as e:
+        session.stream(PROMPT, SamplingParams(temperature=-1))
+    assert str(e.value) == "temperature must be a finite number >= 0, got -1"
+
+
+def test_prompts_of_the_wrong_type(session) -> None:
+    with pytest.raises(ValueError) as e:
+        session.generate(None)
+    assert str(e.value) == "prompts must be a string or a list of strings, got NoneType"
+    with pytest.raises(ValueError) as e:
+        session.generate([PROMPT, 7])
+    assert str(e.value) == "prompt must be a non-empty string"
+    for ids, shown in (("hello", "'hello'"), ([5, True], "[5, True]"), ([5.0, 6.0], "[5.0, 6.0]")):
+        with pytest.raises(ValueError) as e:
+            session.executor.submit(ids, SamplingParams())
+        assert str(e.value) == f"prompt must be a list of integer token ids, got {shown}"
+    with pytest.raises(ValueError) as e:
+        session.executor.submit([5, 6], {"max_tokens": 4})
+    assert str(e.value) == "params must be a SamplingParams, got dict"
+
+
 def test_empty_and_too_long_prompts(session) -> None:
     with pytest.raises(ValueError) as e:
         session.generate("", SamplingParams())
     assert str(e.value) == "prompt must be a non-empty string"
     with pytest.raises(ValueError) as e:
-        list(session.stream("", SamplingParams()))
+        session.stream("", SamplingParams())
     assert str(e.value) == "prompt must be a non-empty string"
     long = "word " * 200
     n = len(session.tokenizer.encode(long))

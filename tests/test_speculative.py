@@ -595,6 +595,14 @@ def test_sampling_seed_reproducible(tiny_engine) -> None:
     assert len(distinct) == 5, "different seeds gave the same output"
 
 
+def test_a_tiny_temperature_samples_the_argmax() -> None:
+    """logits / 1e-38 overflows float32; the distribution must still be the argmax's, not NaN."""
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.9], [7.0, 7.0, 1.0, -80.0]])
+    st = SamplingTensors(torch.tensor([1e-38, 1e-38]), torch.tensor([0, 0]), torch.tensor([1.0, 1.0]))
+    probs = probabilities(logits, st)
+    assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0]]))
+
+
 def test_top_k_1_sampling_equals_greedy(tiny_engine) -> None:
     """temperature > 0 with top_k=1 (or a tiny top_p) makes p and q one-hot: the rejection-
     sampling path (draft probs, residual max(0, p - q)) must then reproduce greedy exactly."""

@@ -312,6 +312,9 @@ def test_every_sampling_field_maps() -> None:
     # top_k 0 (ours: off) is left to upstream's default (None: all logits); top_p is always given
     kw = to_trtllm_sampling_kwargs(SamplingParams(temperature=1.0, seed=2**64 + 5), Tok())
     assert "top_k" not in kw and kw["top_p"] == 1.0 and kw["seed"] == 5 and kw["end_id"] == 1
+    # so is a top_k past int32 (upstream's type), which is past any vocabulary
+    assert "top_k" not in to_trtllm_sampling_kwargs(SamplingParams(temperature=1.0, top_k=2**31), Tok())
+    assert to_trtllm_sampling_kwargs(SamplingParams(temperature=1.0, top_k=2**31 - 1), Tok())["top_k"] == 2**31 - 1
     # stop strings stay with the adapter (matched on the text, as natively)
     assert "stop" not in kw and "stop" not in to_trtllm_sampling_kwargs(params, Tok())
 
