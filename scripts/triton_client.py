@@ -41,6 +41,8 @@ def stream_generate(url: str, prompt: str, max_tokens: int, temperature: float =
         _input("stream", np.array([[True]]), "BOOL"),
         _input("temperature", np.array([[temperature]], dtype=np.float32), "FP32"),
     ]
+    if temperature > 0:  # TensorRT-LLM decodes greedily unless top_k or top_p is set: sample from all tokens
+        inputs.append(_input("top_p", np.array([[1.0]], dtype=np.float32), "FP32"))
     if seed is not None:
         inputs.append(_input("seed", np.array([[seed]], dtype=np.uint64), "UINT64"))
     if end_id is not None:

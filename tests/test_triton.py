@@ -316,6 +316,34 @@ def test_top_p_zero_means_not_set(server: TritonServer, expected: dict) -> None:
     assert body["text_output"] == expected[prompt].text
 
 
+def test_temperature_alone_decodes_greedily(server: TritonServer, expected: dict) -> None:
+    """As TensorRT-LLM: top_k 0 or unset with top_p unset or <= 0 is greedy whatever the temperature
+    (end_to_end_grpc_client.py sends temperature 1.0 by default and expects greedy text)."""
+    prompt = PROMPTS[0]
+    for _ in range(2):
+        out = grpc_stream(server, "ensemble", text_input=prompt, max_tokens=TOKENS, temperature=1.0,
+                          exclude_input_in_output=True)
+        assert out.error is None and out.text == expected[prompt].text
+    status, body = http_generate(server, "tensorrt_llm_bls", text_input=prompt, max_tokens=TOKENS, temperature=1.0,
+                                 top_k=0, top_p=0.0, exclude_input_in_output=True)
+    assert status == 200 and body["text_output"] == expected[prompt].text, body
+
+
+@pytest.mark.parametrize("knob", [dict(top_p=0.9), dict(top_k=40), dict(top_k=40, temperature=1.0)],
+                         ids=["top_p", "top_k", "top_k_and_temperature"])
+def test_top_k_or_top_p_samples(server: TritonServer, expected: dict, knob: dict) -> None:
+    """A top_k or top_p samples (at temperature 1.0 when none is given, upstream's default), seeded."""
+    prompt = PROMPTS[0]
+    texts = set()
+    for model in ("ensemble", "tensorrt_llm_bls"):
+        status, body = http_generate(server, model, text_input=prompt, max_tokens=TOKENS, seed=11,
+                                     exclude_input_in_output=True, **knob)
+        assert status == 200, body
+        texts.add(body["text_output"])
+    assert len(texts) == 1  # the same seed samples the same text
+    assert texts.pop() != expected[prompt].text
+
+
 def test_http_generate_includes_the_prompt_unless_excluded(server: TritonServer, expected: dict) -> None:
     prompt = PROMPTS[1]
     status, body = http_generate(server, "ensemble", text_input=prompt, max_tokens=TOKENS)

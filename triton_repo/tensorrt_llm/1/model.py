@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import queue
 import threading
@@ -198,7 +199,7 @@ class TritonPythonModel:
                                  f"{len(word)} tokens; only single-token bad words are supported")
             bad_ids.append(word[0])
         seed = self._scalar(request, "seed")
-        top_p = self._scalar(request, "runtime_top_p", 1.0)
+        temperature, top_k, top_p = self._sampling(request)
         end_id = self._scalar(request, "end_id")
         ignore_eos = end_id is not None and end_id != self.tokenizer.eos_token_id
         if ignore_eos and end_id >= 0:  # a custom end id replaces eos; a negative one means none
@@ -208,9 +209,9 @@ class TritonPythonModel:
             stop_ids.append(end_id)
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=self._scalar(request, "temperature", 0.0),
-            top_k=self._scalar(request, "runtime_top_k", 0),
-            top_p=top_p if top_p > 0 else 1.0,  # upstream reads top_p <= 0 as "not set"
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
             seed=seed,
             stop=tuple(stop),
             stop_token_ids=tuple(stop_ids),
@@ -219,6 +220,21 @@ class TritonPythonModel:
         streaming = bool(self._scalar(request, "streaming", False))
         exclude = bool(self._scalar(request, "exclude_input_in_output", self.exclude_input_default))
         return ids[:length].tolist(), params, streaming, exclude
+
+    def _sampling(self, request: Any) -> tuple[float, int, float]:
+        """(temperature, top_k, top_p) as TensorRT-LLM reads its inputs: runtime_top_k 0 or unset with
+        runtime_top_p unset or <= 0 decodes greedily whatever the temperature (its top-k kernel then takes
+        k = 1); otherwise it samples, at temperature 1.0 when none is given (upstream's default)."""
+        temperature = self._scalar(request, "temperature")
+        top_k = self._scalar(request, "runtime_top_k", 0)
+        top_p = self._scalar(request, "runtime_top_p")
+        top_p_set = top_p is not None and top_p > 0  # upstream reads top_p <= 0 as "not set"
+        sampling = top_k != 0 or top_p_set  # a negative top_k is refused by SamplingParams, naming it
+        if temperature is None:
+            temperature = 1.0 if sampling else 0.0
+        elif not sampling and math.isfinite(temperature) and temperature >= 0:
+            temperature = 0.0  # greedy; an invalid temperature still gets its error
+        return temperature, top_k, top_p if top_p_set else 1.0
 
     def _stop(self, triton_id: str, sender: Any) -> None:
         """TensorRT-LLM's `stop` input: cancel the requests in flight with this request id."""
