@@ -344,6 +344,38 @@ def test_top_k_or_top_p_samples(server: TritonServer, expected: dict, knob: dict
     assert texts.pop() != expected[prompt].text
 
 
+def test_random_seed_is_the_seed(server: TritonServer) -> None:
+    """Upstream's older name random_seed works over gRPC and HTTP generate (which drops unknown keys:
+    an undeclared random_seed would sample unseeded)."""
+    sampled = dict(text_input=PROMPTS[0], max_tokens=TOKENS, top_k=40, exclude_input_in_output=True)
+    status, body = http_generate(server, "ensemble", seed=7, **sampled)
+    assert status == 200, body
+    want = body["text_output"]
+    for model in ("ensemble", "tensorrt_llm_bls"):
+        status, body = http_generate(server, model, random_seed=7, **sampled)
+        assert status == 200 and body["text_output"] == want, (model, body)
+        out = grpc_stream(server, model, random_seed=np.uint64(7), **sampled)
+        assert out.error is None and out.text == want, (model, out.error)
+    status, body = http_generate(server, "ensemble", random_seed=8, **sampled)
+    assert status == 200 and body["text_output"] != want
+
+
+def test_min_tokens_at_max_tokens_ignores_the_end_id(server: TritonServer, expected: dict) -> None:
+    """genai-perf's --output-tokens-mean-deterministic sends min_length = max_tokens: every request
+    then generates max_tokens tokens, eos and the end id notwithstanding."""
+    prompt = next(p for p in PROMPTS if len(expected[p].token_ids) == TOKENS)
+    ids = expected[prompt].token_ids
+    i = next(i for i in range(2, TOKENS) if ids[i] not in ids[:i])
+    request = dict(text_input=prompt, max_tokens=TOKENS, end_id=ids[i], exclude_input_in_output=True)
+    out = grpc_stream(server, "ensemble", **request)
+    assert out.error is None and out.text != expected[prompt].text  # the end id ends it
+    out = grpc_stream(server, "ensemble", min_length=TOKENS, **request)
+    assert out.error is None and out.text == expected[prompt].text
+    for model, extra in (("ensemble", dict(min_tokens=TOKENS + 5)), ("tensorrt_llm_bls", dict(min_length=TOKENS))):
+        status, body = http_generate(server, model, **request, **extra)
+        assert status == 200 and body["text_output"] == expected[prompt].text, (model, body)
+
+
 def test_http_generate_includes_the_prompt_unless_excluded(server: TritonServer, expected: dict) -> None:
     prompt = PROMPTS[1]
     status, body = http_generate(server, "ensemble", text_input=prompt, max_tokens=TOKENS)
@@ -588,6 +620,12 @@ BAD_REQUESTS = {
     "beam_search": (dict(GOOD, beam_width=2), "beam_width"),
     "seed_too_large": (dict(GOOD, seed=np.uint64(2**64 - 1)), "seed"),
     "end_id_out_of_range": (dict(GOOD, end_id=10**7), "end_id must be a token id"),
+    "min_tokens_below_max_tokens": (dict(GOOD, min_tokens=5), "min_tokens=5 is not supported by this runtime "
+                                    "(supported: <= 1, or >= max_tokens (8), which ignores the end id and stop ids)"),
+    "min_length_below_max_tokens": (dict(GOOD, min_length=5), "min_length=5 is not supported"),
+    "seed_and_random_seed_differ": (dict(GOOD, seed=np.uint64(1), random_seed=np.uint64(2)),
+                                    "seed=1 and random_seed=2 differ (random_seed is the older name of seed); "
+                                    "give one of them"),
 }
 
 

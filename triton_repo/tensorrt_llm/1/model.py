@@ -42,7 +42,6 @@ NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "repetition_penalty": (lambda v: v == 1, "1.0"),
     "presence_penalty": (lambda v: v == 0, "0.0"),
     "frequency_penalty": (lambda v: v == 0, "0.0"),
-    "min_tokens": (lambda v: v <= 1, "<= 1"),
     "return_log_probs": (lambda v: not v, "false"),
     "return_context_logits": (lambda v: not v, "false"),
     "return_generation_logits": (lambda v: not v, "false"),
@@ -198,7 +197,15 @@ class TritonPythonModel:
                 raise ValueError(f"bad_words: {self.tokenizer.decode(word, skip_special_tokens=False)!r} is "
                                  f"{len(word)} tokens; only single-token bad words are supported")
             bad_ids.append(word[0])
-        seed = self._scalar(request, "seed")
+        seed = self._alias(request, "seed", "random_seed")
+        min_tokens = self._alias(request, "min_tokens", "min_length")
+        ignore_stops = False
+        if min_tokens is not None and min_tokens > 1:
+            if min_tokens < max_tokens:
+                name = "min_tokens" if self._scalar(request, "min_tokens") is not None else "min_length"
+                raise ValueError(f"{name}={min_tokens} is not supported by this runtime (supported: <= 1, or >= "
+                                 f"max_tokens ({max_tokens}), which ignores the end id and stop ids)")
+            ignore_stops = True  # genai-perf's fixed output length: min_length = max_tokens
         temperature, top_k, top_p = self._sampling(request)
         end_id = self._scalar(request, "end_id")
         ignore_eos = end_id is not None and end_id != self.tokenizer.eos_token_id
@@ -214,12 +221,20 @@ class TritonPythonModel:
             top_p=top_p,
             seed=seed,
             stop=tuple(stop),
-            stop_token_ids=tuple(stop_ids),
+            stop_token_ids=() if ignore_stops else tuple(stop_ids),
             bad_token_ids=tuple(bad_ids),
-            ignore_eos=ignore_eos)
+            ignore_eos=ignore_eos or ignore_stops)
         streaming = bool(self._scalar(request, "streaming", False))
         exclude = bool(self._scalar(request, "exclude_input_in_output", self.exclude_input_default))
         return ids[:length].tolist(), params, streaming, exclude
+
+    def _alias(self, request: Any, name: str, old_name: str) -> Any:
+        """An input that upstream's older templates name differently (random_seed, min_length)."""
+        value, old = self._scalar(request, name), self._scalar(request, old_name)
+        if value is not None and old is not None and value != old:
+            raise ValueError(f"{name}={value} and {old_name}={old} differ ({old_name} is the older name of "
+                             f"{name}); give one of them")
+        return old if value is None else value
 
     def _sampling(self, request: Any) -> tuple[float, int, float]:
         """(temperature, top_k, top_p) as TensorRT-LLM reads its inputs: runtime_top_k 0 or unset with

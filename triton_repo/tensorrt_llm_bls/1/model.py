@@ -28,6 +28,7 @@ TO_ENGINE = {"exclude_input_in_output": "exclude_input_in_output", "top_k": "run
              "top_p": "runtime_top_p", "temperature": "temperature", "length_penalty": "len_penalty",
              "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens",
              "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty", "seed": "seed",
+             "random_seed": "random_seed", "min_length": "min_length",
              "return_log_probs": "return_log_probs", "return_context_logits": "return_context_logits",
              "return_generation_logits": "return_generation_logits", "return_perf_metrics": "return_perf_metrics",
              "beam_width": "beam_width", "num_return_sequences": "num_return_sequences", "stream": "streaming"}
