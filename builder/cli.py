@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 
 from builder.convert import (
+    NO_QUANT,
     BuildError,
     check_output_dir,
     check_tokenizer,
@@ -23,14 +24,13 @@ from builder.convert import (
     open_hf_checkpoint,
     validate_build,
 )
-from builder.engine import TrtllmCheckpoint, build_engine
+from builder.engine import TrtllmCheckpoint, build_engine, check_matches_checkpoint
 from builder.trtllm import TrtllmOptions, build_trtllm_engine
 from runtime.checkpoint import CheckpointError, HFCheckpoint
 from runtime.config import ConfigError, ModelConfig
 from runtime.engine import BuildConfig, EngineError
 
 DEFAULT_DRAFT_LEN = 4  # when --max_draft_len is not given (capped by what the checkpoint allows)
-NO_QUANT = "NO_QUANT"
 
 
 def _positive(text: str) -> int:
@@ -101,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     except (BuildError, EngineError, CheckpointError, ConfigError) as e:
         print(f"build_engine: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the file system's own refusals: no space, no permission, a file in the way
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"build_engine: error: {where}{e.strerror or e}; no output directory was written", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("build_engine: interrupted; no output directory was written", file=sys.stderr)
         return 130
@@ -110,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> None:
     check_output_dir(args.output_dir, args.force)
+    for stale in sorted(args.output_dir.parent.glob(f".{args.output_dir.name}.*-*")):
+        print(f"build_engine: warning: {stale} was left by an interrupted build (killed before it could clean up); "
+              "delete it to free its space", file=sys.stderr)
     out = args.output_dir.resolve()
     for flag, src in (("--model_dir", args.model_dir), ("--checkpoint_dir", args.checkpoint_dir),
                       ("--tokenizer_dir", args.tokenizer_dir), ("the current directory", Path.cwd())):
@@ -129,6 +136,10 @@ def run(args: argparse.Namespace) -> None:
         if args.backend == "trtllm":
             raise BuildError("--backend trtllm needs --model_dir: TensorRT-LLM's PyTorch backend loads the HF layout")
         ckpt = TrtllmCheckpoint.read(args.checkpoint_dir)
+        given = {name: getattr(args, name) for name in ("dtype", "tp_size", "ep_size") if getattr(args, name)}
+        if args.quant_algo is not None:
+            given["quant_algo"] = None if args.quant_algo == NO_QUANT else args.quant_algo
+        check_matches_checkpoint(ckpt, given)  # before BuildConfig's own rules could name a mix of the two
         b = ckpt.build
         build = build_config(args, ckpt.model_config, dtype=b.dtype, tp_size=b.tp_size, ep_size=b.ep_size,
                              quant_algo=b.quant_algo)

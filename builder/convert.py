@@ -54,6 +54,14 @@ class BuildError(ValueError):
     """Inputs or options a build cannot proceed with; the message names the file or flag."""
 
 
+NO_QUANT = "NO_QUANT"  # --quant_algo's spelling of "not quantized" (quant_algo None)
+
+
+def quant_algo_flag(quant_algo: str | None) -> str:
+    """A quant_algo as --quant_algo spells it."""
+    return NO_QUANT if quant_algo is None else quant_algo
+
+
 # ---- validation shared by convert, engine and trtllm builds -----------------------------------
 def validate_build(cfg: ModelConfig, build: BuildConfig, source: str, use_mtp_vanilla: bool = False) -> None:
     """Check the build options against the model before any work is done."""
@@ -274,7 +282,7 @@ class RankFileWriter:
 
 
 def check_output_dir(out_dir: Path, force: bool) -> None:
-    if Path(out_dir).exists() and not force:
+    if (Path(out_dir).exists() or Path(out_dir).is_symlink()) and not force:  # a dangling link too
         raise BuildError(f"{out_dir}: output directory already exists; pass --force to replace it")
 
 

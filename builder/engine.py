@@ -26,11 +26,12 @@ from builder.convert import (
     TensorLayout,
     atomic_dir,
     copy_tokenizer,
+    quant_algo_flag,
     rank_layout,
     validate_build,
 )
 from runtime.checkpoint import SCALE_SUFFIX, read_safetensors_header
-from runtime.config import ModelConfig
+from runtime.config import ModelConfig, is_int
 from runtime.engine import BuildConfig, EngineError, EngineManifest
 from runtime.fp8 import FP8_DTYPE
 
@@ -61,6 +62,11 @@ class TrtllmCheckpoint:
             raw = json.loads(source.read_text())
         except ValueError as e:
             raise BuildError(f"{source}: not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise BuildError(f"{source}: expected a JSON object")
+        for name in ("mapping", "quantization", "moe", "speculative_decoding"):
+            if raw.get(name) is not None and not isinstance(raw[name], dict):
+                raise BuildError(f"{source}: field {name!r} must be an object, got {raw[name]!r}")
         cfg = model_config_from_trtllm(raw, str(source))
         mapping, quant = raw.get("mapping") or {}, raw.get("quantization") or {}
         tp, ep, moe_tp = mapping.get("tp_size", 1), mapping.get("moe_ep_size", 1), mapping.get("moe_tp_size", 1)
@@ -131,7 +137,7 @@ def model_config_from_trtllm(raw: dict[str, Any], source: str) -> ModelConfig:
             "scoring_func": moe["scoring_func"],
             "topk_method": moe["topk_method"],
             "moe_intermediate_size": raw["moe_inter_size"],
-            "n_shared_experts": moe["shared_expert_intermediate_size"] // raw["moe_inter_size"],
+            "n_shared_experts": shared_experts(moe["shared_expert_intermediate_size"], raw["moe_inter_size"], source),
             "rms_norm_eps": raw["norm_epsilon"],
             "rope_theta": raw["rotary_base"],
             "rope_scaling": raw["rotary_scaling"],
@@ -142,9 +148,30 @@ def model_config_from_trtllm(raw: dict[str, Any], source: str) -> ModelConfig:
                      "v_head_dim", "first_k_dense_replace", "moe_layer_freq", "max_position_embeddings",
                      "bos_token_id", "eos_token_id"):
             fields[name] = raw[name]
-    except (KeyError, TypeError) as e:
+    except KeyError as e:
         raise BuildError(f"{source}: missing field {e}, expected a DeepSeek-V3 TensorRT-LLM checkpoint config") from None
+    except TypeError as e:
+        raise BuildError(f"{source}: malformed field ({e}), expected a DeepSeek-V3 TensorRT-LLM checkpoint config") from None
     return ModelConfig.from_dict(fields, source=source)
+
+
+def shared_experts(shared_intermediate_size: Any, moe_inter_size: Any, source: str) -> int:
+    """n_shared_experts back from moe.shared_expert_intermediate_size (their product) and moe_inter_size."""
+    if not (is_int(shared_intermediate_size) and is_int(moe_inter_size) and moe_inter_size > 0
+            and shared_intermediate_size > 0 and shared_intermediate_size % moe_inter_size == 0):
+        raise BuildError(f"{source}: field 'moe.shared_expert_intermediate_size' is {shared_intermediate_size!r}, "
+                         f"expected a positive multiple of moe_inter_size ({moe_inter_size!r})")
+    return shared_intermediate_size // moe_inter_size
+
+
+def check_matches_checkpoint(ckpt: TrtllmCheckpoint, given: dict[str, Any]) -> None:
+    """dtype, tp_size, ep_size and quant_algo are fixed by the conversion: `given` values must be the checkpoint's."""
+    for name, got in given.items():
+        want = getattr(ckpt.build, name)
+        if got != want:
+            shown = (quant_algo_flag(got), quant_algo_flag(want)) if name == "quant_algo" else (got, want)
+            raise BuildError(f"--{name} {shown[0]} differs from the checkpoint's {shown[1]} ({ckpt.path / 'config.json'}); "
+                             "convert again or leave it out")
 
 
 def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, build: BuildConfig, *,
@@ -155,10 +182,7 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, build: Buil
     """
     ckpt = TrtllmCheckpoint.read(checkpoint_dir)
     source = str(ckpt.path / "config.json")
-    for name in ("dtype", "tp_size", "ep_size", "quant_algo"):
-        want, got = getattr(ckpt.build, name), getattr(build, name)
-        if want != got:
-            raise BuildError(f"--{name} {got} differs from the checkpoint's {want} ({source}); convert again or leave it out")
+    check_matches_checkpoint(ckpt, {name: getattr(build, name) for name in ("dtype", "tp_size", "ep_size", "quant_algo")})
     if build.backend != "native":
         raise BuildError(f"--backend {build.backend}: a TensorRT-LLM checkpoint builds native engines only; "
                          "use --model_dir for --backend trtllm")

@@ -45,6 +45,10 @@ def write_hf_checkpoint(
     out_dir = Path(out_dir)
     if out_dir.exists() and not force:
         raise FileExistsError(f"{out_dir}: already exists, expected a new directory (or force=True)")
+    if max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
+    if tokenizer_dir is not None and not (Path(tokenizer_dir) / "tokenizer.json").is_file():  # before the work
+        raise FileNotFoundError(f"{Path(tokenizer_dir) / 'tokenizer.json'}: not found, expected the tokenizer to copy")
     if fp8 and config.quantization_config is None:
         config = dataclasses.replace(config, quantization_config=QuantizationConfig())
     elif not fp8:
@@ -89,8 +93,6 @@ def write_hf_checkpoint(
 
         if tokenizer_dir is not None:
             tokenizer_dir = Path(tokenizer_dir)
-            if not (tokenizer_dir / "tokenizer.json").is_file():
-                raise FileNotFoundError(f"{tokenizer_dir / 'tokenizer.json'}: not found, expected the tokenizer to copy")
             for fname in TOKENIZER_FILES:
                 if (tokenizer_dir / fname).is_file():
                     shutil.copy2(tokenizer_dir / fname, tmp / fname)

@@ -18,9 +18,10 @@ from typing import Any
 import yaml
 from tqdm import tqdm
 
-from builder.convert import BuildError, atomic_dir, copy_tokenizer, open_hf_checkpoint, validate_build
+from builder.convert import (BuildError, atomic_dir, copy_tokenizer, open_hf_checkpoint, quant_algo_flag,
+                             validate_build)
 from builder.engine import BUILDER_VERSION
-from runtime.checkpoint import INDEX_NAME
+from runtime.checkpoint import FP8_CODE, INDEX_NAME
 from runtime.config import ModelConfig
 from runtime.engine import BuildConfig, EngineManifest
 
@@ -82,9 +83,13 @@ def build_trtllm_engine(model_dir: str | Path, output_dir: str | Path, build: Bu
     released = "FP8_BLOCK_SCALES" if ckpt.quantized else None
     if build.quant_algo != released:
         raise BuildError(
-            f"--quant_algo {build.quant_algo} with --backend trtllm: TensorRT-LLM loads the weights as released, "
-            f"which are {released} ({source}); leave --quant_algo out"
+            f"--quant_algo {quant_algo_flag(build.quant_algo)} with --backend trtllm: TensorRT-LLM loads the weights "
+            f"as released, which are {quant_algo_flag(released)} ({source}); leave --quant_algo out"
         )
+    fp8 = next((n for n in ckpt.tensor_names if ckpt.tensor_info(n).dtype == FP8_CODE), None)
+    if fp8 is not None and not ckpt.quantized:  # TensorRT-LLM would read the FP8 codes as plain values
+        raise BuildError(f"{source}: no 'quantization_config', but tensor {fp8!r} ({model_dir / ckpt.weight_map[fp8]}) "
+                         "is float8_e4m3fn; add the release's quantization_config (fp8, e4m3, 128x128 blocks)")
     validate_build(cfg, build, source, use_mtp_vanilla=options.use_mtp_vanilla)
     with atomic_dir(Path(output_dir), force) as tmp:
         hf = tmp / HF_DIR

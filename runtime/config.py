@@ -31,6 +31,10 @@ def is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def _is_positive_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """YaRN parameters (`rope_scaling` in config.json). Both mscale keys matter."""
@@ -140,7 +144,7 @@ class ModelConfig:
                 raise ConfigError(f"{source}: field {name!r} must be an integer >= {low}, got {kwargs[name]!r}")
         for name in POSITIVE_NUMBERS:
             value = kwargs.get(name, 1.0)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+            if not _is_positive_number(value):
                 raise ConfigError(f"{source}: field {name!r} must be a number > 0, got {value!r}")
         if kwargs.get("q_lora_rank") is not None and not (is_int(kwargs["q_lora_rank"]) and kwargs["q_lora_rank"] > 0):
             raise ConfigError(f"{source}: field 'q_lora_rank' must be an integer >= 1 or null")
@@ -173,8 +177,13 @@ class ModelConfig:
                 **{k: v for k, v in q.items() if k in QuantizationConfig.__dataclass_fields__}
             )
         if "architectures" in kwargs:
-            kwargs["architectures"] = tuple(kwargs["architectures"])
+            archs = kwargs["architectures"]
+            if not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+                raise ConfigError(f"{source}: field 'architectures' must be a list of strings, got {archs!r}")
+            kwargs["architectures"] = tuple(archs)
         if isinstance(kwargs.get("eos_token_id"), list):
+            if not kwargs["eos_token_id"]:
+                raise ConfigError(f"{source}: field 'eos_token_id' must be a token id or a non-empty list of them")
             kwargs["eos_token_id"] = kwargs["eos_token_id"][0]
         kwargs["extra"] = {k: v for k, v in raw.items() if k not in known}
         cfg = cls(**kwargs)
@@ -187,9 +196,11 @@ class ModelConfig:
         if not path.is_file():
             raise ConfigError(f"{path}: file not found")
         try:
-            raw = json.loads(path.read_text())
+            raw = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text ({e})") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a JSON object")
         return cls.from_dict(raw, source=str(path))
@@ -228,6 +239,37 @@ class ModelConfig:
             raise bad("qk_rope_head_dim", "an even number")
         if self.num_nextn_predict_layers < 0:
             raise bad("num_nextn_predict_layers", ">= 0")
+        # fields the model reads but does not vary on: any other value would be silently ignored
+        for name in ("norm_topk_prob", "tie_word_embeddings", "attention_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "true or false")
+        if self.hidden_act != "silu":
+            raise bad("hidden_act", "'silu'")
+        if self.tie_word_embeddings:
+            raise bad("tie_word_embeddings", "false (DeepSeek-V3's lm_head is a weight of its own)")
+        if self.attention_bias:
+            raise bad("attention_bias", "false (DeepSeek-V3's attention has no biases)")
+        if not is_int(self.eos_token_id):
+            raise bad("eos_token_id", "a token id")
+        if self.bos_token_id is not None and not is_int(self.bos_token_id):
+            raise bad("bos_token_id", "a token id or null")
+        if self.num_key_value_heads is not None and not (is_int(self.num_key_value_heads) and self.num_key_value_heads > 0):
+            raise bad("num_key_value_heads", "an integer >= 1 or null")
+        rs = self.rope_scaling
+        if rs is not None:
+            for name in ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+                value = getattr(rs, name)
+                if value is None and name.startswith("mscale"):
+                    continue
+                if not _is_positive_number(value):
+                    raise ConfigError(f"{source}: field 'rope_scaling.{name}' must be a number > 0, got {value!r}")
+            if not (is_int(rs.original_max_position_embeddings) and rs.original_max_position_embeddings > 0):
+                raise ConfigError(f"{source}: field 'rope_scaling.original_max_position_embeddings' must be an "
+                                  f"integer >= 1, got {rs.original_max_position_embeddings!r}")
+        q = self.quantization_config
+        if q is not None and (q.fmt, q.activation_scheme) != ("e4m3", "dynamic"):
+            raise ConfigError(f"{source}: field 'quantization_config' has fmt {q.fmt!r} and activation_scheme "
+                              f"{q.activation_scheme!r}, expected 'e4m3' and 'dynamic' (the release's FP8)")
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:

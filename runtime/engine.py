@@ -508,12 +508,19 @@ def _copy_shard(file: Path, f, keys: set[str], name: str, full: Tensor, build: B
         t = t[tuple(slice(0, n) for n in target.shape)]
     scale = f.get_tensor(name + SCALE_SUFFIX) if name + SCALE_SUFFIX in keys else None
     if scale is None:
+        if t.dtype == torch.float8_e4m3fn:  # raw FP8 codes read as values would be a silently wrong model
+            raise EngineError(f"{file}: FP8 tensor {name!r} has no {name + SCALE_SUFFIX!r}")
         target.copy_(t)
-    elif scale.dim() < t.dim():  # per-tensor: one scale per weight (per expert when stacked)
-        target.copy_(dequantize_tensor_fp8(t, scale.view(*scale.shape, 1, 1)))
-    elif t.dim() == 3:  # stacked experts: one block grid per expert
-        for e in range(t.shape[0]):
-            target[e].copy_(dequantize_block_fp8(t[e], scale[e]))
-    else:
-        target.copy_(dequantize_block_fp8(t, scale))
+        return target.numel()
+    try:
+        if scale.dim() < t.dim():  # per-tensor: one scale per weight (per expert when stacked)
+            target.copy_(dequantize_tensor_fp8(t, scale.view(*scale.shape, 1, 1)))
+        elif t.dim() == 3:  # stacked experts: one block grid per expert
+            for e in range(t.shape[0]):
+                target[e].copy_(dequantize_block_fp8(t[e], scale[e]))
+        else:
+            target.copy_(dequantize_block_fp8(t, scale))
+    except (ValueError, RuntimeError) as e:
+        raise EngineError(f"{file}: tensor {name + SCALE_SUFFIX!r} of shape {list(scale.shape)} does not fit "
+                          f"{name!r} of shape {list(t.shape)} ({e})") from None
     return target.numel()

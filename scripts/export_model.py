@@ -16,15 +16,28 @@ from runtime.model import DeepseekV3ForCausalLM
 from runtime.weights import release_tensors
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number > 0")
+    return value
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", type=Path, required=True)
     p.add_argument("--tokenizer_dir", type=Path, required=True)
     p.add_argument("--out_dir", type=Path, required=True)
-    p.add_argument("--max_shard_mb", type=float, default=12.0, help="shard size (the release has several shards)")
+    p.add_argument("--max_shard_mb", type=_positive_float, default=12.0, help="shard size (the release has several shards)")
     p.add_argument("--bf16", action="store_true", help="write bf16 Linear weights instead of FP8 blocks")
     p.add_argument("--force", action="store_true")
     args = p.parse_args()
+    if not args.ckpt.is_file():
+        p.error(f"--ckpt {args.ckpt}: file not found")
+    if args.out_dir.exists() and not args.force:
+        p.error(f"--out_dir {args.out_dir}: already exists; pass --force to replace it")
+    if not (args.tokenizer_dir / "tokenizer.json").is_file():
+        p.error(f"--tokenizer_dir {args.tokenizer_dir}: no tokenizer.json there")
 
     state = torch.load(args.ckpt, map_location="cpu", weights_only=False)
     cfg = ModelConfig.from_dict({**state["config"], "torch_dtype": "bfloat16"})

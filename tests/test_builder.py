@@ -461,7 +461,63 @@ def test_error_flags_against_checkpoint(hf, tmp_path, capsys):
     assert error(capsys, "--model_dir", hf, "--output_dir", out, "--backend", "trtllm", "--max_seq_len", 256,
                  "--quant_algo", "FP8") == (
         f"build_engine: error: --quant_algo FP8 with --backend trtllm: TensorRT-LLM loads the weights as released, "
-        f"which are None ({hf / 'config.json'}); leave --quant_algo out")
+        f"which are NO_QUANT ({hf / 'config.json'}); leave --quant_algo out")
+    # flags are checked against the checkpoint before BuildConfig's own rules, which would name the mix
+    assert error(capsys, "--checkpoint_dir", ckpt, "--output_dir", out, "--tokenizer_dir", hf, "--tp_size", 1) == (
+        f"build_engine: error: --tp_size 1 differs from the checkpoint's 2 ({ckpt / 'config.json'}); "
+        "convert again or leave it out")
+    assert error(capsys, "--checkpoint_dir", ckpt, "--output_dir", out, "--tokenizer_dir", hf,
+                 "--quant_algo", "FP8_BLOCK_SCALES") == (
+        f"build_engine: error: --quant_algo FP8_BLOCK_SCALES differs from the checkpoint's NO_QUANT "
+        f"({ckpt / 'config.json'}); convert again or leave it out")
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda raw: raw["mapping"].clear() or ["tp"], "field 'mapping' must be an object, got ['tp']"),
+    (lambda raw: None, "expected a JSON object"),
+    (lambda raw: {**raw, "speculative_decoding": None},
+     "malformed field ('NoneType' object is not subscriptable), expected a DeepSeek-V3 TensorRT-LLM checkpoint config"),
+    (lambda raw: {**raw, "moe": {**raw["moe"], "shared_expert_intermediate_size": 5}},
+     "field 'moe.shared_expert_intermediate_size' is 5, expected a positive multiple of moe_inter_size (16)"),
+])
+def test_error_malformed_trtllm_checkpoint_config(hf, tmp_path, capsys, edit, message):
+    ckpt = convert_checkpoint(hf, tmp_path / "ckpt", BuildConfig(**LIMITS), progress=False)
+    raw = json.loads((ckpt / "config.json").read_text())
+    edited = edit(raw)
+    edited = [] if edited is None else {**raw, "mapping": edited} if isinstance(edited, list) else edited
+    (ckpt / "config.json").write_text(json.dumps(edited))
+    assert error(capsys, "--checkpoint_dir", ckpt, "--output_dir", tmp_path / "out", "--tokenizer_dir", hf) == (
+        f"build_engine: error: {ckpt / 'config.json'}: {message}")
+
+
+def test_error_file_system_refusals(hf, tmp_path, capsys):
+    """The file system's own errors (a file in the way, no permission, no space) are one clear line."""
+    (tmp_path / "afile").write_text("x")
+    assert error(capsys, "--model_dir", hf, "--output_dir", tmp_path / "afile" / "engine", "--max_seq_len", 256) == (
+        f"build_engine: error: {tmp_path / 'afile'}: File exists; no output directory was written")
+    # a dangling link counts as an existing output, before any work is done
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    assert error(capsys, "--model_dir", hf, "--output_dir", tmp_path / "link") == (
+        f"build_engine: error: {tmp_path / 'link'}: output directory already exists; pass --force to replace it")
+
+
+def test_temporaries_of_a_killed_build_are_reported(hf, tmp_path, capsys):
+    """SIGKILL leaves the hidden temporary directories behind; the next build says so."""
+    (tmp_path / ".out.tmp-abc123").mkdir()
+    assert cli("--model_dir", hf, "--output_dir", tmp_path / "out", "--max_seq_len", 256) == 0
+    assert (f"build_engine: warning: {tmp_path / '.out.tmp-abc123'} was left by an interrupted build (killed before "
+            "it could clean up); delete it to free its space") in capsys.readouterr().err
+
+
+def test_error_trtllm_backend_fp8_weights_without_quantization_config(hf_fp8, tmp_path, capsys):
+    src = Path(shutil.copytree(hf_fp8, tmp_path / "src"))
+    raw = json.loads((src / "config.json").read_text())
+    del raw["quantization_config"]
+    (src / "config.json").write_text(json.dumps(raw))
+    err = error(capsys, "--model_dir", src, "--output_dir", tmp_path / "out", "--backend", "trtllm", "--max_seq_len", 256)
+    assert err.startswith(f"build_engine: error: {src / 'config.json'}: no 'quantization_config', but tensor ")
+    assert err.endswith("is float8_e4m3fn; add the release's quantization_config (fp8, e4m3, 128x128 blocks)")
+    assert not (tmp_path / "out").exists()
 
 
 # ---- --backend trtllm ----------------------------------------------------------------------------

@@ -277,6 +277,23 @@ def test_writer_failure_leaves_nothing(tmp_path, tiny_cfg, tiny_weights):
     assert (tmp_path / "ckpt" / "old.txt").read_text() == "old"
 
 
+def test_writer_checks_its_arguments_before_writing(tmp_path, tiny_cfg):
+    """A missing tokenizer or a shard size below one byte is refused before any tensor is read."""
+    cfg = ModelConfig.from_dict(tiny_cfg())
+
+    def never():
+        raise AssertionError("tensors were read")
+        yield
+
+    with pytest.raises(FileNotFoundError) as e:
+        write_hf_checkpoint(tmp_path / "ckpt", cfg, never(), tokenizer_dir=tmp_path)
+    assert str(e.value) == f"{tmp_path / 'tokenizer.json'}: not found, expected the tokenizer to copy"
+    with pytest.raises(ValueError) as e:
+        write_hf_checkpoint(tmp_path / "ckpt", cfg, never(), max_shard_bytes=0)
+    assert str(e.value) == "max_shard_bytes must be >= 1, got 0"
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---- broken checkpoints: each error names the file, the tensor or field, and what was expected ----
 def test_error_missing_shard(make_ckpt):
     path, _, _ = make_ckpt()
@@ -337,6 +354,25 @@ def test_error_fp8_weight_without_scale(make_ckpt):
     (dict(rope_scaling="yarn"), "field 'rope_scaling' must be an object or null, got 'yarn'"),
     (dict(quantization_config={"quant_method": "fp8", "weight_block_size": 128}),
      "field 'quantization_config.weight_block_size' must be two integers >= 1, got 128"),
+    (dict(quantization_config={"quant_method": "fp8", "fmt": "e5m2"}),
+     "field 'quantization_config' has fmt 'e5m2' and activation_scheme 'dynamic', expected 'e4m3' and 'dynamic' "
+     "(the release's FP8)"),
+    (dict(rope_scaling={"type": "yarn", "factor": "4", "original_max_position_embeddings": 64}),
+     "field 'rope_scaling.factor' must be a number > 0, got '4'"),
+    (dict(rope_scaling={"type": "yarn", "factor": -4, "original_max_position_embeddings": 64}),
+     "field 'rope_scaling.factor' must be a number > 0, got -4"),
+    (dict(rope_scaling={"type": "yarn", "factor": 4, "original_max_position_embeddings": 0}),
+     "field 'rope_scaling.original_max_position_embeddings' must be an integer >= 1, got 0"),
+    (dict(eos_token_id=[]), "field 'eos_token_id' must be a token id or a non-empty list of them"),
+    (dict(eos_token_id="x"), "field 'eos_token_id' is 'x', expected a token id"),
+    (dict(architectures="DeepseekV3ForCausalLM"),
+     "field 'architectures' must be a list of strings, got 'DeepseekV3ForCausalLM'"),
+    (dict(num_key_value_heads="4"), "field 'num_key_value_heads' is '4', expected an integer >= 1 or null"),
+    (dict(norm_topk_prob="false"), "field 'norm_topk_prob' is 'false', expected true or false"),
+    (dict(hidden_act="gelu"), "field 'hidden_act' is 'gelu', expected 'silu'"),
+    (dict(tie_word_embeddings=True),
+     "field 'tie_word_embeddings' is True, expected false (DeepSeek-V3's lm_head is a weight of its own)"),
+    (dict(attention_bias=True), "field 'attention_bias' is True, expected false (DeepSeek-V3's attention has no biases)"),
 ])
 def test_error_config_field_types(tiny_cfg, overrides, message):
     """Malformed fields are refused when config.json is read, naming the field (no ZeroDivisionError
@@ -433,3 +469,7 @@ def test_error_config_not_json(tmp_path):
     with pytest.raises(ConfigError) as e:
         HFCheckpoint(tmp_path)
     assert str(e.value).startswith(f"{tmp_path / 'config.json'}: not valid JSON (")
+    (tmp_path / "config.json").write_bytes(b'{"model_type": "deepseek_v3\xff"}')
+    with pytest.raises(ConfigError) as e:
+        HFCheckpoint(tmp_path)
+    assert str(e.value).startswith(f"{tmp_path / 'config.json'}: not UTF-8 text (")

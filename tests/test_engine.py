@@ -135,6 +135,38 @@ def test_refuses_missing_rank_file(engine):
         load_engine(engine, verify=False)
 
 
+@pytest.fixture(scope="module")
+def built_fp8(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("fp8")
+    b = BuildConfig(max_seq_len=256, quant_algo="FP8_BLOCK_SCALES")
+    convert_checkpoint(write_tiny_checkpoint(root / "hf", fp8=True), root / "ckpt", b, progress=False)
+    return build_engine(root / "ckpt", root / "engine", b, progress=False)
+
+
+@pytest.mark.parametrize("break_scale", ["drop", "reshape"])
+def test_refuses_an_fp8_tensor_without_its_scale(built_fp8, tmp_path, break_scale):
+    """Raw FP8 codes copied as values would load a silently wrong model, even unverified (an engine
+    written by a broken build has matching hashes)."""
+    from safetensors.torch import load_file, save_file
+
+    engine = Path(shutil.copytree(built_fp8, tmp_path / "engine"))
+    load_engine(engine)
+    rank0 = engine / "rank0.safetensors"
+    tensors = load_file(rank0)
+    name = next(n for n, t in sorted(tensors.items()) if t.dtype == torch.float8_e4m3fn and t.dim() == 2)
+    scale = tensors.pop(name + "_scale_inv")
+    if break_scale == "reshape":
+        tensors[name + "_scale_inv"] = scale.reshape(-1)[:-1].reshape(1, -1).clone()
+    save_file(tensors, rank0, metadata={"format": "pt"})
+    with pytest.raises(EngineError) as e:
+        load_engine(engine, verify=False)
+    if break_scale == "drop":
+        assert str(e.value) == f"{rank0}: FP8 tensor {name!r} has no {name + '_scale_inv'!r}"
+    else:
+        assert str(e.value).startswith(f"{rank0}: tensor {name + '_scale_inv'!r} of shape "
+                                       f"{[1, scale.numel() - 1]} does not fit {name!r} of shape ")
+
+
 def test_refuses_other_directories(tmp_path):
     with pytest.raises(EngineError, match="neither engine.json nor config.json found"):
         load_engine(tmp_path)
