@@ -25,7 +25,7 @@ from torch import Tensor
 
 from runtime import kernels
 from runtime.checkpoint import SCALE_SUFFIX, CheckpointError, HFCheckpoint  # FP8: `<name>` + `<name>_scale_inv`
-from runtime.config import ConfigError, ModelConfig
+from runtime.config import ConfigError, ModelConfig, is_int
 from runtime.fp8 import dequantize_block_fp8, dequantize_tensor_fp8
 from runtime.model import MLA, MLP, DecoderLayer, DeepseekV3ForCausalLM, MoE, MTPLayer, PackedLinear, RMSNorm, rope_inv_freq
 from runtime.weights import WeightsError, load_weights
@@ -224,8 +224,8 @@ class EngineManifest:
         except (OSError, ValueError) as e:
             raise EngineError(f"{path}: cannot read engine.json ({e})") from None
         version = raw.get("format_version") if isinstance(raw, dict) else None
-        if not isinstance(version, int):
-            raise EngineError(f"{path}: field 'format_version' is {version!r}, expected an integer")
+        if not is_int(version) or version < 1:
+            raise EngineError(f"{path}: field 'format_version' is {version!r}, expected an integer >= 1")
         if version > FORMAT_VERSION:
             raise EngineError(
                 f"{path}: format_version {version} is newer than this runtime supports ({FORMAT_VERSION}); "

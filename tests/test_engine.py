@@ -81,6 +81,11 @@ def test_refuses_newer_format(engine):
         load_engine(engine)
     assert str(e.value) == (f"{engine / 'engine.json'}: format_version 2 is newer than this runtime supports (1); "
                             "upgrade the runtime or rebuild the engine with this version's build_engine")
+    for bad in (0, True, "1"):
+        (engine / "engine.json").write_text(json.dumps({**raw, "format_version": bad}))
+        with pytest.raises(EngineError) as e:
+            load_engine(engine)
+        assert str(e.value) == f"{engine / 'engine.json'}: field 'format_version' is {bad!r}, expected an integer >= 1"
 
 
 def test_refuses_trtllm_backend(hf, tmp_path):
