@@ -41,6 +41,9 @@ TOKENS = 24  # generated per request in the comparisons with the session
 PROMPTS = ["hello world", "日本語のテキスト", "def f(x):", "emoji 😀 and 東京", "the quick brown fox", "中文的文本",
            "naïve café", "return x * 2", "한국어", "北京是中国的首都", "lazy dog", "fox jumps", "東京は日本の首都です",
            "hello 日本", "quick", "🇯🇵 flag"]
+PERF_METRICS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "kv_cache_alloc_new_blocks",
+                "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks", "arrival_time_ns", "first_scheduled_time_ns",
+                "first_token_time_ns", "last_token_time_ns")
 DTYPES = {np.dtype(object): "BYTES", np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32",
           np.dtype(bool): "BOOL", np.dtype(np.uint64): "UINT64"}
 
@@ -99,7 +102,7 @@ def grpc_inputs(**values: Any) -> list:
 class Streamed:
     chunks: list[bytes] = field(default_factory=list)  # text_output per response (raw bytes)
     ids: list[int] = field(default_factory=list)  # output_ids, for tensorrt_llm
-    stats: dict[str, float] = field(default_factory=dict)  # last response's speculative stats
+    stats: dict[str, float] = field(default_factory=dict)  # last response's perf metrics and token counts
     error: str | None = None
     times: list[float] = field(default_factory=list)  # arrival time of each response
 
@@ -129,7 +132,7 @@ def grpc_stream(server: TritonServer, model: str, request_id: str = "", timeout:
                 out.times.append(at)
                 out.chunks += [] if text is None else list(text.reshape(-1))
                 out.ids += [] if ids is None else ids.reshape(-1).tolist()
-            for k in ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens"):
+            for k in (*PERF_METRICS, "num_input_tokens", "num_output_tokens"):
                 if result.as_numpy(k) is not None:
                     out.stats[k] = result.as_numpy(k).item()
             if result.get_response().parameters["triton_final_response"].bool_param:
@@ -305,6 +308,33 @@ def test_http_generate_matches_session(server: TritonServer, expected: dict, mod
     status, body = http_generate(server, model, text_input=PROMPTS[0], max_tokens=TOKENS, exclude_input_in_output=True)
     assert status == 200 and body["text_output"] == expected[PROMPTS[0]].text
     assert not {"acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens"} & set(body), body
+
+
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_perf_metrics_and_token_counts_as_upstream(server: TritonServer, session: Session, model: str) -> None:
+    """end_to_end_grpc_client.py --return-perf-metrics reads upstream's KV-cache and timing outputs from
+    every response; times are perf_counter_ns (CLOCK_MONOTONIC, this process's clock too), so they fall
+    between sending the request and receiving its last response."""
+    prompt = PROMPTS[4]
+    t0 = time.perf_counter_ns()
+    out = grpc_stream(server, model, text_input=prompt, max_tokens=TOKENS, stream=True, end_id=-1,
+                      return_perf_metrics=True, return_num_input_tokens=True, return_num_output_tokens=True)
+    t1 = time.perf_counter_ns()
+    assert out.error is None and set(out.stats) == {*PERF_METRICS, "num_input_tokens", "num_output_tokens"}
+    s = out.stats
+    assert t0 <= s["arrival_time_ns"] <= s["first_scheduled_time_ns"] <= s["first_token_time_ns"] \
+        <= s["last_token_time_ns"] <= t1
+    assert s["last_token_time_ns"] > s["first_token_time_ns"]  # streamed over several steps
+    n_in = len(session.tokenizer.encode(prompt))
+    assert (s["num_input_tokens"], s["num_output_tokens"]) == (n_in, TOKENS)
+    assert s["kv_cache_reused_blocks"] == 0
+    # no prefix reuse: all new, the 16-token blocks (a checkpoint's default) the request's tokens fill
+    assert s["kv_cache_alloc_new_blocks"] == s["kv_cache_alloc_total_blocks"] == -(-(n_in + TOKENS) // 16)
+    # each asked for separately, and nothing without asking
+    only = grpc_stream(server, model, text_input=prompt, max_tokens=4, return_num_output_tokens=True)
+    assert only.error is None and only.stats == {"num_output_tokens": 4}
+    plain = grpc_stream(server, model, text_input=prompt, max_tokens=4)
+    assert plain.error is None and plain.stats == {}
 
 
 def test_top_p_zero_means_not_set(server: TritonServer, expected: dict) -> None:

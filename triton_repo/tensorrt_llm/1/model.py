@@ -66,9 +66,14 @@ class Stream:
     triton_id: str  # the client's request id (TensorRT-LLM's `stop` input names it)
     streaming: bool
     prefix: list[int]  # prompt ids put before a non-streamed output (empty when excluded)
-    perf_metrics: bool  # return_perf_metrics: each response carries the request's speculative-decoding stats
+    perf_metrics: bool  # return_perf_metrics: each response carries the request's perf metrics
+    token_counts: tuple[bool, bool]  # return_num_input_tokens, return_num_output_tokens
     executor_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     pending: list[int] = field(default_factory=list)  # streamed ids not sent yet
+    # perf_counter_ns (CLOCK_MONOTONIC, the clock of upstream's std::chrono::steady_clock times)
+    arrival_ns: int = field(default_factory=time.perf_counter_ns)
+    first_token_ns: int = 0  # when the executor reported the first / latest new tokens (0: none yet)
+    last_token_ns: int = 0
 
 
 def word_list(request: Any, name: str) -> list[list[int]]:
@@ -121,7 +126,9 @@ class TritonPythonModel:
         self.stats_period_s = (parameter(config, "stats_check_period_ms", int) or 100) / 1000
         self._create_metrics(args["model_name"], args["model_version"])
 
-        self._outbox: queue.Queue[tuple[Stream, RequestOutput] | None] = queue.Queue()
+        self._outbox: queue.Queue[tuple[Stream, RequestOutput, int] | None] = queue.Queue()
+        # KV block size of the native executor; a TensorRT-LLM executor's block counts read 0 (as its metrics)
+        self.kv_block_size = getattr(getattr(self.executor, "cache", None), "block_size", 0)
         self._active: set[Stream] = set()
         self._lock = threading.Lock()
         self._running = True
@@ -140,12 +147,15 @@ class TritonPythonModel:
                     continue
                 prompt, params, streaming, exclude = self._convert(request)
                 stream = Stream(sender, request.request_id(), streaming, [] if exclude else prompt,
-                                bool(self._scalar(request, "return_perf_metrics", False)))
+                                bool(self._scalar(request, "return_perf_metrics", False)),
+                                (bool(self._scalar(request, "return_num_input_tokens", False)),
+                                 bool(self._scalar(request, "return_num_output_tokens", False))))
                 with self._lock:
                     self._active.add(stream)
                 try:
                     self.executor.submit(prompt, params, request_id=stream.executor_id,
-                                         on_output=lambda out, s=stream: self._outbox.put((s, out)))
+                                         on_output=lambda out, s=stream: self._outbox.put(
+                                             (s, out, time.perf_counter_ns())))
                 except BaseException:
                     with self._lock:
                         self._active.discard(stream)
@@ -280,7 +290,10 @@ class TritonPythonModel:
                 self._cancel_abandoned()
                 next_check = time.monotonic() + self.cancel_period_s
 
-    def _deliver(self, stream: Stream, out: RequestOutput) -> None:
+    def _deliver(self, stream: Stream, out: RequestOutput, at_ns: int) -> None:
+        if out.new_token_ids:
+            stream.first_token_ns = stream.first_token_ns or at_ns
+            stream.last_token_ns = at_ns
         if out.finish_reason == "error":
             self._close(stream, out, pb_utils.InferenceResponse(error=pb_utils.TritonError(
                 f"generation failed for request {out.request_id}: {out.error or 'see the server log'}")))
@@ -294,7 +307,7 @@ class TritonPythonModel:
             ids = stream.prefix + out.token_ids
         else:
             return
-        response = self._response(ids, out.stats if stream.perf_metrics else None)
+        response = self._response(ids, stream, out.stats)
         if out.finished:
             self._close(stream, out, response)
         else:
@@ -313,18 +326,35 @@ class TritonPythonModel:
         self.metrics["input_tokens"].observe(out.stats.prompt_tokens)
         self.metrics["output_tokens"].observe(out.stats.output_tokens)
 
-    @staticmethod
-    def _response(ids: list[int], stats: RequestStats | None) -> Any:
-        """output_ids and sequence_length, and the speculative-decoding stats when asked for: as upstream's
-        perf metrics, only with return_perf_metrics, for each tensor costs every streamed token its trip
-        through the server, the ensemble and the client."""
+    def _response(self, ids: list[int], stream: Stream, stats: RequestStats) -> Any:
+        """output_ids and sequence_length, plus what the request asked for: as upstream's, perf metrics
+        only with return_perf_metrics and token counts only with return_num_*_tokens, for each tensor
+        costs every streamed token its trip through the server, the ensemble and the client."""
+        def scalar(name: str, value: Any, dtype: Any) -> Any:
+            return pb_utils.Tensor(name, np.array([[value]], dtype))
+
         tensors = [pb_utils.Tensor("output_ids", np.array(ids, np.int32).reshape(1, 1, -1)),
                    pb_utils.Tensor("sequence_length", np.array([[len(ids)]], np.int32))]
-        if stats is not None:
+        if stream.perf_metrics:
+            # No prefix reuse here: every block a request holds is new. Counted as the blocks its
+            # tokens so far occupy. The executor does not say when it first scheduled a request, so
+            # first_scheduled_time_ns is the arrival time (first_token - arrival is the real TTFT).
+            blocks = -(-(stats.prompt_tokens + stats.output_tokens) // self.kv_block_size) if self.kv_block_size else 0
             tensors += [
-                pb_utils.Tensor("acceptance_rate", np.array([[stats.acceptance_rate]], np.float32)),
-                pb_utils.Tensor("total_accepted_draft_tokens", np.array([[stats.num_accepted_draft_tokens]], np.int32)),
-                pb_utils.Tensor("total_draft_tokens", np.array([[stats.num_draft_tokens]], np.int32))]
+                scalar("acceptance_rate", stats.acceptance_rate, np.float32),
+                scalar("total_accepted_draft_tokens", stats.num_accepted_draft_tokens, np.int32),
+                scalar("total_draft_tokens", stats.num_draft_tokens, np.int32),
+                scalar("kv_cache_alloc_new_blocks", blocks, np.int32),
+                scalar("kv_cache_reused_blocks", 0, np.int32),
+                scalar("kv_cache_alloc_total_blocks", blocks, np.int32),
+                scalar("arrival_time_ns", stream.arrival_ns, np.int64),
+                scalar("first_scheduled_time_ns", stream.arrival_ns, np.int64),
+                scalar("first_token_time_ns", stream.first_token_ns, np.int64),
+                scalar("last_token_time_ns", stream.last_token_ns, np.int64)]
+        if stream.token_counts[0]:
+            tensors.append(scalar("num_input_tokens", stats.prompt_tokens, np.int32))
+        if stream.token_counts[1]:
+            tensors.append(scalar("num_output_tokens", stats.output_tokens, np.int32))
         return pb_utils.InferenceResponse(tensors)
 
     def _cancel_abandoned(self) -> None:
