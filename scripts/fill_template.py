@@ -16,7 +16,11 @@ unchanged.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import stat
 import sys
+import tempfile
 from pathlib import Path
 from string import Template
 
@@ -36,7 +40,7 @@ UPSTREAM_ONLY = frozenset({
     "encoder_input_features_data_type", "logits_datatype", "prompt_embedding_table_data_type", "accumulate_tokens",
     "tensorrt_llm_model_name", "tensorrt_llm_draft_model_name", "multimodal_encoders_name",
     "guided_decoding_backend", "xgrammar_tokenizer_info_path", "lookahead_window_size", "lookahead_ngram_size",
-    "lookahead_verification_set_size", *DEFAULTS,
+    "lookahead_verification_set_size", "tokenizer_dir", "num_nodes", "tokenizer_type", *DEFAULTS,
 })
 
 
@@ -85,7 +89,27 @@ def fill(template_text: str, substitutions: dict[str, str], source: str = "templ
     missing = sorted(set(substitutions) - placeholders(template_text) - UPSTREAM_ONLY)
     if missing:
         raise KeyError(f"{source}: no placeholder ${{{missing[0]}}} (keys not found: {', '.join(missing)})")
+    decoupled = substitutions.get("decoupled_mode", "")
+    if '"gpt_model_path"' in template_text and decoupled.strip().lower() in ("false", "0", "no", "f", "n"):
+        raise ValueError(f"{source}: decoupled_mode:{decoupled}: the tensorrt_llm model runs only decoupled (it "
+                         "answers from the executor's thread); for unary ModelInfer clients deploy tensorrt_llm_bls "
+                         "with decoupled_mode:false, which drives the decoupled tensorrt_llm")
     return tmpl.safe_substitute({**DEFAULTS, **substitutions})
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Replace `path` with `text` so that a reader (or a crash) sees the old file or the new one, never a
+    partial one: a temporary file in the same directory, then os.replace; the file keeps its mode."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, stat.S_IMODE(path.stat().st_mode))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,8 +119,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-i", "--in_place", action="store_true", help="rewrite the file instead of printing")
     args = parser.parse_args(argv)
     try:
-        template, subs = args.file_path.read_text(), parse_substitutions(args.substitutions)
+        try:
+            template = args.file_path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{args.file_path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+        subs = parse_substitutions(args.substitutions)
         text = fill(template, subs, str(args.file_path))
+        if args.in_place:
+            write_atomically(args.file_path, text)
     except (KeyError, ValueError, OSError) as e:
         print(f"fill_template: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         return 2
@@ -104,9 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     if ignored:
         print(f"fill_template: {args.file_path}: ignored (not used by this repository): {', '.join(ignored)}",
               file=sys.stderr)
-    if args.in_place:
-        args.file_path.write_text(text)
-    else:
+    if not args.in_place:
         sys.stdout.write(text)
     return 0
 

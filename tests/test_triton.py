@@ -215,6 +215,44 @@ def test_fill_template_escapes_and_leaves_other_placeholders(tmp_path: Path) -> 
                                "logits_datatype, max_queue_size\n")
 
 
+def test_fill_template_refuses_a_non_decoupled_engine_model(tmp_path: Path) -> None:
+    script = ROOT / "scripts" / "fill_template.py"
+    config = tmp_path / "config.pbtxt"
+    config.write_text((TEMPLATE_REPO / "tensorrt_llm" / "config.pbtxt").read_text())
+    before = config.read_text()
+    bad = subprocess.run([sys.executable, script, "-i", config, "decoupled_mode:False,triton_max_batch_size:8"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and config.read_text() == before
+    assert bad.stderr == (f"fill_template: {config}: decoupled_mode:False: the tensorrt_llm model runs only decoupled "
+                          "(it answers from the executor's thread); for unary ModelInfer clients deploy "
+                          "tensorrt_llm_bls with decoupled_mode:false, which drives the decoupled tensorrt_llm\n")
+    # the BLS may be non-decoupled; upstream's tokenizer_dir / tokenizer_type / num_nodes are accepted and noted
+    config.write_text((TEMPLATE_REPO / "tensorrt_llm_bls" / "config.pbtxt").read_text())
+    ok = subprocess.run([sys.executable, script, "-i", config, "decoupled_mode:False,tokenizer_dir:/t,"
+                         "tokenizer_type:auto,num_nodes:1"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert "decoupled: False" in config.read_text()
+    assert ok.stderr == (f"fill_template: {config}: ignored (not used by this repository): num_nodes, tokenizer_dir, "
+                         "tokenizer_type\n")
+
+
+def test_fill_template_in_place_is_atomic_and_names_a_non_utf8_file(tmp_path: Path) -> None:
+    script = ROOT / "scripts" / "fill_template.py"
+    config = tmp_path / "config.pbtxt"
+    config.write_text("x: ${a}\n")
+    config.chmod(0o640)
+    inode = config.stat().st_ino
+    subprocess.run([sys.executable, script, "-i", config, "a:1"], check=True)
+    assert config.read_text() == "x: 1\n"
+    assert config.stat().st_ino != inode  # replaced by a new file, not rewritten in place
+    assert oct(config.stat().st_mode & 0o777) == oct(0o640)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.pbtxt"]  # no temporary file left
+    config.write_bytes(b"x: ${a}\n\xff\n")
+    bad = subprocess.run([sys.executable, script, "-i", config, "a:1"], capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert bad.stderr == f"fill_template: {config}: not UTF-8 text (byte 8: invalid start byte)\n"
+
+
 def test_every_template_placeholder_is_filled_by_the_test_values(tmp_path: Path) -> None:
     repo = fill_model_repo(tmp_path / "repo", repo_values(Path("/engine")))
     left = {p for c in repo.glob("*/config.pbtxt") for p in re.findall(r"\$\{(\w+)\}", c.read_text())}
