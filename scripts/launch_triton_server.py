@@ -349,6 +349,29 @@ def _stop_on_signals() -> Iterator[None]:
             signal.signal(s, handler)
 
 
+def check_args(args: argparse.Namespace) -> str | None:
+    """What is wrong with the command line before anything starts (None: nothing)."""
+    ports = {"--http_port": args.http_port, "--grpc_port": args.grpc_port, "--metrics_port": args.metrics_port}
+    seen: dict[int, str] = {}
+    for flag, port in ports.items():
+        if not 1 <= port <= 65535:
+            return f"{flag} {port}: a port must be in 1..65535"
+        if port in seen:
+            return f"{flag} {port} is also the {seen[port]}; the three ports must differ"
+        seen[port] = flag
+    if not args.ready_timeout >= 0:  # also refuses NaN
+        return f"--ready_timeout {args.ready_timeout}: must be >= 0 seconds"
+    if args.log_file is not None:
+        if args.log_file.is_dir():
+            return f"--log_file {args.log_file}: is a directory; give a file path"
+        try:
+            with open(args.log_file, "ab"):
+                pass
+        except OSError as e:
+            return f"--log_file {args.log_file}: cannot write to it ({e.strerror})"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_repo", required=True, type=Path, help="filled model repository")
@@ -364,6 +387,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--exit_timeout", type=int, default=10,
                         help="seconds tritonserver waits for in-flight requests when stopping")
     args = parser.parse_args(argv)
+    problem = check_args(args)
+    if problem:
+        print(f"launch_triton_server: {problem}", file=sys.stderr)
+        return 2
 
     server = None
     status = 0

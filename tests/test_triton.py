@@ -277,6 +277,27 @@ def test_launcher_world_size_command_runs_one_server_per_rank() -> None:
     assert single[0] == str(install.tritonserver) and ":" not in single
 
 
+LAUNCHER_ERRORS = {
+    "port_zero": (["--http_port", "0"], "--http_port 0: a port must be in 1..65535"),
+    "port_too_large": (["--metrics_port", "65536"], "--metrics_port 65536: a port must be in 1..65535"),
+    "duplicate_ports": (["--http_port", "9000", "--grpc_port", "9000"],
+                        "--grpc_port 9000 is also the --http_port; the three ports must differ"),
+    "negative_ready_timeout": (["--ready_timeout", "-1"], "--ready_timeout -1.0: must be >= 0 seconds"),
+    "log_file_is_a_directory": (["--log_file", "{tmp}"], "--log_file {tmp}: is a directory; give a file path"),
+    "log_file_not_writable": (["--log_file", "{tmp}/no/such/dir/server.log"],
+                              "--log_file {tmp}/no/such/dir/server.log: cannot write to it (No such file or directory)"),
+}
+
+
+@pytest.mark.parametrize("case", list(LAUNCHER_ERRORS), ids=list(LAUNCHER_ERRORS))
+def test_launcher_refuses_bad_arguments(tmp_path: Path, case: str) -> None:
+    args, message = LAUNCHER_ERRORS[case]
+    cmd = [sys.executable, ROOT / "scripts" / "launch_triton_server.py", "--model_repo", tmp_path,
+           *(a.format(tmp=tmp_path) for a in args)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stderr) == (2, f"launch_triton_server: {message.format(tmp=tmp_path)}\n")
+
+
 ECHO_MODEL = '''
 import triton_python_backend_utils as pb_utils
 class TritonPythonModel:
