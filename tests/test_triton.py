@@ -61,6 +61,8 @@ def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     # the BLS also works as a plain (non-decoupled) model, for clients of unary ModelInfer
     add_model(repo, TEMPLATE_REPO / "tensorrt_llm_bls", repo_values(checkpoint, decoupled_mode="false"),
               name="tensorrt_llm_bls_sync")
+    add_model(repo, TEMPLATE_REPO / "tensorrt_llm_bls", repo_values(checkpoint, accumulate_tokens="true"),
+              name="tensorrt_llm_bls_accumulate")
     t0 = time.monotonic()
     srv = start_server(repo, log_file=work / "server.log", ready_timeout_s=240, exit_timeout_s=3)
     print(f"tritonserver ready in {time.monotonic() - t0:.1f} s; log {work / 'server.log'}")
@@ -259,7 +261,7 @@ def test_every_template_placeholder_is_filled_by_the_test_values(tmp_path: Path)
     # these stay as placeholders on purpose: their models read an unfilled one as "use the default"
     assert left <= {"add_special_tokens", "skip_special_tokens", "max_tokens_in_paged_kv_cache",
                     "executor_max_batch_size", "executor_max_seq_len", "device", "torch_threads",
-                    "exclude_input_in_output"}
+                    "exclude_input_in_output", "accumulate_tokens"}
 
 
 def test_launcher_world_size_command_runs_one_server_per_rank() -> None:
@@ -512,6 +514,19 @@ def _incomplete_utf8(data: bytes) -> bool:
         return False
     except UnicodeDecodeError as e:
         return e.reason == "unexpected end of data" or e.start == 0
+
+
+def test_bls_accumulate_tokens_streams_the_whole_text_so_far(server: TritonServer, expected: dict) -> None:
+    prompt = PROMPTS[1]
+    out = grpc_stream(server, "tensorrt_llm_bls_accumulate", text_input=prompt, max_tokens=TOKENS, stream=True,
+                      exclude_input_in_output=True)
+    assert out.error is None and len(out.chunks) > TOKENS // 4
+    texts = [c.decode("utf-8") for c in out.chunks]
+    assert all(b.startswith(a) and len(b) > len(a) for a, b in zip(texts, texts[1:]))
+    assert texts[-1] == expected[prompt].text
+    status, body = http_generate(server, "tensorrt_llm_bls_accumulate", text_input=prompt, max_tokens=TOKENS,
+                                 exclude_input_in_output=True)  # not streamed: one response, as without it
+    assert status == 200 and body["text_output"] == expected[prompt].text
 
 
 def test_grpc_non_streaming_is_one_response(server: TritonServer, expected: dict) -> None:

@@ -67,6 +67,8 @@ class TritonPythonModel:
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         name = config.get("parameters", {}).get("tensorrt_llm_model_name", {}).get("string_value", "")
         self.engine_model = "tensorrt_llm" if name in ("", "${tensorrt_llm_model_name}") else name
+        accumulate = config.get("parameters", {}).get("accumulate_tokens", {}).get("string_value", "")
+        self.accumulate = accumulate.lower() in ("1", "true", "yes", "t", "y")  # unset or "${...}": false
         self._watched: dict[str, Any] = {}  # engine request id -> the client's request
         self._lock = threading.Lock()
         self._running = True
@@ -111,6 +113,8 @@ class TritonPythonModel:
             model_name=self.engine_model, request_id=engine_id,
             inputs=[pb_utils.Tensor(PREPROCESSED[k], v) for k, v in pre.items()] + renamed(request, TO_ENGINE),
             requested_output_names=["output_ids", "sequence_length", *STATS])
+        stream = pb_utils.get_input_tensor_by_name(request, "stream")
+        accumulated: list[int] | None = [] if self.accumulate and stream is not None and stream.as_numpy().any() else None
         with self._lock:
             self._watched[engine_id] = request
         try:
@@ -118,6 +122,10 @@ class TritonPythonModel:
                 out = outputs(response)
                 if "output_ids" not in out:
                     continue  # a flags-only final response
+                if accumulated is not None:  # accumulate_tokens: the whole text so far in each response
+                    accumulated += out["output_ids"].reshape(-1)[: int(out["sequence_length"].reshape(-1)[0])].tolist()
+                    out["output_ids"] = np.array(accumulated, np.int32).reshape(1, 1, -1)
+                    out["sequence_length"] = np.array([[len(accumulated)]], np.int32)
                 text = outputs(pb_utils.InferenceRequest(
                     model_name="postprocessing", requested_output_names=["OUTPUT"],
                     inputs=[pb_utils.Tensor("TOKENS_BATCH", out["output_ids"]),
