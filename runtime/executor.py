@@ -253,6 +253,9 @@ class Executor:
             self._wake.wait(0.01)
             self._wake.clear()
             return
+        for item in plan:
+            tracker = self._requests[item.seq.request_id][1]
+            tracker.first_scheduled_time = tracker.first_scheduled_time or t0
         decode_only = not any(it.seq.in_prefill for it in plan)
         catch_up = max((it.seq.num_cached - it.seq.num_mtp for it in plan if it.num_drafts), default=0)
         try:

@@ -35,6 +35,7 @@ class RequestStats:
     num_steps: int
     ttft_s: float | None  # submit -> the first step that emitted tokens
     tpot_s: float | None  # seconds per output token after that first step (it may emit several)
+    queue_s: float | None = None  # submit -> the first step that scheduled it (None: the backend does not say)
 
     @property
     def acceptance_rate(self) -> float:
@@ -227,6 +228,7 @@ class RequestTracker:
     max_seq_len: int
     callback: Callable[[RequestOutput], None] | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_first_tokens: int = 0  # tokens the first emitting step delivered (speculation: up to k + 1)
@@ -297,8 +299,9 @@ class RequestTracker:
         ttft = self.first_token_time - self.arrival_time if self.first_token_time else None
         after_first = n_out - self.num_first_tokens
         tpot = (self.last_token_time - self.first_token_time) / after_first if after_first > 0 else None
+        queue = self.first_scheduled_time - self.arrival_time if self.first_scheduled_time else None
         return RequestStats(self.num_prompt_tokens, n_out, self.num_draft_tokens, self.num_accepted_draft_tokens,
-                            self.num_steps, ttft, tpot)
+                            self.num_steps, ttft, tpot, queue)
 
     def report(self, new: list[int], delta: str, reason: str | None, error: str | None = None) -> None:
         """Deliver one output (final when reason is set) to the callback and the handle. A request that

@@ -545,6 +545,17 @@ def test_async_streams_need_no_thread_each(engine, prompts, tokenizer) -> None:
         assert_all_free(ex)
 
 
+def test_queueing_time_is_reported(engine, prompts) -> None:
+    """queue_s is submit -> first scheduled: a request waiting for the only batch slot waits for the
+    first request's decoding (at least half of it here: its own submit may lag the first's)."""
+    with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed", max_batch_size=1)) as ex:
+        first = ex.submit(prompts[4], SamplingParams(max_tokens=24, ignore_eos=True))
+        second = ex.submit(prompts[3], SamplingParams(max_tokens=4, ignore_eos=True))
+        a, b = first.result(60).stats, second.result(60).stats
+    assert 0 <= a.queue_s <= a.ttft_s
+    assert a.tpot_s * (a.output_tokens - 4) / 2 < b.queue_s <= b.ttft_s
+
+
 def test_running_and_queued_stats_while_busy(engine, prompts) -> None:
     """Seen from the executor thread (output callbacks), every request is running, queued or
     finished, never more than max_batch_size run, and blocks used + free = all blocks."""

@@ -337,8 +337,9 @@ class TritonPythonModel:
                    pb_utils.Tensor("sequence_length", np.array([[len(ids)]], np.int32))]
         if stream.perf_metrics:
             # No prefix reuse here: every block a request holds is new. Counted as the blocks its
-            # tokens so far occupy. The executor does not say when it first scheduled a request, so
-            # first_scheduled_time_ns is the arrival time (first_token - arrival is the real TTFT).
+            # tokens so far occupy. First scheduled: arrival plus the executor's queueing time (0 when
+            # the backend does not report it, as upstream's unset times).
+            scheduled = stream.arrival_ns + round(stats.queue_s * 1e9) if stats.queue_s is not None else 0
             blocks = -(-(stats.prompt_tokens + stats.output_tokens) // self.kv_block_size) if self.kv_block_size else 0
             tensors += [
                 scalar("acceptance_rate", stats.acceptance_rate, np.float32),
@@ -348,7 +349,7 @@ class TritonPythonModel:
                 scalar("kv_cache_reused_blocks", 0, np.int32),
                 scalar("kv_cache_alloc_total_blocks", blocks, np.int32),
                 scalar("arrival_time_ns", stream.arrival_ns, np.int64),
-                scalar("first_scheduled_time_ns", stream.arrival_ns, np.int64),
+                scalar("first_scheduled_time_ns", scheduled, np.int64),
                 scalar("first_token_time_ns", stream.first_token_ns, np.int64),
                 scalar("last_token_time_ns", stream.last_token_ns, np.int64)]
         if stream.token_counts[0]:
