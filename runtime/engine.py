@@ -65,6 +65,9 @@ class BuildConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise EngineError(f"{name} is {value!r}, expected a positive integer")
+        if self.kv_block_size & (self.kv_block_size - 1) or self.kv_block_size > self.max_seq_len:
+            raise EngineError(f"kv_block_size is {self.kv_block_size}, expected a power of two (as TensorRT-LLM's "
+                              f"tokens_per_block) at most max_seq_len ({self.max_seq_len})")
         if not isinstance(self.max_draft_len, int) or self.max_draft_len < 0:
             raise EngineError(f"max_draft_len is {self.max_draft_len!r}, expected an integer >= 0")
         if self.dtype not in DTYPES:

@@ -346,6 +346,13 @@ def test_error_missing_and_corrupt_inputs(hf, tmp_path, capsys):
     assert error(capsys, "--model_dir", tmp_path / "notok", "--output_dir", out, "--max_seq_len", 256) == (
         f"build_engine: error: {tmp_path / 'notok' / 'tokenizer.json'}: tokenizer file not found, "
         "expected tokenizer.json next to the weights (or --tokenizer_dir)")
+    (tmp_path / "notok" / "tokenizer.json").mkdir()
+    assert error(capsys, "--model_dir", tmp_path / "notok", "--output_dir", out, "--max_seq_len", 256) == (
+        f"build_engine: error: {tmp_path / 'notok' / 'tokenizer.json'}: not a file, expected the tokenizer's "
+        "tokenizer.json")
+    assert error(capsys, "--model_dir", hf, "--output_dir", out, "--max_seq_len", 256, "--kv_block_size", 24) == (
+        "build_engine: error: kv_block_size is 24, expected a power of two (as TensorRT-LLM's tokens_per_block) "
+        "at most max_seq_len (256)")
     assert error(capsys, "--checkpoint_dir", hf / "nope", "--output_dir", out) == (
         f"build_engine: error: {hf / 'nope' / 'config.json'}: file not found, expected a TensorRT-LLM checkpoint directory")
     assert not out.exists()

@@ -187,6 +187,10 @@ def test_build_config_rules():
     for kwargs, msg in [
         (dict(max_batch_size=0), "max_batch_size is 0, expected a positive integer"),
         (dict(max_draft_len=-1), "max_draft_len is -1, expected an integer >= 0"),
+        (dict(kv_block_size=24), "kv_block_size is 24, expected a power of two (as TensorRT-LLM's tokens_per_block) "
+                                 "at most max_seq_len (1024)"),
+        (dict(kv_block_size=2048), "kv_block_size is 2048, expected a power of two (as TensorRT-LLM's "
+                                   "tokens_per_block) at most max_seq_len (1024)"),
         (dict(dtype="float16"), "dtype is 'float16', expected one of float32, bfloat16"),
         (dict(quant_algo="NVFP4"), "quant_algo is 'NVFP4', expected FP8_BLOCK_SCALES, FP8 or none"),
         (dict(backend="tensorrt"), "backend is 'tensorrt', expected one of native, trtllm"),
