@@ -28,10 +28,11 @@ def model(spec_checkpoint):
     return load_engine(spec_checkpoint, cpu_kernels=False).model
 
 
-def _runners(model, graphs: bool, seed: int = 0) -> tuple[ModelRunner, KVCache]:
+def _runner(model, graphs: bool, seed: int = 0) -> ModelRunner:
+    """A runner over a cache of random values (the same for the same seed), padding batches when `graphs`."""
     cache = KVCache(model.cfg, num_blocks=120, block_size=4)
     cache.tensor.copy_(torch.randn(cache.tensor.shape, generator=torch.Generator().manual_seed(seed)))
-    return ModelRunner(model, cache, graphs=DecodeGraphs(model, cache, capture=False) if graphs else None), cache
+    return ModelRunner(model, cache, graphs=DecodeGraphs(model, cache, capture=False) if graphs else None)
 
 
 # (cached tokens, new tokens) per sequence: ragged query lengths, contexts across block boundaries,
@@ -40,43 +41,40 @@ LAYOUTS = [[(9, 1)], [(5, 4), (13, 1), (2, 3)], [(0, 8), (7, 2)], [(3, 2), (3, 2
            [(0, 30), (5, 2), (0, 11), (9, 1)], [(2, 20)]]
 
 
-def _sequences(layout: list[tuple[int, int]]) -> list[Sequence]:
+def _sequences(layout: list[tuple[int, int]]) -> tuple[list[Sequence], list[int], list[int]]:
+    """Sequences with disjoint block tables for the layout, and its starts and lengths."""
     seqs, first = [], 0
     for s, q in layout:
         n = -(-(s + q) // 4) + 1  # one block more than needed, as the scheduler reserves room for drafts
         seqs.append(Sequence(f"r{first}", [], 0, SamplingParams(), 0, block_table=list(range(first + n - 1, first - 1, -1))))
         first += n
-    return seqs
+    return seqs, [s for s, _ in layout], [q for _, q in layout]
 
 
-def _assert_same_writes(model, padded: KVCache, eager: KVCache) -> None:
+def _assert_same_writes(model, padded: ModelRunner, eager: ModelRunner) -> None:
     """Every slot but the scratch block's holds what the eager forward wrote, and something was written."""
-    owned = eager.scratch_block * eager.block_size
-    torch.testing.assert_close(padded.tensor[:, :owned], eager.tensor[:, :owned], atol=1e-5, rtol=1e-5)
-    assert not torch.equal(padded.tensor[:, :owned], _runners(model, graphs=False)[1].tensor[:, :owned])
+    owned = eager.cache.scratch_block * eager.cache.block_size
+    torch.testing.assert_close(padded.cache.tensor[:, :owned], eager.cache.tensor[:, :owned], atol=1e-5, rtol=1e-5)
+    assert not torch.equal(padded.cache.tensor[:, :owned], _runner(model, graphs=False).cache.tensor[:, :owned])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_padded_target_forward_equals_ragged(model, layout) -> None:
-    eager, cache_e = _runners(model, graphs=False)
-    padded, cache_p = _runners(model, graphs=True)
-    seqs = _sequences(layout)
-    starts, lens = [s for s, _ in layout], [q for _, q in layout]
+    eager, padded = _runner(model, graphs=False), _runner(model, graphs=True)
+    seqs, starts, lens = _sequences(layout)
     ids = torch.randint(model.cfg.vocab_size, (sum(lens),), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.inference_mode():
         want = eager.forward_target(seqs, starts, lens, ids)
         got = padded.forward_target(seqs, starts, lens, ids)
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    _assert_same_writes(model, cache_p, cache_e)
+    _assert_same_writes(model, padded, eager)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_padded_mtp_forward_equals_ragged(model, layout) -> None:
-    eager, cache_e = _runners(model, graphs=False)
-    padded, cache_p = _runners(model, graphs=True)
-    seqs = _sequences(layout)
-    starts, lens = [s for s, _ in layout], [q for _, q in layout]
+    eager, padded = _runner(model, graphs=False), _runner(model, graphs=True)
+    seqs, starts, lens = _sequences(layout)
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(model.cfg.vocab_size, (sum(lens),), generator=gen)
     hidden = torch.randn(sum(lens), model.cfg.hidden_size, generator=gen)
@@ -86,17 +84,16 @@ def test_padded_mtp_forward_equals_ragged(model, layout) -> None:
     for g, w in zip(got, want):
         assert g.shape == w.shape == (len(layout), g.shape[1])
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
-    _assert_same_writes(model, cache_p, cache_e)
+    _assert_same_writes(model, padded, eager)
 
 
 def test_one_graph_per_shape(model) -> None:
     """Batches of 3 and 4 sequences share the 4-sequence shape; tables are at least MIN_CONTEXT (256)
     tokens wide, a longer context widens them to a power of two."""
-    runner, cache = _runners(model, graphs=True)
+    runner = _runner(model, graphs=True)
     with torch.inference_mode():
         for layout in ([(3, 2)] * 3, [(5, 2)] * 4, [(3, 2)] * 2, [(40, 2)] * 2, [(300, 2)]):
-            seqs = _sequences(layout)
-            runner.forward_target(seqs, [s for s, _ in layout], [q for _, q in layout], [5] * 2 * len(layout))
+            runner.forward_target(*_sequences(layout), [5] * 2 * len(layout))
     assert sorted(runner.graphs.graphs) == [("target", 1, 2, 128), ("target", 2, 2, 64), ("target", 4, 2, 64)]
 
 
@@ -124,8 +121,9 @@ def test_experts_paths_agree(tokens) -> None:
 def test_decode_shapes_made_up_front_write_only_the_scratch_block(model) -> None:
     """What an executor captures before serving: every decode shape, on batches of padding sequences whose
     cache writes all land in the scratch block."""
-    runner, cache = _runners(model, graphs=True)
-    graphs, before = runner.graphs, cache.tensor.clone()
+    runner = _runner(model, graphs=True)
+    graphs, cache = runner.graphs, runner.cache
+    before = cache.tensor.clone()
     made = graphs.capture_decodes(max_batch_size=3, max_query=3, max_seq_len=300, mtp=True)
     # B 1, 2, 4; Q 1..3; block size 4: tables at least 64 blocks (MIN_CONTEXT), 300 tokens -> 75 -> widths 64, 128
     assert made == len(graphs.graphs) == 2 * 3 * 3 * 2
