@@ -96,7 +96,7 @@ class RequestHandle:
         self.request_id = request_id
         self._executor = executor
         self._last: RequestOutput | None = None
-        self._pending: list[RequestOutput] = []  # not taken yet: the oldest, then the rest merged into one
+        self._pending: RequestOutput | None = None  # not taken yet: every output since the last one taken, merged
         self._delivered_final = False
         self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         lock = threading.Lock()
@@ -106,12 +106,9 @@ class RequestHandle:
     def _push(self, out: RequestOutput) -> None:
         with self._arrived:
             self._last = out
-            if self._pending:
-                last = self._pending[-1]
-                self._pending[-1] = replace(out, new_token_ids=last.new_token_ids + out.new_token_ids,
-                                            text_delta=last.text_delta + out.text_delta)
-            else:
-                self._pending.append(out)
+            held = self._pending
+            self._pending = out if held is None else replace(
+                out, new_token_ids=held.new_token_ids + out.new_token_ids, text_delta=held.text_delta + out.text_delta)
             self._arrived.notify_all()
             if out.finished:
                 self._finished.notify_all()
@@ -123,8 +120,8 @@ class RequestHandle:
                 pass
 
     def _take(self) -> RequestOutput:
-        """The oldest output not handed out; call with the lock held and something pending."""
-        out = self._pending.pop(0)
+        """The output not handed out yet; call with the lock held and something pending."""
+        out, self._pending = self._pending, None
         self._delivered_final = out.finished
         return out
 
@@ -147,7 +144,7 @@ class RequestHandle:
             with self._arrived:
                 if self._delivered_final:
                     return
-                self._arrived.wait_for(lambda: self._pending)
+                self._arrived.wait_for(lambda: self._pending is not None)
                 out = self._take()
             yield out
 
@@ -159,7 +156,7 @@ class RequestHandle:
             with self._arrived:
                 if self._delivered_final:
                     raise StopAsyncIteration
-                if self._pending:
+                if self._pending is not None:
                     return self._take()
                 loop = asyncio.get_running_loop()
                 future = loop.create_future()
