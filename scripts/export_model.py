@@ -34,10 +34,6 @@ def main() -> None:
     args = p.parse_args()
     if not args.ckpt.is_file():
         p.error(f"--ckpt {args.ckpt}: file not found")
-    if args.out_dir.exists() and not args.force:
-        p.error(f"--out_dir {args.out_dir}: already exists; pass --force to replace it")
-    if not (args.tokenizer_dir / "tokenizer.json").is_file():
-        p.error(f"--tokenizer_dir {args.tokenizer_dir}: no tokenizer.json there")
 
     state = torch.load(args.ckpt, map_location="cpu", weights_only=False)
     cfg = ModelConfig.from_dict({**state["config"], "torch_dtype": "bfloat16"})
@@ -46,9 +42,12 @@ def main() -> None:
             "weight_block_size": [128, 128]}})
     model = DeepseekV3ForCausalLM(cfg)
     model.load_state_dict(state["model"])
-    write_hf_checkpoint(args.out_dir, cfg, release_tensors(model), fp8=not args.bf16,
-                        max_shard_bytes=int(args.max_shard_mb * 2**20), tokenizer_dir=args.tokenizer_dir,
-                        force=args.force)
+    try:  # the writer checks the output directory and the tokenizer before it reads a tensor
+        write_hf_checkpoint(args.out_dir, cfg, release_tensors(model), fp8=not args.bf16,
+                            max_shard_bytes=int(args.max_shard_mb * 2**20), tokenizer_dir=args.tokenizer_dir,
+                            force=args.force)
+    except (FileExistsError, FileNotFoundError) as e:
+        p.error(str(e))
     print(f"step {state['step']} -> {args.out_dir}")
 
 
