@@ -633,11 +633,15 @@ def test_a_failing_step_loop_ends_every_request_and_refuses_new_ones(engine, pro
     in flight or queued finishes with an error naming it, and later submits are refused, rather than
     hanging their callers."""
     with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed", max_batch_size=2)) as ex:
+        all_submitted = threading.Event()
+
         def broken(results):
+            all_submitted.wait(30)  # the loop must not stop before the last submit, or that submit is refused
             raise KeyError("bookkeeping")
 
         ex.scheduler.after_step = broken
         handles = [ex.submit(p, SamplingParams(max_tokens=10, ignore_eos=True)) for p in prompts[:4]]
+        all_submitted.set()
         for h in handles:
             out = h.result(30)
             assert (out.finish_reason, out.error) == ("error", "executor stopped: KeyError: 'bookkeeping'")
