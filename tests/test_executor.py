@@ -77,6 +77,18 @@ def wait_until(cond, timeout: float = 30.0, what: str = "condition") -> None:
         time.sleep(0.002)
 
 
+def hold_inbox_until(ex: Executor, event: threading.Event) -> None:
+    """Make the step loop wait for `event` before it next takes submitted requests: everything submitted
+    meanwhile joins the scheduler in one step, however slowly the test's thread runs on a loaded machine."""
+    drain = ex._drain_inbox
+
+    def held() -> None:
+        event.wait(30)
+        drain()
+
+    ex._drain_inbox = held
+
+
 def assert_all_free(ex: Executor) -> None:
     s = ex.stats()
     assert s.kv_blocks_used == 0 and s.kv_blocks_free == ex.cache.allocator.num_blocks, s
@@ -196,8 +208,11 @@ def test_preemption_with_tiny_kv_cache(engine, prompts, alone, k) -> None:
             return victim
 
         ex.scheduler._preempt_latest = counting
+        submitted = threading.Event()
+        hold_inbox_until(ex, submitted)  # all compete for the cache (one done before the next arrives preempts none)
         hs = {i: ex.submit(prompts[i], SamplingParams(max_tokens=MAX_TOKENS[i], ignore_eos=True)) for i in ids}
         hs["sampled"] = ex.submit(prompts[5], sampled)
+        submitted.set()
         outs = {i: h.result(120) for i, h in hs.items()}
         assert_all_free(ex)
     assert len(preempted) >= 2, "too little preemption: the test does not exercise it"
@@ -294,7 +309,10 @@ def test_max_batch_size_respected(engine, prompts) -> None:
             queued.append(s.queued)
             assert s.kv_blocks_used + s.kv_blocks_free == ex.cache.allocator.num_blocks
 
+        submitted = threading.Event()
+        hold_inbox_until(ex, submitted)  # else a slow submitter could leave nothing queued, or one request running
         hs = [ex.submit(p, SamplingParams(max_tokens=12, ignore_eos=True), on_output=on_output) for p in prompts[:6]]
+        submitted.set()
         outs = [h.result(60) for h in hs]
         assert_all_free(ex)
     assert all(len(o.token_ids) == 12 for o in outs)
@@ -547,10 +565,13 @@ def test_async_streams_need_no_thread_each(engine, prompts, tokenizer) -> None:
 
 def test_queueing_time_is_reported(engine, prompts) -> None:
     """queue_s is submit -> first scheduled: a request waiting for the only batch slot waits for the
-    first request's decoding (at least half of it here: its own submit may lag the first's)."""
+    first request's decoding (both are submitted before the loop takes either, so all of it)."""
     with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed", max_batch_size=1)) as ex:
+        submitted = threading.Event()
+        hold_inbox_until(ex, submitted)
         first = ex.submit(prompts[4], SamplingParams(max_tokens=24, ignore_eos=True))
         second = ex.submit(prompts[3], SamplingParams(max_tokens=4, ignore_eos=True))
+        submitted.set()
         a, b = first.result(60).stats, second.result(60).stats
     assert 0 <= a.queue_s <= a.ttft_s
     assert a.tpot_s * (a.output_tokens - 4) / 2 < b.queue_s <= b.ttft_s
@@ -563,6 +584,8 @@ def test_running_and_queued_stats_while_busy(engine, prompts) -> None:
     seen: list = []
 
     with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed", max_batch_size=3)) as ex:
+        hold_inbox_until(ex, submitted)  # no step before the last submit: the first wave runs 3 with 3 queued
+
         def on_output(o: RequestOutput) -> None:
             if submitted.is_set():
                 seen.append(ex.stats())
