@@ -12,12 +12,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from runtime.tokenizer import Tokenizer
-
-
-def parameter(model_config: dict, name: str) -> str | None:
-    """A model parameter's value, None when absent or left as a `${...}` placeholder."""
-    value = model_config.get("parameters", {}).get(name, {}).get("string_value", "")
-    return None if value == "" or value.startswith("${") else value
+from runtime.triton_parameters import boolean, parameter
 
 
 class TritonPythonModel:
@@ -27,8 +22,7 @@ class TritonPythonModel:
         if tokenizer_dir is None:
             raise pb_utils.TritonModelException("postprocessing: parameter tokenizer_dir is not set")
         self.tokenizer = Tokenizer.from_dir(tokenizer_dir)
-        skip = parameter(config, "skip_special_tokens")
-        self.skip_special_tokens = skip is None or skip.lower() in ("1", "true", "yes", "t", "y")
+        self.skip_special_tokens = parameter(config, "skip_special_tokens", boolean, default=True)
 
     def execute(self, requests: list) -> list:
         responses = []

@@ -12,12 +12,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from runtime.tokenizer import Tokenizer
-
-
-def parameter(model_config: dict, name: str) -> str | None:
-    """A model parameter's value, None when absent or left as a `${...}` placeholder."""
-    value = model_config.get("parameters", {}).get(name, {}).get("string_value", "")
-    return None if value == "" or value.startswith("${") else value
+from runtime.triton_parameters import boolean, parameter
 
 
 def utf8(values: np.ndarray, name: str) -> list[str]:
@@ -59,8 +54,7 @@ class TritonPythonModel:
         if tokenizer_dir is None:
             raise pb_utils.TritonModelException("preprocessing: parameter tokenizer_dir is not set")
         self.tokenizer = Tokenizer.from_dir(tokenizer_dir)
-        add = parameter(config, "add_special_tokens")
-        self.add_bos = None if add is None else add.lower() in ("1", "true", "yes")
+        self.add_bos = parameter(config, "add_special_tokens", boolean)
         eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
         self.end_id = -1 if eos is None else eos  # TensorRT-LLM's "no end id"
         self.pad_id = next((i for i in (pad, eos) if i is not None), 0)

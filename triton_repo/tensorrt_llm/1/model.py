@@ -32,6 +32,7 @@ import triton_python_backend_utils as pb_utils
 from runtime.executor import ExecutorConfig, RequestOutput, RequestStats
 from runtime.sampling import SamplingParams
 from runtime.trtllm_executor import create_executor
+from runtime.triton_parameters import boolean, integer, parameter
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -46,16 +47,6 @@ NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "return_context_logits": (lambda v: not v, "false"),
     "return_generation_logits": (lambda v: not v, "false"),
 }
-
-
-def parameter(model_config: dict, name: str, cast: Callable[[str], Any] = str) -> Any:
-    """A model parameter's value, None when absent or left as a `${...}` placeholder."""
-    value = model_config.get("parameters", {}).get(name, {}).get("string_value", "")
-    return None if value == "" or value.startswith("${") else cast(value)
-
-
-def as_bool(value: str) -> bool:
-    return value.lower() in ("1", "true", "yes", "t", "y")
 
 
 @dataclass(eq=False)
@@ -108,22 +99,21 @@ class TritonPythonModel:
         engine_dir = parameter(config, "gpt_model_path")
         if engine_dir is None:
             raise pb_utils.TritonModelException("tensorrt_llm: parameter gpt_model_path (engine_dir) is not set")
-        num_draft = parameter(config, "num_draft_tokens", int)
-        threads = parameter(config, "torch_threads", int)
+        threads = parameter(config, "torch_threads", integer)
         if threads:  # small decode steps on a busy CPU run faster on fewer threads
             torch.set_num_threads(threads)
         executor_config = ExecutorConfig(
-            num_draft_tokens=3 if num_draft is None else num_draft,
+            num_draft_tokens=parameter(config, "num_draft_tokens", integer, default=3),
             speculation=parameter(config, "speculation") or "adaptive",
-            max_batch_size=parameter(config, "executor_max_batch_size", int),
-            max_seq_len=parameter(config, "executor_max_seq_len", int),
-            kv_cache_tokens=parameter(config, "max_tokens_in_paged_kv_cache", int),
+            max_batch_size=parameter(config, "executor_max_batch_size", integer),
+            max_seq_len=parameter(config, "executor_max_seq_len", integer),
+            kv_cache_tokens=parameter(config, "max_tokens_in_paged_kv_cache", integer),
             device=parameter(config, "device") or "cpu")
         self.executor = create_executor(engine_dir, executor_config)
         self.tokenizer = self.executor.tokenizer
-        self.exclude_input_default = bool(parameter(config, "exclude_input_in_output", as_bool))
-        self.cancel_period_s = (parameter(config, "cancellation_check_period_ms", int) or 100) / 1000
-        self.stats_period_s = (parameter(config, "stats_check_period_ms", int) or 100) / 1000
+        self.exclude_input_default = parameter(config, "exclude_input_in_output", boolean, default=False)
+        self.cancel_period_s = parameter(config, "cancellation_check_period_ms", integer, default=100) / 1000
+        self.stats_period_s = parameter(config, "stats_check_period_ms", integer, default=100) / 1000
         self._create_metrics(args["model_name"], args["model_version"])
 
         self._outbox: queue.Queue[tuple[Stream, RequestOutput, int] | None] = queue.Queue()

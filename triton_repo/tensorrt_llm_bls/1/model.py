@@ -18,6 +18,8 @@ from typing import Any, Iterator
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from runtime.triton_parameters import boolean, parameter
+
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 TO_PREPROCESSING = {"text_input": "QUERY", "max_tokens": "REQUEST_OUTPUT_LEN", "bad_words": "BAD_WORDS_DICT",
                     "stop_words": "STOP_WORDS_DICT", "end_id": "END_ID", "pad_id": "PAD_ID"}
@@ -65,10 +67,8 @@ class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         config = json.loads(args["model_config"])
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
-        name = config.get("parameters", {}).get("tensorrt_llm_model_name", {}).get("string_value", "")
-        self.engine_model = "tensorrt_llm" if name in ("", "${tensorrt_llm_model_name}") else name
-        accumulate = config.get("parameters", {}).get("accumulate_tokens", {}).get("string_value", "")
-        self.accumulate = accumulate.lower() in ("1", "true", "yes", "t", "y")  # unset or "${...}": false
+        self.engine_model = parameter(config, "tensorrt_llm_model_name", default="tensorrt_llm")
+        self.accumulate = parameter(config, "accumulate_tokens", boolean, default=False)
         self._watched: dict[str, Any] = {}  # engine request id -> the client's request
         self._lock = threading.Lock()
         self._running = True

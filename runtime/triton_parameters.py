@@ -1,0 +1,37 @@
+"""A Triton model's `parameters` (its config.pbtxt), read once in `initialize` the way TensorRT-LLM's
+backend reads them: a parameter left empty or as an unfilled `${...}` template value is unset, and a
+value that does not parse is an error naming the model and the parameter, so the model fails to load
+with that message rather than running on a silently wrong setting."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+TRUE_VALUES = ("1", "true", "yes", "t", "y", "on")
+FALSE_VALUES = ("0", "false", "no", "f", "n", "off")
+
+
+def boolean(value: str) -> bool:
+    if value.strip().lower() in TRUE_VALUES:
+        return True
+    if value.strip().lower() in FALSE_VALUES:
+        return False
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
+def integer(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"expected an integer, got {value!r}") from None
+
+
+def parameter(model_config: dict, name: str, cast: Callable[[str], Any] = str, default: Any = None) -> Any:
+    """The parameter's value through `cast`, or `default` when it is unset."""
+    value = model_config.get("parameters", {}).get(name, {}).get("string_value", "")
+    if value == "" or value.startswith("${"):
+        return default
+    try:
+        return cast(value)
+    except ValueError as e:
+        raise ValueError(f"model {model_config.get('name', '?')}: parameter {name}: {e}") from None

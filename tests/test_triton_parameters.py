@@ -1,0 +1,45 @@
+"""Reading a Triton model's config.pbtxt parameters: unset and unfilled template values fall back to
+the default; a value that does not parse names the model and the parameter (the model then fails to
+load with that message instead of serving with a silently wrong setting)."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.triton_parameters import FALSE_VALUES, TRUE_VALUES, boolean, integer, parameter
+
+
+def config(**values: str) -> dict:
+    return {"name": "postprocessing", "parameters": {k: {"string_value": v} for k, v in values.items()}}
+
+
+@pytest.mark.parametrize("raw", ["", "${skip_special_tokens}"])
+def test_unset_and_unfilled_values_take_the_default(raw: str) -> None:
+    assert parameter(config(skip_special_tokens=raw), "skip_special_tokens", boolean, default=True) is True
+    assert parameter(config(), "skip_special_tokens", boolean) is None
+
+
+def test_booleans_read_both_ways_in_any_case() -> None:
+    for raw in TRUE_VALUES + ("True", " YES "):
+        assert parameter(config(x=raw), "x", boolean, default=False) is True, raw
+    for raw in FALSE_VALUES + ("False", "OFF"):
+        assert parameter(config(x=raw), "x", boolean, default=True) is False, raw
+
+
+def test_integers_and_strings() -> None:
+    assert parameter(config(n="12"), "n", integer) == 12
+    assert parameter(config(s="cpu"), "s") == "cpu"
+
+
+@pytest.mark.parametrize("name, raw, cast, message", [
+    ("skip_special_tokens", "maybe", boolean,
+     "model postprocessing: parameter skip_special_tokens: expected true or false, got 'maybe'"),
+    ("num_draft_tokens", "three", integer,
+     "model postprocessing: parameter num_draft_tokens: expected an integer, got 'three'"),
+    ("num_draft_tokens", "2.5", integer,
+     "model postprocessing: parameter num_draft_tokens: expected an integer, got '2.5'"),
+])
+def test_a_value_that_does_not_parse_names_the_model_and_parameter(name: str, raw: str, cast, message: str) -> None:
+    with pytest.raises(ValueError) as e:
+        parameter(config(**{name: raw}), name, cast)
+    assert str(e.value) == message
