@@ -325,38 +325,61 @@ def test_max_batch_size_respected(engine, prompts) -> None:
 # Cancellation
 # ---------------------------------------------------------------------------------------------
 def test_cancel_frees_blocks_at_once(engine, prompts) -> None:
+    """The step loop is held (in the output callback, then before the model step) wherever a slow test
+    thread would let a request run to max_tokens before the test looks or cancels."""
     with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed")) as ex:
-        other = ex.submit(prompts[1], SamplingParams(max_tokens=150, ignore_eos=True))
-        started = threading.Event()
+        submitted, started, cancelled, steps = (threading.Event() for _ in range(4))
+        hold_inbox_until(ex, submitted)  # both decode from the same step on
+        steps.set()
+        step = ex.runner.step
+
+        def gated_step(items):
+            steps.wait(30)
+            return step(items)
+
+        ex.runner.step = gated_step
         at_finish = {}
 
         def on_output(o: RequestOutput) -> None:  # executor thread
-            if len(o.token_ids) >= 5:
+            if len(o.token_ids) >= 5 and not started.is_set():
+                steps.clear()  # no step after the cancel until the test has seen `other` unfinished
                 started.set()
+                cancelled.wait(30)
             if o.finished:  # the request's blocks must already be back
                 at_finish["used"] = ex.stats().kv_blocks_used
                 at_finish["held_by_running"] = sum(len(s.block_table) for s in ex.scheduler.running)
                 at_finish["running"] = [s.request_id for s in ex.scheduler.running]
 
+        other = ex.submit(prompts[1], SamplingParams(max_tokens=150, ignore_eos=True))
         h = ex.submit(prompts[4], SamplingParams(max_tokens=150, ignore_eos=True), on_output=on_output)
+        submitted.set()
         assert started.wait(30)
         assert ex.stats().kv_blocks_used >= ex.cache.blocks_for(len(prompts[4]) + 5)
         h.cancel()
+        cancelled.set()
         out = h.result(10)
         assert out.finished and out.finish_reason == "cancelled"
         assert 5 <= len(out.token_ids) < 150
         assert at_finish["running"] == [other.request_id]
         assert at_finish["used"] == at_finish["held_by_running"], at_finish
         assert not other.finished, "the other request should still be running"
+        steps.set()
         assert len(other.result(60).token_ids) == 150
         assert_all_free(ex)
 
         # alone: blocks drop to zero as soon as the cancelled handle finishes
-        base = ex.stats().generated_tokens
-        h = ex.submit(prompts[4], SamplingParams(max_tokens=150, ignore_eos=True))
-        wait_until(lambda: ex.stats().generated_tokens >= base + 5, what="decoding")
+        decoding, cancelled = threading.Event(), threading.Event()
+
+        def pause(o: RequestOutput) -> None:  # executor thread: no step until the test has cancelled
+            if len(o.token_ids) >= 5 and not decoding.is_set():
+                decoding.set()
+                cancelled.wait(30)
+
+        h = ex.submit(prompts[4], SamplingParams(max_tokens=150, ignore_eos=True), on_output=pause)
+        assert decoding.wait(30)
         assert ex.stats().kv_blocks_used > 0
         h.cancel()
+        cancelled.set()
         assert h.result(10).finish_reason == "cancelled"
         assert ex.stats().kv_blocks_used == 0
 
@@ -364,10 +387,19 @@ def test_cancel_frees_blocks_at_once(engine, prompts) -> None:
 def test_cancelled_request_text_covers_its_tokens(engine, prompts, tokenizer) -> None:
     """With stop strings, text that could start one is held back; a request cancelled meanwhile
     still reports it: its final text is the text of its tokens."""
+    decoding, cancelled = threading.Event(), threading.Event()
+
+    def pause(o: RequestOutput) -> None:  # executor thread: no step until the test has cancelled
+        if len(o.token_ids) >= 6 and not decoding.is_set():
+            decoding.set()
+            cancelled.wait(30)
+
     with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed")) as ex:
-        h = ex.submit(prompts[4], SamplingParams(max_tokens=190, ignore_eos=True, stop=("\x00never stop here\x00",)))
-        wait_until(lambda: ex.stats().generated_tokens >= 6, what="decoding")
+        h = ex.submit(prompts[4], SamplingParams(max_tokens=190, ignore_eos=True, stop=("\x00never stop here\x00",)),
+                      on_output=pause)
+        assert decoding.wait(30)
         h.cancel()
+        cancelled.set()
         out = h.result(10)
         assert out.finish_reason == "cancelled" and len(out.token_ids) >= 6
         assert out.text == tokenizer.decode(out.token_ids)
@@ -375,11 +407,19 @@ def test_cancelled_request_text_covers_its_tokens(engine, prompts, tokenizer) ->
 
 
 def test_cancel_queued_and_unknown_requests(engine, prompts) -> None:
+    started, cancelled = threading.Event(), threading.Event()
+
+    def pause(o: RequestOutput) -> None:  # executor thread: the first request holds the only slot until the cancel
+        if not started.is_set():
+            started.set()
+            cancelled.wait(30)
+
     with Executor(engine, ExecutorConfig(num_draft_tokens=0, speculation="off", max_batch_size=1)) as ex:
-        first = ex.submit(prompts[1], SamplingParams(max_tokens=40, ignore_eos=True))
+        first = ex.submit(prompts[1], SamplingParams(max_tokens=40, ignore_eos=True), on_output=pause)
         queued = ex.submit(prompts[2], SamplingParams(max_tokens=40, ignore_eos=True))
-        wait_until(lambda: ex.stats().generated_tokens >= 1, what="the first request to start")
+        assert started.wait(30)
         queued.cancel()
+        cancelled.set()
         out = queued.result(10)
         assert out.finish_reason == "cancelled" and out.token_ids == []
         ex.cancel("no-such-request")  # ignored
@@ -394,9 +434,18 @@ def test_a_finished_requests_handle_does_not_cancel_a_later_one_with_its_id(engi
         new = ex.submit(prompts[1], SamplingParams(max_tokens=30, ignore_eos=True), request_id="reused")
         old.cancel()
         assert new.result(60).finish_reason == "length"
-        again = ex.submit(prompts[2], SamplingParams(max_tokens=200, ignore_eos=True), request_id="reused")
-        wait_until(lambda: ex.stats().running == 1, what="the third request to start")
+        started, cancelled = threading.Event(), threading.Event()
+
+        def pause(o: RequestOutput) -> None:  # executor thread: no step until the test has cancelled
+            if not started.is_set():
+                started.set()
+                cancelled.wait(30)
+
+        again = ex.submit(prompts[2], SamplingParams(max_tokens=200, ignore_eos=True), request_id="reused",
+                          on_output=pause)
+        assert started.wait(30) and ex.stats().running == 1
         ex.cancel("reused")  # by id: whatever is in flight with it
+        cancelled.set()
         assert again.result(30).finish_reason == "cancelled"
         assert_all_free(ex)
 
