@@ -452,8 +452,15 @@ def test_a_finished_requests_handle_does_not_cancel_a_later_one_with_its_id(engi
 
 def test_shutdown_cancels_unfinished(engine, prompts) -> None:
     ex = Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed"))
-    h = ex.submit(prompts[4], SamplingParams(max_tokens=190, ignore_eos=True))
-    wait_until(lambda: ex.stats().generated_tokens >= 3, what="decoding")
+    decoding = threading.Event()
+
+    def pause(o: RequestOutput) -> None:  # executor thread: no step until shutdown began, however late that is
+        if len(o.token_ids) >= 3 and not decoding.is_set():
+            decoding.set()
+            wait_until(lambda: ex._stopping, what="shutdown")
+
+    h = ex.submit(prompts[4], SamplingParams(max_tokens=190, ignore_eos=True), on_output=pause)
+    assert decoding.wait(30)
     ex.shutdown()
     assert h.result(5).finish_reason == "cancelled"
     with pytest.raises(RuntimeError, match="executor is shut down"):
