@@ -571,8 +571,13 @@ def test_outputs_not_collected_yet_are_merged(engine, prompts, tokenizer) -> Non
 def test_async_iteration_survives_a_cancelled_wait(engine, prompts, tokenizer) -> None:
     """A timeout while awaiting the next output (asyncio.wait_for) must not swallow that output nor
     end the iterator: the same iterator carries on where the cancelled wait stopped."""
+    timed_out = threading.Event()
+
+    def pause(o: RequestOutput) -> None:  # executor thread: `h` gets no output before a wait timed out
+        timed_out.wait(30)
+
     with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed", max_batch_size=1)) as ex:
-        first = ex.submit(prompts[4], SamplingParams(max_tokens=24, ignore_eos=True))
+        first = ex.submit(prompts[4], SamplingParams(max_tokens=24, ignore_eos=True), on_output=pause)
         h = ex.submit(prompts[3], SamplingParams(max_tokens=12, ignore_eos=True))  # waits behind the first
 
         async def main():
@@ -582,6 +587,7 @@ def test_async_iteration_survives_a_cancelled_wait(engine, prompts, tokenizer) -
                     outs.append(await asyncio.wait_for(anext(it), 0.001))
                 except asyncio.TimeoutError:
                     timeouts += 1
+                    timed_out.set()
                 except StopAsyncIteration:
                     return outs, timeouts
 
