@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 import time
 
 import pytest
@@ -102,12 +103,26 @@ def test_stream_multibyte_characters_are_never_split(spec_checkpoint) -> None:
         d.encode("utf-8")
 
 
-def test_stream_closed_early_cancels(session) -> None:
+def test_stream_closed_early_cancels(session, monkeypatch) -> None:
+    """The step loop waits after the first text until the stream is closed: a test thread slow to close
+    it must not let the request run to max_tokens."""
+    from runtime.outputs import RequestHandle
+
     wait_idle(session)
     before = session.executor.stats()
+    closed = threading.Event()
+    push = RequestHandle._push
+
+    def held_push(handle: RequestHandle, out) -> None:  # executor thread
+        push(handle, out)
+        if out.text_delta and not out.finished:
+            closed.wait(30)
+
+    monkeypatch.setattr(RequestHandle, "_push", held_push)
     gen = session.stream(PROMPT, SamplingParams(max_tokens=80, ignore_eos=True))
     next(gen)
     gen.close()
+    closed.set()
     wait_idle(session)
     after = session.executor.stats()
     assert after.kv_blocks_used == 0
