@@ -100,7 +100,8 @@ def machine_info() -> dict[str, Any]:
 
 def _git(*args: str) -> str | None:
     try:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout
+        return out.rstrip()  # not strip(): `status --porcelain` lines start with a meaningful blank
     except Exception:
         return None
 
@@ -194,12 +195,30 @@ def mean(xs: Iterable[float | None]) -> float | None:
 
 
 def percentile(xs: Sequence[float | None], q: float) -> float | None:
-    xs = sorted(x for x in xs if x is not None)
+    """The q-th percentile (0..100) with linear interpolation between order statistics, as numpy's default
+    (and so vLLM's benchmark) computes it; None and NaN are left out, None when nothing is left."""
+    xs = sorted(x for x in xs if x is not None and not math.isnan(x))
     if not xs:
         return None
     i = (len(xs) - 1) * q / 100
     lo, hi = math.floor(i), math.ceil(i)
     return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
+
+
+def request_ttft_tpot(sent: float, first_token: float | None, last_token: float | None,
+                      output_tokens: int) -> tuple[float | None, float | None]:
+    """TTFT and TPOT of one request as vLLM's benchmarks/benchmark_serving.py defines them, from the client's
+    clock: TTFT = first token time - send time; TPOT = (latency - TTFT) / (output tokens - 1), latency being
+    the last token's time - send time, i.e. (last token - first token) / (output tokens - 1). TPOT is None for
+    a request of fewer than 2 output tokens (vLLM leaves those out of its TPOT statistics); both None when no
+    token came. Every token after the first counts in TPOT's denominator, also those a speculative step
+    emitted together with the first."""
+    if first_token is None:
+        return None, None
+    ttft = first_token - sent
+    if output_tokens < 2 or last_token is None:
+        return ttft, None
+    return ttft, (last_token - first_token) / (output_tokens - 1)
 
 
 def ratio(a: float | None, b: float | None) -> float | None:

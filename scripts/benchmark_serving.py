@@ -9,7 +9,10 @@ level by level so slow drift on the machine hits all of them alike:
 - open loop: Poisson arrivals at each QPS (like vLLM's serving table); by default the rates are
   fractions of the plain mode's best request throughput in the closed-loop sweep.
 Reported per level and mode: mean/p50/p99 TPOT, mean/p99 TTFT, output tokens/s, request
-throughput, acceptance, drafts per decode step; ratios against plain; a PNG plot.
+throughput, acceptance, drafts per decode step; ratios against plain; a PNG plot. TTFT and TPOT are
+vLLM's (benchmarks/benchmark_serving.py), taken on the client's clock: TTFT = first token - send,
+TPOT = (latency - TTFT) / (output tokens - 1) per request (1-token requests left out), then averaged;
+output tokens/s = the level's output tokens / its wall time (first send to last finish).
 
   python scripts/benchmark_serving.py            # full run
   python scripts/benchmark_serving.py --quick    # smoke run
@@ -25,7 +28,8 @@ import time
 from typing import Any
 
 from bench_common import (add_common_args, closed_loop_clients, engine_info, load_prompts, machine_info, machine_md,
-                          md_table, mean, percentile, ratio, save_figure, set_threads, target_line, write_results)
+                          md_table, mean, percentile, ratio, request_ttft_tpot, save_figure, set_threads, target_line,
+                          write_results)
 
 from tqdm import tqdm  # noqa: E402
 
@@ -42,7 +46,8 @@ def make_requests(prompt_ids: list[list[int]], n: int, lo: int, hi: int, seed: i
 
 
 class _Collector:
-    """Per-request records, finish times taken in the executor thread when the last output lands."""
+    """Per-request records; first-token and finish times taken in the executor thread when the first
+    output with tokens and the last output land (the client's clock, as vLLM's benchmark times them)."""
 
     def __init__(self, n: int, bar: tqdm | None):
         self.records: list[dict[str, Any] | None] = [None] * n
@@ -52,13 +57,19 @@ class _Collector:
         self._bar = bar
 
     def callback(self, i: int, submitted: float):
+        first: list[float] = []
+
         def on_output(out: RequestOutput) -> None:
+            now = time.perf_counter()
+            if out.new_token_ids and not first:
+                first.append(now)
             if not out.finished:
                 return
             s = out.stats
-            self.records[i] = {"submitted": submitted, "finished": time.perf_counter(),
+            ttft, tpot = request_ttft_tpot(submitted, first[0] if first else None, now, s.output_tokens)
+            self.records[i] = {"submitted": submitted, "finished": now,
                                "finish_reason": out.finish_reason, "prompt_tokens": s.prompt_tokens,
-                               "output_tokens": s.output_tokens, "ttft_s": s.ttft_s, "tpot_s": s.tpot_s,
+                               "output_tokens": s.output_tokens, "ttft_s": ttft, "tpot_s": tpot,
                                "num_steps": s.num_steps, "num_draft_tokens": s.num_draft_tokens,
                                "num_accepted_draft_tokens": s.num_accepted_draft_tokens}
             with self._lock:
@@ -121,6 +132,7 @@ def _policy(ex: Executor) -> dict[str, Any]:
 
 
 def summarize(records: list[dict[str, Any] | None], t0: float, errors: list[str]) -> dict[str, Any]:
+    """A level's numbers from its per-request records (None: not finished) and its start time t0."""
     done = [r for r in records if r is not None]
     if not done:
         return {"completed": 0, "requests": len(records), "errors": errors}
@@ -142,6 +154,35 @@ def summarize(records: list[dict[str, Any] | None], t0: float, errors: list[str]
         "drafts_per_decode_step": drafted / decode_steps if decode_steps else 0.0,
         "decode_tokens_per_step": out_tokens / decode_steps if decode_steps else None,
     }
+
+
+def add_ratios_vs_plain(results: dict[str, Any], modes: list[str]) -> None:
+    """Every mode's output tok/s over plain's and plain's mean TPOT over its, at the same level (row)."""
+    for row in results["concurrency_sweep"] + results["qps_sweep"]:
+        if "plain" in row:
+            for m in modes:
+                row[m]["tok_s_vs_plain"] = ratio(row[m].get("output_tokens_per_s"), row["plain"].get("output_tokens_per_s"))
+                row[m]["tpot_speedup_vs_plain"] = ratio(row["plain"].get("tpot_mean_s"), row[m].get("tpot_mean_s"))
+
+
+def serving_targets(results: dict[str, Any], modes: list[str]) -> list[dict[str, Any]]:
+    """The target lines (after add_ratios_vs_plain); a level or rate without a number counts as 0."""
+    conc = {row["concurrency"]: row for row in results["concurrency_sweep"]}
+    targets = []
+    if 1 in conc and 16 in conc:
+        for m in modes:
+            targets.append(target_line(f"{m}: output tok/s at concurrency 16 vs 1",
+                                       ratio(conc[16][m].get("output_tokens_per_s"), conc[1][m].get("output_tokens_per_s")), 6.0))
+    if "adaptive" in modes and "plain" in modes:
+        worst = min((conc[c]["adaptive"]["tok_s_vs_plain"] or 0 for c in conc), default=None)
+        low = [conc[c]["adaptive"]["tok_s_vs_plain"] or 0 for c in conc if c <= 4]
+        targets.append(target_line("adaptive vs plain output tok/s, worst concurrency level", worst, 1.0))
+        if low:
+            targets.append(target_line("adaptive vs plain output tok/s, worst level at concurrency <= 4", min(low), 1.3))
+        if results["qps_sweep"]:
+            targets.append(target_line("adaptive vs plain TPOT speed-up, worst Poisson rate (info)",
+                                       min(r["adaptive"]["tpot_speedup_vs_plain"] or 0 for r in results["qps_sweep"]), 1.0))
+    return targets
 
 
 def _ms(x: float | None) -> float | None:
@@ -183,11 +224,20 @@ def plot(results: dict[str, Any], modes: list[str], path) -> None:
     plt.close(fig)
 
 
-def main() -> None:
+def _csv(p: argparse.ArgumentParser, flag: str, value: str, kind: type, what: str) -> list:
+    try:
+        return [kind(x) for x in value.split(",")]
+    except ValueError:
+        p.error(f"{flag}: expected comma-separated {what}, got {value!r}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked (argparse's one-line error naming the flag, exit status 2); adds .modes_list,
+    .levels (concurrency levels) and .rates (the --qps numbers; [] for 'auto' and 'none')."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
     p.add_argument("--prompts", help="prompts JSON (default: <model>/heldout_prompts.json)")
-    p.add_argument("--modes", default="plain,fixed,adaptive")
+    p.add_argument("--modes", default="plain,fixed,adaptive", help=f"comma-separated, of {', '.join(MODE_ORDER)}")
     p.add_argument("--fixed_k", type=int, default=1, help="draft length of the fixed-k MTP mode")
     p.add_argument("--adaptive_k", type=int, default=4, help="largest draft length adaptive MTP may pick")
     p.add_argument("--concurrency", default="1,2,4,8,16,32")
@@ -205,19 +255,42 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=1800, help="seconds one level may take before it is cut")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default="serving")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.quick:
         args.concurrency, args.num_requests, args.qps_fractions, args.qps_requests = "1,4", 4, "0.5", 4
         args.requests_per_client = 2
         args.min_tokens, args.max_tokens = 8, 16
         args.name += "_quick"
-    set_threads(args.threads)
-    modes = [m for m in MODE_ORDER if m in args.modes.split(",")]
-    levels = [int(c) for c in args.concurrency.split(",")]
-    if min(levels) < 1:
+    asked = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in asked if m not in MODE_ORDER]
+    if unknown or not asked:
+        p.error(f"--modes: expected comma-separated modes of {', '.join(MODE_ORDER)}, got {args.modes!r}")
+    args.modes_list = [m for m in MODE_ORDER if m in asked]
+    args.levels = _csv(p, "--concurrency", args.concurrency, int, "integers")
+    if min(args.levels) < 1:
         p.error(f"--concurrency: levels must be >= 1, got {args.concurrency}")
-    if args.qps not in ("none", "auto") and min(float(x) for x in args.qps.split(",")) <= 0:
+    args.rates = [] if args.qps in ("none", "auto") else _csv(p, "--qps", args.qps, float, "rates, 'auto' or 'none'")
+    if args.rates and min(args.rates) <= 0:
         p.error(f"--qps: rates must be > 0 requests/s (or 'none' to skip the sweep), got {args.qps}")
+    if args.qps == "auto" and min(_csv(p, "--qps_fractions", args.qps_fractions, float, "numbers")) <= 0:
+        p.error(f"--qps_fractions: fractions must be > 0, got {args.qps_fractions}")
+    for flag in ("num_requests", "requests_per_client", "qps_requests", "min_tokens"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag}: must be >= 1, got {getattr(args, flag)}")
+    if args.max_tokens < args.min_tokens:
+        p.error(f"--max_tokens: must be >= --min_tokens ({args.min_tokens}), got {args.max_tokens}")
+    for flag, mode in (("fixed_k", "fixed"), ("adaptive_k", "adaptive")):
+        if mode in args.modes_list and getattr(args, flag) < 1:
+            p.error(f"--{flag}: the {mode} mode drafts, so it must be >= 1, got {getattr(args, flag)}")
+    if not args.timeout > 0:
+        p.error(f"--timeout: must be > 0 seconds, got {args.timeout}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    set_threads(args.threads)
+    modes, levels = args.modes_list, args.levels
     max_c = max(levels)
 
     texts = load_prompts(args.model, args.prompts)
@@ -243,7 +316,8 @@ def main() -> None:
     # Warm-up: a burst at every concurrency level on every executor (allocator, batch shapes, and on a GPU
     # the graphs of those shapes, captured here rather than inside a measured level).
     for c in levels:
-        warm = make_requests(prompt_ids, c, 4, args.max_tokens if args.device != "cpu" else 8, seed=args.seed + 999 + c)
+        hi = args.max_tokens if args.device != "cpu" else 8
+        warm = make_requests(prompt_ids, c, min(4, hi), hi, seed=args.seed + 999 + c)
         for m in modes:
             closed_loop(executors[m], warm, c, args.timeout, None)
 
@@ -279,8 +353,11 @@ def main() -> None:
         cap = max(row[base].get("requests_per_s", 0) for row in results["concurrency_sweep"])
         rates = [round(cap * float(f), 3) for f in args.qps_fractions.split(",")]
         results["settings"]["qps_auto_capacity_req_s"] = cap
+        if min(rates) <= 0:  # no request of the base mode completed (or a rate rounds to 0): no Poisson sweep
+            print(f"no Poisson sweep: 'auto' rates from {base}'s closed-loop throughput {cap} req/s are {rates}")
+            rates = []
     else:
-        rates = [float(x) for x in args.qps.split(",")]
+        rates = args.rates
     results["settings"]["qps"] = rates
     if rates:
         bar = tqdm(total=len(rates) * len(modes) * args.qps_requests, desc="poisson", dynamic_ncols=True)
@@ -297,26 +374,8 @@ def main() -> None:
         ex.shutdown()
 
     # Ratios against plain and the targets.
-    for row in results["concurrency_sweep"] + results["qps_sweep"]:
-        if "plain" in row:
-            for m in modes:
-                row[m]["tok_s_vs_plain"] = ratio(row[m].get("output_tokens_per_s"), row["plain"].get("output_tokens_per_s"))
-                row[m]["tpot_speedup_vs_plain"] = ratio(row["plain"].get("tpot_mean_s"), row[m].get("tpot_mean_s"))
-    conc = {row["concurrency"]: row for row in results["concurrency_sweep"]}
-    targets = []
-    if 1 in conc and 16 in conc:
-        for m in modes:
-            targets.append(target_line(f"{m}: output tok/s at concurrency 16 vs 1",
-                                       ratio(conc[16][m].get("output_tokens_per_s"), conc[1][m].get("output_tokens_per_s")), 6.0))
-    if "adaptive" in modes and "plain" in modes:
-        worst = min((conc[c]["adaptive"]["tok_s_vs_plain"] or 0 for c in conc), default=None)
-        low = [conc[c]["adaptive"]["tok_s_vs_plain"] or 0 for c in conc if c <= 4]
-        targets.append(target_line("adaptive vs plain output tok/s, worst concurrency level", worst, 1.0))
-        if low:
-            targets.append(target_line("adaptive vs plain output tok/s, worst level at concurrency <= 4", min(low), 1.3))
-        if results["qps_sweep"]:
-            targets.append(target_line("adaptive vs plain TPOT speed-up, worst Poisson rate (info)",
-                                       min(r["adaptive"]["tpot_speedup_vs_plain"] or 0 for r in results["qps_sweep"]), 1.0))
+    add_ratios_vs_plain(results, modes)
+    targets = serving_targets(results, modes)
     results["targets"] = targets
     png = args.out_dir / f"{args.name}.png"
     try:
