@@ -29,6 +29,7 @@ import json
 import logging
 import shutil
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -499,12 +500,22 @@ def test_contract_sampling_request_gets_a_seed(engine_dir: Path, trtllm: ModuleT
 
 
 def test_contract_cancel_aborts_upstream(engine_dir: Path, trtllm: ModuleType) -> None:
-    trtllm.plan = lambda prompt, sp: Plan(lambda i: 100 + i % 50, delay=0.005)
+    """Each request's second token waits until the test has cancelled it: a test thread woken late would
+    otherwise take several outputs merged as its first, or see the request run to max_tokens."""
+    gates: list[threading.Event] = []
+
+    def plan(prompt: list[int], sp: Any) -> Plan:
+        gate = threading.Event()
+        gates.append(gate)
+        return Plan(lambda i: gate.wait(30) and 100 + i % 50 if i == 1 else 100 + i % 50, delay=0.005)
+
+    trtllm.plan = plan
     with TrtllmExecutor(engine_dir) as ex:
         h = ex.submit([5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True))
         first = next(iter(h))
         assert not first.finished and first.new_token_ids == [100]
         h.cancel()
+        gates[0].set()
         final = h.result(5)
         assert final.finished and final.finish_reason == "cancelled"
         [req] = trtllm.llms[0].requests
@@ -512,9 +523,13 @@ def test_contract_cancel_aborts_upstream(engine_dir: Path, trtllm: ModuleType) -
         ex.cancel("no-such-request")  # ignored
         wait_until(lambda: ex.stats().running == 0)
         assert ex.stats().requests_finished == 1
-        # cancelled before it reached TensorRT-LLM: never submitted there
+        # cancelled before it reached TensorRT-LLM: never submitted there (the loop is held meanwhile, so
+        # that it cannot start the request between the two calls)
+        submitted = threading.Event()
+        ex._loop.call_soon_threadsafe(submitted.wait, 30)
         h2 = ex.submit([5, 6, 7], SamplingParams(max_tokens=5), request_id="early")
         ex.cancel("early")
+        submitted.set()
         out = h2.result(5)
         assert (out.finish_reason, out.token_ids, out.text) == ("cancelled", [], "")
         assert len(trtllm.llms[0].requests) == 1
@@ -523,6 +538,7 @@ def test_contract_cancel_aborts_upstream(engine_dir: Path, trtllm: ModuleType) -
         h2.cancel()
         assert next(iter(h3)).new_token_ids == [100]
         h3.cancel()
+        gates[-1].set()
         assert h3.result(5).finish_reason == "cancelled"
         wait_until(lambda: trtllm.llms[0].requests[-1].abort_calls == 1)
 
