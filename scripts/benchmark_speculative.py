@@ -4,7 +4,9 @@ For every held-out prompt (greedy, ignore_eos, the same number of new tokens eve
 runs are interleaved: our executor at each k (speculation "fixed", one executor per k, each
 warmed up first), then HF `generate()` plain and with `use_mtp=True`. Reported per setting:
 decode tokens/s (1 / TPOT), end-to-end tokens/s, TPOT, TTFT, acceptance, tokens per step, and
-whether the greedy tokens equal those of plain decoding. The draft cost c (one MTP step over one
+whether the greedy tokens equal those of plain decoding. TTFT and TPOT are timed the same way for both
+(vLLM's definitions, on the client's clock): TTFT = first token - send, TPOT = (last token - first token) /
+(output tokens - 1). The draft cost c (one MTP step over one
 target decode step) is measured directly on the paged path at batch 1, and from the runner's
 own draft/target timers; the ideal speed-up is E(k) / (1 + k c), E(k) = (1 - a^(k+1)) / (1 - a).
 
@@ -20,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from bench_common import (Timer, add_common_args, engine_info, load_prompts, machine_info,
-                          machine_md, md_table, mean, percentile, ratio, round_robin_by_source, set_threads,
-                          sync, target_line, write_results)
+                          machine_md, md_table, mean, percentile, ratio, request_ttft_tpot, round_robin_by_source,
+                          set_threads, sync, target_line, write_results)
 
 import torch  # noqa: E402  (bench_common puts the repo root on sys.path first)
 from tqdm import tqdm  # noqa: E402
@@ -262,8 +264,7 @@ def hf_generate(model, prompt_ids: list[int], max_new_tokens: int, use_mtp: bool
     t1 = time.perf_counter()
     new = out[0, len(prompt_ids):].tolist()
     n = len(new)
-    ttft = rec.times[0] - t0 if rec.times else None
-    tpot = (rec.times[-1] - rec.times[0]) / (n - 1) if rec.times and n > 1 else None
+    ttft, tpot = request_ttft_tpot(t0, rec.times[0] if rec.times else None, rec.times[-1] if rec.times else None, n)
     steps = len(rec.times)
     return {"token_ids": new, "output_tokens": n, "latency_s": t1 - t0, "ttft_s": ttft, "tpot_s": tpot,
             "num_steps": steps,
@@ -273,13 +274,24 @@ def hf_generate(model, prompt_ids: list[int], max_new_tokens: int, use_mtp: bool
 
 # ---- our runtime --------------------------------------------------------------------------------
 def run_ours(ex: Executor, prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:
+    """One request; TTFT and TPOT from the times its first and last outputs with tokens reached the callback,
+    as hf_generate times HF's streamer (the runtime's own tpot_s leaves out every token of the first emitting
+    step, which drafts too)."""
     before = dict(ex.runner.timings)
+    stamps: dict[str, float] = {}  # the first and the last output with tokens
+
+    def on_output(o) -> None:
+        if o.new_token_ids:
+            stamps["last"] = time.perf_counter()
+            stamps.setdefault("first", stamps["last"])
+
     t0 = time.perf_counter()
-    out = ex.submit(prompt_ids, params).result()
+    out = ex.submit(prompt_ids, params, on_output=on_output).result()
     latency = time.perf_counter() - t0
     s = out.stats
+    ttft, tpot = request_ttft_tpot(t0, stamps.get("first"), stamps.get("last"), s.output_tokens)
     return {"token_ids": out.token_ids, "output_tokens": s.output_tokens, "latency_s": latency,
-            "ttft_s": s.ttft_s, "tpot_s": s.tpot_s, "num_steps": s.num_steps,
+            "ttft_s": ttft, "tpot_s": tpot, "num_steps": s.num_steps,
             "num_draft_tokens": s.num_draft_tokens, "num_accepted_draft_tokens": s.num_accepted_draft_tokens,
             "finish_reason": out.finish_reason,
             "draft_s": ex.runner.timings["draft"] - before["draft"],
@@ -347,14 +359,20 @@ def main() -> None:
     p.add_argument("--cost_repeats", type=int, default=60, help="rounds of the direct draft-cost measurement")
     p.add_argument("--name", default="speculative")
     args = p.parse_args()
+    try:
+        ks = sorted({int(k) for k in args.ks.split(",")})
+    except ValueError:
+        p.error(f"--ks: expected comma-separated integers, got {args.ks!r}")
     if args.quick:
         args.num_prompts, args.max_tokens, args.cost_repeats = 2, 24, 5
-        args.ks = ",".join(k for k in args.ks.split(",") if int(k) <= 2)
+        ks = [k for k in ks if k <= 2]
         args.name += "_quick"
     set_threads(args.threads)
-    ks = sorted({int(k) for k in args.ks.split(",")})
-    if 0 not in ks:
-        raise SystemExit("--ks must include 0 (the baseline)")
+    if 0 not in ks or min(ks) < 0:
+        p.error(f"--ks: draft lengths >= 0 that include 0 (the baseline), got {args.ks!r}")
+    for flag, least in (("num_prompts", 1), ("max_tokens", 2), ("cost_repeats", 1)):
+        if getattr(args, flag) < least:
+            p.error(f"--{flag}: must be >= {least}, got {getattr(args, flag)}")
 
     prompts = round_robin_by_source(load_prompts(args.model, args.prompts), args.num_prompts)
     engine = load_engine(args.model, device=args.device, dtype=args.dtype)
