@@ -578,7 +578,12 @@ def test_contract_finish_reasons_from_upstream(engine_dir: Path, trtllm: ModuleT
 
 
 def test_contract_submit_validation_and_shutdown(engine_dir: Path, trtllm: ModuleType) -> None:
-    trtllm.plan = lambda prompt, sp: Plan(lambda i: 100 + i % 50, delay=0.005)
+    def token(i: int) -> int:  # the second waits for shutdown: a slow test thread must not see the request end first
+        if i == 1:
+            wait_until(lambda: ex._stopping, timeout=30)
+        return 100 + i % 50
+
+    trtllm.plan = lambda prompt, sp: Plan(token, delay=0.005)
     ex = TrtllmExecutor(engine_dir)
     cases = [([], SamplingParams(), "prompt must not be empty"),
              ([5, 4096], SamplingParams(), r"prompt token ids must be in \[0, 4096\)"),
