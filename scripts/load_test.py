@@ -68,9 +68,10 @@ def params_of(r: dict[str, Any]) -> SamplingParams:
                           stop=("\n",) if r["stops"] else ())
 
 
-def run_reference(engine, reqs: list[dict[str, Any]], deadline: Deadline) -> tuple[list[dict] | None, str | None]:
+def run_reference(engine, reqs: list[dict[str, Any]], deadline: Deadline,
+                  device: str = "cpu") -> tuple[list[dict] | None, str | None]:
     out: list[dict] = []
-    with Executor(engine, ExecutorConfig(num_draft_tokens=0, speculation="off", max_batch_size=1)) as ex:
+    with Executor(engine, ExecutorConfig(num_draft_tokens=0, speculation="off", max_batch_size=1, device=device)) as ex:
         for r in tqdm(reqs, desc="reference (one at a time)", dynamic_ncols=True):
             try:
                 o = ex.submit(r["prompt_ids"], params_of(r)).result(timeout=deadline.left())
@@ -136,7 +137,7 @@ def divergence_margin(model, prompt: list[int], ref: list[int], got: list[int]) 
         j += 1
     info: dict[str, Any] = {"first_divergence": j, "reference_len": len(ref), "got_len": len(got)}
     if j < len(ref) and j < len(got):
-        ids = torch.tensor([prompt + ref[:j]])
+        ids = torch.tensor([prompt + ref[:j]], device=next(model.parameters()).device)
         logits = model.logits(model(ids))[0, -1].float()
         top = logits.topk(2)
         info |= {"reference_token": ref[j], "got_token": got[j],
@@ -146,13 +147,18 @@ def divergence_margin(model, prompt: list[int], ref: list[int], got: list[int]) 
     return info
 
 
-def main() -> int:
+MODES = ("plain", "fixed", "adaptive")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked (argparse's one-line error naming the flag, exit status 2); adds .modes_list."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
     p.add_argument("--prompts", help="prompts JSON (default: <model>/heldout_prompts.json)")
     p.add_argument("--num_requests", type=int, default=200)
     p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--modes", default="plain,fixed,adaptive", help="executors under load (comma-separated)")
+    p.add_argument("--modes", default="plain,fixed,adaptive",
+                   help=f"executors under load (comma-separated, of {', '.join(MODES)})")
     p.add_argument("--k", type=int, default=3, help="draft length of the fixed mode")
     p.add_argument("--adaptive_k", type=int, default=4)
     p.add_argument("--max_prompt_tokens", type=int, default=320)
@@ -164,17 +170,35 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=1800, help="seconds for the whole test")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default="load_test")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.quick:
         args.num_requests, args.concurrency, args.max_prompt_tokens, args.max_output_tokens = 12, 4, 96, 16
         args.max_num_tokens = 48
         args.name += "_quick"
+    args.modes_list = [m for m in args.modes.split(",") if m]
+    if not args.modes_list or any(m not in MODES for m in args.modes_list):
+        p.error(f"--modes: expected comma-separated modes of {', '.join(MODES)}, got {args.modes!r}")
+    for flag in ("num_requests", "concurrency", "max_prompt_tokens", "max_output_tokens", "max_num_tokens"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag}: must be >= 1, got {getattr(args, flag)}")
+    if args.kv_cache_tokens is not None and args.kv_cache_tokens < 1:
+        p.error(f"--kv_cache_tokens: must be >= 1, got {args.kv_cache_tokens}")
+    for flag, mode in (("k", "fixed"), ("adaptive_k", "adaptive")):
+        if mode in args.modes_list and getattr(args, flag) < 1:
+            p.error(f"--{flag}: the {mode} mode drafts, so it must be >= 1, got {getattr(args, flag)}")
+    if not args.timeout > 0:
+        p.error(f"--timeout: must be > 0 seconds, got {args.timeout}")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
     set_threads(args.threads)
     deadline = Deadline(args.timeout)
     t_start = time.perf_counter()
-    modes = [m for m in args.modes.split(",") if m]
+    modes = args.modes_list
 
-    engine = load_engine(args.model)
+    engine = load_engine(args.model, device=args.device, dtype=args.dtype)
     texts = load_prompts(args.model, args.prompts)
     from runtime.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(engine.tokenizer_dir)
@@ -182,7 +206,7 @@ def main() -> int:
     info = machine_info()
     failures: list[str] = []
 
-    reference, err = run_reference(engine, reqs, deadline)
+    reference, err = run_reference(engine, reqs, deadline, args.device)
     if err:
         failures.append(err)
     t_ref = time.perf_counter() - t_start
@@ -196,7 +220,7 @@ def main() -> int:
             failures.append(f"{m}: not run, the --timeout of {args.timeout} s had passed")
             continue
         cfg = ExecutorConfig(**configs[m], max_batch_size=args.concurrency, max_num_tokens=args.max_num_tokens,
-                             kv_cache_tokens=args.kv_cache_tokens)
+                             kv_cache_tokens=args.kv_cache_tokens, device=args.device)
         run = run_mode(engine, m, cfg, reqs, args.concurrency, deadline)
         mism, incomplete, bad_reason = [], [], []
         for r, res, ref in zip(reqs, run["results"], reference):
