@@ -48,8 +48,9 @@ def repeated_ngram_fraction(context: list[int], output: list[int], n: int = 4) -
 
 
 def free_running(engine, prompts: list[dict[str, str]], k: int, max_tokens: int, batch: int,
-                 ignore_eos: bool) -> dict[str, Any]:
-    with Executor(engine, ExecutorConfig(num_draft_tokens=k, speculation="fixed", max_batch_size=batch)) as ex:
+                 ignore_eos: bool, device: str = "cpu") -> dict[str, Any]:
+    with Executor(engine, ExecutorConfig(num_draft_tokens=k, speculation="fixed", max_batch_size=batch,
+                                         device=device)) as ex:
         ids = [ex.tokenizer.encode(p["text"]) for p in prompts]
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
         bar = tqdm(total=len(ids), desc=f"free-running k={k}", dynamic_ncols=True)
@@ -94,7 +95,9 @@ def teacher_forced(model, windows: list[torch.Tensor], desc: str) -> dict[str, A
     """
     sums = dict(main_nll=0.0, mtp_nll=0.0, main_correct=0, mtp_correct=0, agree=0)
     n = 0
+    device = next(model.parameters()).device
     for chunk in tqdm(windows, desc=desc, dynamic_ncols=True):
+        chunk = chunk.to(device)
         x, y = chunk[:, :-2], chunk[:, 1:-1]
         hidden = model(x)
         logits = model.logits(hidden).float()[:, 1:]
@@ -108,6 +111,8 @@ def teacher_forced(model, windows: list[torch.Tensor], desc: str) -> dict[str, A
         # MTP at i drafts t_{i+2}; the main model decides t_{i+2} at position i+1 (true prefix).
         sums["agree"] += (mtp_pred == main_pred).sum().item()
         n += target.numel()
+    if n == 0:
+        raise SystemExit(f"{desc}: no window of at least 4 tokens to score")
     return {"tokens": n,
             "main_loss": sums["main_nll"] / n, "mtp_loss": sums["mtp_nll"] / n,
             "main_ppl": math.exp(sums["main_nll"] / n),
@@ -140,20 +145,30 @@ def main() -> None:
     p.add_argument("--eval_batch", type=int, default=8)
     p.add_argument("--name", default="acceptance")
     args = p.parse_args()
+    try:
+        ks = [int(k) for k in args.ks.split(",")]
+    except ValueError:
+        p.error(f"--ks: expected comma-separated integers, got {args.ks!r}")
+    if min(ks) < 1:
+        p.error(f"--ks: draft lengths must be >= 1 (acceptance needs drafts), got {args.ks!r}")
+    for flag, least in (("num_prompts", 1), ("max_tokens", 1), ("batch", 1), ("seq_len", 2), ("eval_batch", 1),
+                        ("val_tokens", 0)):
+        if getattr(args, flag) < least:
+            p.error(f"--{flag}: must be >= {least}, got {getattr(args, flag)}")
     if args.quick:
         args.num_prompts, args.max_tokens, args.val_tokens, args.seq_len = 4, 16, 1024, 128
         args.name += "_quick"
     set_threads(args.threads)
     t_start = time.perf_counter()
     prompts = round_robin_by_source(load_prompts(args.model, args.prompts), args.num_prompts)
-    engine = load_engine(args.model)
+    engine = load_engine(args.model, device=args.device, dtype=args.dtype)
     if engine.model_config.num_nextn_predict_layers == 0:
         raise SystemExit(f"{args.model} has no MTP layer")
     info = machine_info()
     model = engine.model
-    ks = [int(k) for k in args.ks.split(",")]
 
-    free = {f"k{k}": free_running(engine, prompts, k, args.max_tokens, args.batch, not args.stop_at_eos) for k in ks}
+    free = {f"k{k}": free_running(engine, prompts, k, args.max_tokens, args.batch, not args.stop_at_eos, args.device)
+            for k in ks}
 
     from runtime.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(engine.tokenizer_dir)
@@ -164,8 +179,11 @@ def main() -> None:
     for path in args.val_bin:
         if not path.is_file():
             raise SystemExit(f"--val_bin {path}: no such file")
-        val[str(path)] = teacher_forced(model, val_windows(path, args.seq_len, args.eval_batch, args.val_tokens),
-                                        f"teacher-forced {path.name}")
+        windows = val_windows(path, args.seq_len, args.eval_batch, args.val_tokens)
+        if not windows:
+            raise SystemExit(f"--val_bin {path}: fewer than --seq_len + 2 = {args.seq_len + 2} tokens"
+                             + (f" in its first --val_tokens {args.val_tokens} + 2" if args.val_tokens else ""))
+        val[str(path)] = teacher_forced(model, windows, f"teacher-forced {path.name}")
         val[str(path)]["seq_len"] = args.seq_len
 
     head = free[f"k{ks[0]}"]["overall"]
