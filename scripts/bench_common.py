@@ -166,6 +166,16 @@ def engine_info(engine) -> dict[str, Any]:
     }
 
 
+def run_tool(cmd: Sequence[Any]) -> None:
+    """Run a command line (e.g. build_engine) quietly; on failure stop with its own error output, which
+    check=True with capture_output would have swallowed (CalledProcessError names only the exit status)."""
+    cmd = [str(c) for c in cmd]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode:
+        tail = "\n".join((r.stderr.strip() or r.stdout.strip()).splitlines()[-20:])
+        raise SystemExit(f"{Path(cmd[0]).name} failed (exit status {r.returncode}): {' '.join(cmd[1:])}\n{tail}")
+
+
 # ---- load -----------------------------------------------------------------------------------
 def closed_loop_clients(num_requests: int, concurrency: int, send: Callable[[int], bool | None],
                         join_until: float | None = None) -> None:

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (add_common_args, load_prompts, machine_info, machine_md, md_table,  # noqa: E402
-                          round_robin_by_source, set_threads, write_results, weight_bytes_in_memory)
+                          round_robin_by_source, run_tool, set_threads, write_results, weight_bytes_in_memory)
 from measure_acceptance import teacher_forced, val_windows  # noqa: E402
 
 
@@ -33,11 +32,24 @@ def main() -> int:
     p.add_argument("--prompts", type=int, default=20)
     p.add_argument("--max_tokens", type=int, default=96)
     args = p.parse_args()
+    if args.device != "cpu":
+        p.error(f"--device: this benchmark runs both engines on the CPU (fp32 compute), got {args.device!r}")
+    if args.dtype not in (None, "float32"):
+        p.error(f"--dtype: this benchmark computes in fp32 (the weights' values are what differs), got {args.dtype!r}")
+    for flag in ("window", "max_windows", "prompts", "max_tokens"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag}: must be >= 1, got {getattr(args, flag)}")
+    if not args.val_bin.is_file():
+        p.error(f"--val_bin: no such file: {args.val_bin}")
+    if not (args.bf16_model / "config.json").is_file():
+        p.error(f"--bf16_model: {args.bf16_model} has no config.json (expected an HF checkpoint directory)")
     set_threads(args.threads)
     from runtime import SamplingParams, Session  # noqa: WPS433
     from runtime.engine import load_engine  # noqa: WPS433
 
     windows = val_windows(args.val_bin, args.window, 8, args.window * (4 if args.quick else args.max_windows))
+    if not windows:
+        raise SystemExit(f"--val_bin {args.val_bin}: fewer than --window + 2 = {args.window + 2} tokens")
     n_prompts = 4 if args.quick else args.prompts
     prompts = [x["text"] for x in round_robin_by_source(load_prompts(args.model), n_prompts)]
     work = Path(tempfile.mkdtemp(prefix="bench-fp8-"))
@@ -46,8 +58,8 @@ def main() -> int:
         for name, src, quant in (("FP8 (block 128x128)", args.model, "FP8_BLOCK_SCALES"),
                                  ("BF16 export, unquantized (fp32)", args.bf16_model, "NO_QUANT")):
             engine = work / quant
-            subprocess.run([Path(sys.executable).with_name("build_engine"), "--model_dir", src, "--output_dir", engine,
-                            "--quant_algo", quant, "--max_draft_len", "1"], check=True, capture_output=True)
+            run_tool([Path(sys.executable).with_name("build_engine"), "--model_dir", src, "--output_dir", engine,
+                      "--quant_algo", quant, "--max_draft_len", "1"])
             size = sum(f.stat().st_size for f in engine.glob("*.safetensors"))
             model = load_engine(engine).model
             resident = weight_bytes_in_memory(model)
