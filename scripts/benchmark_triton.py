@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (ROOT, add_common_args, closed_loop_clients, load_prompts, machine_info, machine_md, md_table, mean,  # noqa: E402
-                          ratio, round_robin_by_source, set_threads, target_line, write_results)
+                          ratio, round_robin_by_source, run_tool, set_threads, target_line, write_results)
 from launch_triton_server import start_server  # noqa: E402
 from make_model_repo import default_values, fill_model_repo  # noqa: E402
 from triton_client import stream_generate  # noqa: E402
@@ -50,10 +49,10 @@ def closed_loop(url: str, prompts: list[str], concurrency: int, n_requests: int,
             "ttft_s": mean(r["ttft_s"] for r in results), "output_tok_s": sum(r["tokens"] for r in results) / wall}
 
 
-def session_tpot(engine_dir: Path, prompts: list[str], max_tokens: int, k: int) -> float:
+def session_tpot(engine_dir: Path, prompts: list[str], max_tokens: int, k: int, device: str = "cpu") -> float:
     from runtime import SamplingParams, Session  # noqa: WPS433
 
-    with Session(engine_dir, num_draft_tokens=k, speculation="adaptive") as s:
+    with Session(engine_dir, num_draft_tokens=k, speculation="adaptive", device=device) as s:
         s.generate(prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
         return mean(s.generate([p], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0].stats.tpot_s
                     for p in prompts)
@@ -66,21 +65,32 @@ def main() -> int:
     p.add_argument("--max_tokens", type=int, default=64)
     p.add_argument("--requests_per_level", type=int, default=0, help="0: max(8, 2 x concurrency)")
     args = p.parse_args()
+    if args.dtype is not None:
+        p.error(f"--dtype: the Triton models run the engine in its build dtype; not settable here, got {args.dtype!r}")
+    try:
+        levels = [1, 2] if args.quick else sorted({int(c) for c in args.concurrency.split(",")})
+    except ValueError:
+        p.error(f"--concurrency: expected comma-separated integers, got {args.concurrency!r}")
+    if levels[0] != 1:
+        p.error(f"--concurrency: levels must be >= 1 and include 1 (the session comparison), got {args.concurrency}")
+    if args.max_tokens < 2:
+        p.error(f"--max_tokens: must be >= 2 (TPOT needs a token after the first), got {args.max_tokens}")
+    if args.requests_per_level < 0:
+        p.error(f"--requests_per_level: must be >= 0 (0: max(8, 2 x concurrency)), got {args.requests_per_level}")
     set_threads(args.threads)
-    levels = [1, 2] if args.quick else [int(c) for c in args.concurrency.split(",")]
     max_tokens = 16 if args.quick else args.max_tokens
     prompts = [x["text"] for x in round_robin_by_source(load_prompts(args.model), 16)]
 
     work = Path(tempfile.mkdtemp(prefix="bench-triton-"))
     try:
         engine = work / "engine"
-        subprocess.run([Path(sys.executable).with_name("build_engine"), "--model_dir", args.model, "--output_dir",
-                        engine, "--max_batch_size", str(max(levels)), "--max_draft_len", "3"], check=True,
-                       capture_output=True)
+        run_tool([Path(sys.executable).with_name("build_engine"), "--model_dir", args.model, "--output_dir",
+                  engine, "--max_batch_size", str(max(levels)), "--max_draft_len", "3"])
         results: dict[str, dict] = {}
         for mode, values in MODES.items():
             repo = fill_model_repo(work / f"repo-{mode}", default_values(
-                engine, **values, **({"torch_threads": str(args.threads)} if args.threads else {})))
+                engine, **values, **({"torch_threads": str(args.threads)} if args.threads else {}),
+                **({"device": args.device} if args.device != "cpu" else {})))
             with start_server(repo, log_file=work / f"{mode}.log") as server:
                 one_request(server.grpc_url, prompts[0], 8)  # warm-up
                 results[mode] = {"levels": [closed_loop(server.grpc_url, prompts, c,
@@ -88,7 +98,7 @@ def main() -> int:
                                             for c in levels]}
             at_c1 = args.requests_per_level or max(8, 2 * levels[0])  # the prompts Triton ran at the first level
             results[mode]["session_tpot_s"] = session_tpot(engine, [prompts[i % len(prompts)] for i in range(at_c1)],
-                                                           max_tokens, int(values["num_draft_tokens"]))
+                                                           max_tokens, int(values["num_draft_tokens"]), args.device)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
