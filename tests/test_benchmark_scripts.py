@@ -1,0 +1,328 @@
+"""The benchmark scripts (scripts/): their metrics on hand-made timings, their flag checks, atomic result
+files, and smoke runs of benchmark_serving.py and load_test.py on the shipped model at the tiniest settings
+(the JSON's keys and sanity, never its timings).
+
+Metric conventions are vLLM's benchmarks/benchmark_serving.py: TTFT = first token - send; TPOT per request =
+(latency - TTFT) / (output tokens - 1), 1-token requests left out, then averaged; output tokens/s = the
+level's output tokens / its wall time; percentiles interpolate linearly (numpy's default).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "scripts"
+if str(SCRIPTS) not in sys.path:
+    sys.path.insert(0, str(SCRIPTS))
+
+import bench_common as bc  # noqa: E402
+import benchmark_serving as bs  # noqa: E402
+import benchmark_speculative as bspec  # noqa: E402
+import load_test as lt  # noqa: E402
+import measure_acceptance as ma  # noqa: E402
+
+
+# ---- bench_common statistics ----------------------------------------------------------------------
+@pytest.mark.parametrize("xs", [[3.0], [4.0, 1.0], [0.01, 0.5, 0.02, 0.03], list(np.random.default_rng(0).random(7)),
+                                list(np.random.default_rng(1).random(100))])
+@pytest.mark.parametrize("q", [0, 1, 50, 90, 99, 100])
+def test_percentile_matches_numpy(xs, q):
+    assert bc.percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)), rel=1e-12, abs=1e-15)
+
+
+def test_percentile_small_sample_p99_and_missing_values():
+    # order statistics 1, 2, 3, 10: p99 sits at rank (4 - 1) x 0.99 = 2.97, 97% of the way from 3 to 10
+    assert bc.percentile([10.0, 1.0, 3.0, 2.0], 99) == pytest.approx(3 + 0.97 * 7)
+    assert bc.percentile([None, 2.0, float("nan"), 4.0], 50) == 3.0
+    assert bc.percentile([], 99) is None and bc.percentile([None, float("nan")], 50) is None
+
+
+def test_mean_and_ratio():
+    assert bc.mean([1.0, None, 3.0, float("nan")]) == 2.0
+    assert bc.mean([None]) is None
+    assert bc.ratio(3.0, 2.0) == 1.5
+    assert bc.ratio(None, 2.0) is None and bc.ratio(1.0, 0) is None and bc.ratio(1.0, None) is None
+
+
+def test_request_ttft_tpot_is_vllms():
+    # sent 10.0, first token 10.5, last 12.5, 5 tokens: latency 2.5, TTFT 0.5, TPOT (2.5 - 0.5) / 4
+    assert bc.request_ttft_tpot(10.0, 10.5, 12.5, 5) == pytest.approx((0.5, 0.5))
+    # a speculative first step that emitted 3 of the 5 tokens still divides by 4 (vLLM), not by 2
+    assert bc.request_ttft_tpot(0.0, 1.0, 2.0, 5)[1] == pytest.approx(0.25)
+    assert bc.request_ttft_tpot(10.0, 10.5, 10.5, 1) == (0.5, None)  # 1 token: no TPOT
+    assert bc.request_ttft_tpot(10.0, None, None, 0) == (None, None)
+
+
+def test_target_line():
+    t = bc.target_line("x vs y", 1.25, 1.3)
+    assert (t["measured"], t["goal"], t["met"]) == (1.25, 1.3, False) and t["text"].endswith("NOT MET")
+    assert bc.target_line("x", 1.3, 1.3)["met"] is True
+    t = bc.target_line("x", None, 1.0)
+    assert t["met"] is None and t["text"].endswith("-")
+
+
+def test_write_results_is_atomic(tmp_path):
+    js, md = bc.write_results(tmp_path, "r", {"a": 1, "p": Path("x")}, "# hi\n\n")
+    assert json.loads(js.read_text()) == {"a": 1, "p": "x"} and md.read_text() == "# hi\n"
+    with pytest.raises(TypeError):  # not serializable: nothing half-written, the old file kept, no temporary left
+        bc.write_json(js, {"a": object()})
+    assert json.loads(js.read_text()) == {"a": 1, "p": "x"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.md"]
+
+
+def test_round_robin_by_source():
+    items = [{"source": s, "text": f"{s}{i}"} for s, i in [("a", 0), ("a", 1), ("a", 2), ("b", 0), ("c", 0)]]
+    assert [x["text"] for x in bc.round_robin_by_source(items, 4)] == ["a0", "b0", "c0", "a1"]
+
+
+def test_closed_loop_clients_sends_each_request_once():
+    import threading
+    seen, lock = [], threading.Lock()
+
+    def send(i):
+        with lock:
+            seen.append(i)
+
+    bc.closed_loop_clients(25, 4, send)
+    assert sorted(seen) == list(range(25))
+
+
+# ---- benchmark_serving ----------------------------------------------------------------------------
+def _record(submitted, ttft, tpot, n, finished, drafted=0, accepted=0, steps=None):
+    return {"submitted": submitted, "finished": finished, "finish_reason": "length", "prompt_tokens": 5,
+            "output_tokens": n, "ttft_s": ttft, "tpot_s": tpot, "num_steps": n if steps is None else steps,
+            "num_draft_tokens": drafted, "num_accepted_draft_tokens": accepted}
+
+
+def test_serving_summarize_hand_made_level():
+    t0 = 100.0
+    records = [_record(100.0, 0.2, 0.1, 11, 101.2, drafted=8, accepted=6, steps=5),
+               _record(100.5, 0.3, 0.3, 6, 102.3, drafted=4, accepted=1, steps=4),
+               _record(101.0, 0.4, None, 1, 101.4, steps=1),  # 1 token: no TPOT
+               None]  # did not finish
+    s = bs.summarize(records, t0, ["TimeoutError: x"])
+    assert (s["requests"], s["completed"], s["errors"]) == (4, 3, ["TimeoutError: x"])
+    assert s["wall_s"] == pytest.approx(2.3)  # first send (t0) to the last finish
+    assert s["output_tokens"] == 18
+    assert s["output_tokens_per_s"] == pytest.approx(18 / 2.3)
+    assert s["requests_per_s"] == pytest.approx(3 / 2.3)
+    assert s["tpot_mean_s"] == pytest.approx(0.2)  # the 1-token request left out
+    assert s["tpot_p50_s"] == pytest.approx(0.2) and s["tpot_p99_s"] == pytest.approx(0.1 + 0.99 * 0.2)
+    assert s["ttft_mean_s"] == pytest.approx(0.3) and s["ttft_p99_s"] == pytest.approx(0.3 + 0.1 * 0.98)
+    assert s["latency_mean_s"] == pytest.approx((1.2 + 1.8 + 0.4) / 3)
+    assert s["acceptance_rate"] == pytest.approx(7 / 12)
+    assert s["drafts_per_decode_step"] == pytest.approx(12 / 10)
+    assert s["decode_tokens_per_step"] == pytest.approx(18 / 10)
+    assert bs.summarize([None, None], t0, []) == {"completed": 0, "requests": 2, "errors": []}
+    assert bs.summarize([_record(0.0, 0.1, 0.1, 3, 1.0)], 0.0, [])["acceptance_rate"] is None
+
+
+def test_serving_collector_times_on_the_client_clock(monkeypatch):
+    clock = iter([10.4, 10.9, 11.7])  # outputs with 3 tokens (speculative first step), 1 token, 1 token (final)
+    monkeypatch.setattr(bs.time, "perf_counter", lambda: next(clock))
+    col = bs._Collector(1, None)
+    cb = col.callback(0, submitted=10.0)
+    stats = SimpleNamespace(prompt_tokens=4, output_tokens=5, ttft_s=99.0, tpot_s=99.0, num_steps=3,
+                            num_draft_tokens=4, num_accepted_draft_tokens=2)
+    cb(SimpleNamespace(new_token_ids=[1, 2, 3], finished=False, finish_reason=None, stats=stats))
+    cb(SimpleNamespace(new_token_ids=[4], finished=False, finish_reason=None, stats=stats))
+    assert not col.finished.is_set()
+    cb(SimpleNamespace(new_token_ids=[5], finished=True, finish_reason="length", stats=stats))
+    r = col.records[0]
+    assert col.finished.is_set()
+    assert r["ttft_s"] == pytest.approx(0.4)  # not the runtime's numbers
+    assert r["tpot_s"] == pytest.approx((11.7 - 10.4) / 4)
+    assert (r["submitted"], r["finished"], r["output_tokens"]) == (10.0, 11.7, 5)
+
+
+def _level(tok_s, tpot):
+    return {"output_tokens_per_s": tok_s, "tpot_mean_s": tpot}
+
+
+def test_serving_ratios_and_targets():
+    results = {"concurrency_sweep": [
+        {"concurrency": 1, "plain": _level(100.0, 0.010), "adaptive": _level(150.0, 0.006)},
+        {"concurrency": 4, "plain": _level(300.0, 0.012), "adaptive": _level(360.0, 0.010)},
+        {"concurrency": 16, "plain": _level(700.0, 0.020), "adaptive": _level(630.0, 0.025)}],
+        "qps_sweep": [{"qps": 2.0, "plain": _level(50.0, 0.010), "adaptive": _level(40.0, 0.008)},
+                      {"qps": 4.0, "plain": _level(80.0, 0.012), "adaptive": {"completed": 0}}]}
+    modes = ["plain", "adaptive"]
+    bs.add_ratios_vs_plain(results, modes)
+    c1, c4, c16 = (row["adaptive"] for row in results["concurrency_sweep"])
+    assert results["concurrency_sweep"][0]["plain"]["tok_s_vs_plain"] == 1.0
+    assert c1["tok_s_vs_plain"] == pytest.approx(1.5) and c1["tpot_speedup_vs_plain"] == pytest.approx(0.010 / 0.006)
+    assert c16["tok_s_vs_plain"] == pytest.approx(0.9)
+    assert results["qps_sweep"][1]["adaptive"]["tok_s_vs_plain"] is None  # nothing completed: no ratio
+    targets = {t["target"]: t for t in bs.serving_targets(results, modes)}
+    assert targets["plain: output tok/s at concurrency 16 vs 1"]["measured"] == pytest.approx(7.0)
+    assert targets["plain: output tok/s at concurrency 16 vs 1"]["met"] is True
+    assert targets["adaptive: output tok/s at concurrency 16 vs 1"]["measured"] == pytest.approx(4.2)
+    assert targets["adaptive vs plain output tok/s, worst concurrency level"]["measured"] == pytest.approx(0.9)
+    assert targets["adaptive vs plain output tok/s, worst level at concurrency <= 4"]["measured"] == pytest.approx(1.2)
+    # a rate where adaptive finished nothing counts as 0 (not skipped)
+    assert targets["adaptive vs plain TPOT speed-up, worst Poisson rate (info)"]["measured"] == 0
+
+
+def test_serving_make_requests_deterministic_and_in_range():
+    a = bs.make_requests([[1], [2, 3], [4]], 50, 3, 7, seed=5)
+    assert a == bs.make_requests([[1], [2, 3], [4]], 50, 3, 7, seed=5)
+    assert all(3 <= n <= 7 for _, n in a) and {tuple(i) for i, _ in a} <= {(1,), (2, 3), (4,)}
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--modes", "plain,turbo"], "--modes"), (["--modes", ","], "--modes"),
+    (["--concurrency", "1,x"], "--concurrency"), (["--concurrency", "0,2"], "--concurrency"),
+    (["--qps", "1,-2"], "--qps"), (["--qps", "fast"], "--qps"), (["--qps_fractions", "0"], "--qps_fractions"),
+    (["--min_tokens", "8", "--max_tokens", "4"], "--max_tokens"), (["--num_requests", "0"], "--num_requests"),
+    (["--fixed_k", "0"], "--fixed_k"), (["--timeout", "0"], "--timeout")])
+def test_serving_bad_flags_name_the_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        bs.parse_args(argv)
+    assert e.value.code == 2 and f"error: {flag}" in capsys.readouterr().err
+
+
+def test_serving_parse_args_good():
+    a = bs.parse_args(["--modes", "adaptive,plain", "--concurrency", "4,1", "--qps", "0.5,2", "--fixed_k", "0"])
+    assert a.modes_list == ["plain", "adaptive"] and a.levels == [4, 1] and a.rates == [0.5, 2.0]
+    assert bs.parse_args(["--qps", "none"]).rates == []
+
+
+# ---- benchmark_speculative / measure_acceptance / load_test pure parts -----------------------------
+def test_speculative_summarize_ours_and_hf():
+    ours = [{"token_ids": [1, 2, 3, 4], "output_tokens": 4, "latency_s": 1.0, "ttft_s": 0.4, "tpot_s": 0.2,
+             "num_steps": 2, "num_draft_tokens": 4, "num_accepted_draft_tokens": 2, "draft_s": 0.1, "target_s": 0.5},
+            {"token_ids": [1, 2, 9, 9], "output_tokens": 4, "latency_s": 3.0, "ttft_s": 0.6, "tpot_s": 0.4,
+             "num_steps": 3, "num_draft_tokens": 6, "num_accepted_draft_tokens": 1, "draft_s": 0.2, "target_s": 0.5}]
+    ref = [[1, 2, 3, 4], [1, 2, 3, 4]]
+    s = bspec.summarize(ours, ref)
+    assert s["tpot_mean_s"] == pytest.approx(0.3) and s["decode_tokens_per_s"] == pytest.approx(1 / 0.3)
+    assert s["ttft_mean_s"] == pytest.approx(0.5) and s["e2e_tokens_per_s"] == pytest.approx(8 / 4.0)
+    assert s["acceptance_rate"] == pytest.approx(3 / 10) and s["decode_tokens_per_step"] == pytest.approx(8 / 5)
+    assert s["outputs_equal_reference"] == 1 and s["mean_common_prefix_tokens"] == pytest.approx(3.0)
+    assert s["runner_draft_s_per_decode_step"] == pytest.approx(0.3 / 5)
+    hf = [{"token_ids": [1, 2, 3, 4, 5], "output_tokens": 5, "latency_s": 1.0, "ttft_s": 0.2, "tpot_s": 0.2,
+           "num_steps": 3}]  # a plain first step, then 2 assisted steps emitting 4 tokens
+    h = bspec.summarize(hf, None)
+    assert h["decode_tokens_per_step"] == pytest.approx(2.0) and h["acceptance_rate_implied"] == pytest.approx(1.0)
+    assert "outputs_equal_reference" not in h
+
+
+def test_speculative_expected_tokens():
+    assert bspec.expected_tokens(0.5, 0) == pytest.approx(1.0)
+    assert bspec.expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert bspec.expected_tokens(1.0, 3) == pytest.approx(4.0, rel=1e-4)  # a -> 1: k + 1
+
+
+def test_repeated_ngram_fraction():
+    assert ma.repeated_ngram_fraction([1, 2, 3, 4], [1, 2, 3, 4], n=4) == pytest.approx(1 / 4)  # only (1,2,3,4)
+    assert ma.repeated_ngram_fraction([], [5, 6], n=4) == 0.0
+    assert ma.repeated_ngram_fraction([7, 7, 7], [7, 7], n=2) == 1.0
+
+
+def test_load_test_make_requests():
+    tok = SimpleNamespace(bos_token_id=0, encode=lambda text: [0] + [int(w) for w in text.split()])
+    texts = [{"source": "a", "text": " ".join(str(i) for i in range(10, 40))},
+             {"source": "b", "text": " ".join(str(i) for i in range(50, 90))}]
+    reqs = lt.make_requests(texts, tok, 30, 12, 5, seed=3)
+    assert [r["id"] for r in reqs] == list(range(30))
+    for r in reqs:
+        assert r["prompt_ids"][0] == 0 and 0 not in r["prompt_ids"][1:] and 1 <= len(r["prompt_ids"]) <= 12
+        assert 1 <= r["max_tokens"] <= 5
+    assert reqs == lt.make_requests(texts, tok, 30, 12, 5, seed=3)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--modes", "plain,turbo"], "--modes"), (["--concurrency", "0"], "--concurrency"),
+    (["--max_output_tokens", "0"], "--max_output_tokens"), (["--kv_cache_tokens", "0"], "--kv_cache_tokens"),
+    (["--modes", "fixed", "--k", "0"], "--k"), (["--timeout", "-1"], "--timeout")])
+def test_load_test_bad_flags_name_the_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        lt.parse_args(argv)
+    assert e.value.code == 2 and f"error: {flag}" in capsys.readouterr().err
+
+
+# ---- smoke runs ---------------------------------------------------------------------------------
+def _run_script(name: str, args: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    return subprocess.run([sys.executable, str(SCRIPTS / name), *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _no_temporaries(out_dir: Path) -> None:
+    assert not [p.name for p in out_dir.iterdir() if p.name.startswith(".") or p.suffix == ".tmp"]
+
+
+def test_benchmark_serving_smoke(shipped_model_dir, tmp_path):
+    levels, n_min, n_max = [1, 2], 2, 4
+    r = _run_script("benchmark_serving.py", [
+        "--model", str(shipped_model_dir), "--out_dir", str(tmp_path), "--name", "smoke", "--threads", "1",
+        "--concurrency", "1,2", "--num_requests", "2", "--requests_per_client", "1", "--qps", "50",
+        "--qps_requests", "2", "--min_tokens", str(n_min), "--max_tokens", str(n_max), "--timeout", "120"])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((tmp_path / "smoke.json").read_text())
+    assert (tmp_path / "smoke.md").is_file()
+    assert (tmp_path / "smoke.png").is_file() or "plot_error" in res
+    _no_temporaries(tmp_path)
+    assert {"benchmark", "settings", "machine", "engine", "concurrency_sweep", "qps_sweep", "targets"} <= set(res)
+    modes = res["settings"]["modes"]
+    assert modes == ["plain", "fixed", "adaptive"] and res["settings"]["qps"] == [50.0]
+    assert [row["concurrency"] for row in res["concurrency_sweep"]] == levels
+    n_prompts = res["settings"]["prompts"]
+    sweeps = [(row, bs.make_requests([[0]] * n_prompts, 2, n_min, n_max, seed=c)) for row, c in
+              zip(res["concurrency_sweep"], levels)]
+    sweeps += [(res["qps_sweep"][0], bs.make_requests([[0]] * n_prompts, 2, n_min, n_max, seed=10_000))]
+    for row, reqs in sweeps:
+        for m in modes:
+            s = row[m]
+            assert s["completed"] == s["requests"] == 2 and s["errors"] == [], (m, s)
+            assert s["output_tokens"] == sum(n for _, n in reqs)  # ignore_eos: every request ran to its length
+            assert s["output_tokens_per_s"] > 0 and s["requests_per_s"] > 0
+            assert 0 < s["ttft_mean_s"] <= s["latency_mean_s"] and s["ttft_p50_s"] <= s["ttft_p99_s"]
+            assert 0 < s["tpot_p50_s"] <= s["tpot_p99_s"] and s["tpot_mean_s"] > 0
+            assert s["decode_tokens_per_step"] >= 1
+            if m == "plain":
+                assert s["acceptance_rate"] is None and s["drafts_per_decode_step"] == 0
+                assert s["tok_s_vs_plain"] == 1.0 and s["tpot_speedup_vs_plain"] == 1.0
+            else:
+                assert s["tok_s_vs_plain"] > 0 and s["tpot_speedup_vs_plain"] > 0
+            if m == "fixed":  # k 1 every step: it drafted
+                assert 0 <= s["acceptance_rate"] <= 1 and s["drafts_per_decode_step"] > 0
+            if m == "adaptive":  # its k follows measured step costs: it may have chosen not to draft
+                assert s["acceptance_rate"] is None or 0 <= s["acceptance_rate"] <= 1
+    assert {t["target"] for t in res["targets"]} == {
+        "adaptive vs plain output tok/s, worst concurrency level",
+        "adaptive vs plain output tok/s, worst level at concurrency <= 4",
+        "adaptive vs plain TPOT speed-up, worst Poisson rate (info)"}
+
+
+def test_load_test_smoke(shipped_model_dir, tmp_path):
+    n = 6
+    r = _run_script("load_test.py", [
+        "--model", str(shipped_model_dir), "--out_dir", str(tmp_path), "--name", "lt", "--threads", "1",
+        "--num_requests", str(n), "--concurrency", "3", "--max_prompt_tokens", "24", "--max_output_tokens", "6",
+        "--max_num_tokens", "16", "--timeout", "150"])
+    res = json.loads((tmp_path / "lt.json").read_text())
+    assert r.returncode == 0 and res["passed"] is True and res["failures"] == [], (res.get("failures"), r.stderr[-3000:])
+    assert (tmp_path / "lt.md").read_text().startswith("# Load test: PASSED")
+    _no_temporaries(tmp_path)
+    assert set(res["modes"]) == {"plain", "fixed", "adaptive"}
+    assert sum(res["reference"]["finish_reasons"].values()) == n
+    for m, s in res["modes"].items():
+        assert all(s["checks"].values()), (m, s["checks"])
+        assert s["completed"] == n and s["incomplete"] == [] and s["errors"] == [] and s["mismatches"] == []
+        es = s["end_stats"]
+        assert es["kv_blocks_used"] == 0 and es["kv_blocks_free"] == es["kv_blocks_total"] > 0
+        assert es["free_list_intact"] and es["running"] == 0 and es["queued"] == 0
+        assert es["requests_finished"] == n and s["output_tokens"] == es["generated_tokens"] > 0
+        if m != "plain":
+            assert 0 <= s["acceptance_rate"] <= 1
