@@ -48,6 +48,23 @@ def wait_idle(session: Session, timeout: float = 10) -> None:
         time.sleep(0.005)
 
 
+def hold_after_first_text(monkeypatch) -> threading.Event:
+    """Make the step loop wait, after it delivered the first output with text (not the final one), until
+    the returned event is set: the test's thread, however slow, takes that output before any other."""
+    from runtime.outputs import RequestHandle
+
+    go_on = threading.Event()
+    push = RequestHandle._push
+
+    def held_push(handle: RequestHandle, out) -> None:  # executor thread
+        push(handle, out)
+        if out.text_delta and not out.finished:
+            go_on.wait(30)
+
+    monkeypatch.setattr(RequestHandle, "_push", held_push)
+    return go_on
+
+
 def test_public_import() -> None:
     import runtime
 
@@ -82,8 +99,14 @@ def test_speculation_matches_plain_decoding(spec_checkpoint, reference) -> None:
     assert all(o.stats.num_draft_tokens == 0 and o.stats.num_steps == 40 for o in outs)
 
 
-def test_stream_deltas(session, reference) -> None:
-    deltas = list(session.stream(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True)))
+def test_stream_deltas(session, reference, monkeypatch) -> None:
+    """Outputs a consumer has not taken yet are merged: the first delta is taken before the request goes
+    on, or a consumer slower than the whole request would see one."""
+    taken = hold_after_first_text(monkeypatch)
+    gen = session.stream(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True))
+    deltas = [next(gen)]
+    taken.set()
+    deltas += list(gen)
     assert len(deltas) > 1
     for d in deltas:
         assert isinstance(d, str) and d
@@ -106,19 +129,9 @@ def test_stream_multibyte_characters_are_never_split(spec_checkpoint) -> None:
 def test_stream_closed_early_cancels(session, monkeypatch) -> None:
     """The step loop waits after the first text until the stream is closed: a test thread slow to close
     it must not let the request run to max_tokens."""
-    from runtime.outputs import RequestHandle
-
     wait_idle(session)
     before = session.executor.stats()
-    closed = threading.Event()
-    push = RequestHandle._push
-
-    def held_push(handle: RequestHandle, out) -> None:  # executor thread
-        push(handle, out)
-        if out.text_delta and not out.finished:
-            closed.wait(30)
-
-    monkeypatch.setattr(RequestHandle, "_push", held_push)
+    closed = hold_after_first_text(monkeypatch)
     gen = session.stream(PROMPT, SamplingParams(max_tokens=80, ignore_eos=True))
     next(gen)
     gen.close()
