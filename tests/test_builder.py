@@ -254,9 +254,10 @@ def test_sigterm_cleans_up_like_ctrl_c(hf, tmp_path):
 
     work = tmp_path / "w"
     work.mkdir()
-    # slow the build down enough to be caught mid-way: a rank file is written slowly
+    # the build is caught mid-way: a rank file waits for the signal (a fixed delay would leave a test process
+    # slower than it, on a loaded machine, to signal a build that had already finished)
     code = ("import sys, time, builder.engine as e; orig = e._build_rank\n"
-            "def slow(*a):\n    time.sleep(0.3)\n    return orig(*a)\n"
+            "def slow(*a):\n    time.sleep(60)\n    return orig(*a)\n"
             "e._build_rank = slow\nfrom builder.cli import main\nsys.exit(main(sys.argv[1:]))")
     proc = subprocess.Popen([sys.executable, "-c", code, "--model_dir", str(hf), "--output_dir", str(work / "out"),
                              "--max_seq_len", "256", "--tp_size", "2"], cwd=Path(__file__).resolve().parents[1], stderr=subprocess.PIPE, text=True)
