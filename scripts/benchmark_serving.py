@@ -252,7 +252,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--qps_requests", type=int, default=24, help="requests per QPS level")
     p.add_argument("--min_tokens", type=int, default=64)
     p.add_argument("--max_tokens", type=int, default=128)
-    p.add_argument("--timeout", type=float, default=1800, help="seconds one level may take before it is cut")
+    p.add_argument("--timeout", type=float, default=1800,
+                   help="seconds a closed-loop request, or a whole Poisson level, may take before it is cut")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default="serving")
     args = p.parse_args(argv)
