@@ -75,8 +75,9 @@ class DraftPolicy:
     sample clipped to within 2x of it: an optimistic start that a single slow step cannot turn into
     a k priced out for good. Drafting needs a predicted gain of at least MIN_GAIN, for what stays
     unmodelled (those prompt catch-ups, the prefill work drafts delay). Every EXPLORE_EVERY-th step
-    at a batch size runs a neighbour of the chosen k instead (one more draft and one fewer in turn),
-    so the costs and acceptance next to the choice are measured again; the gain is one-peaked in k
+    at a batch size runs a neighbour of the chosen k instead (one more draft and one fewer in turn; one
+    more only where it would win if that draft were always accepted), so the costs and acceptance next
+    to the choice are measured again; the gain is one-peaked in k
     (each extra draft costs more than the last and is accepted less often), so a far k never beats a
     near one that loses, and trying it, at a large batch size, costs a step several times plain's.
     """
@@ -150,8 +151,17 @@ class DraftPolicy:
         bucket = self.costs.bucket(batch_size)
         n = self.decisions[bucket] = self.decisions.get(bucket, 0) + 1
         if self.max_k and n % self.EXPLORE_EVERY == 0:  # explore a neighbour: one draft more, then one fewer
-            up = (n // self.EXPLORE_EVERY) % 2 == 1
-            return choice + 1 if choice == 0 or (up and choice < self.max_k) else choice - 1
+            up = choice == 0 or ((n // self.EXPLORE_EVERY) % 2 == 1 and choice < self.max_k)
+            if not up:
+                return choice - 1
+            # One draft more only if it could win were that draft always accepted: acceptance can only be
+            # learned higher, so otherwise the try would cost a step (with a catch-up over every prompt
+            # not yet drafted from) and could change nothing.
+            reach = self.expected_tokens(choice) - self.expected_tokens(choice - 1) if choice else 1.0
+            best_case = (batch_size + drafters * (self.expected_tokens(choice) + reach - 1)) / \
+                self.step_seconds(batch_size, choice + 1)
+            if best_case >= max(rate[choice], self.MIN_GAIN * rate[0]):
+                return choice + 1
         return choice
 
 
