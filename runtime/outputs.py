@@ -34,7 +34,7 @@ class RequestStats:
     num_accepted_draft_tokens: int
     num_steps: int
     ttft_s: float | None  # submit -> the first step that emitted tokens
-    tpot_s: float | None  # seconds per output token after that first step (it may emit several)
+    tpot_s: float | None  # (last token - first token) / (output tokens - 1), as vLLM and trtllm-bench compute it
     queue_s: float | None = None  # submit -> the first step that scheduled it (None: the backend does not say)
 
     @property
@@ -228,7 +228,6 @@ class RequestTracker:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
-    num_first_tokens: int = 0  # tokens the first emitting step delivered (speculation: up to k + 1)
     token_ids: list[int] = field(default_factory=list)  # output tokens reported
     text: str = ""  # reported so far
     held: str = ""  # decoded but not reported yet (could start a stop string)
@@ -257,7 +256,6 @@ class RequestTracker:
         a client never sees part of a stop string.
         """
         p = self.params
-        first = bool(new) and self.first_token_time is None
         if new:
             self.first_token_time = self.first_token_time or now
             self.last_token_time = now
@@ -279,8 +277,6 @@ class RequestTracker:
             if reason or hit >= 0:
                 break
         self.token_ids += kept
-        if first:
-            self.num_first_tokens = len(kept)
         if hit >= 0:
             delta, reason = self.held[:hit], "stop"
         elif reason is None and p.stop:
@@ -294,8 +290,7 @@ class RequestTracker:
     def stats(self) -> RequestStats:
         n_out = len(self.token_ids)
         ttft = self.first_token_time - self.arrival_time if self.first_token_time else None
-        after_first = n_out - self.num_first_tokens
-        tpot = (self.last_token_time - self.first_token_time) / after_first if after_first > 0 else None
+        tpot = (self.last_token_time - self.first_token_time) / (n_out - 1) if n_out > 1 else None
         queue = self.first_scheduled_time - self.arrival_time if self.first_scheduled_time else None
         return RequestStats(self.num_prompt_tokens, n_out, self.num_draft_tokens, self.num_accepted_draft_tokens,
                             self.num_steps, ttft, tpot, queue)

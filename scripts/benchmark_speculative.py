@@ -275,8 +275,7 @@ def hf_generate(model, prompt_ids: list[int], max_new_tokens: int, use_mtp: bool
 # ---- our runtime --------------------------------------------------------------------------------
 def run_ours(ex: Executor, prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:
     """One request; TTFT and TPOT from the times its first and last outputs with tokens reached the callback,
-    as hf_generate times HF's streamer (the runtime's own tpot_s leaves out every token of the first emitting
-    step, which drafts too)."""
+    on the same clock as hf_generate times HF's streamer."""
     before = dict(ex.runner.timings)
     stamps: dict[str, float] = {}  # the first and the last output with tokens
 
