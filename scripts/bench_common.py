@@ -46,6 +46,13 @@ def add_common_args(p, *, threads_help: str = "torch intra-op threads (0: torch'
     p.add_argument("--dtype", default=None, help="model dtype (default: the engine's build dtype)")
 
 
+def check_minimums(p, args, minimums: dict[str, float]) -> None:
+    """argparse's error (exit status 2) naming the first flag below its least value."""
+    for flag, least in minimums.items():
+        if getattr(args, flag) < least:
+            p.error(f"--{flag}: must be >= {least}, got {getattr(args, flag)}")
+
+
 def sync(device: str | torch.device) -> None:
     """Wait for queued GPU work, so that host clocks time it."""
     if torch.device(device).type == "cuda":

@@ -17,8 +17,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import (add_common_args, load_prompts, machine_info, machine_md, md_table,  # noqa: E402
-                          round_robin_by_source, run_tool, set_threads, write_results, weight_bytes_in_memory)
+from bench_common import (add_common_args, check_minimums, load_prompts, machine_info, machine_md, md_table,  # noqa: E402
+                          round_robin_by_source, run_tool, set_threads, weight_bytes_in_memory, write_results)
 from measure_acceptance import teacher_forced, val_windows  # noqa: E402
 
 
@@ -36,9 +36,7 @@ def main() -> int:
         p.error(f"--device: this benchmark runs both engines on the CPU (fp32 compute), got {args.device!r}")
     if args.dtype not in (None, "float32"):
         p.error(f"--dtype: this benchmark computes in fp32 (the weights' values are what differs), got {args.dtype!r}")
-    for flag in ("window", "max_windows", "prompts", "max_tokens"):
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag}: must be >= 1, got {getattr(args, flag)}")
+    check_minimums(p, args, dict(window=1, max_windows=1, prompts=1, max_tokens=1))
     if not args.val_bin.is_file():
         p.error(f"--val_bin: no such file: {args.val_bin}")
     if not (args.bf16_model / "config.json").is_file():

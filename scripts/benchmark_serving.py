@@ -27,9 +27,9 @@ import threading
 import time
 from typing import Any
 
-from bench_common import (add_common_args, closed_loop_clients, engine_info, load_prompts, machine_info, machine_md,
-                          md_table, mean, percentile, ratio, request_ttft_tpot, save_figure, set_threads, target_line,
-                          write_results)
+from bench_common import (add_common_args, check_minimums, closed_loop_clients, engine_info, load_prompts,
+                          machine_info, machine_md, md_table, mean, percentile, ratio, request_ttft_tpot, save_figure,
+                          set_threads, target_line, write_results)
 
 from tqdm import tqdm  # noqa: E402
 
@@ -275,14 +275,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--qps: rates must be > 0 requests/s (or 'none' to skip the sweep), got {args.qps}")
     if args.qps == "auto" and min(_csv(p, "--qps_fractions", args.qps_fractions, float, "numbers")) <= 0:
         p.error(f"--qps_fractions: fractions must be > 0, got {args.qps_fractions}")
-    for flag in ("num_requests", "requests_per_client", "qps_requests", "min_tokens"):
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag}: must be >= 1, got {getattr(args, flag)}")
+    drafting = {flag: 1 for flag, mode in (("fixed_k", "fixed"), ("adaptive_k", "adaptive")) if mode in args.modes_list}
+    check_minimums(p, args, dict(num_requests=1, requests_per_client=1, qps_requests=1, min_tokens=1, **drafting))
     if args.max_tokens < args.min_tokens:
         p.error(f"--max_tokens: must be >= --min_tokens ({args.min_tokens}), got {args.max_tokens}")
-    for flag, mode in (("fixed_k", "fixed"), ("adaptive_k", "adaptive")):
-        if mode in args.modes_list and getattr(args, flag) < 1:
-            p.error(f"--{flag}: the {mode} mode drafts, so it must be >= 1, got {getattr(args, flag)}")
     if not args.timeout > 0:
         p.error(f"--timeout: must be > 0 seconds, got {args.timeout}")
     return args

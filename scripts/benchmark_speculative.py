@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_common import (Timer, add_common_args, engine_info, load_prompts, machine_info,
-                          machine_md, md_table, mean, percentile, ratio, request_ttft_tpot, round_robin_by_source,
-                          set_threads, sync, target_line, write_results)
+from bench_common import (Timer, add_common_args, check_minimums, engine_info, load_prompts, machine_info, machine_md,
+                          md_table, mean, percentile, ratio, request_ttft_tpot, round_robin_by_source, set_threads,
+                          sync, target_line, write_results)
 
 import torch  # noqa: E402  (bench_common puts the repo root on sys.path first)
 from tqdm import tqdm  # noqa: E402
@@ -369,9 +369,7 @@ def main() -> None:
     set_threads(args.threads)
     if 0 not in ks or min(ks) < 0:
         p.error(f"--ks: draft lengths >= 0 that include 0 (the baseline), got {args.ks!r}")
-    for flag, least in (("num_prompts", 1), ("max_tokens", 2), ("cost_repeats", 1)):
-        if getattr(args, flag) < least:
-            p.error(f"--{flag}: must be >= {least}, got {getattr(args, flag)}")
+    check_minimums(p, args, dict(num_prompts=1, max_tokens=2, cost_repeats=1))  # TPOT needs 2 tokens
 
     prompts = round_robin_by_source(load_prompts(args.model, args.prompts), args.num_prompts)
     engine = load_engine(args.model, device=args.device, dtype=args.dtype)

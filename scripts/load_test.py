@@ -21,8 +21,8 @@ import threading
 import time
 from typing import Any
 
-from bench_common import (add_common_args, closed_loop_clients, engine_info, load_prompts, machine_info, machine_md,
-                          md_table, mean, percentile, set_threads, write_results)
+from bench_common import (add_common_args, check_minimums, closed_loop_clients, engine_info, load_prompts,
+                          machine_info, machine_md, md_table, mean, percentile, set_threads, write_results)
 
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
@@ -178,14 +178,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.modes_list = [m for m in args.modes.split(",") if m]
     if not args.modes_list or any(m not in MODES for m in args.modes_list):
         p.error(f"--modes: expected comma-separated modes of {', '.join(MODES)}, got {args.modes!r}")
-    for flag in ("num_requests", "concurrency", "max_prompt_tokens", "max_output_tokens", "max_num_tokens"):
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag}: must be >= 1, got {getattr(args, flag)}")
-    if args.kv_cache_tokens is not None and args.kv_cache_tokens < 1:
-        p.error(f"--kv_cache_tokens: must be >= 1, got {args.kv_cache_tokens}")
-    for flag, mode in (("k", "fixed"), ("adaptive_k", "adaptive")):
-        if mode in args.modes_list and getattr(args, flag) < 1:
-            p.error(f"--{flag}: the {mode} mode drafts, so it must be >= 1, got {getattr(args, flag)}")
+    drafting = {flag: 1 for flag, mode in (("k", "fixed"), ("adaptive_k", "adaptive")) if mode in args.modes_list}
+    cache = {"kv_cache_tokens": 1} if args.kv_cache_tokens is not None else {}
+    check_minimums(p, args, dict(num_requests=1, concurrency=1, max_prompt_tokens=1, max_output_tokens=1,
+                                 max_num_tokens=1, **cache, **drafting))
     if not args.timeout > 0:
         p.error(f"--timeout: must be > 0 seconds, got {args.timeout}")
     return args

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_common import (add_common_args, engine_info, load_prompts, machine_info, machine_md,
+from bench_common import (add_common_args, check_minimums, engine_info, load_prompts, machine_info, machine_md,
                           md_table, mean, round_robin_by_source, set_threads, write_results)
 
 import numpy as np  # noqa: E402
@@ -151,10 +151,7 @@ def main() -> None:
         p.error(f"--ks: expected comma-separated integers, got {args.ks!r}")
     if min(ks) < 1:
         p.error(f"--ks: draft lengths must be >= 1 (acceptance needs drafts), got {args.ks!r}")
-    for flag, least in (("num_prompts", 1), ("max_tokens", 1), ("batch", 1), ("seq_len", 2), ("eval_batch", 1),
-                        ("val_tokens", 0)):
-        if getattr(args, flag) < least:
-            p.error(f"--{flag}: must be >= {least}, got {getattr(args, flag)}")
+    check_minimums(p, args, dict(num_prompts=1, max_tokens=1, batch=1, seq_len=2, eval_batch=1, val_tokens=0))
     if args.quick:
         args.num_prompts, args.max_tokens, args.val_tokens, args.seq_len = 4, 16, 1024, 128
         args.name += "_quick"
