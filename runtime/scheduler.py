@@ -15,6 +15,7 @@ saves), and no more than leaves the token budget to prompts waiting to be prefil
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -139,13 +140,16 @@ class DraftPolicy:
         """Predicted seconds of a whole decode step: the profiled forwards times the learned ratio."""
         return self.costs.step_seconds(batch_size, k) * self._ratio(self.costs.bucket(batch_size), k)
 
+    def _rate(self, batch_size: int, drafters: int, k: int, tokens: float) -> float:
+        """Predicted tokens per second of a step at draft length k where each drafter emits `tokens`."""
+        return (batch_size + drafters * (tokens - 1)) / self.step_seconds(batch_size, k)
+
     def choose(self, batch_size: int, drafters: int | None = None) -> int:
         """k for a step of batch_size decodes, `drafters` of which can draft (default: all)."""
         if self.mode != "adaptive" or batch_size == 0:
             return self.max_k
         drafters = batch_size if drafters is None else drafters
-        rate = {k: (batch_size + drafters * (self.expected_tokens(k) - 1)) / self.step_seconds(batch_size, k)
-                for k in range(self.max_k + 1)}
+        rate = {k: self._rate(batch_size, drafters, k, self.expected_tokens(k)) for k in range(self.max_k + 1)}
         best = max(rate, key=rate.get)
         choice = best if rate[best] >= self.MIN_GAIN * rate[0] else 0
         bucket = self.costs.bucket(batch_size)
@@ -154,13 +158,11 @@ class DraftPolicy:
             up = choice == 0 or ((n // self.EXPLORE_EVERY) % 2 == 1 and choice < self.max_k)
             if not up:
                 return choice - 1
-            # One draft more only if it could win were that draft always accepted: acceptance can only be
-            # learned higher, so otherwise the try would cost a step (with a catch-up over every prompt
-            # not yet drafted from) and could change nothing.
-            reach = self.expected_tokens(choice) - self.expected_tokens(choice - 1) if choice else 1.0
-            best_case = (batch_size + drafters * (self.expected_tokens(choice) + reach - 1)) / \
-                self.step_seconds(batch_size, choice + 1)
-            if best_case >= max(rate[choice], self.MIN_GAIN * rate[0]):
+            # One draft more only if it could win were that draft always accepted (reached whenever drafts
+            # 1..choice pass): otherwise no acceptance could make it the choice, and trying it would cost a
+            # step (with a catch-up over every prompt not yet drafted from) to learn nothing.
+            always = self.expected_tokens(choice) + math.prod(self.acceptance_by_depth[:choice])
+            if self._rate(batch_size, drafters, choice + 1, always) >= max(rate[choice], self.MIN_GAIN * rate[0]):
                 return choice + 1
         return choice
 
