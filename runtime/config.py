@@ -31,8 +31,13 @@ def is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def is_number(value: Any) -> bool:
+    """Python and numpy reals; not bools."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def _is_positive_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+    return is_number(value) and 0 < value < math.inf
 
 
 @dataclass(frozen=True)

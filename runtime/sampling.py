@@ -20,17 +20,12 @@ Acceptance (rows are sequences, columns draft positions j = 0..k-1, target rows 
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from runtime.config import is_int
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+from runtime.config import is_int, is_number
 
 
 def _as_given(value: object) -> object:
@@ -64,11 +59,11 @@ class SamplingParams:
         """Raise ValueError naming the parameter and what was expected."""
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
+        if not is_number(self.temperature) or not 0 <= self.temperature < math.inf:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
@@ -103,7 +98,7 @@ class RelaxedAcceptance:
     def __post_init__(self) -> None:
         if not is_int(self.top_n) or self.top_n < 1:
             raise ValueError(f"relaxed acceptance top_n must be an integer >= 1, got {self.top_n!r}")
-        if not _is_number(self.delta) or not 0 <= self.delta <= 1:
+        if not is_number(self.delta) or not 0 <= self.delta <= 1:
             raise ValueError(f"relaxed acceptance delta must be in [0, 1], got {self.delta!r}")
 
     def advance(self, thinking: bool, token: int) -> bool:
