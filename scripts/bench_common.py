@@ -46,6 +46,14 @@ def add_common_args(p, *, threads_help: str = "torch intra-op threads (0: torch'
     p.add_argument("--dtype", default=None, help="model dtype (default: the engine's build dtype)")
 
 
+def comma_list(p, flag: str, value: str, kind: type = int, what: str = "integers") -> list:
+    """A comma-separated flag value as a list of `kind`, or argparse's error naming the flag."""
+    try:
+        return [kind(x) for x in value.split(",")]
+    except ValueError:
+        p.error(f"{flag}: expected comma-separated {what}, got {value!r}")
+
+
 def check_minimums(p, args, minimums: dict[str, float]) -> None:
     """argparse's error (exit status 2) naming the first flag below its least value."""
     for flag, least in minimums.items():

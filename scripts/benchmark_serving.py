@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Any
 
-from bench_common import (add_common_args, check_minimums, closed_loop_clients, engine_info, load_prompts,
+from bench_common import (add_common_args, check_minimums, closed_loop_clients, comma_list, engine_info, load_prompts,
                           machine_info, machine_md, md_table, mean, percentile, ratio, request_ttft_tpot, save_figure,
                           set_threads, target_line, write_results)
 
@@ -224,13 +224,6 @@ def plot(results: dict[str, Any], modes: list[str], path) -> None:
     plt.close(fig)
 
 
-def _csv(p: argparse.ArgumentParser, flag: str, value: str, kind: type, what: str) -> list:
-    try:
-        return [kind(x) for x in value.split(",")]
-    except ValueError:
-        p.error(f"{flag}: expected comma-separated {what}, got {value!r}")
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags, checked (argparse's one-line error naming the flag, exit status 2); adds .modes_list,
     .levels (concurrency levels) and .rates (the --qps numbers; [] for 'auto' and 'none')."""
@@ -267,13 +260,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown or not asked:
         p.error(f"--modes: expected comma-separated modes of {', '.join(MODE_ORDER)}, got {args.modes!r}")
     args.modes_list = [m for m in MODE_ORDER if m in asked]
-    args.levels = _csv(p, "--concurrency", args.concurrency, int, "integers")
+    args.levels = comma_list(p, "--concurrency", args.concurrency)
     if min(args.levels) < 1:
         p.error(f"--concurrency: levels must be >= 1, got {args.concurrency}")
-    args.rates = [] if args.qps in ("none", "auto") else _csv(p, "--qps", args.qps, float, "rates, 'auto' or 'none'")
+    args.rates = [] if args.qps in ("none", "auto") else comma_list(p, "--qps", args.qps, float, "rates, 'auto' or 'none'")
     if args.rates and min(args.rates) <= 0:
         p.error(f"--qps: rates must be > 0 requests/s (or 'none' to skip the sweep), got {args.qps}")
-    if args.qps == "auto" and min(_csv(p, "--qps_fractions", args.qps_fractions, float, "numbers")) <= 0:
+    if args.qps == "auto" and min(comma_list(p, "--qps_fractions", args.qps_fractions, float, "numbers")) <= 0:
         p.error(f"--qps_fractions: fractions must be > 0, got {args.qps_fractions}")
     drafting = {flag: 1 for flag, mode in (("fixed_k", "fixed"), ("adaptive_k", "adaptive")) if mode in args.modes_list}
     check_minimums(p, args, dict(num_requests=1, requests_per_client=1, qps_requests=1, min_tokens=1, **drafting))

@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_common import (Timer, add_common_args, check_minimums, engine_info, load_prompts, machine_info, machine_md,
-                          md_table, mean, percentile, ratio, request_ttft_tpot, round_robin_by_source, set_threads,
-                          sync, target_line, write_results)
+from bench_common import (Timer, add_common_args, check_minimums, comma_list, engine_info, load_prompts, machine_info,
+                          machine_md, md_table, mean, percentile, ratio, request_ttft_tpot, round_robin_by_source,
+                          set_threads, sync, target_line, write_results)
 
 import torch  # noqa: E402  (bench_common puts the repo root on sys.path first)
 from tqdm import tqdm  # noqa: E402
@@ -358,10 +358,7 @@ def main() -> None:
     p.add_argument("--cost_repeats", type=int, default=60, help="rounds of the direct draft-cost measurement")
     p.add_argument("--name", default="speculative")
     args = p.parse_args()
-    try:
-        ks = sorted({int(k) for k in args.ks.split(",")})
-    except ValueError:
-        p.error(f"--ks: expected comma-separated integers, got {args.ks!r}")
+    ks = sorted(set(comma_list(p, "--ks", args.ks)))
     if args.quick:
         args.num_prompts, args.max_tokens, args.cost_repeats = 2, 24, 5
         ks = [k for k in ks if k <= 2]

@@ -18,8 +18,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import (ROOT, add_common_args, closed_loop_clients, load_prompts, machine_info, machine_md, md_table, mean,  # noqa: E402
-                          ratio, round_robin_by_source, run_tool, set_threads, target_line, write_results)
+from bench_common import (ROOT, add_common_args, closed_loop_clients, comma_list, load_prompts,  # noqa: E402
+                          machine_info, machine_md, md_table, mean, ratio, round_robin_by_source,
+                          run_tool, set_threads, target_line, write_results)
 from launch_triton_server import start_server  # noqa: E402
 from make_model_repo import default_values, fill_model_repo  # noqa: E402
 from triton_client import stream_generate  # noqa: E402
@@ -67,10 +68,7 @@ def main() -> int:
     args = p.parse_args()
     if args.dtype is not None:
         p.error(f"--dtype: the Triton models run the engine in its build dtype; not settable here, got {args.dtype!r}")
-    try:
-        levels = [1, 2] if args.quick else sorted({int(c) for c in args.concurrency.split(",")})
-    except ValueError:
-        p.error(f"--concurrency: expected comma-separated integers, got {args.concurrency!r}")
+    levels = [1, 2] if args.quick else sorted(set(comma_list(p, "--concurrency", args.concurrency)))
     if levels[0] != 1:
         p.error(f"--concurrency: levels must be >= 1 and include 1 (the session comparison), got {args.concurrency}")
     if args.max_tokens < 2:

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_common import (add_common_args, check_minimums, engine_info, load_prompts, machine_info, machine_md,
-                          md_table, mean, round_robin_by_source, set_threads, write_results)
+from bench_common import (add_common_args, check_minimums, comma_list, engine_info, load_prompts, machine_info,
+                          machine_md, md_table, mean, round_robin_by_source, set_threads, write_results)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -145,10 +145,7 @@ def main() -> None:
     p.add_argument("--eval_batch", type=int, default=8)
     p.add_argument("--name", default="acceptance")
     args = p.parse_args()
-    try:
-        ks = [int(k) for k in args.ks.split(",")]
-    except ValueError:
-        p.error(f"--ks: expected comma-separated integers, got {args.ks!r}")
+    ks = comma_list(p, "--ks", args.ks)
     if min(ks) < 1:
         p.error(f"--ks: draft lengths must be >= 1 (acceptance needs drafts), got {args.ks!r}")
     check_minimums(p, args, dict(num_prompts=1, max_tokens=1, batch=1, seq_len=2, eval_batch=1, val_tokens=0))
