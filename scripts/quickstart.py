@@ -39,11 +39,10 @@ def main() -> int:
         print(f"ready in {time.perf_counter() - t0:.1f} s: gRPC {server.grpc_url}, HTTP {server.http_url}, "
               f"metrics {server.metrics_url}", flush=True)
         print(f"== streaming {args.max_tokens} tokens over gRPC\n{args.prompt}", end="", flush=True)
-        stats, first, last, n = {}, None, None, 0
+        stats, n = {}, 0
         for chunk in stream_generate(server.grpc_url, args.prompt, args.max_tokens, perf_metrics=True):
             print(chunk.text, end="", flush=True)
-            stats = chunk.stats or stats
-            first, last, n = first or chunk.at, chunk.at, n + 1
+            stats, n = chunk.stats or stats, n + 1
         print(f"\n== MTP: {int(stats.get('total_accepted_draft_tokens', 0))} of "
               f"{int(stats.get('total_draft_tokens', 0))} draft tokens accepted "
               f"(acceptance {stats.get('acceptance_rate', 0):.2f}); {n} streamed responses")
