@@ -46,6 +46,17 @@ def add_common_args(p, *, threads_help: str = "torch intra-op threads (0: torch'
     p.add_argument("--dtype", default=None, help="model dtype (default: the engine's build dtype)")
 
 
+def parse_with_quick(p, argv: list[str] | None, quick_defaults: dict[str, Any]):
+    """Parse the flags; with --quick, the smoke run's settings replace the defaults (flags given explicitly
+    still win) and --name gets '_quick', so a smoke run never overwrites a full run's results."""
+    args = p.parse_args(argv)
+    if args.quick:
+        p.set_defaults(**quick_defaults)
+        args = p.parse_args(argv)
+        args.name += "_quick"
+    return args
+
+
 def comma_list(p, flag: str, value: str, kind: type = int, what: str = "integers") -> list:
     """A comma-separated flag value as a list of `kind`, or argparse's error naming the flag."""
     try:
@@ -244,6 +255,10 @@ def request_ttft_tpot(sent: float, first_token: float | None, last_token: float 
     if output_tokens < 2 or last_token is None:
         return ttft, None
     return ttft, (last_token - first_token) / (output_tokens - 1)
+
+
+def ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
 
 
 def ratio(a: float | None, b: float | None) -> float | None:

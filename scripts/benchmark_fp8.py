@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (add_common_args, check_minimums, load_prompts, machine_info, machine_md, md_table,  # noqa: E402
-                          round_robin_by_source, run_tool, set_threads, weight_bytes_in_memory, write_results)
+                          parse_with_quick, round_robin_by_source, run_tool, set_threads, weight_bytes_in_memory, write_results)
 from measure_acceptance import teacher_forced, val_windows  # noqa: E402
 
 
@@ -31,7 +31,8 @@ def main() -> int:
     p.add_argument("--max_windows", type=int, default=64)
     p.add_argument("--prompts", type=int, default=20)
     p.add_argument("--max_tokens", type=int, default=96)
-    args = p.parse_args()
+    p.add_argument("--name", default="fp8")
+    args = parse_with_quick(p, None, dict(max_windows=4, prompts=4, max_tokens=16))
     if args.device != "cpu":
         p.error(f"--device: this benchmark runs both engines on the CPU (fp32 compute), got {args.device!r}")
     if args.dtype not in (None, "float32"):
@@ -45,11 +46,10 @@ def main() -> int:
     from runtime import SamplingParams, Session  # noqa: WPS433
     from runtime.engine import load_engine  # noqa: WPS433
 
-    windows = val_windows(args.val_bin, args.window, 8, args.window * (4 if args.quick else args.max_windows))
+    windows = val_windows(args.val_bin, args.window, 8, args.window * args.max_windows)
     if not windows:
         raise SystemExit(f"--val_bin {args.val_bin}: fewer than --window + 2 = {args.window + 2} tokens")
-    n_prompts = 4 if args.quick else args.prompts
-    prompts = [x["text"] for x in round_robin_by_source(load_prompts(args.model), n_prompts)]
+    prompts = [x["text"] for x in round_robin_by_source(load_prompts(args.model), args.prompts)]
     work = Path(tempfile.mkdtemp(prefix="bench-fp8-"))
     rows, results = [], {}
     try:
@@ -63,7 +63,7 @@ def main() -> int:
             resident = weight_bytes_in_memory(model)
             losses = teacher_forced(model, windows, name)
             with Session(engine, num_draft_tokens=1) as s:
-                outs = s.generate(prompts, SamplingParams(max_tokens=16 if args.quick else args.max_tokens,
+                outs = s.generate(prompts, SamplingParams(max_tokens=args.max_tokens,
                                                           ignore_eos=True))
             drafted = sum(o.stats.num_draft_tokens for o in outs)
             accepted = sum(o.stats.num_accepted_draft_tokens for o in outs)
@@ -84,11 +84,10 @@ def main() -> int:
                   "weights MiB (loaded on CPU)"], rows, 3),
         f"Greedy outputs identical between the two engines for {same} of {len(prompts)} prompts.",
         "## Machine", machine_md(info)])
-    name = "fp8_quick" if args.quick else "fp8"
     for r in results.values():
         r.pop("outputs")
-    js, mdp = write_results(args.out_dir, name, {"results": results, "identical_outputs": same,
-                                                 "prompts": len(prompts), "machine": info}, md)
+    js, mdp = write_results(args.out_dir, args.name, {"results": results, "identical_outputs": same,
+                                                      "prompts": len(prompts), "machine": info}, md)
     print(md)
     print(f"wrote {js} and {mdp}")
     return 0

@@ -28,8 +28,8 @@ import time
 from typing import Any
 
 from bench_common import (add_common_args, check_minimums, closed_loop_clients, comma_list, engine_info, load_prompts,
-                          machine_info, machine_md, md_table, mean, percentile, ratio, request_ttft_tpot, save_figure,
-                          set_threads, target_line, write_results)
+                          machine_info, machine_md, md_table, mean, ms, parse_with_quick, percentile, ratio,
+                          request_ttft_tpot, save_figure, set_threads, target_line, write_results)
 
 from tqdm import tqdm  # noqa: E402
 
@@ -38,6 +38,9 @@ from runtime.executor import Executor, ExecutorConfig, RequestOutput  # noqa: E4
 from runtime.sampling import SamplingParams  # noqa: E402
 
 MODE_ORDER = ("plain", "fixed", "adaptive")
+QUICK_DEFAULTS = dict(concurrency="1,4", num_requests=4, requests_per_client=2, qps_fractions="0.5", qps_requests=4,
+                      min_tokens=8, max_tokens=16)
+CANCEL_WAIT_S = 30.0  # how long a timed-out Poisson level waits for its cancelled requests to end
 
 
 def make_requests(prompt_ids: list[list[int]], n: int, lo: int, hi: int, seed: int) -> list[tuple[list[int], int]]:
@@ -92,11 +95,15 @@ def closed_loop(ex: Executor, reqs: list[tuple[list[int], int]], concurrency: in
 
     def send(i: int) -> bool:
         ids, n = reqs[i]
+        handle = None
         try:
-            ex.submit(ids, SamplingParams(max_tokens=n, ignore_eos=True),
-                      on_output=col.callback(i, time.perf_counter())).result(timeout)
+            handle = ex.submit(ids, SamplingParams(max_tokens=n, ignore_eos=True),
+                               on_output=col.callback(i, time.perf_counter()))
+            handle.result(timeout)
         except Exception as e:  # recorded; the level is marked incomplete
             errors.append(f"{type(e).__name__}: {e}")
+            if handle is not None:  # timed out: it must not run on into the next level
+                handle.cancel()
             return False
         return True
 
@@ -114,12 +121,20 @@ def poisson_loop(ex: Executor, reqs: list[tuple[list[int], int]], qps: float, se
         t += rng.expovariate(qps)
     col = _Collector(len(reqs), bar)
     t0 = time.perf_counter()
+    handles = []
     for i, ((ids, n), at) in enumerate(zip(reqs, arrivals)):
         delay = t0 + at - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
-        ex.submit(ids, SamplingParams(max_tokens=n, ignore_eos=True), on_output=col.callback(i, time.perf_counter()))
-    errors = [] if col.finished.wait(timeout) else [f"timed out after {timeout} s"]
+        handles.append(ex.submit(ids, SamplingParams(max_tokens=n, ignore_eos=True),
+                                 on_output=col.callback(i, time.perf_counter())))
+    errors = []
+    if not col.finished.wait(timeout):  # cut: what still runs is cancelled, not left to load the next level
+        errors.append(f"timed out after {timeout} s")
+        for h in handles:
+            if not h.finished:
+                h.cancel()
+        col.finished.wait(CANCEL_WAIT_S)
     out = summarize(col.records, t0, errors) | _policy(ex)
     out["offered_qps"] = qps
     return out
@@ -132,8 +147,9 @@ def _policy(ex: Executor) -> dict[str, Any]:
 
 
 def summarize(records: list[dict[str, Any] | None], t0: float, errors: list[str]) -> dict[str, Any]:
-    """A level's numbers from its per-request records (None: not finished) and its start time t0."""
-    done = [r for r in records if r is not None]
+    """A level's numbers from its per-request records (None: not finished; cancelled or failed ones do not
+    count as completed) and its start time t0."""
+    done = [r for r in records if r is not None and r["finish_reason"] not in ("cancelled", "error")]
     if not done:
         return {"completed": 0, "requests": len(records), "errors": errors}
     wall = max(r["finished"] for r in done) - t0
@@ -185,9 +201,6 @@ def serving_targets(results: dict[str, Any], modes: list[str]) -> list[dict[str,
     return targets
 
 
-def _ms(x: float | None) -> float | None:
-    return None if x is None else x * 1e3
-
 
 def plot(results: dict[str, Any], modes: list[str], path) -> None:
     import matplotlib
@@ -201,9 +214,9 @@ def plot(results: dict[str, Any], modes: list[str], path) -> None:
     for m in modes:
         cs = [row["concurrency"] for row in conc]
         axes[0].plot(cs, [row[m].get("output_tokens_per_s") for row in conc], marker="o", label=m)
-        axes[1].plot(cs, [_ms(row[m].get("tpot_mean_s")) for row in conc], marker="o", label=m)
+        axes[1].plot(cs, [ms(row[m].get("tpot_mean_s")) for row in conc], marker="o", label=m)
         if qps:
-            axes[2].plot([row["qps"] for row in qps], [_ms(row[m].get("tpot_mean_s")) for row in qps],
+            axes[2].plot([row["qps"] for row in qps], [ms(row[m].get("tpot_mean_s")) for row in qps],
                          marker="o", label=m)
     for ax in axes[:2]:
         ax.set_xscale("log", base=2)
@@ -226,7 +239,8 @@ def plot(results: dict[str, Any], modes: list[str], path) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags, checked (argparse's one-line error naming the flag, exit status 2); adds .modes_list,
-    .levels (concurrency levels) and .rates (the --qps numbers; [] for 'auto' and 'none')."""
+    .levels (concurrency levels), .rates (the --qps numbers; [] for 'auto' and 'none') and .fractions
+    (the --qps_fractions numbers for 'auto'; else [])."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
     p.add_argument("--prompts", help="prompts JSON (default: <model>/heldout_prompts.json)")
@@ -249,12 +263,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds a closed-loop request, or a whole Poisson level, may take before it is cut")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default="serving")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.concurrency, args.num_requests, args.qps_fractions, args.qps_requests = "1,4", 4, "0.5", 4
-        args.requests_per_client = 2
-        args.min_tokens, args.max_tokens = 8, 16
-        args.name += "_quick"
+    args = parse_with_quick(p, argv, QUICK_DEFAULTS)
     asked = [m for m in args.modes.split(",") if m]
     unknown = [m for m in asked if m not in MODE_ORDER]
     if unknown or not asked:
@@ -266,7 +275,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.rates = [] if args.qps in ("none", "auto") else comma_list(p, "--qps", args.qps, float, "rates, 'auto' or 'none'")
     if args.rates and min(args.rates) <= 0:
         p.error(f"--qps: rates must be > 0 requests/s (or 'none' to skip the sweep), got {args.qps}")
-    if args.qps == "auto" and min(comma_list(p, "--qps_fractions", args.qps_fractions, float, "numbers")) <= 0:
+    args.fractions = comma_list(p, "--qps_fractions", args.qps_fractions, float, "numbers") if args.qps == "auto" else []
+    if args.fractions and min(args.fractions) <= 0:
         p.error(f"--qps_fractions: fractions must be > 0, got {args.qps_fractions}")
     drafting = {flag: 1 for flag, mode in (("fixed_k", "fixed"), ("adaptive_k", "adaptive")) if mode in args.modes_list}
     check_minimums(p, args, dict(num_requests=1, requests_per_client=1, qps_requests=1, min_tokens=1, **drafting))
@@ -341,7 +351,7 @@ def main() -> None:
     elif args.qps == "auto":
         base = "plain" if "plain" in modes else modes[0]
         cap = max(row[base].get("requests_per_s", 0) for row in results["concurrency_sweep"])
-        rates = [round(cap * float(f), 3) for f in args.qps_fractions.split(",")]
+        rates = [round(cap * f, 3) for f in args.fractions]
         results["settings"]["qps_auto_capacity_req_s"] = cap
         if min(rates) <= 0:  # no request of the base mode completed (or a rate rounds to 0): no Poisson sweep
             print(f"no Poisson sweep: 'auto' rates from {base}'s closed-loop throughput {cap} req/s are {rates}")
@@ -394,8 +404,8 @@ def main() -> None:
             for m in modes:
                 s = row[m]
                 rows.append([row[key], m, s.get("output_tokens_per_s"), s.get("requests_per_s"),
-                             _ms(s.get("tpot_mean_s")), _ms(s.get("tpot_p99_s")), _ms(s.get("ttft_mean_s")),
-                             _ms(s.get("ttft_p99_s")), s.get("acceptance_rate"), s.get("drafts_per_decode_step"),
+                             ms(s.get("tpot_mean_s")), ms(s.get("tpot_p99_s")), ms(s.get("ttft_mean_s")),
+                             ms(s.get("ttft_p99_s")), s.get("acceptance_rate"), s.get("drafts_per_decode_step"),
                              s.get("tok_s_vs_plain"), s.get("tpot_speedup_vs_plain"),
                              f"{s.get('completed')}/{s.get('requests')}"])
         return rows

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_common import (Timer, add_common_args, check_minimums, comma_list, engine_info, load_prompts, machine_info,
-                          machine_md, md_table, mean, percentile, ratio, request_ttft_tpot, round_robin_by_source,
+                          machine_md, md_table, mean, parse_with_quick, percentile, ratio, request_ttft_tpot, round_robin_by_source,
                           set_threads, sync, target_line, write_results)
 
 import torch  # noqa: E402  (bench_common puts the repo root on sys.path first)
@@ -357,12 +357,8 @@ def main() -> None:
                         "checkpoint's MTP copies differ (default: give HF's MTP the checkpoint's own copies)")
     p.add_argument("--cost_repeats", type=int, default=60, help="rounds of the direct draft-cost measurement")
     p.add_argument("--name", default="speculative")
-    args = p.parse_args()
+    args = parse_with_quick(p, None, dict(num_prompts=2, max_tokens=24, cost_repeats=5, ks="0,1,2"))
     ks = sorted(set(comma_list(p, "--ks", args.ks)))
-    if args.quick:
-        args.num_prompts, args.max_tokens, args.cost_repeats = 2, 24, 5
-        ks = [k for k in ks if k <= 2]
-        args.name += "_quick"
     set_threads(args.threads)
     if 0 not in ks or min(ks) < 0:
         p.error(f"--ks: draft lengths >= 0 that include 0 (the baseline), got {args.ks!r}")

@@ -22,7 +22,8 @@ import time
 from typing import Any
 
 from bench_common import (add_common_args, check_minimums, closed_loop_clients, engine_info, load_prompts,
-                          machine_info, machine_md, md_table, mean, percentile, set_threads, write_results)
+                          machine_info, machine_md, md_table, mean, parse_with_quick, percentile, set_threads,
+                          write_results)
 
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
@@ -170,11 +171,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=1800, help="seconds for the whole test")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default="load_test")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.num_requests, args.concurrency, args.max_prompt_tokens, args.max_output_tokens = 12, 4, 96, 16
-        args.max_num_tokens = 48
-        args.name += "_quick"
+    args = parse_with_quick(p, argv, dict(num_requests=12, concurrency=4, max_prompt_tokens=96, max_output_tokens=16,
+                                          max_num_tokens=48))
     args.modes_list = [m for m in args.modes.split(",") if m]
     if not args.modes_list or any(m not in MODES for m in args.modes_list):
         p.error(f"--modes: expected comma-separated modes of {', '.join(MODES)}, got {args.modes!r}")

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_common import (add_common_args, check_minimums, comma_list, engine_info, load_prompts, machine_info,
-                          machine_md, md_table, mean, round_robin_by_source, set_threads, write_results)
+                          machine_md, md_table, mean, parse_with_quick, round_robin_by_source, set_threads, write_results)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -144,14 +144,11 @@ def main() -> None:
     p.add_argument("--seq_len", type=int, default=256)
     p.add_argument("--eval_batch", type=int, default=8)
     p.add_argument("--name", default="acceptance")
-    args = p.parse_args()
+    args = parse_with_quick(p, None, dict(num_prompts=4, max_tokens=16, val_tokens=1024, seq_len=128))
     ks = comma_list(p, "--ks", args.ks)
     if min(ks) < 1:
         p.error(f"--ks: draft lengths must be >= 1 (acceptance needs drafts), got {args.ks!r}")
     check_minimums(p, args, dict(num_prompts=1, max_tokens=1, batch=1, seq_len=2, eval_batch=1, val_tokens=0))
-    if args.quick:
-        args.num_prompts, args.max_tokens, args.val_tokens, args.seq_len = 4, 16, 1024, 128
-        args.name += "_quick"
     set_threads(args.threads)
     t_start = time.perf_counter()
     prompts = round_robin_by_source(load_prompts(args.model, args.prompts), args.num_prompts)

@@ -28,6 +28,7 @@ if str(SCRIPTS) not in sys.path:
 import bench_common as bc  # noqa: E402
 import benchmark_serving as bs  # noqa: E402
 import benchmark_speculative as bspec  # noqa: E402
+import benchmark_triton as bt  # noqa: E402
 import load_test as lt  # noqa: E402
 import measure_acceptance as ma  # noqa: E402
 
@@ -110,8 +111,9 @@ def test_serving_summarize_hand_made_level():
                _record(100.5, 0.3, 0.3, 6, 102.3, drafted=4, accepted=1, steps=4),
                _record(101.0, 0.4, None, 1, 101.4, steps=1),  # 1 token: no TPOT
                None]  # did not finish
-    s = bs.summarize(records, t0, ["TimeoutError: x"])
-    assert (s["requests"], s["completed"], s["errors"]) == (4, 3, ["TimeoutError: x"])
+    cancelled = dict(_record(100.0, 0.2, 0.1, 2, 103.0), finish_reason="cancelled")  # cut at a timeout
+    s = bs.summarize(records + [cancelled], t0, ["TimeoutError: x"])
+    assert (s["requests"], s["completed"], s["errors"]) == (5, 3, ["TimeoutError: x"])
     assert s["wall_s"] == pytest.approx(2.3)  # first send (t0) to the last finish
     assert s["output_tokens"] == 18
     assert s["output_tokens_per_s"] == pytest.approx(18 / 2.3)
@@ -195,6 +197,82 @@ def test_serving_parse_args_good():
     a = bs.parse_args(["--modes", "adaptive,plain", "--concurrency", "4,1", "--qps", "0.5,2", "--fixed_k", "0"])
     assert a.modes_list == ["plain", "adaptive"] and a.levels == [4, 1] and a.rates == [0.5, 2.0]
     assert bs.parse_args(["--qps", "none"]).rates == []
+
+
+def test_quick_settings_are_defaults_that_explicit_flags_override():
+    q = bs.parse_args(["--quick"])
+    assert (q.levels, q.num_requests, q.fractions, q.max_tokens, q.name) == ([1, 4], 4, [0.5], 16, "serving_quick")
+    q = bs.parse_args(["--quick", "--concurrency", "2", "--max_tokens", "40", "--name", "mine"])
+    assert (q.levels, q.num_requests, q.max_tokens, q.name) == ([2], 4, 40, "mine_quick")
+    assert bs.parse_args([]).fractions == [0.25, 0.5, 0.75, 1.0] and bs.parse_args(["--qps", "3"]).fractions == []
+    q = lt.parse_args(["--quick", "--concurrency", "7"])
+    assert (q.concurrency, q.num_requests, q.name) == (7, 12, "load_test_quick")
+
+
+class _Handle:
+    def __init__(self, ex: "_FakeExecutor", i: int):
+        self.ex, self.i = ex, i
+
+    @property
+    def finished(self) -> bool:
+        return self.i not in self.ex.hang or self.i in self.ex.cancelled
+
+    def cancel(self) -> None:
+        assert not self.finished, f"request {self.i} cancelled after it finished"
+        self.ex.cancelled.append(self.i)
+        self.ex.finish(self.i, "cancelled")
+
+    def result(self, timeout=None):
+        if self.i in self.ex.hang:
+            raise TimeoutError(f"request {self.i} did not finish within {timeout} s")
+
+
+class _FakeExecutor:
+    """Finishes each request at once (1 token), except those in `hang`, which end only when cancelled."""
+
+    def __init__(self, hang: set[int]):
+        self.hang, self.cancelled, self.callbacks, self.n = hang, [], {}, 0
+
+    def submit(self, ids, params, on_output):
+        i, self.n = self.n, self.n + 1
+        self.callbacks[i] = on_output
+        if i not in self.hang:
+            self.finish(i, "length")
+        return _Handle(self, i)
+
+    def finish(self, i: int, reason: str) -> None:
+        stats = SimpleNamespace(prompt_tokens=1, output_tokens=1, num_steps=1, num_draft_tokens=0,
+                                num_accepted_draft_tokens=0)
+        self.callbacks[i](SimpleNamespace(new_token_ids=[7], finished=True, finish_reason=reason, stats=stats))
+
+    def stats(self):
+        return SimpleNamespace(acceptance_estimate=None, current_draft_len=0)
+
+
+def test_serving_cut_requests_are_cancelled_and_not_counted(monkeypatch):
+    reqs = [([1, 2], 1)] * 4
+    monkeypatch.setattr(bs, "CANCEL_WAIT_S", 5.0)
+    ex = _FakeExecutor(hang={1, 3})
+    out = bs.poisson_loop(ex, reqs, qps=1000.0, seed=0, timeout=0.2, bar=None)
+    assert sorted(ex.cancelled) == [1, 3]  # nothing left running into the next level
+    assert (out["requests"], out["completed"], out["errors"]) == (4, 2, ["timed out after 0.2 s"])
+    ex = _FakeExecutor(hang={2})
+    out = bs.closed_loop(ex, reqs, concurrency=1, timeout=0.1, bar=None)
+    assert ex.cancelled == [2] and out["completed"] == 2  # the client stops at its timed-out request
+    assert out["errors"] == ["TimeoutError: request 2 did not finish within 0.1 s"]
+
+
+def test_triton_closed_loop_counts_failed_requests(monkeypatch):
+    def one_request(url, prompt, max_tokens):
+        if prompt == "bad":
+            raise RuntimeError("in ensemble 'ensemble', max_tokens must be >= 1")
+        return {"ttft_s": 0.5, "tpot_s": 0.01, "tokens": max_tokens}
+
+    monkeypatch.setattr(bt, "one_request", one_request)
+    out = bt.closed_loop("url", ["good", "bad", "good"], concurrency=2, n_requests=6, max_tokens=4)
+    assert (out["requests"], out["completed"], out["tpot_s"], out["ttft_s"]) == (6, 4, 0.01, 0.5)
+    assert sorted(out["errors"]) == [f"request {i}: RuntimeError: in ensemble 'ensemble', max_tokens must be >= 1"
+                                     for i in (1, 4)]
 
 
 # ---- benchmark_speculative / measure_acceptance / load_test pure parts -----------------------------
