@@ -5,7 +5,8 @@ uniformly from [--min_tokens, --max_tokens]), every mode on its own executor, mo
 level by level so slow drift on the machine hits all of them alike:
 - closed loop: C clients, each sending its next request when the previous one finishes, for
   C in --concurrency (N = max(--num_requests, --requests_per_client x C) requests per level, so
-  the start-up burst and the drain at the end are a small part of each level);
+  the start-up burst and the drain at the end are a small part of each level), --rounds times with
+  the modes' order reversed every other round, so no mode always runs first;
 - open loop: Poisson arrivals at each QPS (like vLLM's serving table); by default the rates are
   fractions of the plain mode's best request throughput in the closed-loop sweep.
 Reported per level and mode: mean/p50/p99 TPOT, mean/p99 TTFT, output tokens/s, request
@@ -88,8 +89,12 @@ def level_requests(args: argparse.Namespace, concurrency: int) -> int:
     return max(args.num_requests, args.requests_per_client * concurrency)
 
 
+Records = list[dict[str, Any] | None]
+
+
 def closed_loop(ex: Executor, reqs: list[tuple[list[int], int]], concurrency: int, timeout: float,
-                bar: tqdm | None) -> dict[str, Any]:
+                bar: tqdm | None) -> tuple[Records, list[str]]:
+    """One round of a closed-loop level: its per-request records, timed from the round's start, and its errors."""
     col = _Collector(len(reqs), bar)
     errors: list[str] = []
 
@@ -109,7 +114,22 @@ def closed_loop(ex: Executor, reqs: list[tuple[list[int], int]], concurrency: in
 
     t0 = time.perf_counter()
     closed_loop_clients(len(reqs), concurrency, send)
-    return summarize(col.records, t0, errors) | _policy(ex)
+    return [None if r is None else r | {"submitted": r["submitted"] - t0, "finished": r["finished"] - t0}
+            for r in col.records], errors
+
+
+def end_to_end(rounds: list[tuple[Records, list[str]]]) -> tuple[Records, list[str]]:
+    """Rounds' records laid end to end, each round starting where the one before ended (its last
+    request's end), so that summarize(records, 0.0, errors) pools them: wall times and tokens add up."""
+    pooled: Records = []
+    errors: list[str] = []
+    offset = 0.0
+    for records, errs in rounds:
+        pooled += [None if r is None else r | {"submitted": r["submitted"] + offset, "finished": r["finished"] + offset}
+                   for r in records]
+        offset = max((r["finished"] for r in pooled if r is not None), default=offset)
+        errors += errs
+    return pooled, errors
 
 
 def poisson_loop(ex: Executor, reqs: list[tuple[list[int], int]], qps: float, seed: int, timeout: float,
@@ -252,6 +272,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "--requests_per_client x C)")
     p.add_argument("--requests_per_client", type=int, default=4,
                    help="at least this many requests per client at each concurrency level")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="closed-loop rounds per level; the order of the modes is reversed every other round and a "
+                        "level's numbers pool its rounds (more rounds: less noise and no bias from the order)")
     p.add_argument("--qps", default="auto",
                    help="comma-separated Poisson rates (req/s), 'auto' (fractions of plain's best closed-loop "
                         "request throughput) or 'none'")
@@ -279,7 +302,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.fractions and min(args.fractions) <= 0:
         p.error(f"--qps_fractions: fractions must be > 0, got {args.qps_fractions}")
     drafting = {flag: 1 for flag, mode in (("fixed_k", "fixed"), ("adaptive_k", "adaptive")) if mode in args.modes_list}
-    check_minimums(p, args, dict(num_requests=1, requests_per_client=1, qps_requests=1, min_tokens=1, **drafting))
+    check_minimums(p, args, dict(num_requests=1, requests_per_client=1, rounds=1, qps_requests=1, min_tokens=1,
+                                 **drafting))
     if args.max_tokens < args.min_tokens:
         p.error(f"--max_tokens: must be >= --min_tokens ({args.min_tokens}), got {args.max_tokens}")
     if not args.timeout > 0:
@@ -328,21 +352,26 @@ def main() -> None:
         "benchmark": "serving", "quick": args.quick, "title": title,
         "settings": {"modes": modes, "fixed_k": args.fixed_k, "adaptive_k": args.adaptive_k,
                      "concurrency": levels, "num_requests": args.num_requests,
-                     "requests_per_client": args.requests_per_client,
+                     "requests_per_client": args.requests_per_client, "rounds": args.rounds,
                      "output_tokens": [args.min_tokens, args.max_tokens],
                      "qps_requests": args.qps_requests, "greedy": True, "ignore_eos": True,
                      "max_batch_size": max_c, "max_seq_len": max_seq_len,
                      "prompts": len(prompt_ids), "prompt_tokens_mean": mean(len(i) for i in prompt_ids)},
         "machine": info, "engine": eng_info, "concurrency_sweep": [], "qps_sweep": []}
-    n_total = sum(level_requests(args, c) for c in levels) * len(modes)
+    n_total = sum(level_requests(args, c) for c in levels) * len(modes) * args.rounds
     bar = tqdm(total=n_total, desc="closed loop", dynamic_ncols=True)
     for c in levels:
         reqs = make_requests(prompt_ids, level_requests(args, c), args.min_tokens, args.max_tokens,
                              seed=args.seed + c)
+        rounds: dict[str, list[tuple[Records, list[str]]]] = {m: [] for m in modes}
+        for r in range(args.rounds):
+            for m in modes if r % 2 == 0 else modes[::-1]:
+                bar.set_postfix(c=c, mode=m, round=r + 1)
+                rounds[m].append(closed_loop(executors[m], reqs, c, args.timeout, bar))
         row: dict[str, Any] = {"concurrency": c}
         for m in modes:
-            bar.set_postfix(c=c, mode=m)
-            row[m] = closed_loop(executors[m], reqs, c, args.timeout, bar)
+            records, errors = end_to_end(rounds[m])
+            row[m] = summarize(records, 0.0, errors) | _policy(executors[m])
         results["concurrency_sweep"].append(row)
     bar.close()
 
@@ -394,7 +423,9 @@ def main() -> None:
           "costs. Modes run on separate executors, interleaved per level. Ratios are against plain "
           "at the same level (tok/s: output tokens/s; TPOT: plain TPOT / mode TPOT).", ""]
     md += ["## Closed loop (C clients, next request when one finishes)", "",
-           f"max({args.num_requests}, {args.requests_per_client} x C) requests per level.", ""]
+           f"max({args.num_requests}, {args.requests_per_client} x C) requests per level"
+           + (f", run {args.rounds} times: the modes' order is reversed every other round and a level's numbers "
+              "pool its rounds (wall times and tokens add up)." if args.rounds > 1 else "."), ""]
     headers = ["C", "mode", "output tok/s", "req/s", "TPOT mean ms", "TPOT p99 ms", "TTFT mean ms", "TTFT p99 ms",
                "acceptance", "drafts/step", "tok/s vs plain", "TPOT vs plain", "done"]
 

@@ -186,7 +186,7 @@ def test_serving_make_requests_deterministic_and_in_range():
     (["--concurrency", "1,x"], "--concurrency"), (["--concurrency", "0,2"], "--concurrency"),
     (["--qps", "1,-2"], "--qps"), (["--qps", "fast"], "--qps"), (["--qps_fractions", "0"], "--qps_fractions"),
     (["--min_tokens", "8", "--max_tokens", "4"], "--max_tokens"), (["--num_requests", "0"], "--num_requests"),
-    (["--fixed_k", "0"], "--fixed_k"), (["--timeout", "0"], "--timeout")])
+    (["--fixed_k", "0"], "--fixed_k"), (["--timeout", "0"], "--timeout"), (["--rounds", "0"], "--rounds")])
 def test_serving_bad_flags_name_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as e:
         bs.parse_args(argv)
@@ -257,9 +257,22 @@ def test_serving_cut_requests_are_cancelled_and_not_counted(monkeypatch):
     assert sorted(ex.cancelled) == [1, 3]  # nothing left running into the next level
     assert (out["requests"], out["completed"], out["errors"]) == (4, 2, ["timed out after 0.2 s"])
     ex = _FakeExecutor(hang={2})
-    out = bs.closed_loop(ex, reqs, concurrency=1, timeout=0.1, bar=None)
-    assert ex.cancelled == [2] and out["completed"] == 2  # the client stops at its timed-out request
-    assert out["errors"] == ["TimeoutError: request 2 did not finish within 0.1 s"]
+    records, errors = bs.closed_loop(ex, reqs, concurrency=1, timeout=0.1, bar=None)
+    assert ex.cancelled == [2]  # and the client stopped at its timed-out request
+    assert [r and r["finish_reason"] for r in records] == ["length", "length", "cancelled", None]
+    assert errors == ["TimeoutError: request 2 did not finish within 0.1 s"]
+    assert bs.summarize(records, 0.0, errors)["completed"] == 2
+
+
+def test_serving_rounds_pool_end_to_end():
+    one = [_record(0.0, 0.1, 0.1, 11, 1.0), _record(0.5, 0.2, 0.3, 6, 2.0)]  # a round of 2 s, 17 tokens
+    two = [_record(0.0, 0.1, 0.2, 5, 0.5), None]  # 0.5 s, 5 tokens, 1 not finished
+    records, errors = bs.end_to_end([(one, ["x"]), (two, ["y"])])
+    assert [r and (r["submitted"], r["finished"]) for r in records] == [(0.0, 1.0), (0.5, 2.0), (2.0, 2.5), None]
+    s = bs.summarize(records, 0.0, errors)
+    assert (s["requests"], s["completed"], s["errors"], s["wall_s"]) == (4, 3, ["x", "y"], 2.5)
+    assert s["output_tokens_per_s"] == pytest.approx(22 / 2.5) and s["tpot_mean_s"] == pytest.approx(0.2)
+    assert s["latency_mean_s"] == pytest.approx((1.0 + 1.5 + 0.5) / 3)
 
 
 def test_triton_closed_loop_counts_failed_requests(monkeypatch):
@@ -344,7 +357,7 @@ def test_benchmark_serving_smoke(shipped_model_dir, tmp_path):
     levels, n_min, n_max = [1, 2], 2, 4
     r = _run_script("benchmark_serving.py", [
         "--model", str(shipped_model_dir), "--out_dir", str(tmp_path), "--name", "smoke", "--threads", "1",
-        "--concurrency", "1,2", "--num_requests", "2", "--requests_per_client", "1", "--qps", "50",
+        "--concurrency", "1,2", "--num_requests", "2", "--requests_per_client", "1", "--rounds", "2", "--qps", "50",
         "--qps_requests", "2", "--min_tokens", str(n_min), "--max_tokens", str(n_max), "--timeout", "120"])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads((tmp_path / "smoke.json").read_text())
@@ -356,13 +369,13 @@ def test_benchmark_serving_smoke(shipped_model_dir, tmp_path):
     assert modes == ["plain", "fixed", "adaptive"] and res["settings"]["qps"] == [50.0]
     assert [row["concurrency"] for row in res["concurrency_sweep"]] == levels
     n_prompts = res["settings"]["prompts"]
-    sweeps = [(row, bs.make_requests([[0]] * n_prompts, 2, n_min, n_max, seed=c)) for row, c in
-              zip(res["concurrency_sweep"], levels)]
+    sweeps = [(row, 2 * bs.make_requests([[0]] * n_prompts, 2, n_min, n_max, seed=c)) for row, c in
+              zip(res["concurrency_sweep"], levels)]  # 2 rounds of the same requests, pooled
     sweeps += [(res["qps_sweep"][0], bs.make_requests([[0]] * n_prompts, 2, n_min, n_max, seed=10_000))]
     for row, reqs in sweeps:
         for m in modes:
             s = row[m]
-            assert s["completed"] == s["requests"] == 2 and s["errors"] == [], (m, s)
+            assert s["completed"] == s["requests"] == len(reqs) and s["errors"] == [], (m, s)
             assert s["output_tokens"] == sum(n for _, n in reqs)  # ignore_eos: every request ran to its length
             assert s["output_tokens_per_s"] > 0 and s["requests_per_s"] > 0
             assert 0 < s["ttft_mean_s"] <= s["latency_mean_s"] and s["ttft_p50_s"] <= s["ttft_p99_s"]
