@@ -18,7 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (add_common_args, check_minimums, load_prompts, machine_info, machine_md, md_table,  # noqa: E402
-                          parse_with_quick, round_robin_by_source, run_tool, set_threads, weight_bytes_in_memory, write_results)
+                          parse_with_quick, round_robin_by_source, run_tool, set_threads, weight_bytes_in_memory,
+                          write_results)
 from measure_acceptance import teacher_forced, val_windows  # noqa: E402
 
 

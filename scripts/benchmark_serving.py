@@ -42,6 +42,7 @@ MODE_ORDER = ("plain", "fixed", "adaptive")
 QUICK_DEFAULTS = dict(concurrency="1,4", num_requests=4, requests_per_client=2, qps_fractions="0.5", qps_requests=4,
                       min_tokens=8, max_tokens=16)
 CANCEL_WAIT_S = 30.0  # how long a timed-out Poisson level waits for its cancelled requests to end
+Records = list[dict[str, Any] | None]  # a level's per-request records in request order; None: not finished
 
 
 def make_requests(prompt_ids: list[list[int]], n: int, lo: int, hi: int, seed: int) -> list[tuple[list[int], int]]:
@@ -54,7 +55,7 @@ class _Collector:
     output with tokens and the last output land (the client's clock, as vLLM's benchmark times them)."""
 
     def __init__(self, n: int, bar: tqdm | None):
-        self.records: list[dict[str, Any] | None] = [None] * n
+        self.records: Records = [None] * n
         self.finished = threading.Event()
         self._left = n
         self._lock = threading.Lock()
@@ -87,9 +88,6 @@ class _Collector:
 
 def level_requests(args: argparse.Namespace, concurrency: int) -> int:
     return max(args.num_requests, args.requests_per_client * concurrency)
-
-
-Records = list[dict[str, Any] | None]
 
 
 def closed_loop(ex: Executor, reqs: list[tuple[list[int], int]], concurrency: int, timeout: float,
@@ -166,7 +164,7 @@ def _policy(ex: Executor) -> dict[str, Any]:
     return {"policy_acceptance_estimate_end": st.acceptance_estimate, "policy_last_k": st.current_draft_len}
 
 
-def summarize(records: list[dict[str, Any] | None], t0: float, errors: list[str]) -> dict[str, Any]:
+def summarize(records: Records, t0: float, errors: list[str]) -> dict[str, Any]:
     """A level's numbers from its per-request records (None: not finished; cancelled or failed ones do not
     count as completed) and its start time t0."""
     done = [r for r in records if r is not None and r["finish_reason"] not in ("cancelled", "error")]
@@ -219,7 +217,6 @@ def serving_targets(results: dict[str, Any], modes: list[str]) -> list[dict[str,
             targets.append(target_line("adaptive vs plain TPOT speed-up, worst Poisson rate (info)",
                                        min(r["adaptive"]["tpot_speedup_vs_plain"] or 0 for r in results["qps_sweep"]), 1.0))
     return targets
-
 
 
 def plot(results: dict[str, Any], modes: list[str], path) -> None:

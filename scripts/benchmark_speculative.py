@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from bench_common import (Timer, add_common_args, check_minimums, comma_list, engine_info, load_prompts, machine_info,
-                          machine_md, md_table, mean, parse_with_quick, percentile, ratio, request_ttft_tpot, round_robin_by_source,
-                          set_threads, sync, target_line, write_results)
+                          machine_md, md_table, mean, parse_with_quick, percentile, ratio, request_ttft_tpot,
+                          round_robin_by_source, set_threads, sync, target_line, write_results)
 
 import torch  # noqa: E402  (bench_common puts the repo root on sys.path first)
 from tqdm import tqdm  # noqa: E402
