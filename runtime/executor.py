@@ -113,7 +113,8 @@ class Executor:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the parameter when this request cannot run here."""
         validate_request(prompt_token_ids, params, self.engine.model_config.vocab_size, self.limits.max_seq_len)
-        need = self.cache.blocks_for(len(prompt_token_ids) + params.max_tokens)  # drafts stop at max_tokens - 1
+        # The last token is emitted, never cached, and drafts stop short of it: prompt + max_tokens - 1 positions.
+        need = self.cache.blocks_for(len(prompt_token_ids) + params.max_tokens - 1)
         if need > self.cache.allocator.num_blocks:
             raise ValueError(f"max_tokens {params.max_tokens} with a {len(prompt_token_ids)}-token prompt needs {need} "
                              f"KV blocks; the cache has {self.cache.allocator.num_blocks} (raise kv_cache_tokens)")
