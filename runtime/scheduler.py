@@ -4,7 +4,9 @@ Each step: running decodes first (1 + k tokens each, draft tokens reserved in th
 in the KV cache), then prefill chunks for partially prefilled and waiting sequences within
 max_num_tokens. When the cache cannot hold a decode's drafts, it decodes without them; when it
 cannot grow a running sequence at all, the most recently admitted one is preempted: its blocks
-are freed and it is recomputed later from its tokens. Nothing is dropped.
+are freed and it is recomputed later from its tokens (a prefill chunk preempts only sequences
+admitted after its own; if it still does not fit, it waits). New requests wait while blocks run
+out: none is admitted in a step that preempted or left a prefill waiting. Nothing is dropped.
 
 The draft length comes from a `DraftPolicy`: fixed, off, or adaptive: the k that maximizes
 expected tokens per second for the current batch size, from the acceptance measured per draft depth
@@ -175,6 +177,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.admissions = 0  # admission counter: preemption takes the latest admitted
+        self.preemptions = 0
         self.last_k = 0
         self.policy_k = 0  # the policy's own choice in the last step (before the token budget's limit)
 
@@ -195,11 +198,25 @@ class Scheduler:
 
     def _preempt_latest(self) -> Sequence:
         victim = max(self.running, key=lambda s: s.admitted_at)
+        self.preemptions += 1
         self.running.remove(victim)
         self.cache.release(victim.block_table)
         victim.reset_for_recompute()
         self.waiting.appendleft(victim)
         return victim
+
+    def _grow_preempting_newer(self, seq: Sequence, num_tokens: int, plan: list[Scheduled]) -> bool:
+        """Grow seq's blocks to num_tokens, preempting running sequences admitted after it (newest first; one
+        already in `plan` leaves it) until they fit; False when they do not fit even then."""
+        while True:
+            try:
+                self.cache.grow(seq.block_table, num_tokens)
+                return True
+            except OutOfBlocks:
+                if max(self.running, key=lambda s: s.admitted_at) is seq:
+                    return False
+                victim = self._preempt_latest()
+                plan[:] = [it for it in plan if it.seq is not victim]
 
     def _draft_room(self, num_decodes: int, budget: int) -> int:
         """Drafts per decode that still leave the step's token budget to the prefill work waiting for
@@ -218,6 +235,7 @@ class Scheduler:
 
     def schedule(self) -> list[Scheduled]:
         budget = self.config.max_num_tokens
+        preemptions = self.preemptions
         decodes = [s for s in self.running if not s.in_prefill]
         drafters = sum(s.can_draft for s in decodes)
         k = self.policy_k = self.policy.choose(len(decodes), drafters) if drafters else 0
@@ -244,18 +262,22 @@ class Scheduler:
                 plan.append(Scheduled(seq, 1 + drafts, drafts))
                 budget -= 1 + drafts
 
-        # Prefill: sequences already admitted first, then the queue, while the budget and blocks allow.
+        # Prefill: sequences already admitted first, then the queue, while the budget and blocks allow. A
+        # prefill that cannot grow preempts those admitted after it; if it still cannot, new requests wait.
+        stalled = False
         for seq in [s for s in self.running if s.in_prefill]:
             if budget <= 0:
                 break
+            if seq not in self.running:  # preempted to make room for an older prefill
+                continue
             chunk = min(seq.num_to_prefill, budget)
-            try:
-                self.cache.grow(seq.block_table, seq.num_cached + chunk)
-            except OutOfBlocks:
+            if not self._grow_preempting_newer(seq, seq.num_cached + chunk, plan):
+                stalled = True
                 continue
             plan.append(Scheduled(seq, chunk))
-            budget -= chunk
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size:
+            budget = self.config.max_num_tokens - sum(it.num_new for it in plan)
+        admit = not stalled and self.preemptions == preemptions
+        while admit and self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size:
             seq = self.waiting[0]
             chunk = min(seq.num_to_prefill, budget)
             try:
