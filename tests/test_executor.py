@@ -22,6 +22,8 @@ from runtime.sampling import SamplingParams
 from runtime.scheduler import DraftPolicy, Scheduler, StepCosts
 from runtime.worker import StepResult
 
+from executor_util import assert_all_free, hold_inbox_until  # noqa: E402
+
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 TEXTS = [
@@ -77,23 +79,6 @@ def wait_until(cond, timeout: float = 30.0, what: str = "condition") -> None:
         time.sleep(0.002)
 
 
-def hold_inbox_until(ex: Executor, event: threading.Event) -> None:
-    """Make the step loop wait for `event` before it next takes submitted requests: everything submitted
-    meanwhile joins the scheduler in one step, however slowly the test's thread runs on a loaded machine."""
-    drain = ex._drain_inbox
-
-    def held() -> None:
-        event.wait(30)
-        ex._drain_inbox = drain  # once: a test that fails before setting the event waits 30 s, not at every step
-        drain()
-
-    ex._drain_inbox = held
-
-
-def assert_all_free(ex: Executor) -> None:
-    s = ex.stats()
-    assert s.kv_blocks_used == 0 and s.kv_blocks_free == ex.cache.allocator.num_blocks, s
-    assert s.running == 0 and s.queued == 0, s
 
 
 # ---------------------------------------------------------------------------------------------
