@@ -1,7 +1,7 @@
 """Which sequences run in the next step, with how many tokens and how many drafts.
 
 Each step: running decodes first (1 + k tokens each, draft tokens reserved in the token budget and
-in the KV cache), then prefill chunks for partially prefilled and waiting sequences within
+in the KV cache, but never the token of a decode after them), then prefill chunks for partially prefilled and waiting sequences within
 max_num_tokens. When the cache cannot hold a decode's drafts, it decodes without them; when it
 cannot grow a running sequence at all, the most recently admitted one is preempted: its blocks
 are freed and it is recomputed later from its tokens (a prefill chunk preempts only sequences
@@ -243,12 +243,13 @@ class Scheduler:
             k = min(k, self._draft_room(len(decodes), budget))
         self.last_k = k
         plan: list[Scheduled] = []
-        for seq in sorted(decodes, key=lambda s: s.admitted_at):
+        for i, seq in enumerate(sorted(decodes, key=lambda s: s.admitted_at)):
             if seq not in self.running:  # preempted while making room for an older sequence
                 continue
             if budget < 1:
                 break
-            drafts = min(self._drafts_for(seq, k), budget - 1)
+            later = len(decodes) - i - 1  # drafts leave a token of the budget to each decode after this one
+            drafts = max(0, min(self._drafts_for(seq, k), budget - 1 - later))
             while True:
                 try:
                     self.cache.grow(seq.block_table, seq.num_tokens + drafts)

@@ -429,6 +429,34 @@ def test_request_that_fits_the_cache_exactly_is_accepted(engine, corpus, alone) 
     watch.check()
 
 
+def test_drafts_never_take_a_later_decodes_token(engine, corpus, alone) -> None:
+    """Budget 4, k = 3: the older decode's drafts shrink so that the younger one decodes every step too
+    (it was skipped for 8 steps in a row when the first took 1 + 3 tokens)."""
+    with Executor(engine, ExecutorConfig(num_draft_tokens=3, speculation="fixed", max_num_tokens=4,
+                                         max_seq_len=MAX_SEQ_LEN)) as ex:
+        sched, schedule, skipped, drafted = ex.scheduler, ex.scheduler.schedule, [], []
+
+        def watched():
+            decoding = {s.request_id for s in sched.running if not s.in_prefill}
+            plan = schedule()
+            skipped.extend(decoding - {it.seq.request_id for it in plan})
+            drafted.extend(it.num_drafts for it in plan)
+            return plan
+
+        sched.schedule = watched
+        go = threading.Event()
+        hold_inbox_until(ex, go)
+        reqs = {"a": 0, "b": 50}
+        hs = {rid: ex.submit(prompt(corpus, start, 3), greedy(12), request_id=rid) for rid, start in reqs.items()}
+        go.set()
+        outs = {rid: h.result(60) for rid, h in hs.items()}
+        assert_all_free(ex)
+    assert skipped == []
+    assert max(drafted) == 3  # alone at the end, a decode still drafts k
+    for rid, start in reqs.items():
+        assert outs[rid].token_ids == alone(prompt(corpus, start, 3), 12)
+
+
 @pytest.mark.parametrize("budget", [1, 2, 3])
 def test_token_budget_below_one_plus_k(engine, corpus, alone, budget) -> None:
     """max_num_tokens < 1 + k: each step stays within the budget (drafts cut to budget - 1), prompts are
