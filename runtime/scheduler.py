@@ -1,12 +1,13 @@
 """Which sequences run in the next step, with how many tokens and how many drafts.
 
 Each step: running decodes first (1 + k tokens each, draft tokens reserved in the token budget and
-in the KV cache, but never the token of a decode after them), then prefill chunks for partially prefilled and waiting sequences within
-max_num_tokens. When the cache cannot hold a decode's drafts, it decodes without them; when it
-cannot grow a running sequence at all, the most recently admitted one is preempted: its blocks
-are freed and it is recomputed later from its tokens (a prefill chunk preempts only sequences
-admitted after its own; if it still does not fit, it waits). New requests wait while blocks run
-out: none is admitted in a step that preempted or left a prefill waiting. Nothing is dropped.
+in the KV cache, but never the token of a decode after them), then prefill chunks for partially
+prefilled and waiting sequences within max_num_tokens. When the cache cannot hold a decode's drafts,
+it decodes without them; when it cannot grow a running sequence at all, the most recently admitted
+one is preempted: its blocks are freed and it is recomputed later from its tokens (a prefill chunk
+preempts only sequences admitted after its own; if it still does not fit, it waits). New requests
+wait while blocks run out: none is admitted in a step that preempted or left a prefill waiting.
+Nothing is dropped.
 
 The draft length comes from a `DraftPolicy`: fixed, off, or adaptive: the k that maximizes
 expected tokens per second for the current batch size, from the acceptance measured per draft depth
