@@ -120,9 +120,12 @@ def _mix32(x: Tensor) -> Tensor:
 
 
 def uniforms(seeds: Tensor, positions: Tensor, purpose: int) -> Tensor:
-    """U(0,1) float64 draws, one per (seed, position) pair; same inputs give the same numbers."""
-    hi = _mix32(_mix32(seeds ^ (seeds >> 32)) ^ _mix32(positions * 4 + purpose))
-    lo = _mix32(hi ^ 0x27D4EB2F)
+    """U(0,1) float64 draws, one per (seed, position) pair; same inputs give the same numbers. Both
+    halves of a 64-bit seed go into two different 32-bit hashes, so seeds such as 1 and 2^32 differ."""
+    seed_lo, seed_hi = seeds & _M32, seeds >> 32
+    where = _mix32(positions * 4 + purpose)
+    hi = _mix32(_mix32(_mix32(seed_lo) ^ seed_hi) ^ where)
+    lo = _mix32(_mix32(_mix32(seed_hi ^ 0x27D4EB2F) ^ seed_lo) ^ _mix32(where ^ 0x165667B1))
     return (hi.double() * 2.0**32 + lo.double() + 0.5) / 2.0**64
 
 
@@ -148,14 +151,18 @@ def probabilities(logits: Tensor, st: SamplingTensors) -> Tensor:
         logits = logits.masked_fill(st.bad_mask, float("-inf"))
     greedy = st.temperature == 0
     temp = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
-    # shifted so the largest is 0: a tiny temperature then sends the rest to -inf (the argmax), not to inf / NaN
-    scaled = (logits - logits.amax(-1, keepdim=True)) / temp[:, None]
+    # shifted so the largest is 0: a tiny temperature then sends the rest to -inf (the argmax), not to inf / NaN;
+    # a banned token stays -inf at any temperature (an infinite one, a float32 overflow, would make it NaN)
+    shifted = logits - logits.amax(-1, keepdim=True)
+    scaled = torch.where(shifted == float("-inf"), shifted, shifted / temp[:, None])
     if bool(((st.top_k > 0) | (st.top_p < 1)).any()):
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        order = shifted.sort(dim=-1, descending=True).indices  # the ranking of any temperature, without its ties
+        sorted_logits = scaled.gather(-1, order)
         rank = torch.arange(scaled.shape[-1], device=scaled.device)
         drop = (st.top_k[:, None] > 0) & (rank[None, :] >= st.top_k[:, None])
         sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
         nucleus = (sorted_probs.cumsum(-1) - sorted_probs) >= st.top_p[:, None]  # keep the smallest nucleus
+        nucleus[:, 0] = False  # and never less than the top token (a top_p below float32's least is 0 here)
         drop |= nucleus & (st.top_p[:, None] < 1)  # rounding must not cut the tail of a row without top-p
         scaled = scaled.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = scaled.softmax(-1)
