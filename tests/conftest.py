@@ -194,6 +194,42 @@ def shipped_model_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
+def shipped_engine(shipped_model_dir):
+    """The shipped model loaded in float32, where a sequence's logits are the same alone and in any batch."""
+    from runtime.engine import load_engine
+
+    return load_engine(shipped_model_dir, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def shipped_tokenizer(shipped_engine):
+    from runtime.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(shipped_engine.tokenizer_dir)
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """P-value of Pearson's chi-square test that `counts` were drawn from `probs`.
+
+    Cells of zero probability must be empty (else the p-value is 0); cells with expected count
+    below 5 are pooled into one.
+    """
+    counts, probs = counts.double(), probs.double()
+    if counts[probs == 0].sum() > 0:
+        return 0.0
+    n = counts.sum()
+    expected = n * probs
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[(~big) & (probs > 0)].sum()[None]])
+    exp = torch.cat([expected[big], expected[(~big) & (probs > 0)].sum()[None]])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    df = obs.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+@pytest.fixture(scope="module")
 def torch_one_thread() -> Iterator[None]:
     """One intra-op thread for a module's tests, restored afterwards. The runtime's tiny batches
     gain nothing from two threads, and on a loaded 2-core machine OpenMP's spin barriers make

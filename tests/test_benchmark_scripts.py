@@ -10,7 +10,6 @@ level's output tokens / its wall time; percentiles interpolate linearly (numpy's
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys

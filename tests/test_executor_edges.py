@@ -39,17 +39,7 @@ BLOCK = 16
 # fixtures and helpers
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def engine(shipped_model_dir):
-    return load_engine(shipped_model_dir, dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(engine):
-    return Tokenizer.from_dir(engine.tokenizer_dir)
-
-
-@pytest.fixture(scope="module")
-def corpus(shipped_model_dir, tokenizer) -> list[int]:
+def corpus(shipped_model_dir, shipped_tokenizer) -> list[int]:
     """Token ids of the held-out prompts, one after another: prompts are slices of it."""
     f = shipped_model_dir / "heldout_prompts.json"
     if not f.is_file():
@@ -57,7 +47,7 @@ def corpus(shipped_model_dir, tokenizer) -> list[int]:
     rows = json.loads(f.read_text())
     ids: list[int] = []
     for r in rows[:12]:
-        ids += tokenizer.encode(r["text"])
+        ids += shipped_tokenizer.encode(r["text"])
     assert len(ids) > 600
     return ids
 
@@ -67,10 +57,10 @@ def prompt(corpus: list[int], start: int, length: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def alone(engine):
+def alone(shipped_engine):
     """alone(prompt, n): greedy output of `prompt` (n tokens, eos ignored) decoded alone without speculation."""
     cache: dict[tuple[int, ...], list[int]] = {}
-    ex = Executor(engine, ExecutorConfig(num_draft_tokens=0, speculation="off", max_seq_len=MAX_SEQ_LEN))
+    ex = Executor(shipped_engine, ExecutorConfig(num_draft_tokens=0, speculation="off", max_seq_len=MAX_SEQ_LEN))
 
     def get(p: list[int], n: int) -> list[int]:
         assert n <= REF_TOKENS
@@ -226,7 +216,7 @@ MIXED = {
 
 @pytest.mark.parametrize("speculation, k, profiled", [("off", 0, False), ("fixed", 4, False), ("fixed", 1, False),
                                                       ("adaptive", 3, False), ("adaptive", 3, True)])
-def test_mixed_batch_with_chunked_prefill_and_preemption_equals_alone(engine, corpus, alone, speculation, k, profiled,
+def test_mixed_batch_with_chunked_prefill_and_preemption_equals_alone(shipped_engine, corpus, alone, speculation, k, profiled,
                                                                       monkeypatch) -> None:
     """Three waves of requests (the later ones submitted from a callback while the first decode) under a
     12-token budget, a batch limit of 4 and a cache of 9 blocks: prompts are prefilled in chunks beside
@@ -238,7 +228,7 @@ def test_mixed_batch_with_chunked_prefill_and_preemption_equals_alone(engine, co
         monkeypatch.setattr(Scheduler, "MTP_IDLE_LIMIT", 10**6)
     config = ExecutorConfig(num_draft_tokens=k, speculation=speculation, max_num_tokens=12, max_batch_size=4,
                             kv_cache_tokens=128, max_seq_len=MAX_SEQ_LEN)
-    with Executor(engine, config) as ex:
+    with Executor(shipped_engine, config) as ex:
         assert ex.cache.allocator.num_blocks == 9
         watch, log = Watch(ex), StatsLog(ex)
         handles: dict[str, object] = {}
@@ -306,7 +296,7 @@ PREEMPT = [(0, 40, 30), (100, 23, 36), (200, 9, 40), (300, 50, 28)]  # (corpus s
 
 
 @pytest.mark.parametrize("speculation, k, budget", [("fixed", 3, 16), ("adaptive", 3, 24), ("off", 0, 16)])
-def test_repeated_preemption_mid_prefill_and_mid_draft(engine, corpus, alone, speculation, k, budget,
+def test_repeated_preemption_mid_prefill_and_mid_draft(shipped_engine, corpus, alone, speculation, k, budget,
                                                        monkeypatch) -> None:
     """A cache of 5 blocks (80 tokens) holds any one of these requests but not two: they are preempted
     again and again, some halfway through a chunked prefill, some after drafting; none is lost, each
@@ -315,7 +305,7 @@ def test_repeated_preemption_mid_prefill_and_mid_draft(engine, corpus, alone, sp
     monkeypatch.setattr(Scheduler, "MTP_IDLE_LIMIT", 10**6)
     config = ExecutorConfig(num_draft_tokens=k, speculation=speculation, kv_cache_tokens=64, max_num_tokens=budget,
                             max_seq_len=MAX_SEQ_LEN)
-    with Executor(engine, config) as ex:
+    with Executor(shipped_engine, config) as ex:
         assert ex.cache.allocator.num_blocks == 5
         assert all(ex.cache.blocks_for(n + m) <= 5 for _, n, m in PREEMPT)
         watch, log = Watch(ex), StatsLog(ex)
@@ -344,12 +334,12 @@ def test_repeated_preemption_mid_prefill_and_mid_draft(engine, corpus, alone, sp
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("k", [3, 4])
 @pytest.mark.parametrize("max_tokens", [1, 2, 3])
-def test_small_max_tokens_with_drafts(engine, corpus, alone, k, max_tokens) -> None:
+def test_small_max_tokens_with_drafts(shipped_engine, corpus, alone, k, max_tokens) -> None:
     """Drafts stop at max_tokens - 1 and need no KV room past prompt + max_tokens - 1: a 31-token prompt
     (prompt + 1 fills 2 blocks exactly) never takes a third block for max_tokens <= 2; alone and beside
     other requests the output is plain greedy decoding's."""
     p = prompt(corpus, 0, 31)
-    with Executor(engine, ExecutorConfig(num_draft_tokens=k, speculation="fixed", max_seq_len=MAX_SEQ_LEN)) as ex:
+    with Executor(shipped_engine, ExecutorConfig(num_draft_tokens=k, speculation="fixed", max_seq_len=MAX_SEQ_LEN)) as ex:
         watch = Watch(ex)
         out = ex.submit(p, greedy(max_tokens)).result(30)
         assert out.finish_reason == "length" and out.token_ids == alone(p, max_tokens)
@@ -371,11 +361,11 @@ def test_small_max_tokens_with_drafts(engine, corpus, alone, k, max_tokens) -> N
     assert max(d for plan in watch.plans for _, _, d in plan) == k
 
 
-def test_prompt_of_max_seq_len_minus_one(engine, corpus, alone) -> None:
+def test_prompt_of_max_seq_len_minus_one(shipped_engine, corpus, alone) -> None:
     """max_seq_len 64: a 63-token prompt gets exactly one token (no drafts, no block past its 4), a longer
     request is refused with the limits named, and prompts near the limit with k = 4 stop at it."""
     msl = 64
-    with Executor(engine, ExecutorConfig(num_draft_tokens=4, speculation="fixed", max_seq_len=msl)) as ex:
+    with Executor(shipped_engine, ExecutorConfig(num_draft_tokens=4, speculation="fixed", max_seq_len=msl)) as ex:
         watch = Watch(ex)
         p = prompt(corpus, 0, msl - 1)
         out = ex.submit(p, greedy(1)).result(30)
@@ -397,10 +387,10 @@ def test_prompt_of_max_seq_len_minus_one(engine, corpus, alone) -> None:
     watch.check()
 
 
-def test_cache_too_small_for_a_request_is_refused_with_the_numbers(engine, corpus, alone) -> None:
+def test_cache_too_small_for_a_request_is_refused_with_the_numbers(shipped_engine, corpus, alone) -> None:
     """3 blocks of 16: a 40-token prompt with max_tokens 10 caches 49 positions (the last token is never
     cached): refused, naming the numbers; with max_tokens 8 it runs, drafting, in the 3 blocks."""
-    with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed", kv_cache_tokens=32)) as ex:
+    with Executor(shipped_engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed", kv_cache_tokens=32)) as ex:
         assert ex.cache.allocator.num_blocks == 3
         watch = Watch(ex)
         with pytest.raises(ValueError) as e:
@@ -414,10 +404,10 @@ def test_cache_too_small_for_a_request_is_refused_with_the_numbers(engine, corpu
     watch.check()
 
 
-def test_request_that_fits_the_cache_exactly_is_accepted(engine, corpus, alone) -> None:
+def test_request_that_fits_the_cache_exactly_is_accepted(shipped_engine, corpus, alone) -> None:
     """The last generated token is never cached (drafts stop short of it), so a request needs blocks for
     prompt + max_tokens - 1 positions: 40 + 9 - 1 = 48 fit 3 blocks exactly (validate once asked for 4)."""
-    with Executor(engine, ExecutorConfig(num_draft_tokens=3, speculation="fixed", kv_cache_tokens=32)) as ex:
+    with Executor(shipped_engine, ExecutorConfig(num_draft_tokens=3, speculation="fixed", kv_cache_tokens=32)) as ex:
         assert ex.cache.allocator.num_blocks == 3
         watch = Watch(ex)
         p = prompt(corpus, 0, 40)
@@ -429,10 +419,10 @@ def test_request_that_fits_the_cache_exactly_is_accepted(engine, corpus, alone) 
     watch.check()
 
 
-def test_drafts_never_take_a_later_decodes_token(engine, corpus, alone) -> None:
+def test_drafts_never_take_a_later_decodes_token(shipped_engine, corpus, alone) -> None:
     """Budget 4, k = 3: the older decode's drafts shrink so that the younger one decodes every step too
     (it was skipped for 8 steps in a row when the first took 1 + 3 tokens)."""
-    with Executor(engine, ExecutorConfig(num_draft_tokens=3, speculation="fixed", max_num_tokens=4,
+    with Executor(shipped_engine, ExecutorConfig(num_draft_tokens=3, speculation="fixed", max_num_tokens=4,
                                          max_seq_len=MAX_SEQ_LEN)) as ex:
         sched, schedule, skipped, drafted = ex.scheduler, ex.scheduler.schedule, [], []
 
@@ -458,10 +448,10 @@ def test_drafts_never_take_a_later_decodes_token(engine, corpus, alone) -> None:
 
 
 @pytest.mark.parametrize("budget", [1, 2, 3])
-def test_token_budget_below_one_plus_k(engine, corpus, alone, budget) -> None:
+def test_token_budget_below_one_plus_k(shipped_engine, corpus, alone, budget) -> None:
     """max_num_tokens < 1 + k: each step stays within the budget (drafts cut to budget - 1), prompts are
     prefilled budget tokens at a time, and nothing waits forever."""
-    with Executor(engine, ExecutorConfig(num_draft_tokens=4, speculation="fixed", max_num_tokens=budget,
+    with Executor(shipped_engine, ExecutorConfig(num_draft_tokens=4, speculation="fixed", max_num_tokens=budget,
                                          max_seq_len=MAX_SEQ_LEN)) as ex:
         watch = Watch(ex)
         go = threading.Event()
@@ -481,7 +471,7 @@ def test_token_budget_below_one_plus_k(engine, corpus, alone, budget) -> None:
 # ---------------------------------------------------------------------------------------------
 # Cancellation: waiting, mid chunked prefill, preempted, finished; ids reused
 # ---------------------------------------------------------------------------------------------
-def test_cancel_request_waiting_for_kv_blocks(engine, corpus, alone) -> None:
+def test_cancel_request_waiting_for_kv_blocks(shipped_engine, corpus, alone) -> None:
     """A 69-token prefill takes all 5 blocks; a second request waits for blocks (not for a batch seat).
     Cancelled there it ends at once with no tokens, was never scheduled, and the first is unaffected."""
     first_token, cancelled = threading.Event(), threading.Event()
@@ -493,7 +483,7 @@ def test_cancel_request_waiting_for_kv_blocks(engine, corpus, alone) -> None:
             first_token.set()
             cancelled.wait(30)
 
-    with Executor(engine, ExecutorConfig(num_draft_tokens=3, speculation="fixed", kv_cache_tokens=64,
+    with Executor(shipped_engine, ExecutorConfig(num_draft_tokens=3, speculation="fixed", kv_cache_tokens=64,
                                          max_seq_len=MAX_SEQ_LEN)) as ex:
         watch = Watch(ex)
         go = threading.Event()
@@ -516,12 +506,12 @@ def test_cancel_request_waiting_for_kv_blocks(engine, corpus, alone) -> None:
     assert watch.steps_of(small.request_id) == []
 
 
-def test_cancel_during_chunked_prefill_frees_its_blocks_at_once(engine, corpus, alone) -> None:
+def test_cancel_during_chunked_prefill_frees_its_blocks_at_once(shipped_engine, corpus, alone) -> None:
     """Budget 8 beside a decode drafting 2: a 60-token prompt is prefilled 5 tokens a step. Cancelled after
     three chunks, it ends with no tokens, holds no block when its final output arrives, and never runs again."""
     chunks, resume = threading.Event(), threading.Event()
     at_final = {}
-    with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed", max_num_tokens=8,
+    with Executor(shipped_engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed", max_num_tokens=8,
                                          max_seq_len=MAX_SEQ_LEN)) as ex:
         watch = Watch(ex)
         step = ex.runner.step
@@ -567,12 +557,12 @@ def test_cancel_during_chunked_prefill_frees_its_blocks_at_once(engine, corpus, 
     assert all(s < steps_before for s in watch.steps_of("long"))
 
 
-def test_cancel_preempted_request(engine, corpus, alone) -> None:
+def test_cancel_preempted_request(shipped_engine, corpus, alone) -> None:
     """A request preempted (blocks freed, waiting to be recomputed) and cancelled before it is readmitted:
     it ends with the tokens it had (a prefix of its output alone), holds nothing, and the rest finish exactly."""
     resume, hit = threading.Event(), threading.Event()
     state: dict = {}
-    with Executor(engine, ExecutorConfig(num_draft_tokens=3, speculation="fixed", kv_cache_tokens=64,
+    with Executor(shipped_engine, ExecutorConfig(num_draft_tokens=3, speculation="fixed", kv_cache_tokens=64,
                                          max_num_tokens=16, max_seq_len=MAX_SEQ_LEN)) as ex:
         watch = Watch(ex)
         step = ex.runner.step
@@ -624,10 +614,10 @@ def test_cancel_preempted_request(engine, corpus, alone) -> None:
     assert at_final["used"] == at_final["held"], at_final
 
 
-def test_cancel_after_finish_and_in_the_inbox(engine, corpus, alone) -> None:
+def test_cancel_after_finish_and_in_the_inbox(shipped_engine, corpus, alone) -> None:
     """Cancelling a finished request changes nothing (no second final output, no count); a request
     cancelled before the step loop took it ends cancelled with no tokens and is never scheduled."""
-    with Executor(engine, ExecutorConfig(num_draft_tokens=3, speculation="fixed", max_seq_len=MAX_SEQ_LEN)) as ex:
+    with Executor(shipped_engine, ExecutorConfig(num_draft_tokens=3, speculation="fixed", max_seq_len=MAX_SEQ_LEN)) as ex:
         watch = Watch(ex)
         outputs = []
         h = ex.submit(prompt(corpus, 0, 20), greedy(6), request_id="done", on_output=outputs.append)
@@ -655,10 +645,10 @@ def test_cancel_after_finish_and_in_the_inbox(engine, corpus, alone) -> None:
     assert watch.steps_of("early") == []
 
 
-def test_request_ids_reused_after_finish(engine, corpus, alone) -> None:
+def test_request_ids_reused_after_finish(shipped_engine, corpus, alone) -> None:
     """An id is free again once its request finished: reused in turn, from the finished request's own final
     callback, and refused (with the message) while in flight; outputs are each prompt's own."""
-    with Executor(engine, ExecutorConfig(num_draft_tokens=3, speculation="fixed", max_seq_len=MAX_SEQ_LEN)) as ex:
+    with Executor(shipped_engine, ExecutorConfig(num_draft_tokens=3, speculation="fixed", max_seq_len=MAX_SEQ_LEN)) as ex:
         for i in range(3):
             out = ex.submit(prompt(corpus, 50 * i, 10 + i), greedy(5), request_id="same").result(30)
             assert out.request_id == "same" and out.token_ids == alone(prompt(corpus, 50 * i, 10 + i), 5)
@@ -686,10 +676,10 @@ def test_request_ids_reused_after_finish(engine, corpus, alone) -> None:
 # ---------------------------------------------------------------------------------------------
 # Batch limits and statistics
 # ---------------------------------------------------------------------------------------------
-def test_many_requests_beyond_max_batch_size(engine, corpus, alone) -> None:
+def test_many_requests_beyond_max_batch_size(shipped_engine, corpus, alone) -> None:
     """14 requests at once, 3 seats: never more than 3 running, the rest queued, all exact, counts consistent."""
     reqs = [(37 * i, 3 + 5 * i, 4 + (i % 5)) for i in range(14)]
-    with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed", max_batch_size=3,
+    with Executor(shipped_engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed", max_batch_size=3,
                                          max_seq_len=MAX_SEQ_LEN)) as ex:
         watch, log = Watch(ex), StatsLog(ex)
         go = threading.Event()
@@ -717,7 +707,7 @@ def test_many_requests_beyond_max_batch_size(engine, corpus, alone) -> None:
 # Seeded sampling: the same output alone and batched where the README promises it (k = 0, fixed k)
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("speculation, k, kv", [("off", 0, None), ("fixed", 3, None), ("off", 0, 64)])
-def test_seeded_sampling_batched_equals_alone(engine, corpus, speculation, k, kv) -> None:
+def test_seeded_sampling_batched_equals_alone(shipped_engine, corpus, speculation, k, kv) -> None:
     """README: 'A seed makes a sampled request repeat its output when its draft lengths repeat (k = 0, or a
     fixed k)'. Alone vs beside greedy and other sampled requests arriving at other times (and, at k = 0,
     under preemption in a 5-block cache)."""
@@ -725,9 +715,9 @@ def test_seeded_sampling_batched_equals_alone(engine, corpus, speculation, k, kv
               for s, tk, tp in [(1, 0, 1.0), (2, 50, 1.0), (3, 0, 0.9)]]
     ps = [prompt(corpus, 0, 30), prompt(corpus, 120, 12), prompt(corpus, 240, 45)]
     config = ExecutorConfig(num_draft_tokens=k, speculation=speculation, kv_cache_tokens=kv, max_seq_len=MAX_SEQ_LEN)
-    with Executor(engine, config) as ex:
+    with Executor(shipped_engine, config) as ex:
         solo = [ex.submit(p, sp).result(30).token_ids for p, sp in zip(ps, params)]
-    with Executor(engine, config) as ex:
+    with Executor(shipped_engine, config) as ex:
         watch = Watch(ex)
         later: list = []
 
@@ -759,10 +749,10 @@ def test_seeded_sampling_batched_equals_alone(engine, corpus, speculation, k, kv
 STOP_PROMPTS = [(0, 20), (64, 33), (128, 15), (256, 41), (384, 26)]
 
 
-def stop_inside_a_draft_run(engine, corpus, k: int) -> tuple[list[int], list[int], int]:
+def stop_inside_a_draft_run(shipped_engine, corpus, k: int) -> tuple[list[int], list[int], int]:
     """(prompt, greedy output, i): output[i] is an accepted draft of a step that emitted tokens after it,
     and its first occurrence in the output (a stop id there ends the request at i)."""
-    with Executor(engine, ExecutorConfig(num_draft_tokens=k, speculation="fixed", max_seq_len=MAX_SEQ_LEN)) as ex:
+    with Executor(shipped_engine, ExecutorConfig(num_draft_tokens=k, speculation="fixed", max_seq_len=MAX_SEQ_LEN)) as ex:
         watch = Watch(ex)
         for start, n in STOP_PROMPTS:
             p = prompt(corpus, start, n)
@@ -782,15 +772,15 @@ def stop_inside_a_draft_run(engine, corpus, k: int) -> tuple[list[int], list[int
 
 
 @pytest.mark.parametrize("k", [3, 4])
-def test_stop_token_inside_accepted_drafts(engine, corpus, alone, k) -> None:
+def test_stop_token_inside_accepted_drafts(shipped_engine, corpus, alone, k) -> None:
     """A stop id that the target accepts in the middle of a run of drafts ends the request right before it:
     the tokens the same step emitted after it are never reported (not in the stream, the result, the text or
     the counts), alone and batched. With max_tokens at the same token, the stop id wins (stop, not length)."""
-    p, ref, i = stop_inside_a_draft_run(engine, corpus, k)
+    p, ref, i = stop_inside_a_draft_run(shipped_engine, corpus, k)
     assert ref == alone(p, REF_TOKENS)
     stop_id = ref[i]
     config = ExecutorConfig(num_draft_tokens=k, speculation="fixed", max_seq_len=MAX_SEQ_LEN)
-    with Executor(engine, config) as ex, Executor(engine, config) as batched:
+    with Executor(shipped_engine, config) as ex, Executor(shipped_engine, config) as batched:
         watch = Watch(ex)
         streamed: list[RequestOutput] = []
         out = ex.submit(p, greedy(REF_TOKENS, stop_token_ids=[stop_id]), on_output=streamed.append).result(30)
@@ -820,18 +810,18 @@ def test_stop_token_inside_accepted_drafts(engine, corpus, alone, k) -> None:
     watch.check()
 
 
-def test_eos_inside_accepted_drafts(engine, corpus, alone, shipped_model_dir, tmp_path) -> None:
+def test_eos_inside_accepted_drafts(shipped_engine, corpus, alone, shipped_model_dir, tmp_path) -> None:
     """The same with eos: a copy of the shipped model whose tokenizer names that token eos stops before it
     (eos never in the output), and ignore_eos runs past it."""
     k = 3
-    p, ref, i = stop_inside_a_draft_run(engine, corpus, k)
+    p, ref, i = stop_inside_a_draft_run(shipped_engine, corpus, k)
     model = tmp_path / "eos-model"
     model.mkdir()
     for f in shipped_model_dir.iterdir():
         if f.name != "tokenizer_config.json":
             os.symlink(f, model / f.name)
     cfg = json.loads((shipped_model_dir / "tokenizer_config.json").read_text())
-    cfg["eos_token"] = Tokenizer.from_dir(engine.tokenizer_dir).backend.id_to_token(ref[i])
+    cfg["eos_token"] = Tokenizer.from_dir(shipped_engine.tokenizer_dir).backend.id_to_token(ref[i])
     (model / "tokenizer_config.json").write_text(json.dumps(cfg))
     eos_engine = load_engine(model, dtype="float32")
     with Executor(eos_engine, ExecutorConfig(num_draft_tokens=k, speculation="fixed", max_seq_len=MAX_SEQ_LEN)) as ex:
@@ -868,12 +858,12 @@ def record_overtaking(ex: Executor) -> list[dict]:
     return events
 
 
-def test_new_requests_wait_while_an_admitted_prefill_waits_for_blocks(engine, corpus, alone) -> None:
+def test_new_requests_wait_while_an_admitted_prefill_waits_for_blocks(shipped_engine, corpus, alone) -> None:
     """r1 (35-token prompt, chunked by a 24-token budget) needs 2 blocks for its second chunk while 1 is free:
     r2, queued behind it, must not take that block (a steady stream of short requests could otherwise
     overtake a long prompt for ever); r1 waits for r0 to finish, and outputs stay exact."""
     reqs = {"r0": (0, 10, 3), "r1": (100, 35, 4), "r2": (200, 10, 3)}
-    with Executor(engine, ExecutorConfig(num_draft_tokens=0, speculation="off", kv_cache_tokens=32, max_num_tokens=24,
+    with Executor(shipped_engine, ExecutorConfig(num_draft_tokens=0, speculation="off", kv_cache_tokens=32, max_num_tokens=24,
                                          max_seq_len=MAX_SEQ_LEN)) as ex:
         assert ex.cache.allocator.num_blocks == 3
         watch = Watch(ex)

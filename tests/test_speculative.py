@@ -29,7 +29,7 @@ from runtime.sequence import Sequence, Status
 from runtime.tokenizer import Tokenizer
 from runtime.worker import ModelRunner
 
-from conftest import REPO_ROOT, tiny_config_dict
+from conftest import REPO_ROOT, chi2_pvalue, tiny_config_dict
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -39,25 +39,6 @@ P_MIN = 1e-3  # a correct sampler passes the chi-square check at this level (the
 # ---------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------
-def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """P-value of Pearson's chi-square test that `counts` were drawn from `probs`.
-
-    Cells of zero probability must be empty (else the p-value is 0); cells with expected count
-    below 5 are pooled into one.
-    """
-    counts, probs = counts.double(), probs.double()
-    if counts[probs == 0].sum() > 0:
-        return 0.0
-    n = counts.sum()
-    expected = n * probs
-    big = expected >= 5
-    obs = torch.cat([counts[big], counts[(~big) & (probs > 0)].sum()[None]])
-    exp = torch.cat([expected[big], expected[(~big) & (probs > 0)].sum()[None]])
-    keep = exp > 0
-    obs, exp = obs[keep], exp[keep]
-    stat = ((obs - exp) ** 2 / exp).sum()
-    df = obs.numel() - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
 
 
 def test_chi2_pvalue_helper() -> None:
