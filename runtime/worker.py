@@ -114,7 +114,9 @@ class ModelRunner:
         hidden = torch.cat([h for s in seqs for h in s.pending_hidden])
         for s in seqs:
             s.num_mtp, s.pending_hidden = s.num_cached, []
-        all_greedy = all(s.params.greedy for s in seqs)
+        # Plain argmax drafts unless a row samples or bans tokens (its drafts then come from the MTP's own
+        # distribution, bans applied, so a banned token is never drafted only to be rejected).
+        all_greedy = all(s.params.greedy and not s.params.bad_token_ids for s in seqs)
         if all_greedy and min(ks) == K > 1 and model.chains_greedy_drafts(0):  # the greedy chain in one kernel call
             return model.greedy_drafts(0, next_ids, hidden, self._paged_batch(seqs, starts, lens), self.cache.tensor, K), None
         logits, h = self.forward_mtp(seqs, starts, lens, next_ids, hidden)

@@ -223,13 +223,14 @@ def test_greedy_with_bad_tokens_equals_plain_and_never_emits_them(shipped_engine
     assert stats.accepted_draft_tokens > 0
 
 
-def test_sampled_drafts_never_propose_banned_tokens(shipped_engine, shipped_tokenizer, heldout) -> None:
-    """A sampled request's drafts come from the MTP distribution with the bans applied: record every
-    draft the runner makes and check none is banned."""
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_drafts_never_propose_banned_tokens(shipped_engine, shipped_tokenizer, heldout, temperature) -> None:
+    """Drafts come from the MTP distribution (greedy: its argmax) with the bans applied: record every
+    draft the runner makes and check none is banned (a banned greedy draft would always be rejected)."""
     prompts = [shipped_tokenizer.encode(t)[:20] for t in heldout[3:6]]
     free, _ = run(shipped_engine, prompts, SamplingParams(max_tokens=16, ignore_eos=True), 0)
     banned = tuple(sorted({t for o in free for t in o.token_ids[:8]}))
-    params = [SamplingParams(max_tokens=16, temperature=0.7, seed=s, bad_token_ids=banned, ignore_eos=True)
+    params = [SamplingParams(max_tokens=16, temperature=temperature, seed=s, bad_token_ids=banned, ignore_eos=True)
               for s in range(3)]
     cfg = ExecutorConfig(num_draft_tokens=3, speculation="fixed", max_seq_len=MAX_SEQ_LEN)
     proposed: list[int] = []
