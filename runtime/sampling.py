@@ -85,6 +85,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def plain_argmax(self) -> bool:
+        """Greedy with nothing banned: a token is the logits' plain argmax, drafts included."""
+        return self.greedy and not self.bad_token_ids
+
 
 @dataclass(frozen=True)
 class RelaxedAcceptance:

@@ -116,17 +116,17 @@ class ModelRunner:
             s.num_mtp, s.pending_hidden = s.num_cached, []
         # Plain argmax drafts unless a row samples or bans tokens (its drafts then come from the MTP's own
         # distribution, bans applied, so a banned token is never drafted only to be rejected).
-        all_greedy = all(s.params.greedy and not s.params.bad_token_ids for s in seqs)
-        if all_greedy and min(ks) == K > 1 and model.chains_greedy_drafts(0):  # the greedy chain in one kernel call
+        plain = all(s.params.plain_argmax for s in seqs)
+        if plain and min(ks) == K > 1 and model.chains_greedy_drafts(0):  # the greedy chain in one kernel call
             return model.greedy_drafts(0, next_ids, hidden, self._paged_batch(seqs, starts, lens), self.cache.tensor, K), None
         logits, h = self.forward_mtp(seqs, starts, lens, next_ids, hidden)
-        if not all_greedy:
+        if not plain:
             st = self.sampling_tensors(seqs, [1] * len(seqs), model.cfg.vocab_size, self.device)
             seeds = self._ids([s.seed for s in seqs])
             positions = self._ids([s.num_tokens for s in seqs])  # absolute position of draft 1
         drafts, probs = [], []
         for j in range(K):
-            if all_greedy:
+            if plain:
                 d = logits.argmax(-1)
             else:
                 q = probabilities(logits, st)
@@ -204,7 +204,7 @@ class ModelRunner:
         logits = self.model.logits(hidden[self._ids(rows)]).view(B, K + 1, V)
         row_of = {id(it.seq): r for r, it in enumerate(drafting)}
         d = [drafts[row_of[id(s)]] if k else [0] * K for s, k in zip(seqs, ks)]  # [B][K]; past k_b: ignored
-        if self.relaxed is None and all(s.params.greedy and not s.params.bad_token_ids for s in seqs):
+        if self.relaxed is None and all(s.params.plain_argmax for s in seqs):
             out = {}
             for i, db, k, argmax in zip(decoding, d, ks, logits.argmax(-1).tolist()):
                 n = accept_greedy(db[:k], argmax)
