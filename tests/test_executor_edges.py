@@ -186,6 +186,12 @@ class StatsLog:
         self.violations: list[str] = []
         self.lock = threading.Lock()
 
+    def submit(self, prompt_ids: list[int], params: SamplingParams):
+        """Submit a request whose outputs this log checks, and count it."""
+        handle = self.ex.submit(prompt_ids, params, on_output=self)
+        self.submitted += 1
+        return handle
+
     def __call__(self, o: RequestOutput) -> None:  # executor thread
         with self.lock:
             self.finished += o.finished
@@ -311,10 +317,7 @@ def test_repeated_preemption_mid_prefill_and_mid_draft(shipped_engine, corpus, a
         watch, log = Watch(ex), StatsLog(ex)
         go = threading.Event()
         hold_inbox_until(ex, go)
-        hs = []
-        for start, n, m in PREEMPT:
-            hs.append(ex.submit(prompt(corpus, start, n), greedy(m), on_output=log))
-            log.submitted += 1
+        hs = [log.submit(prompt(corpus, start, n), greedy(m)) for start, n, m in PREEMPT]
         go.set()
         outs = [h.result(60) for h in hs]
         assert_all_free(ex)
@@ -423,7 +426,7 @@ def test_drafts_never_take_a_later_decodes_token(shipped_engine, corpus, alone) 
     """Budget 4, k = 3: the older decode's drafts shrink so that the younger one decodes every step too
     (it was skipped for 8 steps in a row when the first took 1 + 3 tokens)."""
     with Executor(shipped_engine, ExecutorConfig(num_draft_tokens=3, speculation="fixed", max_num_tokens=4,
-                                         max_seq_len=MAX_SEQ_LEN)) as ex:
+                                                 max_seq_len=MAX_SEQ_LEN)) as ex:
         sched, schedule, skipped, drafted = ex.scheduler, ex.scheduler.schedule, [], []
 
         def watched():
@@ -452,7 +455,7 @@ def test_token_budget_below_one_plus_k(shipped_engine, corpus, alone, budget) ->
     """max_num_tokens < 1 + k: each step stays within the budget (drafts cut to budget - 1), prompts are
     prefilled budget tokens at a time, and nothing waits forever."""
     with Executor(shipped_engine, ExecutorConfig(num_draft_tokens=4, speculation="fixed", max_num_tokens=budget,
-                                         max_seq_len=MAX_SEQ_LEN)) as ex:
+                                                 max_seq_len=MAX_SEQ_LEN)) as ex:
         watch = Watch(ex)
         go = threading.Event()
         hold_inbox_until(ex, go)
@@ -484,7 +487,7 @@ def test_cancel_request_waiting_for_kv_blocks(shipped_engine, corpus, alone) -> 
             cancelled.wait(30)
 
     with Executor(shipped_engine, ExecutorConfig(num_draft_tokens=3, speculation="fixed", kv_cache_tokens=64,
-                                         max_seq_len=MAX_SEQ_LEN)) as ex:
+                                                 max_seq_len=MAX_SEQ_LEN)) as ex:
         watch = Watch(ex)
         go = threading.Event()
         hold_inbox_until(ex, go)
@@ -512,7 +515,7 @@ def test_cancel_during_chunked_prefill_frees_its_blocks_at_once(shipped_engine, 
     chunks, resume = threading.Event(), threading.Event()
     at_final = {}
     with Executor(shipped_engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed", max_num_tokens=8,
-                                         max_seq_len=MAX_SEQ_LEN)) as ex:
+                                                 max_seq_len=MAX_SEQ_LEN)) as ex:
         watch = Watch(ex)
         step = ex.runner.step
 
@@ -563,7 +566,7 @@ def test_cancel_preempted_request(shipped_engine, corpus, alone) -> None:
     resume, hit = threading.Event(), threading.Event()
     state: dict = {}
     with Executor(shipped_engine, ExecutorConfig(num_draft_tokens=3, speculation="fixed", kv_cache_tokens=64,
-                                         max_num_tokens=16, max_seq_len=MAX_SEQ_LEN)) as ex:
+                                                 max_num_tokens=16, max_seq_len=MAX_SEQ_LEN)) as ex:
         watch = Watch(ex)
         step = ex.runner.step
 
@@ -680,14 +683,11 @@ def test_many_requests_beyond_max_batch_size(shipped_engine, corpus, alone) -> N
     """14 requests at once, 3 seats: never more than 3 running, the rest queued, all exact, counts consistent."""
     reqs = [(37 * i, 3 + 5 * i, 4 + (i % 5)) for i in range(14)]
     with Executor(shipped_engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed", max_batch_size=3,
-                                         max_seq_len=MAX_SEQ_LEN)) as ex:
+                                                 max_seq_len=MAX_SEQ_LEN)) as ex:
         watch, log = Watch(ex), StatsLog(ex)
         go = threading.Event()
         hold_inbox_until(ex, go)
-        hs = []
-        for s, n, m in reqs:
-            hs.append(ex.submit(prompt(corpus, s, n), greedy(m), on_output=log))
-            log.submitted += 1
+        hs = [log.submit(prompt(corpus, s, n), greedy(m)) for s, n, m in reqs]
         assert ex.stats().queued == 14
         go.set()
         outs = [h.result(60) for h in hs]
@@ -864,7 +864,7 @@ def test_new_requests_wait_while_an_admitted_prefill_waits_for_blocks(shipped_en
     overtake a long prompt for ever); r1 waits for r0 to finish, and outputs stay exact."""
     reqs = {"r0": (0, 10, 3), "r1": (100, 35, 4), "r2": (200, 10, 3)}
     with Executor(shipped_engine, ExecutorConfig(num_draft_tokens=0, speculation="off", kv_cache_tokens=32, max_num_tokens=24,
-                                         max_seq_len=MAX_SEQ_LEN)) as ex:
+                                                 max_seq_len=MAX_SEQ_LEN)) as ex:
         assert ex.cache.allocator.num_blocks == 3
         watch = Watch(ex)
         events = record_overtaking(ex)

@@ -629,5 +629,5 @@ def test_tiny_top_p_keeps_the_most_likely_token(shipped_engine, fib_prompt, k) -
     greedy_out, _ = run(shipped_engine, [fib_prompt], SamplingParams(max_tokens=8, ignore_eos=True), k)
     for tp in (1e-6, 1e-46, 1e-300):
         outs, _ = run(shipped_engine, [fib_prompt], SamplingParams(max_tokens=8, temperature=1.0, top_p=tp, seed=1,
-                                                           ignore_eos=True), k)
+                                                                   ignore_eos=True), k)
         assert outs[0].token_ids == greedy_out[0].token_ids, f"top_p={tp}"
