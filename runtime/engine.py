@@ -455,16 +455,19 @@ def _as_loaded(build: BuildConfig, dtype: str | torch.dtype | None) -> BuildConf
 def _empty_model(cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype) -> DeepseekV3ForCausalLM:
     """Uninitialized parameters in `dtype` on `device` (weights overwrite all of them); buffers stay fp32.
 
-    Matmul weights keep their [out, in] shape but are stored K-major (each [in, out] contiguous): F.linear
-    then runs x @ W as a plain NN gemm, which MKL does faster for 2..128 rows (on the shipped model a
-    batch-16 decode step ~6%, a 63-token prefill ~12%, batch 1 within noise). Embedding tables stay
-    row-major for their lookups.
+    On CPU, matmul weights keep their [out, in] shape but are stored K-major (each [in, out] contiguous):
+    F.linear then runs x @ W as a plain NN gemm, which MKL does faster for 2..128 rows (on the shipped
+    model a batch-16 decode step ~6%, a 63-token prefill ~12%, batch 1 within noise). Embedding tables
+    stay row-major for their lookups. On CUDA every weight stays row-major: cuBLAS's fp32 kernels for
+    K-major weights at 8-16 rows took ~50 us a call on an H100 (a 16-sequence decode step cost 2.7x
+    a 1-sequence one).
     """
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(cfg)
+    k_major = torch.device(device).type == "cpu"
     for name, p in model.named_parameters():
         p.data = p.data.to(dtype)
-        if p.dim() >= 2 and not name.endswith("embed_tokens.weight"):
+        if k_major and p.dim() >= 2 and not name.endswith("embed_tokens.weight"):
             p.data = p.data.mT.contiguous().mT
     model.to_empty(device=device)
     model.inv_freq.copy_(rope_inv_freq(cfg)[0])

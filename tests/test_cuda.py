@@ -27,6 +27,12 @@ def test_cuda_logits_match_cpu():
     assert diff < 1e-3, diff
 
 
+def test_cuda_weights_row_major():
+    """On CUDA every weight stays [out, in] row-major (cuBLAS's layout); the CPU's K-major storage is for MKL."""
+    model = load_engine(MODEL, device="cuda", dtype="float32").model
+    assert all(p.is_contiguous() for p in model.parameters())
+
+
 def test_cuda_speculative_greedy_equals_plain():
     prompts = [p["text"] for p in json.loads((MODEL / "heldout_prompts.json").read_text())[:8]]
     outputs = {}

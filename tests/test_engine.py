@@ -50,7 +50,7 @@ def test_load_engine_directory(built, hf):
     assert e.model_config.num_nextn_predict_layers == 1 and e.model_config.quantization_config is None
     assert not e.model.training and not any(p.requires_grad for p in e.model.parameters())
     assert {p.dtype for p in e.model.parameters()} == {torch.float32}
-    for name, p in e.model.named_parameters():  # matmul weights K-major (the faster gemm), tables row-major
+    for name, p in e.model.named_parameters():  # on CPU: matmul weights K-major (MKL's faster gemm), tables row-major
         assert (p.dim() < 2 or name.endswith("embed_tokens.weight")) == p.is_contiguous(), name
     ref = load_engine(hf).model
     for (name, p), (_, q) in zip(e.model.state_dict().items(), ref.state_dict().items()):
