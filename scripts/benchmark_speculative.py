@@ -204,14 +204,15 @@ def _patch_mtp_loading(model, model_dir: Path, n_layers: int, own_embed_head: bo
             p = params.get("layers.0.mtp_block." + rest)
             p = params.get("layers.0." + rest) if p is None else p
             if p is not None and p.shape == t[name].shape:
-                e = (p.float() - t[name]).abs().max().item()
+                ref = t[name].to(p.device)  # HF now builds the MTP layer on the main model's device
+                e = (p.float() - ref).abs().max().item()
                 if e > 0:
                     fixed, err = fixed + 1, max(err, e)
-                    p.copy_(t[name].to(p.dtype))
+                    p.copy_(ref.to(p.dtype))
         meta["mtp_fp8_weights_redequantized"], meta["mtp_fp8_max_abs_error_fixed"] = fixed, err
         if embed is not None:
             mtp.embed_tokens, mtp.shared_head = embed, head
-        return mtp.to(next(model.parameters()).device)  # HF builds it on the CPU
+        return mtp.to(next(model.parameters()).device)  # older HF builds it on the CPU
 
     modeling_layers.MtpModel.from_pretrained = classmethod(from_pretrained)
 
