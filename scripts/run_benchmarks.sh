@@ -22,9 +22,10 @@ run triton scripts/benchmark_triton.py
 run speculative scripts/benchmark_speculative.py
 run serving scripts/benchmark_serving.py --num_requests 8 --requests_per_client 8 --rounds 3 --qps_requests 24 \
   --min_tokens 48 --max_tokens 96
-# On a CUDA host, the batch-1 and serving benchmarks again on the GPU (files named after it, e.g. *_h100).
+# On a CUDA host, the load test, batch-1 and serving benchmarks again on the GPU (files named after it, e.g. *_h100).
 gpu=$(python -c "import torch; print(torch.cuda.get_device_name().split()[1].lower() if torch.cuda.is_available() else '')")
 if [ -n "$gpu" ]; then
+  run "load_test_$gpu" scripts/load_test.py --device cuda --name "load_test_$gpu" --max_output_tokens 64 --modes plain,adaptive
   run "speculative_$gpu" scripts/benchmark_speculative.py --device cuda --name "speculative_$gpu"
   run "serving_$gpu" scripts/benchmark_serving.py --device cuda --name "serving_$gpu" --num_requests 8 \
     --requests_per_client 8 --rounds 3 --qps_requests 24 --min_tokens 48 --max_tokens 96
