@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from runtime.cuda_graphs import CUBLASLT_MAX_TOKENS
 from runtime.engine import load_engine
 from runtime.executor import Executor, ExecutorConfig
 from runtime.sampling import SamplingParams
@@ -31,6 +32,17 @@ def test_cuda_weights_row_major():
     """On CUDA every weight stays [out, in] row-major (cuBLAS's layout); the CPU's K-major storage is for MKL."""
     model = load_engine(MODEL, device="cuda", dtype="float32").model
     assert all(p.is_contiguous() for p in model.parameters())
+
+
+def test_cuda_capture_leaves_the_blas_choice_as_it_was():
+    """Graphs are recorded with cuBLASLt's or cuBLAS's GEMMs by their token count; the process's own
+    choice is back in place once the executor has captured both kinds."""
+    before = torch.backends.cuda.preferred_blas_library()
+    config = ExecutorConfig(num_draft_tokens=1, speculation="fixed", max_batch_size=32, device="cuda", dtype="float32")
+    with Executor(MODEL, config) as ex:
+        tokens = {B * Q for _, B, Q, _ in ex.runner.graphs.graphs}
+        assert min(tokens) <= CUBLASLT_MAX_TOKENS < max(tokens)
+    assert torch.backends.cuda.preferred_blas_library() == before
 
 
 def test_cuda_speculative_greedy_equals_plain():
