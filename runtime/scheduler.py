@@ -251,18 +251,15 @@ class Scheduler:
                 break
             later = len(decodes) - i - 1  # drafts leave a token of the budget to each decode after this one
             drafts = max(0, min(self._drafts_for(seq, k), budget - 1 - later))
-            while True:
-                try:
-                    self.cache.grow(seq.block_table, seq.num_tokens + drafts)
-                    break
-                except OutOfBlocks:
-                    if drafts:  # drafts are optional: decode without them before preempting anyone
-                        drafts = 0
-                    elif self._preempt_latest() is seq:
-                        break
-            if seq in self.running:
-                plan.append(Scheduled(seq, 1 + drafts, drafts))
-                budget -= 1 + drafts
+            try:
+                self.cache.grow(seq.block_table, seq.num_tokens + drafts)
+            except OutOfBlocks:  # drafts are optional: decode without them before preempting anyone
+                drafts = 0
+                if not self._grow_preempting_newer(seq, seq.num_tokens, plan):
+                    self._preempt_latest()  # seq itself, the newest: recomputed later
+                    continue
+            plan.append(Scheduled(seq, 1 + drafts, drafts))
+            budget -= 1 + drafts
 
         # Prefill: sequences already admitted first, then the queue, while the budget and blocks allow. A
         # prefill that cannot grow preempts those admitted after it; if it still cannot, new requests wait.
