@@ -7,11 +7,14 @@ the field, because a user with a 671B checkpoint needs to know which of 40 field
 from __future__ import annotations
 
 import json
+import logging
 import math
 import numbers
 from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -24,6 +27,17 @@ POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermed
                  "moe_layer_freq", "max_position_embeddings")
 NON_NEGATIVE_INTS = ("num_nextn_predict_layers", "first_k_dense_replace")
 POSITIVE_NUMBERS = ("routed_scaling_factor", "rms_norm_eps", "rope_theta")
+# Fields that do not change what the model computes at inference: bookkeeping, training-only settings.
+# Derived fields (head_dim, qk_head_dim, rope_interleave) are checked against what they derive from; any
+# other field this reader does not know is named in a warning, since it may change the math.
+NO_EFFECT = frozenset({"transformers_version", "_name_or_path", "auto_map", "use_cache", "initializer_range",
+                       "attention_dropout", "pretraining_tp", "output_router_logits", "router_aux_loss_coef",
+                       "aux_loss_alpha", "seq_aux", "pad_token_id", "dtype", "ep_size"})
+DERIVED = ("rope_parameters", "head_dim", "qk_head_dim", "rope_interleave")  # read into, or checked against, fields
+# Keys of `rope_scaling` (transformers 4 and DeepSeek's release) and `rope_parameters` (transformers 5)
+ROPE_KEYS = frozenset({"type", "rope_type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
+                       "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate",
+                       "partial_rotary_factor"})
 
 
 def is_int(value: Any) -> bool:
@@ -143,6 +157,12 @@ class ModelConfig:
         if missing:
             raise ConfigError(f"{source}: missing required field(s) {', '.join(missing)}")
         kwargs: dict[str, Any] = {k: raw[k] for k in known if k in raw}
+        for name in ("rope_scaling", "rope_parameters", "quantization_config"):
+            if raw.get(name) is not None and not isinstance(raw[name], dict):
+                raise ConfigError(f"{source}: field {name!r} must be an object or null, got {raw[name]!r}")
+        kwargs["rope_scaling"], theta = _read_rope(raw, source)
+        if theta is not None:
+            kwargs["rope_theta"] = theta
         for name in POSITIVE_INTS + NON_NEGATIVE_INTS:
             low = 1 if name in POSITIVE_INTS else 0
             if name in kwargs and (not is_int(kwargs[name]) or kwargs[name] < low):
@@ -153,19 +173,6 @@ class ModelConfig:
                 raise ConfigError(f"{source}: field {name!r} must be a number > 0, got {value!r}")
         if kwargs.get("q_lora_rank") is not None and not (is_int(kwargs["q_lora_rank"]) and kwargs["q_lora_rank"] > 0):
             raise ConfigError(f"{source}: field 'q_lora_rank' must be an integer >= 1 or null")
-        for name in ("rope_scaling", "quantization_config"):
-            if raw.get(name) is not None and not isinstance(raw[name], dict):
-                raise ConfigError(f"{source}: field {name!r} must be an object or null, got {raw[name]!r}")
-        if raw.get("rope_scaling") is not None:
-            rs = dict(raw["rope_scaling"])
-            rs_type = rs.pop("type", rs.pop("rope_type", "yarn"))
-            if rs_type != "yarn":
-                raise ConfigError(f"{source}: field 'rope_scaling.type' is {rs_type!r}, expected 'yarn'")
-            allowed = RopeScaling.__dataclass_fields__
-            try:
-                kwargs["rope_scaling"] = RopeScaling(type=rs_type, **{k: v for k, v in rs.items() if k in allowed})
-            except TypeError as e:
-                raise ConfigError(f"{source}: field 'rope_scaling': {e}") from None
         if raw.get("quantization_config") is not None:
             q = dict(raw["quantization_config"])
             if q.get("quant_method") != "fp8":
@@ -190,7 +197,12 @@ class ModelConfig:
             if not kwargs["eos_token_id"]:
                 raise ConfigError(f"{source}: field 'eos_token_id' must be a token id or a non-empty list of them")
             kwargs["eos_token_id"] = kwargs["eos_token_id"][0]
-        kwargs["extra"] = {k: v for k, v in raw.items() if k not in known}
+        _check_derived(raw, source)
+        kwargs["extra"] = {k: v for k, v in raw.items() if k not in known and k not in DERIVED}
+        unknown = sorted(set(kwargs["extra"]) - NO_EFFECT)
+        if unknown:
+            log.warning("%s: field(s) %s not read by this runtime; if they change the model's math, its output "
+                        "will be wrong", source, ", ".join(unknown))
         cfg = cls(**kwargs)
         cfg.validate(source)
         return cfg
@@ -254,10 +266,10 @@ class ModelConfig:
             raise bad("tie_word_embeddings", "false (DeepSeek-V3's lm_head is a weight of its own)")
         if self.attention_bias:
             raise bad("attention_bias", "false (DeepSeek-V3's attention has no biases)")
-        if not is_int(self.eos_token_id):
-            raise bad("eos_token_id", "a token id")
-        if self.bos_token_id is not None and not is_int(self.bos_token_id):
-            raise bad("bos_token_id", "a token id or null")
+        if not is_int(self.eos_token_id) or not 0 <= self.eos_token_id < self.vocab_size:
+            raise bad("eos_token_id", f"a token id in [0, {self.vocab_size}) (vocab_size)")
+        if self.bos_token_id is not None and not (is_int(self.bos_token_id) and 0 <= self.bos_token_id < self.vocab_size):
+            raise bad("bos_token_id", f"a token id in [0, {self.vocab_size}) (vocab_size) or null")
         if self.num_key_value_heads is not None and not (is_int(self.num_key_value_heads) and self.num_key_value_heads > 0):
             raise bad("num_key_value_heads", "an integer >= 1 or null")
         rs = self.rope_scaling
@@ -275,6 +287,60 @@ class ModelConfig:
         if q is not None and (q.fmt, q.activation_scheme) != ("e4m3", "dynamic"):
             raise ConfigError(f"{source}: field 'quantization_config' has fmt {q.fmt!r} and activation_scheme "
                               f"{q.activation_scheme!r}, expected 'e4m3' and 'dynamic' (the release's FP8)")
+
+
+def _read_rope(raw: dict[str, Any], source: str) -> tuple[RopeScaling | None, Any]:
+    """(YaRN parameters or None, rope_theta or None) from `rope_scaling` (transformers 4, the release) or
+    `rope_parameters` (transformers 5, which moves rope_theta in there); both present must agree."""
+    found = {}
+    for name in ("rope_scaling", "rope_parameters"):
+        rope = raw.get(name)
+        if rope is None:
+            continue
+        unknown = sorted(set(rope) - ROPE_KEYS)
+        if unknown:
+            raise ConfigError(f"{source}: field '{name}.{unknown[0]}' is not supported, expected only "
+                              f"{', '.join(sorted(ROPE_KEYS))}")
+        kind = rope.get("rope_type", rope.get("type", "yarn" if name == "rope_scaling" else "default"))
+        if rope.get("type", kind) != kind:
+            raise ConfigError(f"{source}: fields '{name}.type' ({rope['type']!r}) and '{name}.rope_type' "
+                              f"({kind!r}) disagree")
+        if kind not in ("yarn", "default"):
+            raise ConfigError(f"{source}: field '{name}.rope_type' is {kind!r}, expected 'yarn' or 'default'")
+        # Values that change the math in ways this runtime does not implement are refused, not ignored.
+        for key, neutral in (("attention_factor", None), ("truncate", True), ("partial_rotary_factor", 1)):
+            if rope.get(key, neutral) != neutral:
+                raise ConfigError(f"{source}: field '{name}.{key}' is {rope[key]!r}, expected {neutral!r} "
+                                  "(DeepSeek-V3's YaRN)")
+        scaling = None
+        if kind == "yarn":
+            keys = {k: v for k, v in rope.items() if k in RopeScaling.__dataclass_fields__ and k != "type"}
+            try:
+                scaling = RopeScaling(**keys)
+            except TypeError as e:
+                raise ConfigError(f"{source}: field {name!r}: {e}") from None
+        found[name] = (scaling, rope.get("rope_theta"))
+    theta = raw.get("rope_theta")
+    thetas = {v[1] for v in found.values() if v[1] is not None} | ({theta} if theta is not None else set())
+    if len(thetas) > 1:
+        raise ConfigError(f"{source}: fields 'rope_theta' and 'rope_parameters.rope_theta' disagree "
+                          f"({', '.join(map(repr, sorted(thetas)))})")
+    if len({v[0] for v in found.values()}) > 1:
+        raise ConfigError(f"{source}: fields 'rope_scaling' and 'rope_parameters' describe different RoPE "
+                          "scaling; give one of them")
+    scaling = next(iter(found.values()))[0] if found else None
+    return scaling, next(iter(thetas)) if thetas else None
+
+
+def _check_derived(raw: dict[str, Any], source: str) -> None:
+    """Fields transformers derives and saves: a value other than the derived one describes another model."""
+    nope, rope = raw.get("qk_nope_head_dim"), raw.get("qk_rope_head_dim")
+    for name, want, why in (("head_dim", rope, "qk_rope_head_dim, the RoPE width transformers reads it as"),
+                            ("qk_head_dim", nope + rope if is_int(nope) and is_int(rope) else None,
+                             "qk_nope_head_dim + qk_rope_head_dim"),
+                            ("rope_interleave", True, "DeepSeek-V3's interleaved RoPE pairs")):
+        if name in raw and raw[name] != want:
+            raise ConfigError(f"{source}: field {name!r} is {raw[name]!r}, expected {want!r} ({why})")
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:

@@ -25,6 +25,7 @@ import copy
 import dataclasses
 import json
 import math
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -608,3 +609,19 @@ def test_config_corners_match_hf(change, tmp_path):
     ours = load_ours(cfg, tensors.items())
     with torch.no_grad():
         assert_close(ours.logits(ours(ids)), load_hf(path, cfg)(ids).logits, change)
+
+
+def test_config_as_installed_transformers_saves_it_matches_hf(pair, tmp_path):
+    """Our reader of the config HF itself writes (transformers 5: YaRN in `rope_parameters`, no `rope_scaling`)
+    gives HF's logits; reading it as plain RoPE would be off from position 1 on."""
+    path = tmp_path / "resaved"
+    shutil.copytree(pair.path, path)
+    pair.hf.config.save_pretrained(path)
+    saved = json.loads((path / "config.json").read_text())
+    assert "rope_parameters" in saved and not saved.get("rope_scaling"), sorted(saved)
+    ckpt = HFCheckpoint(path)
+    assert ckpt.config.rope_scaling == pair.cfg.rope_scaling
+    ours = load_ours(ckpt.config, ckpt.iter_tensors())
+    ids = token_ids(pair.cfg, (1, 24), 5)
+    with torch.no_grad():
+        assert_close(ours.logits(ours(ids)), pair.hf(ids).logits, "config saved by transformers")
