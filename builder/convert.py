@@ -436,7 +436,7 @@ def open_hf_checkpoint(model_dir: Path, build: BuildConfig) -> tuple[HFCheckpoin
             f"{model_dir / 'config.json'}: unsupported quantization: weight_block_size {list(ckpt.block)}, "
             f"expected {list(BLOCK)} (FP8_BLOCK_SCALES)"
         )
-    ckpt.validate(include_mtp=cfg.num_nextn_predict_layers > 0)
+    ckpt.validate()
     validate_sharding(cfg, build, str(model_dir / "config.json"))
     return ckpt, cfg
 

@@ -8,7 +8,9 @@ shapes, FP8 weights without scales), with messages that name the file and the te
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,8 @@ from safetensors import SafetensorError, safe_open
 
 from runtime.config import ModelConfig
 from runtime.fp8 import BLOCK, FP8_DTYPE, dequantize_block_fp8, scale_shape
+
+log = logging.getLogger(__name__)
 
 INDEX_NAME = "model.safetensors.index.json"
 SCALE_SUFFIX = "_scale_inv"
@@ -199,6 +203,17 @@ class HFCheckpoint:
         self._weight_map = weight_map
         qc = self.config.quantization_config
         self.block: tuple[int, int] = tuple(qc.weight_block_size) if qc else BLOCK
+        cfg = self.config
+        if cfg.num_nextn_predict_layers and not any(is_mtp_tensor(n, cfg) for n in weight_map):
+            # What transformers' save_pretrained writes for a fine-tuned model: the config keeps the MTP layer,
+            # the files do not. The target model is whole, so it loads, without drafting.
+            log.warning("%s: field 'num_nextn_predict_layers' is %d but no MTP tensor (model.layers.%d.*) is stored; "
+                        "loading the model without MTP (no speculative drafting)", self.path / "config.json",
+                        cfg.num_nextn_predict_layers, cfg.num_hidden_layers)
+            self.config = dataclasses.replace(cfg, num_nextn_predict_layers=0)
+            self.mtp_missing = True
+        else:
+            self.mtp_missing = False
 
     @property
     def quantized(self) -> bool:
@@ -254,13 +269,13 @@ class HFCheckpoint:
         with safe_open(self.path / shard, "pt") as f:
             return self._load(f, shard, name, dequantize, dtype)
 
-    def validate(self, include_mtp: bool = False) -> None:
-        """Check every tensor of the release layout is present with its shape, from headers only."""
-        if include_mtp and self.config.num_nextn_predict_layers == 0:
-            raise CheckpointError(
-                f"{self.path / 'config.json'}: MTP was asked for but field 'num_nextn_predict_layers' is 0, expected >= 1"
-            )
-        for name, shape in expected_tensor_shapes(self.config, include_mtp).items():
+    def validate(self) -> None:
+        """Check, from headers only, that the files hold exactly the release layout of config.json (its MTP
+        layers included, unless none is stored): every tensor with its shape and a float dtype, FP8 weights
+        with float32 block scales, no scale without an FP8 weight and no tensor the model does not have.
+        build_engine and the runtime both open a checkpoint through this check."""
+        expected = expected_tensor_shapes(self.config)
+        for name, shape in expected.items():
             if name not in self._weight_map:
                 raise CheckpointError(f"{self._source}: tensor {name!r} is missing, expected shape {list(shape)}")
             self._check_shape(name, shape)
@@ -274,6 +289,15 @@ class HFCheckpoint:
                 if self.tensor_info(scale).dtype != "F32":
                     raise CheckpointError(f"{self.path / self._shard_of(scale)}: tensor {scale!r} is "
                                           f"{self.tensor_info(scale).dtype}, expected F32 (block scales)")
+        for name in self._weight_map:
+            weight = name.removesuffix(SCALE_SUFFIX)
+            if weight not in expected:
+                raise CheckpointError(f"{self.path / self._weight_map[name]}: unexpected tensor {name!r}, not part of "
+                                      f"a DeepSeek-V3 model with this config.json")
+            if name != weight and self.tensor_info(weight).dtype != FP8_CODE:
+                raise CheckpointError(f"{self.path / self._shard_of(weight)}: tensor {weight!r} is "
+                                      f"{self.tensor_info(weight).dtype} but has {name!r}, expected {FP8_CODE} (a "
+                                      f"block scale multiplies FP8 codes)")
 
     # ---- internals ----------------------------------------------------------------------------
     def _shard_of(self, name: str) -> str:
@@ -299,7 +323,7 @@ class HFCheckpoint:
             raise CheckpointError(f"{self.path / shard}: tensor {name!r} has shape {list(got)}, expected {list(shape)}")
 
     def _load(self, f, shard: str, name: str, dequantize: bool, dtype: torch.dtype | None) -> torch.Tensor:
-        t = f.get_tensor(name)
+        t = check_finite(f.get_tensor(name), name, self.path / shard)
         if not (dequantize and t.dtype == FP8_DTYPE):
             return t if dtype is None else t.to(dtype)
         scale_name = self._scale_of(name)
@@ -309,7 +333,23 @@ class HFCheckpoint:
         else:  # the release may split a weight and its scale across shards
             with safe_open(self.path / scale_shard, "pt") as g:
                 scale = g.get_tensor(scale_name)
+        check_finite(scale, scale_name, self.path / scale_shard)
         return dequantize_block_fp8(t, scale, self.block, dtype or torch.float32)
+
+
+def check_finite(t: torch.Tensor, name: str, file: Path) -> torch.Tensor:
+    """`t` itself, if it holds no NaN or infinity (an FP8 tensor: no NaN code, e4m3fn has no infinity); else
+    CheckpointError naming the tensor. One pass over each tensor as it streams: a corrupt or badly converted
+    weight would otherwise load and produce NaN logits, i.e. empty output."""
+    if t.dtype == FP8_DTYPE:
+        bad = ((t.view(torch.uint8) & 0x7F) == 0x7F).any()
+    elif t.is_floating_point():
+        bad = not torch.isfinite(t).all()
+    else:
+        return t
+    if bad:
+        raise CheckpointError(f"{file}: tensor {name!r} holds NaN or infinite values")
+    return t
 
 
 def _read_index(index: Path) -> dict[str, str]:

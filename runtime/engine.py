@@ -429,7 +429,7 @@ def _load_hf(path: Path, device: str | torch.device, dtype: str | torch.dtype | 
     try:
         ckpt = HFCheckpoint(path)
         cfg = ckpt.config
-        ckpt.validate(include_mtp=cfg.num_nextn_predict_layers > 0)  # headers only: names, shapes, dtypes
+        ckpt.validate()  # headers only: names, shapes, dtypes
         build = _as_loaded(BuildConfig(
             max_seq_len=min(cfg.max_position_embeddings, HF_MAX_SEQ_LEN),
             max_draft_len=HF_MAX_DRAFT_LEN if cfg.num_nextn_predict_layers else 0,

@@ -3,9 +3,12 @@ checkpoint should give (file + tensor/field + what was expected)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import struct
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +26,10 @@ from runtime.checkpoint import (
     layer_of,
 )
 from runtime.config import ConfigError, ModelConfig
+
+from conftest import TINY_CONFIG
+
+TINY_ROPE = {k: v for k, v in TINY_CONFIG["rope_scaling"].items() if k != "type"}
 
 SHARD_BYTES = 20_000  # the tiny model is ~89 KB stored: 5 shards
 
@@ -98,7 +105,7 @@ def test_sharded_fp8_roundtrip(make_ckpt):
     expected = expected_tensor_shapes(cfg)
     scales = {name + "_scale_inv" for name in expected if is_fp8_quantized(name)}
     assert set(ck.tensor_names) == set(expected) | scales
-    ck.validate(include_mtp=True)
+    ck.validate()
 
     index = json.loads((path / INDEX_NAME).read_text())
     stored = dict(ck.iter_tensors(dequantize=False, dtype=None))
@@ -129,12 +136,25 @@ def test_mtp_tensors_told_apart(make_ckpt):
     assert mtp == {n for n in expected_tensor_shapes(cfg) if layer_of(n) == 3}
     assert "model.layers.3.enorm.weight" in mtp and not is_mtp_tensor("model.layers.2.mlp.gate.weight", cfg)
 
-    target_only, _, _ = make_ckpt(name="target", drop={n for n in originals if is_mtp_tensor(n, cfg)})
-    ck = HFCheckpoint(target_only)
-    ck.validate()
+    part_only, _, _ = make_ckpt(name="part", drop={"model.layers.3.embed_tokens.weight"})
     with pytest.raises(CheckpointError) as e:
-        ck.validate(include_mtp=True)
-    assert str(e.value) == f"{target_only / INDEX_NAME}: tensor 'model.layers.3.embed_tokens.weight' is missing, expected shape [64, 32]"
+        HFCheckpoint(part_only).validate()
+    assert str(e.value) == f"{part_only / INDEX_NAME}: tensor 'model.layers.3.embed_tokens.weight' is missing, expected shape [64, 32]"
+
+
+def test_config_with_mtp_and_files_without_loads_without_mtp(make_ckpt, caplog):
+    """What transformers' save_pretrained writes for a fine-tuned DeepSeek-V3: config.json keeps its MTP layer,
+    the files carry none. The target model is whole: it opens (with a warning) as a model without MTP."""
+    cfg = ModelConfig.from_dict(TINY_CONFIG)
+    path, _, _ = make_ckpt(name="target", drop={n for n in expected_tensor_shapes(cfg) if is_mtp_tensor(n, cfg)})
+    with caplog.at_level(logging.WARNING, logger="runtime.checkpoint"):
+        ck = HFCheckpoint(path)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path / 'config.json'}: field 'num_nextn_predict_layers' is 1 but no MTP tensor (model.layers.3.*) is "
+        "stored; loading the model without MTP (no speculative drafting)"]
+    assert ck.config.num_nextn_predict_layers == 0 and ck.mtp_missing
+    ck.validate()
+    assert {n for n, _ in ck.iter_tensors()} == set(expected_tensor_shapes(ck.config))
 
 
 def test_single_file_checkpoint(make_ckpt):
@@ -144,7 +164,7 @@ def test_single_file_checkpoint(make_ckpt):
     (path / INDEX_NAME).unlink()
     ck = HFCheckpoint(path)
     assert ck.shard_files == [path / "model.safetensors"]
-    ck.validate(include_mtp=True)
+    ck.validate()
     for name, t in ck.iter_tensors():
         assert_close_to_stored(name, t, originals[name])
 
@@ -162,7 +182,7 @@ def test_bf16_checkpoint(make_ckpt):
     ck = HFCheckpoint(path)
     assert not ck.quantized and "quantization_config" not in json.loads((path / "config.json").read_text())
     assert not any(n.endswith("_scale_inv") for n in ck.tensor_names)
-    ck.validate(include_mtp=True)
+    ck.validate()
     assert ck.tensor_info("model.layers.0.self_attn.q_a_proj.weight").dtype == "BF16"
     name = "model.layers.1.mlp.experts.3.gate_proj.weight"
     torch.testing.assert_close(ck.get(name), originals[name].bfloat16().float(), rtol=0, atol=0)
@@ -363,7 +383,31 @@ def test_error_fp8_weight_without_scale(make_ckpt):
     (dict(rope_scaling={"type": "yarn", "factor": 4, "original_max_position_embeddings": 0}),
      "field 'rope_scaling.original_max_position_embeddings' must be an integer >= 1, got 0"),
     (dict(eos_token_id=[]), "field 'eos_token_id' must be a token id or a non-empty list of them"),
-    (dict(eos_token_id="x"), "field 'eos_token_id' is 'x', expected a token id"),
+    (dict(eos_token_id="x"), "field 'eos_token_id' is 'x', expected a token id in [0, 64) (vocab_size)"),
+    (dict(eos_token_id=64), "field 'eos_token_id' is 64, expected a token id in [0, 64) (vocab_size)"),
+    (dict(bos_token_id=-1), "field 'bos_token_id' is -1, expected a token id in [0, 64) (vocab_size) or null"),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                           "attention_factor": 1.2}),
+     "field 'rope_parameters.attention_factor' is 1.2, expected None (DeepSeek-V3's YaRN)"),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                           "truncate": False}),
+     "field 'rope_parameters.truncate' is False, expected True (DeepSeek-V3's YaRN)"),
+    (dict(rope_scaling=None, rope_parameters={"rope_type": "linear", "factor": 4.0}),
+     "field 'rope_parameters.rope_type' is 'linear', expected 'yarn' or 'default'"),
+    (dict(rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "low_freq_factor": 1}),
+     "field 'rope_scaling.low_freq_factor' is not supported, expected only attention_factor, beta_fast, beta_slow, "
+     "factor, mscale, mscale_all_dim, original_max_position_embeddings, partial_rotary_factor, rope_theta, "
+     "rope_type, truncate, type"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 50000.0}),
+     "fields 'rope_theta' and 'rope_parameters.rope_theta' disagree (10000.0, 50000.0)"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+     "fields 'rope_scaling' and 'rope_parameters' describe different RoPE scaling; give one of them"),
+    (dict(rope_scaling={"type": "yarn", "rope_type": "default", "factor": 4.0, "original_max_position_embeddings": 64}),
+     "fields 'rope_scaling.type' ('yarn') and 'rope_scaling.rope_type' ('default') disagree"),
+    (dict(head_dim=8), "field 'head_dim' is 8, expected 4 (qk_rope_head_dim, the RoPE width transformers reads it as)"),
+    (dict(qk_head_dim=8), "field 'qk_head_dim' is 8, expected 12 (qk_nope_head_dim + qk_rope_head_dim)"),
+    (dict(rope_interleave=False),
+     "field 'rope_interleave' is False, expected True (DeepSeek-V3's interleaved RoPE pairs)"),
     (dict(architectures="DeepseekV3ForCausalLM"),
      "field 'architectures' must be a list of strings, got 'DeepseekV3ForCausalLM'"),
     (dict(num_key_value_heads="4"), "field 'num_key_value_heads' is '4', expected an integer >= 1 or null"),
@@ -415,7 +459,7 @@ def test_error_expert_past_n_routed_experts(make_ckpt):
 
     with pytest.raises(EngineError) as e:
         load_engine(path)
-    assert str(e.value) == f"{path}: unexpected tensor {stray!r}"
+    assert str(e.value) == f"{shard}: unexpected tensor {stray!r}, not part of a DeepSeek-V3 model with this config.json"
 
 
 def test_error_model_type(tmp_path, tiny_cfg):
@@ -425,15 +469,15 @@ def test_error_model_type(tmp_path, tiny_cfg):
     assert str(e.value) == f"{tmp_path / 'config.json'}: field 'model_type' is 'llama', expected 'deepseek_v3'"
 
 
-def test_error_mtp_without_mtp_layers(make_ckpt, tiny_cfg):
-    path, _, _ = make_ckpt(tiny_cfg(num_nextn_predict_layers=0))
-    ck = HFCheckpoint(path)
-    ck.validate()
+def test_error_mtp_tensors_without_mtp_layers_in_config(make_ckpt, tiny_cfg):
+    """The reverse of a fine-tuned save: files with an MTP layer that config.json does not declare."""
+    path, _, _ = make_ckpt()
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
     with pytest.raises(CheckpointError) as e:
-        ck.validate(include_mtp=True)
-    assert str(e.value) == (
-        f"{path / 'config.json'}: MTP was asked for but field 'num_nextn_predict_layers' is 0, expected >= 1"
-    )
+        HFCheckpoint(path).validate()
+    assert str(e.value).endswith(": unexpected tensor 'model.layers.3.embed_tokens.weight', not part of a DeepSeek-V3 "
+                                 "model with this config.json")
 
 
 def test_error_truncated_shard(make_ckpt):
@@ -472,3 +516,99 @@ def test_error_config_not_json(tmp_path):
     with pytest.raises(ConfigError) as e:
         HFCheckpoint(tmp_path)
     assert str(e.value).startswith(f"{tmp_path / 'config.json'}: not UTF-8 text (")
+
+
+HF_CONFIGS = Path(__file__).parent / "data" / "hf_configs"
+
+
+@pytest.mark.parametrize("saved_by", ["transformers-4.57.1", "transformers-5.23.0"])
+def test_configs_as_transformers_saves_them(saved_by):
+    """The same model's config as transformers 4 (`rope_scaling`, top-level `rope_theta`) and 5
+    (`rope_parameters` holding both) write it reads as the same model: YaRN and all. The files were
+    written by each version's `DeepseekV3Config(...).save_pretrained` (tests/data/hf_configs/README.md)."""
+    saved = ModelConfig.from_json(HF_CONFIGS / f"{saved_by}.json")
+    source = ModelConfig.from_json(HF_CONFIGS / "source.json")
+    assert dataclasses.replace(saved, quantization_config=None) == dataclasses.replace(source, quantization_config=None)
+    assert saved.rope_scaling is not None and saved.rope_scaling.factor == 4.0
+
+
+def test_transformers_5_yarn_without_rope_scaling_key(tiny_cfg):
+    """transformers 5 may write `rope_scaling: null` next to `rope_parameters`: YaRN still applies."""
+    raw = tiny_cfg(rope_scaling=None, rope_parameters={**TINY_ROPE, "rope_type": "yarn", "rope_theta": 10000.0})
+    raw.pop("rope_theta")
+    assert ModelConfig.from_dict(raw) == ModelConfig.from_dict(tiny_cfg())
+
+
+def test_unknown_config_field_is_named_in_a_warning(tiny_cfg, caplog):
+    with caplog.at_level(logging.WARNING, logger="runtime.config"):
+        ModelConfig.from_dict(tiny_cfg(sliding_window=128, use_cache=True), source="c.json")
+    assert [r.getMessage() for r in caplog.records] == [
+        "c.json: field(s) sliding_window not read by this runtime; if they change the model's math, its output "
+        "will be wrong"]
+
+
+def _restore(path: Path, name: str, tensor: torch.Tensor, beside: str | None = None) -> Path:
+    """Store `tensor` as `name` (new or replacing) in the shard of `beside` (default: `name`, or the weight
+    of a scale); returns the shard."""
+    index = json.loads((path / INDEX_NAME).read_text())
+    beside = beside or (name if name in index["weight_map"] else name.removesuffix("_scale_inv"))
+    shard = path / index["weight_map"][beside]
+    tensors = load_file(shard)
+    tensors[name] = tensor
+    save_file(tensors, shard)
+    index["weight_map"][name] = shard.name
+    (path / INDEX_NAME).write_text(json.dumps(index))
+    return shard
+
+
+def test_scale_next_to_a_weight_that_is_not_fp8_is_refused(make_ckpt):
+    """An fp16 weight with a weight_scale_inv beside it: dequantizing would ignore the scale and produce garbage.
+    build_engine and the runtime open checkpoints through the same validate, so both refuse it."""
+    path, _, _ = make_ckpt(fp8=False)
+    name = "model.layers.1.self_attn.q_b_proj.weight"
+    shard = _restore(path, name, load_file(path / json.loads((path / INDEX_NAME).read_text())["weight_map"][name])[name].half())
+    _restore(path, name + "_scale_inv", torch.ones(1, 1))
+    want = f"{shard}: tensor {name!r} is F16 but has {name + '_scale_inv'!r}, expected F8_E4M3 (a block scale multiplies FP8 codes)"
+    with pytest.raises(CheckpointError) as e:
+        HFCheckpoint(path).validate()
+    assert str(e.value) == want
+    from runtime.engine import EngineError, load_engine
+
+    with pytest.raises(EngineError) as e:
+        load_engine(path)
+    assert str(e.value) == want
+
+
+def test_unexpected_tensor_is_refused(make_ckpt):
+    path, _, _ = make_ckpt()
+    shard = _restore(path, "model.layers.1.self_attn.rotary_emb.inv_freq", torch.ones(4),
+                     beside="model.layers.1.self_attn.q_b_proj.weight")
+    with pytest.raises(CheckpointError) as e:
+        HFCheckpoint(path).validate()
+    assert str(e.value) == (f"{shard}: unexpected tensor 'model.layers.1.self_attn.rotary_emb.inv_freq', not part of "
+                            "a DeepSeek-V3 model with this config.json")
+
+
+@pytest.mark.parametrize("name, fp8", [
+    ("model.layers.1.mlp.experts.2.up_proj.weight", True),  # FP8 codes: a NaN byte
+    ("model.layers.1.mlp.experts.2.up_proj.weight_scale_inv", True),  # its block scale
+    ("model.norm.weight", False),  # a bf16 tensor
+])
+def test_non_finite_values_are_refused_as_they_stream(make_ckpt, name, fp8):
+    path, _, _ = make_ckpt(fp8=fp8)
+    index = json.loads((path / INDEX_NAME).read_text())
+    shard = path / index["weight_map"][name]
+    tensors = load_file(shard)
+    t = tensors[name]
+    if t.dtype == torch.float8_e4m3fn:
+        t.view(torch.uint8).view(-1)[5] = 0x7F
+    else:
+        t.view(-1)[-1] = float("inf") if name.endswith("scale_inv") else float("nan")
+    save_file(tensors, shard)
+    ck = HFCheckpoint(path)
+    ck.validate()  # headers are fine
+    want = f"{shard}: tensor {name!r} holds NaN or infinite values"
+    for dequantize in (True, False):  # the runtime's path and build_engine's
+        with pytest.raises(CheckpointError) as e:
+            list(ck.iter_tensors(dequantize=dequantize))
+        assert str(e.value) == want

@@ -39,7 +39,8 @@ def test_release_layout(ckpt: HFCheckpoint):
     assert len(ckpt.shard_files) >= 2 and (MODEL / "model.safetensors.index.json").is_file()
     assert (MODEL / "tokenizer.json").is_file() and (MODEL / "tokenizer_config.json").is_file()
     assert sum(f.stat().st_size for f in MODEL.iterdir()) < 40 * 2**20
-    ckpt.validate(include_mtp=True)
+    ckpt.validate()
+    assert ckpt.config.num_nextn_predict_layers == 1
     N = cfg.num_hidden_layers
     for own in ("embed_tokens.weight", "shared_head.head.weight", "eh_proj.weight", "enorm.weight", "hnorm.weight"):
         assert f"model.layers.{N}.{own}" in ckpt.tensor_names
@@ -96,6 +97,10 @@ def test_training_loss_goes_down(tmp_path: Path):
     assert len(evals) == 2 and evals[-1]["val_loss"] < evals[0]["val_loss"] < log[0]["loss"]
     assert evals[-1]["val_mtp_loss"] < log[0]["mtp_loss"]
     # Aux-loss-free balancing moved the router biases away from zero.
-    state = torch.load(out / "ckpt.pt", weights_only=False)
+    state = torch.load(out / "ckpt.pt", weights_only=True)  # tensors and plain values only: nothing to execute
     biases = [v for k, v in state["model"].items() if k.endswith("e_score_correction_bias")]
     assert biases and all(b.abs().sum() > 0 for b in biases)
+    resumed = subprocess.run([*cmd[:cmd.index("--steps") + 1], "44", *cmd[cmd.index("--steps") + 2:], "--resume"],
+                             check=True, capture_output=True, text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": ""})
+    assert "resumed at step 40" in resumed.stdout
+    assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == 44
