@@ -121,7 +121,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    state = torch.load(args.ckpt, map_location="cpu", weights_only=False)
+    state = torch.load(args.ckpt, map_location="cpu", weights_only=True)
     cfg = ModelConfig.from_dict(state["config"])
     model = DeepseekV3ForCausalLM(cfg)
     model.load_state_dict(state["model"])

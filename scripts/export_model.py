@@ -35,7 +35,7 @@ def main() -> None:
     if not args.ckpt.is_file():
         p.error(f"--ckpt {args.ckpt}: file not found")
 
-    state = torch.load(args.ckpt, map_location="cpu", weights_only=False)
+    state = torch.load(args.ckpt, map_location="cpu", weights_only=True)
     cfg = ModelConfig.from_dict({**state["config"], "torch_dtype": "bfloat16"})
     if not args.bf16:
         cfg = ModelConfig.from_dict({**cfg.to_dict(), "quantization_config": vars(QuantizationConfig()) | {

