@@ -10,17 +10,16 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
+from builder.atomic import owned_tempdir, remove_stale
 from builder.convert import (
     NO_QUANT,
     BuildError,
     check_output_dir,
     check_tokenizer,
     convert_checkpoint,
-    max_draft_len_allowed,
     open_hf_checkpoint,
     validate_build,
 )
@@ -28,7 +27,7 @@ from builder.engine import TrtllmCheckpoint, build_engine, check_matches_checkpo
 from builder.trtllm import TrtllmOptions, build_trtllm_engine
 from runtime.checkpoint import CheckpointError, HFCheckpoint
 from runtime.config import ConfigError, ModelConfig
-from runtime.engine import BuildConfig, EngineError
+from runtime.engine import BuildConfig, EngineError, max_draft_len_allowed
 
 DEFAULT_DRAFT_LEN = 4  # when --max_draft_len is not given (capped by what the checkpoint allows)
 
@@ -114,9 +113,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> None:
     check_output_dir(args.output_dir, args.force)
-    for stale in sorted(args.output_dir.parent.glob(f".{args.output_dir.name}.*-*")):
-        print(f"build_engine: warning: {stale} was left by an interrupted build (killed before it could clean up); "
-              "delete it to free its space", file=sys.stderr)
+    for note in remove_stale(args.output_dir):
+        print(f"build_engine: {note}", file=sys.stderr)
     out = args.output_dir.resolve()
     for flag, src in (("--model_dir", args.model_dir), ("--checkpoint_dir", args.checkpoint_dir),
                       ("--tokenizer_dir", args.tokenizer_dir), ("the current directory", Path.cwd())):
@@ -149,6 +147,10 @@ def run(args: argparse.Namespace) -> None:
         return
     hf_ckpt = HFCheckpoint(args.model_dir)
     cfg = hf_ckpt.config
+    if hf_ckpt.mtp_missing and args.max_draft_len:
+        raise BuildError(f"--max_draft_len {args.max_draft_len}: {args.model_dir} stores no MTP weights although its "
+                         "config.json declares MTP layers (as transformers' save_pretrained leaves a fine-tuned "
+                         "model), so there is nothing to draft with; build with --max_draft_len 0")
     build = build_config(args, cfg, dtype="bfloat16" if args.backend == "trtllm" else "float32", tp_size=1, ep_size=1,
                          quant_algo="FP8_BLOCK_SCALES" if hf_ckpt.quantized else None)
     open_hf_checkpoint(args.model_dir, build)
@@ -158,10 +160,9 @@ def run(args: argparse.Namespace) -> None:
         build_trtllm_engine(args.model_dir, args.output_dir, build, options, tokenizer_dir=tokenizer_dir, force=args.force)
         return
     validate_build(cfg, build, str(args.model_dir / "config.json"), use_mtp_vanilla=args.use_mtp_vanilla)
-    args.output_dir.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".{args.output_dir.name}.ckpt-", dir=args.output_dir.parent) as tmp:
-        convert_checkpoint(args.model_dir, Path(tmp) / "ckpt", build)
-        build_engine(Path(tmp) / "ckpt", args.output_dir, build, tokenizer_dir=tokenizer_dir, force=args.force)
+    with owned_tempdir(args.output_dir.parent, f".{args.output_dir.name}.ckpt-") as tmp:
+        convert_checkpoint(args.model_dir, tmp / "ckpt", build)
+        build_engine(tmp / "ckpt", args.output_dir, build, tokenizer_dir=tokenizer_dir, force=args.force)
 
 
 def build_config(args: argparse.Namespace, cfg: ModelConfig, *, dtype: str, tp_size: int, ep_size: int,

@@ -31,14 +31,13 @@ from tqdm import tqdm
 from builder.atomic import atomic_dir as atomic
 from runtime.checkpoint import FP8_CODE, SCALE_SUFFIX, HFCheckpoint
 from runtime.config import ModelConfig
-from runtime.engine import BuildConfig, shard_index, shard_shape
+from runtime.engine import BuildConfig, EngineError, check_model_limits, shard_index, shard_shape
 from runtime.fp8 import BLOCK, FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8, quantize_tensor_fp8, scale_shape
 from runtime.model import DeepseekV3ForCausalLM
 from runtime.weights import to_internal
 
 MTP_PREFIX = "transformer.mtp_layers"
 TRT_SCALE = "weights_scaling_factor"  # `<module>.weights_scaling_factor` next to `<module>.weight`
-MAX_DRAFT_LEN = 8  # cap when one MTP module is re-run per draft token (native runtime, TRT-LLM MTP Eagle)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 # Linear weights the FP8 algorithms quantize (runtime names). kv_b_proj stays unquantized, as
 # upstream: absorbed MLA splits it per head. eh_proj, the router, embeddings and heads are not listed.
@@ -66,13 +65,10 @@ def quant_algo_flag(quant_algo: str | None) -> str:
 def validate_build(cfg: ModelConfig, build: BuildConfig, source: str, use_mtp_vanilla: bool = False) -> None:
     """Check the build options against the model before any work is done."""
     validate_sharding(cfg, build, source)
-    if build.max_seq_len > cfg.max_position_embeddings:
-        raise BuildError(
-            f"--max_seq_len {build.max_seq_len} exceeds max_position_embeddings ({cfg.max_position_embeddings}) of {source}"
-        )
-    allowed, why = max_draft_len_allowed(cfg, build.backend, use_mtp_vanilla)
-    if build.max_draft_len > allowed:
-        raise BuildError(f"--max_draft_len {build.max_draft_len} exceeds {allowed}, the most {source} allows: {why}")
+    try:
+        check_model_limits(cfg, build, source, flag="--", use_mtp_vanilla=use_mtp_vanilla)
+    except EngineError as e:
+        raise BuildError(str(e)) from None
 
 
 def validate_sharding(cfg: ModelConfig, build: BuildConfig, source: str) -> None:
@@ -88,21 +84,6 @@ def validate_sharding(cfg: ModelConfig, build: BuildConfig, source: str) -> None
     for flag, value, field, total in divides:
         if total % value:
             raise BuildError(f"{flag} {value} does not divide {field} ({total}) of {source}")
-
-
-def max_draft_len_allowed(cfg: ModelConfig, backend: str, use_mtp_vanilla: bool = False) -> tuple[int, str]:
-    """Largest draft length and the rule behind it.
-
-    native: the MTP module is re-run on its own output, so any k up to MAX_DRAFT_LEN once there is one.
-    trtllm: MTP Eagle (one released MTP layer, not use_mtp_vanilla) re-runs it the same way; vanilla
-    MTP runs the layers in sequence, so k <= num_nextn_predict_layers.
-    """
-    n = cfg.num_nextn_predict_layers
-    if n == 0:
-        return 0, "num_nextn_predict_layers is 0 (no MTP layer to draft with)"
-    if backend == "trtllm" and (use_mtp_vanilla or n > 1):
-        return n, f"TensorRT-LLM's vanilla MTP drafts one token per MTP layer (num_nextn_predict_layers {n})"
-    return MAX_DRAFT_LEN, f"the MTP module is re-run per draft token, up to a cap of {MAX_DRAFT_LEN}"
 
 
 # ---- names ---------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from runtime import kernels
-from runtime.checkpoint import SCALE_SUFFIX, CheckpointError, HFCheckpoint  # FP8: `<name>` + `<name>_scale_inv`
+from runtime.checkpoint import SCALE_SUFFIX, CheckpointError, HFCheckpoint, check_finite  # FP8: `<name>` + `<name>_scale_inv`
 from runtime.config import ConfigError, ModelConfig, is_int
 from runtime.fp8 import dequantize_block_fp8, dequantize_tensor_fp8
 from runtime.model import MLA, MLP, DecoderLayer, DeepseekV3ForCausalLM, MoE, MTPLayer, PackedLinear, RMSNorm, rope_inv_freq
@@ -39,6 +39,7 @@ QUANT_ALGOS = (None, "FP8_BLOCK_SCALES", "FP8")
 BACKENDS = ("native", "trtllm")
 HF_MAX_SEQ_LEN = 4096  # cap on max_seq_len when a plain HF checkpoint is loaded
 HF_MAX_DRAFT_LEN = 4  # draft length given to a plain HF checkpoint that has an MTP layer
+MAX_DRAFT_LEN = 8  # cap when one MTP module is re-run per draft token (native runtime, TRT-LLM MTP Eagle)
 
 
 class EngineError(ValueError):
@@ -119,6 +120,33 @@ class LoadedEngine:
     tokenizer_dir: Path
     path: Path
     built: bool = True  # False for a plain HF checkpoint: its limits are defaults, not build choices
+
+
+# ---- limits the model bounds (checked at build and again at load: engine.json can be edited) ---------
+def check_model_limits(cfg: ModelConfig, build: BuildConfig, source: str, flag: str = "",
+                       use_mtp_vanilla: bool = False) -> None:
+    """EngineError naming the limit (as `flag` + field, "--" for build_engine's flags) the model cannot serve."""
+    if build.max_seq_len > cfg.max_position_embeddings:
+        raise EngineError(f"{flag}max_seq_len {build.max_seq_len} exceeds max_position_embeddings "
+                          f"({cfg.max_position_embeddings}) of {source}")
+    allowed, why = max_draft_len_allowed(cfg, build.backend, use_mtp_vanilla)
+    if build.max_draft_len > allowed:
+        raise EngineError(f"{flag}max_draft_len {build.max_draft_len} exceeds {allowed}, the most {source} allows: {why}")
+
+
+def max_draft_len_allowed(cfg: ModelConfig, backend: str, use_mtp_vanilla: bool = False) -> tuple[int, str]:
+    """Largest draft length and the rule behind it.
+
+    native: the MTP module is re-run on its own output, so any k up to MAX_DRAFT_LEN once there is one.
+    trtllm: MTP Eagle (one released MTP layer, not use_mtp_vanilla) re-runs it the same way; vanilla
+    MTP runs the layers in sequence, so k <= num_nextn_predict_layers.
+    """
+    n = cfg.num_nextn_predict_layers
+    if n == 0:
+        return 0, "num_nextn_predict_layers is 0 (no MTP layer to draft with)"
+    if backend == "trtllm" and (use_mtp_vanilla or n > 1):
+        return n, f"TensorRT-LLM's vanilla MTP drafts one token per MTP layer (num_nextn_predict_layers {n})"
+    return MAX_DRAFT_LEN, f"the MTP module is re-run per draft token, up to a cap of {MAX_DRAFT_LEN}"
 
 
 # ---- how tensors are split across ranks (shared by the converter and the loader) -----------
@@ -255,6 +283,7 @@ class EngineManifest:
                 f"{path}: content_hash does not match the model_config, build and file hashes it lists; "
                 "engine.json was edited or is corrupt, rebuild the engine"
             )
+        check_model_limits(model_config, build, f"{path}: field 'model_config'")
         return manifest
 
     def verify_files(self, engine_dir: Path, hashes: bool = True) -> None:
@@ -497,6 +526,8 @@ def _load_ranks(model: DeepseekV3ForCausalLM, engine_dir: Path, files: Sequence[
                         filled[name] += _copy_shard(file, f, keys, name, full, build, rank)
             except SafetensorError as e:
                 raise EngineError(f"{file}: invalid safetensors file ({e})") from None
+            except CheckpointError as e:
+                raise EngineError(str(e)) from None
     for name, p in params.items():
         if filled[name] != p.numel():
             raise EngineError(f"{engine_dir}: tensor {name!r} is missing from the rank files")
@@ -509,10 +540,12 @@ def _copy_shard(file: Path, f, keys: set[str], name: str, full: Tensor, build: B
     want = shard_shape(name, full.shape, build)
     if tuple(stored) != want:
         raise EngineError(f"{file}: tensor {name!r} has shape {list(stored)}, expected {list(want)}")
-    t = f.get_tensor(name)
+    t = check_finite(f.get_tensor(name), name, file)
     if target.shape != t.shape:  # the padded tail of the vocabulary
         t = t[tuple(slice(0, n) for n in target.shape)]
     scale = f.get_tensor(name + SCALE_SUFFIX) if name + SCALE_SUFFIX in keys else None
+    if scale is not None:
+        check_finite(scale, name + SCALE_SUFFIX, file)
     if scale is None:
         if t.dtype == torch.float8_e4m3fn:  # raw FP8 codes read as values would be a silently wrong model
             raise EngineError(f"{file}: FP8 tensor {name!r} has no {name + SCALE_SUFFIX!r}")

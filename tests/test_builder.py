@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import builder.convert as convert
+from builder.atomic import owned_tempdir, remove_stale
 import builder.engine as engine_builder
 from builder.cli import main
 from builder.convert import BuildError, _Source, _stored_piece, convert_checkpoint, rank_layout
@@ -26,6 +30,7 @@ from runtime.config import ModelConfig
 from runtime.engine import BuildConfig, EngineError, load_engine
 from runtime.fp8 import FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8
 
+ROOT = Path(__file__).resolve().parents[1]
 LIMITS = dict(max_seq_len=256)  # the tiny model's max_position_embeddings
 
 
@@ -441,6 +446,22 @@ def test_error_draft_len(tiny_checkpoint, hf, tmp_path, capsys):
     assert load_engine(out).build.max_draft_len == 0
 
 
+def test_checkpoint_declaring_mtp_without_its_weights(tiny_checkpoint, tmp_path, capsys):
+    """A fine-tuned model as transformers saves it (config with MTP, files without): it builds without MTP by
+    default, and an explicit draft length is refused naming the reason."""
+    src = tiny_checkpoint("saved", tiny_config_dict(num_nextn_predict_layers=0))
+    (src / "config.json").write_text(json.dumps({**json.loads((src / "config.json").read_text()),
+                                                  "num_nextn_predict_layers": 1}))
+    out = tmp_path / "out"
+    assert error(capsys, "--model_dir", src, "--output_dir", out, "--max_seq_len", 256, "--max_draft_len", 2) == (
+        f"build_engine: error: --max_draft_len 2: {src} stores no MTP weights although its config.json declares MTP "
+        "layers (as transformers' save_pretrained leaves a fine-tuned model), so there is nothing to draft with; build "
+        "with --max_draft_len 0")
+    assert cli("--model_dir", src, "--output_dir", out, "--max_seq_len", 256) == 0
+    loaded = load_engine(out)
+    assert loaded.build.max_draft_len == 0 and loaded.model_config.num_nextn_predict_layers == 0
+
+
 def test_trtllm_checkpoint_without_max_draft_len(hf, tmp_path):
     """A speculative_decoding section without max_draft_len reads as k = 0 (it was a KeyError traceback)."""
     ckpt = convert_checkpoint(hf, tmp_path / "ckpt", BuildConfig(**LIMITS), progress=False)
@@ -509,12 +530,53 @@ def test_error_file_system_refusals(hf, tmp_path, capsys):
         f"build_engine: error: {tmp_path / 'link'}: output directory already exists; pass --force to replace it")
 
 
-def test_temporaries_of_a_killed_build_are_reported(hf, tmp_path, capsys):
-    """SIGKILL leaves the hidden temporary directories behind; the next build says so."""
-    (tmp_path / ".out.tmp-abc123").mkdir()
-    assert cli("--model_dir", hf, "--output_dir", tmp_path / "out", "--max_seq_len", 256) == 0
-    assert (f"build_engine: warning: {tmp_path / '.out.tmp-abc123'} was left by an interrupted build (killed before "
-            "it could clean up); delete it to free its space") in capsys.readouterr().err
+def _killed_owner(parent: Path, prefix: str, rename_aside: Path | None = None) -> None:
+    """A process that makes an owned temporary (and optionally renames an output aside, as atomic_dir does
+    while replacing it) and dies by SIGKILL inside it, as a build killed mid-way."""
+    code = (f"import os, signal\nfrom pathlib import Path\nfrom builder.atomic import owned_tempdir\n"
+            f"with owned_tempdir(Path({str(parent)!r}), {prefix!r}) as tmp:\n"
+            f"    (tmp / 'rank0.safetensors').write_bytes(b'x' * 1000)\n"
+            + (f"    os.rename({str(rename_aside)!r}, str(tmp) + '.old')\n" if rename_aside else "")
+            + "    os.kill(os.getpid(), signal.SIGKILL)\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT)
+    assert done.returncode == -signal.SIGKILL
+
+
+def test_temporaries_of_a_killed_build_are_removed(hf, tmp_path, capsys):
+    """SIGKILL leaves hidden temporaries behind; the next build removes those it can prove stale (nobody holds
+    their lock), leaves a build in progress alone, and only reports what it cannot prove."""
+    out = tmp_path / "out"
+    _killed_owner(tmp_path, ".out.tmp-")
+    _killed_owner(tmp_path, ".out.ckpt-")
+    killed = sorted(p for p in tmp_path.iterdir() if p.is_dir())
+    assert len(killed) == 2
+    (tmp_path / ".out.tmp-abc123").mkdir()  # an older version's leftover: no lock file
+    with owned_tempdir(tmp_path, ".out.tmp-") as live:  # a concurrent build's
+        capsys.readouterr()
+        assert cli("--model_dir", hf, "--output_dir", out, "--max_seq_len", 256) == 0
+        err = capsys.readouterr().err
+        assert live.is_dir()
+    for leftover in killed:
+        assert f"build_engine: removed {leftover}, left by a killed build" in err and not leftover.exists()
+    assert (f"build_engine: {tmp_path / '.out.tmp-abc123'} was left by an interrupted build without a lock to prove "
+            "it stale; delete it to free its space") in err
+    assert str(live) not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.tmp-abc123", "out"]
+
+
+def test_output_renamed_aside_by_a_killed_build_is_restored(hf, tmp_path, capsys):
+    """Killed between moving the old output aside and moving the new one in: the old output comes back."""
+    out = tmp_path / "out"
+    assert cli("--model_dir", hf, "--output_dir", out, "--max_seq_len", 256) == 0
+    before = (out / "engine.json").read_text()
+    _killed_owner(tmp_path, ".out.tmp-", rename_aside=out)
+    assert not out.exists()
+    (aside,) = tmp_path.glob(".out.tmp-*.old")
+    tmp = aside.with_name(aside.name.removesuffix(".old"))
+    assert remove_stale(out) == [f"{out} was renamed aside to {aside.name} by a killed build; restored it",
+                                 f"removed {tmp}, left by a killed build"]
+    assert (out / "engine.json").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def test_error_trtllm_backend_fp8_weights_without_quantization_config(hf_fp8, tmp_path, capsys):

@@ -13,6 +13,7 @@ import torch
 from builder.convert import convert_checkpoint
 from builder.engine import build_engine
 from conftest import tiny_config_dict, write_tiny_checkpoint
+from runtime.config import ModelConfig
 from runtime.engine import (
     BuildConfig,
     EngineError,
@@ -221,3 +222,41 @@ def test_split_rule():
     # a vocabulary of 66 over 4 ranks: 17 rows each, the last rank holds 15 real ones
     assert shard_index("lm_head.weight", (66, 32), b, 3) == (slice(51, 66), slice(None))
     assert shard_shape("lm_head.weight", (66, 32), b) == (17, 32)
+
+
+def _rewrite_manifest(engine: Path, edit) -> None:
+    """Edit engine.json and give it the matching content hash, as a determined editor would."""
+    from runtime.engine import EngineManifest
+
+    raw = json.loads((engine / "engine.json").read_text())
+    edit(raw)
+    raw["content_hash"] = EngineManifest(
+        ModelConfig.from_dict(raw["model_config"]), BuildConfig.from_dict(raw["build"], "b"), tuple(raw["weights"]),
+        raw["files"], raw["builder_version"]).content_hash
+    (engine / "engine.json").write_text(json.dumps(raw))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("max_seq_len", 512, "max_seq_len 512 exceeds max_position_embeddings (256) of {src}"),
+    ("max_draft_len", 9, "max_draft_len 9 exceeds 8, the most {src} allows: the MTP module is re-run per draft "
+                         "token, up to a cap of 8"),
+])
+def test_loader_checks_limits_against_the_model(engine, field, value, message):
+    """The build's limits are checked against the model at load too: a hash is no signature."""
+    _rewrite_manifest(engine, lambda raw: raw["build"].__setitem__(field, value))
+    with pytest.raises(EngineError) as e:
+        load_engine(engine)
+    assert str(e.value) == message.format(src=f"{engine / 'engine.json'}: field 'model_config'")
+
+
+def test_refuses_non_finite_weights_in_rank_files(engine):
+    from safetensors.torch import load_file, save_file
+
+    rank1 = engine / "rank1.safetensors"
+    tensors = load_file(rank1)
+    name = "lm_head.weight"  # split over ranks, so rank 1 holds a piece
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, rank1, metadata={"format": "pt"})
+    with pytest.raises(EngineError) as e:
+        load_engine(engine, verify=False)
+    assert str(e.value) == f"{rank1}: tensor {name!r} holds NaN or infinite values"
