@@ -8,6 +8,7 @@ iterators, and frees a cancelled request's blocks at once.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import os
@@ -34,6 +35,19 @@ from runtime.worker import ModelRunner, StepResult
 __all__ = ["Executor", "ExecutorConfig", "ExecutorStats", "RequestHandle", "RequestOutput", "RequestStats"]
 
 log = logging.getLogger("runtime.executor")
+
+_live: set[Executor] = set()  # started and not shut down
+
+
+@atexit.register
+def _shutdown_live() -> None:
+    """Stop the step loops of executors left open, before the interpreter finalizes: a daemon thread that
+    then takes the GIL back (after a kernel or any torch op that released it) is ended by pthread_exit, whose
+    unwinding through C++ frames aborts the process ("terminate called without an active exception").
+    Plain atexit, not threading._register_atexit: that runs before non-daemon threads are joined, and
+    those may still be generating."""
+    for executor in list(_live):
+        executor.shutdown(timeout=None)
 
 
 @dataclass(frozen=True)
@@ -99,6 +113,7 @@ class Executor:
         self._submit_lock = threading.Lock()  # a submit either lands before shutdown or is refused
         self._thread = threading.Thread(target=self._loop, name="executor", daemon=True)
         self._thread.start()
+        _live.add(self)
 
     def _limit(self, name: str, asked: int | None, built: int) -> int:
         """An engine's limits are what it was built for; a plain checkpoint's are only defaults."""
@@ -165,11 +180,15 @@ class Executor:
         with self._inbox.mutex:
             return sum(kind == "add" for kind, _ in self._inbox.queue)
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = 30) -> None:
+        """End what is in flight ("cancelled") and stop the step loop, waiting up to `timeout` seconds for
+        the step under way (None: until it ends). Calling it again does nothing more."""
         with self._submit_lock:
             self._stopping = True
         self._wake.set()
-        self._thread.join(timeout=30)
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            _live.discard(self)
 
     def __enter__(self) -> "Executor":
         return self

@@ -76,6 +76,8 @@ class Session:
                 handle.cancel()
 
     def close(self) -> None:
+        """Stop the executor (requests in flight end "cancelled"); a second call does nothing. A native
+        executor left open is stopped at interpreter exit (runtime.executor._shutdown_live)."""
         self.executor.shutdown()
 
     def __enter__(self) -> "Session":

@@ -46,8 +46,9 @@ constexpr int64_t kLanes = 16;   // floats per AVX-512 register; weights are pac
 // One job at a time; a nested call, or one made while another thread's job runs, runs on its caller alone.
 class Pool {
  public:
-  // Never destroyed: its sleeping workers just end with the process. A forked child starts a new one (the
-  // parent's workers do not exist there, and a lock one of them held would stay held).
+  // Leaked on purpose: no destructor runs at exit to meet joinable workers (std::terminate); its workers, idle at
+  // exit (runtime.executor stops its step loops first), just end with the process. A forked child starts a new
+  // one (the parent's workers do not exist there, and a lock one of them held would stay held).
   static Pool& get() {
     static std::once_flag once;
     std::call_once(once, [] { pthread_atfork(nullptr, nullptr, [] { instance().store(nullptr); }); });
