@@ -23,7 +23,7 @@ import torch
 
 from runtime.cuda_graphs import DecodeGraphs
 from runtime.engine import LoadedEngine, load_engine
-from runtime.kv_cache import KVCache
+from runtime.kv_cache import KVCache, free_memory_bytes
 from runtime.sampling import RelaxedAcceptance, SamplingParams
 from runtime.scheduler import DraftPolicy, Scheduler, SchedulerConfig, StepCosts
 from runtime.outputs import (ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestStats, RequestTracker,
@@ -50,16 +50,23 @@ def _shutdown_live() -> None:
         executor.shutdown(timeout=None)
 
 
+DEFAULT_DRAFT_TOKENS = 3  # when num_draft_tokens is not given and the model can draft
+
+
 @dataclass(frozen=True)
 class ExecutorConfig:
     """Serving settings; limits left as None come from the engine and may not exceed it."""
 
-    num_draft_tokens: int = 3
+    num_draft_tokens: int | None = None  # None: DEFAULT_DRAFT_TOKENS (at most the engine's), 0 without MTP
     speculation: str = "adaptive"  # "off" | "fixed" | "adaptive"
     max_batch_size: int | None = None
     max_num_tokens: int | None = None
     max_seq_len: int | None = None
-    kv_cache_tokens: int | None = None  # cache capacity in tokens (default: max_batch_size x max_seq_len)
+    # cache capacity in tokens (default: max_batch_size x max_seq_len, within free_memory_fraction)
+    kv_cache_tokens: int | None = None
+    # share of the memory free once the weights are loaded that the KV cache may take, as TensorRT-LLM's
+    # kv_cache_config.free_gpu_memory_fraction (on CPU: of MemAvailable, within a container's limit)
+    free_memory_fraction: float = 0.9
     device: str = "cpu"
     dtype: str | None = None
     relaxed_acceptance: RelaxedAcceptance | None = None
@@ -67,12 +74,32 @@ class ExecutorConfig:
     cuda_graphs: bool = True  # on CUDA: forwards of <= 512 new tokens per sequence replay graphs (decodes': at start)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 0:
-            raise ValueError(f"num_draft_tokens must be an integer >= 0, got {self.num_draft_tokens!r}")
+        k = self.num_draft_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
+            raise ValueError(f"num_draft_tokens must be an integer >= 0, got {k!r}")
+        if self.speculation not in ("off", "fixed", "adaptive"):
+            raise ValueError(f"speculation must be 'off', 'fixed' or 'adaptive', got {self.speculation!r}")
         for name in ("max_batch_size", "max_num_tokens", "max_seq_len", "kv_cache_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not (isinstance(self.free_memory_fraction, (int, float)) and 0 < self.free_memory_fraction <= 1):
+            raise ValueError(f"free_memory_fraction must be in (0, 1], got {self.free_memory_fraction!r}")
+
+    def draft_len(self, max_draft_len: int, mtp_layers: int, source: str, built: bool = True) -> int:
+        """The draft length to serve with (0: plain decoding): num_draft_tokens, or by default as many as the
+        engine allows up to DEFAULT_DRAFT_TOKENS; ValueError naming num_draft_tokens where the model cannot."""
+        if self.speculation == "off":
+            return 0
+        k = self.num_draft_tokens
+        if k is None:
+            return min(DEFAULT_DRAFT_TOKENS, max_draft_len) if mtp_layers else 0
+        if k and mtp_layers == 0:
+            raise ValueError(f"num_draft_tokens {k}: {source} has no MTP layer to draft with (num_nextn_predict_layers "
+                             "is 0, or the checkpoint stores no MTP weights); use num_draft_tokens=0")
+        if k > max_draft_len and built:
+            raise ValueError(f"num_draft_tokens {k} exceeds the engine's max_draft_len {max_draft_len} ({source})")
+        return k
 
 
 class Executor:
@@ -85,17 +112,14 @@ class Executor:
             max_batch_size=self._limit("max_batch_size", config.max_batch_size, build.max_batch_size),
             max_num_tokens=self._limit("max_num_tokens", config.max_num_tokens, build.max_num_tokens),
             max_seq_len=self._limit("max_seq_len", config.max_seq_len, build.max_seq_len))
-        k = config.num_draft_tokens if config.speculation != "off" else 0
-        if k > build.max_draft_len and self.engine.built:
-            raise ValueError(f"num_draft_tokens {k} exceeds the engine's max_draft_len {build.max_draft_len} "
-                             f"({self.engine.path})")
-        if k and cfg.num_nextn_predict_layers == 0:
-            raise ValueError(f"{self.engine.path}: the model has no MTP layer; use num_draft_tokens=0")
+        k = config.draft_len(build.max_draft_len, cfg.num_nextn_predict_layers, str(self.engine.path), self.engine.built)
+        self.model_config = cfg
         self.tokenizer = Tokenizer.from_dir(self.engine.tokenizer_dir)
         block = build.kv_block_size
-        capacity = config.kv_cache_tokens or self.limits.max_batch_size * (self.limits.max_seq_len + k + block)
-        self.cache = KVCache(cfg, num_blocks=-(-capacity // block) + 1, block_size=block,
-                             dtype=next(self.engine.model.parameters()).dtype, device=config.device)
+        dtype = next(self.engine.model.parameters()).dtype
+        capacity = self._kv_capacity(KVCache.bytes_per_token(cfg, dtype), k, block)
+        self.cache = KVCache(cfg, num_blocks=-(-capacity // block) + 1, block_size=block, dtype=dtype,
+                             device=config.device)
         graphs = DecodeGraphs(self.engine.model, self.cache) if config.cuda_graphs and self.cache.tensor.is_cuda else None
         if graphs is not None:
             graphs.capture_decodes(self.limits.max_batch_size, k + 1, self.limits.max_seq_len, mtp=k > 0)
@@ -110,10 +134,37 @@ class Executor:
         self._counts = dict(finished=0, generated=0, drafted=0, accepted=0)
         self._ids = RequestIds()
         self._stopping = False
+        self._error: str | None = None  # why the step loop stopped, if it failed
+        self._progress = time.monotonic()  # when the step loop last began a step (or an idle wait)
         self._submit_lock = threading.Lock()  # a submit either lands before shutdown or is refused
         self._thread = threading.Thread(target=self._loop, name="executor", daemon=True)
         self._thread.start()
         _live.add(self)
+
+    def _kv_capacity(self, bytes_per_token: int, k: int, block: int) -> int:
+        """KV cache tokens: kv_cache_tokens, or room for max_batch_size sequences of max_seq_len, within
+        free_memory_fraction of the memory free now (the weights loaded). A cache the memory cannot hold, or
+        one that cannot hold a single max_seq_len sequence, is refused naming the setting, before anything is
+        allocated: an allocator error or the OOM killer names nothing."""
+        config, limits = self.config, self.limits
+        free = free_memory_bytes(torch.device(config.device))
+        budget = None if free is None else int(free * config.free_memory_fraction) // bytes_per_token
+        where = (f"{budget} tokens of {bytes_per_token} bytes fit in free_memory_fraction {config.free_memory_fraction} "
+                 f"of the {free / 2**30:.1f} GiB free on {config.device}")
+        if config.kv_cache_tokens is not None:
+            if budget is not None and config.kv_cache_tokens > budget:
+                raise ValueError(f"kv_cache_tokens {config.kv_cache_tokens} does not fit: {where}")
+            return config.kv_cache_tokens
+        one = limits.max_seq_len + k + block
+        if budget is not None and budget < one:
+            raise ValueError(f"max_seq_len {limits.max_seq_len} does not fit: one sequence needs {one} tokens of KV "
+                             f"cache and {where}; lower max_seq_len (or rebuild with a smaller --max_seq_len)")
+        wanted = limits.max_batch_size * one
+        if budget is not None and wanted > budget:
+            log.info("KV cache: %d tokens, not the %d of max_batch_size %d x max_seq_len %d: %s", budget, wanted,
+                     limits.max_batch_size, limits.max_seq_len, where)
+            return budget
+        return wanted
 
     def _limit(self, name: str, asked: int | None, built: int) -> int:
         """An engine's limits are what it was built for; a plain checkpoint's are only defaults."""
@@ -127,7 +178,7 @@ class Executor:
     # ---- public API ---------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the parameter when this request cannot run here."""
-        validate_request(prompt_token_ids, params, self.engine.model_config.vocab_size, self.limits.max_seq_len)
+        validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.limits.max_seq_len)
         # The last token is emitted, never cached, and drafts stop short of it: prompt + max_tokens - 1 positions.
         need = self.cache.blocks_for(len(prompt_token_ids) + params.max_tokens - 1)
         if need > self.cache.allocator.num_blocks:
@@ -174,6 +225,18 @@ class Executor:
             requests_finished=c["finished"], generated_tokens=c["generated"], draft_tokens=c["drafted"],
             accepted_draft_tokens=c["accepted"], current_draft_len=self.scheduler.last_k,
             acceptance_estimate=self.policy.acceptance)
+
+    def health(self, timeout_s: float) -> str | None:
+        """None while the step loop serves; else why not: it stopped, or it has been inside one step for longer
+        than timeout_s (a stuck kernel or callback). A server's watchdog polls this (serving.watchdog)."""
+        if self._error is not None or not self._thread.is_alive():
+            return self._error or "the executor has shut down"
+        stalled = time.monotonic() - self._progress
+        if stalled > timeout_s and (self.scheduler.has_work() or self._submitted_not_seen()):
+            waiting = len(self.scheduler.waiting) + self._submitted_not_seen()
+            return (f"the executor's step loop has made no progress for {stalled:.1f} s "
+                    f"({len(self.scheduler.running)} requests running, {waiting} waiting)")
+        return None
 
     def _submitted_not_seen(self) -> int:
         """Requests in the inbox (not its cancels), which the step loop has not taken yet."""
@@ -251,10 +314,11 @@ class Executor:
         error = None
         try:
             while not self._stopping:
+                self._progress = time.monotonic()
                 self._step()
         except Exception as e:  # a bug of ours outside a model step: end every request, never leave one hanging
             log.exception("executor loop failed; no new requests are accepted")
-            error = f"executor stopped: {type(e).__name__}: {e}"
+            error = self._error = f"executor stopped: {type(e).__name__}: {e}"
             with self._submit_lock:
                 self._stopping = True
         self._drain_inbox()  # submitted but never scheduled: ended too, never lost

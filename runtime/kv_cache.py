@@ -7,6 +7,8 @@ own cache at the same positions, through the same block table).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from runtime.config import ModelConfig
@@ -83,3 +85,21 @@ class KVCache:
     def release(self, block_table: list[int]) -> None:
         self.allocator.free(block_table)
         block_table.clear()
+
+
+def free_memory_bytes(device: torch.device) -> int | None:
+    """Memory this process can still take on `device`: CUDA's free memory; on CPU, the kernel's MemAvailable,
+    lowered to what the cgroup (a container's limit, where its OOM killer acts) leaves; None where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+    except OSError:
+        return None
+    free = next((int(line.split()[1]) * 1024 for line in meminfo.splitlines() if line.startswith("MemAvailable:")), None)
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+    except (OSError, ValueError):
+        return free
+    return free if limit == "max" or free is None else min(free, int(limit) - used)

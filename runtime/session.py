@@ -30,10 +30,12 @@ class GenerationResult:
 
 
 class Session:
-    def __init__(self, path: str | Path, num_draft_tokens: int = 3, speculation: str = "fixed",
+    def __init__(self, path: str | Path, num_draft_tokens: int | None = None, speculation: str = "fixed",
                  device: str = "cpu", dtype: str | None = None, **limits: int | None):
         """`speculation` 'fixed' drafts num_draft_tokens every step; 'adaptive' picks up to that many
-        per step from the batch size and measured acceptance; num_draft_tokens=0 is plain decoding.
+        per step from the batch size and measured acceptance; num_draft_tokens=0 is plain decoding, None
+        drafts 3 where the model has an MTP layer (at most the engine's max_draft_len) and none where not.
+        `limits` are ExecutorConfig's (max_batch_size, kv_cache_tokens, free_memory_fraction, ...).
         An engine built with --backend trtllm runs on TensorRT-LLM (runtime.trtllm_executor)."""
         mode = "off" if num_draft_tokens == 0 else speculation
         self.executor = create_executor(path, ExecutorConfig(num_draft_tokens=num_draft_tokens, speculation=mode,

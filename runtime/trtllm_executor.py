@@ -214,15 +214,7 @@ def llm_kwargs_for(options: Mapping[str, Any], manifest: EngineManifest, config:
             kwargs.setdefault("kv_cache_config", {})["max_tokens"] = config.kv_cache_tokens
         if config.dtype is not None:
             kwargs["dtype"] = config.dtype
-        if config.speculation not in ("off", "fixed", "adaptive"):
-            raise ValueError(f"speculation must be 'off', 'fixed' or 'adaptive', got {config.speculation!r}")
-        k = config.num_draft_tokens if config.speculation != "off" else 0
-        if not isinstance(k, int) or k < 0:
-            raise ValueError(f"num_draft_tokens must be an integer >= 0, got {k!r}")
-        if k > build.max_draft_len:
-            raise ValueError(f"num_draft_tokens {k} exceeds the engine's max_draft_len {build.max_draft_len}")
-        if k and cfg.num_nextn_predict_layers == 0:
-            raise ValueError("the model has no MTP layer; use num_draft_tokens=0")
+        k = config.draft_len(build.max_draft_len, cfg.num_nextn_predict_layers, source)
         if k == 0:
             kwargs.pop("speculative_config", None)
         else:
@@ -446,6 +438,13 @@ class TrtllmExecutor:
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self._loop)
         self._loop.run_forever()
+
+    def health(self, timeout_s: float) -> str | None:
+        """None while requests are served; else why not (a server's watchdog polls this). TensorRT-LLM's own
+        loop is not watched here: only this adapter's event loop thread."""
+        if self._closed or not self._thread.is_alive():
+            return "the TensorRT-LLM executor has shut down"
+        return None
 
     # ---- public API ---------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

@@ -15,9 +15,12 @@ import threading
 import time
 
 import pytest
+import torch
 
+from conftest import tiny_config_dict
 from runtime.engine import load_engine
 from runtime.executor import Executor, ExecutorConfig, RequestOutput
+from runtime.kv_cache import free_memory_bytes
 from runtime.sampling import SamplingParams
 from runtime.scheduler import DraftPolicy, Scheduler, StepCosts
 from runtime.worker import StepResult
@@ -1000,3 +1003,76 @@ def test_draft_policy_explores_the_draft_lengths_next_to_its_choice() -> None:
     policy.acceptance_by_depth = [0.9, 0.9, 0.05]  # rates 1, 1.46, 1.69, 1.45 x plain: k = 2
     picks = [policy.choose(1) for _ in range(n)]
     assert picks[every] == [3, 1, 3, 1] and set(chosen(picks)) == {2}
+
+
+# ---- draft length defaults, KV cache sizing, health -------------------------------------------
+def test_default_draft_length_follows_the_model(engine, tiny_checkpoint) -> None:
+    """num_draft_tokens left unset drafts up to 3 (at most the engine's max) where the model has MTP and nothing
+    where it has none; asked for explicitly on a model without MTP, it is refused naming the reason."""
+    with Executor(engine, ExecutorConfig(speculation="fixed")) as ex:
+        assert ex.policy.max_k == 3
+    no_mtp = load_engine(tiny_checkpoint("nomtp", tiny_config_dict(num_nextn_predict_layers=0)))
+    with Executor(no_mtp, ExecutorConfig()) as ex:
+        assert ex.policy.max_k == 0 and ex.policy.mode == "off"
+    with pytest.raises(ValueError) as e:
+        Executor(no_mtp, ExecutorConfig(num_draft_tokens=2))
+    assert str(e.value) == (f"num_draft_tokens 2: {no_mtp.path} has no MTP layer to draft with "
+                            "(num_nextn_predict_layers is 0, or the checkpoint stores no MTP weights); "
+                            "use num_draft_tokens=0")
+
+
+def test_kv_cache_is_sized_from_free_memory(engine, prompts, alone) -> None:
+    """max_batch_size 100000000 built, then died at load with a raw allocator error: the cache now takes at most
+    free_memory_fraction of the memory free after the weights, and what cannot fit is refused naming the setting."""
+    fraction = 0.002  # of this machine's free memory: a few tens of MB
+    config = ExecutorConfig(speculation="off", max_batch_size=100_000_000, free_memory_fraction=fraction)
+    with Executor(engine, config) as ex:
+        per_token = ex.cache.tensor[:, 0].numel() * ex.cache.tensor.element_size()
+        assert ex.cache.tensor.numel() * ex.cache.tensor.element_size() <= 1.05 * fraction * free_memory_bytes(
+            torch.device("cpu")) + 2 * ex.cache.block_size * per_token
+        assert ex.submit(prompts[0], SamplingParams(max_tokens=16)).result().token_ids == alone[0][:16]
+    with pytest.raises(ValueError) as e:
+        Executor(engine, ExecutorConfig(speculation="off", kv_cache_tokens=10**12))
+    assert str(e.value).startswith("kv_cache_tokens 1000000000000 does not fit: ")
+    assert "tokens of " in str(e.value) and " bytes fit in free_memory_fraction 0.9 of the " in str(e.value)
+    with pytest.raises(ValueError) as e:
+        Executor(engine, ExecutorConfig(speculation="off", free_memory_fraction=1e-12))
+    assert str(e.value).startswith("max_seq_len 256 does not fit: one sequence needs 272 tokens of KV cache and 0 "
+                                   "tokens of ")
+    assert str(e.value).endswith("; lower max_seq_len (or rebuild with a smaller --max_seq_len)")
+    with pytest.raises(ValueError, match=r"^free_memory_fraction must be in \(0, 1\], got 0$"):
+        ExecutorConfig(free_memory_fraction=0)
+
+
+def test_health_reports_a_stalled_or_stopped_step_loop(engine, prompts) -> None:
+    """What a server's watchdog polls: a step stuck past the timeout, or a loop that died, is reported with why."""
+    with Executor(engine, ExecutorConfig(speculation="off")) as ex:
+        assert ex.health(timeout_s=1.0) is None
+        release, step = threading.Event(), ex.runner.step
+        ex.runner.step = lambda plan: release.wait(30) and step(plan)
+        handle = ex.submit(prompts[0], SamplingParams(max_tokens=4))
+        wait_until(lambda: ex.health(timeout_s=0.2) is not None, what="a stall report")
+        assert ex.health(timeout_s=0.2).startswith("the executor's step loop has made no progress for ")
+        assert ex.health(timeout_s=0.2).endswith(" s (1 requests running, 0 waiting)")
+        release.set()
+        assert handle.result(30).finish_reason == "length"
+        wait_until(lambda: ex.health(timeout_s=0.2) is None, what="recovery")
+        ex.scheduler.schedule = lambda: 1 / 0  # a bug outside a model step ends the loop
+        ex.submit(prompts[1], SamplingParams(max_tokens=4))
+        wait_until(lambda: ex.health(timeout_s=60) is not None, what="the loop's end")
+        assert ex.health(timeout_s=60) == "executor stopped: ZeroDivisionError: division by zero"
+
+
+def test_watchdog_calls_on_failure_once_with_the_reason() -> None:
+    from serving.watchdog import Watchdog
+
+    failures: list[str] = []
+    state = {"stuck": None}
+    dog = Watchdog({"loop": lambda: state["stuck"]}, failures.append, period_s=0.01)
+    time.sleep(0.1)
+    assert failures == [] and dog.failure is None
+    state["stuck"] = "no progress for 3 s"
+    wait_until(lambda: failures, what="the failure")
+    time.sleep(0.1)
+    assert failures == ["loop: no progress for 3 s"] and dog.failure == "loop: no progress for 3 s"
+    dog.stop()
