@@ -459,16 +459,34 @@ def _load_hf(path: Path, device: str | torch.device, dtype: str | torch.dtype | 
         ckpt = HFCheckpoint(path)
         cfg = ckpt.config
         ckpt.validate()  # headers only: names, shapes, dtypes
-        build = _as_loaded(BuildConfig(
-            max_seq_len=min(cfg.max_position_embeddings, HF_MAX_SEQ_LEN),
-            max_draft_len=HF_MAX_DRAFT_LEN if cfg.num_nextn_predict_layers else 0,
-            quant_algo="FP8_BLOCK_SCALES" if ckpt.quantized else None,
-        ), dtype)
+        build = _as_loaded(_checkpoint_limits(ckpt), dtype)
         model = _empty_model(cfg, device, build.torch_dtype)
         load_weights(model, ckpt.iter_tensors(dequantize=True, dtype=None), source=str(path))
     except (CheckpointError, ConfigError, WeightsError) as e:
         raise EngineError(str(e)) from e
     return LoadedEngine(model, cfg, build, path, path, built=False)
+
+
+def _checkpoint_limits(ckpt: HFCheckpoint) -> BuildConfig:
+    """What a plain checkpoint is served with: default limits within what the model allows."""
+    cfg = ckpt.config
+    return BuildConfig(max_seq_len=min(cfg.max_position_embeddings, HF_MAX_SEQ_LEN),
+                       max_draft_len=HF_MAX_DRAFT_LEN if cfg.num_nextn_predict_layers else 0,
+                       quant_algo="FP8_BLOCK_SCALES" if ckpt.quantized else None)
+
+
+def read_limits(path: str | Path) -> tuple[ModelConfig, BuildConfig]:
+    """The model config and the limits an executor on `path` (engine directory or HF checkpoint) starts from,
+    read without touching the weights."""
+    path = Path(path)
+    if (path / ENGINE_JSON).is_file():
+        manifest = EngineManifest.read(path)
+        return manifest.model_config, manifest.build
+    try:
+        ckpt = HFCheckpoint(path)
+    except (CheckpointError, ConfigError) as e:
+        raise EngineError(str(e)) from e
+    return ckpt.config, _checkpoint_limits(ckpt)
 
 
 def _as_loaded(build: BuildConfig, dtype: str | torch.dtype | None) -> BuildConfig:

@@ -137,6 +137,15 @@ class Tokenizer:
                          if len(t) == 6 and t.startswith("<0x") and t.endswith(">"))
 
     @cached_property
+    def max_token_bytes(self) -> int:
+        """Bytes of text the longest token stands for: n tokens never cover more than n times this, so text
+        longer than max_seq_len times this cannot fit the context, and is refused before it is tokenized."""
+        if self.is_byte_level:
+            return max(map(len, self.byte_table))
+        return max(len(self.backend.decode([i], skip_special_tokens=False).encode("utf-8"))
+                   for i in range(self.vocab_size))
+
+    @cached_property
     def byte_table(self) -> tuple[bytes, ...]:
         """id -> the bytes the ByteLevel decoder turns that token into, built once.
 

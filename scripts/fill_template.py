@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import stat
 import sys
 import tempfile
@@ -26,11 +27,14 @@ from string import Template
 
 # Upstream fills these two when not given, so dynamic_batching blocks stay valid.
 DEFAULTS = {"max_queue_size": "0", "max_queue_delay_microseconds": "0"}
+BOOLEANS = ("decoupled_mode",)  # bare booleans: true or false in any case (upstream writes False); protobuf text
+# would also read 0x0, 0 or f as false, so those are refused rather than guessed at
+BARE_VALUE = re.compile(r"[A-Za-z0-9_.,+-]+")  # numbers and lists of them: no space, quote, brace or colon
 
 # Placeholders of TensorRT-LLM backend's inflight_batcher_llm templates that ours do not have.
 UPSTREAM_ONLY = frozenset({
     "triton_backend", "batching_strategy", "max_beam_width", "max_attention_window_size", "sink_token_length",
-    "batch_scheduler_policy", "kv_cache_free_gpu_mem_fraction", "cross_kv_cache_fraction",
+    "batch_scheduler_policy", "cross_kv_cache_fraction",
     "kv_cache_host_memory_bytes", "kv_cache_onboard_blocks", "enable_trt_overlap", "iter_stats_max_iterations",
     "request_stats_max_iterations", "enable_kv_cache_reuse", "normalize_log_probs", "enable_chunked_context",
     "gpu_device_ids", "participant_ids", "lora_cache_optimal_adapter_size", "lora_cache_max_adapter_size",
@@ -83,14 +87,47 @@ def placeholders(template_text: str) -> set[str]:
     return {m.group("named") or m.group("braced") for m in tmpl.pattern.finditer(template_text)} - {None}
 
 
+def quoted_placeholders(template_text: str) -> set[str]:
+    """Placeholders that stand inside a "..." string of the protobuf text; the others stand bare (numbers,
+    booleans)."""
+    quoted = set()
+    for m in Template.pattern.finditer(template_text):
+        name = m.group("named") or m.group("braced")
+        line_start = template_text.rfind("\n", 0, m.start()) + 1
+        if name and template_text.count('"', line_start, m.start()) % 2:
+            quoted.add(name)
+    return quoted
+
+
+def check_value(key: str, value: str, quoted: bool, source: str) -> None:
+    """A value must stay inside its place in config.pbtxt: a quote or a line break would end the string and add
+    settings of its own (a `backend:` line, parameters), so values are refused, never escaped into meaning."""
+    if quoted:
+        bad = next((c for c in value if c in '"\\' or ord(c) < 0x20 or c == "\x7f"), None)
+        if bad is not None:
+            raise ValueError(f"{source}: {key}:{value!r}: a quote, backslash or control character ({bad!r}) cannot "
+                             "stand inside a config.pbtxt string")
+    elif key in BOOLEANS:
+        if value.lower() not in ("true", "false"):
+            raise ValueError(f"{source}: {key}:{value!r}: expected true or false")
+    elif not BARE_VALUE.fullmatch(value):
+        raise ValueError(f"{source}: {key}:{value!r}: expected a number or a list of them (letters, digits and "
+                         "'.,_+-' only: a space, quote, brace or colon would add settings of its own)")
+
+
 def fill(template_text: str, substitutions: dict[str, str], source: str = "template") -> str:
     """Return the template with `substitutions` (plus DEFAULTS) applied."""
     tmpl = Template(template_text)
-    missing = sorted(set(substitutions) - placeholders(template_text) - UPSTREAM_ONLY)
+    present = placeholders(template_text)
+    missing = sorted(set(substitutions) - present - UPSTREAM_ONLY)
     if missing:
         raise KeyError(f"{source}: no placeholder ${{{missing[0]}}} (keys not found: {', '.join(missing)})")
+    quoted = quoted_placeholders(template_text)
+    for key, value in substitutions.items():
+        if key in present:
+            check_value(key, value, key in quoted, source)
     decoupled = substitutions.get("decoupled_mode", "")
-    if '"gpt_model_path"' in template_text and decoupled.strip().lower() in ("false", "0", "no", "f", "n"):
+    if '"gpt_model_path"' in template_text and decoupled.lower() == "false":
         raise ValueError(f"{source}: decoupled_mode:{decoupled}: the tensorrt_llm model runs only decoupled (it "
                          "answers from the executor's thread); for unary ModelInfer clients deploy tensorrt_llm_bls "
                          "with decoupled_mode:false, which drives the decoupled tensorrt_llm")

@@ -25,6 +25,7 @@ import ctypes
 import importlib.util
 import itertools
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -40,6 +41,8 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 CONTAINER_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
+RESTRICTED_APIS = "shared-memory,model-repository,logging,trace"
+ADMIN_HEADER = "admin-key"
 SHM_DIR = Path("/dev/shm")
 PR_SET_PDEATHSIG = 1
 _prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the forked child only calls it
@@ -148,11 +151,21 @@ def server_env(install: TritonInstall, base: dict[str, str] | None = None) -> di
     return env
 
 
+def restricted_api_args(admin_api_key: str | None) -> list[str]:
+    """Keep the admin APIs (shared memory, model repository and control, logging, tracing) away from clients:
+    Triton serves them only to requests carrying the header `admin-key` (gRPC: `triton-grpc-protocol-admin-key`)
+    with this value; without one, with a random value nobody is told, so they are off. Shared-memory
+    registration let any client that reaches the port crash the server through a Python stub's own region."""
+    key = admin_api_key or secrets.token_hex(32)
+    return [f"--http-restricted-api={RESTRICTED_APIS}:{ADMIN_HEADER}={key}",
+            f"--grpc-restricted-protocol={RESTRICTED_APIS}:{ADMIN_HEADER}={key}"]
+
+
 def build_command(install: TritonInstall, backends: Path, model_repo: Path, *,
                   host: str, http_port: int, grpc_port: int, metrics_port: int, world_size: int = 1,
                   engine_model_names: Sequence[str] = ("tensorrt_llm",), log_verbose: int = 0,
                   exit_timeout_s: int = 10, shm_prefix: str = "dsv3_", mpirun: str = "mpirun",
-                  extra_args: Sequence[str] = ()) -> list[str]:
+                  admin_api_key: str | None = None, extra_args: Sequence[str] = ()) -> list[str]:
     """The tritonserver command line; with world_size > 1 an mpirun MPMD line with one
     tritonserver per rank, rank 0 serving and the others loading only the engine model(s)."""
     if world_size < 1:
@@ -171,6 +184,7 @@ def build_command(install: TritonInstall, backends: Path, model_repo: Path, *,
             "--allow-gpu-metrics=false",
             "--disable-auto-complete-config",
             f"--exit-timeout-secs={exit_timeout_s}",
+            *restricted_api_args(admin_api_key),
             # distinct per server and rank: python stubs of two servers must not share shm regions
             f"--backend-config=python,shm-region-prefix-name={shm_prefix}{rank}_",
         ]
@@ -274,8 +288,8 @@ class TritonServer:
 def start_server(model_repo: str | Path, *, http_port: int = 0, grpc_port: int = 0, metrics_port: int = 0,
                  host: str = "127.0.0.1", log_file: str | Path | None = None, log_verbose: int = 0,
                  world_size: int = 1, tritonserver: str | Path | None = None, ready_timeout_s: float = 300.0,
-                 exit_timeout_s: int = 10, extra_args: Sequence[str] = (), capture_output: bool = True,
-                 env: dict[str, str] | None = None) -> TritonServer:
+                 exit_timeout_s: int = 10, admin_api_key: str | None = None, extra_args: Sequence[str] = (),
+                 capture_output: bool = True, env: dict[str, str] | None = None) -> TritonServer:
     """Start tritonserver on `model_repo` and wait until it is ready; ports 0 pick free ones.
 
     Server output goes to `log_file`; without one, to a file in the private work directory when
@@ -301,7 +315,7 @@ def start_server(model_repo: str | Path, *, http_port: int = 0, grpc_port: int =
         cmd = build_command(install, backends, model_repo, host=host, http_port=http_port,
                             grpc_port=grpc_port, metrics_port=metrics_port, world_size=world_size,
                             log_verbose=log_verbose, exit_timeout_s=exit_timeout_s, mpirun=mpirun,
-                            shm_prefix=shm_prefix, extra_args=extra_args)
+                            shm_prefix=shm_prefix, admin_api_key=admin_api_key, extra_args=extra_args)
         log_path = Path(log_file).resolve() if log_file else (workdir / "server.log" if capture_output else None)
         handle = open(log_path, "ab") if log_path else None
         # own session: Ctrl-C in a terminal reaches only us, and stop() can kill the whole group
@@ -386,6 +400,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ready_timeout", type=float, default=600.0, help="seconds to wait for readiness")
     parser.add_argument("--exit_timeout", type=int, default=10,
                         help="seconds tritonserver waits for in-flight requests when stopping")
+    parser.add_argument("--admin_api_key", help="serve the admin APIs (shared memory, model control, logging, "
+                        f"trace) to requests with header '{ADMIN_HEADER}: <this value>'; default: off")
     args = parser.parse_args(argv)
     problem = check_args(args)
     if problem:
@@ -401,7 +417,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   metrics_port=args.metrics_port, host=args.host, log_file=args.log_file,
                                   log_verbose=args.log_verbose, world_size=args.world_size,
                                   tritonserver=args.tritonserver, ready_timeout_s=args.ready_timeout,
-                                  exit_timeout_s=args.exit_timeout, capture_output=False)
+                                  exit_timeout_s=args.exit_timeout, admin_api_key=args.admin_api_key,
+                                  capture_output=False)
             print(f"tritonserver ready in {time.monotonic() - t0:.1f} s: http {server.http_url}, "
                   f"grpc {server.grpc_url}, metrics {server.metrics_url} (pid {server.process.pid})", flush=True)
             status = server.process.wait()

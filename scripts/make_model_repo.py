@@ -16,17 +16,23 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fill_template import fill, parse_substitutions  # noqa: E402  (scripts/ is not a package)
 
+from runtime.engine import read_limits  # noqa: E402
+
 TEMPLATE_REPO = Path(__file__).resolve().parents[1] / "triton_repo"
+PATH_KEYS = ("engine_dir", "tokenizer_dir")
 
 
 def default_values(engine_dir: Path, **overrides: str) -> dict[str, str]:
-    """A single-node deployment of one engine (overrides win)."""
+    """A single-node deployment of one engine (overrides win), with the limits the models check requests
+    against before they reach the engine (max_input_tokens, vocab_size) read from it."""
+    cfg, build = read_limits(engine_dir)
     values = {
         "triton_max_batch_size": "64",
         "decoupled_mode": "true",
         "engine_dir": str(engine_dir),
         "tokenizer_dir": str(engine_dir),
-        "num_draft_tokens": "3",
+        "max_input_tokens": str(build.max_seq_len),
+        "vocab_size": str(cfg.vocab_size),
         "speculation": "adaptive",
         "preprocessing_instance_count": "1",
         "postprocessing_instance_count": "1",
@@ -40,11 +46,19 @@ def default_values(engine_dir: Path, **overrides: str) -> dict[str, str]:
 
 
 def add_model(repo: Path, template: Path, values: dict[str, str], name: str | None = None) -> Path:
-    """Copy one template model into `repo` (as `name`, renaming it in its config) and fill it."""
+    """Copy one template model into `repo` (as `name`, renaming it in its config) and fill it. A directory the
+    model reads (engine, tokenizer) is linked into the model's own directory and named by the link, which the
+    models resolve there: the model config endpoint shows clients no server path."""
     dst = repo / (name or template.name)
     shutil.copytree(template, dst, ignore=shutil.ignore_patterns("__pycache__"))
     config = dst / "config.pbtxt"
     text = config.read_text().replace(f'name: "{template.name}"', f'name: "{dst.name}"', 1)
+    values = dict(values)
+    for key in PATH_KEYS:
+        if key in values and "${" + key + "}" in text:
+            link = key.removesuffix("_dir")
+            (dst / link).symlink_to(Path(values[key]).resolve(), target_is_directory=True)
+            values[key] = link
     config.write_text(fill(text, {k: v for k, v in values.items() if "${" + k + "}" in text}, str(config)))
     return dst
 

@@ -5,6 +5,7 @@ with that message rather than running on a silently wrong setting."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable
 
 TRUE_VALUES = ("1", "true", "yes", "t", "y", "on")
@@ -26,6 +27,13 @@ def integer(value: str) -> int:
         raise ValueError(f"expected an integer, got {value!r}") from None
 
 
+def number(value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"expected a number, got {value!r}") from None
+
+
 def parameter(model_config: dict, name: str, cast: Callable[[str], Any] = str, default: Any = None) -> Any:
     """The parameter's value through `cast`, or `default` when it is unset."""
     value = model_config.get("parameters", {}).get(name, {}).get("string_value", "")
@@ -35,3 +43,12 @@ def parameter(model_config: dict, name: str, cast: Callable[[str], Any] = str, d
         return cast(value)
     except ValueError as e:
         raise ValueError(f"model {model_config.get('name', '?')}: parameter {name}: {e}") from None
+
+
+def model_path(model_config: dict, name: str, model_dir: str) -> Path:
+    """A required path parameter; a relative one is relative to the model's own directory (`args["model_repository"]`
+    in `initialize`), so a repository can name its engine without showing clients the server's absolute paths."""
+    value = parameter(model_config, name)
+    if value is None:
+        raise ValueError(f"model {model_config.get('name', '?')}: parameter {name} is not set")
+    return Path(model_dir) / value

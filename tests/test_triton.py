@@ -44,6 +44,7 @@ PROMPTS = ["hello world", "日本語のテキスト", "def f(x):", "emoji 😀 a
 PERF_METRICS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "kv_cache_alloc_new_blocks",
                 "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks", "arrival_time_ns", "first_scheduled_time_ns",
                 "first_token_time_ns", "last_token_time_ns")
+ADMIN_KEY = "test-admin-key"  # the module's server serves its admin APIs only to requests with this header
 DTYPES = {np.dtype(object): "BYTES", np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32",
           np.dtype(bool): "BOOL", np.dtype(np.uint64): "UINT64"}
 
@@ -64,7 +65,8 @@ def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     add_model(repo, TEMPLATE_REPO / "tensorrt_llm_bls", repo_values(checkpoint, accumulate_tokens="true"),
               name="tensorrt_llm_bls_accumulate")
     t0 = time.monotonic()
-    srv = start_server(repo, log_file=work / "server.log", ready_timeout_s=240, exit_timeout_s=3)
+    srv = start_server(repo, log_file=work / "server.log", ready_timeout_s=240, exit_timeout_s=3,
+                       admin_api_key=ADMIN_KEY)
     print(f"tritonserver ready in {time.monotonic() - t0:.1f} s; log {work / 'server.log'}")
     try:
         yield srv
@@ -255,11 +257,12 @@ def test_fill_template_in_place_is_atomic_and_names_a_non_utf8_file(tmp_path: Pa
     assert bad.stderr == f"fill_template: {config}: not UTF-8 text (byte 8: invalid start byte)\n"
 
 
-def test_every_template_placeholder_is_filled_by_the_test_values(tmp_path: Path) -> None:
-    repo = fill_model_repo(tmp_path / "repo", repo_values(Path("/engine")))
+def test_every_template_placeholder_is_filled_by_the_test_values(tmp_path: Path, shipped_model_dir: Path) -> None:
+    repo = fill_model_repo(tmp_path / "repo", repo_values(shipped_model_dir))
     left = {p for c in repo.glob("*/config.pbtxt") for p in re.findall(r"\$\{(\w+)\}", c.read_text())}
     # these stay as placeholders on purpose: their models read an unfilled one as "use the default"
-    assert left <= {"add_special_tokens", "skip_special_tokens", "max_tokens_in_paged_kv_cache",
+    assert left <= {"add_special_tokens", "skip_special_tokens", "max_tokens_in_paged_kv_cache", "num_draft_tokens",
+                    "kv_cache_free_gpu_mem_fraction", "watchdog_timeout_s",
                     "executor_max_batch_size", "executor_max_seq_len", "device", "torch_threads",
                     "exclude_input_in_output", "accumulate_tokens"}
 
@@ -717,13 +720,11 @@ BAD_REQUESTS = {
     "max_tokens_too_large": (dict(GOOD, max_tokens=100_000), "max_tokens"),
     "temperature_negative": (dict(GOOD, temperature=-0.5), "temperature"),
     "top_p_above_one": (dict(GOOD, top_p=1.5), "top_p"),
-    "top_k_negative": (dict(GOOD, top_k=-1), "top_k"),
     "text_input_not_utf8": (dict(GOOD, text_input=[[b"\xff\xfe bad"]]), "text_input"),
     "prompt_over_limit": (dict(GOOD, text_input="hello world " * MAX_SEQ_LEN), "prompt"),
     "bad_word_of_several_tokens": (dict(GOOD, bad_words=[["hello world"]]), "bad_words"),
     "beam_search": (dict(GOOD, beam_width=2), "beam_width"),
     "seed_too_large": (dict(GOOD, seed=np.uint64(2**64 - 1)), "seed"),
-    "end_id_out_of_range": (dict(GOOD, end_id=10**7), "end_id must be a token id"),
     "min_tokens_below_max_tokens": (dict(GOOD, min_tokens=5), "min_tokens=5 is not supported by this runtime "
                                     "(supported: <= 1, or >= max_tokens (8), which ignores the end id and stop ids)"),
     "min_length_below_max_tokens": (dict(GOOD, min_length=5), "min_length=5 is not supported"),
@@ -798,3 +799,182 @@ def test_metrics_report_requests_tokens_acceptance_kv_and_queue(server: TritonSe
     assert metric(m, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="used") == 0
     assert metric(m, "nv_trt_llm_request_metrics", request_type="waiting") == 0
     assert metric(m, "nv_llm_output_token_len_count") > 0
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("engine_dir", '/e" }\nbackend: "pytorch', "a quote, backslash or control character ('\"') cannot stand inside a "
+                                                "config.pbtxt string"),
+    ("engine_dir", "/e\nx", "a quote, backslash or control character ('\\n') cannot stand inside a config.pbtxt string"),
+    ("triton_max_batch_size", '8 backend: "evil"', "expected a number or a list of them (letters, digits and '.,_+-' "
+                                                   "only: a space, quote, brace or colon would add settings of its own)"),
+    ("decoupled_mode", "0x0", "expected true or false"),
+])
+def test_fill_template_refuses_values_that_would_add_settings(key: str, value: str, message: str) -> None:
+    """config.pbtxt is protobuf text: a value that leaves its string or its number adds settings of its own (a
+    `backend:` line, parameters), and 0x0 reads as false; such values are refused, naming the key."""
+    template = (TEMPLATE_REPO / "tensorrt_llm" / "config.pbtxt").read_text()
+    with pytest.raises(ValueError) as e:
+        fill(template, {key: value}, "c.pbtxt")
+    assert str(e.value) == f"c.pbtxt: {key}:{value!r}: {message}"
+
+
+def test_make_model_repo_writes_no_absolute_path(tmp_path: Path, shipped_model_dir: Path) -> None:
+    """The model config endpoint shows clients each model's parameters: the engine and tokenizer are links in
+    the model's own directory, named relative to it."""
+    repo = fill_model_repo(tmp_path / "repo", repo_values(shipped_model_dir))
+    text = "".join(c.read_text() for c in repo.glob("*/config.pbtxt"))
+    assert "/work" not in text and "/tmp" not in text and "/" + shipped_model_dir.name not in text
+    engine = re.search(r'key: "gpt_model_path"\s+value: \{\s+string_value: "([^"]+)"', text).group(1)
+    assert engine == "engine" and (repo / "tensorrt_llm" / engine).resolve() == shipped_model_dir.resolve()
+    assert (repo / "preprocessing" / "tokenizer").resolve() == shipped_model_dir.resolve()
+
+
+
+# ---- hardening: admin APIs, refusals in the declared types, sizes, parameters ----------------
+def http_call(server: TritonServer, path: str, body: Any = None, headers: dict | None = None) -> tuple[int, str]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://{server.http_url}{path}", data, {"Content-Type": "application/json",
+                                                                            **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v2/systemsharedmemory/region/stub/register", {"key": "/dsv3_stub", "offset": 0, "byte_size": 64}),
+    ("/v2/systemsharedmemory/status", None),
+    ("/v2/logging", {"log_verbose_level": 1}),
+    ("/v2/repository/index", {}),
+    ("/v2/repository/models/ensemble/unload", {}),
+    ("/v2/trace/setting", {"trace_level": ["TIMESTAMPS"]}),
+], ids=["shm_register", "shm_status", "logging", "repository_index", "unload", "trace"])
+def test_admin_apis_need_the_admin_key(server: TritonServer, path: str, body: Any) -> None:
+    """Registering a Python stub's own shared-memory region let any client that reaches the port crash the server;
+    clients also changed log levels. Those APIs answer only requests with the admin header (a launcher flag; off
+    without it), over HTTP and gRPC, and the server stays up."""
+    status, text = http_call(server, path, body)
+    assert status == 403 and "This API is restricted, expecting header 'admin-key'" in text, (status, text)
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    with pytest.raises(Exception, match="This protocol is restricted"):
+        client.get_system_shared_memory_status()
+    with pytest.raises(Exception, match="This protocol is restricted"):
+        client.update_log_settings({"log_verbose_level": 1})
+    assert http_call(server, "/v2/systemsharedmemory/status", headers={"admin-key": ADMIN_KEY}) == (200, "[]")
+    assert_healthy(server)
+
+
+def test_launcher_restricts_admin_apis_by_default() -> None:
+    """Without --admin_api_key the admin APIs are keyed to a random value nobody is told: off."""
+    install = find_install()
+    cmds = [build_command(install, Path("/b"), Path("/repo"), host="127.0.0.1", http_port=1, grpc_port=2,
+                          metrics_port=3) for _ in range(2)]
+    flags = [[a for a in cmd if a.startswith(("--http-restricted-api=", "--grpc-restricted-protocol="))] for cmd in cmds]
+    for http, grpc in flags:
+        assert http.startswith("--http-restricted-api=shared-memory,model-repository,logging,trace:admin-key=")
+        assert grpc.startswith("--grpc-restricted-protocol=shared-memory,model-repository,logging,trace:admin-key=")
+        assert len(http.rsplit("=", 1)[1]) == 64
+    assert flags[0] != flags[1]
+
+
+def test_model_config_endpoint_shows_no_server_path(server: TritonServer, checkpoint: Path) -> None:
+    for model in ("tensorrt_llm", "preprocessing", "postprocessing"):
+        status, text = http_call(server, f"/v2/models/{model}/config")
+        assert status == 200 and str(checkpoint) not in text and '"/' not in text, text
+
+
+REFUSALS = {  # values -> (refusal through the ensemble, through the BLS)
+    "top_p_nan": (dict(GOOD, top_p=np.float32("nan")),
+                  "runtime_top_p (top_p) must be a finite number in [0.0, 1.0], got nan",
+                  "top_p must be a finite number in [0.0, 1.0], got nan"),
+    "temperature_inf": (dict(GOOD, temperature=np.float32("inf")),
+                        "temperature must be a finite number in [-inf, inf], got inf",
+                        "temperature must be a finite number in [-inf, inf], got inf"),
+    "top_k_negative": (dict(GOOD, top_k=-1), "runtime_top_k (top_k) must be an integer in [0, 2147483647], got -1",
+                       "top_k must be an integer in [0, 2147483647], got -1"),
+    "end_id_wrapped": (dict(GOOD, end_id=np.int32(-2**31)), "end_id must be an integer in [-1, 2147483647], got "
+                       "-2147483648", "end_id must be an integer in [-1, 2147483647], got -2147483648"),
+    "end_id_past_vocab": (dict(GOOD, end_id=10**7), "end_id must be an integer in [-1, {v1}], got 10000000",
+                          "end_id must be an integer in [-1, {v1}], got 10000000"),
+    "text_input_too_long": (dict(GOOD, text_input="x" * 2_000_000),
+                            "text_input is 2000000 bytes, more than the {max_bytes} that can fit the model's context "
+                            "(max_seq_len tokens of at most the tokenizer's longest token)", None),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS), ids=list(REFUSALS))
+def test_refusals_are_checked_in_the_declared_type(server: TritonServer, session: Session, case: str) -> None:
+    """NaN top_p decoded greedily, an end_id past INT32 wrapped into "no end id", and a 100 MB text_input was
+    tokenized for minutes while other requests waited: values are now checked as declared, before conversion
+    or tokenizing, and each refusal names the client's input."""
+    values, ensemble_error, bls_error = REFUSALS[case]
+    fmt = dict(v1=session.tokenizer.vocab_size - 1, max_bytes=MAX_SEQ_LEN * session.tokenizer.max_token_bytes)
+    t0 = time.monotonic()
+    out = grpc_stream(server, "ensemble", **values)
+    assert out.error is not None and ensemble_error.format(**fmt) in out.error, out.error
+    assert time.monotonic() - t0 < 10
+    out = grpc_stream(server, "tensorrt_llm_bls", **values)
+    assert out.error is not None and (bls_error or ensemble_error).format(**fmt) in out.error, out.error
+    assert_healthy(server)
+
+
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_unknown_generate_keys_are_refused(server: TritonServer, model: str) -> None:
+    """The generate endpoint passes JSON keys that are not inputs on as request parameters; a misspelt input
+    (`max_token`) was silently ignored."""
+    status, body = http_generate(server, model, **GOOD, max_token=3)
+    assert status == 400 and "unknown parameter(s) max_token: " in body["error"], body
+    assert "takes inputs only (a generate endpoint's JSON keys must be input names)" in body["error"]
+    assert_healthy(server)
+
+
+def test_engine_word_lists_hold_token_ids(server: TritonServer, session: Session) -> None:
+    """A stop word id of -4 on tensorrt_llm failed inside the tokenizer ("number too small to fit in target type")."""
+    ids = session.tokenizer.encode("hello")
+    out = grpc_stream(server, "tensorrt_llm", input_ids=np.array([ids], np.int32),
+                      input_lengths=np.array([[len(ids)]], np.int32), request_output_len=np.array([[4]], np.int32),
+                      stop_words_list=np.array([[[-4], [1]]], np.int32))
+    assert out.error is not None and (f"stop_words_list must hold token ids in [0, {session.tokenizer.vocab_size}), "
+                                      "got [-4]") in out.error, out.error
+    assert_healthy(server)
+
+
+@pytest.mark.parametrize("token, length, message", [
+    (-1, 1, "TOKENS_BATCH must hold token ids in [0, {vocab}), got [-1]"),
+    (99999, 1, "TOKENS_BATCH must hold token ids in [0, {vocab}), got [99999]"),
+    (5, 3, "SEQUENCE_LENGTH must be in [0, 1] (the tokens given), got 3"),
+])
+def test_postprocessing_refuses_ids_outside_the_vocabulary(server: TritonServer, session: Session, token: int,
+                                                           length: int, message: str) -> None:
+    """Reached directly, postprocessing answered token -1 with a Python traceback (HTTP 500) and decoded 99999 as
+    nothing."""
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(server.http_url)
+    tokens = httpclient.InferInput("TOKENS_BATCH", [1, 1, 1], "INT32")
+    tokens.set_data_from_numpy(np.array([[[token]]], np.int32))
+    lengths = httpclient.InferInput("SEQUENCE_LENGTH", [1, 1], "INT32")
+    lengths.set_data_from_numpy(np.array([[length]], np.int32))
+    with pytest.raises(Exception) as e:
+        client.infer("postprocessing", [tokens, lengths])
+    assert message.format(vocab=session.tokenizer.vocab_size) in str(e.value) and "Traceback" not in str(e.value)
+    assert_healthy(server)
+
+
+def test_watchdog_takes_a_stalled_server_down(checkpoint: Path, tmp_path: Path) -> None:
+    """Readiness that says ready while nothing is served is the worst kind: when the step loop makes no progress
+    for watchdog_timeout_s while requests wait (here a 5 ms timeout that a long prefill exceeds), the model logs
+    why with every thread's stack and stops tritonserver, so readiness fails and a supervisor can restart it."""
+    repo = fill_model_repo(tmp_path / "repo", repo_values(checkpoint, watchdog_timeout_s="0.005"))
+    srv = start_server(repo, log_file=tmp_path / "server.log", ready_timeout_s=240, exit_timeout_s=3)
+    try:
+        grpc_stream(srv, "tensorrt_llm_bls", text_input="hello world " * 300, max_tokens=64, timeout=30)
+        assert wait_for(lambda: srv.process.poll() is not None, timeout=60)
+        assert not srv.is_ready()
+    finally:
+        srv.stop()
+    log = (tmp_path / "server.log").read_text()
+    assert "watchdog: executor: the executor's step loop has made no progress for " in log
+    assert "requests running" in log and "stopping tritonserver (pid " in log
+    assert 'Thread 0x' in log and 'in _step' in log  # the stacks: where the step loop was

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.triton_parameters import FALSE_VALUES, TRUE_VALUES, boolean, integer, parameter
+from serving.triton_parameters import FALSE_VALUES, TRUE_VALUES, boolean, integer, parameter
 
 
 def config(**values: str) -> dict:

@@ -2,6 +2,7 @@
 
 Stop and bad words become TensorRT-LLM's word lists ([2, W] per item: the words' ids
 concatenated, then their end offsets padded with -1), which tensorrt_llm turns back into words.
+Text longer than the context could hold is refused before it is tokenized (serving.request_validation).
 """
 
 from __future__ import annotations
@@ -12,18 +13,10 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from runtime.tokenizer import Tokenizer
-from runtime.triton_parameters import boolean, parameter
+from serving.request_validation import INT32_MAX, RequestError, integer, no_unknown_parameters, texts
+from serving.triton_parameters import boolean, integer as integer_parameter, model_path, parameter
 
-
-def utf8(values: np.ndarray, name: str) -> list[str]:
-    """Decode a TYPE_STRING tensor's items; invalid UTF-8 is the client's error, named as such."""
-    out = []
-    for v in values.reshape(-1):
-        try:
-            out.append(v.decode("utf-8") if isinstance(v, bytes) else str(v))
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{name} must be valid UTF-8 text: {e}") from None
-    return out
+DEFAULT_MAX_INPUT_BYTES = 1 << 20  # when max_input_tokens is not set
 
 
 def word_lists(tokenizer: Tokenizer, batch: list[list[str]]) -> np.ndarray:
@@ -50,30 +43,35 @@ def word_lists(tokenizer: Tokenizer, batch: list[list[str]]) -> np.ndarray:
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         config = json.loads(args["model_config"])
-        tokenizer_dir = parameter(config, "tokenizer_dir")
-        if tokenizer_dir is None:
-            raise pb_utils.TritonModelException("preprocessing: parameter tokenizer_dir is not set")
+        tokenizer_dir = model_path(config, "tokenizer_dir", args["model_repository"])
         self.tokenizer = Tokenizer.from_dir(tokenizer_dir)
         self.add_bos = parameter(config, "add_special_tokens", boolean)
         eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
         self.end_id = -1 if eos is None else eos  # TensorRT-LLM's "no end id"
         self.pad_id = next((i for i in (pad, eos) if i is not None), 0)
+        max_tokens = parameter(config, "max_input_tokens", integer_parameter)
+        self.max_input_bytes = DEFAULT_MAX_INPUT_BYTES if max_tokens is None else max_tokens * self.tokenizer.max_token_bytes
+        if max_tokens is None:
+            pb_utils.Logger.log_warn(f"preprocessing: parameter max_input_tokens is not set; text_input is capped at "
+                                     f"{DEFAULT_MAX_INPUT_BYTES} bytes")
 
     def execute(self, requests: list) -> list:
         responses = []
         for request in requests:
             try:
                 responses.append(pb_utils.InferenceResponse(self._process(request)))
-            except ValueError as e:
+            except RequestError as e:
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))))
         return responses
 
     def _process(self, request) -> list:
+        no_unknown_parameters(request.parameters(), "preprocessing")
+
         def get(name: str) -> np.ndarray | None:
             t = pb_utils.get_input_tensor_by_name(request, name)
             return None if t is None else t.as_numpy()
 
-        queries = utf8(get("QUERY"), "text_input")
+        queries = texts(get("QUERY"), "text_input", self.max_input_bytes)
         batch = len(queries)
         ids = [self.tokenizer.encode(q, add_bos=self.add_bos) for q in queries]
         lengths = np.array([[len(x)] for x in ids], np.int32)
@@ -83,19 +81,24 @@ class TritonPythonModel:
 
         def words(tensor_name: str, client_name: str) -> np.ndarray:
             t = get(tensor_name)
-            items = [[]] * batch if t is None else [utf8(row, client_name) for row in t.reshape(batch, -1)]
+            items = [[]] * batch if t is None else [texts(row, client_name, self.max_input_bytes)
+                                                    for row in t.reshape(batch, -1)]
             return word_lists(self.tokenizer, items)
 
-        def id_or_default(tensor_name: str, default: int) -> np.ndarray:
+        def per_item(tensor_name: str, client_name: str, low: int, default: int | None = None) -> np.ndarray:
             t = get(tensor_name)
-            return np.full((batch, 1), default, np.int32) if t is None else t.reshape(batch, 1).astype(np.int32)
+            if t is None:
+                if default is None:
+                    raise RequestError(f"{client_name} is required")
+                return np.full((batch, 1), default, np.int32)
+            return np.array([[integer(v, client_name, low, INT32_MAX)] for v in t.reshape(batch, 1)], np.int32)
 
         return [
             pb_utils.Tensor("INPUT_ID", input_ids),
             pb_utils.Tensor("REQUEST_INPUT_LEN", lengths),
-            pb_utils.Tensor("REQUEST_OUTPUT_LEN", get("REQUEST_OUTPUT_LEN").reshape(batch, 1).astype(np.int32)),
+            pb_utils.Tensor("REQUEST_OUTPUT_LEN", per_item("REQUEST_OUTPUT_LEN", "max_tokens", 1)),
             pb_utils.Tensor("BAD_WORDS_IDS", words("BAD_WORDS_DICT", "bad_words")),
             pb_utils.Tensor("STOP_WORDS_IDS", words("STOP_WORDS_DICT", "stop_words")),
-            pb_utils.Tensor("OUT_END_ID", id_or_default("END_ID", self.end_id)),
-            pb_utils.Tensor("OUT_PAD_ID", id_or_default("PAD_ID", self.pad_id)),
+            pb_utils.Tensor("OUT_END_ID", per_item("END_ID", "end_id", -1, self.end_id)),
+            pb_utils.Tensor("OUT_PAD_ID", per_item("PAD_ID", "pad_id", 0, self.pad_id)),
         ]

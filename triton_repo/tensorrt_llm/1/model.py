@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import queue
+import signal
 import threading
 import time
 import traceback
@@ -32,7 +32,10 @@ import triton_python_backend_utils as pb_utils
 from runtime.executor import ExecutorConfig, RequestOutput, RequestStats
 from runtime.sampling import SamplingParams
 from runtime.trtllm_executor import create_executor
-from runtime.triton_parameters import boolean, integer, parameter
+from serving.request_validation import (TENSORRT_LLM_SCALARS, RequestError, client_named, integer,
+                                        no_unknown_parameters, token_ids)
+from serving.triton_parameters import boolean, integer as integer_parameter, model_path, number, parameter
+from serving.watchdog import Progress, Watchdog
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -47,6 +50,7 @@ NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "return_context_logits": (lambda v: not v, "false"),
     "return_generation_logits": (lambda v: not v, "false"),
 }
+WATCHDOG_TIMEOUT_S = 120.0  # default: no step of a deployment here comes near it; a wedged loop waits forever
 
 
 @dataclass(eq=False)
@@ -67,7 +71,7 @@ class Stream:
     last_token_ns: int = 0
 
 
-def word_list(request: Any, name: str) -> list[list[int]]:
+def word_list(request: Any, name: str, vocab_size: int) -> list[list[int]]:
     """TensorRT-LLM's [1, 2, W] word list (ids, end offsets padded with -1) -> words as id lists."""
     t = pb_utils.get_input_tensor_by_name(request, name)
     if t is None:
@@ -75,14 +79,16 @@ def word_list(request: Any, name: str) -> list[list[int]]:
     arr = t.as_numpy()
     if arr.ndim == 3:
         if arr.shape[0] != 1:
-            raise ValueError(f"{name}: one request per batch item expected, got batch {arr.shape[0]}")
+            raise RequestError(f"{name}: one request per batch item expected, got batch {arr.shape[0]}")
         arr = arr[0]
     if arr.ndim != 2 or arr.shape[0] != 2:
-        raise ValueError(f"{name} must have shape [2, W] (ids, offsets), got {list(t.as_numpy().shape)}")
+        raise RequestError(f"{name} must have shape [2, W] (ids, offsets), got {list(t.as_numpy().shape)}")
     ids, offsets = arr[0].tolist(), [o for o in arr[1].tolist() if o >= 0]
     if offsets != sorted(offsets) or (offsets and offsets[-1] > len(ids)):
-        raise ValueError(f"{name}: offsets {offsets} are not increasing ends within {len(ids)} ids")
-    return [ids[a:b] for a, b in zip([0] + offsets, offsets) if b > a]
+        raise RequestError(f"{name}: offsets {offsets} are not increasing ends within {len(ids)} ids")
+    words = [ids[a:b] for a, b in zip([0] + offsets, offsets) if b > a]
+    token_ids((t for word in words for t in word), name, vocab_size)
+    return words
 
 
 class TritonPythonModel:
@@ -96,24 +102,26 @@ class TritonPythonModel:
         if rank:
             raise pb_utils.TritonModelException(
                 f"rank {rank}: the native runtime runs in one process (ranks are merged at load); use world_size 1")
-        engine_dir = parameter(config, "gpt_model_path")
-        if engine_dir is None:
-            raise pb_utils.TritonModelException("tensorrt_llm: parameter gpt_model_path (engine_dir) is not set")
-        threads = parameter(config, "torch_threads", integer)
+        engine_dir = model_path(config, "gpt_model_path", args["model_repository"])
+        threads = parameter(config, "torch_threads", integer_parameter)
         if threads:  # small decode steps on a busy CPU run faster on fewer threads
             torch.set_num_threads(threads)
         executor_config = ExecutorConfig(
-            num_draft_tokens=parameter(config, "num_draft_tokens", integer, default=3),
+            num_draft_tokens=parameter(config, "num_draft_tokens", integer_parameter),
             speculation=parameter(config, "speculation") or "adaptive",
-            max_batch_size=parameter(config, "executor_max_batch_size", integer),
-            max_seq_len=parameter(config, "executor_max_seq_len", integer),
-            kv_cache_tokens=parameter(config, "max_tokens_in_paged_kv_cache", integer),
+            max_batch_size=parameter(config, "executor_max_batch_size", integer_parameter),
+            max_seq_len=parameter(config, "executor_max_seq_len", integer_parameter),
+            kv_cache_tokens=parameter(config, "max_tokens_in_paged_kv_cache", integer_parameter),
+            free_memory_fraction=parameter(config, "kv_cache_free_gpu_mem_fraction", number, default=0.9),
             device=parameter(config, "device") or "cpu")
+        pb_utils.Logger.log_info(f"tensorrt_llm: loading {engine_dir}")
         self.executor = create_executor(engine_dir, executor_config)
         self.tokenizer = self.executor.tokenizer
+        self.vocab_size = self.executor.engine.model_config.vocab_size
         self.exclude_input_default = parameter(config, "exclude_input_in_output", boolean, default=False)
-        self.cancel_period_s = parameter(config, "cancellation_check_period_ms", integer, default=100) / 1000
-        self.stats_period_s = parameter(config, "stats_check_period_ms", integer, default=100) / 1000
+        self.cancel_period_s = parameter(config, "cancellation_check_period_ms", integer_parameter, default=100) / 1000
+        self.stats_period_s = parameter(config, "stats_check_period_ms", integer_parameter, default=100) / 1000
+        self.watchdog_timeout_s = parameter(config, "watchdog_timeout_s", number, default=WATCHDOG_TIMEOUT_S)
         self._create_metrics(args["model_name"], args["model_version"])
 
         self._outbox: queue.Queue[tuple[Stream, RequestOutput, int] | None] = queue.Queue()
@@ -122,16 +130,24 @@ class TritonPythonModel:
         self._active: set[Stream] = set()
         self._lock = threading.Lock()
         self._running = True
+        self._sender = Progress()
         self._threads = [threading.Thread(target=self._send_loop, name="responder", daemon=True),
                          threading.Thread(target=self._metrics_loop, name="metrics", daemon=True)]
         for t in self._threads:
             t.start()
+        self.watchdog = Watchdog({"executor": lambda: self.executor.health(self.watchdog_timeout_s),
+                                  "responder": self._sender_health}, self._fail,
+                                 period_s=min(1.0, self.watchdog_timeout_s / 4))
+        pb_utils.Logger.log_info(f"tensorrt_llm: serving {engine_dir}")
 
     # ---- requests -------------------------------------------------------------------------------
     def execute(self, requests: list) -> None:
         for request in requests:
             sender = request.get_response_sender()
             try:
+                if self.watchdog.failure:
+                    raise RuntimeError(f"tensorrt_llm is not serving: {self.watchdog.failure}")
+                no_unknown_parameters(request.parameters(), "tensorrt_llm")
                 if self._scalar(request, "stop", False):
                     self._stop(request.request_id(), sender)
                     continue
@@ -150,19 +166,17 @@ class TritonPythonModel:
                     with self._lock:
                         self._active.discard(stream)
                     raise
-            except Exception as e:  # invalid request (ValueError names the parameter) or executor stopped
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))), flags=FINAL)
+            except Exception as e:
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(client_message(e))), flags=FINAL)
         return None
 
     @staticmethod
     def _scalar(request: Any, name: str, default: Any = None) -> Any:
+        """One value of a scalar input, checked in its declared type before anything converts it."""
         t = pb_utils.get_input_tensor_by_name(request, name)
         if t is None:
             return default
-        arr = t.as_numpy().reshape(-1)
-        if arr.size != 1:
-            raise ValueError(f"{name}: expected one value (one prompt per request), got {arr.size}")
-        return arr[0].item()
+        return TENSORRT_LLM_SCALARS[name].read(t.as_numpy(), client_named(name))
 
     def _convert(self, request: Any) -> tuple[list[int], SamplingParams, bool, bool]:
         """Triton tensors -> (prompt ids, SamplingParams, streaming, exclude_input_in_output)."""
@@ -175,26 +189,27 @@ class TritonPythonModel:
             raise ValueError("input_ids is required")
         ids = ids.as_numpy()
         if ids.ndim == 2 and ids.shape[0] != 1:
-            raise ValueError(f"input_ids: one prompt per request expected, got batch {ids.shape[0]} "
-                             "(requests are batched in flight; send them separately)")
+            raise RequestError(f"input_ids: one prompt per request expected, got batch {ids.shape[0]} "
+                               "(requests are batched in flight; send them separately)")
         ids = ids.reshape(-1)
         length = self._scalar(request, "input_lengths", len(ids))
         if not 0 <= length <= len(ids):
-            raise ValueError(f"input_lengths {length} is outside [0, {len(ids)}] (the input_ids given)")
+            raise RequestError(f"input_lengths {length} is outside [0, {len(ids)}] (the input_ids given)")
+        ids = token_ids(ids[:length], "input_ids", self.vocab_size)
         max_tokens = self._scalar(request, "request_output_len")
         if max_tokens is None:
-            raise ValueError("request_output_len (max_tokens) is required")
+            raise RequestError("request_output_len (max_tokens) is required")
 
         stop, stop_ids = [], []
-        for word in word_list(request, "stop_words_list"):
+        for word in word_list(request, "stop_words_list", self.vocab_size):
             if len(word) == 1 and word[0] in self.tokenizer.special_ids:
                 stop_ids.append(word[0])  # special tokens never show in the text a stop string is matched in
             else:
                 stop.append(self.tokenizer.decode(word, skip_special_tokens=False))
         bad_ids = []
-        for word in word_list(request, "bad_words_list"):
+        for word in word_list(request, "bad_words_list", self.vocab_size):
             if len(word) != 1:
-                raise ValueError(f"bad_words: {self.tokenizer.decode(word, skip_special_tokens=False)!r} is "
+                raise RequestError(f"bad_words: {self.tokenizer.decode(word, skip_special_tokens=False)!r} is "
                                  f"{len(word)} tokens; only single-token bad words are supported")
             bad_ids.append(word[0])
         seed = self._alias(request, "seed", "random_seed")
@@ -203,16 +218,13 @@ class TritonPythonModel:
         if min_tokens is not None and min_tokens > 1:
             if min_tokens < max_tokens:
                 name = "min_tokens" if self._scalar(request, "min_tokens") is not None else "min_length"
-                raise ValueError(f"{name}={min_tokens} is not supported by this runtime (supported: <= 1, or >= "
+                raise RequestError(f"{name}={min_tokens} is not supported by this runtime (supported: <= 1, or >= "
                                  f"max_tokens ({max_tokens}), which ignores the end id and stop ids)")
             ignore_stops = True  # genai-perf's fixed output length: min_length = max_tokens
         temperature, top_k, top_p = self._sampling(request)
-        end_id = self._scalar(request, "end_id")
+        end_id = self._end_id(request)
         ignore_eos = end_id is not None and end_id != self.tokenizer.eos_token_id
-        if ignore_eos and end_id >= 0:  # a custom end id replaces eos; a negative one means none
-            if end_id >= self.tokenizer.vocab_size:
-                raise ValueError(f"end_id must be a token id in [0, {self.tokenizer.vocab_size}) or negative "
-                                 f"(no end id), got {end_id}")
+        if ignore_eos and end_id >= 0:  # a custom end id replaces eos; -1 means none
             stop_ids.append(end_id)
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -226,14 +238,20 @@ class TritonPythonModel:
             ignore_eos=ignore_eos or ignore_stops)
         streaming = bool(self._scalar(request, "streaming", False))
         exclude = bool(self._scalar(request, "exclude_input_in_output", self.exclude_input_default))
-        return ids[:length].tolist(), params, streaming, exclude
+        return ids, params, streaming, exclude
+
+    def _end_id(self, request: Any) -> int | None:
+        """end_id: a token id, or -1 for none (TensorRT-LLM's); any other value, a wrapped INT32 among them, is
+        refused rather than read as "no end id"."""
+        t = pb_utils.get_input_tensor_by_name(request, "end_id")
+        return None if t is None else integer(t.as_numpy(), "end_id", -1, self.vocab_size - 1)
 
     def _alias(self, request: Any, name: str, old_name: str) -> Any:
         """An input that upstream's older templates name differently (random_seed, min_length)."""
         value, old = self._scalar(request, name), self._scalar(request, old_name)
         if value is not None and old is not None and value != old:
-            raise ValueError(f"{name}={value} and {old_name}={old} differ ({old_name} is the older name of "
-                             f"{name}); give one of them")
+            raise RequestError(f"{name}={value} and {old_name}={old} differ ({old_name} is the older name of "
+                               f"{name}); give one of them")
         return old if value is None else value
 
     def _sampling(self, request: Any) -> tuple[float, int, float]:
@@ -244,17 +262,17 @@ class TritonPythonModel:
         top_k = self._scalar(request, "runtime_top_k", 0)
         top_p = self._scalar(request, "runtime_top_p")
         top_p_set = top_p is not None and top_p > 0  # upstream reads top_p <= 0 as "not set"
-        sampling = top_k != 0 or top_p_set  # a negative top_k is refused by SamplingParams, naming it
+        sampling = top_k != 0 or top_p_set
         if temperature is None:
             temperature = 1.0 if sampling else 0.0
-        elif not sampling and math.isfinite(temperature) and temperature >= 0:
+        elif not sampling and temperature >= 0:
             temperature = 0.0  # greedy; an invalid temperature still gets its error
         return temperature, top_k, top_p if top_p_set else 1.0
 
     def _stop(self, triton_id: str, sender: Any) -> None:
         """TensorRT-LLM's `stop` input: cancel the requests in flight with this request id."""
         if not triton_id:
-            raise ValueError("stop: a request id is needed to say which request to stop")
+            raise RequestError("stop: a request id is needed to say which request to stop")
         with self._lock:
             ids = [s.executor_id for s in self._active if s.triton_id == triton_id]
         for i in ids:
@@ -265,6 +283,7 @@ class TritonPythonModel:
     def _send_loop(self) -> None:
         next_check = time.monotonic() + self.cancel_period_s
         while True:
+            self._sender.beat()
             try:
                 item = self._outbox.get(timeout=self.cancel_period_s)
             except queue.Empty:
@@ -348,6 +367,18 @@ class TritonPythonModel:
             tensors.append(scalar("num_output_tokens", stats.output_tokens, np.int32))
         return pb_utils.InferenceResponse(tensors)
 
+    def _sender_health(self) -> str | None:
+        stalled = self._sender.stalled_for()
+        if stalled > self.watchdog_timeout_s and not self._outbox.empty():
+            return f"the response sender has been stuck for {stalled:.1f} s with {self._outbox.qsize()} responses waiting"
+        return None
+
+    def _fail(self, reason: str) -> None:
+        """The watchdog found requests no longer served: take the server down, so that readiness fails and a
+        supervisor restarts it, rather than answer health checks while every request hangs."""
+        pb_utils.Logger.log_error(f"tensorrt_llm: {reason}; stopping tritonserver (pid {os.getppid()})")
+        os.kill(os.getppid(), signal.SIGTERM)
+
     def _cancel_abandoned(self) -> None:
         """Cancel requests whose client cancelled or disconnected (frees their KV blocks now)."""
         with self._lock:
@@ -422,8 +453,19 @@ class TritonPythonModel:
     def finalize(self) -> None:
         """Stop the executor (it finishes what is in flight as cancelled), send those last
         responses, then stop the threads."""
+        self.watchdog.stop()
         self._running = False
         self.executor.shutdown()
         self._outbox.put(None)
         for t in self._threads:
             t.join(timeout=10)
+
+
+def client_message(error: Exception) -> str:
+    """What a client is told of a failed request: the message of a refusal (ValueError: it names the input) or of
+    a server that stopped serving (RuntimeError), never a traceback or a server path; anything else is logged
+    here in full and reported as internal."""
+    if isinstance(error, (ValueError, RuntimeError)):
+        return str(error)
+    pb_utils.Logger.log_error(f"tensorrt_llm: request failed: {''.join(traceback.format_exception(error))}")
+    return f"internal error ({type(error).__name__}); see the server log"

@@ -12,13 +12,15 @@ import contextlib
 import json
 import threading
 import time
+import traceback
 import uuid
 from typing import Any, Iterator
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from runtime.triton_parameters import boolean, parameter
+from serving.request_validation import TENSORRT_LLM_SCALARS, RequestError, no_unknown_parameters
+from serving.triton_parameters import boolean, parameter
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 TO_PREPROCESSING = {"text_input": "QUERY", "max_tokens": "REQUEST_OUTPUT_LEN", "bad_words": "BAD_WORDS_DICT",
@@ -63,6 +65,25 @@ def outputs(response: Any) -> dict[str, np.ndarray]:
     return {t.name(): t.as_numpy() for t in response.output_tensors()}
 
 
+def check_inputs(request: Any) -> None:
+    """Refuse what tensorrt_llm would, under the client's names rather than the engine's (top_k, not
+    runtime_top_k), and parameters this model does not take; before any composing model is called."""
+    no_unknown_parameters(request.parameters(), "tensorrt_llm_bls")
+    for client, engine in TO_ENGINE.items():
+        t = pb_utils.get_input_tensor_by_name(request, client)
+        if t is not None and engine in TENSORRT_LLM_SCALARS:
+            TENSORRT_LLM_SCALARS[engine].read(t.as_numpy(), client)
+
+
+def error_response(e: Exception) -> Any:
+    """A composing model's or our own refusal as it is; any other failure without its traceback."""
+    if isinstance(e, (BLSError, RequestError)):
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e)))
+    pb_utils.Logger.log_error(f"tensorrt_llm_bls: request failed: {''.join(traceback.format_exception(e))}")
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(
+        f"internal error ({type(e).__name__}); see the server log"))
+
+
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         config = json.loads(args["model_config"])
@@ -89,7 +110,7 @@ class TritonPythonModel:
             for response in self._generate(request):
                 sender.send(response)
         except Exception as e:  # an invalid request, or the client went away
-            last = pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e)))
+            last = error_response(e)
         with contextlib.suppress(Exception):
             sender.send(last, flags=FINAL)
 
@@ -98,13 +119,14 @@ class TritonPythonModel:
         try:
             stream = pb_utils.get_input_tensor_by_name(request, "stream")
             if stream is not None and stream.as_numpy().any():
-                raise ValueError("stream=true needs tensorrt_llm_bls to be decoupled (decoupled_mode:true)")
+                raise RequestError("stream=true needs tensorrt_llm_bls to be decoupled (decoupled_mode:true)")
             *_, last = self._generate(request)
             return last
         except Exception as e:
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e)))
+            return error_response(e)
 
     def _generate(self, request: Any) -> Iterator[Any]:
+        check_inputs(request)
         pre = outputs(pb_utils.InferenceRequest(
             model_name="preprocessing", inputs=renamed(request, TO_PREPROCESSING),
             requested_output_names=list(PREPROCESSED)).exec())

@@ -1,0 +1,1 @@
+"""What the servers share: request validation for every surface, Triton model parameters, liveness."""

@@ -1,0 +1,146 @@
+"""Request validation shared by every server surface (the Triton models, the OpenAI server).
+
+A request's values are checked where they arrive, in the type they were declared with and before they
+are converted, cast or tokenized: one value where one is expected, integers within their range, reals
+finite, text bounded in bytes before it is decoded and tokenized, token ids inside the vocabulary,
+no parameter the surface does not know. Every refusal is a `RequestError` whose message names the
+client's parameter and what was expected; the server answers it as a client error and stays up.
+What a request means once its values are sound (max_tokens against the context, top_p in (0, 1], ...)
+is `SamplingParams.validate` and the executor's, for every surface alike.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import numpy as np
+
+INT32_MAX = 2**31 - 1
+
+
+class RequestError(ValueError):
+    """A client's request that cannot be served as sent; the message names the parameter."""
+
+
+def one_value(values: np.ndarray, name: str) -> Any:
+    """The single element of an input that holds one value per request."""
+    if values.size != 1:
+        raise RequestError(f"{name}: expected one value (one prompt per request), got {values.size}")
+    return values.reshape(-1)[0]
+
+
+def integer(values: np.ndarray, name: str, low: int, high: int) -> int:
+    """One integer in [low, high], read as its declared integer type (never through a float or a narrower
+    type, so nothing wraps or rounds on the way)."""
+    value = one_value(values, name)
+    if not np.issubdtype(values.dtype, np.integer):
+        raise RequestError(f"{name}: expected an integer, got {values.dtype} {value!r}")
+    value = int(value)
+    if not low <= value <= high:
+        raise RequestError(f"{name} must be an integer in [{low}, {high}], got {value}")
+    return value
+
+
+def real(values: np.ndarray, name: str, low: float = -math.inf, high: float = math.inf) -> float:
+    """One finite real in [low, high] (NaN and infinities are refused: NaN compares false with every bound)."""
+    value = one_value(values, name)
+    if not (np.issubdtype(values.dtype, np.floating) or np.issubdtype(values.dtype, np.integer)):
+        raise RequestError(f"{name}: expected a number, got {values.dtype} {value!r}")
+    value = float(value)
+    if not (math.isfinite(value) and low <= value <= high):
+        raise RequestError(f"{name} must be a finite number in [{low}, {high}], got {value}")
+    return value
+
+
+def flag(values: np.ndarray, name: str) -> bool:
+    value = one_value(values, name)
+    if values.dtype != np.bool_:
+        raise RequestError(f"{name}: expected true or false, got {values.dtype} {value!r}")
+    return bool(value)
+
+
+def texts(values: np.ndarray, name: str, max_bytes: int | None = None) -> list[str]:
+    """Each item of a string input as text: at most max_bytes bytes (checked before decoding, so an oversized
+    request costs nothing more), valid UTF-8."""
+    out = []
+    for v in values.reshape(-1):
+        raw = v if isinstance(v, bytes) else str(v).encode("utf-8")
+        if max_bytes is not None and len(raw) > max_bytes:
+            raise RequestError(f"{name} is {len(raw)} bytes, more than the {max_bytes} that can fit the model's "
+                               f"context (max_seq_len tokens of at most the tokenizer's longest token)")
+        try:
+            out.append(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise RequestError(f"{name} must be valid UTF-8 text: {e}") from None
+    return out
+
+
+def token_ids(values: Iterable[int], name: str, vocab_size: int) -> list[int]:
+    """Ids that are tokens of the vocabulary, as Python integers."""
+    ids = [int(t) for t in values]
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"{name} must hold token ids in [0, {vocab_size}), got {bad[:5]}")
+    return ids
+
+
+def no_unknown_parameters(parameters_json: str, surface: str) -> None:
+    """Refuse request parameters a surface does not take. Triton's HTTP generate endpoint turns every JSON key
+    that is not an input name into such a parameter, so a misspelt input (`max_token`) arrives here rather than
+    being dropped."""
+    unknown = sorted(json.loads(parameters_json or "{}"))
+    if unknown:
+        raise RequestError(f"unknown parameter(s) {', '.join(unknown)}: {surface} takes inputs only (a generate "
+                           "endpoint's JSON keys must be input names)")
+
+
+@dataclass(frozen=True)
+class Scalar:
+    """How one scalar input is read: a flag, a real or an integer, within [low, high]."""
+
+    kind: str  # "flag" | "real" | "integer"
+    low: float = -math.inf
+    high: float = math.inf
+
+    def read(self, values: np.ndarray, name: str) -> Any:
+        if self.kind == "flag":
+            return flag(values, name)
+        if self.kind == "real":
+            return real(values, name, self.low, self.high)
+        return integer(values, name, int(self.low), int(self.high))
+
+
+# What the ensemble and BLS call the tensorrt_llm inputs they feed, where the name differs: a refusal from
+# tensorrt_llm names both, since behind the ensemble the client only knows its own name.
+CLIENT_NAMES = {"request_output_len": "max_tokens", "runtime_top_k": "top_k", "runtime_top_p": "top_p",
+                "len_penalty": "length_penalty", "streaming": "stream"}
+
+
+def client_named(name: str) -> str:
+    """An engine input's name, with the ensemble's name for it where that differs."""
+    return f"{name} ({CLIENT_NAMES[name]})" if name in CLIENT_NAMES else name
+
+
+_FLAG, _REAL = Scalar("flag"), Scalar("real")
+# The scalar inputs of TensorRT-LLM's `tensorrt_llm` model (the legacy Triton contract), by its names; the
+# ensemble and BLS inputs that feed them are read with the same rules under the client's names.
+TENSORRT_LLM_SCALARS: dict[str, Scalar] = {
+    **dict.fromkeys(("streaming", "exclude_input_in_output", "stop", "return_log_probs", "return_context_logits",
+                     "return_generation_logits", "return_perf_metrics", "return_num_input_tokens",
+                     "return_num_output_tokens"), _FLAG),
+    **dict.fromkeys(("temperature", "len_penalty", "repetition_penalty", "presence_penalty", "frequency_penalty"),
+                    _REAL),
+    "runtime_top_p": Scalar("real", 0.0, 1.0),
+    "input_lengths": Scalar("integer", 0, INT32_MAX),
+    "request_output_len": Scalar("integer", 1, INT32_MAX),
+    "runtime_top_k": Scalar("integer", 0, INT32_MAX),
+    "beam_width": Scalar("integer", 1, INT32_MAX),
+    "num_return_sequences": Scalar("integer", 1, INT32_MAX),
+    "min_tokens": Scalar("integer", 0, INT32_MAX),
+    "min_length": Scalar("integer", 0, INT32_MAX),
+    "seed": Scalar("integer", 0, 2**64 - 1),
+    "random_seed": Scalar("integer", 0, 2**64 - 1),
+}
