@@ -438,3 +438,21 @@ def test_a_copied_model_leaves_the_fused_calls_behind(shipped_model_dir) -> None
     assert all(m.fused is None for m in twin.modules() if isinstance(m, fusable))
     for a, b in zip(_ragged_step(model), _ragged_step(twin)):
         assert torch.equal(a, b)
+
+
+def test_a_killed_build_does_not_hang_the_next_load() -> None:
+    """torch marks a build in progress with a lock file that a killed build leaves behind; every later load
+    then waited for ever without a word (a Triton model that never finished loading). Under our own lock a torch
+    lock file is provably stale and is removed."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    kernels.cpu_kernels()
+    build_dir = Path(kernels.cpu_kernels().__file__).parent
+    (build_dir / "lock").touch()
+    done = subprocess.run([sys.executable, "-c", "from runtime.kernels import cpu_kernels; assert cpu_kernels()"],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"CPU kernels: removing {build_dir / 'lock'}, left by a build that was killed" in done.stderr
+    assert not (build_dir / "lock").exists()

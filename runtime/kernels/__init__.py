@@ -10,13 +10,16 @@ PyTorch path, which computes the same thing.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 from torch import Tensor
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+EXTENSION = "dsv3_cpu_kernels"
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-mavx512f"]
@@ -56,12 +60,36 @@ def cpu_kernels() -> ModuleType | None:
         return None
     from torch.utils.cpp_extension import load
 
-    try:  # built once into torch's extension cache (TORCH_EXTENSIONS_DIR), rebuilt when the source changes
-        return load("dsv3_cpu_kernels", [str(SOURCE)], extra_cflags=CFLAGS,
-                    verbose=os.environ.get("DSV3_KERNELS_VERBOSE") == "1")
+    # Built once into torch's extension cache (TORCH_EXTENSIONS_DIR), rebuilt when the source changes.
+    build_dir = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions")) / \
+        f"{EXTENSION}_py{sys.version_info.major}{sys.version_info.minor}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        with _sole_builder(build_dir):
+            return load(EXTENSION, [str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(build_dir),
+                        verbose=os.environ.get("DSV3_KERNELS_VERBOSE") == "1")
     except (OSError, RuntimeError, ImportError) as e:  # no compiler, failed build
         log.warning("CPU kernels off: building %s failed (%s); using the PyTorch path", SOURCE.name, e)
         return None
+
+
+@contextlib.contextmanager
+def _sole_builder(build_dir: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the build directory while torch loads (and perhaps builds) the extension.
+    torch's own lock is a file that a killed build leaves behind, after which every later load waits for
+    ever without a word (a server that never finishes starting). Whoever holds this lock is the only process
+    in `load`, so a torch lock file found then is stale and is removed."""
+    with open(build_dir / "dsv3.flock", "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("CPU kernels: waiting for another process that is building them in %s", build_dir)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            log.warning("CPU kernels: removing %s, left by a build that was killed", stale)
+            stale.unlink(missing_ok=True)
+        yield
 
 
 @dataclass
