@@ -34,7 +34,7 @@ MODES = {"plain": dict(num_draft_tokens="0", speculation="off"),
 def one_request(url: str, prompt: str, max_tokens: int) -> dict[str, float]:
     """TTFT to the first text chunk and TPOT after it (bench_common.request_ttft_tpot)."""
     sent = time.perf_counter()
-    chunks = [c for c in stream_generate(url, prompt, max_tokens, end_id=-1) if c.text]
+    chunks = [c for c in stream_generate(url, prompt, max_tokens, end_id=-1, model="ensemble") if c.text]
     if not chunks:
         raise RuntimeError(f"no text streamed for a {max_tokens}-token request")
     ttft, tpot = request_ttft_tpot(sent, chunks[0].at, chunks[-1].at, max_tokens)

@@ -1,4 +1,6 @@
-"""Stream text from the `ensemble` model over gRPC, the way TensorRT-LLM's Triton clients do.
+"""Stream text over gRPC, the way TensorRT-LLM's Triton clients do, from `tensorrt_llm_bls` by default: with
+Triton 2.51 (the newest server a package registry offers here) a cancelled or disconnected `ensemble` stream
+does not reach the engine, which generates on to max_tokens; the BLS passes cancellation on.
 
   python scripts/triton_client.py --url 127.0.0.1:8001 --max_tokens 64 "def fibonacci(n):"
 """
@@ -30,7 +32,7 @@ def _input(name: str, value: np.ndarray, dtype: str) -> grpcclient.InferInput:
 
 
 def stream_generate(url: str, prompt: str, max_tokens: int, temperature: float = 0.0, seed: int | None = None,
-                    end_id: int | None = None, model: str = "ensemble", timeout_s: float = 300.0,
+                    end_id: int | None = None, model: str = "tensorrt_llm_bls", timeout_s: float = 300.0,
                     perf_metrics: bool = False) -> Iterator[StreamChunk]:
     """Yield the streamed responses of one request (end_id -1: ignore eos, as TensorRT-LLM's
     clients do; perf_metrics: ask for the MTP drafting stats with each response); raises
@@ -78,9 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", default="127.0.0.1:8001")
     p.add_argument("--max_tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--model", default="tensorrt_llm_bls", help="tensorrt_llm_bls (default) or ensemble")
     args = p.parse_args(argv)
     stats: dict[str, float] = {}
-    for chunk in stream_generate(args.url, args.prompt, args.max_tokens, args.temperature, perf_metrics=True):
+    for chunk in stream_generate(args.url, args.prompt, args.max_tokens, args.temperature, model=args.model,
+                                 perf_metrics=True):
         print(chunk.text, end="", flush=True)
         stats = chunk.stats or stats
     print()
