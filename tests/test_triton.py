@@ -159,9 +159,9 @@ def http_generate(server: TritonServer, model: str, endpoint: str = "generate", 
             raw = r.read()
             status = r.status
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-    if endpoint == "generate":
-        return status, json.loads(raw)
+        raw, status = e.read(), e.code
+    if endpoint == "generate" or not raw.startswith(b"data: "):  # the stream's refusal before it starts is JSON
+        return status, json.loads(raw) if endpoint == "generate" or status != 200 else []
     return status, [line[len(b"data: "):] for line in raw.split(b"\n") if line.startswith(b"data: ")]
 
 
@@ -978,3 +978,17 @@ def test_watchdog_takes_a_stalled_server_down(checkpoint: Path, tmp_path: Path) 
     assert "watchdog: executor: the executor's step loop has made no progress for " in log
     assert "requests running" in log and "stopping tritonserver (pid " in log
     assert 'Thread 0x' in log and 'in _step' in log  # the stacks: where the step loop was
+
+
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+@pytest.mark.parametrize("missing", ["text_input", "max_tokens"])
+def test_streaming_without_a_required_input_is_refused(server: TritonServer, model: str, missing: str) -> None:
+    """Triton 2.51 counts inputs rather than checking which: with `stream` in their place, the ensemble answered
+    HTTP 200 with an empty stream and the BLS named preprocessing's QUERY."""
+    body = {k: v for k, v in dict(GOOD, stream=True).items() if k != missing}
+    status, events = http_generate(server, model, "generate_stream", **body)
+    error = events["error"] if isinstance(events, dict) else json.loads(events[0])["error"]
+    assert status == 400 and f"{missing} is required" in error, (status, events)
+    out = grpc_stream(server, model, **body)
+    assert out.error is not None and f"{missing} is required" in out.error, out.error
+    assert_healthy(server)

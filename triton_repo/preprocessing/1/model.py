@@ -71,6 +71,8 @@ class TritonPythonModel:
             t = pb_utils.get_input_tensor_by_name(request, name)
             return None if t is None else t.as_numpy()
 
+        if get("QUERY") is None:
+            raise RequestError("text_input is required")
         queries = texts(get("QUERY"), "text_input", self.max_input_bytes)
         batch = len(queries)
         ids = [self.tokenizer.encode(q, add_bos=self.add_bos) for q in queries]

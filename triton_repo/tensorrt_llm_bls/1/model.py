@@ -69,6 +69,9 @@ def check_inputs(request: Any) -> None:
     """Refuse what tensorrt_llm would, under the client's names rather than the engine's (top_k, not
     runtime_top_k), and parameters this model does not take; before any composing model is called."""
     no_unknown_parameters(request.parameters(), "tensorrt_llm_bls")
+    for name in ("text_input", "max_tokens"):  # Triton 2.51 counts a request's inputs, not which ones
+        if pb_utils.get_input_tensor_by_name(request, name) is None:
+            raise RequestError(f"{name} is required")
     for client, engine in TO_ENGINE.items():
         t = pb_utils.get_input_tensor_by_name(request, client)
         if t is not None and engine in TENSORRT_LLM_SCALARS:
