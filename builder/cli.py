@@ -20,6 +20,7 @@ from builder.convert import (
     check_output_dir,
     check_tokenizer,
     convert_checkpoint,
+    memory_notes,
     open_hf_checkpoint,
     validate_build,
 )
@@ -174,11 +175,14 @@ def build_config(args: argparse.Namespace, cfg: ModelConfig, *, dtype: str, tp_s
     max_draft_len = args.max_draft_len
     if max_draft_len is None:
         max_draft_len = min(DEFAULT_DRAFT_LEN, max_draft_len_allowed(cfg, args.backend, args.use_mtp_vanilla)[0])
-    return BuildConfig(
+    build = BuildConfig(
         max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, max_num_tokens=args.max_num_tokens,
         max_draft_len=max_draft_len, dtype=args.dtype or dtype, kv_block_size=args.kv_block_size,
         tp_size=args.tp_size or tp_size, ep_size=args.ep_size or ep_size, quant_algo=quant_algo, backend=args.backend,
     )
+    for note in memory_notes(cfg, build):
+        print(f"build_engine: {note}", file=sys.stderr)
+    return build
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -69,6 +70,31 @@ def validate_build(cfg: ModelConfig, build: BuildConfig, source: str, use_mtp_va
         check_model_limits(cfg, build, source, flag="--", use_mtp_vanilla=use_mtp_vanilla)
     except EngineError as e:
         raise BuildError(str(e)) from None
+
+
+def memory_notes(cfg: ModelConfig, build: BuildConfig) -> list[str]:
+    """What the limits ask of memory, against this machine's (its RAM, or its largest GPU's memory if larger):
+    a rank's weights plus the KV cache of one max_seq_len sequence must fit where the engine is served, and
+    max_batch_size such sequences are held only where memory allows (the runtime sizes its cache to free
+    memory). The build machine need not be the serving one, so these are warnings, naming the flags."""
+    weights = sum(math.prod(t.shape) * t.dtype.itemsize + (math.prod(t.scale_shape) * 4 if t.scale_shape else 0)
+                  for t in rank_layout(cfg, build))
+    per_token = cfg.latent_dim * build.torch_dtype.itemsize * (cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
+    one = build.max_seq_len * per_token
+    machine = max([os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")] +
+                  [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())])
+    gib = 2**30
+    notes = []
+    if weights + one > machine:
+        notes.append(f"warning: --max_seq_len {build.max_seq_len}: a rank's weights ({weights / gib:.1f} GiB) and the "
+                     f"KV cache of one such sequence ({one / gib:.1f} GiB) exceed this machine's {machine / gib:.1f} "
+                     "GiB; the engine will not load here")
+    elif weights + build.max_batch_size * one > machine:
+        fits = (machine - weights) // one
+        notes.append(f"note: --max_batch_size {build.max_batch_size} sequences of --max_seq_len {build.max_seq_len} "
+                     f"need {build.max_batch_size * one / gib:.1f} GiB of KV cache; the runtime sizes its cache to "
+                     f"free memory, so here at most {fits} such sequences run at once")
+    return notes
 
 
 def validate_sharding(cfg: ModelConfig, build: BuildConfig, source: str) -> None:

@@ -637,3 +637,19 @@ def test_trtllm_checkpoint_reads_back(hf, tmp_path):
     with pytest.raises(BuildError, match="max_seq_len 512 exceeds"):
         build_engine(ckpt.path, tmp_path / "e", BuildConfig(max_seq_len=512, tp_size=2, ep_size=2, quant_algo="FP8",
                                                             dtype="bfloat16"), tokenizer_dir=hf, progress=False)
+
+
+def test_limits_the_memory_cannot_hold_are_named_at_build(hf, tmp_path, capsys):
+    """max_batch_size 100000000 built silently and died at load; the build now says what the limits ask of memory
+    against this machine's, naming the flags (warnings: the build machine need not be the serving one)."""
+    assert cli("--model_dir", hf, "--output_dir", tmp_path / "out", "--max_seq_len", 256,
+               "--max_batch_size", 10**8) == 0
+    err = capsys.readouterr().err
+    assert "build_engine: note: --max_batch_size 100000000 sequences of --max_seq_len 256 need " in err
+    assert "GiB of KV cache; the runtime sizes its cache to free memory, so here at most " in err
+    v3 = ModelConfig.from_json(Path(__file__).parent / "data" / "hf_configs" / "deepseek-v3.json")
+    notes = convert.memory_notes(v3, BuildConfig(max_seq_len=163840, quant_algo="FP8_BLOCK_SCALES"))
+    assert len(notes) == 1 and notes[0].startswith("warning: --max_seq_len 163840: a rank's weights (")
+    assert notes[0].endswith("GiB; the engine will not load here")
+    weights = float(notes[0].split("weights (")[1].split(" GiB")[0])
+    assert 600 < weights < 700  # DeepSeek-V3's 671B parameters, mostly FP8, plus its MTP layer

@@ -612,3 +612,9 @@ def test_non_finite_values_are_refused_as_they_stream(make_ckpt, name, fp8):
         with pytest.raises(CheckpointError) as e:
             list(ck.iter_tensors(dequantize=dequantize))
         assert str(e.value) == want
+
+
+def test_the_release_config_reads_without_unknown_fields(caplog):
+    with caplog.at_level(logging.WARNING, logger="runtime.config"):
+        cfg = ModelConfig.from_json(HF_CONFIGS / "deepseek-v3.json")
+    assert caplog.records == [] and cfg.rope_scaling.factor == 40 and cfg.num_nextn_predict_layers == 1
