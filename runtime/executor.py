@@ -25,12 +25,13 @@ from runtime.cuda_graphs import DecodeGraphs
 from runtime.engine import LoadedEngine, load_engine
 from runtime.kv_cache import KVCache, free_memory_bytes
 from runtime.sampling import RelaxedAcceptance, SamplingParams
-from runtime.scheduler import DraftPolicy, Scheduler, SchedulerConfig, StepCosts
+from runtime.draft_policy import DraftPolicy, StepCosts
+from runtime.scheduler import Scheduler, SchedulerConfig
 from runtime.outputs import (ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestStats, RequestTracker,
                              validate_request)
 from runtime.sequence import Sequence
 from runtime.tokenizer import Tokenizer
-from runtime.worker import ModelRunner, StepResult
+from runtime.worker import ModelRunner
 
 __all__ = ["Executor", "ExecutorConfig", "ExecutorStats", "RequestHandle", "RequestOutput", "RequestStats"]
 
@@ -294,14 +295,14 @@ class Executor:
             mtp = []
             runner = self.runner
             for b in sizes:
-                seqs = [Sequence("p", [], 0, SamplingParams(), 0, block_table=t) for t in tables[:b]]
                 for q in target:
                     ids = torch.randint(vocab, (b * q,), generator=gen).tolist()
-                    target[q].append(timed(lambda: model.logits(runner.forward_target(seqs, [context] * b, [q] * b, ids))))
+                    target[q].append(timed(lambda: model.logits(
+                        runner.forward_target(tables[:b], [context] * b, [q] * b, ids))))
                 ids = torch.randint(vocab, (b,), generator=gen).to(self.config.device)
                 hidden = torch.randn(b, model.cfg.hidden_size, generator=gen).to(cache.tensor.dtype).to(
                     self.config.device)
-                mtp.append(timed(lambda: runner.forward_mtp(seqs, [context] * b, [1] * b, ids, hidden)))
+                mtp.append(timed(lambda: runner.forward_mtp(tables[:b], [context] * b, [1] * b, ids, hidden)))
         finally:
             for t in tables:
                 cache.allocator.free(t)
@@ -340,8 +341,6 @@ class Executor:
         for item in plan:
             tracker = self._requests[item.seq.request_id][1]
             tracker.first_scheduled_time = tracker.first_scheduled_time or t0
-        decode_only = not any(it.seq.in_prefill for it in plan)
-        catch_up = max((it.seq.num_cached - it.seq.num_mtp for it in plan if it.num_drafts), default=0)
         try:
             results = self.runner.step(plan)
         except Exception as e:  # a broken step fails its requests, never the executor
@@ -349,14 +348,28 @@ class Executor:
             for item in plan:
                 self._finish(item.seq.request_id, "error", error=str(e))
             return
-        self.scheduler.after_step(results)
         now = time.perf_counter()
-        for r in results:
-            if r.new_token_ids and r.seq.request_id in self._requests:
-                self._process(r, now)
-        ks = {it.num_drafts for it in plan}  # observed only when every sequence drafted the same k
-        if decode_only and len(ks) == 1 and catch_up <= self.policy.max_k + 1:  # no MTP catch-up over a prompt
-            self.policy.observe_step(len(plan), ks.pop(), time.perf_counter() - t0)
+        reports, kept, finished = [], {}, set()
+        for r in results:  # the stop rules decide how many emitted tokens each request keeps
+            if r.new_token_ids:
+                tracker = self._requests[r.seq.request_id][1]
+                new, delta, reason = tracker.consume(r.new_token_ids, now)
+                tracker.num_steps += 1
+                tracker.num_draft_tokens += r.num_drafts
+                tracker.num_accepted_draft_tokens += r.num_accepted
+                self._counts["drafted"] += r.num_drafts
+                self._counts["accepted"] += r.num_accepted
+                self._counts["generated"] += len(new)
+                kept[r.seq] = len(new)
+                if reason is not None:
+                    finished.add(r.seq)
+                reports.append((r.seq.request_id, new, delta, reason))
+        self.scheduler.update_from_output(plan, results, kept, finished, time.perf_counter() - t0)
+        for rid, new, delta, reason in reports:
+            if reason is None:
+                self._requests[rid][1].report(new, delta, None)
+            else:
+                self._finish(rid, reason, new, delta)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -374,24 +387,10 @@ class Executor:
                 if entry is not None and (handle is None or entry[1].handle is handle):
                     self._finish(rid, "cancelled")
 
-    def _process(self, r: StepResult, now: float) -> None:
-        """Apply the stop rules to the tokens a step emitted and report them."""
-        seq, tracker = self._requests[r.seq.request_id]
-        tracker.num_steps += 1
-        tracker.num_draft_tokens += r.num_drafts
-        tracker.num_accepted_draft_tokens += r.num_accepted
-        self._counts["drafted"] += r.num_drafts
-        self._counts["accepted"] += r.num_accepted
-        new, delta, reason = tracker.consume(r.new_token_ids, now)
-        self._counts["generated"] += len(new)
-        if reason is None:
-            tracker.report(new, delta, None)
-        else:
-            del seq.token_ids[seq.num_prompt_tokens + len(tracker.token_ids):]
-            self._finish(seq.request_id, reason, new, delta)
-
     def _finish(self, request_id: str, reason: str, new: list[int] | None = None, delta: str = "",
                 error: str | None = None) -> None:
+        """End a request (finished by its step, cancelled or failed): its blocks go back and its last output out,
+        one request at a time, so a callback's stats() sees every request running, queued or finished."""
         if request_id not in self._requests:
             return
         seq, tracker = self._requests.pop(request_id)

@@ -9,22 +9,23 @@ preempts only sequences admitted after its own; if it still does not fit, it wai
 wait while blocks run out: none is admitted in a step that preempted or left a prefill waiting.
 Nothing is dropped.
 
-The draft length comes from a `DraftPolicy`: fixed, off, or adaptive: the k that maximizes
-expected tokens per second for the current batch size, from the acceptance measured per draft depth
-and a step cost table profiled on this machine at start-up (k = 0 when verifying costs more than it
-saves), and no more than leaves the token budget to prompts waiting to be prefilled.
+The draft length comes from a `DraftPolicy` (runtime.draft_policy), and no more than leaves the token
+budget to prompts waiting to be prefilled.
+
+After the step, `update_from_output` applies what the runner computed, the one writer of a step's
+results: tokens (as many as the stop rules keep), cache lengths, MTP inputs, finished sequences,
+blocks given back, and what the draft policy learns.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
 from collections import deque
 from dataclasses import dataclass
 
+from runtime.draft_policy import DraftPolicy
 from runtime.kv_cache import KVCache, OutOfBlocks
+from runtime.plan import Scheduled, StepResult
 from runtime.sequence import Sequence, Status
-from runtime.worker import Scheduled, StepResult
 
 
 @dataclass(frozen=True)
@@ -32,142 +33,6 @@ class SchedulerConfig:
     max_batch_size: int
     max_num_tokens: int
     max_seq_len: int
-
-
-@dataclass
-class StepCosts:
-    """Measured seconds of a target forward with q tokens for each of b sequences, and of an MTP
-    forward with one token per sequence, at the profiled batch sizes."""
-
-    batch_sizes: list[int]
-    target: dict[int, list[float]]  # q -> seconds per batch size
-    mtp: list[float]  # seconds per batch size
-
-    def _interp(self, values: list[float], b: int) -> float:
-        bs = self.batch_sizes
-        i = bisect.bisect_left(bs, b)
-        if i == 0:
-            return values[0]
-        if i == len(bs):
-            return values[-1] * b / bs[-1]
-        lo, hi = bs[i - 1], bs[i]
-        return values[i - 1] + (values[i] - values[i - 1]) * (b - lo) / (hi - lo)
-
-    def bucket(self, b: int) -> int:
-        """The smallest profiled batch size >= b (the largest past the end)."""
-        return self.batch_sizes[min(bisect.bisect_left(self.batch_sizes, b), len(self.batch_sizes) - 1)]
-
-    def step_seconds(self, b: int, k: int) -> float:
-        qs = sorted(self.target)
-        q = min(qs, key=lambda x: abs(x - (k + 1)))
-        target = self._interp(self.target[q], b) * (k + 1) / q
-        return target + (k * self._interp(self.mtp, b) if k else 0.0)
-
-
-class DraftPolicy:
-    """mode 'off' (k = 0), 'fixed' (k = max_k), or 'adaptive' (throughput-optimal k per step).
-
-    Acceptance is learned per draft depth: a[j] = P(draft j+1 accepted | drafts 1..j accepted),
-    since a draft chained on drafts is right less often than the first one; treating depths as
-    one i.i.d. rate over-values long drafts. Step costs are profiled forwards, corrected as the
-    executor runs: for each profiled batch size and k, the ratio of whole decode steps (the
-    runner's Python, drafting's catch-up over positions verified since the last draft, the
-    outputs) to the profiled forwards is learned; a k not yet run there borrows k = 0's ratio.
-    Steps that catch the MTP cache up over a prompt are left out (a one-off per request, they
-    would price every later step), and so are steps in which not every sequence drafted k. A ratio
-    starts from k = 0's (from 1, the profile, for k = 0 itself) and moves by smoothing, one step's
-    sample clipped to within 2x of it: an optimistic start that a single slow step cannot turn into
-    a k priced out for good. Drafting needs a predicted gain of at least MIN_GAIN, for what stays
-    unmodelled (those prompt catch-ups, the prefill work drafts delay). Every EXPLORE_EVERY-th step
-    at a batch size runs a neighbour of the chosen k instead (one more draft and one fewer in turn; one
-    more only where it would win if that draft were always accepted), so the costs and acceptance next
-    to the choice are measured again; the gain is one-peaked in k
-    (each extra draft costs more than the last and is accepted less often), so a far k never beats a
-    near one that loses, and trying it, at a large batch size, costs a step several times plain's.
-    """
-
-    MIN_GAIN = 1.1
-    EXPLORE_EVERY = 64
-
-    def __init__(self, mode: str, max_k: int, costs: StepCosts | None = None, prior_acceptance: float = 0.7,
-                 smoothing: float = 0.05, cost_smoothing: float = 0.1):
-        if mode not in ("off", "fixed", "adaptive"):
-            raise ValueError(f"speculation must be 'off', 'fixed' or 'adaptive', got {mode!r}")
-        if mode == "adaptive" and costs is None:
-            raise ValueError("adaptive speculation needs measured step costs")
-        self.mode, self.max_k, self.costs = mode, max_k if mode != "off" else 0, costs
-        self.acceptance_by_depth = [prior_acceptance] * max(max_k, 1)  # smoothed conditional rates
-        self.smoothing, self.cost_smoothing = smoothing, cost_smoothing
-        self.cost_ratio: dict[tuple[int, int], float] = {}  # (profiled batch size, k) -> whole step / profiled
-        self.decisions: dict[int, int] = {}  # profiled batch size -> steps decided there
-
-    @property
-    def acceptance(self) -> float:
-        """Acceptance of the first draft (what k = 1 would see)."""
-        return self.acceptance_by_depth[0]
-
-    def observe(self, results: list[StepResult]) -> None:
-        """Depth j is reached when drafts 1..j-1 passed; it counts as accepted when draft j did too."""
-        reached = [0] * len(self.acceptance_by_depth)
-        accepted = [0] * len(self.acceptance_by_depth)
-        for r in results:
-            for j in range(min(r.num_accepted + 1, r.num_drafts)):
-                reached[j] += 1
-                accepted[j] += j < r.num_accepted
-        for j, n in enumerate(reached):
-            if n:
-                self.acceptance_by_depth[j] += self.smoothing * (accepted[j] / n - self.acceptance_by_depth[j])
-
-    def observe_step(self, batch_size: int, k: int, seconds: float) -> None:
-        """A whole decode step (no prefill in it) of batch_size sequences at draft length k took `seconds`."""
-        if self.mode != "adaptive" or batch_size == 0:
-            return
-        bucket = self.costs.bucket(batch_size)
-        old = self._ratio(bucket, k)
-        ratio = min(max(seconds / self.costs.step_seconds(batch_size, k), old / 2), old * 2)
-        self.cost_ratio[(bucket, k)] = old + self.cost_smoothing * (ratio - old)
-
-    def _ratio(self, bucket: int, k: int) -> float:
-        """Whole step / profiled forwards at a profiled batch size: learned, else k = 0's, else 1."""
-        return self.cost_ratio.get((bucket, k), self.cost_ratio.get((bucket, 0), 1.0))
-
-    def expected_tokens(self, k: int) -> float:
-        """1 + sum over depths j <= k of P(drafts 1..j all accepted)."""
-        total, p = 1.0, 1.0
-        for a in self.acceptance_by_depth[:k]:
-            p *= a
-            total += p
-        return total
-
-    def step_seconds(self, batch_size: int, k: int) -> float:
-        """Predicted seconds of a whole decode step: the profiled forwards times the learned ratio."""
-        return self.costs.step_seconds(batch_size, k) * self._ratio(self.costs.bucket(batch_size), k)
-
-    def _rate(self, batch_size: int, drafters: int, k: int, tokens: float) -> float:
-        """Predicted tokens per second of a step at draft length k where each drafter emits `tokens`."""
-        return (batch_size + drafters * (tokens - 1)) / self.step_seconds(batch_size, k)
-
-    def choose(self, batch_size: int, drafters: int | None = None) -> int:
-        """k for a step of batch_size decodes, `drafters` of which can draft (default: all)."""
-        if self.mode != "adaptive" or batch_size == 0:
-            return self.max_k
-        drafters = batch_size if drafters is None else drafters
-        rate = {k: self._rate(batch_size, drafters, k, self.expected_tokens(k)) for k in range(self.max_k + 1)}
-        best = max(rate, key=rate.get)
-        choice = best if rate[best] >= self.MIN_GAIN * rate[0] else 0
-        bucket = self.costs.bucket(batch_size)
-        n = self.decisions[bucket] = self.decisions.get(bucket, 0) + 1
-        if self.max_k and n % self.EXPLORE_EVERY == 0:  # explore a neighbour: one draft more, then one fewer
-            up = choice == 0 or ((n // self.EXPLORE_EVERY) % 2 == 1 and choice < self.max_k)
-            if not up:
-                return choice - 1
-            # One draft more only if it could win were that draft always accepted (reached whenever drafts
-            # 1..choice pass): otherwise no acceptance could make it the choice, and trying it would cost a
-            # step (with a catch-up over every prompt not yet drafted from) to learn nothing.
-            always = self.expected_tokens(choice) + math.prod(self.acceptance_by_depth[:choice])
-            if self._rate(batch_size, drafters, choice + 1, always) >= max(rate[choice], self.MIN_GAIN * rate[0]):
-                return choice + 1
-        return choice
 
 
 class Scheduler:
@@ -291,16 +156,35 @@ class Scheduler:
             budget -= max(chunk, 1)
         return plan
 
-    def after_step(self, results: list[StepResult]) -> None:
-        """Give back blocks past what each sequence needs (rejected drafts), learn acceptance; under
-        adaptive speculation, drop drafting for sequences that decoded MTP_IDLE_LIMIT steps in a row
-        for which the policy chose k = 0 (not steps the token budget, the cache or max_tokens cut)."""
+    def update_from_output(self, plan: list[Scheduled], results: list[StepResult], kept: dict[Sequence, int],
+                           finished: set[Sequence], seconds: float) -> None:
+        """Apply a step: each sequence takes `kept[seq]` of its emitted tokens (all of them when absent: the stop
+        rules cut at a stop), the KV positions and MTP inputs it made valid, and its thinking state; sequences
+        not `finished` (those leave through `remove` as the executor reports them) give back blocks past their
+        length (rejected drafts).
+        Under adaptive speculation a sequence for which the policy chose k = 0 for MTP_IDLE_LIMIT decode steps in
+        a row stops drafting (steps the token budget, the cache or max_tokens cut do not count). The policy learns
+        acceptance, and the step's cost when it was a decode-only step in which every sequence drafted the same
+        k without an MTP catch-up over a prompt (a one-off per request that would price every later step)."""
+        catch_up = max((it.seq.num_cached - it.seq.num_mtp for it in plan if it.num_drafts), default=0)
+        decode_only = not any(it.seq.in_prefill for it in plan)
         for r in results:
             seq = r.seq
-            if seq.status is Status.RUNNING:
-                self.cache.shrink(seq.block_table, seq.num_tokens)
+            seq.token_ids += r.new_token_ids[: kept.get(seq, len(r.new_token_ids))]
+            seq.num_cached += r.num_trusted
+            seq.in_thinking = r.in_thinking
+            if r.mtp_caught_up:
+                seq.num_mtp, seq.pending_hidden = seq.num_cached - r.num_trusted, []
+            if r.hidden is not None and not seq.mtp_dropped:
+                seq.pending_hidden.append(r.hidden)
+            if seq in finished:
+                continue
+            self.cache.shrink(seq.block_table, seq.num_tokens)
             if r.new_token_ids and self.policy.mode == "adaptive" and not seq.mtp_dropped:
                 seq.mtp_idle_steps = seq.mtp_idle_steps + 1 if self.policy_k == 0 else 0
                 if seq.mtp_idle_steps >= self.MTP_IDLE_LIMIT:
                     seq.drop_mtp()
         self.policy.observe(results)
+        ks = {it.num_drafts for it in plan}
+        if decode_only and len(ks) == 1 and catch_up <= self.policy.max_k + 1:
+            self.policy.observe_step(len(plan), ks.pop(), seconds)

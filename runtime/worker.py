@@ -10,13 +10,13 @@ One step for a batch of sequences, each with its own number of new target tokens
 3. accept a prefix of each sequence's drafts and emit one more token (sampling.accept); rejected
    positions are simply left behind: the sequence's length is what the cache is trusted up to,
    and the scheduler gives back blocks past it.
-k = 0 is plain decoding through the same code.
+k = 0 is plain decoding through the same code. The runner reads sequences and writes none: what a step
+computed comes back as `StepResult`s, which `Scheduler.update_from_output` applies.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
@@ -27,24 +27,8 @@ from runtime.kv_cache import KVCache
 from runtime.model import SHORT_QUERY, DeepseekV3ForCausalLM, PagedBatch
 from runtime.sampling import (PURPOSE_DRAFT, RelaxedAcceptance, SamplingTensors, accept, accept_greedy,
                               probabilities, sample, uniforms)
+from runtime.plan import Scheduled, StepResult
 from runtime.sequence import Sequence
-
-
-@dataclass
-class Scheduled:
-    """One sequence's share of a step: target tokens to run and how many of them are drafts."""
-
-    seq: Sequence
-    num_new: int  # prefill chunk length, or 1 + num_drafts when decoding
-    num_drafts: int = 0
-
-
-@dataclass
-class StepResult:
-    seq: Sequence
-    new_token_ids: list[int]
-    num_drafts: int
-    num_accepted: int
 
 
 class ModelRunner:
@@ -59,31 +43,32 @@ class ModelRunner:
         self.timings = {"draft": 0.0, "target": 0.0}
 
     # ---- batch plumbing -----------------------------------------------------------------------
-    def _paged_batch(self, seqs: list[Sequence], starts: list[int], lens: list[int]) -> PagedBatch:
-        width = max(len(s.block_table) for s in seqs)
-        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.long)
-        return PagedBatch.build(starts, lens, tables.to(self.device), self.cache.block_size, self.model.kernel_attention)
+    def _paged_batch(self, tables: list[list[int]], starts: list[int], lens: list[int]) -> PagedBatch:
+        width = max(map(len, tables))
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+        return PagedBatch.build(starts, lens, padded.to(self.device), self.cache.block_size, self.model.kernel_attention)
 
     def _ids(self, values: list[int]) -> Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
-    def forward_target(self, seqs: list[Sequence], starts: list[int], lens: list[int], ids: list[int]) -> Tensor:
-        """Hidden states [sum(lens), H] of lens[b] new tokens after starts[b] cached ones per sequence."""
+    def forward_target(self, tables: list[list[int]], starts: list[int], lens: list[int], ids: list[int]) -> Tensor:
+        """Hidden states [sum(lens), H] of lens[b] new tokens after starts[b] cached ones per sequence, whose
+        cache blocks are tables[b]."""
         if self.graphs is not None:
-            hidden = self.graphs.target(ids, starts, lens, [s.block_table for s in seqs])
+            hidden = self.graphs.target(ids, starts, lens, tables)
             if hidden is not None:
                 return hidden
-        batch = self._paged_batch(seqs, starts, lens)
+        batch = self._paged_batch(tables, starts, lens)
         return self.model(self._ids(ids), batch=batch, kv_cache=self.cache.tensor)
 
-    def forward_mtp(self, seqs: list[Sequence], starts: list[int], lens: list[int], ids: Tensor,
+    def forward_mtp(self, tables: list[list[int]], starts: list[int], lens: list[int], ids: Tensor,
                     hidden: Tensor) -> tuple[Tensor, Tensor]:
         """The MTP layer over the same layout: (logits, hidden after shared_head.norm) at each sequence's last token."""
         if self.graphs is not None:
-            out = self.graphs.mtp(ids, hidden, starts, lens, [s.block_table for s in seqs])
+            out = self.graphs.mtp(ids, hidden, starts, lens, tables)
             if out is not None:
                 return out
-        batch = self._paged_batch(seqs, starts, lens)
+        batch = self._paged_batch(tables, starts, lens)
         return self.model.mtp_forward(0, ids, hidden, batch=batch, kv_cache=self.cache.tensor, rows=batch.last_index)
 
     @staticmethod
@@ -108,18 +93,17 @@ class ModelRunner:
         ks = [it.num_drafts for it in items]
         K = max(ks)
         # Catch-up: positions num_mtp .. num_cached-1, inputs h_i and the true token t_{i+1}.
+        tables = [s.block_table for s in seqs]
         starts = [s.num_mtp for s in seqs]
         lens = [s.num_cached - s.num_mtp for s in seqs]  # the pending hidden rows
         next_ids = self._ids([t for s in seqs for t in s.token_ids[s.num_mtp + 1 : s.num_cached + 1]])
         hidden = torch.cat([h for s in seqs for h in s.pending_hidden])
-        for s in seqs:
-            s.num_mtp, s.pending_hidden = s.num_cached, []
         # Plain argmax drafts unless a row samples or bans tokens (its drafts then come from the MTP's own
         # distribution, bans applied, so a banned token is never drafted only to be rejected).
         plain = all(s.params.plain_argmax for s in seqs)
         if plain and min(ks) == K > 1 and model.chains_greedy_drafts(0):  # the greedy chain in one kernel call
-            return model.greedy_drafts(0, next_ids, hidden, self._paged_batch(seqs, starts, lens), self.cache.tensor, K), None
-        logits, h = self.forward_mtp(seqs, starts, lens, next_ids, hidden)
+            return model.greedy_drafts(0, next_ids, hidden, self._paged_batch(tables, starts, lens), self.cache.tensor, K), None
+        logits, h = self.forward_mtp(tables, starts, lens, next_ids, hidden)
         if not plain:
             st = self.sampling_tensors(seqs, [1] * len(seqs), model.cfg.vocab_size, self.device)
             seeds = self._ids([s.seed for s in seqs])
@@ -137,8 +121,8 @@ class ModelRunner:
                 break
             # Draft j+2 at position num_tokens - 1 + j from the MTP's own hidden state and draft.
             active = [i for i, k in enumerate(ks) if k > j + 1]
-            sub = [seqs[i] for i in active]
-            starts = [s.num_tokens - 1 + j for s in sub]
+            sub = [tables[i] for i in active]
+            starts = [seqs[i].num_tokens - 1 + j for i in active]
             if len(active) == len(seqs):
                 logits, h = self.forward_mtp(sub, starts, [1] * len(sub), d, h)
             else:
@@ -170,7 +154,8 @@ class ModelRunner:
             s = it.seq
             tokens += ([s.token_ids[-1]] + draft_of.get(id(s), [])) if not s.in_prefill else \
                 s.token_ids[s.num_cached : s.num_cached + it.num_new]
-        hidden = self.forward_target(seqs, [s.num_cached for s in seqs], [it.num_new for it in items], tokens)
+        hidden = self.forward_target([s.block_table for s in seqs], [s.num_cached for s in seqs],
+                                     [it.num_new for it in items], tokens)
         results = self._verify(items, decoding, hidden, rows, draft_probs, drafting) if decoding else {}
 
         out, offset = [], 0
@@ -178,15 +163,15 @@ class ModelRunner:
             s = it.seq
             emitted, accepted = results.get(i, ([], 0))
             trusted = accepted + 1 if emitted else it.num_new  # positions whose target KV is now valid
+            kept = None
             if self.keep_mtp_inputs and not s.mtp_dropped:  # a copy: a view would keep the step's hidden alive
-                s.pending_hidden.append(hidden[offset : offset + trusted].clone())
+                kept = hidden[offset : offset + trusted].clone()
             offset += it.num_new
-            s.num_cached += trusted
-            s.token_ids += emitted
+            thinking = s.in_thinking
             if self.relaxed is not None:
                 for t in emitted:
-                    s.in_thinking = self.relaxed.advance(s.in_thinking, t)
-            out.append(StepResult(s, emitted, it.num_drafts, accepted))
+                    thinking = self.relaxed.advance(thinking, t)
+            out.append(StepResult(s, emitted, it.num_drafts, accepted, trusted, kept, it.num_drafts > 0, thinking))
         self.timings["draft"] += t1 - t0
         self.timings["target"] += time.perf_counter() - t1
         return out

@@ -33,7 +33,6 @@ from runtime.executor import Executor, ExecutorConfig  # noqa: E402
 from runtime.cuda_graphs import DecodeGraphs  # noqa: E402
 from runtime.kv_cache import KVCache  # noqa: E402
 from runtime.sampling import SamplingParams  # noqa: E402
-from runtime.sequence import Sequence  # noqa: E402
 from runtime.worker import ModelRunner  # noqa: E402
 
 TARGETS = {"k1_vs_k0": 1.6, "best_vs_k0": 2.0, "k0_vs_hf": 3.0}
@@ -57,20 +56,20 @@ def measure_step_costs(model, max_k: int, context: int, repeats: int, block_size
     dtype, device = param.dtype, param.device
     blocks = -(-(context + max_k + 2) // block_size)
     cache = KVCache(cfg, num_blocks=blocks + 1, block_size=block_size, dtype=dtype, device=device)
-    seq = [Sequence("cost", [], 0, SamplingParams(), 0, block_table=cache.allocator.allocate(blocks))]
+    tables = [cache.allocator.allocate(blocks)]
     runner = ModelRunner(model, cache, graphs=DecodeGraphs(model, cache) if device.type == "cuda" else None)
     cache.tensor.normal_()  # context values do not change the cost, but keep them non-degenerate
     gen = torch.Generator().manual_seed(0)
 
     def target(q: int):
         ids = torch.randint(0, cfg.vocab_size, (q,), generator=gen).tolist()
-        return model.logits(runner.forward_target(seq, [context], [q], ids))
+        return model.logits(runner.forward_target(tables, [context], [q], ids))
 
     hidden = torch.randn(1, cfg.hidden_size, generator=gen).to(device, dtype)
 
     def mtp():
         ids = torch.randint(0, cfg.vocab_size, (1,), generator=gen).to(device)
-        return runner.forward_mtp(seq, [context], [1], ids, hidden)
+        return runner.forward_mtp(tables, [context], [1], ids, hidden)
 
     fns = {f"target_q{q}": (lambda q=q: target(q)) for q in range(1, max_k + 2)}
     fns["mtp"] = mtp

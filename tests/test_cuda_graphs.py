@@ -15,7 +15,6 @@ from runtime.executor import Executor, ExecutorConfig
 from runtime.kv_cache import KVCache
 from runtime.model import Experts
 from runtime.sampling import SamplingParams
-from runtime.sequence import Sequence
 from runtime.worker import ModelRunner
 
 from conftest import tiny_config_dict
@@ -41,14 +40,14 @@ LAYOUTS = [[(9, 1)], [(5, 4), (13, 1), (2, 3)], [(0, 8), (7, 2)], [(3, 2), (3, 2
            [(0, 30), (5, 2), (0, 11), (9, 1)], [(2, 20)]]
 
 
-def _sequences(layout: list[tuple[int, int]]) -> tuple[list[Sequence], list[int], list[int]]:
-    """Sequences with disjoint block tables for the layout, and its starts and lengths."""
-    seqs, first = [], 0
+def _sequences(layout: list[tuple[int, int]]) -> tuple[list[list[int]], list[int], list[int]]:
+    """Disjoint block tables for the layout's sequences, and its starts and lengths."""
+    tables, first = [], 0
     for s, q in layout:
         n = -(-(s + q) // 4) + 1  # one block more than needed, as the scheduler reserves room for drafts
-        seqs.append(Sequence(f"r{first}", [], 0, SamplingParams(), 0, block_table=list(range(first + n - 1, first - 1, -1))))
+        tables.append(list(range(first + n - 1, first - 1, -1)))
         first += n
-    return seqs, [s for s, _ in layout], [q for _, q in layout]
+    return tables, [s for s, _ in layout], [q for _, q in layout]
 
 
 def _assert_same_writes(model, padded: ModelRunner, eager: ModelRunner) -> None:

@@ -22,8 +22,9 @@ from runtime.engine import load_engine
 from runtime.executor import Executor, ExecutorConfig, RequestOutput
 from runtime.kv_cache import free_memory_bytes
 from runtime.sampling import SamplingParams
-from runtime.scheduler import DraftPolicy, Scheduler, StepCosts
-from runtime.worker import StepResult
+from runtime.draft_policy import DraftPolicy, StepCosts
+from runtime.plan import StepResult
+from runtime.scheduler import Scheduler
 
 from executor_util import assert_all_free, hold_inbox_until  # noqa: E402
 
@@ -709,11 +710,11 @@ def test_a_failing_step_loop_ends_every_request_and_refuses_new_ones(engine, pro
     with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed", max_batch_size=2)) as ex:
         all_submitted = threading.Event()
 
-        def broken(results):
+        def broken(*args):
             all_submitted.wait(30)  # the loop must not stop before the last submit, or that submit is refused
             raise KeyError("bookkeeping")
 
-        ex.scheduler.after_step = broken
+        ex.scheduler.update_from_output = broken
         handles = [ex.submit(p, SamplingParams(max_tokens=10, ignore_eos=True)) for p in prompts[:4]]
         all_submitted.set()
         for h in handles:
@@ -945,8 +946,10 @@ def test_adaptive_gives_up_drafting_for_sequences_that_went_idle(engine) -> None
         sched, seq = scheduler_with_one_decode(engine, policy)
         for step in range(Scheduler.MTP_IDLE_LIMIT):
             assert seq.can_draft and not seq.mtp_dropped
-            assert [it.num_drafts for it in sched.schedule()] == [0 if mode == "adaptive" else 2]
-            sched.after_step([StepResult(seq, [1], num_drafts=0, num_accepted=0)])
+            plan = sched.schedule()
+            assert [it.num_drafts for it in plan] == [0 if mode == "adaptive" else 2]
+            # a decode step that emitted a token, applied without its token so the sequence stays as it was
+            sched.update_from_output(plan, [StepResult(seq, [1], num_drafts=0, num_accepted=0)], {seq: 0}, set(), 0.0)
         if mode == "adaptive":
             assert seq.mtp_dropped and seq.pending_hidden == [] and not seq.can_draft
             assert [it.num_drafts for it in sched.schedule()] == [0]
@@ -965,7 +968,7 @@ def test_idle_steps_count_only_when_the_policy_chose_no_drafts(engine) -> None:
     for _ in range(3 * Scheduler.MTP_IDLE_LIMIT):  # the waiting prompt takes the budget: no room for drafts
         plan = sched.schedule()
         assert [it.num_drafts for it in plan if it.seq is seq] == [0] and sched.policy_k == 2
-        sched.after_step([StepResult(seq, [1], num_drafts=0, num_accepted=0)])
+        sched.update_from_output(plan, [StepResult(seq, [1], num_drafts=0, num_accepted=0)], {seq: 0}, set(), 0.0)
         sched.running = [seq]  # the long prompt waits again
         sched.waiting.clear()
         sched.add(Sequence("long", list(range(40)), 40, SamplingParams(max_tokens=8), seed=1))

@@ -23,7 +23,8 @@ import pytest
 from runtime.engine import load_engine
 from runtime.executor import Executor, ExecutorConfig, RequestOutput
 from runtime.sampling import SamplingParams
-from runtime.scheduler import Scheduler, StepCosts
+from runtime.draft_policy import StepCosts
+from runtime.scheduler import Scheduler
 from runtime.tokenizer import Tokenizer
 
 from executor_util import assert_all_free, hold_inbox_until  # noqa: E402
@@ -517,16 +518,15 @@ def test_cancel_during_chunked_prefill_frees_its_blocks_at_once(shipped_engine, 
     with Executor(shipped_engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed", max_num_tokens=8,
                                                  max_seq_len=MAX_SEQ_LEN)) as ex:
         watch = Watch(ex)
-        step = ex.runner.step
+        update = ex.scheduler.update_from_output
 
-        def gated(items):  # executor thread: after the third chunk, no step until the test has cancelled
-            results = step(items)
+        def gated(*args):  # executor thread: once the third chunk is applied, no step until the test has cancelled
+            update(*args)
             if not chunks.is_set() and sum("long" in p for p in watch.prefilling) == 3:
                 chunks.set()
                 resume.wait(30)
-            return results
 
-        ex.runner.step = gated
+        ex.scheduler.update_from_output = gated
 
         def on_final(o: RequestOutput) -> None:  # executor thread
             if o.finished:

@@ -24,7 +24,8 @@ from runtime.executor import Executor, ExecutorConfig
 from runtime.kv_cache import BlockAllocator, KVCache, OutOfBlocks
 from runtime.model import PagedBatch
 from runtime.sampling import RelaxedAcceptance, SamplingParams, SamplingTensors, accept, probabilities
-from runtime.scheduler import DraftPolicy, Scheduler, SchedulerConfig
+from runtime.draft_policy import DraftPolicy
+from runtime.scheduler import Scheduler, SchedulerConfig
 from runtime.sequence import Sequence, Status
 from runtime.tokenizer import Tokenizer
 from runtime.worker import ModelRunner
@@ -479,7 +480,7 @@ def test_relaxed_acceptance_never_emits_bad_tokens() -> None:
     from conftest import bigram_tensors
     from runtime.model import DeepseekV3ForCausalLM
     from runtime.weights import load_weights
-    from runtime.worker import Scheduled
+    from runtime.plan import Scheduled
 
     V = 512
     cfg = ModelConfig.from_dict(tiny_config_dict(vocab_size=V))
@@ -490,19 +491,23 @@ def test_relaxed_acceptance_never_emits_bad_tokens() -> None:
     relaxed = RelaxedAcceptance(top_n=10, delta=0.6, begin_thinking_token=V - 1, end_thinking_token=V - 3)
     cache = KVCache(cfg, num_blocks=200, block_size=4)
     runner = ModelRunner(model, cache, relaxed=relaxed)
+    sched = Scheduler(SchedulerConfig(max_batch_size=1, max_num_tokens=64, max_seq_len=128), cache,
+                      DraftPolicy("fixed", 3))
     prompt = [11, 23, 7, 91, V - 1]  # ends with <think>
     seq = Sequence("r", list(prompt), len(prompt), SamplingParams(max_tokens=60, bad_token_ids=tuple(banned)),
                    seed=0, in_thinking=True)
     drafted = accepted = 0
     with torch.no_grad():
         cache.grow(seq.block_table, 4)
-        runner.step([Scheduled(seq, 4)])
+        plan = [Scheduled(seq, 4)]
+        sched.update_from_output(plan, runner.step(plan), {}, set(), 0.0)
         while seq.num_output_tokens < 60:
             k = min(3, 60 - seq.num_output_tokens - 1) if seq.can_draft else 0
             cache.grow(seq.block_table, seq.num_tokens + k)
-            [r] = runner.step([Scheduled(seq, 1 + k, k)])
+            plan = [Scheduled(seq, 1 + k, k)]
+            [r] = runner.step(plan)
+            sched.update_from_output(plan, [r], {}, set(), 0.0)
             drafted, accepted = drafted + r.num_drafts, accepted + r.num_accepted
-            cache.shrink(seq.block_table, seq.num_tokens)
     out = seq.token_ids[len(prompt):]
     assert not banned & set(out), f"banned tokens emitted: {sorted(banned & set(out))}"
     assert 0 < accepted < drafted
@@ -677,14 +682,14 @@ def run_stack(engine, prompts: list[list[int]], k: int, max_tokens: int, block_s
         assert plan, "the scheduler planned nothing while work was left"
         results = runner.step(plan)
         used_before = cache.allocator.num_used
-        sched.after_step(results)
+        finished = {r.seq for r in results if r.seq.num_output_tokens + len(r.new_token_ids) >= max_tokens}
+        sched.update_from_output(plan, results, {}, finished, 0.0)
         if on_step is not None:
             on_step(results, cache, used_before)
-        for r in results:
-            if r.seq.num_output_tokens >= max_tokens:
-                assert r.seq.num_output_tokens == max_tokens, "a step emitted more than max_tokens"
-                done.append(r.seq)
-                sched.remove(r.seq)
+        for seq in finished:
+            assert seq.num_output_tokens == max_tokens, "a step emitted more than max_tokens"
+            done.append(seq)
+            sched.remove(seq)
     assert cache.allocator.num_used == 0 and cache.allocator.num_free == num_blocks
     return done, cache
 
