@@ -420,14 +420,15 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, build: Bui
             writers = [stack.enter_context(RankFileWriter(tmp / f"rank{r}.safetensors", specs))
                        for r in range(build.tp_size)]
             bar = stack.enter_context(tqdm(total=len(names), desc="convert", unit="tensor", disable=not progress))
-            for name, source in _logical_tensors(ckpt):
+            for name, tensor, scale in ckpt.iter_weights():
+                source = _Source(tensor, scale)
                 internal, expert = to_internal(name, cfg)
                 if internal not in where:
                     raise BuildError(f"{ckpt.path}: unexpected tensor {name!r}, not part of a DeepSeek-V3 model with this config.json")
                 tensor, part = where[internal]
                 for rank, writer in enumerate(writers):
                     _write_shard(writer, tensor, part, source, shapes[internal], expert, build, rank)
-                del source  # a view of its shard's memory map: drop it before the next tensor is read
+                del source, tensor, scale  # before the next tensor is read
                 bar.update()
         if (model_dir / "tokenizer.json").is_file():
             copy_tokenizer(model_dir, tmp)
@@ -461,27 +462,6 @@ class _Source:
     @cached_property
     def per_tensor(self) -> tuple[Tensor, Tensor]:
         return quantize_tensor_fp8(self.dequantized)
-
-
-def _logical_tensors(ckpt: HFCheckpoint) -> Iterator[tuple[str, _Source]]:
-    """Stored tensors paired with their block scales, as they stream by (scale before or after).
-
-    Each tensor is a view of its shard's memory map and keeps all of it resident, so none is held
-    past its turn: a weight waiting for a scale in the next shard is copied.
-    """
-    pending: dict[str, Tensor] = {}
-    for name, t in ckpt.iter_tensors(dequantize=False, dtype=None):
-        weight = name.removesuffix(SCALE_SUFFIX)
-        if not (name.endswith(SCALE_SUFFIX) or t.dtype == FP8_DTYPE):
-            yield name, _Source(t)
-        elif weight in pending:
-            other = pending.pop(weight)
-            yield weight, _Source(t, other) if t.dtype == FP8_DTYPE else _Source(other, t)
-        else:
-            pending[weight] = t.clone()
-        del t
-    if pending:
-        raise BuildError(f"{ckpt.path}: FP8 tensor or scale without its pair: {', '.join(sorted(pending))}")
 
 
 def _write_shard(writer: RankFileWriter, tensor: TensorLayout, part: PartLayout, source: _Source,

@@ -50,6 +50,38 @@ class TensorInfo:
 
     dtype: str  # safetensors dtype code: "BF16", "F32", "F8_E4M3", ...
     shape: tuple[int, ...]
+    offset: int = 0  # of its first byte in the file
+    nbytes: int = 0
+
+
+TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, FP8_CODE: torch.float8_e4m3fn,
+                "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                "BOOL": torch.bool, "F64": torch.float64}
+
+
+class Scratch:
+    """One buffer that tensors are read into in turn, grown to the largest: reading a model tensor by tensor then
+    leaves no freed buffers behind for the allocator to keep resident. A tensor read into it lives until the next."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        if self.buffer.numel() < nbytes:
+            self.buffer = torch.empty(0, dtype=torch.uint8)  # the old one goes before the new one comes
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return self.buffer[:nbytes]
+
+
+def read_tensor(file: Path, info: TensorInfo, scratch: Scratch | None = None) -> torch.Tensor:
+    """One tensor's bytes read into memory of its own, or into `scratch` (no memory map: a mapped shard's pages
+    stay resident while anything of it is in use, which would double the memory of loading)."""
+    out = torch.empty(info.nbytes, dtype=torch.uint8) if scratch is None else scratch.take(info.nbytes)
+    with open(file, "rb", buffering=0) as f:
+        f.seek(info.offset)
+        if f.readinto(out.numpy()) != info.nbytes:
+            raise CheckpointError(f"{file}: file ended inside tensor data")
+    return out.view(TORCH_DTYPES[info.dtype]).view(info.shape)
 
 
 # ---- names and shapes of the release layout ---------------------------------------------------
@@ -156,7 +188,8 @@ def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
     header.pop("__metadata__", None)
     try:
         entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
-        infos = {name: TensorInfo(e["dtype"], tuple(e["shape"])) for name, e in entries}
+        infos = {name: TensorInfo(e["dtype"], tuple(e["shape"]), 8 + n + e["data_offsets"][0],
+                                  e["data_offsets"][1] - e["data_offsets"][0]) for name, e in entries}
         data_len = max((e["data_offsets"][1] for _, e in entries), default=0)
     except (TypeError, KeyError, IndexError) as e:
         raise CheckpointError(f"{file}: invalid safetensors header: bad tensor entry ({e!r})") from None
@@ -259,15 +292,12 @@ class HFCheckpoint:
             ]
             if not wanted:
                 continue
-            with safe_open(self.path / shard, "pt") as f:
-                for name in wanted:
-                    yield name, self._load(f, shard, name, dequantize, dtype)
+            for name in wanted:
+                yield name, self._load(shard, name, dequantize, dtype)
 
     def get(self, name: str, dequantize: bool = True, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
         """One tensor, read from its shard (same conventions as iter_tensors)."""
-        shard = self._shard_of(name)
-        with safe_open(self.path / shard, "pt") as f:
-            return self._load(f, shard, name, dequantize, dtype)
+        return self._load(self._shard_of(name), name, dequantize, dtype)
 
     def validate(self) -> None:
         """Check, from headers only, that the files hold exactly the release layout of config.json (its MTP
@@ -322,19 +352,28 @@ class HFCheckpoint:
         if got != shape:
             raise CheckpointError(f"{self.path / shard}: tensor {name!r} has shape {list(got)}, expected {list(shape)}")
 
-    def _load(self, f, shard: str, name: str, dequantize: bool, dtype: torch.dtype | None) -> torch.Tensor:
-        t = check_finite(f.get_tensor(name), name, self.path / shard)
+    def read(self, name: str, scratch: Scratch | None = None) -> torch.Tensor:
+        """One stored tensor as stored (into `scratch` when given), checked finite."""
+        shard = self._shard_of(name)
+        return check_finite(read_tensor(self.path / shard, self._headers[shard][name], scratch), name, self.path / shard)
+
+    def _load(self, shard: str, name: str, dequantize: bool, dtype: torch.dtype | None) -> torch.Tensor:
+        t = self.read(name)
         if not (dequantize and t.dtype == FP8_DTYPE):
             return t if dtype is None else t.to(dtype)
-        scale_name = self._scale_of(name)
-        scale_shard = self._weight_map[scale_name]
-        if scale_shard == shard:
-            scale = f.get_tensor(scale_name)
-        else:  # the release may split a weight and its scale across shards
-            with safe_open(self.path / scale_shard, "pt") as g:
-                scale = g.get_tensor(scale_name)
-        check_finite(scale, scale_name, self.path / scale_shard)
-        return dequantize_block_fp8(t, scale, self.block, dtype or torch.float32)
+        return dequantize_block_fp8(t, self.read(self._scale_of(name)), self.block, dtype or torch.float32)
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
+        """(name, tensor as stored, its FP8 scale or None) for every weight, shard by shard: an FP8 weight comes
+        with its scale, read from wherever the release put it (the same shard or another). Each lives only until
+        the next is read (they share one buffer)."""
+        scratch = Scratch()
+        for shard, header in self._headers.items():
+            for name in header:
+                if self._weight_map.get(name) != shard or name.endswith(SCALE_SUFFIX):
+                    continue
+                t = self.read(name, scratch)
+                yield name, t, self.read(self._scale_of(name)) if t.dtype == FP8_DTYPE else None
 
 
 def check_finite(t: torch.Tensor, name: str, file: Path) -> torch.Tensor:

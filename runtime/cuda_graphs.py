@@ -27,7 +27,8 @@ from torch import Tensor
 from tqdm import tqdm
 
 from runtime.kv_cache import KVCache
-from runtime.model import SHORT_QUERY, DeepseekV3ForCausalLM, PagedBatch
+from runtime.batch import SHORT_QUERY, PagedBatch
+from runtime.model import DeepseekV3ForCausalLM
 
 
 _CAPTURING = threading.Lock()

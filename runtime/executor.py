@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from runtime.cuda_graphs import DecodeGraphs
-from runtime.engine import LoadedEngine, load_engine
+from runtime.loading import LoadedEngine, load_engine
 from runtime.kv_cache import KVCache, free_memory_bytes
 from runtime.sampling import RelaxedAcceptance, SamplingParams
 from runtime.draft_policy import DraftPolicy, StepCosts
@@ -71,7 +71,7 @@ class ExecutorConfig:
     device: str = "cpu"
     dtype: str | None = None
     relaxed_acceptance: RelaxedAcceptance | None = None
-    cpu_kernels: bool = True  # on CPU in float32: C++ attention and FP8 kernels (see engine.use_cpu_kernels)
+    cpu_kernels: bool = True  # on CPU in float32: C++ kernels, weights as stored (runtime.kernels.modules)
     cuda_graphs: bool = True  # on CUDA: forwards of <= 512 new tokens per sequence replay graphs (decodes': at start)
 
     def __post_init__(self) -> None:

@@ -6,183 +6,20 @@ Two attention paths share every weight:
 - paged: a flat ragged batch of T new tokens from many sequences, written into a latent KV cache
   that holds only normalized c_kv and the roped shared key, attended with absorbed MLA (decode,
   chunked prefill and speculative verification are all "a chunk of q tokens per sequence").
-The model knows nothing about requests; `PagedBatch` describes where each token lives.
+The model knows nothing about requests; `PagedBatch` describes where each token lives. Where the CPU
+kernels run, `runtime.kernels.modules` swaps in modules that compute the same with them.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
-from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from runtime import kernels
+from runtime.batch import AttentionGroup, PagedBatch
 from runtime.config import ModelConfig, yarn_mscale
-
-
-# ---------------------------------------------------------------------------------------------
-# Batch description for the paged path
-# ---------------------------------------------------------------------------------------------
-SHORT_QUERY = 8  # sequences with at most this many new tokens (a decode with up to 7 drafts) share one padded group
-SPLIT_MIN_ROWS = 256  # a run of short sequences is cut where that saves more padded context rows (~ one group's cost)
-
-
-@dataclass
-class AttentionGroup:
-    """Consecutive sequences attended together: flat tokens [start, end) padded to [B, Q] queries
-    against [B, L] context slots. Decodes (1 + k tokens each) share a group; each longer prefill
-    chunk gets its own, so a 60-token chunk does not pad every decode in the step to 60 queries, and
-    decodes are cut into more groups where their contexts differ enough (one 1000-token context
-    would otherwise make every decode in the step gather 1000 rows)."""
-
-    start: int
-    end: int
-    batch_size: int  # B
-    num_queries: int  # Q
-    context_slots: Tensor  # [B * L] cache slots of each sequence's context, new tokens included
-    context_len: int  # L
-    blocked: Tensor | None  # [B, Q, 1, L] True where query q of sequence b must not see slot l; None: nothing is
-    query_index: Tensor | None  # [B, Q] row of each query in [start, end); padding points at a zero row; None: no padding
-    token_index: Tensor | None  # [end - start] position of each token in the [B * Q] padded layout
-
-
-@dataclass
-class PagedBatch:
-    """Where the T new tokens of many sequences go in the cache and what each one may attend to."""
-
-    positions: Tensor  # [T] absolute position of each new token
-    slot_mapping: Tensor  # [T] cache slot each new token's latent is written to
-    last_index: Tensor  # [sequences] flat index of the last new token of each sequence
-    groups: list[AttentionGroup]  # empty when the CPU kernel attends (it reads the block tables itself)
-    token_seq: Tensor | None = None  # [T] sequence of each token, for the CPU kernel
-    block_tables: Tensor | None = None  # for the CPU kernel
-    block_size: int = 0
-
-    @classmethod
-    def build(
-        cls, start_lens: Sequence[int], query_lens: Sequence[int], block_tables: Tensor, block_size: int,
-        kernel_attention: bool = False,
-    ) -> "PagedBatch":
-        """start_lens[b] tokens of sequence b are cached already; query_lens[b] >= 1 new ones follow.
-
-        block_tables [sequences, >= blocks of the longest sequence]; lengths are host integers, so
-        the shapes are known without a device sync and decode steps skip the masking work.
-        kernel_attention: attention runs in `kernels.mla_attention`, which needs only each token's sequence.
-        """
-        if min(query_lens) < 1:
-            raise ValueError(f"every sequence in a paged batch needs at least one new token, got {list(query_lens)}")
-        if kernel_attention:
-            return cls._per_token(start_lens, query_lens, block_tables, block_size)
-        n, totals = len(query_lens), [s + q for s, q in zip(start_lens, query_lens)]
-        long = [q > SHORT_QUERY for q in query_lens]
-        bounds, run = [], 0
-        for b in range(1, n + 1):
-            if b == n or long[b] or long[b - 1]:  # [run, b) is one long chunk or a run of short ones
-                bounds += [] if long[run] else _cuts(totals, run, b)
-                bounds.append(b)
-                run = b
-        groups, positions, slots, b0, t0 = [], [], [], 0, 0
-        for b1 in bounds:
-            g, pos, slot = _build_group(start_lens[b0:b1], query_lens[b0:b1], block_tables[b0:b1], block_size, t0)
-            groups.append(g)
-            positions.append(pos)
-            slots.append(slot)
-            b0, t0 = b1, g.end
-        last_index = torch.tensor(list(accumulate(query_lens)), device=block_tables.device) - 1
-        return cls(torch.cat(positions), torch.cat(slots), last_index, groups)
-
-    @classmethod
-    def padded(cls, starts: Tensor, query_lens: Tensor, block_tables: Tensor, block_size: int, num_queries: int,
-               scratch_slot: int) -> "PagedBatch":
-        """B sequences laid out as [B, Q] tokens, from device tensors alone: start [B] cached tokens,
-        query_lens [B] <= Q new ones; tokens past a sequence's query length are padding and write to
-        `scratch_slot`. Shapes depend only on B, Q and the tables' width, and nothing is read back to
-        the host, so a CUDA graph captured over it replays for any values (T = B * Q rows, padding
-        included; last_index points at each sequence's last real token)."""
-        device = block_tables.device
-        B, Q = block_tables.shape[0], num_queries
-        L = block_tables.shape[1] * block_size
-        context_slots = (block_tables[:, :, None] * block_size + torch.arange(block_size, device=device)).view(B, L)
-        steps = torch.arange(Q, device=device)
-        pos = starts[:, None] + steps  # [B, Q]
-        real = steps < query_lens[:, None]
-        slot_mapping = torch.where(real, context_slots.gather(1, pos.clamp(max=L - 1)), scratch_slot)
-        blocked = (torch.arange(L, device=device) > pos[:, :, None])[:, :, None, :]  # [B, Q, 1, L]
-        last_index = torch.arange(B, device=device) * Q + query_lens - 1
-        group = AttentionGroup(0, B * Q, B, Q, context_slots.flatten(), L, blocked, None, None)
-        return cls(pos.flatten(), slot_mapping.flatten(), last_index, [group])
-
-    @property
-    def for_kernels(self) -> bool:
-        """Built for the CPU kernels (kernel_attention): per-token sequence ids and block tables, no groups."""
-        return self.token_seq is not None
-
-    @classmethod
-    def _per_token(cls, start_lens: Sequence[int], query_lens: Sequence[int], block_tables: Tensor,
-                   block_size: int) -> "PagedBatch":
-        """Host integers in, one tensor out: on CPU a decode step is short enough for per-op costs to show."""
-        tables = block_tables.contiguous()
-        rows = tables.tolist()
-        positions = [p for s, q in zip(start_lens, query_lens) for p in range(s, s + q)]
-        seq = [b for b, q in enumerate(query_lens) for _ in range(q)]
-        try:
-            slots = [rows[b][p // block_size] * block_size + p % block_size for b, p in zip(seq, positions)]
-        except IndexError:
-            raise ValueError(f"block_tables {list(tables.shape)} do not cover the positions up to {max(positions)} "
-                             f"(block size {block_size}), or have fewer rows than sequences") from None
-        T = len(positions)
-        flat = torch.tensor(positions + slots + seq + [e - 1 for e in accumulate(query_lens)], device=tables.device)
-        return cls(flat[:T], flat[T : 2 * T], flat[3 * T :], [], flat[2 * T : 3 * T], tables, block_size)
-
-
-def _cuts(totals: Sequence[int], lo: int, hi: int) -> list[int]:
-    """Where to cut sequences lo..hi-1 into groups: each cut saves more than SPLIT_MIN_ROWS of the
-    padded context rows (sequences x longest context, per group). Best when sorted by length."""
-    if hi - lo < 2:
-        return []
-    head = list(accumulate(totals[lo:hi], max))  # longest context of lo..lo+j
-    tail = list(accumulate(reversed(totals[lo:hi]), max))[::-1]  # longest context of lo+j..hi-1
-    saved, j = max(((hi - lo) * head[-1] - j * head[j - 1] - (hi - lo - j) * tail[j], j) for j in range(1, hi - lo))
-    if saved <= SPLIT_MIN_ROWS:
-        return []
-    return _cuts(totals, lo, lo + j) + [lo + j] + _cuts(totals, lo + j, hi)
-
-
-def _build_group(start_lens: Sequence[int], query_lens: Sequence[int], block_tables: Tensor, block_size: int,
-                 start: int) -> tuple[AttentionGroup, Tensor, Tensor]:
-    """One attention group and its tokens' positions and cache slots."""
-    device = block_tables.device
-    B, Q = len(query_lens), max(query_lens)
-    totals = [s + q for s, q in zip(start_lens, query_lens)]
-    L, T = max(totals), sum(query_lens)
-    num_blocks = -(-L // block_size)
-    slots = block_tables[:, :num_blocks, None] * block_size + torch.arange(block_size, device=device)
-    context_slots = slots.view(B, num_blocks * block_size)[:, :L]  # past a sequence's end: masked
-    pos_pad = torch.tensor(start_lens, device=device)[:, None] + torch.arange(Q, device=device)  # [B, Q]
-    query_index = token_index = None
-    if T == B * Q:
-        positions = pos_pad.flatten()
-        slot_mapping = context_slots.gather(1, pos_pad).flatten()
-    else:
-        q_valid = torch.arange(Q, device=device) < torch.tensor(query_lens, device=device)[:, None]
-        positions = pos_pad[q_valid]
-        slot_mapping = context_slots.gather(1, pos_pad.clamp(max=L - 1))[q_valid]
-        query_index = torch.full((B, Q), T, dtype=torch.long, device=device)
-        query_index[q_valid] = torch.arange(T, device=device)
-        token_index = torch.arange(B * Q, device=device).view(B, Q)[q_valid]
-    blocked = None
-    if Q > 1 or any(t != L for t in totals):
-        blocked = torch.arange(L, device=device) > pos_pad[:, :, None]  # [B, Q, L]
-        if query_index is not None:
-            blocked |= ~q_valid[:, :, None]
-            blocked[:, :, 0] &= q_valid  # padding queries see slot 0 so softmax stays finite
-        blocked = blocked[:, :, None, :]
-    group = AttentionGroup(start, start + T, B, Q, context_slots.flatten(), L, blocked, query_index, token_index)
-    return group, positions, slot_mapping
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,11 +30,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
-        self.kernel = False  # inference on CPU: runtime.kernels.rms_norm (engine.use_cpu_kernels)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.kernel:
-            return kernels.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
@@ -227,17 +61,6 @@ def apply_rope(x: Tensor, rot: Tensor) -> Tensor:
     """Rotate interleaved pairs (x0, x1), (x2, x3)... as complex numbers by `rot` (one per pair)."""
     pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
     return torch.view_as_real(pairs * rot).flatten(-2).to(x.dtype)
-
-
-class PackedLinear(nn.Module):
-    """A bias-free Linear whose weight stays in the release's FP8 (or BF16) form, for the CPU kernel."""
-
-    def __init__(self, packed: kernels.PackedWeight):
-        super().__init__()
-        self.packed = packed
-
-    def forward(self, x: Tensor) -> Tensor:
-        return kernels.packed_linear(x, self.packed)
 
 
 class MLP(nn.Module):
@@ -270,13 +93,6 @@ class MLA(nn.Module):
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(h * cfg.v_head_dim, H, bias=False)
-        self.absorbed: tuple[Tensor, Tensor] | None = None  # W_UK [h, nope, c], W_UV^T [h, c, v] for the CPU kernel
-
-    def use_kernel(self) -> None:
-        """Split kv_b_proj into the per-head absorption weights the CPU kernels read."""
-        cfg = self.cfg
-        w = self.kv_b_proj.weight.view(self.n_heads, -1, cfg.kv_lora_rank)
-        self.absorbed = (w[:, : cfg.qk_nope_head_dim].contiguous(), w[:, cfg.qk_nope_head_dim :].transpose(1, 2).contiguous())
 
     def _project_q(self, x: Tensor) -> Tensor:
         return self.q_proj(x) if self.cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
@@ -329,12 +145,6 @@ class MLA(nn.Module):
         cfg, h = self.cfg, self.n_heads
         T = x.shape[0]
         cache = kv_cache[self.cache_layer]
-        if batch.for_kernels:  # the same steps in two CPU kernels
-            w_uk, w_uv = self.absorbed
-            q = kernels.mla_prepare(self._project_q(x), self.kv_a_proj_with_mqa(x), rot, self.kv_a_layernorm.weight,
-                                    self.kv_a_layernorm.eps, w_uk, cfg.softmax_scale, cache, batch.slot_mapping)
-            return self.o_proj(kernels.mla_attention(q, cache, batch.positions, batch.token_seq, batch.block_tables,
-                                                     batch.block_size, w_uv))
         q_nope, q_pe = self._queries(x, rot)  # [T, h, nope], [T, h, rope]
         c, k_pe = self._latent(x, rot)
         cache.index_copy_(0, batch.slot_mapping, torch.cat([c, k_pe], dim=-1))
@@ -440,12 +250,9 @@ class MoE(nn.Module):
         self.gate = Gate(cfg)
         self.experts = Experts(cfg)
         self.shared_experts = MLP(cfg.hidden_size, cfg.n_shared_experts * cfg.moe_intermediate_size)
-        self.packed: kernels.PackedMoE | None = None  # FP8 weights for the CPU kernel: all of the below in one call
 
     def forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        if self.packed is not None:
-            return kernels.moe(flat, self.gate.weight, self.gate.e_score_correction_bias, self.cfg, self.packed).view_as(x)
         weights, idx = self.gate(flat)
         return (self.experts(flat, weights, idx) + self.shared_experts(flat)).view_as(x)
 
@@ -453,12 +260,6 @@ class MoE(nn.Module):
 # ---------------------------------------------------------------------------------------------
 # Decoder, model, MTP
 # ---------------------------------------------------------------------------------------------
-def _state_without_fused(module: nn.Module) -> dict:
-    """Copies and pickles leave the fused kernel call behind: it holds the original's tensors
-    (engine.use_cpu_kernels makes a copy its own)."""
-    return {**module.__dict__, "fused": None}
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, cache_layer: int):
         super().__init__()
@@ -466,14 +267,9 @@ class DecoderLayer(nn.Module):
         self.self_attn = MLA(cfg, cache_layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
-        self.fused: object | None = None  # the whole layer as one CPU kernel call (engine.use_cpu_kernels)
-
-    __getstate__ = _state_without_fused
 
     def forward(self, x: Tensor, rot: Tensor, batch: PagedBatch | None, kv_cache: Tensor | None,
                 mask: Tensor | None = None) -> Tensor:
-        if self.fused is not None and batch is not None and batch.for_kernels:
-            return kernels.decoder_layer(self.fused, x, rot, kv_cache, batch)
         h = self.input_layernorm(x)
         if batch is None:
             x = x + self.self_attn.forward_dense(h, rot, mask)
@@ -500,9 +296,6 @@ class MTPLayer(nn.Module):
         self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.block = DecoderLayer(cfg, layer_idx, cache_layer=layer_idx)
         self.shared_head = SharedHead(cfg)
-        self.fused: object | None = None  # the whole module as one CPU kernel call (engine.use_cpu_kernels)
-
-    __getstate__ = _state_without_fused
 
     def forward(
         self, next_ids: Tensor, hidden: Tensor, rot: Tensor,
@@ -511,8 +304,6 @@ class MTPLayer(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """Returns (logits for the token after next_ids, hidden after shared_head.norm), at `rows`
         only when given (drafting needs the head at each sequence's last position alone)."""
-        if self.fused is not None and batch is not None and batch.for_kernels:
-            return kernels.mtp_layer(self.fused, next_ids, hidden, rot, kv_cache, batch, rows)
         x = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(next_ids)), self.hnorm(hidden)], dim=-1))
         h = self.shared_head.norm(self.block(x, rot, batch, kv_cache, mask))
         if rows is not None:
@@ -520,11 +311,20 @@ class MTPLayer(nn.Module):
         return self.shared_head.head(h), h
 
 
+class DecoderStack(nn.ModuleList):
+    """The target's decoder layers, applied in turn."""
+
+    def forward(self, x: Tensor, rot: Tensor, batch: PagedBatch | None, kv_cache: Tensor | None) -> Tensor:
+        for layer in self:
+            x = layer(x, rot, batch, kv_cache)
+        return x
+
+
 class DeepseekV3Model(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, cache_layer=i) for i in range(cfg.num_hidden_layers))
+        self.layers = DecoderStack(DecoderLayer(cfg, i, cache_layer=i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -540,10 +340,6 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.mtp = nn.ModuleList(MTPLayer(cfg, N + j) for j in range(cfg.num_nextn_predict_layers))
         inv_freq, self.rope_attention_factor = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.kernel_attention = False  # paged attention in runtime.kernels (engine.use_cpu_kernels)
-        self.fused: object | None = None  # all decoder layers as one CPU kernel call (engine.use_cpu_kernels)
-
-    __getstate__ = _state_without_fused
 
     @property
     def num_cache_layers(self) -> int:
@@ -564,13 +360,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         """
         if positions is None:
             positions = batch.positions if batch is not None else torch.arange(input_ids.shape[-1], device=input_ids.device)
-        rot = self.rope(positions)
-        x = self.model.embed_tokens(input_ids)
-        if self.fused is not None and batch is not None and batch.for_kernels:
-            x = kernels.decoder_layers(self.fused, x, rot, kv_cache, batch)
-        else:
-            for layer in self.model.layers:
-                x = layer(x, rot, batch, kv_cache)
+        x = self.model.layers(self.model.embed_tokens(input_ids), self.rope(positions), batch, kv_cache)
         return self.model.norm(x)
 
     def logits(self, hidden: Tensor) -> Tensor:
@@ -586,24 +376,6 @@ class DeepseekV3ForCausalLM(nn.Module):
         if positions is None:
             positions = batch.positions if batch is not None else torch.arange(next_ids.shape[-1], device=next_ids.device)
         return self.mtp[depth](next_ids, hidden, self.rope(positions), batch, kv_cache, rows, mask)
-
-    def chains_greedy_drafts(self, depth: int) -> bool:
-        """MTP layer `depth` runs as one CPU kernel call over kernel-attention batches, so `greedy_drafts` can
-        draft a whole greedy chain in one call; elsewhere drafting goes step by step (the same tokens)."""
-        return self.mtp[depth].fused is not None and self.kernel_attention
-
-    def greedy_drafts(self, depth: int, next_ids: Tensor, hidden: Tensor, batch: PagedBatch, kv_cache: Tensor,
-                      num_drafts: int) -> Tensor:
-        """Greedy drafts [B, num_drafts] from MTP layer `depth` in one CPU kernel call (`chains_greedy_drafts`):
-        the catch-up over `batch` proposes draft 1 at each sequence's last token, drafts 2.. follow at the next
-        positions."""
-        mtp = self.mtp[depth]
-        after = torch.arange(1, num_drafts, device=next_ids.device)[:, None]
-        draft_positions = batch.positions[batch.last_index][None] + after  # [K - 1, B]
-        rot = self.rope(torch.cat([batch.positions, draft_positions.flatten()]))
-        T = batch.positions.numel()
-        return kernels.mtp_greedy_drafts(mtp.fused, next_ids, hidden, rot[:T], kv_cache, batch, draft_positions,
-                                         rot[T:].view(*draft_positions.shape, self.inv_freq.numel()))
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, seed: int | None = None) -> None:

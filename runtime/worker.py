@@ -5,7 +5,7 @@ One step for a batch of sequences, each with its own number of new target tokens
    target verified since the last draft (teacher-forced: true hidden states, true next tokens);
    its output at the last position proposes draft 1; drafts 2..k re-run the single MTP module on
    its own previous draft and its own hidden state after shared_head.norm (greedy, with one k for all:
-   the whole chain in one kernel call, `model.greedy_drafts`);
+   the whole chain in one kernel call, `FusedMTPLayer.greedy_drafts`);
 2. verify: one ragged target forward over prefill chunks and [last token, d1..dk] chunks together;
 3. accept a prefix of each sequence's drafts and emit one more token (sampling.accept); rejected
    positions are simply left behind: the sequence's length is what the cache is trusted up to,
@@ -24,7 +24,9 @@ from torch import Tensor
 
 from runtime.cuda_graphs import DecodeGraphs
 from runtime.kv_cache import KVCache
-from runtime.model import SHORT_QUERY, DeepseekV3ForCausalLM, PagedBatch
+from runtime.batch import SHORT_QUERY, PagedBatch
+from runtime.kernels.modules import FusedMTPLayer, attends_in_kernels
+from runtime.model import DeepseekV3ForCausalLM
 from runtime.sampling import (PURPOSE_DRAFT, RelaxedAcceptance, SamplingTensors, accept, accept_greedy,
                               probabilities, sample, uniforms)
 from runtime.plan import Scheduled, StepResult
@@ -41,12 +43,13 @@ class ModelRunner:
         self.relaxed = relaxed
         self.keep_mtp_inputs = keep_mtp_inputs and model.cfg.num_nextn_predict_layers > 0
         self.timings = {"draft": 0.0, "target": 0.0}
+        self.for_kernels = attends_in_kernels(model)  # paged batches in the per-token form the kernels read
 
     # ---- batch plumbing -----------------------------------------------------------------------
     def _paged_batch(self, tables: list[list[int]], starts: list[int], lens: list[int]) -> PagedBatch:
         width = max(map(len, tables))
         padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-        return PagedBatch.build(starts, lens, padded.to(self.device), self.cache.block_size, self.model.kernel_attention)
+        return PagedBatch.build(starts, lens, padded.to(self.device), self.cache.block_size, self.for_kernels)
 
     def _ids(self, values: list[int]) -> Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
@@ -101,8 +104,9 @@ class ModelRunner:
         # Plain argmax drafts unless a row samples or bans tokens (its drafts then come from the MTP's own
         # distribution, bans applied, so a banned token is never drafted only to be rejected).
         plain = all(s.params.plain_argmax for s in seqs)
-        if plain and min(ks) == K > 1 and model.chains_greedy_drafts(0):  # the greedy chain in one kernel call
-            return model.greedy_drafts(0, next_ids, hidden, self._paged_batch(tables, starts, lens), self.cache.tensor, K), None
+        if plain and min(ks) == K > 1 and isinstance(model.mtp[0], FusedMTPLayer) and self.for_kernels:
+            return model.mtp[0].greedy_drafts(model.rope, next_ids, hidden, self._paged_batch(tables, starts, lens),
+                                              self.cache.tensor, K), None
         logits, h = self.forward_mtp(tables, starts, lens, next_ids, hidden)
         if not plain:
             st = self.sampling_tensors(seqs, [1] * len(seqs), model.cfg.vocab_size, self.device)

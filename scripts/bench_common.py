@@ -29,7 +29,7 @@ if str(ROOT) not in sys.path:  # `python scripts/x.py` puts scripts/ first, not 
 import torch  # noqa: E402
 
 from runtime.checkpoint import expected_tensor_shapes, is_mtp_tensor  # noqa: E402
-from runtime.model import MoE, PackedLinear  # noqa: E402
+from runtime.kernels.modules import KernelMLA, PackedExperts, PackedLinear  # noqa: E402
 
 DEFAULT_MODEL = "models/deepseek-v3-mini"
 DEFAULT_OUT_DIR = "docs/benchmarks"
@@ -159,12 +159,17 @@ def round_robin_by_source(items: list[dict[str, str]], n: int) -> list[dict[str,
 
 
 def weight_bytes_in_memory(model) -> int:
-    """Bytes the loaded model's weights occupy: parameters plus the CPU kernels' packed FP8/BF16 panels."""
+    """Bytes the loaded model's weights occupy: parameters plus the CPU kernels' forms of them (packed FP8/BF16
+    panels, attention's per-head absorption weights)."""
     tensors = {id(t): t for t in model.parameters()}
     for m in model.modules():
-        packs = [m.packed] if isinstance(m, PackedLinear) else []
-        if isinstance(m, MoE) and m.packed is not None:
-            packs = list(m.packed.experts + m.packed.shared)
+        packs = [m.packed] if isinstance(m, PackedLinear) and m.packed is not None else []
+        if isinstance(m, PackedLinear) and m.weight is not None:
+            tensors[id(m.weight)] = m.weight
+        if isinstance(m, KernelMLA):
+            tensors |= {id(t): t for t in m.absorbed}
+        if isinstance(m, PackedExperts):
+            packs = [m.gate_proj, m.up_proj, m.down_proj]
         for p in packs:
             tensors[id(p.panels)], tensors[id(p.scale)] = p.panels, p.scale
     return sum(t.numel() * t.element_size() for t in tensors.values())

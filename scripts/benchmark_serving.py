@@ -34,7 +34,7 @@ from bench_common import (add_common_args, check_minimums, closed_loop_clients, 
 
 from tqdm import tqdm  # noqa: E402
 
-from runtime.engine import load_engine  # noqa: E402
+from runtime.loading import load_engine  # noqa: E402
 from runtime.executor import Executor, ExecutorConfig, RequestOutput  # noqa: E402
 from runtime.sampling import SamplingParams  # noqa: E402
 

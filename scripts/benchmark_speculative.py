@@ -28,7 +28,7 @@ from bench_common import (Timer, add_common_args, check_minimums, comma_list, en
 import torch  # noqa: E402  (bench_common puts the repo root on sys.path first)
 from tqdm import tqdm  # noqa: E402
 
-from runtime.engine import load_engine  # noqa: E402
+from runtime.loading import load_engine  # noqa: E402
 from runtime.executor import Executor, ExecutorConfig  # noqa: E402
 from runtime.cuda_graphs import DecodeGraphs  # noqa: E402
 from runtime.kv_cache import KVCache  # noqa: E402

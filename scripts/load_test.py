@@ -28,7 +28,7 @@ from bench_common import (add_common_args, check_minimums, closed_loop_clients, 
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from runtime.engine import load_engine  # noqa: E402
+from runtime.loading import load_engine  # noqa: E402
 from runtime.executor import Executor, ExecutorConfig  # noqa: E402
 from runtime.sampling import SamplingParams  # noqa: E402
 

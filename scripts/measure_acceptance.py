@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from runtime.engine import load_engine  # noqa: E402
+from runtime.loading import load_engine  # noqa: E402
 from runtime.executor import Executor, ExecutorConfig  # noqa: E402
 from runtime.sampling import SamplingParams  # noqa: E402
 

@@ -196,7 +196,7 @@ def shipped_model_dir() -> Path:
 @pytest.fixture(scope="module")
 def shipped_engine(shipped_model_dir):
     """The shipped model loaded in float32, where a sequence's logits are the same alone and in any batch."""
-    from runtime.engine import load_engine
+    from runtime.loading import load_engine
 
     return load_engine(shipped_model_dir, dtype="float32")
 

@@ -27,7 +27,8 @@ from builder.engine import TrtllmCheckpoint, build_engine, model_config_from_trt
 from conftest import tiny_config_dict, write_tiny_checkpoint
 from runtime.checkpoint import HFCheckpoint
 from runtime.config import ModelConfig
-from runtime.engine import BuildConfig, EngineError, load_engine
+from runtime.engine import BuildConfig, EngineError
+from runtime.loading import load_engine
 from runtime.fp8 import FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from runtime.cuda_graphs import CUBLASLT_MAX_TOKENS
-from runtime.engine import load_engine
+from runtime.loading import load_engine
 from runtime.executor import Executor, ExecutorConfig
 from runtime.sampling import SamplingParams
 

@@ -10,7 +10,7 @@ import torch
 
 from runtime.config import ModelConfig
 from runtime.cuda_graphs import DecodeGraphs
-from runtime.engine import load_engine
+from runtime.loading import load_engine
 from runtime.executor import Executor, ExecutorConfig
 from runtime.kv_cache import KVCache
 from runtime.model import Experts

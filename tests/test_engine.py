@@ -14,15 +14,8 @@ from builder.convert import convert_checkpoint
 from builder.engine import build_engine
 from conftest import tiny_config_dict, write_tiny_checkpoint
 from runtime.config import ModelConfig
-from runtime.engine import (
-    BuildConfig,
-    EngineError,
-    LoadedEngine,
-    load_engine,
-    shard_index,
-    shard_shape,
-    split_dim,
-)
+from runtime.engine import BuildConfig, EngineError, shard_index, shard_shape, split_dim
+from runtime.loading import LoadedEngine, load_engine
 
 
 @pytest.fixture(scope="module")

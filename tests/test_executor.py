@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import tiny_config_dict
-from runtime.engine import load_engine
+from runtime.loading import load_engine
 from runtime.executor import Executor, ExecutorConfig, RequestOutput
 from runtime.kv_cache import free_memory_bytes
 from runtime.sampling import SamplingParams

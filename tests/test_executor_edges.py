@@ -20,7 +20,7 @@ import threading
 
 import pytest
 
-from runtime.engine import load_engine
+from runtime.loading import load_engine
 from runtime.executor import Executor, ExecutorConfig, RequestOutput
 from runtime.sampling import SamplingParams
 from runtime.draft_policy import StepCosts

@@ -1,7 +1,7 @@
 """Parity of our runtime with HF transformers' `DeepseekV3ForCausalLM`, in float32.
 
 Both models read the SAME checkpoint (written by `write_hf_checkpoint`): HF through
-`from_pretrained`, ours through `HFCheckpoint` + `load_weights`. The tiny configs switch on every
+`from_pretrained`, ours through `HFCheckpoint` + `load_release_tensors`. The tiny configs switch on every
 feature of the real model: YaRN (factor > 1, both mscale keys: equal as in V3 with q LoRA, unequal
 without), grouped routing (n_group > 1, topk_group < n_group) with a random correction bias that
 changes most tokens' experts, q LoRA on and off, a dense first layer, two shared experts,
@@ -41,8 +41,9 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Decod
 from builder.hf_writer import write_hf_checkpoint
 from runtime.checkpoint import HFCheckpoint, expected_tensor_shapes
 from runtime.config import ModelConfig
-from runtime.model import DeepseekV3ForCausalLM, PagedBatch
-from runtime.weights import load_weights
+from runtime.batch import PagedBatch
+from runtime.model import DeepseekV3ForCausalLM
+from runtime.loading import load_release_tensors
 
 from conftest import tiny_config_dict
 
@@ -109,7 +110,7 @@ def parity_tensors(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
 
 def load_ours(cfg: ModelConfig, tensors) -> DeepseekV3ForCausalLM:
     model = DeepseekV3ForCausalLM(cfg)
-    load_weights(model, tensors)
+    load_release_tensors(model, tensors)
     return model.eval()
 
 
@@ -506,8 +507,8 @@ def test_attention_groups_match_one_padded_group(pair, monkeypatch, case):
 
     grouped, hidden, mtp = run()
     assert [(g.start, g.end, g.batch_size, g.num_queries, g.query_index is not None) for g in grouped.groups] == expected
-    monkeypatch.setattr("runtime.model.SHORT_QUERY", 10**6)
-    monkeypatch.setattr("runtime.model.SPLIT_MIN_ROWS", 10**9)
+    monkeypatch.setattr("runtime.batch.SHORT_QUERY", 10**6)
+    monkeypatch.setattr("runtime.batch.SPLIT_MIN_ROWS", 10**9)
     single, hidden_one, mtp_one = run()
     assert len(single.groups) == 1
     assert torch.equal(grouped.positions, single.positions) and torch.equal(grouped.slot_mapping, single.slot_mapping)

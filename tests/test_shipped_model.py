@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from runtime.checkpoint import HFCheckpoint, is_fp8_quantized
-from runtime.engine import load_engine
+from runtime.loading import load_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "models" / "deepseek-v3-mini"

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from runtime.config import ModelConfig
-from runtime.engine import load_engine
+from runtime.loading import load_engine
 from runtime.executor import Executor, ExecutorConfig
 from runtime.kv_cache import BlockAllocator, KVCache, OutOfBlocks
-from runtime.model import PagedBatch
+from runtime.batch import PagedBatch
 from runtime.sampling import RelaxedAcceptance, SamplingParams, SamplingTensors, accept, probabilities
 from runtime.draft_policy import DraftPolicy
 from runtime.scheduler import Scheduler, SchedulerConfig
@@ -479,13 +479,13 @@ def test_relaxed_acceptance_never_emits_bad_tokens() -> None:
     must not pass that way either (the relaxed distribution is the masked one)."""
     from conftest import bigram_tensors
     from runtime.model import DeepseekV3ForCausalLM
-    from runtime.weights import load_weights
+    from runtime.loading import load_release_tensors
     from runtime.plan import Scheduled
 
     V = 512
     cfg = ModelConfig.from_dict(tiny_config_dict(vocab_size=V))
     model = DeepseekV3ForCausalLM(cfg)
-    load_weights(model, bigram_tensors(cfg, 0))
+    load_release_tensors(model, bigram_tensors(cfg, 0))
     model.eval()
     banned = frozenset(range(0, V, 2))
     relaxed = RelaxedAcceptance(top_n=10, delta=0.6, begin_thinking_token=V - 1, end_thinking_token=V - 3)

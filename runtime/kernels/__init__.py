@@ -25,10 +25,10 @@ import torch
 from torch import Tensor
 
 from runtime.config import ModelConfig
-from runtime.fp8 import dequantize_block_fp8, quantize_block_fp8, quantize_tensor_fp8, scale_shape
+from runtime.fp8 import scale_shape
 
 if TYPE_CHECKING:
-    from runtime.model import PagedBatch
+    from runtime.batch import PagedBatch
 
 log = logging.getLogger(__name__)
 
@@ -103,54 +103,54 @@ class PackedWeight:
     out_features: int
     in_features: int
 
-
-def _panels(mats: list[Tensor], dtype: torch.dtype) -> Tensor:
-    N, K = mats[0].shape
-    rows = -(-N // PANEL) * PANEL
-    out = []
-    for m in mats:
-        padded = torch.zeros(rows, K, dtype=dtype)
-        padded[:N] = m
-        out.append(padded.view(rows // PANEL, PANEL, K).transpose(1, 2).contiguous())
-    return torch.stack(out) if len(out) > 1 else out[0]
+    @classmethod
+    def empty_fp8(cls, experts: int, out_features: int, in_features: int) -> "PackedWeight":
+        """Room for `experts` stacked FP8 matrices, filled one by one with `pack_fp8_into` as they stream in."""
+        rows = -(-out_features // PANEL)
+        return cls(torch.zeros(experts, rows, in_features, PANEL, dtype=torch.uint8),
+                   torch.zeros(experts, *scale_shape((out_features, in_features))), out_features, in_features)
 
 
-def _fp8_codes(m: Tensor) -> tuple[Tensor, Tensor] | None:
-    """(e4m3 codes, block scales) that reproduce the float32 matrix `m` exactly, or None. Tried in turn:
-    block scale = block amax / 448 (DeepSeek's recipe), the power of two at or above it (UE8M0 scales),
-    one scale for the whole tensor (per-tensor FP8)."""
-    q, scale = quantize_block_fp8(m)
-    candidates = [scale, torch.exp2(torch.ceil(torch.log2(scale))), quantize_tensor_fp8(m)[1].expand_as(scale)]
-    for i, s in enumerate(candidates):
-        if i:
-            q = quantize_block_fp8(m, scale=s)[0]
-        if torch.equal(dequantize_block_fp8(q, s), m):
-            return q, s
-    return None
+def _panels(m: Tensor, dtype: torch.dtype | None = None, out: Tensor | None = None) -> Tensor:
+    """[N, K] -> panels [ceil(N/16), K, 16] (into `out` when given), rows past N zero; converted to `dtype` panel
+    by panel, so no whole-size temporary is made."""
+    N, K = m.shape
+    if out is None:
+        out = torch.zeros(-(-N // PANEL), K, PANEL, dtype=dtype or m.dtype)
+    for i in range(0, N, 8 * PANEL):  # a few panels at a time
+        rows = m[i : i + 8 * PANEL]
+        full, tail = divmod(rows.shape[0], PANEL)
+        first = i // PANEL
+        out[first : first + full] = rows[: full * PANEL].view(full, PANEL, K).transpose(1, 2)
+        if tail:
+            out[first + full, :, :tail] = rows[full * PANEL :].t()
+    return out
 
 
-def pack_fp8(w: Tensor) -> PackedWeight | None:
-    """Pack `w` [N, K] or [E, N, K] if every 128x128 block (of each expert's matrix) is exactly FP8 values
-    times one scale, what an FP8 checkpoint dequantizes to; None otherwise, so nothing is ever rounded."""
-    if w.dtype != torch.float32 or w.dim() not in (2, 3):
-        return None
-    mats = list(w) if w.dim() == 3 else [w]
-    codes, scales = [], []
-    for m in mats:
-        found = _fp8_codes(m)
-        if found is None:
-            return None
-        codes.append(found[0].view(torch.uint8))
-        scales.append(found[1] * FP8_TO_HALF)
-    scale = torch.stack(scales) if w.dim() == 3 else scales[0]
-    return PackedWeight(_panels(codes, torch.uint8), scale.contiguous(), *w.shape[-2:])
+def block_scales(scale: Tensor, shape: tuple[int, int]) -> Tensor:
+    """A weight's FP8 scale as one per 128x128 block: block scales as they are, a per-tensor scale repeated."""
+    grid = scale_shape(shape)
+    return scale.float().reshape(grid) if scale.numel() > 1 else scale.float().reshape(1, 1).expand(grid)
+
+
+def pack_fp8(codes: Tensor, scale: Tensor) -> PackedWeight:
+    """FP8 codes [N, K] (float8_e4m3fn, as the release stores them) and their scale (per 128x128 block, or one
+    for the tensor): packed as they are, nothing converted or rounded."""
+    N, K = codes.shape
+    return PackedWeight(_panels(codes.view(torch.uint8)), block_scales(scale, (N, K)) * FP8_TO_HALF, N, K)
+
+
+def pack_fp8_into(packed: PackedWeight, expert: int, codes: Tensor, scale: Tensor) -> None:
+    """One expert's codes and scale into a stacked `PackedWeight.empty_fp8`."""
+    _panels(codes.view(torch.uint8), out=packed.panels[expert])
+    packed.scale[expert] = block_scales(scale, tuple(codes.shape)) * FP8_TO_HALF
 
 
 def pack_bf16(w: Tensor) -> PackedWeight | None:
-    """Pack a float32 [N, K] weight whose values are all BF16 (a release's unquantized weights); else None."""
-    if w.dtype != torch.float32 or w.dim() != 2 or not torch.equal(w.bfloat16().float(), w):
+    """Pack a [N, K] weight whose values are all BF16 (a release's unquantized weights); else None."""
+    if w.dim() != 2 or not all(torch.equal(rows.bfloat16().to(w.dtype), rows) for rows in w.split(8 * PANEL)):
         return None
-    return PackedWeight(_panels([w.bfloat16()], torch.bfloat16), torch.ones(scale_shape(w.shape)), *w.shape)
+    return PackedWeight(_panels(w, torch.bfloat16), torch.ones(scale_shape(w.shape)), *w.shape)
 
 
 def packed_linear(x: Tensor, w: PackedWeight) -> Tensor:
@@ -159,24 +159,12 @@ def packed_linear(x: Tensor, w: PackedWeight) -> Tensor:
     return cpu_kernels().packed_linear(flat, w.panels, w.scale, w.out_features).view(*x.shape[:-1], w.out_features)
 
 
-@dataclass
-class PackedMoE:
-    """A MoE layer's FP8 weights for `moe`: routed experts stacked, then the shared expert."""
-
-    experts: tuple[PackedWeight, PackedWeight, PackedWeight]  # gate, up, down
-    shared: tuple[PackedWeight, PackedWeight, PackedWeight]
-
-    @functools.cached_property
-    def tensors(self) -> tuple[Tensor, ...]:
-        """Panels and scales in the kernel's argument order, gathered once rather than every forward."""
-        return tuple(t for p in self.experts + self.shared for t in (p.panels, p.scale))
-
-
-def moe(x: Tensor, gate: Tensor, bias: Tensor, cfg: ModelConfig, w: PackedMoE) -> Tensor:
+def moe(x: Tensor, gate: Tensor, bias: Tensor, cfg: ModelConfig, weights: tuple[Tensor, ...]) -> Tensor:
     """A whole MoE layer for tokens x [T, H]: noaux_tc routing (router weight gate [E, H], bias [E]),
-    routed experts, shared expert."""
+    routed experts, shared expert; `weights` the panels and scales of the routed experts' gate, up and down
+    projections, then the shared expert's."""
     return cpu_kernels().moe(x.contiguous(), gate, bias, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok,
-                             cfg.norm_topk_prob, cfg.routed_scaling_factor, *w.tensors)
+                             cfg.norm_topk_prob, cfg.routed_scaling_factor, *weights)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
