@@ -26,9 +26,9 @@ from builder.convert import (
 )
 from builder.engine import TrtllmCheckpoint, build_engine, check_matches_checkpoint
 from builder.trtllm import TrtllmOptions, build_trtllm_engine
-from runtime.checkpoint import CheckpointError, HFCheckpoint
-from runtime.config import ConfigError, ModelConfig
-from runtime.engine import BuildConfig, EngineError, max_draft_len_allowed
+from runtime.io.checkpoint import CheckpointError, HFCheckpoint
+from runtime.model.config import ConfigError, ModelConfig
+from runtime.io.engine_format import BuildConfig, EngineError, max_draft_len_allowed
 
 DEFAULT_DRAFT_LEN = 4  # when --max_draft_len is not given (capped by what the checkpoint allows)
 

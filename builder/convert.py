@@ -30,12 +30,12 @@ from torch import Tensor
 from tqdm import tqdm
 
 from builder.atomic import atomic_dir as atomic
-from runtime.checkpoint import FP8_CODE, SCALE_SUFFIX, HFCheckpoint
-from runtime.config import ModelConfig
-from runtime.engine import BuildConfig, EngineError, check_model_limits, shard_index, shard_shape
-from runtime.fp8 import BLOCK, FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8, quantize_tensor_fp8, scale_shape
-from runtime.model import DeepseekV3ForCausalLM
-from runtime.weights import to_internal
+from runtime.io.checkpoint import FP8_CODE, SCALE_SUFFIX, HFCheckpoint
+from runtime.model.config import ModelConfig
+from runtime.io.engine_format import BuildConfig, EngineError, check_model_limits, shard_index, shard_shape
+from runtime.model.fp8 import BLOCK, FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8, quantize_tensor_fp8, scale_shape
+from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM
+from runtime.io.weights import to_internal
 
 MTP_PREFIX = "transformer.mtp_layers"
 TRT_SCALE = "weights_scaling_factor"  # `<module>.weights_scaling_factor` next to `<module>.weight`

@@ -4,7 +4,7 @@ Per rank, the fused TensorRT-LLM tensors are cut back into the runtime's paramet
 q_a_proj + kv_a_proj_with_mqa, expert mlp.fc -> up_proj + gate_proj stacked [E, out, in], ...),
 kv_b_proj is stored per head as [heads, nope + v, kv_lora] (the W_UK / W_UV split of absorbed
 MLA is then a view), FP8 weights keep their scales, and engine.json records the model, the
-limits and the hashes. Rank files stay separate: `runtime.engine.load_engine` merges them.
+limits and the hashes. Rank files stay separate: `runtime.io.engine_format.load_engine` merges them.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from builder.convert import (
     rank_layout,
     validate_build,
 )
-from runtime.checkpoint import SCALE_SUFFIX, read_safetensors_header
-from runtime.config import ModelConfig, is_int
-from runtime.engine import BuildConfig, EngineError, EngineManifest
-from runtime.fp8 import FP8_DTYPE
+from runtime.io.checkpoint import SCALE_SUFFIX, read_safetensors_header
+from runtime.model.config import ModelConfig, is_int
+from runtime.io.engine_format import BuildConfig, EngineError, EngineManifest
+from runtime.model.fp8 import FP8_DTYPE
 
 BUILDER_VERSION = importlib.metadata.version("dsv3-mtp")
 _DTYPE_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", FP8_DTYPE: "F8_E4M3"}

@@ -18,9 +18,9 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from builder.atomic import atomic_dir
-from runtime.checkpoint import INDEX_NAME, SCALE_SUFFIX, is_fp8_quantized
-from runtime.config import ModelConfig, QuantizationConfig
-from runtime.fp8 import FP8_DTYPE, quantize_block_fp8
+from runtime.io.checkpoint import INDEX_NAME, SCALE_SUFFIX, is_fp8_quantized
+from runtime.model.config import ModelConfig, QuantizationConfig
+from runtime.model.fp8 import FP8_DTYPE, quantize_block_fp8
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 

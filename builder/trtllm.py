@@ -21,9 +21,9 @@ from tqdm import tqdm
 from builder.convert import (BuildError, atomic_dir, copy_tokenizer, open_hf_checkpoint, quant_algo_flag,
                              validate_build)
 from builder.engine import BUILDER_VERSION
-from runtime.checkpoint import FP8_CODE, INDEX_NAME
-from runtime.config import ModelConfig
-from runtime.engine import BuildConfig, EngineManifest
+from runtime.io.checkpoint import FP8_CODE, INDEX_NAME
+from runtime.model.config import ModelConfig
+from runtime.io.engine_format import BuildConfig, EngineManifest
 
 LLM_API_OPTIONS = "extra_llm_api_options.yaml"
 HF_DIR = "hf"

@@ -9,11 +9,11 @@ __all__ = ["GenerationResult", "SamplingParams", "Session"]
 
 def __getattr__(name: str):
     if name == "SamplingParams":
-        from runtime.sampling import SamplingParams
+        from runtime.core.sampling import SamplingParams
 
         return SamplingParams
     if name in ("Session", "GenerationResult"):
-        from runtime import session
+        from runtime.executors import session
 
         return getattr(session, name)
     raise AttributeError(f"module 'runtime' has no attribute {name!r}")

@@ -28,8 +28,8 @@ if str(ROOT) not in sys.path:  # `python scripts/x.py` puts scripts/ first, not 
 
 import torch  # noqa: E402
 
-from runtime.checkpoint import expected_tensor_shapes, is_mtp_tensor  # noqa: E402
-from runtime.kernels.modules import KernelMLA, PackedExperts, PackedLinear  # noqa: E402
+from runtime.io.checkpoint import expected_tensor_shapes, is_mtp_tensor  # noqa: E402
+from runtime.model.kernels.modules import KernelMLA, PackedExperts, PackedLinear  # noqa: E402
 
 DEFAULT_MODEL = "models/deepseek-v3-mini"
 DEFAULT_OUT_DIR = "docs/benchmarks"

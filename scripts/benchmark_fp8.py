@@ -45,7 +45,7 @@ def main() -> int:
         p.error(f"--bf16_model: {args.bf16_model} has no config.json (expected an HF checkpoint directory)")
     set_threads(args.threads)
     from runtime import SamplingParams, Session  # noqa: WPS433
-    from runtime.loading import load_engine  # noqa: WPS433
+    from runtime.io.loading import load_engine  # noqa: WPS433
 
     windows = val_windows(args.val_bin, args.window, 8, args.window * args.max_windows)
     if not windows:

@@ -34,9 +34,11 @@ from bench_common import (add_common_args, check_minimums, closed_loop_clients, 
 
 from tqdm import tqdm  # noqa: E402
 
-from runtime.loading import load_engine  # noqa: E402
-from runtime.executor import Executor, ExecutorConfig, RequestOutput  # noqa: E402
-from runtime.sampling import SamplingParams  # noqa: E402
+from runtime.io.loading import load_engine  # noqa: E402
+from runtime.executors.base import ExecutorConfig  # noqa: E402
+from runtime.executors.native import Executor  # noqa: E402
+from runtime.executors.requests import RequestOutput  # noqa: E402
+from runtime.core.sampling import SamplingParams  # noqa: E402
 
 MODE_ORDER = ("plain", "fixed", "adaptive")
 QUICK_DEFAULTS = dict(concurrency="1,4", num_requests=4, requests_per_client=2, qps_fractions="0.5", qps_requests=4,

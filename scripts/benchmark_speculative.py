@@ -28,12 +28,13 @@ from bench_common import (Timer, add_common_args, check_minimums, comma_list, en
 import torch  # noqa: E402  (bench_common puts the repo root on sys.path first)
 from tqdm import tqdm  # noqa: E402
 
-from runtime.loading import load_engine  # noqa: E402
-from runtime.executor import Executor, ExecutorConfig  # noqa: E402
-from runtime.cuda_graphs import DecodeGraphs  # noqa: E402
-from runtime.kv_cache import KVCache  # noqa: E402
-from runtime.sampling import SamplingParams  # noqa: E402
-from runtime.worker import ModelRunner  # noqa: E402
+from runtime.io.loading import load_engine  # noqa: E402
+from runtime.executors.base import ExecutorConfig  # noqa: E402
+from runtime.executors.native import Executor  # noqa: E402
+from runtime.core.cuda_graphs import DecodeGraphs  # noqa: E402
+from runtime.core.kv_cache import KVCache  # noqa: E402
+from runtime.core.sampling import SamplingParams  # noqa: E402
+from runtime.core.model_runner import ModelRunner  # noqa: E402
 
 TARGETS = {"k1_vs_k0": 1.6, "best_vs_k0": 2.0, "k0_vs_hf": 3.0}
 FORMULA = ("ideal(k) = E(k) / (1 + k * c), with E(k) = (1 - a^(k+1)) / (1 - a) the expected tokens per "
@@ -122,7 +123,7 @@ class _StepRecorder:
 
 def _checkpoint_tensors(model_dir: Path, names) -> dict[str, torch.Tensor]:
     """Stored tensors (dequantized to fp32 with the release's padded 128x128 blocks)."""
-    from runtime.checkpoint import HFCheckpoint
+    from runtime.io.checkpoint import HFCheckpoint
 
     wanted = set(names)
     return dict(HFCheckpoint(model_dir).iter_tensors(lambda n: n in wanted, dequantize=True, dtype=torch.float32))
@@ -134,7 +135,7 @@ def _fix_fp8_dequantization(model, model_dir: Path) -> dict[str, Any]:
     (rows // scale_rows), which is wrong when a dimension is not a multiple of 128 (the release
     pads edge blocks): e.g. a [192, 128] q_b_proj gets 96-row blocks. Re-dequantize every 2-D
     FP8 weight HF holds under its checkpoint name; report fused ones that could not be checked."""
-    from runtime.checkpoint import HFCheckpoint
+    from runtime.io.checkpoint import HFCheckpoint
 
     ckpt = HFCheckpoint(model_dir)
     fp8 = [n[: -len("_scale_inv")] for n in ckpt.tensor_names if n.endswith("_scale_inv")]
@@ -171,7 +172,7 @@ def _patch_mtp_loading(model, model_dir: Path, n_layers: int, own_embed_head: bo
     from torch import nn
     from transformers import modeling_layers
 
-    from runtime.checkpoint import HFCheckpoint
+    from runtime.io.checkpoint import HFCheckpoint
 
     prefix = f"model.layers.{n_layers}."
     names = {"mtp_embed": prefix + "embed_tokens.weight", "mtp_head": prefix + "shared_head.head.weight",

@@ -6,7 +6,7 @@
 
 1. builds the shipped model with `build_engine --backend trtllm` (a subprocess; --engine_dir skips it);
 2. generates greedily with each draft length (default 0 and 3) through the session path
-   (runtime.trtllm_executor.TrtllmExecutor, one request at a time) and checks that every draft
+   (runtime.executors.trtllm.TrtllmExecutor, one request at a time) and checks that every draft
    length gives the same tokens as the first;
 3. unless --skip_triton: fills a copy of triton_repo/ for the engine, starts tritonserver with
    scripts/launch_triton_server.py and sends the same prompts to `ensemble` over gRPC streaming
@@ -116,9 +116,9 @@ def build(args: argparse.Namespace, work: Path) -> Path:
 
 def session_runs(engine: Path, k: int, prompts: list[str], args: argparse.Namespace) -> list[Run]:
     """Greedy, one request at a time (TPOT at batch 1), after one warm-up request."""
-    from runtime.executor import ExecutorConfig
-    from runtime.sampling import SamplingParams
-    from runtime.trtllm_executor import TrtllmExecutor
+    from runtime.executors.base import ExecutorConfig
+    from runtime.core.sampling import SamplingParams
+    from runtime.executors.trtllm import TrtllmExecutor
 
     config = ExecutorConfig(num_draft_tokens=k, speculation="fixed" if k else "off")
     overrides = {"kv_cache_config": {"free_gpu_memory_fraction": args.free_gpu_memory_fraction}}
@@ -146,7 +146,7 @@ def triton_runs(engine: Path, k: int, prompts: list[str], n_tokens: list[int], w
     from fill_template import fill
     from launch_triton_server import start_server
 
-    from runtime.trtllm_executor import TrtllmEngine
+    from runtime.executors.trtllm import TrtllmEngine
 
     repo = work / f"triton_repo_k{k}"
     if repo.exists():
@@ -230,7 +230,7 @@ def summary(name: str, runs: list[Run]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from runtime.trtllm_executor import TensorRTLLMUnavailable, import_tensorrt_llm
+    from runtime.executors.trtllm import TensorRTLLMUnavailable, import_tensorrt_llm
 
     try:
         trtllm = import_tensorrt_llm()

@@ -33,8 +33,8 @@ from tqdm import tqdm
 
 from train_model import batches, save  # scripts/ is on sys.path when run as a script
 
-from runtime.config import ModelConfig
-from runtime.model import DeepseekV3ForCausalLM, Gate
+from runtime.model.config import ModelConfig
+from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM, Gate
 
 
 def draft_rows(ids: torch.Tensor, hidden: torch.Tensor, owns: list[torch.Tensor]

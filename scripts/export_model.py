@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 
 from builder.hf_writer import write_hf_checkpoint
-from runtime.config import ModelConfig, QuantizationConfig
-from runtime.model import DeepseekV3ForCausalLM
-from runtime.weights import release_tensors
+from runtime.model.config import ModelConfig, QuantizationConfig
+from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM
+from runtime.io.weights import release_tensors
 
 
 def _positive_float(text: str) -> float:

@@ -28,9 +28,10 @@ from bench_common import (add_common_args, check_minimums, closed_loop_clients, 
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from runtime.loading import load_engine  # noqa: E402
-from runtime.executor import Executor, ExecutorConfig  # noqa: E402
-from runtime.sampling import SamplingParams  # noqa: E402
+from runtime.io.loading import load_engine  # noqa: E402
+from runtime.executors.base import ExecutorConfig  # noqa: E402
+from runtime.executors.native import Executor  # noqa: E402
+from runtime.core.sampling import SamplingParams  # noqa: E402
 
 
 class Deadline:
@@ -194,7 +195,7 @@ def main() -> int:
 
     engine = load_engine(args.model, device=args.device, dtype=args.dtype)
     texts = load_prompts(args.model, args.prompts)
-    from runtime.tokenizer import Tokenizer
+    from runtime.io.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(engine.tokenizer_dir)
     reqs = make_requests(texts, tok, args.num_requests, args.max_prompt_tokens, args.max_output_tokens, args.seed)
     info = machine_info()

@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fill_template import fill, parse_substitutions  # noqa: E402  (scripts/ is not a package)
 
-from runtime.engine import read_limits  # noqa: E402
+from runtime.io.engine_format import read_limits  # noqa: E402
 
 TEMPLATE_REPO = Path(__file__).resolve().parents[1] / "triton_repo"
 PATH_KEYS = ("engine_dir", "tokenizer_dir")

@@ -29,9 +29,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from runtime.loading import load_engine  # noqa: E402
-from runtime.executor import Executor, ExecutorConfig  # noqa: E402
-from runtime.sampling import SamplingParams  # noqa: E402
+from runtime.io.loading import load_engine  # noqa: E402
+from runtime.executors.base import ExecutorConfig  # noqa: E402
+from runtime.executors.native import Executor  # noqa: E402
+from runtime.core.sampling import SamplingParams  # noqa: E402
 
 
 def repeated_ngram_fraction(context: list[int], output: list[int], n: int = 4) -> float:
@@ -161,7 +162,7 @@ def main() -> None:
     free = {f"k{k}": free_running(engine, prompts, k, args.max_tokens, args.batch, not args.stop_at_eos, args.device)
             for k in ks}
 
-    from runtime.tokenizer import Tokenizer
+    from runtime.io.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(engine.tokenizer_dir)
     text_windows = [torch.tensor([tok.encode(x["text"])]) for x in prompts]
     heldout = teacher_forced(model, [w for w in text_windows if w.shape[1] >= 4], "held-out prompt texts")

@@ -35,7 +35,7 @@ import resource, sys, time
 from pathlib import Path
 sys.path.insert(0, {root!r})
 from builder.convert import convert_checkpoint
-from runtime.engine import BuildConfig
+from runtime.io.engine_format import BuildConfig
 if {convert!r}:
     t = time.time()
     convert_checkpoint(Path({src!r}), Path({dst!r}), BuildConfig(**{build!r}), progress=False)
@@ -47,8 +47,8 @@ WRITE = """
 import sys, torch
 sys.path.insert(0, {root!r})
 from builder.hf_writer import write_hf_checkpoint
-from runtime.checkpoint import expected_tensor_shapes
-from runtime.config import ModelConfig
+from runtime.io.checkpoint import expected_tensor_shapes
+from runtime.model.config import ModelConfig
 cfg = ModelConfig.from_dict({config!r})
 g = torch.Generator().manual_seed(0)
 tensors = ((n, torch.ones(s) if len(s) == 1 else 0.02 * torch.randn(s, generator=g))

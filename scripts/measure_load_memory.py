@@ -1,4 +1,4 @@
-"""Peak memory of loading a model (runtime.loading.load_engine) against the bytes its weights keep.
+"""Peak memory of loading a model (runtime.io.loading.load_engine) against the bytes its weights keep.
 
 Each load runs in a child process that reports its peak RSS (ru_maxrss) after its imports (the Python,
 torch and kernels baseline, with torch's meta-device machinery, which its first use loads) and after loading, and the bytes the loaded weights occupy in their kept form
@@ -37,10 +37,10 @@ sys.path.insert(0, {root!r})
 sys.path.insert(0, {scripts!r})
 import torch
 from bench_common import weight_bytes_in_memory
-from runtime.engine import read_limits
-from runtime.kernels import cpu_kernels
-from runtime.loading import load_engine
-from runtime.model import DeepseekV3ForCausalLM
+from runtime.io.engine_format import read_limits
+from runtime.model.kernels import cpu_kernels
+from runtime.io.loading import load_engine
+from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM
 cpu_kernels()
 with torch.device("meta"):  # torch's meta-device machinery, loaded on first use (a meta model allocates nothing)
     DeepseekV3ForCausalLM(read_limits({path!r})[0])
@@ -57,8 +57,8 @@ WRITE = """
 import sys, torch
 sys.path.insert(0, {root!r})
 from builder.hf_writer import write_hf_checkpoint
-from runtime.checkpoint import expected_tensor_shapes
-from runtime.config import ModelConfig
+from runtime.io.checkpoint import expected_tensor_shapes
+from runtime.model.config import ModelConfig
 cfg = ModelConfig.from_dict({config!r})
 g = torch.Generator().manual_seed(0)
 tensors = ((n, torch.ones(s) if len(s) == 1 else 0.02 * torch.randn(s, generator=g))

@@ -17,4 +17,4 @@ if [ ! -f "$stamp" ]; then
   touch "$stamp"
 fi
 # Build the runtime's CPU kernels now rather than inside the first request (about 30 s, once).
-python -c "from runtime.kernels import cpu_kernels; cpu_kernels()"
+python -c "from runtime.model.kernels import cpu_kernels; cpu_kernels()"

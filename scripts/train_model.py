@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from runtime.config import ModelConfig
-from runtime.model import DeepseekV3ForCausalLM, Gate
+from runtime.model.config import ModelConfig
+from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM, Gate
 
 # Every DeepSeek-V3 feature on, proportioned so one MTP step is cheap next to the 21-layer target.
 # Head dims keep V3's proportions (nope 2 x rope, v = nope); every FP8 matrix dimension is below 128

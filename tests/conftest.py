@@ -12,8 +12,8 @@ from typing import Any, Callable, Iterator
 import pytest
 import torch
 
-from runtime.checkpoint import expected_tensor_shapes
-from runtime.config import ModelConfig
+from runtime.io.checkpoint import expected_tensor_shapes
+from runtime.model.config import ModelConfig
 
 TINY_CONFIG: dict[str, Any] = {
     "architectures": ["DeepseekV3ForCausalLM"],
@@ -196,14 +196,14 @@ def shipped_model_dir() -> Path:
 @pytest.fixture(scope="module")
 def shipped_engine(shipped_model_dir):
     """The shipped model loaded in float32, where a sequence's logits are the same alone and in any batch."""
-    from runtime.loading import load_engine
+    from runtime.io.loading import load_engine
 
     return load_engine(shipped_model_dir, dtype="float32")
 
 
 @pytest.fixture(scope="module")
 def shipped_tokenizer(shipped_engine):
-    from runtime.tokenizer import Tokenizer
+    from runtime.io.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(shipped_engine.tokenizer_dir)
 

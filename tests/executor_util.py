@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from runtime.executor import Executor
+from runtime.executors.native import Executor
 
 
 def hold_inbox_until(ex: Executor, event: threading.Event) -> None:

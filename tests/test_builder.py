@@ -25,11 +25,11 @@ from builder.cli import main
 from builder.convert import BuildError, _Source, _stored_piece, convert_checkpoint, rank_layout
 from builder.engine import TrtllmCheckpoint, build_engine, model_config_from_trtllm
 from conftest import tiny_config_dict, write_tiny_checkpoint
-from runtime.checkpoint import HFCheckpoint
-from runtime.config import ModelConfig
-from runtime.engine import BuildConfig, EngineError
-from runtime.loading import load_engine
-from runtime.fp8 import FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8
+from runtime.io.checkpoint import HFCheckpoint
+from runtime.model.config import ModelConfig
+from runtime.io.engine_format import BuildConfig, EngineError
+from runtime.io.loading import load_engine
+from runtime.model.fp8 import FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMITS = dict(max_seq_len=256)  # the tiny model's max_position_embeddings

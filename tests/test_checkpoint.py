@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import runtime.checkpoint as checkpoint
+import runtime.io.checkpoint as checkpoint
 from builder.hf_writer import write_hf_checkpoint
-from runtime.checkpoint import (
+from runtime.io.checkpoint import (
     INDEX_NAME,
     CheckpointError,
     HFCheckpoint,
@@ -25,7 +25,7 @@ from runtime.checkpoint import (
     is_mtp_tensor,
     layer_of,
 )
-from runtime.config import ConfigError, ModelConfig
+from runtime.model.config import ConfigError, ModelConfig
 
 from conftest import TINY_CONFIG
 
@@ -147,7 +147,7 @@ def test_config_with_mtp_and_files_without_loads_without_mtp(make_ckpt, caplog):
     the files carry none. The target model is whole: it opens (with a warning) as a model without MTP."""
     cfg = ModelConfig.from_dict(TINY_CONFIG)
     path, _, _ = make_ckpt(name="target", drop={n for n in expected_tensor_shapes(cfg) if is_mtp_tensor(n, cfg)})
-    with caplog.at_level(logging.WARNING, logger="runtime.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="runtime.io.checkpoint"):
         ck = HFCheckpoint(path)
     assert [r.getMessage() for r in caplog.records] == [
         f"{path / 'config.json'}: field 'num_nextn_predict_layers' is 1 but no MTP tensor (model.layers.3.*) is "
@@ -440,8 +440,8 @@ def test_error_expert_past_n_routed_experts(make_ckpt):
     save_file(tensors, shard)
     index["weight_map"][stray] = index["weight_map"][src]
     (path / INDEX_NAME).write_text(json.dumps(index))
-    from runtime.engine import EngineError
-    from runtime.loading import load_engine
+    from runtime.io.engine_format import EngineError
+    from runtime.io.loading import load_engine
 
     with pytest.raises(EngineError) as e:
         load_engine(path)
@@ -526,7 +526,7 @@ def test_transformers_5_yarn_without_rope_scaling_key(tiny_cfg):
 
 
 def test_unknown_config_field_is_named_in_a_warning(tiny_cfg, caplog):
-    with caplog.at_level(logging.WARNING, logger="runtime.config"):
+    with caplog.at_level(logging.WARNING, logger="runtime.model.config"):
         ModelConfig.from_dict(tiny_cfg(sliding_window=128, use_cache=True), source="c.json")
     assert [r.getMessage() for r in caplog.records] == [
         "c.json: field(s) sliding_window not read by this runtime; if they change the model's math, its output "
@@ -558,8 +558,8 @@ def test_scale_next_to_a_weight_that_is_not_fp8_is_refused(make_ckpt):
     with pytest.raises(CheckpointError) as e:
         HFCheckpoint(path).validate()
     assert str(e.value) == want
-    from runtime.engine import EngineError
-    from runtime.loading import load_engine
+    from runtime.io.engine_format import EngineError
+    from runtime.io.loading import load_engine
 
     with pytest.raises(EngineError) as e:
         load_engine(path)
@@ -602,6 +602,6 @@ def test_non_finite_values_are_refused_as_they_stream(make_ckpt, name, fp8):
 
 
 def test_the_release_config_reads_without_unknown_fields(caplog):
-    with caplog.at_level(logging.WARNING, logger="runtime.config"):
+    with caplog.at_level(logging.WARNING, logger="runtime.model.config"):
         cfg = ModelConfig.from_json(HF_CONFIGS / "deepseek-v3.json")
     assert caplog.records == [] and cfg.rope_scaling.factor == 40 and cfg.num_nextn_predict_layers == 1

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.cuda_graphs import CUBLASLT_MAX_TOKENS
-from runtime.loading import load_engine
-from runtime.executor import Executor, ExecutorConfig
-from runtime.sampling import SamplingParams
+from runtime.core.cuda_graphs import CUBLASLT_MAX_TOKENS
+from runtime.io.loading import load_engine
+from runtime.executors.base import ExecutorConfig
+from runtime.executors.native import Executor
+from runtime.core.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

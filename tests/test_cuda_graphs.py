@@ -8,14 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.config import ModelConfig
-from runtime.cuda_graphs import DecodeGraphs
-from runtime.loading import load_engine
-from runtime.executor import Executor, ExecutorConfig
-from runtime.kv_cache import KVCache
-from runtime.model import Experts
-from runtime.sampling import SamplingParams
-from runtime.worker import ModelRunner
+from runtime.model.config import ModelConfig
+from runtime.core.cuda_graphs import DecodeGraphs
+from runtime.io.loading import load_engine
+from runtime.executors.base import ExecutorConfig
+from runtime.executors.native import Executor
+from runtime.core.kv_cache import KVCache
+from runtime.model.deepseek_v3 import Experts
+from runtime.core.sampling import SamplingParams
+from runtime.core.model_runner import ModelRunner
 
 from conftest import tiny_config_dict
 

@@ -13,9 +13,9 @@ import torch
 from builder.convert import convert_checkpoint
 from builder.engine import build_engine
 from conftest import tiny_config_dict, write_tiny_checkpoint
-from runtime.config import ModelConfig
-from runtime.engine import BuildConfig, EngineError, shard_index, shard_shape, split_dim
-from runtime.loading import LoadedEngine, load_engine
+from runtime.model.config import ModelConfig
+from runtime.io.engine_format import BuildConfig, EngineError, shard_index, shard_shape, split_dim
+from runtime.io.loading import LoadedEngine, load_engine
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +219,7 @@ def test_split_rule():
 
 def _rewrite_manifest(engine: Path, edit) -> None:
     """Edit engine.json and give it the matching content hash, as a determined editor would."""
-    from runtime.engine import EngineManifest
+    from runtime.io.engine_format import EngineManifest
 
     raw = json.loads((engine / "engine.json").read_text())
     edit(raw)

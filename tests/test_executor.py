@@ -18,13 +18,15 @@ import pytest
 import torch
 
 from conftest import tiny_config_dict
-from runtime.loading import load_engine
-from runtime.executor import Executor, ExecutorConfig, RequestOutput
-from runtime.kv_cache import free_memory_bytes
-from runtime.sampling import SamplingParams
-from runtime.draft_policy import DraftPolicy, StepCosts
-from runtime.plan import StepResult
-from runtime.scheduler import Scheduler
+from runtime.io.loading import load_engine
+from runtime.executors.base import ExecutorConfig
+from runtime.executors.native import Executor
+from runtime.executors.requests import RequestOutput
+from runtime.core.kv_cache import free_memory_bytes
+from runtime.core.sampling import SamplingParams
+from runtime.core.draft_policy import DraftPolicy, StepCosts
+from runtime.core.plan import StepResult
+from runtime.core.scheduler import Scheduler
 
 from executor_util import assert_all_free, hold_inbox_until  # noqa: E402
 
@@ -51,7 +53,7 @@ def engine(spec_checkpoint):
 
 @pytest.fixture(scope="module")
 def tokenizer(engine):
-    from runtime.tokenizer import Tokenizer
+    from runtime.io.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(engine.tokenizer_dir)
 
@@ -778,9 +780,9 @@ def test_drafts_are_dropped_before_anyone_is_preempted(engine) -> None:
     drafts: preempting another request for optional drafts would throw its work away."""
     import torch
 
-    from runtime.kv_cache import KVCache
-    from runtime.scheduler import Scheduler, SchedulerConfig
-    from runtime.sequence import Sequence, Status
+    from runtime.core.kv_cache import KVCache
+    from runtime.core.scheduler import Scheduler, SchedulerConfig
+    from runtime.core.sequence import Sequence, Status
 
     cache = KVCache(engine.model_config, num_blocks=4, block_size=4)
     sched = Scheduler(SchedulerConfig(max_batch_size=8, max_num_tokens=64, max_seq_len=64), cache,
@@ -825,9 +827,9 @@ def test_adaptive_drafts_leave_the_budget_to_waiting_prefill(engine) -> None:
     work they take the policy's k. A fixed k is kept either way."""
     import torch
 
-    from runtime.kv_cache import KVCache
-    from runtime.scheduler import Scheduler, SchedulerConfig
-    from runtime.sequence import Sequence, Status
+    from runtime.core.kv_cache import KVCache
+    from runtime.core.scheduler import Scheduler, SchedulerConfig
+    from runtime.core.sequence import Sequence, Status
 
     def plan(mode: str, waiting_prompt: int | None) -> list[int]:
         policy = DraftPolicy(mode, 4, costs(target_per_token=0.001, target_fixed=1.0, mtp=0.01), prior_acceptance=0.9)
@@ -925,9 +927,9 @@ def scheduler_with_one_decode(engine, policy: DraftPolicy, max_num_tokens: int =
     """A scheduler over a small cache, running one decoding sequence of 8 tokens with MTP inputs pending."""
     import torch
 
-    from runtime.kv_cache import KVCache
-    from runtime.scheduler import SchedulerConfig
-    from runtime.sequence import Sequence, Status
+    from runtime.core.kv_cache import KVCache
+    from runtime.core.scheduler import SchedulerConfig
+    from runtime.core.sequence import Sequence, Status
 
     cache = KVCache(engine.model_config, num_blocks=16, block_size=4)
     sched = Scheduler(SchedulerConfig(max_batch_size=8, max_num_tokens=max_num_tokens, max_seq_len=64), cache, policy)
@@ -960,7 +962,7 @@ def test_adaptive_gives_up_drafting_for_sequences_that_went_idle(engine) -> None
 def test_idle_steps_count_only_when_the_policy_chose_no_drafts(engine) -> None:
     """Drafts cut by the token budget (prefill waiting) are not the policy's choice: however long that
     lasts, the sequences keep drafting afterwards."""
-    from runtime.sequence import Sequence
+    from runtime.core.sequence import Sequence
 
     policy = DraftPolicy("adaptive", 2, costs(target_per_token=0.001, target_fixed=1.0, mtp=0.01), prior_acceptance=0.9)
     sched, seq = scheduler_with_one_decode(engine, policy, max_num_tokens=4)

@@ -20,12 +20,14 @@ import threading
 
 import pytest
 
-from runtime.loading import load_engine
-from runtime.executor import Executor, ExecutorConfig, RequestOutput
-from runtime.sampling import SamplingParams
-from runtime.draft_policy import StepCosts
-from runtime.scheduler import Scheduler
-from runtime.tokenizer import Tokenizer
+from runtime.io.loading import load_engine
+from runtime.executors.base import ExecutorConfig
+from runtime.executors.native import Executor
+from runtime.executors.requests import RequestOutput
+from runtime.core.sampling import SamplingParams
+from runtime.core.draft_policy import StepCosts
+from runtime.core.scheduler import Scheduler
+from runtime.io.tokenizer import Tokenizer
 
 from executor_util import assert_all_free, hold_inbox_until  # noqa: E402
 

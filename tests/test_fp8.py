@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from runtime.fp8 import (
+from runtime.model.fp8 import (
     FP8_DTYPE,
     dequantize_block_fp8,
     dequantize_tensor_fp8,

@@ -9,15 +9,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime import kernels
-from runtime.batch import PagedBatch
-from runtime.config import ModelConfig
-from runtime.fp8 import dequantize_block_fp8, dequantize_tensor_fp8, quantize_block_fp8, quantize_tensor_fp8
-from runtime.kernels.modules import (FusedDecoderLayer, FusedDecoderStack, FusedMTPLayer, KernelMLA, KernelMoE,
+from runtime.model import kernels
+from runtime.model.batch import PagedBatch
+from runtime.model.config import ModelConfig
+from runtime.model.fp8 import dequantize_block_fp8, dequantize_tensor_fp8, quantize_block_fp8, quantize_tensor_fp8
+from runtime.model.kernels.modules import (FusedDecoderLayer, FusedDecoderStack, FusedMTPLayer, KernelMLA, KernelMoE,
                                      PackedLinear, attends_in_kernels, swap_class)
-from runtime.kv_cache import KVCache
-from runtime.loading import load_engine
-from runtime.model import MLA, DeepseekV3ForCausalLM, MoE
+from runtime.core.kv_cache import KVCache
+from runtime.io.loading import load_engine
+from runtime.model.deepseek_v3 import MLA, DeepseekV3ForCausalLM, MoE
 from tests.conftest import tiny_config_dict
 
 pytestmark = pytest.mark.skipif(kernels.cpu_kernels() is None, reason="CPU kernels need x86-64 with AVX-512")
@@ -479,7 +479,7 @@ def test_a_killed_build_does_not_hang_the_next_load() -> None:
     kernels.cpu_kernels()
     build_dir = Path(kernels.cpu_kernels().__file__).parent
     (build_dir / "lock").touch()
-    done = subprocess.run([sys.executable, "-c", "from runtime.kernels import cpu_kernels; assert cpu_kernels()"],
+    done = subprocess.run([sys.executable, "-c", "from runtime.model.kernels import cpu_kernels; assert cpu_kernels()"],
                           cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert f"CPU kernels: removing {build_dir / 'lock'}, left by a build that was killed" in done.stderr

@@ -39,11 +39,11 @@ from transformers import DeepseekV3ForCausalLM as HFDeepseekV3
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
 
 from builder.hf_writer import write_hf_checkpoint
-from runtime.checkpoint import HFCheckpoint, expected_tensor_shapes
-from runtime.config import ModelConfig
-from runtime.batch import PagedBatch
-from runtime.model import DeepseekV3ForCausalLM
-from runtime.loading import load_release_tensors
+from runtime.io.checkpoint import HFCheckpoint, expected_tensor_shapes
+from runtime.model.config import ModelConfig
+from runtime.model.batch import PagedBatch
+from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM
+from runtime.io.loading import load_release_tensors
 
 from conftest import tiny_config_dict
 
@@ -387,7 +387,7 @@ def test_fp8_checkpoint_matches_hf(fp8_case, reference, tmp_path):
 
     hf_fp8: HF loads the FP8 checkpoint itself (transformers 5.x dequantizes it on CPU; that
     needs `accelerate`). hf_dequantized_fp32: HF loads the stored tensors dequantized here by
-    `dequantize_release` (independent of runtime/fp8.py) and saved as a plain float32 checkpoint
+    `dequantize_release` (independent of runtime/model/fp8.py) and saved as a plain float32 checkpoint
     (not through write_hf_checkpoint(fp8=False), which would round them to bf16).
     """
     cfg, fp8_path, ours = fp8_case.cfg, fp8_case.path, fp8_case.ours
@@ -507,8 +507,8 @@ def test_attention_groups_match_one_padded_group(pair, monkeypatch, case):
 
     grouped, hidden, mtp = run()
     assert [(g.start, g.end, g.batch_size, g.num_queries, g.query_index is not None) for g in grouped.groups] == expected
-    monkeypatch.setattr("runtime.batch.SHORT_QUERY", 10**6)
-    monkeypatch.setattr("runtime.batch.SPLIT_MIN_ROWS", 10**9)
+    monkeypatch.setattr("runtime.model.batch.SHORT_QUERY", 10**6)
+    monkeypatch.setattr("runtime.model.batch.SPLIT_MIN_ROWS", 10**9)
     single, hidden_one, mtp_one = run()
     assert len(single.groups) == 1
     assert torch.equal(grouped.positions, single.positions) and torch.equal(grouped.slot_mapping, single.slot_mapping)

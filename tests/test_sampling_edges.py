@@ -20,10 +20,12 @@ import pytest
 import torch
 
 from runtime import SamplingParams, Session
-from runtime.executor import Executor, ExecutorConfig, RequestOutput
-from runtime.outputs import RequestTracker
-from runtime.sampling import SamplingTensors, probabilities
-from runtime.tokenizer import IncrementalDetokenizer
+from runtime.executors.base import ExecutorConfig
+from runtime.executors.native import Executor
+from runtime.executors.requests import RequestOutput
+from runtime.executors.requests import RequestTracker
+from runtime.core.sampling import SamplingTensors, probabilities
+from runtime.io.tokenizer import IncrementalDetokenizer
 
 from conftest import chi2_pvalue  # noqa: E402
 from executor_util import assert_all_free, hold_inbox_until  # noqa: E402

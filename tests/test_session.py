@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from runtime import SamplingParams, Session
-from runtime.session import GenerationResult
-from runtime.tokenizer import Tokenizer
+from runtime.executors.session import GenerationResult
+from runtime.io.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -54,7 +54,7 @@ def wait_idle(session: Session, timeout: float = 10) -> None:
 def hold_after_first_text(monkeypatch) -> threading.Event:
     """Make the step loop wait, after it delivered the first output with text (not the final one), until
     the returned event is set: the test's thread, however slow, takes that output before any other."""
-    from runtime.outputs import RequestHandle
+    from runtime.executors.requests import RequestHandle
 
     go_on = threading.Event()
     push = RequestHandle._push
@@ -174,8 +174,8 @@ def test_stop_strings(session, reference, cut) -> None:
 def test_stop_string_inside_a_multi_token_step(session, reference, stop_at) -> None:
     """A speculative step emits several tokens at once; the request must end at the token that
     completes the stop string, exactly as one token per step does (ids, text, reason)."""
-    from runtime.outputs import RequestTracker
-    from runtime.tokenizer import IncrementalDetokenizer
+    from runtime.executors.requests import RequestTracker
+    from runtime.io.tokenizer import IncrementalDetokenizer
 
     ids, tok = reference[0].token_ids, session.tokenizer
     detok = IncrementalDetokenizer(tok)
@@ -205,7 +205,7 @@ def test_stop_string_inside_a_multi_token_step(session, reference, stop_at) -> N
 def test_tpot_is_the_time_after_the_first_token_over_the_tokens_after_it(session) -> None:
     """TPOT as vLLM and trtllm-bench define it, (last - first) / (n - 1), also when a speculative step
     emits several tokens at once (the benchmarks compute the same from the client's clock)."""
-    from runtime.outputs import RequestTracker
+    from runtime.executors.requests import RequestTracker
 
     tracker = RequestTracker.create("r", 5, SamplingParams(max_tokens=40, ignore_eos=True), session.tokenizer,
                                     MAX_SEQ_LEN, handle=None, callback=None)
@@ -375,7 +375,7 @@ def test_invalid_prompt_in_a_batch_submits_nothing(session) -> None:
 
 def test_close_twice(spec_checkpoint) -> None:
     """close() is idempotent, and a closed session's executor is no longer stopped again at exit."""
-    from runtime import executor
+    from runtime.executors import native as executor
 
     s = Session(spec_checkpoint, num_draft_tokens=0, max_seq_len=MAX_SEQ_LEN)
     assert s.executor in executor._live

@@ -13,8 +13,8 @@ import pytest
 import torch
 import transformers
 
-from runtime.checkpoint import HFCheckpoint, is_fp8_quantized
-from runtime.loading import load_engine
+from runtime.io.checkpoint import HFCheckpoint, is_fp8_quantized
+from runtime.io.loading import load_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "models" / "deepseek-v3-mini"

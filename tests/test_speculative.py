@@ -3,7 +3,7 @@ acceptance and rollback.
 
 - Greedy identity runs on the shipped model (models/deepseek-v3-mini): with k = 1..4 drafts the
   output must be plain greedy decoding's, token for token, while drafts are really accepted.
-- Lossless sampling is checked twice: on `runtime.sampling.accept` alone with hand-made target and
+- Lossless sampling is checked twice: on `runtime.core.sampling.accept` alone with hand-made target and
   draft distributions (200k rows, chi-square; a 1% biased variant is shown to fail the same check),
   and end to end through the executor on a tiny random model (first token over 1500 seeds).
 - Rollback: after rejected drafts a sequence's cache length is its accepted length, blocks past it
@@ -18,17 +18,18 @@ import math
 import pytest
 import torch
 
-from runtime.config import ModelConfig
-from runtime.loading import load_engine
-from runtime.executor import Executor, ExecutorConfig
-from runtime.kv_cache import BlockAllocator, KVCache, OutOfBlocks
-from runtime.batch import PagedBatch
-from runtime.sampling import RelaxedAcceptance, SamplingParams, SamplingTensors, accept, probabilities
-from runtime.draft_policy import DraftPolicy
-from runtime.scheduler import Scheduler, SchedulerConfig
-from runtime.sequence import Sequence, Status
-from runtime.tokenizer import Tokenizer
-from runtime.worker import ModelRunner
+from runtime.model.config import ModelConfig
+from runtime.io.loading import load_engine
+from runtime.executors.base import ExecutorConfig
+from runtime.executors.native import Executor
+from runtime.core.kv_cache import BlockAllocator, KVCache, OutOfBlocks
+from runtime.model.batch import PagedBatch
+from runtime.core.sampling import RelaxedAcceptance, SamplingParams, SamplingTensors, accept, probabilities
+from runtime.core.draft_policy import DraftPolicy
+from runtime.core.scheduler import Scheduler, SchedulerConfig
+from runtime.core.sequence import Sequence, Status
+from runtime.io.tokenizer import Tokenizer
+from runtime.core.model_runner import ModelRunner
 
 from conftest import REPO_ROOT, chi2_pvalue, tiny_config_dict
 
@@ -478,9 +479,9 @@ def test_relaxed_acceptance_never_emits_bad_tokens() -> None:
     """Inside a thinking span relaxed acceptance takes drafts in the target's top-N; a banned token
     must not pass that way either (the relaxed distribution is the masked one)."""
     from conftest import bigram_tensors
-    from runtime.model import DeepseekV3ForCausalLM
-    from runtime.loading import load_release_tensors
-    from runtime.plan import Scheduled
+    from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM
+    from runtime.io.loading import load_release_tensors
+    from runtime.core.plan import Scheduled
 
     V = 512
     cfg = ModelConfig.from_dict(tiny_config_dict(vocab_size=V))

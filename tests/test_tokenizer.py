@@ -16,7 +16,7 @@ import pytest
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as Backend
 
-from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+from runtime.io.tokenizer import IncrementalDetokenizer, Tokenizer
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "models" / "deepseek-v3-mini"
 BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"

@@ -29,8 +29,8 @@ import pytest
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
-from runtime.sampling import SamplingParams  # noqa: E402
-from runtime.session import Session  # noqa: E402
+from runtime.core.sampling import SamplingParams  # noqa: E402
+from runtime.executors.session import Session  # noqa: E402
 from triton_util import (ROOT, TEMPLATE_REPO, TritonServer, add_model, fill_model_repo,  # noqa: E402
                          make_tiny_checkpoint, repo_values, start_server)
 from fill_template import fill, parse_substitutions  # noqa: E402  (on sys.path via triton_util)

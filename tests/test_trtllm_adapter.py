@@ -1,4 +1,4 @@
-"""The TensorRT-LLM adapter (runtime.trtllm_executor) and scripts/check_trtllm.py, without TensorRT-LLM.
+"""The TensorRT-LLM adapter (runtime.executors.trtllm) and scripts/check_trtllm.py, without TensorRT-LLM.
 
 TensorRT-LLM cannot be installed here, so this file has three kinds of tests:
 - the pure mappings: our SamplingParams -> tensorrt_llm.SamplingParams keyword arguments (every
@@ -41,18 +41,18 @@ import yaml
 
 import builder.trtllm as builder_trtllm
 from builder.trtllm import build_trtllm_engine
-from runtime.engine import BuildConfig, EngineError
-from runtime.executor import Executor, ExecutorConfig, RequestOutput
-from runtime.sampling import RelaxedAcceptance, SamplingParams
-from runtime.scheduler import SchedulerConfig
-from runtime.trtllm_executor import (
+from runtime.io.engine_format import BuildConfig, EngineError, engine_backend
+from runtime.executors.base import ExecutorConfig, create_executor
+from runtime.executors.native import Executor
+from runtime.executors.requests import RequestOutput
+from runtime.core.sampling import RelaxedAcceptance, SamplingParams
+from runtime.core.scheduler import SchedulerConfig
+from runtime.executors.trtllm import (
     LLM_API_OPTIONS,
     TensorRTLLMUnavailable,
     TrtllmEngine,
     TrtllmExecutor,
     adapt_to_upstream_fields,
-    create_executor,
-    is_trtllm_engine,
     llm_kwargs_for,
     to_trtllm_sampling_kwargs,
 )
@@ -363,7 +363,7 @@ def test_llm_kwargs_as_built_and_with_executor_config(engine: TrtllmEngine, capl
     assert "speculative_config" not in llm_kwargs_for(opts, m, ExecutorConfig(num_draft_tokens=3, speculation="off"))
     two = llm_kwargs_for(opts, m, ExecutorConfig(num_draft_tokens=2, speculation="fixed"))
     assert two == {**opts, "speculative_config": {"decoding_type": "MTP", "num_nextn_predict_layers": 2}}
-    with caplog.at_level(logging.WARNING, "runtime.trtllm_executor"):
+    with caplog.at_level(logging.WARNING, "runtime.executors.trtllm"):
         assert llm_kwargs_for(opts, m, ExecutorConfig(num_draft_tokens=2, speculation="adaptive")) == two
     assert "'adaptive' is not available with TensorRT-LLM" in caplog.text
     limited = llm_kwargs_for(opts, m, ExecutorConfig(num_draft_tokens=1, speculation="fixed", max_batch_size=4,
@@ -383,8 +383,8 @@ def test_llm_kwargs_as_built_and_with_executor_config(engine: TrtllmEngine, capl
 @pytest.mark.parametrize("config, message", [
     (ExecutorConfig(num_draft_tokens=4, speculation="fixed"),
      "num_draft_tokens 4 exceeds the engine's max_draft_len 3 (extra_llm_api_options.yaml)"),
-    (ExecutorConfig(max_seq_len=512), "max_seq_len 512 exceeds the engine's max_seq_len 256; rebuild the engine "
-                                      "with --max_seq_len 512"),
+    (ExecutorConfig(max_seq_len=512), "max_seq_len 512 exceeds the engine's max_seq_len 256 "
+                                      "(extra_llm_api_options.yaml); rebuild the engine with --max_seq_len 512"),
 ])
 def test_llm_kwargs_refuse_more_than_built(engine: TrtllmEngine, config: ExecutorConfig, message: str) -> None:
     with pytest.raises(ValueError) as e:
@@ -393,7 +393,7 @@ def test_llm_kwargs_refuse_more_than_built(engine: TrtllmEngine, config: Executo
 
 
 def test_engine_directory_checks(engine_dir: Path, spec_checkpoint: Path, tmp_path: Path) -> None:
-    assert is_trtllm_engine(engine_dir) and not is_trtllm_engine(spec_checkpoint)
+    assert engine_backend(engine_dir) == "trtllm" and engine_backend(spec_checkpoint) is None
     assert TrtllmEngine.open(engine_dir).model_dir == engine_dir / "hf"
     with pytest.raises(EngineError, match="no engine.json; expected an engine directory built with build_engine "
                                           "--backend trtllm"):
@@ -416,7 +416,7 @@ def test_missing_package_error_is_exact(engine_dir: Path, monkeypatch: pytest.Mo
 
 
 def test_tensorrt_llm_is_imported_only_inside_a_function() -> None:
-    tree = ast.parse((ROOT / "runtime" / "trtllm_executor.py").read_text())
+    tree = ast.parse((ROOT / "runtime" / "executors" / "trtllm.py").read_text())
     top_level = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
     names = {a.name for n in top_level for a in n.names} | {n.module for n in top_level if isinstance(n, ast.ImportFrom)}
     assert not any(str(x).startswith("tensorrt_llm") for x in names)
@@ -483,7 +483,7 @@ def test_contract_stream_becomes_request_outputs(engine_dir: Path, trtllm: Modul
 
 def test_contract_without_perf_metrics_reports_zero(engine_dir: Path, trtllm: ModuleType, caplog) -> None:
     trtllm.report_metrics = False
-    with TrtllmExecutor(engine_dir) as ex, caplog.at_level(logging.WARNING, "runtime.trtllm_executor"):
+    with TrtllmExecutor(engine_dir) as ex, caplog.at_level(logging.WARNING, "runtime.executors.trtllm"):
         out = ex.submit([5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True)).result(5)
         assert (out.stats.num_draft_tokens, out.stats.num_accepted_draft_tokens) == (0, 0)
         assert ex.reports_draft_stats is False and ex.stats().draft_tokens == 0
@@ -618,7 +618,7 @@ def test_contract_submit_validation_and_shutdown(engine_dir: Path, trtllm: Modul
 def test_llm_kwargs_fit_the_installed_release() -> None:
     """Field names moved between releases: tokens_per_block is left out where KvCacheConfig lacks it
     (1.0), thinking-phase tokens are upper-case where MTPDecodingConfig spells them so (1.0/1.1)."""
-    from runtime.trtllm_executor import adapt_llm_kwargs
+    from runtime.executors.trtllm import adapt_llm_kwargs
 
     kwargs = {"kv_cache_config": {"dtype": "auto", "tokens_per_block": 16},
               "speculative_config": {"decoding_type": "MTP", "num_nextn_predict_layers": 3,
@@ -642,7 +642,7 @@ def test_zeroed_speculative_metrics_are_not_reported_counts() -> None:
     zero even when it drafted: that is "not reported", not "nothing drafted"."""
     from types import SimpleNamespace
 
-    from runtime.trtllm_executor import speculative_counts
+    from runtime.executors.trtllm import speculative_counts
 
     def result(drafted: int, accepted: int):
         spec = SimpleNamespace(total_draft_tokens=drafted, total_accepted_draft_tokens=accepted)
@@ -659,7 +659,7 @@ def test_create_executor_dispatches_on_the_backend(engine_dir: Path, spec_checkp
     with create_executor(engine_dir, config) as ex:
         assert isinstance(ex, TrtllmExecutor) and ex.num_draft_tokens == 0
     native_calls = []
-    monkeypatch.setattr("runtime.trtllm_executor.Executor", lambda *a: native_calls.append(a) or "native")
+    monkeypatch.setattr("runtime.executors.native.Executor", lambda *a: native_calls.append(a) or "native")
     assert create_executor(spec_checkpoint, config) == "native" and native_calls == [(spec_checkpoint, config)]
 
 
@@ -744,7 +744,7 @@ def test_check_script_builds_the_shipped_model(shipped_model_dir: Path, trtllm: 
             "--max_tokens", "4"]
     assert check.main(args) == 0
     engine = tmp_path / "engine"
-    assert is_trtllm_engine(engine)
+    assert engine_backend(engine) == "trtllm"
     assert trtllm.llms[0].model == str(engine / "hf")
     assert yaml.safe_load((engine / LLM_API_OPTIONS).read_text())["speculative_config"]["num_nextn_predict_layers"] == 3
     assert capsys.readouterr().out.rstrip().endswith("PASS")

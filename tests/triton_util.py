@@ -16,7 +16,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from builder.hf_writer import write_hf_checkpoint
 from conftest import random_tensors, tiny_config_dict
-from runtime.config import ModelConfig
+from runtime.model.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))

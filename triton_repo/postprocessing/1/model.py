@@ -1,4 +1,4 @@
-"""Triton `postprocessing`: output ids -> text with runtime.tokenizer.
+"""Triton `postprocessing`: output ids -> text with runtime.io.tokenizer.
 
 Streamed chunks decode on their own: tensorrt_llm cuts the stream only where a character ends,
 so every chunk's text is whole UTF-8 and the chunks concatenate to the full text. Reached directly
@@ -12,7 +12,7 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from runtime.tokenizer import Tokenizer
+from runtime.io.tokenizer import Tokenizer
 from serving.request_validation import RequestError, no_unknown_parameters, token_ids
 from serving.triton_parameters import boolean, integer, model_path, parameter
 

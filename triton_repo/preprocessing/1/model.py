@@ -1,4 +1,4 @@
-"""Triton `preprocessing`: text -> token ids with runtime.tokenizer, in TensorRT-LLM's tensor layout.
+"""Triton `preprocessing`: text -> token ids with runtime.io.tokenizer, in TensorRT-LLM's tensor layout.
 
 Stop and bad words become TensorRT-LLM's word lists ([2, W] per item: the words' ids
 concatenated, then their end offsets padded with -1), which tensorrt_llm turns back into words.
@@ -12,7 +12,7 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from runtime.tokenizer import Tokenizer
+from runtime.io.tokenizer import Tokenizer
 from serving.request_validation import INT32_MAX, RequestError, integer, no_unknown_parameters, texts
 from serving.triton_parameters import boolean, integer as integer_parameter, model_path, parameter
 

@@ -29,9 +29,10 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
-from runtime.executor import ExecutorConfig, RequestOutput, RequestStats
-from runtime.sampling import SamplingParams
-from runtime.trtllm_executor import create_executor
+from runtime.executors.base import ExecutorConfig
+from runtime.executors.requests import RequestOutput, RequestStats
+from runtime.core.sampling import SamplingParams
+from runtime.executors.base import create_executor
 from serving.request_validation import (TENSORRT_LLM_SCALARS, RequestError, client_named, integer,
                                         no_unknown_parameters, token_ids)
 from serving.triton_parameters import boolean, integer as integer_parameter, model_path, number, parameter

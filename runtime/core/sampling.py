@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from runtime.config import is_int, is_number
+from runtime.model.config import is_int, is_number
 
 
 def _as_given(value: object) -> object:

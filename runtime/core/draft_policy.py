@@ -9,7 +9,7 @@ import bisect
 import math
 from dataclasses import dataclass
 
-from runtime.plan import StepResult
+from runtime.core.plan import StepResult
 
 
 @dataclass

@@ -15,27 +15,27 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from runtime.cuda_graphs import DecodeGraphs
-from runtime.loading import LoadedEngine, load_engine
-from runtime.kv_cache import KVCache, free_memory_bytes
-from runtime.sampling import RelaxedAcceptance, SamplingParams
-from runtime.draft_policy import DraftPolicy, StepCosts
-from runtime.scheduler import Scheduler, SchedulerConfig
-from runtime.outputs import (ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestStats, RequestTracker,
+from runtime.core.cuda_graphs import DecodeGraphs
+from runtime.io.loading import LoadedEngine, load_engine
+from runtime.core.kv_cache import KVCache, free_memory_bytes
+from runtime.core.sampling import SamplingParams
+from runtime.core.draft_policy import DraftPolicy, StepCosts
+from runtime.core.scheduler import Scheduler
+from runtime.executors.base import ExecutorConfig
+from runtime.executors.requests import (ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestStats, RequestTracker,
                              validate_request)
-from runtime.sequence import Sequence
-from runtime.tokenizer import Tokenizer
-from runtime.worker import ModelRunner
+from runtime.core.sequence import Sequence
+from runtime.io.tokenizer import Tokenizer
+from runtime.core.model_runner import ModelRunner
 
-__all__ = ["Executor", "ExecutorConfig", "ExecutorStats", "RequestHandle", "RequestOutput", "RequestStats"]
+__all__ = ["Executor", "ExecutorStats", "RequestHandle", "RequestOutput", "RequestStats"]
 
-log = logging.getLogger("runtime.executor")
+log = logging.getLogger("runtime.executors.native")
 
 _live: set[Executor] = set()  # started and not shut down
 
@@ -51,68 +51,13 @@ def _shutdown_live() -> None:
         executor.shutdown(timeout=None)
 
 
-DEFAULT_DRAFT_TOKENS = 3  # when num_draft_tokens is not given and the model can draft
-
-
-@dataclass(frozen=True)
-class ExecutorConfig:
-    """Serving settings; limits left as None come from the engine and may not exceed it."""
-
-    num_draft_tokens: int | None = None  # None: DEFAULT_DRAFT_TOKENS (at most the engine's), 0 without MTP
-    speculation: str = "adaptive"  # "off" | "fixed" | "adaptive"
-    max_batch_size: int | None = None
-    max_num_tokens: int | None = None
-    max_seq_len: int | None = None
-    # cache capacity in tokens (default: max_batch_size x max_seq_len, within free_memory_fraction)
-    kv_cache_tokens: int | None = None
-    # share of the memory free once the weights are loaded that the KV cache may take, as TensorRT-LLM's
-    # kv_cache_config.free_gpu_memory_fraction (on CPU: of MemAvailable, within a container's limit)
-    free_memory_fraction: float = 0.9
-    device: str = "cpu"
-    dtype: str | None = None
-    relaxed_acceptance: RelaxedAcceptance | None = None
-    cpu_kernels: bool = True  # on CPU in float32: C++ kernels, weights as stored (runtime.kernels.modules)
-    cuda_graphs: bool = True  # on CUDA: forwards of <= 512 new tokens per sequence replay graphs (decodes': at start)
-
-    def __post_init__(self) -> None:
-        k = self.num_draft_tokens
-        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
-            raise ValueError(f"num_draft_tokens must be an integer >= 0, got {k!r}")
-        if self.speculation not in ("off", "fixed", "adaptive"):
-            raise ValueError(f"speculation must be 'off', 'fixed' or 'adaptive', got {self.speculation!r}")
-        for name in ("max_batch_size", "max_num_tokens", "max_seq_len", "kv_cache_tokens"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if not (isinstance(self.free_memory_fraction, (int, float)) and 0 < self.free_memory_fraction <= 1):
-            raise ValueError(f"free_memory_fraction must be in (0, 1], got {self.free_memory_fraction!r}")
-
-    def draft_len(self, max_draft_len: int, mtp_layers: int, source: str, built: bool = True) -> int:
-        """The draft length to serve with (0: plain decoding): num_draft_tokens, or by default as many as the
-        engine allows up to DEFAULT_DRAFT_TOKENS; ValueError naming num_draft_tokens where the model cannot."""
-        if self.speculation == "off":
-            return 0
-        k = self.num_draft_tokens
-        if k is None:
-            return min(DEFAULT_DRAFT_TOKENS, max_draft_len) if mtp_layers else 0
-        if k and mtp_layers == 0:
-            raise ValueError(f"num_draft_tokens {k}: {source} has no MTP layer to draft with (num_nextn_predict_layers "
-                             "is 0, or the checkpoint stores no MTP weights); use num_draft_tokens=0")
-        if k > max_draft_len and built:
-            raise ValueError(f"num_draft_tokens {k} exceeds the engine's max_draft_len {max_draft_len} ({source})")
-        return k
-
-
 class Executor:
     def __init__(self, engine: str | Path | LoadedEngine, config: ExecutorConfig = ExecutorConfig()):
         self.engine = engine if isinstance(engine, LoadedEngine) else load_engine(
             engine, device=config.device, dtype=config.dtype, cpu_kernels=config.cpu_kernels)
         build, cfg = self.engine.build, self.engine.model_config
         self.config = config
-        self.limits = SchedulerConfig(
-            max_batch_size=self._limit("max_batch_size", config.max_batch_size, build.max_batch_size),
-            max_num_tokens=self._limit("max_num_tokens", config.max_num_tokens, build.max_num_tokens),
-            max_seq_len=self._limit("max_seq_len", config.max_seq_len, build.max_seq_len))
+        self.limits = config.limits(build, str(self.engine.path), self.engine.built)
         k = config.draft_len(build.max_draft_len, cfg.num_nextn_predict_layers, str(self.engine.path), self.engine.built)
         self.model_config = cfg
         self.tokenizer = Tokenizer.from_dir(self.engine.tokenizer_dir)
@@ -166,15 +111,6 @@ class Executor:
                      limits.max_batch_size, limits.max_seq_len, where)
             return budget
         return wanted
-
-    def _limit(self, name: str, asked: int | None, built: int) -> int:
-        """An engine's limits are what it was built for; a plain checkpoint's are only defaults."""
-        if asked is None:
-            return built
-        if asked > built and self.engine.built:
-            raise ValueError(f"{name} {asked} exceeds the engine's {name} {built} ({self.engine.path}); "
-                             f"rebuild the engine with --{name} {asked}")
-        return asked
 
     # ---- public API ---------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 from torch import Tensor
 
-from runtime.config import ModelConfig
-from runtime.fp8 import scale_shape
+from runtime.model.config import ModelConfig
+from runtime.model.fp8 import scale_shape
 
 if TYPE_CHECKING:
-    from runtime.batch import PagedBatch
+    from runtime.model.batch import PagedBatch
 
 log = logging.getLogger(__name__)
 

@@ -14,16 +14,20 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator
+from typing import AsyncIterator, Callable, Iterator, Protocol
 
-from runtime.config import is_int
-from runtime.sampling import SamplingParams
-from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+from runtime.model.config import is_int
+from runtime.core.sampling import SamplingParams
+from runtime.io.tokenizer import IncrementalDetokenizer, Tokenizer
 
-if TYPE_CHECKING:  # only for annotations: executors import this module
-    from runtime.executor import Executor
 
-log = logging.getLogger("runtime.outputs")
+
+class Canceller(Protocol):
+    """What a request handle needs of its executor."""
+
+    def cancel(self, request_id: str, handle: "RequestHandle | None" = None) -> None: ...
+
+log = logging.getLogger("runtime.executors.requests")
 
 
 @dataclass
@@ -92,7 +96,7 @@ class RequestHandle:
     would take turns at the GIL with the executor's thread).
     """
 
-    def __init__(self, request_id: str, executor: "Executor"):
+    def __init__(self, request_id: str, executor: Canceller):
         self.request_id = request_id
         self._executor = executor
         self._last: RequestOutput | None = None

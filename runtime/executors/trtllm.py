@@ -1,6 +1,6 @@
 """The executor for `build_engine --backend trtllm` engines: TensorRT-LLM's LLM API behind our API.
 
-`TrtllmExecutor` has the public surface of `runtime.executor.Executor` (`submit`, `cancel`,
+`TrtllmExecutor` has the public surface of `runtime.executors.native.Executor` (`submit`, `cancel`,
 `stats`, `shutdown`, `tokenizer`, context manager) and returns the same `RequestHandle`,
 `RequestOutput`, `RequestStats` and `ExecutorStats`, so `Session` and the Triton model can take
 either. Underneath it opens the engine directory (engine.json with backend "trtllm", the HF
@@ -55,14 +55,14 @@ from typing import Any, Callable, Mapping
 
 import yaml
 
-from runtime.engine import ENGINE_JSON, BuildConfig, EngineError, EngineManifest, file_sha256
-from runtime.executor import Executor, ExecutorConfig
-from runtime.outputs import ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestTracker, validate_request
-from runtime.sampling import SamplingParams
-from runtime.scheduler import SchedulerConfig
-from runtime.tokenizer import Tokenizer
+from runtime.io.engine_format import ENGINE_JSON, BuildConfig, EngineError, EngineManifest, file_sha256
+from runtime.executors.base import ExecutorConfig
+from runtime.executors.requests import ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestTracker, validate_request
+from runtime.core.sampling import SamplingParams
+from runtime.core.scheduler import SchedulerConfig
+from runtime.io.tokenizer import Tokenizer
 
-log = logging.getLogger("runtime.trtllm_executor")
+log = logging.getLogger("runtime.executors.trtllm")
 
 LLM_API_OPTIONS = "extra_llm_api_options.yaml"  # as builder.trtllm writes it (tested equal)
 SEED_MODULUS = 2**64  # TensorRT-LLM's seed is a uint64 (SamplingConfig.randomSeed)
@@ -199,14 +199,10 @@ def llm_kwargs_for(options: Mapping[str, Any], manifest: EngineManifest, config:
     kwargs = copy.deepcopy(dict(options))
     build, cfg = manifest.build, manifest.model_config
     if config is not None:
+        limits = config.limits(build, source)
         for name in ("max_batch_size", "max_num_tokens", "max_seq_len"):
-            asked, built = getattr(config, name), getattr(build, name)
-            if asked is None:
-                continue
-            if asked > built:
-                raise ValueError(f"{name} {asked} exceeds the engine's {name} {built}; "
-                                 f"rebuild the engine with --{name} {asked}")
-            kwargs[name] = asked
+            if getattr(config, name) is not None:
+                kwargs[name] = getattr(limits, name)
         graphs = kwargs.get("cuda_graph_config")
         if config.max_batch_size is not None and isinstance(graphs, dict) and "max_batch_size" in graphs:
             graphs["max_batch_size"] = min(graphs["max_batch_size"], config.max_batch_size)
@@ -326,7 +322,7 @@ class TrtllmEngine:
         manifest = EngineManifest.read(path)
         if manifest.build.backend != "trtllm":
             raise EngineError(f"{path}: built with --backend {manifest.build.backend}; run it with "
-                              "runtime.executor.Executor, or rebuild with --backend trtllm")
+                              "runtime.executors.native.Executor, or rebuild with --backend trtllm")
         manifest.verify_files(path, hashes=False)
         for name, digest in manifest.files.items():
             file = path / name
@@ -353,25 +349,6 @@ class TrtllmEngine:
     @property
     def build(self) -> BuildConfig:
         return self.manifest.build
-
-
-def is_trtllm_engine(path: str | Path) -> bool:
-    """True when `path` is an engine directory whose engine.json says backend "trtllm"."""
-    path = Path(path)
-    if not (path / ENGINE_JSON).is_file():
-        return False
-    try:
-        return EngineManifest.read(path).build.backend == "trtllm"
-    except EngineError:
-        return False
-
-
-def create_executor(path: str | Path, config: ExecutorConfig = ExecutorConfig(), **kwargs: Any):
-    """`TrtllmExecutor` for a --backend trtllm engine, else the native `Executor` (for Session and
-    the Triton model)."""
-    if is_trtllm_engine(path):
-        return TrtllmExecutor(path, config, **kwargs)
-    return Executor(path, config)
 
 
 # ---- the executor -----------------------------------------------------------------------------

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from runtime.executor import ExecutorConfig
-from runtime.outputs import RequestStats
-from runtime.sampling import SamplingParams
-from runtime.trtllm_executor import create_executor
+from runtime.executors.base import ExecutorConfig
+from runtime.executors.requests import RequestStats
+from runtime.core.sampling import SamplingParams
+from runtime.executors.base import create_executor
 
 
 @dataclass
@@ -36,7 +36,7 @@ class Session:
         per step from the batch size and measured acceptance; num_draft_tokens=0 is plain decoding, None
         drafts 3 where the model has an MTP layer (at most the engine's max_draft_len) and none where not.
         `limits` are ExecutorConfig's (max_batch_size, kv_cache_tokens, free_memory_fraction, ...).
-        An engine built with --backend trtllm runs on TensorRT-LLM (runtime.trtllm_executor)."""
+        An engine built with --backend trtllm runs on TensorRT-LLM (runtime.executors.trtllm)."""
         mode = "off" if num_draft_tokens == 0 else speculation
         self.executor = create_executor(path, ExecutorConfig(num_draft_tokens=num_draft_tokens, speculation=mode,
                                                              device=device, dtype=dtype, **limits))
@@ -79,7 +79,7 @@ class Session:
 
     def close(self) -> None:
         """Stop the executor (requests in flight end "cancelled"); a second call does nothing. A native
-        executor left open is stopped at interpreter exit (runtime.executor._shutdown_live)."""
+        executor left open is stopped at interpreter exit (runtime.executors.native._shutdown_live)."""
         self.executor.shutdown()
 
     def __enter__(self) -> "Session":

@@ -20,8 +20,8 @@ from typing import Callable, Iterator, Mapping
 import torch
 from safetensors import SafetensorError, safe_open
 
-from runtime.config import ModelConfig
-from runtime.fp8 import BLOCK, FP8_DTYPE, dequantize_block_fp8, scale_shape
+from runtime.model.config import ModelConfig
+from runtime.model.fp8 import BLOCK, FP8_DTYPE, dequantize_block_fp8, scale_shape
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """An engine directory or a Hugging Face checkpoint, loaded straight into the model's final form.
 
 The model is built on the meta device; where the CPU kernels run, their modules are swapped in first
-(`runtime.kernels.modules.prepare`), chosen by how each weight is stored. Then every tensor is read from
+(`runtime.model.kernels.modules.prepare`), chosen by how each weight is stored. Then every tensor is read from
 its file (no memory map) and goes once into its final form: FP8 codes and scales into the kernels' packs as
 they are, everything else into its parameter (dequantized where a PyTorch module needs real values). No
 copy of the whole model in another form ever exists: loading peaks at the kept weights plus one tensor.
@@ -19,15 +19,15 @@ from typing import Iterable, Iterator
 import torch
 from torch import Tensor
 
-from runtime.checkpoint import (SCALE_SUFFIX, TORCH_DTYPES, CheckpointError, HFCheckpoint, Scratch, check_finite,
+from runtime.io.checkpoint import (SCALE_SUFFIX, TORCH_DTYPES, CheckpointError, HFCheckpoint, Scratch, check_finite,
                                 read_safetensors_header, read_tensor)
-from runtime.config import ConfigError, ModelConfig
-from runtime.engine import (DTYPES, ENGINE_JSON, BuildConfig, EngineError, EngineManifest, checkpoint_limits,
+from runtime.model.config import ConfigError, ModelConfig
+from runtime.io.engine_format import (DTYPES, ENGINE_JSON, BuildConfig, EngineError, EngineManifest, checkpoint_limits,
                             shard_index, shard_shape, split_dim)
-from runtime.fp8 import BLOCK, FP8_DTYPE, dequantize_block_fp8, dequantize_tensor_fp8, scale_shape
-from runtime.kernels import modules as kernel_modules
-from runtime.model import DeepseekV3ForCausalLM, rope_inv_freq
-from runtime.weights import to_internal, to_release
+from runtime.model.fp8 import BLOCK, FP8_DTYPE, dequantize_block_fp8, dequantize_tensor_fp8, scale_shape
+from runtime.model.kernels import modules as kernel_modules
+from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM, rope_inv_freq
+from runtime.io.weights import to_internal, to_release
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def load_engine(path: str | Path, device: str | torch.device = "cpu", dtype: str
     """Load an engine directory (engine.json) or a plain HF DeepSeek-V3 checkpoint directory.
 
     dtype overrides the engine's build dtype; verify=False skips hashing the files (big engines);
-    cpu_kernels: on CPU in float32, run the C++ kernels with the weights as stored (runtime.kernels.modules).
+    cpu_kernels: on CPU in float32, run the C++ kernels with the weights as stored (runtime.model.kernels.modules).
     """
     path = Path(path)
     if (path / ENGINE_JSON).is_file():

@@ -3,7 +3,7 @@
 An engine directory holds `engine.json` (model config, build limits and options, hashes), one
 `rank{N}.safetensors` per tensor-parallel rank with the runtime's own parameter names, and the
 tokenizer files. The split rule (`split_dim`, `shard_index`) lives here because the converter cuts
-tensors with the same rule the loader (runtime.loading) glues them back with, and so do the limits the
+tensors with the same rule the loader (runtime.io.loading) glues them back with, and so do the limits the
 model bounds, checked at build and again at load. A plain Hugging Face checkpoint directory is served
 too, with default limits. See docs/engine-format.md.
 """
@@ -20,8 +20,8 @@ from typing import Any, Sequence
 
 import torch
 
-from runtime.checkpoint import CheckpointError, HFCheckpoint
-from runtime.config import ConfigError, ModelConfig, is_int
+from runtime.io.checkpoint import CheckpointError, HFCheckpoint
+from runtime.model.config import ConfigError, ModelConfig, is_int
 
 FORMAT_VERSION = 1
 ENGINE_JSON = "engine.json"
@@ -287,6 +287,18 @@ class EngineManifest:
                     f"{file}: content hash mismatch (sha256 {got[:16]}..., expected {digest[:16]}... "
                     f"from {ENGINE_JSON}); the file changed or is corrupt, rebuild the engine"
                 )
+
+
+def engine_backend(path: str | Path) -> str | None:
+    """The backend an engine directory was built for ("native" or "trtllm"); None for anything else (a plain
+    checkpoint, an unreadable engine.json: loading it says what is wrong)."""
+    path = Path(path)
+    if not (path / ENGINE_JSON).is_file():
+        return None
+    try:
+        return EngineManifest.read(path).build.backend
+    except EngineError:
+        return None
 
 
 def file_sha256(path: Path) -> str:

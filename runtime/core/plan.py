@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from runtime.sequence import Sequence
+from runtime.core.sequence import Sequence
 
 
 @dataclass

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from runtime.sampling import SamplingParams
+from runtime.core.sampling import SamplingParams
 
 
 class Status(enum.Enum):

@@ -5,7 +5,7 @@ them is replaced by a module that holds them so (linears: FP8 codes in scaled 12
 MoE layer's routed experts stacked FP8), and norms and attention by their kernel forms. The loader fills
 them tensor by tensor (`load`). `finish` runs after: attention's per-head absorption weights, and each
 decoder layer, the whole stack and the MTP module whose parts are all on the kernels as one call each.
-Every module computes what the PyTorch module it replaces computes; `runtime.model` knows nothing of this.
+Every module computes what the PyTorch module it replaces computes; `runtime.model.deepseek_v3` knows nothing of this.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from runtime import kernels
-from runtime.batch import PagedBatch
-from runtime.fp8 import FP8_DTYPE
-from runtime.model import MLA, MLP, DecoderLayer, DecoderStack, DeepseekV3ForCausalLM, Experts, MoE, MTPLayer, RMSNorm
+from runtime.model import kernels
+from runtime.model.batch import PagedBatch
+from runtime.model.fp8 import FP8_DTYPE
+from runtime.model.deepseek_v3 import MLA, MLP, DecoderLayer, DecoderStack, DeepseekV3ForCausalLM, Experts, MoE, MTPLayer, RMSNorm
 
 log = logging.getLogger(__name__)
 

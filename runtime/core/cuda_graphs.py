@@ -26,9 +26,9 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from runtime.kv_cache import KVCache
-from runtime.batch import SHORT_QUERY, PagedBatch
-from runtime.model import DeepseekV3ForCausalLM
+from runtime.core.kv_cache import KVCache
+from runtime.model.batch import SHORT_QUERY, PagedBatch
+from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM
 
 
 _CAPTURING = threading.Lock()

@@ -9,7 +9,7 @@ preempts only sequences admitted after its own; if it still does not fit, it wai
 wait while blocks run out: none is admitted in a step that preempted or left a prefill waiting.
 Nothing is dropped.
 
-The draft length comes from a `DraftPolicy` (runtime.draft_policy), and no more than leaves the token
+The draft length comes from a `DraftPolicy` (runtime.core.draft_policy), and no more than leaves the token
 budget to prompts waiting to be prefilled.
 
 After the step, `update_from_output` applies what the runner computed, the one writer of a step's
@@ -22,10 +22,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from runtime.draft_policy import DraftPolicy
-from runtime.kv_cache import KVCache, OutOfBlocks
-from runtime.plan import Scheduled, StepResult
-from runtime.sequence import Sequence, Status
+from runtime.core.draft_policy import DraftPolicy
+from runtime.core.kv_cache import KVCache, OutOfBlocks
+from runtime.core.plan import Scheduled, StepResult
+from runtime.core.sequence import Sequence, Status
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ Two attention paths share every weight:
   that holds only normalized c_kv and the roped shared key, attended with absorbed MLA (decode,
   chunked prefill and speculative verification are all "a chunk of q tokens per sequence").
 The model knows nothing about requests; `PagedBatch` describes where each token lives. Where the CPU
-kernels run, `runtime.kernels.modules` swaps in modules that compute the same with them.
+kernels run, `runtime.model.kernels.modules` swaps in modules that compute the same with them.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from runtime.batch import AttentionGroup, PagedBatch
-from runtime.config import ModelConfig, yarn_mscale
+from runtime.model.batch import AttentionGroup, PagedBatch
+from runtime.model.config import ModelConfig, yarn_mscale
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 from torch import Tensor
 
-from runtime.config import ModelConfig
-from runtime.model import DeepseekV3ForCausalLM
+from runtime.model.config import ModelConfig
+from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"(.*mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.config import ModelConfig
+from runtime.model.config import ModelConfig
 
 
 class OutOfBlocks(RuntimeError):

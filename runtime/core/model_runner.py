@@ -22,15 +22,15 @@ from itertools import accumulate
 import torch
 from torch import Tensor
 
-from runtime.cuda_graphs import DecodeGraphs
-from runtime.kv_cache import KVCache
-from runtime.batch import SHORT_QUERY, PagedBatch
-from runtime.kernels.modules import FusedMTPLayer, attends_in_kernels
-from runtime.model import DeepseekV3ForCausalLM
-from runtime.sampling import (PURPOSE_DRAFT, RelaxedAcceptance, SamplingTensors, accept, accept_greedy,
+from runtime.core.cuda_graphs import DecodeGraphs
+from runtime.core.kv_cache import KVCache
+from runtime.model.batch import SHORT_QUERY, PagedBatch
+from runtime.model.kernels.modules import FusedMTPLayer, attends_in_kernels
+from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM
+from runtime.core.sampling import (PURPOSE_DRAFT, RelaxedAcceptance, SamplingTensors, accept, accept_greedy,
                               probabilities, sample, uniforms)
-from runtime.plan import Scheduled, StepResult
-from runtime.sequence import Sequence
+from runtime.core.plan import Scheduled, StepResult
+from runtime.core.sequence import Sequence
 
 
 class ModelRunner:

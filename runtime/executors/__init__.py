@@ -1,0 +1,1 @@
+"""The executor contract, the native and TensorRT-LLM executors, request lifecycle, Session."""

@@ -1,0 +1,118 @@
+"""What every executor is: the contract the native executor and the TensorRT-LLM adapter keep, the settings
+they share (`ExecutorConfig`, read once: limits, speculation mode and draft length resolved here for both),
+and the choice between them (`create_executor`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from runtime.core.sampling import RelaxedAcceptance, SamplingParams
+from runtime.core.scheduler import SchedulerConfig
+from runtime.executors.requests import ExecutorStats, RequestHandle, RequestOutput
+from runtime.io.engine_format import BuildConfig, engine_backend
+from runtime.io.tokenizer import Tokenizer
+from runtime.model.config import ModelConfig
+
+
+DEFAULT_DRAFT_TOKENS = 3  # when num_draft_tokens is not given and the model can draft
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    """Serving settings; limits left as None come from the engine and may not exceed it."""
+
+    num_draft_tokens: int | None = None  # None: DEFAULT_DRAFT_TOKENS (at most the engine's), 0 without MTP
+    speculation: str = "adaptive"  # "off" | "fixed" | "adaptive"
+    max_batch_size: int | None = None
+    max_num_tokens: int | None = None
+    max_seq_len: int | None = None
+    # cache capacity in tokens (default: max_batch_size x max_seq_len, within free_memory_fraction)
+    kv_cache_tokens: int | None = None
+    # share of the memory free once the weights are loaded that the KV cache may take, as TensorRT-LLM's
+    # kv_cache_config.free_gpu_memory_fraction (on CPU: of MemAvailable, within a container's limit)
+    free_memory_fraction: float = 0.9
+    device: str = "cpu"
+    dtype: str | None = None
+    relaxed_acceptance: RelaxedAcceptance | None = None
+    cpu_kernels: bool = True  # on CPU in float32: C++ kernels, weights as stored (runtime.model.kernels.modules)
+    cuda_graphs: bool = True  # on CUDA: forwards of <= 512 new tokens per sequence replay graphs (decodes': at start)
+
+    def __post_init__(self) -> None:
+        k = self.num_draft_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
+            raise ValueError(f"num_draft_tokens must be an integer >= 0, got {k!r}")
+        if self.speculation not in ("off", "fixed", "adaptive"):
+            raise ValueError(f"speculation must be 'off', 'fixed' or 'adaptive', got {self.speculation!r}")
+        for name in ("max_batch_size", "max_num_tokens", "max_seq_len", "kv_cache_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not (isinstance(self.free_memory_fraction, (int, float)) and 0 < self.free_memory_fraction <= 1):
+            raise ValueError(f"free_memory_fraction must be in (0, 1], got {self.free_memory_fraction!r}")
+
+    def draft_len(self, max_draft_len: int, mtp_layers: int, source: str, built: bool = True) -> int:
+        """The draft length to serve with (0: plain decoding): num_draft_tokens, or by default as many as the
+        engine allows up to DEFAULT_DRAFT_TOKENS; ValueError naming num_draft_tokens where the model cannot."""
+        if self.speculation == "off":
+            return 0
+        k = self.num_draft_tokens
+        if k is None:
+            return min(DEFAULT_DRAFT_TOKENS, max_draft_len) if mtp_layers else 0
+        if k and mtp_layers == 0:
+            raise ValueError(f"num_draft_tokens {k}: {source} has no MTP layer to draft with (num_nextn_predict_layers "
+                             "is 0, or the checkpoint stores no MTP weights); use num_draft_tokens=0")
+        if k > max_draft_len and built:
+            raise ValueError(f"num_draft_tokens {k} exceeds the engine's max_draft_len {max_draft_len} ({source})")
+        return k
+
+    def limits(self, build: BuildConfig, source: str, built: bool = True) -> SchedulerConfig:
+        """max_batch_size, max_num_tokens and max_seq_len to serve with: as asked, else as built; more than an
+        engine was built for is refused naming the flag to rebuild with (a plain checkpoint's are defaults)."""
+        values = {}
+        for name in ("max_batch_size", "max_num_tokens", "max_seq_len"):
+            asked, most = getattr(self, name), getattr(build, name)
+            if asked is not None and asked > most and built:
+                raise ValueError(f"{name} {asked} exceeds the engine's {name} {most} ({source}); "
+                                 f"rebuild the engine with --{name} {asked}")
+            values[name] = most if asked is None else asked
+        return SchedulerConfig(**values)
+
+
+class ExecutorProtocol(Protocol):
+    """What Session, the Triton models and the servers use of an executor."""
+
+    config: ExecutorConfig | None
+    model_config: ModelConfig
+    limits: SchedulerConfig
+    tokenizer: Tokenizer
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams,
+               on_output: Callable[[RequestOutput], None] | None = None,
+               request_id: str | None = None) -> RequestHandle: ...
+
+    def cancel(self, request_id: str, handle: RequestHandle | None = None) -> None: ...
+
+    def stats(self) -> ExecutorStats: ...
+
+    def health(self, timeout_s: float) -> str | None: ...
+
+    def shutdown(self) -> None: ...
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+def create_executor(path: str | Path, config: ExecutorConfig = ExecutorConfig(), **kwargs: Any) -> ExecutorProtocol:
+    """TensorRT-LLM for an engine built with --backend trtllm, else the native executor."""
+    if engine_backend(path) == "trtllm":
+        from runtime.executors.trtllm import TrtllmExecutor
+
+        return TrtllmExecutor(path, config, **kwargs)
+    from runtime.executors.native import Executor
+
+    return Executor(path, config)
