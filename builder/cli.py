@@ -13,7 +13,7 @@ import sys
 import threading
 from pathlib import Path
 
-from builder.atomic import owned_tempdir, remove_stale
+from runtime.io.atomic import owned_tempdir, remove_stale
 from builder.convert import (
     NO_QUANT,
     BuildError,
@@ -28,9 +28,8 @@ from builder.engine import TrtllmCheckpoint, build_engine, check_matches_checkpo
 from builder.trtllm import TrtllmOptions, build_trtllm_engine
 from runtime.io.checkpoint import CheckpointError, HFCheckpoint
 from runtime.model.config import ConfigError, ModelConfig
-from runtime.io.engine_format import BuildConfig, EngineError, max_draft_len_allowed
+from runtime.io.engine_format import DEFAULT_MAX_DRAFT_LEN, BuildConfig, EngineError, max_draft_len_allowed
 
-DEFAULT_DRAFT_LEN = 4  # when --max_draft_len is not given (capped by what the checkpoint allows)
 
 
 def _positive(text: str) -> int:
@@ -67,7 +66,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max_seq_len", type=_positive, default=BuildConfig.max_seq_len)
     p.add_argument("--max_num_tokens", type=_positive, default=BuildConfig.max_num_tokens)
     p.add_argument("--max_draft_len", type=_non_negative,
-                   help=f"default: {DEFAULT_DRAFT_LEN}, or less where the MTP layers allow less")
+                   help=f"default: {DEFAULT_MAX_DRAFT_LEN}, or less where the MTP layers allow less")
     p.add_argument("--kv_block_size", type=_positive, default=BuildConfig.kv_block_size)
     p.add_argument("--tp_size", type=_positive, help="default: 1, or the checkpoint's")
     p.add_argument("--ep_size", type=_positive, help="default: 1, or the checkpoint's")
@@ -169,12 +168,12 @@ def run(args: argparse.Namespace) -> None:
 def build_config(args: argparse.Namespace, cfg: ModelConfig, *, dtype: str, tp_size: int, ep_size: int,
                  quant_algo: str | None) -> BuildConfig:
     """The flags over the source's own dtype, tp_size, ep_size and quant_algo (given as keywords);
-    the draft length defaults to DEFAULT_DRAFT_LEN capped by what the checkpoint allows."""
+    the draft length defaults to DEFAULT_MAX_DRAFT_LEN capped by what the checkpoint allows."""
     if args.quant_algo is not None:
         quant_algo = None if args.quant_algo == NO_QUANT else args.quant_algo
     max_draft_len = args.max_draft_len
     if max_draft_len is None:
-        max_draft_len = min(DEFAULT_DRAFT_LEN, max_draft_len_allowed(cfg, args.backend, args.use_mtp_vanilla)[0])
+        max_draft_len = min(DEFAULT_MAX_DRAFT_LEN, max_draft_len_allowed(cfg, args.backend, args.use_mtp_vanilla)[0])
     build = BuildConfig(
         max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, max_num_tokens=args.max_num_tokens,
         max_draft_len=max_draft_len, dtype=args.dtype or dtype, kv_block_size=args.kv_block_size,

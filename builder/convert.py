@@ -29,17 +29,16 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
-from builder.atomic import atomic_dir as atomic
+from runtime.io.atomic import atomic_dir
 from runtime.io.checkpoint import FP8_CODE, SCALE_SUFFIX, HFCheckpoint
+from runtime.io.tokenizer import TOKENIZER_FILES
 from runtime.model.config import ModelConfig
 from runtime.io.engine_format import BuildConfig, EngineError, check_model_limits, shard_index, shard_shape
 from runtime.model.fp8 import BLOCK, FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8, quantize_tensor_fp8, scale_shape
-from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM
-from runtime.io.weights import to_internal
+from runtime.io.weights import parameter_shapes, to_internal
 
 MTP_PREFIX = "transformer.mtp_layers"
 TRT_SCALE = "weights_scaling_factor"  # `<module>.weights_scaling_factor` next to `<module>.weight`
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 # Linear weights the FP8 algorithms quantize (runtime names). kv_b_proj stays unquantized, as
 # upstream: absorbed MLA splits it per head. eh_proj, the router, embeddings and heads are not listed.
 QUANTIZED = ("q_a_proj.weight", "q_b_proj.weight", "q_proj.weight", "kv_a_proj_with_mqa.weight", "o_proj.weight",
@@ -79,7 +78,7 @@ def memory_notes(cfg: ModelConfig, build: BuildConfig) -> list[str]:
     memory). The build machine need not be the serving one, so these are warnings, naming the flags."""
     weights = sum(math.prod(t.shape) * t.dtype.itemsize + (math.prod(t.scale_shape) * 4 if t.scale_shape else 0)
                   for t in rank_layout(cfg, build))
-    per_token = cfg.latent_dim * build.torch_dtype.itemsize * (cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
+    per_token = cfg.latent_dim * build.torch_dtype.itemsize * cfg.num_cache_layers
     one = build.max_seq_len * per_token
     machine = max([os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")] +
                   [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())])
@@ -99,7 +98,7 @@ def memory_notes(cfg: ModelConfig, build: BuildConfig) -> list[str]:
 
 def validate_sharding(cfg: ModelConfig, build: BuildConfig, source: str) -> None:
     """tp_size and ep_size must split heads, MLP widths and experts evenly (the vocabulary is padded)."""
-    dense = any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers))
+    dense = any(not cfg.is_moe_layer(i) for i in range(cfg.num_cache_layers))
     divides = [
         ("--tp_size", build.tp_size, "num_attention_heads", cfg.num_attention_heads),
         *([("--tp_size", build.tp_size, "intermediate_size", cfg.intermediate_size)] if dense else []),
@@ -168,15 +167,6 @@ def _layer_tensors(cfg: ModelConfig, layer: int, src: str, dst: str) -> list[Trt
         pairs += [("mlp.fc.weight", (m + "gate_proj.weight",)), ("mlp.gate.weight", (m + "up_proj.weight",)),
                   ("mlp.proj.weight", (m + "down_proj.weight",))]
     return [TrtTensor(dst + name, parts) for name, parts in pairs]
-
-
-def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Runtime parameter name -> full shape, from a model built on the meta device (no memory)."""
-    with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(cfg)
-    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    shapes |= {n: tuple(b.shape) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
-    return shapes
 
 
 def is_quantized(name: str, quant_algo: str | None) -> bool:
@@ -294,11 +284,11 @@ def check_output_dir(out_dir: Path, force: bool) -> None:
 
 
 @contextlib.contextmanager
-def atomic_dir(out_dir: Path, force: bool) -> Iterator[Path]:
-    """Check out_dir may be (re)placed, then build it atomically (builder.atomic)."""
+def build_output(out_dir: Path, force: bool) -> Iterator[Path]:
+    """A build's output, made atomically (runtime.io.atomic) once out_dir is known to be free or forced."""
     check_output_dir(out_dir, force)
     try:
-        with atomic(out_dir, force) as tmp:
+        with atomic_dir(out_dir, force) as tmp:
             yield tmp
     except FileExistsError as e:
         raise BuildError(str(e)) from None
@@ -409,7 +399,7 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, build: Bui
         print(f"note: tp_size {build.tp_size} cuts through the 128x128 FP8 blocks of {len(split)} "
               f"tensors (e.g. {split[0]}); their rank pieces are quantized again on their own grid, so the "
               "engine is close to, not bit-identical with, the release (docs/engine-format.md)", file=sys.stderr)
-    with atomic_dir(output_dir, force) as tmp:
+    with build_output(output_dir, force) as tmp:
         (tmp / "config.json").write_text(json.dumps(trtllm_config(cfg, build), indent=2) + "\n")
         specs = {}
         for t in layout:

@@ -24,7 +24,7 @@ from builder.convert import (
     BuildError,
     RankFileWriter,
     TensorLayout,
-    atomic_dir,
+    build_output,
     copy_tokenizer,
     quant_algo_flag,
     rank_layout,
@@ -190,7 +190,7 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, build: Buil
     tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir is not None else ckpt.path
     layout = rank_layout(ckpt.model_config, build)
     cfg = ckpt.model_config
-    with atomic_dir(Path(output_dir), force) as tmp:
+    with build_output(Path(output_dir), force) as tmp:
         tokenizer_files = copy_tokenizer(tokenizer_dir, tmp)
         weights = []
         for rank, file in enumerate(tqdm(ckpt.rank_files, desc="build", unit="rank", disable=not progress)):

@@ -17,12 +17,12 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from builder.atomic import atomic_dir
+from runtime.io.atomic import atomic_dir
 from runtime.io.checkpoint import INDEX_NAME, SCALE_SUFFIX, is_fp8_quantized
+from runtime.io.tokenizer import TOKENIZER_FILES
 from runtime.model.config import ModelConfig, QuantizationConfig
 from runtime.model.fp8 import FP8_DTYPE, quantize_block_fp8
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def write_hf_checkpoint(

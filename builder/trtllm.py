@@ -18,14 +18,13 @@ from typing import Any
 import yaml
 from tqdm import tqdm
 
-from builder.convert import (BuildError, atomic_dir, copy_tokenizer, open_hf_checkpoint, quant_algo_flag,
+from builder.convert import (BuildError, build_output, copy_tokenizer, open_hf_checkpoint, quant_algo_flag,
                              validate_build)
 from builder.engine import BUILDER_VERSION
 from runtime.io.checkpoint import FP8_CODE, INDEX_NAME
 from runtime.model.config import ModelConfig
-from runtime.io.engine_format import BuildConfig, EngineManifest
+from runtime.io.engine_format import LLM_API_OPTIONS, BuildConfig, EngineManifest
 
-LLM_API_OPTIONS = "extra_llm_api_options.yaml"
 HF_DIR = "hf"
 
 
@@ -91,7 +90,7 @@ def build_trtllm_engine(model_dir: str | Path, output_dir: str | Path, build: Bu
         raise BuildError(f"{source}: no 'quantization_config', but tensor {fp8!r} ({model_dir / ckpt.weight_map[fp8]}) "
                          "is float8_e4m3fn; add the release's quantization_config (fp8, e4m3, 128x128 blocks)")
     validate_build(cfg, build, source, use_mtp_vanilla=options.use_mtp_vanilla)
-    with atomic_dir(Path(output_dir), force) as tmp:
+    with build_output(Path(output_dir), force) as tmp:
         hf = tmp / HF_DIR
         hf.mkdir()
         shards = sorted({f.name for f in ckpt.shard_files})

@@ -16,7 +16,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ if str(ROOT) not in sys.path:  # `python scripts/x.py` puts scripts/ first, not 
 
 import torch  # noqa: E402
 
+from runtime.io.atomic import atomic_write  # noqa: E402
 from runtime.io.checkpoint import expected_tensor_shapes, is_mtp_tensor  # noqa: E402
 from runtime.model.kernels.modules import KernelMLA, PackedExperts, PackedLinear  # noqa: E402
 
@@ -314,36 +314,19 @@ def machine_md(info: dict[str, Any]) -> str:
 
 
 # ---- atomic outputs -------------------------------------------------------------------------
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 def write_json(path: Path, obj: Any) -> None:
-    _atomic_write_bytes(path, (json.dumps(obj, indent=2, default=_json_default) + "\n").encode())
+    atomic_write(path, (json.dumps(obj, indent=2, default=_json_default) + "\n").encode())
 
 
 def write_text(path: Path, text: str) -> None:
-    _atomic_write_bytes(path, (text.rstrip() + "\n").encode())
+    atomic_write(path, (text.rstrip() + "\n").encode())
 
 
 def save_figure(fig, path: Path, dpi: int = 120) -> None:
     import io
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
-    _atomic_write_bytes(path, buf.getvalue())
+    atomic_write(path, buf.getvalue())
 
 
 def _json_default(o: Any) -> Any:

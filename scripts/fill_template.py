@@ -16,14 +16,12 @@ unchanged.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import re
-import stat
 import sys
-import tempfile
 from pathlib import Path
 from string import Template
+
+from runtime.io.atomic import atomic_write
 
 # Upstream fills these two when not given, so dynamic_batching blocks stay valid.
 DEFAULTS = {"max_queue_size": "0", "max_queue_delay_microseconds": "0"}
@@ -134,21 +132,6 @@ def fill(template_text: str, substitutions: dict[str, str], source: str = "templ
     return tmpl.safe_substitute({**DEFAULTS, **substitutions})
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Replace `path` with `text` so that a reader (or a crash) sees the old file or the new one, never a
-    partial one: a temporary file in the same directory, then os.replace; the file keeps its mode."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, stat.S_IMODE(path.stat().st_mode))
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("file_path", type=Path, help="config.pbtxt template")
@@ -163,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         subs = parse_substitutions(args.substitutions)
         text = fill(template, subs, str(args.file_path))
         if args.in_place:
-            write_atomically(args.file_path, text)
+            atomic_write(args.file_path, text)
     except (KeyError, ValueError, OSError) as e:
         print(f"fill_template: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from runtime.io.checkpoint import expected_tensor_shapes
+from runtime.io.tokenizer import TOKENIZER_FILES
 from runtime.model.config import ModelConfig
 
 TINY_CONFIG: dict[str, Any] = {
@@ -132,13 +133,12 @@ from pathlib import Path  # noqa: E402
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # DSV3_TEST_MODEL points the shipped-model tests at another checkpoint (e.g. a partial export)
 SHIPPED_MODEL_DIR = Path(os.environ.get("DSV3_TEST_MODEL", REPO_ROOT / "models" / "deepseek-v3-mini"))
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def project_tokenizer_dir() -> Path | None:
     """The project's 4096-token tokenizer: from the shipped model (present in CI), else data/."""
     for d in (SHIPPED_MODEL_DIR, REPO_ROOT / "data"):
-        if all((d / f).is_file() for f in _TOKENIZER_FILES):
+        if all((d / f).is_file() for f in TOKENIZER_FILES):
             return d
     return None
 

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import builder.convert as convert
-from builder.atomic import owned_tempdir, remove_stale
+from runtime.io.atomic import owned_tempdir, remove_stale
 import builder.engine as engine_builder
 from builder.cli import main
 from builder.convert import BuildError, _Source, _stored_piece, convert_checkpoint, rank_layout
@@ -141,7 +141,8 @@ def test_blocks_split_names_the_tensors_that_are_quantized_again(shipped_model_d
     """The shipped model's 384 q_b_proj rows split at 192 for tp 2 (not a multiple of 128): those
     tensors are quantized again, and build_engine says so; tp 1 and the tiny model (pieces inside one
     block) keep the release bytes."""
-    from builder.convert import blocks_split, parameter_shapes
+    from builder.convert import blocks_split
+    from runtime.io.weights import parameter_shapes
 
     def split(path: Path, tp: int) -> list[str]:
         ckpt = HFCheckpoint(path)
@@ -282,7 +283,7 @@ def test_force_replaces_atomically_and_never_deletes_inputs(hf, tmp_path, capsys
     assert cli("--model_dir", hf, "--output_dir", out, "--max_seq_len", 256) == 0
     old = sorted(p.name for p in out.iterdir())
     # interrupted after the new engine is complete but before it replaces the old one: the old stays whole
-    import builder.atomic as atomic
+    import runtime.io.atomic as atomic
 
     def interrupted_rename(src, dst):
         raise KeyboardInterrupt
@@ -534,7 +535,7 @@ def test_error_file_system_refusals(hf, tmp_path, capsys):
 def _killed_owner(parent: Path, prefix: str, rename_aside: Path | None = None) -> None:
     """A process that makes an owned temporary (and optionally renames an output aside, as atomic_dir does
     while replacing it) and dies by SIGKILL inside it, as a build killed mid-way."""
-    code = (f"import os, signal\nfrom pathlib import Path\nfrom builder.atomic import owned_tempdir\n"
+    code = (f"import os, signal\nfrom pathlib import Path\nfrom runtime.io.atomic import owned_tempdir\n"
             f"with owned_tempdir(Path({str(parent)!r}), {prefix!r}) as tmp:\n"
             f"    (tmp / 'rank0.safetensors').write_bytes(b'x' * 1000)\n"
             + (f"    os.rename({str(rename_aside)!r}, str(tmp) + '.old')\n" if rename_aside else "")

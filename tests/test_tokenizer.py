@@ -143,6 +143,8 @@ def test_multibyte_char_held_back_until_complete(tiny_dir: Path) -> None:
     ids = tok.encode("😀", add_bos=False)
     assert len(ids) == 4  # the tiny vocabulary has only single-byte tokens for it
     assert stream(tok, ids) == ["", "", "", "😀", ""]
+    detok = IncrementalDetokenizer(tok)  # `holding` says when the ids so far end inside a character
+    assert [(detok.push([i]), detok.holding)[1] for i in ids] == [True, True, True, False]
 
 
 def test_invalid_bytes_replaced_not_raised(tok: Tokenizer) -> None:
@@ -232,6 +234,8 @@ def test_byte_fallback_tokenizer_streams(tmp_path: Path) -> None:
     run = [vocab["a"], vocab["<0x41>"], vocab["<0xE4>"], vocab["b"]]
     assert t.decode(run) == "a\ufffd\ufffdb"
     assert "".join(stream(t, run)) == t.decode(run)
+    detok = IncrementalDetokenizer(t)
+    assert [(detok.push([i]), detok.holding)[1] for i in run] == [False, True, True, False]
     for _ in range(300):  # random byte runs between letters
         ids = [rng.choice([vocab["a"], vocab["b"], *(vocab[f"<0x{b:02X}>"] for b in (0x41, 0x80, 0xE4, 0xB8, 0xAD))])
                for _ in range(rng.randint(1, 10))]

@@ -39,7 +39,6 @@ from typing import Any, Callable, Sequence
 import pytest
 import yaml
 
-import builder.trtllm as builder_trtllm
 from builder.trtllm import build_trtllm_engine
 from runtime.io.engine_format import BuildConfig, EngineError, engine_backend
 from runtime.executors.base import ExecutorConfig, create_executor
@@ -350,10 +349,6 @@ def test_older_sampling_params_are_adapted() -> None:
 
 
 # ---- the LLM arguments ------------------------------------------------------------------------------
-def test_options_constant_matches_the_builder() -> None:
-    assert LLM_API_OPTIONS == builder_trtllm.LLM_API_OPTIONS
-
-
 def test_llm_kwargs_as_built_and_with_executor_config(engine: TrtllmEngine, caplog) -> None:
     opts = yaml.safe_load((engine.path / LLM_API_OPTIONS).read_text())
     m = engine.manifest

@@ -68,4 +68,5 @@ def repo_values(engine_dir: Path, **overrides: str) -> dict[str, str]:
                                          **overrides})
 
 
-__all__ = ["TritonServer", "add_model", "fill_model_repo", "make_tiny_checkpoint", "repo_values", "start_server"]
+__all__ = ["TEMPLATE_REPO", "TritonServer", "add_model", "fill_model_repo", "make_tiny_checkpoint", "repo_values",
+           "start_server"]

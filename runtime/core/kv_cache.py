@@ -54,7 +54,7 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         self.block_size = block_size
-        self.num_layers = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+        self.num_layers = cfg.num_cache_layers
         self.scratch_block = num_blocks
         self.tensor = torch.zeros(self.num_layers, (num_blocks + 1) * block_size, cfg.latent_dim, dtype=dtype,
                                   device=device)
@@ -64,7 +64,7 @@ class KVCache:
     def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> int:
         """(kv_lora_rank + qk_rope_head_dim) x element size x (target layers + MTP layers)."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return cfg.latent_dim * elem * (cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
+        return cfg.latent_dim * elem * cfg.num_cache_layers
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

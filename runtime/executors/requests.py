@@ -61,6 +61,7 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "cancelled" | "error"
     stats: RequestStats
     error: str | None = None  # what went wrong when finish_reason is "error"
+    mid_character: bool = False  # the tokens so far end inside a character: their text comes with later tokens
 
 
 @dataclass
@@ -309,7 +310,7 @@ class RequestTracker:
             delta += held
         self.finished = reason is not None
         out = RequestOutput(self.request_id, list(new), list(self.token_ids), delta, self.text, self.finished,
-                            reason, self.stats(), error)
+                            reason, self.stats(), error, self.detok.holding)
         if self.callback is not None:
             try:
                 self.callback(out)

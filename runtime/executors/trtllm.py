@@ -55,7 +55,7 @@ from typing import Any, Callable, Mapping
 
 import yaml
 
-from runtime.io.engine_format import ENGINE_JSON, BuildConfig, EngineError, EngineManifest, file_sha256
+from runtime.io.engine_format import ENGINE_JSON, LLM_API_OPTIONS, BuildConfig, EngineError, EngineManifest, file_sha256
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.requests import ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestTracker, validate_request
 from runtime.core.sampling import SamplingParams
@@ -64,7 +64,6 @@ from runtime.io.tokenizer import Tokenizer
 
 log = logging.getLogger("runtime.executors.trtllm")
 
-LLM_API_OPTIONS = "extra_llm_api_options.yaml"  # as builder.trtllm writes it (tested equal)
 SEED_MODULUS = 2**64  # TensorRT-LLM's seed is a uint64 (SamplingConfig.randomSeed)
 
 TRTLLM_MISSING_MESSAGE = (

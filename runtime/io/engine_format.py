@@ -29,7 +29,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 QUANT_ALGOS = (None, "FP8_BLOCK_SCALES", "FP8")
 BACKENDS = ("native", "trtllm")
 HF_MAX_SEQ_LEN = 4096  # cap on max_seq_len when a plain HF checkpoint is loaded
-HF_MAX_DRAFT_LEN = 4  # draft length given to a plain HF checkpoint that has an MTP layer
+DEFAULT_MAX_DRAFT_LEN = 4  # an engine built without --max_draft_len, and a plain checkpoint with an MTP layer
+LLM_API_OPTIONS = "extra_llm_api_options.yaml"  # a --backend trtllm engine's LLM-API options
 MAX_DRAFT_LEN = 8  # cap when one MTP module is re-run per draft token (native runtime, TRT-LLM MTP Eagle)
 
 
@@ -314,7 +315,7 @@ def checkpoint_limits(ckpt: HFCheckpoint) -> BuildConfig:
     """What a plain checkpoint is served with: default limits within what the model allows."""
     cfg = ckpt.config
     return BuildConfig(max_seq_len=min(cfg.max_position_embeddings, HF_MAX_SEQ_LEN),
-                       max_draft_len=HF_MAX_DRAFT_LEN if cfg.num_nextn_predict_layers else 0,
+                       max_draft_len=DEFAULT_MAX_DRAFT_LEN if cfg.num_nextn_predict_layers else 0,
                        quant_algo="FP8_BLOCK_SCALES" if ckpt.quantized else None)
 
 

@@ -27,7 +27,7 @@ from runtime.io.engine_format import (DTYPES, ENGINE_JSON, BuildConfig, EngineEr
 from runtime.model.fp8 import BLOCK, FP8_DTYPE, dequantize_block_fp8, dequantize_tensor_fp8, scale_shape
 from runtime.model.kernels import modules as kernel_modules
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM, rope_inv_freq
-from runtime.io.weights import to_internal, to_release
+from runtime.io.weights import parameter_shapes, to_internal, to_release
 
 log = logging.getLogger(__name__)
 
@@ -218,11 +218,7 @@ class _EngineSource:
             self.headers = [read_safetensors_header(f) for f in self.files]
         except CheckpointError as e:
             raise EngineError(str(e)) from None
-        with torch.device("meta"):
-            self.shapes = {n: tuple(p.shape) for n, p in DeepseekV3ForCausalLM(self.cfg).named_parameters()}
-        for name in list(self.shapes):
-            if name.endswith("gate.weight"):
-                self.shapes[name.removesuffix("weight") + "e_score_correction_bias"] = (self.cfg.n_routed_experts,)
+        self.shapes = parameter_shapes(self.cfg)
 
     def stored_dtype(self, name: str) -> torch.dtype | None:
         """How the tensor comes out of `weights`: as the rank files store it, except FP8 pieces whose block scales

@@ -20,6 +20,7 @@ from tokenizers import decoders
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
+TOKENIZER_FILES = (TOKENIZER_FILE, CONFIG_FILE)  # what a checkpoint or an engine carries of its tokenizer
 _REPLACEMENT = "\ufffd"
 
 
@@ -197,6 +198,13 @@ class IncrementalDetokenizer:
     def text(self) -> str:
         """All text emitted so far."""
         return "".join(self._parts)
+
+    @property
+    def holding(self) -> bool:
+        """Whether ids pushed so far end inside a character (their text waits for the ids that complete it)."""
+        if self._tok.is_byte_level:
+            return self._utf8.getstate()[0] != b""
+        return self._read < len(self._ids)
 
     def push(self, ids: Iterable[int]) -> str:
         """Feed newly generated ids; return the text they complete (possibly "")."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 
+import torch
 from torch import Tensor
 
 from runtime.model.config import ModelConfig
@@ -52,3 +53,12 @@ def release_tensors(model: DeepseekV3ForCausalLM) -> Iterator[tuple[str, Tensor]
                 yield f"{m.group(1)}.{e}.{m.group(2)}.weight", t[e].detach()
         else:
             yield release, t.detach()
+
+
+def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Runtime parameter name -> full shape, from a model built on the meta device (no memory)."""
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(cfg)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    shapes |= {n: tuple(b.shape) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
+    return shapes

@@ -138,6 +138,11 @@ class ModelConfig:
             scale *= m * m
         return scale
 
+    @property
+    def num_cache_layers(self) -> int:
+        """Layers with a latent KV cache: the target's, then the MTP modules' (which attend over their own)."""
+        return self.num_hidden_layers + self.num_nextn_predict_layers
+
     def is_moe_layer(self, layer_idx: int) -> bool:
         return layer_idx >= self.first_k_dense_replace and layer_idx % self.moe_layer_freq == 0
 

@@ -343,7 +343,7 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     @property
     def num_cache_layers(self) -> int:
-        return self.cfg.num_hidden_layers + self.cfg.num_nextn_predict_layers
+        return self.cfg.num_cache_layers
 
     def rope(self, positions: Tensor) -> Tensor:
         """One complex rotation per position and rope pair, scaled by the YaRN attention factor."""
@@ -381,7 +381,7 @@ class DeepseekV3ForCausalLM(nn.Module):
     def init_weights(self, std: float = 0.02, seed: int | None = None) -> None:
         """GPT-2 style init for training from scratch: residual outputs scaled by 1/sqrt(2L)."""
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        resid_std = std / math.sqrt(2 * (self.cfg.num_hidden_layers + self.cfg.num_nextn_predict_layers))
+        resid_std = std / math.sqrt(2 * self.cfg.num_cache_layers)
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)

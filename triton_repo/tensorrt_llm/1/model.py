@@ -310,7 +310,7 @@ class TritonPythonModel:
             return
         if stream.streaming:
             stream.pending += out.new_token_ids
-            if not out.finished and (not stream.pending or self.tokenizer.decode(stream.pending).endswith("\ufffd")):
+            if not out.finished and (not stream.pending or out.mid_character):
                 return  # the chunk would end inside a character
             ids, stream.pending = stream.pending, []
         elif out.finished:

@@ -1,4 +1,4 @@
-"""Directories that appear whole or not at all: build in a temporary sibling, rename at the end.
+"""Outputs that appear whole or not at all: written in a temporary sibling, renamed into place at the end.
 
 Each temporary sibling has an owner that holds an exclusive lock on `<sibling>.lock` while it lives. A
 build killed by SIGKILL cannot clean up, but the kernel drops its lock with it, so the next build of
@@ -11,6 +11,7 @@ import contextlib
 import fcntl
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -24,18 +25,20 @@ def owned_tempdir(parent: Path, prefix: str) -> Iterator[Path]:
     """A new directory `parent/<prefix>XXXX`, locked by this process until the block ends, then removed
     (unless the block renamed it away)."""
     parent.mkdir(parents=True, exist_ok=True)
-    fd, lock = tempfile.mkstemp(prefix=prefix, suffix=LOCK_SUFFIX, dir=parent)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        tmp = Path(lock[: -len(LOCK_SUFFIX)])
+    made: tuple[int, str] | None = None
+    tmp: Path | None = None
+    try:  # everything inside: an interrupt (SIGTERM, Ctrl-C) anywhere still cleans up what exists
+        made = tempfile.mkstemp(prefix=prefix, suffix=LOCK_SUFFIX, dir=parent)
+        fcntl.flock(made[0], fcntl.LOCK_EX)
+        tmp = Path(made[1][: -len(LOCK_SUFFIX)])
         tmp.mkdir(0o755)
-        try:
-            yield tmp
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        yield tmp
     finally:
-        os.unlink(lock)
-        os.close(fd)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if made is not None:
+            os.unlink(made[1])
+            os.close(made[0])
 
 
 @contextlib.contextmanager
@@ -108,3 +111,23 @@ def remove_stale(out_dir: Path) -> list[str]:
             notes.append(f"{leftover} was left by an interrupted build without a lock to prove it stale; delete it "
                          "to free its space")
     return notes
+
+
+def atomic_write(path: Path, data: bytes | str) -> None:
+    """Replace `path` with `data` so that a reader (or a crash) sees the old file or the new one, never a partial
+    one: a temporary file beside it, flushed to disk, then renamed; an existing file keeps its mode."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        if path.exists():
+            os.chmod(tmp, stat.S_IMODE(path.stat().st_mode))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
