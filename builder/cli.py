@@ -13,22 +13,15 @@ import sys
 import threading
 from pathlib import Path
 
+from builder.convert import convert_checkpoint
+from builder.native_engine import TrtllmCheckpoint, build_engine, check_matches_checkpoint
+from builder.trtllm_engine import TrtllmOptions, build_trtllm_engine
+from builder.validation import (NO_QUANT, BuildError, check_output_dir, check_tokenizer, memory_notes,
+                                open_hf_checkpoint, validate_build)
 from runtime.io.atomic import owned_tempdir, remove_stale
-from builder.convert import (
-    NO_QUANT,
-    BuildError,
-    check_output_dir,
-    check_tokenizer,
-    convert_checkpoint,
-    memory_notes,
-    open_hf_checkpoint,
-    validate_build,
-)
-from builder.engine import TrtllmCheckpoint, build_engine, check_matches_checkpoint
-from builder.trtllm import TrtllmOptions, build_trtllm_engine
 from runtime.io.checkpoint import CheckpointError, HFCheckpoint
-from runtime.model.config import ConfigError, ModelConfig
 from runtime.io.engine_format import DEFAULT_MAX_DRAFT_LEN, BuildConfig, EngineError, max_draft_len_allowed
+from runtime.model.config import ConfigError, ModelConfig
 
 
 

@@ -31,7 +31,7 @@ from tqdm import tqdm  # noqa: E402
 from runtime.io.loading import load_engine  # noqa: E402
 from runtime.executors.base import ExecutorConfig  # noqa: E402
 from runtime.executors.native import Executor  # noqa: E402
-from runtime.core.cuda_graphs import DecodeGraphs  # noqa: E402
+from runtime.core.cuda_graphs import CudaGraphRunner  # noqa: E402
 from runtime.core.kv_cache import KVCache  # noqa: E402
 from runtime.core.sampling import SamplingParams  # noqa: E402
 from runtime.core.model_runner import ModelRunner  # noqa: E402
@@ -58,7 +58,7 @@ def measure_step_costs(model, max_k: int, context: int, repeats: int, block_size
     blocks = -(-(context + max_k + 2) // block_size)
     cache = KVCache(cfg, num_blocks=blocks + 1, block_size=block_size, dtype=dtype, device=device)
     tables = [cache.allocator.allocate(blocks)]
-    runner = ModelRunner(model, cache, graphs=DecodeGraphs(model, cache) if device.type == "cuda" else None)
+    runner = ModelRunner(model, cache, graphs=CudaGraphRunner(model, cache) if device.type == "cuda" else None)
     cache.tensor.normal_()  # context values do not change the cost, but keep them non-degenerate
     gen = torch.Generator().manual_seed(0)
 

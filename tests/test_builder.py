@@ -19,11 +19,15 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import builder.convert as convert
+import builder.trtllm_layout as trtllm_layout
+import builder.validation as validation
 from runtime.io.atomic import owned_tempdir, remove_stale
-import builder.engine as engine_builder
+import builder.native_engine as engine_builder
 from builder.cli import main
-from builder.convert import BuildError, _Source, _stored_piece, convert_checkpoint, rank_layout
-from builder.engine import TrtllmCheckpoint, build_engine, model_config_from_trtllm
+from builder.validation import BuildError
+from builder.convert import _Source, _stored_piece, convert_checkpoint
+from builder.trtllm_layout import rank_layout
+from builder.native_engine import TrtllmCheckpoint, build_engine, model_config_from_trtllm
 from conftest import tiny_config_dict, write_tiny_checkpoint
 from runtime.io.checkpoint import HFCheckpoint
 from runtime.model.config import ModelConfig
@@ -108,7 +112,7 @@ def test_fp8_from_fp32_source(hf, tmp_path, algo):
     engine = build(hf, tmp_path, tp_size=2, ep_size=1, quant_algo=algo)
     want = dict(load_engine(hf, cpu_kernels=False).model.named_parameters())
     for name, got in load_engine(engine, cpu_kernels=False).model.named_parameters():
-        if convert.is_quantized(name, algo):  # within e4m3 rounding (3 mantissa bits)
+        if trtllm_layout.is_quantized(name, algo):  # within e4m3 rounding (3 mantissa bits)
             assert (got - want[name]).norm() <= 0.05 * want[name].norm(), name
         else:
             assert torch.equal(got, want[name]), name
@@ -126,7 +130,7 @@ def test_block_split_inside_a_block_requantizes():
     w = torch.randn(300, 256) * torch.linspace(0.1, 10, 300)[:, None]
     q, s = quantize_block_fp8(w)
     source = _Source(q, s)
-    part = convert.PartLayout("model.layers.0.self_attn.q_b_proj.weight", (150, 256), 0, (2, 2), 0)
+    part = trtllm_layout.PartLayout("model.layers.0.self_attn.q_b_proj.weight", (150, 256), 0, (2, 2), 0)
     b = BuildConfig(quant_algo="FP8_BLOCK_SCALES")
     head, head_scale = _stored_piece(source, (slice(0, 150), slice(None)), part, b)
     assert torch.equal(head.view(torch.uint8), q[:150].view(torch.uint8)) and torch.equal(head_scale, s[:2])
@@ -263,7 +267,7 @@ def test_sigterm_cleans_up_like_ctrl_c(hf, tmp_path):
     work.mkdir()
     # the build is caught mid-way: a rank file waits for the signal (a fixed delay would leave a test process
     # slower than it, on a loaded machine, to signal a build that had already finished)
-    code = ("import sys, time, builder.engine as e; orig = e._build_rank\n"
+    code = ("import sys, time, builder.native_engine as e; orig = e._build_rank\n"
             "def slow(*a):\n    time.sleep(60)\n    return orig(*a)\n"
             "e._build_rank = slow\nfrom builder.cli import main\nsys.exit(main(sys.argv[1:]))")
     proc = subprocess.Popen([sys.executable, "-c", code, "--model_dir", str(hf), "--output_dir", str(work / "out"),
@@ -650,7 +654,7 @@ def test_limits_the_memory_cannot_hold_are_named_at_build(hf, tmp_path, capsys):
     assert "build_engine: note: --max_batch_size 100000000 sequences of --max_seq_len 256 need " in err
     assert "GiB of KV cache; the runtime sizes its cache to free memory, so here at most " in err
     v3 = ModelConfig.from_json(Path(__file__).parent / "data" / "hf_configs" / "deepseek-v3.json")
-    notes = convert.memory_notes(v3, BuildConfig(max_seq_len=163840, quant_algo="FP8_BLOCK_SCALES"))
+    notes = validation.memory_notes(v3, BuildConfig(max_seq_len=163840, quant_algo="FP8_BLOCK_SCALES"))
     assert len(notes) == 1 and notes[0].startswith("warning: --max_seq_len 163840: a rank's weights (")
     assert notes[0].endswith("GiB; the engine will not load here")
     weights = float(notes[0].split("weights (")[1].split(" GiB")[0])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from runtime.model.config import ModelConfig
-from runtime.core.cuda_graphs import DecodeGraphs
+from runtime.core.cuda_graphs import CudaGraphRunner
 from runtime.io.loading import load_engine
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
@@ -32,7 +32,7 @@ def _runner(model, graphs: bool, seed: int = 0) -> ModelRunner:
     """A runner over a cache of random values (the same for the same seed), padding batches when `graphs`."""
     cache = KVCache(model.cfg, num_blocks=120, block_size=4)
     cache.tensor.copy_(torch.randn(cache.tensor.shape, generator=torch.Generator().manual_seed(seed)))
-    return ModelRunner(model, cache, graphs=DecodeGraphs(model, cache, capture=False) if graphs else None)
+    return ModelRunner(model, cache, graphs=CudaGraphRunner(model, cache, capture=False) if graphs else None)
 
 
 # (cached tokens, new tokens) per sequence: ragged query lengths, contexts across block boundaries,
@@ -146,7 +146,7 @@ def test_executor_on_padded_batches_equals_eager(spec_checkpoint, k) -> None:
         with Executor(engine, ExecutorConfig(num_draft_tokens=k, speculation="fixed" if k else "off",
                                              max_num_tokens=24, max_seq_len=64)) as ex:
             if graphs:
-                ex.runner.graphs = DecodeGraphs(engine.model, ex.cache, capture=False)
+                ex.runner.graphs = CudaGraphRunner(engine.model, ex.cache, capture=False)
                 ex.runner.graphs.capture_decodes(ex.limits.max_batch_size, k + 1, ex.limits.max_seq_len, mtp=k > 0)
                 made = set(ex.runner.graphs.graphs)
             handles = [ex.submit(p, SamplingParams(max_tokens=20, ignore_eos=True)) for p in prompts]

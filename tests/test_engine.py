@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from builder.convert import convert_checkpoint
-from builder.engine import build_engine
+from builder.native_engine import build_engine
 from conftest import tiny_config_dict, write_tiny_checkpoint
 from runtime.model.config import ModelConfig
 from runtime.io.engine_format import BuildConfig, EngineError, shard_index, shard_shape, split_dim
@@ -83,7 +83,7 @@ def test_refuses_newer_format(engine):
 
 
 def test_refuses_trtllm_backend(hf, tmp_path):
-    from builder.trtllm import build_trtllm_engine
+    from builder.trtllm_engine import build_trtllm_engine
 
     out = build_trtllm_engine(hf, tmp_path / "trt", BuildConfig(max_seq_len=256, backend="trtllm"), progress=False)
     with pytest.raises(EngineError) as e:

@@ -39,7 +39,7 @@ from typing import Any, Callable, Sequence
 import pytest
 import yaml
 
-from builder.trtllm import build_trtllm_engine
+from builder.trtllm_engine import build_trtllm_engine
 from runtime.io.engine_format import BuildConfig, EngineError, engine_backend
 from runtime.executors.base import ExecutorConfig, create_executor
 from runtime.executors.native import Executor

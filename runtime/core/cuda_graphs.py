@@ -77,7 +77,7 @@ class _Graph:
     run: Callable[[], tuple[Tensor, ...]]
 
 
-class DecodeGraphs:
+class CudaGraphRunner:
     """Target and MTP forwards over padded fixed-shape batches, one graph per (kind, B, Q, width):
     B and the width padded to powers of two, Q exact up to SHORT_QUERY, a power of two above.
 

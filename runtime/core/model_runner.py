@@ -22,7 +22,7 @@ from itertools import accumulate
 import torch
 from torch import Tensor
 
-from runtime.core.cuda_graphs import DecodeGraphs
+from runtime.core.cuda_graphs import CudaGraphRunner
 from runtime.core.kv_cache import KVCache
 from runtime.model.batch import SHORT_QUERY, PagedBatch
 from runtime.model.kernels.modules import FusedMTPLayer, attends_in_kernels
@@ -36,7 +36,7 @@ from runtime.core.sequence import Sequence
 class ModelRunner:
     def __init__(self, model: DeepseekV3ForCausalLM, kv_cache: KVCache,
                  relaxed: RelaxedAcceptance | None = None, keep_mtp_inputs: bool = True,
-                 graphs: DecodeGraphs | None = None):
+                 graphs: CudaGraphRunner | None = None):
         self.model, self.cache = model, kv_cache
         self.device = kv_cache.tensor.device
         self.graphs = graphs

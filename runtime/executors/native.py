@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from runtime.core.cuda_graphs import DecodeGraphs
+from runtime.core.cuda_graphs import CudaGraphRunner
 from runtime.io.loading import LoadedEngine, load_engine
 from runtime.core.kv_cache import KVCache, free_memory_bytes
 from runtime.core.sampling import SamplingParams
@@ -66,7 +66,7 @@ class Executor:
         capacity = self._kv_capacity(KVCache.bytes_per_token(cfg, dtype), k, block)
         self.cache = KVCache(cfg, num_blocks=-(-capacity // block) + 1, block_size=block, dtype=dtype,
                              device=config.device)
-        graphs = DecodeGraphs(self.engine.model, self.cache) if config.cuda_graphs and self.cache.tensor.is_cuda else None
+        graphs = CudaGraphRunner(self.engine.model, self.cache) if config.cuda_graphs and self.cache.tensor.is_cuda else None
         if graphs is not None:
             graphs.capture_decodes(self.limits.max_batch_size, k + 1, self.limits.max_seq_len, mtp=k > 0)
         self.runner = ModelRunner(self.engine.model, self.cache, config.relaxed_acceptance,

@@ -57,6 +57,7 @@ class TensorInfo:
 TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, FP8_CODE: torch.float8_e4m3fn,
                 "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
                 "BOOL": torch.bool, "F64": torch.float64}
+SAFETENSORS_CODES = {dtype: code for code, dtype in TORCH_DTYPES.items()}
 
 
 class Scratch:

@@ -4,7 +4,7 @@ Per rank, the fused TensorRT-LLM tensors are cut back into the runtime's paramet
 q_a_proj + kv_a_proj_with_mqa, expert mlp.fc -> up_proj + gate_proj stacked [E, out, in], ...),
 kv_b_proj is stored per head as [heads, nope + v, kv_lora] (the W_UK / W_UV split of absorbed
 MLA is then a view), FP8 weights keep their scales, and engine.json records the model, the
-limits and the hashes. Rank files stay separate: `runtime.io.engine_format.load_engine` merges them.
+limits and the hashes. Rank files stay separate: `runtime.io.loading.load_engine` merges them.
 """
 
 from __future__ import annotations
@@ -20,23 +20,14 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from builder.convert import (
-    BuildError,
-    RankFileWriter,
-    TensorLayout,
-    build_output,
-    copy_tokenizer,
-    quant_algo_flag,
-    rank_layout,
-    validate_build,
-)
-from runtime.io.checkpoint import SCALE_SUFFIX, read_safetensors_header
+from builder.validation import BuildError, build_output, copy_tokenizer, quant_algo_flag, validate_build
+from builder.rank_file import RankFileWriter
+from builder.trtllm_layout import TensorLayout, rank_layout
+from runtime.io.checkpoint import SAFETENSORS_CODES, SCALE_SUFFIX, read_safetensors_header
 from runtime.model.config import ModelConfig, is_int
 from runtime.io.engine_format import BuildConfig, EngineError, EngineManifest
-from runtime.model.fp8 import FP8_DTYPE
 
 BUILDER_VERSION = importlib.metadata.version("dsv3-mtp")
-_DTYPE_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", FP8_DTYPE: "F8_E4M3"}
 
 
 @dataclass(frozen=True)
@@ -96,7 +87,7 @@ class TrtllmCheckpoint:
         layout = rank_layout(self.model_config, self.build)
         expected = {}
         for t in layout:
-            expected[t.tensor.name] = (_DTYPE_CODES[t.dtype], t.shape)
+            expected[t.tensor.name] = (SAFETENSORS_CODES[t.dtype], t.shape)
             if t.scale_shape is not None:
                 expected[t.tensor.scale_name] = ("F32", t.scale_shape)
         for file in self.rank_files:

@@ -18,9 +18,8 @@ from typing import Any
 import yaml
 from tqdm import tqdm
 
-from builder.convert import (BuildError, build_output, copy_tokenizer, open_hf_checkpoint, quant_algo_flag,
-                             validate_build)
-from builder.engine import BUILDER_VERSION
+from builder.validation import BuildError, build_output, copy_tokenizer, open_hf_checkpoint, quant_algo_flag, validate_build
+from builder.native_engine import BUILDER_VERSION
 from runtime.io.checkpoint import FP8_CODE, INDEX_NAME
 from runtime.model.config import ModelConfig
 from runtime.io.engine_format import LLM_API_OPTIONS, BuildConfig, EngineManifest

@@ -1,0 +1,138 @@
+"""What a build checks before it does any work, and where its output goes: the options against the model
+(sharding, limits, memory), the output directory, the tokenizer files."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from runtime.io.atomic import atomic_dir
+from runtime.io.checkpoint import HFCheckpoint
+from runtime.io.engine_format import BuildConfig, EngineError, check_model_limits
+from runtime.io.tokenizer import TOKENIZER_FILES
+from runtime.model.config import ModelConfig
+from runtime.model.fp8 import BLOCK
+from builder.trtllm_layout import rank_layout
+
+
+class BuildError(ValueError):
+    """Inputs or options a build cannot proceed with; the message names the file or flag."""
+
+
+NO_QUANT = "NO_QUANT"  # --quant_algo's spelling of "not quantized" (quant_algo None)
+
+
+def quant_algo_flag(quant_algo: str | None) -> str:
+    """A quant_algo as --quant_algo spells it."""
+    return NO_QUANT if quant_algo is None else quant_algo
+
+
+# ---- validation shared by convert, engine and trtllm builds -----------------------------------
+def validate_build(cfg: ModelConfig, build: BuildConfig, source: str, use_mtp_vanilla: bool = False) -> None:
+    """Check the build options against the model before any work is done."""
+    validate_sharding(cfg, build, source)
+    try:
+        check_model_limits(cfg, build, source, flag="--", use_mtp_vanilla=use_mtp_vanilla)
+    except EngineError as e:
+        raise BuildError(str(e)) from None
+
+
+def memory_notes(cfg: ModelConfig, build: BuildConfig) -> list[str]:
+    """What the limits ask of memory, against this machine's (its RAM, or its largest GPU's memory if larger):
+    a rank's weights plus the KV cache of one max_seq_len sequence must fit where the engine is served, and
+    max_batch_size such sequences are held only where memory allows (the runtime sizes its cache to free
+    memory). The build machine need not be the serving one, so these are warnings, naming the flags."""
+    weights = sum(math.prod(t.shape) * t.dtype.itemsize + (math.prod(t.scale_shape) * 4 if t.scale_shape else 0)
+                  for t in rank_layout(cfg, build))
+    per_token = cfg.latent_dim * build.torch_dtype.itemsize * cfg.num_cache_layers
+    one = build.max_seq_len * per_token
+    machine = max([os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")] +
+                  [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())])
+    gib = 2**30
+    notes = []
+    if weights + one > machine:
+        notes.append(f"warning: --max_seq_len {build.max_seq_len}: a rank's weights ({weights / gib:.1f} GiB) and the "
+                     f"KV cache of one such sequence ({one / gib:.1f} GiB) exceed this machine's {machine / gib:.1f} "
+                     "GiB; the engine will not load here")
+    elif weights + build.max_batch_size * one > machine:
+        fits = (machine - weights) // one
+        notes.append(f"note: --max_batch_size {build.max_batch_size} sequences of --max_seq_len {build.max_seq_len} "
+                     f"need {build.max_batch_size * one / gib:.1f} GiB of KV cache; the runtime sizes its cache to "
+                     f"free memory, so here at most {fits} such sequences run at once")
+    return notes
+
+
+def validate_sharding(cfg: ModelConfig, build: BuildConfig, source: str) -> None:
+    """tp_size and ep_size must split heads, MLP widths and experts evenly (the vocabulary is padded)."""
+    dense = any(not cfg.is_moe_layer(i) for i in range(cfg.num_cache_layers))
+    divides = [
+        ("--tp_size", build.tp_size, "num_attention_heads", cfg.num_attention_heads),
+        *([("--tp_size", build.tp_size, "intermediate_size", cfg.intermediate_size)] if dense else []),
+        ("--tp_size", build.tp_size, "n_shared_experts * moe_intermediate_size", cfg.n_shared_experts * cfg.moe_intermediate_size),
+        ("--ep_size", build.ep_size, "n_routed_experts", cfg.n_routed_experts),
+        ("--tp_size / --ep_size", build.moe_tp_size, "moe_intermediate_size", cfg.moe_intermediate_size),
+    ]
+    for flag, value, field, total in divides:
+        if total % value:
+            raise BuildError(f"{flag} {value} does not divide {field} ({total}) of {source}")
+
+
+def check_output_dir(out_dir: Path, force: bool) -> None:
+    if (Path(out_dir).exists() or Path(out_dir).is_symlink()) and not force:  # a dangling link too
+        raise BuildError(f"{out_dir}: output directory already exists; pass --force to replace it")
+
+
+@contextlib.contextmanager
+def build_output(out_dir: Path, force: bool) -> Iterator[Path]:
+    """A build's output, made atomically (runtime.io.atomic) once out_dir is known to be free or forced."""
+    check_output_dir(out_dir, force)
+    try:
+        with atomic_dir(out_dir, force) as tmp:
+            yield tmp
+    except FileExistsError as e:
+        raise BuildError(str(e)) from None
+
+
+def check_tokenizer(src: Path) -> list[str]:
+    """The tokenizer files present in src; tokenizer.json is required, and each must be JSON."""
+    tok = Path(src) / "tokenizer.json"
+    if tok.exists() and not tok.is_file():
+        raise BuildError(f"{tok}: not a file, expected the tokenizer's tokenizer.json")
+    if not tok.is_file():
+        raise BuildError(f"{tok}: tokenizer file not found, expected tokenizer.json next to the weights (or --tokenizer_dir)")
+    present = [name for name in TOKENIZER_FILES if (Path(src) / name).is_file()]
+    for name in present:
+        try:
+            json.loads((Path(src) / name).read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise BuildError(f"{Path(src) / name}: not valid JSON ({e})") from None
+    return present
+
+
+def copy_tokenizer(src: Path, dst: Path) -> list[str]:
+    """Copy the tokenizer files (after `check_tokenizer`); returns their names."""
+    names = check_tokenizer(src)
+    for name in names:
+        shutil.copy2(Path(src) / name, dst / name)
+    return names
+
+
+def open_hf_checkpoint(model_dir: Path, build: BuildConfig) -> tuple[HFCheckpoint, ModelConfig]:
+    """Open and validate (headers only) an HF checkpoint against the build options."""
+    ckpt = HFCheckpoint(model_dir)
+    cfg = ckpt.config
+    if ckpt.quantized and tuple(ckpt.block) != BLOCK:
+        raise BuildError(
+            f"{model_dir / 'config.json'}: unsupported quantization: weight_block_size {list(ckpt.block)}, "
+            f"expected {list(BLOCK)} (FP8_BLOCK_SCALES)"
+        )
+    ckpt.validate()
+    validate_sharding(cfg, build, str(model_dir / "config.json"))
+    return ckpt, cfg
