@@ -416,3 +416,35 @@ def test_load_test_smoke(shipped_model_dir, tmp_path):
         assert es["requests_finished"] == n and s["output_tokens"] == es["generated_tokens"] > 0
         if m != "plain":
             assert 0 <= s["acceptance_rate"] <= 1
+
+
+def test_soak_test_smoke(shipped_model_dir, tmp_path):
+    """A few seconds of the soak's mixed load on the real tritonserver: every kind is sent, nothing unexpected
+    comes back, and the results hold the figures the soak reports (memory growth is not judged this short)."""
+    pytest.importorskip("tritonclient.grpc")
+    r = _run_script("soak_test.py", ["--engine_dir", str(shipped_model_dir), "--out", str(tmp_path / "soak"),
+                                     "--minutes", "0.2", "--concurrency", "4"], timeout=150)
+    res = json.loads((tmp_path / "soak.json").read_text())
+    assert r.returncode == (0 if res["passed"] else 1), r.stderr[-3000:]
+    assert (tmp_path / "soak.md").read_text().startswith("# Soak test: ")
+    _no_temporaries(tmp_path)
+    checks = res["checks"]
+    for c in ("no_unexpected_errors", "no_probe_mismatches", "clients_stopped", "server_processes_alive",
+              "kv_blocks_all_free", "cancels_reached_the_executor", "healthy_at_end"):
+        assert checks[c], (c, res["unexpected_errors"], res["mismatches"], res["end"])
+    assert checks["clean_shutdown"] == (res["server_exit_status"] == 0)
+    assert res["settings"]["concurrency"] == 4 and res["settings"]["host"] == "127.0.0.1"
+    req = res["requests"]
+    assert req["total"] == sum(k["requests"] for k in res["kinds"].values()) > 0 and req["served"] > 0
+    assert req["by_outcome"].get("unexpected_error", 0) == 0 and res["unexpected_errors"] == {}
+    assert all(k["weight"] > 0 for k in res["kinds"].values()) and "probe_greedy" in res["kinds"]
+    lat = res["latency"]["all"]
+    assert 0 < lat["latency_p50_s"] <= lat["latency_p99_s"]
+    names = {p["process"] for p in res["rss"]["processes"]}
+    assert names == {"tritonserver", "stub preprocessing", "stub postprocessing", "stub tensorrt_llm",
+                     "stub tensorrt_llm_bls"}
+    assert all(p["alive"] and p["start_kb"] > 0 and p["end_kb"] > 0 for p in res["rss"]["processes"])
+    kv = res["end"]["kv_blocks"]
+    assert kv["used"] == 0 and kv["free"] == kv["max"] > 0
+    assert res["cancellation"]["executor_cancelled"] == res["cancellation"]["cancels_and_disconnects"]
+    assert res["machine"]["git_commit"]

@@ -1,0 +1,838 @@
+#!/usr/bin/env python3
+"""Bounded soak test of the Triton deployment: a mixed closed-loop load on 127.0.0.1 that must leave the
+server as it found it (no unexpected error, the same greedy text under load, every KV block free, resident
+memory grown by at most 10% after warm-up, ready and serving at the end).
+
+  python scripts/soak_test.py                 # 30 minutes at concurrency 32
+  python scripts/soak_test.py --quick         # smoke run: 2 minutes at concurrency 8
+
+Builds an engine of the shipped model (or serves --engine_dir), fills a model repository with the default
+values (adaptive MTP speculation) and starts the real tritonserver. Each client picks a kind of request by
+fixed weights (KINDS): streaming and not, over gRPC and HTTP (generate, generate_stream SSE), to `ensemble`,
+`tensorrt_llm_bls`, `tensorrt_llm` (token ids) and `postprocessing`; cancels (a gRPC stream stopped after its
+first response, on the BLS and on tensorrt_llm: the surfaces that forward cancellation, triton_repo/README.md);
+disconnects (a raw HTTP SSE socket closed after the first event); bad requests, each with the refusal it must
+get; prompts near max_seq_len; and probes, greedy prompts whose text recorded on the idle server must come back
+identical. Every request is bounded by --request_timeout_s; clients stop by themselves at the end.
+
+Resident memory (VmRSS) of every process of the server (tritonserver and each Python backend stub) is sampled
+idle, after --warmup_s of load ("start": first requests grow caches), every --sample_every_s and after the
+load drains ("end"). Writes <out>.json and <out>.md; exits 1 on any failed check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import queue
+import random
+import re
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import (DEFAULT_MODEL, ROOT, fmt, load_prompts, machine_info, machine_md, md_table,  # noqa: E402
+                          ms, percentile, round_robin_by_source, run_tool, write_results)
+from launch_triton_server import TritonServer, start_server  # noqa: E402
+from make_model_repo import default_values, fill_model_repo  # noqa: E402
+
+import numpy as np  # noqa: E402
+import tritonclient.grpc as grpcclient  # noqa: E402
+import tritonclient.http as httpclient  # noqa: E402
+
+from runtime.io.engine_format import read_limits  # noqa: E402
+from runtime.io.tokenizer import Tokenizer  # noqa: E402
+
+RSS_GROWTH_LIMIT = 0.10  # of a process's resident memory, from the warm-up sample to the end
+CANCEL_TOKENS = 512  # a cancelled or disconnected request asks for this many (eos ignored): it is still running
+PROBE_TOKENS = 48
+DRAIN_S = 60.0  # after the load, how long the server may take to report no active request and no used KV block
+QUICK = dict(minutes=2.0, concurrency=8, sample_every_s=30.0)
+GRPC_TYPES = {"i": ("INT32", np.int32), "u": ("UINT64", np.uint64), "f": ("FP32", np.float32), "b": ("BOOL", bool),
+              "O": ("BYTES", object)}
+
+
+# ---- clients --------------------------------------------------------------------------------------
+class Unexpected(Exception):
+    """The server answered, but not as it should have (wrong refusal, broken text, a hang)."""
+
+
+@dataclass
+class Ctx:
+    """What every request needs: the server, the tokenizer, the engine's limits, the prompts."""
+
+    server: TritonServer
+    tok: Tokenizer
+    max_seq_len: int
+    prompts: list[str]
+    long_prompts: list[str]
+    ids: dict[str, list[int]]  # token ids of `prompts` and GOOD's text, encoded once (not in every client)
+    probes: dict[str, str] = field(default_factory=dict)  # prompt -> greedy text on the idle server
+    timeout: float = 120.0
+
+    @property
+    def vocab(self) -> int:
+        return self.tok.vocab_size
+
+
+@dataclass
+class Reply:
+    """One request as the client saw it; `first_at` (perf_counter) is the first response carrying output."""
+
+    text: bytes = b""
+    ids: list[int] = field(default_factory=list)
+    first_at: float | None = None
+    responses: int = 0
+    error: str | None = None
+    status: int | None = None
+
+
+def grpc_inputs(values: dict[str, Any]) -> list[grpcclient.InferInput]:
+    """tritonclient inputs from Python / numpy values, each with a leading batch dimension of 1."""
+    inputs = []
+    for name, value in values.items():
+        arr = np.asarray(value)
+        if arr.dtype.kind in "US":
+            arr = np.vectorize(lambda s: s.encode() if isinstance(s, str) else s, otypes=[object])(arr)
+        arr = arr.reshape(1, -1) if arr.ndim < 2 else arr
+        dtype, np_type = GRPC_TYPES[arr.dtype.kind]
+        i = grpcclient.InferInput(name, list(arr.shape), dtype)
+        i.set_data_from_numpy(arr.astype(np_type))
+        inputs.append(i)
+    return inputs
+
+
+def grpc_stream(ctx: Ctx, model: str, values: dict[str, Any], cancel_after_first: bool = False) -> Reply:
+    """One request over gRPC streaming, read to its final response (or, with cancel_after_first, cancelled by
+    the client after its first output). Bounded: no response within the timeout raises Unexpected."""
+    client = grpcclient.InferenceServerClient(ctx.server.grpc_url)
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error, time.perf_counter())),
+                        stream_timeout=ctx.timeout)
+    out, done = Reply(), False
+    try:
+        client.async_stream_infer(model, grpc_inputs(values), enable_empty_final_response=True)
+        deadline = time.monotonic() + ctx.timeout
+        while True:
+            try:
+                result, error, at = responses.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise Unexpected(f"no response from {model} within {ctx.timeout:.0f} s") from None
+            if error is not None:
+                out.error, done = error.message(), True
+                return out
+            out.responses += 1
+            text, ids = result.as_numpy("text_output"), result.as_numpy("output_ids")
+            if text is not None or ids is not None:
+                out.first_at = out.first_at or at
+                out.text += b"" if text is None else b"".join(text.reshape(-1))
+                out.ids += [] if ids is None else ids.reshape(-1).tolist()
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                done = True
+                return out
+            if cancel_after_first and out.first_at is not None:
+                return out
+    finally:
+        client.stop_stream(cancel_requests=not done)
+        client.close()
+
+
+def http_post(ctx: Ctx, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
+    req = urllib.request.Request(f"http://{ctx.server.http_url}{path}", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=ctx.timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def http_generate(ctx: Ctx, model: str, body: dict[str, Any]) -> Reply:
+    status, raw = http_post(ctx, f"/v2/models/{model}/generate", body)
+    out = Reply(status=status)
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        raise Unexpected(f"HTTP {status}: not JSON: {raw[:200]!r}") from None
+    if status != 200:
+        out.error = data.get("error", raw.decode(errors="replace"))
+    else:
+        out.text, out.responses = data["text_output"].encode(), 1
+    return out
+
+
+def http_sse(ctx: Ctx, model: str, body: dict[str, Any]) -> Reply:
+    """generate_stream, each `data:` event read as it arrives (strict UTF-8 JSON)."""
+    host, port = ctx.server.http_url.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=ctx.timeout)
+    try:
+        conn.request("POST", f"/v2/models/{model}/generate_stream", json.dumps(body),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        out = Reply(status=resp.status)
+        for line in iter(resp.readline, b""):
+            if not line.startswith(b"data: "):
+                continue
+            event = json.loads(line[len(b"data: "):].decode("utf-8"))
+            if "error" in event:
+                out.error = event["error"]
+                break
+            out.responses += 1
+            out.first_at = out.first_at or time.perf_counter()
+            out.text += event["text_output"].encode()
+        return out
+    finally:
+        conn.close()
+
+
+def http_disconnect(ctx: Ctx, model: str, body: dict[str, Any]) -> None:
+    """A generate_stream client that goes away after the first SSE event."""
+    data = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", ctx.server.http_port), timeout=ctx.timeout) as sock:
+        sock.sendall(b"POST /v2/models/%s/generate_stream HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (model.encode(), len(data), data))
+        received = b""
+        while b"data: " not in received:  # the headers may come in a segment of their own
+            chunk = sock.recv(4096)
+            if not chunk:
+                raise Unexpected(f"connection closed before the first event: {received[:300]!r}")
+            received += chunk
+        if b'"error"' in received:
+            raise Unexpected(f"refused: {received[-300:]!r}")
+
+
+def postprocess(ctx: Ctx, tokens: list[int]) -> str:
+    """HTTP infer on postprocessing; the refusal message, or raise Unexpected if it decoded."""
+    client = httpclient.InferenceServerClient(ctx.server.http_url, network_timeout=ctx.timeout)
+    try:
+        t = httpclient.InferInput("TOKENS_BATCH", [1, 1, len(tokens)], "INT32")
+        t.set_data_from_numpy(np.array([[tokens]], np.int32))
+        n = httpclient.InferInput("SEQUENCE_LENGTH", [1, 1], "INT32")
+        n.set_data_from_numpy(np.array([[len(tokens)]], np.int32))
+        client.infer("postprocessing", [t, n])
+    except Exception as e:  # tritonclient's InferenceServerException, with the model's message
+        return str(e)
+    finally:
+        client.close()
+    raise Unexpected(f"postprocessing decoded tokens {tokens}")
+
+
+# ---- request kinds ---------------------------------------------------------------------------------
+@dataclass
+class Result:
+    outcome: str  # ok | expected_refusal | cancelled | disconnected | mismatch
+    ttft_s: float | None = None
+    message: str | None = None
+
+
+def served(reply: Reply, sent: float, what: str) -> Result:
+    """A normal request: no error, whole UTF-8 (it may be empty: eos can come first)."""
+    if reply.error is not None:
+        raise Unexpected(reply.error)
+    try:
+        reply.text.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise Unexpected(f"{what}: output is not UTF-8 ({e})") from None
+    return Result("ok", None if reply.first_at is None else reply.first_at - sent)
+
+
+def text_request(rng: random.Random, prompt: str, sampled: bool, max_tokens: int | None = None) -> dict[str, Any]:
+    values: dict[str, Any] = {"text_input": prompt, "max_tokens": max_tokens or rng.randint(8, 128),
+                              "exclude_input_in_output": True}
+    if sampled:
+        values |= {"top_p": 0.9, "temperature": 0.8, "seed": np.uint64(rng.randrange(2**32))}
+    return values
+
+
+def grpc_text(model: str, sampled: bool = False, stream: bool = True) -> Callable[[Ctx, random.Random], Result]:
+    def send(ctx: Ctx, rng: random.Random) -> Result:
+        sent = time.perf_counter()
+        reply = grpc_stream(ctx, model, {**text_request(rng, rng.choice(ctx.prompts), sampled), "stream": stream})
+        if not stream and reply.responses != 1:
+            raise Unexpected(f"stream false: {reply.responses} responses, expected 1")
+        return served(reply, sent, model)
+    return send
+
+
+def http_text(model: str, sse: bool) -> Callable[[Ctx, random.Random], Result]:
+    def send(ctx: Ctx, rng: random.Random) -> Result:
+        body = text_request(rng, rng.choice(ctx.prompts), sampled=rng.random() < 0.5)
+        body = {k: int(v) if isinstance(v, np.integer) else v for k, v in body.items()}
+        sent = time.perf_counter()
+        reply = http_sse(ctx, model, {**body, "stream": True}) if sse else http_generate(ctx, model, body)
+        return served(reply, sent, model)
+    return send
+
+
+def engine_request(ctx: Ctx, prompt: str, max_tokens: int, end_id: int | None = None) -> dict[str, Any]:
+    ids = ctx.ids[prompt]
+    values = {"input_ids": np.array([ids], np.int32), "input_lengths": np.array([[len(ids)]], np.int32),
+              "request_output_len": np.array([[max_tokens]], np.int32), "streaming": np.array([[True]])}
+    return values if end_id is None else {**values, "end_id": np.array([[end_id]], np.int32)}
+
+
+def tensorrt_llm_stream(ctx: Ctx, rng: random.Random) -> Result:
+    max_tokens = rng.randint(8, 128)
+    sent = time.perf_counter()
+    reply = grpc_stream(ctx, "tensorrt_llm", engine_request(ctx, rng.choice(ctx.prompts), max_tokens))
+    result = served(reply, sent, "tensorrt_llm")
+    if len(reply.ids) > max_tokens or not all(0 <= t < ctx.vocab for t in reply.ids):
+        raise Unexpected(f"tensorrt_llm: {len(reply.ids)} ids for max_tokens {max_tokens}, or ids outside the "
+                         f"vocabulary: {reply.ids[:8]}")
+    return result
+
+
+def cancel(model: str) -> Callable[[Ctx, random.Random], Result]:
+    def send(ctx: Ctx, rng: random.Random) -> Result:
+        prompt = rng.choice(ctx.prompts)
+        values = (engine_request(ctx, prompt, CANCEL_TOKENS, end_id=-1) if model == "tensorrt_llm" else
+                  {"text_input": prompt, "max_tokens": CANCEL_TOKENS, "end_id": -1, "stream": True})
+        sent = time.perf_counter()
+        reply = grpc_stream(ctx, model, values, cancel_after_first=True)
+        if reply.error is not None:
+            raise Unexpected(reply.error)
+        if reply.first_at is None:
+            raise Unexpected(f"{model}: the request ended before its first output")
+        return Result("cancelled", reply.first_at - sent)
+    return send
+
+
+def disconnect(ctx: Ctx, rng: random.Random) -> Result:
+    http_disconnect(ctx, "tensorrt_llm_bls", {"text_input": rng.choice(ctx.prompts), "max_tokens": CANCEL_TOKENS,
+                                              "end_id": -1, "stream": True})
+    return Result("disconnected")
+
+
+def long_prompt(ctx: Ctx, rng: random.Random) -> Result:
+    model = rng.choice(["ensemble", "tensorrt_llm_bls"])
+    sent = time.perf_counter()
+    reply = grpc_stream(ctx, model, {**text_request(rng, rng.choice(ctx.long_prompts), sampled=False,
+                                                    max_tokens=rng.randint(8, 64)), "stream": True})
+    return served(reply, sent, f"{model}, long prompt")
+
+
+def probe_reply(ctx: Ctx, prompt: str, surface: str) -> Reply:
+    values = {"text_input": prompt, "max_tokens": PROBE_TOKENS, "exclude_input_in_output": True}
+    if surface == "grpc_ensemble":
+        return grpc_stream(ctx, "ensemble", {**values, "stream": True})
+    if surface == "grpc_bls":
+        return grpc_stream(ctx, "tensorrt_llm_bls", {**values, "stream": True})
+    if surface == "http_bls":
+        return http_generate(ctx, "tensorrt_llm_bls", values)
+    return http_sse(ctx, "ensemble", {**values, "stream": True})
+
+
+PROBE_SURFACES = ("grpc_ensemble", "grpc_bls", "http_bls", "sse_ensemble")
+
+
+def probe(ctx: Ctx, rng: random.Random) -> Result:
+    """Greedy text must not depend on the load (batch composition, adaptive draft length)."""
+    prompt, surface = rng.choice(list(ctx.probes)), rng.choice(PROBE_SURFACES)
+    sent = time.perf_counter()
+    reply = probe_reply(ctx, prompt, surface)
+    result = served(reply, sent, f"probe over {surface}")
+    got, want = reply.text.decode(), ctx.probes[prompt]
+    if got != want:
+        at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        return Result("mismatch", result.ttft_s, f"probe {list(ctx.probes).index(prompt)} over {surface}: differs "
+                      f"at character {at}: got {got[at:at + 40]!r}, recorded {want[at:at + 40]!r}")
+    return result
+
+
+# Bad requests: how each is sent (returning the refusal's message, None if it was served) and the substrings
+# the refusal must hold (formatted with vocab, max_seq_len, max_bytes); tests/test_triton.py's messages.
+GOOD = {"text_input": "hello", "max_tokens": 8}
+TEXT_MODELS = ("ensemble", "tensorrt_llm_bls")
+
+
+def refusal_grpc(values: dict[str, Any], models: tuple[str, ...] = TEXT_MODELS) -> Callable[..., str | None]:
+    def send(ctx: Ctx, rng: random.Random) -> str | None:
+        return grpc_stream(ctx, rng.choice(models), values).error
+    return send
+
+
+def refusal_any(values: dict[str, Any]) -> Callable[..., str | None]:
+    """Over gRPC streaming, HTTP generate or generate_stream, to the ensemble or the BLS; HTTP must say 400."""
+    def send(ctx: Ctx, rng: random.Random) -> str | None:
+        model, surface = rng.choice(TEXT_MODELS), rng.choice(("grpc", "generate", "generate_stream"))
+        if surface == "grpc":
+            return grpc_stream(ctx, model, values).error
+        reply = http_generate(ctx, model, values) if surface == "generate" else \
+            http_sse(ctx, model, {**values, "stream": True})
+        if reply.error is not None and reply.status != 400:
+            raise Unexpected(f"HTTP {reply.status}, expected 400: {reply.error}")
+        return reply.error
+    return send
+
+
+def engine_stop_word(ctx: Ctx, rng: random.Random) -> str | None:
+    values = engine_request(ctx, GOOD["text_input"], 4)
+    return grpc_stream(ctx, "tensorrt_llm", {**values, "stop_words_list": np.array([[[-4], [1]]], np.int32)}).error
+
+
+BAD: dict[str, tuple[Callable[[Ctx, random.Random], str | None], tuple[str, ...]]] = {
+    "max_tokens_zero": (refusal_any({**GOOD, "max_tokens": 0}), ("max_tokens", "got 0")),
+    "max_tokens_past_context": (refusal_any({**GOOD, "max_tokens": 100_000}), ("max_tokens", "100000")),
+    "temperature_negative": (refusal_any({**GOOD, "temperature": -0.5}), ("temperature", "-0.5")),
+    "top_k_negative": (refusal_any({**GOOD, "top_k": -1}), ("top_k", "must be an integer in [0, 2147483647], got -1")),
+    "min_tokens_below_max_tokens": (refusal_any({**GOOD, "min_tokens": 5}),
+                                    ("min_tokens=5 is not supported by this runtime",)),
+    "unknown_json_key": (lambda ctx, rng: http_generate(ctx, rng.choice(TEXT_MODELS), {**GOOD, "max_token": 3}).error,
+                         ("unknown parameter(s) max_token: ",
+                          "takes inputs only (a generate endpoint's JSON keys must be input names)")),
+    "top_p_nan": (refusal_grpc({**GOOD, "top_p": np.float32("nan")}),
+                  ("top_p", "must be a finite number in [0.0, 1.0], got nan")),
+    "end_id_wrapped": (refusal_grpc({**GOOD, "end_id": np.int32(-2**31)}),
+                       ("end_id must be an integer in [-1, 2147483647], got -2147483648",)),
+    "text_input_too_long": (refusal_grpc({**GOOD, "text_input": "x" * 2_000_000}),
+                            ("text_input is 2000000 bytes, more than the {max_bytes} that can fit the model's "
+                             "context",)),
+    "text_input_not_utf8": (refusal_grpc({**GOOD, "text_input": [[b"\xff\xfe bad"]]}),
+                            ("text_input must be valid UTF-8 text",)),
+    "prompt_over_max_seq_len": (lambda ctx, rng: refusal_any({**GOOD, "text_input": "hello world " * ctx.max_seq_len})(
+        ctx, rng), ("prompt has ", " tokens; max_seq_len is {max_seq_len}")),
+    "stop_word_id_negative": (engine_stop_word, ("stop_words_list must hold token ids in [0, {vocab}), got [-4]",)),
+    "postprocessing_token_negative": (lambda ctx, rng: postprocess(ctx, [-1]),
+                                      ("TOKENS_BATCH must hold token ids in [0, {vocab}), got [-1]",)),
+}
+
+
+def bad(case: str) -> Callable[[Ctx, random.Random], Result]:
+    send, expected = BAD[case]
+
+    def run(ctx: Ctx, rng: random.Random) -> Result:
+        message = send(ctx, rng)
+        want = [e.format(vocab=ctx.vocab, max_seq_len=ctx.max_seq_len,
+                         max_bytes=ctx.max_seq_len * ctx.tok.max_token_bytes) for e in expected]
+        if message is None:
+            raise Unexpected(f"served; expected a refusal with {want}")
+        if not all(w in message for w in want) or "Traceback" in message:
+            raise Unexpected(f"refusal {message!r}; expected one with {want}")
+        return Result("expected_refusal")
+    return run
+
+
+# name -> (weight, request); weights are relative (about percentages)
+KINDS: dict[str, tuple[int, Callable[[Ctx, random.Random], Result]]] = {
+    "grpc_stream_ensemble_greedy": (7, grpc_text("ensemble")),
+    "grpc_stream_ensemble_sampled": (5, grpc_text("ensemble", sampled=True)),
+    "grpc_stream_bls_greedy": (7, grpc_text("tensorrt_llm_bls")),
+    "grpc_stream_bls_sampled": (5, grpc_text("tensorrt_llm_bls", sampled=True)),
+    "grpc_unary_ensemble": (5, grpc_text("ensemble", stream=False)),
+    "grpc_stream_tensorrt_llm": (6, tensorrt_llm_stream),
+    "http_generate_ensemble": (4, http_text("ensemble", sse=False)),
+    "http_generate_bls": (4, http_text("tensorrt_llm_bls", sse=False)),
+    "http_sse_ensemble": (4, http_text("ensemble", sse=True)),
+    "http_sse_bls": (4, http_text("tensorrt_llm_bls", sse=True)),
+    "cancel_grpc_bls": (4, cancel("tensorrt_llm_bls")),
+    "cancel_grpc_tensorrt_llm": (4, cancel("tensorrt_llm")),
+    "disconnect_http_sse_bls": (4, disconnect),
+    "long_prompt": (5, long_prompt),
+    "probe_greedy": (8, probe),
+    **{f"bad_{case}": (1, bad(case)) for case in BAD},
+}
+
+
+# ---- server side: processes, memory, metrics --------------------------------------------------------
+def server_processes(root: int) -> dict[int, str]:
+    """pid -> name of every process in the server's process group (start_server gives it its own session):
+    tritonserver and the Python backend stubs, named by their model (argv[1] is <repo>/<model>/1/model.py)."""
+    found: dict[int, str] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            pgid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[2])
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue  # exited meanwhile
+        if pgid != root:
+            continue
+        exe = Path(argv[0].decode(errors="replace")).name
+        if exe == "triton_python_backend_stub" and len(argv) > 1:
+            found[int(d.name)] = f"stub {Path(argv[1].decode(errors='replace')).parts[-3]}"
+        else:
+            found[int(d.name)] = exe
+    return found
+
+
+def rss_kb(pids: dict[int, str]) -> dict[int, int | None]:
+    """VmRSS of each pid in kB (None: the process is gone)."""
+    out: dict[int, int | None] = {}
+    for pid in pids:
+        try:
+            line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmRSS:"))
+            out[pid] = int(line.split()[1])
+        except (OSError, StopIteration):
+            out[pid] = None
+    return out
+
+
+def read_metrics(url: str) -> dict[str, float]:
+    """The server's metrics; none when it does not answer (it crashed: the checks then fail, results are kept)."""
+    try:
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+    except OSError:
+        return {}
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def metric(values: dict[str, float], name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    return sum(v for key, v in values.items() if key.split("{")[0] == name
+               and all(f'{k}="{val}"' in key for k, val in labels.items()))
+
+
+def kv_blocks(values: dict[str, float]) -> dict[str, float]:
+    return {t: metric(values, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type=t)
+            for t in ("used", "free", "max")}
+
+
+def cancelled_total(server: TritonServer) -> float:
+    return metric(read_metrics(server.metrics_url), "nv_trt_llm_requests_total", finish_reason="cancelled")
+
+
+def drained(server: TritonServer, timeout_s: float) -> bool:
+    """Wait until the engine has no active request and no used KV block."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = read_metrics(server.metrics_url)
+        if metric(m, "nv_trt_llm_request_metrics", request_type="active") == 0 and kv_blocks(m)["used"] == 0:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+
+
+# ---- the soak -------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Record:
+    kind: str
+    outcome: str  # ok | expected_refusal | cancelled | disconnected | mismatch | unexpected_error
+    latency_s: float
+    ttft_s: float | None
+    message: str | None
+
+
+def run_one(ctx: Ctx, kind: str, rng: random.Random) -> Record:
+    sent = time.perf_counter()
+    try:
+        r = KINDS[kind][1](ctx, rng)
+        outcome, ttft, message = r.outcome, r.ttft_s, r.message
+    except Exception as e:  # Unexpected, or a client-side failure (connection refused, timeout, bad JSON)
+        outcome, ttft, message = "unexpected_error", None, f"{type(e).__name__}: {e}"[:500]
+    return Record(kind, outcome, time.perf_counter() - sent, ttft, message)
+
+
+def run_load(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    """The closed loop, with the main thread sampling memory and KV blocks; returns records and samples."""
+    names = list(KINDS)
+    weights = [KINDS[k][0] for k in names]
+    records: list[Record] = []
+    lock = threading.Lock()
+    t0 = time.perf_counter()
+    end = t0 + args.minutes * 60
+
+    def client(seed: int) -> None:
+        rng = random.Random(seed)
+        while time.perf_counter() < end and ctx.server.process.poll() is None:  # a dead server fails fast
+            rec = run_one(ctx, rng.choices(names, weights)[0], rng)
+            with lock:
+                records.append(rec)
+
+    pids = server_processes(ctx.server.process.pid)
+    samples = [{"at_s": 0.0, "rss_kb": rss_kb(pids),
+                "kv_used": kv_blocks(read_metrics(ctx.server.metrics_url))["used"]}]
+    threads = [threading.Thread(target=client, args=(args.seed * 1000 + i,), daemon=True)
+               for i in range(args.concurrency)]
+    for t in threads:
+        t.start()
+    warmup = min(args.warmup_s, args.minutes * 60 / 4)
+    marks = sorted({warmup, *np.arange(args.sample_every_s, args.minutes * 60, args.sample_every_s).tolist()})
+    start_index = None
+    for mark in marks:
+        time.sleep(max(0.0, t0 + mark - time.perf_counter()))
+        m, rss = read_metrics(ctx.server.metrics_url), rss_kb(pids)
+        samples.append({"at_s": round(time.perf_counter() - t0, 1), "rss_kb": rss, "kv_used": kv_blocks(m)["used"],
+                        "active": metric(m, "nv_trt_llm_request_metrics", request_type="active")})
+        start_index = len(samples) - 1 if mark == warmup else start_index
+        with lock:
+            counts = Counter(r.outcome for r in records)
+        gone = [pids[pid] for pid, kb in rss.items() if kb is None]
+        print(f"[{samples[-1]['at_s']:7.1f} s] {sum(counts.values())} requests {dict(counts)}; KV blocks used "
+              f"{samples[-1]['kv_used']:.0f}; server RSS {sum(kb or 0 for kb in rss.values()) / 1024:.0f} MB"
+              + (f"; GONE: {', '.join(gone)}" if gone else ""), flush=True)
+        if ctx.server.process.poll() is not None:
+            print(f"tritonserver exited with status {ctx.server.process.returncode}", flush=True)
+            break
+    load_end = time.perf_counter() + ctx.timeout + 30
+    for t in threads:
+        t.join(max(0.0, load_end - time.perf_counter()))
+    hung = sum(t.is_alive() for t in threads)
+    wall = time.perf_counter() - t0
+    with lock:
+        records = list(records)
+    return {"records": records, "samples": samples, "pids": pids, "hung_clients": hung, "wall_s": wall,
+            "start_index": len(samples) - 1 if start_index is None else start_index}  # None: the server died first
+
+
+def summarize_kinds(records: list[Record]) -> dict[str, Any]:
+    by_kind: dict[str, list[Record]] = {}
+    for r in records:
+        by_kind.setdefault(r.kind, []).append(r)
+    out = {}
+    for kind in KINDS:
+        rs = by_kind.get(kind, [])
+        out[kind] = {"weight": KINDS[kind][0], "requests": len(rs), "outcomes": dict(Counter(r.outcome for r in rs)),
+                     **latency_stats(rs)}
+    return out
+
+
+def latency_stats(rs: list[Record]) -> dict[str, float | None]:
+    lat, ttft = [r.latency_s for r in rs], [r.ttft_s for r in rs]
+    return {"latency_p50_s": percentile(lat, 50), "latency_p99_s": percentile(lat, 99),
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99)}
+
+
+def errors_by_kind(records: list[Record], outcome: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for r in records:
+        if r.outcome == outcome:
+            e = out.setdefault(r.kind, {"count": 0, "examples": []})
+            e["count"] += 1
+            if len(e["examples"]) < 3 and r.message not in e["examples"]:
+                e["examples"].append(r.message)
+    return out
+
+
+def rss_table(pids: dict[int, str], idle: dict, start: dict, end: dict) -> list[dict[str, Any]]:
+    rows = []
+    for pid, name in sorted(pids.items(), key=lambda x: x[1]):
+        s, e = start.get(pid), end.get(pid)
+        growth = None if not s or e is None else (e - s) / s
+        rows.append({"pid": pid, "process": name, "idle_kb": idle.get(pid), "start_kb": s, "end_kb": e,
+                     "growth": growth, "alive": e is not None,
+                     "over_limit": growth is not None and growth > RSS_GROWTH_LIMIT})
+    return rows
+
+
+def make_prompts(model: str, tok: Tokenizer, max_seq_len: int) -> tuple[list[str], list[str], list[str]]:
+    """Short prompts (held-out texts cut to 300 characters), 4 probe prompts, and 4 long prompts: held-out
+    texts joined to max_seq_len - 136 tokens (room for 64 new tokens and re-tokenizing at the cut)."""
+    texts = [x["text"] for x in round_robin_by_source(load_prompts(model), 64)]
+    short = [t[:300] for t in texts]
+    target = max(16, max_seq_len - 136)
+    long = []
+    for i in range(4):
+        ids: list[int] = []
+        j = i
+        while len(ids) < target:
+            ids += tok.encode(texts[j % len(texts)] + "\n\n", add_bos=False)
+            j += 1
+        long.append(tok.decode(ids[:target]))
+    return short, short[:4], long
+
+
+def record_probes(ctx: Ctx, prompts: list[str]) -> None:
+    for p in prompts:
+        reply = probe_reply(ctx, p, "grpc_ensemble")
+        if reply.error is not None or not reply.text:
+            raise SystemExit(f"probe on the idle server failed: {reply.error or 'no text'}")
+        ctx.probes[p] = reply.text.decode()
+
+
+def end_checks(ctx: Ctx) -> dict[str, Any]:
+    """After the load: drained, KV blocks all free, ready, and a probe still gives its recorded text."""
+    drain_ok = drained(ctx.server, DRAIN_S)
+    kv = kv_blocks(read_metrics(ctx.server.metrics_url))
+    prompt = next(iter(ctx.probes))
+    try:
+        reply = probe_reply(ctx, prompt, "grpc_ensemble")
+        request = "ok" if reply.error is None and reply.text.decode() == ctx.probes[prompt] else \
+            f"{reply.error or 'text differs from the recorded one'}"
+    except Exception as e:  # the server is gone or hangs
+        request = f"{type(e).__name__}: {e}"
+    return {"drained": drain_ok, "kv_blocks": kv, "kv_all_free": kv["used"] == 0 and kv["free"] == kv["max"] > 0,
+            "ready": ctx.server.is_ready(), "server_alive": ctx.server.process.poll() is None, "request": request}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL, help="HF checkpoint the engine is built from (and prompts)")
+    p.add_argument("--engine_dir", type=Path, help="serve this engine (or HF directory) instead of building one")
+    p.add_argument("--out", type=Path, help="results go to <out>.json and <out>.md "
+                   "(default docs/benchmarks/soak, with --quick docs/benchmarks/soak_quick)")
+    p.add_argument("--minutes", type=float, default=30.0)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--warmup_s", type=float, default=30.0, help="load before the 'start' memory sample "
+                   "(at most a quarter of the run)")
+    p.add_argument("--sample_every_s", type=float, default=60.0)
+    p.add_argument("--request_timeout_s", type=float, default=120.0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads of the runtime (0: its default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK}; explicit flags still win")
+    args = p.parse_args(argv)
+    if args.quick:
+        p.set_defaults(**QUICK)
+        args = p.parse_args(argv)
+    if args.out is None:
+        args.out = ROOT / "docs" / "benchmarks" / ("soak_quick" if args.quick else "soak")
+    for flag in ("minutes", "warmup_s", "sample_every_s", "request_timeout_s"):
+        if not getattr(args, flag) > 0:
+            p.error(f"--{flag}: must be > 0, got {getattr(args, flag)}")
+    if args.concurrency < 1:
+        p.error(f"--concurrency: must be >= 1, got {args.concurrency}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    info = machine_info()
+    work = Path(tempfile.mkdtemp(prefix="soak-"))
+    engine = args.engine_dir
+    if engine is None:
+        engine = work / "engine"
+        run_tool([Path(sys.executable).with_name("build_engine"), "--model_dir", args.model, "--output_dir", engine,
+                  "--max_batch_size", str(max(8, args.concurrency)), "--max_draft_len", "3"])
+    _, build = read_limits(engine)
+    values = default_values(engine.resolve(), **({"torch_threads": str(args.threads)} if args.threads else {}))
+    repo = fill_model_repo(work / "repo", values)
+    tok = Tokenizer.from_dir(engine)
+    short, probe_prompts, long = make_prompts(args.model, tok, build.max_seq_len)
+    log = work / "server.log"
+    t_start = time.perf_counter()
+    server = start_server(repo, log_file=log, host="127.0.0.1")
+    print(f"tritonserver ready in {time.perf_counter() - t_start:.0f} s (log {log}); "
+          f"{args.concurrency} clients for {args.minutes:g} min", flush=True)
+    try:
+        ids = {p: tok.encode(p) for p in [*short, GOOD["text_input"]]}
+        ctx = Ctx(server, tok, build.max_seq_len, short, long, ids, timeout=args.request_timeout_s)
+        record_probes(ctx, probe_prompts)
+        cancelled_before = cancelled_total(server)
+        load = run_load(ctx, args)
+        end = end_checks(ctx)
+        end_rss = rss_kb(load["pids"])
+        cancelled = cancelled_total(server) - cancelled_before
+    finally:
+        t_stop = time.perf_counter()
+        exit_status = server.stop()  # SIGINT: tritonserver waits for in-flight requests, then unloads the models
+        stop_s = time.perf_counter() - t_stop
+
+    records: list[Record] = load["records"]
+    samples = load["samples"]
+    start_rss = samples[load["start_index"]]["rss_kb"]
+    rss = rss_table(load["pids"], samples[0]["rss_kb"], start_rss, end_rss)
+    by_outcome = Counter(r.outcome for r in records)
+    unexpected = errors_by_kind(records, "unexpected_error")
+    mismatches = errors_by_kind(records, "mismatch")
+    cancels_sent = by_outcome["cancelled"] + by_outcome["disconnected"]
+    log_text = log.read_text(errors="replace") if log.is_file() else ""
+    checks = {
+        "no_unexpected_errors": not unexpected,
+        "no_probe_mismatches": not mismatches,
+        "clients_stopped": load["hung_clients"] == 0,
+        "server_processes_alive": all(r["alive"] for r in rss),  # a crashed stub is left <defunct>, no VmRSS
+        f"rss_growth_within_{RSS_GROWTH_LIMIT:.0%}": not any(r["over_limit"] for r in rss),
+        "kv_blocks_all_free": end["kv_all_free"],
+        "cancels_reached_the_executor": int(cancelled) == cancels_sent,
+        "healthy_at_end": end["ready"] and end["server_alive"] and end["request"] == "ok",
+        "clean_shutdown": exit_status == 0,  # 1: a model still held requests after --exit-timeout-secs
+    }
+    failures = [c for c, ok in checks.items() if not ok]
+    results = {
+        "benchmark": "soak", "quick": args.quick, "passed": not failures, "failures": failures, "checks": checks,
+        "settings": {"minutes": args.minutes, "concurrency": args.concurrency, "warmup_s": args.warmup_s,
+                     "sample_every_s": args.sample_every_s, "request_timeout_s": args.request_timeout_s,
+                     "seed": args.seed, "weights": {k: w for k, (w, _) in KINDS.items()},
+                     "engine": str(args.engine_dir or f"build_engine --model_dir {args.model} --max_draft_len 3"),
+                     "engine_build": build.to_dict(), "repo_values": {k: v for k, v in values.items()
+                                                                       if k not in ("engine_dir", "tokenizer_dir")},
+                     "long_prompt_tokens": len(tok.encode(long[0])), "probe_tokens": PROBE_TOKENS,
+                     "cancel_tokens": CANCEL_TOKENS, "host": server.client_host},
+        "load_wall_s": load["wall_s"], "hung_clients": load["hung_clients"],
+        "requests": {"total": len(records), "served": by_outcome["ok"], "by_outcome": dict(by_outcome),
+                     "per_s": len(records) / load["wall_s"]},
+        "latency": {"all": latency_stats(records), "served": latency_stats([r for r in records if r.outcome == "ok"])},
+        "kinds": summarize_kinds(records),
+        "unexpected_errors": unexpected, "mismatches": mismatches,
+        "cancellation": {"cancels_and_disconnects": cancels_sent, "executor_cancelled": cancelled},
+        "rss": {"processes": rss, "limit": RSS_GROWTH_LIMIT, "start_at_s": samples[load["start_index"]]["at_s"],
+                "samples": [{**s, "rss_kb": {f"{load['pids'][pid]} ({pid})": kb for pid, kb in s["rss_kb"].items()}}
+                            for s in samples]},
+        "kv_used_peak_sampled": max(s["kv_used"] for s in samples),
+        "end": end, "server_exit_status": exit_status, "server_stop_s": stop_s,
+        "server_log": {"tracebacks": log_text.count("Traceback"), "lines": len(log_text.splitlines()),
+                       "models_not_unloaded": sorted(set(re.findall(r"successfully loaded '(\w+)'", log_text))
+                                                     - set(re.findall(r"successfully unloaded '(\w+)'", log_text)))},
+        "machine": info,
+    }
+    md = markdown(results)
+    js, mdp = write_results(args.out.parent, args.out.name, results, md)
+    print(md)
+    if failures:  # keep the server log, drop the engine and repository
+        for d in (work / "engine", work / "repo"):
+            shutil.rmtree(d, ignore_errors=True)
+        print(f"FAILED: {', '.join(failures)} (server log: {log})", file=sys.stderr)
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"wrote {js} and {mdp}")
+    return 1 if failures else 0
+
+
+def markdown(r: dict[str, Any]) -> str:
+    s, req, end = r["settings"], r["requests"], r["end"]
+    kinds = [[k, v["weight"], v["requests"], v["outcomes"].get("ok", 0), v["outcomes"].get("expected_refusal", 0),
+              v["outcomes"].get("cancelled", 0) + v["outcomes"].get("disconnected", 0),
+              v["outcomes"].get("unexpected_error", 0) + v["outcomes"].get("mismatch", 0),
+              ms(v["latency_p50_s"]), ms(v["latency_p99_s"]), ms(v["ttft_p50_s"]), ms(v["ttft_p99_s"])]
+             for k, v in r["kinds"].items()]
+    rss = [[p["process"], p["pid"], kb_mb(p["idle_kb"]), kb_mb(p["start_kb"]), kb_mb(p["end_kb"]),
+            None if p["growth"] is None else f"{p['growth']:+.1%}",
+            "GONE" if not p["alive"] else "OVER" if p["over_limit"] else "ok"]
+           for p in r["rss"]["processes"]]
+    errors = [f"- {k}: {v['count']} x, e.g. `{v['examples'][0]}`"
+              for k, v in {**r["unexpected_errors"], **r["mismatches"]}.items()]
+    lat = r["latency"]
+    return "\n\n".join([
+        f"# Soak test{' (quick smoke run)' if r['quick'] else ''}: {'PASSED' if r['passed'] else 'FAILED'}",
+        f"{s['concurrency']} closed-loop clients for {s['minutes']:g} min ({r['load_wall_s']:.0f} s with the last "
+        f"requests) on {s['host']}: {req['total']} requests ({req['per_s']:.1f}/s), {req['served']} served, "
+        f"outcomes {req['by_outcome']}. Latency all requests p50 {fmt(ms(lat['all']['latency_p50_s']))} ms, "
+        f"p99 {fmt(ms(lat['all']['latency_p99_s']))} ms; served p50 {fmt(ms(lat['served']['latency_p50_s']))} ms, "
+        f"p99 {fmt(ms(lat['served']['latency_p99_s']))} ms. Engine max_seq_len {s['engine_build']['max_seq_len']}, "
+        f"long prompts {s['long_prompt_tokens']} tokens, adaptive MTP speculation.",
+        "## Checks", "\n".join(f"- {c}: {'ok' if ok else 'FAILED'}" for c, ok in r["checks"].items()),
+        "## Requests by kind (latency and TTFT in ms)",
+        md_table(["kind", "weight", "requests", "ok", "refused as expected", "cancelled/disconnected",
+                  "errors/mismatches", "p50", "p99", "TTFT p50", "TTFT p99"], kinds, digits=1),
+        "## Errors by kind", "\n".join(errors) or "none",
+        f"## Resident memory (MB; start = after {r['rss']['start_at_s']:.0f} s of load, end = drained; limit "
+        f"+{r['rss']['limit']:.0%})",
+        md_table(["process", "pid", "idle", "start", "end", "growth", ""], rss, digits=1),
+        f"## End\n\nKV blocks {end['kv_blocks']} (all free: {fmt(end['kv_all_free'])}; peak used in samples "
+        f"{r['kv_used_peak_sampled']:.0f}); ready {fmt(end['ready'])}; a probe after the load: {end['request']}; "
+        f"cancels and disconnects {r['cancellation']['cancels_and_disconnects']}, cancelled in the executor "
+        f"{r['cancellation']['executor_cancelled']:.0f}; server exit status {r['server_exit_status']} after "
+        f"{r['server_stop_s']:.1f} s; tracebacks in the server log {r['server_log']['tracebacks']}; models that did "
+        f"not unload at shutdown: {', '.join(r['server_log']['models_not_unloaded']) or 'none'}.",
+        "## Machine", machine_md(r["machine"])])
+
+
+def kb_mb(kb: int | None) -> float | None:
+    return None if kb is None else kb / 1024
+
+
+if __name__ == "__main__":
+    sys.exit(main())
