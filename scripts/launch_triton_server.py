@@ -44,6 +44,8 @@ CONTAINER_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
 RESTRICTED_APIS = "shared-memory,model-repository,logging,trace"
 ADMIN_HEADER = "admin-key"
 SHM_DIR = Path("/dev/shm")
+STUB_BINARY = "triton_python_backend_stub"
+SUPERVISE_PERIOD_S = 1.0
 PR_SET_PDEATHSIG = 1
 _prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the forked child only calls it
 _instance_counter = itertools.count()
@@ -213,6 +215,13 @@ class TritonServer:
     workdir: Path
     shm_prefix: str  # of the Python backend's shared-memory regions, unique to this server
     _log_handle: object | None = field(default=None, repr=False)
+    stubs: dict[int, str] = field(default_factory=dict)  # the Python backend stubs once ready: pid -> instance
+
+    def dead_stubs(self) -> dict[int, str]:
+        """The stubs (pid -> model instance) that were running when the server became ready and are gone now.
+        Triton 2.51 does not restart a stub that died: its model fails every request while the server says ready."""
+        alive = python_stubs(self.process.pid)
+        return {pid: name for pid, name in self.stubs.items() if pid not in alive}
 
     @property
     def client_host(self) -> str:
@@ -332,7 +341,34 @@ def start_server(model_repo: str | Path, *, http_port: int = 0, grpc_port: int =
     except BaseException:
         server.stop(timeout_s=5)
         raise
+    server.stubs = python_stubs(proc.pid)
     return server
+
+
+def python_stubs(root_pid: int) -> dict[int, str]:
+    """The live (not zombie) Python backend stubs among `root_pid`'s descendants: pid -> model instance name
+    (`<model>_<i>_<device>`, the stub's ninth argument)."""
+    children: dict[int, list[int]] = {}
+    state: dict[int, str] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+        except (OSError, IndexError):
+            continue
+        pid = int(stat.parent.name)
+        state[pid] = fields[0]
+        children.setdefault(int(fields[1]), []).append(pid)
+    stubs, todo = {}, [root_pid]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            todo.append(pid)
+            try:
+                argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if argv[0].endswith(STUB_BINARY.encode()) and len(argv) > 8 and state[pid] != "Z":
+                stubs[pid] = argv[8].decode(errors="replace")
+    return stubs
 
 
 def _terminate_with_parent() -> None:
@@ -361,6 +397,28 @@ def _stop_on_signals() -> Iterator[None]:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def supervise(server: TritonServer) -> int:
+    """Wait for tritonserver to exit; if a Python backend stub dies first (its model would fail every request
+    while the server reports ready), stop the server so that a supervisor restarts it. Returns the exit status
+    to report: the server's, or 1 for a dead stub."""
+    while server.process.poll() is None:
+        time.sleep(SUPERVISE_PERIOD_S)
+        dead = server.dead_stubs()
+        if dead:
+            time.sleep(2 * SUPERVISE_PERIOD_S)  # stubs also exit when the server shuts down by itself
+            if server.process.poll() is not None:
+                break
+            names = ", ".join(f"{name} (pid {pid})" for pid, name in sorted(dead.items()))
+            print(f"launch_triton_server: the Python backend stub of {names} died; Triton does not restart it, so "
+                  f"its model would fail every request: stopping tritonserver", file=sys.stderr, flush=True)
+            server.stop(signal.SIGTERM)
+            return 1
+    status = server.process.returncode
+    print(f"tritonserver exited with status {status}", file=sys.stderr)
+    server.stop()
+    return status
 
 
 def check_args(args: argparse.Namespace) -> str | None:
@@ -421,8 +479,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   capture_output=False)
             print(f"tritonserver ready in {time.monotonic() - t0:.1f} s: http {server.http_url}, "
                   f"grpc {server.grpc_url}, metrics {server.metrics_url} (pid {server.process.pid})", flush=True)
-            status = server.process.wait()
-            print(f"tritonserver exited with status {status}", file=sys.stderr)
+            status = supervise(server)
+            server = None
         except _Stop as stop:
             if server is not None:
                 server.stop(stop.signum)

@@ -44,7 +44,7 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (DEFAULT_MODEL, ROOT, fmt, load_prompts, machine_info, machine_md, md_table,  # noqa: E402
                           ms, percentile, round_robin_by_source, run_tool, write_results)
-from launch_triton_server import TritonServer, start_server  # noqa: E402
+from launch_triton_server import TritonServer, python_stubs, start_server  # noqa: E402
 from make_model_repo import default_values, fill_model_repo  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -445,26 +445,10 @@ KINDS: dict[str, tuple[int, Callable[[Ctx, random.Random], Result]]] = {
 
 
 # ---- server side: processes, memory, metrics --------------------------------------------------------
-def server_processes(root: int) -> dict[int, str]:
-    """pid -> name of every process in the server's process group (start_server gives it its own session):
-    tritonserver and the Python backend stubs, named by their model (argv[1] is <repo>/<model>/1/model.py)."""
-    found: dict[int, str] = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            pgid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[2])
-            argv = (d / "cmdline").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue  # exited meanwhile
-        if pgid != root:
-            continue
-        exe = Path(argv[0].decode(errors="replace")).name
-        if exe == "triton_python_backend_stub" and len(argv) > 1:
-            found[int(d.name)] = f"stub {Path(argv[1].decode(errors='replace')).parts[-3]}"
-        else:
-            found[int(d.name)] = exe
-    return found
+def server_processes(server: TritonServer) -> dict[int, str]:
+    """pid -> name of tritonserver and each Python backend stub (named by its model instance)."""
+    return {server.process.pid: "tritonserver", **{pid: f"stub {name}" for pid, name in python_stubs(
+        server.process.pid).items()}}
 
 
 def rss_kb(pids: dict[int, str]) -> dict[int, int | None]:
@@ -552,7 +536,7 @@ def run_load(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
             with lock:
                 records.append(rec)
 
-    pids = server_processes(ctx.server.process.pid)
+    pids = server_processes(ctx.server)
     samples = [{"at_s": 0.0, "rss_kb": rss_kb(pids),
                 "kv_used": kv_blocks(read_metrics(ctx.server.metrics_url))["used"]}]
     threads = [threading.Thread(target=client, args=(args.seed * 1000 + i,), daemon=True)
@@ -676,7 +660,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(default docs/benchmarks/soak, with --quick docs/benchmarks/soak_quick)")
     p.add_argument("--minutes", type=float, default=30.0)
     p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--warmup_s", type=float, default=30.0, help="load before the 'start' memory sample "
+    p.add_argument("--warmup_s", type=float, default=120.0, help="load before the 'start' memory sample "
                    "(at most a quarter of the run)")
     p.add_argument("--sample_every_s", type=float, default=60.0)
     p.add_argument("--request_timeout_s", type=float, default=120.0)
@@ -748,6 +732,7 @@ def main(argv: list[str] | None = None) -> int:
         "kv_blocks_all_free": end["kv_all_free"],
         "cancels_reached_the_executor": int(cancelled) == cancels_sent,
         "healthy_at_end": end["ready"] and end["server_alive"] and end["request"] == "ok",
+        "no_stub_crash_in_log": "Fatal Python error" not in log_text,  # each stub logs a crash (faulthandler)
         "clean_shutdown": exit_status == 0,  # 1: a model still held requests after --exit-timeout-secs
     }
     failures = [c for c, ok in checks.items() if not ok]

@@ -10,6 +10,7 @@ pieces, so streamed chunks are checked to be whole UTF-8 that adds up to the ful
 from __future__ import annotations
 
 import json
+import os
 import queue
 import re
 import signal
@@ -34,7 +35,7 @@ from runtime.executors.session import Session  # noqa: E402
 from triton_util import (ROOT, TEMPLATE_REPO, TritonServer, add_model, fill_model_repo,  # noqa: E402
                          make_tiny_checkpoint, repo_values, start_server)
 from fill_template import fill, parse_substitutions  # noqa: E402  (on sys.path via triton_util)
-from launch_triton_server import build_command, find_install, free_ports  # noqa: E402
+from launch_triton_server import build_command, find_install, free_ports, python_stubs  # noqa: E402
 
 MAX_SEQ_LEN = 1024  # the tiny checkpoint's max_position_embeddings (make_tiny_checkpoint)
 TOKENS = 24  # generated per request in the comparisons with the session
@@ -87,15 +88,22 @@ def expected(session: Session) -> dict[str, Any]:
 
 
 # ---- clients ----------------------------------------------------------------------------------
-def grpc_inputs(**values: Any) -> list:
-    """tritonclient gRPC inputs from numpy-able values, each with a leading batch dim of 1."""
-    inputs = []
+def input_arrays(**values: Any) -> dict[str, np.ndarray]:
+    """Numpy-able values as Triton input arrays, each with a leading batch dim of 1."""
+    arrays = {}
     for name, value in values.items():
         arr = np.asarray(value)
         if arr.dtype.kind in "US":
             arr = np.vectorize(lambda s: s.encode() if isinstance(s, str) else s, otypes=[object])(arr)
         arr = arr.reshape(1, -1) if arr.ndim < 2 else arr
-        arr = arr.astype({"i": np.int32, "f": np.float32}.get(arr.dtype.kind, arr.dtype))
+        arrays[name] = arr.astype({"i": np.int32, "f": np.float32}.get(arr.dtype.kind, arr.dtype))
+    return arrays
+
+
+def grpc_inputs(**values: Any) -> list:
+    """tritonclient gRPC inputs from numpy-able values (input_arrays)."""
+    inputs = []
+    for name, arr in input_arrays(**values).items():
         i = grpcclient.InferInput(name, list(arr.shape), DTYPES[arr.dtype])
         i.set_data_from_numpy(arr)
         inputs.append(i)
@@ -319,7 +327,8 @@ instance_group [ { count: 1 kind: KIND_CPU } ]
 '''
 
 
-def test_launcher_cli_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
+def launch_echo_server(tmp_path: Path) -> tuple[subprocess.Popen, int]:
+    """The launcher CLI serving the echo model; returns the process once ready, and the HTTP port."""
     (tmp_path / "repo" / "echo" / "1").mkdir(parents=True)
     (tmp_path / "repo" / "echo" / "config.pbtxt").write_text(ECHO_CONFIG)
     (tmp_path / "repo" / "echo" / "1" / "model.py").write_text(ECHO_MODEL)
@@ -328,9 +337,35 @@ def test_launcher_cli_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
                              tmp_path / "repo", "--http_port", str(http), "--grpc_port", str(grpc),
                              "--metrics_port", str(metrics_port), "--log_file", tmp_path / "server.log"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if "ready" not in line:
+        proc.kill()
+        raise AssertionError(proc.communicate()[1] or line)
+    return proc, http
+
+
+def test_launcher_stops_the_server_when_a_stub_dies(tmp_path: Path) -> None:
+    """Triton 2.51 does not restart a Python backend stub that died (a crash, the OOM killer): its model failed
+    every request while /v2/health/ready said 200. The launcher notices, says which, and stops the server with
+    status 1 so that a supervisor restarts it."""
+    proc, _ = launch_echo_server(tmp_path)
     try:
-        line = proc.stdout.readline()
-        assert "ready" in line, proc.stderr.read() if proc.poll() is not None else line
+        stubs = python_stubs(proc.pid)
+        assert list(stubs.values()) == ["echo_0_0"], stubs
+        os.kill(next(iter(stubs)), signal.SIGKILL)
+        assert proc.wait(timeout=60) == 1
+        stub_pid = next(iter(stubs))
+        assert (f"launch_triton_server: the Python backend stub of echo_0_0 (pid {stub_pid}) died; Triton does not "
+                "restart it, so its model would fail every request: stopping tritonserver") in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_launcher_cli_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
+    proc, http = launch_echo_server(tmp_path)
+    try:
         body = json.dumps({"IN": "hi"}).encode()
         with urllib.request.urlopen(urllib.request.Request(
                 f"http://127.0.0.1:{http}/v2/models/echo/generate", body), timeout=10) as r:
@@ -959,6 +994,36 @@ def test_postprocessing_refuses_ids_outside_the_vocabulary(server: TritonServer,
     with pytest.raises(Exception) as e:
         client.infer("postprocessing", [tokens, lengths])
     assert message.format(vocab=session.tokenizer.vocab_size) in str(e.value) and "Traceback" not in str(e.value)
+    assert e.value.status() == "400", e.value.status()  # a refusal, not a server error (500 before)
+    assert_healthy(server)
+
+
+def test_refusals_are_invalid_argument_on_every_model(server: TritonServer) -> None:
+    """A refused request is the client's error: HTTP 400 and gRPC INVALID_ARGUMENT, never the 500 / INTERNAL a
+    server fault gets (which alerting counts, and retrying clients retry). Unary infer on the non-decoupled models:
+    preprocessing (max_tokens 0), postprocessing (a token outside the vocabulary), the non-decoupled BLS (a
+    negative top_k, which it checks itself: Triton 2.51's BLS drops a composing model's error code)."""
+    import grpc
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    def http_and_grpc(model: str, **values: Any) -> None:
+        with pytest.raises(InferenceServerException) as e:
+            grpcclient.InferenceServerClient(server.grpc_url).infer(model, grpc_inputs(**values))
+        assert e.value.status() == str(grpc.StatusCode.INVALID_ARGUMENT), (model, e.value.status(), str(e.value))
+        http_inputs = []
+        for name, arr in input_arrays(**values).items():
+            http_inputs.append(httpclient.InferInput(name, list(arr.shape), DTYPES[arr.dtype]))
+            http_inputs[-1].set_data_from_numpy(arr)
+        with pytest.raises(InferenceServerException) as e:
+            httpclient.InferenceServerClient(server.http_url).infer(model, http_inputs)
+        assert e.value.status() == "400", (model, e.value.status(), str(e.value))
+
+    http_and_grpc("preprocessing", QUERY=[[b"hello"]], REQUEST_OUTPUT_LEN=np.array([[0]], np.int32))
+    http_and_grpc("postprocessing", TOKENS_BATCH=np.array([[[-1]]], np.int32),
+                  SEQUENCE_LENGTH=np.array([[1]], np.int32))
+    http_and_grpc("tensorrt_llm_bls_sync", text_input=[[b"hello"]], max_tokens=np.array([[8]], np.int32),
+                  top_k=np.array([[-1]], np.int32))
     assert_healthy(server)
 
 
@@ -978,6 +1043,25 @@ def test_watchdog_takes_a_stalled_server_down(checkpoint: Path, tmp_path: Path) 
     assert "watchdog: executor: the executor's step loop has made no progress for " in log
     assert "requests running" in log and "stopping tritonserver (pid " in log
     assert 'Thread 0x' in log and 'in _step' in log  # the stacks: where the step loop was
+
+
+def test_shutdown_after_serving_is_clean(checkpoint: Path, tmp_path: Path) -> None:
+    """After serving every surface, SIGINT unloads every model and tritonserver exits 0 with no stub crash in the
+    log (each stub logs a crash with faulthandler): tensorrt_llm's stub crashed deleting its metrics at exit."""
+    repo = fill_model_repo(tmp_path / "repo", repo_values(checkpoint))
+    srv = start_server(repo, log_file=tmp_path / "server.log", ready_timeout_s=240, exit_timeout_s=5)
+    try:
+        for model in ("ensemble", "tensorrt_llm_bls"):
+            assert grpc_stream(srv, model, **GOOD).error is None
+        assert http_generate(srv, "ensemble", **GOOD)[0] == 200
+        assert wait_for(lambda: metric(metrics(srv), "nv_trt_llm_generated_tokens_total") > 0)
+    finally:
+        status = srv.stop()
+    log = (tmp_path / "server.log").read_text()
+    assert "Fatal Python error" not in log, log[log.index("Fatal Python error"):][:2000]
+    for model in ("ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls"):
+        assert f"successfully unloaded '{model}'" in log, model
+    assert status == 0
 
 
 @pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])

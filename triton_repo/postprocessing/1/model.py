@@ -7,6 +7,7 @@ so every chunk's text is whole UTF-8 and the chunks concatenate to the full text
 
 from __future__ import annotations
 
+import faulthandler
 import json
 
 import numpy as np
@@ -19,6 +20,7 @@ from serving.triton_parameters import boolean, integer, model_path, parameter
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
+        faulthandler.enable()  # a crash of this stub is logged with its Python stacks, not lost
         config = json.loads(args["model_config"])
         self.tokenizer = Tokenizer.from_dir(model_path(config, "tokenizer_dir", args["model_repository"]))
         self.skip_special_tokens = parameter(config, "skip_special_tokens", boolean, default=True)
@@ -31,7 +33,8 @@ class TritonPythonModel:
             try:
                 responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT", self._texts(request))]))
             except RequestError as e:
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))))
+                responses.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)))
         return responses
 
     def _texts(self, request) -> np.ndarray:

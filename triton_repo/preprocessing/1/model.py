@@ -7,6 +7,7 @@ Text longer than the context could hold is refused before it is tokenized (servi
 
 from __future__ import annotations
 
+import faulthandler
 import json
 
 import numpy as np
@@ -42,6 +43,7 @@ def word_lists(tokenizer: Tokenizer, batch: list[list[str]]) -> np.ndarray:
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
+        faulthandler.enable()  # a crash of this stub is logged with its Python stacks, not lost
         config = json.loads(args["model_config"])
         tokenizer_dir = model_path(config, "tokenizer_dir", args["model_repository"])
         self.tokenizer = Tokenizer.from_dir(tokenizer_dir)
@@ -61,7 +63,8 @@ class TritonPythonModel:
             try:
                 responses.append(pb_utils.InferenceResponse(self._process(request)))
             except RequestError as e:
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))))
+                responses.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)))
         return responses
 
     def _process(self, request) -> list:

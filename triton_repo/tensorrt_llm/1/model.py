@@ -14,6 +14,7 @@ for the next output. Stop words stay in the output, as upstream's do.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import os
 import queue
@@ -94,6 +95,7 @@ def word_list(request: Any, name: str, vocab_size: int) -> list[list[int]]:
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
+        faulthandler.enable()  # a crash of this stub is logged with its Python stacks, not lost
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise pb_utils.TritonModelException(
@@ -168,7 +170,7 @@ class TritonPythonModel:
                         self._active.discard(stream)
                     raise
             except Exception as e:
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(client_message(e))), flags=FINAL)
+                sender.send(pb_utils.InferenceResponse(error=client_error(e)), flags=FINAL)
         return None
 
     @staticmethod
@@ -460,13 +462,19 @@ class TritonPythonModel:
         self._outbox.put(None)
         for t in self._threads:
             t.join(timeout=10)
+        # Metrics before their families, while the stub still talks to the server: left to the interpreter's exit,
+        # deleting them crashed the stub.
+        self.metrics.clear()
+        self._families = ()
 
 
-def client_message(error: Exception) -> str:
-    """What a client is told of a failed request: the message of a refusal (ValueError: it names the input) or of
-    a server that stopped serving (RuntimeError), never a traceback or a server path; anything else is logged
-    here in full and reported as internal."""
-    if isinstance(error, (ValueError, RuntimeError)):
-        return str(error)
+def client_error(error: Exception) -> Any:
+    """What a client is told of a failed request: a refusal (ValueError: its message names the input) is
+    INVALID_ARG, a server that stopped serving (RuntimeError) UNAVAILABLE; anything else is logged here in full and
+    reported as INTERNAL without its traceback or a server path."""
+    if isinstance(error, ValueError):
+        return pb_utils.TritonError(str(error), pb_utils.TritonError.INVALID_ARG)
+    if isinstance(error, RuntimeError):
+        return pb_utils.TritonError(str(error), pb_utils.TritonError.UNAVAILABLE)
     pb_utils.Logger.log_error(f"tensorrt_llm: request failed: {''.join(traceback.format_exception(error))}")
-    return f"internal error ({type(error).__name__}); see the server log"
+    return pb_utils.TritonError(f"internal error ({type(error).__name__}); see the server log")

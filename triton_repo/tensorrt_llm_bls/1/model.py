@@ -9,6 +9,7 @@ TensorRT-LLM's `stop` request for the engine.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import threading
 import time
@@ -46,7 +47,11 @@ CANCEL_CHECK_S = 0.05
 
 
 class BLSError(Exception):
-    """An error response from a composing model, passed on to the client as it is."""
+    """An error response from a composing model, passed on to the client as it is (its code too)."""
+
+    def __init__(self, error: Any) -> None:
+        super().__init__(error.message())
+        self.code = error.code()
 
 
 def renamed(request: Any, names: dict[str, str]) -> list:
@@ -61,7 +66,7 @@ def renamed(request: Any, names: dict[str, str]) -> list:
 
 def outputs(response: Any) -> dict[str, np.ndarray]:
     if response.has_error():
-        raise BLSError(response.error().message())
+        raise BLSError(response.error())
     return {t.name(): t.as_numpy() for t in response.output_tensors()}
 
 
@@ -79,9 +84,11 @@ def check_inputs(request: Any) -> None:
 
 
 def error_response(e: Exception) -> Any:
-    """A composing model's or our own refusal as it is; any other failure without its traceback."""
-    if isinstance(e, (BLSError, RequestError)):
-        return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e)))
+    """A composing model's error or our own refusal as it is; any other failure without its traceback."""
+    if isinstance(e, BLSError):
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e), e.code))
+    if isinstance(e, RequestError):
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG))
     pb_utils.Logger.log_error(f"tensorrt_llm_bls: request failed: {''.join(traceback.format_exception(e))}")
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(
         f"internal error ({type(e).__name__}); see the server log"))
@@ -89,6 +96,7 @@ def error_response(e: Exception) -> Any:
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
+        faulthandler.enable()  # a crash of this stub is logged with its Python stacks, not lost
         config = json.loads(args["model_config"])
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.engine_model = parameter(config, "tensorrt_llm_model_name", default="tensorrt_llm")
@@ -110,8 +118,9 @@ class TritonPythonModel:
         sender = request.get_response_sender()
         last = None
         try:
-            for response in self._generate(request):
-                sender.send(response)
+            with contextlib.closing(self._generate(request)) as responses:  # closed, it ends the engine's request
+                for response in responses:
+                    sender.send(response)
         except Exception as e:  # an invalid request, or the client went away
             last = error_response(e)
         with contextlib.suppress(Exception):
@@ -142,8 +151,10 @@ class TritonPythonModel:
         accumulated: list[int] | None = [] if self.accumulate and stream is not None and stream.as_numpy().any() else None
         with self._lock:
             self._watched[engine_id] = request
+        engine_responses = engine_request.exec(decoupled=True)
+        finished = False
         try:
-            for response in engine_request.exec(decoupled=True):
+            for response in engine_responses:
                 out = outputs(response)
                 if "output_ids" not in out:
                     continue  # a flags-only final response
@@ -157,25 +168,38 @@ class TritonPythonModel:
                             pb_utils.Tensor("SEQUENCE_LENGTH", out["sequence_length"])]).exec())["OUTPUT"]
                 yield pb_utils.InferenceResponse([pb_utils.Tensor("text_output", text),
                                                   *(pb_utils.Tensor(k, out[k]) for k in STATS if k in out)])
+            finished = True
         finally:
             with self._lock:
-                self._watched.pop(engine_id, None)
+                watched = self._watched.pop(engine_id, None) is not None
+            if not finished:  # closed early or failed: stop the engine's request (unless the watcher did) and
+                if watched:   # read it to its end here rather than whenever the iterator is collected
+                    self._stop_engine_request(engine_id)
+                for _ in engine_responses:
+                    pass
 
     def _watch_cancellations(self) -> None:
-        """Stop the engine's work for clients that cancelled or went away."""
+        """Stop the engine's work for clients that cancelled or went away while no response came."""
         while self._running:
             time.sleep(CANCEL_CHECK_S)
             with self._lock:
                 cancelled = [i for i, r in self._watched.items() if r.is_cancelled()]
+                for engine_id in cancelled:
+                    del self._watched[engine_id]
             for engine_id in cancelled:
-                with self._lock:
-                    self._watched.pop(engine_id, None)
-                pb_utils.InferenceRequest(
-                    model_name=self.engine_model, request_id=engine_id, requested_output_names=[],
-                    inputs=[pb_utils.Tensor("input_ids", np.zeros((1, 1), np.int32)),
-                            pb_utils.Tensor("input_lengths", np.zeros((1, 1), np.int32)),
-                            pb_utils.Tensor("request_output_len", np.zeros((1, 1), np.int32)),
-                            pb_utils.Tensor("stop", np.ones((1, 1), bool))]).exec(decoupled=True)
+                self._stop_engine_request(engine_id)
+
+    def _stop_engine_request(self, engine_id: str) -> None:
+        """TensorRT-LLM's `stop` request for one engine request id."""
+        stop = pb_utils.InferenceRequest(
+            model_name=self.engine_model, request_id=engine_id, requested_output_names=[],
+            inputs=[pb_utils.Tensor("input_ids", np.zeros((1, 1), np.int32)),
+                    pb_utils.Tensor("input_lengths", np.zeros((1, 1), np.int32)),
+                    pb_utils.Tensor("request_output_len", np.zeros((1, 1), np.int32)),
+                    pb_utils.Tensor("stop", np.ones((1, 1), bool))])
+        for response in stop.exec(decoupled=True):
+            if response.has_error():
+                pb_utils.Logger.log_warn(f"tensorrt_llm_bls: stopping {engine_id}: {response.error().message()}")
 
     def finalize(self) -> None:
         self._running = False
