@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 . .venv/bin/activate
-python scripts/quickstart.py "$@"
+python -m serving.quickstart "$@"

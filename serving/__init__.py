@@ -1,1 +1,3 @@
-"""What the servers share: request validation for every surface, Triton model parameters, liveness."""
+"""Serving with Triton: the tools (launcher, model-repository writer with fill_template, client, quick
+start, TensorRT-LLM check) and what the Triton models share (request validation, model parameters,
+liveness)."""

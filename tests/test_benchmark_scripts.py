@@ -1,5 +1,5 @@
-"""The benchmark scripts (scripts/): their metrics on hand-made timings, their flag checks, atomic result
-files, and smoke runs of benchmark_serving.py and load_test.py on the shipped model at the tiniest settings
+"""The benchmarks (benchmarks/): their metrics on hand-made timings, their flag checks, atomic result
+files, and smoke runs of benchmarks.serving and benchmarks.load_test on the shipped model at the tiniest settings
 (the JSON's keys and sanity, never its timings).
 
 Metric conventions are vLLM's benchmarks/benchmark_serving.py: TTFT = first token - send; TPOT per request =
@@ -20,19 +20,16 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPTS = REPO / "scripts"
-if str(SCRIPTS) not in sys.path:
-    sys.path.insert(0, str(SCRIPTS))
 
-import bench_common as bc  # noqa: E402
-import benchmark_serving as bs  # noqa: E402
-import benchmark_speculative as bspec  # noqa: E402
-import benchmark_triton as bt  # noqa: E402
-import load_test as lt  # noqa: E402
-import measure_acceptance as ma  # noqa: E402
+import benchmarks.acceptance as ma
+import benchmarks.common as bc
+import benchmarks.load_test as lt
+import benchmarks.serving as bs
+import benchmarks.speculative as bspec
+import benchmarks.triton_serving as bt
 
 
-# ---- bench_common statistics ----------------------------------------------------------------------
+# ---- benchmarks.common statistics ----------------------------------------------------------------------
 @pytest.mark.parametrize("xs", [[3.0], [4.0, 1.0], [0.01, 0.5, 0.02, 0.03], list(np.random.default_rng(0).random(7)),
                                 list(np.random.default_rng(1).random(100))])
 @pytest.mark.parametrize("q", [0, 1, 50, 90, 99, 100])
@@ -342,9 +339,9 @@ def test_load_test_bad_flags_name_the_flag(argv, flag, capsys):
 
 
 # ---- smoke runs ---------------------------------------------------------------------------------
-def _run_script(name: str, args: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
+def _run_benchmark(module: str, args: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
-    return subprocess.run([sys.executable, str(SCRIPTS / name), *args], cwd=REPO, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -354,7 +351,7 @@ def _no_temporaries(out_dir: Path) -> None:
 
 def test_benchmark_serving_smoke(shipped_model_dir, tmp_path):
     levels, n_min, n_max = [1, 2], 2, 4
-    r = _run_script("benchmark_serving.py", [
+    r = _run_benchmark("serving", [
         "--model", str(shipped_model_dir), "--out_dir", str(tmp_path), "--name", "smoke", "--threads", "1",
         "--concurrency", "1,2", "--num_requests", "2", "--requests_per_client", "1", "--rounds", "2", "--qps", "50",
         "--qps_requests", "2", "--min_tokens", str(n_min), "--max_tokens", str(n_max), "--timeout", "120"])
@@ -397,7 +394,7 @@ def test_benchmark_serving_smoke(shipped_model_dir, tmp_path):
 
 def test_load_test_smoke(shipped_model_dir, tmp_path):
     n = 6
-    r = _run_script("load_test.py", [
+    r = _run_benchmark("load_test", [
         "--model", str(shipped_model_dir), "--out_dir", str(tmp_path), "--name", "lt", "--threads", "1",
         "--num_requests", str(n), "--concurrency", "3", "--max_prompt_tokens", "24", "--max_output_tokens", "6",
         "--max_num_tokens", "16", "--timeout", "150"])
@@ -422,7 +419,7 @@ def test_soak_test_smoke(shipped_model_dir, tmp_path):
     """A few seconds of the soak's mixed load on the real tritonserver: every kind is sent, nothing unexpected
     comes back, and the results hold the figures the soak reports (memory growth is not judged this short)."""
     pytest.importorskip("tritonclient.grpc")
-    r = _run_script("soak_test.py", ["--engine_dir", str(shipped_model_dir), "--out", str(tmp_path / "soak"),
+    r = _run_benchmark("soak_test", ["--engine_dir", str(shipped_model_dir), "--out", str(tmp_path / "soak"),
                                      "--minutes", "0.2", "--concurrency", "4"], timeout=150)
     res = json.loads((tmp_path / "soak.json").read_text())
     assert r.returncode == (0 if res["passed"] else 1), r.stderr[-3000:]
@@ -441,10 +438,11 @@ def test_soak_test_smoke(shipped_model_dir, tmp_path):
     lat = res["latency"]["all"]
     assert 0 < lat["latency_p50_s"] <= lat["latency_p99_s"]
     names = {p["process"] for p in res["rss"]["processes"]}
-    assert names == {"tritonserver", "stub preprocessing", "stub postprocessing", "stub tensorrt_llm",
-                     "stub tensorrt_llm_bls"}
+    assert names == {"tritonserver", "stub preprocessing_0_0", "stub postprocessing_0_0", "stub tensorrt_llm_0_0",
+                     "stub tensorrt_llm_bls_0_0"}  # one instance of each model (Triton: <model>_<i>_<device>)
     assert all(p["alive"] and p["start_kb"] > 0 and p["end_kb"] > 0 for p in res["rss"]["processes"])
     kv = res["end"]["kv_blocks"]
     assert kv["used"] == 0 and kv["free"] == kv["max"] > 0
     assert res["cancellation"]["executor_cancelled"] == res["cancellation"]["cancels_and_disconnects"]
     assert res["machine"]["git_commit"]
+    assert res["machine"]["command"].startswith("python -m benchmarks.soak_test --engine_dir ")

@@ -442,11 +442,10 @@ def test_mtp_paged_matches_reference(pair):
 
 @torch.no_grad()
 def test_chained_draft_training_rows_match_paged_drafting(pair, monkeypatch):
-    """scripts/distill_mtp.py trains drafts 1..D in one dense forward with a mask; every row must
+    """training/distill_mtp.py trains drafts 1..D in one dense forward with a mask; every row must
     equal the paged draft: draft d at p re-runs the layer on the hidden draft d-1 left at p-1, with
     the first drafts up to p-d+1 and the entries of the chain's earlier drafts in the cache."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
-    from distill_mtp import chained_logits
+    from training.distill_mtp import chained_logits
 
     model, S, depth = pair.ours, 11, 3
     n = S - 1

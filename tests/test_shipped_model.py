@@ -76,7 +76,7 @@ def test_transformers_logits_match_runtime():
 
 
 def test_training_loss_goes_down(tmp_path: Path):
-    """A short run of scripts/train_model.py on a tiny config and a repetitive corpus."""
+    """A short run of training/train_model.py on a tiny config and a repetitive corpus."""
     rng = np.random.default_rng(0)
     phrase = rng.integers(5, 64, size=40)
     tokens = np.concatenate([np.concatenate([[0], phrase, [1]]) for _ in range(400)]).astype(np.uint16)
@@ -88,7 +88,7 @@ def test_training_loss_goes_down(tmp_path: Path):
                q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     out = tmp_path / "run"
-    cmd = [sys.executable, str(ROOT / "scripts" / "train_model.py"), "--data_dir", str(tmp_path), "--out_dir", str(out),
+    cmd = [sys.executable, "-m", "training.train_model", "--data_dir", str(tmp_path), "--out_dir", str(out),
            "--config", str(tmp_path / "config.json"), "--steps", "40", "--batch_size", "4", "--seq_len", "32",
            "--warmup", "5", "--eval_every", "20", "--eval_batches", "2", "--device", "cpu", "--threads", "1"]
     subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": ""})

@@ -1,7 +1,7 @@
 """Tokenizer loading/encoding and the streaming detokenizer.
 
 Every test runs on a tiny byte-level BPE built here and on the shipped model's tokenizer
-(models/deepseek-v3-mini, built by scripts/prepare_data.py). The tiny one is trained on a few
+(models/deepseek-v3-mini, built by training/prepare_data.py). The tiny one is trained on a few
 ASCII lines, so CJK and emoji are split into single-byte tokens: the hardest case for streaming.
 """
 
@@ -49,7 +49,7 @@ def build_tiny_byte_level(path: Path) -> Path:
     tok.train_from_iterator(lines, trainer=trainer)
     tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B",
                                                        special_tokens=[(BOS, 0)])
-    # As in scripts/prepare_data.py: <think> keeps ids 3, 4 but is not special (the JSON round trip applies it).
+    # As in training/prepare_data.py: <think> keeps ids 3, 4 but is not special (the JSON round trip applies it).
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in (THINK, END_THINK)])
     tok = Backend.from_str(tok.to_str())
     path.mkdir(parents=True, exist_ok=True)

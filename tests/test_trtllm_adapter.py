@@ -1,4 +1,4 @@
-"""The TensorRT-LLM adapter (runtime.executors.trtllm) and scripts/check_trtllm.py, without TensorRT-LLM.
+"""The TensorRT-LLM adapter (runtime.executors.trtllm) and serving/check_trtllm.py, without TensorRT-LLM.
 
 TensorRT-LLM cannot be installed here, so this file has three kinds of tests:
 - the pure mappings: our SamplingParams -> tensorrt_llm.SamplingParams keyword arguments (every
@@ -428,9 +428,7 @@ def test_check_script_exits_2_without_tensorrt_llm(engine_dir: Path, monkeypatch
 
 
 def _import_check() -> ModuleType:
-    if str(ROOT / "scripts") not in sys.path:
-        sys.path.insert(0, str(ROOT / "scripts"))
-    return importlib.import_module("check_trtllm")
+    return importlib.import_module("serving.check_trtllm")
 
 
 # ---- contract test with the test double --------------------------------------------------------------
@@ -708,7 +706,7 @@ def test_contract_same_outputs_as_native(engine_dir: Path, trtllm: ModuleType, n
                 want[-1].stats.prompt_tokens, len(got[-1].token_ids))
 
 
-# ---- scripts/check_trtllm.py on the session path, with the double -----------------------------------
+# ---- serving/check_trtllm.py on the session path, with the double -----------------------------------
 def test_check_script_session_path_with_the_double(engine_dir: Path, trtllm: ModuleType, tmp_path: Path,
                                                    capsys) -> None:
     check = _import_check()

@@ -1,5 +1,5 @@
 """Helpers for tests that run the real tritonserver: a tiny model, a filled model repository,
-and the server itself (scripts/launch_triton_server.py as a library).
+and the server itself (serving/launcher.py as a library).
 
 The tiny checkpoint has a byte-level BPE trained here on mixed ASCII/CJK/emoji text, so many
 tokens are pieces of a multi-byte character: random weights then generate split characters,
@@ -9,7 +9,6 @@ the hard case for streaming UTF-8. Nothing depends on files outside the reposito
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -17,12 +16,9 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from builder.hf_writer import write_hf_checkpoint
 from conftest import random_tensors, tiny_config_dict
 from runtime.model.config import ModelConfig
+from serving.launcher import TritonServer, start_server
+from serving.model_repo import TEMPLATE_REPO, add_model, default_values, fill_model_repo
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from launch_triton_server import TritonServer, start_server  # noqa: E402  (scripts/ is not a package)
-from make_model_repo import TEMPLATE_REPO, add_model, default_values, fill_model_repo  # noqa: E402
 
 BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"
 CORPUS = [

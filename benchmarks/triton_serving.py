@@ -1,7 +1,7 @@
 """TPOT, TTFT and output tokens/s through Triton (gRPC streaming to `ensemble`), plain vs MTP,
 at concurrency 1..32, next to the Python session at concurrency 1 (the serving overhead).
 
-  python scripts/benchmark_triton.py [--quick]
+  python -m benchmarks.triton_serving [--quick]
 
 Each mode builds nothing new: one engine (build_engine from the shipped model), one filled model
 repository per mode, one tritonserver per mode. Requests ignore eos (end_id -1) so every request
@@ -19,20 +19,19 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import (add_common_args, closed_loop_clients, comma_list, load_prompts,  # noqa: E402
-                          machine_info, machine_md, md_table, mean, ms, parse_with_quick, ratio, request_ttft_tpot,
-                          round_robin_by_source, run_tool, set_threads, target_line, write_results)
-from launch_triton_server import start_server  # noqa: E402
-from make_model_repo import default_values, fill_model_repo  # noqa: E402
-from triton_client import stream_generate  # noqa: E402
+from benchmarks.common import (add_common_args, closed_loop_clients, comma_list, load_prompts, machine_info, machine_md,
+                               md_table, mean, ms, parse_with_quick, ratio, request_ttft_tpot, round_robin_by_source,
+                               run_tool, set_threads, target_line, write_results)
+from serving.launcher import start_server
+from serving.model_repo import default_values, fill_model_repo
+from serving.client import stream_generate
 
 MODES = {"plain": dict(num_draft_tokens="0", speculation="off"),
          "mtp": dict(num_draft_tokens="3", speculation="adaptive")}
 
 
 def one_request(url: str, prompt: str, max_tokens: int) -> dict[str, float]:
-    """TTFT to the first text chunk and TPOT after it (bench_common.request_ttft_tpot)."""
+    """TTFT to the first text chunk and TPOT after it (benchmarks.common.request_ttft_tpot)."""
     sent = time.perf_counter()
     chunks = [c for c in stream_generate(url, prompt, max_tokens, end_id=-1, model="ensemble") if c.text]
     if not chunks:

@@ -22,14 +22,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `python scripts/x.py` puts scripts/ first, not the repo root
-    sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from runtime.io.atomic import atomic_write  # noqa: E402
-from runtime.io.checkpoint import expected_tensor_shapes, is_mtp_tensor  # noqa: E402
-from runtime.model.kernels.modules import KernelMLA, PackedExperts, PackedLinear  # noqa: E402
+from runtime.io.atomic import atomic_write
+from runtime.io.checkpoint import expected_tensor_shapes, is_mtp_tensor
+from runtime.model.kernels.modules import KernelMLA, PackedExperts, PackedLinear
 
 DEFAULT_MODEL = "models/deepseek-v3-mini"
 DEFAULT_OUT_DIR = "docs/benchmarks"
@@ -83,6 +80,13 @@ def set_threads(n: int) -> None:
         torch.set_num_threads(n)
 
 
+def _command_line() -> str:
+    """The command that reproduces this run: `python -m benchmarks.<name> ...` for a benchmark module."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    program = f"python -m {spec.name}" if spec is not None else Path(sys.argv[0]).name
+    return " ".join([program, *sys.argv[1:]])
+
+
 def machine_info() -> dict[str, Any]:
     """What the numbers were measured on; load average tells whether something else was running."""
     cpu = platform.processor() or ""
@@ -114,7 +118,7 @@ def machine_info() -> dict[str, Any]:
         # changed tracked files, but not the benchmark outputs this very run rewrites
         "git_dirty_files": (_git("status", "--porcelain", "--untracked-files=no", "--", ".",
                                  ":(exclude)docs/benchmarks") or "").splitlines(),
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "command": _command_line(),
     }
     try:
         import transformers

@@ -1,8 +1,7 @@
-#!/usr/bin/env python3
 """Fill `${key}` placeholders of a Triton config.pbtxt template, like TensorRT-LLM's
 tools/fill_template.py, so the same deployment scripts work on our model repository.
 
-    python scripts/fill_template.py -i triton_repo/tensorrt_llm/config.pbtxt \
+    fill_template -i triton_repo/tensorrt_llm/config.pbtxt \
         "engine_dir:/engines/x,triton_max_batch_size:64,decoupled_mode:true"
 
 Values containing ',' or ':' escape them with '\\'. Placeholders not named are left as they

@@ -10,8 +10,8 @@ whether the greedy tokens equal those of plain decoding. TTFT and TPOT are timed
 target decode step) is measured directly on the paged path at batch 1, and from the runner's
 own draft/target timers; the ideal speed-up is E(k) / (1 + k c), E(k) = (1 - a^(k+1)) / (1 - a).
 
-  python scripts/benchmark_speculative.py                     # full run (8 prompts x 256 tokens)
-  python scripts/benchmark_speculative.py --quick             # smoke run
+  python -m benchmarks.speculative                     # full run (8 prompts x 256 tokens)
+  python -m benchmarks.speculative --quick             # smoke run
 """
 
 from __future__ import annotations
@@ -21,20 +21,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_common import (Timer, add_common_args, check_minimums, comma_list, engine_info, load_prompts, machine_info,
-                          machine_md, md_table, mean, parse_with_quick, percentile, ratio, request_ttft_tpot,
-                          round_robin_by_source, set_threads, sync, target_line, write_results)
+from benchmarks.common import (Timer, add_common_args, check_minimums, comma_list, engine_info, load_prompts,
+                               machine_info, machine_md, md_table, mean, parse_with_quick, percentile, ratio,
+                               request_ttft_tpot, round_robin_by_source, set_threads, sync, target_line, write_results)
 
-import torch  # noqa: E402  (bench_common puts the repo root on sys.path first)
-from tqdm import tqdm  # noqa: E402
+import torch
+from tqdm import tqdm
 
-from runtime.io.loading import load_engine  # noqa: E402
-from runtime.executors.base import ExecutorConfig  # noqa: E402
-from runtime.executors.native import Executor  # noqa: E402
-from runtime.core.cuda_graphs import CudaGraphRunner  # noqa: E402
-from runtime.core.kv_cache import KVCache  # noqa: E402
-from runtime.core.sampling import SamplingParams  # noqa: E402
-from runtime.core.model_runner import ModelRunner  # noqa: E402
+from runtime.io.loading import load_engine
+from runtime.executors.base import ExecutorConfig
+from runtime.executors.native import Executor
+from runtime.core.cuda_graphs import CudaGraphRunner
+from runtime.core.kv_cache import KVCache
+from runtime.core.sampling import SamplingParams
+from runtime.core.model_runner import ModelRunner
 
 TARGETS = {"k1_vs_k0": 1.6, "best_vs_k0": 2.0, "k0_vs_hf": 3.0}
 FORMULA = ("ideal(k) = E(k) / (1 + k * c), with E(k) = (1 - a^(k+1)) / (1 - a) the expected tokens per "

@@ -8,8 +8,8 @@ and leave every KV block free. Exits non-zero on any failure; bounded by --timeo
    prefilled in chunks next to running decodes); compare tokens and finish reasons with the
    reference; check the executor is empty and its KV blocks all free.
 
-  python scripts/load_test.py                 # 200 requests at concurrency 32
-  python scripts/load_test.py --quick         # smoke run
+  python -m benchmarks.load_test                 # 200 requests at concurrency 32
+  python -m benchmarks.load_test --quick         # smoke run
 """
 
 from __future__ import annotations
@@ -21,17 +21,17 @@ import threading
 import time
 from typing import Any
 
-from bench_common import (add_common_args, check_minimums, closed_loop_clients, engine_info, load_prompts,
-                          machine_info, machine_md, md_table, mean, parse_with_quick, percentile, set_threads,
-                          write_results)
+from benchmarks.common import (add_common_args, check_minimums, closed_loop_clients, engine_info, load_prompts,
+                               machine_info, machine_md, md_table, mean, parse_with_quick, percentile, set_threads,
+                               write_results)
 
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import torch
+from tqdm import tqdm
 
-from runtime.io.loading import load_engine  # noqa: E402
-from runtime.executors.base import ExecutorConfig  # noqa: E402
-from runtime.executors.native import Executor  # noqa: E402
-from runtime.core.sampling import SamplingParams  # noqa: E402
+from runtime.io.loading import load_engine
+from runtime.executors.base import ExecutorConfig
+from runtime.executors.native import Executor
+from runtime.core.sampling import SamplingParams
 
 
 class Deadline:

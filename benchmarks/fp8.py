@@ -1,7 +1,7 @@
 """Held-out perplexity and MTP acceptance of the FP8 engine vs the unquantized BF16 export, on the shipped model.
 
-  python scripts/export_model.py --ckpt runs/mini/ckpt.pt --tokenizer_dir data --out_dir /tmp/mini-bf16 --bf16
-  python scripts/benchmark_fp8.py --bf16_model /tmp/mini-bf16 [--val_bin data/val.bin]
+  python -m training.export_model --ckpt runs/mini/ckpt.pt --tokenizer_dir data --out_dir /tmp/mini-bf16 --bf16
+  python -m benchmarks.fp8 --bf16_model /tmp/mini-bf16 [--val_bin data/val.bin]
 
 Both engines come from build_engine (FP8_BLOCK_SCALES as shipped; NO_QUANT from the BF16 export of
 the same training checkpoint, its weights stored as fp32) and run in fp32 on CPU, so the only
@@ -16,11 +16,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import (add_common_args, check_minimums, load_prompts, machine_info, machine_md, md_table,  # noqa: E402
-                          parse_with_quick, round_robin_by_source, run_tool, set_threads, weight_bytes_in_memory,
-                          write_results)
-from measure_acceptance import teacher_forced, val_windows  # noqa: E402
+from benchmarks.common import (add_common_args, check_minimums, load_prompts, machine_info, machine_md, md_table,
+                               parse_with_quick, round_robin_by_source, run_tool, set_threads, weight_bytes_in_memory,
+                               write_results)
+from benchmarks.acceptance import teacher_forced, val_windows
 
 
 def main() -> int:

@@ -6,8 +6,8 @@ the embedding and the output head with the main model, as DeepSeek-V3 does).
 Experts are balanced without an auxiliary loss, as DeepSeek-V3 does: after every step each MoE
 gate's e_score_correction_bias moves by gamma * sign(mean load - expert load).
 
-  python scripts/train_model.py --data_dir data --out_dir runs/mini --steps 3000
-  python scripts/train_model.py --data_dir data --out_dir runs/mini --resume   # continue
+  python -m training.train_model --data_dir data --out_dir runs/mini --steps 3000
+  python -m training.train_model --data_dir data --out_dir runs/mini --resume   # continue
 """
 
 from __future__ import annotations

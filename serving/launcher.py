@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Launch tritonserver on a model repository (TensorRT-LLM backend's launch_triton_server.py,
 made to work without NVIDIA's container).
 
@@ -11,7 +10,7 @@ starts the server bound to 127.0.0.1 unless told otherwise, waits until /v2/heal
 and stops it on SIGINT/SIGTERM. With --world_size N it runs one tritonserver per rank under
 mpirun, as upstream does (rank 0 serves, the other ranks load only the engine model).
 
-    python scripts/launch_triton_server.py --model_repo /tmp/repo --http_port 8000
+    launch_triton_server --model_repo /tmp/repo --http_port 8000
 
 As a library (tests): `with start_server(repo) as server: ... server.http_url ...`.
 """

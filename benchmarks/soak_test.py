@@ -1,10 +1,9 @@
-#!/usr/bin/env python3
 """Bounded soak test of the Triton deployment: a mixed closed-loop load on 127.0.0.1 that must leave the
 server as it found it (no unexpected error, the same greedy text under load, every KV block free, resident
 memory grown by at most 10% after warm-up, ready and serving at the end).
 
-  python scripts/soak_test.py                 # 30 minutes at concurrency 32
-  python scripts/soak_test.py --quick         # smoke run: 2 minutes at concurrency 8
+  python -m benchmarks.soak_test                 # 30 minutes at concurrency 32
+  python -m benchmarks.soak_test --quick         # smoke run: 2 minutes at concurrency 8
 
 Builds an engine of the shipped model (or serves --engine_dir), fills a model repository with the default
 values (adaptive MTP speculation) and starts the real tritonserver. Each client picks a kind of request by
@@ -41,18 +40,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import (DEFAULT_MODEL, ROOT, fmt, load_prompts, machine_info, machine_md, md_table,  # noqa: E402
-                          ms, percentile, round_robin_by_source, run_tool, write_results)
-from launch_triton_server import TritonServer, python_stubs, start_server  # noqa: E402
-from make_model_repo import default_values, fill_model_repo  # noqa: E402
+from benchmarks.common import (DEFAULT_MODEL, ROOT, fmt, load_prompts, machine_info, machine_md, md_table, ms,
+                               percentile, round_robin_by_source, run_tool, write_results)
+from serving.launcher import TritonServer, python_stubs, start_server
+from serving.model_repo import default_values, fill_model_repo
 
-import numpy as np  # noqa: E402
-import tritonclient.grpc as grpcclient  # noqa: E402
-import tritonclient.http as httpclient  # noqa: E402
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 
-from runtime.io.engine_format import read_limits  # noqa: E402
-from runtime.io.tokenizer import Tokenizer  # noqa: E402
+from runtime.io.engine_format import read_limits
+from runtime.io.tokenizer import Tokenizer
 
 RSS_GROWTH_LIMIT = 0.10  # of a process's resident memory, from the warm-up sample to the end
 CANCEL_TOKENS = 512  # a cancelled or disconnected request asks for this many (eos ignored): it is still running

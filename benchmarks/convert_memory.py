@@ -6,7 +6,7 @@ that with a child that only imports the converter (the Python + torch baseline).
 imports no torch and writes the checkpoint from a child too: Linux carries a parent's peak RSS
 into a forked child's ru_maxrss, so the parent must stay small.
 
-    python scripts/measure_convert_memory.py [--tp_size 2 --ep_size 2 --fp8] [--out FILE]
+    python -m benchmarks.convert_memory [--tp_size 2 --ep_size 2 --fp8] [--out FILE]
 """
 
 from __future__ import annotations
@@ -31,9 +31,8 @@ CONFIG = {
 }
 
 CHILD = """
-import resource, sys, time
+import resource, time
 from pathlib import Path
-sys.path.insert(0, {root!r})
 from builder.convert import convert_checkpoint
 from runtime.io.engine_format import BuildConfig
 if {convert!r}:
@@ -44,8 +43,7 @@ print("maxrss_kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 
 WRITE = """
-import sys, torch
-sys.path.insert(0, {root!r})
+import torch
 from builder.hf_writer import write_hf_checkpoint
 from runtime.io.checkpoint import expected_tensor_shapes
 from runtime.model.config import ModelConfig
@@ -69,17 +67,17 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--fp8", action="store_true", help="FP8 source, converted with FP8_BLOCK_SCALES (pass-through)")
     p.add_argument("--shard_mb", type=int, default=160)
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "convert_memory.json")
+    p.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "convert_memory.json")
     args = p.parse_args()
 
     build = {"tp_size": args.tp_size, "ep_size": args.ep_size, "dtype": args.dtype,
              "quant_algo": "FP8_BLOCK_SCALES" if args.fp8 else None, "max_seq_len": 4096}
     with tempfile.TemporaryDirectory(dir=ROOT) as work:
         src, dst = Path(work) / "hf", Path(work) / "trtllm"
-        child(WRITE.format(root=str(ROOT), config=CONFIG, src=str(src), fp8=args.fp8, shard_bytes=args.shard_mb * 2**20))
+        child(WRITE.format(config=CONFIG, src=str(src), fp8=args.fp8, shard_bytes=args.shard_mb * 2**20))
         shards = sorted(src.glob("model-*.safetensors"))
         largest = max(f.stat().st_size for f in shards)
-        measure = dict(root=str(ROOT), src=str(src), dst=str(dst), build=build)
+        measure = dict(src=str(src), dst=str(dst), build=build)
         baseline = child(CHILD.format(convert=False, **measure))["maxrss_kib"] * 1024
         run = child(CHILD.format(convert=True, **measure))
         peak = run["maxrss_kib"] * 1024

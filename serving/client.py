@@ -2,7 +2,7 @@
 Triton 2.51 (the newest server a package registry offers here) a cancelled or disconnected `ensemble` stream
 does not reach the engine, which generates on to max_tokens; the BLS passes cancellation on.
 
-  python scripts/triton_client.py --url 127.0.0.1:8001 --max_tokens 64 "def fibonacci(n):"
+  triton_client --url 127.0.0.1:8001 --max_tokens 64 "def fibonacci(n):"
 """
 
 from __future__ import annotations

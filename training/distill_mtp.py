@@ -5,7 +5,7 @@ so after joint training the MTP layer is trained further on KL(target(t+1) || MT
 model is frozen and only run forward; the MTP layer sees the target's final hidden state at t and
 the token t+1, and learns the target's distribution for t+2. Its embedding and output head are
 frozen and stay equal to the main model's, as DeepSeek-V3 shares them. Writes a checkpoint in the
-training format, which `export_model.py` turns into a release.
+training format, which `training.export_model` turns into a release.
 
 Drafts after the first re-run the layer on its own hidden state, so each window is also trained the
 way drafts 2..D run (`--chain_depth D`): draft d at position p gets the layer's own hidden from
@@ -15,7 +15,7 @@ while drafting; it learns the target's distribution for the token after next. Th
 window's own, because that distribution is conditioned on it (when drafting, an accepted draft is
 the token the target continues from).
 
-  python scripts/distill_mtp.py --ckpt runs/mini/ckpt.pt --out runs/mini-distill/ckpt.pt --time_budget_min 35
+  python -m training.distill_mtp --ckpt runs/mini/ckpt.pt --out runs/mini-distill/ckpt.pt --time_budget_min 35
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from train_model import batches, save  # scripts/ is on sys.path when run as a script
+from training.train_model import batches, save
 
 from runtime.model.config import ModelConfig
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM, Gate
@@ -98,7 +98,7 @@ def evaluate(model: DeepseekV3ForCausalLM, val: np.ndarray, args: argparse.Names
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", type=Path, required=True, help="training checkpoint (train_model.py)")
+    p.add_argument("--ckpt", type=Path, required=True, help="training checkpoint (training.train_model)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--data_dir", type=Path, default=Path("data"))
     p.add_argument("--time_budget_min", type=float, default=30.0)

@@ -1,6 +1,6 @@
 """Make a deployable Triton model repository: copy triton_repo/ and fill every config.pbtxt.
 
-  python scripts/make_model_repo.py --engine_dir engines/deepseek-v3-mini --output_dir engines/triton_repo \
+  make_model_repo --engine_dir engines/deepseek-v3-mini --output_dir engines/triton_repo \
       [--set num_draft_tokens:3,speculation:adaptive]
 
 Each model gets the substitutions its template has (see triton_repo/README.md for the keys).
@@ -13,10 +13,9 @@ import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fill_template import fill, parse_substitutions  # noqa: E402  (scripts/ is not a package)
+from serving.fill_template import fill, parse_substitutions
 
-from runtime.io.engine_format import read_limits  # noqa: E402
+from runtime.io.engine_format import read_limits
 
 TEMPLATE_REPO = Path(__file__).resolve().parents[1] / "triton_repo"
 PATH_KEYS = ("engine_dir", "tokenizer_dir")

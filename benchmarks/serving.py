@@ -15,8 +15,8 @@ vLLM's (benchmarks/benchmark_serving.py), taken on the client's clock: TTFT = fi
 TPOT = (latency - TTFT) / (output tokens - 1) per request (1-token requests left out), then averaged;
 output tokens/s = the level's output tokens / its wall time (first send to last finish).
 
-  python scripts/benchmark_serving.py            # full run
-  python scripts/benchmark_serving.py --quick    # smoke run
+  python -m benchmarks.serving            # full run
+  python -m benchmarks.serving --quick    # smoke run
 """
 
 from __future__ import annotations
@@ -28,17 +28,17 @@ import threading
 import time
 from typing import Any
 
-from bench_common import (add_common_args, check_minimums, closed_loop_clients, comma_list, engine_info, load_prompts,
-                          machine_info, machine_md, md_table, mean, ms, parse_with_quick, percentile, ratio,
-                          request_ttft_tpot, save_figure, set_threads, target_line, write_results)
+from benchmarks.common import (add_common_args, check_minimums, closed_loop_clients, comma_list, engine_info,
+                               load_prompts, machine_info, machine_md, md_table, mean, ms, parse_with_quick, percentile,
+                               ratio, request_ttft_tpot, save_figure, set_threads, target_line, write_results)
 
-from tqdm import tqdm  # noqa: E402
+from tqdm import tqdm
 
-from runtime.io.loading import load_engine  # noqa: E402
-from runtime.executors.base import ExecutorConfig  # noqa: E402
-from runtime.executors.native import Executor  # noqa: E402
-from runtime.executors.requests import RequestOutput  # noqa: E402
-from runtime.core.sampling import SamplingParams  # noqa: E402
+from runtime.io.loading import load_engine
+from runtime.executors.base import ExecutorConfig
+from runtime.executors.native import Executor
+from runtime.executors.requests import RequestOutput
+from runtime.core.sampling import SamplingParams
 
 MODE_ORDER = ("plain", "fixed", "adaptive")
 QUICK_DEFAULTS = dict(concurrency="1,4", num_requests=4, requests_per_client=2, qps_fractions="0.5", qps_requests=4,

@@ -9,8 +9,8 @@
    teacher-forced MTP agreement with the main model's greedy choice at t+2 (the acceptance the
    MTP would get if the context were the true text).
 
-  python scripts/measure_acceptance.py --val_bin data/val.bin
-  python scripts/measure_acceptance.py --quick
+  python -m benchmarks.acceptance --val_bin data/val.bin
+  python -m benchmarks.acceptance --quick
 """
 
 from __future__ import annotations
@@ -21,18 +21,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_common import (add_common_args, check_minimums, comma_list, engine_info, load_prompts, machine_info,
-                          machine_md, md_table, mean, parse_with_quick, round_robin_by_source, set_threads, write_results)
+from benchmarks.common import (add_common_args, check_minimums, comma_list, engine_info, load_prompts, machine_info,
+                               machine_md, md_table, mean, parse_with_quick, round_robin_by_source, set_threads,
+                               write_results)
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
 
-from runtime.io.loading import load_engine  # noqa: E402
-from runtime.executors.base import ExecutorConfig  # noqa: E402
-from runtime.executors.native import Executor  # noqa: E402
-from runtime.core.sampling import SamplingParams  # noqa: E402
+from runtime.io.loading import load_engine
+from runtime.executors.base import ExecutorConfig
+from runtime.executors.native import Executor
+from runtime.core.sampling import SamplingParams
 
 
 def repeated_ngram_fraction(context: list[int], output: list[int], n: int = 4) -> float:

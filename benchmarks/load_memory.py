@@ -6,7 +6,7 @@ torch and kernels baseline, with torch's meta-device machinery, which its first 
 FP8 engine, and a synthetic FP8 checkpoint of about 500 MB (random weights, the release layout) and its
 engine. This process imports no torch: Linux carries a parent's peak RSS into a forked child's ru_maxrss.
 
-    python scripts/measure_load_memory.py [--out docs/benchmarks/load_memory]
+    python -m benchmarks.load_memory [--out docs/benchmarks/load_memory]
 """
 
 from __future__ import annotations
@@ -32,11 +32,9 @@ CONFIG = {  # about 500 MB as an FP8 release: 4 MoE layers (the MTP one included
 }
 
 LOAD = """
-import resource, sys, time
-sys.path.insert(0, {root!r})
-sys.path.insert(0, {scripts!r})
+import resource, time
 import torch
-from bench_common import weight_bytes_in_memory
+from benchmarks.common import weight_bytes_in_memory
 from runtime.io.engine_format import read_limits
 from runtime.model.kernels import cpu_kernels
 from runtime.io.loading import load_engine
@@ -54,8 +52,7 @@ print("kept_bytes", weight_bytes_in_memory(engine.model))
 """
 
 WRITE = """
-import sys, torch
-sys.path.insert(0, {root!r})
+import torch
 from builder.hf_writer import write_hf_checkpoint
 from runtime.io.checkpoint import expected_tensor_shapes
 from runtime.model.config import ModelConfig
@@ -74,7 +71,7 @@ def child(code: str) -> dict[str, float]:
 
 
 def measure(path: Path) -> dict[str, float]:
-    r = child(LOAD.format(root=str(ROOT), scripts=str(ROOT / "scripts"), path=str(path)))
+    r = child(LOAD.format(path=str(path)))
     kept, baseline, peak = r["kept_bytes"], r["baseline_kib"] * 1024, r["peak_kib"] * 1024
     return {"kept_mib": kept / 2**20, "baseline_mib": baseline / 2**20, "peak_mib": peak / 2**20,
             "load_mib": (peak - baseline) / 2**20, "load_over_kept": (peak - baseline) / kept, "seconds": r["seconds"]}
@@ -87,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     shipped = ROOT / "models" / "deepseek-v3-mini"
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)
-        subprocess.run([sys.executable, "-c", WRITE.format(root=str(ROOT), config=CONFIG, src=str(work / "synthetic"),
+        subprocess.run([sys.executable, "-c", WRITE.format(config=CONFIG, src=str(work / "synthetic"),
                                                            tokenizer=str(shipped))], check=True)
         for src, name in ((shipped, "shipped"), (work / "synthetic", "synthetic")):
             subprocess.run([Path(sys.executable).with_name("build_engine"), "--model_dir", src, "--output_dir",
@@ -97,8 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                  "synthetic ~500 MB, FP8 engine": work / "synthetic-engine"}
         results = {name: {"files_mib": sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2**20,
                           **measure(path)} for name, path in cases.items()}
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from bench_common import machine_info, md_table, write_json, write_text
+    from benchmarks.common import machine_info, md_table, write_json, write_text  # imports torch: after the children
 
     write_json(args.out.with_suffix(".json"), {"machine": machine_info(), "cases": results})
     rows = [(name, r["files_mib"], r["kept_mib"], r["load_mib"], r["load_over_kept"], r["baseline_mib"], r["seconds"])

@@ -1,6 +1,6 @@
 """Export a training checkpoint to the DeepSeek-V3 release layout (FP8 weights, shards, tokenizer).
 
-  python scripts/export_model.py --ckpt runs/mini/ckpt.pt --tokenizer_dir data --out_dir models/deepseek-v3-mini
+  python -m training.export_model --ckpt runs/mini/ckpt.pt --tokenizer_dir data --out_dir models/deepseek-v3-mini
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ Outputs (in --out_dir, written to a temp dir and renamed into place):
   heldout_prompts.json                    40 prompts cut from validation documents only
   meta.json                               per-source stats, licences, arguments
 
-Usage: python scripts/prepare_data.py --out_dir data --vocab_size 4096 [--max_bytes_per_source N]
+Usage: python -m training.prepare_data --out_dir data --vocab_size 4096 [--max_bytes_per_source N]
 """
 from __future__ import annotations
 

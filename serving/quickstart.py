@@ -11,10 +11,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-from launch_triton_server import start_server  # noqa: E402  (scripts/ is not a package)
-from make_model_repo import default_values, fill_model_repo  # noqa: E402
-from triton_client import stream_generate  # noqa: E402
+from serving.launcher import start_server
+from serving.model_repo import default_values, fill_model_repo
+from serving.client import stream_generate
 
 
 def main() -> int:

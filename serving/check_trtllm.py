@@ -1,15 +1,14 @@
-#!/usr/bin/env python3
 """Check the --backend trtllm path end to end on a GPU host with TensorRT-LLM.
 
-    python scripts/check_trtllm.py                       # build models/deepseek-v3-mini, session + Triton
-    python scripts/check_trtllm.py --skip_triton --engine_dir /engines/dsv3-trt
+    check_trtllm                       # build models/deepseek-v3-mini, session + Triton
+    check_trtllm --skip_triton --engine_dir /engines/dsv3-trt
 
 1. builds the shipped model with `build_engine --backend trtllm` (a subprocess; --engine_dir skips it);
 2. generates greedily with each draft length (default 0 and 3) through the session path
    (runtime.executors.trtllm.TrtllmExecutor, one request at a time) and checks that every draft
    length gives the same tokens as the first;
 3. unless --skip_triton: fills a copy of triton_repo/ for the engine, starts tritonserver with
-   scripts/launch_triton_server.py and sends the same prompts to `ensemble` over gRPC streaming
+   serving/launcher.py and sends the same prompts to `ensemble` over gRPC streaming
    (tritonclient), checking that the text equals the session path's;
 4. prints TPOT (mean time per output token after the first) and the draft acceptance rate.
 
@@ -40,10 +39,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-for _p in (ROOT, ROOT / "scripts"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
-
 DEFAULT_MODEL = ROOT / "models" / "deepseek-v3-mini"
 FALLBACK_PROMPTS = ["def fib(n):", "In the beginning God created the heaven and the earth.",
                     "import os\nimport sys\n", "for i in range(10):"]
@@ -143,8 +138,8 @@ def triton_runs(engine: Path, k: int, prompts: list[str], n_tokens: list[int], w
     """The prompts through `ensemble` over gRPC streaming, one at a time."""
     import numpy as np
     import tritonclient.grpc as grpcclient
-    from fill_template import fill
-    from launch_triton_server import start_server
+    from serving.fill_template import fill
+    from serving.launcher import start_server
 
     from runtime.executors.trtllm import TrtllmEngine
 
