@@ -5,6 +5,7 @@ with that message rather than running on a silently wrong setting."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -52,3 +53,12 @@ def model_path(model_config: dict, name: str, model_dir: str) -> Path:
     if value is None:
         raise ValueError(f"model {model_config.get('name', '?')}: parameter {name} is not set")
     return Path(model_dir) / value
+
+
+def sibling_config(model_dir: str, model: str) -> tuple[dict, str]:
+    """The name and parameters of another model of the same repository, read from its config.pbtxt (in the shape
+    of `args["model_config"]`), and its directory: for a model that takes settings its sibling already has."""
+    directory = Path(model_dir).parent / model
+    text = (directory / "config.pbtxt").read_text()
+    pairs = re.findall(r'key:\s*"([^"]+)"\s*value:\s*\{\s*string_value:\s*"((?:[^"\\]|\\.)*)"', text)
+    return {"name": model, "parameters": {k: {"string_value": v} for k, v in pairs}}, str(directory)

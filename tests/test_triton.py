@@ -32,10 +32,10 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 
 from runtime.core.sampling import SamplingParams  # noqa: E402
 from runtime.executors.session import Session  # noqa: E402
-from triton_util import (ROOT, TEMPLATE_REPO, TritonServer, add_model, fill_model_repo,  # noqa: E402
+from serving.fill_template import fill, parse_substitutions  # noqa: E402
+from serving.launcher import build_command, find_install, free_ports, python_stubs  # noqa: E402
+from triton_util import (TEMPLATE_REPO, TritonServer, add_model, fill_model_repo,  # noqa: E402
                          make_tiny_checkpoint, repo_values, start_server)
-from fill_template import fill, parse_substitutions  # noqa: E402  (on sys.path via triton_util)
-from launch_triton_server import build_command, find_install, free_ports, python_stubs  # noqa: E402
 
 MAX_SEQ_LEN = 1024  # the tiny checkpoint's max_position_embeddings (make_tiny_checkpoint)
 TOKENS = 24  # generated per request in the comparisons with the session
@@ -65,6 +65,10 @@ def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
               name="tensorrt_llm_bls_sync")
     add_model(repo, TEMPLATE_REPO / "tensorrt_llm_bls", repo_values(checkpoint, accumulate_tokens="true"),
               name="tensorrt_llm_bls_accumulate")
+    # filled as upstream's commands fill it: no tokenizer settings of its own
+    add_model(repo, TEMPLATE_REPO / "tensorrt_llm_bls", {k: v for k, v in repo_values(checkpoint).items()
+                                                         if k not in ("tokenizer_dir", "max_input_tokens", "vocab_size")},
+              name="tensorrt_llm_bls_upstream")
     t0 = time.monotonic()
     srv = start_server(repo, log_file=work / "server.log", ready_timeout_s=240, exit_timeout_s=3,
                        admin_api_key=ADMIN_KEY)
@@ -212,14 +216,14 @@ def test_fill_template_escapes_and_leaves_other_placeholders(tmp_path: Path) -> 
     assert text == 'p: "/e" q: "${other}" s: a,b d: 0'
     config = tmp_path / "config.pbtxt"
     config.write_text("x: ${a}\n")
-    script = ROOT / "scripts" / "fill_template.py"
-    subprocess.run([sys.executable, script, "-i", config, "a:1\\,2"], check=True)
+    script = Path(sys.executable).with_name("fill_template")
+    subprocess.run([script, "-i", config, "a:1\\,2"], check=True)
     assert config.read_text() == "x: 1,2\n"
-    bad = subprocess.run([sys.executable, script, config, "typo:1"], capture_output=True, text=True)
+    bad = subprocess.run([script, config, "typo:1"], capture_output=True, text=True)
     assert bad.returncode == 2 and "typo" in bad.stderr
     # upstream's documented commands pass keys our templates do not have: accepted, reported
     config.write_text("x: ${a}\n")
-    upstream = subprocess.run([sys.executable, script, "-i", config, "a:2,batching_strategy:inflight_fused_batching,"
+    upstream = subprocess.run([script, "-i", config, "a:2,batching_strategy:inflight_fused_batching,"
                                "logits_datatype:TYPE_FP32,max_queue_size:0"], capture_output=True, text=True)
     assert upstream.returncode == 0, upstream.stderr
     assert config.read_text() == "x: 2\n"
@@ -228,39 +232,38 @@ def test_fill_template_escapes_and_leaves_other_placeholders(tmp_path: Path) -> 
 
 
 def test_fill_template_refuses_a_non_decoupled_engine_model(tmp_path: Path) -> None:
-    script = ROOT / "scripts" / "fill_template.py"
+    script = Path(sys.executable).with_name("fill_template")
     config = tmp_path / "config.pbtxt"
     config.write_text((TEMPLATE_REPO / "tensorrt_llm" / "config.pbtxt").read_text())
     before = config.read_text()
-    bad = subprocess.run([sys.executable, script, "-i", config, "decoupled_mode:False,triton_max_batch_size:8"],
+    bad = subprocess.run([script, "-i", config, "decoupled_mode:False,triton_max_batch_size:8"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and config.read_text() == before
     assert bad.stderr == (f"fill_template: {config}: decoupled_mode:False: the tensorrt_llm model runs only decoupled "
                           "(it answers from the executor's thread); for unary ModelInfer clients deploy "
                           "tensorrt_llm_bls with decoupled_mode:false, which drives the decoupled tensorrt_llm\n")
-    # the BLS may be non-decoupled; upstream's tokenizer_dir / tokenizer_type / num_nodes are accepted and noted
+    # the BLS may be non-decoupled; upstream's tokenizer_type / num_nodes are accepted and noted
     config.write_text((TEMPLATE_REPO / "tensorrt_llm_bls" / "config.pbtxt").read_text())
-    ok = subprocess.run([sys.executable, script, "-i", config, "decoupled_mode:False,tokenizer_dir:/t,"
+    ok = subprocess.run([script, "-i", config, "decoupled_mode:False,tokenizer_dir:/t,"
                          "tokenizer_type:auto,num_nodes:1"], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
-    assert "decoupled: False" in config.read_text()
-    assert ok.stderr == (f"fill_template: {config}: ignored (not used by this repository): num_nodes, tokenizer_dir, "
-                         "tokenizer_type\n")
+    assert "decoupled: False" in config.read_text() and 'string_value: "/t"' in config.read_text()
+    assert ok.stderr == f"fill_template: {config}: ignored (not used by this repository): num_nodes, tokenizer_type\n"
 
 
 def test_fill_template_in_place_is_atomic_and_names_a_non_utf8_file(tmp_path: Path) -> None:
-    script = ROOT / "scripts" / "fill_template.py"
+    script = Path(sys.executable).with_name("fill_template")
     config = tmp_path / "config.pbtxt"
     config.write_text("x: ${a}\n")
     config.chmod(0o640)
     inode = config.stat().st_ino
-    subprocess.run([sys.executable, script, "-i", config, "a:1"], check=True)
+    subprocess.run([script, "-i", config, "a:1"], check=True)
     assert config.read_text() == "x: 1\n"
     assert config.stat().st_ino != inode  # replaced by a new file, not rewritten in place
     assert oct(config.stat().st_mode & 0o777) == oct(0o640)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.pbtxt"]  # no temporary file left
     config.write_bytes(b"x: ${a}\n\xff\n")
-    bad = subprocess.run([sys.executable, script, "-i", config, "a:1"], capture_output=True, text=True)
+    bad = subprocess.run([script, "-i", config, "a:1"], capture_output=True, text=True)
     assert bad.returncode == 2
     assert bad.stderr == f"fill_template: {config}: not UTF-8 text (byte 8: invalid start byte)\n"
 
@@ -305,7 +308,7 @@ LAUNCHER_ERRORS = {
 @pytest.mark.parametrize("case", list(LAUNCHER_ERRORS), ids=list(LAUNCHER_ERRORS))
 def test_launcher_refuses_bad_arguments(tmp_path: Path, case: str) -> None:
     args, message = LAUNCHER_ERRORS[case]
-    cmd = [sys.executable, ROOT / "scripts" / "launch_triton_server.py", "--model_repo", tmp_path,
+    cmd = [Path(sys.executable).with_name("launch_triton_server"), "--model_repo", tmp_path,
            *(a.format(tmp=tmp_path) for a in args)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert (out.returncode, out.stderr) == (2, f"launch_triton_server: {message.format(tmp=tmp_path)}\n")
@@ -333,7 +336,7 @@ def launch_echo_server(tmp_path: Path) -> tuple[subprocess.Popen, int]:
     (tmp_path / "repo" / "echo" / "config.pbtxt").write_text(ECHO_CONFIG)
     (tmp_path / "repo" / "echo" / "1" / "model.py").write_text(ECHO_MODEL)
     http, grpc, metrics_port = free_ports(3)
-    proc = subprocess.Popen([sys.executable, ROOT / "scripts" / "launch_triton_server.py", "--model_repo",
+    proc = subprocess.Popen([Path(sys.executable).with_name("launch_triton_server"), "--model_repo",
                              tmp_path / "repo", "--http_port", str(http), "--grpc_port", str(grpc),
                              "--metrics_port", str(metrics_port), "--log_file", tmp_path / "server.log"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -565,6 +568,15 @@ def test_bls_accumulate_tokens_streams_the_whole_text_so_far(server: TritonServe
     status, body = http_generate(server, "tensorrt_llm_bls_accumulate", text_input=prompt, max_tokens=TOKENS,
                                  exclude_input_in_output=True)  # not streamed: one response, as without it
     assert status == 200 and body["text_output"] == expected[prompt].text
+
+
+def test_bls_filled_as_upstream_takes_the_tokenizer_of_preprocessing(server: TritonServer, expected: dict) -> None:
+    """Upstream's fill commands give the BLS no tokenizer_dir; it then tokenizes as preprocessing and
+    detokenizes as postprocessing are configured (their config.pbtxt), and streams the same text."""
+    prompt = PROMPTS[0]
+    out = grpc_stream(server, "tensorrt_llm_bls_upstream", text_input=prompt, max_tokens=TOKENS, stream=True,
+                      exclude_input_in_output=True)
+    assert out.error is None and out.text == expected[prompt].text
 
 
 def test_grpc_non_streaming_is_one_response(server: TritonServer, expected: dict) -> None:

@@ -43,3 +43,21 @@ def test_a_value_that_does_not_parse_names_the_model_and_parameter(name: str, ra
     with pytest.raises(ValueError) as e:
         parameter(config(**{name: raw}), name, cast)
     assert str(e.value) == message
+
+
+def test_sibling_config_reads_another_models_parameters(tmp_path) -> None:
+    """The BLS filled by upstream's commands has no tokenizer_dir: it takes preprocessing's settings from that
+    model's config.pbtxt, read in the shape Triton gives a model its own."""
+    from serving.fill_template import fill
+    from serving.model_repo import TEMPLATE_REPO
+    from serving.triton_parameters import sibling_config
+
+    (tmp_path / "preprocessing").mkdir()
+    (tmp_path / "preprocessing" / "config.pbtxt").write_text(fill(
+        (TEMPLATE_REPO / "preprocessing" / "config.pbtxt").read_text(),
+        {"tokenizer_dir": "tok", "max_input_tokens": "512", "triton_max_batch_size": "8",
+         "preprocessing_instance_count": "1"}))
+    cfg, directory = sibling_config(str(tmp_path / "tensorrt_llm_bls"), "preprocessing")
+    assert directory == str(tmp_path / "preprocessing")
+    assert parameter(cfg, "tokenizer_dir") == "tok" and parameter(cfg, "max_input_tokens", integer) == 512
+    assert parameter(cfg, "add_special_tokens", boolean) is None  # left unfilled: unset

@@ -1,9 +1,11 @@
 """Triton `tensorrt_llm_bls`: the ensemble's pipeline as business-logic scripting.
 
-preprocessing -> tensorrt_llm (decoupled) -> postprocessing per response, renaming tensors as
-the ensemble does. Decoupled: each request runs on its own thread so requests overlap (they meet
-in tensorrt_llm's in-flight batch), and a watcher turns a client's cancellation into
-TensorRT-LLM's `stop` request for the engine.
+Tokenize (serving.text_processing, as preprocessing does) -> tensorrt_llm (decoupled, a BLS call) ->
+detokenize each response (as postprocessing does), with the ensemble's inputs and outputs. Text is processed
+in this process: a BLS call per streamed chunk cost a round trip through the server, and concurrent
+non-decoupled BLS calls from the request threads crashed Triton 2.51's Python backend stub. Decoupled: each
+request runs on its own thread so requests overlap (they meet in tensorrt_llm's in-flight batch), and a
+watcher turns a client's cancellation into TensorRT-LLM's `stop` request.
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from serving.request_validation import TENSORRT_LLM_SCALARS, RequestError, no_unknown_parameters
-from serving.triton_parameters import boolean, parameter
+from serving.text_processing import Postprocessor, Preprocessor
+from serving.triton_parameters import boolean, parameter, sibling_config
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-TO_PREPROCESSING = {"text_input": "QUERY", "max_tokens": "REQUEST_OUTPUT_LEN", "bad_words": "BAD_WORDS_DICT",
-                    "stop_words": "STOP_WORDS_DICT", "end_id": "END_ID", "pad_id": "PAD_ID"}
+FROM_CLIENT = {"QUERY": "text_input", "REQUEST_OUTPUT_LEN": "max_tokens", "BAD_WORDS_DICT": "bad_words",
+               "STOP_WORDS_DICT": "stop_words", "END_ID": "end_id", "PAD_ID": "pad_id"}  # preprocessing's inputs
 PREPROCESSED = {"INPUT_ID": "input_ids", "REQUEST_INPUT_LEN": "input_lengths",
                 "REQUEST_OUTPUT_LEN": "request_output_len", "BAD_WORDS_IDS": "bad_words_list",
                 "STOP_WORDS_IDS": "stop_words_list", "OUT_END_ID": "end_id", "OUT_PAD_ID": "pad_id"}
@@ -72,11 +75,8 @@ def outputs(response: Any) -> dict[str, np.ndarray]:
 
 def check_inputs(request: Any) -> None:
     """Refuse what tensorrt_llm would, under the client's names rather than the engine's (top_k, not
-    runtime_top_k), and parameters this model does not take; before any composing model is called."""
+    runtime_top_k), and parameters this model does not take; before tensorrt_llm is called."""
     no_unknown_parameters(request.parameters(), "tensorrt_llm_bls")
-    for name in ("text_input", "max_tokens"):  # Triton 2.51 counts a request's inputs, not which ones
-        if pb_utils.get_input_tensor_by_name(request, name) is None:
-            raise RequestError(f"{name} is required")
     for client, engine in TO_ENGINE.items():
         t = pb_utils.get_input_tensor_by_name(request, client)
         if t is not None and engine in TENSORRT_LLM_SCALARS:
@@ -98,6 +98,13 @@ class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         faulthandler.enable()  # a crash of this stub is logged with its Python stacks, not lost
         config = json.loads(args["model_config"])
+        model_dir = args["model_repository"]
+        if parameter(config, "tokenizer_dir") is not None:
+            self.preprocess = Preprocessor.from_config(config, model_dir)
+            self.postprocess = Postprocessor.from_config(config, model_dir)
+        else:  # filled by upstream's commands, which give the BLS no tokenizer: take its siblings' settings
+            self.preprocess = Preprocessor.from_config(*sibling_config(model_dir, "preprocessing"))
+            self.postprocess = Postprocessor.from_config(*sibling_config(model_dir, "postprocessing"))
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.engine_model = parameter(config, "tensorrt_llm_model_name", default="tensorrt_llm")
         self.accumulate = parameter(config, "accumulate_tokens", boolean, default=False)
@@ -139,9 +146,12 @@ class TritonPythonModel:
 
     def _generate(self, request: Any) -> Iterator[Any]:
         check_inputs(request)
-        pre = outputs(pb_utils.InferenceRequest(
-            model_name="preprocessing", inputs=renamed(request, TO_PREPROCESSING),
-            requested_output_names=list(PREPROCESSED)).exec())
+
+        def client_input(name: str) -> np.ndarray | None:
+            t = pb_utils.get_input_tensor_by_name(request, FROM_CLIENT[name])
+            return None if t is None else t.as_numpy()
+
+        pre = self.preprocess(client_input)
         engine_id = f"{request.request_id()}#{uuid.uuid4().hex}"  # unique: a stop for it ends this request only
         engine_request = pb_utils.InferenceRequest(
             model_name=self.engine_model, request_id=engine_id,
@@ -162,10 +172,7 @@ class TritonPythonModel:
                     accumulated += out["output_ids"].reshape(-1)[: int(out["sequence_length"].reshape(-1)[0])].tolist()
                     out["output_ids"] = np.array(accumulated, np.int32).reshape(1, 1, -1)
                     out["sequence_length"] = np.array([[len(accumulated)]], np.int32)
-                text = outputs(pb_utils.InferenceRequest(
-                    model_name="postprocessing", requested_output_names=["OUTPUT"],
-                    inputs=[pb_utils.Tensor("TOKENS_BATCH", out["output_ids"]),
-                            pb_utils.Tensor("SEQUENCE_LENGTH", out["sequence_length"])]).exec())["OUTPUT"]
+                text = self.postprocess(out["output_ids"], out["sequence_length"])
                 yield pb_utils.InferenceResponse([pb_utils.Tensor("text_output", text),
                                                   *(pb_utils.Tensor(k, out[k]) for k in STATS if k in out)])
             finished = True
