@@ -101,14 +101,14 @@ def build_output(out_dir: Path, force: bool) -> Iterator[Path]:
 
 
 def check_tokenizer(src: Path) -> list[str]:
-    """The tokenizer files present in src; tokenizer.json is required, and each must be JSON."""
+    """The tokenizer files present in src; tokenizer.json is required, and the JSON ones must be JSON."""
     tok = Path(src) / "tokenizer.json"
     if tok.exists() and not tok.is_file():
         raise BuildError(f"{tok}: not a file, expected the tokenizer's tokenizer.json")
     if not tok.is_file():
         raise BuildError(f"{tok}: tokenizer file not found, expected tokenizer.json next to the weights (or --tokenizer_dir)")
     present = [name for name in TOKENIZER_FILES if (Path(src) / name).is_file()]
-    for name in present:
+    for name in (n for n in present if n.endswith(".json")):
         try:
             json.loads((Path(src) / name).read_text())
         except (ValueError, UnicodeDecodeError) as e:

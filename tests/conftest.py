@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from runtime.io.checkpoint import expected_tensor_shapes
-from runtime.io.tokenizer import TOKENIZER_FILES
+from runtime.io.tokenizer import CONFIG_FILE, TOKENIZER_FILE
 from runtime.model.config import ModelConfig
 
 TINY_CONFIG: dict[str, Any] = {
@@ -138,7 +138,7 @@ SHIPPED_MODEL_DIR = Path(os.environ.get("DSV3_TEST_MODEL", REPO_ROOT / "models" 
 def project_tokenizer_dir() -> Path | None:
     """The project's 4096-token tokenizer: from the shipped model (present in CI), else data/."""
     for d in (SHIPPED_MODEL_DIR, REPO_ROOT / "data"):
-        if all((d / f).is_file() for f in TOKENIZER_FILES):
+        if all((d / f).is_file() for f in (TOKENIZER_FILE, CONFIG_FILE)):
             return d
     return None
 

@@ -240,3 +240,24 @@ def test_byte_fallback_tokenizer_streams(tmp_path: Path) -> None:
         ids = [rng.choice([vocab["a"], vocab["b"], *(vocab[f"<0x{b:02X}>"] for b in (0x41, 0x80, 0xE4, 0xB8, 0xAD))])
                for _ in range(rng.randint(1, 10))]
         assert "".join(stream(t, ids)) == t.decode(ids), ids
+
+
+def test_chat_template_from_the_config_or_its_own_file(tmp_path: Path, tiny_dir: Path) -> None:
+    """As transformers saves it: a string or named templates in tokenizer_config.json (4.x), or chat_template.jinja
+    beside it (>= 4.43), which wins; a template of another shape is refused naming the field."""
+    (tmp_path / "tokenizer.json").write_bytes((tiny_dir / "tokenizer.json").read_bytes())
+    cfg = tmp_path / "tokenizer_config.json"
+    cfg.write_text(json.dumps(CONFIG))
+    assert Tokenizer.from_dir(tmp_path).chat_template is None
+    cfg.write_text(json.dumps({**CONFIG, "chat_template": "{{ messages }}"}))
+    assert Tokenizer.from_dir(tmp_path).chat_template == "{{ messages }}"
+    cfg.write_text(json.dumps({**CONFIG, "chat_template": [{"name": "tool_use", "template": "T"},
+                                                           {"name": "default", "template": "D"}]}))
+    assert Tokenizer.from_dir(tmp_path).chat_template == "D"
+    (tmp_path / "chat_template.jinja").write_text("J")
+    assert Tokenizer.from_dir(tmp_path).chat_template == "J"
+    (tmp_path / "chat_template.jinja").unlink()
+    cfg.write_text(json.dumps({**CONFIG, "chat_template": [{"name": "tool_use", "template": "T"}]}))
+    with pytest.raises(ValueError, match=r"tokenizer_config.json: chat_template must be a string or a list of "
+                                         r"\{name, template\} with a 'default'"):
+        Tokenizer.from_dir(tmp_path)

@@ -260,13 +260,26 @@ def make_prompts(tok: Tokenizer, val: dict[str, list[tuple[str, str]]], n: int, 
     return prompts
 
 
+# DeepSeek-V3's conversation format (system text first, then <｜User｜> / <｜Assistant｜> turns), without tool calls
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- for m in messages if m['role'] == 'system' %}{{ m['content'] }}{% endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
+    "{%- elif m['role'] == 'assistant' %}<｜Assistant｜>{{ m['content'] }}" + EOS +
+    "{%- elif m['role'] != 'system' %}"
+    "{{ raise_exception('messages: role must be system, user or assistant, got ' + m['role']) }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<｜Assistant｜>{% endif %}")
+
+
 def tokenizer_config(model_max_length: int) -> dict:
     return {
         "add_bos_token": True, "add_eos_token": False,
         "bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": None,
         "clean_up_tokenization_spaces": False, "legacy": True,
         "model_max_length": model_max_length, "sp_model_kwargs": {},
-        "tokenizer_class": "LlamaTokenizerFast",
+        "tokenizer_class": "LlamaTokenizerFast", "chat_template": CHAT_TEMPLATE,
     }
 
 

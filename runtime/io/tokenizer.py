@@ -20,7 +20,8 @@ from tokenizers import decoders
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
-TOKENIZER_FILES = (TOKENIZER_FILE, CONFIG_FILE)  # what a checkpoint or an engine carries of its tokenizer
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers >= 4.43 saves the chat template
+TOKENIZER_FILES = (TOKENIZER_FILE, CONFIG_FILE, CHAT_TEMPLATE_FILE)  # what a checkpoint or an engine carries of its tokenizer
 _REPLACEMENT = "\ufffd"
 
 
@@ -46,6 +47,18 @@ def _token_content(value: Any, field: str, path: Path) -> str | None:
     raise ValueError(f"{path}: {field} must be a string or a dict with 'content', got {value!r}")
 
 
+def _chat_template(value: Any, where: Path) -> str | None:
+    """tokenizer_config.json's chat_template: one template, or a list of named ones (the "default" is used)."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(t, Mapping) and isinstance(t.get("template"), str) for t in value):
+        named = {t.get("name"): t["template"] for t in value}
+        if "default" in named:
+            return named["default"]
+    raise ValueError(f"{where}: chat_template must be a string or a list of {{name, template}} with a 'default', "
+                     f"got {str(value)[:80]!r}")
+
+
 class Tokenizer:
     """A `tokenizers.Tokenizer` plus the bos/eos/pad conventions of its tokenizer_config.json.
 
@@ -54,7 +67,8 @@ class Tokenizer:
     """
 
     def __init__(self, backend: tokenizers.Tokenizer, config: Mapping[str, Any] | None = None,
-                 path: Path | None = None) -> None:
+                 path: Path | None = None, chat_template: str | None = None) -> None:
+        """`chat_template` (a chat_template.jinja file's) wins over tokenizer_config.json's, as in transformers."""
         config = dict(config or {})
         self.backend = backend
         self.path = path
@@ -68,6 +82,7 @@ class Tokenizer:
         self.special_ids: frozenset[int] = frozenset(marked | named)
         self.vocab_size: int = max(backend.get_vocab(with_added_tokens=True).values()) + 1
         self.is_byte_level: bool = isinstance(backend.decoder, decoders.ByteLevel)
+        self.chat_template: str | None = chat_template or _chat_template(config.get("chat_template"), where)
 
     def _config_token_id(self, config: Mapping[str, Any], field: str, where: Path) -> int | None:
         content = _token_content(config.get(field), field, where)
@@ -96,7 +111,13 @@ class Tokenizer:
                 raise ValueError(f"cannot read {cfg_file}: {e}") from e
             if not isinstance(config, dict):
                 raise ValueError(f"{cfg_file}: expected a JSON object")
-        return cls(backend, config, path)
+        template = None
+        if (template_file := path / CHAT_TEMPLATE_FILE).is_file():
+            try:
+                template = template_file.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise ValueError(f"cannot read {template_file}: {e}") from e
+        return cls(backend, config, path, template)
 
     @property
     def bos_token_id(self) -> int | None:

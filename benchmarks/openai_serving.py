@@ -1,0 +1,161 @@
+"""The OpenAI server's overhead: TPOT and TTFT through dsv3-serve (the `openai` client, streaming) next to the
+Python Session on the same model and settings, at concurrency 1, plain and MTP, side by side.
+
+  python -m benchmarks.openai_serving [--quick]
+
+Each round runs every mode's Session requests and server requests back to back, in an order reversed every
+other round, so drift on the machine hits both alike. Requests ignore eos, so each streams exactly
+max_tokens tokens; TTFT and TPOT are vLLM's, on the client's clock (the Session's: when its handle yields
+the first and last outputs; the server's: when the client reads the first and last chunks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import (add_common_args, load_prompts, machine_info, machine_md, md_table, mean, ms,
+                               parse_with_quick, ratio, request_ttft_tpot, round_robin_by_source, save_figure,
+                               set_threads, target_line, write_results)
+from runtime.core.sampling import SamplingParams
+from runtime.executors.session import Session
+from serving.launcher import free_ports
+
+MODES = {"plain": ["--num_draft_tokens", "0"], "mtp": ["--num_draft_tokens", "3", "--speculation", "adaptive"]}
+GOAL = 1.10  # server TPOT / Session TPOT at concurrency 1
+
+
+def session_request(session: Session, prompt: str, max_tokens: int) -> tuple[float | None, float | None]:
+    ids = session.tokenizer.encode(prompt)
+    sent = time.perf_counter()
+    first = last = None
+    for out in session.executor.submit(ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True)):
+        if out.new_token_ids:
+            last = time.perf_counter()
+            first = first or last
+    return request_ttft_tpot(sent, first, last, max_tokens)
+
+
+def server_request(client: Any, model: str, prompt: str, max_tokens: int) -> tuple[float | None, float | None]:
+    sent = time.perf_counter()
+    first = last = None
+    for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True}):
+        if chunk.choices and chunk.choices[0].text:
+            last = time.perf_counter()
+            first = first or last
+    return request_ttft_tpot(sent, first, last, max_tokens)
+
+
+def start_server(model: Path, flags: list[str], args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, str]:
+    [port] = free_ports(1)
+    cmd = [Path(sys.executable).with_name("dsv3-serve"), model, "--port", str(port), "--device", args.device,
+           "--log_level", "warning", *flags, *(["--torch_threads", str(args.threads)] if args.threads else []),
+           *(["--dtype", args.dtype] if args.dtype else [])]
+    process = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"dsv3-serve exited: {log.read_text()[-2000:]}")
+        try:
+            urllib.request.urlopen(base + "/health", timeout=2)
+            return process, base + "/v1"
+        except OSError:
+            time.sleep(0.3)
+    process.terminate()
+    raise RuntimeError("dsv3-serve did not become healthy in 300 s")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p)
+    p.add_argument("--max_tokens", type=int, default=64)
+    p.add_argument("--requests", type=int, default=8, help="requests per mode, path and round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--name", default="openai_serving")
+    args = parse_with_quick(p, None, dict(max_tokens=16, requests=2, rounds=2))
+    if args.max_tokens < 2:
+        p.error(f"--max_tokens: must be >= 2 (TPOT needs a token after the first), got {args.max_tokens}")
+    import openai
+
+    set_threads(args.threads)
+    prompts = [x["text"] for x in round_robin_by_source(load_prompts(args.model), args.requests)]
+    model = Path(args.model)
+    results: dict[str, dict[str, list]] = {}
+    logs = Path(tempfile.mkdtemp(prefix="bench-openai-"))
+    for mode, flags in MODES.items():
+        k = 0 if mode == "plain" else 3
+        process, url = start_server(model, flags, args, logs / f"{mode}.log")
+        try:
+            client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+            with Session(model, num_draft_tokens=k, speculation="adaptive", device=args.device,
+                         dtype=args.dtype) as session:
+                paths = {"session": lambda pr: session_request(session, pr, args.max_tokens),
+                         "server": lambda pr: server_request(client, model.name, pr, args.max_tokens)}
+                for run in paths.values():  # warm-up
+                    run(prompts[0])
+                got: dict[str, list] = {name: [] for name in paths}
+                for r in range(args.rounds):
+                    for name in (list(paths) if r % 2 == 0 else list(paths)[::-1]):
+                        got[name] += [paths[name](pr) for pr in prompts]
+            results[mode] = got
+        finally:
+            process.terminate()
+            process.wait(timeout=60)
+    shutil.rmtree(logs, ignore_errors=True)
+
+    rows, targets, summary = [], [], {}
+    for mode, got in results.items():
+        s = {name: {"ttft_s": mean(t for t, _ in v), "tpot_s": mean(t for _, t in v)} for name, v in got.items()}
+        s["server_over_session_tpot"] = ratio(s["server"]["tpot_s"], s["session"]["tpot_s"])
+        summary[mode] = s
+        rows.append([mode, ms(s["session"]["tpot_s"]), ms(s["server"]["tpot_s"]), s["server_over_session_tpot"],
+                     ms(s["session"]["ttft_s"]), ms(s["server"]["ttft_s"])])
+        targets.append(target_line(f"{mode}: Session TPOT / server TPOT at concurrency 1 (server <= {GOAL}x Session)",
+                                   ratio(s["session"]["tpot_s"], s["server"]["tpot_s"]), round(1 / GOAL, 3)))
+    plot(summary, args.out_dir / f"{args.name}.png")
+    info = machine_info()
+    md = "\n\n".join([
+        "# OpenAI server (dsv3-serve) vs Session at concurrency 1",
+        f"{args.max_tokens} tokens per request (eos ignored), {args.requests} requests x {args.rounds} rounds per "
+        "mode and path, streaming through the `openai` client; means in ms on the client's clock. MTP: adaptive, "
+        "up to 3 drafts.",
+        md_table(["mode", "Session TPOT ms", "server TPOT ms", "server / Session", "Session TTFT ms",
+                  "server TTFT ms"], rows),
+        f"![TPOT]({args.name}.png)",
+        "## Targets", "\n".join(f"- {t['text']}" for t in targets), "## Machine", machine_md(info)])
+    js, mdp = write_results(args.out_dir, args.name, {"results": summary, "targets": targets,
+                                                      "max_tokens": args.max_tokens, "machine": info}, md)
+    print(md)
+    print(f"wrote {js} and {mdp}")
+    return 0
+
+
+def plot(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    modes = list(summary)
+    for i, name in enumerate(("session", "server")):
+        ax.bar([m + (i - 0.5) * 0.38 for m in range(len(modes))], [ms(summary[m][name]["tpot_s"]) for m in modes],
+               0.38, label={"session": "Session", "server": "dsv3-serve"}[name])
+    ax.set_xticks(range(len(modes)), modes)
+    ax.set_ylabel("TPOT (ms)")
+    ax.set_title("TPOT at concurrency 1")
+    ax.legend()
+    save_figure(fig, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,271 @@
+"""The OpenAI-compatible HTTP server: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (SSE
+streaming), `/health` and `/metrics`, on the executor directly, as `trtllm-serve` and `vllm serve` run.
+
+Handlers only translate: a request's choices are submitted to the executor, whose thread runs every
+request in flight in one batch, and the handler waits on each `RequestHandle` asynchronously. A
+streamed chunk carries what one executor output brought (every token of one MTP step together). A
+client that disconnects, streaming or not, has its requests cancelled, which frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from runtime.executors.base import ExecutorProtocol
+from runtime.executors.requests import RequestHandle, RequestOutput
+from serving.openai_server import protocol
+from serving.openai_server.protocol import APIError, Generation
+
+log = logging.getLogger("serving.openai_server")
+
+HEALTH_TIMEOUT_S = 120.0  # a step loop with work that has not stepped for this long is stalled
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away (the body is read, so the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) as the handles' outputs arrive; one handle is read directly (no task, no queue)."""
+    if len(handles) == 1:
+        async for out in handles[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+
+    async def pump(index: int, h: RequestHandle) -> None:
+        async for out in h:
+            await queue.put((index, out))
+
+    tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+    remaining = len(handles)  # each handle ends with one final output
+    try:
+        while remaining:
+            index, out = await queue.get()
+            remaining -= out.finished
+            yield index, out
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+class OpenAIServer:
+    """The routes over one executor."""
+
+    def __init__(self, executor: ExecutorProtocol, model_name: str):
+        self.executor = executor
+        self.model = model_name
+        self.tokenizer = executor.tokenizer
+        self.max_seq_len = executor.limits.max_seq_len
+        self.max_text_bytes = self.max_seq_len * self.tokenizer.max_token_bytes
+        self.max_body_bytes = 4 * self.max_text_bytes + 65536  # room for JSON escapes and the other fields
+        self.created = int(time.time())
+
+    # ---- request plumbing --------------------------------------------------------------------------------------
+    async def _body(self, request: Request) -> Any:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:  # refused before a byte of it is read
+            raise APIError(f"the request body is larger than {self.max_body_bytes} bytes", status=413)
+        size = 0
+        chunks = []
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise APIError(f"the request body is larger than {self.max_body_bytes} bytes", status=413)
+            chunks.append(chunk)
+        try:
+            return json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise APIError(f"the request body must be JSON: {e}") from None
+
+    def _check_model(self, body: Any) -> None:
+        name = body.get("model") if isinstance(body, dict) else None
+        if name is not None and name != self.model:
+            raise APIError(f"The model `{name}` does not exist. This server serves `{self.model}`.", "model",
+                           status=404, code="model_not_found")
+
+    def _submit(self, g: Generation) -> list[RequestHandle]:
+        """Every choice of every prompt, all checked before any is submitted."""
+        try:
+            for ids in g.prompts:
+                for params in g.params:
+                    self.executor.validate(ids, params)
+        except ValueError as e:
+            raise APIError(str(e), protocol.parameter_of(str(e))) from None
+        return [self.executor.submit(ids, params, request_id=f"{g.id}-{p * g.n + i}")
+                for p, ids in enumerate(g.prompts) for i, params in enumerate(g.params)]
+
+    async def generate(self, request: Request, parse: Callable[..., Generation], chat: bool) -> Any:
+        t0 = time.perf_counter()
+        body = await self._body(request)
+        self._check_model(body)
+        g = parse(body, self.tokenizer, self.max_seq_len, self.max_text_bytes)
+        handles = self._submit(g)
+        if g.stream:
+            return StreamingResponse(self._stream(g, handles, chat, t0), media_type="text/event-stream")
+        try:
+            outs = await self._results(request, handles)
+        finally:
+            for h in handles:
+                if not h.finished:
+                    h.cancel()
+        if outs is None:  # the client went away; nobody reads an answer
+            self._log(g, None, "client disconnected", t0)
+            return JSONResponse({}, status_code=499)
+        failed = next((o for o in outs if o.finish_reason in ("error", "cancelled")), None)
+        if failed is not None:
+            self._log(g, outs, f"failed: {failed.error or failed.finish_reason}", t0)
+            raise APIError(f"generation failed: {failed.error or failed.finish_reason}", status=500, type="server_error")
+        texts = [o.text for o in outs]
+        if g.echo_texts is not None:
+            texts = [g.echo_texts[i // g.n] + t for i, t in enumerate(texts)]
+        choices = [protocol.choice(i, t, o.finish_reason, chat, chunk=False) for i, (t, o) in enumerate(zip(texts, outs))]
+        usage = protocol.usage(g.prompts, [o.stats for o in outs])
+        self._log(g, outs, "ok", t0)
+        return protocol.completion_object(g, self.model, choices, chat, usage)
+
+    async def _results(self, request: Request, handles: list[RequestHandle]) -> list[RequestOutput] | None:
+        """The final output of each handle, or None if the client disconnects first."""
+
+        async def final(h: RequestHandle) -> RequestOutput:
+            last = None
+            async for last in h:
+                pass
+            return last
+
+        results = asyncio.gather(*(final(h) for h in handles))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait([results, gone], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if results.done():
+            return results.result()
+        results.cancel()
+        return None
+
+    async def _stream(self, g: Generation, handles: list[RequestHandle], chat: bool, t0: float) -> AsyncIterator[str]:
+        """SSE events: one chunk per executor output of any choice, the usage chunk if asked, then [DONE]. The
+        generator is closed when the client disconnects; its handles are cancelled then."""
+        finals: dict[int, RequestOutput] = {}
+        outcome = "client disconnected"
+        outputs = _merged(handles)
+        try:
+            if chat:  # the first chunk of each choice names the role, as OpenAI streams it
+                yield _sse(protocol.completion_object(
+                    g, self.model, [protocol.choice(i, None, None, chat, True, role=True) for i in range(len(handles))],
+                    chat, chunk=True))
+            elif g.echo_texts is not None:
+                yield _sse(protocol.completion_object(
+                    g, self.model, [protocol.choice(i, g.echo_texts[i // g.n], None, chat, True)
+                                    for i in range(len(handles))], chat, chunk=True))
+            async for index, out in outputs:
+                if out.finish_reason in ("error", "cancelled"):
+                    outcome = f"failed: {out.error or out.finish_reason}"
+                    yield _sse(APIError(f"generation failed: {out.error or out.finish_reason}", status=500,
+                                        type="server_error").body())
+                    break
+                if out.finished:
+                    finals[index] = out
+                if out.text_delta or out.finished:
+                    c = protocol.choice(index, out.text_delta, out.finish_reason, chat, chunk=True)
+                    yield _sse(protocol.completion_object(g, self.model, [c], chat, chunk=True))
+            else:
+                outcome = "ok"
+                if g.include_usage:
+                    usage = protocol.usage(g.prompts, [finals[i].stats for i in sorted(finals)])
+                    yield _sse(protocol.completion_object(g, self.model, [], chat, usage, chunk=True))
+            yield "data: [DONE]\n\n"
+        finally:
+            await outputs.aclose()
+            for h in handles:
+                if not h.finished:
+                    h.cancel()
+            self._log(g, [finals[i] for i in sorted(finals)], outcome, t0)
+
+    def _log(self, g: Generation, outs: list[RequestOutput] | None, outcome: str, t0: float) -> None:
+        prompt = sum(map(len, g.prompts))
+        completion = sum(o.stats.output_tokens for o in outs or [])
+        log.info("request %s: %d choice(s), %d prompt + %d completion tokens, %s%s in %.3f s", g.id,
+                 len(g.prompts) * g.n, prompt, completion, outcome, ", streamed" if g.stream else "",
+                 time.perf_counter() - t0)
+
+    # ---- other endpoints ---------------------------------------------------------------------------------------
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.model, "object": "model", "created": self.created, "owned_by": "dsv3-mtp",
+                "max_model_len": self.max_seq_len}
+
+    def metrics(self) -> str:
+        """Prometheus text format: the executor's load, KV cache and speculation counters."""
+        s = self.executor.stats()
+        rows = [("requests_running", "gauge", s.running), ("requests_waiting", "gauge", s.queued),
+                ("kv_blocks_used", "gauge", s.kv_blocks_used), ("kv_blocks_free", "gauge", s.kv_blocks_free),
+                ("requests_finished_total", "counter", s.requests_finished),
+                ("generated_tokens_total", "counter", s.generated_tokens),
+                ("draft_tokens_total", "counter", s.draft_tokens),
+                ("accepted_draft_tokens_total", "counter", s.accepted_draft_tokens),
+                ("draft_len", "gauge", s.current_draft_len)]
+        lines = []
+        for name, kind, value in rows:
+            lines += [f"# TYPE dsv3_{name} {kind}", f'dsv3_{name}{{model="{self.model}"}} {value}']
+        return "\n".join(lines) + "\n"
+
+
+def create_app(executor: ExecutorProtocol, model_name: str) -> FastAPI:
+    server = OpenAIServer(executor, model_name)
+    app = FastAPI(title="dsv3-serve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        if e.status >= 500:
+            log.error("%s %s: %s", request.method, request.url.path, e.message)
+        else:
+            log.info("%s %s refused (%d): %s", request.method, request.url.path, e.status, e.message)
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        log.exception("%s %s failed", request.method, request.url.path)
+        return JSONResponse(APIError(f"internal error ({type(e).__name__}); see the server log", status=500,
+                                     type="server_error").body(), status_code=500)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [server.model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> dict[str, Any]:
+        server._check_model({"model": name})
+        return server.model_card()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await server.generate(request, protocol.completion_request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        return await server.generate(request, protocol.chat_request, chat=True)
+
+    @app.get("/health")
+    async def health() -> PlainTextResponse:
+        problem = executor.health(HEALTH_TIMEOUT_S)
+        return PlainTextResponse(problem or "ok", status_code=503 if problem else 200)
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(server.metrics(), media_type="text/plain; version=0.0.4")
+
+    return app

@@ -1,0 +1,91 @@
+"""dsv3-serve MODEL_OR_ENGINE: the OpenAI-compatible server (loopback by default).
+
+  dsv3-serve models/deepseek-v3-mini                     # http://127.0.0.1:8000/v1
+  dsv3-serve engines/deepseek-v3-mini --num_draft_tokens 3 --port 8080
+
+MODEL_OR_ENGINE is a checkpoint directory or an engine built by build_engine (one built with
+--backend trtllm runs on TensorRT-LLM). Stops on Ctrl-C / SIGTERM after the requests in flight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import uvicorn
+
+from runtime.executors.base import ExecutorConfig, create_executor
+from serving.openai_server.app import create_app
+
+log = logging.getLogger("serving.openai_server")
+
+
+class Server(uvicorn.Server):
+    """Stops on SIGINT / SIGTERM without re-raising them afterwards (uvicorn does, to exit by the signal, which
+    would end the process before the executor is shut down): a graceful stop exits 0."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        original = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in original.items():
+                signal.signal(s, handler)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="dsv3-serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", type=Path, help="checkpoint or engine directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served_model_name", help="the model's name in the API (default: the directory's name)")
+    p.add_argument("--num_draft_tokens", type=int, help="MTP draft length (default: 3 where the model has an "
+                   "MTP layer, at most the engine's max_draft_len; 0: plain decoding)")
+    p.add_argument("--speculation", choices=("fixed", "adaptive"), default="adaptive",
+                   help="fixed: num_draft_tokens every step; adaptive: up to that many, by batch size and acceptance")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    p.add_argument("--dtype", help="compute dtype (default: the engine's choice for the device)")
+    p.add_argument("--max_batch_size", type=int)
+    p.add_argument("--max_seq_len", type=int)
+    p.add_argument("--kv_cache_tokens", type=int)
+    p.add_argument("--free_memory_fraction", type=float, default=0.9,
+                   help="share of the memory free after loading that the KV cache may take")
+    p.add_argument("--torch_threads", type=int, help="torch CPU threads (default: torch's)")
+    p.add_argument("--log_level", default="info", choices=("debug", "info", "warning", "error"))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.log_level == "info":  # one line per request: the server's, not also the executor's
+        logging.getLogger("runtime.executors.requests").setLevel(logging.WARNING)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    try:
+        executor = create_executor(args.model, ExecutorConfig(
+            num_draft_tokens=args.num_draft_tokens, speculation="off" if args.num_draft_tokens == 0 else args.speculation,
+            device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
+            kv_cache_tokens=args.kv_cache_tokens, free_memory_fraction=args.free_memory_fraction))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"dsv3-serve: {e}", file=sys.stderr)
+        return 2
+    name = args.served_model_name or args.model.resolve().name
+    try:
+        log.info("serving %s as %r at http://%s:%d/v1", args.model, name, args.host, args.port)
+        Server(uvicorn.Config(create_app(executor, name), host=args.host, port=args.port, log_level=args.log_level,
+                              access_log=False)).run()  # the app logs one line per request itself
+    finally:
+        executor.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,313 @@
+"""The OpenAI API's request bodies read into what the executor takes, and its response objects.
+
+Request values are checked as JSON gives them (a bool is not an integer, NaN is no number), before any
+text is tokenized; every refusal is an `APIError` naming the parameter, answered as OpenAI answers
+one: HTTP 400 with `{"error": {"message", "type": "invalid_request_error", "param", "code"}}`. Keys
+this server does not know are refused, as OpenAI refuses them ("Unrecognized request argument
+supplied"), so a misspelt `max_token` is not silently ignored. Parameters of the API this server does
+not implement are accepted at their neutral value and refused otherwise, naming what it takes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from runtime.core.sampling import SamplingParams
+from runtime.executors.requests import RequestStats
+from runtime.io.tokenizer import Tokenizer
+from serving.openai_server.chat import render_chat
+from serving.request_validation import INT32_MAX, RequestError
+
+MAX_N = 128  # choices per request, as OpenAI allows
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+# Parameters taken at their neutral value only: name -> (is it neutral?, what this server takes).
+NEUTRAL: dict[str, tuple[Any, str]] = {
+    "presence_penalty": (lambda v: v in (None, 0), "0"),
+    "frequency_penalty": (lambda v: v in (None, 0), "0"),
+    "repetition_penalty": (lambda v: v in (None, 1), "1"),
+    "min_tokens": (lambda v: v in (None, 0), "0"),
+    "logit_bias": (lambda v: v in (None, {}), "null or {}"),
+    "top_logprobs": (lambda v: v in (None, 0), "null or 0 (logprobs are not returned)"),
+    "suffix": (lambda v: v is None, "null"),
+    "tools": (lambda v: v in (None, []), "null or [] (no tool calling)"),
+    "tool_choice": (lambda v: v in (None, "none"), "null or \"none\" (no tool calling)"),
+    "response_format": (lambda v: v is None or v == {"type": "text"}, "null or {\"type\": \"text\"}"),
+}
+COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop",
+          "stop_token_ids", "seed", "ignore_eos", "user", "presence_penalty", "frequency_penalty",
+          "repetition_penalty", "min_tokens", "logit_bias"}
+COMPLETION_KEYS = COMMON | {"prompt", "echo", "logprobs", "suffix", "best_of"}
+CHAT_KEYS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
+                      "parallel_tool_calls", "response_format", "add_generation_prompt"}
+MESSAGE_KEYS = {"role", "content", "name"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One API request as the executor runs it: n choices for each prompt, choice i of prompt p at index
+    p * n + i (OpenAI's order)."""
+
+    prompts: list[list[int]]
+    params: list[SamplingParams]  # one per choice of a prompt (their seeds differ)
+    stream: bool = False
+    include_usage: bool = False
+    echo_texts: list[str] | None = None  # completions with echo: each prompt's text, put before its output
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def n(self) -> int:
+        return len(self.params)
+
+
+# ---- JSON values -------------------------------------------------------------------------------------------------
+def _integer(body: dict, name: str, low: int, high: int, default: int | None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise APIError(f"{name} must be an integer, got {value!r}", name)
+    if not low <= value <= high:
+        raise APIError(f"{name} must be an integer in [{low}, {high}], got {value}", name)
+    return value
+
+
+def _number(body: dict, name: str, low: float, high: float, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise APIError(f"{name} must be a finite number, got {value!r}", name)
+    if not low <= value <= high:
+        raise APIError(f"{name} must be in [{low}, {high}], got {value}", name)
+    return float(value)
+
+
+def _flag(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise APIError(f"{name} must be true or false, got {value!r}", name)
+    return value
+
+
+def _text(value: Any, name: str, max_bytes: int) -> str:
+    """A string bounded in bytes before anything tokenizes it."""
+    if not isinstance(value, str):
+        raise APIError(f"{name} must be a string, got {type(value).__name__}", name)
+    if len(value) > max_bytes or len(value.encode("utf-8", "surrogatepass")) > max_bytes:
+        raise APIError(f"{name} is longer than the {max_bytes} bytes that can fit the model's context "
+                       "(max_seq_len tokens of at most the tokenizer's longest token)", name)
+    return value
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise APIError(f"stop must be a non-empty string or a list of them, got {value!r}", "stop")
+    return tuple(stops)
+
+
+def _token_list(value: Any, name: str, vocab_size: int) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise APIError(f"{name} must be a list of integer token ids", name)
+    bad = [t for t in value if not 0 <= t < vocab_size]
+    if bad:
+        raise APIError(f"{name} must hold token ids in [0, {vocab_size}), got {bad[:5]}", name)
+    return value
+
+
+def _check_keys(body: Any, known: set[str]) -> dict:
+    if not isinstance(body, dict):
+        raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise APIError(f"Unrecognized request argument supplied: {', '.join(unknown)}", unknown[0])
+    for name, (neutral, takes) in NEUTRAL.items():
+        if name in body and not neutral(body[name]):
+            raise APIError(f"{name} {body[name]!r} is not supported by this server; it takes {takes}", name)
+    return body
+
+
+# ---- requests ----------------------------------------------------------------------------------------------------
+def _sampling(body: dict, tokenizer: Tokenizer, max_tokens: int | None) -> list[SamplingParams]:
+    """The sampling parameters of each of the request's n choices."""
+    n = _integer(body, "n", 1, MAX_N, 1)
+    best_of = _integer(body, "best_of", 1, MAX_N, None)
+    if best_of is not None and best_of != n:
+        raise APIError(f"best_of {best_of} is not supported by this server; it takes best_of = n ({n})", "best_of")
+    top_k = _integer(body, "top_k", -1, INT32_MAX, 0)
+    seed = _integer(body, "seed", -(2**63), 2**63 - 1, None)
+    base = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 0.0, math.inf, 1.0),
+        top_p=_number(body, "top_p", 0.0, 1.0, 1.0),
+        top_k=0 if top_k == -1 else top_k,  # vLLM's -1 and OpenAI-style 0 both mean all tokens
+        seed=None if seed is None else seed % 2**63,
+        stop=_stop(body),
+        stop_token_ids=tuple(_token_list(body.get("stop_token_ids") or [], "stop_token_ids", tokenizer.vocab_size)),
+        ignore_eos=_flag(body, "ignore_eos"))
+    if base.top_p == 0:
+        raise APIError("top_p must be in (0, 1], got 0", "top_p")
+    # choice i samples with seed + i: n choices of one seeded request differ, and repeat across calls
+    return [base if base.seed is None else replace(base, seed=(base.seed + i) % 2**63) for i in range(n)]
+
+
+def _stream_options(body: dict, stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise APIError("stream_options is only allowed when stream is true", "stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+        raise APIError(f"stream_options takes include_usage (and continuous_usage_stats), got {options!r}",
+                       "stream_options")
+    return _flag(options, "include_usage")
+
+
+def completion_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_bytes: int) -> Generation:
+    """POST /v1/completions: prompt is a string, a list of strings, a list of token ids or a list of those."""
+    body = _check_keys(body, COMPLETION_KEYS)
+    if body.get("logprobs") is not None:
+        raise APIError(f"logprobs {body['logprobs']!r} is not supported by this server; it takes null", "logprobs")
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise APIError("prompt is required", "prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise APIError("prompt must be a string, a list of strings, a list of token ids or a list of such lists",
+                       "prompt")
+    prompts, texts = [], []
+    for p in prompt:
+        if isinstance(p, str):
+            if not p:
+                raise APIError("prompt must not be empty", "prompt")
+            texts.append(_text(p, "prompt", max_text_bytes))
+            prompts.append(tokenizer.encode(p))
+        else:
+            ids = _token_list(p, "prompt", tokenizer.vocab_size)
+            if not ids:
+                raise APIError("prompt must not be empty", "prompt")
+            texts.append(tokenizer.decode(ids))
+            prompts.append(ids)
+    stream = _flag(body, "stream")
+    max_tokens = _integer(body, "max_tokens", 1, INT32_MAX, COMPLETIONS_DEFAULT_MAX_TOKENS)
+    return Generation(prompts, _sampling(body, tokenizer, max_tokens), stream, _stream_options(body, stream),
+                      texts if _flag(body, "echo") else None)
+
+
+def _messages(body: dict, max_text_bytes: int) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError("messages must be a non-empty list of {role, content}", "messages")
+    out, total = [], 0
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or set(m) - MESSAGE_KEYS or "role" not in m:
+            raise APIError(f"{where} must be an object with role and content (and name), got {str(m)[:80]}",
+                           "messages")
+        if m["role"] not in ROLES:
+            raise APIError(f"{where}.role must be one of {', '.join(ROLES)}, got {m['role']!r}", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and set(p) == {"type", "text"} for p in content):
+                raise APIError(f"{where}.content parts must be {{\"type\": \"text\", \"text\": ...}}; this server "
+                               "takes text only", "messages")
+            content = "".join(str(p["text"]) for p in content)
+        content = _text(content, f"{where}.content", max_text_bytes)
+        total += len(content.encode("utf-8", "surrogatepass"))
+        if total > max_text_bytes:
+            raise APIError(f"messages are longer than the {max_text_bytes} bytes that can fit the model's context",
+                           "messages")
+        out.append({"role": ROLES[m["role"]], "content": content})
+    return out
+
+
+def chat_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_bytes: int) -> Generation:
+    """POST /v1/chat/completions: messages rendered with the model's chat template."""
+    body = _check_keys(body, CHAT_KEYS)
+    if _flag(body, "logprobs"):
+        raise APIError("logprobs true is not supported by this server; it takes false", "logprobs")
+    messages = _messages(body, max_text_bytes)
+    if tokenizer.chat_template is None:
+        raise APIError("this model has no chat template (chat_template in tokenizer_config.json or a "
+                       "chat_template.jinja file); use /v1/completions", "messages")
+    try:
+        text = render_chat(tokenizer.chat_template, messages, tokenizer,
+                           add_generation_prompt=_flag(body, "add_generation_prompt", True))
+    except RequestError as e:
+        raise APIError(str(e), "messages") from None
+    ids = tokenizer.encode(_text(text, "messages", max_text_bytes), add_bos=False)  # the template places bos
+    stream = _flag(body, "stream")
+    asked = {k: body.get(k) for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None}
+    if len(asked) == 2 and len(set(asked.values())) == 2:
+        raise APIError("max_completion_tokens and max_tokens differ; send one", "max_completion_tokens")
+    name = next(iter(asked), "max_completion_tokens")
+    max_tokens = _integer(asked, name, 1, INT32_MAX, max(max_seq_len - len(ids), 1))  # default: the rest of the context
+    return Generation([ids], _sampling(body, tokenizer, max_tokens), stream, _stream_options(body, stream))
+
+
+def parameter_of(message: str) -> str | None:
+    """The request parameter an executor refusal names first (its messages start with the parameter)."""
+    word = message.split(" ", 1)[0].rstrip(":")
+    return word if word in COMPLETION_KEYS | CHAT_KEYS else None
+
+
+# ---- responses ---------------------------------------------------------------------------------------------------
+def usage(prompts: list[list[int]], stats: list[RequestStats]) -> dict[str, Any]:
+    """OpenAI's token counts (each prompt once, every choice's output), and the requests' MTP drafting."""
+    prompt_tokens = sum(map(len, prompts))
+    completion = sum(s.output_tokens for s in stats)
+    drafted = sum(s.num_draft_tokens for s in stats)
+    accepted = sum(s.num_accepted_draft_tokens for s in stats)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+            "speculative_decoding": {"total_draft_tokens": drafted, "total_accepted_draft_tokens": accepted,
+                                     "acceptance_rate": accepted / drafted if drafted else 0.0,
+                                     "decode_steps": sum(s.num_steps for s in stats)}}
+
+
+def completion_object(g: Generation, model: str, choices: list[dict[str, Any]], chat: bool,
+                      usage_: dict[str, Any] | None = None, chunk: bool = False) -> dict[str, Any]:
+    """A whole response (chunk=False) or one streamed chunk of /v1/completions or /v1/chat/completions."""
+    kind = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
+    out = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{g.id}", "object": kind, "created": g.created, "model": model,
+           "choices": choices}
+    if not chunk or g.include_usage:
+        out["usage"] = usage_  # streamed with include_usage: null in every chunk but the last, as OpenAI sends
+    return out
+
+
+def choice(index: int, text: str | None, finish_reason: str | None, chat: bool, chunk: bool,
+           role: bool = False) -> dict[str, Any]:
+    if not chat:
+        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+    if not chunk:
+        return {"index": index, "message": {"role": "assistant", "content": text or ""}, "logprobs": None,
+                "finish_reason": finish_reason}
+    delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+    if text:
+        delta["content"] = text
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}

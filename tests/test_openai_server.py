@@ -1,0 +1,288 @@
+"""dsv3-serve, the OpenAI-compatible server, run as users run it (the console script, on 127.0.0.1) on the shipped
+model with MTP drafting, and called through the official `openai` client: output equal to plain decoding in a
+Session, streaming equal to unary, concurrency, n, usage with the MTP stats, errors in OpenAI's shape, and
+cancellation when a client disconnects (KV blocks back in the pool)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from runtime.core.sampling import SamplingParams  # noqa: E402
+from runtime.executors.session import Session  # noqa: E402
+from runtime.io.tokenizer import Tokenizer  # noqa: E402
+from serving.launcher import free_ports  # noqa: E402
+from serving.openai_server.chat import render_chat  # noqa: E402
+from serving.openai_server.cli import parse_args  # noqa: E402
+
+PROMPTS = ["In the beginning God created", "And the LORD spake unto Moses, saying,", "def fibonacci(n):"]
+TOKENS = 24
+
+
+class Server:
+    def __init__(self, model: Path, log: Path, *args: str):
+        [self.port] = free_ports(1)
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        self.process = subprocess.Popen(
+            [Path(sys.executable).with_name("dsv3-serve"), model, "--port", str(self.port), "--torch_threads", "1",
+             *args], stdout=log.open("w"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, log.read_text()[-3000:]
+            try:
+                if urllib.request.urlopen(self.base + "/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                time.sleep(0.3)
+        else:
+            raise AssertionError("dsv3-serve did not become healthy:\n" + log.read_text()[-3000:])
+        self.client = openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def metrics(self) -> dict[str, float]:
+        text = urllib.request.urlopen(self.base + "/metrics", timeout=10).read().decode()
+        return {line.split("{")[0].removeprefix("dsv3_"): float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines() if line and not line.startswith("#")}
+
+    def post(self, path: str, body: bytes | dict, headers: dict | None = None) -> tuple[int, dict]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        req = urllib.request.Request(self.base + path, data=data, headers={"Content-Type": "application/json",
+                                                                           **(headers or {})})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def stop(self) -> int:
+        self.process.terminate()
+        return self.process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def server(shipped_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    srv = Server(shipped_model_dir, tmp_path_factory.mktemp("openai") / "server.log",
+                 "--num_draft_tokens", "3", "--speculation", "fixed")
+    yield srv
+    assert srv.stop() == 0, srv.log.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def plain(shipped_model_dir: Path) -> Iterator[Session]:
+    with Session(shipped_model_dir, num_draft_tokens=0) as s:
+        yield s
+
+
+def _plain_text(session: Session, ids: list[int], max_tokens: int = TOKENS) -> str:
+    out = session.executor.submit(ids, SamplingParams(max_tokens=max_tokens)).result()
+    return out.text
+
+
+def test_models_lists_the_served_model(server: Server) -> None:
+    [card] = server.client.models.list().data
+    assert card.id == "deepseek-v3-mini" and card.object == "model"
+    assert server.client.models.retrieve("deepseek-v3-mini").id == "deepseek-v3-mini"
+    with pytest.raises(openai.NotFoundError) as e:
+        server.client.completions.create(model="gpt-4", prompt="x", max_tokens=1)
+    assert e.value.body == {"message": "The model `gpt-4` does not exist. This server serves `deepseek-v3-mini`.",
+                            "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+
+
+def test_completions_with_mtp_equal_plain_decoding(server: Server, plain: Session) -> None:
+    """Greedy through the server (k = 3 drafts every step) is token for token the Session's plain decoding."""
+    tok = plain.tokenizer
+    for prompt in PROMPTS:
+        r = server.client.completions.create(model="deepseek-v3-mini", prompt=prompt, max_tokens=TOKENS, temperature=0)
+        [c] = r.choices
+        expected = plain.executor.submit(tok.encode(prompt), SamplingParams(max_tokens=TOKENS)).result()
+        assert c.text == expected.text and r.object == "text_completion"
+        assert c.finish_reason == expected.finish_reason
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(tok.encode(prompt)), len(expected.token_ids))
+        spec = r.usage.model_extra["speculative_decoding"]
+        assert spec["total_draft_tokens"] > 0 and 0 <= spec["total_accepted_draft_tokens"] <= spec["total_draft_tokens"]
+        assert spec["decode_steps"] < r.usage.completion_tokens  # drafts were accepted: fewer steps than tokens
+
+
+def test_token_id_prompts_and_batches_of_prompts(server: Server, plain: Session) -> None:
+    ids = [plain.tokenizer.encode(p) for p in PROMPTS]
+    r = server.client.completions.create(model="deepseek-v3-mini", prompt=ids, max_tokens=TOKENS, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [_plain_text(plain, i) for i in ids]
+    assert r.usage.prompt_tokens == sum(map(len, ids))
+
+
+def test_streaming_equals_unary_and_ends_with_usage(server: Server) -> None:
+    kw = dict(model="deepseek-v3-mini", prompt=PROMPTS[0], max_tokens=TOKENS, temperature=0)
+    unary = server.client.completions.create(**kw)
+    chunks = list(server.client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == unary.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == unary.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == unary.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    # with k = 3, a step emits several tokens and they arrive in one chunk: fewer chunks than tokens
+    assert len(chunks) - 1 < unary.usage.completion_tokens
+
+
+def test_chat_uses_the_models_template(server: Server, plain: Session) -> None:
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Who made the light?"}]
+    r = server.client.chat.completions.create(model="deepseek-v3-mini", messages=messages, max_tokens=TOKENS,
+                                              temperature=0)
+    tok: Tokenizer = plain.tokenizer
+    text = render_chat(tok.chat_template, messages, tok)
+    assert text == "<｜begin▁of▁sentence｜>Answer briefly.<｜User｜>Who made the light?<｜Assistant｜>"
+    ids = tok.encode(text, add_bos=False)
+    assert r.choices[0].message.content == _plain_text(plain, ids) and r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == len(ids) and r.object == "chat.completion"
+    chunks = list(server.client.chat.completions.create(model="deepseek-v3-mini", messages=messages,
+                                                        max_tokens=TOKENS, temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == r.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+
+
+def test_stop_strings_and_echo(server: Server, plain: Session) -> None:
+    full = _plain_text(plain, plain.tokenizer.encode(PROMPTS[0]))
+    stop = full[5:8]
+    assert stop.strip()
+    r = server.client.completions.create(model="deepseek-v3-mini", prompt=PROMPTS[0], max_tokens=TOKENS,
+                                         temperature=0, stop=[stop])
+    assert r.choices[0].text == full[: full.index(stop)] and r.choices[0].finish_reason == "stop"
+    r = server.client.completions.create(model="deepseek-v3-mini", prompt=PROMPTS[0], max_tokens=TOKENS,
+                                         temperature=0, echo=True)
+    assert r.choices[0].text == PROMPTS[0] + full
+
+
+def test_n_choices_with_a_seed_repeat_and_differ(server: Server) -> None:
+    kw = dict(model="deepseek-v3-mini", prompt=PROMPTS[1], max_tokens=TOKENS, temperature=1.0, n=3, seed=7)
+    a, b = server.client.completions.create(**kw), server.client.completions.create(**kw)
+    texts = [c.text for c in a.choices]
+    assert texts == [c.text for c in b.choices] and [c.index for c in a.choices] == [0, 1, 2]
+    assert len(set(texts)) > 1  # choice i samples with seed + i
+
+
+def test_concurrent_requests_equal_sequential(server: Server, plain: Session) -> None:
+    prompts = [p + suffix for p in PROMPTS for suffix in ("", " and", " the")]
+    expected = [_plain_text(plain, plain.tokenizer.encode(p)) for p in prompts]
+
+    def one(p: str) -> str:
+        return server.client.completions.create(model="deepseek-v3-mini", prompt=p, max_tokens=TOKENS,
+                                                temperature=0).choices[0].text
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        assert list(pool.map(one, prompts)) == expected
+
+
+BAD = [
+    ("/v1/completions", {"model": "deepseek-v3-mini", "prompt": "x", "max_tokens": 0}, "max_tokens",
+     "max_tokens must be an integer in [1, 2147483647], got 0"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": True}, "max_tokens", "max_tokens must be an integer, got True"),
+    ("/v1/completions", {"prompt": "x", "max_token": 3}, "max_token", "Unrecognized request argument supplied: max_token"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature", "temperature must be in [0.0, inf], got -1"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p", "top_p must be in (0, 1], got 0"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, "n", "n must be an integer in [1, 128], got 0"),
+    ("/v1/completions", {"prompt": ""}, "prompt", "prompt must not be empty"),
+    ("/v1/completions", {"max_tokens": 3}, "prompt", "prompt is required"),
+    ("/v1/completions", {"prompt": [1, 99999]}, "prompt", "prompt must hold token ids in [0, 4096), got [99999]"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, "max_tokens",
+     "max_tokens 5000 with a 2-token prompt exceeds max_seq_len 2048; at most 2046"),
+    ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop", "stop must be a non-empty string or a list of them, got ['']"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty",
+     "presence_penalty 0.5 is not supported by this server; it takes 0"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 2}, "logprobs",
+     "logprobs 2 is not supported by this server; it takes null"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options",
+     "stream_options is only allowed when stream is true"),
+    ("/v1/chat/completions", {"messages": []}, "messages", "messages must be a non-empty list of {role, content}"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages",
+     "messages[0].role must be one of system, developer, user, assistant, got 'tool'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+     "tools", "tools [{'type': 'function'}] is not supported by this server; it takes null or [] (no tool calling)"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
+                              "max_completion_tokens": 4}, "max_completion_tokens",
+     "max_completion_tokens and max_tokens differ; send one"),
+]
+
+
+@pytest.mark.parametrize("path, body, param, message", BAD, ids=[f"{b[2]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_requests_name_the_parameter(server: Server, path: str, body: dict, param: str, message: str) -> None:
+    status, answer = server.post(path, body)
+    assert (status, answer) == (400, {"error": {"message": message, "type": "invalid_request_error", "param": param,
+                                                "code": None}})
+
+
+def test_malformed_and_oversized_bodies_are_refused(server: Server) -> None:
+    status, answer = server.post("/v1/completions", b"{not json")
+    assert status == 400 and answer["error"]["message"].startswith("the request body must be JSON: ")
+    status, answer = server.post("/v1/completions", b"[1, 2]")
+    assert (status, answer["error"]["message"]) == (400, "the request body must be a JSON object, got list")
+    huge = {"prompt": "a" * (2048 * 64 + 10)}  # more bytes than 2048 tokens can hold
+    status, answer = server.post("/v1/completions", huge)
+    assert status == 400 and answer["error"]["param"] == "prompt"
+    assert answer["error"]["message"].startswith("prompt is longer than the ")
+    # a body declared larger than any request can be is refused before it is read
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 50000000\r\n\r\n{")
+    response = http.client.HTTPResponse(sock)
+    response.begin()
+    assert response.status == 413
+    assert json.loads(response.read())["error"]["message"] == "the request body is larger than 401408 bytes"
+    sock.close()
+    assert urllib.request.urlopen(server.base + "/health", timeout=10).status == 200
+
+
+def _wait_idle(server: Server, timeout: float = 60) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if m["requests_running"] == 0 and m["requests_waiting"] == 0 and m["kv_blocks_used"] == 0:
+            return m
+        time.sleep(0.2)
+    raise AssertionError(f"requests still running or KV blocks held: {server.metrics()}")
+
+
+def _raw_post(server: Server, body: dict) -> socket.socket:
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streaming", "unary"])
+def test_a_client_that_disconnects_is_cancelled(server: Server, stream: bool) -> None:
+    """Closing the connection mid-generation ends the request in the executor and frees its KV blocks."""
+    before = _wait_idle(server)
+    sock = _raw_post(server, {"prompt": PROMPTS[0], "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
+                              "stream": stream})
+    deadline = time.monotonic() + 30
+    while server.metrics()["requests_running"] == 0:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.05)
+    if stream:
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+    sock.close()
+    after = _wait_idle(server)
+    assert after["requests_finished_total"] == before["requests_finished_total"] + 1
+    assert after["generated_tokens_total"] - before["generated_tokens_total"] < 1500  # stopped early
+
+
+def test_health_metrics_and_loopback_default(server: Server) -> None:
+    assert urllib.request.urlopen(server.base + "/health", timeout=10).read() == b"ok"
+    m = server.metrics()
+    assert m["kv_blocks_free"] > 0 and m["draft_len"] == 3
+    assert parse_args(["models/x"]).host == "127.0.0.1"
+    assert "request " in server.log.read_text()  # one info line per request
