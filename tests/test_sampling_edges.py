@@ -322,6 +322,21 @@ BAD_PARAMS = [
     (dict(bad_token_ids=list(range(4096)) + [0]), "bad_token_ids bans all 4096 tokens; at least one must stay allowed"),
     (dict(stop_token_ids=[-2]), "stop_token_ids must be token ids in [0, 4096), got [-2]"),
     (dict(ignore_eos=1), "ignore_eos must be true or false, got 1"),
+    (dict(logprobs=21), "logprobs must be None or an integer in [0, 20], got 21"),
+    (dict(logprobs=-1), "logprobs must be None or an integer in [0, 20], got -1"),
+    (dict(logprobs=True), "logprobs must be None or an integer in [0, 20], got True"),
+    (dict(prompt_logprobs=2.0), "prompt_logprobs must be None or an integer in [0, 20], got 2.0"),
+    (dict(logprobs_mode="raw"), "logprobs_mode must be 'raw_logprobs' or 'processed_logprobs', got 'raw'"),
+    (dict(repetition_penalty=0), "repetition_penalty must be a finite number > 0, got 0"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty must be a finite number > 0, got inf"),
+    (dict(repetition_penalty=None), "repetition_penalty must be a finite number > 0, got None"),
+    (dict(presence_penalty=2.5), "presence_penalty must be in [-2, 2], got 2.5"),
+    (dict(presence_penalty=float("nan")), "presence_penalty must be in [-2, 2], got nan"),
+    (dict(frequency_penalty=-2.01), "frequency_penalty must be in [-2, 2], got -2.01"),
+    (dict(frequency_penalty="1"), "frequency_penalty must be in [-2, 2], got '1'"),
+    (dict(min_tokens=5), "min_tokens must be an integer in [0, max_tokens (4)], got 5"),
+    (dict(min_tokens=-1), "min_tokens must be an integer in [0, max_tokens (4)], got -1"),
+    (dict(min_tokens=1.0), "min_tokens must be an integer in [0, max_tokens (4)], got 1.0"),
 ]
 
 
@@ -345,13 +360,16 @@ def validation_executor(shipped_engine, fib_prompt):
 
 def test_valid_edge_values_are_accepted(validation_executor) -> None:
     """The edges of the documented ranges are valid: seed 0 and 2^63 - 1, top_p 1, top_k above the
-    vocabulary, bans of all tokens but one."""
+    vocabulary, logprobs 0 and 20, penalties at their limits, min_tokens = max_tokens, bans of all tokens
+    but one."""
     import numpy as np
 
     ex, prompt, _ = validation_executor
     for kw in (dict(seed=0, temperature=1.0), dict(seed=2**63 - 1, temperature=1.0),
                dict(seed=np.uint64(2**63 - 1), temperature=1.0), dict(top_k=10**6, temperature=1.0, seed=1),
-               dict(top_p=1.0, temperature=0.5, seed=2)):
+               dict(top_p=1.0, temperature=0.5, seed=2), dict(logprobs=0, prompt_logprobs=20),
+               dict(logprobs=20, logprobs_mode="processed_logprobs"), dict(repetition_penalty=1e-3),
+               dict(presence_penalty=-2, frequency_penalty=2), dict(min_tokens=3)):
         out = ex.submit(prompt, SamplingParams(max_tokens=3, ignore_eos=True, **kw)).result(30)
         assert out.finish_reason == "length" and len(out.token_ids) == 3
     # everything but one token banned: greedy and sampled both emit only that token

@@ -12,6 +12,11 @@ One step for a batch of sequences, each with its own number of new target tokens
    and the scheduler gives back blocks past it.
 k = 0 is plain decoding through the same code. The runner reads sequences and writes none: what a step
 computed comes back as `StepResult`s, which `Scheduler.update_from_output` applies.
+
+Logprobs come from the verification forward's logits at the emitted positions, the same logits plain
+decoding would compute there; prompt logprobs from the prefill chunks' hidden states. Penalties and
+min_tokens bans are applied per row with the counts of the row's own prefix (sampling module docstring),
+to the target rows and to the drafts alike.
 """
 
 from __future__ import annotations
@@ -27,8 +32,8 @@ from runtime.core.kv_cache import KVCache
 from runtime.model.batch import SHORT_QUERY, PagedBatch
 from runtime.model.kernels.modules import FusedMTPLayer, attends_in_kernels
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM
-from runtime.core.sampling import (PURPOSE_DRAFT, RelaxedAcceptance, SamplingTensors, accept, accept_greedy,
-                              probabilities, sample, uniforms)
+from runtime.core.sampling import (PURPOSE_DRAFT, Penalties, RelaxedAcceptance, SamplingTensors, TokenLogprob, accept,
+                                   accept_greedy, probabilities, processed_logprobs, sample, token_logprobs, uniforms)
 from runtime.core.plan import Scheduled, StepResult
 from runtime.core.sequence import Sequence
 
@@ -74,19 +79,52 @@ class ModelRunner:
         batch = self._paged_batch(tables, starts, lens)
         return self.model.mtp_forward(0, ids, hidden, batch=batch, kv_cache=self.cache.tensor, rows=batch.last_index)
 
-    @staticmethod
-    def sampling_tensors(seqs: list[Sequence], rows_per_seq: list[int], vocab: int, device: torch.device) -> SamplingTensors:
-        rep = torch.tensor(rows_per_seq)
-        temp = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32).repeat_interleave(rep)
-        top_k = torch.tensor([min(s.params.top_k, vocab) for s in seqs], dtype=torch.long).repeat_interleave(rep)
-        top_p = torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32).repeat_interleave(rep)
+    def sampling_tensors(self, seqs: list[Sequence], drafts: Tensor | None, first: int, num_rows: int) -> SamplingTensors:
+        """Rows j = first .. first + num_rows - 1 of each sequence: its output token num_output + j, decided after
+        drafts[:, :j] ([B, >= first + num_rows - 1]; None when no row follows a draft). Penalties count those
+        drafts, and min_tokens bans the stop tokens by that token's index."""
+        V, dev = self.model.cfg.vocab_size, self.device
+
+        def per_row(values: list, dtype: torch.dtype) -> Tensor:
+            return torch.tensor(values, dtype=dtype).repeat_interleave(num_rows).to(dev)
+
+        temp = per_row([s.params.temperature for s in seqs], torch.float32)
+        top_k = per_row([min(s.params.top_k, V) for s in seqs], torch.long)
+        top_p = per_row([s.params.top_p for s in seqs], torch.float32)
+        js = range(first, first + num_rows)
         bad = None
-        if any(s.params.bad_token_ids for s in seqs):
-            bad = torch.zeros(len(seqs), vocab, dtype=torch.bool)
-            for i, s in enumerate(seqs):
-                bad[i, list(s.params.bad_token_ids)] = True
-            bad = bad.repeat_interleave(rep, dim=0).to(device)
-        return SamplingTensors(temp.to(device), top_k.to(device), top_p.to(device), bad)
+        banning = [(b, s) for b, s in enumerate(seqs) if s.params.bad_token_ids or s.bans_stop_ids]
+        if banning:
+            bad = torch.zeros(len(seqs), num_rows, V, dtype=torch.bool)
+            for b, s in banning:
+                bad[b, :, list(s.params.bad_token_ids)] = True
+                for r, j in enumerate(js):
+                    if s.num_output_tokens + j < s.params.min_tokens:
+                        bad[b, r, list(s.stop_ids)] = True
+            bad = bad.view(-1, V).to(dev)
+        return SamplingTensors(temp, top_k, top_p, bad, self._penalties(seqs, drafts, first, num_rows))
+
+    def _penalties(self, seqs: list[Sequence], drafts: Tensor | None, first: int, num_rows: int) -> Penalties | None:
+        pen = [b for b, s in enumerate(seqs) if s.penalty is not None]
+        if not pen:
+            return None
+        V, dev = self.model.cfg.vocab_size, self.device
+        counts = torch.stack([seqs[b].penalty.counts for b in pen])[:, None].repeat(1, num_rows, 1)  # [P, rows, V]
+        last = first + num_rows - 1  # drafts before the last row
+        if last > 0:
+            d = drafts[self._ids(pen), :last]
+            before = torch.zeros(len(pen), last + 1, V, device=dev)
+            before[:, 1:].scatter_(2, d[..., None], 1.0)
+            counts += before.cumsum(1)[:, first:]  # row j: the drafts before it
+        in_prompt = torch.stack([seqs[b].penalty.in_prompt for b in pen])[:, None].expand(-1, num_rows, -1)
+
+        def per_row(name: str) -> Tensor:
+            return torch.tensor([getattr(seqs[b].params, name) for b in pen], dtype=torch.float32,
+                                device=dev).repeat_interleave(num_rows)
+
+        rows = self._ids([b * num_rows + r for b in pen for r in range(num_rows)])
+        return Penalties(rows, per_row("repetition_penalty"), per_row("presence_penalty"), per_row("frequency_penalty"),
+                         counts.view(-1, V), in_prompt.reshape(-1, V))
 
     # ---- drafting -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -101,15 +139,18 @@ class ModelRunner:
         lens = [s.num_cached - s.num_mtp for s in seqs]  # the pending hidden rows
         next_ids = self._ids([t for s in seqs for t in s.token_ids[s.num_mtp + 1 : s.num_cached + 1]])
         hidden = torch.cat([h for s in seqs for h in s.pending_hidden])
-        # Plain argmax drafts unless a row samples or bans tokens (its drafts then come from the MTP's own
-        # distribution, bans applied, so a banned token is never drafted only to be rejected).
-        plain = all(s.params.plain_argmax for s in seqs)
+        # Plain argmax drafts unless a row samples, bans or penalizes tokens (its drafts then come from the MTP's
+        # own distribution under the same rules as the target's rows, so a banned token is never drafted only to
+        # be rejected, and a penalized greedy row drafts what its target row will choose).
+        plain = all(s.plain_argmax for s in seqs)
         if plain and min(ks) == K > 1 and isinstance(model.mtp[0], FusedMTPLayer) and self.for_kernels:
             return model.mtp[0].greedy_drafts(model.rope, next_ids, hidden, self._paged_batch(tables, starts, lens),
                                               self.cache.tensor, K), None
         logits, h = self.forward_mtp(tables, starts, lens, next_ids, hidden)
         if not plain:
-            st = self.sampling_tensors(seqs, [1] * len(seqs), model.cfg.vocab_size, self.device)
+            # rules that depend on the drafts before a row (penalties, min_tokens) need fresh tensors per draft
+            per_draft = any(s.penalty is not None or s.bans_stop_ids for s in seqs)
+            st = self.sampling_tensors(seqs, None, 0, 1)
             seeds = self._ids([s.seed for s in seqs])
             positions = self._ids([s.num_tokens for s in seqs])  # absolute position of draft 1
         drafts, probs = [], []
@@ -117,6 +158,8 @@ class ModelRunner:
             if plain:
                 d = logits.argmax(-1)
             else:
+                if per_draft and j:
+                    st = self.sampling_tensors(seqs, torch.stack(drafts, dim=1), j, 1)
                 q = probabilities(logits, st)
                 d = torch.where(st.temperature == 0, q.argmax(-1), sample(q, uniforms(seeds, positions + j, PURPOSE_DRAFT)))
                 probs.append(q)
@@ -161,11 +204,12 @@ class ModelRunner:
         hidden = self.forward_target([s.block_table for s in seqs], [s.num_cached for s in seqs],
                                      [it.num_new for it in items], tokens)
         results = self._verify(items, decoding, hidden, rows, draft_probs, drafting) if decoding else {}
+        prompt_logprobs = self._prompt_logprobs(items, hidden)
 
         out, offset = [], 0
         for i, it in enumerate(items):
             s = it.seq
-            emitted, accepted = results.get(i, ([], 0))
+            emitted, accepted, logprobs = results.get(i, ([], 0, None))
             trusted = accepted + 1 if emitted else it.num_new  # positions whose target KV is now valid
             kept = None
             if self.keep_mtp_inputs and not s.mtp_dropped:  # a copy: a view would keep the step's hidden alive
@@ -175,14 +219,17 @@ class ModelRunner:
             if self.relaxed is not None:
                 for t in emitted:
                     thinking = self.relaxed.advance(thinking, t)
-            out.append(StepResult(s, emitted, it.num_drafts, accepted, trusted, kept, it.num_drafts > 0, thinking))
+            out.append(StepResult(s, emitted, it.num_drafts, accepted, trusted, kept, it.num_drafts > 0, thinking,
+                                  logprobs, prompt_logprobs.get(i)))
         self.timings["draft"] += t1 - t0
         self.timings["target"] += time.perf_counter() - t1
         return out
 
     def _verify(self, items: list[Scheduled], decoding: list[int], hidden: Tensor, drafts: list[list[int]],
-                draft_probs: Tensor | None, drafting: list[Scheduled]) -> dict[int, tuple[list[int], int]]:
-        """Target distributions at each decoding sequence's last k+1 positions, then acceptance."""
+                draft_probs: Tensor | None, drafting: list[Scheduled]
+                ) -> dict[int, tuple[list[int], int, list[TokenLogprob] | None]]:
+        """Target distributions at each decoding sequence's last k+1 positions, then acceptance: per item index,
+        (emitted tokens, accepted drafts, their logprobs when asked for)."""
         V = self.model.cfg.vocab_size
         seqs = [items[i].seq for i in decoding]
         ks = [items[i].num_drafts for i in decoding]
@@ -193,31 +240,81 @@ class ModelRunner:
         logits = self.model.logits(hidden[self._ids(rows)]).view(B, K + 1, V)
         row_of = {id(it.seq): r for r, it in enumerate(drafting)}
         d = [drafts[row_of[id(s)]] if k else [0] * K for s, k in zip(seqs, ks)]  # [B][K]; past k_b: ignored
-        if self.relaxed is None and all(s.params.plain_argmax for s in seqs):
-            out = {}
-            for i, db, k, argmax in zip(decoding, d, ks, logits.argmax(-1).tolist()):
+        st = None
+        if self.relaxed is None and all(s.plain_argmax for s in seqs):
+            emitted = []
+            for db, k, argmax in zip(d, ks, logits.argmax(-1).tolist()):
                 n = accept_greedy(db[:k], argmax)
-                out[i] = (db[:n] + [argmax[n]], n)
+                emitted.append(db[:n] + [argmax[n]])
+        else:
+            dt = self._ids(d).view(B, K)
+            dp = None
+            if draft_probs is not None:
+                has = self._ids(ks) > 0
+                dp = torch.where(has[:, None, None], draft_probs[self._ids([row_of.get(id(s), 0) for s in seqs])], 0.0)
+            st = self.sampling_tensors(seqs, dt, 0, K + 1)
+            target_probs = probabilities(logits.flatten(0, 1), st).view(B, K + 1, V)
+            greedy = st.temperature.view(B, K + 1)[:, 0] == 0
+            relaxed_kw = {}
+            if self.relaxed is not None and K:
+                plain = logits[:, :K].float()
+                if st.bad_mask is not None:  # a banned token is never accepted, relaxed or not
+                    plain = plain.masked_fill(st.bad_mask.view(B, K + 1, V)[:, :K], float("-inf"))
+                relaxed_kw = dict(relaxed=self.relaxed, relaxed_probs=plain.softmax(-1),
+                                  relaxed_mask=self._thinking_mask(seqs, dt, ks))
+            num_acc, nxt = accept(dt, dp, target_probs, self._ids(ks), self._ids([s.seed for s in seqs]),
+                                  self._ids([s.num_tokens for s in seqs]), greedy, **relaxed_kw)
+            emitted = [d[b][:n] + [t] for b, (n, t) in enumerate(zip(num_acc.tolist(), nxt.tolist()))]
+        logprobs = self._logprobs(seqs, logits, st, emitted)
+        return {i: (emitted[b], len(emitted[b]) - 1, logprobs[b]) for b, i in enumerate(decoding)}
+
+    def _logprobs(self, seqs: list[Sequence], logits: Tensor, st: SamplingTensors | None,
+                  emitted: list[list[int]]) -> list[list[TokenLogprob] | None]:
+        """Per sequence, the logprobs of its emitted tokens from the rows [B, K+1, V] that decided them (None for
+        a sequence that did not ask): raw log-softmax of the logits, or of the processed distribution (`st`;
+        None means every row is a plain argmax one, whose processed distribution is the raw one)."""
+        asking = [b for b, s in enumerate(seqs) if s.params.logprobs is not None]
+        out: list[list[TokenLogprob] | None] = [None] * len(seqs)
+        if not asking:
             return out
-        dt = self._ids(d).view(B, K)
-        dp = None
-        if draft_probs is not None:
-            has = self._ids(ks) > 0
-            dp = torch.where(has[:, None, None], draft_probs[self._ids([row_of.get(id(s), 0) for s in seqs])], 0.0)
-        st = self.sampling_tensors(seqs, [K + 1] * B, V, self.device)
-        target_probs = probabilities(logits.flatten(0, 1), st).view(B, K + 1, V)
-        greedy = st.temperature.view(B, K + 1)[:, 0] == 0
-        relaxed_kw = {}
-        if self.relaxed is not None and K:
-            plain = logits[:, :K].float()
-            if st.bad_mask is not None:  # a banned token is never accepted, relaxed or not
-                plain = plain.masked_fill(st.bad_mask.view(B, K + 1, V)[:, :K], float("-inf"))
-            relaxed_kw = dict(relaxed=self.relaxed, relaxed_probs=plain.softmax(-1),
-                              relaxed_mask=self._thinking_mask(seqs, dt, ks))
-        num_acc, nxt = accept(dt, dp, target_probs, self._ids(ks), self._ids([s.seed for s in seqs]),
-                              self._ids([s.num_tokens for s in seqs]), greedy, **relaxed_kw)
-        num_acc, nxt = num_acc.tolist(), nxt.tolist()
-        return {i: (d[b][: num_acc[b]] + [nxt[b]], num_acc[b]) for b, i in enumerate(decoding)}
+        B, R, V = logits.shape
+        rows = self._ids([b * R + j for b in asking for j in range(len(emitted[b]))])
+        flat = logits.view(B * R, V)
+        if st is not None and any(seqs[b].params.logprobs_mode == "processed_logprobs" for b in asking):
+            processed = processed_logprobs(flat, st)[rows]
+            raw = flat[rows].float().log_softmax(-1)
+            mode = self._ids([seqs[b].params.logprobs_mode == "processed_logprobs" for b in asking
+                              for _ in emitted[b]]).bool()
+            lp = torch.where(mode[:, None], processed, raw)
+        else:
+            lp = flat[rows].float().log_softmax(-1)
+        tokens = self._ids([t for b in asking for t in emitted[b]])
+        found = iter(token_logprobs(lp, tokens, [seqs[b].params.logprobs for b in asking for _ in emitted[b]]))
+        for b in asking:
+            out[b] = [next(found) for _ in emitted[b]]
+        return out
+
+    def _prompt_logprobs(self, items: list[Scheduled], hidden: Tensor) -> dict[int, list[TokenLogprob]]:
+        """Per prefill item of a request asking for prompt logprobs: the raw logprobs of the prompt tokens its
+        chunk predicts (position p predicts token p + 1), each computed once (a recomputed prefill skips them)."""
+        rows, tokens, top_n, spans = [], [], [], {}
+        offset = 0
+        for i, it in enumerate(items):
+            s, start = it.seq, offset
+            offset += it.num_new
+            if s.params.prompt_logprobs is None or not s.in_prefill:
+                continue
+            lo, hi = max(s.num_cached, s.num_prompt_logprobs), min(s.num_cached + it.num_new, s.num_prompt_tokens - 1)
+            if lo < hi:
+                spans[i] = (len(rows), hi - lo)
+                rows += range(start + lo - s.num_cached, start + hi - s.num_cached)
+                tokens += s.token_ids[lo + 1 : hi + 1]
+                top_n += [s.params.prompt_logprobs] * (hi - lo)
+        if not rows:
+            return {}
+        lp = self.model.logits(hidden[self._ids(rows)]).float().log_softmax(-1)
+        found = token_logprobs(lp, self._ids(tokens), top_n)
+        return {i: found[start : start + n] for i, (start, n) in spans.items()}
 
     def _thinking_mask(self, seqs: list[Sequence], drafts: Tensor, ks: list[int]) -> Tensor:
         """[B, K] True where a draft position lies between <think> and </think>."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from runtime.core.sampling import TokenLogprob
 from runtime.core.sequence import Sequence
 
 
@@ -35,3 +36,5 @@ class StepResult:
     hidden: Tensor | None = None  # their target hidden states, the MTP layer's next inputs (None: not kept)
     mtp_caught_up: bool = False  # drafting consumed the sequence's pending MTP inputs
     in_thinking: bool = False  # relaxed acceptance: a thinking span is open after the emitted tokens
+    logprobs: list[TokenLogprob] | None = None  # one per emitted token, when the request asks for logprobs
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens this prefill chunk predicted (prompt_logprobs)

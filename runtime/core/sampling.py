@@ -15,17 +15,31 @@ Acceptance (rows are sequences, columns draft positions j = 0..k-1, target rows 
   bonus token from p_k. The emitted tokens follow p exactly, for any draft distribution q;
 - relaxed (TensorRT-LLM's, for thinking; lossy, greedy only): also accept d_j when it is among the
   target's top-N and p_j(d_j) >= p_j(top1) - delta.
+
+Penalties and min_tokens depend on the tokens before a position, so row j of a sequence (its output
+token num_output + j) is decided with the counts its own prefix has: the output so far plus drafts
+d_1..d_j-1 (accepted drafts are exactly that prefix). Target rows and drafts use the same rule, so
+greedy output with penalties is plain decoding's and sampled output follows the penalized target.
+Order, as vLLM and HF: repetition penalty (HF / TensorRT-LLM: over prompt and output), frequency and
+presence penalties (OpenAI: over the output), bans (bad tokens, stop tokens before min_tokens), then
+temperature, top-k, top-p.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from torch import Tensor
 
 from runtime.model.config import is_int, is_number
+
+
+MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (OpenAI's top_logprobs limit)
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # vLLM's names
+PENALTY_LIMIT = 2.0  # |presence_penalty| and |frequency_penalty| at most this (OpenAI's range)
 
 
 def _as_given(value: object) -> object:
@@ -46,6 +60,16 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     bad_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # per emitted token: its logprob under the target and the N most likely alternatives (0..20; None: off)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    # "raw_logprobs": log-softmax of the model's logits (vLLM's default); "processed_logprobs": of the
+    # distribution tokens are drawn from (penalties, bans, temperature, top-k, top-p; greedy: temperature 1)
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
+    repetition_penalty: float = 1.0  # HF / TensorRT-LLM: > 1 discourages tokens of the prompt and output
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from the logit of a token in the output
+    frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the output
+    min_tokens: int = 0  # eos and stop tokens are banned (and stop strings ignored) before this many
 
     def __post_init__(self) -> None:
         """A single stop string is one stop string (not one per character); lists become tuples."""
@@ -80,15 +104,35 @@ class SamplingParams:
             raise ValueError(f"bad_token_ids bans all {vocab_size} tokens; at least one must stay allowed")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and (not is_int(n) or not 0 <= n <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {n!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be 'raw_logprobs' or 'processed_logprobs', got {self.logprobs_mode!r}")
+        r = self.repetition_penalty
+        if not is_number(r) or not 0 < r < math.inf:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {r!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not is_number(v) or not -PENALTY_LIMIT <= v <= PENALTY_LIMIT:
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens ({self.max_tokens})], got {self.min_tokens!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
     @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
     def plain_argmax(self) -> bool:
-        """Greedy with nothing banned: a token is the logits' plain argmax, drafts included."""
-        return self.greedy and not self.bad_token_ids
+        """Greedy with nothing banned or penalized: a token is the logits' plain argmax, drafts included
+        (min_tokens aside: `Sequence.plain_argmax` knows whether it still bans)."""
+        return self.greedy and not self.bad_token_ids and not self.penalized
 
 
 @dataclass(frozen=True)
@@ -136,6 +180,28 @@ def uniforms(seeds: Tensor, positions: Tensor, purpose: int) -> Tensor:
 
 # ---- distributions ---------------------------------------------------------------------------
 @dataclass
+class Penalties:
+    """Repetition / presence / frequency penalties of some rows of a batch (the others have none)."""
+
+    rows: Tensor  # [P] long: the rows they apply to
+    repetition: Tensor  # [P] float; 1 = off
+    presence: Tensor  # [P] float
+    frequency: Tensor  # [P] float
+    counts: Tensor  # [P, V] float: occurrences in the output before the row (drafts before it included)
+    in_prompt: Tensor  # [P, V] bool
+
+    def apply(self, logits: Tensor) -> Tensor:
+        """HF's repetition penalty over prompt and output (a positive logit divided, a negative one
+        multiplied), then OpenAI's frequency and presence penalties over the output."""
+        x = logits[self.rows]
+        seen = self.counts > 0
+        rep = self.repetition[:, None]
+        x = torch.where(seen | self.in_prompt, torch.where(x > 0, x / rep, x * rep), x)
+        x = x - self.frequency[:, None] * self.counts - self.presence[:, None] * seen
+        return logits.index_copy(0, self.rows, x)
+
+
+@dataclass
 class SamplingTensors:
     """Per-row sampling parameters of a batch as tensors (rows are token positions to decide)."""
 
@@ -143,17 +209,25 @@ class SamplingTensors:
     top_k: Tensor  # [R] long; 0 = off
     top_p: Tensor  # [R] float
     bad_mask: Tensor | None = field(default=None)  # [R, V] True where the token is banned
+    penalties: Penalties | None = field(default=None)
 
     @property
     def all_greedy(self) -> bool:
         return bool((self.temperature == 0).all())
 
 
-def probabilities(logits: Tensor, st: SamplingTensors) -> Tensor:
-    """Softmax of logits/temperature after top-k and top-p; greedy rows become one-hot argmax."""
+def adjusted_logits(logits: Tensor, st: SamplingTensors) -> Tensor:
+    """float32 logits after penalties and bans: what a greedy row takes the argmax of."""
     logits = logits.float()
+    if st.penalties is not None:
+        logits = st.penalties.apply(logits)
     if st.bad_mask is not None:
         logits = logits.masked_fill(st.bad_mask, float("-inf"))
+    return logits
+
+
+def _processed(logits: Tensor, st: SamplingTensors) -> Tensor:
+    """Adjusted logits scaled by temperature (1 for greedy rows) with top-k / top-p cuts at -inf."""
     greedy = st.temperature == 0
     temp = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
     # shifted so the largest is 0: a tiny temperature then sends the rest to -inf (the argmax), not to inf / NaN;
@@ -170,11 +244,50 @@ def probabilities(logits: Tensor, st: SamplingTensors) -> Tensor:
         nucleus[:, 0] = False  # and never less than the top token (a top_p below float32's least is 0 here)
         drop |= nucleus & (st.top_p[:, None] < 1)  # rounding must not cut the tail of a row without top-p
         scaled = scaled.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = scaled.softmax(-1)
+    return scaled
+
+
+def probabilities(logits: Tensor, st: SamplingTensors) -> Tensor:
+    """Softmax of the adjusted logits / temperature after top-k and top-p; greedy rows become one-hot argmax."""
+    logits = adjusted_logits(logits, st)
+    probs = _processed(logits, st).softmax(-1)
+    greedy = st.temperature == 0
     if bool(greedy.any()):
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None], one_hot, probs)
     return probs
+
+
+def processed_logprobs(logits: Tensor, st: SamplingTensors) -> Tensor:
+    """Log-probabilities of the distribution a row is drawn from (vLLM's processed_logprobs); a greedy row's
+    are its adjusted logits' (temperature, top-k and top-p do not change its choice)."""
+    adjusted = adjusted_logits(logits, st)
+    out = _processed(adjusted, st).log_softmax(-1)
+    greedy = st.temperature == 0
+    return torch.where(greedy[:, None], adjusted.log_softmax(-1), out) if bool(greedy.any()) else out
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One position's logprob: the token's, its rank (1 = most likely, as vLLM) and the N most likely."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first; N = the request's logprobs
+
+
+def token_logprobs(logprobs: Tensor, tokens: Tensor, top_n: list[int]) -> list[TokenLogprob]:
+    """TokenLogprobs of rows [M, V] of log-probabilities for the tokens [M] chosen there, with top_n[m]
+    alternatives each, read back to the host in one transfer."""
+    chosen = logprobs.gather(-1, tokens[:, None])
+    rank = (logprobs > chosen).sum(-1) + 1
+    n = max(top_n)
+    top = logprobs.topk(n, dim=-1) if n else None
+    chosen, rank = chosen.squeeze(-1).tolist(), rank.tolist()
+    top_ids, top_values = (top.indices.tolist(), top.values.tolist()) if n else ([[]] * len(chosen), [[]] * len(chosen))
+    return [TokenLogprob(t, c, r, tuple(zip(ids[:k], vals[:k])))
+            for t, c, r, ids, vals, k in zip(tokens.tolist(), chosen, rank, top_ids, top_values, top_n)]
 
 
 def sample(probs: Tensor, u: Tensor) -> Tensor:

@@ -13,8 +13,8 @@ The draft length comes from a `DraftPolicy` (runtime.core.draft_policy), and no 
 budget to prompts waiting to be prefilled.
 
 After the step, `update_from_output` applies what the runner computed, the one writer of a step's
-results: tokens (as many as the stop rules keep), cache lengths, MTP inputs, finished sequences,
-blocks given back, and what the draft policy learns.
+results: tokens (as many as the stop rules keep) and the penalties' counts of them, cache lengths, MTP
+inputs, prompt logprobs done, finished sequences, blocks given back, and what the draft policy learns.
 """
 
 from __future__ import annotations
@@ -170,7 +170,12 @@ class Scheduler:
         decode_only = not any(it.seq.in_prefill for it in plan)
         for r in results:
             seq = r.seq
-            seq.token_ids += r.new_token_ids[: kept.get(seq, len(r.new_token_ids))]
+            new = r.new_token_ids[: kept.get(seq, len(r.new_token_ids))]
+            seq.token_ids += new
+            if seq.penalty is not None:
+                seq.penalty.add(new)
+            if r.prompt_logprobs:
+                seq.num_prompt_logprobs += len(r.prompt_logprobs)
             seq.num_cached += r.num_trusted
             seq.in_thinking = r.in_thinking
             if r.mtp_caught_up:

@@ -6,6 +6,9 @@ its drafts. The MTP cache lags: positions < num_mtp are done, and the target hid
 positions num_mtp .. num_cached - 1 wait in `pending_hidden` until the next drafting step, as the
 chunks each step appended (joined once, when drafting uses them: a sequence that does not draft for
 a while would otherwise copy its growing backlog every step).
+
+A penalized request keeps its token counts as tensors (`PenaltyState`), updated by the step's one writer
+with the tokens it keeps, so a step reads them in O(vocabulary) rather than recounting its history.
 """
 
 from __future__ import annotations
@@ -13,9 +16,29 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 from runtime.core.sampling import SamplingParams
+
+
+@dataclass(eq=False)
+class PenaltyState:
+    """What penalties read of a sequence: output token counts and the prompt's tokens, both [V]."""
+
+    counts: Tensor  # float32
+    in_prompt: Tensor  # bool
+
+    @classmethod
+    def create(cls, prompt: list[int], vocab_size: int, device: torch.device | str) -> "PenaltyState":
+        in_prompt = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        in_prompt[torch.tensor(prompt, device=device)] = True
+        return cls(torch.zeros(vocab_size, device=device), in_prompt)
+
+    def add(self, tokens: list[int]) -> None:
+        if tokens:
+            ids = torch.tensor(tokens, device=self.counts.device)
+            self.counts.index_put_((ids,), torch.ones(len(tokens), device=self.counts.device), accumulate=True)
 
 
 class Status(enum.Enum):
@@ -40,6 +63,9 @@ class Sequence:
     mtp_dropped: bool = False  # adaptive speculation gave up drafting for it: no MTP inputs kept
     in_thinking: bool = False
     admitted_at: int = -1  # admission order of its last admission (preemption takes the latest)
+    stop_ids: frozenset[int] = frozenset()  # eos and stop token ids: banned while min_tokens is not reached
+    penalty: PenaltyState | None = None  # set for requests with penalties
+    num_prompt_logprobs: int = 0  # prompt positions whose next-token logprobs were computed (prompt_logprobs)
 
     @property
     def num_tokens(self) -> int:
@@ -57,6 +83,16 @@ class Sequence:
     @property
     def in_prefill(self) -> bool:
         return self.num_to_prefill > 0
+
+    @property
+    def bans_stop_ids(self) -> bool:
+        """min_tokens still bans its stop tokens at the next position."""
+        return self.num_output_tokens < self.params.min_tokens and bool(self.stop_ids)
+
+    @property
+    def plain_argmax(self) -> bool:
+        """Its next tokens, drafts included, are the logits' plain argmax (nothing banned or penalized)."""
+        return self.params.plain_argmax and not self.bans_stop_ids
 
     @property
     def can_draft(self) -> bool:

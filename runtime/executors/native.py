@@ -29,7 +29,7 @@ from runtime.core.scheduler import Scheduler
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.requests import (ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestStats, RequestTracker,
                              validate_request)
-from runtime.core.sequence import Sequence
+from runtime.core.sequence import PenaltyState, Sequence
 from runtime.io.tokenizer import Tokenizer
 from runtime.core.model_runner import ModelRunner
 
@@ -128,11 +128,13 @@ class Executor:
         self.validate(prompt_token_ids, params)
         rid = self._ids.claim(request_id)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(6), "little")
-        seq = Sequence(rid, list(prompt_token_ids), len(prompt_token_ids), params, seed,
-                       in_thinking=self._thinking_after(prompt_token_ids))
         handle = RequestHandle(rid, self)
         tracker = RequestTracker.create(rid, len(prompt_token_ids), params, self.tokenizer, self.limits.max_seq_len,
                                         handle, on_output)
+        penalty = PenaltyState.create(list(prompt_token_ids), self.model_config.vocab_size,
+                                      self.cache.tensor.device) if params.penalized else None
+        seq = Sequence(rid, list(prompt_token_ids), len(prompt_token_ids), params, seed,
+                       in_thinking=self._thinking_after(prompt_token_ids), stop_ids=tracker.stop_ids, penalty=penalty)
         with self._submit_lock:
             if self._stopping:
                 self._ids.release(rid)
@@ -287,9 +289,11 @@ class Executor:
         now = time.perf_counter()
         reports, kept, finished = [], {}, set()
         for r in results:  # the stop rules decide how many emitted tokens each request keeps
+            if r.prompt_logprobs:
+                self._requests[r.seq.request_id][1].prompt_logprobs += r.prompt_logprobs
             if r.new_token_ids:
                 tracker = self._requests[r.seq.request_id][1]
-                new, delta, reason = tracker.consume(r.new_token_ids, now)
+                new, delta, reason = tracker.consume(r.new_token_ids, now, r.logprobs)
                 tracker.num_steps += 1
                 tracker.num_draft_tokens += r.num_drafts
                 tracker.num_accepted_draft_tokens += r.num_accepted

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable, Iterator, Protocol
 
 from runtime.model.config import is_int
-from runtime.core.sampling import SamplingParams
+from runtime.core.sampling import SamplingParams, TokenLogprob
 from runtime.io.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -62,6 +62,12 @@ class RequestOutput:
     stats: RequestStats
     error: str | None = None  # what went wrong when finish_reason is "error"
     mid_character: bool = False  # the tokens so far end inside a character: their text comes with later tokens
+    # with SamplingParams.logprobs: one per token of new_token_ids / token_ids, and the sum over token_ids
+    new_logprobs: list[TokenLogprob] | None = None
+    logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float | None = None
+    # with SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing predicts it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -113,7 +119,8 @@ class RequestHandle:
             self._last = out
             held = self._pending
             self._pending = out if held is None else replace(
-                out, new_token_ids=held.new_token_ids + out.new_token_ids, text_delta=held.text_delta + out.text_delta)
+                out, new_token_ids=held.new_token_ids + out.new_token_ids, text_delta=held.text_delta + out.text_delta,
+                new_logprobs=None if out.new_logprobs is None else held.new_logprobs + out.new_logprobs)
             self._arrived.notify_all()
             if out.finished:
                 self._finished.notify_all()
@@ -236,10 +243,20 @@ class RequestTracker:
     token_ids: list[int] = field(default_factory=list)  # output tokens reported
     text: str = ""  # reported so far
     held: str = ""  # decoded but not reported yet (could start a stop string)
+    stop_after: int = 0  # a stop string must end past this many characters of `held` (min_tokens)
     num_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
     finished: bool = False
+    logprobs: list[TokenLogprob] | None = None  # of the output tokens reported, when asked for
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # filled by the prefill steps, when asked for
+
+    def __post_init__(self) -> None:
+        if self.params.logprobs is not None:
+            self.logprobs = []
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
 
     @classmethod
     def create(cls, request_id: str, num_prompt_tokens: int, params: SamplingParams, tokenizer: Tokenizer,
@@ -251,14 +268,17 @@ class RequestTracker:
         return cls(request_id, num_prompt_tokens, params, handle, IncrementalDetokenizer(tokenizer),
                    frozenset(stop_ids), max_seq_len, callback)
 
-    def consume(self, new: list[int], now: float) -> tuple[list[int], str, str | None]:
-        """Apply the stop rules to newly generated ids: returns (ids kept, text delta, finish reason).
+    def consume(self, new: list[int], now: float, logprobs: list[TokenLogprob] | None = None
+                ) -> tuple[list[int], str, str | None]:
+        """Apply the stop rules to newly generated ids (and keep the logprobs of those kept): returns (ids kept,
+        text delta, finish reason).
 
         Ids are taken one at a time, so a step that emitted several (speculation) ends exactly where
         plain decoding would: before a stop id, at the token that reaches max_tokens / max_seq_len,
         or at the token that completes a stop string (the text cut before it). With stop strings,
         the last (longest stop - 1) characters are held back until they can no longer start one, so
-        a client never sees part of a stop string.
+        a client never sees part of a stop string. Before min_tokens no stop string ends a request (as
+        vLLM): one counts only when it ends in the text of a later token.
         """
         p = self.params
         if new:
@@ -277,11 +297,18 @@ class RequestTracker:
                     reason = "length"
             if reason:
                 self.held += self.detok.flush()
-            if p.stop:
-                hit = min((i for i in (self.held.find(s) for s in p.stop) if i >= 0), default=-1)
+            if p.stop and len(self.token_ids) + len(kept) < p.min_tokens:
+                self.stop_after = len(self.held)
+            elif p.stop:
+                hit = min((i for i in (self.held.find(s, max(self.stop_after - len(s) + 1, 0)) for s in p.stop)
+                           if i >= 0), default=-1)
             if reason or hit >= 0:
                 break
         self.token_ids += kept
+        if self.logprobs is not None:
+            for lp in logprobs[: len(kept)]:
+                self.logprobs.append(lp)
+                self.cumulative_logprob += lp.logprob
         if hit >= 0:
             delta, reason = self.held[:hit], "stop"
         elif reason is None and p.stop:
@@ -289,6 +316,7 @@ class RequestTracker:
         else:
             delta = self.held
         self.held = self.held[len(delta):]
+        self.stop_after = max(self.stop_after - len(delta), 0)
         self.text += delta
         return kept, delta, reason
 
@@ -309,8 +337,11 @@ class RequestTracker:
             self.text += held
             delta += held
         self.finished = reason is not None
+        logprobs = None if self.logprobs is None else list(self.logprobs)
         out = RequestOutput(self.request_id, list(new), list(self.token_ids), delta, self.text, self.finished,
-                            reason, self.stats(), error, self.detok.holding)
+                            reason, self.stats(), error, self.detok.holding,
+                            None if logprobs is None else logprobs[len(logprobs) - len(new):], logprobs,
+                            None if logprobs is None else self.cumulative_logprob, self.prompt_logprobs)
         if self.callback is not None:
             try:
                 self.callback(out)

@@ -16,7 +16,7 @@ from typing import Iterator
 
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.requests import RequestStats
-from runtime.core.sampling import SamplingParams
+from runtime.core.sampling import SamplingParams, TokenLogprob
 from runtime.executors.base import create_executor
 
 
@@ -27,6 +27,9 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str | None
     stats: RequestStats
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids (SamplingParams.logprobs)
+    cumulative_logprob: float | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token, the first None
 
 
 class Session:
@@ -58,7 +61,8 @@ class Session:
             self.executor.validate(i, params)
         handles = [self.executor.submit(i, params) for i in ids]
         outs = [h.result() for h in handles]
-        return [GenerationResult(p, o.text, o.token_ids, o.finish_reason, o.stats) for p, o in zip(prompts, outs)]
+        return [GenerationResult(p, o.text, o.token_ids, o.finish_reason, o.stats, o.logprobs, o.cumulative_logprob,
+                                 o.prompt_logprobs) for p, o in zip(prompts, outs)]
 
     def stream(self, prompt: str, params: SamplingParams | None = None) -> Iterator[str]:
         """Text deltas as they are decoded; each is valid UTF-8 on its own. Invalid parameters raise

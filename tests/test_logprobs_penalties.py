@@ -1,0 +1,397 @@
+"""Logprobs, penalties and min_tokens, exact under MTP speculation.
+
+- Logprobs come from the verification forward: for k = 1..4, alone and batched, every emitted token's
+  logprob and top alternatives equal plain decoding's (k = 0) within 1e-5, and they are the log-softmax of
+  a dense teacher-forced forward (raw), or of the exact sampling distribution (processed). Prompt logprobs
+  equal the dense forward's over chunked prefills; streamed deltas add up to the totals.
+- Penalties (repetition: HF over prompt and output; presence / frequency: OpenAI over the output) and
+  min_tokens: greedy output is token for token the k = 0 output for k = 1..4, alone and in mixed batches,
+  and equals a reference decoder written here from the definitions; sampled output follows the penalized
+  target distribution (chi-square on a 64-token model, where the unpenalized distribution is rejected).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from runtime.core.sampling import Penalties, SamplingParams, SamplingTensors, probabilities
+from runtime.executors.base import ExecutorConfig
+from runtime.executors.native import Executor
+from runtime.executors.requests import RequestOutput
+from runtime.io.loading import load_engine
+
+from conftest import bigram_tensors, chi2_pvalue, tiny_config_dict
+from executor_util import assert_all_free
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+MAX_SEQ_LEN = 256
+TOL = 1e-5
+P_MIN = 1e-4
+
+
+def run(engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], k: int, *,
+        alone: bool = False, **config) -> list[RequestOutput]:
+    """Outputs on a fresh executor with a fixed k (0: plain), all submitted together or one at a time."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    cfg = ExecutorConfig(num_draft_tokens=k, speculation="fixed" if k else "off", max_seq_len=MAX_SEQ_LEN, **config)
+    with Executor(engine, cfg) as ex:
+        if alone:
+            outs = [ex.submit(p, sp).result(120) for p, sp in zip(prompts, params)]
+        else:
+            outs = [h.result(120) for h in [ex.submit(p, sp) for p, sp in zip(prompts, params)]]
+        assert_all_free(ex)
+    return outs
+
+
+@pytest.fixture(scope="module")
+def prompts(shipped_model_dir, shipped_tokenizer) -> list[list[int]]:
+    rows = json.loads((shipped_model_dir / "heldout_prompts.json").read_text())
+    return [shipped_tokenizer.encode(r["text"])[:40] for r in rows[:6]]
+
+
+@torch.inference_mode()
+def dense_logits(engine, ids: list[int]) -> torch.Tensor:
+    """Logits [len(ids), V] of one dense forward: row i predicts token i + 1."""
+    m = engine.model
+    return m.logits(m(torch.tensor([ids]))[0]).double()
+
+
+def penalized_reference(logits: torch.Tensor, prompt: list[int], output: list[int], params: SamplingParams,
+                        stop_ids: set[int]) -> torch.Tensor:
+    """The definitions, token by token: HF's repetition penalty over prompt and output, OpenAI's frequency
+    and presence penalties over the output, stop tokens banned before min_tokens."""
+    x = logits.clone()
+    r = params.repetition_penalty
+    for t in set(prompt) | set(output):
+        x[t] = x[t] / r if x[t] > 0 else x[t] * r
+    for t, c in Counter(output).items():
+        x[t] -= params.frequency_penalty * c + params.presence_penalty
+    if len(output) < params.min_tokens:
+        x[list(stop_ids)] = float("-inf")
+    return x
+
+
+def assert_same_logprobs(a: RequestOutput, b: RequestOutput, label: str) -> None:
+    assert a.token_ids == b.token_ids, f"{label}: tokens differ"
+    assert len(a.logprobs) == len(b.logprobs) == len(a.token_ids)
+    for i, (x, y) in enumerate(zip(a.logprobs, b.logprobs)):
+        assert x.token_id == y.token_id == a.token_ids[i]
+        assert abs(x.logprob - y.logprob) <= TOL, f"{label}: token {i}: {x.logprob} vs {y.logprob}"
+        assert x.rank == y.rank, f"{label}: token {i}: rank {x.rank} vs {y.rank}"
+        assert len(x.top) == len(y.top)
+        for (ti, vi), (tj, vj) in zip(x.top, y.top):
+            assert abs(vi - vj) <= TOL and (ti == tj or abs(vi - vj) <= TOL), f"{label}: token {i}: top differs"
+    assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-4)
+    assert a.cumulative_logprob == pytest.approx(sum(x.logprob for x in a.logprobs), abs=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------
+# Logprobs
+# ---------------------------------------------------------------------------------------------
+def logprob_params() -> list[SamplingParams]:
+    """Six requests of one batch: top-5 raw, top-0 processed, penalized with logprobs, sampled seeded with
+    processed logprobs, none, and min_tokens with top-20 (greedy ones are identical for every k)."""
+    return [SamplingParams(max_tokens=24, ignore_eos=True, logprobs=5),
+            SamplingParams(max_tokens=24, ignore_eos=True, logprobs=0, logprobs_mode="processed_logprobs"),
+            SamplingParams(max_tokens=24, ignore_eos=True, logprobs=3, repetition_penalty=1.3, frequency_penalty=0.4),
+            SamplingParams(max_tokens=24, ignore_eos=True, logprobs=2, temperature=0.8, seed=5,
+                           logprobs_mode="processed_logprobs"),
+            SamplingParams(max_tokens=24, ignore_eos=True),
+            SamplingParams(max_tokens=24, logprobs=20, min_tokens=20, presence_penalty=0.5)]
+
+
+@pytest.fixture(scope="module")
+def plain_logprobs(shipped_engine, prompts):
+    return run(shipped_engine, prompts, logprob_params(), 0)
+
+
+@pytest.mark.parametrize("alone", [False, True], ids=["batched", "alone"])
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_logprobs_under_speculation_equal_plain(shipped_engine, prompts, plain_logprobs, k, alone) -> None:
+    outs = run(shipped_engine, prompts, logprob_params(), k, alone=alone)
+    for i, (o, ref) in enumerate(zip(outs, plain_logprobs)):
+        if logprob_params()[i].temperature:  # a sampled request takes another path at another k
+            continue
+        if ref.logprobs is None:
+            assert o.logprobs is None and o.cumulative_logprob is None and o.token_ids == ref.token_ids
+            continue
+        assert_same_logprobs(o, ref, f"k={k}, request {i}")
+    assert sum(o.stats.num_accepted_draft_tokens for o in outs) > 0
+
+
+def test_raw_logprobs_are_the_dense_forward_log_softmax(shipped_engine, prompts, plain_logprobs) -> None:
+    """Raw logprobs of every emitted token (greedy, penalized or not) are the log-softmax of the model's logits
+    at its position, with the top-N alternatives and the token's rank."""
+    for i in (0, 2, 5):
+        o = run(shipped_engine, [prompts[i]], logprob_params()[i], 3)[0]
+        lp = dense_logits(shipped_engine, prompts[i] + o.token_ids).log_softmax(-1)[len(prompts[i]) - 1:-1]
+        for j, (t, x) in enumerate(zip(o.token_ids, o.logprobs)):
+            assert x.logprob == pytest.approx(lp[j, t].item(), abs=1e-4)
+            assert x.rank == int((lp[j] > lp[j, t]).sum()) + 1
+            top = lp[j].topk(len(x.top))
+            assert [v for _, v in x.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+        assert len(o.logprobs[0].top) == logprob_params()[i].logprobs
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_processed_logprobs_are_the_sampling_distribution(shipped_engine, prompts, k) -> None:
+    """processed_logprobs of a sampled, penalized, top-k request: the log of the exact distribution each
+    token was drawn from (penalties on the prefix, temperature, top-k), also where drafts decided it."""
+    params = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, top_k=30, seed=11, repetition_penalty=1.2,
+                            presence_penalty=0.3, frequency_penalty=0.2, logprobs=4, logprobs_mode="processed_logprobs")
+    prompt = prompts[1]
+    o = run(shipped_engine, [prompt], params, k)[0]
+    logits = dense_logits(shipped_engine, prompt + o.token_ids)[len(prompt) - 1:-1]
+    for j, (t, x) in enumerate(zip(o.token_ids, o.logprobs)):
+        adjusted = penalized_reference(logits[j], prompt, o.token_ids[:j], params, set())
+        probs = probabilities(adjusted[None].float(), SamplingTensors(torch.tensor([0.8]), torch.tensor([30]),
+                                                                     torch.tensor([1.0])))[0].double()
+        assert x.logprob == pytest.approx(math.log(probs[t]), abs=1e-4), f"token {j}"
+        assert [v for _, v in x.top] == pytest.approx(probs.topk(4).values.log().tolist(), abs=1e-4)
+    if k:
+        assert o.stats.num_accepted_draft_tokens > 0
+
+
+def test_prompt_logprobs_over_chunked_prefill(shipped_engine, prompts) -> None:
+    """prompt_logprobs: None for the first token, then each token's logprob given the tokens before it,
+    over a prefill cut into chunks of 7; once per request even when several share a step."""
+    two = [prompts[0], prompts[3]]
+    outs = run(shipped_engine, two, SamplingParams(max_tokens=3, prompt_logprobs=2), 2, max_num_tokens=7)
+    for p, o in zip(two, outs):
+        lp = dense_logits(shipped_engine, p).log_softmax(-1)
+        assert len(o.prompt_logprobs) == len(p) and o.prompt_logprobs[0] is None
+        for i, x in enumerate(o.prompt_logprobs[1:]):
+            assert x.token_id == p[i + 1]
+            assert x.logprob == pytest.approx(lp[i, p[i + 1]].item(), abs=1e-4)
+            assert [t for t, _ in x.top] == lp[i].topk(2).indices.tolist()
+        assert o.logprobs is None
+
+
+def test_streamed_logprob_deltas_add_up_and_stop_tokens_have_none(shipped_engine, prompts, plain_logprobs) -> None:
+    """Each output carries the logprobs of its new tokens; joined they are the final list. A request that
+    stops at a stop token reports logprobs for the tokens it kept, not for the stop token."""
+    ref = plain_logprobs[0]
+    stop = ref.token_ids[9]
+    params = SamplingParams(max_tokens=24, logprobs=5, stop_token_ids=(stop,))
+    with Executor(shipped_engine, ExecutorConfig(num_draft_tokens=3, speculation="fixed", max_seq_len=MAX_SEQ_LEN)) as ex:
+        outs = list(ex.submit(prompts[0], params))
+    joined = [x for o in outs for x in o.new_logprobs]
+    assert all(len(o.new_logprobs) == len(o.new_token_ids) for o in outs)
+    final = outs[-1]
+    assert final.finish_reason == "stop" and final.token_ids == ref.token_ids[:ref.token_ids.index(stop)]
+    assert joined == final.logprobs and len(final.logprobs) == len(final.token_ids)
+    assert [x.logprob for x in final.logprobs] == pytest.approx([x.logprob for x in ref.logprobs[:len(joined)]], abs=TOL)
+
+
+def test_session_results_carry_logprobs(shipped_model_dir) -> None:
+    from runtime import Session
+
+    with Session(shipped_model_dir, num_draft_tokens=2, dtype="float32", max_seq_len=MAX_SEQ_LEN) as s:
+        [r] = s.generate("def f(x):", SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1, prompt_logprobs=0))
+        [plain] = s.generate("def f(x):", SamplingParams(max_tokens=8, ignore_eos=True))
+    assert len(r.logprobs) == len(r.token_ids) == 8 and r.token_ids == plain.token_ids
+    assert r.cumulative_logprob == pytest.approx(sum(x.logprob for x in r.logprobs))
+    assert r.prompt_logprobs[0] is None and all(x.top == () for x in r.prompt_logprobs[1:])
+    assert plain.logprobs is None and plain.cumulative_logprob is None and plain.prompt_logprobs is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Penalties and min_tokens
+# ---------------------------------------------------------------------------------------------
+def test_penalties_follow_hf_and_openai_definitions() -> None:
+    """Penalties.apply against transformers' RepetitionPenaltyLogitsProcessor (HF's definition) and the
+    OpenAI formula logit - frequency * count - presence * (count > 0)."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    g = torch.Generator().manual_seed(0)
+    V = 50
+    logits = torch.randn(2, V, generator=g) * 3
+    prompt, output = [3, 7, 7, 11], [7, 20, 20, 20, 33]
+    counts = torch.bincount(torch.tensor(output), minlength=V).float()
+    in_prompt = torch.zeros(V, dtype=torch.bool)
+    in_prompt[prompt] = True
+    pen = Penalties(torch.tensor([1]), torch.tensor([1.7]), torch.tensor([0.5]), torch.tensor([0.25]),
+                    counts[None], in_prompt[None])
+    got = pen.apply(logits)
+    assert torch.equal(got[0], logits[0]), "a row without penalties changed"
+    hf = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([prompt + output]), logits[1:].clone())[0]
+    want = hf - 0.25 * counts - 0.5 * (counts > 0)
+    torch.testing.assert_close(got[1], want)
+    assert got[1, 20] == pytest.approx((logits[1, 20] / 1.7 if logits[1, 20] > 0 else logits[1, 20] * 1.7) - 0.75 - 0.5)
+
+
+def penalty_params() -> list[SamplingParams]:
+    """A mixed batch: penalized greedy requests of each kind, min_tokens, a plain greedy one and a seeded
+    penalized sampled one (which only shares the steps)."""
+    return [SamplingParams(max_tokens=32, ignore_eos=True, repetition_penalty=1.5),
+            SamplingParams(max_tokens=32, ignore_eos=True, presence_penalty=1.5, frequency_penalty=0.5),
+            SamplingParams(max_tokens=32, ignore_eos=True, repetition_penalty=0.8, frequency_penalty=-0.3),
+            SamplingParams(max_tokens=32, ignore_eos=True),
+            SamplingParams(max_tokens=32, temperature=0.9, seed=3, repetition_penalty=1.2, presence_penalty=0.7),
+            SamplingParams(max_tokens=32, repetition_penalty=1.1, frequency_penalty=2.0, bad_token_ids=(13,))]
+
+
+@pytest.fixture(scope="module")
+def plain_penalized(shipped_engine, prompts):
+    return run(shipped_engine, prompts, penalty_params(), 0)
+
+
+@pytest.mark.parametrize("alone", [False, True], ids=["batched", "alone"])
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_greedy_with_penalties_equals_plain_for_every_k(shipped_engine, prompts, plain_penalized, k, alone) -> None:
+    outs = run(shipped_engine, prompts, penalty_params(), k, alone=alone)
+    for i, (o, ref) in enumerate(zip(outs, plain_penalized)):
+        if not penalty_params()[i].temperature:
+            assert o.token_ids == ref.token_ids, f"k={k}, request {i}: penalized greedy output differs from k = 0"
+    assert sum(o.stats.num_accepted_draft_tokens for o in outs) > 0
+
+
+def test_greedy_penalties_equal_the_reference_decoder(shipped_engine, prompts, plain_penalized) -> None:
+    """The penalized greedy outputs are the argmax of the penalized logits at every step (a decoder written
+    from the definitions over dense forwards), and they differ from the unpenalized output."""
+    unpenalized = plain_penalized[3].token_ids
+    for i in (0, 1, 2, 5):
+        params, prompt, got = penalty_params()[i], prompts[i], plain_penalized[i].token_ids
+        out: list[int] = []
+        while len(out) < len(got):
+            x = penalized_reference(dense_logits(shipped_engine, prompt + out)[-1], prompt, out, params, set())
+            x[list(params.bad_token_ids)] = float("-inf")
+            out.append(int(x.argmax()))
+        assert out == got, f"request {i}"
+    assert plain_penalized[0].token_ids != run(shipped_engine, [prompts[0]], SamplingParams(
+        max_tokens=32, ignore_eos=True), 0)[0].token_ids, "repetition_penalty 1.5 changed nothing"
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_min_tokens_bans_stop_tokens_and_stop_strings_until_reached(shipped_engine, shipped_tokenizer, prompts,
+                                                                    plain_penalized, k) -> None:
+    """The plain greedy output's 3rd token as a stop token ends it after 2 tokens; with min_tokens 10 it cannot
+    appear among the first 10 (the output then is the reference decoder's with that token banned there), and
+    speculation does not change it. A stop string in the first min_tokens tokens' text is ignored."""
+    ref = plain_penalized[3].token_ids
+    stop = ref[2]
+    [short] = run(shipped_engine, [prompts[3]], SamplingParams(max_tokens=24, stop_token_ids=(stop,)), k)
+    assert short.token_ids == ref[:2] and short.finish_reason == "stop"
+    params = SamplingParams(max_tokens=24, stop_token_ids=(stop,), min_tokens=10)
+    [o] = run(shipped_engine, [prompts[3]], params, k)
+    assert len(o.token_ids) >= 10 and stop not in o.token_ids[:10]
+    out: list[int] = []
+    while len(out) < 10:
+        x = penalized_reference(dense_logits(shipped_engine, prompts[3] + out)[-1], prompts[3], out, params,
+                                {stop, shipped_tokenizer.eos_token_id})
+        out.append(int(x.argmax()))
+    assert o.token_ids[:10] == out
+    text = shipped_tokenizer.decode(ref[:2])
+    [s] = run(shipped_engine, [prompts[3]], SamplingParams(max_tokens=12, ignore_eos=True, stop=[text], min_tokens=6), k)
+    assert s.token_ids == ref[:12] and s.finish_reason == "length"
+
+
+# ---- sampled output follows the penalized distribution: a 64-token model ------------------------------
+SMALL_V = 64
+
+
+@pytest.fixture(scope="module")
+def small_engine(tmp_path_factory):
+    """A tiny fp32 model over 64 tokens whose MTP layer drafts decently (conftest.bigram_tensors), with the
+    embeddings added to the heads so that it likes to repeat the token it just saw (p ~ 0.2-0.7): then
+    whether a penalty counts the drafts before a row shows in the samples."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from builder.hf_writer import write_hf_checkpoint
+    from runtime.model.config import ModelConfig
+
+    cfg = ModelConfig.from_dict(tiny_config_dict(vocab_size=SMALL_V))
+    ts = dict(bigram_tensors(cfg, 3, embed_scale=3.0))
+    ts["lm_head.weight"] = ts["lm_head.weight"] + ts["model.embed_tokens.weight"]
+    ts[f"model.layers.{cfg.num_hidden_layers}.shared_head.head.weight"] = ts["lm_head.weight"].clone()
+    path = write_hf_checkpoint(tmp_path_factory.mktemp("small") / "v64", cfg, ts.items(), fp8=False)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(SMALL_V)}, unk_token="w2"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    return load_engine(path)
+
+
+SAMPLED = dict(temperature=1.0, repetition_penalty=2.0, presence_penalty=1.5, frequency_penalty=1.0, ignore_eos=True)
+N_SEEDS = 3000
+
+
+@pytest.fixture(scope="module")
+def penalized_samples(small_engine):
+    prompt = [5, 35, 17, 8, 40, 9]  # the likeliest next tokens, 8 and 35, in it: the repetition penalty bites
+    out = {}
+    for k in (0, 2):
+        params = [SamplingParams(max_tokens=3, seed=1000 * k + s, **SAMPLED) for s in range(N_SEEDS)]
+        out[k] = run(small_engine, [prompt] * N_SEEDS, params, k)
+    return prompt, out
+
+
+def penalized_probs(engine, prompt: list[int], output: list[int], params: SamplingParams | None) -> torch.Tensor:
+    logits = dense_logits(engine, prompt + output)[-1]
+    if params is not None:
+        logits = penalized_reference(logits, prompt, output, params, set())
+    return logits.softmax(-1)
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_sampled_tokens_follow_the_penalized_target(small_engine, penalized_samples, k) -> None:
+    """Over 3000 seeds: the (first, second) pair follows p(t1) p(t2 | t1) of the penalized target (t2's
+    frequency / presence penalties count t1, which at k = 2 was a draft), and the third token its penalized
+    conditional given both (randomized PIT, 20 bins); the unpenalized target is rejected on the same samples."""
+    params = SamplingParams(max_tokens=3, **SAMPLED)
+    prompt, outs = penalized_samples
+    outs = outs[k]
+    if k:
+        drafted = sum(o.stats.num_draft_tokens for o in outs)
+        accepted = sum(o.stats.num_accepted_draft_tokens for o in outs)
+        assert 0.1 * drafted < accepted < 0.9 * drafted, (accepted, drafted)
+    for p, expect in ((params, "pass"), (None, "fail")):
+        p1 = penalized_probs(small_engine, prompt, [], p)
+        pairs = Counter((o.token_ids[0], o.token_ids[1]) for o in outs)
+        firsts = sorted({a for a, _ in pairs})
+        cond = {a: penalized_probs(small_engine, prompt, [a], p) for a in firsts}
+        joint = torch.stack([p1[a] * cond[a] for a in firsts]).flatten()
+        counts = torch.zeros_like(joint)
+        for (a, b), c in pairs.items():
+            counts[firsts.index(a) * SMALL_V + b] = c
+        pv_pair = chi2_pvalue(counts, joint / joint.sum())
+        # third token: u = F(t3-) + w p(t3) under its conditional must be uniform
+        w = torch.rand(len(outs), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        cache: dict[tuple[int, int], torch.Tensor] = {}
+        us = []
+        for o, wi in zip(outs, w.tolist()):
+            key = (o.token_ids[0], o.token_ids[1])
+            if key not in cache:
+                cache[key] = penalized_probs(small_engine, prompt, list(key), p)
+            q = cache[key]
+            t = o.token_ids[2]
+            us.append(float(q[q > q[t]].sum() + wi * q[t]))
+        bins = torch.bincount((torch.tensor(us) * 20).long().clamp(max=19), minlength=20)
+        pv_third = chi2_pvalue(bins, torch.full((20,), 1 / 20))
+        if expect == "pass":
+            assert pv_pair > P_MIN, f"k={k}: (t1, t2) differs from the penalized target (p={pv_pair:.2e})"
+            assert pv_third > P_MIN, f"k={k}: t3 differs from the penalized target (p={pv_third:.2e}): {bins}"
+        else:
+            assert min(pv_pair, pv_third) < 1e-6, "the test cannot tell the penalized from the plain target"
+
+
+def test_greedy_with_penalties_equals_plain_on_a_model_that_repeats(small_engine) -> None:
+    """On the 64-token model that likes repeats, a penalty's verdict on a draft's own repetition decides many
+    tokens: penalized greedy output is still k = 0's for k = 1..4, and differs from the unpenalized output."""
+    prompts = [[5, 35, 17, 8, 40, 9], [3, 3, 12], [60, 1, 22, 22, 7], [30]]
+    params = [SamplingParams(max_tokens=40, ignore_eos=True, repetition_penalty=1.5),
+              SamplingParams(max_tokens=40, ignore_eos=True, presence_penalty=1.0, frequency_penalty=0.7),
+              SamplingParams(max_tokens=40, ignore_eos=True, frequency_penalty=1.5),
+              SamplingParams(max_tokens=40, ignore_eos=True, repetition_penalty=1.3, presence_penalty=-0.5, min_tokens=30)]
+    plain = [o.token_ids for o in run(small_engine, prompts, params, 0)]
+    unpenalized = [o.token_ids for o in run(small_engine, prompts, SamplingParams(max_tokens=40, ignore_eos=True), 0)]
+    assert all(a != b for a, b in zip(plain, unpenalized))
+    for k in (1, 2, 3, 4):
+        outs = run(small_engine, prompts, params, k)
+        assert [o.token_ids for o in outs] == plain, f"k={k}"
+        assert sum(o.stats.num_accepted_draft_tokens for o in outs) > 0
