@@ -123,6 +123,13 @@ def default_plan(prompt: list[int], sp: Any) -> Plan:
     return Plan(lambda i: 100 + (base + 37 * i) % 3000, steps=(1, 2, 4, 3))
 
 
+def double_logprobs(token: int, position: int, n: int) -> dict[int, SimpleNamespace]:
+    """The double's LogprobResults entry at a position: the token (rank 2 at odd positions) and n others."""
+    entry = {token + 1 + i: SimpleNamespace(logprob=-0.5 - i - position % 3, rank=i + 1) for i in range(n)}
+    entry[token] = SimpleNamespace(logprob=-0.25 - position % 3 - (position % 2) * 0.5, rank=1 + position % 2)
+    return entry
+
+
 def make_tensorrt_llm_double() -> ModuleType:
     """A module standing in for `tensorrt_llm` (see the module docstring)."""
     mod = ModuleType("tensorrt_llm")
@@ -138,6 +145,7 @@ def make_tensorrt_llm_double() -> ModuleType:
             self.finish_reason: str | None = None
             self.stop_reason = None
             self.request_perf_metrics = None
+            self.logprobs, self.prompt_logprobs, self.cumulative_logprob = [], [], None
 
     class RequestOutput:  # tensorrt_llm/llmapi/llm.py (a GenerationResult)
         def __init__(self, llm: "LLM", inputs: dict, sp: Any, streaming: bool) -> None:
@@ -166,6 +174,9 @@ def make_tensorrt_llm_double() -> ModuleType:
                 return self._done("cancelled")
             if plan.fail_at is not None and self.decoding_iter == plan.fail_at:
                 raise RuntimeError("test double: the engine failed")
+            if sp.prompt_logprobs and not out.prompt_logprobs:
+                out.prompt_logprobs = [double_logprobs(t, i, sp.prompt_logprobs)
+                                       for i, t in enumerate(self.prompt_token_ids[1:])]
             size = plan.steps[self.decoding_iter % len(plan.steps)]
             self.decoding_iter += 1
             reason = None
@@ -179,6 +190,9 @@ def make_tensorrt_llm_double() -> ModuleType:
                     reason = "stop"
                     break
                 out.token_ids.append(t)
+                if sp.logprobs:  # LogprobResults: the token and the sp.logprobs most likely, as upstream
+                    out.logprobs.append(double_logprobs(t, len(out.token_ids), sp.logprobs))
+                    out.cumulative_logprob = sum(e[i].logprob for e, i in zip(out.logprobs, out.token_ids))
                 if t in (sp.stop_token_ids or []):
                     reason = "stop"
                     if not sp.include_stop_str_in_output:
@@ -346,6 +360,68 @@ def test_older_sampling_params_are_adapted() -> None:
     too_old = sampling_params_class([n for n in UPSTREAM_SAMPLING_FIELDS if n != "stop_token_ids"])
     with pytest.raises(RuntimeError, match="has no field 'stop_token_ids'.*TensorRT-LLM 1.0 or newer"):
         adapt_to_upstream_fields(to_trtllm_sampling_kwargs(SamplingParams(stop_token_ids=(3,)), Tok()), too_old)
+
+
+def test_logprobs_penalties_and_min_tokens_map() -> None:
+    """Logprobs at least 1 (upstream reads 0 as "none"; ours keeps the top-N asked for), logprobs_mode with
+    them, penalties and min_tokens under their own names, only when not neutral."""
+    params = SamplingParams(max_tokens=8, logprobs=0, prompt_logprobs=3, repetition_penalty=1.2, presence_penalty=-0.5,
+                            frequency_penalty=0.25, min_tokens=4)
+    kw = to_trtllm_sampling_kwargs(params, Tok())
+    assert {k: kw[k] for k in ("logprobs", "prompt_logprobs", "logprobs_mode", "repetition_penalty", "presence_penalty",
+                               "frequency_penalty", "min_tokens")} == {
+        "logprobs": 1, "prompt_logprobs": 3, "logprobs_mode": "raw_logprobs", "repetition_penalty": 1.2,
+        "presence_penalty": -0.5, "frequency_penalty": 0.25, "min_tokens": 4}
+    plain = to_trtllm_sampling_kwargs(SamplingParams(), Tok())
+    assert not set(plain) & {"logprobs", "prompt_logprobs", "logprobs_mode", "repetition_penalty", "presence_penalty",
+                             "frequency_penalty", "min_tokens"}
+    # 1.0's SamplingParams has no logprobs_mode: raw (what it returns) is left out, processed is refused
+    assert "logprobs_mode" not in adapt_to_upstream_fields(kw, sampling_params_class())
+    processed = to_trtllm_sampling_kwargs(SamplingParams(logprobs=2, logprobs_mode="processed_logprobs"), Tok())
+    with pytest.raises(ValueError) as e:
+        adapt_to_upstream_fields(processed, sampling_params_class())
+    assert str(e.value) == ("logprobs_mode 'processed_logprobs' needs a newer TensorRT-LLM: this one's SamplingParams "
+                            "has no logprobs_mode")
+    newer = sampling_params_class(list(UPSTREAM_SAMPLING_FIELDS) + ["logprobs_mode"])
+    assert adapt_to_upstream_fields(processed, newer)["logprobs_mode"] == "processed_logprobs"
+
+
+def test_logprobs_from_upstream() -> None:
+    from runtime.core.sampling import TokenLogprob
+    from runtime.executors.trtllm import logprobs_from_upstream
+
+    lp = lambda v, r: SimpleNamespace(logprob=v, rank=r)  # noqa: E731
+    entries = [{5: lp(-1.0, 2), 9: lp(-0.5, 1), 3: lp(-2.0, 3)}, {7: lp(-0.1, 1)}, -0.75]
+    assert logprobs_from_upstream(entries, [5, 7, 4], 2) == [
+        TokenLogprob(5, -1.0, 2, ((9, -0.5), (5, -1.0))), TokenLogprob(7, -0.1, 1, ((7, -0.1),)),
+        TokenLogprob(4, -0.75, None, ())]
+    assert logprobs_from_upstream(entries[:1], [5], 0) == [TokenLogprob(5, -1.0, 2, ())]
+
+
+def test_contract_logprobs_stream_through(engine_dir: Path, trtllm: ModuleType) -> None:
+    """Upstream's per-token LogprobResults and prompt logprobs become ours: one per kept token (none for a stop
+    token), the top-N asked for, deltas per output, the cumulative logprob of the kept tokens."""
+    with TrtllmExecutor(engine_dir, ExecutorConfig(num_draft_tokens=3, speculation="fixed")) as ex:
+        prompt = ex.tokenizer.encode("def fib(n):")
+        plan = default_plan(prompt, None)
+        stop = plan.token(9)
+        params = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=2, prompt_logprobs=0, stop_token_ids=(stop,))
+        seen: list[RequestOutput] = []
+        ex.submit(prompt, params, on_output=seen.append).result(60)
+        with pytest.raises(ValueError, match="^logprobs_mode 'processed_logprobs' needs a newer TensorRT-LLM"):
+            ex.submit(prompt, SamplingParams(logprobs=1, logprobs_mode="processed_logprobs"))
+    final = seen[-1]
+    assert final.finish_reason == "stop" and final.token_ids == [plan.token(i) for i in range(9)]
+    assert [x for o in seen for x in o.new_logprobs] == final.logprobs
+    assert [len(o.new_logprobs) for o in seen] == [len(o.new_token_ids) for o in seen]
+    for i, (t, x) in enumerate(zip(final.token_ids, final.logprobs), 1):
+        want = double_logprobs(t, i, 2)
+        assert (x.token_id, x.logprob, x.rank) == (t, want[t].logprob, want[t].rank)
+        assert [v for _, v in x.top] == sorted((e.logprob for e in want.values()), reverse=True)[:2]
+    assert final.cumulative_logprob == pytest.approx(sum(x.logprob for x in final.logprobs))
+    assert final.prompt_logprobs[0] is None and len(final.prompt_logprobs) == len(prompt)
+    assert [x.token_id for x in final.prompt_logprobs[1:]] == prompt[1:]
+    assert all(x.top == () for x in final.prompt_logprobs[1:])
 
 
 # ---- the LLM arguments ------------------------------------------------------------------------------

@@ -273,7 +273,7 @@ class TokenLogprob:
 
     token_id: int
     logprob: float
-    rank: int
+    rank: int | None  # None where a backend does not report it
     top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first; N = the request's logprobs
 
 

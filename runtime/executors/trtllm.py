@@ -38,6 +38,9 @@ releases; the LLM API of the PyTorch backend, which is the only one that runs De
   `return_perf_metrics=True`.
 - `tensorrt_llm.SamplingParams` fields (tensorrt_llm/sampling_params.py): see
   `to_trtllm_sampling_kwargs`.
+- `CompletionOutput.logprobs` / `.prompt_logprobs` (tensorrt_llm/executor/result.py, `LogprobResults`:
+  per position a dict {token id: `Logprob(logprob, rank)`}) and `.cumulative_logprob`: see
+  `logprobs_from_upstream`.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ import yaml
 from runtime.io.engine_format import ENGINE_JSON, LLM_API_OPTIONS, BuildConfig, EngineError, EngineManifest, file_sha256
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.requests import ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestTracker, validate_request
-from runtime.core.sampling import SamplingParams
+from runtime.core.sampling import SamplingParams, TokenLogprob
 from runtime.core.scheduler import SchedulerConfig
 from runtime.io.tokenizer import Tokenizer
 
@@ -77,6 +80,9 @@ TRTLLM_MISSING_MESSAGE = (
 # SamplingParams fields we may leave out when an older TensorRT-LLM lacks them: the adapter
 # re-applies what they ask for itself (or, for perf metrics, reports 0 draft tokens).
 _OPTIONAL_UPSTREAM_FIELDS = ("detokenize", "include_stop_str_in_output", "return_perf_metrics")
+# Fields newer than some supported releases, which may be left out when they ask for what the older
+# releases do anyway: logprobs_mode arrived after 1.0, whose PyTorch sampler returns raw logprobs.
+_DEFAULT_WHEN_MISSING = {"logprobs_mode": "raw_logprobs"}
 
 
 class TensorRTLLMUnavailable(ImportError):
@@ -120,6 +126,12 @@ def to_trtllm_sampling_kwargs(params: SamplingParams, tokenizer: Any) -> dict[st
     - `include_stop_str_in_output=True`: upstream never trims tokens it already streamed (it trims
       stop words from `token_ids` at the end otherwise); the executor trims itself.
     - `detokenize=False` (we detokenize), `return_perf_metrics=True` (draft/accepted counts).
+    - `logprobs` / `prompt_logprobs` at least 1 (upstream's `_validate` turns 0 into "no logprobs":
+      `self.logprobs = self.logprobs and int(self.logprobs)`; the adapter keeps the top-N asked for) and
+      `logprobs_mode` (vLLM's names, as upstream's since 1.1) when either is asked for.
+    - `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `min_tokens` (same names and
+      meanings) when not at their neutral values. Upstream's MTP path may not apply penalties (its
+      speculative decoders use a smaller sampler: docs/trtllm-backend.md).
     """
     eos = tokenizer.eos_token_id
     end_id = -1 if params.ignore_eos or eos is None else eos
@@ -139,6 +151,15 @@ def to_trtllm_sampling_kwargs(params: SamplingParams, tokenizer: Any) -> dict[st
         kwargs["stop_token_ids"] = list(params.stop_token_ids)
     if params.bad_token_ids:
         kwargs["bad_token_ids"] = list(params.bad_token_ids)
+    for name in ("logprobs", "prompt_logprobs"):
+        if getattr(params, name) is not None:
+            kwargs[name] = max(getattr(params, name), 1)
+            kwargs["logprobs_mode"] = params.logprobs_mode
+    for name, neutral in (("repetition_penalty", 1), ("presence_penalty", 0), ("frequency_penalty", 0)):
+        if getattr(params, name) != neutral:
+            kwargs[name] = float(getattr(params, name))
+    if params.min_tokens:
+        kwargs["min_tokens"] = params.min_tokens
     kwargs.update(include_stop_str_in_output=True, detokenize=False, return_perf_metrics=True)
     return kwargs
 
@@ -147,8 +168,9 @@ def adapt_to_upstream_fields(kwargs: dict[str, Any], sampling_params_cls: Any) -
     """`kwargs` fitted to the fields a given `tensorrt_llm.SamplingParams` class has.
 
     `seed` becomes `random_seed` for versions that call it that; optional fields
-    (_OPTIONAL_UPSTREAM_FIELDS) the class lacks are dropped; any other missing field is an error
-    naming it (this TensorRT-LLM is too old for the adapter).
+    (_OPTIONAL_UPSTREAM_FIELDS) the class lacks are dropped, and so are newer ones at the value older
+    releases behave as (_DEFAULT_WHEN_MISSING); any other missing field is an error naming it (this
+    TensorRT-LLM is too old for the adapter, or for what the request asks).
     """
     fields = _field_names(sampling_params_cls)
     if fields is None:  # not introspectable: pass as is
@@ -159,12 +181,29 @@ def adapt_to_upstream_fields(kwargs: dict[str, Any], sampling_params_cls: Any) -
             out[name] = value
         elif name == "seed" and "random_seed" in fields:
             out["random_seed"] = value
-        elif name in _OPTIONAL_UPSTREAM_FIELDS:
+        elif name in _OPTIONAL_UPSTREAM_FIELDS or _DEFAULT_WHEN_MISSING.get(name, out) == value:
             log.debug("tensorrt_llm.SamplingParams has no %r; left out", name)
+        elif name in _DEFAULT_WHEN_MISSING:
+            raise ValueError(f"{name} {value!r} needs a newer TensorRT-LLM: this one's SamplingParams has no {name}")
         else:
             raise RuntimeError(
                 f"tensorrt_llm.SamplingParams has no field {name!r}, which the trtllm executor needs; "
                 "use TensorRT-LLM 1.0 or newer (the versions whose LLM API runs DeepSeek-V3 with MTP)")
+    return out
+
+
+def logprobs_from_upstream(entries: list[Any], token_ids: list[int], top_n: int) -> list[TokenLogprob]:
+    """Upstream's logprobs of `token_ids` as ours: per position a dict {token id: Logprob(logprob, rank)}
+    holding the token and the most likely ones (LogprobResults), of which the top_n best are kept; a bare
+    float (older C++ results) gives the logprob alone."""
+    out = []
+    for t, entry in zip(token_ids, entries):
+        if isinstance(entry, Mapping):
+            own = entry[t]
+            best = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:top_n]
+            out.append(TokenLogprob(t, float(own.logprob), own.rank, tuple((i, float(lp.logprob)) for i, lp in best)))
+        else:
+            out.append(TokenLogprob(t, float(entry), None, ()))
     return out
 
 
@@ -431,6 +470,8 @@ class TrtllmExecutor:
         if not self.llm_kwargs.get("enable_chunked_prefill") and len(prompt_token_ids) > self.limits.max_num_tokens:
             raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; max_num_tokens is {self.limits.max_num_tokens} "
                              "(TensorRT-LLM without chunked prefill takes a prompt in one step)")
+        # a field this release lacks for what the request asks (logprobs_mode) is refused here, not mid-stream
+        adapt_to_upstream_fields(to_trtllm_sampling_kwargs(params, self.tokenizer), self._trtllm.SamplingParams)
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams,
                on_output: Callable[[RequestOutput], None] | None = None, request_id: str | None = None) -> RequestHandle:
@@ -539,6 +580,7 @@ class TrtllmExecutor:
         completion = out.outputs[0]
         ids = list(completion.token_ids or [])
         new = ids[req.seen:]
+        logprobs = self._new_logprobs(req, completion, new)
         req.seen = max(req.seen, len(ids))
         req.upstream_done = bool(out.finished)
         steps = getattr(out, "decoding_iter", None)
@@ -557,14 +599,31 @@ class TrtllmExecutor:
             upstream_reason = _UPSTREAM_REASONS.get(completion.finish_reason, "error") if out.finished else None
             if out.finished and completion.finish_reason not in _UPSTREAM_REASONS:
                 log.error("request %s: unknown TensorRT-LLM finish reason %r", req.request_id, completion.finish_reason)
-            self._process(req, new, now, upstream_reason)
+            self._process(req, new, now, upstream_reason, logprobs)
         if req.finished and not req.upstream_done:
             self._abort_upstream(req)
 
-    def _process(self, req: _Request, new: list[int], now: float, upstream_reason: str | None) -> None:
+    @staticmethod
+    def _new_logprobs(req: _Request, completion: Any, new: list[int]) -> list[TokenLogprob] | None:
+        """The logprobs of the newly streamed ids (None unless asked for); the prompt's, once, into `req`.
+        Upstream's prompt logprobs are taken as those of prompt tokens 1.. (the last len(prompt) - 1)."""
+        params = req.params
+        if params.prompt_logprobs is not None and req.prompt_logprobs == [None] and len(req.prompt) > 1:
+            entries = list(getattr(completion, "prompt_logprobs", None) or [])[1 - len(req.prompt):]
+            if entries:
+                req.prompt_logprobs += logprobs_from_upstream(entries, req.prompt[1:], params.prompt_logprobs)
+        if params.logprobs is None or not new:
+            return None
+        entries = list(getattr(completion, "logprobs", None) or [])[req.seen : req.seen + len(new)]
+        if len(entries) < len(new):
+            raise RuntimeError(f"TensorRT-LLM returned {len(entries)} logprobs for {len(new)} new tokens")
+        return logprobs_from_upstream(entries, new, params.logprobs)
+
+    def _process(self, req: _Request, new: list[int], now: float, upstream_reason: str | None,
+                 logprobs: list[TokenLogprob] | None = None) -> None:
         """The shared stop rules over the newly streamed ids (TensorRT-LLM's own finish reason is
         used when none of ours fires), then report the delta."""
-        new, delta, reason = req.consume(new, now)
+        new, delta, reason = req.consume(new, now, logprobs)
         self._counts["generated"] += len(new)
         reason = reason or upstream_reason
         if reason is not None:
