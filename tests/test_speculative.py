@@ -758,3 +758,41 @@ def test_rollback_output_equals_plain_greedy(tiny_engine) -> None:
     by_id = lambda seqs: {s.request_id: s.token_ids for s in seqs}  # noqa: E731
     assert by_id(spec) == by_id(plain)
     assert sum(accepted) > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-request speculation
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("speculation", ["fixed", "adaptive"])
+def test_per_request_draft_length(tiny_engine, speculation) -> None:
+    """SamplingParams.num_draft_tokens caps a request's drafts per step (0: plain decoding, no MTP inputs
+    kept) beside requests that draft the executor's k; greedy output stays plain decoding's."""
+    tok = Tokenizer.from_dir(tiny_engine.tokenizer_dir)
+    prompt = tok.encode("def main():\n    return")
+    caps = [0, 1, 2, None]
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, num_draft_tokens=c) for c in caps]
+    [plain], _ = run_executor(tiny_engine, [prompt], params[-1], num_draft_tokens=0, speculation="off")
+    with Executor(tiny_engine, ExecutorConfig(num_draft_tokens=3, speculation=speculation)) as ex:
+        drafts: dict[str, list[int]] = {}
+        observe = ex.policy.observe
+
+        def recording(results):
+            for r in results:
+                drafts.setdefault(r.seq.request_id, []).append(r.num_drafts)
+                assert r.seq.params.num_draft_tokens != 0 or (r.hidden is None and not r.seq.pending_hidden)
+            observe(results)
+
+        ex.policy.observe = recording
+        outs = [h.result(60) for h in [ex.submit(prompt, p, request_id=f"cap{c}") for p, c in zip(params, caps)]]
+        with pytest.raises(ValueError) as e:
+            ex.submit(prompt, SamplingParams(num_draft_tokens=4))
+        assert str(e.value) == "num_draft_tokens 4 exceeds this executor's draft length 3"
+    assert all(o.token_ids == plain.token_ids for o in outs)
+    assert outs[0].stats.num_draft_tokens == 0 and max(drafts["cap0"]) == 0
+    assert max(drafts["cap1"]) <= 1 and max(drafts["cap2"]) <= 2  # adaptive may choose fewer
+    if speculation == "fixed":
+        assert (max(drafts["cap1"]), max(drafts["cap2"]), max(drafts["capNone"])) == (1, 2, 3)
+        assert outs[1].stats.num_accepted_draft_tokens > 0 and outs[3].stats.num_accepted_draft_tokens > 0
+    with pytest.raises(ValueError) as e:
+        SamplingParams(num_draft_tokens=-1).validate()
+    assert str(e.value) == "num_draft_tokens must be None or an integer >= 0, got -1"

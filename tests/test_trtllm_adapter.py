@@ -400,7 +400,8 @@ def test_logprobs_from_upstream() -> None:
 
 def test_contract_logprobs_stream_through(engine_dir: Path, trtllm: ModuleType) -> None:
     """Upstream's per-token LogprobResults and prompt logprobs become ours: one per kept token (none for a stop
-    token), the top-N asked for, deltas per output, the cumulative logprob of the kept tokens."""
+    token), the top-N asked for, deltas per output, the cumulative logprob of the kept tokens. What this
+    TensorRT-LLM cannot do is refused at submit: processed logprobs, a per-request draft length."""
     with TrtllmExecutor(engine_dir, ExecutorConfig(num_draft_tokens=3, speculation="fixed")) as ex:
         prompt = ex.tokenizer.encode("def fib(n):")
         plan = default_plan(prompt, None)
@@ -410,6 +411,11 @@ def test_contract_logprobs_stream_through(engine_dir: Path, trtllm: ModuleType) 
         ex.submit(prompt, params, on_output=seen.append).result(60)
         with pytest.raises(ValueError, match="^logprobs_mode 'processed_logprobs' needs a newer TensorRT-LLM"):
             ex.submit(prompt, SamplingParams(logprobs=1, logprobs_mode="processed_logprobs"))
+        with pytest.raises(ValueError) as e:
+            ex.submit(prompt, SamplingParams(num_draft_tokens=1))
+        assert str(e.value) == ("num_draft_tokens 1 per request is not available with TensorRT-LLM, whose MTP drafts 3 "
+                                "for every request; leave it unset")
+        ex.submit(prompt, SamplingParams(max_tokens=2, num_draft_tokens=3)).result(60)
     final = seen[-1]
     assert final.finish_reason == "stop" and final.token_ids == [plan.token(i) for i in range(9)]
     assert [x for o in seen for x in o.new_logprobs] == final.logprobs

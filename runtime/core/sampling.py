@@ -70,6 +70,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI: subtracted once from the logit of a token in the output
     frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the output
     min_tokens: int = 0  # eos and stop tokens are banned (and stop strings ignored) before this many
+    num_draft_tokens: int | None = None  # at most this many drafts per step (0: plain decoding); None: the executor's
 
     def __post_init__(self) -> None:
         """A single stop string is one stop string (not one per character); lists become tuples."""
@@ -117,6 +118,8 @@ class SamplingParams:
             v = getattr(self, name)
             if not is_number(v) or not -PENALTY_LIMIT <= v <= PENALTY_LIMIT:
                 raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        if self.num_draft_tokens is not None and (not is_int(self.num_draft_tokens) or self.num_draft_tokens < 0):
+            raise ValueError(f"num_draft_tokens must be None or an integer >= 0, got {self.num_draft_tokens!r}")
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens ({self.max_tokens})], got {self.min_tokens!r}")
 

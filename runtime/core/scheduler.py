@@ -94,9 +94,12 @@ class Scheduler:
         return max(0, (budget - num_decodes - prefill) // num_decodes)
 
     def _drafts_for(self, seq: Sequence, k: int) -> int:
+        """The step's k within what the request allows (its num_draft_tokens) and what is left of it."""
         if not seq.can_draft:
             return 0
         room = min(self.config.max_seq_len - seq.num_tokens, seq.params.max_tokens - seq.num_output_tokens - 1)
+        if seq.params.num_draft_tokens is not None:
+            room = min(room, seq.params.num_draft_tokens)
         return max(0, min(k, room))
 
     def schedule(self) -> list[Scheduled]:

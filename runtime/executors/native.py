@@ -116,6 +116,9 @@ class Executor:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the parameter when this request cannot run here."""
         validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.limits.max_seq_len)
+        if params.num_draft_tokens is not None and params.num_draft_tokens > self.policy.max_k:
+            raise ValueError(f"num_draft_tokens {params.num_draft_tokens} exceeds this executor's draft length "
+                             f"{self.policy.max_k}")
         # The last token is emitted, never cached, and drafts stop short of it: prompt + max_tokens - 1 positions.
         need = self.cache.blocks_for(len(prompt_token_ids) + params.max_tokens - 1)
         if need > self.cache.allocator.num_blocks:
@@ -134,7 +137,8 @@ class Executor:
         penalty = PenaltyState.create(list(prompt_token_ids), self.model_config.vocab_size,
                                       self.cache.tensor.device) if params.penalized else None
         seq = Sequence(rid, list(prompt_token_ids), len(prompt_token_ids), params, seed,
-                       in_thinking=self._thinking_after(prompt_token_ids), stop_ids=tracker.stop_ids, penalty=penalty)
+                       in_thinking=self._thinking_after(prompt_token_ids), stop_ids=tracker.stop_ids, penalty=penalty,
+                       mtp_dropped=params.num_draft_tokens == 0)  # never drafts: keeps no MTP inputs
         with self._submit_lock:
             if self._stopping:
                 self._ids.release(rid)

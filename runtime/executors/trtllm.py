@@ -470,6 +470,9 @@ class TrtllmExecutor:
         if not self.llm_kwargs.get("enable_chunked_prefill") and len(prompt_token_ids) > self.limits.max_num_tokens:
             raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; max_num_tokens is {self.limits.max_num_tokens} "
                              "(TensorRT-LLM without chunked prefill takes a prompt in one step)")
+        if params.num_draft_tokens not in (None, self.num_draft_tokens):
+            raise ValueError(f"num_draft_tokens {params.num_draft_tokens} per request is not available with TensorRT-LLM, "
+                             f"whose MTP drafts {self.num_draft_tokens} for every request; leave it unset")
         # a field this release lacks for what the request asks (logprobs_mode) is refused here, not mid-stream
         adapt_to_upstream_fields(to_trtllm_sampling_kwargs(params, self.tokenizer), self._trtllm.SamplingParams)
 
