@@ -216,7 +216,7 @@ def test_penalties_follow_hf_and_openai_definitions() -> None:
     counts = torch.bincount(torch.tensor(output), minlength=V).float()
     in_prompt = torch.zeros(V, dtype=torch.bool)
     in_prompt[prompt] = True
-    pen = Penalties(torch.tensor([1]), torch.tensor([1.7]), torch.tensor([0.5]), torch.tensor([0.25]),
+    pen = Penalties(torch.tensor([1]), torch.tensor([[1.7]]), torch.tensor([[0.5]]), torch.tensor([[0.25]]),
                     counts[None], in_prompt[None])
     got = pen.apply(logits)
     assert torch.equal(got[0], logits[0]), "a row without penalties changed"

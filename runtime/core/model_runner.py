@@ -33,7 +33,8 @@ from runtime.model.batch import SHORT_QUERY, PagedBatch
 from runtime.model.kernels.modules import FusedMTPLayer, attends_in_kernels
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM
 from runtime.core.sampling import (PURPOSE_DRAFT, Penalties, RelaxedAcceptance, SamplingTensors, TokenLogprob, accept,
-                                   accept_greedy, probabilities, processed_logprobs, sample, token_logprobs, uniforms)
+                                   accept_greedy, adjusted_logits, probabilities, processed_logprobs, sample,
+                                   token_logprobs, uniforms)
 from runtime.core.plan import Scheduled, StepResult
 from runtime.core.sequence import Sequence
 
@@ -81,28 +82,30 @@ class ModelRunner:
 
     def sampling_tensors(self, seqs: list[Sequence], drafts: Tensor | None, first: int, num_rows: int) -> SamplingTensors:
         """Rows j = first .. first + num_rows - 1 of each sequence: its output token num_output + j, decided after
-        drafts[:, :j] ([B, >= first + num_rows - 1]; None when no row follows a draft). Penalties count those
-        drafts, and min_tokens bans the stop tokens by that token's index."""
+        drafts[:, :j] ([B, >= first + num_rows - 1]; None when no row follows a draft)."""
         V, dev = self.model.cfg.vocab_size, self.device
+        values = torch.tensor([[s.params.temperature, min(s.params.top_k, V), s.params.top_p] for s in seqs],
+                              dtype=torch.float64).repeat_interleave(num_rows, dim=0).to(dev)
+        return SamplingTensors(values[:, 0].float(), values[:, 1].long(), values[:, 2].float(),
+                               *self.adjustments(seqs, drafts, first, num_rows))
 
-        def per_row(values: list, dtype: torch.dtype) -> Tensor:
-            return torch.tensor(values, dtype=dtype).repeat_interleave(num_rows).to(dev)
-
-        temp = per_row([s.params.temperature for s in seqs], torch.float32)
-        top_k = per_row([min(s.params.top_k, V) for s in seqs], torch.long)
-        top_p = per_row([s.params.top_p for s in seqs], torch.float32)
-        js = range(first, first + num_rows)
+    def adjustments(self, seqs: list[Sequence], drafts: Tensor | None, first: int, num_rows: int
+                    ) -> tuple[Tensor | None, Penalties | None]:
+        """What changes the logits of those rows before temperature (all a greedy row needs): the banned tokens
+        (bad tokens, and stop tokens while min_tokens is not reached by that row's index) and the penalties,
+        which count the drafts before the row."""
+        V = self.model.cfg.vocab_size
         bad = None
         banning = [(b, s) for b, s in enumerate(seqs) if s.params.bad_token_ids or s.bans_stop_ids]
         if banning:
             bad = torch.zeros(len(seqs), num_rows, V, dtype=torch.bool)
             for b, s in banning:
                 bad[b, :, list(s.params.bad_token_ids)] = True
-                for r, j in enumerate(js):
+                for r, j in enumerate(range(first, first + num_rows)):
                     if s.num_output_tokens + j < s.params.min_tokens:
                         bad[b, r, list(s.stop_ids)] = True
-            bad = bad.view(-1, V).to(dev)
-        return SamplingTensors(temp, top_k, top_p, bad, self._penalties(seqs, drafts, first, num_rows))
+            bad = bad.view(-1, V).to(self.device)
+        return bad, self._penalties(seqs, drafts, first, num_rows)
 
     def _penalties(self, seqs: list[Sequence], drafts: Tensor | None, first: int, num_rows: int) -> Penalties | None:
         pen = [b for b, s in enumerate(seqs) if s.penalty is not None]
@@ -112,19 +115,17 @@ class ModelRunner:
         counts = torch.stack([seqs[b].penalty.counts for b in pen])[:, None].repeat(1, num_rows, 1)  # [P, rows, V]
         last = first + num_rows - 1  # drafts before the last row
         if last > 0:
-            d = drafts[self._ids(pen), :last]
+            d = drafts[:, :last] if len(pen) == len(seqs) else drafts[self._ids(pen), :last]
             before = torch.zeros(len(pen), last + 1, V, device=dev)
             before[:, 1:].scatter_(2, d[..., None], 1.0)
             counts += before.cumsum(1)[:, first:]  # row j: the drafts before it
         in_prompt = torch.stack([seqs[b].penalty.in_prompt for b in pen])[:, None].expand(-1, num_rows, -1)
-
-        def per_row(name: str) -> Tensor:
-            return torch.tensor([getattr(seqs[b].params, name) for b in pen], dtype=torch.float32,
-                                device=dev).repeat_interleave(num_rows)
-
-        rows = self._ids([b * num_rows + r for b in pen for r in range(num_rows)])
-        return Penalties(rows, per_row("repetition_penalty"), per_row("presence_penalty"), per_row("frequency_penalty"),
-                         counts.view(-1, V), in_prompt.reshape(-1, V))
+        p = [seqs[b].params for b in pen]
+        values = torch.tensor([[x.repetition_penalty, x.presence_penalty, x.frequency_penalty] for x in p],
+                              device=dev).repeat_interleave(num_rows, dim=0)
+        rows = None if len(pen) == len(seqs) else self._ids([b * num_rows + r for b in pen for r in range(num_rows)])
+        return Penalties(rows, values[:, 0:1], values[:, 1:2], values[:, 2:3], counts.view(-1, V),
+                         in_prompt.reshape(-1, V))
 
     # ---- drafting -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -147,38 +148,48 @@ class ModelRunner:
             return model.mtp[0].greedy_drafts(model.rope, next_ids, hidden, self._paged_batch(tables, starts, lens),
                                               self.cache.tensor, K), None
         logits, h = self.forward_mtp(tables, starts, lens, next_ids, hidden)
+        greedy = all(s.params.greedy for s in seqs)  # then drafts are argmaxes: no distribution, no draw
         if not plain:
             # rules that depend on the drafts before a row (penalties, min_tokens) need fresh tensors per draft
             per_draft = any(s.penalty is not None or s.bans_stop_ids for s in seqs)
-            st = self.sampling_tensors(seqs, None, 0, 1)
-            seeds = self._ids([s.seed for s in seqs])
-            positions = self._ids([s.num_tokens for s in seqs])  # absolute position of draft 1
+            rules = self.adjustments if greedy else self.sampling_tensors  # greedy: (bans, penalties) only
+            st = rules(seqs, None, 0, 1)
+            if not greedy:
+                seeds = self._ids([s.seed for s in seqs])
+                positions = self._ids([s.num_tokens for s in seqs])  # absolute position of draft 1
         drafts, probs = [], []
         for j in range(K):
+            if not plain and per_draft and j:
+                st = rules(seqs, torch.stack(drafts, dim=1), j, 1)
             if plain:
                 d = logits.argmax(-1)
+            elif greedy:
+                d = adjusted_logits(logits, *st).argmax(-1)
             else:
-                if per_draft and j:
-                    st = self.sampling_tensors(seqs, torch.stack(drafts, dim=1), j, 1)
                 q = probabilities(logits, st)
                 d = torch.where(st.temperature == 0, q.argmax(-1), sample(q, uniforms(seeds, positions + j, PURPOSE_DRAFT)))
                 probs.append(q)
             drafts.append(d)
             if j + 1 == K:
                 break
-            # Draft j+2 at position num_tokens - 1 + j from the MTP's own hidden state and draft.
-            active = [i for i, k in enumerate(ks) if k > j + 1]
-            sub = [tables[i] for i in active]
-            starts = [seqs[i].num_tokens - 1 + j for i in active]
-            if len(active) == len(seqs):
-                logits, h = self.forward_mtp(sub, starts, [1] * len(sub), d, h)
-            else:
-                idx = self._ids(active)
-                sub_logits, sub_h = self.forward_mtp(sub, starts, [1] * len(sub), d[idx], h[idx])
-                logits, h = logits.clone(), h.clone()
-                logits[idx], h[idx] = sub_logits, sub_h
+            logits, h = self._next_draft_logits(tables, seqs, ks, j, d, logits, h)
         draft_probs = torch.stack(probs, dim=1) if probs else None
         return torch.stack(drafts, dim=1), draft_probs
+
+    def _next_draft_logits(self, tables: list[list[int]], seqs: list[Sequence], ks: list[int], j: int, d: Tensor,
+                           logits: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
+        """Draft j+2 at position num_tokens - 1 + j from the MTP's own hidden state and draft j+1 (rows whose k
+        ends before keep their last logits)."""
+        active = [i for i, k in enumerate(ks) if k > j + 1]
+        sub = [tables[i] for i in active]
+        starts = [seqs[i].num_tokens - 1 + j for i in active]
+        if len(active) == len(seqs):
+            return self.forward_mtp(sub, starts, [1] * len(sub), d, h)
+        idx = self._ids(active)
+        sub_logits, sub_h = self.forward_mtp(sub, starts, [1] * len(sub), d[idx], h[idx])
+        logits, h = logits.clone(), h.clone()
+        logits[idx], h[idx] = sub_logits, sub_h
+        return logits, h
 
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -240,19 +251,26 @@ class ModelRunner:
         logits = self.model.logits(hidden[self._ids(rows)]).view(B, K + 1, V)
         row_of = {id(it.seq): r for r, it in enumerate(drafting)}
         d = [drafts[row_of[id(s)]] if k else [0] * K for s, k in zip(seqs, ks)]  # [B][K]; past k_b: ignored
+        # Greedy rows need only the argmax: of the logits themselves when nothing adjusts them (the fast path)
         st = None
-        if self.relaxed is None and all(s.plain_argmax for s in seqs):
+        if self.relaxed is None and all(s.params.greedy for s in seqs):
+            scores = logits
+            if not all(s.plain_argmax for s in seqs):  # else the fast path: the logits' own argmax
+                dt = self._ids(d).view(B, K)
+                scores = adjusted_logits(logits.flatten(0, 1), *self.adjustments(seqs, dt, 0, K + 1)).view(B, K + 1, V)
+                if any(s.params.logprobs_mode == "processed_logprobs" for s in seqs if s.params.logprobs is not None):
+                    st = self.sampling_tensors(seqs, dt, 0, K + 1)
             emitted = []
-            for db, k, argmax in zip(d, ks, logits.argmax(-1).tolist()):
+            for db, k, argmax in zip(d, ks, scores.argmax(-1).tolist()):
                 n = accept_greedy(db[:k], argmax)
                 emitted.append(db[:n] + [argmax[n]])
         else:
             dt = self._ids(d).view(B, K)
+            st = self.sampling_tensors(seqs, dt, 0, K + 1)
             dp = None
             if draft_probs is not None:
                 has = self._ids(ks) > 0
                 dp = torch.where(has[:, None, None], draft_probs[self._ids([row_of.get(id(s), 0) for s in seqs])], 0.0)
-            st = self.sampling_tensors(seqs, dt, 0, K + 1)
             target_probs = probabilities(logits.flatten(0, 1), st).view(B, K + 1, V)
             greedy = st.temperature.view(B, K + 1)[:, 0] == 0
             relaxed_kw = {}
@@ -271,8 +289,9 @@ class ModelRunner:
     def _logprobs(self, seqs: list[Sequence], logits: Tensor, st: SamplingTensors | None,
                   emitted: list[list[int]]) -> list[list[TokenLogprob] | None]:
         """Per sequence, the logprobs of its emitted tokens from the rows [B, K+1, V] that decided them (None for
-        a sequence that did not ask): raw log-softmax of the logits, or of the processed distribution (`st`;
-        None means every row is a plain argmax one, whose processed distribution is the raw one)."""
+        a sequence that did not ask): raw log-softmax of the logits, or of the processed distribution (`st`, None
+        where no row needs it: none asks for processed logprobs, or all are plain argmax ones, whose processed
+        distribution is the raw one)."""
         asking = [b for b, s in enumerate(seqs) if s.params.logprobs is not None]
         out: list[list[TokenLogprob] | None] = [None] * len(seqs)
         if not asking:

@@ -186,22 +186,22 @@ def uniforms(seeds: Tensor, positions: Tensor, purpose: int) -> Tensor:
 class Penalties:
     """Repetition / presence / frequency penalties of some rows of a batch (the others have none)."""
 
-    rows: Tensor  # [P] long: the rows they apply to
-    repetition: Tensor  # [P] float; 1 = off
-    presence: Tensor  # [P] float
-    frequency: Tensor  # [P] float
+    rows: Tensor | None  # [P] long: the rows they apply to (None: all)
+    repetition: Tensor  # [P, 1] float; 1 = off
+    presence: Tensor  # [P, 1] float
+    frequency: Tensor  # [P, 1] float
     counts: Tensor  # [P, V] float: occurrences in the output before the row (drafts before it included)
     in_prompt: Tensor  # [P, V] bool
 
     def apply(self, logits: Tensor) -> Tensor:
         """HF's repetition penalty over prompt and output (a positive logit divided, a negative one
         multiplied), then OpenAI's frequency and presence penalties over the output."""
-        x = logits[self.rows]
+        x = logits if self.rows is None else logits[self.rows]
         seen = self.counts > 0
-        rep = self.repetition[:, None]
+        rep = self.repetition
         x = torch.where(seen | self.in_prompt, torch.where(x > 0, x / rep, x * rep), x)
-        x = x - self.frequency[:, None] * self.counts - self.presence[:, None] * seen
-        return logits.index_copy(0, self.rows, x)
+        x = x - self.frequency * self.counts - self.presence * seen
+        return x if self.rows is None else logits.index_copy(0, self.rows, x)
 
 
 @dataclass
@@ -219,13 +219,13 @@ class SamplingTensors:
         return bool((self.temperature == 0).all())
 
 
-def adjusted_logits(logits: Tensor, st: SamplingTensors) -> Tensor:
+def adjusted_logits(logits: Tensor, bad_mask: Tensor | None, penalties: Penalties | None) -> Tensor:
     """float32 logits after penalties and bans: what a greedy row takes the argmax of."""
     logits = logits.float()
-    if st.penalties is not None:
-        logits = st.penalties.apply(logits)
-    if st.bad_mask is not None:
-        logits = logits.masked_fill(st.bad_mask, float("-inf"))
+    if penalties is not None:
+        logits = penalties.apply(logits)
+    if bad_mask is not None:
+        logits = logits.masked_fill(bad_mask, float("-inf"))
     return logits
 
 
@@ -252,7 +252,7 @@ def _processed(logits: Tensor, st: SamplingTensors) -> Tensor:
 
 def probabilities(logits: Tensor, st: SamplingTensors) -> Tensor:
     """Softmax of the adjusted logits / temperature after top-k and top-p; greedy rows become one-hot argmax."""
-    logits = adjusted_logits(logits, st)
+    logits = adjusted_logits(logits, st.bad_mask, st.penalties)
     probs = _processed(logits, st).softmax(-1)
     greedy = st.temperature == 0
     if bool(greedy.any()):
@@ -264,7 +264,7 @@ def probabilities(logits: Tensor, st: SamplingTensors) -> Tensor:
 def processed_logprobs(logits: Tensor, st: SamplingTensors) -> Tensor:
     """Log-probabilities of the distribution a row is drawn from (vLLM's processed_logprobs); a greedy row's
     are its adjusted logits' (temperature, top-k and top-p do not change its choice)."""
-    adjusted = adjusted_logits(logits, st)
+    adjusted = adjusted_logits(logits, st.bad_mask, st.penalties)
     out = _processed(adjusted, st).log_softmax(-1)
     greedy = st.temperature == 0
     return torch.where(greedy[:, None], adjusted.log_softmax(-1), out) if bool(greedy.any()) else out
@@ -284,13 +284,13 @@ def token_logprobs(logprobs: Tensor, tokens: Tensor, top_n: list[int]) -> list[T
     """TokenLogprobs of rows [M, V] of log-probabilities for the tokens [M] chosen there, with top_n[m]
     alternatives each, read back to the host in one transfer."""
     chosen = logprobs.gather(-1, tokens[:, None])
-    rank = (logprobs > chosen).sum(-1) + 1
+    rank = (logprobs > chosen).sum(-1, keepdim=True) + 1
     n = max(top_n)
-    top = logprobs.topk(n, dim=-1) if n else None
-    chosen, rank = chosen.squeeze(-1).tolist(), rank.tolist()
-    top_ids, top_values = (top.indices.tolist(), top.values.tolist()) if n else ([[]] * len(chosen), [[]] * len(chosen))
-    return [TokenLogprob(t, c, r, tuple(zip(ids[:k], vals[:k])))
-            for t, c, r, ids, vals, k in zip(tokens.tolist(), chosen, rank, top_ids, top_values, top_n)]
+    top = logprobs.topk(n, dim=-1)
+    # one float64 tensor, one transfer: [token, logprob, rank, n logprobs, n ids] per row (ids are exact in float64)
+    rows = torch.cat([t.double() for t in (tokens[:, None], chosen, rank, top.values, top.indices)], dim=-1).tolist()
+    return [TokenLogprob(int(r[0]), r[1], int(r[2]), tuple(zip(map(int, r[3 + n : 3 + n + k]), r[3 : 3 + k])))
+            for r, k in zip(rows, top_n)]
 
 
 def sample(probs: Tensor, u: Tensor) -> Tensor:
