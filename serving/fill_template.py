@@ -123,11 +123,6 @@ def fill(template_text: str, substitutions: dict[str, str], source: str = "templ
     for key, value in substitutions.items():
         if key in present:
             check_value(key, value, key in quoted, source)
-    decoupled = substitutions.get("decoupled_mode", "")
-    if '"gpt_model_path"' in template_text and decoupled.lower() == "false":
-        raise ValueError(f"{source}: decoupled_mode:{decoupled}: the tensorrt_llm model runs only decoupled (it "
-                         "answers from the executor's thread); for unary ModelInfer clients deploy tensorrt_llm_bls "
-                         "with decoupled_mode:false, which drives the decoupled tensorrt_llm")
     return tmpl.safe_substitute({**DEFAULTS, **substitutions})
 
 

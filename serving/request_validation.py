@@ -130,9 +130,10 @@ _FLAG, _REAL = Scalar("flag"), Scalar("real")
 TENSORRT_LLM_SCALARS: dict[str, Scalar] = {
     **dict.fromkeys(("streaming", "exclude_input_in_output", "stop", "return_log_probs", "return_context_logits",
                      "return_generation_logits", "return_perf_metrics", "return_num_input_tokens",
-                     "return_num_output_tokens"), _FLAG),
-    **dict.fromkeys(("temperature", "len_penalty", "repetition_penalty", "presence_penalty", "frequency_penalty"),
-                    _REAL),
+                     "return_num_output_tokens", "use_draft_logits"), _FLAG),
+    **dict.fromkeys(("temperature", "len_penalty"), _REAL),
+    "repetition_penalty": Scalar("real", 0.0),
+    **dict.fromkeys(("presence_penalty", "frequency_penalty"), Scalar("real", -2.0, 2.0)),
     "runtime_top_p": Scalar("real", 0.0, 1.0),
     "input_lengths": Scalar("integer", 0, INT32_MAX),
     "request_output_len": Scalar("integer", 1, INT32_MAX),
@@ -140,7 +141,89 @@ TENSORRT_LLM_SCALARS: dict[str, Scalar] = {
     "beam_width": Scalar("integer", 1, INT32_MAX),
     "num_return_sequences": Scalar("integer", 1, INT32_MAX),
     "min_tokens": Scalar("integer", 0, INT32_MAX),
+    "num_draft_tokens": Scalar("integer", 0, INT32_MAX),
     "min_length": Scalar("integer", 0, INT32_MAX),
     "seed": Scalar("integer", 0, 2**64 - 1),
     "random_seed": Scalar("integer", 0, 2**64 - 1),
+}
+
+
+def is_empty(values: np.ndarray) -> bool:
+    """No value at all, or only empty strings: what TensorRT-LLM's clients send for a feature that is off."""
+    return values.size == 0 or (values.dtype == object and all(not v for v in values.reshape(-1)))
+
+
+def refuse_unsupported(present: dict[str, np.ndarray], unsupported: dict[str, str],
+                       client_names: dict[str, str] | None = None) -> None:
+    """Inputs of TensorRT-LLM's contract that this runtime does not implement are declared, so that a client sending
+    one hears why from us, naming it, rather than Triton's "unexpected inference input"; absent or empty they are
+    accepted (`is_empty`)."""
+    for name, feature in unsupported.items():
+        values = present.get(name)
+        if values is not None and not is_empty(values):
+            shown = f"{client_names[name]} ({name})" if client_names and name in client_names else name
+            raise RequestError(f"{shown} is not supported by this runtime ({feature}); supported: not given")
+
+
+def refuse_non_neutral(values: dict[str, Any]) -> None:
+    """Inputs this runtime implements only at their neutral value (NEUTRAL), read already, by the engine's names."""
+    for name, value in values.items():
+        if name in NEUTRAL and value is not None and not NEUTRAL[name][0](value):
+            raise RequestError(f"{client_named(name)}={value} is not supported by this runtime "
+                               f"(supported: {NEUTRAL[name][1]})")
+
+
+# Inputs TensorRT-LLM clients send that this runtime implements only at their neutral value, by tensorrt_llm's names.
+NEUTRAL: dict[str, tuple[Any, str]] = {
+    "beam_width": (lambda v: v == 1, "1 (no beam search)"),
+    "num_return_sequences": (lambda v: v == 1, "1"),
+    "return_log_probs": (lambda v: not v, "false"),
+    "return_context_logits": (lambda v: not v, "false"),
+    "return_generation_logits": (lambda v: not v, "false"),
+    # the BLS's draft-model speculation
+    "num_draft_tokens": (lambda v: v == 0, "0; MTP drafting is configured on the server (num_draft_tokens parameter)"),
+    "use_draft_logits": (lambda v: not v, "false"),
+}
+
+_ENCODER = "encoder-decoder models; this one is decoder-only"
+_DRAFTS = "drafts from a separate model; this runtime drafts with the model's own MTP layer"
+_PROMPT_TABLE = "prompt tuning"
+_LORA = "LoRA adapters"
+_GUIDED = "guided decoding"
+_MULTIMODAL = "multimodal input; this is a text model"
+_BIAS = "embedding bias"
+# The legacy `tensorrt_llm` model's inputs this runtime does not implement (decoder_input_ids and
+# decoder_input_lengths are not among them: preprocessing pads them for every request and they are ignored).
+UNSUPPORTED_ENGINE_INPUTS: dict[str, str] = {
+    **dict.fromkeys(("encoder_input_features", "encoder_output_lengths", "cross_attention_mask",
+                     "skip_cross_attn_blocks"), _ENCODER),
+    **dict.fromkeys(("draft_input_ids", "draft_logits", "draft_acceptance_threshold"), _DRAFTS),
+    "embedding_bias": _BIAS,
+    **dict.fromkeys(("runtime_top_p_min", "runtime_top_p_decay", "runtime_top_p_reset_ids"), "top-p decay"),
+    **dict.fromkeys(("prompt_embedding_table", "prompt_table_extra_ids", "prompt_vocab_size"), _PROMPT_TABLE),
+    **dict.fromkeys(("mrope_rotary_cos_sin", "mrope_position_deltas"), "multimodal RoPE"),
+    **dict.fromkeys(("lora_task_id", "lora_weights", "lora_config"), _LORA),
+    "context_phase_params": "disaggregated serving",
+    **dict.fromkeys(("retention_token_range_starts", "retention_token_range_ends", "retention_token_range_priorities",
+                     "retention_token_range_durations_ms", "retention_decode_priority",
+                     "retention_decode_duration_ms"), "KV cache retention; this runtime reuses no prefixes"),
+    **dict.fromkeys(("guided_decoding_guide_type", "guided_decoding_guide"), _GUIDED),
+    **dict.fromkeys(("lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size"),
+                    "lookahead decoding"),
+}
+# preprocessing's (named with the ensemble's input that feeds them, where there is one)
+UNSUPPORTED_TEXT_INPUTS: dict[str, str] = {
+    "DECODER_QUERY": _ENCODER,
+    **dict.fromkeys(("IMAGE_BYTES", "IMAGE_URL", "VIDEO_BYTES"), _MULTIMODAL),
+    **dict.fromkeys(("EMBEDDING_BIAS_WORDS", "EMBEDDING_BIAS_WEIGHTS"), _BIAS),
+    "PROMPT_TABLE_EXTRA_ID": _PROMPT_TABLE,
+}
+# the BLS's (those it does not pass on to tensorrt_llm, which refuses the others itself)
+UNSUPPORTED_BLS_INPUTS: dict[str, str] = {
+    "decoder_text_input": _ENCODER,
+    **dict.fromkeys(("image_input", "image_bytes_input", "image_url_input", "video_bytes_input"), _MULTIMODAL),
+    **dict.fromkeys(("prompt_embedding_table", "prompt_vocab_size", "prompt_table_extra_id"), _PROMPT_TABLE),
+    **dict.fromkeys(("embedding_bias_words", "embedding_bias_weights"), _BIAS),
+    **dict.fromkeys(("lora_task_id", "lora_weights", "lora_config"), _LORA),
+    **dict.fromkeys(("guided_decoding_guide_type", "guided_decoding_guide"), _GUIDED),
 }

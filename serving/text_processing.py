@@ -15,10 +15,14 @@ from typing import Callable
 import numpy as np
 
 from runtime.io.tokenizer import Tokenizer
-from serving.request_validation import INT32_MAX, RequestError, integer, texts, token_ids
+from serving.request_validation import (INT32_MAX, UNSUPPORTED_TEXT_INPUTS, RequestError, integer, refuse_unsupported,
+                                        texts, token_ids)
 from serving.triton_parameters import boolean, integer as integer_parameter, model_path, parameter
 
 DEFAULT_MAX_INPUT_BYTES = 1 << 20  # when max_input_tokens is not set
+# what the ensemble calls preprocessing's inputs, for refusals the client understands
+CLIENT_NAMES = {"DECODER_QUERY": "decoder_text_input", "EMBEDDING_BIAS_WORDS": "embedding_bias_words",
+                "EMBEDDING_BIAS_WEIGHTS": "embedding_bias_weights", "PROMPT_TABLE_EXTRA_ID": "prompt_table_extra_id"}
 Inputs = Callable[[str], "np.ndarray | None"]  # an input tensor by name, None when the request has none
 
 
@@ -46,7 +50,9 @@ def word_lists(tokenizer: Tokenizer, batch: list[list[str]]) -> np.ndarray:
 @dataclass(frozen=True)
 class Preprocessor:
     """preprocessing's inputs (QUERY, REQUEST_OUTPUT_LEN, BAD_WORDS_DICT, ...) -> its outputs (INPUT_ID,
-    REQUEST_INPUT_LEN, ...), refusing bad values under the client's names (text_input, max_tokens, ...)."""
+    REQUEST_INPUT_LEN, ...), refusing bad values under the client's names (text_input, max_tokens, ...). The
+    decoder inputs of encoder-decoder models come out padded, as upstream's for a decoder-only model (a pad id,
+    length 1), and tensorrt_llm ignores them; the embedding bias comes out empty."""
 
     tokenizer: Tokenizer
     add_bos: bool | None
@@ -72,6 +78,8 @@ class Preprocessor:
     def __call__(self, get: Inputs) -> dict[str, np.ndarray]:
         if get("QUERY") is None:
             raise RequestError("text_input is required")
+        refuse_unsupported({n: v for n in UNSUPPORTED_TEXT_INPUTS if (v := get(n)) is not None},
+                           UNSUPPORTED_TEXT_INPUTS, CLIENT_NAMES)
         queries = texts(get("QUERY"), "text_input", self.max_input_bytes)
         batch = len(queries)
         ids = [self.tokenizer.encode(q, add_bos=self.add_bos) for q in queries]
@@ -102,6 +110,9 @@ class Preprocessor:
             "STOP_WORDS_IDS": words("STOP_WORDS_DICT", "stop_words"),
             "OUT_END_ID": per_item("END_ID", "end_id", -1, self.end_id),
             "OUT_PAD_ID": per_item("PAD_ID", "pad_id", 0, self.pad_id),
+            "DECODER_INPUT_ID": np.full((batch, 1), self.pad_id, np.int32),
+            "REQUEST_DECODER_INPUT_LEN": np.ones((batch, 1), np.int32),
+            "EMBEDDING_BIAS": np.zeros((batch, 0), np.float32),
         }
 
 
@@ -122,17 +133,16 @@ class Postprocessor:
                    max(tokenizer.vocab_size, parameter(config, "vocab_size", integer_parameter, default=0)))
 
     def __call__(self, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """TOKENS_BATCH [batch, beams, tokens] and SEQUENCE_LENGTH [batch, beams] -> texts [batch, beams]."""
+        """TOKENS_BATCH [batch, beams, tokens] and SEQUENCE_LENGTH [batch, beams] -> texts [batch * beams], flat as
+        upstream's (its clients read `text_output[0]`)."""
         if tokens.ndim != 3 or lengths.shape != tokens.shape[:2]:
             raise RequestError(f"TOKENS_BATCH [batch, beams, tokens] and SEQUENCE_LENGTH [batch, beams] do not match: "
                                f"{list(tokens.shape)} and {list(lengths.shape)}")
         out = []
         for item, item_lengths in zip(tokens, lengths):
-            row = []
             for beam, n in zip(item, item_lengths):
                 if not 0 <= n <= len(beam):
                     raise RequestError(f"SEQUENCE_LENGTH must be in [0, {len(beam)}] (the tokens given), got {n}")
                 ids = token_ids(beam[:n], "TOKENS_BATCH", self.vocab_size)
-                row.append(self.tokenizer.decode(ids, self.skip_special_tokens).encode("utf-8"))
-            out.append(row)
+                out.append(self.tokenizer.decode(ids, self.skip_special_tokens).encode("utf-8"))
         return np.array(out, dtype=object)

@@ -231,18 +231,15 @@ def test_fill_template_escapes_and_leaves_other_placeholders(tmp_path: Path) -> 
                                "logits_datatype, max_queue_size\n")
 
 
-def test_fill_template_refuses_a_non_decoupled_engine_model(tmp_path: Path) -> None:
+def test_fill_template_fills_non_decoupled_models(tmp_path: Path) -> None:
+    """tensorrt_llm and the BLS may be non-decoupled (upstream's decoupled_mode:false, for unary ModelInfer
+    clients); upstream's tokenizer_type / num_nodes are accepted and noted."""
     script = Path(sys.executable).with_name("fill_template")
     config = tmp_path / "config.pbtxt"
     config.write_text((TEMPLATE_REPO / "tensorrt_llm" / "config.pbtxt").read_text())
-    before = config.read_text()
-    bad = subprocess.run([script, "-i", config, "decoupled_mode:False,triton_max_batch_size:8"],
-                         capture_output=True, text=True)
-    assert bad.returncode == 2 and config.read_text() == before
-    assert bad.stderr == (f"fill_template: {config}: decoupled_mode:False: the tensorrt_llm model runs only decoupled "
-                          "(it answers from the executor's thread); for unary ModelInfer clients deploy "
-                          "tensorrt_llm_bls with decoupled_mode:false, which drives the decoupled tensorrt_llm\n")
-    # the BLS may be non-decoupled; upstream's tokenizer_type / num_nodes are accepted and noted
+    ok = subprocess.run([script, "-i", config, "decoupled_mode:False,triton_max_batch_size:8"],
+                        capture_output=True, text=True)
+    assert ok.returncode == 0 and "decoupled: False" in config.read_text(), ok.stderr
     config.write_text((TEMPLATE_REPO / "tensorrt_llm_bls" / "config.pbtxt").read_text())
     ok = subprocess.run([script, "-i", config, "decoupled_mode:False,tokenizer_dir:/t,"
                          "tokenizer_type:auto,num_nodes:1"], capture_output=True, text=True)
@@ -508,6 +505,21 @@ def test_min_tokens_at_max_tokens_ignores_the_end_id(server: TritonServer, expec
         assert status == 200 and body["text_output"] == expected[prompt].text, (model, body)
 
 
+def test_penalties_are_the_sessions(server: TritonServer, session: Session) -> None:
+    """repetition_penalty, presence_penalty and frequency_penalty reach the executor (only their neutral values
+    were taken before it implemented them)."""
+    prompt = PROMPTS[2]
+    penalties = dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5)
+    want = session.generate([prompt], SamplingParams(max_tokens=TOKENS, **penalties))[0]
+    assert want.text != session.generate([prompt], SamplingParams(max_tokens=TOKENS))[0].text
+    for model in ("ensemble", "tensorrt_llm_bls"):
+        status, body = http_generate(server, model, text_input=prompt, max_tokens=TOKENS, exclude_input_in_output=True,
+                                     **penalties)
+        assert status == 200 and body["text_output"] == want.text, (model, body)
+    status, body = http_generate(server, "ensemble", text_input=prompt, max_tokens=4, presence_penalty=3.0)
+    assert status == 400 and "presence_penalty" in body["error"], body
+
+
 def test_http_generate_includes_the_prompt_unless_excluded(server: TritonServer, expected: dict) -> None:
     prompt = PROMPTS[1]
     status, body = http_generate(server, "ensemble", text_input=prompt, max_tokens=TOKENS)
@@ -587,6 +599,91 @@ def test_grpc_non_streaming_is_one_response(server: TritonServer, expected: dict
     assert out.text == expected[prompt].text
 
 
+def upstream_grpc_client(server: TritonServer, model: str, outputs: list[str], **values: Any) -> list[Any]:
+    """What inflight_batcher_llm/client/end_to_end_grpc_client.py (tensorrtllm_backend c2e65b8) does: one gRPC
+    stream, the request with the outputs it asks for, stop_stream, then the results (or errors) it collected."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put(error if error is not None else result))
+    client.async_stream_infer(model, grpc_inputs(**values), outputs=[grpcclient.InferRequestedOutput(n) for n in outputs])
+    client.stop_stream()
+    client.close()
+    return [results.get() for _ in range(results.qsize())]
+
+
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_upstream_grpc_client_reads_text_output(server: TritonServer, expected: dict, model: str,
+                                                streaming: bool) -> None:
+    """text_output is flat [batch * beams], as upstream's: its client reads `output[0].decode("utf-8")` (it failed
+    on the [1, 1] this repository returned), and each perf metric as `[0][0]`."""
+    from tritonclient.utils import InferenceServerException
+
+    prompt = PROMPTS[1]
+    results = upstream_grpc_client(server, model, ["text_output", *PERF_METRICS], text_input=[[prompt]],
+                                   max_tokens=TOKENS, stream=streaming, exclude_input_in_output=True,
+                                   return_perf_metrics=True, temperature=1.0)
+    assert results and not any(isinstance(r, InferenceServerException) for r in results), results
+    text = ""
+    for result in results:
+        output = result.as_numpy("text_output")
+        assert output.shape == (1,), output.shape
+        text += output[0].decode("utf-8")
+        assert result.as_numpy("total_draft_tokens")[0][0] >= 0
+    assert text == expected[prompt].text
+
+
+UPSTREAM_CLIENT_FLAGS = {  # end_to_end_grpc_client.py's flags: the inputs it sends and outputs it asks for
+    "-n 2": (dict(num_return_sequences=2), ["sequence_index"], "num_return_sequences=2", "supported: 1"),
+    "--return-log-probs": (dict(return_log_probs=True), ["cum_log_probs", "output_log_probs"], "return_log_probs",
+                           "supported: false"),
+    "--return-context-logits": (dict(return_context_logits=True), ["context_logits"], "return_context_logits",
+                                "supported: false"),
+    "--return-generation-logits": (dict(return_generation_logits=True), ["generation_logits"],
+                                   "return_generation_logits", "supported: false"),
+    "--beam-width 2": (dict(beam_width=2), [], "beam_width=2", "supported: 1"),
+    "--lora-task-id": (dict(lora_task_id=np.array([[3]], np.uint64)), [], "lora_task_id", "supported: not given"),
+    "--guided-decoding": (dict(guided_decoding_guide_type=[[b"json"]], guided_decoding_guide=[[b"{}"]]), [],
+                          "guided_decoding_guide", "supported: not given"),
+    "decoder_text_input": (dict(decoder_text_input=[[b"hi"]]), [], "decoder_text_input", "supported: not given"),
+    "embedding_bias": (dict(embedding_bias_words=[[b"fox"]], embedding_bias_weights=np.array([[1.5]], np.float32)),
+                       [], "embedding_bias_words", "supported: not given"),
+}
+
+
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+@pytest.mark.parametrize("flag", list(UPSTREAM_CLIENT_FLAGS))
+def test_upstream_client_flags_are_refused_naming_the_input(server: TritonServer, model: str, flag: str) -> None:
+    """Every input and output of upstream's models is declared, so a client that asks for what this runtime does
+    not do hears which input and what is supported, from our model (Triton refused undeclared ones first:
+    "unexpected inference output 'sequence_index'"), as INVALID_ARG; the server carries on."""
+    import grpc
+    from tritonclient.utils import InferenceServerException
+
+    values, outputs, name, supported = UPSTREAM_CLIENT_FLAGS[flag]
+    results = upstream_grpc_client(server, model, ["text_output", *outputs], text_input=[["hello"]], max_tokens=4,
+                                   stream=True, **values)
+    assert len(results) == 1 and isinstance(results[0], InferenceServerException), results
+    assert name in str(results[0]) and supported in str(results[0]), str(results[0])
+    # a stream's error carries no status code: the same request, unary, is INVALID_ARGUMENT
+    with pytest.raises(InferenceServerException) as e:
+        grpcclient.InferenceServerClient(server.grpc_url).infer(
+            "tensorrt_llm_bls_sync", grpc_inputs(text_input=[["hello"]], max_tokens=4, **values))
+    assert e.value.status() == str(grpc.StatusCode.INVALID_ARGUMENT) and name in str(e.value), str(e.value)
+    assert_healthy(server)
+
+
+def test_upstream_batch_inputs_are_refused_naming_the_input(server: TritonServer) -> None:
+    """--batch-inputs: two prompts in one request (asking for batch_index) get our error, not Triton's."""
+    from tritonclient.utils import InferenceServerException
+
+    results = upstream_grpc_client(server, "ensemble", ["text_output", "batch_index"], text_input=[["a"], ["b"]],
+                                   max_tokens=np.array([[4], [4]], np.int32), stream=np.array([[True], [True]]))
+    assert len(results) == 1 and isinstance(results[0], InferenceServerException), results
+    assert "one prompt per request" in str(results[0]), str(results[0])
+    assert_healthy(server)
+
+
 def test_non_decoupled_bls_answers_unary_infer(server: TritonServer, expected: dict) -> None:
     from tritonclient.utils import InferenceServerException
 
@@ -594,7 +691,7 @@ def test_non_decoupled_bls_answers_unary_infer(server: TritonServer, expected: d
     prompt = PROMPTS[0]
     result = client.infer("tensorrt_llm_bls_sync", grpc_inputs(text_input=prompt, max_tokens=TOKENS,
                                                                exclude_input_in_output=True))
-    assert result.as_numpy("text_output").reshape(-1)[0].decode() == expected[prompt].text
+    assert result.as_numpy("text_output")[0].decode() == expected[prompt].text  # upstream's clients' read
     with pytest.raises(InferenceServerException, match="stream"):
         client.infer("tensorrt_llm_bls_sync", grpc_inputs(text_input=prompt, max_tokens=4, stream=True))
 

@@ -22,7 +22,8 @@ from typing import Any, Iterator
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from serving.request_validation import TENSORRT_LLM_SCALARS, RequestError, no_unknown_parameters
+from serving.request_validation import (TENSORRT_LLM_SCALARS, UNSUPPORTED_BLS_INPUTS, RequestError,
+                                        no_unknown_parameters, refuse_non_neutral, refuse_unsupported)
 from serving.text_processing import Postprocessor, Preprocessor
 from serving.triton_parameters import boolean, parameter, sibling_config
 
@@ -75,12 +76,16 @@ def outputs(response: Any) -> dict[str, np.ndarray]:
 
 def check_inputs(request: Any) -> None:
     """Refuse what tensorrt_llm would, under the client's names rather than the engine's (top_k, not
-    runtime_top_k), and parameters this model does not take; before tensorrt_llm is called."""
+    runtime_top_k), parameters this model does not take and inputs of upstream's BLS this runtime does not
+    implement; before tensorrt_llm is called (Triton 2.51's BLS API drops the error code of the models it calls)."""
     no_unknown_parameters(request.parameters(), "tensorrt_llm_bls")
-    for client, engine in TO_ENGINE.items():
-        t = pb_utils.get_input_tensor_by_name(request, client)
-        if t is not None and engine in TENSORRT_LLM_SCALARS:
-            TENSORRT_LLM_SCALARS[engine].read(t.as_numpy(), client)
+    inputs = {t.name(): t.as_numpy() for t in request.inputs()}
+    refuse_unsupported(inputs, UNSUPPORTED_BLS_INPUTS)
+    values = {}
+    for client, engine in {**TO_ENGINE, **{n: n for n in ("num_draft_tokens", "use_draft_logits")}}.items():
+        if client in inputs and engine in TENSORRT_LLM_SCALARS:
+            values[engine] = TENSORRT_LLM_SCALARS[engine].read(inputs[client], client)
+    refuse_non_neutral(values)
 
 
 def error_response(e: Exception) -> Any:
@@ -147,15 +152,16 @@ class TritonPythonModel:
     def _generate(self, request: Any) -> Iterator[Any]:
         check_inputs(request)
 
-        def client_input(name: str) -> np.ndarray | None:
-            t = pb_utils.get_input_tensor_by_name(request, FROM_CLIENT[name])
+        def client_input(name: str) -> np.ndarray | None:  # preprocessing's input `name`, from the client's
+            t = pb_utils.get_input_tensor_by_name(request, FROM_CLIENT[name]) if name in FROM_CLIENT else None
             return None if t is None else t.as_numpy()
 
         pre = self.preprocess(client_input)
         engine_id = f"{request.request_id()}#{uuid.uuid4().hex}"  # unique: a stop for it ends this request only
         engine_request = pb_utils.InferenceRequest(
             model_name=self.engine_model, request_id=engine_id,
-            inputs=[pb_utils.Tensor(PREPROCESSED[k], v) for k, v in pre.items()] + renamed(request, TO_ENGINE),
+            inputs=[pb_utils.Tensor(PREPROCESSED[k], v) for k, v in pre.items() if k in PREPROCESSED]
+            + renamed(request, TO_ENGINE),
             requested_output_names=["output_ids", "sequence_length", *STATS])
         stream = pb_utils.get_input_tensor_by_name(request, "stream")
         accumulated: list[int] | None = [] if self.accumulate and stream is not None and stream.as_numpy().any() else None
