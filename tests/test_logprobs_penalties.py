@@ -395,3 +395,15 @@ def test_greedy_with_penalties_equals_plain_on_a_model_that_repeats(small_engine
         outs = run(small_engine, prompts, params, k)
         assert [o.token_ids for o in outs] == plain, f"k={k}"
         assert sum(o.stats.num_accepted_draft_tokens for o in outs) > 0
+
+
+@pytest.mark.parametrize("prompt, stop, m", [([3, 3, 12], 40, 2), ([3, 3, 12], 40, 4), ([30], 16, 5), ([30], 41, 4)])
+def test_min_tokens_lifts_its_ban_at_the_right_draft(small_engine, prompt, stop, m) -> None:
+    """Cases where plain decoding emits the stop token at the first position min_tokens allows it (so the
+    output is exactly min_tokens long): with drafts the ban must lift at the same verification row."""
+    params = SamplingParams(max_tokens=16, ignore_eos=True, stop_token_ids=(stop,), min_tokens=m)
+    [plain] = run(small_engine, [prompt], params, 0)
+    assert plain.finish_reason == "stop" and len(plain.token_ids) == m
+    for k in (1, 2, 3, 4):
+        [o] = run(small_engine, [prompt], params, k)
+        assert (o.token_ids, o.finish_reason) == (plain.token_ids, "stop"), f"k={k}"
