@@ -1,9 +1,13 @@
-"""Make a deployable Triton model repository: copy triton_repo/ and fill every config.pbtxt.
+"""Make a deployable Triton model repository of one engine, in one of two flavours:
 
   make_model_repo --engine_dir engines/deepseek-v3-mini --output_dir engines/triton_repo \
-      [--set num_draft_tokens:3,speculation:adaptive]
+      [--flavour legacy] [--set num_draft_tokens:3,speculation:adaptive]
+  make_model_repo --engine_dir engines/deepseek-v3-mini --output_dir engines/triton_llmapi \
+      --flavour llmapi [--set decoupled_mode:false]
 
-Each model gets the substitutions its template has (see triton_repo/README.md for the keys).
+legacy (the default) copies triton_repo/ (TensorRT-LLM's inflight_batcher_llm models) and fills every config.pbtxt
+with the substitutions its template has; llmapi copies triton_repo_llmapi/ (TensorRT-LLM's current `llmapi`
+tensorrt_llm model) and writes its 1/model.yaml from the engine. See triton_repo/README.md.
 """
 
 from __future__ import annotations
@@ -13,12 +17,17 @@ import shutil
 import sys
 from pathlib import Path
 
-from serving.fill_template import fill, parse_substitutions
+import yaml
 
+from runtime.io.atomic import atomic_write
 from runtime.io.engine_format import read_limits
+from serving.fill_template import fill, parse_substitutions
+from serving.llmapi_config import MODEL_YAML, model_yaml
 
 TEMPLATE_REPO = Path(__file__).resolve().parents[1] / "triton_repo"
+LLMAPI_TEMPLATE = Path(__file__).resolve().parents[1] / "triton_repo_llmapi" / "tensorrt_llm"
 PATH_KEYS = ("engine_dir", "tokenizer_dir")
+ENGINE_LINK = "engine"  # the engine's name inside an llmapi model's directory
 
 
 def default_values(engine_dir: Path, **overrides: str) -> dict[str, str]:
@@ -69,11 +78,30 @@ def fill_model_repo(dst: Path, values: dict[str, str], src: Path = TEMPLATE_REPO
     return dst
 
 
+def add_llmapi_model(repo: Path, engine_dir: Path, *, decoupled: bool = True, name: str = "tensorrt_llm") -> Path:
+    """Copy the llmapi model into `repo` (as `name`), link the engine into it and write its 1/model.yaml (the
+    engine's settings in LLM-API keys) and config.pbtxt (triton_config's max_batch_size and decoupled)."""
+    dst = repo / name
+    shutil.copytree(LLMAPI_TEMPLATE, dst, ignore=shutil.ignore_patterns("__pycache__"))
+    (dst / ENGINE_LINK).symlink_to(Path(engine_dir).resolve(), target_is_directory=True)
+    doc = model_yaml(Path(engine_dir), ENGINE_LINK, decoupled=decoupled)
+    atomic_write(dst / "1" / MODEL_YAML, yaml.safe_dump(doc, sort_keys=False))
+    config = dst / "config.pbtxt"
+    text = config.read_text().replace('name: "tensorrt_llm"', f'name: "{name}"', 1)
+    config.write_text(fill(text, {"triton_max_batch_size": str(doc["triton_config"]["max_batch_size"]),
+                                  "decoupled_mode": str(decoupled).lower()}, str(config)))
+    return dst
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine_dir", type=Path, required=True)
     p.add_argument("--output_dir", type=Path, required=True)
-    p.add_argument("--set", default="", help="extra key:value substitutions, comma-separated")
+    p.add_argument("--flavour", choices=("legacy", "llmapi"), default="legacy",
+                   help="legacy: TensorRT-LLM's inflight_batcher_llm models (ensemble, preprocessing, tensorrt_llm, "
+                        "postprocessing, tensorrt_llm_bls); llmapi: its current llmapi tensorrt_llm model")
+    p.add_argument("--set", default="", help="extra key:value substitutions, comma-separated (llmapi: "
+                                             "decoupled_mode only; its other settings are in tensorrt_llm/1/model.yaml)")
     p.add_argument("--force", action="store_true")
     args = p.parse_args(argv)
     if args.output_dir.exists():
@@ -81,8 +109,23 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{args.output_dir}: already exists; pass --force to replace it", file=sys.stderr)
             return 2
         shutil.rmtree(args.output_dir)
-    values = default_values(args.engine_dir.resolve(), **parse_substitutions(args.set) if args.set else {})
-    fill_model_repo(args.output_dir, values)
+    try:
+        subs = parse_substitutions(args.set)
+        if args.flavour == "llmapi":
+            unknown = sorted(set(subs) - {"decoupled_mode"})
+            if unknown:
+                raise ValueError(f"--set {', '.join(unknown)}: the llmapi flavour takes decoupled_mode only; its other "
+                                 f"settings are LLM-API keys in tensorrt_llm/1/{MODEL_YAML}")
+            decoupled = subs.get("decoupled_mode", "true").lower()
+            if decoupled not in ("true", "false"):
+                raise ValueError(f"--set decoupled_mode:{subs['decoupled_mode']}: expected true or false")
+            args.output_dir.mkdir(parents=True)
+            add_llmapi_model(args.output_dir, args.engine_dir, decoupled=decoupled == "true")
+        else:
+            fill_model_repo(args.output_dir, default_values(args.engine_dir.resolve(), **subs))
+    except (ValueError, KeyError) as e:
+        print(f"make_model_repo: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
+        return 2
     print(args.output_dir)
     return 0
 

@@ -1,8 +1,8 @@
 """The Triton contracts of upstream TensorRT-LLM, against the real tritonserver on loopback ports.
 
-A tiny random DeepSeek-V3 + MTP checkpoint deployed as upstream's tools/inflight_batcher_llm/end_to_end_test.py
-deploys the legacy flavour (every model non-decoupled, so unary ModelInfer works on `tensorrt_llm` and the
-ensemble).
+Two deployments of a tiny random DeepSeek-V3 + MTP checkpoint: the legacy flavour as upstream's
+tools/inflight_batcher_llm/end_to_end_test.py deploys it (every model non-decoupled, so unary ModelInfer works on
+`tensorrt_llm` and the ensemble), and the llmapi flavour (`make_model_repo --flavour llmapi`), decoupled and not.
 Each model's inputs and outputs, as its model configuration endpoint reports them, are compared with the tables in
 tests/data/upstream_triton_contract.json, copied from upstream's config.pbtxt files; outputs are compared with an
 in-process runtime.Session on the same checkpoint.
@@ -11,6 +11,9 @@ in-process runtime.Session on the same checkpoint.
 from __future__ import annotations
 
 import json
+import queue
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -18,13 +21,18 @@ from typing import Any, Iterator
 
 import numpy as np
 import pytest
+import yaml
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 httpclient = pytest.importorskip("tritonclient.http")
 
+from builder.trtllm_engine import TrtllmOptions, llm_api_options  # noqa: E402
 from runtime.core.sampling import SamplingParams  # noqa: E402
 from runtime.executors.session import Session  # noqa: E402
-from test_triton import DTYPES, grpc_inputs  # noqa: E402
+from runtime.io.engine_format import read_limits  # noqa: E402
+from serving.llmapi_config import ModelYamlError, read_model_yaml  # noqa: E402
+from serving.model_repo import add_llmapi_model  # noqa: E402
+from test_triton import DTYPES, Streamed, grpc_inputs, http_generate  # noqa: E402
 from triton_util import TritonServer, fill_model_repo, make_tiny_checkpoint, repo_values, start_server  # noqa: E402
 
 UPSTREAM = json.loads((Path(__file__).parent / "data" / "upstream_triton_contract.json").read_text())
@@ -61,6 +69,50 @@ def unary(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         yield srv
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="module")
+def llmapi(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
+    """The llmapi flavour: `tensorrt_llm` decoupled, and the same model non-decoupled as `tensorrt_llm_unary`."""
+    work = tmp_path_factory.mktemp("contract_llmapi")
+    (work / "repo").mkdir()
+    for name, decoupled in (("tensorrt_llm", True), ("tensorrt_llm_unary", False)):
+        model = add_llmapi_model(work / "repo", checkpoint, decoupled=decoupled, name=name)
+        doc = yaml.safe_load((model / "1" / "model.yaml").read_text())
+        doc["triton_config"].update(speculation="fixed", cancellation_check_period_ms=20)
+        (model / "1" / "model.yaml").write_text(yaml.safe_dump(doc))
+    srv = start_server(work / "repo", log_file=work / "server.log", ready_timeout_s=240, exit_timeout_s=3)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def llmapi_stream(server: TritonServer, model: str, **values: Any) -> Streamed:
+    """One request over gRPC streaming with its inputs shaped as given (the llmapi model's max_batch_size is 0: no
+    batch dimension)."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    inputs = []
+    for name, arr in values.items():
+        inputs.append(grpcclient.InferInput(name, list(arr.shape), DTYPES[arr.dtype]))
+        inputs[-1].set_data_from_numpy(arr)
+    out = Streamed()
+    try:
+        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        while True:
+            result, error = responses.get(timeout=60)
+            if error is not None:
+                out.error = error.message()
+                return out
+            if result.as_numpy("text_output") is not None:
+                out.chunks += list(result.as_numpy("text_output"))
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return out
+    finally:
+        client.stop_stream()
+        client.close()
 
 
 def declared(server: TritonServer, model: str) -> dict[str, dict[str, list]]:
@@ -149,3 +201,196 @@ def test_unary_tensorrt_llm_refuses_streaming_naming_the_input(unary: TritonServ
         infer(unary, "ensemble", ["text_output"], text_input=np.array([["hi"]], object),
               max_tokens=np.array([[4]], np.int32), stream=np.array([[True]]))
     assert e.value.status() == "400" and "streaming (stream) true needs a decoupled model" in str(e.value), e.value
+
+
+# ---- the llmapi flavour -----------------------------------------------------------------------
+@pytest.mark.parametrize("model", ["tensorrt_llm", "tensorrt_llm_unary"])
+def test_llmapi_model_declares_upstreams_tensors_exactly(llmapi: TritonServer, model: str) -> None:
+    assert declared(llmapi, model) == UPSTREAM["llmapi"]["tensorrt_llm"]
+    config = grpcclient.InferenceServerClient(llmapi.grpc_url).get_model_config(model).config
+    assert config.max_batch_size == 0 and config.model_transaction_policy.decoupled == (model == "tensorrt_llm")
+
+
+def test_llmapi_unary_matches_the_session(llmapi: TritonServer, expected: dict) -> None:
+    """Greedy (no sampling input: the LLM API decodes greedily) over unary ModelInfer and the HTTP generate
+    endpoint; text_output is flat [1], read as upstream's clients read it."""
+    for prompt in PROMPTS:
+        result = infer(llmapi, "tensorrt_llm_unary", text_input=np.array([prompt], object),
+                       sampling_param_max_tokens=np.array([TOKENS], np.int32))
+        assert result.as_numpy("text_output").shape == (1,)
+        assert result.as_numpy("text_output")[0].decode() == expected[prompt].text
+        status, body = http_generate(llmapi, "tensorrt_llm_unary", text_input=prompt, sampling_param_max_tokens=TOKENS)
+        assert status == 200 and body["text_output"] == expected[prompt].text, body
+
+
+def test_llmapi_streams_the_session_text(llmapi: TritonServer, expected: dict) -> None:
+    """Decoupled, streaming: each response the new text, whole characters, adding up to the session's text."""
+    for prompt in PROMPTS:
+        out = llmapi_stream(llmapi, "tensorrt_llm", text_input=np.array([prompt.encode()], object),
+                            streaming=np.array([True]), sampling_param_max_tokens=np.array([TOKENS], np.int32))
+        assert out.error is None and len(out.chunks) > 1
+        assert out.text == expected[prompt].text
+        status, events = http_generate(llmapi, "tensorrt_llm", "generate_stream", text_input=prompt, streaming=True,
+                                       sampling_param_max_tokens=TOKENS)
+        assert status == 200 and "".join(json.loads(e)["text_output"] for e in events) == expected[prompt].text
+
+
+def test_llmapi_finish_reason_stop_reason_and_perf_metrics(llmapi: TritonServer, expected: dict) -> None:
+    """As upstream: finish_reason / stop_reason only when asked for (str() of the LLM API's values), the perf
+    metrics only with sampling_param_return_perf_metrics."""
+    prompt = next(p for p in PROMPTS if len(expected[p].text) > 8 and "\ufffd" not in expected[p].text[3:6])
+    stop = expected[prompt].text[3:6]
+    plain = infer(llmapi, "tensorrt_llm_unary", text_input=np.array([prompt], object),
+                  sampling_param_max_tokens=np.array([4], np.int32))
+    assert plain.as_numpy("finish_reason") is None and plain.as_numpy("acceptance_rate") is None
+    result = infer(llmapi, "tensorrt_llm_unary", text_input=np.array([prompt], object),
+                   sampling_param_max_tokens=np.array([TOKENS], np.int32),
+                   sampling_param_stop=np.array([stop], object), return_finish_reason=np.array([True]),
+                   return_stop_reason=np.array([True]), sampling_param_return_perf_metrics=np.array([True]))
+    text = result.as_numpy("text_output")[0].decode()
+    assert expected[prompt].text.startswith(text + stop)  # the stop string is cut, as the LLM API's default
+    assert result.as_numpy("finish_reason")[0] == b"stop" and result.as_numpy("stop_reason")[0] == stop.encode()
+    assert result.as_numpy("total_draft_tokens").shape == (1,) and result.as_numpy("total_draft_tokens")[0] > 0
+    assert result.as_numpy("kv_cache_reused_block")[0] == 0 and result.as_numpy("kv_cache_hit_rate")[0] == 0.0
+    assert result.as_numpy("kv_cache_alloc_total_blocks")[0] >= 1
+    first, last = result.as_numpy("first_token_time_ns")[0], result.as_numpy("last_token_time_ns")[0]
+    assert result.as_numpy("arrival_time_ns")[0] <= first <= last
+    length = infer(llmapi, "tensorrt_llm_unary", text_input=np.array([prompt], object),
+                   sampling_param_max_tokens=np.array([2], np.int32), return_finish_reason=np.array([True]),
+                   return_stop_reason=np.array([True]))
+    assert length.as_numpy("finish_reason")[0] == b"length" and length.as_numpy("stop_reason")[0] == b"None"
+
+
+def test_llmapi_samples_as_the_llm_api(llmapi: TritonServer, expected: dict) -> None:
+    """temperature alone samples (the LLM API's rule, unlike the legacy model's); top_k 1 is greedy; a seed repeats."""
+    prompt = PROMPTS[0]
+
+    def text(**values: Any) -> str:
+        status, body = http_generate(llmapi, "tensorrt_llm_unary", text_input=prompt, sampling_param_max_tokens=TOKENS,
+                                     **values)
+        assert status == 200, body
+        return body["text_output"]
+
+    assert text(sampling_param_top_k=1, sampling_param_temperature=1.0) == expected[prompt].text
+    seeded = {text(sampling_param_temperature=1.0, sampling_param_seed=s) for s in (1, 1)}
+    assert len(seeded) == 1 and seeded != {expected[prompt].text}
+
+
+def test_llmapi_penalties_and_cumulative_logprob_match_the_session(llmapi: TritonServer, session: Session) -> None:
+    """sampling_param_presence/frequency_penalty and return_cumulative_logprob, as the executor computes them."""
+    prompt = PROMPTS[2]
+    want = session.generate([prompt], SamplingParams(max_tokens=TOKENS, presence_penalty=1.5, frequency_penalty=0.5,
+                                                     logprobs=0))[0]
+    result = infer(llmapi, "tensorrt_llm_unary", text_input=np.array([prompt], object),
+                   sampling_param_max_tokens=np.array([TOKENS], np.int32),
+                   sampling_param_presence_penalty=np.array([1.5], np.float32),
+                   sampling_param_frequency_penalty=np.array([0.5], np.float32),
+                   return_cumulative_logprob=np.array([True]))
+    assert result.as_numpy("text_output")[0].decode() == want.text
+    assert result.as_numpy("cumulative_logprob").shape == (1,)
+    assert result.as_numpy("cumulative_logprob")[0] == pytest.approx(want.cumulative_logprob, rel=1e-4, abs=1e-3)
+
+
+LLMAPI_BAD_REQUESTS = {
+    "max_tokens_zero": (dict(sampling_param_max_tokens=0), "sampling_param_max_tokens"),
+    "top_p_above_one": (dict(sampling_param_top_p=1.5), "sampling_param_top_p"),
+    "best_of_two": (dict(sampling_param_best_of=2), "sampling_param_best_of=2"),
+    "frequency_penalty": (dict(sampling_param_frequency_penalty=5.0), "sampling_param_frequency_penalty"),
+    "temperature_negative": (dict(sampling_param_temperature=-1.0), "sampling_param_temperature"),
+    "lora": (dict(lora_id=3, lora_name="a", lora_path="/x"), "lora_id"),
+    "image_url": (dict(image_url="http://example.com/cat.png"), "image_url"),
+    "unknown_key": (dict(max_token=4), "max_token"),
+    "streaming_on_unary": (dict(streaming=True), "streaming"),
+    "two_prompts": (dict(text_input=["a", "b"]), "one prompt per request"),
+}
+
+
+@pytest.mark.parametrize("case", list(LLMAPI_BAD_REQUESTS))
+def test_llmapi_bad_requests_are_400_naming_the_input(llmapi: TritonServer, case: str) -> None:
+    values, name = LLMAPI_BAD_REQUESTS[case]
+    status, body = http_generate(llmapi, "tensorrt_llm_unary", **{"text_input": "hello", **values})
+    assert status == 400 and name in body["error"], body
+    out = llmapi_stream(llmapi, "tensorrt_llm", text_input=np.array([b"hello"], object),
+                        sampling_param_max_tokens=np.array([4], np.int32))
+    assert out.error is None and out.text
+    assert llmapi.is_ready()
+
+
+# ---- model.yaml and make_model_repo --flavour llmapi (no server) --------------------------------
+def write_yaml(tmp_path: Path, checkpoint: Path, **keys: Any) -> Path:
+    (tmp_path / "engine").symlink_to(checkpoint, target_is_directory=True)
+    path = tmp_path / "model.yaml"
+    path.write_text(yaml.safe_dump({"model": "engine", **keys}))
+    return path
+
+
+def test_model_yaml_maps_llm_api_keys(tmp_path: Path, checkpoint: Path) -> None:
+    path = write_yaml(tmp_path, checkpoint, backend="pytorch", max_batch_size=4, max_seq_len=512, max_num_tokens=256,
+                      speculative_config={"decoding_type": "MTP", "max_draft_len": 2},
+                      kv_cache_config={"free_gpu_memory_fraction": 0.5, "max_tokens": 4096},
+                      triton_config={"max_batch_size": 0, "decoupled": True, "speculation": "fixed"})
+    llm = read_model_yaml(path, tmp_path)
+    e = llm.executor
+    assert (e.max_batch_size, e.max_seq_len, e.max_num_tokens, e.num_draft_tokens, e.speculation) == (4, 512, 256, 2,
+                                                                                                      "fixed")
+    assert (e.free_memory_fraction, e.kv_cache_tokens) == (0.5, 4096) and llm.triton.decoupled and not llm.warnings
+    (tmp_path / "bare").mkdir()
+    bare = read_model_yaml(write_yaml(tmp_path / "bare", checkpoint), tmp_path / "bare")
+    assert bare.executor.speculation == "off"  # no speculative_config: no drafting, as the LLM API
+
+
+@pytest.mark.parametrize("keys, message", [
+    (dict(speculative_config={"decoding_type": "Eagle", "max_draft_len": 2}), "decoding_type 'Eagle'"),
+    (dict(kv_cache_config={"dtype": "fp8"}), "kv_cache_config.dtype 'fp8'"),
+    (dict(kv_cache_config={"max_attention_window": [64]}), "kv_cache_config: unknown key(s) max_attention_window"),
+    (dict(max_beam_width=4), "max_beam_width 4"),
+    (dict(enable_lora=True), "unknown key(s) enable_lora"),
+    (dict(speculative_config={"decoding_type": "MTP", "max_draft_len": 2, "num_nextn_predict_layers": 3}),
+     "max_draft_len 2 and num_nextn_predict_layers 3 differ"),
+    (dict(triton_config={"decoupled": "yes"}), "triton_config.decoupled must be true or false"),
+    (dict(triton_config={"max_batch_sizes": 4}), "triton_config: unknown key(s) max_batch_sizes"),
+])
+def test_model_yaml_refuses_what_changes_the_output_naming_the_key(tmp_path: Path, checkpoint: Path,
+                                                                   keys: dict, message: str) -> None:
+    with pytest.raises(ModelYamlError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        read_model_yaml(write_yaml(tmp_path, checkpoint, **keys), tmp_path)
+
+
+def test_model_yaml_names_what_it_does_not_apply(tmp_path: Path, checkpoint: Path) -> None:
+    llm = read_model_yaml(write_yaml(tmp_path, checkpoint, enable_attention_dp=True, tensor_parallel_size=8,
+                                     speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2,
+                                                         "use_mtp_vanilla": True}), tmp_path)
+    assert llm.executor.num_draft_tokens == 2
+    joined = "\n".join(llm.warnings)
+    for key in ("enable_attention_dp", "tensor_parallel_size 8", "num_nextn_predict_layers is deprecated",
+                "speculative_config.use_mtp_vanilla"):
+        assert key in joined, joined
+
+
+def test_builders_llm_api_options_are_a_model_yaml(tmp_path: Path, checkpoint: Path) -> None:
+    """The options build_engine --backend trtllm writes (what upstream's own llmapi model is given) read here
+    without a refusal: every key is an LLM-API key this reader knows."""
+    cfg, build = read_limits(checkpoint)
+    options = llm_api_options(cfg, build, TrtllmOptions(use_relaxed_acceptance_for_thinking=True, relaxed_topk=3,
+                                                        relaxed_delta=0.2))
+    llm = read_model_yaml(write_yaml(tmp_path, checkpoint, **options), tmp_path)
+    assert llm.executor.num_draft_tokens == build.max_draft_len and llm.executor.relaxed_acceptance.top_n == 3
+
+
+def test_make_model_repo_writes_the_llmapi_flavour(tmp_path: Path, checkpoint: Path) -> None:
+    script = Path(sys.executable).with_name("make_model_repo")
+    run = subprocess.run([script, "--engine_dir", checkpoint, "--output_dir", tmp_path / "repo", "--flavour", "llmapi",
+                          "--set", "decoupled_mode:false"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    model = tmp_path / "repo" / "tensorrt_llm"
+    assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == ["tensorrt_llm"]
+    doc = yaml.safe_load((model / "1" / "model.yaml").read_text())
+    assert doc["model"] == "engine" and (model / "engine").resolve() == checkpoint.resolve()
+    assert doc["speculative_config"] == {"decoding_type": "MTP", "max_draft_len": 3}
+    assert doc["triton_config"] == {"max_batch_size": 0, "decoupled": False}
+    config = (model / "config.pbtxt").read_text()
+    assert "max_batch_size: 0" in config and "decoupled: false" in config and "${" not in config
+    bad = subprocess.run([script, "--engine_dir", checkpoint, "--output_dir", tmp_path / "bad", "--flavour", "llmapi",
+                          "--set", "num_draft_tokens:2"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "num_draft_tokens" in bad.stderr and "model.yaml" in bad.stderr
+    assert not (tmp_path / "bad").exists()

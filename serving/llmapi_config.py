@@ -1,0 +1,267 @@
+"""The `llmapi` Triton model's `1/model.yaml`: TensorRT-LLM's `LLM(...)` keyword arguments plus `triton_config`,
+read into this runtime's settings, and written by `make_model_repo --flavour llmapi`.
+
+The file is the one upstream's own llmapi model (triton_backend/all_models/llmapi/tensorrt_llm in NVIDIA/TensorRT-LLM)
+reads: LLM-API keys at the top level, Triton's under `triton_config` (upstream reads `max_batch_size`, `decoupled` and
+`cancellation_check_period_ms` there and ignores the rest, so this runtime's own settings live there too). Every
+key is read or refused: a key that changes what is generated and that this runtime does not implement is an error
+naming it; a key that only changes how the work is done (parallelism, CUDA graphs, scheduling, how drafts are made:
+speculation never changes the output here) is named in a warning and not applied where it has no counterpart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from builder.trtllm_engine import HF_DIR
+from runtime.core.sampling import RelaxedAcceptance
+from runtime.executors.base import DEFAULT_DRAFT_TOKENS, ExecutorConfig
+from runtime.io.engine_format import LLM_API_OPTIONS, engine_backend, read_limits
+
+MODEL_YAML = "model.yaml"
+SPECULATION_WARNED = ("use_mtp_vanilla", "mtp_eagle_one_model", "max_concurrency", "draft_len_schedule",
+                      "acceptance_rate_window_size", "acceptance_rate_threshold", "use_rejection_sampling",
+                      "max_total_draft_tokens")
+RELAXED = ("use_relaxed_acceptance_for_thinking", "relaxed_topk", "relaxed_delta", "begin_thinking_phase_token",
+           "end_thinking_phase_token")
+KV_CACHE_WARNED = ("enable_block_reuse", "tokens_per_block", "host_cache_size", "onboard_blocks",
+                   "event_buffer_max_size", "enable_partial_reuse", "copy_on_partial_reuse", "use_uvm",
+                   "cross_kv_cache_fraction")
+# LLM-API keys that change how the work is done, not what is generated
+WARNED = ("tensor_parallel_size", "pipeline_parallel_size", "moe_expert_parallel_size", "moe_tensor_parallel_size",
+          "context_parallel_size", "gpus_per_node", "enable_attention_dp", "enable_chunked_prefill",
+          "disable_overlap_scheduler", "print_iter_log", "enable_iter_perf_stats", "enable_iter_req_stats",
+          "trust_remote_code", "moe_config", "attn_backend", "scheduler_config", "stream_interval",
+          "num_postprocess_workers", "postprocess_tokenizer_dir", "return_perf_metrics", "perf_metrics_max_requests",
+          "enable_layerwise_nvtx_marker", "garbage_collection_gen0_threshold", "pytorch_backend_config",
+          "load_format", "checkpoint_format", "batch_wait_timeout_ms", "enable_autotuner")
+TRITON_KEYS = ("max_batch_size", "decoupled", "cancellation_check_period_ms", "stats_check_period_ms",
+               "watchdog_timeout_s", "speculation", "device", "torch_threads")
+
+
+class ModelYamlError(ValueError):
+    """A model.yaml this runtime cannot serve as written; the message names the file and the key."""
+
+
+@dataclass(frozen=True)
+class TritonConfig:
+    """`triton_config`: upstream's keys (max_batch_size, decoupled, cancellation_check_period_ms) and this
+    runtime's (stats_check_period_ms, watchdog_timeout_s, torch_threads)."""
+
+    max_batch_size: int = 0
+    decoupled: bool = False
+    cancellation_check_period_ms: int = 100
+    stats_check_period_ms: int = 100
+    watchdog_timeout_s: float = 120.0
+    torch_threads: int | None = None
+
+
+@dataclass(frozen=True)
+class LlmApiModel:
+    model: Path
+    executor: ExecutorConfig
+    triton: TritonConfig
+    warnings: list[str] = field(default_factory=list)
+
+
+def _int(value: Any, key: str, source: str, low: int = 1) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ModelYamlError(f"{source}: {key} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def _number(value: Any, key: str, source: str) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ModelYamlError(f"{source}: {key} must be a number, got {value!r}")
+    return float(value)
+
+
+def _bool(value: Any, key: str, source: str) -> bool:
+    if not isinstance(value, bool):
+        raise ModelYamlError(f"{source}: {key} must be true or false, got {value!r}")
+    return value
+
+
+def _mapping(value: Any, key: str, source: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ModelYamlError(f"{source}: {key} must be a mapping, got {value!r}")
+    return value
+
+
+def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
+    """model.yaml at `path` -> what to serve and how; `model` relative to `model_dir` (the Triton model's directory,
+    where make_model_repo links the engine). Refusals raise ModelYamlError naming the key."""
+    source = str(path)
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ModelYamlError(f"{source}: cannot read it: {e}") from None
+    doc = dict(_mapping(doc, "the file", source))
+    warnings: list[str] = []
+    if "model" not in doc:
+        raise ModelYamlError(f"{source}: model (the engine directory or Hugging Face checkpoint) is not set")
+    model = model_dir / str(doc.pop("model"))
+    if model.name == HF_DIR and engine_backend(model.parent) == "trtllm":
+        model = model.parent  # upstream's LLM loads the engine's checkpoint directory, this runtime the engine
+    cfg, build = read_limits(model)
+    engine_options = _engine_options(model)
+    tokenizer = doc.pop("tokenizer", None)
+    if tokenizer is not None and (model_dir / str(tokenizer)).resolve() != model.resolve():
+        raise ModelYamlError(f"{source}: tokenizer {tokenizer!r}: this runtime uses the model's own tokenizer; "
+                             "leave tokenizer out")
+    backend = doc.pop("backend", None)
+    if backend not in (None, "pytorch"):
+        raise ModelYamlError(f"{source}: backend {backend!r}: supported: pytorch (TensorRT-LLM's; this runtime runs "
+                             "a native engine natively and a --backend trtllm engine on TensorRT-LLM's PyTorch backend)")
+    dtype = doc.pop("dtype", None)
+    if dtype not in (None, "auto", build.dtype):
+        raise ModelYamlError(f"{source}: dtype {dtype!r}: the engine's is {build.dtype!r}; rebuild it with --dtype "
+                             f"or set dtype auto")
+    max_beam_width = doc.pop("max_beam_width", 1)
+    if max_beam_width != 1:
+        raise ModelYamlError(f"{source}: max_beam_width {max_beam_width!r}: supported: 1 (no beam search)")
+    limits = {k: _int(doc.pop(k), k, source) for k in ("max_batch_size", "max_seq_len", "max_num_tokens") if k in doc}
+
+    draft_len, relaxed = _speculative(doc.pop("speculative_config", None), engine_options, source, warnings)
+    kv = _kv_cache(doc.pop("kv_cache_config", None), engine_options, source, warnings)
+    cuda_graphs = True
+    if "cuda_graph_config" in doc:
+        cuda_graphs = doc.pop("cuda_graph_config") is not None  # the LLM API's null turns CUDA graphs off
+    triton = _mapping(doc.pop("triton_config", None) or {}, "triton_config", source)
+    unknown = sorted(set(triton) - set(TRITON_KEYS))
+    if unknown:
+        raise ModelYamlError(f"{source}: triton_config: unknown key(s) {', '.join(unknown)} (supported: "
+                             f"{', '.join(TRITON_KEYS)})")
+
+    for key in [k for k in WARNED if k in doc]:
+        value = doc.pop(key)
+        if key in ("tensor_parallel_size", "moe_expert_parallel_size"):
+            built = build.tp_size if key == "tensor_parallel_size" else build.ep_size
+            if value != built:
+                warnings.append(f"{key} {value}: not applied (the engine was built for {built}; build_engine "
+                                f"--{'tp_size' if key == 'tensor_parallel_size' else 'ep_size'} sets it)")
+        else:
+            warnings.append(f"{key}: not applied (it changes how the work is done, not what is generated)")
+    if doc:
+        raise ModelYamlError(f"{source}: unknown key(s) {', '.join(sorted(doc))}: not implemented by this runtime "
+                             "(see serving/llmapi_config.py for the keys it reads)")
+
+    speculation = str(triton.get("speculation", "adaptive"))
+    try:
+        executor = ExecutorConfig(
+            num_draft_tokens=draft_len, speculation="off" if draft_len == 0 else speculation,
+            max_batch_size=limits.get("max_batch_size"), max_seq_len=limits.get("max_seq_len"),
+            max_num_tokens=limits.get("max_num_tokens"), kv_cache_tokens=kv.get("max_tokens"),
+            free_memory_fraction=kv.get("free_gpu_memory_fraction", 0.9), device=str(triton.get("device", "cpu")),
+            relaxed_acceptance=relaxed, cuda_graphs=cuda_graphs)
+    except ValueError as e:
+        raise ModelYamlError(f"{source}: {e}") from None
+    threads = triton.get("torch_threads")
+    return LlmApiModel(model, executor, TritonConfig(
+        max_batch_size=_int(triton.get("max_batch_size", 0), "triton_config.max_batch_size", source, low=0),
+        decoupled=_bool(triton.get("decoupled", False), "triton_config.decoupled", source),
+        cancellation_check_period_ms=_int(triton.get("cancellation_check_period_ms", 100),
+                                          "triton_config.cancellation_check_period_ms", source),
+        stats_check_period_ms=_int(triton.get("stats_check_period_ms", 100), "triton_config.stats_check_period_ms",
+                                   source),
+        watchdog_timeout_s=_number(triton.get("watchdog_timeout_s", 120.0), "triton_config.watchdog_timeout_s",
+                                   source),
+        torch_threads=None if threads is None else _int(threads, "triton_config.torch_threads", source)), warnings)
+
+
+def _engine_options(model: Path) -> dict[str, Any]:
+    """A --backend trtllm engine's own LLM-API options ({} for a native engine or a checkpoint)."""
+    if engine_backend(model) != "trtllm":
+        return {}
+    return yaml.safe_load((model / LLM_API_OPTIONS).read_text()) or {}
+
+
+def _speculative(spec: Any, engine_options: dict[str, Any], source: str,
+                 warnings: list[str]) -> tuple[int, RelaxedAcceptance | None]:
+    """speculative_config -> (draft length, relaxed acceptance); no speculative_config drafts nothing (as the LLM
+    API)."""
+    if spec is None:
+        return 0, None
+    spec = dict(_mapping(spec, "speculative_config", source))
+    kind = spec.pop("decoding_type", None)
+    if kind != "MTP":
+        raise ModelYamlError(f"{source}: speculative_config.decoding_type {kind!r}: supported: MTP (this runtime "
+                             "drafts with the model's own MTP layer)")
+    k = spec.pop("max_draft_len", None)
+    old = spec.pop("num_nextn_predict_layers", None)
+    if old is not None:
+        if k is not None and k != old:
+            raise ModelYamlError(f"{source}: speculative_config: max_draft_len {k} and num_nextn_predict_layers {old} "
+                                 "differ (num_nextn_predict_layers is the older name of max_draft_len); give one")
+        warnings.append("speculative_config.num_nextn_predict_layers is deprecated upstream: write max_draft_len")
+        k = old
+    k = 1 if k is None else _int(k, "speculative_config.max_draft_len", source, low=0)
+    relaxed = None
+    values = {name: spec.pop(name) for name in RELAXED if name in spec}
+    if values.pop("use_relaxed_acceptance_for_thinking", False):
+        try:
+            relaxed = RelaxedAcceptance(top_n=values.get("relaxed_topk", 1), delta=values.get("relaxed_delta", 0.0),
+                                        begin_thinking_token=values.get("begin_thinking_phase_token", -1),
+                                        end_thinking_token=values.get("end_thinking_phase_token", -1))
+        except ValueError as e:
+            raise ModelYamlError(f"{source}: speculative_config: {e}") from None
+    for name in [n for n in SPECULATION_WARNED if n in spec]:
+        value = spec.pop(name)
+        if name == "use_mtp_vanilla" and engine_options.get("speculative_config", {}).get(name, False) == value:
+            continue  # the engine's own setting, which TensorRT-LLM applies
+        warnings.append(f"speculative_config.{name}: not applied (it changes how drafts are made or scheduled; "
+                        "speculation never changes the output here)")
+    if spec:
+        raise ModelYamlError(f"{source}: speculative_config: unknown key(s) {', '.join(sorted(spec))}")
+    return k, relaxed
+
+
+def _kv_cache(kv: Any, engine_options: dict[str, Any], source: str, warnings: list[str]) -> dict[str, Any]:
+    """kv_cache_config -> {free_gpu_memory_fraction, max_tokens} (as read); the cache dtype must be the engine's."""
+    if kv is None:
+        return {}
+    kv = dict(_mapping(kv, "kv_cache_config", source))
+    out = {}
+    if "free_gpu_memory_fraction" in kv:
+        out["free_gpu_memory_fraction"] = _number(kv.pop("free_gpu_memory_fraction"),
+                                                  "kv_cache_config.free_gpu_memory_fraction", source)
+    if "max_tokens" in kv:
+        out["max_tokens"] = _int(kv.pop("max_tokens"), "kv_cache_config.max_tokens", source)
+    dtype = kv.pop("dtype", None)
+    built = engine_options.get("kv_cache_config", {}).get("dtype", "auto")
+    if dtype not in (None, "auto", built):
+        raise ModelYamlError(f"{source}: kv_cache_config.dtype {dtype!r}: supported: auto (the model's dtype) or the "
+                             f"engine's ({built!r}; build_engine --kv_cache_dtype sets it for a --backend trtllm engine)")
+    for name in [n for n in KV_CACHE_WARNED if n in kv]:
+        value = kv.pop(name)
+        if engine_options.get("kv_cache_config", {}).get(name) == value:
+            continue  # the engine's own setting
+        warnings.append(f"kv_cache_config.{name}: not applied (it changes how the cache is kept, not what is "
+                        "generated; this runtime reuses no prefixes)")
+    if kv:
+        raise ModelYamlError(f"{source}: kv_cache_config: unknown key(s) {', '.join(sorted(kv))}: not implemented "
+                             "by this runtime")
+    return out
+
+
+def model_yaml(engine_dir: Path, model: str, *, decoupled: bool, max_batch_size: int = 0) -> dict[str, Any]:
+    """The model.yaml make_model_repo writes for the engine at `engine_dir`, named `model` in it (the link in the model
+    directory): a --backend trtllm engine's own LLM-API options with `model` its checkpoint directory (so upstream's
+    llmapi model, given the same file, builds the same LLM), or the native engine's limits and MTP draft length in the
+    LLM API's keys."""
+    cfg, build = read_limits(engine_dir)
+    options = dict(_engine_options(engine_dir))
+    if options:
+        model = f"{model}/{HF_DIR}"  # what upstream's LLM loads; read_model_yaml takes the engine around it
+    else:
+        options = {"backend": "pytorch", "tensor_parallel_size": build.tp_size,
+                   "moe_expert_parallel_size": build.ep_size, "max_batch_size": build.max_batch_size,
+                   "max_seq_len": build.max_seq_len, "max_num_tokens": build.max_num_tokens}
+        if build.max_draft_len and cfg.num_nextn_predict_layers:
+            options["speculative_config"] = {"decoding_type": "MTP", "max_draft_len": min(DEFAULT_DRAFT_TOKENS, build.max_draft_len)}
+        options["kv_cache_config"] = {"free_gpu_memory_fraction": 0.9}
+    return {"model": model, **options, "triton_config": {"max_batch_size": max_batch_size, "decoupled": decoupled}}
