@@ -275,10 +275,9 @@ class ModelRunner:
             greedy = st.temperature.view(B, K + 1)[:, 0] == 0
             relaxed_kw = {}
             if self.relaxed is not None and K:
-                plain = logits[:, :K].float()
-                if st.bad_mask is not None:  # a banned token is never accepted, relaxed or not
-                    plain = plain.masked_fill(st.bad_mask.view(B, K + 1, V)[:, :K], float("-inf"))
-                relaxed_kw = dict(relaxed=self.relaxed, relaxed_probs=plain.softmax(-1),
+                # penalized and with bans: a banned token is never accepted, relaxed or not
+                adjusted = adjusted_logits(logits.flatten(0, 1), st.bad_mask, st.penalties).view(B, K + 1, V)
+                relaxed_kw = dict(relaxed=self.relaxed, relaxed_probs=adjusted[:, :K].softmax(-1),
                                   relaxed_mask=self._thinking_mask(seqs, dt, ks))
             num_acc, nxt = accept(dt, dp, target_probs, self._ids(ks), self._ids([s.seed for s in seqs]),
                                   self._ids([s.num_tokens for s in seqs]), greedy, **relaxed_kw)

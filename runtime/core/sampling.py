@@ -64,7 +64,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
     # "raw_logprobs": log-softmax of the model's logits (vLLM's default); "processed_logprobs": of the
-    # distribution tokens are drawn from (penalties, bans, temperature, top-k, top-p; greedy: temperature 1)
+    # distribution tokens are drawn from (penalties, bans, temperature, top-k, top-p; greedy: penalties and bans)
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
     repetition_penalty: float = 1.0  # HF / TensorRT-LLM: > 1 discourages tokens of the prompt and output
     presence_penalty: float = 0.0  # OpenAI: subtracted once from the logit of a token in the output
