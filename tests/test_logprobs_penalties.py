@@ -407,3 +407,33 @@ def test_min_tokens_lifts_its_ban_at_the_right_draft(small_engine, prompt, stop,
     for k in (1, 2, 3, 4):
         [o] = run(small_engine, [prompt], params, k)
         assert (o.token_ids, o.finish_reason) == (plain.token_ids, "stop"), f"k={k}"
+
+
+def test_preempted_requests_keep_penalties_logprobs_and_prompt_logprobs(shipped_engine, prompts) -> None:
+    """A KV cache that holds one request at a time: requests are preempted and recomputed, and their penalized
+    outputs, logprobs and prompt logprobs (computed once, not again on recompute) are those of a roomy cache."""
+    import threading
+
+    from executor_util import hold_inbox_until
+
+    params = [SamplingParams(max_tokens=32, ignore_eos=True, logprobs=2, prompt_logprobs=1, repetition_penalty=1.3,
+                             frequency_penalty=0.5),
+              SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.7, seed=4, presence_penalty=1.0, logprobs=0)]
+    params = [params[i % 2] for i in range(4)]
+    roomy = run(shipped_engine, prompts[:4], params, 2)
+    cfg = ExecutorConfig(num_draft_tokens=2, speculation="fixed", max_seq_len=MAX_SEQ_LEN, kv_cache_tokens=7 * 16)
+    with Executor(shipped_engine, cfg) as ex:
+        go = threading.Event()
+        hold_inbox_until(ex, go)
+        handles = [ex.submit(p, sp) for p, sp in zip(prompts[:4], params)]
+        go.set()
+        outs = [h.result(120) for h in handles]
+        assert ex.scheduler.preemptions >= 2, "the test does not exercise preemption"
+        assert_all_free(ex)
+    for o, ref in zip(outs, roomy):
+        assert_same_logprobs(o, ref, "preempted")
+        assert (o.prompt_logprobs is None) == (ref.prompt_logprobs is None)
+        if ref.prompt_logprobs is not None:
+            assert len(o.prompt_logprobs) == len(ref.prompt_logprobs)
+            assert [x.logprob for x in o.prompt_logprobs[1:]] == pytest.approx(
+                [x.logprob for x in ref.prompt_logprobs[1:]], abs=TOL)
