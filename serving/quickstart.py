@@ -1,5 +1,6 @@
-"""The README's main job: build an FP8 engine from the shipped model, serve it with Triton, stream
-one request over gRPC, print the text with its MTP acceptance, stop the server."""
+"""The README's main job: build an FP8 engine from the shipped model, serve it with Triton and stream one
+request over gRPC, then serve it with the OpenAI-compatible server (dsv3-serve) and stream one chat completion
+through the `openai` client; print each text with its MTP acceptance, stop each server."""
 
 from __future__ import annotations
 
@@ -10,10 +11,13 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-from serving.launcher import start_server
-from serving.model_repo import default_values, fill_model_repo
+import urllib.request
+
 from serving.client import stream_generate
+from serving.launcher import free_ports, start_server
+from serving.model_repo import default_values, fill_model_repo
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> int:
@@ -46,7 +50,47 @@ def main() -> int:
               f"{int(stats.get('total_draft_tokens', 0))} draft tokens accepted "
               f"(acceptance {stats.get('acceptance_rate', 0):.2f}); {n} streamed responses")
     print("== server stopped")
+    openai_server(args)
     return 0
+
+
+def openai_server(args: argparse.Namespace) -> None:
+    """dsv3-serve on the same engine, one streamed chat completion through the official client."""
+    import openai
+
+    [port] = free_ports(1)
+    print(f"== dsv3-serve {args.engine_dir} --port {port}", flush=True)
+    server = subprocess.Popen([Path(sys.executable).with_name("dsv3-serve"), args.engine_dir, "--port", str(port),
+                               "--num_draft_tokens", str(args.num_draft_tokens), "--speculation", "fixed",
+                               "--log_level", "warning"])
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("dsv3-serve did not start") from None
+                time.sleep(0.3)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        messages = [{"role": "user", "content": args.prompt}]
+        print(f"== streaming a chat completion of {args.max_tokens} tokens through the openai client\n", end="")
+        usage = None
+        for chunk in client.chat.completions.create(model=args.engine_dir.name, messages=messages,
+                                                    max_tokens=args.max_tokens, temperature=0, stream=True,
+                                                    stream_options={"include_usage": True}):
+            if chunk.choices:
+                print(chunk.choices[0].delta.content or "", end="", flush=True)
+            usage = chunk.usage or usage
+        spec = usage.model_extra["speculative_decoding"]
+        print(f"\n== MTP: {spec['total_accepted_draft_tokens']} of {spec['total_draft_tokens']} draft tokens accepted "
+              f"(acceptance {spec['acceptance_rate']:.2f}); {usage.completion_tokens} tokens in "
+              f"{spec['decode_steps']} steps")
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    print("== server stopped")
 
 
 if __name__ == "__main__":

@@ -185,6 +185,47 @@ def test_concurrent_requests_equal_sequential(server: Server, plain: Session) ->
         assert list(pool.map(one, prompts)) == expected
 
 
+def test_penalties_with_mtp_equal_plain_decoding(server: Server, plain: Session) -> None:
+    """Penalties and min_tokens through the server (k = 3) give the Session's plain (k = 0) output token for token."""
+    kw = dict(presence_penalty=0.6, frequency_penalty=0.4, repetition_penalty=1.3, min_tokens=TOKENS)
+    for prompt in PROMPTS:
+        r = server.client.completions.create(model="deepseek-v3-mini", prompt=prompt, max_tokens=TOKENS, temperature=0,
+                                             extra_body={"repetition_penalty": kw["repetition_penalty"],
+                                                         "min_tokens": kw["min_tokens"]},
+                                             presence_penalty=kw["presence_penalty"],
+                                             frequency_penalty=kw["frequency_penalty"])
+        expected = plain.executor.submit(plain.tokenizer.encode(prompt), SamplingParams(max_tokens=TOKENS, **kw)).result()
+        assert r.choices[0].text == expected.text and r.usage.completion_tokens == TOKENS
+        assert expected.text != _plain_text(plain, plain.tokenizer.encode(prompt))  # the penalties changed the text
+
+
+def test_logprobs_equal_plain_decodings(server: Server, plain: Session) -> None:
+    """Completions' and chat's logprobs (k = 3, from the verification forward) are plain decoding's, within 1e-5,
+    in OpenAI's shapes; streamed chunks carry the same values as the whole response."""
+    ids = plain.tokenizer.encode(PROMPTS[0])
+    expected = plain.executor.submit(ids, SamplingParams(max_tokens=TOKENS, logprobs=3)).result()
+    r = server.client.completions.create(model="deepseek-v3-mini", prompt=PROMPTS[0], max_tokens=TOKENS, temperature=0,
+                                         logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(expected.token_ids) == len(lp.tokens) == len(lp.top_logprobs)
+    assert all(abs(a - b.logprob) < 1e-5 for a, b in zip(lp.token_logprobs, expected.logprobs))
+    assert all(len(top) == 3 and abs(max(top.values()) - b.top[0][1]) < 1e-5
+               for top, b in zip(lp.top_logprobs, expected.logprobs))
+    assert "".join(lp.tokens) == r.choices[0].text and lp.text_offset[0] == 0
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+
+    messages = [{"role": "user", "content": "Who made the light?"}]
+    r = server.client.chat.completions.create(model="deepseek-v3-mini", messages=messages, max_tokens=TOKENS,
+                                              temperature=0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
+    assert b"".join(bytes(c.bytes) for c in content).decode() == r.choices[0].message.content
+    chunks = list(server.client.chat.completions.create(model="deepseek-v3-mini", messages=messages, max_tokens=TOKENS,
+                                                        temperature=0, logprobs=True, top_logprobs=2, stream=True))
+    streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+
+
 BAD = [
     ("/v1/completions", {"model": "deepseek-v3-mini", "prompt": "x", "max_tokens": 0}, "max_tokens",
      "max_tokens must be an integer in [1, 2147483647], got 0"),
@@ -199,10 +240,19 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, "max_tokens",
      "max_tokens 5000 with a 2-token prompt exceeds max_seq_len 2048; at most 2046"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop", "stop must be a non-empty string or a list of them, got ['']"),
-    ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty",
-     "presence_penalty 0.5 is not supported by this server; it takes 0"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 2}, "logprobs",
-     "logprobs 2 is not supported by this server; it takes null"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, "presence_penalty",
+     "presence_penalty must be in [-2.0, 2.0], got 3"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty",
+     "repetition_penalty must be > 0, got 0"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens",
+     "min_tokens must be an integer in [0, max_tokens (4)], got 5"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs", "logprobs must be an integer in [0, 20], got 21"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 1, "echo": True}, "logprobs",
+     "logprobs with echo is not supported by this server (no prompt logprobs); send one"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias",
+     "logit_bias {'5': 1} is not supported by this server; it takes null or {}"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs",
+     "top_logprobs needs logprobs: true"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options",
      "stream_options is only allowed when stream is true"),
     ("/v1/chat/completions", {"messages": []}, "messages", "messages must be a non-empty list of {role, content}"),

@@ -73,6 +73,7 @@ class OpenAIServer:
         self.max_text_bytes = self.max_seq_len * self.tokenizer.max_token_bytes
         self.max_body_bytes = 4 * self.max_text_bytes + 65536  # room for JSON escapes and the other fields
         self.created = int(time.time())
+        self.logprobs = protocol.LogprobsFormat(self.tokenizer)
 
     # ---- request plumbing --------------------------------------------------------------------------------------
     async def _body(self, request: Request) -> Any:
@@ -132,7 +133,8 @@ class OpenAIServer:
         texts = [o.text for o in outs]
         if g.echo_texts is not None:
             texts = [g.echo_texts[i // g.n] + t for i, t in enumerate(texts)]
-        choices = [protocol.choice(i, t, o.finish_reason, chat, chunk=False) for i, (t, o) in enumerate(zip(texts, outs))]
+        choices = [protocol.choice(i, t, o.finish_reason, chat, chunk=False, logprobs=self._logprobs(o.logprobs, chat, 0))
+                   for i, (t, o) in enumerate(zip(texts, outs))]
         usage = protocol.usage(g.prompts, [o.stats for o in outs])
         self._log(g, outs, "ok", t0)
         return protocol.completion_object(g, self.model, choices, chat, usage)
@@ -172,6 +174,7 @@ class OpenAIServer:
                 yield _sse(protocol.completion_object(
                     g, self.model, [protocol.choice(i, g.echo_texts[i // g.n], None, chat, True)
                                     for i in range(len(handles))], chat, chunk=True))
+            emitted = [0] * len(handles)  # characters of each choice's text streamed so far (logprobs' offsets)
             async for index, out in outputs:
                 if out.finish_reason in ("error", "cancelled"):
                     outcome = f"failed: {out.error or out.finish_reason}"
@@ -180,8 +183,10 @@ class OpenAIServer:
                     break
                 if out.finished:
                     finals[index] = out
-                if out.text_delta or out.finished:
-                    c = protocol.choice(index, out.text_delta, out.finish_reason, chat, chunk=True)
+                if out.text_delta or out.finished or out.new_logprobs:
+                    c = protocol.choice(index, out.text_delta, out.finish_reason, chat, chunk=True,
+                                        logprobs=self._logprobs(out.new_logprobs, chat, emitted[index]))
+                    emitted[index] += len(out.text_delta)
                     yield _sse(protocol.completion_object(g, self.model, [c], chat, chunk=True))
             else:
                 outcome = "ok"
@@ -195,6 +200,11 @@ class OpenAIServer:
                 if not h.finished:
                     h.cancel()
             self._log(g, [finals[i] for i in sorted(finals)], outcome, t0)
+
+    def _logprobs(self, lps: list | None, chat: bool, offset: int) -> dict[str, Any] | None:
+        if lps is None:
+            return None
+        return self.logprobs.chat(lps) if chat else self.logprobs.completion(lps, offset)
 
     def _log(self, g: Generation, outs: list[RequestOutput] | None, outcome: str, t0: float) -> None:
         prompt = sum(map(len, g.prompts))

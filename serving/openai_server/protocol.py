@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from runtime.core.sampling import SamplingParams
+from runtime.core.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprob
 from runtime.executors.requests import RequestStats
 from runtime.io.tokenizer import Tokenizer
 from serving.openai_server.chat import render_chat
@@ -27,12 +27,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 # Parameters taken at their neutral value only: name -> (is it neutral?, what this server takes).
 NEUTRAL: dict[str, tuple[Any, str]] = {
-    "presence_penalty": (lambda v: v in (None, 0), "0"),
-    "frequency_penalty": (lambda v: v in (None, 0), "0"),
-    "repetition_penalty": (lambda v: v in (None, 1), "1"),
-    "min_tokens": (lambda v: v in (None, 0), "0"),
     "logit_bias": (lambda v: v in (None, {}), "null or {}"),
-    "top_logprobs": (lambda v: v in (None, 0), "null or 0 (logprobs are not returned)"),
     "suffix": (lambda v: v is None, "null"),
     "tools": (lambda v: v in (None, []), "null or [] (no tool calling)"),
     "tool_choice": (lambda v: v in (None, "none"), "null or \"none\" (no tool calling)"),
@@ -66,7 +61,7 @@ class Generation:
     p * n + i (OpenAI's order)."""
 
     prompts: list[list[int]]
-    params: list[SamplingParams]  # one per choice of a prompt (their seeds differ)
+    params: list[SamplingParams]  # one per choice of a prompt (their seeds differ); logprobs set: return them
     stream: bool = False
     include_usage: bool = False
     echo_texts: list[str] | None = None  # completions with echo: each prompt's text, put before its output
@@ -152,7 +147,7 @@ def _check_keys(body: Any, known: set[str]) -> dict:
 
 
 # ---- requests ----------------------------------------------------------------------------------------------------
-def _sampling(body: dict, tokenizer: Tokenizer, max_tokens: int | None) -> list[SamplingParams]:
+def _sampling(body: dict, tokenizer: Tokenizer, max_tokens: int | None, logprobs: int | None) -> list[SamplingParams]:
     """The sampling parameters of each of the request's n choices."""
     n = _integer(body, "n", 1, MAX_N, 1)
     best_of = _integer(body, "best_of", 1, MAX_N, None)
@@ -168,7 +163,14 @@ def _sampling(body: dict, tokenizer: Tokenizer, max_tokens: int | None) -> list[
         seed=None if seed is None else seed % 2**63,
         stop=_stop(body),
         stop_token_ids=tuple(_token_list(body.get("stop_token_ids") or [], "stop_token_ids", tokenizer.vocab_size)),
-        ignore_eos=_flag(body, "ignore_eos"))
+        ignore_eos=_flag(body, "ignore_eos"),
+        logprobs=logprobs,
+        presence_penalty=_number(body, "presence_penalty", -2.0, 2.0, 0.0),
+        frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0, 0.0),
+        repetition_penalty=_number(body, "repetition_penalty", 0.0, math.inf, 1.0),
+        min_tokens=_integer(body, "min_tokens", 0, INT32_MAX, 0))
+    if base.repetition_penalty == 0:
+        raise APIError("repetition_penalty must be > 0, got 0", "repetition_penalty")
     if base.top_p == 0:
         raise APIError("top_p must be in (0, 1], got 0", "top_p")
     # choice i samples with seed + i: n choices of one seeded request differ, and repeat across calls
@@ -190,8 +192,9 @@ def _stream_options(body: dict, stream: bool) -> bool:
 def completion_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_bytes: int) -> Generation:
     """POST /v1/completions: prompt is a string, a list of strings, a list of token ids or a list of those."""
     body = _check_keys(body, COMPLETION_KEYS)
-    if body.get("logprobs") is not None:
-        raise APIError(f"logprobs {body['logprobs']!r} is not supported by this server; it takes null", "logprobs")
+    logprobs = _integer(body, "logprobs", 0, MAX_LOGPROBS, None)
+    if logprobs is not None and _flag(body, "echo"):
+        raise APIError("logprobs with echo is not supported by this server (no prompt logprobs); send one", "logprobs")
     prompt = body.get("prompt")
     if prompt is None:
         raise APIError("prompt is required", "prompt")
@@ -215,7 +218,7 @@ def completion_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_te
             prompts.append(ids)
     stream = _flag(body, "stream")
     max_tokens = _integer(body, "max_tokens", 1, INT32_MAX, COMPLETIONS_DEFAULT_MAX_TOKENS)
-    return Generation(prompts, _sampling(body, tokenizer, max_tokens), stream, _stream_options(body, stream),
+    return Generation(prompts, _sampling(body, tokenizer, max_tokens, logprobs), stream, _stream_options(body, stream),
                       texts if _flag(body, "echo") else None)
 
 
@@ -249,8 +252,10 @@ def _messages(body: dict, max_text_bytes: int) -> list[dict[str, str]]:
 def chat_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_bytes: int) -> Generation:
     """POST /v1/chat/completions: messages rendered with the model's chat template."""
     body = _check_keys(body, CHAT_KEYS)
-    if _flag(body, "logprobs"):
-        raise APIError("logprobs true is not supported by this server; it takes false", "logprobs")
+    top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS, None)
+    if top is not None and not _flag(body, "logprobs"):
+        raise APIError("top_logprobs needs logprobs: true", "top_logprobs")
+    logprobs = (top or 0) if _flag(body, "logprobs") else None
     messages = _messages(body, max_text_bytes)
     if tokenizer.chat_template is None:
         raise APIError("this model has no chat template (chat_template in tokenizer_config.json or a "
@@ -267,7 +272,7 @@ def chat_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_byt
         raise APIError("max_completion_tokens and max_tokens differ; send one", "max_completion_tokens")
     name = next(iter(asked), "max_completion_tokens")
     max_tokens = _integer(asked, name, 1, INT32_MAX, max(max_seq_len - len(ids), 1))  # default: the rest of the context
-    return Generation([ids], _sampling(body, tokenizer, max_tokens), stream, _stream_options(body, stream))
+    return Generation([ids], _sampling(body, tokenizer, max_tokens, logprobs), stream, _stream_options(body, stream))
 
 
 def parameter_of(message: str) -> str | None:
@@ -301,13 +306,46 @@ def completion_object(g: Generation, model: str, choices: list[dict[str, Any]], 
 
 
 def choice(index: int, text: str | None, finish_reason: str | None, chat: bool, chunk: bool,
-           role: bool = False) -> dict[str, Any]:
+           role: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     if not chat:
-        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
     if not chunk:
-        return {"index": index, "message": {"role": "assistant", "content": text or ""}, "logprobs": None,
+        return {"index": index, "message": {"role": "assistant", "content": text or ""}, "logprobs": logprobs,
                 "finish_reason": finish_reason}
     delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
     if text:
         delta["content"] = text
-    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+class LogprobsFormat:
+    """Token logprobs in OpenAI's shapes: completions' parallel lists (tokens, token_logprobs, top_logprobs,
+    text_offset) or chat's content entries (token, logprob, bytes, top_logprobs)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+
+    def token_bytes(self, token_id: int) -> bytes:
+        tok = self.tokenizer
+        return tok.byte_table[token_id] if tok.is_byte_level else tok.decode([token_id], False).encode("utf-8")
+
+    def token(self, token_id: int) -> str:
+        return self.token_bytes(token_id).decode("utf-8", "replace")
+
+    def completion(self, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
+        """`offset`: characters of the choice's text before these tokens."""
+        tokens = [self.token(lp.token_id) for lp in lps]
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{self.token(i): v for i, v in lp.top} for lp in lps], "text_offset": offsets}
+
+    def chat(self, lps: list[TokenLogprob]) -> dict[str, Any]:
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            raw = self.token_bytes(token_id)
+            return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
+
+        return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
+                            for lp in lps]}
