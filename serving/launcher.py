@@ -165,7 +165,7 @@ def restricted_api_args(admin_api_key: str | None) -> list[str]:
 def build_command(install: TritonInstall, backends: Path, model_repo: Path, *,
                   host: str, http_port: int, grpc_port: int, metrics_port: int, world_size: int = 1,
                   engine_model_names: Sequence[str] = ("tensorrt_llm",), log_verbose: int = 0,
-                  exit_timeout_s: int = 10, shm_prefix: str = "dsv3_", mpirun: str = "mpirun",
+                  exit_timeout_s: int = 30, shm_prefix: str = "dsv3_", mpirun: str = "mpirun",
                   admin_api_key: str | None = None, extra_args: Sequence[str] = ()) -> list[str]:
     """The tritonserver command line; with world_size > 1 an mpirun MPMD line with one
     tritonserver per rank, rank 0 serving and the others loading only the engine model(s)."""
@@ -296,7 +296,7 @@ class TritonServer:
 def start_server(model_repo: str | Path, *, http_port: int = 0, grpc_port: int = 0, metrics_port: int = 0,
                  host: str = "127.0.0.1", log_file: str | Path | None = None, log_verbose: int = 0,
                  world_size: int = 1, tritonserver: str | Path | None = None, ready_timeout_s: float = 300.0,
-                 exit_timeout_s: int = 10, admin_api_key: str | None = None, extra_args: Sequence[str] = (),
+                 exit_timeout_s: int = 30, admin_api_key: str | None = None, extra_args: Sequence[str] = (),
                  capture_output: bool = True, env: dict[str, str] | None = None) -> TritonServer:
     """Start tritonserver on `model_repo` and wait until it is ready; ports 0 pick free ones.
 
@@ -455,8 +455,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--log_file", type=Path, help="write server output here instead of the terminal")
     parser.add_argument("--log_verbose", type=int, default=0, help="tritonserver --log-verbose level")
     parser.add_argument("--ready_timeout", type=float, default=600.0, help="seconds to wait for readiness")
-    parser.add_argument("--exit_timeout", type=int, default=10,
-                        help="seconds tritonserver waits for in-flight requests when stopping")
+    parser.add_argument("--exit_timeout", type=int, default=30,
+                        help="seconds tritonserver may take to finish in-flight requests and unload the models when "
+                             "stopping (Triton's default; the BLS's instances unload one after another, ~1 s each)")
     parser.add_argument("--admin_api_key", help="serve the admin APIs (shared memory, model control, logging, "
                         f"trace) to requests with header '{ADMIN_HEADER}: <this value>'; default: off")
     args = parser.parse_args(argv)

@@ -44,7 +44,7 @@ def default_values(engine_dir: Path, **overrides: str) -> dict[str, str]:
         "speculation": "adaptive",
         "preprocessing_instance_count": "1",
         "postprocessing_instance_count": "1",
-        "bls_instance_count": "1",
+        "bls_instance_count": "8",  # requests the BLS serves at once (one per instance, docs/reliability.md)
         "tensorrt_llm_model_name": "tensorrt_llm",
         "cancellation_check_period_ms": "100",
         "stats_check_period_ms": "100",

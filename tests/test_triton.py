@@ -1158,7 +1158,7 @@ def test_shutdown_after_serving_is_clean(checkpoint: Path, tmp_path: Path) -> No
     """After serving every surface, SIGINT unloads every model and tritonserver exits 0 with no stub crash in the
     log (each stub logs a crash with faulthandler): tensorrt_llm's stub crashed deleting its metrics at exit."""
     repo = fill_model_repo(tmp_path / "repo", repo_values(checkpoint))
-    srv = start_server(repo, log_file=tmp_path / "server.log", ready_timeout_s=240, exit_timeout_s=5)
+    srv = start_server(repo, log_file=tmp_path / "server.log", ready_timeout_s=240, exit_timeout_s=30)
     try:
         for model in ("ensemble", "tensorrt_llm_bls"):
             assert grpc_stream(srv, model, **GOOD).error is None

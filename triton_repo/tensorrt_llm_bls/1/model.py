@@ -2,10 +2,11 @@
 
 Tokenize (serving.text_processing, as preprocessing does) -> tensorrt_llm (decoupled, a BLS call) ->
 detokenize each response (as postprocessing does), with the ensemble's inputs and outputs. Text is processed
-in this process: a BLS call per streamed chunk cost a round trip through the server, and concurrent
-non-decoupled BLS calls from the request threads crashed Triton 2.51's Python backend stub. Decoupled: each
-request runs on its own thread so requests overlap (they meet in tensorrt_llm's in-flight batch), and a
-watcher turns a client's cancellation into TensorRT-LLM's `stop` request.
+in this process: a BLS call per streamed chunk cost a round trip through the server. Each instance serves one
+request at a time inside `execute`, as upstream's BLS does, and concurrent requests take one instance each
+(`bls_instance_count`): Triton 2.51's Python backend stub crashes when one stub streams several decoupled BLS
+requests at once from threads. Between responses the request's cancellation is checked and turned into
+TensorRT-LLM's `stop` request.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import json
-import threading
-import time
 import traceback
 import uuid
 from typing import Any, Iterator
@@ -47,7 +46,6 @@ TO_ENGINE = {"exclude_input_in_output": "exclude_input_in_output", "top_k": "run
 STATS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "kv_cache_alloc_new_blocks",
          "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks", "arrival_time_ns", "first_scheduled_time_ns",
          "first_token_time_ns", "last_token_time_ns", "num_input_tokens", "num_output_tokens")
-CANCEL_CHECK_S = 0.05
 
 
 class BLSError(Exception):
@@ -113,16 +111,11 @@ class TritonPythonModel:
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.engine_model = parameter(config, "tensorrt_llm_model_name", default="tensorrt_llm")
         self.accumulate = parameter(config, "accumulate_tokens", boolean, default=False)
-        self._watched: dict[str, Any] = {}  # engine request id -> the client's request
-        self._lock = threading.Lock()
-        self._running = True
-        if self.decoupled:
-            threading.Thread(target=self._watch_cancellations, name="cancellations", daemon=True).start()
 
     def execute(self, requests: list) -> list | None:
         if self.decoupled:
             for request in requests:
-                threading.Thread(target=self._serve, args=(request,), daemon=True).start()
+                self._serve(request)
             return None
         return [self._respond_once(request) for request in requests]
 
@@ -165,8 +158,6 @@ class TritonPythonModel:
             requested_output_names=["output_ids", "sequence_length", *STATS])
         stream = pb_utils.get_input_tensor_by_name(request, "stream")
         accumulated: list[int] | None = [] if self.accumulate and stream is not None and stream.as_numpy().any() else None
-        with self._lock:
-            self._watched[engine_id] = request
         engine_responses = engine_request.exec(decoupled=True)
         finished = False
         try:
@@ -181,26 +172,14 @@ class TritonPythonModel:
                 text = self.postprocess(out["output_ids"], out["sequence_length"])
                 yield pb_utils.InferenceResponse([pb_utils.Tensor("text_output", text),
                                                   *(pb_utils.Tensor(k, out[k]) for k in STATS if k in out)])
+                if request.is_cancelled():  # the client cancelled or went away: stop the engine's work
+                    return
             finished = True
         finally:
-            with self._lock:
-                watched = self._watched.pop(engine_id, None) is not None
-            if not finished:  # closed early or failed: stop the engine's request (unless the watcher did) and
-                if watched:   # read it to its end here rather than whenever the iterator is collected
-                    self._stop_engine_request(engine_id)
+            if not finished:  # cancelled, closed early or failed: stop the engine's request and read it to its
+                self._stop_engine_request(engine_id)  # end here rather than whenever the iterator is collected
                 for _ in engine_responses:
                     pass
-
-    def _watch_cancellations(self) -> None:
-        """Stop the engine's work for clients that cancelled or went away while no response came."""
-        while self._running:
-            time.sleep(CANCEL_CHECK_S)
-            with self._lock:
-                cancelled = [i for i, r in self._watched.items() if r.is_cancelled()]
-                for engine_id in cancelled:
-                    del self._watched[engine_id]
-            for engine_id in cancelled:
-                self._stop_engine_request(engine_id)
 
     def _stop_engine_request(self, engine_id: str) -> None:
         """TensorRT-LLM's `stop` request for one engine request id."""
@@ -214,5 +193,3 @@ class TritonPythonModel:
             if response.has_error():
                 pb_utils.Logger.log_warn(f"tensorrt_llm_bls: stopping {engine_id}: {response.error().message()}")
 
-    def finalize(self) -> None:
-        self._running = False
