@@ -112,19 +112,19 @@ class ModelRunner:
         if not pen:
             return None
         V, dev = self.model.cfg.vocab_size, self.device
-        counts = torch.stack([seqs[b].penalty.counts for b in pen])[:, None].repeat(1, num_rows, 1)  # [P, rows, V]
+        counts = torch.stack([seqs[b].penalty.counts for b in pen])[:, None].expand(-1, num_rows, -1)  # [P, rows, V]
         last = first + num_rows - 1  # drafts before the last row
         if last > 0:
             d = drafts[:, :last] if len(pen) == len(seqs) else drafts[self._ids(pen), :last]
             before = torch.zeros(len(pen), last + 1, V, device=dev)
             before[:, 1:].scatter_(2, d[..., None], 1.0)
-            counts += before.cumsum(1)[:, first:]  # row j: the drafts before it
+            counts = counts + before.cumsum(1)[:, first:]  # row j: the drafts before it
         in_prompt = torch.stack([seqs[b].penalty.in_prompt for b in pen])[:, None].expand(-1, num_rows, -1)
         p = [seqs[b].params for b in pen]
         values = torch.tensor([[x.repetition_penalty, x.presence_penalty, x.frequency_penalty] for x in p],
                               device=dev).repeat_interleave(num_rows, dim=0)
         rows = None if len(pen) == len(seqs) else self._ids([b * num_rows + r for b in pen for r in range(num_rows)])
-        return Penalties(rows, values[:, 0:1], values[:, 1:2], values[:, 2:3], counts.view(-1, V),
+        return Penalties(rows, values[:, 0:1], values[:, 1:2], values[:, 2:3], counts.reshape(-1, V),
                          in_prompt.reshape(-1, V))
 
     # ---- drafting -----------------------------------------------------------------------------

@@ -200,7 +200,7 @@ class Penalties:
         seen = self.counts > 0
         rep = self.repetition
         x = torch.where(seen | self.in_prompt, torch.where(x > 0, x / rep, x * rep), x)
-        x = x - self.frequency * self.counts - self.presence * seen
+        x = x - (self.frequency * self.counts + self.presence * seen)
         return x if self.rows is None else logits.index_copy(0, self.rows, x)
 
 

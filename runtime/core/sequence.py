@@ -36,9 +36,8 @@ class PenaltyState:
         return cls(torch.zeros(vocab_size, device=device), in_prompt)
 
     def add(self, tokens: list[int]) -> None:
-        if tokens:
-            ids = torch.tensor(tokens, device=self.counts.device)
-            self.counts.index_put_((ids,), torch.ones(len(tokens), device=self.counts.device), accumulate=True)
+        for t in tokens:
+            self.counts[t] += 1
 
 
 class Status(enum.Enum):
