@@ -20,6 +20,7 @@ wait
 run load_test benchmarks.load_test --max_output_tokens 64 --modes plain,adaptive
 run triton benchmarks.triton_serving
 run speculative benchmarks.speculative
+run sampling_features benchmarks.sampling_features --rounds 6
 run serving benchmarks.serving --num_requests 8 --requests_per_client 8 --rounds 3 --qps_requests 24 \
   --min_tokens 48 --max_tokens 96
 # On a CUDA host, the load test, batch-1 and serving benchmarks again on the GPU (files named after it, e.g. *_h100).
