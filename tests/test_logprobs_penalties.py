@@ -437,3 +437,19 @@ def test_preempted_requests_keep_penalties_logprobs_and_prompt_logprobs(shipped_
             assert len(o.prompt_logprobs) == len(ref.prompt_logprobs)
             assert [x.logprob for x in o.prompt_logprobs[1:]] == pytest.approx(
                 [x.logprob for x in ref.prompt_logprobs[1:]], abs=TOL)
+
+
+def test_cost_benchmark_smoke_run(tmp_path, monkeypatch) -> None:
+    """benchmarks.sampling_features at its smoke settings writes its results, and logprobs left tokens alone."""
+    import benchmarks.sampling_features as bench
+
+    monkeypatch.setattr("sys.argv", ["sampling_features", "--quick", "--ks", "0,2", "--concurrency", "2",
+                                     "--out_dir", str(tmp_path)])
+    bench.main()
+    res = json.loads((tmp_path / "sampling_features_quick.json").read_text())["results"]
+    assert set(res) == {"k0_c2", "k2_c2"}
+    for r in res.values():
+        assert r["logprobs_keep_tokens"] and r["off"]["tpot_over_off"] == 1.0
+        assert set(r) >= {"off", "logprobs", "penalties", "both"}
+    assert res["k2_c2"]["off"]["acceptance_rate"] > 0
+    assert "| k | concurrency | setting |" in (tmp_path / "sampling_features_quick.md").read_text()
