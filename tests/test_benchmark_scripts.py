@@ -392,6 +392,25 @@ def test_benchmark_serving_smoke(shipped_model_dir, tmp_path):
         "adaptive vs plain TPOT speed-up, worst Poisson rate (info)"}
 
 
+def test_openai_serving_smoke(shipped_model_dir, tmp_path):
+    """dsv3-serve next to the Session at the tiniest settings: both paths measured for both modes, ratios and
+    targets written, the server's log directory gone."""
+    pytest.importorskip("fastapi")
+    r = _run_benchmark("openai_serving", ["--model", str(shipped_model_dir), "--out_dir", str(tmp_path), "--name",
+                                          "oai", "--threads", "1", "--requests", "1", "--rounds", "2",
+                                          "--max_tokens", "6"])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((tmp_path / "oai.json").read_text())
+    assert (tmp_path / "oai.md").read_text().startswith("# OpenAI server (dsv3-serve) vs Session")
+    _no_temporaries(tmp_path)
+    assert set(res["results"]) == {"plain", "mtp"} and len(res["targets"]) == 2
+    for mode in res["results"].values():
+        assert mode["server"]["tpot_s"] > 0 and mode["session"]["tpot_s"] > 0
+        assert mode["server_over_session_tpot"] == pytest.approx(mode["server"]["tpot_s"] / mode["session"]["tpot_s"],
+                                                                 rel=1e-3)
+    assert res["machine"]["command"].startswith("python -m benchmarks.openai_serving ")
+
+
 def test_load_test_smoke(shipped_model_dir, tmp_path):
     n = 6
     r = _run_benchmark("load_test", [
