@@ -333,6 +333,6 @@ def test_a_client_that_disconnects_is_cancelled(server: Server, stream: bool) ->
 def test_health_metrics_and_loopback_default(server: Server) -> None:
     assert urllib.request.urlopen(server.base + "/health", timeout=10).read() == b"ok"
     m = server.metrics()
-    assert m["kv_blocks_free"] > 0 and m["draft_len"] == 3
+    assert m["kv_blocks_free"] > 0 and 0 <= m["draft_len"] <= 3  # the last step's (0 after a prefill-only step)
     assert parse_args(["models/x"]).host == "127.0.0.1"
     assert "request " in server.log.read_text()  # one info line per request
