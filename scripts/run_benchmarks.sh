@@ -19,6 +19,7 @@ if [ $# -ge 1 ] && [ -f data/val.bin ]; then run fp8 benchmarks.fp8 --bf16_model
 wait
 run load_test benchmarks.load_test --max_output_tokens 64 --modes plain,adaptive
 run triton benchmarks.triton_serving
+run openai_serving benchmarks.openai_serving
 run speculative benchmarks.speculative
 run sampling_features benchmarks.sampling_features --rounds 6
 run serving benchmarks.serving --num_requests 8 --requests_per_client 8 --rounds 3 --qps_requests 24 \
