@@ -22,7 +22,9 @@ to the target rows and to the drafts alike.
 from __future__ import annotations
 
 import time
+from functools import partial
 from itertools import accumulate
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -101,9 +103,9 @@ class ModelRunner:
             bad = torch.zeros(len(seqs), num_rows, V, dtype=torch.bool)
             for b, s in banning:
                 bad[b, :, list(s.params.bad_token_ids)] = True
-                for r, j in enumerate(range(first, first + num_rows)):
-                    if s.num_output_tokens + j < s.params.min_tokens:
-                        bad[b, r, list(s.stop_ids)] = True
+                banned_rows = s.params.min_tokens - s.num_output_tokens - first  # rows before min_tokens is reached
+                if banned_rows > 0:
+                    bad[b, :banned_rows, list(s.stop_ids)] = True
             bad = bad.view(-1, V).to(self.device)
         return bad, self._penalties(seqs, drafts, first, num_rows)
 
@@ -252,14 +254,14 @@ class ModelRunner:
         row_of = {id(it.seq): r for r, it in enumerate(drafting)}
         d = [drafts[row_of[id(s)]] if k else [0] * K for s, k in zip(seqs, ks)]  # [B][K]; past k_b: ignored
         # Greedy rows need only the argmax: of the logits themselves when nothing adjusts them (the fast path)
-        st = None
+        processed: Callable[[Tensor], Tensor] | None = None  # rows -> their processed logprobs, where they differ
         if self.relaxed is None and all(s.params.greedy for s in seqs):
             scores = logits
             if not all(s.plain_argmax for s in seqs):  # else the fast path: the logits' own argmax
                 dt = self._ids(d).view(B, K)
                 scores = adjusted_logits(logits.flatten(0, 1), *self.adjustments(seqs, dt, 0, K + 1)).view(B, K + 1, V)
-                if any(s.params.logprobs_mode == "processed_logprobs" for s in seqs if s.params.logprobs is not None):
-                    st = self.sampling_tensors(seqs, dt, 0, K + 1)
+                # a greedy row's processed distribution is that of its adjusted logits (processed_logprobs)
+                processed = partial(_rows_log_softmax, scores.view(B * (K + 1), V))
             emitted = []
             for db, k, argmax in zip(d, ks, scores.argmax(-1).tolist()):
                 n = accept_greedy(db[:k], argmax)
@@ -282,15 +284,15 @@ class ModelRunner:
             num_acc, nxt = accept(dt, dp, target_probs, self._ids(ks), self._ids([s.seed for s in seqs]),
                                   self._ids([s.num_tokens for s in seqs]), greedy, **relaxed_kw)
             emitted = [d[b][:n] + [t] for b, (n, t) in enumerate(zip(num_acc.tolist(), nxt.tolist()))]
-        logprobs = self._logprobs(seqs, logits, st, emitted)
+            processed = partial(_processed_rows, logits.flatten(0, 1), st)
+        logprobs = self._logprobs(seqs, logits, processed, emitted)
         return {i: (emitted[b], len(emitted[b]) - 1, logprobs[b]) for b, i in enumerate(decoding)}
 
-    def _logprobs(self, seqs: list[Sequence], logits: Tensor, st: SamplingTensors | None,
+    def _logprobs(self, seqs: list[Sequence], logits: Tensor, processed: Callable[[Tensor], Tensor] | None,
                   emitted: list[list[int]]) -> list[list[TokenLogprob] | None]:
         """Per sequence, the logprobs of its emitted tokens from the rows [B, K+1, V] that decided them (None for
-        a sequence that did not ask): raw log-softmax of the logits, or of the processed distribution (`st`, None
-        where no row needs it: none asks for processed logprobs, or all are plain argmax ones, whose processed
-        distribution is the raw one)."""
+        a sequence that did not ask): raw log-softmax of the logits, or of the processed distribution (`processed`
+        of the flat rows; None where it is the raw one: all rows plain argmax ones)."""
         asking = [b for b, s in enumerate(seqs) if s.params.logprobs is not None]
         out: list[list[TokenLogprob] | None] = [None] * len(seqs)
         if not asking:
@@ -298,12 +300,11 @@ class ModelRunner:
         B, R, V = logits.shape
         rows = self._ids([b * R + j for b in asking for j in range(len(emitted[b]))])
         flat = logits.view(B * R, V)
-        if st is not None and any(seqs[b].params.logprobs_mode == "processed_logprobs" for b in asking):
-            processed = processed_logprobs(flat, st)[rows]
+        if processed is not None and any(seqs[b].params.logprobs_mode == "processed_logprobs" for b in asking):
             raw = flat[rows].float().log_softmax(-1)
             mode = self._ids([seqs[b].params.logprobs_mode == "processed_logprobs" for b in asking
                               for _ in emitted[b]]).bool()
-            lp = torch.where(mode[:, None], processed, raw)
+            lp = torch.where(mode[:, None], processed(rows), raw)
         else:
             lp = flat[rows].float().log_softmax(-1)
         tokens = self._ids([t for b in asking for t in emitted[b]])
@@ -343,3 +344,11 @@ class ModelRunner:
                 mask[b, j] = state
                 state = self.relaxed.advance(state, t)
         return mask.to(self.device)
+
+
+def _rows_log_softmax(logits: Tensor, rows: Tensor) -> Tensor:
+    return logits[rows].log_softmax(-1)
+
+
+def _processed_rows(logits: Tensor, st: SamplingTensors, rows: Tensor) -> Tensor:
+    return processed_logprobs(logits, st)[rows]

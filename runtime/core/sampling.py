@@ -214,10 +214,6 @@ class SamplingTensors:
     bad_mask: Tensor | None = field(default=None)  # [R, V] True where the token is banned
     penalties: Penalties | None = field(default=None)
 
-    @property
-    def all_greedy(self) -> bool:
-        return bool((self.temperature == 0).all())
-
 
 def adjusted_logits(logits: Tensor, bad_mask: Tensor | None, penalties: Penalties | None) -> Tensor:
     """float32 logits after penalties and bans: what a greedy row takes the argmax of."""

@@ -36,8 +36,9 @@ class PenaltyState:
         return cls(torch.zeros(vocab_size, device=device), in_prompt)
 
     def add(self, tokens: list[int]) -> None:
-        for t in tokens:
-            self.counts[t] += 1
+        if tokens:
+            ids = torch.tensor(tokens, device=self.counts.device)
+            self.counts.index_put_((ids,), torch.ones(len(tokens), device=self.counts.device), accumulate=True)
 
 
 class Status(enum.Enum):

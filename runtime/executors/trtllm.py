@@ -612,12 +612,12 @@ class TrtllmExecutor:
         Upstream's prompt logprobs are taken as those of prompt tokens 1.. (the last len(prompt) - 1)."""
         params = req.params
         if params.prompt_logprobs is not None and req.prompt_logprobs == [None] and len(req.prompt) > 1:
-            entries = list(getattr(completion, "prompt_logprobs", None) or [])[1 - len(req.prompt):]
+            entries = (getattr(completion, "prompt_logprobs", None) or [])[1 - len(req.prompt):]
             if entries:
                 req.prompt_logprobs += logprobs_from_upstream(entries, req.prompt[1:], params.prompt_logprobs)
         if params.logprobs is None or not new:
             return None
-        entries = list(getattr(completion, "logprobs", None) or [])[req.seen : req.seen + len(new)]
+        entries = (getattr(completion, "logprobs", None) or [])[req.seen : req.seen + len(new)]
         if len(entries) < len(new):
             raise RuntimeError(f"TensorRT-LLM returned {len(entries)} logprobs for {len(new)} new tokens")
         return logprobs_from_upstream(entries, new, params.logprobs)
