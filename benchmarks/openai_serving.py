@@ -14,12 +14,8 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +24,7 @@ from benchmarks.common import (add_common_args, load_prompts, machine_info, mach
                                set_threads, target_line, write_results)
 from runtime.core.sampling import SamplingParams
 from runtime.executors.session import Session
-from serving.launcher import free_ports
+from serving.openai_server.process import start_dsv3_serve
 
 MODES = {"plain": ["--num_draft_tokens", "0"], "mtp": ["--num_draft_tokens", "3", "--speculation", "adaptive"]}
 GOAL = 1.10  # server TPOT / Session TPOT at concurrency 1
@@ -45,13 +41,12 @@ def session_request(session: Session, prompt: str, max_tokens: int) -> tuple[flo
     return request_ttft_tpot(sent, first, last, max_tokens)
 
 
-def server_request(url: str, model: str, prompt: str, max_tokens: int) -> tuple[float | None, float | None]:
+def server_request(port: int, model: str, prompt: str, max_tokens: int) -> tuple[float | None, float | None]:
     """One streamed /v1/completions request, read as a load generator reads it (raw SSE lines, one JSON parse a
     chunk): the openai client's per-chunk objects would take the CPU from the server on a small machine."""
-    host, port = url.removeprefix("http://").split("/")[0].split(":")
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                        "stream": True, "ignore_eos": True})
-    conn = http.client.HTTPConnection(host, int(port), timeout=600)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     sent = time.perf_counter()
     first = last = None
     try:
@@ -71,26 +66,6 @@ def server_request(url: str, model: str, prompt: str, max_tokens: int) -> tuple[
     return request_ttft_tpot(sent, first, last, max_tokens)
 
 
-def start_server(model: Path, flags: list[str], args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, str]:
-    [port] = free_ports(1)
-    cmd = [Path(sys.executable).with_name("dsv3-serve"), model, "--port", str(port), "--device", args.device,
-           "--log_level", "warning", *flags, *(["--torch_threads", str(args.threads)] if args.threads else []),
-           *(["--dtype", args.dtype] if args.dtype else [])]
-    process = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"dsv3-serve exited: {log.read_text()[-2000:]}")
-        try:
-            urllib.request.urlopen(base + "/health", timeout=2)
-            return process, base + "/v1"
-        except OSError:
-            time.sleep(0.3)
-    process.terminate()
-    raise RuntimeError("dsv3-serve did not become healthy in 300 s")
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
@@ -105,15 +80,16 @@ def main() -> int:
     prompts = [x["text"] for x in round_robin_by_source(load_prompts(args.model), args.requests)]
     model = Path(args.model)
     results: dict[str, dict[str, list]] = {}
-    logs = Path(tempfile.mkdtemp(prefix="bench-openai-"))
     for mode, flags in MODES.items():
         k = 0 if mode == "plain" else 3
-        process, url = start_server(model, flags, args, logs / f"{mode}.log")
+        server = start_dsv3_serve(model, "--device", args.device, "--log_level", "warning", *flags,
+                                  *(["--torch_threads", str(args.threads)] if args.threads else []),
+                                  *(["--dtype", args.dtype] if args.dtype else []))
         try:
             with Session(model, num_draft_tokens=k, speculation="adaptive", device=args.device,
                          dtype=args.dtype) as session:
                 paths = {"session": lambda pr: session_request(session, pr, args.max_tokens),
-                         "server": lambda pr: server_request(url, model.name, pr, args.max_tokens)}
+                         "server": lambda pr: server_request(server.port, model.name, pr, args.max_tokens)}
                 for run in paths.values():  # warm-up
                     run(prompts[0])
                 got: dict[str, list] = {name: [] for name in paths}
@@ -122,9 +98,7 @@ def main() -> int:
                         got[name] += [paths[name](pr) for pr in prompts]
             results[mode] = got
         finally:
-            process.terminate()
-            process.wait(timeout=60)
-    shutil.rmtree(logs, ignore_errors=True)
+            server.stop()
 
     rows, targets, summary = [], [], {}
     for mode, got in results.items():

@@ -107,7 +107,7 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
     model = model_dir / str(doc.pop("model"))
     if model.name == HF_DIR and engine_backend(model.parent) == "trtllm":
         model = model.parent  # upstream's LLM loads the engine's checkpoint directory, this runtime the engine
-    cfg, build = read_limits(model)
+    _, build = read_limits(model)
     engine_options = _engine_options(model)
     tokenizer = doc.pop("tokenizer", None)
     if tokenizer is not None and (model_dir / str(tokenizer)).resolve() != model.resolve():

@@ -11,11 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-import urllib.request
-
 from serving.client import stream_generate
-from serving.launcher import free_ports, start_server
+from serving.launcher import start_server
 from serving.model_repo import default_values, fill_model_repo
+from serving.openai_server.process import start_dsv3_serve
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,22 +57,11 @@ def openai_server(args: argparse.Namespace) -> None:
     """dsv3-serve on the same engine, one streamed chat completion through the official client."""
     import openai
 
-    [port] = free_ports(1)
-    print(f"== dsv3-serve {args.engine_dir} --port {port}", flush=True)
-    server = subprocess.Popen([Path(sys.executable).with_name("dsv3-serve"), args.engine_dir, "--port", str(port),
-                               "--num_draft_tokens", str(args.num_draft_tokens), "--speculation", "fixed",
-                               "--log_level", "warning"])
+    print(f"== dsv3-serve {args.engine_dir}", flush=True)
+    server = start_dsv3_serve(args.engine_dir, "--num_draft_tokens", str(args.num_draft_tokens), "--speculation",
+                              "fixed", "--log_level", "warning")
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("dsv3-serve did not start") from None
-                time.sleep(0.3)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
         messages = [{"role": "user", "content": args.prompt}]
         print(f"== streaming a chat completion of {args.max_tokens} tokens through the openai client\n", end="")
         usage = None
@@ -88,8 +76,7 @@ def openai_server(args: argparse.Namespace) -> None:
               f"(acceptance {spec['acceptance_rate']:.2f}); {usage.completion_tokens} tokens in "
               f"{spec['decode_steps']} steps")
     finally:
-        server.terminate()
-        server.wait(timeout=60)
+        server.stop()
     print("== server stopped")
 
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 import http.client
 import json
 import socket
-import subprocess
-import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -24,9 +22,9 @@ pytest.importorskip("fastapi")
 from runtime.core.sampling import SamplingParams  # noqa: E402
 from runtime.executors.session import Session  # noqa: E402
 from runtime.io.tokenizer import Tokenizer  # noqa: E402
-from serving.launcher import free_ports  # noqa: E402
 from serving.openai_server.chat import render_chat  # noqa: E402
 from serving.openai_server.cli import parse_args  # noqa: E402
+from serving.openai_server.process import start_dsv3_serve  # noqa: E402
 
 PROMPTS = ["In the beginning God created", "And the LORD spake unto Moses, saying,", "def fibonacci(n):"]
 TOKENS = 24
@@ -34,22 +32,9 @@ TOKENS = 24
 
 class Server:
     def __init__(self, model: Path, log: Path, *args: str):
-        [self.port] = free_ports(1)
-        self.base = f"http://127.0.0.1:{self.port}"
         self.log = log
-        self.process = subprocess.Popen(
-            [Path(sys.executable).with_name("dsv3-serve"), model, "--port", str(self.port), "--torch_threads", "1",
-             *args], stdout=log.open("w"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, log.read_text()[-3000:]
-            try:
-                if urllib.request.urlopen(self.base + "/health", timeout=2).status == 200:
-                    break
-            except OSError:
-                time.sleep(0.3)
-        else:
-            raise AssertionError("dsv3-serve did not become healthy:\n" + log.read_text()[-3000:])
+        self.serve = start_dsv3_serve(model, "--torch_threads", "1", *args, log=log)
+        self.port, self.base = self.serve.port, self.serve.base_url
         self.client = openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=120)
 
     def metrics(self) -> dict[str, float]:
@@ -68,8 +53,7 @@ class Server:
             return e.code, json.loads(e.read())
 
     def stop(self) -> int:
-        self.process.terminate()
-        return self.process.wait(timeout=60)
+        return self.serve.stop()
 
 
 @pytest.fixture(scope="module")

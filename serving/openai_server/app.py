@@ -99,15 +99,16 @@ class OpenAIServer:
                            status=404, code="model_not_found")
 
     def _submit(self, g: Generation) -> list[RequestHandle]:
-        """Every choice of every prompt, all checked before any is submitted."""
+        """Every choice of every prompt; several are all checked before any is submitted (submit checks one)."""
+        todo = [(f"{g.id}-{p * g.n + i}", ids, params) for p, ids in enumerate(g.prompts)
+                for i, params in enumerate(g.params)]
         try:
-            for ids in g.prompts:
-                for params in g.params:
+            if len(todo) > 1:
+                for _, ids, params in todo:
                     self.executor.validate(ids, params)
+            return [self.executor.submit(ids, params, request_id=rid) for rid, ids, params in todo]
         except ValueError as e:
             raise APIError(str(e), protocol.parameter_of(str(e))) from None
-        return [self.executor.submit(ids, params, request_id=f"{g.id}-{p * g.n + i}")
-                for p, ids in enumerate(g.prompts) for i, params in enumerate(g.params)]
 
     async def generate(self, request: Request, parse: Callable[..., Generation], chat: bool) -> Any:
         t0 = time.perf_counter()

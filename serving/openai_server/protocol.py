@@ -193,7 +193,8 @@ def completion_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_te
     """POST /v1/completions: prompt is a string, a list of strings, a list of token ids or a list of those."""
     body = _check_keys(body, COMPLETION_KEYS)
     logprobs = _integer(body, "logprobs", 0, MAX_LOGPROBS, None)
-    if logprobs is not None and _flag(body, "echo"):
+    echo = _flag(body, "echo")
+    if logprobs is not None and echo:
         raise APIError("logprobs with echo is not supported by this server (no prompt logprobs); send one", "logprobs")
     prompt = body.get("prompt")
     if prompt is None:
@@ -219,7 +220,7 @@ def completion_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_te
     stream = _flag(body, "stream")
     max_tokens = _integer(body, "max_tokens", 1, INT32_MAX, COMPLETIONS_DEFAULT_MAX_TOKENS)
     return Generation(prompts, _sampling(body, tokenizer, max_tokens, logprobs), stream, _stream_options(body, stream),
-                      texts if _flag(body, "echo") else None)
+                      texts if echo else None)
 
 
 def _messages(body: dict, max_text_bytes: int) -> list[dict[str, str]]:

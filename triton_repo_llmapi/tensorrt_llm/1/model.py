@@ -66,8 +66,9 @@ class TritonPythonModel(EngineModel):
         for warning in llm.warnings:
             pb_utils.Logger.log_warn(f"{self.label}: {yaml_path}: {warning}")
         decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
-        self.batched = int(config.get("max_batch_size", 0)) > 0
-        if (decoupled, int(config.get("max_batch_size", 0))) != (llm.triton.decoupled, llm.triton.max_batch_size):
+        max_batch_size = int(config.get("max_batch_size", 0))
+        self.batched = max_batch_size > 0
+        if (decoupled, max_batch_size) != (llm.triton.decoupled, llm.triton.max_batch_size):
             raise pb_utils.TritonModelException(
                 f"{yaml_path}: triton_config says decoupled {llm.triton.decoupled} and max_batch_size "
                 f"{llm.triton.max_batch_size}, config.pbtxt {decoupled} and {config.get('max_batch_size', 0)}; "
