@@ -329,7 +329,7 @@ def start_server(model_repo: str | Path, *, http_port: int = 0, grpc_port: int =
         # own session: Ctrl-C in a terminal reaches only us, and stop() can kill the whole group
         proc = subprocess.Popen(cmd, env=server_env(install, env), stdin=subprocess.DEVNULL, stdout=handle,
                                 stderr=subprocess.STDOUT if handle else None, start_new_session=True,
-                                preexec_fn=_terminate_with_parent)
+                                preexec_fn=terminate_with_parent)
     except BaseException:
         shutil.rmtree(workdir, ignore_errors=True)
         raise
@@ -370,7 +370,7 @@ def python_stubs(root_pid: int) -> dict[int, str]:
     return stubs
 
 
-def _terminate_with_parent() -> None:
+def terminate_with_parent() -> None:
     """In the child: get SIGTERM when the process that started the server dies, even by SIGKILL
     (a killed test run would otherwise leave a server holding its ports)."""
     _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

@@ -11,7 +11,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from serving.launcher import free_ports
+from serving.launcher import free_ports, terminate_with_parent
 
 
 @dataclass
@@ -35,7 +35,8 @@ def start_dsv3_serve(model: str | Path, *flags: str, log: Path | None = None, ti
     [port] = free_ports(1)
     with open(log, "w") if log is not None else contextlib.nullcontext() as out:
         process = subprocess.Popen([Path(sys.executable).with_name("dsv3-serve"), str(model), "--port", str(port),
-                                    *flags], stdout=out, stderr=subprocess.STDOUT if out is not None else None)
+                                    *flags], stdout=out, stderr=subprocess.STDOUT if out is not None else None,
+                                   preexec_fn=terminate_with_parent)  # a killed caller leaves no server behind
     server = ServeProcess(process, port)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
