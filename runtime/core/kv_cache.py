@@ -94,13 +94,20 @@ class BlockAllocator:
     def lookup(self, key: bytes) -> int | None:
         return self._cached.get(key)
 
-    def hash_of(self, block: int) -> bytes | None:
-        return self._hash[block]
-
-    def mark_mtp(self, block: int, next_token: int) -> None:
-        """The MTP layer's rows of a registered block are all computed; its last one read `next_token`, the token
-        after the block (the MTP input at position p is the target's hidden state at p and token p + 1)."""
-        if self._hash[block] is not None and self._mtp_next[block] is None:
+    def mark_mtp(self, block: int, key: bytes, next_token: int) -> None:
+        """The MTP layer's rows of `block`, which holds the content hashed to `key`, are all computed; its last one
+        read `next_token`, the token after the block (the MTP input at position p is the target's hidden state at
+        p and token p + 1). Where another block caches that content without valid MTP rows, this one replaces it,
+        so a prefix first cached by a request that never drafted still becomes reusable by drafting ones."""
+        cached = self._cached.get(key)
+        if cached is not None and cached != block and self._mtp_next[cached] is None:
+            self._evict(cached)
+            if self._refs[cached] == 0:
+                self._free.move_to_end(cached, last=False)
+            cached = None
+        if cached is None:
+            self.register(block, key)
+        if self._hash[block] == key and self._mtp_next[block] is None:
             self._mtp_next[block] = next_token
 
     def mtp_next(self, block: int) -> int | None:

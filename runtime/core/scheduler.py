@@ -153,12 +153,14 @@ class Scheduler:
         admit = not stalled and self.preemptions == preemptions
         while admit and self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size:
             seq = self.waiting[0]
-            cached = self.prefix_cache.match(seq) if self.prefix_cache is not None else []
+            cached, stop_drafting = self.prefix_cache.match(seq) if self.prefix_cache is not None else ([], False)
             start = len(cached) * self.cache.block_size
             chunk = min(seq.num_tokens - 1 - start, budget)
             need = self.cache.blocks_for(start + max(chunk, 1)) - len(cached)
             if need > self.cache.allocator.free_after_taking(cached):
                 break  # new requests wait for blocks
+            if stop_drafting:
+                seq.drop_mtp()
             self.cache.reuse(seq.block_table, cached)
             self.cache.grow(seq.block_table, start + max(chunk, 1))
             self._start_at(seq, start)
