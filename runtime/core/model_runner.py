@@ -13,6 +13,10 @@ One step for a batch of sequences, each with its own number of new target tokens
 k = 0 is plain decoding through the same code. The runner reads sequences and writes none: what a step
 computed comes back as `StepResult`s, which `Scheduler.update_from_output` applies.
 
+A guided request's grammar is one more ban per row: draft j is drawn from the MTP distribution masked by
+the grammar state after drafts 1..j-1, and each verified row is masked by its own state (a bitmask per
+row); the state advances by the kept tokens only in the update, so rejected drafts leave no trace.
+
 Logprobs come from the verification forward's logits at the emitted positions, the same logits plain
 decoding would compute there; prompt logprobs from the prefill chunks' hidden states. Penalties and
 min_tokens bans are applied per row with the counts of the row's own prefix (sampling module docstring),
@@ -94,18 +98,21 @@ class ModelRunner:
     def adjustments(self, seqs: list[Sequence], drafts: Tensor | None, first: int, num_rows: int
                     ) -> tuple[Tensor | None, Penalties | None]:
         """What changes the logits of those rows before temperature (all a greedy row needs): the banned tokens
-        (bad tokens, and stop tokens while min_tokens is not reached by that row's index) and the penalties,
-        which count the drafts before the row."""
+        (bad tokens, stop tokens while min_tokens is not reached by that row's index, and what a guided request's
+        grammar refuses after the drafts before the row) and the penalties, which count the drafts before it."""
         V = self.model.cfg.vocab_size
         bad = None
-        banning = [(b, s) for b, s in enumerate(seqs) if s.params.bad_token_ids or s.bans_stop_ids]
+        banning = [(b, s) for b, s in enumerate(seqs) if s.params.bad_token_ids or s.bans_stop_ids or s.grammar is not None]
         if banning:
             bad = torch.zeros(len(seqs), num_rows, V, dtype=torch.bool)
+            rows = None if drafts is None or first + num_rows == 1 else drafts[:, : first + num_rows - 1].tolist()
             for b, s in banning:
                 bad[b, :, list(s.params.bad_token_ids)] = True
                 banned_rows = s.params.min_tokens - s.num_output_tokens - first  # rows before min_tokens is reached
                 if banned_rows > 0:
                     bad[b, :banned_rows, list(s.stop_ids)] = True
+                if s.grammar is not None:  # row j: what the grammar allows after the drafts before it
+                    bad[b] |= s.grammar.masks(rows[b] if rows else [], first, num_rows)
             bad = bad.view(-1, V).to(self.device)
         return bad, self._penalties(seqs, drafts, first, num_rows)
 
@@ -153,7 +160,7 @@ class ModelRunner:
         greedy = all(s.params.greedy for s in seqs)  # then drafts are argmaxes: no distribution, no draw
         if not plain:
             # rules that depend on the drafts before a row (penalties, min_tokens) need fresh tensors per draft
-            per_draft = any(s.penalty is not None or s.bans_stop_ids for s in seqs)
+            per_draft = any(s.penalty is not None or s.bans_stop_ids or s.grammar is not None for s in seqs)
             rules = self.adjustments if greedy else self.sampling_tensors  # greedy: (bans, penalties) only
             st = rules(seqs, None, 0, 1)
             if not greedy:

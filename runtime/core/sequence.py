@@ -7,7 +7,8 @@ positions num_mtp .. num_cached - 1 wait in `pending_hidden` until the next draf
 chunks each step appended (joined once, when drafting uses them: a sequence that does not draft for
 a while would otherwise copy its growing backlog every step).
 
-A penalized request keeps its token counts as tensors (`PenaltyState`), updated by the step's one writer
+A guided request keeps its grammar matcher (`GrammarMatcher`), advanced by the same writer; a penalized
+request keeps its token counts as tensors (`PenaltyState`), updated by the step's one writer
 with the tokens it keeps, so a step reads them in O(vocabulary) rather than recounting its history.
 """
 
@@ -15,11 +16,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from runtime.core.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from runtime.core.grammar import GrammarMatcher
 
 
 @dataclass(eq=False)
@@ -65,6 +70,7 @@ class Sequence:
     admitted_at: int = -1  # admission order of its last admission (preemption takes the latest)
     stop_ids: frozenset[int] = frozenset()  # eos and stop token ids: banned while min_tokens is not reached
     penalty: PenaltyState | None = None  # set for requests with penalties
+    grammar: GrammarMatcher | None = None  # set for guided requests: the grammar state after the output
     num_prompt_logprobs: int = 0  # prompt positions whose next-token logprobs were computed (prompt_logprobs)
 
     @property
