@@ -17,6 +17,7 @@ draft length: greedy output under a grammar does not depend on k.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import threading
@@ -101,13 +102,16 @@ def _position(kind: str, text: str, error: str) -> str:
         return f"position {len(m.group(1)) - 4}" if m else "an unknown position"
     if kind == "json":
         return f"{_schema_location(json.loads(text), error)} of the schema"
-    m = re.search(r"at line (\d+)", error) or re.match(r"(?:at )?(\d+)\((\d+)\)", error)
-    if m:
-        return f"line {m.group(1)}" + (f", column {m.group(2)}" if m.lastindex == 2 else "")
     m = re.search(r"Rule '([^']+)' not found", error) or re.search(r'unknown name: "([^"]+)"', error)
-    if m:
+    if m:  # the first use of the undefined name
         found = re.search(rf"(?<![\w-]){re.escape(m.group(1))}(?![\w-])", text)
         return _line_col(text, found.start()) if found else "an unknown position"
+    m = re.search(r"at line \d+, ('(?:[^'\\]|\\.)*') \^", error)  # GBNF: 'the text before the problem' ^ '...'
+    if m and (before := ast.literal_eval(m.group(1))) and text.find(before) >= 0:
+        return _line_col(text, text.find(before) + len(before))
+    m = re.search(r"at line (\d+)", error) or re.match(r"(?:at )?(\d+)\((\d+)\)", error)  # Lark: line(column)
+    if m:
+        return f"line {m.group(1)}" + (f", column {m.group(2)}" if m.lastindex == 2 else "")
     return "an unknown position"
 
 
@@ -118,6 +122,7 @@ def _problem(error: str) -> str:
         return m.group(1)
     first = error.strip().split("\n")[0]
     first = re.sub(r"^(?:at )?\d+\(\d+\): ", "", first)
+    first = re.sub(r" at line \d+, '.*$", "", first)
     return re.sub(r"^Failed to convert the grammar from GBNF to Lark: ", "", first)
 
 
@@ -128,7 +133,8 @@ def check_guide(guide: GuidedDecodingParams, field: str = "guided_decoding") -> 
         try:
             json.loads(guide.text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{name} is not valid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+            raise ValueError(f"{name} is not valid JSON: {e.msg.removesuffix(' at')} at line {e.lineno}, column "
+                             f"{e.colno}") from None
     try:
         grammar = _grammar_text(guide)
         error = llguidance.LLMatcher.validate_grammar(grammar)
@@ -152,8 +158,8 @@ class GrammarMatcher:
 
     def masks(self, drafts: list[int], first: int, num_rows: int) -> Tensor:
         """[num_rows, V] bool, True where banned: row r is decided after drafts[:first + r]. Rows after a draft the
-        grammar refuses are left unconstrained: that draft is rejected (its own row bans it), so no later row
-        is ever used. The matcher's state is restored."""
+        grammar refuses, or after the eos that completes it, are left unconstrained: that draft is rejected (its
+        own row bans it) or ends the request, so no later row is ever used. The matcher's state is restored."""
         m = self.matcher
         words = np.full((num_rows, self.mask_words), -1, dtype=np.int32)
         consumed = m.try_consume_tokens(drafts[:first]) if first else 0
