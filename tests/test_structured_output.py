@@ -212,3 +212,39 @@ def test_session_refuses_before_submitting_anything(shipped_model_dir) -> None:
         assert s.executor.stats().requests_finished == 0 and s.executor.stats().running == 0
         [out] = s.generate("In the beginning", SamplingParams(max_tokens=MAX_TOKENS, guided_decoding=GUIDES["json"]))
         assert out.finish_reason == "stop" and conforms("json", out.text)
+
+
+def test_openai_server_response_format_and_guided_extras(shipped_model_dir, tmp_path) -> None:
+    """dsv3-serve with MTP (k = 3): response_format json_schema and json_object, vLLM's guided_regex and
+    structured_outputs give the Session's plain-decoding output (greedy); an invalid guide is a 400 naming the field
+    and the position, and the server goes on serving."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from serving.openai_server.process import start_dsv3_serve
+
+    prompt = "And the LORD said unto Moses,"
+    with Session(shipped_model_dir, num_draft_tokens=0) as plain:
+        expected = {kind: plain.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS, guided_decoding=g))[0].text
+                    for kind, g in GUIDES.items()}
+    serve = start_dsv3_serve(shipped_model_dir, "--torch_threads", "1", "--num_draft_tokens", "3", "--speculation",
+                             "fixed", log=tmp_path / "server.log")
+    try:
+        client = openai.OpenAI(base_url=serve.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        ask = dict(model="deepseek-v3-mini", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+        texts = {"json": client.completions.create(**ask, extra_body={"response_format": schema}),
+                 "json_object": client.completions.create(**ask, extra_body={"response_format": {"type": "json_object"}}),
+                 "regex": client.completions.create(**ask, extra_body={"guided_regex": REGEX}),
+                 "grammar": client.completions.create(**ask, extra_body={"structured_outputs": {"grammar": EBNF}})}
+        for kind, r in texts.items():
+            assert r.choices[0].text == expected[kind] and conforms(kind, r.choices[0].text), kind
+            assert r.choices[0].finish_reason == "stop"
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(**ask, extra_body={"guided_regex": "ab(c"})
+        assert e.value.body["message"] == "guided_regex is invalid at position 2: unclosed group"
+        assert e.value.body["param"] == "guided_regex"
+        chat = client.chat.completions.create(model="deepseek-v3-mini", messages=[{"role": "user", "content": prompt}],
+                                              max_tokens=MAX_TOKENS, temperature=0, response_format=schema)
+        assert conforms("json", chat.choices[0].message.content)
+    finally:
+        assert serve.stop() == 0
