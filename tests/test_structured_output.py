@@ -248,3 +248,31 @@ def test_openai_server_response_format_and_guided_extras(shipped_model_dir, tmp_
         assert conforms("json", chat.choices[0].message.content)
     finally:
         assert serve.stop() == 0
+
+
+def test_triton_guided_decoding_inputs() -> None:
+    """TensorRT-LLM's guided_decoding_guide_type / guided_decoding_guide, read for both Triton flavours."""
+    import numpy as np
+
+    from serving.request_validation import RequestError, guided_decoding
+
+    def read(kind: str | None, guide: str | None) -> GuidedDecodingParams | None:
+        inputs = {name: np.array([value.encode()], object) for name, value in
+                  (("guided_decoding_guide_type", kind), ("guided_decoding_guide", guide)) if value is not None}
+        return guided_decoding(inputs)
+
+    assert read(None, None) is None and read("", "") is None
+    assert read("json", None) == GuidedDecodingParams(json_object=True)
+    assert read("json_schema", json.dumps(SCHEMA)) == GuidedDecodingParams(json=SCHEMA)
+    assert read("regex", REGEX) == GuidedDecodingParams(regex=REGEX)
+    assert read("ebnf_grammar", EBNF) == GuidedDecodingParams(grammar=EBNF)
+    for kind, guide, message in [
+            ("regex", "a{2", "guided_decoding_guide is invalid at position 1: unclosed counted repetition"),
+            ("json_schema", '{"type": "object", "properties": {"a": {"type": "foo"}}}',
+             "guided_decoding_guide is invalid at /properties/a of the schema: Invalid type: foo"),
+            ("xml", "<a/>", "guided_decoding_guide_type must be one of json, json_schema, regex, ebnf_grammar, got 'xml'"),
+            ("regex", None, "guided_decoding_guide is required with guided_decoding_guide_type regex"),
+            (None, "a+", "guided_decoding_guide needs guided_decoding_guide_type (json_schema, regex, ebnf_grammar)")]:
+        with pytest.raises(RequestError) as e:
+            read(kind, guide)
+        assert str(e.value) == message
