@@ -2,8 +2,10 @@
 
 For each draft length (--ks, speculation "fixed"; 0 = plain decoding) and concurrency (--concurrency) one
 executor serves rounds of held-out prompts, `concurrency` requests at a time, under each setting in turn
-(the order reversed every other round, so drift of the machine falls on both alike): `free` (no guide:
-greedy, ignore_eos, --max_tokens new tokens) and `json_schema` (the SCHEMA below: every token masked by
+(the order reversed every other round, so drift of the machine falls on all alike): `free` (no guide:
+greedy, ignore_eos, --max_tokens new tokens), `free_banned` (the same text with bos banned, a token never
+drawn: the path a guided request takes, drafts one MTP call at a time with their rows' bans, without the
+grammar; `free` drafts k > 1 in one fused call) and `json_schema` (the SCHEMA below: every token masked by
 the grammar, drafts drawn within it; the output ends where the schema does). Reported per setting: TPOT
 (vLLM's, on the server's clock, mean over requests), its ratio to k = 0 of the same setting (the MTP
 speed-up), acceptance, tokens per step, output tokens, and for the schema the share of outputs that
@@ -39,8 +41,9 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["title",
                          "verses": {"type": "array", "items": VERSE, "minItems": 3, "maxItems": 3}}}
 
 
-def settings(max_tokens: int) -> dict[str, SamplingParams]:
+def settings(max_tokens: int, never_drawn: int) -> dict[str, SamplingParams]:
     return {"free": SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            "free_banned": SamplingParams(max_tokens=max_tokens, ignore_eos=True, bad_token_ids=(never_drawn,)),
             "json_schema": SamplingParams(max_tokens=max_tokens, guided_decoding=GuidedDecodingParams(json=SCHEMA))}
 
 
@@ -97,7 +100,7 @@ def main() -> None:
     set_threads(args.threads)
     engine = load_engine(args.model, device=args.device, dtype=args.dtype)
     texts = [x["text"] for x in round_robin_by_source(load_prompts(args.model, args.prompts), max(levels))]
-    setting_params = settings(args.max_tokens)
+    setting_params = settings(args.max_tokens, engine.model_config.bos_token_id)
 
     results: dict[str, Any] = {}
     outputs: dict[int, list[list[int]]] = {}  # per concurrency: the schema outputs of the first k
@@ -135,7 +138,9 @@ def main() -> None:
     info = machine_info()
     md = [f"# Structured output under MTP{' (quick smoke run)' if args.quick else ''}", "",
           f"Shipped model, greedy, prompts cut at 64 tokens, {args.rounds} rounds per setting (order reversed every "
-          f"other round). `free`: no guide, ignore_eos, {args.max_tokens} new tokens. `json_schema`: the schema in "
+          f"other round). `free`: no guide, ignore_eos, {args.max_tokens} new tokens. `free_banned`: the same text with "
+          "bos banned (never drawn): the unfused drafting path guided requests take (each draft's mask depends on the "
+          "draft before it), without a grammar. `json_schema`: the schema in "
           "benchmarks/structured_output.py (a title and three verses), every token masked by its grammar, drafts "
           "drawn within it; the output ends where the schema does.", "",
           f"'x k={ks[0]}' is the TPOT over k = {ks[0]}'s in the same setting and concurrency (below 1: MTP is faster). "
