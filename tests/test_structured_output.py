@@ -96,6 +96,38 @@ def test_greedy_output_is_the_same_for_every_k_and_parses(shipped_engine, prompt
     assert drafted > 0  # drafts under the grammar were accepted, not merely rejected
 
 
+def test_chunked_prefill_preemption_and_cancellation_keep_guided_output_exact(shipped_engine, prompts) -> None:
+    """Under a 32-token budget (prompts prefilled in chunks) and a cache of 9 blocks, two long unconstrained
+    requests admitted first make the guided ones admitted after them be preempted and recomputed (their grammar
+    state kept with their tokens): every output is its k = 0 output alone. A guided request cancelled mid-way
+    gives its blocks back like any other."""
+    params = [SamplingParams(max_tokens=64, ignore_eos=True)] * 2
+    params += [SamplingParams(max_tokens=MAX_TOKENS, guided_decoding=g) for g in GUIDES.values()]
+    ordered = prompts[4:] + prompts[:4]
+    reference = [o.token_ids for o in run(shipped_engine, ordered, params, 0, alone=True)]
+    config = ExecutorConfig(num_draft_tokens=3, speculation="fixed", max_num_tokens=32, max_batch_size=7,
+                            kv_cache_tokens=128, max_seq_len=256)
+    with Executor(shipped_engine, config) as ex:
+        preempt, victims = ex.scheduler._preempt_latest, []
+
+        def recorded():
+            victims.append(preempt())
+            return victims[-1]
+
+        def cancel_early(o: RequestOutput) -> None:
+            if len(o.token_ids) >= 3 and not o.finished:
+                ex.cancel(o.request_id)
+
+        ex.scheduler._preempt_latest = recorded
+        handles = [ex.submit(p, sp) for p, sp in zip(ordered, params)]
+        outs = [h.result(120) for h in handles]
+        cancelled = ex.submit(prompts[0], params[2], on_output=cancel_early).result(120)
+        assert_all_free(ex)
+    assert any(v.grammar is not None for v in victims), "no guided request was preempted"
+    assert [o.token_ids for o in outs] == reference
+    assert cancelled.finish_reason == "cancelled" and reference[2][: len(cancelled.token_ids)] == cancelled.token_ids
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_every_draft_is_drawn_within_the_grammar(shipped_engine, shipped_tokenizer, prompts, temperature) -> None:
     """Drafts come from the MTP distribution masked by the state each would be drawn in (the output so far plus the
