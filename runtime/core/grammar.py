@@ -156,24 +156,39 @@ class GrammarMatcher:
         if tokens and not self.matcher.consume_tokens(tokens):
             raise RuntimeError(f"grammar rejected kept tokens {tokens}: {self.matcher.get_error()[:200]}")
 
-    def masks(self, drafts: list[int], first: int, num_rows: int) -> Tensor:
-        """[num_rows, V] bool, True where banned: row r is decided after drafts[:first + r]. Rows after a draft the
-        grammar refuses, or after the eos that completes it, are left unconstrained: that draft is rejected (its
-        own row bans it) or ends the request, so no later row is ever used. The matcher's state is restored."""
+    def fill_masks(self, words: np.ndarray, drafts: list[int], first: int) -> None:
+        """Write the bitmasks of rows first .. first + len(words) - 1 into words [rows, W] (int32, all bits set on
+        entry): row r is decided after drafts[:first + r]. Rows after a draft the grammar refuses, or after the eos
+        that completes it, keep every bit: that draft is rejected (its own row bans it) or ends the request, so no
+        later row is ever used. The matcher's state is restored."""
         m = self.matcher
-        words = np.full((num_rows, self.mask_words), -1, dtype=np.int32)
         consumed = m.try_consume_tokens(drafts[:first]) if first else 0
         if consumed == first:
-            for r in range(num_rows):
+            for r in range(len(words)):
                 m.unsafe_compute_mask_ptr(words[r].ctypes.data, words[r].nbytes)
                 j = first + r
-                if r + 1 == num_rows or j >= len(drafts) or m.try_consume_tokens(drafts[j : j + 1]) != 1:
+                if r + 1 == len(words) or j >= len(drafts) or m.try_consume_tokens(drafts[j : j + 1]) != 1:
                     break
                 consumed += 1
         if consumed:
             m.rollback(consumed)
-        bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, : self.vocab_size]
-        return torch.from_numpy(bits == 0)
+
+    def masks(self, drafts: list[int], first: int, num_rows: int) -> Tensor:
+        """[num_rows, V] bool, True where banned (`fill_masks`'s rows, of one sequence)."""
+        return grammar_bans([self], [drafts], first, num_rows)[0]
+
+
+def grammar_bans(matchers: list[GrammarMatcher | None], drafts: list[list[int]] | None, first: int, num_rows: int
+                 ) -> Tensor:
+    """[B, num_rows, V] bool, True where a sequence's grammar bans the token at that row (none for a sequence
+    without one): each matcher fills its rows' bitmasks, then all are unpacked in one pass."""
+    some = next(m for m in matchers if m is not None)
+    words = np.full((len(matchers), num_rows, some.mask_words), -1, dtype=np.int32)
+    for b, m in enumerate(matchers):
+        if m is not None:
+            m.fill_masks(words[b], drafts[b] if drafts else [], first)
+    bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")[..., : some.vocab_size]
+    return torch.from_numpy(bits == 0)
 
 
 class GrammarCompiler:

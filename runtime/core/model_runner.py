@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from runtime.core.cuda_graphs import CudaGraphRunner
+from runtime.core.grammar import grammar_bans
 from runtime.core.kv_cache import KVCache
 from runtime.model.batch import SHORT_QUERY, PagedBatch
 from runtime.model.kernels.modules import FusedMTPLayer, attends_in_kernels
@@ -102,18 +103,20 @@ class ModelRunner:
         grammar refuses after the drafts before the row) and the penalties, which count the drafts before it."""
         V = self.model.cfg.vocab_size
         bad = None
-        banning = [(b, s) for b, s in enumerate(seqs) if s.params.bad_token_ids or s.bans_stop_ids or s.grammar is not None]
-        if banning:
-            bad = torch.zeros(len(seqs), num_rows, V, dtype=torch.bool)
-            rows = None if drafts is None or first + num_rows == 1 else drafts[:, : first + num_rows - 1].tolist()
+        grammars = [s.grammar for s in seqs]
+        banning = [(b, s) for b, s in enumerate(seqs) if s.params.bad_token_ids or s.bans_stop_ids]
+        if banning or any(g is not None for g in grammars):
+            if any(g is not None for g in grammars):  # row j: what the grammar allows after the drafts before it
+                rows = None if drafts is None or first + num_rows == 1 else drafts[:, : first + num_rows - 1].tolist()
+                bad = grammar_bans(grammars, rows, first, num_rows)
+            else:
+                bad = torch.zeros(len(seqs), num_rows, V, dtype=torch.bool)
             for b, s in banning:
                 bad[b, :, list(s.params.bad_token_ids)] = True
                 banned_rows = s.params.min_tokens - s.num_output_tokens - first  # rows before min_tokens is reached
                 if banned_rows > 0:
                     bad[b, :banned_rows, list(s.stop_ids)] = True
-                if s.grammar is not None:  # row j: what the grammar allows after the drafts before it
-                    bad[b] |= s.grammar.masks(rows[b] if rows else [], first, num_rows)
-            bad = bad.view(-1, V).to(self.device)
+            bad = bad.reshape(-1, V).to(self.device)
         return bad, self._penalties(seqs, drafts, first, num_rows)
 
     def _penalties(self, seqs: list[Sequence], drafts: Tensor | None, first: int, num_rows: int) -> Penalties | None:
