@@ -9,8 +9,8 @@ errors reported as text with a position rather than raised from C++. TensorRT-LL
 A guide is compiled once per distinct guide (an LRU of pristine matchers, keyed by kind and text); each
 sequence gets a deep copy. The matcher holds the grammar state after the sequence's kept output tokens:
 `GrammarMatcher.advance` is called by the step's one writer (`Scheduler.update_from_output`). The model
-runner asks it for masks of rows that follow drafts (`masks`): it consumes the drafts, computes one mask
-per row and rolls them back, leaving the state as it found it. Once the grammar is complete the mask
+runner asks for the bans of rows that follow drafts (`grammar_bans`): each matcher consumes the drafts,
+writes one bitmask per row and rolls them back, leaving the state as it found it. Once the grammar is complete the mask
 allows EOS only, so the request ends the way any request ends (a stop token), at the same token for every
 draft length: greedy output under a grammar does not depend on k.
 """
@@ -55,8 +55,8 @@ def _grammar_text(guide: GuidedDecodingParams) -> str:
 
 
 def _line_col(text: str, offset: int) -> str:
-    line = text.count("\n", 0, offset) + 1
-    return f"line {line}, column {offset - (text.rfind(chr(10), 0, offset) + 1) + 1}"
+    line, line_start = text.count("\n", 0, offset) + 1, text.rfind("\n", 0, offset) + 1
+    return f"line {line}, column {offset - line_start + 1}"
 
 
 def _schema_children(node: dict) -> list[tuple[str, Any]]:
@@ -82,7 +82,7 @@ def _schema_location(schema: dict, error: str) -> str:
     """The JSON pointer of the deepest subschema that fails alone with the same error: where it lies (the engine's
     schema errors name no position)."""
     path, node = "", schema
-    while True:
+    while isinstance(node, dict):
         for step, sub in _schema_children(node):
             try:
                 same = _schema_error(sub) == error
@@ -92,7 +92,8 @@ def _schema_location(schema: dict, error: str) -> str:
                 path, node = f"{path}/{step}", sub
                 break
         else:
-            return path or "/"
+            break
+    return path or "/"
 
 
 def _position(kind: str, text: str, error: str) -> str:
