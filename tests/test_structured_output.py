@@ -238,6 +238,16 @@ def test_invalid_guides_name_the_field_and_position(guide, message) -> None:
     assert str(e.value) == message
 
 
+def test_bad_tokens_that_leave_nothing_yield_to_the_grammar(shipped_engine, shipped_tokenizer, prompts) -> None:
+    """A row where the request's bad tokens ban everything the grammar allows takes the grammar's mask alone: the
+    output still follows the grammar (a step never emits a token the grammar refuses)."""
+    letter = shipped_tokenizer.encode("q", add_bos=False)
+    params = SamplingParams(max_tokens=8, bad_token_ids=tuple(letter), guided_decoding=GuidedDecodingParams(regex="q"))
+    for k in (0, 2):
+        [out] = run(shipped_engine, prompts[:1], [params], k)
+        assert out.text == "q" and out.finish_reason == "stop", (k, out.text)
+
+
 def test_session_refuses_before_submitting_anything(shipped_model_dir) -> None:
     with Session(shipped_model_dir, num_draft_tokens=2) as s:
         bad = SamplingParams(guided_decoding=GuidedDecodingParams(regex="ab[c-"))

@@ -105,10 +105,12 @@ class ModelRunner:
         bad = None
         grammars = [s.grammar for s in seqs]
         banning = [(b, s) for b, s in enumerate(seqs) if s.params.bad_token_ids or s.bans_stop_ids]
-        if banning or any(g is not None for g in grammars):
-            if any(g is not None for g in grammars):  # row j: what the grammar allows after the drafts before it
+        guided = any(g is not None for g in grammars)
+        if banning or guided:
+            if guided:  # row j: what the grammar allows after the drafts before it
                 rows = None if drafts is None or first + num_rows == 1 else drafts[:, : first + num_rows - 1].tolist()
-                bad = grammar_bans(grammars, rows, first, num_rows)
+                grammar = grammar_bans(grammars, rows, first, num_rows)
+                bad = grammar.clone()
             else:
                 bad = torch.zeros(len(seqs), num_rows, V, dtype=torch.bool)
             for b, s in banning:
@@ -116,6 +118,9 @@ class ModelRunner:
                 banned_rows = s.params.min_tokens - s.num_output_tokens - first  # rows before min_tokens is reached
                 if banned_rows > 0:
                     bad[b, :banned_rows, list(s.stop_ids)] = True
+            if guided and banning:  # bad tokens that leave nothing the grammar allows yield to the grammar
+                empty = bad.all(-1)
+                bad[empty] = grammar[empty]
             bad = bad.reshape(-1, V).to(self.device)
         return bad, self._penalties(seqs, drafts, first, num_rows)
 
