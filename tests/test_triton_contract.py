@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -27,11 +28,12 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 httpclient = pytest.importorskip("tritonclient.http")
 
 from builder.trtllm_engine import TrtllmOptions, llm_api_options  # noqa: E402
-from runtime.core.sampling import SamplingParams  # noqa: E402
+from runtime.core.sampling import GuidedDecodingParams, SamplingParams  # noqa: E402
 from runtime.executors.session import Session  # noqa: E402
 from runtime.io.engine_format import read_limits  # noqa: E402
 from serving.llmapi_config import ModelYamlError, read_model_yaml  # noqa: E402
 from serving.model_repo import add_llmapi_model  # noqa: E402
+from serving.request_validation import GUIDED_INPUTS  # noqa: E402
 from test_triton import DTYPES, Streamed, grpc_inputs, http_generate  # noqa: E402
 from triton_util import TritonServer, fill_model_repo, make_tiny_checkpoint, repo_values, start_server  # noqa: E402
 
@@ -206,7 +208,10 @@ def test_unary_tensorrt_llm_refuses_streaming_naming_the_input(unary: TritonServ
 # ---- the llmapi flavour -----------------------------------------------------------------------
 @pytest.mark.parametrize("model", ["tensorrt_llm", "tensorrt_llm_unary"])
 def test_llmapi_model_declares_upstreams_tensors_exactly(llmapi: TritonServer, model: str) -> None:
-    assert declared(llmapi, model) == UPSTREAM["llmapi"]["tensorrt_llm"]
+    upstream = UPSTREAM["llmapi"]["tensorrt_llm"]
+    # plus the legacy model's guided decoding inputs (upstream's llmapi model has no structured output)
+    guided = {name: UPSTREAM["legacy"]["tensorrt_llm"]["input"][name] for name in GUIDED_INPUTS}
+    assert declared(llmapi, model) == {"input": {**upstream["input"], **guided}, "output": upstream["output"]}
     config = grpcclient.InferenceServerClient(llmapi.grpc_url).get_model_config(model).config
     assert config.max_batch_size == 0 and config.model_transaction_policy.decoupled == (model == "tensorrt_llm")
 
@@ -221,6 +226,26 @@ def test_llmapi_unary_matches_the_session(llmapi: TritonServer, expected: dict) 
         assert result.as_numpy("text_output")[0].decode() == expected[prompt].text
         status, body = http_generate(llmapi, "tensorrt_llm_unary", text_input=prompt, sampling_param_max_tokens=TOKENS)
         assert status == 200 and body["text_output"] == expected[prompt].text, body
+
+
+def test_llmapi_guided_decoding_matches_the_session(llmapi: TritonServer, session: Session) -> None:
+    """guided_decoding_guide_type / guided_decoding_guide (the legacy names): a regex-guided greedy output equal to the
+    Session's under the same MTP drafting, in the regex's language; an invalid regex is refused naming the input and
+    the position, and the model goes on serving."""
+    from tritonclient.utils import InferenceServerException
+
+    regex = r"[a-z]{1,6}( [a-z]{1,6}){2}\."
+    want = session.generate(PROMPTS[0], SamplingParams(max_tokens=40, guided_decoding=GuidedDecodingParams(regex=regex)))
+    guided = dict(text_input=np.array([PROMPTS[0]], object), sampling_param_max_tokens=np.array([40], np.int32),
+                  guided_decoding_guide_type=np.array(["regex"], object))
+    result = infer(llmapi, "tensorrt_llm_unary", **guided, guided_decoding_guide=np.array([regex], object))
+    text = result.as_numpy("text_output")[0].decode()
+    assert text == want[0].text and re.fullmatch(regex, text), (text, want[0].text)
+    with pytest.raises(InferenceServerException) as e:
+        infer(llmapi, "tensorrt_llm_unary", **guided, guided_decoding_guide=np.array(["ab(c"], object))
+    assert "guided_decoding_guide is invalid at position 2: unclosed group" in str(e.value), e.value
+    result = infer(llmapi, "tensorrt_llm_unary", **guided, guided_decoding_guide=np.array([regex], object))
+    assert result.as_numpy("text_output")[0].decode() == text
 
 
 def test_llmapi_streams_the_session_text(llmapi: TritonServer, expected: dict) -> None:

@@ -44,7 +44,7 @@ from runtime.io.engine_format import BuildConfig, EngineError, engine_backend
 from runtime.executors.base import ExecutorConfig, create_executor
 from runtime.executors.native import Executor
 from runtime.executors.requests import RequestOutput
-from runtime.core.sampling import RelaxedAcceptance, SamplingParams
+from runtime.core.sampling import GuidedDecodingParams, RelaxedAcceptance, SamplingParams
 from runtime.core.scheduler import SchedulerConfig
 from runtime.executors.trtllm import (
     LLM_API_OPTIONS,
@@ -87,6 +87,7 @@ _SAMPLING_DEFAULTS = {"max_tokens": 32, "include_stop_str_in_output": False, "n"
 UPSTREAM_LLM_ARGS = {
     "backend": None, "dtype": None, "tensor_parallel_size": None, "moe_expert_parallel_size": None,
     "enable_attention_dp": None, "max_batch_size": None, "max_num_tokens": None, "max_seq_len": None,
+    "guided_decoding_backend": None,
     "kv_cache_config": {"dtype", "free_gpu_memory_fraction", "enable_block_reuse", "tokens_per_block", "max_tokens"},
     "cuda_graph_config": {"enable_padding", "max_batch_size", "batch_sizes"},
     "speculative_config": {"decoding_type", "num_nextn_predict_layers", "use_relaxed_acceptance_for_thinking",
@@ -135,6 +136,12 @@ def make_tensorrt_llm_double() -> ModuleType:
     mod = ModuleType("tensorrt_llm")
     mod.__version__ = "test-double"
     mod.SamplingParams = sampling_params_class()
+    # tensorrt_llm/sampling_params.py's GuidedDecodingParams, re-exported by tensorrt_llm.llmapi
+    mod.llmapi = ModuleType("tensorrt_llm.llmapi")
+    mod.llmapi.GuidedDecodingParams = dataclasses.make_dataclass(
+        "GuidedDecodingParams", [("json", Any, field(default=None)), ("regex", Any, field(default=None)),
+                                 ("grammar", Any, field(default=None)), ("json_object", bool, field(default=False)),
+                                 ("structural_tag", Any, field(default=None))], kw_only=True)
     mod.llms = []  # every LLM constructed
     mod.plan = default_plan  # (prompt ids, SamplingParams) -> Plan
     mod.report_metrics = True  # fill outputs[0].request_perf_metrics when asked for
@@ -396,6 +403,36 @@ def test_logprobs_from_upstream() -> None:
         TokenLogprob(5, -1.0, 2, ((9, -0.5), (5, -1.0))), TokenLogprob(7, -0.1, 1, ((7, -0.1),)),
         TokenLogprob(4, -0.75, None, ())]
     assert logprobs_from_upstream(entries[:1], [5], 0) == [TokenLogprob(5, -1.0, 2, ())]
+
+
+def test_contract_guided_decoding_passes_through(engine_dir: Path, trtllm: ModuleType) -> None:
+    """GuidedDecodingParams reach upstream's SamplingParams.guided_decoding under TensorRT-LLM's names, with the
+    engine YAML's guided_decoding_backend passed to LLM(); without one, or with an invalid guide, the request is
+    refused before anything is submitted, as the native executor refuses it."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    guides = {"json": GuidedDecodingParams(json=schema), "regex": GuidedDecodingParams(regex="[a-z]+"),
+              "grammar": GuidedDecodingParams(grammar='root ::= "yes" | "no"'),
+              "json_object": GuidedDecodingParams(json_object=True)}
+    with TrtllmExecutor(engine_dir, ExecutorConfig(num_draft_tokens=3, speculation="fixed")) as ex:
+        prompt = ex.tokenizer.encode("def fib(n):")
+        with pytest.raises(ValueError) as e:
+            ex.submit(prompt, SamplingParams(guided_decoding=guides["regex"]))
+        assert str(e.value) == ("guided_decoding needs TensorRT-LLM's guided_decoding_backend (xgrammar or llguidance) "
+                                "in the engine's extra_llm_api_options.yaml")
+    overrides = {"guided_decoding_backend": "llguidance"}
+    with TrtllmExecutor(engine_dir, ExecutorConfig(num_draft_tokens=3, speculation="fixed"),
+                        llm_overrides=overrides) as ex:
+        assert trtllm.llms[-1].kwargs["guided_decoding_backend"] == "llguidance"
+        with pytest.raises(ValueError, match=r"^guided_decoding.regex is invalid at position 0: unclosed group$"):
+            ex.submit(prompt, SamplingParams(guided_decoding=GuidedDecodingParams(regex="(a")))
+        assert trtllm.llms[-1].requests == []
+        for guide in guides.values():
+            ex.submit(prompt, SamplingParams(max_tokens=4, guided_decoding=guide)).result(60)
+        ex.submit(prompt, SamplingParams(max_tokens=4)).result(60)
+    sent = [r.sampling_params.guided_decoding for r in trtllm.llms[-1].requests]
+    G = trtllm.llmapi.GuidedDecodingParams
+    assert sent == [G(json=json.dumps(schema)), G(regex="[a-z]+"), G(grammar='root ::= "yes" | "no"'),
+                    G(json_object=True), None]
 
 
 def test_contract_logprobs_stream_through(engine_dir: Path, trtllm: ModuleType) -> None:

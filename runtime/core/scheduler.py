@@ -17,9 +17,9 @@ The draft length comes from a `DraftPolicy` (runtime.core.draft_policy), and no 
 budget to prompts waiting to be prefilled.
 
 After the step, `update_from_output` applies what the runner computed, the one writer of a step's
-results: tokens (as many as the stop rules keep) and the penalties' counts of them, cache lengths, MTP
-inputs, prompt logprobs done, blocks filled (registered for reuse), finished sequences, blocks given back,
-and what the draft policy learns.
+results: tokens (as many as the stop rules keep), the penalties' counts and the grammar state of them, cache
+lengths, MTP inputs, prompt logprobs done, blocks filled (registered for reuse), finished sequences, blocks
+given back, and what the draft policy learns.
 """
 
 from __future__ import annotations
@@ -200,6 +200,8 @@ class Scheduler:
             seq.token_ids += new
             if seq.penalty is not None:
                 seq.penalty.add(new)
+            if seq.grammar is not None:
+                seq.grammar.advance(new)
             if r.prompt_logprobs:
                 seq.num_prompt_logprobs += len(r.prompt_logprobs)
             seq.num_cached += r.num_trusted

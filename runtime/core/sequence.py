@@ -10,7 +10,8 @@ a while would otherwise copy its growing backlog every step).
 Prefix caching may start a sequence at num_cached = num_mtp > 0, on blocks it shares with others
 (runtime.core.prefix_cache); nothing ever writes below those positions.
 
-A penalized request keeps its token counts as tensors (`PenaltyState`), updated by the step's one writer
+A guided request keeps its grammar matcher (`GrammarMatcher`), advanced by the step's one writer; a penalized
+request keeps its token counts as tensors (`PenaltyState`), updated by the step's one writer
 with the tokens it keeps, so a step reads them in O(vocabulary) rather than recounting its history.
 """
 
@@ -18,11 +19,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from runtime.core.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from runtime.core.grammar import GrammarMatcher
 
 
 @dataclass(eq=False)
@@ -68,6 +73,7 @@ class Sequence:
     admitted_at: int = -1  # admission order of its last admission (preemption takes the latest)
     stop_ids: frozenset[int] = frozenset()  # eos and stop token ids: banned while min_tokens is not reached
     penalty: PenaltyState | None = None  # set for requests with penalties
+    grammar: GrammarMatcher | None = None  # set for guided requests: the grammar state after the output
     num_prompt_logprobs: int = 0  # prompt positions whose next-token logprobs were computed (prompt_logprobs)
     # prefix caching (runtime.core.prefix_cache): keys of its full blocks, how many of its blocks are registered
     # and MTP-marked, and how many prompt blocks its first admission reused (None: not admitted yet)

@@ -25,6 +25,7 @@ from runtime.io.loading import LoadedEngine, load_engine
 from runtime.core.kv_cache import KVCache, free_memory_bytes
 from runtime.core.sampling import SamplingParams
 from runtime.core.draft_policy import DraftPolicy, StepCosts
+from runtime.core.grammar import GrammarCompiler
 from runtime.core.prefix_cache import PrefixCache
 from runtime.core.scheduler import Scheduler
 from runtime.executors.base import ExecutorConfig
@@ -62,6 +63,7 @@ class Executor:
         k = config.draft_len(build.max_draft_len, cfg.num_nextn_predict_layers, str(self.engine.path), self.engine.built)
         self.model_config = cfg
         self.tokenizer = Tokenizer.from_dir(self.engine.tokenizer_dir)
+        self._grammars: GrammarCompiler | None = None  # built at the first guided request
         block = build.kv_block_size
         dtype = next(self.engine.model.parameters()).dtype
         capacity = self._kv_capacity(KVCache.bytes_per_token(cfg, dtype), k, block)
@@ -118,6 +120,10 @@ class Executor:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the parameter when this request cannot run here."""
         validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.limits.max_seq_len)
+        if params.guided_decoding is not None:
+            self.grammars.check(params.guided_decoding)
+            if self.tokenizer.eos_token_id in params.bad_token_ids:
+                raise ValueError("guided_decoding ends the output with eos; bad_token_ids must not ban it")
         if params.num_draft_tokens is not None and params.num_draft_tokens > self.policy.max_k:
             raise ValueError(f"num_draft_tokens {params.num_draft_tokens} exceeds this executor's draft length "
                              f"{self.policy.max_k}")
@@ -126,6 +132,16 @@ class Executor:
         if need > self.cache.allocator.num_blocks:
             raise ValueError(f"max_tokens {params.max_tokens} with a {len(prompt_token_ids)}-token prompt needs {need} "
                              f"KV blocks; the cache has {self.cache.allocator.num_blocks} (raise kv_cache_tokens)")
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Guides compiled for this tokenizer (ValueError when it has no eos to end a guided output with)."""
+        if self._grammars is None:
+            eos = self.tokenizer.eos_token_id
+            if eos is None:
+                raise ValueError("guided_decoding needs an eos token; this model's tokenizer has none")
+            self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.model_config.vocab_size, eos)
+        return self._grammars
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams,
                on_output: Callable[[RequestOutput], None] | None = None, request_id: str | None = None) -> RequestHandle:
@@ -140,7 +156,8 @@ class Executor:
                                       self.cache.tensor.device) if params.penalized else None
         seq = Sequence(rid, list(prompt_token_ids), len(prompt_token_ids), params, seed,
                        in_thinking=self._thinking_after(prompt_token_ids), stop_ids=tracker.stop_ids, penalty=penalty,
-                       mtp_dropped=params.num_draft_tokens == 0)  # never drafts: keeps no MTP inputs
+                       mtp_dropped=params.num_draft_tokens == 0,  # never drafts: keeps no MTP inputs
+                       grammar=self.grammars.matcher(params.guided_decoding) if params.guided_decoding else None)
         with self._submit_lock:
             if self._stopping:
                 self._ids.release(rid)
