@@ -257,12 +257,16 @@ class EngineModel:
         os.kill(os.getppid(), signal.SIGTERM)
 
     def _cancel_abandoned(self) -> None:
-        """Cancel requests whose client cancelled or disconnected (frees their KV blocks now)."""
+        """Cancel requests whose client cancelled or disconnected (frees their KV blocks now).
+
+        Asked under the lock, of streams still active: a stream leaves `_active` under it before its final
+        response is sent, by this thread or by `execute` (a refused submit). Triton 2.51 frees a request's
+        response factory with its final response, and asking `is_cancelled` of it after that crashed
+        tritonserver (SIGSEGV in TRITONBACKEND_ResponseFactoryIsCancelled) under a stream of refused requests."""
         with self._lock:
-            streams = list(self._active)
-        for s in streams:
-            if s.sender.is_cancelled():
-                self.executor.cancel(s.executor_id)
+            cancelled = [s.executor_id for s in self._active if s.sender.is_cancelled()]
+        for executor_id in cancelled:
+            self.executor.cancel(executor_id)
 
     # ---- metrics --------------------------------------------------------------------------------
     def _create_metrics(self, model: str, version: str) -> None:

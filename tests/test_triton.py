@@ -21,6 +21,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -892,6 +893,20 @@ BAD_REQUESTS = {
                                     "seed=1 and random_seed=2 differ (random_seed is the older name of seed); "
                                     "give one of them"),
 }
+
+
+def test_a_stream_of_requests_the_engine_refuses_leaves_the_server_up(server: TritonServer) -> None:
+    """Requests that pass conversion and are refused by the executor (max_tokens past the KV cache), many at once:
+    the responder asked `is_cancelled` of a stream whose refusal had just been sent, and Triton 2.51 had freed
+    its response factory: tritonserver died by SIGSEGV within a minute of such traffic (soak_test --kinds)."""
+    def refuse(_: int) -> int:
+        return http_generate(server, "ensemble", **dict(GOOD, max_tokens=100_000))[0]
+
+    with ThreadPoolExecutor(8) as pool:
+        statuses = list(pool.map(refuse, range(1200)))
+    assert set(statuses) == {400}
+    assert server.process.poll() is None
+    assert_healthy(server)
 
 
 @pytest.mark.parametrize("case", list(BAD_REQUESTS), ids=list(BAD_REQUESTS))
