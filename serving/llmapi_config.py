@@ -40,7 +40,7 @@ WARNED = ("tensor_parallel_size", "pipeline_parallel_size", "moe_expert_parallel
           "enable_layerwise_nvtx_marker", "garbage_collection_gen0_threshold", "pytorch_backend_config",
           "load_format", "checkpoint_format", "batch_wait_timeout_ms", "enable_autotuner")
 TRITON_KEYS = ("max_batch_size", "decoupled", "cancellation_check_period_ms", "stats_check_period_ms",
-               "watchdog_timeout_s", "speculation", "device", "torch_threads")
+               "watchdog_timeout_s", "speculation", "device", "torch_threads", "engine_process")
 
 
 class ModelYamlError(ValueError):
@@ -50,7 +50,7 @@ class ModelYamlError(ValueError):
 @dataclass(frozen=True)
 class TritonConfig:
     """`triton_config`: upstream's keys (max_batch_size, decoupled, cancellation_check_period_ms) and this
-    runtime's (stats_check_period_ms, watchdog_timeout_s, torch_threads)."""
+    runtime's (stats_check_period_ms, watchdog_timeout_s, torch_threads, engine_process)."""
 
     max_batch_size: int = 0
     decoupled: bool = False
@@ -58,6 +58,7 @@ class TritonConfig:
     stats_check_period_ms: int = 100
     watchdog_timeout_s: float = 120.0
     torch_threads: int | None = None
+    engine_process: bool = True  # the executor in a process of its own (runtime.executors.process)
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,8 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
                                    source),
         watchdog_timeout_s=_number(triton.get("watchdog_timeout_s", 120.0), "triton_config.watchdog_timeout_s",
                                    source),
-        torch_threads=None if threads is None else _int(threads, "triton_config.torch_threads", source)), warnings)
+        torch_threads=None if threads is None else _int(threads, "triton_config.torch_threads", source),
+        engine_process=_bool(triton.get("engine_process", True), "triton_config.engine_process", source)), warnings)
 
 
 def _engine_options(model: Path) -> dict[str, Any]:

@@ -32,6 +32,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from runtime.executors.base import ExecutorConfig, ExecutorProtocol, create_executor
+from runtime.executors.process import ProcessExecutor
 from runtime.executors.requests import RequestOutput, RequestStats
 from runtime.core.sampling import SamplingParams
 from serving.request_validation import RequestError
@@ -97,24 +98,28 @@ class EngineModel:
 
     # ---- set-up ---------------------------------------------------------------------------------
     def start(self, engine_dir: Path, executor_config: ExecutorConfig, *, model_name: str, model_version: str,
-              decoupled: bool, torch_threads: int | None, cancel_period_s: float, stats_period_s: float,
-              watchdog_timeout_s: float) -> None:
-        """Load the executor and start the sender, metrics and watchdog threads."""
+              decoupled: bool, torch_threads: int | None, engine_process: bool, cancel_period_s: float,
+              stats_period_s: float, watchdog_timeout_s: float) -> None:
+        """Load the executor (in a process of its own with engine_process: the responder then never holds the
+        GIL its step loop needs) and start the sender, metrics and watchdog threads."""
         rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
         if rank:
             raise pb_utils.TritonModelException(
                 f"rank {rank}: the native runtime runs in one process (ranks are merged at load); use world_size 1")
-        if torch_threads:  # small decode steps on a busy CPU run faster on fewer threads
-            torch.set_num_threads(torch_threads)
         pb_utils.Logger.log_info(f"{self.label}: loading {engine_dir}")
-        self.executor: ExecutorProtocol = create_executor(engine_dir, executor_config)
+        if engine_process:
+            self.executor: ExecutorProtocol = ProcessExecutor(engine_dir, executor_config, torch_threads=torch_threads)
+        else:
+            if torch_threads:  # small decode steps on a busy CPU run faster on fewer threads
+                torch.set_num_threads(torch_threads)
+            self.executor = create_executor(engine_dir, executor_config)
         self.tokenizer = self.executor.tokenizer
-        self.vocab_size = self.executor.engine.model_config.vocab_size
+        self.vocab_size = self.executor.model_config.vocab_size
         self.decoupled = decoupled
         self.cancel_period_s, self.stats_period_s = cancel_period_s, stats_period_s
         self.watchdog_timeout_s = watchdog_timeout_s
         # KV block size of the native executor; a TensorRT-LLM executor's block counts read 0 (as its metrics)
-        self.kv_block_size = getattr(getattr(self.executor, "cache", None), "block_size", 0)
+        self.kv_block_size = self.executor.kv_block_size
         self._create_metrics(model_name, model_version)
         self._outbox: queue.Queue[tuple[Stream, RequestOutput, int] | None] = queue.Queue()
         self._active: set[Stream] = set()

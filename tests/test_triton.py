@@ -272,7 +272,7 @@ def test_every_template_placeholder_is_filled_by_the_test_values(tmp_path: Path,
     # these stay as placeholders on purpose: their models read an unfilled one as "use the default"
     assert left <= {"add_special_tokens", "skip_special_tokens", "max_tokens_in_paged_kv_cache", "num_draft_tokens",
                     "kv_cache_free_gpu_mem_fraction", "watchdog_timeout_s",
-                    "executor_max_batch_size", "executor_max_seq_len", "device", "torch_threads",
+                    "executor_max_batch_size", "executor_max_seq_len", "device", "torch_threads", "engine_process",
                     "exclude_input_in_output", "accumulate_tokens"}
 
 

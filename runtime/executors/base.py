@@ -92,6 +92,7 @@ class ExecutorProtocol(Protocol):
     model_config: ModelConfig
     limits: SchedulerConfig
     tokenizer: Tokenizer
+    kv_block_size: int  # tokens per KV block (0: the backend does not say)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
 

@@ -179,6 +179,10 @@ class Executor:
         self._inbox.put(("cancel", (request_id, handle)))
         self._wake.set()
 
+    @property
+    def kv_block_size(self) -> int:
+        return self.cache.block_size
+
     def stats(self) -> ExecutorStats:
         c = self._counts
         return ExecutorStats(

@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import logging
 import pickle
+import shutil
 import signal
 import socket
 import subprocess
@@ -49,7 +50,7 @@ class ProcessExecutor:
         parent, child = socket.socketpair()
         # a fresh interpreter (not multiprocessing's spawn, which re-runs the caller's __main__), told its end
         # of the pair by descriptor; the settings follow as the first message
-        self._process = subprocess.Popen([sys.executable, "-m", "runtime.executors.process", str(child.fileno())],
+        self._process = subprocess.Popen([_python(), "-m", "runtime.executors.process", str(child.fileno())],
                                          pass_fds=[child.fileno()], preexec_fn=terminate_with_parent)
         child.close()
         self._conn = Connection(parent.detach())
@@ -65,7 +66,7 @@ class ProcessExecutor:
         if kind == "failed":
             self._process.wait(5)
             raise payload[0]
-        self.model_config, self.limits, self.config, self.tokenizer = payload
+        self.model_config, self.limits, self.config, self.tokenizer, self.kv_block_size = payload
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # the maps below
         self._handles: dict[str, tuple[RequestHandle, Callable[[RequestOutput], None] | None]] = {}
@@ -211,6 +212,18 @@ class ProcessExecutor:
         handle._push(out)
 
 
+def _python() -> str:
+    """This environment's interpreter. A Triton Python stub embeds Python: its sys.executable is the stub, and
+    the interpreter is the `python3` that the launcher puts first on PATH."""
+    if Path(sys.executable).name.startswith("python"):
+        return sys.executable
+    found = shutil.which("python3")
+    if found is None:
+        raise EngineProcessError(f"no Python interpreter to start the engine process with ({sys.executable!r} is "
+                                 "not one and no python3 is on PATH)")
+    return found
+
+
 def _logging_levels() -> dict[str, int]:
     """The parent's logging levels (root's and those set on named loggers), for the child to log alike."""
     levels = {name: logger.level for name, logger in logging.root.manager.loggerDict.items()
@@ -238,7 +251,7 @@ def _engine_main(conn: Connection) -> None:
     except BaseException as e:
         send(("failed", e if _picklable(e) else RuntimeError(f"{type(e).__name__}: {e}")))
         return
-    send(("ready", executor.model_config, executor.limits, executor.config, executor.tokenizer))
+    send(("ready", executor.model_config, executor.limits, executor.config, executor.tokenizer, executor.kv_block_size))
 
     def output(out: RequestOutput) -> None:  # on the step loop's thread, the only other sender
         send(("out", out))

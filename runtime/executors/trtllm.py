@@ -455,6 +455,8 @@ class TrtllmExecutor:
     executor. ExecutorStats' KV-block counts are 0: TensorRT-LLM's iteration stats are not read.
     """
 
+    kv_block_size = 0  # its blocks are TensorRT-LLM's own; their counts read 0 here
+
     def __init__(self, engine: str | Path | TrtllmEngine, config: ExecutorConfig | None = None, *,
                  llm_overrides: Mapping[str, Any] | None = None, verify_weights: bool = False):
         self.engine = engine if isinstance(engine, TrtllmEngine) else TrtllmEngine.open(engine, verify_weights)

@@ -79,6 +79,7 @@ class TritonPythonModel(EngineModel):
                 "make them agree (make_model_repo --flavour llmapi writes both)")
         self.start(llm.model, llm.executor, model_name=args["model_name"], model_version=args["model_version"],
                    decoupled=decoupled, torch_threads=llm.triton.torch_threads,
+                   engine_process=llm.triton.engine_process,
                    cancel_period_s=llm.triton.cancellation_check_period_ms / 1000,
                    stats_period_s=llm.triton.stats_check_period_ms / 1000,
                    watchdog_timeout_s=llm.triton.watchdog_timeout_s)
