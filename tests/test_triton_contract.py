@@ -276,8 +276,10 @@ def test_llmapi_finish_reason_stop_reason_and_perf_metrics(llmapi: TritonServer,
     assert expected[prompt].text.startswith(text + stop)  # the stop string is cut, as the LLM API's default
     assert result.as_numpy("finish_reason")[0] == b"stop" and result.as_numpy("stop_reason")[0] == stop.encode()
     assert result.as_numpy("total_draft_tokens").shape == (1,) and result.as_numpy("total_draft_tokens")[0] > 0
-    assert result.as_numpy("kv_cache_reused_block")[0] == 0 and result.as_numpy("kv_cache_hit_rate")[0] == 0.0
-    assert result.as_numpy("kv_cache_alloc_total_blocks")[0] >= 1
+    reused, missed = result.as_numpy("kv_cache_reused_block")[0], result.as_numpy("kv_cache_missed_block")[0]
+    total = result.as_numpy("kv_cache_alloc_total_blocks")[0]
+    assert reused + missed >= 1 and result.as_numpy("kv_cache_hit_rate")[0] == pytest.approx(reused / (reused + missed))
+    assert total >= 1 and result.as_numpy("kv_cache_alloc_new_blocks")[0] == total - reused
     first, last = result.as_numpy("first_token_time_ns")[0], result.as_numpy("last_token_time_ns")[0]
     assert result.as_numpy("arrival_time_ns")[0] <= first <= last
     length = infer(llmapi, "tensorrt_llm_unary", text_input=np.array([prompt], object),
@@ -352,22 +354,26 @@ def write_yaml(tmp_path: Path, checkpoint: Path, **keys: Any) -> Path:
 def test_model_yaml_maps_llm_api_keys(tmp_path: Path, checkpoint: Path) -> None:
     path = write_yaml(tmp_path, checkpoint, backend="pytorch", max_batch_size=4, max_seq_len=512, max_num_tokens=256,
                       speculative_config={"decoding_type": "MTP", "max_draft_len": 2},
-                      kv_cache_config={"free_gpu_memory_fraction": 0.5, "max_tokens": 4096},
+                      kv_cache_config={"free_gpu_memory_fraction": 0.5, "max_tokens": 4096, "enable_block_reuse": False},
                       triton_config={"max_batch_size": 0, "decoupled": True, "speculation": "fixed"})
     llm = read_model_yaml(path, tmp_path)
     e = llm.executor
     assert (e.max_batch_size, e.max_seq_len, e.max_num_tokens, e.num_draft_tokens, e.speculation) == (4, 512, 256, 2,
                                                                                                       "fixed")
-    assert (e.free_memory_fraction, e.kv_cache_tokens) == (0.5, 4096) and llm.triton.decoupled and not llm.warnings
+    assert (e.free_memory_fraction, e.kv_cache_tokens, e.enable_block_reuse) == (0.5, 4096, False)
+    assert llm.triton.decoupled and not llm.warnings
     (tmp_path / "bare").mkdir()
     bare = read_model_yaml(write_yaml(tmp_path / "bare", checkpoint), tmp_path / "bare")
     assert bare.executor.speculation == "off"  # no speculative_config: no drafting, as the LLM API
+    assert bare.executor.enable_block_reuse  # prefix caching on by default, as the LLM API
 
 
 @pytest.mark.parametrize("keys, message", [
     (dict(speculative_config={"decoding_type": "Eagle", "max_draft_len": 2}), "decoding_type 'Eagle'"),
     (dict(kv_cache_config={"dtype": "fp8"}), "kv_cache_config.dtype 'fp8'"),
     (dict(kv_cache_config={"max_attention_window": [64]}), "kv_cache_config: unknown key(s) max_attention_window"),
+    (dict(kv_cache_config={"enable_block_reuse": "no"}), "kv_cache_config.enable_block_reuse must be true or false, "
+                                                         "got 'no'"),
     (dict(max_beam_width=4), "max_beam_width 4"),
     (dict(enable_lora=True), "unknown key(s) enable_lora"),
     (dict(speculative_config={"decoding_type": "MTP", "max_draft_len": 2, "num_nextn_predict_layers": 3}),

@@ -487,16 +487,21 @@ def test_llm_kwargs_as_built_and_with_executor_config(engine: TrtllmEngine, capl
     assert "'adaptive' is not available with TensorRT-LLM" in caplog.text
     limited = llm_kwargs_for(opts, m, ExecutorConfig(num_draft_tokens=1, speculation="fixed", max_batch_size=4,
                                                      max_num_tokens=256, max_seq_len=128, kv_cache_tokens=4096,
-                                                     dtype="float16", relaxed_acceptance=RelaxedAcceptance(10, 0.6, 3, 4)),
+                                                     dtype="float16", relaxed_acceptance=RelaxedAcceptance(10, 0.6, 3, 4),
+                                                     enable_block_reuse=False),
                              overrides={"kv_cache_config": {"free_gpu_memory_fraction": 0.5}, "enable_attention_dp": True})
     assert limited == {
         **opts, "max_batch_size": 4, "max_num_tokens": 256, "max_seq_len": 128, "dtype": "float16",
         "enable_attention_dp": True, "cuda_graph_config": {"enable_padding": True, "max_batch_size": 4},
-        "kv_cache_config": {**opts["kv_cache_config"], "max_tokens": 4096, "free_gpu_memory_fraction": 0.5},
+        "kv_cache_config": {**opts["kv_cache_config"], "max_tokens": 4096, "free_gpu_memory_fraction": 0.5,
+                            "enable_block_reuse": False},
         "speculative_config": {"decoding_type": "MTP", "num_nextn_predict_layers": 1,
                                "use_relaxed_acceptance_for_thinking": True, "relaxed_topk": 10, "relaxed_delta": 0.6,
                                "begin_thinking_phase_token": 3, "end_thinking_phase_token": 4}}
     assert opts == yaml.safe_load((engine.path / LLM_API_OPTIONS).read_text())  # not modified in place
+    # enable_block_reuse True (the default) keeps the engine's own setting, as built
+    assert llm_kwargs_for({**opts, "kv_cache_config": {"enable_block_reuse": False}}, m, ExecutorConfig()) == {
+        **opts, "kv_cache_config": {"enable_block_reuse": False}}
 
 
 @pytest.mark.parametrize("config, message", [
@@ -768,6 +773,21 @@ def test_zeroed_speculative_metrics_are_not_reported_counts() -> None:
     assert speculative_counts(result(0, 0)) is None
     assert speculative_counts(result(12, 9)) == (12, 9)
     assert speculative_counts(SimpleNamespace(outputs=[SimpleNamespace(request_perf_metrics=None)])) is None
+
+
+def test_kv_cache_metrics_are_read_as_upstream_names_them() -> None:
+    """request_perf_metrics.kv_cache_metrics.{num_reused_blocks, num_missed_blocks} (tensorrt_llm/executor/result.py,
+    read the same way by upstream's llmapi Triton model) become the request's stats; absent, None."""
+    from types import SimpleNamespace
+
+    from runtime.executors.trtllm import kv_cache_counts
+
+    kv = SimpleNamespace(num_total_allocated_blocks=5, num_new_allocated_blocks=2, num_reused_blocks=3,
+                         num_missed_blocks=2, kv_cache_hit_rate=0.6)
+    metrics = SimpleNamespace(kv_cache_metrics=kv, speculative_decoding=None)
+    assert kv_cache_counts(SimpleNamespace(outputs=[SimpleNamespace(request_perf_metrics=metrics)])) == (3, 2)
+    assert kv_cache_counts(SimpleNamespace(outputs=[SimpleNamespace(request_perf_metrics=None)])) is None
+    assert kv_cache_counts(SimpleNamespace(outputs=[])) is None
 
 
 def test_create_executor_dispatches_on_the_backend(engine_dir: Path, spec_checkpoint: Path, trtllm: ModuleType,

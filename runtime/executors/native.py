@@ -26,6 +26,7 @@ from runtime.core.kv_cache import KVCache, free_memory_bytes
 from runtime.core.sampling import SamplingParams
 from runtime.core.draft_policy import DraftPolicy, StepCosts
 from runtime.core.grammar import GrammarCompiler
+from runtime.core.prefix_cache import PrefixCache
 from runtime.core.scheduler import Scheduler
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.requests import (ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestStats, RequestTracker,
@@ -75,7 +76,8 @@ class Executor:
                                   keep_mtp_inputs=k > 0, graphs=graphs)
         costs = self.profile(k) if config.speculation == "adaptive" and k else None
         self.policy = DraftPolicy(config.speculation if k else "off", k, costs)
-        self.scheduler = Scheduler(self.limits, self.cache, self.policy)
+        prefix_cache = PrefixCache(self.cache.allocator, block, self.policy.mode) if config.enable_block_reuse else None
+        self.scheduler = Scheduler(self.limits, self.cache, self.policy, prefix_cache)
         self._requests: dict[str, tuple[Sequence, RequestTracker]] = {}
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._wake = threading.Event()
@@ -182,6 +184,7 @@ class Executor:
         return ExecutorStats(
             running=len(self.scheduler.running), queued=len(self.scheduler.waiting) + self._submitted_not_seen(),
             kv_blocks_used=self.cache.allocator.num_used, kv_blocks_free=self.cache.allocator.num_free,
+            kv_blocks_cached=self.cache.allocator.num_cached,
             requests_finished=c["finished"], generated_tokens=c["generated"], draft_tokens=c["drafted"],
             accepted_draft_tokens=c["accepted"], current_draft_len=self.scheduler.last_k,
             acceptance_estimate=self.policy.acceptance)
@@ -299,7 +302,10 @@ class Executor:
             return
         for item in plan:
             tracker = self._requests[item.seq.request_id][1]
-            tracker.first_scheduled_time = tracker.first_scheduled_time or t0
+            if tracker.first_scheduled_time is None:
+                tracker.first_scheduled_time = t0
+                tracker.num_reused_blocks = item.seq.num_reused_blocks
+                tracker.num_missed_blocks = self.cache.blocks_for(tracker.num_prompt_tokens) - tracker.num_reused_blocks
         try:
             results = self.runner.step(plan)
         except Exception as e:  # a broken step fails its requests, never the executor

@@ -36,6 +36,9 @@ releases; the LLM API of the PyTorch backend, which is the only one that runs De
   acceptance_rate}` (bindings RequestPerfMetrics, read the same way by
   triton_backend/.../tensorrt_llm/1/model.py and the accuracy tests), filled when the request has
   `return_perf_metrics=True`.
+- `request_perf_metrics.kv_cache_metrics.{num_reused_blocks, num_missed_blocks}` (the same bindings; upstream's
+  llmapi Triton model returns them as kv_cache_reused_block / kv_cache_missed_block), and
+  `KvCacheConfig.enable_block_reuse` (tensorrt_llm/llmapi/llm_args.py, default True).
 - `tensorrt_llm.SamplingParams` fields (tensorrt_llm/sampling_params.py): see
   `to_trtllm_sampling_kwargs`.
 - `tensorrt_llm.llmapi.GuidedDecodingParams(json=, regex=, grammar=, json_object=)` (tensorrt_llm/sampling_params.py,
@@ -250,7 +253,9 @@ def llm_kwargs_for(options: Mapping[str, Any], manifest: EngineManifest, config:
     it; otherwise num_nextn_predict_layers = k, at most the built max_draft_len; "adaptive" runs
     as "fixed", TensorRT-LLM's MTP drafts a fixed length); max_batch_size, max_num_tokens,
     max_seq_len -> the same keys, at most the built values (cuda_graph_config.max_batch_size is
-    lowered with max_batch_size); kv_cache_tokens -> kv_cache_config.max_tokens; dtype -> dtype;
+    lowered with max_batch_size); kv_cache_tokens -> kv_cache_config.max_tokens; enable_block_reuse False ->
+    kv_cache_config.enable_block_reuse False (True keeps the engine's own, build_engine --[no-]enable_block_reuse,
+    on unless built off, as upstream's default); dtype -> dtype;
     relaxed_acceptance -> speculative_config.{use_relaxed_acceptance_for_thinking, relaxed_topk,
     relaxed_delta, begin_thinking_phase_token, end_thinking_phase_token}. `device` does not apply
     (TensorRT-LLM places ranks on the visible GPUs) and is ignored.
@@ -269,6 +274,8 @@ def llm_kwargs_for(options: Mapping[str, Any], manifest: EngineManifest, config:
             graphs["max_batch_size"] = min(graphs["max_batch_size"], config.max_batch_size)
         if config.kv_cache_tokens is not None:
             kwargs.setdefault("kv_cache_config", {})["max_tokens"] = config.kv_cache_tokens
+        if not config.enable_block_reuse:
+            kwargs.setdefault("kv_cache_config", {})["enable_block_reuse"] = False
         if config.dtype is not None:
             kwargs["dtype"] = config.dtype
         k = config.draft_len(build.max_draft_len, cfg.num_nextn_predict_layers, source)
@@ -357,6 +364,18 @@ def speculative_counts(result: Any) -> tuple[int, int] | None:
     except (AttributeError, TypeError, ValueError):
         return None
     return (drafted, accepted) if drafted > 0 else None
+
+
+def kv_cache_counts(result: Any) -> tuple[int, int] | None:
+    """(num_reused_blocks, num_missed_blocks) of `request_perf_metrics.kv_cache_metrics` (tensorrt_llm/executor/
+    result.py), None where TensorRT-LLM reports none."""
+    outputs = getattr(result, "outputs", None) or []
+    metrics = getattr(outputs[0], "request_perf_metrics", None) if outputs else None
+    kv = getattr(metrics, "kv_cache_metrics", None) if metrics is not None else None
+    try:
+        return int(kv.num_reused_blocks), int(kv.num_missed_blocks)
+    except (AttributeError, TypeError, ValueError):
+        return None
 
 
 _UPSTREAM_REASONS = {"stop": "stop", "length": "length", "cancelled": "cancelled", "timeout": "error", None: "stop"}
@@ -619,6 +638,9 @@ class TrtllmExecutor:
             req.num_steps = steps
         elif new:
             req.num_steps += 1
+        blocks = kv_cache_counts(out)
+        if blocks is not None:
+            req.num_reused_blocks, req.num_missed_blocks = blocks
         counts = speculative_counts(out)
         if counts is not None:
             drafted, accepted = counts

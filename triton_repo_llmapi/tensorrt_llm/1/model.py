@@ -137,11 +137,11 @@ class TritonPythonModel(EngineModel):
             tensors.append(tensor("cumulative_logprob", out.cumulative_logprob or 0.0, np.float32))
         if stream.perf_metrics:
             m = self.perf_metrics(stream, out.stats)
-            tensors += [tensor("kv_cache_reused_block", 0, np.int32),
-                        tensor("kv_cache_missed_block", m.kv_blocks, np.int32),
-                        tensor("kv_cache_alloc_new_blocks", m.kv_blocks, np.int32),
+            tensors += [tensor("kv_cache_reused_block", m.reused_blocks, np.int32),
+                        tensor("kv_cache_missed_block", m.missed_blocks, np.int32),
+                        tensor("kv_cache_alloc_new_blocks", m.kv_blocks - m.reused_blocks, np.int32),
                         tensor("kv_cache_alloc_total_blocks", m.kv_blocks, np.int32),
-                        tensor("kv_cache_hit_rate", 0.0, np.float32),
+                        tensor("kv_cache_hit_rate", m.kv_cache_hit_rate, np.float32),
                         tensor("arrival_time_ns", m.arrival_ns, np.int64),
                         tensor("first_scheduled_time_ns", m.first_scheduled_ns, np.int64),
                         tensor("first_token_time_ns", m.first_token_ns, np.int64),
