@@ -77,6 +77,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--use_relaxed_acceptance_for_thinking", action="store_true")
     t.add_argument("--relaxed_topk", type=_positive, default=TrtllmOptions.relaxed_topk)
     t.add_argument("--relaxed_delta", type=float, default=TrtllmOptions.relaxed_delta)
+    t.add_argument("--guided_decoding_backend", choices=["xgrammar", "llguidance"],
+                   help="serve structured output (GuidedDecodingParams) with this grammar engine; default: off")
     return p
 
 
@@ -120,6 +122,7 @@ def run(args: argparse.Namespace) -> None:
         cuda_graph_padding=args.cuda_graph_padding, use_mtp_vanilla=args.use_mtp_vanilla,
         use_relaxed_acceptance_for_thinking=args.use_relaxed_acceptance_for_thinking,
         relaxed_topk=args.relaxed_topk, relaxed_delta=args.relaxed_delta,
+        guided_decoding_backend=args.guided_decoding_backend,
     )
     if args.backend == "native" and options != TrtllmOptions():
         raise BuildError("the LLM API options (--enable_attention_dp, --kv_cache_dtype, ...) apply to --backend trtllm only")

@@ -40,6 +40,7 @@ class TrtllmOptions:
     use_relaxed_acceptance_for_thinking: bool = False
     relaxed_topk: int = 1
     relaxed_delta: float = 0.0
+    guided_decoding_backend: str | None = None  # "xgrammar" | "llguidance": structured output (None: off)
 
 
 def llm_api_options(cfg: ModelConfig, build: BuildConfig, options: TrtllmOptions) -> dict[str, Any]:
@@ -68,6 +69,8 @@ def llm_api_options(cfg: ModelConfig, build: BuildConfig, options: TrtllmOptions
             spec |= {"use_relaxed_acceptance_for_thinking": True, "relaxed_topk": options.relaxed_topk,
                      "relaxed_delta": options.relaxed_delta}
         out["speculative_config"] = spec
+    if options.guided_decoding_backend is not None:
+        out["guided_decoding_backend"] = options.guided_decoding_backend
     return out
 
 

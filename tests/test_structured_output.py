@@ -65,9 +65,9 @@ def prompts(shipped_model_dir, shipped_tokenizer) -> list[list[int]]:
     return [shipped_tokenizer.encode(r["text"])[:32] for r in rows[:6]]
 
 
-def run(engine, prompts: list[list[int]], params: list[SamplingParams], k: int, alone: bool = False
-        ) -> list[RequestOutput]:
-    cfg = ExecutorConfig(num_draft_tokens=k, speculation="fixed" if k else "off", max_seq_len=256)
+def run(engine, prompts: list[list[int]], params: list[SamplingParams], k: int, alone: bool = False,
+        speculation: str = "fixed") -> list[RequestOutput]:
+    cfg = ExecutorConfig(num_draft_tokens=k, speculation=speculation if k else "off", max_seq_len=256)
     with Executor(engine, cfg) as ex:
         if alone:
             outs = [ex.submit(p, sp).result(120) for p, sp in zip(prompts, params)]
@@ -78,8 +78,9 @@ def run(engine, prompts: list[list[int]], params: list[SamplingParams], k: int, 
 
 
 def test_greedy_output_is_the_same_for_every_k_and_parses(shipped_engine, shipped_tokenizer, prompts) -> None:
-    """Four guided requests and two unconstrained ones in one batch, k = 0..4; and each guided one alone at k = 0
-    and k = 3: the same tokens everywhere, every guided output complete ("stop") and in its guide's language."""
+    """Four guided requests and two unconstrained ones in one batch, k = 0..4 and adaptive; and each guided one
+    alone at k = 0 and k = 3: the same tokens everywhere, every guided output complete ("stop") and in its guide's
+    language."""
     kinds = list(GUIDES)
     params = [SamplingParams(max_tokens=MAX_TOKENS, guided_decoding=GUIDES[kind]) for kind in kinds]
     # bans and the grammar together: the regex's " and" spelt otherwise, or " or"
@@ -98,6 +99,8 @@ def test_greedy_output_is_the_same_for_every_k_and_parses(shipped_engine, shippe
             assert o.finish_reason == "stop" and conforms(kind, o.text), (k, kind, o.text)
         drafted += sum(o.stats.num_accepted_draft_tokens for o in outs[:4])
     assert drafted > 0  # drafts under the grammar were accepted, not merely rejected
+    adaptive = run(shipped_engine, prompts[:6], params + free, 3, speculation="adaptive")  # k chosen per step
+    assert [o.token_ids for o in adaptive] == reference + free_alone
 
 
 def test_chunked_prefill_preemption_and_cancellation_keep_guided_output_exact(shipped_engine, prompts) -> None:

@@ -39,7 +39,7 @@ from typing import Any, Callable, Sequence
 import pytest
 import yaml
 
-from builder.trtllm_engine import build_trtllm_engine
+from builder.trtllm_engine import TrtllmOptions, build_trtllm_engine
 from runtime.io.engine_format import BuildConfig, EngineError, engine_backend
 from runtime.executors.base import ExecutorConfig, create_executor
 from runtime.executors.native import Executor
@@ -405,10 +405,11 @@ def test_logprobs_from_upstream() -> None:
     assert logprobs_from_upstream(entries[:1], [5], 0) == [TokenLogprob(5, -1.0, 2, ())]
 
 
-def test_contract_guided_decoding_passes_through(engine_dir: Path, trtllm: ModuleType) -> None:
+def test_contract_guided_decoding_passes_through(engine_dir: Path, spec_checkpoint: Path, tmp_path: Path,
+                                                 trtllm: ModuleType) -> None:
     """GuidedDecodingParams reach upstream's SamplingParams.guided_decoding under TensorRT-LLM's names, with the
-    engine YAML's guided_decoding_backend passed to LLM(); without one, or with an invalid guide, the request is
-    refused before anything is submitted, as the native executor refuses it."""
+    engine YAML's guided_decoding_backend (build_engine --guided_decoding_backend) passed to LLM(); without one, or
+    with an invalid guide, the request is refused before anything is submitted, as the native executor refuses it."""
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     guides = {"json": GuidedDecodingParams(json=schema), "regex": GuidedDecodingParams(regex="[a-z]+"),
               "grammar": GuidedDecodingParams(grammar='root ::= "yes" | "no"'),
@@ -419,9 +420,13 @@ def test_contract_guided_decoding_passes_through(engine_dir: Path, trtllm: Modul
             ex.submit(prompt, SamplingParams(guided_decoding=guides["regex"]))
         assert str(e.value) == ("guided_decoding needs TensorRT-LLM's guided_decoding_backend (xgrammar or llguidance) "
                                 "in the engine's extra_llm_api_options.yaml")
-    overrides = {"guided_decoding_backend": "llguidance"}
-    with TrtllmExecutor(engine_dir, ExecutorConfig(num_draft_tokens=3, speculation="fixed"),
-                        llm_overrides=overrides) as ex:
+    build = BuildConfig(max_seq_len=256, max_draft_len=3, max_batch_size=8, max_num_tokens=512, dtype="bfloat16",
+                        backend="trtllm")
+    guided_engine = build_trtllm_engine(spec_checkpoint, tmp_path / "guided", build,
+                                        TrtllmOptions(guided_decoding_backend="llguidance"), progress=False)
+    assert yaml.safe_load((guided_engine / "extra_llm_api_options.yaml").read_text())["guided_decoding_backend"] == \
+        "llguidance"
+    with TrtllmExecutor(guided_engine, ExecutorConfig(num_draft_tokens=3, speculation="fixed")) as ex:
         assert trtllm.llms[-1].kwargs["guided_decoding_backend"] == "llguidance"
         with pytest.raises(ValueError, match=r"^guided_decoding.regex is invalid at position 0: unclosed group$"):
             ex.submit(prompt, SamplingParams(guided_decoding=GuidedDecodingParams(regex="(a")))
