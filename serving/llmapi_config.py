@@ -58,7 +58,7 @@ class TritonConfig:
     stats_check_period_ms: int = 100
     watchdog_timeout_s: float = 120.0
     torch_threads: int | None = None
-    engine_process: bool = True  # the executor in a process of its own (runtime.executors.process)
+    engine_process: bool | None = None  # the executor in a process of its own (None: on CUDA devices only)
 
 
 @dataclass(frozen=True)
@@ -172,7 +172,8 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
         watchdog_timeout_s=_number(triton.get("watchdog_timeout_s", 120.0), "triton_config.watchdog_timeout_s",
                                    source),
         torch_threads=None if threads is None else _int(threads, "triton_config.torch_threads", source),
-        engine_process=_bool(triton.get("engine_process", True), "triton_config.engine_process", source)), warnings)
+        engine_process=None if triton.get("engine_process") is None
+        else _bool(triton["engine_process"], "triton_config.engine_process", source)), warnings)
 
 
 def _engine_options(model: Path) -> dict[str, Any]:

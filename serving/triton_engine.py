@@ -32,7 +32,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from runtime.executors.base import ExecutorConfig, ExecutorProtocol, create_executor
-from runtime.executors.process import ProcessExecutor
+from runtime.executors.process import ProcessExecutor, use_engine_process
 from runtime.executors.requests import RequestOutput, RequestStats
 from runtime.core.sampling import SamplingParams
 from serving.request_validation import RequestError
@@ -98,16 +98,16 @@ class EngineModel:
 
     # ---- set-up ---------------------------------------------------------------------------------
     def start(self, engine_dir: Path, executor_config: ExecutorConfig, *, model_name: str, model_version: str,
-              decoupled: bool, torch_threads: int | None, engine_process: bool, cancel_period_s: float,
+              decoupled: bool, torch_threads: int | None, engine_process: bool | None, cancel_period_s: float,
               stats_period_s: float, watchdog_timeout_s: float) -> None:
-        """Load the executor (in a process of its own with engine_process: the responder then never holds the
-        GIL its step loop needs) and start the sender, metrics and watchdog threads."""
+        """Load the executor (in a process of its own where `use_engine_process` says: the responder then never
+        holds the GIL its step loop needs) and start the sender, metrics and watchdog threads."""
         rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
         if rank:
             raise pb_utils.TritonModelException(
                 f"rank {rank}: the native runtime runs in one process (ranks are merged at load); use world_size 1")
         pb_utils.Logger.log_info(f"{self.label}: loading {engine_dir}")
-        if engine_process:
+        if use_engine_process(engine_process, executor_config.device):
             self.executor: ExecutorProtocol = ProcessExecutor(engine_dir, executor_config, torch_threads=torch_threads)
         else:
             if torch_threads:  # small decode steps on a busy CPU run faster on fewer threads

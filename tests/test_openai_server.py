@@ -58,8 +58,9 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(shipped_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    # the executor in its own process (the default on CUDA devices; one process, on CPU, is the other tests')
     srv = Server(shipped_model_dir, tmp_path_factory.mktemp("openai") / "server.log",
-                 "--num_draft_tokens", "3", "--speculation", "fixed")
+                 "--num_draft_tokens", "3", "--speculation", "fixed", "--engine_process")
     yield srv
     assert srv.stop() == 0, srv.log.read_text()[-3000:]
 

@@ -81,7 +81,8 @@ def llmapi(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     for name, decoupled in (("tensorrt_llm", True), ("tensorrt_llm_unary", False)):
         model = add_llmapi_model(work / "repo", checkpoint, decoupled=decoupled, name=name)
         doc = yaml.safe_load((model / "1" / "model.yaml").read_text())
-        doc["triton_config"].update(speculation="fixed", cancellation_check_period_ms=20)
+        # the executor in its own process (the default on CUDA devices; the legacy flavour's tests run one process)
+        doc["triton_config"].update(speculation="fixed", cancellation_check_period_ms=20, engine_process=True)
         (model / "1" / "model.yaml").write_text(yaml.safe_dump(doc))
     srv = start_server(work / "repo", log_file=work / "server.log", ready_timeout_s=240, exit_timeout_s=3)
     try:

@@ -21,7 +21,7 @@ import torch
 import uvicorn
 
 from runtime.executors.base import ExecutorConfig, create_executor
-from runtime.executors.process import EngineProcessError, ProcessExecutor
+from runtime.executors.process import EngineProcessError, ProcessExecutor, use_engine_process
 from serving.openai_server.app import create_app
 
 log = logging.getLogger("serving.openai_server")
@@ -59,9 +59,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--free_memory_fraction", type=float, default=0.9,
                    help="share of the memory free after loading that the KV cache may take")
     p.add_argument("--torch_threads", type=int, help="torch CPU threads (default: torch's)")
-    p.add_argument("--engine_process", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--engine_process", action=argparse.BooleanOptionalAction,
                    help="run the executor in a process of its own, so the server's request handling never holds "
-                        "the GIL its step loop needs (default: on; --no-engine_process: one process)")
+                        "the GIL its step loop needs (default: on for CUDA devices, off on CPU, where the second "
+                        "process takes cores from the forward)")
     p.add_argument("--log_level", default="info", choices=("debug", "info", "warning", "error"))
     return p.parse_args(argv)
 
@@ -78,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
         kv_cache_tokens=args.kv_cache_tokens, free_memory_fraction=args.free_memory_fraction)
     try:
-        executor = (ProcessExecutor(args.model, config, torch_threads=args.torch_threads) if args.engine_process
-                    else create_executor(args.model, config))
+        executor = (ProcessExecutor(args.model, config, torch_threads=args.torch_threads)
+                    if use_engine_process(args.engine_process, args.device) else create_executor(args.model, config))
     except (ValueError, FileNotFoundError, EngineProcessError) as e:
         print(f"dsv3-serve: {e}", file=sys.stderr)
         return 2

@@ -64,7 +64,7 @@ class TritonPythonModel(EngineModel):
                    model_name=args["model_name"], model_version=args["model_version"],
                    decoupled=pb_utils.using_decoupled_model_transaction_policy(config),
                    torch_threads=parameter(config, "torch_threads", integer_parameter),
-                   engine_process=parameter(config, "engine_process", boolean, default=True),
+                   engine_process=parameter(config, "engine_process", boolean),
                    cancel_period_s=parameter(config, "cancellation_check_period_ms", integer_parameter, default=100) / 1000,
                    stats_period_s=parameter(config, "stats_check_period_ms", integer_parameter, default=100) / 1000,
                    watchdog_timeout_s=parameter(config, "watchdog_timeout_s", number, default=WATCHDOG_TIMEOUT_S))
