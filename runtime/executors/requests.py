@@ -82,6 +82,8 @@ class ExecutorStats:
     accepted_draft_tokens: int
     current_draft_len: int
     acceptance_estimate: float
+    world_size: int = 1  # processes running the model (tensor/expert-parallel ranks)
+    rank_memory_bytes: list[int] = field(default_factory=list)  # resident memory of each, rank 0 first
 
     @property
     def acceptance_rate(self) -> float:
