@@ -1,0 +1,162 @@
+"""Tensor and expert parallel ranks (runtime.model.parallel, runtime.core.ranks) on CPU with gloo, two processes.
+
+The shipped model built at tp 2 (ep 1: experts split by features; ep 2: by expert) runs as two ranks and as
+its rank files joined in one process (world_size 1, the same weights): greedy tokens must be the same for
+held-out prompts and k = 0..3, alone and batched. The ranks' sums are in a fixed order but not the joined
+model's order, so logits agree to rounding (checked too), and the tokens exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from builder.convert import convert_checkpoint
+from builder.native_engine import build_engine
+from runtime.core.ranks import rss_bytes
+from runtime.core.sampling import SamplingParams
+from runtime.executors.base import ExecutorConfig
+from runtime.executors.native import Executor
+from runtime.io.engine_format import BuildConfig
+from runtime.io.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")  # one thread per rank: two ranks on two cores
+PROMPTS, MAX_TOKENS = 8, 12
+
+
+def tp_engine(model: Path, out: Path, tp: int, ep: int) -> Path:
+    build = BuildConfig(max_batch_size=PROMPTS, max_seq_len=256, max_num_tokens=512, tp_size=tp, ep_size=ep,
+                        quant_algo="FP8_BLOCK_SCALES")
+    convert_checkpoint(model, out / "ckpt", build, progress=False)
+    return build_engine(out / "ckpt", out / "engine", build, progress=False)
+
+
+@pytest.fixture(scope="module", params=[(2, 1), (2, 2)], ids=["tp2", "tp2-ep2"])
+def engine(request, shipped_model_dir, tmp_path_factory) -> Path:
+    tp, ep = request.param
+    return tp_engine(shipped_model_dir, tmp_path_factory.mktemp(f"tp{tp}ep{ep}"), tp, ep)
+
+
+def prompts(model_dir: Path) -> list[list[int]]:
+    tok = Tokenizer.from_dir(model_dir)
+    texts = [p["text"] for p in json.loads((model_dir / "heldout_prompts.json").read_text())[:PROMPTS]]
+    return [tok.encode(t)[:48] for t in texts]
+
+
+def executor(path: Path, world: int | None) -> Executor:
+    return Executor(path, ExecutorConfig(num_draft_tokens=3, speculation="fixed", world_size=world,
+                                         max_batch_size=PROMPTS, kv_cache_tokens=PROMPTS * 256))
+
+
+def greedy(ex: Executor, ids: list[list[int]], k: int, batched: bool) -> list[list[int]]:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, num_draft_tokens=k)
+    if batched:
+        return [h.result().token_ids for h in [ex.submit(p, params) for p in ids]]
+    return [ex.submit(p, params).result().token_ids for p in ids]
+
+
+@torch.inference_mode()
+def dense_logits(ex: Executor, ids: list[int]) -> torch.Tensor:
+    """The dense (training) forward's logits, on every rank alike."""
+    model = ex.engine.model
+    return model.logits(model(torch.tensor([ids])))
+
+
+def run_all(ex: Executor, ids: list[list[int]]) -> dict:
+    return {(k, batched): greedy(ex, ids if batched else ids[:3], k, batched) for k in range(4) for batched in (True, False)}
+
+
+def test_ranks_give_the_tokens_of_one_process(engine, shipped_model_dir):
+    ids = prompts(shipped_model_dir)
+    with executor(engine, 1) as ex:
+        want = run_all(ex, ids)
+        logits_one = dense_logits(ex, ids[0])
+    with executor(engine, None) as ex:
+        stats = ex.stats()
+        assert stats.world_size == 2 and len(stats.rank_memory_bytes) == 2 and min(stats.rank_memory_bytes) > 0
+        rank0_holds_its_part(ex.engine.model)
+        got = run_all(ex, ids)
+        logits_ranks = dense_logits(ex, ids[0])
+    assert got == want
+    assert (logits_ranks - logits_one).abs().max() < 1e-3
+
+
+def rank0_holds_its_part(model) -> None:
+    """Half the heads, the vocabulary and the features (or experts); FP8 weights kept as FP8 codes."""
+    cfg, layout = model.cfg, model.par.layout
+    attn, moe = model.model.layers[0].self_attn, model.model.layers[1].mlp
+    assert attn.n_heads == cfg.num_attention_heads // 2
+    assert model.model.embed_tokens.weight.shape[0] == cfg.vocab_size // 2
+    assert attn.q_b_proj.packed.panels.dtype == torch.uint8  # FP8 codes, packed as stored
+    E, I = moe.experts.gate_proj.panels.shape[0], moe.experts.gate_proj.out_features
+    assert (E, I) == (cfg.n_routed_experts // layout.ep_size, cfg.moe_intermediate_size // layout.moe_tp_size)
+
+
+def _gone(pid: int, within: float = 10.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+            state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+            if state == "Z":  # exited, not yet reaped by its parent
+                return True
+        except (ProcessLookupError, FileNotFoundError):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture(scope="module")
+def tp2(shipped_model_dir, tmp_path_factory) -> Path:
+    return tp_engine(shipped_model_dir, tmp_path_factory.mktemp("tp2-life"), 2, 1)
+
+
+def test_close_leaves_no_rank(tp2):
+    ex = executor(tp2, None)
+    pids = [p.pid for p in ex.ranks.procs]
+    ex.shutdown()
+    assert all(_gone(pid) for pid in pids)
+
+
+def test_a_killed_rank_stops_the_executor_with_a_clear_error(tp2, shipped_model_dir):
+    ex = executor(tp2, None)
+    [worker] = ex.ranks.procs
+    worker.kill()
+    worker.wait()
+    out = ex.submit(prompts(shipped_model_dir)[0], SamplingParams(max_tokens=4)).result()
+    assert out.finish_reason in ("error", "cancelled")
+    assert "rank 1" in ex.health(60) and f"pid {worker.pid}" in ex.health(60)
+    with pytest.raises(RuntimeError, match="shut down"):
+        ex.submit([1, 2], SamplingParams(max_tokens=2))
+    ex.shutdown()
+    assert rss_bytes(worker.pid) == 0
+
+
+def test_ranks_die_with_a_killed_executor_process(tp2):
+    script = (f"import sys; from runtime.executors.native import Executor; from runtime.executors.base import ExecutorConfig\n"
+              f"ex = Executor({str(tp2)!r}, ExecutorConfig(kv_cache_tokens=512, num_draft_tokens=0))\n"
+              f"print(*[p.pid for p in ex.ranks.procs], flush=True)\n"
+              f"sys.stdin.read()\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[1])
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert pids
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert all(_gone(pid) for pid in pids)
+    finally:
+        proc.kill()
+
+
+def test_world_size_must_fit_the_engine(tp2):
+    with pytest.raises(ValueError, match="world_size 3: .* has tp_size 2"):
+        Executor(tp2, ExecutorConfig(world_size=3))
