@@ -157,6 +157,25 @@ def test_ranks_die_with_a_killed_executor_process(tp2):
         proc.kill()
 
 
+def test_dry_run_plans_what_the_ranks_hold(tp2, shipped_model_dir, capsys):
+    """build_engine --dry_run, from config.json alone: each rank file's tensor bytes and the KV bytes per token
+    that the tp-2 engine and its executor actually have."""
+    from builder.cli import main
+    from runtime.core.kv_cache import KVCache
+    from runtime.model.config import ModelConfig
+
+    assert main(["--model_dir", str(shipped_model_dir), "--dry_run", "--tp_size", "2", "--max_seq_len", "256",
+                 "--device_memory_gib", "1"]) == 0
+    out = capsys.readouterr().out
+    data = {(tp2 / f).stat().st_size - 8 - int.from_bytes((tp2 / f).read_bytes()[:8], "little")
+            for f in ("rank0.safetensors", "rank1.safetensors")}
+    assert data == {int(out.split("weights per rank: ")[1].split("(")[1].split(" bytes")[0])}
+    per_token = KVCache.bytes_per_token(ModelConfig.from_json(shipped_model_dir / "config.json"))
+    assert f"KV cache per token, on every rank (the latent is replicated): {per_token} bytes" in out
+    fit = (int(0.9 * 2**30) - data.pop()) // per_token
+    assert f"{fit} tokens of KV cache ({fit // 256} sequences" in out
+
+
 def test_world_size_must_fit_the_engine(tp2):
     with pytest.raises(ValueError, match="world_size 3: .* has tp_size 2"):
         Executor(tp2, ExecutorConfig(world_size=3))
