@@ -1,8 +1,8 @@
 """Tensor and expert parallel ranks (runtime.model.parallel, runtime.core.ranks) on CPU with gloo, two processes.
 
-The shipped model built at tp 2 (ep 1: experts split by features; ep 2: by expert) runs as two ranks and as
-its rank files joined in one process (world_size 1, the same weights): greedy tokens must be the same for
-held-out prompts and k = 0..3, alone and batched. The ranks' sums are in a fixed order but not the joined
+The shipped model built at tp 2 (ep 1: experts split by features; ep 2: by expert) and at tp 4 = moe_tp 2 x
+moe_ep 2 runs as ranks and as its rank files joined in one process (world_size 1, the same weights): greedy
+tokens must be the same for 20 held-out prompts and k = 0..3, batched (and the first few alone). The ranks' sums are in a fixed order but not the joined
 model's order, so logits agree to rounding (checked too), and the tokens exactly.
 """
 
@@ -29,7 +29,7 @@ from runtime.io.engine_format import BuildConfig
 from runtime.io.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")  # one thread per rank: two ranks on two cores
-PROMPTS, MAX_TOKENS = 8, 12
+PROMPTS, ALONE, MAX_TOKENS = 20, 4, 12
 
 
 def tp_engine(model: Path, out: Path, tp: int, ep: int) -> Path:
@@ -39,7 +39,8 @@ def tp_engine(model: Path, out: Path, tp: int, ep: int) -> Path:
     return build_engine(out / "ckpt", out / "engine", build, progress=False)
 
 
-@pytest.fixture(scope="module", params=[(2, 1), (2, 2)], ids=["tp2", "tp2-ep2"])
+@pytest.fixture(scope="module", params=[pytest.param((2, 1), id="tp2"), pytest.param((2, 2), id="tp2-ep2"),
+                                        pytest.param((4, 2), id="tp4-ep2", marks=pytest.mark.slow)])  # 4 processes
 def engine(request, shipped_model_dir, tmp_path_factory) -> Path:
     tp, ep = request.param
     return tp_engine(shipped_model_dir, tmp_path_factory.mktemp(f"tp{tp}ep{ep}"), tp, ep)
@@ -71,7 +72,8 @@ def dense_logits(ex: Executor, ids: list[int]) -> torch.Tensor:
 
 
 def run_all(ex: Executor, ids: list[list[int]]) -> dict:
-    return {(k, batched): greedy(ex, ids if batched else ids[:3], k, batched) for k in range(4) for batched in (True, False)}
+    return {(k, batched): greedy(ex, ids if batched else ids[:ALONE], k, batched) for k in range(4)
+            for batched in (True, False)}
 
 
 def test_ranks_give_the_tokens_of_one_process(engine, shipped_model_dir):
@@ -80,8 +82,8 @@ def test_ranks_give_the_tokens_of_one_process(engine, shipped_model_dir):
         want = run_all(ex, ids)
         logits_one = dense_logits(ex, ids[0])
     with executor(engine, None) as ex:
-        stats = ex.stats()
-        assert stats.world_size == 2 and len(stats.rank_memory_bytes) == 2 and min(stats.rank_memory_bytes) > 0
+        stats, world = ex.stats(), ex.engine.build.tp_size
+        assert stats.world_size == world and len(stats.rank_memory_bytes) == world and min(stats.rank_memory_bytes) > 0
         rank0_holds_its_part(ex.engine.model)
         got = run_all(ex, ids)
         logits_ranks = dense_logits(ex, ids[0])
@@ -90,11 +92,11 @@ def test_ranks_give_the_tokens_of_one_process(engine, shipped_model_dir):
 
 
 def rank0_holds_its_part(model) -> None:
-    """Half the heads, the vocabulary and the features (or experts); FP8 weights kept as FP8 codes."""
+    """Its share of the heads, the vocabulary and the features (or experts); FP8 weights kept as FP8 codes."""
     cfg, layout = model.cfg, model.par.layout
     attn, moe = model.model.layers[0].self_attn, model.model.layers[1].mlp
-    assert attn.n_heads == cfg.num_attention_heads // 2
-    assert model.model.embed_tokens.weight.shape[0] == cfg.vocab_size // 2
+    assert attn.n_heads == cfg.num_attention_heads // layout.tp_size
+    assert model.model.embed_tokens.weight.shape[0] == cfg.vocab_size // layout.tp_size
     assert attn.q_b_proj.packed.panels.dtype == torch.uint8  # FP8 codes, packed as stored
     E, I = moe.experts.gate_proj.panels.shape[0], moe.experts.gate_proj.out_features
     assert (E, I) == (cfg.n_routed_experts // layout.ep_size, cfg.moe_intermediate_size // layout.moe_tp_size)
