@@ -37,6 +37,7 @@ from torch import Tensor
 
 from runtime.io.engine_format import BuildConfig, EngineManifest
 from runtime.io.loading import load_engine
+from runtime.model.batch import PagedBatch
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM
 from runtime.model.kernels.modules import swap_class
 from runtime.model.parallel import Parallel
@@ -75,6 +76,7 @@ class RankGroup:
         self.par = Parallel(build.layout(0))  # its group once `connect` has formed it
         self.closed = False
         self.sent_bytes = 0  # calls broadcast to each other rank
+
     @property
     def world_size(self) -> int:
         return self.build.tp_size
@@ -184,11 +186,13 @@ class DrivingModel(DeepseekV3ForCausalLM):
         except Exception as e:
             raise self.ranks.failed(e) from e
 
-    def forward(self, input_ids: Tensor, positions: Tensor | None = None, batch=None, kv_cache=None) -> Tensor:
+    def forward(self, input_ids: Tensor, positions: Tensor | None = None, batch: PagedBatch | None = None,
+                kv_cache: Tensor | None = None) -> Tensor:
         return self._driven("forward", dict(input_ids=input_ids, positions=positions, batch=batch, kv_cache=kv_cache))
 
-    def mtp_forward(self, depth: int, next_ids: Tensor, hidden: Tensor, positions: Tensor | None = None, batch=None,
-                    kv_cache=None, rows: Tensor | None = None, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def mtp_forward(self, depth: int, next_ids: Tensor, hidden: Tensor, positions: Tensor | None = None,
+                    batch: PagedBatch | None = None, kv_cache: Tensor | None = None, rows: Tensor | None = None,
+                    mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         return self._driven("mtp_forward", dict(depth=depth, next_ids=next_ids, hidden=hidden, positions=positions,
                                                 batch=batch, kv_cache=kv_cache, rows=rows, mask=mask))
 
