@@ -1,7 +1,9 @@
 """The ranks of a tensor/expert-parallel engine as processes of their own, on torch.distributed (gloo on CPU).
 
 Rank 0 is the executor's process: it alone schedules, samples and accepts. `RankGroup.start` starts ranks
-1.. (`python -m runtime.core.ranks`); each loads its own rank file (`load_engine(par=...)`), then runs every
+1.. (`python -m runtime.core.ranks`), or torchrun has started every rank (`torchrun_rank`: the executor of rank
+0 joins them, `run_rank` turns any other rank's executor into a worker that exits when rank 0 stops it); each
+loads its own rank file (`load_engine(par=...)`), then runs every
 forward rank 0 runs, with the same arguments: rank 0's model becomes a `DrivingModel`, whose forwards first
 broadcast their call (the method and its arguments: token ids, positions, the `PagedBatch`, hidden states)
 to the other ranks. Each rank keeps a KV cache of the same shape, written by the same forwards at the same
@@ -82,6 +84,11 @@ class RankGroup:
         return self.build.tp_size
 
     @classmethod
+    def join(cls, path: str | Path, build: BuildConfig) -> "RankGroup":
+        """Rank 0 of ranks torchrun started (their processes are torchrun's to watch and end)."""
+        return cls(Path(path), build, _torchrun_store(0, build.tp_size), [])
+
+    @classmethod
     def start(cls, path: str | Path, build: BuildConfig, options: RankOptions) -> "RankGroup":
         """Start ranks 1..tp_size-1 loading their rank files; rank 0 loads its own meanwhile, then `connect`s."""
         store = dist.TCPStore(HOST, 0, build.tp_size, is_master=True, timeout=CONNECT_TIMEOUT, wait_for_workers=False)
@@ -110,6 +117,8 @@ class RankGroup:
         self.par.group = _group(self.store, 0, self.world_size)
 
     def _check(self, rank: int) -> None:
+        if not self.procs:  # torchrun's: it ends every rank when one fails
+            return
         code = self.procs[rank - 1].poll()
         if code is not None:
             raise RankFailure(f"rank {rank} (pid {self.procs[rank - 1].pid}) exited with code {code}")
@@ -260,9 +269,29 @@ def _serve(model: DeepseekV3ForCausalLM, par: Parallel) -> None:
         getattr(model, name)(**kwargs)
 
 
-def _worker(path: str, rank: int, world: int, port: int, options: RankOptions) -> int:
+def torchrun_rank() -> tuple[int, int] | None:
+    """(rank, world size) when torchrun (torch.distributed's env:// variables) started this process, else None."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world < 2 or "RANK" not in os.environ or "MASTER_ADDR" not in os.environ:
+        return None
+    return int(os.environ["RANK"]), world
+
+
+def _torchrun_store(rank: int, world: int) -> dist.Store:
+    """The store at MASTER_ADDR:MASTER_PORT: torchrun's agent hosts it, or else rank 0."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent, timeout=CONNECT_TIMEOUT)
+    return dist.PrefixStore("dsv3", store)
+
+
+def run_rank(path: str | Path, rank: int, world: int, options: RankOptions) -> int:
+    """Rank `rank` (> 0) of ranks torchrun started: serve rank 0's calls until it stops; the exit status."""
+    return _worker(str(path), rank, world, _torchrun_store(rank, world), options)
+
+
+def _worker(path: str, rank: int, world: int, store: dist.Store, options: RankOptions) -> int:
     torch.set_num_threads(options.threads)
-    store = dist.TCPStore(HOST, port, world, is_master=False, timeout=CONNECT_TIMEOUT)
     try:
         par = Parallel(EngineManifest.read(Path(path)).build.layout(rank))
         engine = load_engine(path, dtype=options.dtype, verify=options.verify, cpu_kernels=options.cpu_kernels, par=par)
@@ -288,7 +317,8 @@ def main() -> int:
     p.add_argument("options")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format=f"rank {args.rank}: %(levelname)s %(message)s")
-    return _worker(args.path, args.rank, args.world, args.port, RankOptions(**json.loads(args.options)))
+    store = dist.TCPStore(HOST, args.port, args.world, is_master=False, timeout=CONNECT_TIMEOUT)
+    return _worker(args.path, args.rank, args.world, store, RankOptions(**json.loads(args.options)))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from runtime.core.cuda_graphs import CudaGraphRunner
-from runtime.core.ranks import RankFailure, RankGroup, RankOptions, drive, rss_bytes
+from runtime.core.ranks import RankFailure, RankGroup, RankOptions, drive, rss_bytes, run_rank, torchrun_rank
 from runtime.io.engine_format import ENGINE_JSON, read_limits
 from runtime.io.loading import LoadedEngine, load_engine
 from runtime.core.kv_cache import KVCache, free_memory_bytes
@@ -76,9 +76,19 @@ class Executor:
         world = config.ranks(build, str(path)) if (path / ENGINE_JSON).is_file() else 1
         if world == 1:
             return load_engine(path, **options)
-        threads = max(1, torch.get_num_threads() // world)  # the ranks share this host's cores
-        torch.set_num_threads(threads)
-        self.ranks = RankGroup.start(path, build, RankOptions(config.dtype, config.cpu_kernels, threads=threads))
+        launched = torchrun_rank()
+        if launched is not None:  # torchrun started every rank: rank 0 serves, the others serve it, then exit
+            rank, size = launched
+            if size != world:
+                raise ValueError(f"torchrun started {size} ranks; {path} has tp_size {build.tp_size}")
+            if rank:
+                raise SystemExit(run_rank(path, rank, size, RankOptions(config.dtype, config.cpu_kernels,
+                                                                        threads=torch.get_num_threads())))
+            self.ranks = RankGroup.join(path, build)
+        else:
+            threads = max(1, torch.get_num_threads() // world)  # the ranks share this host's cores
+            torch.set_num_threads(threads)
+            self.ranks = RankGroup.start(path, build, RankOptions(config.dtype, config.cpu_kernels, threads=threads))
         engine = load_engine(path, **options, par=self.ranks.par)
         self.ranks.connect()
         engine.model = drive(engine.model, self.ranks)
