@@ -3,7 +3,9 @@ Python Session on the same model and settings, at concurrency 1, plain and MTP, 
 
   python -m benchmarks.openai_serving [--quick]
 
-Each round runs every mode's Session requests and server requests back to back, in an order reversed every
+The server runs as it does by default, its executor in a process of its own ("server"), and with
+--no-engine_process, executor and HTTP server in one process ("one-process server"), to show what the split
+buys. Each round runs every mode's Session requests and server requests back to back, in an order reversed every
 other round, so drift on the machine hits both alike. Requests ignore eos, so each streams exactly
 max_tokens tokens; TTFT and TPOT are vLLM's, on the client's clock (the Session's: when its handle yields
 the first and last outputs; the server's: when the client reads the first and last chunks).
@@ -82,14 +84,17 @@ def main() -> int:
     results: dict[str, dict[str, list]] = {}
     for mode, flags in MODES.items():
         k = 0 if mode == "plain" else 3
-        server = start_dsv3_serve(model, "--device", args.device, "--log_level", "warning", *flags,
-                                  *(["--torch_threads", str(args.threads)] if args.threads else []),
-                                  *(["--dtype", args.dtype] if args.dtype else []))
+        common = ["--device", args.device, "--log_level", "warning", *flags,
+                  *(["--torch_threads", str(args.threads)] if args.threads else []),
+                  *(["--dtype", args.dtype] if args.dtype else [])]
+        servers = {"server": start_dsv3_serve(model, *common),
+                   "one_process": start_dsv3_serve(model, *common, "--no-engine_process")}
         try:
             with Session(model, num_draft_tokens=k, speculation="adaptive", device=args.device,
                          dtype=args.dtype) as session:
                 paths = {"session": lambda pr: session_request(session, pr, args.max_tokens),
-                         "server": lambda pr: server_request(server.port, model.name, pr, args.max_tokens)}
+                         **{name: (lambda pr, port=server.port: server_request(port, model.name, pr, args.max_tokens))
+                            for name, server in servers.items()}}
                 for run in paths.values():  # warm-up
                     run(prompts[0])
                 got: dict[str, list] = {name: [] for name in paths}
@@ -98,14 +103,17 @@ def main() -> int:
                         got[name] += [paths[name](pr) for pr in prompts]
             results[mode] = got
         finally:
-            server.stop()
+            for server in servers.values():
+                server.stop()
 
     rows, targets, summary = [], [], {}
     for mode, got in results.items():
         s = {name: {"ttft_s": mean(t for t, _ in v), "tpot_s": mean(t for _, t in v)} for name, v in got.items()}
         s["server_over_session_tpot"] = ratio(s["server"]["tpot_s"], s["session"]["tpot_s"])
+        s["one_process_over_session_tpot"] = ratio(s["one_process"]["tpot_s"], s["session"]["tpot_s"])
         summary[mode] = s
         rows.append([mode, ms(s["session"]["tpot_s"]), ms(s["server"]["tpot_s"]), s["server_over_session_tpot"],
+                     ms(s["one_process"]["tpot_s"]), s["one_process_over_session_tpot"],
                      ms(s["session"]["ttft_s"]), ms(s["server"]["ttft_s"])])
         targets.append(target_line(f"{mode}: Session TPOT / server TPOT at concurrency 1 (server <= {GOAL}x Session)",
                                    ratio(s["session"]["tpot_s"], s["server"]["tpot_s"]), round(1 / GOAL, 3)))
@@ -116,8 +124,8 @@ def main() -> int:
         f"{args.max_tokens} tokens per request (eos ignored), {args.requests} requests x {args.rounds} rounds per "
         "mode and path, streamed /v1/completions read as raw SSE; means in ms on the client's clock. MTP: adaptive, "
         "up to 3 drafts.",
-        md_table(["mode", "Session TPOT ms", "server TPOT ms", "server / Session", "Session TTFT ms",
-                  "server TTFT ms"], rows),
+        md_table(["mode", "Session TPOT ms", "server TPOT ms", "server / Session", "one-process server TPOT ms",
+                  "one-process / Session", "Session TTFT ms", "server TTFT ms"], rows),
         f"![TPOT]({args.name}.png)",
         "## Targets", "\n".join(f"- {t['text']}" for t in targets), "## Machine", machine_md(info)])
     js, mdp = write_results(args.out_dir, args.name, {"results": summary, "targets": targets,
@@ -133,11 +141,12 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5, 3.2))
+    fig, ax = plt.subplots(figsize=(5.5, 3.2))
     modes = list(summary)
-    for i, name in enumerate(("session", "server")):
-        ax.bar([m + (i - 0.5) * 0.38 for m in range(len(modes))], [ms(summary[m][name]["tpot_s"]) for m in modes],
-               0.38, label={"session": "Session", "server": "dsv3-serve"}[name])
+    labels = {"session": "Session", "server": "dsv3-serve", "one_process": "dsv3-serve, one process"}
+    for i, name in enumerate(labels):
+        ax.bar([m + (i - 1) * 0.27 for m in range(len(modes))], [ms(summary[m][name]["tpot_s"]) for m in modes],
+               0.27, label=labels[name])
     ax.set_xticks(range(len(modes)), modes)
     ax.set_ylabel("TPOT (ms)")
     ax.set_title("TPOT at concurrency 1")

@@ -7,7 +7,7 @@ the machine's threads) and as two ranks (a process each, half the threads each),
 (k = 0, ignore_eos); the HF checkpoint in one process (fused CPU kernels) is the single-process reference.
 Two ranks on two cores are not two GPUs: every step adds two gathers per layer over loopback, and a model
 this small gains nothing from splitting. Communication is counted where it happens (runtime.model.parallel
-counts the gathers' bytes, runtime.core.ranks the broadcast calls).
+counts the gathers' bytes, runtime.executors.ranks the broadcast calls).
 
 Memory: each rank's load in a child process of its own (peak VmHWM after imports, the meta model and the
 kernels: the baseline; then after loading), the synthetic checkpoint built at tp 2 with build_engine.
@@ -56,7 +56,7 @@ LOAD = """
 import os
 import torch
 from benchmarks.common import weight_bytes_in_memory
-from runtime.core.ranks import rss_bytes
+from runtime.executors.ranks import rss_bytes
 from runtime.io.engine_format import EngineManifest
 from runtime.io.loading import load_engine
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM

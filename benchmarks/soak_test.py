@@ -520,7 +520,7 @@ def run_one(ctx: Ctx, kind: str, rng: random.Random) -> Record:
 
 def run_load(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     """The closed loop, with the main thread sampling memory and KV blocks; returns records and samples."""
-    names = list(KINDS)
+    names = args.kinds or list(KINDS)
     weights = [KINDS[k][0] for k in names]
     records: list[Record] = []
     lock = threading.Lock()
@@ -664,6 +664,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request_timeout_s", type=float, default=120.0)
     p.add_argument("--threads", type=int, default=0, help="torch threads of the runtime (0: its default)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kinds", type=lambda v: v.split(","), help="comma-separated subset of the request kinds to send "
+                   "(default: all, by their weights), to find which traffic a failed check comes from")
     p.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK}; explicit flags still win")
     args = p.parse_args(argv)
     if args.quick:
@@ -674,6 +676,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in ("minutes", "warmup_s", "sample_every_s", "request_timeout_s"):
         if not getattr(args, flag) > 0:
             p.error(f"--{flag}: must be > 0, got {getattr(args, flag)}")
+    unknown = [k for k in args.kinds or [] if k not in KINDS]
+    if unknown:
+        p.error(f"--kinds: unknown kind(s) {', '.join(unknown)}; expected some of {', '.join(KINDS)}")
     if args.concurrency < 1:
         p.error(f"--concurrency: must be >= 1, got {args.concurrency}")
     return args
@@ -738,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "soak", "quick": args.quick, "passed": not failures, "failures": failures, "checks": checks,
         "settings": {"minutes": args.minutes, "concurrency": args.concurrency, "warmup_s": args.warmup_s,
                      "sample_every_s": args.sample_every_s, "request_timeout_s": args.request_timeout_s,
-                     "seed": args.seed, "weights": {k: w for k, (w, _) in KINDS.items()},
+                     "seed": args.seed, "weights": {k: KINDS[k][0] for k in args.kinds or KINDS},
                      "engine": str(args.engine_dir or f"build_engine --model_dir {args.model} --max_draft_len 3"),
                      "engine_build": build.to_dict(), "repo_values": {k: v for k, v in values.items()
                                                                        if k not in ("engine_dir", "tokenizer_dir")},

@@ -1,17 +1,17 @@
 """Native runtime for DeepSeek-V3/R1 with MTP speculative decoding.
 
-`Session` and `SamplingParams` are imported lazily, so that light users of the package (the
+`Session`, `SamplingParams` and `GuidedDecodingParams` are imported lazily, so that light users of the package (the
 Triton tokenizer models) do not load the model code and torch.
 """
 
-__all__ = ["GenerationResult", "SamplingParams", "Session"]
+__all__ = ["GenerationResult", "GuidedDecodingParams", "SamplingParams", "Session"]
 
 
 def __getattr__(name: str):
-    if name == "SamplingParams":
-        from runtime.core.sampling import SamplingParams
+    if name in ("SamplingParams", "GuidedDecodingParams"):
+        from runtime.core import sampling
 
-        return SamplingParams
+        return getattr(sampling, name)
     if name in ("Session", "GenerationResult"):
         from runtime.executors import session
 

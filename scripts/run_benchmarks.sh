@@ -22,6 +22,7 @@ run triton benchmarks.triton_serving
 run openai_serving benchmarks.openai_serving
 run speculative benchmarks.speculative
 run sampling_features benchmarks.sampling_features --rounds 6
+run structured_output benchmarks.structured_output --rounds 4
 run serving benchmarks.serving --num_requests 8 --requests_per_client 8 --rounds 3 --qps_requests 24 \
   --min_tokens 48 --max_tokens 96
 # On a CUDA host, the load test, batch-1 and serving benchmarks again on the GPU (files named after it, e.g. *_h100).

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
-import ctypes
 import importlib.util
 import itertools
 import os
@@ -39,14 +38,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from runtime.executors.lifetime import terminate_with_parent
+
 CONTAINER_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
 RESTRICTED_APIS = "shared-memory,model-repository,logging,trace"
 ADMIN_HEADER = "admin-key"
 SHM_DIR = Path("/dev/shm")
 STUB_BINARY = "triton_python_backend_stub"
 SUPERVISE_PERIOD_S = 1.0
-PR_SET_PDEATHSIG = 1
-_prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the forked child only calls it
 _instance_counter = itertools.count()
 
 
@@ -368,12 +367,6 @@ def python_stubs(root_pid: int) -> dict[int, str]:
             if argv[0].endswith(STUB_BINARY.encode()) and len(argv) > 8 and state[pid] != "Z":
                 stubs[pid] = argv[8].decode(errors="replace")
     return stubs
-
-
-def terminate_with_parent() -> None:
-    """In the child: get SIGTERM when the process that started the server dies, even by SIGKILL
-    (a killed test run would otherwise leave a server holding its ports)."""
-    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class _Stop(Exception):

@@ -28,7 +28,7 @@ SPECULATION_WARNED = ("use_mtp_vanilla", "mtp_eagle_one_model", "max_concurrency
                       "max_total_draft_tokens")
 RELAXED = ("use_relaxed_acceptance_for_thinking", "relaxed_topk", "relaxed_delta", "begin_thinking_phase_token",
            "end_thinking_phase_token")
-KV_CACHE_WARNED = ("enable_block_reuse", "tokens_per_block", "host_cache_size", "onboard_blocks",
+KV_CACHE_WARNED = ("tokens_per_block", "host_cache_size", "onboard_blocks",
                    "event_buffer_max_size", "enable_partial_reuse", "copy_on_partial_reuse", "use_uvm",
                    "cross_kv_cache_fraction")
 # LLM-API keys that change how the work is done, not what is generated
@@ -157,7 +157,7 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
             max_batch_size=limits.get("max_batch_size"), max_seq_len=limits.get("max_seq_len"),
             max_num_tokens=limits.get("max_num_tokens"), kv_cache_tokens=kv.get("max_tokens"),
             free_memory_fraction=kv.get("free_gpu_memory_fraction", 0.9), device=str(triton.get("device", "cpu")),
-            relaxed_acceptance=relaxed, cuda_graphs=cuda_graphs)
+            relaxed_acceptance=relaxed, cuda_graphs=cuda_graphs, enable_block_reuse=kv.get("enable_block_reuse", True))
     except ValueError as e:
         raise ModelYamlError(f"{source}: {e}") from None
     threads = triton.get("torch_threads")
@@ -221,7 +221,8 @@ def _speculative(spec: Any, engine_options: dict[str, Any], source: str,
 
 
 def _kv_cache(kv: Any, engine_options: dict[str, Any], source: str, warnings: list[str]) -> dict[str, Any]:
-    """kv_cache_config -> {free_gpu_memory_fraction, max_tokens} (as read); the cache dtype must be the engine's."""
+    """kv_cache_config -> {free_gpu_memory_fraction, max_tokens, enable_block_reuse} (as read); the cache dtype must
+    be the engine's."""
     if kv is None:
         return {}
     kv = dict(_mapping(kv, "kv_cache_config", source))
@@ -231,6 +232,8 @@ def _kv_cache(kv: Any, engine_options: dict[str, Any], source: str, warnings: li
                                                   "kv_cache_config.free_gpu_memory_fraction", source)
     if "max_tokens" in kv:
         out["max_tokens"] = _int(kv.pop("max_tokens"), "kv_cache_config.max_tokens", source)
+    if "enable_block_reuse" in kv:
+        out["enable_block_reuse"] = _bool(kv.pop("enable_block_reuse"), "kv_cache_config.enable_block_reuse", source)
     dtype = kv.pop("dtype", None)
     built = engine_options.get("kv_cache_config", {}).get("dtype", "auto")
     if dtype not in (None, "auto", built):
@@ -241,7 +244,7 @@ def _kv_cache(kv: Any, engine_options: dict[str, Any], source: str, warnings: li
         if engine_options.get("kv_cache_config", {}).get(name) == value:
             continue  # the engine's own setting
         warnings.append(f"kv_cache_config.{name}: not applied (it changes how the cache is kept, not what is "
-                        "generated; this runtime reuses no prefixes)")
+                        "generated)")
     if kv:
         raise ModelYamlError(f"{source}: kv_cache_config: unknown key(s) {', '.join(sorted(kv))}: not implemented "
                              "by this runtime")

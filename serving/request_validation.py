@@ -18,6 +18,9 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from runtime.core.grammar import check_guide
+from runtime.core.sampling import GuidedDecodingParams
+
 INT32_MAX = 2**31 - 1
 
 
@@ -185,11 +188,45 @@ NEUTRAL: dict[str, tuple[Any, str]] = {
     "use_draft_logits": (lambda v: not v, "false"),
 }
 
+# TensorRT-LLM's Triton guided decoding (the legacy model's names, taken by the llmapi flavour too): guide type ->
+# GuidedDecodingParams field ("json": any JSON object, as json_object)
+GUIDED_INPUTS = ("guided_decoding_guide_type", "guided_decoding_guide")
+GUIDE_TYPES = {"json": "json_object", "json_schema": "json", "regex": "regex", "ebnf_grammar": "grammar"}
+MAX_GUIDE_BYTES = 1 << 20  # a guide is not bounded by the context: by this
+
+
+def guided_decoding(inputs: dict[str, np.ndarray]) -> GuidedDecodingParams | None:
+    """guided_decoding_guide_type and guided_decoding_guide as GuidedDecodingParams (None when the type is absent or
+    empty), the guide's grammar checked: a refusal names the input and where in the guide the problem lies."""
+    kind_values = inputs.get("guided_decoding_guide_type")
+    if kind_values is None or is_empty(kind_values):
+        if "guided_decoding_guide" in inputs and not is_empty(inputs["guided_decoding_guide"]):
+            raise RequestError("guided_decoding_guide needs guided_decoding_guide_type (json_schema, regex, "
+                               "ebnf_grammar)")
+        return None
+    [kind] = texts(np.array([one_value(kind_values, "guided_decoding_guide_type")], object),
+                   "guided_decoding_guide_type", 64)
+    if kind not in GUIDE_TYPES:
+        raise RequestError(f"guided_decoding_guide_type must be one of {', '.join(GUIDE_TYPES)}, got {kind!r}")
+    guide_values = inputs.get("guided_decoding_guide")
+    guide = "" if guide_values is None or is_empty(guide_values) else \
+        texts(np.array([one_value(guide_values, "guided_decoding_guide")], object), "guided_decoding_guide", MAX_GUIDE_BYTES)[0]
+    if kind == "json":
+        return GuidedDecodingParams(json_object=True)
+    if not guide:
+        raise RequestError(f"guided_decoding_guide is required with guided_decoding_guide_type {kind}")
+    params = GuidedDecodingParams(**{GUIDE_TYPES[kind]: guide})
+    try:
+        check_guide(params, "guided_decoding_guide")
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+    return params
+
+
 _ENCODER = "encoder-decoder models; this one is decoder-only"
 _DRAFTS = "drafts from a separate model; this runtime drafts with the model's own MTP layer"
 _PROMPT_TABLE = "prompt tuning"
 _LORA = "LoRA adapters"
-_GUIDED = "guided decoding"
 _MULTIMODAL = "multimodal input; this is a text model"
 _BIAS = "embedding bias"
 # The legacy `tensorrt_llm` model's inputs this runtime does not implement (decoder_input_ids and
@@ -207,7 +244,6 @@ UNSUPPORTED_ENGINE_INPUTS: dict[str, str] = {
     **dict.fromkeys(("retention_token_range_starts", "retention_token_range_ends", "retention_token_range_priorities",
                      "retention_token_range_durations_ms", "retention_decode_priority",
                      "retention_decode_duration_ms"), "KV cache retention; this runtime reuses no prefixes"),
-    **dict.fromkeys(("guided_decoding_guide_type", "guided_decoding_guide"), _GUIDED),
     **dict.fromkeys(("lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size"),
                     "lookahead decoding"),
 }
@@ -225,5 +261,4 @@ UNSUPPORTED_BLS_INPUTS: dict[str, str] = {
     **dict.fromkeys(("prompt_embedding_table", "prompt_vocab_size", "prompt_table_extra_id"), _PROMPT_TABLE),
     **dict.fromkeys(("embedding_bias_words", "embedding_bias_weights"), _BIAS),
     **dict.fromkeys(("lora_task_id", "lora_weights", "lora_config"), _LORA),
-    **dict.fromkeys(("guided_decoding_guide_type", "guided_decoding_guide"), _GUIDED),
 }

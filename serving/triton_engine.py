@@ -71,14 +71,18 @@ class Chunk:
 
 @dataclass(frozen=True)
 class PerfMetrics:
-    """Upstream's per-request perf metrics. No prefix reuse here: every block a request holds is new, counted as
-    the blocks its tokens so far fill. First scheduled: arrival plus the executor's queueing time (0 when the
-    backend does not report it, as upstream's unset times)."""
+    """Upstream's per-request perf metrics. KV blocks: all a request holds (the blocks its tokens so far fill), of
+    which `reused_blocks` came from the prefix cache and the rest are new; `missed_blocks` are its prompt's blocks
+    not found there. First scheduled: arrival plus the executor's queueing time (0 when the backend does not
+    report it, as upstream's unset times)."""
 
     acceptance_rate: float
     accepted_draft_tokens: int
     draft_tokens: int
     kv_blocks: int
+    reused_blocks: int
+    missed_blocks: int
+    kv_cache_hit_rate: float
     arrival_ns: int
     first_scheduled_ns: int
     first_token_ns: int
@@ -238,7 +242,7 @@ class EngineModel:
         scheduled = stream.arrival_ns + round(stats.queue_s * 1e9) if stats.queue_s is not None else 0
         blocks = -(-(stats.prompt_tokens + stats.output_tokens) // self.kv_block_size) if self.kv_block_size else 0
         return PerfMetrics(stats.acceptance_rate, stats.num_accepted_draft_tokens, stats.num_draft_tokens, blocks,
-                           stream.arrival_ns, scheduled, stream.first_token_ns, stream.last_token_ns)
+                           stats.num_reused_blocks, stats.num_missed_blocks, stats.kv_cache_hit_rate, stream.arrival_ns, scheduled, stream.first_token_ns, stream.last_token_ns)
 
     def _sender_health(self) -> str | None:
         stalled = self._sender.stalled_for()

@@ -466,3 +466,24 @@ def test_soak_test_smoke(shipped_model_dir, tmp_path):
     assert res["cancellation"]["executor_cancelled"] == res["cancellation"]["cancels_and_disconnects"]
     assert res["machine"]["git_commit"]
     assert res["machine"]["command"].startswith("python -m benchmarks.soak_test --engine_dir ")
+
+
+def test_prefix_cache_smoke(shipped_model_dir, tmp_path):
+    """Both measurements at the tiniest settings: the cached prefix and the chat's later turns reuse blocks with
+    reuse on, nothing with it off, and the TTFT target is reported."""
+    r = _run_benchmark("prefix_cache", [
+        "--model", str(shipped_model_dir), "--out_dir", str(tmp_path), "--name", "pc", "--threads", "1",
+        "--prefix_tokens", "40", "--conversations", "2", "--turns", "2", "--system_tokens", "20",
+        "--question_tokens", "4", "--max_tokens", "3", "--rounds", "1"], timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((tmp_path / "pc.json").read_text())
+    assert (tmp_path / "pc.md").read_text().startswith("# Prefix caching (KV block reuse) with MTP")
+    _no_temporaries(tmp_path)
+    ttft, chat = res["ttft"], res["chat"]
+    assert ttft["cold"]["reused_blocks"] == [0] and ttft["cached"]["reused_blocks"] == [2]  # 40 tokens: 2 full blocks
+    assert ttft["speedup"] == pytest.approx(ttft["cold"]["ttft_mean_s"] / ttft["cached"]["ttft_mean_s"])
+    assert chat["off"]["hit_rate"] == 0 and 0 < chat["on"]["hit_rate"] < 1
+    for name in ("on", "off"):
+        assert [x["requests"] for x in chat[name]["rounds"]] == [4] and chat[name]["output_tokens_per_s"] > 0
+    assert [t["target"] for t in res["targets"]] == ["TTFT, 40-token prefix cached vs not"]
+    assert res["machine"]["command"].startswith("python -m benchmarks.prefix_cache ")

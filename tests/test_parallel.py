@@ -1,4 +1,4 @@
-"""Tensor and expert parallel ranks (runtime.model.parallel, runtime.core.ranks) on CPU with gloo, two processes.
+"""Tensor and expert parallel ranks (runtime.model.parallel, runtime.executors.ranks) on CPU with gloo, two processes.
 
 The shipped model built at tp 2 (ep 1: experts split by features; ep 2: by expert) and at tp 4 = moe_tp 2 x
 moe_ep 2 runs as ranks and as its rank files joined in one process (world_size 1, the same weights): greedy
@@ -21,7 +21,7 @@ import torch
 
 from builder.convert import convert_checkpoint
 from builder.native_engine import build_engine
-from runtime.core.ranks import rss_bytes
+from runtime.executors.ranks import rss_bytes
 from runtime.core.sampling import SamplingParams
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor

@@ -118,8 +118,11 @@ def test_block_allocator_allocate_free_exhaust() -> None:
     a.free(z)
     assert a.all_free()
     assert a.num_free == 5 and sorted(a.allocate(5)) == list(range(5))
-    # a double free and a leak keep the count right; all_free still sees them
-    a.free([0, 0, 1, 2])
+    # a double free is refused; a leak leaves all_free false
+    with pytest.raises(RuntimeError, match="KV block 0 freed while no sequence holds it"):
+        a.free([0, 0, 1, 2])
+    assert a.num_free == 0, "a refused free frees nothing"
+    a.free([0, 1, 2, 3])
     assert a.num_free == 4 and not a.all_free()
 
 

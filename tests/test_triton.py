@@ -643,8 +643,6 @@ UPSTREAM_CLIENT_FLAGS = {  # end_to_end_grpc_client.py's flags: the inputs it se
                                    "return_generation_logits", "supported: false"),
     "--beam-width 2": (dict(beam_width=2), [], "beam_width=2", "supported: 1"),
     "--lora-task-id": (dict(lora_task_id=np.array([[3]], np.uint64)), [], "lora_task_id", "supported: not given"),
-    "--guided-decoding": (dict(guided_decoding_guide_type=[[b"json"]], guided_decoding_guide=[[b"{}"]]), [],
-                          "guided_decoding_guide", "supported: not given"),
     "decoder_text_input": (dict(decoder_text_input=[[b"hi"]]), [], "decoder_text_input", "supported: not given"),
     "embedding_bias": (dict(embedding_bias_words=[[b"fox"]], embedding_bias_weights=np.array([[1.5]], np.float32)),
                        [], "embedding_bias_words", "supported: not given"),
@@ -670,6 +668,24 @@ def test_upstream_client_flags_are_refused_naming_the_input(server: TritonServer
         grpcclient.InferenceServerClient(server.grpc_url).infer(
             "tensorrt_llm_bls_sync", grpc_inputs(text_input=[["hello"]], max_tokens=4, **values))
     assert e.value.status() == str(grpc.StatusCode.INVALID_ARGUMENT) and name in str(e.value), str(e.value)
+    assert_healthy(server)
+
+
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_upstream_client_guided_decoding(server: TritonServer, model: str) -> None:
+    """--guided-decoding-guide-type / --guided-decoding-guide reach tensorrt_llm through the ensemble and the BLS:
+    the output is in the regex's language; an invalid regex is refused naming the input and the position."""
+    from tritonclient.utils import InferenceServerException
+
+    regex = r"[a-z]{1,8}( [a-z]{1,8}){1,2}\."
+    guided = dict(text_input=[["hello"]], max_tokens=32, stream=True, exclude_input_in_output=True,
+                  guided_decoding_guide_type=[[b"regex"]])
+    results = upstream_grpc_client(server, model, ["text_output"], **guided, guided_decoding_guide=[[regex.encode()]])
+    assert results and not any(isinstance(r, InferenceServerException) for r in results), results
+    text = "".join(r.as_numpy("text_output")[0].decode() for r in results)
+    assert re.fullmatch(regex, text), text
+    [error] = upstream_grpc_client(server, model, ["text_output"], **guided, guided_decoding_guide=[[b"a{2"]])
+    assert "guided_decoding_guide is invalid at position 1: unclosed counted repetition" in str(error), error
     assert_healthy(server)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -27,11 +28,12 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 httpclient = pytest.importorskip("tritonclient.http")
 
 from builder.trtllm_engine import TrtllmOptions, llm_api_options  # noqa: E402
-from runtime.core.sampling import SamplingParams  # noqa: E402
+from runtime.core.sampling import GuidedDecodingParams, SamplingParams  # noqa: E402
 from runtime.executors.session import Session  # noqa: E402
 from runtime.io.engine_format import read_limits  # noqa: E402
 from serving.llmapi_config import ModelYamlError, read_model_yaml  # noqa: E402
 from serving.model_repo import add_llmapi_model  # noqa: E402
+from serving.request_validation import GUIDED_INPUTS  # noqa: E402
 from test_triton import DTYPES, Streamed, grpc_inputs, http_generate  # noqa: E402
 from triton_util import TritonServer, fill_model_repo, make_tiny_checkpoint, repo_values, start_server  # noqa: E402
 
@@ -206,7 +208,10 @@ def test_unary_tensorrt_llm_refuses_streaming_naming_the_input(unary: TritonServ
 # ---- the llmapi flavour -----------------------------------------------------------------------
 @pytest.mark.parametrize("model", ["tensorrt_llm", "tensorrt_llm_unary"])
 def test_llmapi_model_declares_upstreams_tensors_exactly(llmapi: TritonServer, model: str) -> None:
-    assert declared(llmapi, model) == UPSTREAM["llmapi"]["tensorrt_llm"]
+    upstream = UPSTREAM["llmapi"]["tensorrt_llm"]
+    # plus the legacy model's guided decoding inputs (upstream's llmapi model has no structured output)
+    guided = {name: UPSTREAM["legacy"]["tensorrt_llm"]["input"][name] for name in GUIDED_INPUTS}
+    assert declared(llmapi, model) == {"input": {**upstream["input"], **guided}, "output": upstream["output"]}
     config = grpcclient.InferenceServerClient(llmapi.grpc_url).get_model_config(model).config
     assert config.max_batch_size == 0 and config.model_transaction_policy.decoupled == (model == "tensorrt_llm")
 
@@ -221,6 +226,26 @@ def test_llmapi_unary_matches_the_session(llmapi: TritonServer, expected: dict) 
         assert result.as_numpy("text_output")[0].decode() == expected[prompt].text
         status, body = http_generate(llmapi, "tensorrt_llm_unary", text_input=prompt, sampling_param_max_tokens=TOKENS)
         assert status == 200 and body["text_output"] == expected[prompt].text, body
+
+
+def test_llmapi_guided_decoding_matches_the_session(llmapi: TritonServer, session: Session) -> None:
+    """guided_decoding_guide_type / guided_decoding_guide (the legacy names): a regex-guided greedy output equal to the
+    Session's under the same MTP drafting, in the regex's language; an invalid regex is refused naming the input and
+    the position, and the model goes on serving."""
+    from tritonclient.utils import InferenceServerException
+
+    regex = r"[a-z]{1,6}( [a-z]{1,6}){2}\."
+    want = session.generate(PROMPTS[0], SamplingParams(max_tokens=40, guided_decoding=GuidedDecodingParams(regex=regex)))
+    guided = dict(text_input=np.array([PROMPTS[0]], object), sampling_param_max_tokens=np.array([40], np.int32),
+                  guided_decoding_guide_type=np.array(["regex"], object))
+    result = infer(llmapi, "tensorrt_llm_unary", **guided, guided_decoding_guide=np.array([regex], object))
+    text = result.as_numpy("text_output")[0].decode()
+    assert text == want[0].text and re.fullmatch(regex, text), (text, want[0].text)
+    with pytest.raises(InferenceServerException) as e:
+        infer(llmapi, "tensorrt_llm_unary", **guided, guided_decoding_guide=np.array(["ab(c"], object))
+    assert "guided_decoding_guide is invalid at position 2: unclosed group" in str(e.value), e.value
+    result = infer(llmapi, "tensorrt_llm_unary", **guided, guided_decoding_guide=np.array([regex], object))
+    assert result.as_numpy("text_output")[0].decode() == text
 
 
 def test_llmapi_streams_the_session_text(llmapi: TritonServer, expected: dict) -> None:
@@ -251,8 +276,10 @@ def test_llmapi_finish_reason_stop_reason_and_perf_metrics(llmapi: TritonServer,
     assert expected[prompt].text.startswith(text + stop)  # the stop string is cut, as the LLM API's default
     assert result.as_numpy("finish_reason")[0] == b"stop" and result.as_numpy("stop_reason")[0] == stop.encode()
     assert result.as_numpy("total_draft_tokens").shape == (1,) and result.as_numpy("total_draft_tokens")[0] > 0
-    assert result.as_numpy("kv_cache_reused_block")[0] == 0 and result.as_numpy("kv_cache_hit_rate")[0] == 0.0
-    assert result.as_numpy("kv_cache_alloc_total_blocks")[0] >= 1
+    reused, missed = result.as_numpy("kv_cache_reused_block")[0], result.as_numpy("kv_cache_missed_block")[0]
+    total = result.as_numpy("kv_cache_alloc_total_blocks")[0]
+    assert reused + missed >= 1 and result.as_numpy("kv_cache_hit_rate")[0] == pytest.approx(reused / (reused + missed))
+    assert total >= 1 and result.as_numpy("kv_cache_alloc_new_blocks")[0] == total - reused
     first, last = result.as_numpy("first_token_time_ns")[0], result.as_numpy("last_token_time_ns")[0]
     assert result.as_numpy("arrival_time_ns")[0] <= first <= last
     length = infer(llmapi, "tensorrt_llm_unary", text_input=np.array([prompt], object),
@@ -327,22 +354,26 @@ def write_yaml(tmp_path: Path, checkpoint: Path, **keys: Any) -> Path:
 def test_model_yaml_maps_llm_api_keys(tmp_path: Path, checkpoint: Path) -> None:
     path = write_yaml(tmp_path, checkpoint, backend="pytorch", max_batch_size=4, max_seq_len=512, max_num_tokens=256,
                       speculative_config={"decoding_type": "MTP", "max_draft_len": 2},
-                      kv_cache_config={"free_gpu_memory_fraction": 0.5, "max_tokens": 4096},
+                      kv_cache_config={"free_gpu_memory_fraction": 0.5, "max_tokens": 4096, "enable_block_reuse": False},
                       triton_config={"max_batch_size": 0, "decoupled": True, "speculation": "fixed"})
     llm = read_model_yaml(path, tmp_path)
     e = llm.executor
     assert (e.max_batch_size, e.max_seq_len, e.max_num_tokens, e.num_draft_tokens, e.speculation) == (4, 512, 256, 2,
                                                                                                       "fixed")
-    assert (e.free_memory_fraction, e.kv_cache_tokens) == (0.5, 4096) and llm.triton.decoupled and not llm.warnings
+    assert (e.free_memory_fraction, e.kv_cache_tokens, e.enable_block_reuse) == (0.5, 4096, False)
+    assert llm.triton.decoupled and not llm.warnings
     (tmp_path / "bare").mkdir()
     bare = read_model_yaml(write_yaml(tmp_path / "bare", checkpoint), tmp_path / "bare")
     assert bare.executor.speculation == "off"  # no speculative_config: no drafting, as the LLM API
+    assert bare.executor.enable_block_reuse  # prefix caching on by default, as the LLM API
 
 
 @pytest.mark.parametrize("keys, message", [
     (dict(speculative_config={"decoding_type": "Eagle", "max_draft_len": 2}), "decoding_type 'Eagle'"),
     (dict(kv_cache_config={"dtype": "fp8"}), "kv_cache_config.dtype 'fp8'"),
     (dict(kv_cache_config={"max_attention_window": [64]}), "kv_cache_config: unknown key(s) max_attention_window"),
+    (dict(kv_cache_config={"enable_block_reuse": "no"}), "kv_cache_config.enable_block_reuse must be true or false, "
+                                                         "got 'no'"),
     (dict(max_beam_width=4), "max_beam_width 4"),
     (dict(enable_lora=True), "unknown key(s) enable_lora"),
     (dict(speculative_config={"decoding_type": "MTP", "max_draft_len": 2, "num_nextn_predict_layers": 3}),

@@ -44,7 +44,7 @@ from runtime.io.engine_format import BuildConfig, EngineError, engine_backend
 from runtime.executors.base import ExecutorConfig, create_executor
 from runtime.executors.native import Executor
 from runtime.executors.requests import RequestOutput
-from runtime.core.sampling import RelaxedAcceptance, SamplingParams
+from runtime.core.sampling import GuidedDecodingParams, RelaxedAcceptance, SamplingParams
 from runtime.core.scheduler import SchedulerConfig
 from runtime.executors.trtllm import (
     LLM_API_OPTIONS,
@@ -87,6 +87,7 @@ _SAMPLING_DEFAULTS = {"max_tokens": 32, "include_stop_str_in_output": False, "n"
 UPSTREAM_LLM_ARGS = {
     "backend": None, "dtype": None, "tensor_parallel_size": None, "moe_expert_parallel_size": None,
     "enable_attention_dp": None, "max_batch_size": None, "max_num_tokens": None, "max_seq_len": None,
+    "guided_decoding_backend": None,
     "kv_cache_config": {"dtype", "free_gpu_memory_fraction", "enable_block_reuse", "tokens_per_block", "max_tokens"},
     "cuda_graph_config": {"enable_padding", "max_batch_size", "batch_sizes"},
     "speculative_config": {"decoding_type", "num_nextn_predict_layers", "use_relaxed_acceptance_for_thinking",
@@ -135,6 +136,12 @@ def make_tensorrt_llm_double() -> ModuleType:
     mod = ModuleType("tensorrt_llm")
     mod.__version__ = "test-double"
     mod.SamplingParams = sampling_params_class()
+    # tensorrt_llm/sampling_params.py's GuidedDecodingParams, re-exported by tensorrt_llm.llmapi
+    mod.llmapi = ModuleType("tensorrt_llm.llmapi")
+    mod.llmapi.GuidedDecodingParams = dataclasses.make_dataclass(
+        "GuidedDecodingParams", [("json", Any, field(default=None)), ("regex", Any, field(default=None)),
+                                 ("grammar", Any, field(default=None)), ("json_object", bool, field(default=False)),
+                                 ("structural_tag", Any, field(default=None))], kw_only=True)
     mod.llms = []  # every LLM constructed
     mod.plan = default_plan  # (prompt ids, SamplingParams) -> Plan
     mod.report_metrics = True  # fill outputs[0].request_perf_metrics when asked for
@@ -398,6 +405,36 @@ def test_logprobs_from_upstream() -> None:
     assert logprobs_from_upstream(entries[:1], [5], 0) == [TokenLogprob(5, -1.0, 2, ())]
 
 
+def test_contract_guided_decoding_passes_through(engine_dir: Path, trtllm: ModuleType) -> None:
+    """GuidedDecodingParams reach upstream's SamplingParams.guided_decoding under TensorRT-LLM's names, with the
+    engine YAML's guided_decoding_backend passed to LLM(); without one, or with an invalid guide, the request is
+    refused before anything is submitted, as the native executor refuses it."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    guides = {"json": GuidedDecodingParams(json=schema), "regex": GuidedDecodingParams(regex="[a-z]+"),
+              "grammar": GuidedDecodingParams(grammar='root ::= "yes" | "no"'),
+              "json_object": GuidedDecodingParams(json_object=True)}
+    with TrtllmExecutor(engine_dir, ExecutorConfig(num_draft_tokens=3, speculation="fixed")) as ex:
+        prompt = ex.tokenizer.encode("def fib(n):")
+        with pytest.raises(ValueError) as e:
+            ex.submit(prompt, SamplingParams(guided_decoding=guides["regex"]))
+        assert str(e.value) == ("guided_decoding needs TensorRT-LLM's guided_decoding_backend (xgrammar or llguidance) "
+                                "in the engine's extra_llm_api_options.yaml")
+    overrides = {"guided_decoding_backend": "llguidance"}
+    with TrtllmExecutor(engine_dir, ExecutorConfig(num_draft_tokens=3, speculation="fixed"),
+                        llm_overrides=overrides) as ex:
+        assert trtllm.llms[-1].kwargs["guided_decoding_backend"] == "llguidance"
+        with pytest.raises(ValueError, match=r"^guided_decoding.regex is invalid at position 0: unclosed group$"):
+            ex.submit(prompt, SamplingParams(guided_decoding=GuidedDecodingParams(regex="(a")))
+        assert trtllm.llms[-1].requests == []
+        for guide in guides.values():
+            ex.submit(prompt, SamplingParams(max_tokens=4, guided_decoding=guide)).result(60)
+        ex.submit(prompt, SamplingParams(max_tokens=4)).result(60)
+    sent = [r.sampling_params.guided_decoding for r in trtllm.llms[-1].requests]
+    G = trtllm.llmapi.GuidedDecodingParams
+    assert sent == [G(json=json.dumps(schema)), G(regex="[a-z]+"), G(grammar='root ::= "yes" | "no"'),
+                    G(json_object=True), None]
+
+
 def test_contract_logprobs_stream_through(engine_dir: Path, trtllm: ModuleType) -> None:
     """Upstream's per-token LogprobResults and prompt logprobs become ours: one per kept token (none for a stop
     token), the top-N asked for, deltas per output, the cumulative logprob of the kept tokens. What this
@@ -445,16 +482,21 @@ def test_llm_kwargs_as_built_and_with_executor_config(engine: TrtllmEngine, capl
     assert "'adaptive' is not available with TensorRT-LLM" in caplog.text
     limited = llm_kwargs_for(opts, m, ExecutorConfig(num_draft_tokens=1, speculation="fixed", max_batch_size=4,
                                                      max_num_tokens=256, max_seq_len=128, kv_cache_tokens=4096,
-                                                     dtype="float16", relaxed_acceptance=RelaxedAcceptance(10, 0.6, 3, 4)),
+                                                     dtype="float16", relaxed_acceptance=RelaxedAcceptance(10, 0.6, 3, 4),
+                                                     enable_block_reuse=False),
                              overrides={"kv_cache_config": {"free_gpu_memory_fraction": 0.5}, "enable_attention_dp": True})
     assert limited == {
         **opts, "max_batch_size": 4, "max_num_tokens": 256, "max_seq_len": 128, "dtype": "float16",
         "enable_attention_dp": True, "cuda_graph_config": {"enable_padding": True, "max_batch_size": 4},
-        "kv_cache_config": {**opts["kv_cache_config"], "max_tokens": 4096, "free_gpu_memory_fraction": 0.5},
+        "kv_cache_config": {**opts["kv_cache_config"], "max_tokens": 4096, "free_gpu_memory_fraction": 0.5,
+                            "enable_block_reuse": False},
         "speculative_config": {"decoding_type": "MTP", "num_nextn_predict_layers": 1,
                                "use_relaxed_acceptance_for_thinking": True, "relaxed_topk": 10, "relaxed_delta": 0.6,
                                "begin_thinking_phase_token": 3, "end_thinking_phase_token": 4}}
     assert opts == yaml.safe_load((engine.path / LLM_API_OPTIONS).read_text())  # not modified in place
+    # enable_block_reuse True (the default) keeps the engine's own setting, as built
+    assert llm_kwargs_for({**opts, "kv_cache_config": {"enable_block_reuse": False}}, m, ExecutorConfig()) == {
+        **opts, "kv_cache_config": {"enable_block_reuse": False}}
 
 
 @pytest.mark.parametrize("config, message", [
@@ -726,6 +768,21 @@ def test_zeroed_speculative_metrics_are_not_reported_counts() -> None:
     assert speculative_counts(result(0, 0)) is None
     assert speculative_counts(result(12, 9)) == (12, 9)
     assert speculative_counts(SimpleNamespace(outputs=[SimpleNamespace(request_perf_metrics=None)])) is None
+
+
+def test_kv_cache_metrics_are_read_as_upstream_names_them() -> None:
+    """request_perf_metrics.kv_cache_metrics.{num_reused_blocks, num_missed_blocks} (tensorrt_llm/executor/result.py,
+    read the same way by upstream's llmapi Triton model) become the request's stats; absent, None."""
+    from types import SimpleNamespace
+
+    from runtime.executors.trtllm import kv_cache_counts
+
+    kv = SimpleNamespace(num_total_allocated_blocks=5, num_new_allocated_blocks=2, num_reused_blocks=3,
+                         num_missed_blocks=2, kv_cache_hit_rate=0.6)
+    metrics = SimpleNamespace(kv_cache_metrics=kv, speculative_decoding=None)
+    assert kv_cache_counts(SimpleNamespace(outputs=[SimpleNamespace(request_perf_metrics=metrics)])) == (3, 2)
+    assert kv_cache_counts(SimpleNamespace(outputs=[SimpleNamespace(request_perf_metrics=None)])) is None
+    assert kv_cache_counts(SimpleNamespace(outputs=[])) is None
 
 
 def test_create_executor_dispatches_on_the_backend(engine_dir: Path, spec_checkpoint: Path, trtllm: ModuleType,

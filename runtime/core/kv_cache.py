@@ -1,4 +1,4 @@
-"""Paged latent KV cache: fixed-size blocks, a free list, one block table per sequence.
+"""Paged latent KV cache: fixed-size blocks, a pool of free (and cached) ones, one block table per sequence.
 
 MLA caches only normalized c_kv and the roped shared key, (kv_lora_rank + qk_rope_head_dim) values
 per token per layer, for every target layer and every MTP layer (the MTP layer attends over its
@@ -7,6 +7,7 @@ own cache at the same positions, through the same block table).
 
 from __future__ import annotations
 
+from collections import Counter, OrderedDict
 from pathlib import Path
 
 import torch
@@ -19,31 +20,111 @@ class OutOfBlocks(RuntimeError):
 
 
 class BlockAllocator:
+    """Hands out KV blocks and takes them back, counting each block's holders (a reused prefix block is shared).
+
+    A block whose content was registered under a prefix hash (runtime.core.prefix_cache) stays cached when its
+    last holder frees it: a later request with that prefix takes it back as is, until the allocator needs it
+    for new content. Free blocks are handed out in order: those caching nothing first, then cached ones least
+    recently freed first (a sequence frees its tail first, so its prefix outlives its ending)."""
+
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: the lowest ids are reused first
+        self._refs = [0] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # first: handed out first
+        self._hash: list[bytes | None] = [None] * num_blocks
+        self._cached: dict[bytes, int] = {}  # prefix hash -> the block holding that content
+        self._mtp_next: list[int | None] = [None] * num_blocks  # see mark_mtp
 
     @property
     def num_free(self) -> int:
+        """Blocks no sequence holds, cached ones included (they are evicted on demand)."""
         return len(self._free)
 
     @property
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
 
+    @property
+    def num_cached(self) -> int:
+        """Blocks holding registered prefix content, held or free."""
+        return len(self._cached)
+
     def allocate(self, n: int) -> list[int]:
+        """n blocks for new content, evicting cached ones (least recently freed first) where needed."""
         if n > len(self._free):
             raise OutOfBlocks(f"asked for {n} KV blocks, {len(self._free)} free")
-        out = self._free[-n:] if n else []
-        del self._free[len(self._free) - n:]
-        return out[::-1]
+        out = []
+        for _ in range(n):
+            block, _ = self._free.popitem(last=False)
+            self._evict(block)
+            self._refs[block] = 1
+            out.append(block)
+        return out
 
     def free(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+        """Drop one hold on each block (a block table's order: its tail becomes the first cached block to go)."""
+        for block, n in Counter(blocks).items():  # all checked before any is freed
+            if self._refs[block] < n:
+                raise RuntimeError(f"KV block {block} freed while no sequence holds it")
+        for block in reversed(blocks):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free[block] = None
+                if self._hash[block] is None:
+                    self._free.move_to_end(block, last=False)
+
+    def take(self, blocks: list[int]) -> None:
+        """Hold cached blocks (free or already held by other sequences) for a sequence that reuses them."""
+        for block in blocks:
+            if self._refs[block] == 0:
+                del self._free[block]
+            self._refs[block] += 1
+
+    def free_after_taking(self, blocks: list[int]) -> int:
+        """num_free once `blocks` are taken (the free ones among them stop being free)."""
+        return len(self._free) - sum(self._refs[b] == 0 for b in blocks)
+
+    def register(self, block: int, key: bytes) -> None:
+        """Record that `block` holds the content hashed to `key`; a second block with the same content (two
+        sequences computed it at once) stays unregistered, and is handed out again once freed."""
+        if key not in self._cached and self._hash[block] is None:
+            self._cached[key] = block
+            self._hash[block] = key
+
+    def lookup(self, key: bytes) -> int | None:
+        return self._cached.get(key)
+
+    def mark_mtp(self, block: int, key: bytes, next_token: int) -> None:
+        """The MTP layer's rows of `block`, which holds the content hashed to `key`, are all computed; its last one
+        read `next_token`, the token after the block (the MTP input at position p is the target's hidden state at
+        p and token p + 1). Where another block caches that content without valid MTP rows, this one replaces it,
+        so a prefix first cached by a request that never drafted still becomes reusable by drafting ones."""
+        cached = self._cached.get(key)
+        if cached is not None and cached != block and self._mtp_next[cached] is None:
+            self._evict(cached)
+            if self._refs[cached] == 0:
+                self._free.move_to_end(cached, last=False)
+            cached = None
+        if cached is None:
+            self.register(block, key)
+        if self._hash[block] == key and self._mtp_next[block] is None:
+            self._mtp_next[block] = next_token
+
+    def mtp_next(self, block: int) -> int | None:
+        """The token after the block its MTP rows were computed with; None: its MTP rows are not valid."""
+        return self._mtp_next[block]
+
+    def _evict(self, block: int) -> None:
+        key = self._hash[block]
+        if key is not None:
+            del self._cached[key]
+            self._hash[block] = self._mtp_next[block] = None
 
     def all_free(self) -> bool:
-        """Every block is on the free list exactly once (no leak, no double free)."""
-        return sorted(self._free) == list(range(self.num_blocks))
+        """Every block is back in the pool, free or cached (no leak), and the cache's index is consistent."""
+        return (len(self._free) == self.num_blocks and not any(self._refs)
+                and all(self._hash[b] == key for key, b in self._cached.items())
+                and sum(h is not None for h in self._hash) == len(self._cached))
 
 
 class KVCache:
@@ -81,6 +162,11 @@ class KVCache:
         if len(block_table) > keep:
             self.allocator.free(block_table[keep:])
             del block_table[keep:]
+
+    def reuse(self, block_table: list[int], blocks: list[int]) -> None:
+        """Start an empty block table with cached prefix blocks, shared with whoever else holds them."""
+        self.allocator.take(blocks)
+        block_table.extend(blocks)
 
     def release(self, block_table: list[int]) -> None:
         self.allocator.free(block_table)

@@ -13,6 +13,10 @@ One step for a batch of sequences, each with its own number of new target tokens
 k = 0 is plain decoding through the same code. The runner reads sequences and writes none: what a step
 computed comes back as `StepResult`s, which `Scheduler.update_from_output` applies.
 
+A guided request's grammar is one more ban per row: draft j is drawn from the MTP distribution masked by
+the grammar state after drafts 1..j-1, and each verified row is masked by its own state (a bitmask per
+row); the state advances by the kept tokens only in the update, so rejected drafts leave no trace.
+
 Logprobs come from the verification forward's logits at the emitted positions, the same logits plain
 decoding would compute there; prompt logprobs from the prefill chunks' hidden states. Penalties and
 min_tokens bans are applied per row with the counts of the row's own prefix (sampling module docstring),
@@ -30,6 +34,7 @@ import torch
 from torch import Tensor
 
 from runtime.core.cuda_graphs import CudaGraphRunner
+from runtime.core.grammar import grammar_bans
 from runtime.core.kv_cache import KVCache
 from runtime.model.batch import SHORT_QUERY, PagedBatch
 from runtime.model.kernels.modules import FusedMTPLayer, attends_in_kernels
@@ -94,19 +99,29 @@ class ModelRunner:
     def adjustments(self, seqs: list[Sequence], drafts: Tensor | None, first: int, num_rows: int
                     ) -> tuple[Tensor | None, Penalties | None]:
         """What changes the logits of those rows before temperature (all a greedy row needs): the banned tokens
-        (bad tokens, and stop tokens while min_tokens is not reached by that row's index) and the penalties,
-        which count the drafts before the row."""
+        (bad tokens, stop tokens while min_tokens is not reached by that row's index, and what a guided request's
+        grammar refuses after the drafts before the row) and the penalties, which count the drafts before it."""
         V = self.model.cfg.vocab_size
         bad = None
+        grammars = [s.grammar for s in seqs]
         banning = [(b, s) for b, s in enumerate(seqs) if s.params.bad_token_ids or s.bans_stop_ids]
-        if banning:
-            bad = torch.zeros(len(seqs), num_rows, V, dtype=torch.bool)
+        guided = any(g is not None for g in grammars)
+        if banning or guided:
+            if guided:  # row j: what the grammar allows after the drafts before it
+                rows = None if drafts is None or first + num_rows == 1 else drafts[:, : first + num_rows - 1].tolist()
+                grammar = grammar_bans(grammars, rows, first, num_rows)
+                bad = grammar.clone()
+            else:
+                bad = torch.zeros(len(seqs), num_rows, V, dtype=torch.bool)
             for b, s in banning:
                 bad[b, :, list(s.params.bad_token_ids)] = True
                 banned_rows = s.params.min_tokens - s.num_output_tokens - first  # rows before min_tokens is reached
                 if banned_rows > 0:
                     bad[b, :banned_rows, list(s.stop_ids)] = True
-            bad = bad.view(-1, V).to(self.device)
+            if guided and banning:  # bad tokens that leave nothing the grammar allows yield to the grammar
+                empty = bad.all(-1)
+                bad[empty] = grammar[empty]
+            bad = bad.reshape(-1, V).to(self.device)
         return bad, self._penalties(seqs, drafts, first, num_rows)
 
     def _penalties(self, seqs: list[Sequence], drafts: Tensor | None, first: int, num_rows: int) -> Penalties | None:
@@ -153,7 +168,7 @@ class ModelRunner:
         greedy = all(s.params.greedy for s in seqs)  # then drafts are argmaxes: no distribution, no draw
         if not plain:
             # rules that depend on the drafts before a row (penalties, min_tokens) need fresh tensors per draft
-            per_draft = any(s.penalty is not None or s.bans_stop_ids for s in seqs)
+            per_draft = any(s.penalty is not None or s.bans_stop_ids or s.grammar is not None for s in seqs)
             rules = self.adjustments if greedy else self.sampling_tensors  # greedy: (bans, penalties) only
             st = rules(seqs, None, 0, 1)
             if not greedy:

@@ -20,6 +20,9 @@ Penalties and min_tokens depend on the tokens before a position, so row j of a s
 token num_output + j) is decided with the counts its own prefix has: the output so far plus drafts
 d_1..d_j-1 (accepted drafts are exactly that prefix). Target rows and drafts use the same rule, so
 greedy output with penalties is plain decoding's and sampled output follows the penalized target.
+A guided request's grammar bans, per row, the tokens its state after that same prefix refuses (a bitmask
+per row, runtime.core.grammar): drafts are drawn from the MTP distribution so masked, target rows are
+masked the same way, and the acceptance rules above then apply to the masked distributions unchanged.
 Order, as vLLM and HF: repetition penalty (HF / TensorRT-LLM: over prompt and output), frequency and
 presence penalties (OpenAI: over the output), bans (bad tokens, stop tokens before min_tokens), then
 temperature, top-k, top-p.
@@ -27,9 +30,10 @@ temperature, top-k, top-p.
 
 from __future__ import annotations
 
+import json as _json
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -45,6 +49,49 @@ PENALTY_LIMIT = 2.0  # |presence_penalty| and |frequency_penalty| at most this (
 def _as_given(value: object) -> object:
     """A list field as the caller wrote it (SamplingParams holds lists as tuples)."""
     return list(value) if isinstance(value, tuple) else value
+
+
+@dataclass(frozen=True)
+class GuidedDecodingParams:
+    """Structured output (TensorRT-LLM's names): exactly one of a JSON schema (`json`: a string, a dict or a
+    pydantic model class), a regular expression, an EBNF grammar (GBNF `root ::= ...`, or Lark), or
+    `json_object=True` for any JSON object. A dict or model becomes its JSON text here, so a guide is a
+    (kind, text) pair: the key its compiled grammar is cached under (runtime.core.grammar)."""
+
+    json: Any = None
+    regex: str | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        value = self.json
+        if isinstance(value, type) and hasattr(value, "model_json_schema"):  # a pydantic model class
+            value = value.model_json_schema()
+        if isinstance(value, dict):
+            object.__setattr__(self, "json", _json.dumps(value))  # keeps property order: it is the output's
+
+    def validate(self) -> None:
+        """ValueError unless exactly one guide is given, of its type."""
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"guided_decoding.json_object must be true or false, got {self.json_object!r}")
+        given = [name for name in ("json", "regex", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"guided_decoding takes exactly one of json, regex, grammar, json_object; got "
+                             f"{', '.join(given) or 'none'}")
+        value = getattr(self, given[0])
+        if given[0] != "json_object" and (not isinstance(value, str) or not value):
+            kinds = "a non-empty string" + (", a dict or a pydantic model" if given[0] == "json" else "")
+            raise ValueError(f"guided_decoding.{given[0]} must be {kinds}, got {value!r:.80}")
+
+    @property
+    def kind(self) -> str:
+        """"json" | "regex" | "grammar" | "json_object" (of a validated guide)."""
+        return "json_object" if self.json_object else next(n for n in ("json", "regex", "grammar") if getattr(self, n))
+
+    @property
+    def text(self) -> str:
+        return "" if self.json_object else getattr(self, self.kind)
 
 
 @dataclass(frozen=True)
@@ -71,6 +118,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the output
     min_tokens: int = 0  # eos and stop tokens are banned (and stop strings ignored) before this many
     num_draft_tokens: int | None = None  # at most this many drafts per step (0: plain decoding); None: the executor's
+    guided_decoding: GuidedDecodingParams | None = None  # structured output: every token masked by the grammar
 
     def __post_init__(self) -> None:
         """A single stop string is one stop string (not one per character); lists become tuples."""
@@ -122,6 +170,14 @@ class SamplingParams:
             raise ValueError(f"num_draft_tokens must be None or an integer >= 0, got {self.num_draft_tokens!r}")
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens ({self.max_tokens})], got {self.min_tokens!r}")
+        if self.guided_decoding is not None:
+            if not isinstance(self.guided_decoding, GuidedDecodingParams):
+                raise ValueError(f"guided_decoding must be a GuidedDecodingParams, got {type(self.guided_decoding).__name__}")
+            self.guided_decoding.validate()
+            # the grammar ends the output with eos: a request that ignores or bans it could never end there
+            if self.ignore_eos or self.min_tokens:
+                raise ValueError("guided_decoding cannot be combined with ignore_eos or min_tokens: the grammar "
+                                 "decides where the output ends (with eos)")
 
     @property
     def greedy(self) -> bool:
@@ -133,9 +189,9 @@ class SamplingParams:
 
     @property
     def plain_argmax(self) -> bool:
-        """Greedy with nothing banned or penalized: a token is the logits' plain argmax, drafts included
+        """Greedy with nothing banned, penalized or guided: a token is the logits' plain argmax, drafts included
         (min_tokens aside: `Sequence.plain_argmax` knows whether it still bans)."""
-        return self.greedy and not self.bad_token_ids and not self.penalized
+        return self.greedy and not self.bad_token_ids and not self.penalized and self.guided_decoding is None
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,17 @@ preempts only sequences admitted after its own; if it still does not fit, it wai
 wait while blocks run out: none is admitted in a step that preempted or left a prefill waiting.
 Nothing is dropped.
 
+With prefix caching (`PrefixCache`), a sequence being admitted starts on the longest chain of cached blocks its
+tokens match, shared with other sequences, and prefills only the rest; a preempted one thus recomputes only
+what was evicted meanwhile.
+
 The draft length comes from a `DraftPolicy` (runtime.core.draft_policy), and no more than leaves the token
 budget to prompts waiting to be prefilled.
 
 After the step, `update_from_output` applies what the runner computed, the one writer of a step's
-results: tokens (as many as the stop rules keep) and the penalties' counts of them, cache lengths, MTP
-inputs, prompt logprobs done, finished sequences, blocks given back, and what the draft policy learns.
+results: tokens (as many as the stop rules keep), the penalties' counts and the grammar state of them, cache
+lengths, MTP inputs, prompt logprobs done, blocks filled (registered for reuse), finished sequences, blocks
+given back, and what the draft policy learns.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from dataclasses import dataclass
 from runtime.core.draft_policy import DraftPolicy
 from runtime.core.kv_cache import KVCache, OutOfBlocks
 from runtime.core.plan import Scheduled, StepResult
+from runtime.core.prefix_cache import PrefixCache
 from runtime.core.sequence import Sequence, Status
 
 
@@ -38,8 +44,9 @@ class SchedulerConfig:
 class Scheduler:
     MTP_IDLE_LIMIT = 8  # decode steps in a row for which adaptive speculation chose k = 0 before it drops a sequence
 
-    def __init__(self, config: SchedulerConfig, cache: KVCache, policy: DraftPolicy):
-        self.config, self.cache, self.policy = config, cache, policy
+    def __init__(self, config: SchedulerConfig, cache: KVCache, policy: DraftPolicy,
+                 prefix_cache: PrefixCache | None = None):
+        self.config, self.cache, self.policy, self.prefix_cache = config, cache, policy, prefix_cache
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.admissions = 0  # admission counter: preemption takes the latest admitted
@@ -146,11 +153,17 @@ class Scheduler:
         admit = not stalled and self.preemptions == preemptions
         while admit and self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size:
             seq = self.waiting[0]
-            chunk = min(seq.num_to_prefill, budget)
-            try:
-                self.cache.grow(seq.block_table, seq.num_cached + max(chunk, 1))
-            except OutOfBlocks:
+            cached, stop_drafting = self.prefix_cache.match(seq) if self.prefix_cache is not None else ([], False)
+            start = len(cached) * self.cache.block_size
+            chunk = min(seq.num_tokens - 1 - start, budget)
+            need = self.cache.blocks_for(start + max(chunk, 1)) - len(cached)
+            if need > self.cache.allocator.free_after_taking(cached):
                 break  # new requests wait for blocks
+            if stop_drafting:
+                seq.drop_mtp()
+            self.cache.reuse(seq.block_table, cached)
+            self.cache.grow(seq.block_table, start + max(chunk, 1))
+            self._start_at(seq, start)
             self.waiting.popleft()
             self.admissions += 1
             seq.status, seq.admitted_at = Status.RUNNING, self.admissions
@@ -158,6 +171,16 @@ class Scheduler:
             plan.append(Scheduled(seq, chunk) if chunk else Scheduled(seq, 1, 0))
             budget -= max(chunk, 1)
         return plan
+
+    def _start_at(self, seq: Sequence, start: int) -> None:
+        """A sequence admitted on `start` cached positions: its target KV, and its MTP rows where it drafts
+        (PrefixCache.match took only blocks whose MTP rows it can use), are valid up to there."""
+        blocks = start // self.cache.block_size
+        seq.num_cached, seq.num_registered_blocks = start, blocks
+        if seq.num_reused_blocks is None:
+            seq.num_reused_blocks = blocks
+        if self.prefix_cache is not None and self.prefix_cache.drafts(seq):
+            seq.num_mtp, seq.num_mtp_blocks = start, blocks
 
     def update_from_output(self, plan: list[Scheduled], results: list[StepResult], kept: dict[Sequence, int],
                            finished: set[Sequence], seconds: float) -> None:
@@ -177,6 +200,8 @@ class Scheduler:
             seq.token_ids += new
             if seq.penalty is not None:
                 seq.penalty.add(new)
+            if seq.grammar is not None:
+                seq.grammar.advance(new)
             if r.prompt_logprobs:
                 seq.num_prompt_logprobs += len(r.prompt_logprobs)
             seq.num_cached += r.num_trusted
@@ -185,6 +210,8 @@ class Scheduler:
                 seq.num_mtp, seq.pending_hidden = seq.num_cached - r.num_trusted, []
             if r.hidden is not None and not seq.mtp_dropped:
                 seq.pending_hidden.append(r.hidden)
+            if self.prefix_cache is not None:
+                self.prefix_cache.commit(seq)
             if seq in finished:
                 continue
             self.cache.shrink(seq.block_table, seq.num_tokens)

@@ -7,7 +7,11 @@ positions num_mtp .. num_cached - 1 wait in `pending_hidden` until the next draf
 chunks each step appended (joined once, when drafting uses them: a sequence that does not draft for
 a while would otherwise copy its growing backlog every step).
 
-A penalized request keeps its token counts as tensors (`PenaltyState`), updated by the step's one writer
+Prefix caching may start a sequence at num_cached = num_mtp > 0, on blocks it shares with others
+(runtime.core.prefix_cache); nothing ever writes below those positions.
+
+A guided request keeps its grammar matcher (`GrammarMatcher`), advanced by the step's one writer; a penalized
+request keeps its token counts as tensors (`PenaltyState`), updated by the step's one writer
 with the tokens it keeps, so a step reads them in O(vocabulary) rather than recounting its history.
 """
 
@@ -15,11 +19,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from runtime.core.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from runtime.core.grammar import GrammarMatcher
 
 
 @dataclass(eq=False)
@@ -65,7 +73,14 @@ class Sequence:
     admitted_at: int = -1  # admission order of its last admission (preemption takes the latest)
     stop_ids: frozenset[int] = frozenset()  # eos and stop token ids: banned while min_tokens is not reached
     penalty: PenaltyState | None = None  # set for requests with penalties
+    grammar: GrammarMatcher | None = None  # set for guided requests: the grammar state after the output
     num_prompt_logprobs: int = 0  # prompt positions whose next-token logprobs were computed (prompt_logprobs)
+    # prefix caching (runtime.core.prefix_cache): keys of its full blocks, how many of its blocks are registered
+    # and MTP-marked, and how many prompt blocks its first admission reused (None: not admitted yet)
+    block_keys: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_mtp_blocks: int = 0
+    num_reused_blocks: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -105,8 +120,9 @@ class Sequence:
         self.mtp_dropped, self.pending_hidden = True, []
 
     def reset_for_recompute(self) -> None:
-        """After preemption: the cache is gone, the tokens stay; prefill recomputes them."""
+        """After preemption: its blocks are gone (what they registered stays cached until evicted), the tokens
+        stay; its next admission reuses what is still cached and prefill recomputes the rest."""
         self.block_table = []
-        self.num_cached = self.num_mtp = self.mtp_idle_steps = 0
+        self.num_cached = self.num_mtp = self.mtp_idle_steps = self.num_registered_blocks = self.num_mtp_blocks = 0
         self.pending_hidden = []
         self.status = Status.WAITING

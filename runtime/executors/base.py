@@ -40,8 +40,11 @@ class ExecutorConfig:
     relaxed_acceptance: RelaxedAcceptance | None = None
     cpu_kernels: bool = True  # on CPU in float32: C++ kernels, weights as stored (runtime.model.kernels.modules)
     cuda_graphs: bool = True  # on CUDA: forwards of <= 512 new tokens per sequence replay graphs (decodes': at start)
+    # prefix caching: requests reuse the KV blocks of prefixes computed before (runtime.core.prefix_cache), as
+    # TensorRT-LLM's kv_cache_config.enable_block_reuse
+    enable_block_reuse: bool = True
     # processes to run an engine's tensor-parallel ranks in: None, its tp_size (one process per rank, started by
-    # the executor, runtime.core.ranks); 1, its rank files joined in this process
+    # the executor, runtime.executors.ranks); 1, its rank files joined in this process
     world_size: int | None = None
 
     def __post_init__(self) -> None:
@@ -54,6 +57,8 @@ class ExecutorConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.enable_block_reuse, bool):
+            raise ValueError(f"enable_block_reuse must be true or false, got {self.enable_block_reuse!r}")
         if not (isinstance(self.free_memory_fraction, (int, float)) and 0 < self.free_memory_fraction <= 1):
             raise ValueError(f"free_memory_fraction must be in (0, 1], got {self.free_memory_fraction!r}")
         if self.world_size is not None and (not isinstance(self.world_size, int) or self.world_size < 1):

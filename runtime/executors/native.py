@@ -21,12 +21,14 @@ from typing import Callable
 import torch
 
 from runtime.core.cuda_graphs import CudaGraphRunner
-from runtime.core.ranks import RankFailure, RankGroup, RankOptions, drive, rss_bytes, run_rank, torchrun_rank
+from runtime.executors.ranks import RankFailure, RankGroup, RankOptions, drive, rss_bytes, run_rank, torchrun_rank
 from runtime.io.engine_format import ENGINE_JSON, read_limits
 from runtime.io.loading import LoadedEngine, load_engine
 from runtime.core.kv_cache import KVCache, free_memory_bytes
 from runtime.core.sampling import SamplingParams
 from runtime.core.draft_policy import DraftPolicy, StepCosts
+from runtime.core.grammar import GrammarCompiler
+from runtime.core.prefix_cache import PrefixCache
 from runtime.core.scheduler import Scheduler
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.requests import (ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestStats, RequestTracker,
@@ -69,7 +71,7 @@ class Executor:
         _live.add(self)
 
     def _load(self, path: Path) -> LoadedEngine:
-        """The engine in this process, or its rank 0 with the other ranks started alongside (runtime.core.ranks)."""
+        """The engine in this process, or its rank 0 with the other ranks started alongside (runtime.executors.ranks)."""
         config = self.config
         options = dict(device=config.device, dtype=config.dtype, cpu_kernels=config.cpu_kernels)
         _, build = read_limits(path)
@@ -104,6 +106,7 @@ class Executor:
         k = config.draft_len(build.max_draft_len, cfg.num_nextn_predict_layers, str(self.engine.path), self.engine.built)
         self.model_config = cfg
         self.tokenizer = Tokenizer.from_dir(self.engine.tokenizer_dir)
+        self._grammars: GrammarCompiler | None = None  # built at the first guided request
         block = build.kv_block_size
         dtype = next(self.engine.model.parameters()).dtype
         # every rank on this host keeps a whole latent cache (runtime.model.deepseek_v3)
@@ -119,7 +122,8 @@ class Executor:
                                   keep_mtp_inputs=k > 0, graphs=graphs)
         costs = self.profile(k) if config.speculation == "adaptive" and k else None
         self.policy = DraftPolicy(config.speculation if k else "off", k, costs)
-        self.scheduler = Scheduler(self.limits, self.cache, self.policy)
+        prefix_cache = PrefixCache(self.cache.allocator, block, self.policy.mode) if config.enable_block_reuse else None
+        self.scheduler = Scheduler(self.limits, self.cache, self.policy, prefix_cache)
         self._requests: dict[str, tuple[Sequence, RequestTracker]] = {}
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._wake = threading.Event()
@@ -159,6 +163,10 @@ class Executor:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the parameter when this request cannot run here."""
         validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.limits.max_seq_len)
+        if params.guided_decoding is not None:
+            self.grammars.check(params.guided_decoding)
+            if self.tokenizer.eos_token_id in params.bad_token_ids:
+                raise ValueError("guided_decoding ends the output with eos; bad_token_ids must not ban it")
         if params.num_draft_tokens is not None and params.num_draft_tokens > self.policy.max_k:
             raise ValueError(f"num_draft_tokens {params.num_draft_tokens} exceeds this executor's draft length "
                              f"{self.policy.max_k}")
@@ -167,6 +175,16 @@ class Executor:
         if need > self.cache.allocator.num_blocks:
             raise ValueError(f"max_tokens {params.max_tokens} with a {len(prompt_token_ids)}-token prompt needs {need} "
                              f"KV blocks; the cache has {self.cache.allocator.num_blocks} (raise kv_cache_tokens)")
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Guides compiled for this tokenizer (ValueError when it has no eos to end a guided output with)."""
+        if self._grammars is None:
+            eos = self.tokenizer.eos_token_id
+            if eos is None:
+                raise ValueError("guided_decoding needs an eos token; this model's tokenizer has none")
+            self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.model_config.vocab_size, eos)
+        return self._grammars
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams,
                on_output: Callable[[RequestOutput], None] | None = None, request_id: str | None = None) -> RequestHandle:
@@ -181,7 +199,8 @@ class Executor:
                                       self.cache.tensor.device) if params.penalized else None
         seq = Sequence(rid, list(prompt_token_ids), len(prompt_token_ids), params, seed,
                        in_thinking=self._thinking_after(prompt_token_ids), stop_ids=tracker.stop_ids, penalty=penalty,
-                       mtp_dropped=params.num_draft_tokens == 0)  # never drafts: keeps no MTP inputs
+                       mtp_dropped=params.num_draft_tokens == 0,  # never drafts: keeps no MTP inputs
+                       grammar=self.grammars.matcher(params.guided_decoding) if params.guided_decoding else None)
         with self._submit_lock:
             if self._stopping:
                 self._ids.release(rid)
@@ -208,6 +227,7 @@ class Executor:
         return ExecutorStats(
             running=len(self.scheduler.running), queued=len(self.scheduler.waiting) + self._submitted_not_seen(),
             kv_blocks_used=self.cache.allocator.num_used, kv_blocks_free=self.cache.allocator.num_free,
+            kv_blocks_cached=self.cache.allocator.num_cached,
             requests_finished=c["finished"], generated_tokens=c["generated"], draft_tokens=c["drafted"],
             accepted_draft_tokens=c["accepted"], current_draft_len=self.scheduler.last_k,
             acceptance_estimate=self.policy.acceptance, world_size=self.world_size,
@@ -337,7 +357,10 @@ class Executor:
             return
         for item in plan:
             tracker = self._requests[item.seq.request_id][1]
-            tracker.first_scheduled_time = tracker.first_scheduled_time or t0
+            if tracker.first_scheduled_time is None:
+                tracker.first_scheduled_time = t0
+                tracker.num_reused_blocks = item.seq.num_reused_blocks
+                tracker.num_missed_blocks = self.cache.blocks_for(tracker.num_prompt_tokens) - tracker.num_reused_blocks
         try:
             results = self.runner.step(plan)
         except RankFailure:  # the ranks are gone or out of step: nothing can run any more

@@ -40,10 +40,20 @@ class RequestStats:
     ttft_s: float | None  # submit -> the first step that emitted tokens
     tpot_s: float | None  # (last token - first token) / (output tokens - 1), as vLLM and trtllm-bench compute it
     queue_s: float | None = None  # submit -> the first step that scheduled it (None: the backend does not say)
+    # prompt KV blocks found in the prefix cache at its first admission, and the others (TensorRT-LLM's
+    # kv_cache_metrics names; 0 and 0 where the backend does not say)
+    num_reused_blocks: int = 0
+    num_missed_blocks: int = 0
 
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def kv_cache_hit_rate(self) -> float:
+        """Reused prompt blocks over all prompt blocks."""
+        blocks = self.num_reused_blocks + self.num_missed_blocks
+        return self.num_reused_blocks / blocks if blocks else 0.0
 
     @property
     def tokens_per_step(self) -> float:
@@ -75,13 +85,14 @@ class ExecutorStats:
     running: int
     queued: int
     kv_blocks_used: int
-    kv_blocks_free: int
+    kv_blocks_free: int  # cached blocks no request holds included (evicted when new content needs them)
     requests_finished: int
     generated_tokens: int
     draft_tokens: int
     accepted_draft_tokens: int
     current_draft_len: int
     acceptance_estimate: float
+    kv_blocks_cached: int = 0  # blocks holding reusable prefix content, held by a request or free
     world_size: int = 1  # processes running the model (tensor/expert-parallel ranks)
     rank_memory_bytes: list[int] = field(default_factory=list)  # resident memory of each, rank 0 first
 
@@ -249,6 +260,8 @@ class RequestTracker:
     num_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
+    num_reused_blocks: int = 0
+    num_missed_blocks: int = 0
     finished: bool = False
     logprobs: list[TokenLogprob] | None = None  # of the output tokens reported, when asked for
     cumulative_logprob: float = 0.0
@@ -328,7 +341,7 @@ class RequestTracker:
         tpot = (self.last_token_time - self.first_token_time) / (n_out - 1) if n_out > 1 else None
         queue = self.first_scheduled_time - self.arrival_time if self.first_scheduled_time else None
         return RequestStats(self.num_prompt_tokens, n_out, self.num_draft_tokens, self.num_accepted_draft_tokens,
-                            self.num_steps, ttft, tpot, queue)
+                            self.num_steps, ttft, tpot, queue, self.num_reused_blocks, self.num_missed_blocks)
 
     def report(self, new: list[int], delta: str, reason: str | None, error: str | None = None) -> None:
         """Deliver one output (final when reason is set) to the callback and the handle. A request that

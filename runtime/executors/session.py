@@ -34,15 +34,18 @@ class GenerationResult:
 
 class Session:
     def __init__(self, path: str | Path, num_draft_tokens: int | None = None, speculation: str = "fixed",
-                 device: str = "cpu", dtype: str | None = None, **limits: int | None):
+                 device: str = "cpu", dtype: str | None = None, enable_block_reuse: bool = True,
+                 **limits: int | None):
         """`speculation` 'fixed' drafts num_draft_tokens every step; 'adaptive' picks up to that many
         per step from the batch size and measured acceptance; num_draft_tokens=0 is plain decoding, None
         drafts 3 where the model has an MTP layer (at most the engine's max_draft_len) and none where not.
+        `enable_block_reuse` False turns prefix caching off (every prompt is computed in full).
         `limits` are ExecutorConfig's (max_batch_size, kv_cache_tokens, free_memory_fraction, ...).
         An engine built with --backend trtllm runs on TensorRT-LLM (runtime.executors.trtllm)."""
         mode = "off" if num_draft_tokens == 0 else speculation
         self.executor = create_executor(path, ExecutorConfig(num_draft_tokens=num_draft_tokens, speculation=mode,
-                                                             device=device, dtype=dtype, **limits))
+                                                             device=device, dtype=dtype,
+                                                             enable_block_reuse=enable_block_reuse, **limits))
         self.tokenizer = self.executor.tokenizer
 
     def _encode(self, prompt: str) -> list[int]:

@@ -36,8 +36,15 @@ releases; the LLM API of the PyTorch backend, which is the only one that runs De
   acceptance_rate}` (bindings RequestPerfMetrics, read the same way by
   triton_backend/.../tensorrt_llm/1/model.py and the accuracy tests), filled when the request has
   `return_perf_metrics=True`.
+- `request_perf_metrics.kv_cache_metrics.{num_reused_blocks, num_missed_blocks}` (the same bindings; upstream's
+  llmapi Triton model returns them as kv_cache_reused_block / kv_cache_missed_block), and
+  `KvCacheConfig.enable_block_reuse` (tensorrt_llm/llmapi/llm_args.py, default True).
 - `tensorrt_llm.SamplingParams` fields (tensorrt_llm/sampling_params.py): see
   `to_trtllm_sampling_kwargs`.
+- `tensorrt_llm.llmapi.GuidedDecodingParams(json=, regex=, grammar=, json_object=)` (tensorrt_llm/sampling_params.py,
+  re-exported by tensorrt_llm/llmapi; also `structural_tag`, not used) on `SamplingParams.guided_decoding`, served
+  when the LLM was built with `guided_decoding_backend` "xgrammar" or "llguidance" (llm_args.py; the engine's
+  YAML key, passed through as is): see `guided_decoding_fields`.
 - `CompletionOutput.logprobs` / `.prompt_logprobs` (tensorrt_llm/executor/result.py, `LogprobResults`:
   per position a dict {token id: `Logprob(logprob, rank)`}) and `.cumulative_logprob`: see
   `logprobs_from_upstream`.
@@ -61,13 +68,15 @@ import yaml
 from runtime.io.engine_format import ENGINE_JSON, LLM_API_OPTIONS, BuildConfig, EngineError, EngineManifest, file_sha256
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.requests import ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestTracker, validate_request
-from runtime.core.sampling import SamplingParams, TokenLogprob
+from runtime.core.grammar import check_guide
+from runtime.core.sampling import GuidedDecodingParams, SamplingParams, TokenLogprob
 from runtime.core.scheduler import SchedulerConfig
 from runtime.io.tokenizer import Tokenizer
 
 log = logging.getLogger("runtime.executors.trtllm")
 
 SEED_MODULUS = 2**64  # TensorRT-LLM's seed is a uint64 (SamplingConfig.randomSeed)
+GUIDED_DECODING_BACKENDS = ("xgrammar", "llguidance")  # llm_args.py: TorchLlmArgs.guided_decoding_backend
 
 TRTLLM_MISSING_MESSAGE = (
     "TensorRT-LLM is not available: the Python package `tensorrt_llm` could not be imported. "
@@ -130,7 +139,9 @@ def to_trtllm_sampling_kwargs(params: SamplingParams, tokenizer: Any) -> dict[st
       `self.logprobs = self.logprobs and int(self.logprobs)`; the adapter keeps the top-N asked for) and
       `logprobs_mode` (vLLM's names, as upstream's since 1.1) when either is asked for.
     - `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `min_tokens` (same names and
-      meanings) when not at their neutral values. Upstream's MTP path may not apply penalties (its
+      meanings) when not at their neutral values.
+    - `guided_decoding` as the fields of upstream's GuidedDecodingParams (`guided_decoding_fields`; the
+      executor builds the upstream object, `upstream_sampling_params`). Upstream's MTP path may not apply penalties (its
       speculative decoders use a smaller sampler: docs/trtllm-backend.md).
     """
     eos = tokenizer.eos_token_id
@@ -160,8 +171,23 @@ def to_trtllm_sampling_kwargs(params: SamplingParams, tokenizer: Any) -> dict[st
             kwargs[name] = float(getattr(params, name))
     if params.min_tokens:
         kwargs["min_tokens"] = params.min_tokens
+    if params.guided_decoding is not None:
+        kwargs["guided_decoding"] = guided_decoding_fields(params.guided_decoding)
     kwargs.update(include_stop_str_in_output=True, detokenize=False, return_perf_metrics=True)
     return kwargs
+
+
+def guided_decoding_fields(guide: GuidedDecodingParams) -> dict[str, Any]:
+    """Upstream's GuidedDecodingParams keyword arguments: the same names; a schema as its JSON text (upstream takes a
+    str, a dict or a pydantic model)."""
+    return {"json_object": True} if guide.kind == "json_object" else {guide.kind: guide.text}
+
+
+def upstream_sampling_params(trtllm: Any, kwargs: dict[str, Any]) -> Any:
+    """`tensorrt_llm.SamplingParams(**kwargs)`, a guided_decoding dict made upstream's GuidedDecodingParams."""
+    if "guided_decoding" in kwargs:
+        kwargs = {**kwargs, "guided_decoding": trtllm.llmapi.GuidedDecodingParams(**kwargs["guided_decoding"])}
+    return trtllm.SamplingParams(**kwargs)
 
 
 def adapt_to_upstream_fields(kwargs: dict[str, Any], sampling_params_cls: Any) -> dict[str, Any]:
@@ -227,7 +253,9 @@ def llm_kwargs_for(options: Mapping[str, Any], manifest: EngineManifest, config:
     it; otherwise num_nextn_predict_layers = k, at most the built max_draft_len; "adaptive" runs
     as "fixed", TensorRT-LLM's MTP drafts a fixed length); max_batch_size, max_num_tokens,
     max_seq_len -> the same keys, at most the built values (cuda_graph_config.max_batch_size is
-    lowered with max_batch_size); kv_cache_tokens -> kv_cache_config.max_tokens; dtype -> dtype;
+    lowered with max_batch_size); kv_cache_tokens -> kv_cache_config.max_tokens; enable_block_reuse False ->
+    kv_cache_config.enable_block_reuse False (True keeps the engine's own, build_engine --[no-]enable_block_reuse,
+    on unless built off, as upstream's default); dtype -> dtype;
     relaxed_acceptance -> speculative_config.{use_relaxed_acceptance_for_thinking, relaxed_topk,
     relaxed_delta, begin_thinking_phase_token, end_thinking_phase_token}. `device` does not apply
     (TensorRT-LLM places ranks on the visible GPUs) and is ignored.
@@ -246,6 +274,8 @@ def llm_kwargs_for(options: Mapping[str, Any], manifest: EngineManifest, config:
             graphs["max_batch_size"] = min(graphs["max_batch_size"], config.max_batch_size)
         if config.kv_cache_tokens is not None:
             kwargs.setdefault("kv_cache_config", {})["max_tokens"] = config.kv_cache_tokens
+        if not config.enable_block_reuse:
+            kwargs.setdefault("kv_cache_config", {})["enable_block_reuse"] = False
         if config.dtype is not None:
             kwargs["dtype"] = config.dtype
         k = config.draft_len(build.max_draft_len, cfg.num_nextn_predict_layers, source)
@@ -334,6 +364,18 @@ def speculative_counts(result: Any) -> tuple[int, int] | None:
     except (AttributeError, TypeError, ValueError):
         return None
     return (drafted, accepted) if drafted > 0 else None
+
+
+def kv_cache_counts(result: Any) -> tuple[int, int] | None:
+    """(num_reused_blocks, num_missed_blocks) of `request_perf_metrics.kv_cache_metrics` (tensorrt_llm/executor/
+    result.py), None where TensorRT-LLM reports none."""
+    outputs = getattr(result, "outputs", None) or []
+    metrics = getattr(outputs[0], "request_perf_metrics", None) if outputs else None
+    kv = getattr(metrics, "kv_cache_metrics", None) if metrics is not None else None
+    try:
+        return int(kv.num_reused_blocks), int(kv.num_missed_blocks)
+    except (AttributeError, TypeError, ValueError):
+        return None
 
 
 _UPSTREAM_REASONS = {"stop": "stop", "length": "length", "cancelled": "cancelled", "timeout": "error", None: "stop"}
@@ -473,6 +515,11 @@ class TrtllmExecutor:
         if params.num_draft_tokens not in (None, self.num_draft_tokens):
             raise ValueError(f"num_draft_tokens {params.num_draft_tokens} per request is not available with TensorRT-LLM, "
                              f"whose MTP drafts {self.num_draft_tokens} for every request; leave it unset")
+        if params.guided_decoding is not None:
+            check_guide(params.guided_decoding)  # the native executor's refusal: the field and the position
+            if self.llm_kwargs.get("guided_decoding_backend") not in GUIDED_DECODING_BACKENDS:
+                raise ValueError("guided_decoding needs TensorRT-LLM's guided_decoding_backend (xgrammar or llguidance) "
+                                 f"in the engine's {LLM_API_OPTIONS}")
         # a field this release lacks for what the request asks (logprobs_mode) is refused here, not mid-stream
         adapt_to_upstream_fields(to_trtllm_sampling_kwargs(params, self.tokenizer), self._trtllm.SamplingParams)
 
@@ -554,7 +601,7 @@ class TrtllmExecutor:
         try:
             kwargs = adapt_to_upstream_fields(to_trtllm_sampling_kwargs(req.params, self.tokenizer),
                                               self._trtllm.SamplingParams)
-            sampling_params = self._trtllm.SamplingParams(**kwargs)
+            sampling_params = upstream_sampling_params(self._trtllm, kwargs)
             req.upstream = self.llm.generate_async({"prompt_token_ids": req.prompt},
                                                    sampling_params=sampling_params, streaming=True)
         except Exception as e:
@@ -591,6 +638,9 @@ class TrtllmExecutor:
             req.num_steps = steps
         elif new:
             req.num_steps += 1
+        blocks = kv_cache_counts(out)
+        if blocks is not None:
+            req.num_reused_blocks, req.num_missed_blocks = blocks
         counts = speculative_counts(out)
         if counts is not None:
             drafted, accepted = counts

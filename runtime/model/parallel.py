@@ -61,7 +61,7 @@ def chunk(n: int, parts: int, i: int) -> slice:
 
 class Parallel:
     """This rank's `Layout` and the collectives over its ranks' process group (none at world size 1; set once the
-    ranks have loaded their weights and met, runtime.core.ranks).
+    ranks have loaded their weights and met, runtime.executors.ranks).
 
     Sums are all-gathers followed by one sum in rank order, so every rank gets the same bits (a ring
     all-reduce adds in a different order on each rank) and a result never depends on which rank computed it.

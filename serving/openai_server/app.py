@@ -272,11 +272,11 @@ def create_app(executor: ExecutorProtocol, model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health() -> PlainTextResponse:
-        problem = executor.health(HEALTH_TIMEOUT_S)
+        problem = await asyncio.to_thread(executor.health, HEALTH_TIMEOUT_S)  # a call to the engine process
         return PlainTextResponse(problem or "ok", status_code=503 if problem else 200)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(server.metrics(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(await asyncio.to_thread(server.metrics), media_type="text/plain; version=0.0.4")
 
     return app

@@ -21,6 +21,7 @@ import torch
 import uvicorn
 
 from runtime.executors.base import ExecutorConfig, create_executor
+from runtime.executors.process import EngineProcessError, ProcessExecutor
 from serving.openai_server.app import create_app
 
 log = logging.getLogger("serving.openai_server")
@@ -58,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--free_memory_fraction", type=float, default=0.9,
                    help="share of the memory free after loading that the KV cache may take")
     p.add_argument("--torch_threads", type=int, help="torch CPU threads (default: torch's)")
+    p.add_argument("--engine_process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the executor in a process of its own, so the server's request handling never holds "
+                        "the GIL its step loop needs (default: on; --no-engine_process: one process)")
     p.add_argument("--log_level", default="info", choices=("debug", "info", "warning", "error"))
     return p.parse_args(argv)
 
@@ -69,12 +73,14 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("runtime.executors.requests").setLevel(logging.WARNING)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
+    config = ExecutorConfig(
+        num_draft_tokens=args.num_draft_tokens, speculation="off" if args.num_draft_tokens == 0 else args.speculation,
+        device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
+        kv_cache_tokens=args.kv_cache_tokens, free_memory_fraction=args.free_memory_fraction)
     try:
-        executor = create_executor(args.model, ExecutorConfig(
-            num_draft_tokens=args.num_draft_tokens, speculation="off" if args.num_draft_tokens == 0 else args.speculation,
-            device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
-            kv_cache_tokens=args.kv_cache_tokens, free_memory_fraction=args.free_memory_fraction))
-    except (ValueError, FileNotFoundError) as e:
+        executor = (ProcessExecutor(args.model, config, torch_threads=args.torch_threads) if args.engine_process
+                    else create_executor(args.model, config))
+    except (ValueError, FileNotFoundError, EngineProcessError) as e:
         print(f"dsv3-serve: {e}", file=sys.stderr)
         return 2
     name = args.served_model_name or args.model.resolve().name

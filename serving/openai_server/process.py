@@ -11,7 +11,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from serving.launcher import free_ports, terminate_with_parent
+from runtime.executors.lifetime import terminate_with_parent
+from serving.launcher import free_ports
 
 
 @dataclass

@@ -11,12 +11,14 @@ not implement are accepted at their neutral value and refused otherwise, naming 
 from __future__ import annotations
 
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from runtime.core.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprob
+from runtime.core.grammar import check_guide
+from runtime.core.sampling import MAX_LOGPROBS, GuidedDecodingParams, SamplingParams, TokenLogprob
 from runtime.executors.requests import RequestStats
 from runtime.io.tokenizer import Tokenizer
 from serving.openai_server.chat import render_chat
@@ -25,20 +27,24 @@ from serving.request_validation import INT32_MAX, RequestError
 MAX_N = 128  # choices per request, as OpenAI allows
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
+# Structured output besides OpenAI's response_format: vLLM's guided_* extras (also SGLang's and TGI clients' habit)
+# and vLLM's current structured_outputs object, by GuidedDecodingParams field
+GUIDE_KEYS = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "grammar"}
+STRUCTURED_OUTPUTS_KEYS = {"json", "regex", "grammar", "json_object"}
+
 # Parameters taken at their neutral value only: name -> (is it neutral?, what this server takes).
 NEUTRAL: dict[str, tuple[Any, str]] = {
     "logit_bias": (lambda v: v in (None, {}), "null or {}"),
     "suffix": (lambda v: v is None, "null"),
     "tools": (lambda v: v in (None, []), "null or [] (no tool calling)"),
     "tool_choice": (lambda v: v in (None, "none"), "null or \"none\" (no tool calling)"),
-    "response_format": (lambda v: v is None or v == {"type": "text"}, "null or {\"type\": \"text\"}"),
 }
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop",
           "stop_token_ids", "seed", "ignore_eos", "user", "presence_penalty", "frequency_penalty",
-          "repetition_penalty", "min_tokens", "logit_bias"}
+          "repetition_penalty", "min_tokens", "logit_bias", "response_format", "structured_outputs", *GUIDE_KEYS}
 COMPLETION_KEYS = COMMON | {"prompt", "echo", "logprobs", "suffix", "best_of"}
 CHAT_KEYS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
-                      "parallel_tool_calls", "response_format", "add_generation_prompt"}
+                      "parallel_tool_calls", "add_generation_prompt"}
 MESSAGE_KEYS = {"role", "content", "name"}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -147,6 +153,52 @@ def _check_keys(body: Any, known: set[str]) -> dict:
 
 
 # ---- requests ----------------------------------------------------------------------------------------------------
+def _response_format(value: Any) -> tuple[GuidedDecodingParams | None, str]:
+    """OpenAI's response_format: text, json_object, or json_schema with its schema (name and strict are accepted;
+    the schema is always enforced)."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text" and set(value) == {"type"}:
+        return None, ""
+    if kind == "json_object" and set(value) == {"type"}:
+        return GuidedDecodingParams(json_object=True), "response_format"
+    spec = value.get("json_schema") if kind == "json_schema" and set(value) == {"type", "json_schema"} else None
+    if not isinstance(spec, dict) or set(spec) - {"name", "description", "schema", "strict"} or \
+            not isinstance(spec.get("schema"), dict):
+        raise APIError("response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": "
+                       "\"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}, got "
+                       f"{str(value)[:120]}", "response_format")
+    return GuidedDecodingParams(json=spec["schema"]), "response_format.json_schema.schema"
+
+
+def _guide(body: dict) -> GuidedDecodingParams | None:
+    """The request's structured output: response_format, a guided_* extra or structured_outputs (one of them), its
+    grammar checked here so a refusal names the field as the client wrote it, and where the problem lies."""
+    given = [k for k in ("response_format", *GUIDE_KEYS, "structured_outputs") if body.get(k) is not None]
+    if len(given) > 1:
+        raise APIError(f"{' and '.join(given)} both constrain the output; send one", given[1])
+    if not given:
+        return None
+    name, value = given[0], body[given[0]]
+    if name == "response_format":
+        guide, field = _response_format(value)
+    elif name == "structured_outputs":
+        if not isinstance(value, dict) or len(value) != 1 or not set(value) <= STRUCTURED_OUTPUTS_KEYS:
+            raise APIError(f"structured_outputs must hold one of {', '.join(sorted(STRUCTURED_OUTPUTS_KEYS))}, got "
+                           f"{str(value)[:120]}", name)
+        [(key, v)] = value.items()
+        guide, field = GuidedDecodingParams(**{key: v}), f"structured_outputs.{key}"
+    else:
+        guide, field = GuidedDecodingParams(**{GUIDE_KEYS[name]: value}), name
+    if guide is None:
+        return None
+    try:
+        guide.validate()
+        check_guide(guide, field)
+    except ValueError as e:
+        raise APIError(re.sub(r"^guided_decoding\.\w+", field, str(e)), name) from None
+    return guide
+
+
 def _sampling(body: dict, tokenizer: Tokenizer, max_tokens: int | None, logprobs: int | None) -> list[SamplingParams]:
     """The sampling parameters of each of the request's n choices."""
     n = _integer(body, "n", 1, MAX_N, 1)
@@ -168,7 +220,8 @@ def _sampling(body: dict, tokenizer: Tokenizer, max_tokens: int | None, logprobs
         presence_penalty=_number(body, "presence_penalty", -2.0, 2.0, 0.0),
         frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0, 0.0),
         repetition_penalty=_number(body, "repetition_penalty", 0.0, math.inf, 1.0),
-        min_tokens=_integer(body, "min_tokens", 0, INT32_MAX, 0))
+        min_tokens=_integer(body, "min_tokens", 0, INT32_MAX, 0),
+        guided_decoding=_guide(body))
     if base.repetition_penalty == 0:
         raise APIError("repetition_penalty must be > 0, got 0", "repetition_penalty")
     if base.top_p == 0:

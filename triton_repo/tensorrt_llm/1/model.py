@@ -18,9 +18,9 @@ import triton_python_backend_utils as pb_utils
 from runtime.core.sampling import SamplingParams
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.requests import RequestOutput
-from serving.request_validation import (NEUTRAL, TENSORRT_LLM_SCALARS, UNSUPPORTED_ENGINE_INPUTS, RequestError,
-                                        client_named, integer, no_unknown_parameters, refuse_non_neutral,
-                                        refuse_unsupported, token_ids)
+from serving.request_validation import (GUIDED_INPUTS, NEUTRAL, TENSORRT_LLM_SCALARS, UNSUPPORTED_ENGINE_INPUTS,
+                                        RequestError, client_named, guided_decoding, integer, no_unknown_parameters,
+                                        refuse_non_neutral, refuse_unsupported, token_ids)
 from serving.triton_engine import WATCHDOG_TIMEOUT_S, Chunk, EngineModel, Stream, given
 from serving.triton_parameters import boolean, integer as integer_parameter, model_path, number, parameter
 
@@ -145,7 +145,8 @@ class TritonPythonModel(EngineModel):
             ignore_eos=ignore_eos or ignore_stops,
             repetition_penalty=self._scalar(request, "repetition_penalty", 1.0),
             presence_penalty=self._scalar(request, "presence_penalty", 0.0),
-            frequency_penalty=self._scalar(request, "frequency_penalty", 0.0))
+            frequency_penalty=self._scalar(request, "frequency_penalty", 0.0),
+            guided_decoding=guided_decoding(given(request, GUIDED_INPUTS)))
         streaming = bool(self._scalar(request, "streaming", False))
         exclude = bool(self._scalar(request, "exclude_input_in_output", self.exclude_input_default))
         return ids, params, streaming, exclude
@@ -195,8 +196,8 @@ class TritonPythonModel(EngineModel):
                 scalar("acceptance_rate", m.acceptance_rate, np.float32),
                 scalar("total_accepted_draft_tokens", m.accepted_draft_tokens, np.int32),
                 scalar("total_draft_tokens", m.draft_tokens, np.int32),
-                scalar("kv_cache_alloc_new_blocks", m.kv_blocks, np.int32),
-                scalar("kv_cache_reused_blocks", 0, np.int32),
+                scalar("kv_cache_alloc_new_blocks", m.kv_blocks - m.reused_blocks, np.int32),
+                scalar("kv_cache_reused_blocks", m.reused_blocks, np.int32),
                 scalar("kv_cache_alloc_total_blocks", m.kv_blocks, np.int32),
                 scalar("arrival_time_ns", m.arrival_ns, np.int64),
                 scalar("first_scheduled_time_ns", m.first_scheduled_ns, np.int64),

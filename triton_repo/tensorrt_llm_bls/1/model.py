@@ -41,7 +41,8 @@ TO_ENGINE = {"exclude_input_in_output": "exclude_input_in_output", "top_k": "run
              "return_generation_logits": "return_generation_logits", "return_perf_metrics": "return_perf_metrics",
              "return_num_input_tokens": "return_num_input_tokens",
              "return_num_output_tokens": "return_num_output_tokens",
-             "beam_width": "beam_width", "num_return_sequences": "num_return_sequences", "stream": "streaming"}
+             "beam_width": "beam_width", "num_return_sequences": "num_return_sequences", "stream": "streaming",
+             "guided_decoding_guide_type": "guided_decoding_guide_type", "guided_decoding_guide": "guided_decoding_guide"}
 # tensorrt_llm's optional outputs, passed on when it sends them (return_perf_metrics, return_num_*_tokens)
 STATS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "kv_cache_alloc_new_blocks",
          "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks", "arrival_time_ns", "first_scheduled_time_ns",

@@ -6,6 +6,10 @@ serving.triton_engine's, shared with the legacy `tensorrt_llm` model.
 Decoupled (streaming allowed) or not (unary: one response), as model.yaml's triton_config says. text_output is the
 generated text (the LLM API's `CompletionOutput.text`: never the prompt, nor a stop string that ended it); streamed,
 each response carries the new text, cut on whole characters.
+
+Structured output: upstream's llmapi model has no input for it; this one takes the legacy model's
+guided_decoding_guide_type / guided_decoding_guide (json, json_schema, regex, ebnf_grammar), the names TensorRT-LLM's
+Triton clients already send.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ import triton_python_backend_utils as pb_utils
 from runtime.core.sampling import SamplingParams
 from runtime.executors.requests import RequestOutput
 from serving.llmapi_config import MODEL_YAML, read_model_yaml
-from serving.request_validation import (INT32_MAX, RequestError, Scalar, no_unknown_parameters, refuse_unsupported,
-                                        texts)
+from serving.request_validation import (GUIDED_INPUTS, INT32_MAX, RequestError, Scalar, guided_decoding,
+                                        no_unknown_parameters, refuse_unsupported, texts)
 from serving.triton_engine import Chunk, EngineModel, Stream, given
 
 UNSUPPORTED = {"image_url": "multimodal input; this is a text model",
@@ -85,7 +89,7 @@ class TritonPythonModel(EngineModel):
 
     def convert(self, request: Any, sender: Any) -> tuple[Stream, list[int]] | None:
         no_unknown_parameters(request.parameters(), "tensorrt_llm")
-        inputs = given(request, {"text_input", "sampling_param_stop", *SCALARS, *UNSUPPORTED})
+        inputs = given(request, {"text_input", "sampling_param_stop", *SCALARS, *UNSUPPORTED, *GUIDED_INPUTS})
         if self._scalar(inputs, "stop"):
             self.stop(request.request_id(), sender)
             return None
@@ -112,7 +116,8 @@ class TritonPythonModel(EngineModel):
                                 seed=self._scalar(inputs, "sampling_param_seed"), stop=stop,
                                 frequency_penalty=self._scalar(inputs, "sampling_param_frequency_penalty") or 0.0,
                                 presence_penalty=self._scalar(inputs, "sampling_param_presence_penalty") or 0.0,
-                                logprobs=0 if "cumulative_logprob" in outputs else None)
+                                logprobs=0 if "cumulative_logprob" in outputs else None,
+                                guided_decoding=guided_decoding(inputs))
         prompt = self.tokenizer.encode(prompts[0])
         return Stream(sender, request.request_id(), bool(self._scalar(inputs, "streaming")), [],
                       bool(self._scalar(inputs, "sampling_param_return_perf_metrics")), outputs, params), prompt
@@ -132,11 +137,11 @@ class TritonPythonModel(EngineModel):
             tensors.append(tensor("cumulative_logprob", out.cumulative_logprob or 0.0, np.float32))
         if stream.perf_metrics:
             m = self.perf_metrics(stream, out.stats)
-            tensors += [tensor("kv_cache_reused_block", 0, np.int32),
-                        tensor("kv_cache_missed_block", m.kv_blocks, np.int32),
-                        tensor("kv_cache_alloc_new_blocks", m.kv_blocks, np.int32),
+            tensors += [tensor("kv_cache_reused_block", m.reused_blocks, np.int32),
+                        tensor("kv_cache_missed_block", m.missed_blocks, np.int32),
+                        tensor("kv_cache_alloc_new_blocks", m.kv_blocks - m.reused_blocks, np.int32),
                         tensor("kv_cache_alloc_total_blocks", m.kv_blocks, np.int32),
-                        tensor("kv_cache_hit_rate", 0.0, np.float32),
+                        tensor("kv_cache_hit_rate", m.kv_cache_hit_rate, np.float32),
                         tensor("arrival_time_ns", m.arrival_ns, np.int64),
                         tensor("first_scheduled_time_ns", m.first_scheduled_ns, np.int64),
                         tensor("first_token_time_ns", m.first_token_ns, np.int64),

@@ -1,7 +1,7 @@
 """The ranks of a tensor/expert-parallel engine as processes of their own, on torch.distributed (gloo on CPU).
 
 Rank 0 is the executor's process: it alone schedules, samples and accepts. `RankGroup.start` starts ranks
-1.. (`python -m runtime.core.ranks`), or torchrun has started every rank (`torchrun_rank`: the executor of rank
+1.. (`python -m runtime.executors.ranks`), or torchrun has started every rank (`torchrun_rank`: the executor of rank
 0 joins them, `run_rank` turns any other rank's executor into a worker that exits when rank 0 stops it); each
 loads its own rank file (`load_engine(par=...)`), then runs every
 forward rank 0 runs, with the same arguments: rank 0's model becomes a `DrivingModel`, whose forwards first
@@ -10,8 +10,8 @@ to the other ranks. Each rank keeps a KV cache of the same shape, written by the
 slots (the latent cache is replicated, see runtime.model.deepseek_v3), so block tables mean the same on every
 rank, and scheduling, speculation, in-flight batching, preemption and cancellation stay on rank 0 unchanged.
 
-Lifetime: a worker dies with rank 0's process (PR_SET_PDEATHSIG) or when the group's connections close;
-`RankGroup.close` sends a stop, then SIGTERM, then SIGKILL. Any failure inside a driven forward leaves the
+Lifetime: a worker dies with rank 0's process (runtime.executors.lifetime) or when the group's connections
+close; `RankGroup.close` sends a stop, then SIGTERM, then SIGKILL. Any failure inside a driven forward leaves the
 ranks out of step (some wait in a collective the others never reach), so it ends the group and raises
 `RankFailure`, naming the rank that exited and its exit code when one did: the executor stops with it.
 """
@@ -19,7 +19,6 @@ ranks out of step (some wait in a collective the others never reach), so it ends
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
 import json
 import logging
@@ -37,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from runtime.executors.lifetime import terminate_with_parent
 from runtime.io.engine_format import BuildConfig, EngineManifest
 from runtime.io.loading import load_engine
 from runtime.model.batch import PagedBatch
@@ -53,7 +53,6 @@ CONNECT_TIMEOUT = datetime.timedelta(seconds=120)  # a worker's store connection
 # connection (at once) and a stuck one by the executor's health watchdog.
 COLLECTIVE_TIMEOUT = datetime.timedelta(days=365)
 _CACHE = "<kv_cache>"  # stands for the rank's own KV cache in a broadcast call
-_PR_SET_PDEATHSIG = 1
 
 
 class RankFailure(RuntimeError):
@@ -93,8 +92,8 @@ class RankGroup:
         """Start ranks 1..tp_size-1 loading their rank files; rank 0 loads its own meanwhile, then `connect`s."""
         store = dist.TCPStore(HOST, 0, build.tp_size, is_master=True, timeout=CONNECT_TIMEOUT, wait_for_workers=False)
         opts = json.dumps(asdict(options))
-        procs = [subprocess.Popen([sys.executable, "-m", "runtime.core.ranks", str(path), str(r), str(build.tp_size),
-                                   str(store.port), opts], preexec_fn=_die_with_parent)
+        procs = [subprocess.Popen([sys.executable, "-m", "runtime.executors.ranks", str(path), str(r), str(build.tp_size),
+                                   str(store.port), opts], preexec_fn=terminate_with_parent)
                  for r in range(1, build.tp_size)]
         log.info("started ranks 1..%d of %s (pids %s)", build.tp_size - 1, path, [p.pid for p in procs])
         return cls(Path(path), build, store, procs)
@@ -248,11 +247,6 @@ def _receive(par: Parallel) -> tuple[str, dict[str, Any]] | None:
     data = torch.empty(int(size), dtype=torch.uint8)
     _broadcast(par, data)
     return pickle.loads(data.numpy().tobytes())
-
-
-def _die_with_parent() -> None:
-    """In a worker: SIGKILL when the process that started it dies, however it dies (no orphan holds memory)."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 @torch.inference_mode()

@@ -1,0 +1,226 @@
+"""Structured output: guides compiled to grammars, one matcher per sequence, token masks per decided row.
+
+The engine is llguidance (guidance-ai): a Rust wheel with no Python dependencies (xgrammar 0.2 pulls in
+triton and transformers), masks computed lazily per step in tens of microseconds without a per-grammar
+token-table precompilation, exact rollback of consumed tokens (what speculation needs), and grammar
+errors reported as text with a position rather than raised from C++. TensorRT-LLM offers it as its
+`guided_decoding_backend="llguidance"`.
+
+A guide is compiled once per distinct guide (an LRU of pristine matchers, keyed by kind and text); each
+sequence gets a deep copy. The matcher holds the grammar state after the sequence's kept output tokens:
+`GrammarMatcher.advance` is called by the step's one writer (`Scheduler.update_from_output`). The model
+runner asks for the bans of rows that follow drafts (`grammar_bans`): each matcher consumes the drafts,
+writes one bitmask per row and rolls them back, leaving the state as it found it. Once the grammar is complete the mask
+allows EOS only, so the request ends the way any request ends (a stop token), at the same token for every
+draft length: greedy output under a grammar does not depend on k.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import llguidance
+import numpy as np
+import torch
+from torch import Tensor
+
+from runtime.core.sampling import GuidedDecodingParams
+
+CACHE_SIZE = 64  # compiled guides kept per executor
+# JSON as json.dumps writes it: no free whitespace, which a weak or distracted model fills with newlines up to
+# max_tokens (llguidance's default allows any); a schema's "x-guidance" object overrides these
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_SUBSCHEMA_DICTS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+                  "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+
+
+def _grammar_text(guide: GuidedDecodingParams) -> str:
+    """llguidance's grammar for a guide (parsed, not yet validated); the grammar field takes GBNF/EBNF
+    (`root ::= ...`, as xgrammar and TensorRT-LLM) or Lark."""
+    kind, text = guide.kind, guide.text
+    if kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_OPTIONS)
+    if kind == "json":
+        return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(text)
+    return llguidance.grammar_from("grammar", text)
+
+
+def _line_col(text: str, offset: int) -> str:
+    line, line_start = text.count("\n", 0, offset) + 1, text.rfind("\n", 0, offset) + 1
+    return f"line {line}, column {offset - line_start + 1}"
+
+
+def _schema_children(node: dict) -> list[tuple[str, Any]]:
+    """(JSON pointer step, subschema) pairs of a schema node."""
+    out = []
+    for key in _SUBSCHEMA_DICTS:
+        if isinstance(node.get(key), dict):
+            out += [(f"{key}/{name}", sub) for name, sub in node[key].items()]
+    for key in _SUBSCHEMA_ONE:
+        if isinstance(node.get(key), dict):
+            out.append((key, node[key]))
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(node.get(key), list):
+            out += [(f"{key}/{i}", sub) for i, sub in enumerate(node[key])]
+    return [(step, sub) for step, sub in out if isinstance(sub, dict)]
+
+
+def _schema_error(schema: dict) -> str:
+    return llguidance.LLMatcher.validate_grammar(_grammar_text(GuidedDecodingParams(json=schema)))
+
+
+def _schema_location(schema: dict, error: str) -> str:
+    """The JSON pointer of the deepest subschema that fails alone with the same error: where it lies (the engine's
+    schema errors name no position)."""
+    path, node = "", schema
+    while isinstance(node, dict):
+        for step, sub in _schema_children(node):
+            try:
+                same = _schema_error(sub) == error
+            except ValueError:
+                same = False
+            if same:
+                path, node = f"{path}/{step}", sub
+                break
+        else:
+            break
+    return path or "/"
+
+
+def _position(kind: str, text: str, error: str) -> str:
+    """Where in the guide the engine's error lies, in the guide's own terms."""
+    if kind == "regex":  # "regex parse error:\n    <regex>\n    <carets>\nerror: ..."
+        m = re.search(r"regex parse error:\n {4}[^\n]*\n( *)\^", error)
+        return f"position {len(m.group(1)) - 4}" if m else "an unknown position"
+    if kind == "json":
+        return f"{_schema_location(json.loads(text), error)} of the schema"
+    m = re.search(r"Rule '([^']+)' not found", error) or re.search(r'unknown name: "([^"]+)"', error)
+    if m:  # the first use of the undefined name
+        found = re.search(rf"(?<![\w-]){re.escape(m.group(1))}(?![\w-])", text)
+        return _line_col(text, found.start()) if found else "an unknown position"
+    m = re.search(r"at line \d+, ('(?:[^'\\]|\\.)*') \^", error)  # GBNF: 'the text before the problem' ^ '...'
+    if m and (before := ast.literal_eval(m.group(1))) and text.find(before) >= 0:
+        return _line_col(text, text.find(before) + len(before))
+    m = re.search(r"at line (\d+)", error) or re.match(r"(?:at )?(\d+)\((\d+)\)", error)  # Lark: line(column)
+    if m:
+        return f"line {m.group(1)}" + (f", column {m.group(2)}" if m.lastindex == 2 else "")
+    return "an unknown position"
+
+
+def _problem(error: str) -> str:
+    """The engine's message without its echo of the guide."""
+    m = re.search(r"\nerror: ([^\n]*)", error)
+    if m:
+        return m.group(1)
+    first = error.strip().split("\n")[0]
+    first = re.sub(r"^(?:at )?\d+\(\d+\): ", "", first)
+    first = re.sub(r" at line \d+, '.*$", "", first)
+    return re.sub(r"^Failed to convert the grammar from GBNF to Lark: ", "", first)
+
+
+def check_guide(guide: GuidedDecodingParams, field: str = "guided_decoding") -> str:
+    """The guide's grammar; ValueError naming `field` and the position of the problem when the guide is invalid."""
+    name = f"{field}.{guide.kind}" if field == "guided_decoding" else field
+    if guide.kind == "json":
+        try:
+            json.loads(guide.text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not valid JSON: {e.msg.removesuffix(' at')} at line {e.lineno}, column "
+                             f"{e.colno}") from None
+    try:
+        grammar = _grammar_text(guide)
+        error = llguidance.LLMatcher.validate_grammar(grammar)
+    except ValueError as e:  # the GBNF-to-Lark conversion raises
+        grammar, error = "", str(e)
+    if error:
+        raise ValueError(f"{name} is invalid at {_position(guide.kind, guide.text, error)}: {_problem(error)}")
+    return grammar
+
+
+class GrammarMatcher:
+    """One sequence's grammar state after its kept output tokens, and the masks of the rows it decides next."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, mask_words: int):
+        self.matcher, self.vocab_size, self.mask_words = matcher, vocab_size, mask_words
+
+    def advance(self, tokens: list[int]) -> None:
+        """Consume kept output tokens (never more than the grammar allows: they were drawn under its masks)."""
+        if tokens and not self.matcher.consume_tokens(tokens):
+            raise RuntimeError(f"grammar rejected kept tokens {tokens}: {self.matcher.get_error()[:200]}")
+
+    def fill_masks(self, words: np.ndarray, drafts: list[int], first: int) -> None:
+        """Write the bitmasks of rows first .. first + len(words) - 1 into words [rows, W] (int32, all bits set on
+        entry): row r is decided after drafts[:first + r]. Rows after a draft the grammar refuses, or after the eos
+        that completes it, keep every bit: that draft is rejected (its own row bans it) or ends the request, so no
+        later row is ever used. The matcher's state is restored."""
+        m = self.matcher
+        consumed = m.try_consume_tokens(drafts[:first]) if first else 0
+        if consumed == first:
+            for r in range(len(words)):
+                m.unsafe_compute_mask_ptr(words[r].ctypes.data, words[r].nbytes)
+                j = first + r
+                if r + 1 == len(words) or j >= len(drafts) or m.try_consume_tokens(drafts[j : j + 1]) != 1:
+                    break
+                consumed += 1
+        if consumed:
+            m.rollback(consumed)
+
+    def masks(self, drafts: list[int], first: int, num_rows: int) -> Tensor:
+        """[num_rows, V] bool, True where banned (`fill_masks`'s rows, of one sequence)."""
+        return grammar_bans([self], [drafts], first, num_rows)[0]
+
+
+def grammar_bans(matchers: list[GrammarMatcher | None], drafts: list[list[int]] | None, first: int, num_rows: int
+                 ) -> Tensor:
+    """[B, num_rows, V] bool, True where a sequence's grammar bans the token at that row (none for a sequence
+    without one): each matcher fills its rows' bitmasks, then all are unpacked in one pass."""
+    some = next(m for m in matchers if m is not None)
+    words = np.full((len(matchers), num_rows, some.mask_words), -1, dtype=np.int32)
+    for b, m in enumerate(matchers):
+        if m is not None:
+            m.fill_masks(words[b], drafts[b] if drafts else [], first)
+    bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")[..., : some.vocab_size]
+    return torch.from_numpy(bits == 0)
+
+
+class GrammarCompiler:
+    """Compiles guides for one tokenizer (an LRU of compiled guides) and hands each sequence its own matcher."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_id: int):
+        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_id)
+        self.vocab_size = vocab_size
+        self.mask_words = -(-self.tokenizer.vocab_size // 32)  # the size unsafe_compute_mask_ptr takes
+        self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()  # submit runs on callers' threads
+
+    def _compiled(self, guide: GuidedDecodingParams) -> llguidance.LLMatcher:
+        """The pristine matcher of a guide (callers hold the lock)."""
+        key = (guide.kind, guide.text)
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        matcher = llguidance.LLMatcher(self.tokenizer, check_guide(guide), log_level=0)
+        if matcher.is_error():  # valid grammar the tokenizer cannot serve
+            raise ValueError(f"guided_decoding.{guide.kind} cannot be served: {matcher.get_error()[:200]}")
+        self._cache[key] = matcher
+        if len(self._cache) > CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return matcher
+
+    def check(self, guide: GuidedDecodingParams) -> None:
+        """ValueError naming the field and the position of the problem; compiles (and caches) a valid guide."""
+        with self._lock:
+            self._compiled(guide)
+
+    def matcher(self, guide: GuidedDecodingParams) -> GrammarMatcher:
+        with self._lock:
+            return GrammarMatcher(self._compiled(guide).deep_copy(), self.vocab_size, self.mask_words)

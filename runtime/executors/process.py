@@ -1,0 +1,282 @@
+"""The executor in a process of its own, as vLLM v1 runs its engine core beside its API server.
+
+In one process a server's event loop (HTTP parsing, response formatting, waking streams) takes the GIL
+each time the step loop releases it, at every torch op, and the step loop waits to get it back. Here the
+step loop's process runs nothing else: requests, cancels and calls go down a pipe, and each output comes
+back as one message that one reader thread hands to its request's handle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from concurrent.futures import Future
+from dataclasses import replace
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from runtime.core.sampling import SamplingParams
+from runtime.executors.base import ExecutorConfig, create_executor
+from runtime.executors.lifetime import terminate_with_parent
+from runtime.executors.requests import ExecutorStats, RequestHandle, RequestIds, RequestOutput
+
+log = logging.getLogger("runtime.executors.process")
+
+START_TIMEOUT_S = 600.0  # loading an engine (and profiling its drafts) before the process answers
+CALL_TIMEOUT_S = 60.0
+
+
+class EngineProcessError(RuntimeError):
+    """The engine process failed to start or died."""
+
+
+class ProcessExecutor:
+    """An executor (native or TensorRT-LLM, as create_executor picks) run in a child process, behind the
+    same interface. The child ends with this object's shutdown, or with the parent's death."""
+
+    def __init__(self, path: str | Path, config: ExecutorConfig = ExecutorConfig(), torch_threads: int | None = None,
+                 **kwargs: Any):
+        parent, child = socket.socketpair()
+        # a fresh interpreter (not multiprocessing's spawn, which re-runs the caller's __main__), told its end
+        # of the pair by descriptor; the settings follow as the first message
+        self._process = subprocess.Popen([sys.executable, "-m", "runtime.executors.process", str(child.fileno())],
+                                         pass_fds=[child.fileno()], preexec_fn=terminate_with_parent)
+        child.close()
+        self._conn = Connection(parent.detach())
+        self._conn.send((str(path), config, torch_threads, kwargs, _logging_levels()))
+        if not self._conn.poll(START_TIMEOUT_S):
+            self._process.kill()
+            raise EngineProcessError(f"the engine process did not load {path} within {START_TIMEOUT_S:.0f} s")
+        try:
+            kind, *payload = self._conn.recv()
+        except EOFError:
+            raise EngineProcessError(f"the engine process exited (status {self._process.wait(5)}) while loading "
+                                     f"{path}; its log says why") from None
+        if kind == "failed":
+            self._process.wait(5)
+            raise payload[0]
+        self.model_config, self.limits, self.config, self.tokenizer = payload
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()  # the maps below
+        self._handles: dict[str, tuple[RequestHandle, Callable[[RequestOutput], None] | None]] = {}
+        self._last: dict[str, RequestOutput] = {}
+        self._calls: dict[int, Future] = {}
+        self._call_ids = itertools.count()
+        self._ids = RequestIds()
+        self._error: str | None = None
+        self._closed = False
+        self._reader = threading.Thread(target=self._read, name="engine-outputs", daemon=True)
+        self._reader.start()
+
+    # -- the executor interface
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self._call("validate", list(prompt_token_ids), params)
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams,
+               on_output: Callable[[RequestOutput], None] | None = None, request_id: str | None = None) -> RequestHandle:
+        """Queue a request; invalid parameters raise ValueError naming the parameter (from the engine's own
+        validation). The handle is registered before the request leaves, so no output can arrive unclaimed."""
+        rid = self._ids.claim(request_id)
+        handle = RequestHandle(rid, self)
+        with self._lock:
+            self._handles[rid] = (handle, on_output)
+        try:
+            self._call("submit", list(prompt_token_ids), params, rid)
+        except BaseException:
+            with self._lock:
+                self._handles.pop(rid, None)
+            self._ids.release(rid)
+            raise
+        return handle
+
+    def cancel(self, request_id: str, handle: RequestHandle | None = None) -> None:
+        with self._lock:
+            entry = self._handles.get(request_id)
+        if entry is not None and (handle is None or entry[0] is handle):
+            self._post(("cancel", request_id))
+
+    def stats(self) -> ExecutorStats:
+        return self._call("stats")
+
+    def health(self, timeout_s: float) -> str | None:
+        if self._error is not None:
+            return self._error
+        try:
+            return self._call("health", timeout_s)
+        except TimeoutError:
+            return f"the engine process did not answer within {CALL_TIMEOUT_S:.0f} s"
+
+    def shutdown(self, timeout: float | None = 30) -> None:
+        """Stop the engine (it ends what is in flight as "cancelled") and wait for its process to exit."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(RuntimeError):  # already gone
+            self._post(("shutdown",))
+        try:
+            self._process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("the engine process did not stop within %s s; killing it", timeout)
+            self._process.kill()
+            self._process.wait(5)
+        self._reader.join(5)
+
+    def __enter__(self) -> "ProcessExecutor":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- the pipe
+
+    def _post(self, message: tuple) -> None:
+        if self._error is not None:
+            raise RuntimeError(self._error)
+        try:
+            with self._send_lock:
+                self._conn.send(message)
+        except (OSError, ValueError) as e:  # the engine process is gone
+            raise RuntimeError(self._error or f"the engine process is gone ({e})") from None
+
+    def _call(self, name: str, *args: Any, timeout: float = CALL_TIMEOUT_S) -> Any:
+        call, future = next(self._call_ids), Future()
+        with self._lock:
+            self._calls[call] = future
+        try:
+            self._post(("call", call, name, args))
+            return future.result(timeout)
+        finally:
+            with self._lock:
+                self._calls.pop(call, None)
+
+    def _read(self) -> None:
+        """The one reader of the pipe: outputs to their handles, replies to their callers; at its end (the
+        engine process exited or died) every request still open ends with an error."""
+        try:
+            while True:
+                kind, *payload = self._conn.recv()
+                if kind == "out":
+                    self._deliver(payload[0])
+                elif kind == "reply":
+                    call, value, error = payload
+                    with self._lock:
+                        future = self._calls.get(call)
+                    if future is not None:
+                        future.set_exception(error) if error is not None else future.set_result(value)
+        except (EOFError, OSError):
+            pass
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._process.wait(5 if self._closed else 1)
+        if not self._closed:
+            self._error = f"the engine process exited (status {self._process.returncode})"
+            log.error("%s; ending its requests", self._error)
+        with self._lock:
+            open_requests = list(self._last.items())
+            calls, self._calls = list(self._calls.values()), {}
+        for future in calls:
+            future.set_exception(RuntimeError(self._error or "executor is shut down"))
+        for rid, last in open_requests:
+            self._deliver(replace(last, new_token_ids=[], text_delta="", new_logprobs=None if last.logprobs is None
+                                  else [], finished=True, finish_reason="error", error=self._error or "shut down"))
+
+    def _deliver(self, out: RequestOutput) -> None:
+        with self._lock:
+            entry = self._handles.get(out.request_id)
+            if entry is None:  # ended here already (the engine process died first)
+                return
+            handle, on_output = entry
+            if out.finished:
+                del self._handles[out.request_id]
+                self._last.pop(out.request_id, None)
+            else:
+                self._last[out.request_id] = out
+        if out.finished:
+            self._ids.release(out.request_id)
+        if on_output is not None:
+            try:
+                on_output(out)
+            except BaseException:  # user code on the reader's thread must not stop the deliveries
+                log.exception("output callback of %s failed", out.request_id)
+        handle._push(out)
+
+
+def _logging_levels() -> dict[str, int]:
+    """The parent's logging levels (root's and those set on named loggers), for the child to log alike."""
+    levels = {name: logger.level for name, logger in logging.root.manager.loggerDict.items()
+              if isinstance(logger, logging.Logger) and logger.level}
+    return {"": logging.root.level, **levels}
+
+
+def _engine_main(conn: Connection) -> None:
+    """The child: load the executor, then serve the parent's messages until it says shutdown or goes away."""
+    path, config, torch_threads, kwargs, levels = conn.recv()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent decides
+    logging.basicConfig(level=levels.pop(""), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
+    send_lock = threading.Lock()
+
+    def send(message: tuple) -> None:
+        with send_lock:
+            conn.send(message)
+
+    try:
+        executor = create_executor(path, config, **kwargs)
+    except BaseException as e:
+        send(("failed", e if _picklable(e) else RuntimeError(f"{type(e).__name__}: {e}")))
+        return
+    send(("ready", executor.model_config, executor.limits, executor.config, executor.tokenizer))
+
+    def output(out: RequestOutput) -> None:  # on the step loop's thread, the only other sender
+        send(("out", out))
+
+    try:
+        while True:
+            try:
+                kind, *payload = conn.recv()
+            except (EOFError, OSError):  # the parent went away without a shutdown
+                break
+            if kind == "shutdown":
+                break
+            if kind == "cancel":
+                executor.cancel(payload[0])
+                continue
+            call, name, args = payload
+            value = error = None
+            try:
+                if name == "submit":
+                    ids, params, rid = args
+                    executor.submit(ids, params, on_output=output, request_id=rid)
+                else:
+                    value = getattr(executor, name)(*args)
+            except Exception as e:
+                error = e if _picklable(e) else RuntimeError(f"{type(e).__name__}: {e}")
+            send(("reply", call, value, error))
+    finally:
+        executor.shutdown()  # its last outputs ("cancelled") go out before the pipe closes
+        conn.close()
+
+
+def _picklable(e: BaseException) -> bool:
+    try:
+        pickle.loads(pickle.dumps(e))
+        return True
+    except Exception:
+        return False
+
+
+if __name__ == "__main__":
+    _engine_main(Connection(int(sys.argv[1])))

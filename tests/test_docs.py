@@ -1,0 +1,331 @@
+"""The user's guide stays true: links resolve, README commands run, quoted measurements match their files.
+
+- Every relative link in README.md, docs/*.md, triton_repo/README.md and the model card names a file or
+  directory of the repository, and a `#anchor` into a Markdown file names one of its headings.
+- Every command in README.md's shell code blocks is known: a console script of pyproject.toml or a
+  `python -m` module of this project runs with `--help` (exit 0) and its help lists each `--flag` the README
+  gives it; a few outside tools (curl, pip, ...) are let through by name; anything else fails. The two set-up
+  commands (scripts/quickstart.sh, scripts/run_tests.sh) are not run: they are what CI runs.
+- README.md's Python code blocks compile, and the names they import from this project exist.
+- A README table row that links a result file under docs/benchmarks/ gives that file's recorded commit and
+  date, and every decimal number in the row is one of the file's numbers (as rounded in the row).
+
+The helpers are tested on broken input too, so each check can fail.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "triton_repo" / "README.md",
+         ROOT / "models" / "deepseek-v3-mini" / "README.md"]
+SETUP_SCRIPTS = {"scripts/quickstart.sh", "scripts/run_tests.sh"}  # what CI runs; not run again here
+# Outside tools a README block may show; they are not this project's to check.
+EXTERNAL = {"cd", "cp", "curl", "docker", "export", "git", "mkdir", "pip", "source", ".", "sudo", "trtllm-serve",
+            "genai-perf", "perf_analyzer", "aiperf", "apt-get", "cat", "echo", "head", "tail", "ls"}
+PROJECT_PACKAGES = ("builder", "runtime", "serving", "benchmarks", "training")
+HELP_TIMEOUT_S = 120
+
+FENCE = re.compile(r"^(```|~~~)\s*([\w+-]*)[^\n]*\n(.*?)^\1\s*$", re.M | re.S)
+INLINE_LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+REFERENCE_LINK = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s+.*)?$", re.M)
+INLINE_CODE = re.compile(r"(`+).*?\1", re.S)
+
+
+# ---- Markdown -----------------------------------------------------------------------------------
+
+def code_blocks(text: str, languages: set[str]) -> list[str]:
+    return [m.group(3) for m in FENCE.finditer(text) if m.group(2).lower() in languages]
+
+
+def prose(text: str) -> str:
+    """The text outside fenced blocks and inline code (links there are examples, not links)."""
+    return INLINE_CODE.sub("", FENCE.sub("", text))
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = INLINE_CODE.sub(lambda m: m.group(0).strip("`"), heading.strip()).lower()
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)  # a link's text only
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    found: set[str] = set()
+    counts: dict[str, int] = {}
+    for line in FENCE.sub("", path.read_text(encoding="utf-8")).splitlines():
+        m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if m:
+            base = slug(m.group(1))
+            n = counts.get(base, 0)
+            counts[base] = n + 1
+            found.add(base if n == 0 else f"{base}-{n}")
+    return found
+
+
+def broken_links(path: Path, text: str | None = None) -> list[str]:
+    """Relative links of a Markdown file that name nothing in the repository (or no heading)."""
+    text = path.read_text(encoding="utf-8") if text is None else text
+    body = prose(text)
+    targets = INLINE_LINK.findall(body) + REFERENCE_LINK.findall(body)
+    broken = []
+    for target in targets:
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):  # http:, https:, mailto:, ...
+            continue
+        file_part, _, anchor = target.partition("#")
+        file_part = file_part.split("?")[0]
+        dest = path if not file_part else (path.parent / file_part).resolve()
+        if not dest.exists():
+            broken.append(f"{target} (no such file)")
+        elif not dest.is_relative_to(ROOT):
+            broken.append(f"{target} (outside the repository)")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            broken.append(f"{target} (no heading #{anchor} in {dest.relative_to(ROOT)})")
+    return broken
+
+
+# ---- commands ------------------------------------------------------------------------------------
+
+def console_scripts() -> set[str]:
+    """The names under [project.scripts] of pyproject.toml (read by hand: tomllib is Python 3.11+)."""
+    text = (ROOT / "pyproject.toml").read_text()
+    section = re.search(r"^\[project\.scripts\]\s*$(.*?)(?=^\[|\Z)", text, re.M | re.S)
+    assert section, "pyproject.toml has no [project.scripts]"
+    return set(re.findall(r"^\s*([\w.-]+)\s*=", section.group(1), re.M))
+
+
+def shell_commands(block: str) -> list[list[str]]:
+    """The simple commands of a shell block: lines joined at backslashes, comments dropped, split at
+    `&&`, `||`, `;` and `|`, leading VAR=value assignments dropped. Heredoc bodies are skipped."""
+    commands: list[list[str]] = []
+    lines = block.replace("\\\n", " ").splitlines()
+    heredoc_end: str | None = None
+    for line in lines:
+        if heredoc_end is not None:
+            if line.strip() == heredoc_end:
+                heredoc_end = None
+            continue
+        m = re.search(r"<<-?\s*'?\"?(\w+)'?\"?", line)
+        if m:
+            heredoc_end, line = m.group(1), line[:m.start()]
+        lexer = shlex.shlex(line, posix=True, punctuation_chars=";&|<>()")
+        lexer.whitespace_split = True
+        current: list[str] = []
+        for token in lexer:
+            if token in (";", "&&", "||", "|", "&"):
+                commands.append(current)
+                current = []
+            elif token in ("<", ">", ">>", "(", ")"):
+                current.append(token)
+            else:
+                current.append(token)
+        commands.append(current)
+    result = []
+    for tokens in commands:
+        while tokens and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", tokens[0]):
+            tokens = tokens[1:]
+        if tokens:
+            result.append(tokens)
+    return result
+
+
+def program_of(tokens: list[str], scripts: set[str]) -> tuple[str, tuple[str, ...]] | None:
+    """(name, argv for --help) of a project command; None for a command that needs no check here.
+    ValueError for a command this test does not know."""
+    program = tokens[0]
+    if program in scripts:
+        exe = Path(sys.executable).with_name(program)
+        return program, (str(exe) if exe.exists() else shutil.which(program) or program,)
+    if program in ("python", "python3") and len(tokens) > 2 and tokens[1] == "-m":
+        module = tokens[2]
+        if module.split(".")[0] in PROJECT_PACKAGES:
+            return f"python -m {module}", (sys.executable, "-m", module)
+        if module == "pip":
+            return None
+    if program in ("python", "python3") and len(tokens) > 1 and tokens[1] == "-c":
+        return None
+    if program == "bash" and len(tokens) > 1:
+        if tokens[1] in SETUP_SCRIPTS:
+            return None
+        if not (ROOT / tokens[1]).is_file():
+            raise ValueError(f"bash {tokens[1]}: no such script")
+        return None
+    if program in EXTERNAL:
+        return None
+    raise ValueError(f"{' '.join(tokens)}: {program!r} is neither a console script of pyproject.toml, a "
+                     f"`python -m` module of this project, nor a known outside tool")
+
+
+def flags_missing_from_help(tokens: list[str], help_text: str) -> list[str]:
+    flags = [t.split("=")[0] for t in tokens[1:] if re.match(r"^--[A-Za-z]", t)]
+    return [f for f in flags if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", help_text)]
+
+
+def readme_commands() -> list[list[str]]:
+    text = README.read_text(encoding="utf-8")
+    return [c for block in code_blocks(text, {"bash", "sh", "shell", "console"}) for c in shell_commands(block)]
+
+
+# ---- measurements --------------------------------------------------------------------------------
+
+def numbers_in(value: object) -> list[float]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, (int, float)):
+        return [float(value)]
+    if isinstance(value, dict):
+        return [x for v in value.values() for x in numbers_in(v)]
+    if isinstance(value, list):
+        return [x for v in value for x in numbers_in(v)]
+    if isinstance(value, str):  # numbers inside recorded strings (e.g. a command's flags) count too
+        return [float(x) for x in re.findall(r"\d+\.\d+", value)]
+    return []
+
+
+def row_problems(row: str) -> list[str]:
+    """A table row quoting a result file: its commit and date are in the row, and each decimal number in the
+    row (outside links and code) is a number of the file, as rounded."""
+    files = sorted(set(re.findall(r"\((docs/benchmarks/[\w.-]+\.json)\)", row)))
+    if len(files) != 1:
+        return [f"row links {len(files)} result files (give one per row): {row[:80]}"]
+    record = json.loads((ROOT / files[0]).read_text())
+    machine = record["machine"]
+    problems = []
+    commit, date = machine["git_commit"][:7], machine["date_utc"][:10]
+    if commit not in row:
+        problems.append(f"{files[0]}: commit {commit} not in the row")
+    if date not in row:
+        problems.append(f"{files[0]}: date {date} not in the row")
+    # as recorded, or in the units a reader wants: seconds as ms, fractions as percent
+    values = [x * scale for x in numbers_in(record) for scale in (1, 1000, 100)]
+    text = re.sub(r"\([^)]*\)\]?|\[[^\]]*\]", " ", INLINE_CODE.sub(" ", row))  # drop links and code
+    text = re.sub(r"\b\d{4}-\d{2}-\d{2}\b|\b[0-9a-f]{7,40}\b", " ", text)  # dates and commits
+    for number in re.findall(r"(?<![\w.])\d+\.\d+(?![\w.])", text):
+        decimals = len(number.split(".")[1])
+        x = float(number)
+        tolerance = 0.5 * 10 ** -decimals + 1e-9
+        if not any(abs(v - x) <= tolerance for v in values):
+            problems.append(f"{files[0]}: {number} is not among the file's numbers")
+    return problems
+
+
+def result_rows(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("|") and "docs/benchmarks/" in line
+            and ".json)" in line]
+
+
+# ---- the tests -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(page: Path) -> None:
+    assert page.is_file(), page
+    assert broken_links(page) == []
+
+
+def test_readme_commands_are_known_and_run_with_help() -> None:
+    scripts = console_scripts()
+    commands = readme_commands()
+    assert commands, "no shell commands found in README.md"
+    programs: dict[str, tuple[str, ...]] = {}
+    uses: list[tuple[str, list[str]]] = []
+    errors = []
+    for tokens in commands:
+        try:
+            found = program_of(tokens, scripts)
+        except ValueError as e:
+            errors.append(str(e))
+            continue
+        if found:
+            programs[found[0]] = found[1]
+            uses.append((found[0], tokens))
+    assert not errors, "\n".join(errors)
+    assert programs, "README.md shows no command of this project"
+    # All --help runs at once: most of their time is importing torch.
+    procs = {name: subprocess.Popen([*argv, "--help"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True) for name, argv in programs.items()}
+    helps = {}
+    for name, proc in procs.items():
+        try:
+            out, _ = proc.communicate(timeout=HELP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+            errors.append(f"{name} --help did not finish in {HELP_TIMEOUT_S} s")
+            continue
+        if proc.returncode != 0:
+            errors.append(f"{name} --help exited {proc.returncode}:\n{out[-2000:]}")
+        helps[name] = out
+    for name, tokens in uses:
+        if name in helps:
+            missing = flags_missing_from_help(tokens[1:] if name.startswith("python -m") else tokens, helps[name])
+            if missing:
+                errors.append(f"`{' '.join(tokens)}`: {name} --help lists no {', '.join(missing)}")
+    assert not errors, "\n".join(errors)
+
+
+def test_readme_python_blocks_compile_and_their_imports_exist() -> None:
+    blocks = code_blocks(README.read_text(encoding="utf-8"), {"python", "py"})
+    assert blocks, "README.md has no Python example"
+    for block in blocks:
+        tree = ast.parse(block)  # a SyntaxError fails the test
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in PROJECT_PACKAGES:
+                module = importlib.import_module(node.module)
+                for alias in node.names:
+                    assert hasattr(module, alias.name), f"from {node.module} import {alias.name}: no such name"
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] in PROJECT_PACKAGES:
+                        importlib.import_module(alias.name)
+
+
+def test_readme_measurements_match_their_result_files() -> None:
+    rows = result_rows(README.read_text(encoding="utf-8"))
+    assert rows, "README.md quotes no result file of docs/benchmarks/"
+    problems = [p for row in rows for p in row_problems(row)]
+    assert not problems, "\n".join(problems)
+
+
+# ---- the checks can fail ---------------------------------------------------------------------------
+
+def test_link_check_finds_broken_links() -> None:
+    text = ("[ok](docs/engine-format.md) [gone](docs/no-such-page.md) [bad anchor](README.md#no-such-heading)\n"
+            "[web](https://example.com) `[in code](nowhere.md)`\n```\n[in a block](nowhere.md)\n```\n")
+    assert broken_links(README, text) == ["docs/no-such-page.md (no such file)",
+                                          "README.md#no-such-heading (no heading #no-such-heading in README.md)"]
+
+
+def test_command_checks_find_unknown_commands_and_flags() -> None:
+    scripts = console_scripts()
+    [cmd] = shell_commands("build_engine --model_dir m \\\n  --no_such_flag 3   # comment\n")
+    assert cmd == ["build_engine", "--model_dir", "m", "--no_such_flag", "3"]
+    assert flags_missing_from_help(cmd, "usage: build_engine [--model_dir MODEL_DIR]") == ["--no_such_flag"]
+    with pytest.raises(ValueError, match="neither a console script"):
+        program_of(["build_engin", "--help"], scripts)
+    assert program_of(["bash", "scripts/quickstart.sh"], scripts) is None
+    with pytest.raises(ValueError, match="no such script"):
+        program_of(["bash", "scripts/no_such.sh"], scripts)
+    assert [c[0] for c in shell_commands(". .venv/bin/activate && dsv3-serve x | head; curl y")] == \
+        [".", "dsv3-serve", "head", "curl"]
+
+
+def test_measurement_check_finds_numbers_not_in_the_file() -> None:
+    record = json.loads((ROOT / "docs/benchmarks/speculative.json").read_text())["machine"]
+    good = f"| k=0 | 39.711 | [file](docs/benchmarks/speculative.json) | {record['git_commit'][:7]}, " \
+           f"{record['date_utc'][:10]} |"
+    assert row_problems(good) == []
+    bad = good.replace("39.711", "39.987").replace(record["git_commit"][:7], "0000000")
+    assert len(row_problems(bad)) == 2

@@ -1,0 +1,127 @@
+"""The executor in its own process (runtime/executors/process.py), as dsv3-serve runs it by default: the same
+tokens as in-process, errors raised in the caller, cancellation and KV blocks through the pipe, and no engine
+process left behind when the executor shuts down, its engine dies or its parent is killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from runtime.core.sampling import SamplingParams
+from runtime.executors.base import ExecutorConfig, create_executor
+from runtime.executors.process import ProcessExecutor
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+PROMPTS = [[5, 17, 42, 99, 7], [300, 12], list(range(40, 70))]
+CONFIG = ExecutorConfig(num_draft_tokens=3, speculation="fixed", max_seq_len=96)
+
+
+@pytest.fixture(scope="module")
+def engine(spec_checkpoint):
+    with ProcessExecutor(spec_checkpoint, CONFIG, torch_threads=1) as ex:
+        yield ex
+
+
+def wait_gone(pid: int, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state == "Z":  # exited, not reaped yet
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_same_tokens_as_in_process(engine, spec_checkpoint):
+    params = [SamplingParams(max_tokens=24, ignore_eos=True), SamplingParams(max_tokens=24, ignore_eos=True),
+              SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8, seed=7, logprobs=2)]
+    got = [h.result(60) for h in [engine.submit(p, sp) for p, sp in zip(PROMPTS, params)]]
+    with create_executor(spec_checkpoint, CONFIG) as local:
+        want = [local.submit(p, sp).result(60) for p, sp in zip(PROMPTS, params)]
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.text for o in got] == [o.text for o in want]
+    assert got[2].cumulative_logprob == pytest.approx(want[2].cumulative_logprob, abs=1e-4)
+    assert all(o.stats.num_draft_tokens > 0 for o in got)  # it speculated over there
+
+
+def test_streams_every_output_and_callbacks_run(engine):
+    seen = []
+    h = engine.submit(PROMPTS[0], SamplingParams(max_tokens=16, ignore_eos=True), on_output=seen.append)
+    streamed = [t for out in h for t in out.new_token_ids]
+    assert streamed == h.result(1).token_ids and len(streamed) == 16
+    assert [t for out in seen for t in out.new_token_ids] == streamed and seen[-1].finished
+
+
+def test_bad_request_raises_in_the_caller(engine):
+    with pytest.raises(ValueError, match=r"^max_tokens must be an integer >= 1, got 0$"):
+        engine.submit(PROMPTS[0], SamplingParams(max_tokens=0))
+    h = engine.submit(PROMPTS[0], SamplingParams(max_tokens=80, ignore_eos=True), request_id="same")
+    with pytest.raises(ValueError, match=r"^request_id 'same' is already in flight$"):
+        engine.submit(PROMPTS[1], SamplingParams(max_tokens=4), request_id="same")
+    h.cancel()
+    assert h.result(30).finish_reason == "cancelled"
+    assert engine.submit(PROMPTS[1], SamplingParams(max_tokens=4), request_id="same").result(30).finished
+
+
+def test_cancel_frees_the_blocks(engine):
+    h = engine.submit(PROMPTS[2], SamplingParams(max_tokens=60, ignore_eos=True))
+    next(iter(h))
+    h.cancel()
+    assert h.result(30).finish_reason == "cancelled"
+    deadline = time.monotonic() + 10
+    while engine.stats().kv_blocks_used and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.stats().kv_blocks_used == 0 and engine.health(5) is None
+
+
+def test_a_dead_engine_ends_its_requests_and_says_why(spec_checkpoint):
+    ex = ProcessExecutor(spec_checkpoint, CONFIG, torch_threads=1)
+    try:
+        h = ex.submit(PROMPTS[2], SamplingParams(max_tokens=60, ignore_eos=True))
+        next(iter(h))
+        os.kill(ex._process.pid, signal.SIGKILL)
+        out = h.result(30)
+        assert (out.finish_reason, out.error) == ("error", "the engine process exited (status -9)")
+        assert ex.health(5) == "the engine process exited (status -9)"
+        with pytest.raises(RuntimeError, match=r"^the engine process exited \(status -9\)$"):
+            ex.submit(PROMPTS[0], SamplingParams(max_tokens=4))
+    finally:
+        ex.shutdown()
+
+
+def test_a_load_error_is_raised_in_the_caller(tmp_path, spec_checkpoint):
+    with pytest.raises(ValueError, match=r"missing: neither engine.json nor config.json found"):
+        ProcessExecutor(tmp_path / "missing", CONFIG)
+    with pytest.raises(ValueError, match="kv_cache_tokens"):
+        ProcessExecutor(spec_checkpoint, ExecutorConfig(kv_cache_tokens=10**12))
+
+
+def test_no_engine_process_outlives_its_parent(spec_checkpoint, tmp_path):
+    """Shut down: the engine process has exited. Parent killed by SIGKILL: the engine gets SIGTERM and exits."""
+    script = (f"import sys; from runtime.executors.process import ProcessExecutor\n"
+              f"ex = ProcessExecutor({str(spec_checkpoint)!r}, torch_threads=1)\n"
+              f"print(ex._process.pid, flush=True)\n"
+              f"if sys.argv[1] == 'shutdown':\n    ex.shutdown(); print('down', flush=True)\n"
+              f"else:\n    import time; time.sleep(600)\n")
+    for how in ("shutdown", "sigkill"):
+        parent = subprocess.Popen([sys.executable, "-c", script, how], stdout=subprocess.PIPE, text=True)
+        try:
+            child = int(parent.stdout.readline())
+            if how == "sigkill":
+                parent.kill()
+            else:
+                assert parent.stdout.readline().strip() == "down"
+            assert wait_gone(child), f"engine process {child} still running after its parent's {how}"
+        finally:
+            parent.kill()
+            parent.wait()

@@ -1,0 +1,256 @@
+"""Prefix caching (runtime.core.prefix_cache): exact, with MTP, under batching, chunked prefill, eviction,
+preemption, cancellation and adaptive drafting; and the block pool it rests on.
+
+Every output with reuse is compared token for token with the same request served without it, and so are the
+draft and accepted counts under a fixed draft length: the drafts come from the MTP layer's cache, so a reused
+block with wrong MTP rows changes acceptance (and, sampling with a seed, the tokens) though not greedy text.
+After each test every KV block is back in the pool, free or cached (`assert_all_free`).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from runtime.core.kv_cache import BlockAllocator, OutOfBlocks
+from runtime.core.prefix_cache import block_key
+from runtime.core.sampling import SamplingParams
+from runtime.executors.base import ExecutorConfig
+from runtime.executors.native import Executor
+from runtime.executors.requests import RequestOutput
+from runtime.io.loading import load_engine
+
+from executor_util import assert_all_free, hold_inbox_until  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+BLOCK = 16  # the tiny checkpoint's kv_block_size (BuildConfig's default)
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(spec_checkpoint):
+    eng = load_engine(spec_checkpoint)
+    assert eng.build.kv_block_size == BLOCK
+    return eng
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(4, 4000) for _ in range(n)]
+
+
+SYSTEM = tokens(1, 3 * BLOCK + 5)  # a shared prefix that ends mid-block
+PROMPTS = [SYSTEM + tokens(10 + i, n) for i, n in enumerate((3, 11, 20, 1, 29))]
+
+
+def executor(engine, k: int, reuse: bool = True, speculation: str = "fixed", **kw) -> Executor:
+    return Executor(engine, ExecutorConfig(num_draft_tokens=k, speculation=speculation if k else "off",
+                                           enable_block_reuse=reuse, **kw))
+
+
+def serve(ex: Executor, prompts: list[list[int]], params: SamplingParams = GREEDY, batched: bool = False
+          ) -> list[RequestOutput]:
+    """One at a time, or all submitted together (joining the scheduler in the same step)."""
+    if not batched:
+        return [ex.submit(p, params).result(120) for p in prompts]
+    go = threading.Event()
+    hold_inbox_until(ex, go)
+    handles = [ex.submit(p, params) for p in prompts]
+    go.set()
+    return [h.result(120) for h in handles]
+
+
+def drafts(outs: list[RequestOutput]) -> list[tuple[int, int]]:
+    return [(o.stats.num_draft_tokens, o.stats.num_accepted_draft_tokens) for o in outs]
+
+
+def reused(outs: list[RequestOutput]) -> list[int]:
+    return [o.stats.num_reused_blocks for o in outs]
+
+
+# ---- the block pool ------------------------------------------------------------------------------
+def test_freed_registered_blocks_stay_cached_until_evicted_least_recently_used() -> None:
+    a = BlockAllocator(6)
+    x = a.allocate(3)
+    keys = [block_key(b"", [i]) for i in range(3)]
+    for block, key in zip(x, keys):
+        a.register(block, key)
+    a.register(x[0], block_key(b"", [9]))  # a block keeps its first key
+    assert [a.lookup(k) for k in keys] == x and a.lookup(block_key(b"", [9])) is None and a.num_cached == 3
+    a.free(x)
+    assert a.num_free == 6 and a.num_cached == 3 and a.all_free()
+    # blocks caching nothing go first, then cached ones, the table's tail first
+    y = a.allocate(4)
+    assert set(y[:3]).isdisjoint(x) and y[3] == x[2]
+    assert a.lookup(keys[2]) is None and [a.lookup(k) for k in keys[:2]] == x[:2], "only the evicted block is gone"
+    # a cached free block is taken back as is, shared by a second holder, and counted out of the free ones
+    assert a.free_after_taking([x[0], x[1]]) == 0
+    a.take([x[0]])
+    a.take([x[0]])
+    assert a.num_free == 1
+    with pytest.raises(OutOfBlocks):
+        a.allocate(2)
+    a.free([x[0]])
+    assert a.num_free == 1, "still held by its second holder"
+    a.free([x[0]] + y)
+    assert a.all_free() and a.num_cached == 2
+    with pytest.raises(RuntimeError, match=f"KV block {x[0]} freed while no sequence holds it"):
+        a.free([x[0]])
+
+
+def test_block_keys_chain_over_the_prefix() -> None:
+    root = block_key(b"", [1, 2])
+    assert block_key(b"", [1, 2]) == root and block_key(b"", [2, 1]) != root
+    assert block_key(root, [3]) != block_key(block_key(b"", [1, 5]), [3]), "the same block after another prefix"
+
+
+# ---- exactness ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def without_reuse(engine) -> dict[int, list[RequestOutput]]:
+    """PROMPTS served one at a time without reuse, per draft length."""
+    out = {}
+    for k in range(5):
+        with executor(engine, k, reuse=False) as ex:
+            out[k] = serve(ex, PROMPTS)
+            assert reused(out[k]) == [0] * len(PROMPTS) and ex.stats().kv_blocks_cached == 0
+    return out
+
+
+@pytest.mark.parametrize("k", range(5))
+def test_reuse_is_exact_alone_and_batched(engine, without_reuse, k: int) -> None:
+    base = without_reuse[k]
+    with executor(engine, k) as ex:
+        alone = serve(ex, PROMPTS)
+        assert [o.token_ids for o in alone] == [o.token_ids for o in without_reuse[0]]
+        assert drafts(alone) == drafts(base), "drafts from reused MTP rows differ from recomputed ones"
+        assert reused(alone) == [0] + [3] * (len(PROMPTS) - 1), "the shared 3 full blocks of SYSTEM"
+        assert [o.stats.num_missed_blocks for o in alone] == [ex.cache.blocks_for(len(p)) - r
+                                                              for p, r in zip(PROMPTS, reused(alone))]
+        assert alone[1].stats.kv_cache_hit_rate == 3 / ex.cache.blocks_for(len(PROMPTS[1]))
+        # every prompt again, together: each now reuses its own full blocks, its last token left to compute
+        again = serve(ex, PROMPTS, batched=True)
+        assert [o.token_ids for o in again] == [o.token_ids for o in without_reuse[0]]
+        assert drafts(again) == drafts(base)
+        assert reused(again) == [(len(p) - 1) // BLOCK for p in PROMPTS]
+        assert_all_free(ex)
+
+
+def test_seeded_sampling_with_drafts_is_exact(engine) -> None:
+    """With sampling, which tokens come out depends on the drafts too: wrong MTP rows change the text."""
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=7, ignore_eos=True)
+    with executor(engine, 3, reuse=False) as ex:
+        base = serve(ex, PROMPTS, params)
+    with executor(engine, 3) as ex:
+        outs = serve(ex, PROMPTS, params)
+        assert reused(outs)[1:] == [3] * (len(PROMPTS) - 1)
+        assert_all_free(ex)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base] and drafts(outs) == drafts(base)
+
+
+def test_a_drafting_request_reuses_only_blocks_whose_mtp_rows_it_can_use(engine) -> None:
+    """A request that ends before it drafts leaves its blocks' MTP rows uncomputed: a drafting request does not
+    reuse them (it recomputes the prefix), one that never drafts does. The MTP row at a block's last position
+    reads the next token: a request diverging right after a block does not reuse that block's MTP rows."""
+    prefix = tokens(2, 2 * BLOCK)
+    first, other = prefix + tokens(3, 9), prefix + tokens(4, 9)
+    with executor(engine, 3) as ex:
+        ex.submit(first, SamplingParams(max_tokens=1)).result(60)  # no drafting step: target KV only
+        plain = ex.submit(other, SamplingParams(max_tokens=4, ignore_eos=True, num_draft_tokens=0)).result(60)
+        assert plain.stats.num_reused_blocks == 2 and plain.stats.num_draft_tokens == 0
+        drafting = ex.submit(other, GREEDY).result(60)
+        assert drafting.stats.num_reused_blocks == 0 and drafting.stats.num_draft_tokens > 0
+        # `other`'s own blocks now have MTP rows read with other[2 * BLOCK]; `first` differs there
+        again = ex.submit(first, GREEDY).result(60)
+        assert again.stats.num_reused_blocks == 1
+        assert_all_free(ex)
+    with executor(engine, 3, reuse=False) as ex:
+        base = serve(ex, [other, first])
+    assert [drafting.token_ids, again.token_ids] == [o.token_ids for o in base]
+    assert drafts([drafting, again]) == drafts(base)
+
+
+def test_prompt_logprobs_are_not_skipped(engine) -> None:
+    params = SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=2)
+    with executor(engine, 2) as ex:
+        ex.submit(PROMPTS[0], GREEDY).result(60)
+        out = ex.submit(PROMPTS[1], params).result(60)
+        assert out.stats.num_reused_blocks == 0
+        assert_all_free(ex)
+    with executor(engine, 2, reuse=False) as ex:
+        base = ex.submit(PROMPTS[1], params).result(60)
+    assert out.prompt_logprobs == base.prompt_logprobs and out.token_ids == base.token_ids
+
+
+def test_nothing_is_reused_where_nothing_matches_or_reuse_is_off(engine) -> None:
+    short = SYSTEM[:BLOCK]  # one block: its last token must be computed, so nothing is reused
+    with executor(engine, 2) as ex:
+        outs = serve(ex, [short, short, tokens(5, 40), SYSTEM[1:]])
+        assert reused(outs) == [0, 0, 0, 0]
+        assert_all_free(ex)
+    with executor(engine, 2, reuse=False) as ex:
+        outs = serve(ex, PROMPTS + PROMPTS)
+        assert reused(outs) == [0] * 2 * len(PROMPTS) and all(o.stats.kv_cache_hit_rate == 0 for o in outs)
+        assert ex.stats().kv_blocks_cached == 0
+        assert_all_free(ex)
+
+
+# ---- with the scheduler's other paths -----------------------------------------------------------
+@pytest.mark.parametrize("k", [0, 3])
+def test_chunked_prefill_shares_blocks_of_a_prompt_still_being_prefilled(engine, k: int) -> None:
+    """max_num_tokens 24: the long prompt takes every step's budget until its last chunk, in whose step the second
+    request is admitted on the shared blocks the first has filled so far: their target KV. A drafting request
+    needs their MTP rows too, which the first computes only once it drafts, so with k = 3 it recomputes them."""
+    long = SYSTEM + tokens(6, 60)
+    with executor(engine, k, max_num_tokens=24) as ex:
+        outs = serve(ex, [long, PROMPTS[2]], batched=True)
+        assert reused(outs) == [0, 3 if k == 0 else 0]
+        assert ex.submit(PROMPTS[3], GREEDY).result(60).stats.num_reused_blocks == 3  # now with MTP rows
+        assert_all_free(ex)
+    with executor(engine, k, reuse=False) as ex:
+        base = serve(ex, [long, PROMPTS[2]])
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base] and drafts(outs) == drafts(base)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_eviction_and_preemption_under_a_small_pool(engine, k: int) -> None:
+    """A pool of 12 blocks for prompts of 4-5 blocks each: cached blocks are evicted for new content, and
+    concurrent requests preempt each other; every output is still the one served without reuse."""
+    prompts = PROMPTS + [tokens(20 + i, 50) for i in range(3)] + PROMPTS[:2]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    with executor(engine, k, reuse=False, kv_cache_tokens=12 * BLOCK) as ex:
+        base = serve(ex, prompts, params)
+    with executor(engine, k, kv_cache_tokens=12 * BLOCK) as ex:
+        outs = serve(ex, prompts, params)
+        assert reused(outs)[1:5] == [3] * 4
+        assert reused(outs)[-2:] == [0, 3], "evicted by the unrelated prompts, then cached again"
+        together = serve(ex, prompts, params, batched=True)
+        assert ex.scheduler.preemptions > 0
+        assert_all_free(ex)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base] == [o.token_ids for o in together]
+
+
+def test_cancelled_requests_leave_their_filled_blocks_cached(engine) -> None:
+    stream = SamplingParams(max_tokens=150, ignore_eos=True)
+    with executor(engine, 3) as ex:
+        handle = ex.submit(PROMPTS[4], stream)
+        for out in handle:
+            if len(out.token_ids) >= 8:
+                handle.cancel()
+        assert handle.result(60).finish_reason == "cancelled"
+        later = ex.submit(PROMPTS[4], GREEDY).result(60)
+        assert later.stats.num_reused_blocks == (len(PROMPTS[4]) - 1) // BLOCK
+        assert_all_free(ex)
+    with executor(engine, 3, reuse=False) as ex:
+        base = ex.submit(PROMPTS[4], GREEDY).result(60)
+    assert later.token_ids == base.token_ids and drafts([later]) == drafts([base])
+
+
+def test_adaptive_drafting_with_reuse_is_exact(engine, without_reuse) -> None:
+    with executor(engine, 3, speculation="adaptive") as ex:
+        outs = serve(ex, PROMPTS) + serve(ex, PROMPTS, batched=True)
+        assert sum(reused(outs)) > 0
+        assert_all_free(ex)
+    assert [o.token_ids for o in outs] == 2 * [o.token_ids for o in without_reuse[0]]

@@ -1,0 +1,324 @@
+"""Structured output (JSON schema, any JSON object, regex, EBNF grammar), exact under MTP, on the shipped model.
+
+- Greedy output under a guide is token for token the k = 0 output for k = 1..4, alone and in a batch with
+  unconstrained requests (whose output the guided neighbours do not change), and every output parses:
+  json.loads and the schema's constraints, re.fullmatch for the regex and for the grammar's language.
+- Sampled outputs are all valid, and the first token follows the grammar-masked target distribution exactly
+  under k = 2 (chi-square against a dense forward): the lossless sampler applied to masked distributions.
+- The matcher's masks leave its state as they found it, and rows after a refused draft are unconstrained.
+- Invalid guides are refused before anything is submitted, naming the field and the position of the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+import torch
+
+from runtime.core.grammar import GrammarCompiler, check_guide
+from runtime.core.sampling import GuidedDecodingParams, SamplingParams
+from runtime.executors.base import ExecutorConfig
+from runtime.executors.native import Executor
+from runtime.executors.requests import RequestOutput
+from runtime.executors.session import Session
+
+from conftest import chi2_pvalue
+from executor_util import assert_all_free
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3}}}
+REGEX = r"[A-Z][a-z]{1,8} (and|or) [a-z]{2,10}\."
+EBNF = "root ::= term (op term){0,3}\nop ::= \"+\" | \"-\"\nterm ::= [0-9] | [1-9] [0-9]"
+EBNF_LANGUAGE = r"(?:[0-9]|[1-9][0-9])(?:[+-](?:[0-9]|[1-9][0-9])){0,3}"
+GUIDES = {"json": GuidedDecodingParams(json=SCHEMA), "json_object": GuidedDecodingParams(json_object=True),
+          "regex": GuidedDecodingParams(regex=REGEX), "grammar": GuidedDecodingParams(grammar=EBNF)}
+MAX_TOKENS = 96
+
+
+def conforms(kind: str, text: str) -> bool:
+    """Whether an output is in its guide's language (the schema's constraints checked one by one)."""
+    if kind == "regex":
+        return re.fullmatch(REGEX, text) is not None
+    if kind == "grammar":
+        return re.fullmatch(EBNF_LANGUAGE, text) is not None
+    value = json.loads(text)
+    if kind == "json_object":
+        return isinstance(value, dict)
+    return (isinstance(value, dict) and set(value) == {"name", "age", "tags"}
+            and isinstance(value["name"], str) and len(value["name"]) <= 12
+            and type(value["age"]) is int and 0 <= value["age"] <= 120
+            and isinstance(value["tags"], list) and len(value["tags"]) <= 3
+            and all(isinstance(t, str) and len(t) <= 8 for t in value["tags"]))
+
+
+@pytest.fixture(scope="module")
+def prompts(shipped_model_dir, shipped_tokenizer) -> list[list[int]]:
+    rows = json.loads((shipped_model_dir / "heldout_prompts.json").read_text())
+    return [shipped_tokenizer.encode(r["text"])[:32] for r in rows[:6]]
+
+
+def run(engine, prompts: list[list[int]], params: list[SamplingParams], k: int, alone: bool = False
+        ) -> list[RequestOutput]:
+    cfg = ExecutorConfig(num_draft_tokens=k, speculation="fixed" if k else "off", max_seq_len=256)
+    with Executor(engine, cfg) as ex:
+        if alone:
+            outs = [ex.submit(p, sp).result(120) for p, sp in zip(prompts, params)]
+        else:
+            outs = [h.result(120) for h in [ex.submit(p, sp) for p, sp in zip(prompts, params)]]
+        assert_all_free(ex)
+    return outs
+
+
+def test_greedy_output_is_the_same_for_every_k_and_parses(shipped_engine, shipped_tokenizer, prompts) -> None:
+    """Four guided requests and two unconstrained ones in one batch, k = 0..4; and each guided one alone at k = 0
+    and k = 3: the same tokens everywhere, every guided output complete ("stop") and in its guide's language."""
+    kinds = list(GUIDES)
+    params = [SamplingParams(max_tokens=MAX_TOKENS, guided_decoding=GUIDES[kind]) for kind in kinds]
+    # bans and the grammar together: the regex's " and" spelt otherwise, or " or"
+    params[kinds.index("regex")] = replace(params[kinds.index("regex")], bad_token_ids=tuple(shipped_tokenizer.encode(
+        " and", add_bos=False)))
+    free = [SamplingParams(max_tokens=24)] * 2
+    free_alone = [o.token_ids for o in run(shipped_engine, prompts[4:], free, 0)]
+    reference = [o.token_ids for o in run(shipped_engine, prompts[:4], params, 0, alone=True)]
+    assert [o.token_ids for o in run(shipped_engine, prompts[:4], params, 3, alone=True)] == reference
+    drafted = 0
+    for k in range(5):
+        outs = run(shipped_engine, prompts[:6], params + free, k)
+        assert [o.token_ids for o in outs[:4]] == reference, k
+        assert [o.token_ids for o in outs[4:]] == free_alone, k  # guided neighbours change nothing of theirs
+        for kind, o in zip(kinds, outs):
+            assert o.finish_reason == "stop" and conforms(kind, o.text), (k, kind, o.text)
+        drafted += sum(o.stats.num_accepted_draft_tokens for o in outs[:4])
+    assert drafted > 0  # drafts under the grammar were accepted, not merely rejected
+
+
+def test_chunked_prefill_preemption_and_cancellation_keep_guided_output_exact(shipped_engine, prompts) -> None:
+    """Under a 32-token budget (prompts prefilled in chunks) and a cache of 9 blocks, two long unconstrained
+    requests admitted first make the guided ones admitted after them be preempted and recomputed (their grammar
+    state kept with their tokens): every output is its k = 0 output alone. A guided request cancelled mid-way
+    gives its blocks back like any other."""
+    params = [SamplingParams(max_tokens=64, ignore_eos=True)] * 2
+    params += [SamplingParams(max_tokens=MAX_TOKENS, guided_decoding=g) for g in GUIDES.values()]
+    ordered = prompts[4:] + prompts[:4]
+    reference = [o.token_ids for o in run(shipped_engine, ordered, params, 0, alone=True)]
+    config = ExecutorConfig(num_draft_tokens=3, speculation="fixed", max_num_tokens=32, max_batch_size=7,
+                            kv_cache_tokens=128, max_seq_len=256)
+    with Executor(shipped_engine, config) as ex:
+        preempt, victims = ex.scheduler._preempt_latest, []
+
+        def recorded():
+            victims.append(preempt())
+            return victims[-1]
+
+        def cancel_early(o: RequestOutput) -> None:
+            if len(o.token_ids) >= 3 and not o.finished:
+                ex.cancel(o.request_id)
+
+        ex.scheduler._preempt_latest = recorded
+        handles = [ex.submit(p, sp) for p, sp in zip(ordered, params)]
+        outs = [h.result(120) for h in handles]
+        cancelled = ex.submit(prompts[0], params[2], on_output=cancel_early).result(120)
+        assert_all_free(ex)
+    assert any(v.grammar is not None for v in victims), "no guided request was preempted"
+    assert [o.token_ids for o in outs] == reference
+    assert cancelled.finish_reason == "cancelled" and reference[2][: len(cancelled.token_ids)] == cancelled.token_ids
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_every_draft_is_drawn_within_the_grammar(shipped_engine, shipped_tokenizer, prompts, temperature) -> None:
+    """Drafts come from the MTP distribution masked by the state each would be drawn in (the output so far plus the
+    drafts before it): every draft chain of every step is a continuation the grammar accepts."""
+    tok = shipped_tokenizer
+    compiler = GrammarCompiler(tok.backend.to_str(), 4096, tok.eos_token_id)
+    chains = []
+    with Executor(shipped_engine, ExecutorConfig(num_draft_tokens=3, speculation="fixed", max_seq_len=256)) as ex:
+        draft = ex.runner.draft
+
+        def spy(items):
+            drafts, probs = draft(items)
+            chains.extend((it.seq.params.guided_decoding, it.seq.token_ids[it.seq.num_prompt_tokens:], row[: it.num_drafts])
+                          for it, row in zip(items, drafts.tolist()))
+            return drafts, probs
+
+        ex.runner.draft = spy
+        params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=temperature, seed=1, guided_decoding=g)
+                  for g in GUIDES.values()]
+        [h.result(120) for h in [ex.submit(p, sp) for p, sp in zip(prompts, params)]]
+    assert len(chains) > 10
+    eos = tok.eos_token_id
+    for guide, output, drafts in chains:
+        body = drafts[: drafts.index(eos)] if eos in drafts else drafts  # eos ends the request: nothing after counts
+        m = compiler.matcher(guide)
+        m.advance(output)
+        assert m.matcher.try_consume_tokens(body) == len(body), (guide.kind, output, drafts)
+        assert eos not in drafts or m.matcher.is_accepting(), (guide.kind, output, drafts)
+
+
+def test_sampled_outputs_are_all_valid(shipped_engine, prompts) -> None:
+    for k in (0, 3):
+        params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=seed, guided_decoding=GUIDES[kind])
+                  for seed in range(3) for kind in GUIDES]
+        outs = run(shipped_engine, [prompts[i % 6] for i in range(len(params))], params, k)
+        for p, o in zip(params, outs):
+            if o.finish_reason == "stop":  # a sampled JSON string may run past max_tokens: then it is cut
+                assert conforms(p.guided_decoding.kind, o.text), (k, o.text)
+        assert sum(o.finish_reason == "stop" for o in outs) >= len(outs) - 2
+
+
+@torch.inference_mode()
+def test_sampled_first_token_follows_the_masked_target(shipped_engine, prompts, shipped_tokenizer) -> None:
+    """A one-letter regex at temperature 1 with k = 2 (draft 1 from the masked MTP distribution, draft 2 forced eos):
+    the letter's distribution is the target's softmax restricted to the letters' tokens, exactly."""
+    guide = GuidedDecodingParams(regex="[a-z]")
+    prompt = prompts[0]
+    m = shipped_engine.model
+    logits = m.logits(m(torch.tensor([prompt]))[0, -1:]).float()[0]
+    compiler = GrammarCompiler(shipped_tokenizer.backend.to_str(), logits.shape[0], shipped_tokenizer.eos_token_id)
+    banned = compiler.matcher(guide).masks([], 0, 1)[0]
+    target = logits.masked_fill(banned, float("-inf")).softmax(-1)
+    n = 400
+    outs = run(shipped_engine, [prompt] * n, [SamplingParams(max_tokens=4, temperature=1.0, seed=s,
+                                                             guided_decoding=guide) for s in range(n)], 2)
+    assert all(len(o.token_ids) == 1 and o.finish_reason == "stop" for o in outs)
+    counts = torch.zeros_like(target, dtype=torch.float64)
+    for t, c in Counter(o.token_ids[0] for o in outs).items():
+        counts[t] = c
+    assert chi2_pvalue(counts, target) > 1e-4
+    assert sum(o.stats.num_draft_tokens for o in outs) > 0
+
+
+def test_masks_restore_the_matcher_and_free_rows_after_a_refused_draft(shipped_tokenizer) -> None:
+    tok = shipped_tokenizer
+    compiler = GrammarCompiler(tok.backend.to_str(), 4096, tok.eos_token_id)
+    m = compiler.matcher(GuidedDecodingParams(regex="ab+c"))
+    a, b, c = (tok.backend.token_to_id(x) for x in "abc")
+    before = m.masks([], 0, 1)
+    rows = m.masks([a, b, b], 0, 4)  # after nothing, a, ab, abb
+    assert torch.equal(m.masks([], 0, 1), before)  # the state is restored
+    assert not before[0, a] and before[0, b] and rows[1:, b].logical_not().all() and rows[2:, c].logical_not().all()
+    assert rows[1, c]  # "ac" is refused
+    refused = m.masks([a, c, b], 0, 3)
+    assert not refused[2].any()  # after a refused draft: unconstrained (never used)
+    m.advance([a, b, c])
+    [only_eos] = m.masks([], 0, 1)
+    assert (~only_eos).nonzero().flatten().tolist() == [tok.eos_token_id]
+    with pytest.raises(RuntimeError, match="grammar rejected kept tokens"):
+        m.advance([a])
+
+
+@pytest.mark.parametrize("guide, message", [
+    (GuidedDecodingParams(regex="(abc"), "guided_decoding.regex is invalid at position 0: unclosed group"),
+    (GuidedDecodingParams(regex="ab{3,1}"), "guided_decoding.regex is invalid at position 2: invalid repetition "
+                                            "count range, the start must be <= the end"),
+    (GuidedDecodingParams(json='{"type": "object", "properties": {"a": }}'),
+     "guided_decoding.json is not valid JSON: Expecting value at line 1, column 40"),
+    (GuidedDecodingParams(json={"type": "object", "properties": {"a": {"type": "array", "items": {"type": "foo"}}}}),
+     "guided_decoding.json is invalid at /properties/a/items of the schema: Invalid type: foo"),
+    (GuidedDecodingParams(json={"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}),
+     "guided_decoding.json is invalid at /properties/a of the schema: Pointer '/$defs/missing' does not exist"),
+    (GuidedDecodingParams(grammar='root ::= "yes" | maybe'),
+     "guided_decoding.grammar is invalid at line 1, column 18: Rule 'maybe' not found"),
+    (GuidedDecodingParams(grammar='root ::= "a" x\nx ::= ("b" | "c"'),
+     "guided_decoding.grammar is invalid at line 2, column 17: Expected ')'"),
+    (GuidedDecodingParams(regex="a", grammar='root ::= "a"'),
+     "guided_decoding takes exactly one of json, regex, grammar, json_object; got regex, grammar"),
+])
+def test_invalid_guides_name_the_field_and_position(guide, message) -> None:
+    with pytest.raises(ValueError) as e:
+        SamplingParams(guided_decoding=guide).validate()
+        check_guide(guide)
+    assert str(e.value) == message
+
+
+def test_bad_tokens_that_leave_nothing_yield_to_the_grammar(shipped_engine, shipped_tokenizer, prompts) -> None:
+    """A row where the request's bad tokens ban everything the grammar allows takes the grammar's mask alone: the
+    output still follows the grammar (a step never emits a token the grammar refuses)."""
+    letter = shipped_tokenizer.encode("q", add_bos=False)
+    params = SamplingParams(max_tokens=8, bad_token_ids=tuple(letter), guided_decoding=GuidedDecodingParams(regex="q"))
+    for k in (0, 2):
+        [out] = run(shipped_engine, prompts[:1], [params], k)
+        assert out.text == "q" and out.finish_reason == "stop", (k, out.text)
+
+
+def test_session_refuses_before_submitting_anything(shipped_model_dir) -> None:
+    with Session(shipped_model_dir, num_draft_tokens=2) as s:
+        bad = SamplingParams(guided_decoding=GuidedDecodingParams(regex="ab[c-"))
+        with pytest.raises(ValueError, match=r"^guided_decoding.regex is invalid at position 2: unclosed character"):
+            s.generate(["In the beginning", "And God said"], bad)
+        with pytest.raises(ValueError, match="cannot be combined with ignore_eos or min_tokens"):
+            s.generate("In the beginning", SamplingParams(ignore_eos=True, guided_decoding=GUIDES["regex"]))
+        assert s.executor.stats().requests_finished == 0 and s.executor.stats().running == 0
+        [out] = s.generate("In the beginning", SamplingParams(max_tokens=MAX_TOKENS, guided_decoding=GUIDES["json"]))
+        assert out.finish_reason == "stop" and conforms("json", out.text)
+
+
+def test_openai_server_response_format_and_guided_extras(shipped_model_dir, tmp_path) -> None:
+    """dsv3-serve with MTP (k = 3): response_format json_schema and json_object, vLLM's guided_regex and
+    structured_outputs give the Session's plain-decoding output (greedy); an invalid guide is a 400 naming the field
+    and the position, and the server goes on serving."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from serving.openai_server.process import start_dsv3_serve
+
+    prompt = "And the LORD said unto Moses,"
+    with Session(shipped_model_dir, num_draft_tokens=0) as plain:
+        expected = {kind: plain.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS, guided_decoding=g))[0].text
+                    for kind, g in GUIDES.items()}
+    serve = start_dsv3_serve(shipped_model_dir, "--torch_threads", "1", "--num_draft_tokens", "3", "--speculation",
+                             "fixed", log=tmp_path / "server.log")
+    try:
+        client = openai.OpenAI(base_url=serve.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        ask = dict(model="deepseek-v3-mini", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+        texts = {"json": client.completions.create(**ask, extra_body={"response_format": schema}),
+                 "json_object": client.completions.create(**ask, extra_body={"response_format": {"type": "json_object"}}),
+                 "regex": client.completions.create(**ask, extra_body={"guided_regex": REGEX}),
+                 "grammar": client.completions.create(**ask, extra_body={"structured_outputs": {"grammar": EBNF}})}
+        for kind, r in texts.items():
+            assert r.choices[0].text == expected[kind] and conforms(kind, r.choices[0].text), kind
+            assert r.choices[0].finish_reason == "stop"
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(**ask, extra_body={"guided_regex": "ab(c"})
+        assert e.value.body["message"] == "guided_regex is invalid at position 2: unclosed group"
+        assert e.value.body["param"] == "guided_regex"
+        chat = client.chat.completions.create(model="deepseek-v3-mini", messages=[{"role": "user", "content": prompt}],
+                                              max_tokens=MAX_TOKENS, temperature=0, response_format=schema)
+        assert conforms("json", chat.choices[0].message.content)
+    finally:
+        assert serve.stop() == 0
+
+
+def test_triton_guided_decoding_inputs() -> None:
+    """TensorRT-LLM's guided_decoding_guide_type / guided_decoding_guide, read for both Triton flavours."""
+    import numpy as np
+
+    from serving.request_validation import RequestError, guided_decoding
+
+    def read(kind: str | None, guide: str | None) -> GuidedDecodingParams | None:
+        inputs = {name: np.array([value.encode()], object) for name, value in
+                  (("guided_decoding_guide_type", kind), ("guided_decoding_guide", guide)) if value is not None}
+        return guided_decoding(inputs)
+
+    assert read(None, None) is None and read("", "") is None
+    assert read("json", None) == GuidedDecodingParams(json_object=True)
+    assert read("json_schema", json.dumps(SCHEMA)) == GuidedDecodingParams(json=SCHEMA)
+    assert read("regex", REGEX) == GuidedDecodingParams(regex=REGEX)
+    assert read("ebnf_grammar", EBNF) == GuidedDecodingParams(grammar=EBNF)
+    for kind, guide, message in [
+            ("regex", "a{2", "guided_decoding_guide is invalid at position 1: unclosed counted repetition"),
+            ("json_schema", '{"type": "object", "properties": {"a": {"type": "foo"}}}',
+             "guided_decoding_guide is invalid at /properties/a of the schema: Invalid type: foo"),
+            ("xml", "<a/>", "guided_decoding_guide_type must be one of json, json_schema, regex, ebnf_grammar, got 'xml'"),
+            ("regex", None, "guided_decoding_guide is required with guided_decoding_guide_type regex"),
+            (None, "a+", "guided_decoding_guide needs guided_decoding_guide_type (json_schema, regex, ebnf_grammar)")]:
+        with pytest.raises(RequestError) as e:
+            read(kind, guide)
+        assert str(e.value) == message
