@@ -22,7 +22,7 @@ import torch
 
 from runtime.core.cuda_graphs import CudaGraphRunner
 from runtime.executors.ranks import RankFailure, RankGroup, RankOptions, drive, rss_bytes, run_rank, torchrun_rank
-from runtime.io.engine_format import ENGINE_JSON, read_limits
+from runtime.io.engine_format import ENGINE_JSON, EngineManifest
 from runtime.io.loading import LoadedEngine, load_engine
 from runtime.core.kv_cache import KVCache, free_memory_bytes
 from runtime.core.sampling import SamplingParams
@@ -74,8 +74,10 @@ class Executor:
         """The engine in this process, or its rank 0 with the other ranks started alongside (runtime.executors.ranks)."""
         config = self.config
         options = dict(device=config.device, dtype=config.dtype, cpu_kernels=config.cpu_kernels)
-        _, build = read_limits(path)
-        world = config.ranks(build, str(path)) if (path / ENGINE_JSON).is_file() else 1
+        if not (path / ENGINE_JSON).is_file():  # a plain checkpoint (or no model: load_engine says so)
+            return load_engine(path, **options)
+        build = EngineManifest.read(path).build
+        world = config.ranks(build, str(path))
         if world == 1:
             return load_engine(path, **options)
         launched = torchrun_rank()
