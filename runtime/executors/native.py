@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from runtime.core.cuda_graphs import CudaGraphRunner
-from runtime.executors.ranks import RankFailure, RankGroup, RankOptions, drive, rss_bytes, run_rank, torchrun_rank
+from runtime.executors.ranks import RankFailure, RankGroup, RankOptions, drive, rss_bytes
 from runtime.io.engine_format import ENGINE_JSON, EngineManifest
 from runtime.io.loading import LoadedEngine, load_engine
 from runtime.core.kv_cache import KVCache, free_memory_bytes
@@ -80,19 +80,7 @@ class Executor:
         world = config.ranks(build, str(path))
         if world == 1:
             return load_engine(path, **options)
-        launched = torchrun_rank()
-        if launched is not None:  # torchrun started every rank: rank 0 serves, the others serve it, then exit
-            rank, size = launched
-            if size != world:
-                raise ValueError(f"torchrun started {size} ranks; {path} has tp_size {build.tp_size}")
-            if rank:
-                raise SystemExit(run_rank(path, rank, size, RankOptions(config.dtype, config.cpu_kernels,
-                                                                        threads=torch.get_num_threads())))
-            self.ranks = RankGroup.join(path, build)
-        else:
-            threads = max(1, torch.get_num_threads() // world)  # the ranks share this host's cores
-            torch.set_num_threads(threads)
-            self.ranks = RankGroup.start(path, build, RankOptions(config.dtype, config.cpu_kernels, threads=threads))
+        self.ranks = RankGroup.open(path, build, RankOptions(config.dtype, config.cpu_kernels))
         engine = load_engine(path, **options, par=self.ranks.par)
         self.ranks.connect()
         engine.model = drive(engine.model, self.ranks)

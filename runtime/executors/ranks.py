@@ -1,8 +1,8 @@
 """The ranks of a tensor/expert-parallel engine as processes of their own, on torch.distributed (gloo on CPU).
 
 Rank 0 is the executor's process: it alone schedules, samples and accepts. `RankGroup.start` starts ranks
-1.. (`python -m runtime.executors.ranks`), or torchrun has started every rank (`torchrun_rank`: the executor of rank
-0 joins them, `run_rank` turns any other rank's executor into a worker that exits when rank 0 stops it); each
+1.. (`python -m runtime.executors.ranks`), or torchrun has started every rank (`RankGroup.open`: rank 0's
+executor joins them; any other rank's executor becomes a worker that exits when rank 0 stops it); each
 loads its own rank file (`load_engine(par=...)`), then runs every
 forward rank 0 runs, with the same arguments: rank 0's model becomes a `DrivingModel`, whose forwards first
 broadcast their call (the method and its arguments: token ids, positions, the `PagedBatch`, hidden states)
@@ -19,6 +19,7 @@ ranks out of step (some wait in a collective the others never reach), so it ends
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import logging
@@ -83,13 +84,27 @@ class RankGroup:
         return self.build.tp_size
 
     @classmethod
-    def join(cls, path: str | Path, build: BuildConfig) -> "RankGroup":
-        """Rank 0 of ranks torchrun started (their processes are torchrun's to watch and end)."""
-        return cls(Path(path), build, _torchrun_store(0, build.tp_size), [])
+    def open(cls, path: str | Path, build: BuildConfig, options: RankOptions) -> "RankGroup":
+        """Rank 0's group for a tp > 1 engine: the ranks torchrun started (on any other rank of those, serve rank 0's
+        calls, then exit the process), else ranks 1.. started here; rank 0 loads its own file, then `connect`s.
+        Torch threads: torchrun's setting, or this process's divided among the ranks (the host's cores)."""
+        world = build.tp_size
+        launched = torchrun_rank()
+        if launched is not None:
+            rank, size = launched
+            if size != world:
+                raise ValueError(f"torchrun started {size} ranks; {path} has tp_size {world}")
+            if rank:
+                options = dataclasses.replace(options, threads=torch.get_num_threads())
+                raise SystemExit(_worker(str(path), rank, world, _torchrun_store(rank, world), options))
+            return cls(Path(path), build, _torchrun_store(0, world), [])  # torchrun watches and ends the ranks
+        threads = max(1, torch.get_num_threads() // world)
+        torch.set_num_threads(threads)
+        return cls.start(path, build, dataclasses.replace(options, threads=threads))
 
     @classmethod
     def start(cls, path: str | Path, build: BuildConfig, options: RankOptions) -> "RankGroup":
-        """Start ranks 1..tp_size-1 loading their rank files; rank 0 loads its own meanwhile, then `connect`s."""
+        """Start ranks 1..tp_size-1 loading their rank files."""
         store = dist.TCPStore(HOST, 0, build.tp_size, is_master=True, timeout=CONNECT_TIMEOUT, wait_for_workers=False)
         opts = json.dumps(asdict(options))
         procs = [subprocess.Popen([sys.executable, "-m", "runtime.executors.ranks", str(path), str(r), str(build.tp_size),
@@ -277,11 +292,6 @@ def _torchrun_store(rank: int, world: int) -> dist.Store:
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                           is_master=rank == 0 and not agent, timeout=CONNECT_TIMEOUT)
     return dist.PrefixStore("dsv3", store)
-
-
-def run_rank(path: str | Path, rank: int, world: int, options: RankOptions) -> int:
-    """Rank `rank` (> 0) of ranks torchrun started: serve rank 0's calls until it stops; the exit status."""
-    return _worker(str(path), rank, world, _torchrun_store(rank, world), options)
 
 
 def _worker(path: str, rank: int, world: int, store: dist.Store, options: RankOptions) -> int:
