@@ -21,7 +21,6 @@ import torch
 
 from builder.convert import convert_checkpoint
 from builder.native_engine import build_engine
-from runtime.executors.ranks import rss_bytes
 from runtime.core.sampling import SamplingParams
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
