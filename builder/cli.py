@@ -16,8 +16,8 @@ from pathlib import Path
 from builder.convert import convert_checkpoint
 from builder.native_engine import TrtllmCheckpoint, build_engine, check_matches_checkpoint
 from builder.trtllm_engine import TrtllmOptions, build_trtllm_engine
-from builder.validation import (NO_QUANT, BuildError, check_output_dir, check_tokenizer, memory_notes,
-                                open_hf_checkpoint, validate_build)
+from builder.validation import (NO_QUANT, BuildError, check_output_dir, check_tokenizer, machine_memory, memory_notes,
+                                open_hf_checkpoint, plan_text, validate_build, validate_sharding)
 from runtime.io.atomic import owned_tempdir, remove_stale
 from runtime.io.checkpoint import CheckpointError, HFCheckpoint
 from runtime.io.engine_format import DEFAULT_MAX_DRAFT_LEN, BuildConfig, EngineError, max_draft_len_allowed
@@ -51,7 +51,7 @@ def parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint_dir", type=Path, help="TensorRT-LLM checkpoint (from builder.convert)")
     src.add_argument("--model_dir", type=Path, help="HF DeepSeek-V3 checkpoint (converted on the fly)")
-    p.add_argument("--output_dir", type=Path, required=True)
+    p.add_argument("--output_dir", type=Path, help="required unless --dry_run")
     p.add_argument("--tokenizer_dir", type=Path, help="default: the input directory")
     p.add_argument("--dtype", choices=["float32", "bfloat16"],
                    help="default: the checkpoint's; from --model_dir float32 (native) or bfloat16 (trtllm)")
@@ -67,6 +67,12 @@ def parser() -> argparse.ArgumentParser:
                    help="default: as the checkpoint is (FP8_BLOCK_SCALES for the FP8 release)")
     p.add_argument("--backend", choices=["native", "trtllm"], default="native")
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
+    p.add_argument("--dry_run", action="store_true",
+                   help="write nothing: print each rank's weight bytes, the KV cache bytes per token and the tokens "
+                        "that fit, from --model_dir's config.json alone (no weights needed)")
+    p.add_argument("--device_memory_gib", type=float,
+                   help="--dry_run: memory of each rank's device (default: this machine's); the KV cache gets "
+                        "--free_gpu_memory_fraction of it, less the weights")
     t = p.add_argument_group("--backend trtllm (LLM API options)")
     t.add_argument("--enable_attention_dp", action="store_true")
     t.add_argument("--kv_cache_dtype", choices=["auto", "fp8"], default=TrtllmOptions.kv_cache_dtype)
@@ -102,11 +108,31 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("build_engine: interrupted; no output directory was written", file=sys.stderr)
         return 130
-    print(f"build_engine: wrote {args.output_dir}", file=sys.stderr)
+    if not args.dry_run:
+        print(f"build_engine: wrote {args.output_dir}", file=sys.stderr)
     return 0
 
 
+def dry_run(args: argparse.Namespace) -> None:
+    """Print the plan for --model_dir's config.json at the flags' layout (see validation.plan_text)."""
+    if args.model_dir is None:
+        raise BuildError("--dry_run plans from --model_dir's config.json; give --model_dir")
+    source = args.model_dir / "config.json"
+    cfg = ModelConfig.from_json(source)
+    build = build_config(args, cfg, dtype="bfloat16" if args.backend == "trtllm" else "float32", tp_size=1,
+                         ep_size=1, quant_algo="FP8_BLOCK_SCALES" if cfg.quantization_config is not None else None,
+                         notes=False)
+    validate_sharding(cfg, build, str(source))
+    memory = int(args.device_memory_gib * 2**30) if args.device_memory_gib else machine_memory()
+    print(plan_text(cfg, build, str(source), memory, args.free_gpu_memory_fraction))
+
+
 def run(args: argparse.Namespace) -> None:
+    if args.dry_run:
+        dry_run(args)
+        return
+    if args.output_dir is None:
+        raise BuildError("--output_dir is required (or --dry_run)")
     check_output_dir(args.output_dir, args.force)
     for note in remove_stale(args.output_dir):
         print(f"build_engine: {note}", file=sys.stderr)
@@ -162,9 +188,10 @@ def run(args: argparse.Namespace) -> None:
 
 
 def build_config(args: argparse.Namespace, cfg: ModelConfig, *, dtype: str, tp_size: int, ep_size: int,
-                 quant_algo: str | None) -> BuildConfig:
+                 quant_algo: str | None, notes: bool = True) -> BuildConfig:
     """The flags over the source's own dtype, tp_size, ep_size and quant_algo (given as keywords);
-    the draft length defaults to DEFAULT_MAX_DRAFT_LEN capped by what the checkpoint allows."""
+    the draft length defaults to DEFAULT_MAX_DRAFT_LEN capped by what the checkpoint allows; with `notes`,
+    what the limits ask of this machine's memory is printed."""
     if args.quant_algo is not None:
         quant_algo = None if args.quant_algo == NO_QUANT else args.quant_algo
     max_draft_len = args.max_draft_len
@@ -175,7 +202,7 @@ def build_config(args: argparse.Namespace, cfg: ModelConfig, *, dtype: str, tp_s
         max_draft_len=max_draft_len, dtype=args.dtype or dtype, kv_block_size=args.kv_block_size,
         tp_size=args.tp_size or tp_size, ep_size=args.ep_size or ep_size, quant_algo=quant_algo, backend=args.backend,
     )
-    for note in memory_notes(cfg, build):
+    for note in memory_notes(cfg, build) if notes else []:
         print(f"build_engine: {note}", file=sys.stderr)
     return build
 

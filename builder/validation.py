@@ -8,6 +8,7 @@ import json
 import math
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -44,17 +45,54 @@ def validate_build(cfg: ModelConfig, build: BuildConfig, source: str, use_mtp_va
         raise BuildError(str(e)) from None
 
 
-def memory_notes(cfg: ModelConfig, build: BuildConfig) -> list[str]:
-    """What the limits ask of memory, against this machine's (its RAM, or its largest GPU's memory if larger):
-    a rank's weights plus the KV cache of one max_seq_len sequence must fit where the engine is served, and
-    max_batch_size such sequences are held only where memory allows (the runtime sizes its cache to free
-    memory). The build machine need not be the serving one, so these are warnings, naming the flags."""
+@dataclass(frozen=True)
+class Plan:
+    """What serving an engine of a build asks of each rank, from the model config alone."""
+
+    rank_weight_bytes: int  # one rank file's tensors as stored (FP8 codes and scales, BF16, float32)
+    kv_bytes_per_token: int  # on every rank: the latent cache is replicated (runtime.model.deepseek_v3)
+
+    def tokens_fit(self, memory_bytes: int, fraction: float = 0.9) -> int:
+        """KV cache tokens a rank holds in `fraction` of `memory_bytes` of device memory, after its weights."""
+        return max(0, int(memory_bytes * fraction) - self.rank_weight_bytes) // self.kv_bytes_per_token
+
+
+def plan(cfg: ModelConfig, build: BuildConfig) -> Plan:
     weights = sum(math.prod(t.shape) * t.dtype.itemsize + (math.prod(t.scale_shape) * 4 if t.scale_shape else 0)
                   for t in rank_layout(cfg, build))
-    per_token = cfg.latent_dim * build.torch_dtype.itemsize * cfg.num_cache_layers
-    one = build.max_seq_len * per_token
-    machine = max([os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")] +
-                  [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())])
+    return Plan(weights, cfg.latent_dim * build.torch_dtype.itemsize * cfg.num_cache_layers)
+
+
+def machine_memory() -> int:
+    """This machine's RAM, or its largest GPU's memory if larger."""
+    return max([os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")] +
+               [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())])
+
+
+def plan_text(cfg: ModelConfig, build: BuildConfig, source: str, memory_bytes: int, fraction: float) -> str:
+    """`build_engine --dry_run`'s report: per-rank weights, KV bytes per token, tokens that fit."""
+    p, gib = plan(cfg, build), 2**30
+    tokens = p.tokens_fit(memory_bytes, fraction)
+    return "\n".join([
+        f"plan for {source}: tp_size {build.tp_size}, ep_size {build.ep_size} (moe_tp_size {build.moe_tp_size} x "
+        f"moe_ep_size {build.ep_size}), quant_algo {build.quant_algo}, dtype {build.dtype}",
+        f"weights per rank: {p.rank_weight_bytes / gib:.2f} GiB ({p.rank_weight_bytes} bytes); all {build.tp_size} "
+        f"ranks: {p.rank_weight_bytes * build.tp_size / gib:.2f} GiB",
+        f"KV cache per token, on every rank (the latent is replicated): {p.kv_bytes_per_token} bytes "
+        f"({cfg.latent_dim} values x {cfg.num_cache_layers} layers x {build.torch_dtype.itemsize} bytes)",
+        f"per rank in {fraction} of {memory_bytes / gib:.1f} GiB: {tokens} tokens of KV cache "
+        f"({tokens // build.max_seq_len} sequences of --max_seq_len {build.max_seq_len})",
+    ])
+
+
+def memory_notes(cfg: ModelConfig, build: BuildConfig) -> list[str]:
+    """What the limits ask of memory, against this machine's (`machine_memory`): a rank's weights plus the KV
+    cache of one max_seq_len sequence must fit where the engine is served, and max_batch_size such sequences
+    are held only where memory allows (the runtime sizes its cache to free memory). The build machine need
+    not be the serving one, so these are warnings, naming the flags."""
+    p = plan(cfg, build)
+    weights, one = p.rank_weight_bytes, build.max_seq_len * p.kv_bytes_per_token
+    machine = machine_memory()
     gib = 2**30
     notes = []
     if weights + one > machine:

@@ -197,7 +197,7 @@ def test_build_config_rules():
     with pytest.raises(EngineError, match="engine.json: unknown build field"):
         BuildConfig.from_dict({"max_beam_width": 2}, "engine.json")
     b = BuildConfig(tp_size=8, ep_size=4)
-    assert b.moe_tp_size == 2 and (b.moe_ep_rank(5), b.moe_tp_rank(5)) == (1, 1)
+    assert b.moe_tp_size == 2 and (b.layout(5).moe_ep_rank, b.layout(5).moe_tp_rank) == (1, 1)
 
 
 def test_split_rule():

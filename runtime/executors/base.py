@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
+import torch
+
 from runtime.core.sampling import RelaxedAcceptance, SamplingParams
 from runtime.core.scheduler import SchedulerConfig
 from runtime.executors.requests import ExecutorStats, RequestHandle, RequestOutput
@@ -41,6 +43,9 @@ class ExecutorConfig:
     # prefix caching: requests reuse the KV blocks of prefixes computed before (runtime.core.prefix_cache), as
     # TensorRT-LLM's kv_cache_config.enable_block_reuse
     enable_block_reuse: bool = True
+    # processes to run an engine's tensor-parallel ranks in: None, its tp_size (one process per rank, started by
+    # the executor, runtime.executors.ranks); 1, its rank files joined in this process
+    world_size: int | None = None
 
     def __post_init__(self) -> None:
         k = self.num_draft_tokens
@@ -56,6 +61,20 @@ class ExecutorConfig:
             raise ValueError(f"enable_block_reuse must be true or false, got {self.enable_block_reuse!r}")
         if not (isinstance(self.free_memory_fraction, (int, float)) and 0 < self.free_memory_fraction <= 1):
             raise ValueError(f"free_memory_fraction must be in (0, 1], got {self.free_memory_fraction!r}")
+        if self.world_size is not None and (not isinstance(self.world_size, int) or self.world_size < 1):
+            raise ValueError(f"world_size must be an integer >= 1, got {self.world_size!r}")
+
+    def ranks(self, build: BuildConfig, source: str) -> int:
+        """How many processes serve an engine of `build`: world_size, or its tp_size by default; ValueError
+        naming world_size where that cannot run it."""
+        world = build.tp_size if self.world_size is None else self.world_size
+        if world not in (1, build.tp_size):
+            raise ValueError(f"world_size {world}: {source} has tp_size {build.tp_size}; run it with world_size "
+                             f"{build.tp_size} (a process per rank) or 1 (its ranks joined in one process)")
+        if world > 1 and torch.device(self.device).type != "cpu":
+            raise ValueError(f"world_size {world} on {self.device}: ranks run on CPU (gloo) in this version; "
+                             "use world_size=1 to join the ranks on one device")
+        return world
 
     def draft_len(self, max_draft_len: int, mtp_layers: int, source: str, built: bool = True) -> int:
         """The draft length to serve with (0: plain decoding): num_draft_tokens, or by default as many as the

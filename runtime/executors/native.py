@@ -21,6 +21,8 @@ from typing import Callable
 import torch
 
 from runtime.core.cuda_graphs import CudaGraphRunner
+from runtime.executors.ranks import RankFailure, RankGroup, RankOptions, drive, rss_bytes
+from runtime.io.engine_format import ENGINE_JSON, EngineManifest
 from runtime.io.loading import LoadedEngine, load_engine
 from runtime.core.kv_cache import KVCache, free_memory_bytes
 from runtime.core.sampling import SamplingParams
@@ -55,10 +57,41 @@ def _shutdown_live() -> None:
 
 class Executor:
     def __init__(self, engine: str | Path | LoadedEngine, config: ExecutorConfig = ExecutorConfig()):
-        self.engine = engine if isinstance(engine, LoadedEngine) else load_engine(
-            engine, device=config.device, dtype=config.dtype, cpu_kernels=config.cpu_kernels)
-        build, cfg = self.engine.build, self.engine.model_config
         self.config = config
+        self.ranks: RankGroup | None = None  # ranks 1.. of a tensor-parallel engine, in processes of their own
+        try:
+            self.engine = engine if isinstance(engine, LoadedEngine) else self._load(Path(engine))
+            self._setup()
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.close(graceful=False)
+            raise
+        self._thread = threading.Thread(target=self._loop, name="executor", daemon=True)
+        self._thread.start()
+        _live.add(self)
+
+    def _load(self, path: Path) -> LoadedEngine:
+        """The engine in this process, or its rank 0 with the other ranks started alongside (runtime.executors.ranks)."""
+        config = self.config
+        options = dict(device=config.device, dtype=config.dtype, cpu_kernels=config.cpu_kernels)
+        if not (path / ENGINE_JSON).is_file():  # a plain checkpoint (or no model: load_engine says so)
+            return load_engine(path, **options)
+        build = EngineManifest.read(path).build
+        world = config.ranks(build, str(path))
+        if world == 1:
+            return load_engine(path, **options)
+        self.ranks = RankGroup.open(path, build, RankOptions(config.dtype, config.cpu_kernels))
+        engine = load_engine(path, **options, par=self.ranks.par)
+        self.ranks.connect()
+        engine.model = drive(engine.model, self.ranks)
+        return engine
+
+    @property
+    def world_size(self) -> int:
+        return 1 if self.ranks is None else self.ranks.world_size
+
+    def _setup(self) -> None:
+        build, cfg, config = self.engine.build, self.engine.model_config, self.config
         self.limits = config.limits(build, str(self.engine.path), self.engine.built)
         k = config.draft_len(build.max_draft_len, cfg.num_nextn_predict_layers, str(self.engine.path), self.engine.built)
         self.model_config = cfg
@@ -66,9 +99,12 @@ class Executor:
         self._grammars: GrammarCompiler | None = None  # built at the first guided request
         block = build.kv_block_size
         dtype = next(self.engine.model.parameters()).dtype
-        capacity = self._kv_capacity(KVCache.bytes_per_token(cfg, dtype), k, block)
+        # every rank on this host keeps a whole latent cache (runtime.model.deepseek_v3)
+        capacity = self._kv_capacity(KVCache.bytes_per_token(cfg, dtype) * self.world_size, k, block)
         self.cache = KVCache(cfg, num_blocks=-(-capacity // block) + 1, block_size=block, dtype=dtype,
                              device=config.device)
+        if self.ranks is not None:
+            self.ranks.attach_cache(self.cache.tensor)
         graphs = CudaGraphRunner(self.engine.model, self.cache) if config.cuda_graphs and self.cache.tensor.is_cuda else None
         if graphs is not None:
             graphs.capture_decodes(self.limits.max_batch_size, k + 1, self.limits.max_seq_len, mtp=k > 0)
@@ -87,9 +123,6 @@ class Executor:
         self._error: str | None = None  # why the step loop stopped, if it failed
         self._progress = time.monotonic()  # when the step loop last began a step (or an idle wait)
         self._submit_lock = threading.Lock()  # a submit either lands before shutdown or is refused
-        self._thread = threading.Thread(target=self._loop, name="executor", daemon=True)
-        self._thread.start()
-        _live.add(self)
 
     def _kv_capacity(self, bytes_per_token: int, k: int, block: int) -> int:
         """KV cache tokens: kv_cache_tokens, or room for max_batch_size sequences of max_seq_len, within
@@ -191,13 +224,19 @@ class Executor:
             kv_blocks_cached=self.cache.allocator.num_cached,
             requests_finished=c["finished"], generated_tokens=c["generated"], draft_tokens=c["drafted"],
             accepted_draft_tokens=c["accepted"], current_draft_len=self.scheduler.last_k,
-            acceptance_estimate=self.policy.acceptance)
+            acceptance_estimate=self.policy.acceptance, world_size=self.world_size,
+            rank_memory_bytes=self.ranks.memory() if self.ranks is not None else [rss_bytes(os.getpid())])
 
     def health(self, timeout_s: float) -> str | None:
         """None while the step loop serves; else why not: it stopped, or it has been inside one step for longer
         than timeout_s (a stuck kernel or callback). A server's watchdog polls this (serving.watchdog)."""
         if self._error is not None or not self._thread.is_alive():
             return self._error or "the executor has shut down"
+        if self.ranks is not None:
+            try:
+                self.ranks.check()
+            except RankFailure as e:
+                return str(e)
         stalled = time.monotonic() - self._progress
         if stalled > timeout_s and (self.scheduler.has_work() or self._submitted_not_seen()):
             waiting = len(self.scheduler.waiting) + self._submitted_not_seen()
@@ -217,6 +256,8 @@ class Executor:
             self._stopping = True
         self._wake.set()
         self._thread.join(timeout)
+        if self.ranks is not None:  # a stop message only when no step is under way, else signals
+            self.ranks.close(graceful=not self._thread.is_alive())
         if not self._thread.is_alive():
             _live.discard(self)
 
@@ -288,11 +329,15 @@ class Executor:
             error = self._error = f"executor stopped: {type(e).__name__}: {e}"
             with self._submit_lock:
                 self._stopping = True
+            if self.ranks is not None:
+                self.ranks.close(graceful=False)
         self._drain_inbox()  # submitted but never scheduled: ended too, never lost
         for rid in list(self._requests):
             self._finish(rid, "error" if error else "cancelled", error=error)
 
     def _step(self) -> None:
+        if self.ranks is not None:
+            self.ranks.check()  # a rank that exited ends the loop (RankFailure), idle or not
         self._drain_inbox()
         if not self.scheduler.has_work():
             self._wake.wait(0.05)
@@ -312,6 +357,8 @@ class Executor:
                 tracker.num_missed_blocks = self.cache.blocks_for(tracker.num_prompt_tokens) - tracker.num_reused_blocks
         try:
             results = self.runner.step(plan)
+        except RankFailure:  # the ranks are gone or out of step: nothing can run any more
+            raise
         except Exception as e:  # a broken step fails its requests, never the executor
             log.exception("step failed")
             for item in plan:

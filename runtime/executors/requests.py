@@ -93,6 +93,8 @@ class ExecutorStats:
     current_draft_len: int
     acceptance_estimate: float
     kv_blocks_cached: int = 0  # blocks holding reusable prefix content, held by a request or free
+    world_size: int = 1  # processes running the model (tensor/expert-parallel ranks)
+    rank_memory_bytes: list[int] = field(default_factory=list)  # resident memory of each, rank 0 first
 
     @property
     def acceptance_rate(self) -> float:

@@ -22,6 +22,7 @@ import torch
 
 from runtime.io.checkpoint import CheckpointError, HFCheckpoint
 from runtime.model.config import ConfigError, ModelConfig, is_int
+from runtime.model.parallel import Layout, chunk
 
 FORMAT_VERSION = 1
 ENGINE_JSON = "engine.json"
@@ -79,16 +80,13 @@ class BuildConfig:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
-    # TensorRT-LLM's rank layout: tp_rank = moe_tp_rank * moe_ep_size + moe_ep_rank.
     @property
     def moe_tp_size(self) -> int:
         return self.tp_size // self.ep_size
 
-    def moe_ep_rank(self, rank: int) -> int:
-        return rank % self.ep_size
-
-    def moe_tp_rank(self, rank: int) -> int:
-        return rank // self.ep_size
+    def layout(self, rank: int) -> Layout:
+        """Rank `rank`'s place (TensorRT-LLM's rank order: rank = moe_tp_rank * moe_ep_size + moe_ep_rank)."""
+        return Layout(self.tp_size, self.ep_size, rank)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str) -> "BuildConfig":
@@ -163,11 +161,12 @@ def shard_index(name: str, shape: Sequence[int], build: BuildConfig, rank: int) 
     dim = split_dim(name)
     if dim is None:
         return tuple(index)
+    layout = build.layout(rank)
     if name.endswith(tuple(_EXPERT_DIMS)):
-        index[0] = _chunk(shape[0], build.ep_size, build.moe_ep_rank(rank))
-        index[dim] = _chunk(shape[dim], build.moe_tp_size, build.moe_tp_rank(rank))
+        index[0] = layout.experts(shape[0])
+        index[dim] = chunk(shape[dim], layout.moe_tp_size, layout.moe_tp_rank)
     else:
-        index[dim] = _chunk(shape[dim], build.tp_size, rank)
+        index[dim] = chunk(shape[dim], build.tp_size, rank)
     return tuple(index)
 
 
@@ -182,11 +181,6 @@ def shard_shape(name: str, shape: Sequence[int], build: BuildConfig) -> tuple[in
         else:
             out[dim] = math.ceil(shape[dim] / build.tp_size)
     return tuple(out)
-
-
-def _chunk(n: int, parts: int, i: int) -> slice:
-    size = math.ceil(n / parts)
-    return slice(min(i * size, n), min((i + 1) * size, n))
 
 
 # ---- engine.json ------------------------------------------------------------------------------
@@ -268,10 +262,11 @@ class EngineManifest:
         check_model_limits(model_config, build, f"{path}: field 'model_config'")
         return manifest
 
-    def verify_files(self, engine_dir: Path, hashes: bool = True) -> None:
-        """Every weight file present; with `hashes`, every listed file with its recorded sha256."""
+    def verify_files(self, engine_dir: Path, hashes: bool = True, skip: set[str] = frozenset()) -> None:
+        """Every weight file present; with `hashes`, every listed file with its recorded sha256; files in `skip`
+        are left to another rank."""
         for name in self.weights:
-            if not (engine_dir / name).is_file():
+            if name not in skip and not (engine_dir / name).is_file():
                 raise EngineError(
                     f"{engine_dir / name}: weight file missing, expected {len(self.weights)} "
                     f"({', '.join(self.weights)}) for tp_size {self.build.tp_size}"
@@ -279,6 +274,8 @@ class EngineManifest:
         if not hashes:
             return
         for name, digest in self.files.items():
+            if name in skip:
+                continue
             file = engine_dir / name
             if not file.is_file():
                 raise EngineError(f"{file}: file missing, expected it as listed in {ENGINE_JSON}")

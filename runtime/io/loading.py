@@ -5,7 +5,8 @@ The model is built on the meta device; where the CPU kernels run, their modules 
 its file (no memory map) and goes once into its final form: FP8 codes and scales into the kernels' packs as
 they are, everything else into its parameter (dequantized where a PyTorch module needs real values). No
 copy of the whole model in another form ever exists: loading peaks at the kept weights plus one tensor.
-The native runtime is one process, so an engine's rank files are joined here, tensor by tensor.
+A rank of a tensor-parallel run (`par`) reads its own rank file alone, into its part of the model
+(`runtime.model.parallel`); a single process joins an engine's rank files here, tensor by tensor.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from runtime.io.engine_format import (DTYPES, ENGINE_JSON, BuildConfig, EngineEr
 from runtime.model.fp8 import BLOCK, FP8_DTYPE, dequantize_block_fp8, dequantize_tensor_fp8, scale_shape
 from runtime.model.kernels import modules as kernel_modules
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM, rope_inv_freq
+from runtime.model.parallel import WHOLE, Parallel
 from runtime.io.weights import parameter_shapes, to_internal, to_release
 
 log = logging.getLogger(__name__)
@@ -45,14 +47,17 @@ class LoadedEngine:
 
 
 def load_engine(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
-                *, verify: bool = True, cpu_kernels: bool = True) -> LoadedEngine:
+                *, verify: bool = True, cpu_kernels: bool = True, par: Parallel = WHOLE) -> LoadedEngine:
     """Load an engine directory (engine.json) or a plain HF DeepSeek-V3 checkpoint directory.
 
     dtype overrides the engine's build dtype; verify=False skips hashing the files (big engines);
-    cpu_kernels: on CPU in float32, run the C++ kernels with the weights as stored (runtime.model.kernels.modules).
+    cpu_kernels: on CPU in float32, run the C++ kernels with the weights as stored (runtime.model.kernels.modules);
+    par: one rank of the engine's tp_size, which loads its rank file alone (default: the whole model).
     """
     path = Path(path)
-    if (path / ENGINE_JSON).is_file():
+    if par.size > 1:
+        source = _RankSource(path, verify, par)
+    elif (path / ENGINE_JSON).is_file():
         source = _EngineSource(path, verify)
     elif (path / "config.json").is_file():
         source = _CheckpointSource(path)
@@ -62,7 +67,7 @@ def load_engine(path: str | Path, device: str | torch.device = "cpu", dtype: str
     build = _as_loaded(source.build, dtype)
     device = torch.device(device)
     with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(source.cfg)
+        model = DeepseekV3ForCausalLM(source.cfg, par)
     kernels_here = cpu_kernels and kernel_modules.runs_here(device, build.torch_dtype)
     if kernels_here:
         kernel_modules.prepare(model, source.stored_dtype)
@@ -194,21 +199,73 @@ class _CheckpointSource:
             yield internal, expert, tensor, scale
 
 
+def _native_manifest(path: Path) -> EngineManifest:
+    """engine.json of a native engine with one weight file per rank."""
+    manifest = EngineManifest.read(path)
+    if manifest.build.backend == "trtllm":
+        raise EngineError(
+            f"{path}: built with --backend trtllm; run it with the TensorRT-LLM backend "
+            f"(trtllm-serve {path / 'hf'} --backend pytorch --extra_llm_api_options "
+            f"{path / 'extra_llm_api_options.yaml'}) or rebuild with --backend native")
+    if len(manifest.weights) != manifest.build.tp_size:
+        raise EngineError(f"{path / ENGINE_JSON}: lists {len(manifest.weights)} weight files, expected one per rank "
+                          f"(tp_size {manifest.build.tp_size})")
+    return manifest
+
+
+class _RankSource:
+    """One rank's file of an engine directory, its tensors as stored: FP8 pieces with their own block scales
+    (the converter cuts every piece on its own 128x128 grid), the rest as they are."""
+
+    built = True
+
+    def __init__(self, path: Path, verify: bool, par: Parallel):
+        manifest = _native_manifest(path)
+        self.cfg, self.build, rank = manifest.model_config, manifest.build, par.layout.rank
+        if par.layout != self.build.layout(rank):
+            raise EngineError(f"{path}: built for tp_size {self.build.tp_size}, ep_size {self.build.ep_size}; "
+                              f"cannot run as rank {rank} of tp_size {par.layout.tp_size}, ep_size {par.layout.ep_size}")
+        name = manifest.weights[rank]
+        # rank 0 vouches for the files every rank shares (tokenizer); each rank for its own weights
+        others = set(manifest.weights) - {name}
+        manifest.verify_files(path, hashes=verify, skip=others if rank == 0 else set(manifest.files) - {name})
+        self.file = path / name
+        self._scratch = Scratch()
+        try:
+            self.header = read_safetensors_header(self.file)
+        except CheckpointError as e:
+            raise EngineError(str(e)) from None
+        self.shapes = parameter_shapes(self.cfg)
+
+    def stored_dtype(self, name: str) -> torch.dtype | None:
+        info = self.header.get(name)
+        return None if info is None else TORCH_DTYPES[info.dtype]
+
+    def weights(self) -> Iterator[Weight]:
+        for name, info in self.header.items():
+            if name.endswith(SCALE_SUFFIX):
+                continue
+            if name not in self.shapes:
+                raise EngineError(f"{self.file}: unexpected tensor {name!r}")
+            tensor = check_finite(read_tensor(self.file, info, self._scratch), name, self.file)
+            scale = None
+            if info.dtype == "F8_E4M3":
+                scale_info = self.header.get(name + SCALE_SUFFIX)
+                if scale_info is None:  # raw FP8 codes read as values would be a silently wrong model
+                    raise EngineError(f"{self.file}: FP8 tensor {name!r} has no {name + SCALE_SUFFIX!r}")
+                scale = check_finite(read_tensor(self.file, scale_info), name + SCALE_SUFFIX, self.file)
+            if name.endswith("kv_b_proj.weight"):  # stored per head [heads, nope + v, kv_lora]
+                tensor = tensor.flatten(0, 1)
+            yield name, None, tensor, scale
+
+
 class _EngineSource:
     """An engine directory: engine.json and one rank file per tensor-parallel rank, joined tensor by tensor."""
 
     built = True
 
     def __init__(self, path: Path, verify: bool):
-        manifest = EngineManifest.read(path)
-        if manifest.build.backend == "trtllm":
-            raise EngineError(
-                f"{path}: built with --backend trtllm; run it with the TensorRT-LLM backend "
-                f"(trtllm-serve {path / 'hf'} --backend pytorch --extra_llm_api_options "
-                f"{path / 'extra_llm_api_options.yaml'}) or rebuild with --backend native")
-        if len(manifest.weights) != manifest.build.tp_size:
-            raise EngineError(f"{path / ENGINE_JSON}: lists {len(manifest.weights)} weight files, expected one per rank "
-                              f"(tp_size {manifest.build.tp_size})")
+        manifest = _native_manifest(path)
         manifest.verify_files(path, hashes=verify)
         self.cfg, self.build = manifest.model_config, manifest.build
         self.files = [path / f for f in manifest.weights]

@@ -8,6 +8,13 @@ Two attention paths share every weight:
   chunked prefill and speculative verification are all "a chunk of q tokens per sequence").
 The model knows nothing about requests; `PagedBatch` describes where each token lives. Where the CPU
 kernels run, `runtime.model.kernels.modules` swaps in modules that compute the same with them.
+
+Under tensor and expert parallelism (`runtime.model.parallel`) each rank builds the same model with its
+part of every split weight: its heads, its intermediate features, its experts, its vocabulary rows. What
+MLA compresses is replicated: every head attends over the whole latent c_kv and the shared k_pe, so each
+rank computes them (kv_a_proj is small) and keeps the whole latent cache; only the per-head up-projections
+(q_b_proj, kv_b_proj) and o_proj's inputs are split. A decoder layer sums its attention's and its MLP's
+partial outputs over the ranks, once each: the only collectives besides the embedding's and the logits'.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from torch import Tensor, nn
 
 from runtime.model.batch import AttentionGroup, PagedBatch
 from runtime.model.config import ModelConfig, yarn_mscale
+from runtime.model.parallel import WHOLE, Parallel, VocabParallelEmbedding
 
 
 # ---------------------------------------------------------------------------------------------
@@ -78,10 +86,12 @@ class MLP(nn.Module):
 # Multi-head latent attention
 # ---------------------------------------------------------------------------------------------
 class MLA(nn.Module):
-    def __init__(self, cfg: ModelConfig, cache_layer: int):
+    """This rank's heads (all of them at world size 1); its output is their part of o_proj's sum."""
+
+    def __init__(self, cfg: ModelConfig, cache_layer: int, par: Parallel = WHOLE):
         super().__init__()
         self.cfg, self.cache_layer = cfg, cache_layer
-        H, h = cfg.hidden_size, cfg.num_attention_heads
+        H, h = cfg.hidden_size, par.layout.part(cfg.num_attention_heads)
         self.n_heads = h
         if cfg.q_lora_rank is None:
             self.q_proj = nn.Linear(H, h * cfg.qk_head_dim, bias=False)
@@ -192,8 +202,9 @@ class Gate(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts stacked as [E, out, in] tensors, run one of three ways by how many (token,
-    expert) pairs the batch has and where it runs:
+    """Routed experts stacked as [E, out, in] tensors (with expert parallelism this rank's experts, from
+    `first`; pairs routed to other ranks' experts weigh nothing here), run one of three ways by how many
+    (token, expert) pairs the batch has and where it runs:
 
     - no more pairs than experts (decode, verifying a token or two): each pair's expert weights
       gathered and one batched MLP over the pairs; no sorting, no host sync;
@@ -204,9 +215,12 @@ class Experts(nn.Module):
       can hold it; with a few experts the GPU does not notice the extra FLOPs.
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, par: Parallel = WHOLE):
         super().__init__()
-        E, H, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        held, layout = par.layout.experts(cfg.n_routed_experts), par.layout
+        self.first, self.expert_parallel = held.start, layout.ep_size > 1
+        E, H = math.ceil(cfg.n_routed_experts / layout.ep_size), cfg.hidden_size
+        I = math.ceil(cfg.moe_intermediate_size / layout.moe_tp_size)
         self.gate_proj = nn.Parameter(torch.empty(E, I, H))
         self.up_proj = nn.Parameter(torch.empty(E, I, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
@@ -216,6 +230,10 @@ class Experts(nn.Module):
 
     def forward(self, x: Tensor, weights: Tensor, idx: Tensor) -> Tensor:
         T, k = idx.shape
+        if self.expert_parallel:
+            idx = idx - self.first
+            held = (idx >= 0) & (idx < self.gate_proj.shape[0])
+            weights, idx = weights * held, idx.clamp(0, self.gate_proj.shape[0] - 1)
         if T * k <= self.gate_proj.shape[0]:
             return self._pairs(x, weights, idx)
         return self._dense(x, weights, idx) if x.is_cuda else self._grouped(x, weights, idx)
@@ -244,12 +262,15 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Routing is replicated (every rank routes every token alike); the experts and the shared expert are
+    this rank's parts, so the output is this rank's part of the sum."""
+
+    def __init__(self, cfg: ModelConfig, par: Parallel = WHOLE):
         super().__init__()
         self.cfg = cfg
         self.gate = Gate(cfg)
-        self.experts = Experts(cfg)
-        self.shared_experts = MLP(cfg.hidden_size, cfg.n_shared_experts * cfg.moe_intermediate_size)
+        self.experts = Experts(cfg, par)
+        self.shared_experts = MLP(cfg.hidden_size, par.layout.part(cfg.n_shared_experts * cfg.moe_intermediate_size))
 
     def forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -261,41 +282,46 @@ class MoE(nn.Module):
 # Decoder, model, MTP
 # ---------------------------------------------------------------------------------------------
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, cache_layer: int):
+    """Attention and MLP, each adding the sum over the ranks of their partial outputs to the residual."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, cache_layer: int, par: Parallel = WHOLE):
         super().__init__()
+        self.par = par
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLA(cfg, cache_layer)
+        self.self_attn = MLA(cfg, cache_layer, par)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MoE(cfg, par) if cfg.is_moe_layer(layer_idx) else \
+            MLP(cfg.hidden_size, par.layout.part(cfg.intermediate_size))
 
     def forward(self, x: Tensor, rot: Tensor, batch: PagedBatch | None, kv_cache: Tensor | None,
                 mask: Tensor | None = None) -> Tensor:
         h = self.input_layernorm(x)
         if batch is None:
-            x = x + self.self_attn.forward_dense(h, rot, mask)
+            x = x + self.par.sum(self.self_attn.forward_dense(h, rot, mask))
         else:
-            x = x + self.self_attn.forward_paged(h, rot, batch, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+            x = x + self.par.sum(self.self_attn.forward_paged(h, rot, batch, kv_cache))
+        return x + self.par.sum(self.mlp(self.post_attention_layernorm(x)))
 
 
 class SharedHead(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, par: Parallel = WHOLE):
         super().__init__()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.head = nn.Linear(cfg.hidden_size, par.layout.part(cfg.vocab_size), bias=False)  # this rank's vocabulary
 
 
 class MTPLayer(nn.Module):
     """h' = eh_proj([enorm(embed(t_next)); hnorm(h)]) -> one decoder layer -> shared_head."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, par: Parallel = WHOLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.vocab_size, self.par = cfg.vocab_size, par
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, par)
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.block = DecoderLayer(cfg, layer_idx, cache_layer=layer_idx)
-        self.shared_head = SharedHead(cfg)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)  # replicated
+        self.block = DecoderLayer(cfg, layer_idx, cache_layer=layer_idx, par=par)
+        self.shared_head = SharedHead(cfg, par)
 
     def forward(
         self, next_ids: Tensor, hidden: Tensor, rot: Tensor,
@@ -308,7 +334,7 @@ class MTPLayer(nn.Module):
         h = self.shared_head.norm(self.block(x, rot, batch, kv_cache, mask))
         if rows is not None:
             h = h[rows]
-        return self.shared_head.head(h), h
+        return self.par.gather_vocab(self.shared_head.head(h), self.vocab_size), h
 
 
 class DecoderStack(nn.ModuleList):
@@ -321,23 +347,24 @@ class DecoderStack(nn.ModuleList):
 
 
 class DeepseekV3Model(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, par: Parallel = WHOLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = DecoderStack(DecoderLayer(cfg, i, cache_layer=i) for i in range(cfg.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, par)
+        self.layers = DecoderStack(DecoderLayer(cfg, i, cache_layer=i, par=par) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DeepseekV3ForCausalLM(nn.Module):
-    """Target model plus `num_nextn_predict_layers` MTP layers (cache layers N, N+1, ...)."""
+    """Target model plus `num_nextn_predict_layers` MTP layers (cache layers N, N+1, ...); `par`: this rank's
+    part of it and its collectives (`runtime.model.parallel`), the whole model by default."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, par: Parallel = WHOLE):
         super().__init__()
-        self.cfg = cfg
-        self.model = DeepseekV3Model(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.cfg, self.par = cfg, par
+        self.model = DeepseekV3Model(cfg, par)
+        self.lm_head = nn.Linear(cfg.hidden_size, par.layout.part(cfg.vocab_size), bias=False)  # this rank's vocabulary
         N = cfg.num_hidden_layers
-        self.mtp = nn.ModuleList(MTPLayer(cfg, N + j) for j in range(cfg.num_nextn_predict_layers))
+        self.mtp = nn.ModuleList(MTPLayer(cfg, N + j, par) for j in range(cfg.num_nextn_predict_layers))
         inv_freq, self.rope_attention_factor = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
@@ -364,7 +391,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def logits(self, hidden: Tensor) -> Tensor:
-        return self.lm_head(hidden)
+        return self.par.gather_vocab(self.lm_head(hidden), self.cfg.vocab_size)
 
     def mtp_forward(
         self, depth: int, next_ids: Tensor, hidden: Tensor, positions: Tensor | None = None,

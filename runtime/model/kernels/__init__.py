@@ -159,12 +159,14 @@ def packed_linear(x: Tensor, w: PackedWeight) -> Tensor:
     return cpu_kernels().packed_linear(flat, w.panels, w.scale, w.out_features).view(*x.shape[:-1], w.out_features)
 
 
-def moe(x: Tensor, gate: Tensor, bias: Tensor, cfg: ModelConfig, weights: tuple[Tensor, ...]) -> Tensor:
+def moe(x: Tensor, gate: Tensor, bias: Tensor, cfg: ModelConfig, weights: tuple[Tensor, ...],
+        first_expert: int = 0) -> Tensor:
     """A whole MoE layer for tokens x [T, H]: noaux_tc routing (router weight gate [E, H], bias [E]),
     routed experts, shared expert; `weights` the panels and scales of the routed experts' gate, up and down
-    projections, then the shared expert's."""
+    projections, then the shared expert's. With expert parallelism the routed panels hold this rank's experts
+    only, first_expert.. of E; pairs routed elsewhere are skipped."""
     return cpu_kernels().moe(x.contiguous(), gate, bias, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok,
-                             cfg.norm_topk_prob, cfg.routed_scaling_factor, *weights)
+                             cfg.norm_topk_prob, cfg.routed_scaling_factor, *weights, first_expert)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

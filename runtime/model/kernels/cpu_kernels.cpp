@@ -522,25 +522,26 @@ void route(const float* score, const float* bias, int64_t E, int64_t n_group, in
 
 }  // namespace
 
-// A whole MoE layer for tokens x [T, H]: routing (gate [E, H] float32, bias [E]), the routed experts
-// (stacked FP8 panels) and the shared expert (FP8 panels). A token's output is its experts' outputs
-// added in expert order, then the shared expert's: the same whatever else is in the batch.
+// A whole MoE layer for tokens x [T, H]: routing (gate [E, H] float32, bias [E]), the routed experts held here
+// (stacked FP8 panels: El of them from first_expert; all E without expert parallelism) and the shared expert
+// (FP8 panels). A token's output is its experts' outputs added in expert order, then the shared expert's: the
+// same whatever else is in the batch.
 torch::Tensor moe(const torch::Tensor& x, const torch::Tensor& gate_w, const torch::Tensor& bias, int64_t n_group,
                   int64_t topk_group, int64_t top_k, bool normalize, double scaling,
                   const torch::Tensor& eg, const torch::Tensor& egs, const torch::Tensor& eu, const torch::Tensor& eus,
                   const torch::Tensor& ed, const torch::Tensor& eds,
                   const torch::Tensor& sg, const torch::Tensor& sgs, const torch::Tensor& su, const torch::Tensor& sus,
-                  const torch::Tensor& sd, const torch::Tensor& sds) {
+                  const torch::Tensor& sd, const torch::Tensor& sds, int64_t first_expert) {
   check(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous float32 [T, H]");
-  const int64_t T = x.size(0), H = x.size(1), E = gate_w.size(0);
+  const int64_t T = x.size(0), H = x.size(1), E = gate_w.size(0), El = eg.size(0);
   check(gate_w.scalar_type() == torch::kFloat && gate_w.is_contiguous() && gate_w.size(1) == H && bias.numel() == E &&
             bias.scalar_type() == torch::kFloat && bias.is_contiguous(), "router weight [E, H] and bias [E], float32");
   check(n_group >= 1 && topk_group >= 1 && top_k >= 1, "routing sizes must be >= 1");
   check(E <= 256 && n_group <= 64 && E % n_group == 0 && topk_group <= n_group && top_k <= E / n_group * topk_group,
         "routing sizes");
-  check(eg.dim() == 4 && eg.size(0) == E && eg.size(2) == H && ed.dim() == 4 && ed.size(0) == E &&
-            egs.dim() == 3 && egs.size(0) == E && eds.dim() == 3 && eds.size(0) == E,
-        "expert panels [E, I/16, H, 16] and [E, H/16, I, 16], scales [E, ...]");
+  check(eg.dim() == 4 && first_expert >= 0 && first_expert <= E && eg.size(2) == H && ed.dim() == 4 &&
+            ed.size(0) == El && egs.dim() == 3 && egs.size(0) == El && eds.dim() == 3 && eds.size(0) == El,
+        "this rank's experts first_expert.. of E: panels [El, I/16, H, 16] and [El, H/16, I, 16], scales [El, ...]");
   check(sg.dim() == 3 && sg.size(1) == H && sd.dim() == 3, "shared expert panels");
   for (const auto* t : {&x, &gate_w, &bias, &eg, &egs, &eu, &eus, &ed, &eds, &sg, &sgs, &su, &sus, &sd, &sds})
     check(t->device().is_cpu(), "tensors must be on the CPU");
@@ -561,16 +562,18 @@ torch::Tensor moe(const torch::Tensor& x, const torch::Tensor& gate_w, const tor
     route(score.data(), bp, E, n_group, topk_group, top_k, normalize, static_cast<float>(scaling),
           idx.data() + t * top_k, weights.data() + t * top_k);
   }
-  // Work items: each routed expert over its rows, the shared expert's two halves (items E, E + 1; see
+  // Work items: each routed expert held here over its rows, the shared expert's two halves (items El, El + 1; see
   // split_point) over all rows. Items are dealt to the threads longest first; each writes only its own output,
   // and the outputs are added in a fixed order afterwards (the shared halves, then the routed experts in
   // expert order), so the sums do not depend on the threads.
-  std::vector<std::vector<int64_t>> rows(E);
-  std::vector<std::vector<float>> row_w(E), ys(E);
+  std::vector<std::vector<int64_t>> rows(El);
+  std::vector<std::vector<float>> row_w(El), ys(El);
   for (int64_t t = 0; t < T; ++t)
     for (int64_t j = 0; j < top_k; ++j) {
-      rows[idx[t * top_k + j]].push_back(t);
-      row_w[idx[t * top_k + j]].push_back(weights[t * top_k + j]);
+      const int64_t e = idx[t * top_k + j] - first_expert;  // expert parallel: other ranks' experts are skipped
+      if (e < 0 || e >= El) continue;
+      rows[e].push_back(t);
+      row_w[e].push_back(weights[t * top_k + j]);
     }
   auto out = torch::empty({T, H}, x.options());
   float* op = out.data_ptr<float>();
@@ -578,13 +581,13 @@ torch::Tensor moe(const torch::Tensor& x, const torch::Tensor& gate_w, const tor
   const int64_t bounds[3] = {0, cut > 0 ? cut : shared_inter, shared_inter};
   std::vector<float> shared_tail(cut > 0 ? T * H : 0);
   std::vector<int64_t> items;
-  for (int64_t e = 0; e < E; ++e)
+  for (int64_t e = 0; e < El; ++e)
     if (!rows[e].empty()) items.push_back(e);
-  items.push_back(E);
-  if (cut > 0) items.push_back(E + 1);
-  auto size = [&](int64_t e) { return e >= E ? T : static_cast<int64_t>(rows[e].size()); };
+  items.push_back(El);
+  if (cut > 0) items.push_back(El + 1);
+  auto size = [&](int64_t e) { return e >= El ? T : static_cast<int64_t>(rows[e].size()); };
   auto cost = [&](int64_t e) {  // a weight read per expert plus a row's work: rows cost little next to weights
-    const double part = e >= E ? static_cast<double>(bounds[e - E + 1] - bounds[e - E]) / routed_mlp.inter : 1.0;
+    const double part = e >= El ? static_cast<double>(bounds[e - El + 1] - bounds[e - El]) / routed_mlp.inter : 1.0;
     return part * static_cast<double>(8 + size(e));
   };
   std::stable_sort(items.begin(), items.end(), [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
@@ -600,8 +603,8 @@ torch::Tensor moe(const torch::Tensor& x, const torch::Tensor& gate_w, const tor
     std::vector<float> xs, g, u;
     for (int64_t b = b0; b < b1; ++b)
       for (int64_t e : bins[b]) {
-        if (e >= E) {
-          mlp_rows(xp, T, H, shared_mlp, bounds[e - E], bounds[e - E + 1], g, u, e == E ? op : shared_tail.data());
+        if (e >= El) {
+          mlp_rows(xp, T, H, shared_mlp, bounds[e - El], bounds[e - El + 1], g, u, e == El ? op : shared_tail.data());
           continue;
         }
         const int64_t R = size(e);
@@ -612,7 +615,7 @@ torch::Tensor moe(const torch::Tensor& x, const torch::Tensor& gate_w, const tor
       }
   });
   std::vector<float> routed(T * H, 0.0f);
-  for (int64_t e = 0; e < E; ++e)
+  for (int64_t e = 0; e < El; ++e)
     for (int64_t r = 0; r < size(e); ++r) {
       float* dst = routed.data() + rows[e][r] * H;
       const float* src = ys[e].data() + r * H;
@@ -826,7 +829,7 @@ torch::Tensor decoder_layer(const Layer& L, const torch::Tensor& x, const torch:
   if (L.router.defined()) {
     const auto& e = L.experts;
     return y + moe(f, L.router, L.bias, L.n_group, L.topk_group, L.top_k, L.normalize, L.scaling, e[0], e[1], e[2], e[3],
-                   e[4], e[5], e[6], e[7], e[8], e[9], e[10], e[11]);
+                   e[4], e[5], e[6], e[7], e[8], e[9], e[10], e[11], 0);
   }
   return y + L.mlp[2](at::silu(L.mlp[0](f)) * L.mlp[1](f));
 }

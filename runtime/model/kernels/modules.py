@@ -62,10 +62,12 @@ class PackedLinear(nn.Module):
 
 
 class PackedExperts(nn.Module):
-    """A MoE layer's routed experts, stacked FP8 [E, out, in] per projection, filled one expert at a time."""
+    """A MoE layer's routed experts (this rank's, from `first`), stacked FP8 [E, out, in] per projection, filled
+    one expert at a time."""
 
     def __init__(self, experts: Experts):
         super().__init__()
+        self.first = experts.first
         E, I, H = experts.gate_proj.shape
         self.gate_proj, self.up_proj = (kernels.PackedWeight.empty_fp8(E, I, H) for _ in range(2))
         self.down_proj = kernels.PackedWeight.empty_fp8(E, H, I)
@@ -110,7 +112,8 @@ class KernelMoE(MoE):
         flat = x.reshape(-1, x.shape[-1])
         weights = [t for p in (self.experts.gate_proj, self.experts.up_proj, self.experts.down_proj,
                                *(lin.packed for lin in self._shared())) for t in (p.panels, p.scale)]
-        return kernels.moe(flat, self.gate.weight, self.gate.e_score_correction_bias, self.cfg, tuple(weights)).view_as(x)
+        return kernels.moe(flat, self.gate.weight, self.gate.e_score_correction_bias, self.cfg, tuple(weights),
+                           self.experts.first).view_as(x)
 
     def _shared(self) -> tuple[PackedLinear, PackedLinear, PackedLinear]:
         mlp = self.shared_experts
@@ -204,6 +207,10 @@ def finish(model: DeepseekV3ForCausalLM) -> None:
         head, lm_head = mtp.shared_head.head, model.lm_head
         if head.packed is not None and lm_head.packed is not None and _same(head.packed, lm_head.packed):
             head.packed = lm_head.packed
+    if model.par.size > 1:  # a fused layer would skip the sums over the ranks between its parts
+        log.info("CPU kernels: rank %d of %d, each part on the kernels, layers not fused", model.par.layout.rank,
+                 model.par.size)
+        return
     for name, layer in list(model.named_modules()):
         if isinstance(layer, DecoderLayer) and (handle := _layer_handle(layer)) is not None:
             fused = swap_class(layer, FusedDecoderLayer)

@@ -1,0 +1,329 @@
+"""The ranks of a tensor/expert-parallel engine as processes of their own, on torch.distributed (gloo on CPU).
+
+Rank 0 is the executor's process: it alone schedules, samples and accepts. `RankGroup.start` starts ranks
+1.. (`python -m runtime.executors.ranks`), or torchrun has started every rank (`RankGroup.open`: rank 0's
+executor joins them; any other rank's executor becomes a worker that exits when rank 0 stops it); each
+loads its own rank file (`load_engine(par=...)`), then runs every
+forward rank 0 runs, with the same arguments: rank 0's model becomes a `DrivingModel`, whose forwards first
+broadcast their call (the method and its arguments: token ids, positions, the `PagedBatch`, hidden states)
+to the other ranks. Each rank keeps a KV cache of the same shape, written by the same forwards at the same
+slots (the latent cache is replicated, see runtime.model.deepseek_v3), so block tables mean the same on every
+rank, and scheduling, speculation, in-flight batching, preemption and cancellation stay on rank 0 unchanged.
+
+Lifetime: a worker dies with rank 0's process (runtime.executors.lifetime) or when the group's connections
+close; `RankGroup.close` sends a stop, then SIGTERM, then SIGKILL. Any failure inside a driven forward leaves the
+ranks out of step (some wait in a collective the others never reach), so it ends the group and raises
+`RankFailure`, naming the rank that exited and its exit code when one did: the executor stops with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from runtime.executors.lifetime import terminate_with_parent
+from runtime.io.engine_format import BuildConfig, EngineManifest
+from runtime.io.loading import load_engine
+from runtime.model.batch import PagedBatch
+from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM
+from runtime.model.kernels.modules import swap_class
+from runtime.model.parallel import Parallel
+
+log = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"  # the ranks of one host (a multi-host launch would use torchrun's rendezvous)
+CONNECT_TIMEOUT = datetime.timedelta(seconds=120)  # a worker's store connection and loading wait
+# A rank waits in a collective for the others for as long as they compute, and idle workers wait for rank 0's
+# next call for as long as no request comes: no timeout fits both, so a dead rank is found by its closed
+# connection (at once) and a stuck one by the executor's health watchdog.
+COLLECTIVE_TIMEOUT = datetime.timedelta(days=365)
+_CACHE = "<kv_cache>"  # stands for the rank's own KV cache in a broadcast call
+
+
+class RankFailure(RuntimeError):
+    """A rank exited, or a forward failed on one, so the ranks are out of step: the executor must stop."""
+
+
+@dataclass(frozen=True)
+class RankOptions:
+    """What every rank loads with (ExecutorConfig's)."""
+
+    dtype: str | None = None
+    cpu_kernels: bool = True
+    verify: bool = True
+    threads: int = 1  # torch intra-op threads per rank
+
+
+class RankGroup:
+    """Rank 0's handle on ranks 1..world-1: their processes, the store they met at and the process group."""
+
+    def __init__(self, path: Path, build: BuildConfig, store: dist.TCPStore, procs: list[subprocess.Popen]):
+        self.path, self.build, self.store, self.procs = path, build, store, procs
+        self.par = Parallel(build.layout(0))  # its group once `connect` has formed it
+        self.closed = False
+        self.sent_bytes = 0  # calls broadcast to each other rank
+
+    @property
+    def world_size(self) -> int:
+        return self.build.tp_size
+
+    @classmethod
+    def open(cls, path: str | Path, build: BuildConfig, options: RankOptions) -> "RankGroup":
+        """Rank 0's group for a tp > 1 engine: the ranks torchrun started (on any other rank of those, serve rank 0's
+        calls, then exit the process), else ranks 1.. started here; rank 0 loads its own file, then `connect`s.
+        Torch threads: torchrun's setting, or this process's divided among the ranks (the host's cores)."""
+        world = build.tp_size
+        launched = torchrun_rank()
+        if launched is not None:
+            rank, size = launched
+            if size != world:
+                raise ValueError(f"torchrun started {size} ranks; {path} has tp_size {world}")
+            if rank:
+                options = dataclasses.replace(options, threads=torch.get_num_threads())
+                raise SystemExit(_worker(str(path), rank, world, _torchrun_store(rank, world), options))
+            return cls(Path(path), build, _torchrun_store(0, world), [])  # torchrun watches and ends the ranks
+        threads = max(1, torch.get_num_threads() // world)
+        torch.set_num_threads(threads)
+        return cls.start(path, build, dataclasses.replace(options, threads=threads))
+
+    @classmethod
+    def start(cls, path: str | Path, build: BuildConfig, options: RankOptions) -> "RankGroup":
+        """Start ranks 1..tp_size-1 loading their rank files."""
+        store = dist.TCPStore(HOST, 0, build.tp_size, is_master=True, timeout=CONNECT_TIMEOUT, wait_for_workers=False)
+        opts = json.dumps(asdict(options))
+        procs = [subprocess.Popen([sys.executable, "-m", "runtime.executors.ranks", str(path), str(r), str(build.tp_size),
+                                   str(store.port), opts], preexec_fn=terminate_with_parent)
+                 for r in range(1, build.tp_size)]
+        log.info("started ranks 1..%d of %s (pids %s)", build.tp_size - 1, path, [p.pid for p in procs])
+        return cls(Path(path), build, store, procs)
+
+    def connect(self) -> None:
+        """Wait for every rank to have loaded its weights (or fail, naming why), then form the process group."""
+        deadline = time.monotonic() + CONNECT_TIMEOUT.total_seconds()
+        waiting = set(range(1, self.world_size))
+        while waiting:
+            for r in sorted(waiting):
+                if self.store.check([f"error/{r}"]):
+                    raise RankFailure(f"rank {r} could not load {self.path}: {self.store.get(f'error/{r}').decode()}")
+                self._check(r)
+                if self.store.check([f"loaded/{r}"]):
+                    waiting.discard(r)
+            if time.monotonic() > deadline:
+                raise RankFailure(f"ranks {sorted(waiting)} did not load {self.path} within "
+                                  f"{CONNECT_TIMEOUT.total_seconds():.0f} s")
+            time.sleep(0.02)
+        self.par.group = _group(self.store, 0, self.world_size)
+
+    def _check(self, rank: int) -> None:
+        if not self.procs:  # torchrun's: it ends every rank when one fails
+            return
+        code = self.procs[rank - 1].poll()
+        if code is not None:
+            raise RankFailure(f"rank {rank} (pid {self.procs[rank - 1].pid}) exited with code {code}")
+
+    def check(self) -> None:
+        """RankFailure if a rank has exited."""
+        for r in range(1, self.world_size):
+            self._check(r)
+
+    def send(self, call: tuple[str, dict[str, Any]] | None) -> None:
+        """Broadcast a call (method name, keyword arguments) to ranks 1..; None stops them."""
+        data = torch.frombuffer(bytearray(pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+        self.sent_bytes += _broadcast(self.par, torch.tensor([data.numel()])) + _broadcast(self.par, data)
+
+    def attach_cache(self, cache: Tensor) -> None:
+        """Every rank allocates a KV cache of rank 0's shape and dtype."""
+        self.send(("cache", {"shape": tuple(cache.shape), "dtype": cache.dtype}))
+
+    def failed(self, error: BaseException) -> RankFailure:
+        """The failure to raise after `error` inside a driven call: which rank exited, if one did (waiting a moment
+        for its exit to show), else the error itself. The group is closed: its ranks are out of step."""
+        for _ in range(50):
+            try:
+                self.check()
+            except RankFailure as e:
+                self.close(graceful=False)
+                return e
+            time.sleep(0.02)
+        self.close(graceful=False)
+        return RankFailure(f"a forward failed on rank 0 of {self.world_size} ({type(error).__name__}: {error}); "
+                           "the ranks are out of step")
+
+    def memory(self) -> list[int]:
+        """Each rank's resident memory in bytes, rank 0 first."""
+        return [rss_bytes(pid) for pid in [os.getpid(), *(p.pid for p in self.procs)]]
+
+    def close(self, graceful: bool = True) -> None:
+        """Stop the ranks: a stop message when `graceful` (no call may be in flight), then SIGTERM, then SIGKILL."""
+        if self.closed:
+            return
+        self.closed = True
+        if graceful and self.par.group is not None and all(p.poll() is None for p in self.procs):
+            try:
+                self.send(None)
+            except RuntimeError:
+                pass
+        for sig, wait in ((None, 5.0), (signal.SIGTERM, 5.0), (signal.SIGKILL, None)):
+            alive = [p for p in self.procs if p.poll() is None]
+            if not alive:
+                break
+            for p in alive:
+                if sig is not None:
+                    p.send_signal(sig)
+            for p in alive:
+                try:
+                    p.wait(wait)
+                except subprocess.TimeoutExpired:
+                    pass
+        self.par.group = None
+
+
+class DrivingModel(DeepseekV3ForCausalLM):
+    """Rank 0's model: each forward is broadcast to the other ranks before it runs here (swapped in by `drive`)."""
+
+    ranks: RankGroup
+
+    def _driven(self, name: str, kwargs: dict[str, Any]) -> Any:
+        if self.ranks.closed:
+            raise RankFailure("the ranks have stopped")
+        cache = kwargs.get("kv_cache")
+        try:
+            self.ranks.send((name, {**kwargs, "kv_cache": _CACHE} if cache is not None else kwargs))
+            return getattr(super(), name)(**kwargs)
+        except Exception as e:
+            raise self.ranks.failed(e) from e
+
+    def forward(self, input_ids: Tensor, positions: Tensor | None = None, batch: PagedBatch | None = None,
+                kv_cache: Tensor | None = None) -> Tensor:
+        return self._driven("forward", dict(input_ids=input_ids, positions=positions, batch=batch, kv_cache=kv_cache))
+
+    def mtp_forward(self, depth: int, next_ids: Tensor, hidden: Tensor, positions: Tensor | None = None,
+                    batch: PagedBatch | None = None, kv_cache: Tensor | None = None, rows: Tensor | None = None,
+                    mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        return self._driven("mtp_forward", dict(depth=depth, next_ids=next_ids, hidden=hidden, positions=positions,
+                                                batch=batch, kv_cache=kv_cache, rows=rows, mask=mask))
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return self._driven("logits", dict(hidden=hidden))
+
+
+def drive(model: DeepseekV3ForCausalLM, ranks: RankGroup) -> DrivingModel:
+    """Rank 0's model as a `DrivingModel` of `ranks` (the same parameters and modules)."""
+    driving = swap_class(model, DrivingModel)
+    driving.ranks = ranks
+    return driving
+
+
+def rss_bytes(pid: int, peak: bool = False) -> int:
+    """A process's resident memory (VmRSS), or its peak (VmHWM), in bytes; 0 once it is gone."""
+    field = "VmHWM:" if peak else "VmRSS:"
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+# ---- plumbing ------------------------------------------------------------------------------------------------
+def _group(store: dist.Store, rank: int, world: int) -> dist.ProcessGroup:
+    """The ranks' gloo group, of their own (not torch.distributed's default group: one process may hold several)."""
+    return dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world, COLLECTIVE_TIMEOUT)
+
+
+def _broadcast(par: Parallel, t: Tensor) -> int:
+    """Rank 0's t to every rank; its bytes."""
+    par.group.broadcast(t, 0).wait()
+    if par.layout.rank:
+        par.received_bytes += t.numel() * t.element_size()
+    return t.numel() * t.element_size()
+
+
+def _receive(par: Parallel) -> tuple[str, dict[str, Any]] | None:
+    size = torch.zeros(1, dtype=torch.long)
+    _broadcast(par, size)
+    data = torch.empty(int(size), dtype=torch.uint8)
+    _broadcast(par, data)
+    return pickle.loads(data.numpy().tobytes())
+
+
+@torch.inference_mode()
+def _serve(model: DeepseekV3ForCausalLM, par: Parallel) -> None:
+    """Run rank 0's calls in order until it sends None."""
+    cache = None
+    while (call := _receive(par)) is not None:
+        name, kwargs = call
+        if name == "cache":
+            cache = torch.zeros(kwargs["shape"], dtype=kwargs["dtype"])
+            continue
+        if kwargs.get("kv_cache") == _CACHE:
+            kwargs["kv_cache"] = cache
+        getattr(model, name)(**kwargs)
+
+
+def torchrun_rank() -> tuple[int, int] | None:
+    """(rank, world size) when torchrun (torch.distributed's env:// variables) started this process, else None."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world < 2 or "RANK" not in os.environ or "MASTER_ADDR" not in os.environ:
+        return None
+    return int(os.environ["RANK"]), world
+
+
+def _torchrun_store(rank: int, world: int) -> dist.Store:
+    """The store at MASTER_ADDR:MASTER_PORT: torchrun's agent hosts it, or else rank 0."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent, timeout=CONNECT_TIMEOUT)
+    return dist.PrefixStore("dsv3", store)
+
+
+def _worker(path: str, rank: int, world: int, store: dist.Store, options: RankOptions) -> int:
+    torch.set_num_threads(options.threads)
+    try:
+        par = Parallel(EngineManifest.read(Path(path)).build.layout(rank))
+        engine = load_engine(path, dtype=options.dtype, verify=options.verify, cpu_kernels=options.cpu_kernels, par=par)
+    except Exception as e:  # rank 0 reports it
+        store.set(f"error/{rank}", f"{type(e).__name__}: {e}")
+        return 1
+    store.set(f"loaded/{rank}", "1")
+    par.group = _group(store, rank, world)
+    try:
+        _serve(engine.model, par)
+    except RuntimeError as e:  # rank 0 has gone (its connection closed) or a collective failed
+        log.error("rank %d of %d stops: %s", rank, world, e)
+        return 1
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description="one worker rank of a tensor-parallel engine (started by RankGroup)")
+    p.add_argument("path")
+    p.add_argument("rank", type=int)
+    p.add_argument("world", type=int)
+    p.add_argument("port", type=int)
+    p.add_argument("options")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING, format=f"rank {args.rank}: %(levelname)s %(message)s")
+    store = dist.TCPStore(HOST, args.port, args.world, is_master=False, timeout=CONNECT_TIMEOUT)
+    return _worker(args.path, args.rank, args.world, store, RankOptions(**json.loads(args.options)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

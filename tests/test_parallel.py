@@ -1,0 +1,222 @@
+"""Tensor and expert parallel ranks (runtime.model.parallel, runtime.executors.ranks) on CPU with gloo, two processes.
+
+The shipped model built at tp 2 (ep 1: experts split by features; ep 2: by expert) and at tp 4 = moe_tp 2 x
+moe_ep 2 runs as ranks and as its rank files joined in one process (world_size 1, the same weights): greedy
+tokens must be the same for 20 held-out prompts and k = 0..3, batched (and the first few alone). The ranks' sums are in a fixed order but not the joined
+model's order, so logits agree to rounding (checked too), and the tokens exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from builder.convert import convert_checkpoint
+from builder.native_engine import build_engine
+from runtime.core.sampling import SamplingParams
+from runtime.executors.base import ExecutorConfig
+from runtime.executors.native import Executor
+from runtime.io.engine_format import BuildConfig
+from runtime.io.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")  # one thread per rank: two ranks on two cores
+PROMPTS, ALONE, MAX_TOKENS = 20, 4, 12
+
+
+def tp_engine(model: Path, out: Path, tp: int, ep: int) -> Path:
+    build = BuildConfig(max_batch_size=PROMPTS, max_seq_len=256, max_num_tokens=512, tp_size=tp, ep_size=ep,
+                        quant_algo="FP8_BLOCK_SCALES")
+    convert_checkpoint(model, out / "ckpt", build, progress=False)
+    return build_engine(out / "ckpt", out / "engine", build, progress=False)
+
+
+@pytest.fixture(scope="module", params=[pytest.param((2, 1), id="tp2"), pytest.param((2, 2), id="tp2-ep2"),
+                                        pytest.param((4, 2), id="tp4-ep2", marks=pytest.mark.slow)])  # 4 processes
+def engine(request, shipped_model_dir, tmp_path_factory) -> Path:
+    tp, ep = request.param
+    return tp_engine(shipped_model_dir, tmp_path_factory.mktemp(f"tp{tp}ep{ep}"), tp, ep)
+
+
+def prompts(model_dir: Path) -> list[list[int]]:
+    tok = Tokenizer.from_dir(model_dir)
+    texts = [p["text"] for p in json.loads((model_dir / "heldout_prompts.json").read_text())[:PROMPTS]]
+    return [tok.encode(t)[:48] for t in texts]
+
+
+def executor(path: Path, world: int | None) -> Executor:
+    return Executor(path, ExecutorConfig(num_draft_tokens=3, speculation="fixed", world_size=world,
+                                         max_batch_size=PROMPTS, kv_cache_tokens=PROMPTS * 256))
+
+
+def greedy(ex: Executor, ids: list[list[int]], k: int, batched: bool) -> list[list[int]]:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, num_draft_tokens=k)
+    if batched:
+        return [h.result().token_ids for h in [ex.submit(p, params) for p in ids]]
+    return [ex.submit(p, params).result().token_ids for p in ids]
+
+
+@torch.inference_mode()
+def dense_logits(ex: Executor, ids: list[int]) -> torch.Tensor:
+    """The dense (training) forward's logits, on every rank alike."""
+    model = ex.engine.model
+    return model.logits(model(torch.tensor([ids])))
+
+
+def run_all(ex: Executor, ids: list[list[int]]) -> dict:
+    return {(k, batched): greedy(ex, ids if batched else ids[:ALONE], k, batched) for k in range(4)
+            for batched in (True, False)}
+
+
+def test_ranks_give_the_tokens_of_one_process(engine, shipped_model_dir):
+    ids = prompts(shipped_model_dir)
+    with executor(engine, 1) as ex:
+        want = run_all(ex, ids)
+        logits_one = dense_logits(ex, ids[0])
+    with executor(engine, None) as ex:
+        stats, world = ex.stats(), ex.engine.build.tp_size
+        assert stats.world_size == world and len(stats.rank_memory_bytes) == world and min(stats.rank_memory_bytes) > 0
+        rank0_holds_its_part(ex.engine.model)
+        got = run_all(ex, ids)
+        logits_ranks = dense_logits(ex, ids[0])
+    assert got == want
+    assert (logits_ranks - logits_one).abs().max() < 1e-3
+
+
+def rank0_holds_its_part(model) -> None:
+    """Its share of the heads, the vocabulary and the features (or experts); FP8 weights kept as FP8 codes."""
+    cfg, layout = model.cfg, model.par.layout
+    attn, moe = model.model.layers[0].self_attn, model.model.layers[1].mlp
+    assert attn.n_heads == cfg.num_attention_heads // layout.tp_size
+    assert model.model.embed_tokens.weight.shape[0] == cfg.vocab_size // layout.tp_size
+    assert attn.q_b_proj.packed.panels.dtype == torch.uint8  # FP8 codes, packed as stored
+    E, I = moe.experts.gate_proj.panels.shape[0], moe.experts.gate_proj.out_features
+    assert (E, I) == (cfg.n_routed_experts // layout.ep_size, cfg.moe_intermediate_size // layout.moe_tp_size)
+
+
+def _gone(pid: int, within: float = 10.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+            state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+            if state == "Z":  # exited, not yet reaped by its parent
+                return True
+        except (ProcessLookupError, FileNotFoundError):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture(scope="module")
+def tp2(shipped_model_dir, tmp_path_factory) -> Path:
+    return tp_engine(shipped_model_dir, tmp_path_factory.mktemp("tp2-life"), 2, 1)
+
+
+def test_close_leaves_no_rank(tp2):
+    ex = executor(tp2, None)
+    pids = [p.pid for p in ex.ranks.procs]
+    ex.shutdown()
+    assert all(_gone(pid) for pid in pids)
+
+
+def test_a_killed_rank_stops_the_executor_with_a_clear_error(tp2, shipped_model_dir):
+    """Killed during a request: the request ends with an error naming the rank; the executor stops serving."""
+    ex = executor(tp2, None)
+    [worker] = ex.ranks.procs
+    handle = ex.submit(prompts(shipped_model_dir)[0], SamplingParams(max_tokens=200, ignore_eos=True))
+    next(iter(handle))  # generating
+    worker.kill()
+    worker.wait()
+    out = handle.result()
+    assert out.finish_reason == "error" and f"rank 1 (pid {worker.pid}) exited with code -9" in out.error
+    assert "rank 1" in ex.health(60)
+    with pytest.raises(RuntimeError, match="shut down"):
+        ex.submit([1, 2], SamplingParams(max_tokens=2))
+    ex.shutdown()
+
+
+def test_a_rank_killed_while_idle_is_found_before_the_next_request(tp2):
+    ex = executor(tp2, None)
+    [worker] = ex.ranks.procs
+    worker.kill()
+    worker.wait()
+    deadline = time.monotonic() + 10
+    while ex.health(60) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert f"rank 1 (pid {worker.pid}) exited with code -9" in ex.health(60)
+    ex.shutdown()
+
+
+def test_ranks_die_with_a_killed_executor_process(tp2):
+    script = (f"import sys; from runtime.executors.native import Executor; from runtime.executors.base import ExecutorConfig\n"
+              f"ex = Executor({str(tp2)!r}, ExecutorConfig(kv_cache_tokens=512, num_draft_tokens=0))\n"
+              f"print(*[p.pid for p in ex.ranks.procs], flush=True)\n"
+              f"sys.stdin.read()\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[1])
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert pids
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert all(_gone(pid) for pid in pids)
+    finally:
+        proc.kill()
+
+
+TORCHRUN_SCRIPT = """
+import sys
+from runtime.core.sampling import SamplingParams
+from runtime.executors.base import ExecutorConfig
+from runtime.executors.native import Executor
+with Executor(sys.argv[1], ExecutorConfig(num_draft_tokens=2, speculation="fixed", kv_cache_tokens=1024)) as ex:
+    out = ex.submit([5, 17, 300, 42, 7], SamplingParams(max_tokens=12, temperature=0.0)).result().token_ids
+    print("tokens", ex.stats().world_size, *out, flush=True)
+"""
+
+
+def test_torchrun_starts_the_ranks(tp2, tmp_path):
+    """Under torchrun rank 0's executor joins the ranks torchrun started; the others serve it and exit 0."""
+    script = tmp_path / "generate.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(script), str(tp2)], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 0, run.stderr[-2000:]
+    [line] = [x for x in run.stdout.splitlines() if x.startswith("tokens")]
+    with Executor(tp2, ExecutorConfig(num_draft_tokens=2, speculation="fixed", kv_cache_tokens=1024,
+                                      world_size=1)) as ex:
+        want = ex.submit([5, 17, 300, 42, 7], SamplingParams(max_tokens=12, temperature=0.0)).result().token_ids
+    assert line.split()[1:] == ["2", *map(str, want)]
+
+
+def test_dry_run_plans_what_the_ranks_hold(tp2, shipped_model_dir, capsys):
+    """build_engine --dry_run, from config.json alone: each rank file's tensor bytes and the KV bytes per token
+    that the tp-2 engine and its executor actually have."""
+    from builder.cli import main
+    from runtime.core.kv_cache import KVCache
+    from runtime.model.config import ModelConfig
+
+    assert main(["--model_dir", str(shipped_model_dir), "--dry_run", "--tp_size", "2", "--max_seq_len", "256",
+                 "--device_memory_gib", "1"]) == 0
+    out = capsys.readouterr().out
+    data = {(tp2 / f).stat().st_size - 8 - int.from_bytes((tp2 / f).read_bytes()[:8], "little")
+            for f in ("rank0.safetensors", "rank1.safetensors")}
+    assert data == {int(out.split("weights per rank: ")[1].split("(")[1].split(" bytes")[0])}
+    per_token = KVCache.bytes_per_token(ModelConfig.from_json(shipped_model_dir / "config.json"))
+    assert f"KV cache per token, on every rank (the latent is replicated): {per_token} bytes" in out
+    fit = (int(0.9 * 2**30) - data.pop()) // per_token
+    assert f"{fit} tokens of KV cache ({fit // 256} sequences" in out
+
+
+def test_world_size_must_fit_the_engine(tp2):
+    with pytest.raises(ValueError, match="world_size 3: .* has tp_size 2"):
+        Executor(tp2, ExecutorConfig(world_size=3))
