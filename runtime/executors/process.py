@@ -12,7 +12,6 @@ import contextlib
 import itertools
 import logging
 import pickle
-import shutil
 import signal
 import socket
 import subprocess
@@ -28,7 +27,7 @@ import torch
 
 from runtime.core.sampling import SamplingParams
 from runtime.executors.base import ExecutorConfig, create_executor
-from runtime.executors.lifetime import terminate_with_parent
+from runtime.executors.lifetime import python_executable, terminate_with_parent
 from runtime.executors.requests import ExecutorStats, RequestHandle, RequestIds, RequestOutput
 
 log = logging.getLogger("runtime.executors.process")
@@ -58,7 +57,7 @@ class ProcessExecutor:
         parent, child = socket.socketpair()
         # a fresh interpreter (not multiprocessing's spawn, which re-runs the caller's __main__), told its end
         # of the pair by descriptor; the settings follow as the first message
-        self._process = subprocess.Popen([_python(), "-m", "runtime.executors.process", str(child.fileno())],
+        self._process = subprocess.Popen([python_executable(), "-m", "runtime.executors.process", str(child.fileno())],
                                          pass_fds=[child.fileno()], preexec_fn=terminate_with_parent)
         child.close()
         self._conn = Connection(parent.detach())
@@ -218,18 +217,6 @@ class ProcessExecutor:
             except BaseException:  # user code on the reader's thread must not stop the deliveries
                 log.exception("output callback of %s failed", out.request_id)
         handle._push(out)
-
-
-def _python() -> str:
-    """This environment's interpreter. A Triton Python stub embeds Python: its sys.executable is the stub, and
-    the interpreter is the `python3` that the launcher puts first on PATH."""
-    if Path(sys.executable).name.startswith("python"):
-        return sys.executable
-    found = shutil.which("python3")
-    if found is None:
-        raise EngineProcessError(f"no Python interpreter to start the engine process with ({sys.executable!r} is "
-                                 "not one and no python3 is on PATH)")
-    return found
 
 
 def _logging_levels() -> dict[str, int]:

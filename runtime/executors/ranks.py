@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from runtime.executors.lifetime import terminate_with_parent
+from runtime.executors.lifetime import python_executable, terminate_with_parent
 from runtime.io.engine_format import BuildConfig, EngineManifest
 from runtime.io.loading import load_engine
 from runtime.model.batch import PagedBatch
@@ -107,7 +107,7 @@ class RankGroup:
         """Start ranks 1..tp_size-1 loading their rank files."""
         store = dist.TCPStore(HOST, 0, build.tp_size, is_master=True, timeout=CONNECT_TIMEOUT, wait_for_workers=False)
         opts = json.dumps(asdict(options))
-        procs = [subprocess.Popen([sys.executable, "-m", "runtime.executors.ranks", str(path), str(r), str(build.tp_size),
+        procs = [subprocess.Popen([python_executable(), "-m", "runtime.executors.ranks", str(path), str(r), str(build.tp_size),
                                    str(store.port), opts], preexec_fn=terminate_with_parent)
                  for r in range(1, build.tp_size)]
         log.info("started ranks 1..%d of %s (pids %s)", build.tp_size - 1, path, [p.pid for p in procs])
