@@ -74,7 +74,7 @@ class Executor:
                                   keep_mtp_inputs=k > 0, graphs=graphs)
         costs = self.profile(k) if config.speculation == "adaptive" and k else None
         self.policy = DraftPolicy(config.speculation if k else "off", k, costs)
-        prefix_cache = PrefixCache(self.cache.allocator, block, self.policy.mode) if config.enable_block_reuse else None
+        prefix_cache = PrefixCache(self.cache.allocator, block, mtp=k > 0) if config.enable_block_reuse else None
         self.scheduler = Scheduler(self.limits, self.cache, self.policy, prefix_cache)
         self._requests: dict[str, tuple[Sequence, RequestTracker]] = {}
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
