@@ -168,6 +168,9 @@ def test_reuse_is_exact_alone_and_batched(engine, without_reuse, k: int) -> None
         assert [o.stats.num_missed_blocks for o in alone] == [ex.cache.blocks_for(len(p)) - r
                                                               for p, r in zip(PROMPTS, reused(alone))]
         assert alone[1].stats.kv_cache_hit_rate == 3 / ex.cache.blocks_for(len(PROMPTS[1]))
+        stats = ex.stats()
+        assert (stats.kv_reused_blocks, stats.kv_missed_blocks) == (sum(reused(alone)),
+                                                                    sum(o.stats.num_missed_blocks for o in alone))
         # every prompt again, together: each now reuses its own full blocks, its last token left to compute
         again = serve(ex, PROMPTS, batched=True)
         assert [o.token_ids for o in again] == [o.token_ids for o in without_reuse[0]]

@@ -93,6 +93,13 @@ class ExecutorStats:
     current_draft_len: int
     acceptance_estimate: float
     kv_blocks_cached: int = 0  # blocks holding reusable prefix content, held by a request or free
+    kv_reused_blocks: int = 0  # prompt blocks found in the prefix cache, over every request admitted
+    kv_missed_blocks: int = 0  # and those not found
+
+    @property
+    def kv_cache_hit_rate(self) -> float:
+        blocks = self.kv_reused_blocks + self.kv_missed_blocks
+        return self.kv_reused_blocks / blocks if blocks else 0.0
 
     @property
     def acceptance_rate(self) -> float:
