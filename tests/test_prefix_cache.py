@@ -3,7 +3,9 @@ preemption, cancellation and adaptive drafting; and the block pool it rests on.
 
 Every output with reuse is compared token for token with the same request served without it, and so are the
 draft and accepted counts under a fixed draft length: the drafts come from the MTP layer's cache, so a reused
-block with wrong MTP rows changes acceptance (and, sampling with a seed, the tokens) though not greedy text.
+block with wrong MTP rows can change acceptance, though not greedy text. The tiny model's drafts depend little on
+attention (zeroed MTP rows left its greedy drafts as they were), so seeded sampling, where the drafts decide the
+tokens, is the sharper check (zeroed rows changed them).
 After each test every KV block is back in the pool, free or cached (`assert_all_free`).
 """
 
