@@ -10,7 +10,9 @@ chat trace, reuse on vs off side by side.
    with conversations of its own (nothing cached carries over). Reported: output tokens per second over the
    round's wall time, mean TTFT, and the hit rate (reused over all prompt KV blocks).
 
-Greedy, ignore_eos; the draft policy is the executor's default (adaptive, up to --num_draft_tokens).
+Greedy, ignore_eos, MTP drafting --speculation fixed by default: adaptive speculation picks each step's draft
+length from measured step times, which on a shared machine would make the two executors draft differently for
+reasons other than reuse (with a fixed length, reuse on and off draft and accept exactly the same tokens).
 
   python -m benchmarks.prefix_cache             # full run
   python -m benchmarks.prefix_cache --quick     # smoke run
@@ -114,7 +116,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
     p.add_argument("--prompts", help="prompts JSON (default: <model>/heldout_prompts.json)")
-    p.add_argument("--num_draft_tokens", type=int, default=3, help="MTP draft length (adaptive up to it)")
+    p.add_argument("--num_draft_tokens", type=int, default=3, help="MTP draft length")
+    p.add_argument("--speculation", choices=["fixed", "adaptive"], default="fixed")
     p.add_argument("--prefix_tokens", type=int, default=1500, help="cached prefix of the TTFT measurement")
     p.add_argument("--conversations", type=int, default=8, help="chat clients served at once (the concurrency)")
     p.add_argument("--turns", type=int, default=4)
@@ -130,7 +133,8 @@ def main() -> None:
     set_threads(args.threads)
     engine = load_engine(args.model, device=args.device, dtype=args.dtype)
     texts = [x["text"] for x in load_prompts(args.model, args.prompts)]
-    make = lambda reuse: Executor(engine, ExecutorConfig(num_draft_tokens=args.num_draft_tokens, device=args.device,
+    make = lambda reuse: Executor(engine, ExecutorConfig(num_draft_tokens=args.num_draft_tokens,
+                                                         speculation=args.speculation, device=args.device,
                                                          max_batch_size=max(args.conversations, 1),
                                                          enable_block_reuse=reuse))
     with make(True) as on, make(False) as off:
@@ -147,7 +151,7 @@ def main() -> None:
     rows = [[name, ms(trace[name]["ttft_mean_s"]), trace[name]["output_tokens_per_s"], trace[name]["hit_rate"],
              trace[name]["acceptance_rate"]] for name in ("on", "off")]
     md = [f"# Prefix caching (KV block reuse) with MTP{' (quick smoke run)' if args.quick else ''}", "",
-          f"Shipped model, greedy, MTP drafting adaptive up to k = {args.num_draft_tokens}, {args.rounds} rounds "
+          f"Shipped model, greedy, MTP drafting {args.speculation} k = {args.num_draft_tokens}, {args.rounds} rounds "
           "(order reversed every other round). The machine was shared with other jobs while this ran (see the load "
           "average below).", "",
           f"## TTFT of a {args.prefix_tokens}-token prefix (+ a {args.max_tokens}-token answer)", "",

@@ -72,8 +72,9 @@ class Chunk:
 
 @dataclass(frozen=True)
 class PerfMetrics:
-    """Upstream's per-request perf metrics. KV blocks: all a request holds (the blocks its tokens so far fill), of
-    which `reused_blocks` came from the prefix cache and the rest are new; `missed_blocks` are its prompt's blocks
+    """Upstream's per-request perf metrics. KV blocks: all a request holds (the blocks its tokens so far fill; 0
+    where the backend's block size is unknown), of which `reused_blocks` came from the prefix cache and the rest
+    are new; `missed_blocks` are its prompt's blocks
     not found there. First scheduled: arrival plus the executor's queueing time (0 when the backend does not
     report it, as upstream's unset times)."""
 
@@ -81,6 +82,7 @@ class PerfMetrics:
     accepted_draft_tokens: int
     draft_tokens: int
     kv_blocks: int
+    new_blocks: int
     reused_blocks: int
     missed_blocks: int
     kv_cache_hit_rate: float
@@ -247,7 +249,7 @@ class EngineModel:
         scheduled = stream.arrival_ns + round(stats.queue_s * 1e9) if stats.queue_s is not None else 0
         blocks = -(-(stats.prompt_tokens + stats.output_tokens) // self.kv_block_size) if self.kv_block_size else 0
         return PerfMetrics(stats.acceptance_rate, stats.num_accepted_draft_tokens, stats.num_draft_tokens, blocks,
-                           stats.num_reused_blocks, stats.num_missed_blocks, stats.kv_cache_hit_rate, stream.arrival_ns, scheduled, stream.first_token_ns, stream.last_token_ns)
+                           max(blocks - stats.num_reused_blocks, 0), stats.num_reused_blocks, stats.num_missed_blocks, stats.kv_cache_hit_rate, stream.arrival_ns, scheduled, stream.first_token_ns, stream.last_token_ns)
 
     def _sender_health(self) -> str | None:
         stalled = self._sender.stalled_for()

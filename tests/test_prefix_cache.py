@@ -3,7 +3,9 @@ preemption, cancellation and adaptive drafting; and the block pool it rests on.
 
 Every output with reuse is compared token for token with the same request served without it, and so are the
 draft and accepted counts under a fixed draft length: the drafts come from the MTP layer's cache, so a reused
-block with wrong MTP rows changes acceptance (and, sampling with a seed, the tokens) though not greedy text.
+block with wrong MTP rows can change acceptance, though not greedy text. The tiny model's drafts depend little on
+attention (zeroed MTP rows left its greedy drafts as they were), so seeded sampling, where the drafts decide the
+tokens, is the sharper check (zeroed rows changed them).
 After each test every KV block is back in the pool, free or cached (`assert_all_free`).
 """
 
@@ -107,6 +109,44 @@ def test_block_keys_chain_over_the_prefix() -> None:
     assert block_key(root, [3]) != block_key(block_key(b"", [1, 5]), [3]), "the same block after another prefix"
 
 
+@pytest.mark.parametrize("policy_drafts", [True, False])
+def test_admission_recomputes_a_tail_without_mtp_rows_unless_the_policy_would_not_draft(engine, policy_drafts) -> None:
+    """Three cached blocks, MTP rows on the first only: a drafting sequence starts after block 0 and keeps drafting
+    while the policy drafts; when it would not, the sequence starts after all three and stops drafting. One
+    that never drafts starts after all three either way."""
+    from runtime.core.draft_policy import DraftPolicy
+    from runtime.core.kv_cache import KVCache
+    from runtime.core.prefix_cache import PrefixCache
+    from runtime.core.scheduler import Scheduler, SchedulerConfig
+    from runtime.core.sequence import Sequence
+
+    class Policy(DraftPolicy):
+        def drafts_at(self, batch_size: int) -> bool:
+            return policy_drafts
+
+    cache = KVCache(engine.model_config, num_blocks=16, block_size=4)
+    prefix = PrefixCache(cache.allocator, 4, mtp=True)
+    sched = Scheduler(SchedulerConfig(max_batch_size=8, max_num_tokens=64, max_seq_len=64), cache,
+                      Policy("fixed", 3), prefix)
+    prompt = list(range(10, 24))
+    owner = Sequence("owner", prompt, len(prompt), SamplingParams(max_tokens=8), seed=0,
+                     block_table=cache.allocator.allocate(4), num_cached=13, num_mtp=4)
+    prefix.commit(owner)  # blocks 0-2 registered (12 positions), MTP rows for block 0
+    assert cache.allocator.num_cached == 3 and owner.num_mtp_blocks == 1
+    cache.release(owner.block_table)
+    for name, num_draft_tokens in (("drafting", None), ("plain", 0)):
+        seq = Sequence(name, prompt + [7], len(prompt) + 1, SamplingParams(max_tokens=8), seed=1,
+                       mtp_dropped=num_draft_tokens == 0)
+        sched.add(seq)
+        sched.schedule()
+        expect = 4 if name == "drafting" and policy_drafts else 12
+        assert (seq.num_cached, seq.num_reused_blocks) == (expect, expect // 4)
+        assert seq.mtp_dropped == (name == "plain" or not policy_drafts)
+        assert seq.num_mtp == (4 if name == "drafting" and policy_drafts else 0)
+        sched.remove(seq)
+    assert cache.allocator.all_free()
+
+
 # ---- exactness ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def without_reuse(engine) -> dict[int, list[RequestOutput]]:
@@ -130,6 +170,9 @@ def test_reuse_is_exact_alone_and_batched(engine, without_reuse, k: int) -> None
         assert [o.stats.num_missed_blocks for o in alone] == [ex.cache.blocks_for(len(p)) - r
                                                               for p, r in zip(PROMPTS, reused(alone))]
         assert alone[1].stats.kv_cache_hit_rate == 3 / ex.cache.blocks_for(len(PROMPTS[1]))
+        stats = ex.stats()
+        assert (stats.kv_reused_blocks, stats.kv_missed_blocks) == (sum(reused(alone)),
+                                                                    sum(o.stats.num_missed_blocks for o in alone))
         # every prompt again, together: each now reuses its own full blocks, its last token left to compute
         again = serve(ex, PROMPTS, batched=True)
         assert [o.token_ids for o in again] == [o.token_ids for o in without_reuse[0]]

@@ -427,9 +427,15 @@ def test_perf_metrics_and_token_counts_as_upstream(server: TritonServer, session
     assert s["last_token_time_ns"] > s["first_token_time_ns"]  # streamed over several steps
     n_in = len(session.tokenizer.encode(prompt))
     assert (s["num_input_tokens"], s["num_output_tokens"]) == (n_in, TOKENS)
-    assert s["kv_cache_reused_blocks"] == 0
-    # no prefix reuse: all new, the 16-token blocks (a checkpoint's default) the request's tokens fill
-    assert s["kv_cache_alloc_new_blocks"] == s["kv_cache_alloc_total_blocks"] == -(-(n_in + TOKENS) // 16)
+    # the 16-token blocks (a checkpoint's default) the request's tokens fill, those not reused new
+    assert s["kv_cache_alloc_total_blocks"] == -(-(n_in + TOKENS) // 16)
+    assert s["kv_cache_alloc_new_blocks"] == s["kv_cache_alloc_total_blocks"] - s["kv_cache_reused_blocks"]
+    # a prompt of several blocks, sent twice: the second reuses its full blocks (the last token always computed)
+    long = " ".join(PROMPTS[:8])
+    first, again = (grpc_stream(server, model, text_input=long, max_tokens=TOKENS, end_id=-1, return_perf_metrics=True)
+                    for _ in range(2))
+    assert first.error is None and again.error is None
+    assert again.stats["kv_cache_reused_blocks"] == (len(session.tokenizer.encode(long)) - 1) // 16 > 0
     # each asked for separately, and nothing without asking
     only = grpc_stream(server, model, text_input=prompt, max_tokens=4, return_num_output_tokens=True)
     assert only.error is None and only.stats == {"num_output_tokens": 4}

@@ -125,12 +125,23 @@ class DraftPolicy:
         """Predicted tokens per second of a step at draft length k where each drafter emits `tokens`."""
         return (batch_size + drafters * (tokens - 1)) / self.step_seconds(batch_size, k)
 
+    def _rates(self, batch_size: int, drafters: int) -> dict[int, float]:
+        return {k: self._rate(batch_size, drafters, k, self.expected_tokens(k)) for k in range(self.max_k + 1)}
+
+    def drafts_at(self, batch_size: int) -> bool:
+        """Whether a step of batch_size decodes, all able to draft, would draft (`choose` without exploring and
+        without counting a decision)."""
+        if self.mode != "adaptive":
+            return self.max_k > 0
+        rate = self._rates(batch_size, batch_size)
+        return max(rate.values()) >= self.MIN_GAIN * rate[0]
+
     def choose(self, batch_size: int, drafters: int | None = None) -> int:
         """k for a step of batch_size decodes, `drafters` of which can draft (default: all)."""
         if self.mode != "adaptive" or batch_size == 0:
             return self.max_k
         drafters = batch_size if drafters is None else drafters
-        rate = {k: self._rate(batch_size, drafters, k, self.expected_tokens(k)) for k in range(self.max_k + 1)}
+        rate = self._rates(batch_size, drafters)
         best = max(rate, key=rate.get)
         choice = best if rate[best] >= self.MIN_GAIN * rate[0] else 0
         bucket = self.costs.bucket(batch_size)

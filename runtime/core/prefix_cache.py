@@ -10,8 +10,8 @@ the catch-up computes them only when a sequence next drafts, and the row at posi
 past the end of the block that holds p. So a block's MTP part is valid only once its owner's catch-up has
 passed the block, and only for the next token it read (`BlockAllocator.mark_mtp`). A drafting sequence reuses a
 block only with an MTP part valid for its own next token: the catch-up could not rebuild those rows, as it needs
-the target's hidden states at those positions, which reuse skips computing; it recomputes them instead, or, under
-adaptive speculation where that costs more than drafting could save, stops drafting (`PrefixCache.match`). A
+the target's hidden states at those positions, which reuse skips computing. It recomputes them instead, unless
+adaptive speculation would not draft now: it then takes the whole chain and stops drafting (`Scheduler`). A
 sequence that never drafts reuses blocks for their target KV alone.
 """
 
@@ -31,29 +31,25 @@ def block_key(parent: bytes, tokens: list[int]) -> bytes:
 class PrefixCache:
     """Finds a waiting sequence's cached prefix and registers the blocks running sequences fill."""
 
-    def __init__(self, allocator: BlockAllocator, block_size: int, speculation: str):
+    def __init__(self, allocator: BlockAllocator, block_size: int, mtp: bool):
         self.allocator, self.block_size = allocator, block_size
-        self.speculation = speculation  # the draft policy's mode: "off", "fixed" or "adaptive"
+        self.mtp = mtp  # the executor drafts
 
     def drafts(self, seq: Sequence) -> bool:
         """Whether seq's MTP rows matter: the executor drafts and seq has not given up drafting."""
-        return self.speculation != "off" and not seq.mtp_dropped
+        return self.mtp and not seq.mtp_dropped
 
-    def match(self, seq: Sequence) -> tuple[list[int], bool]:
-        """The longest chain of cached blocks `seq` can start from, and whether it must stop drafting to use it.
-
-        At least its last token is left to compute (it must produce logits), and prompt logprobs not computed
-        yet are not skipped. Where the chain's tail lacks MTP rows `seq` can use, a drafting sequence recomputes
-        that tail, except under adaptive speculation when the tail has more tokens than `seq` has left to
-        generate: it then takes the whole chain and decodes without drafts (drafting could not win back the
-        prefill it would cost)."""
+    def match(self, seq: Sequence) -> tuple[list[int], int]:
+        """The longest chain of cached blocks `seq` can start from, and how many of them, from the first, have MTP
+        rows it can use (all of them where it does not draft). At least its last token is left to compute (it must
+        produce logits), and prompt logprobs not computed yet are not skipped."""
         B = self.block_size
         limit = (seq.num_tokens - 1) // B
         if seq.params.prompt_logprobs is not None:
             limit = min(limit, seq.num_prompt_logprobs // B)
         keys = self._keys(seq, limit)
         blocks: list[int] = []
-        with_mtp = 0  # leading blocks whose MTP rows seq can use
+        with_mtp = 0
         for i in range(limit):
             block = self.allocator.lookup(keys[i])
             if block is None:
@@ -61,12 +57,7 @@ class PrefixCache:
             if with_mtp == i and self.allocator.mtp_next(block) == seq.token_ids[(i + 1) * B]:
                 with_mtp += 1
             blocks.append(block)
-        if not self.drafts(seq) or with_mtp == len(blocks):
-            return blocks, False
-        left = seq.params.max_tokens - seq.num_output_tokens
-        if self.speculation == "adaptive" and (len(blocks) - with_mtp) * B > left:
-            return blocks, True
-        return blocks[:with_mtp], False
+        return blocks, with_mtp if self.drafts(seq) else len(blocks)
 
     def commit(self, seq: Sequence) -> None:
         """Register the blocks `seq` has filled since the last call (KV valid and tokens kept), and mark those

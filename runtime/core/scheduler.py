@@ -11,7 +11,8 @@ Nothing is dropped.
 
 With prefix caching (`PrefixCache`), a sequence being admitted starts on the longest chain of cached blocks its
 tokens match, shared with other sequences, and prefills only the rest; a preempted one thus recomputes only
-what was evicted meanwhile.
+what was evicted meanwhile. A drafting sequence recomputes the part of the chain whose MTP rows it cannot use,
+unless the draft policy would not draft at the batch size it joins: it then stops drafting and reuses it all.
 
 The draft length comes from a `DraftPolicy` (runtime.core.draft_policy), and no more than leaves the token
 budget to prompts waiting to be prefilled.
@@ -153,7 +154,10 @@ class Scheduler:
         admit = not stalled and self.preemptions == preemptions
         while admit and self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size:
             seq = self.waiting[0]
-            cached, stop_drafting = self.prefix_cache.match(seq) if self.prefix_cache is not None else ([], False)
+            cached, with_mtp = self.prefix_cache.match(seq) if self.prefix_cache is not None else ([], 0)
+            stop_drafting = with_mtp < len(cached) and not self.policy.drafts_at(len(self.running) + 1)
+            if not stop_drafting:
+                cached = cached[:with_mtp]
             start = len(cached) * self.cache.block_size
             chunk = min(seq.num_tokens - 1 - start, budget)
             need = self.cache.blocks_for(start + max(chunk, 1)) - len(cached)

@@ -7,8 +7,8 @@ positions num_mtp .. num_cached - 1 wait in `pending_hidden` until the next draf
 chunks each step appended (joined once, when drafting uses them: a sequence that does not draft for
 a while would otherwise copy its growing backlog every step).
 
-Prefix caching may start a sequence at num_cached = num_mtp > 0, on blocks it shares with others
-(runtime.core.prefix_cache); nothing ever writes below those positions.
+Prefix caching may start a sequence at num_cached > 0 (num_mtp with it where it drafts), on blocks it
+shares with others (runtime.core.prefix_cache); nothing ever writes below those positions.
 
 A guided request keeps its grammar matcher (`GrammarMatcher`), advanced by the step's one writer; a penalized
 request keeps its token counts as tensors (`PenaltyState`), updated by the step's one writer

@@ -112,12 +112,12 @@ class Executor:
                                   keep_mtp_inputs=k > 0, graphs=graphs)
         costs = self.profile(k) if config.speculation == "adaptive" and k else None
         self.policy = DraftPolicy(config.speculation if k else "off", k, costs)
-        prefix_cache = PrefixCache(self.cache.allocator, block, self.policy.mode) if config.enable_block_reuse else None
+        prefix_cache = PrefixCache(self.cache.allocator, block, mtp=k > 0) if config.enable_block_reuse else None
         self.scheduler = Scheduler(self.limits, self.cache, self.policy, prefix_cache)
         self._requests: dict[str, tuple[Sequence, RequestTracker]] = {}
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._wake = threading.Event()
-        self._counts = dict(finished=0, generated=0, drafted=0, accepted=0)
+        self._counts = dict(finished=0, generated=0, drafted=0, accepted=0, reused_blocks=0, missed_blocks=0)
         self._ids = RequestIds()
         self._stopping = False
         self._error: str | None = None  # why the step loop stopped, if it failed
@@ -221,7 +221,8 @@ class Executor:
         return ExecutorStats(
             running=len(self.scheduler.running), queued=len(self.scheduler.waiting) + self._submitted_not_seen(),
             kv_blocks_used=self.cache.allocator.num_used, kv_blocks_free=self.cache.allocator.num_free,
-            kv_blocks_cached=self.cache.allocator.num_cached,
+            kv_blocks_cached=self.cache.allocator.num_cached, kv_reused_blocks=c["reused_blocks"],
+            kv_missed_blocks=c["missed_blocks"],
             requests_finished=c["finished"], generated_tokens=c["generated"], draft_tokens=c["drafted"],
             accepted_draft_tokens=c["accepted"], current_draft_len=self.scheduler.last_k,
             acceptance_estimate=self.policy.acceptance, world_size=self.world_size,
@@ -355,6 +356,8 @@ class Executor:
                 tracker.first_scheduled_time = t0
                 tracker.num_reused_blocks = item.seq.num_reused_blocks
                 tracker.num_missed_blocks = self.cache.blocks_for(tracker.num_prompt_tokens) - tracker.num_reused_blocks
+                self._counts["reused_blocks"] += tracker.num_reused_blocks
+                self._counts["missed_blocks"] += tracker.num_missed_blocks
         try:
             results = self.runner.step(plan)
         except RankFailure:  # the ranks are gone or out of step: nothing can run any more

@@ -95,6 +95,13 @@ class ExecutorStats:
     kv_blocks_cached: int = 0  # blocks holding reusable prefix content, held by a request or free
     world_size: int = 1  # processes running the model (tensor/expert-parallel ranks)
     rank_memory_bytes: list[int] = field(default_factory=list)  # resident memory of each, rank 0 first
+    kv_reused_blocks: int = 0  # prompt blocks found in the prefix cache, over every request admitted
+    kv_missed_blocks: int = 0  # and those not found
+
+    @property
+    def kv_cache_hit_rate(self) -> float:
+        blocks = self.kv_reused_blocks + self.kv_missed_blocks
+        return self.kv_reused_blocks / blocks if blocks else 0.0
 
     @property
     def acceptance_rate(self) -> float:

@@ -197,7 +197,7 @@ class TritonPythonModel(EngineModel):
                 scalar("acceptance_rate", m.acceptance_rate, np.float32),
                 scalar("total_accepted_draft_tokens", m.accepted_draft_tokens, np.int32),
                 scalar("total_draft_tokens", m.draft_tokens, np.int32),
-                scalar("kv_cache_alloc_new_blocks", m.kv_blocks - m.reused_blocks, np.int32),
+                scalar("kv_cache_alloc_new_blocks", m.new_blocks, np.int32),
                 scalar("kv_cache_reused_blocks", m.reused_blocks, np.int32),
                 scalar("kv_cache_alloc_total_blocks", m.kv_blocks, np.int32),
                 scalar("arrival_time_ns", m.arrival_ns, np.int64),

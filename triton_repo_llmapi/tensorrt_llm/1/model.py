@@ -140,7 +140,7 @@ class TritonPythonModel(EngineModel):
             m = self.perf_metrics(stream, out.stats)
             tensors += [tensor("kv_cache_reused_block", m.reused_blocks, np.int32),
                         tensor("kv_cache_missed_block", m.missed_blocks, np.int32),
-                        tensor("kv_cache_alloc_new_blocks", m.kv_blocks - m.reused_blocks, np.int32),
+                        tensor("kv_cache_alloc_new_blocks", m.new_blocks, np.int32),
                         tensor("kv_cache_alloc_total_blocks", m.kv_blocks, np.int32),
                         tensor("kv_cache_hit_rate", m.kv_cache_hit_rate, np.float32),
                         tensor("arrival_time_ns", m.arrival_ns, np.int64),
