@@ -11,13 +11,28 @@ import contextlib
 import fcntl
 import os
 import shutil
+import signal
 import stat
 import tempfile
+import threading
 from pathlib import Path
 from typing import Iterator
 
 LOCK_SUFFIX = ".lock"
 OLD_SUFFIX = ".old"  # an output renamed aside while its replacement is moved in
+
+
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """SIGINT and SIGTERM wait until the block ends (their handlers run in the main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 @contextlib.contextmanager
@@ -28,7 +43,8 @@ def owned_tempdir(parent: Path, prefix: str) -> Iterator[Path]:
     made: tuple[int, str] | None = None
     tmp: Path | None = None
     try:  # everything inside: an interrupt (SIGTERM, Ctrl-C) anywhere still cleans up what exists
-        made = tempfile.mkstemp(prefix=prefix, suffix=LOCK_SUFFIX, dir=parent)
+        with _interrupts_held():  # between creating the lock file and recording it, an interrupt would leave it
+            made = tempfile.mkstemp(prefix=prefix, suffix=LOCK_SUFFIX, dir=parent)
         fcntl.flock(made[0], fcntl.LOCK_EX)
         tmp = Path(made[1][: -len(LOCK_SUFFIX)])
         tmp.mkdir(0o755)
