@@ -3,10 +3,10 @@ Python Session on the same model and settings, at concurrency 1, plain and MTP, 
 
   python -m benchmarks.openai_serving [--quick]
 
-The server runs as it does by default, its executor in a process of its own ("server"), and with
---no-engine_process, executor and HTTP server in one process ("one-process server"), to show what the split
-buys. Each round runs every mode's Session requests and server requests back to back, in an order reversed every
-other round, so drift on the machine hits both alike. Requests ignore eos, so each streams exactly
+The server runs with its executor in a process of its own ("server", --engine_process, the default on CUDA
+devices) and with executor and HTTP server in one process ("one-process server", --no-engine_process, the
+default on CPU), to show what the split buys. Each round runs every mode's Session requests and both servers'
+back to back, in an order rotated every round, so drift on the machine hits all three alike. Requests ignore eos, so each streams exactly
 max_tokens tokens; TTFT and TPOT are vLLM's, on the client's clock (the Session's: when its handle yields
 the first and last outputs; the server's: when the client reads the first and last chunks).
 """
@@ -87,7 +87,7 @@ def main() -> int:
         common = ["--device", args.device, "--log_level", "warning", *flags,
                   *(["--torch_threads", str(args.threads)] if args.threads else []),
                   *(["--dtype", args.dtype] if args.dtype else [])]
-        servers = {"server": start_dsv3_serve(model, *common),
+        servers = {"server": start_dsv3_serve(model, *common, "--engine_process"),
                    "one_process": start_dsv3_serve(model, *common, "--no-engine_process")}
         try:
             with Session(model, num_draft_tokens=k, speculation="adaptive", device=args.device,
@@ -99,7 +99,8 @@ def main() -> int:
                     run(prompts[0])
                 got: dict[str, list] = {name: [] for name in paths}
                 for r in range(args.rounds):
-                    for name in (list(paths) if r % 2 == 0 else list(paths)[::-1]):
+                    names = list(paths)
+                    for name in names[r % len(names):] + names[:r % len(names)]:  # each path in each place
                         got[name] += [paths[name](pr) for pr in prompts]
             results[mode] = got
         finally:
