@@ -77,6 +77,8 @@ def main() -> int:
     p.add_argument("--max_tokens", type=int, default=64)
     p.add_argument("--requests_per_level", type=int, default=0, help="0: max(8, 2 x concurrency)")
     p.add_argument("--name", default="triton")
+    p.add_argument("--engine_process", choices=("true", "false"),
+                   help="the tensorrt_llm model's engine_process (default: the model's, on CUDA devices only)")
     args = parse_with_quick(p, None, dict(concurrency="1,2", max_tokens=16))
     if args.dtype is not None:
         p.error(f"--dtype: the Triton models run the engine in its build dtype; not settable here, got {args.dtype!r}")
@@ -99,7 +101,8 @@ def main() -> int:
         for mode, values in MODES.items():
             repo = fill_model_repo(work / f"repo-{mode}", default_values(
                 engine, **values, **({"torch_threads": str(args.threads)} if args.threads else {}),
-                **({"device": args.device} if args.device != "cpu" else {})))
+                **({"device": args.device} if args.device != "cpu" else {}),
+                **({"engine_process": args.engine_process} if args.engine_process else {})))
             with start_server(repo, log_file=work / f"{mode}.log") as server:
                 one_request(server.grpc_url, prompts[0], 8)  # warm-up
                 results[mode] = {"levels": [closed_loop(server.grpc_url, prompts, c,
