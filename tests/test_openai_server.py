@@ -101,6 +101,23 @@ def test_completions_with_mtp_equal_plain_decoding(server: Server, plain: Sessio
         assert spec["decode_steps"] < r.usage.completion_tokens  # drafts were accepted: fewer steps than tokens
 
 
+def test_a_repeated_prompt_reports_its_cached_tokens(server: Server, plain: Session) -> None:
+    """usage.prompt_tokens_details.cached_tokens (OpenAI's field): the prompt tokens found in the prefix cache,
+    whole KV blocks of them; the same text as without them; the server's prefix-cache counters move."""
+    prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 12)
+    n_prompt = len(plain.tokenizer.encode(prompt))
+    before = server.metrics()
+    first, second = (server.client.completions.create(model="deepseek-v3-mini", prompt=prompt, max_tokens=8,
+                                                      temperature=0) for _ in range(2))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0  # a prompt this test alone sends
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached % 16 == 0 and cached <= n_prompt - 1  # whole blocks; the last token is computed
+    assert second.choices[0].text == first.choices[0].text
+    after = server.metrics()
+    assert after["prefix_cache_reused_blocks_total"] - before["prefix_cache_reused_blocks_total"] == cached // 16
+    assert after["prefix_cache_missed_blocks_total"] > before["prefix_cache_missed_blocks_total"]
+
+
 def test_token_id_prompts_and_batches_of_prompts(server: Server, plain: Session) -> None:
     ids = [plain.tokenizer.encode(p) for p in PROMPTS]
     r = server.client.completions.create(model="deepseek-v3-mini", prompt=ids, max_tokens=TOKENS, temperature=0)

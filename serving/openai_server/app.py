@@ -136,7 +136,7 @@ class OpenAIServer:
             texts = [g.echo_texts[i // g.n] + t for i, t in enumerate(texts)]
         choices = [protocol.choice(i, t, o.finish_reason, chat, chunk=False, logprobs=self._logprobs(o.logprobs, chat, 0))
                    for i, (t, o) in enumerate(zip(texts, outs))]
-        usage = protocol.usage(g.prompts, [o.stats for o in outs])
+        usage = protocol.usage(g.prompts, [o.stats for o in outs], self.executor.kv_block_size)
         self._log(g, outs, "ok", t0)
         return protocol.completion_object(g, self.model, choices, chat, usage)
 
@@ -192,7 +192,8 @@ class OpenAIServer:
             else:
                 outcome = "ok"
                 if g.include_usage:
-                    usage = protocol.usage(g.prompts, [finals[i].stats for i in sorted(finals)])
+                    usage = protocol.usage(g.prompts, [finals[i].stats for i in sorted(finals)],
+                                           self.executor.kv_block_size)
                     yield _sse(protocol.completion_object(g, self.model, [], chat, usage, chunk=True))
             yield "data: [DONE]\n\n"
         finally:
@@ -228,7 +229,10 @@ class OpenAIServer:
                 ("generated_tokens_total", "counter", s.generated_tokens),
                 ("draft_tokens_total", "counter", s.draft_tokens),
                 ("accepted_draft_tokens_total", "counter", s.accepted_draft_tokens),
-                ("draft_len", "gauge", s.current_draft_len)]
+                ("draft_len", "gauge", s.current_draft_len),
+                ("kv_blocks_cached", "gauge", s.kv_blocks_cached),
+                ("prefix_cache_reused_blocks_total", "counter", s.kv_reused_blocks),
+                ("prefix_cache_missed_blocks_total", "counter", s.kv_missed_blocks)]
         lines = []
         for name, kind, value in rows:
             lines += [f"# TYPE dsv3_{name} {kind}", f'dsv3_{name}{{model="{self.model}"}} {value}']

@@ -336,13 +336,17 @@ def parameter_of(message: str) -> str | None:
 
 
 # ---- responses ---------------------------------------------------------------------------------------------------
-def usage(prompts: list[list[int]], stats: list[RequestStats]) -> dict[str, Any]:
-    """OpenAI's token counts (each prompt once, every choice's output), and the requests' MTP drafting."""
+def usage(prompts: list[list[int]], stats: list[RequestStats], kv_block_size: int) -> dict[str, Any]:
+    """OpenAI's token counts (each prompt once, every choice's output; the prompt tokens found in the prefix cache
+    as `prompt_tokens_details.cached_tokens`, each prompt's best choice), and the requests' MTP drafting."""
     prompt_tokens = sum(map(len, prompts))
+    n = len(stats) // len(prompts)  # choice i of prompt p at p * n + i
+    cached = sum(max(s.num_reused_blocks for s in stats[p * n:(p + 1) * n]) for p in range(len(prompts)))
     completion = sum(s.output_tokens for s in stats)
     drafted = sum(s.num_draft_tokens for s in stats)
     accepted = sum(s.num_accepted_draft_tokens for s in stats)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached * kv_block_size},
             "speculative_decoding": {"total_draft_tokens": drafted, "total_accepted_draft_tokens": accepted,
                                      "acceptance_rate": accepted / drafted if drafted else 0.0,
                                      "decode_steps": sum(s.num_steps for s in stats)}}
