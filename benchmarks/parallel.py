@@ -19,38 +19,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import load_memory
+
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "models" / "deepseek-v3-mini"
 
-CONFIG = {  # about 1 GB as an FP8 release: 8 MoE layers (the MTP one included) of 64 experts
-    "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
-    "vocab_size": 8192, "hidden_size": 1024, "intermediate_size": 4096, "moe_intermediate_size": 512,
-    "num_hidden_layers": 8, "num_nextn_predict_layers": 1, "first_k_dense_replace": 1,
-    "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": 512, "kv_lora_rank": 256,
-    "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64,
-    "n_routed_experts": 64, "num_experts_per_tok": 6, "n_group": 8, "topk_group": 4, "n_shared_experts": 1,
-    "routed_scaling_factor": 2.5, "max_position_embeddings": 4096,
-    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                            "weight_block_size": [128, 128]},
-}
-
-WRITE = """
-import torch
-from builder.hf_writer import write_hf_checkpoint
-from runtime.io.checkpoint import expected_tensor_shapes
-from runtime.model.config import ModelConfig
-cfg = ModelConfig.from_dict({config!r})
-g = torch.Generator().manual_seed(0)
-tensors = ((n, torch.ones(s) if len(s) == 1 else 0.02 * torch.randn(s, generator=g))
-           for n, s in expected_tensor_shapes(cfg).items())
-write_hf_checkpoint({src!r}, cfg, tensors, fp8=True, max_shard_bytes=100_000_000, tokenizer_dir={tokenizer!r})
-"""
+CONFIG = {**load_memory.CONFIG, "num_hidden_layers": 8}  # about 1 GB as an FP8 release: 8 MoE layers of 64 experts
 
 LOAD = """
 import os
@@ -80,15 +59,13 @@ def memory(work: Path, config: dict) -> dict:
     src, engine = work / "synthetic", work / "synthetic-tp2"
     from benchmarks.common import run_tool
 
-    run_tool([sys.executable, "-c", WRITE.format(config=config, src=str(src), tokenizer=str(SHIPPED))])
+    run_tool([sys.executable, "-c", load_memory.WRITE.format(config=config, src=str(src), tokenizer=str(SHIPPED))])
     run_tool([Path(sys.executable).with_name("build_engine"), "--model_dir", src, "--output_dir", engine,
               "--max_seq_len", "1024", "--tp_size", "2"])
     weights = json.loads((engine / "engine.json").read_text())["weights"]
     out = {"release_mib": sum(f.stat().st_size for f in src.glob("*.safetensors")) / 2**20, "ranks": {}}
     for rank in (0, 1, -1):
-        text = subprocess.run([sys.executable, "-c", LOAD.format(path=str(engine), rank=rank)], check=True,
-                              stdout=subprocess.PIPE, text=True, cwd=ROOT).stdout
-        r = {k: int(v) for k, v in (line.split() for line in text.splitlines() if len(line.split()) == 2)}
+        r = load_memory.child(LOAD.format(path=str(engine), rank=rank))
         files = [engine / w for w in weights] if rank < 0 else [engine / weights[rank]]
         shard = sum(f.stat().st_size for f in files)
         out["ranks"]["joined (world_size 1)" if rank < 0 else f"rank {rank}"] = {

@@ -26,7 +26,7 @@ from runtime.executors.requests import RequestOutput
 from runtime.io.loading import load_engine
 
 from conftest import bigram_tensors, chi2_pvalue, tiny_config_dict
-from executor_util import assert_all_free
+from executor_util import assert_all_free, run_fresh as run
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -34,19 +34,6 @@ MAX_SEQ_LEN = 256
 TOL = 1e-5
 P_MIN = 1e-4
 
-
-def run(engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], k: int, *,
-        alone: bool = False, **config) -> list[RequestOutput]:
-    """Outputs on a fresh executor with a fixed k (0: plain), all submitted together or one at a time."""
-    params = params if isinstance(params, list) else [params] * len(prompts)
-    cfg = ExecutorConfig(num_draft_tokens=k, speculation="fixed" if k else "off", max_seq_len=MAX_SEQ_LEN, **config)
-    with Executor(engine, cfg) as ex:
-        if alone:
-            outs = [ex.submit(p, sp).result(120) for p, sp in zip(prompts, params)]
-        else:
-            outs = [h.result(120) for h in [ex.submit(p, sp) for p, sp in zip(prompts, params)]]
-        assert_all_free(ex)
-    return outs
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from runtime.executors.requests import RequestOutput
 from runtime.executors.session import Session
 
 from conftest import chi2_pvalue
-from executor_util import assert_all_free
+from executor_util import assert_all_free, run_fresh as run
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -64,17 +64,6 @@ def prompts(shipped_model_dir, shipped_tokenizer) -> list[list[int]]:
     rows = json.loads((shipped_model_dir / "heldout_prompts.json").read_text())
     return [shipped_tokenizer.encode(r["text"])[:32] for r in rows[:6]]
 
-
-def run(engine, prompts: list[list[int]], params: list[SamplingParams], k: int, alone: bool = False,
-        speculation: str = "fixed") -> list[RequestOutput]:
-    cfg = ExecutorConfig(num_draft_tokens=k, speculation=speculation if k else "off", max_seq_len=256)
-    with Executor(engine, cfg) as ex:
-        if alone:
-            outs = [ex.submit(p, sp).result(120) for p, sp in zip(prompts, params)]
-        else:
-            outs = [h.result(120) for h in [ex.submit(p, sp) for p, sp in zip(prompts, params)]]
-        assert_all_free(ex)
-    return outs
 
 
 def test_greedy_output_is_the_same_for_every_k_and_parses(shipped_engine, shipped_tokenizer, prompts) -> None:
