@@ -7,8 +7,10 @@ version elsewhere, and the binaries need the wheel's bundled libraries and a sha
 the library path. This script prepares a private copy of the backends with the right stub, sets
 LD_LIBRARY_PATH and PATH (the stub takes its Python environment from the `python3` first on PATH),
 starts the server bound to 127.0.0.1 unless told otherwise, waits until /v2/health/ready answers,
-and stops it on SIGINT/SIGTERM. With --world_size N it runs one tritonserver per rank under
-mpirun, as upstream does (rank 0 serves, the other ranks load only the engine model).
+and stops it on SIGINT/SIGTERM. --world_size N serves an engine built with --tp_size N from one tritonserver whose
+engine model starts the engine's ranks itself (runtime.executors.ranks), as TensorRT-LLM's LLM API spawns its
+workers under upstream's `llmapi` model; upstream's mpirun of one tritonserver per rank served the C++ backend it
+deleted.
 
     launch_triton_server --model_repo /tmp/repo --http_port 8000
 
@@ -39,6 +41,9 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from runtime.executors.lifetime import terminate_with_parent
+
+# the launcher's --world_size, for the engine models (serving.triton_engine): ExecutorConfig.world_size
+WORLD_SIZE_ENV = "DSV3_WORLD_SIZE"
 
 CONTAINER_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
 RESTRICTED_APIS = "shared-memory,model-repository,logging,trace"
@@ -162,47 +167,34 @@ def restricted_api_args(admin_api_key: str | None) -> list[str]:
 
 
 def build_command(install: TritonInstall, backends: Path, model_repo: Path, *,
-                  host: str, http_port: int, grpc_port: int, metrics_port: int, world_size: int = 1,
-                  engine_model_names: Sequence[str] = ("tensorrt_llm",), log_verbose: int = 0,
-                  exit_timeout_s: int = 30, shm_prefix: str = "dsv3_", mpirun: str = "mpirun",
-                  admin_api_key: str | None = None, extra_args: Sequence[str] = ()) -> list[str]:
-    """The tritonserver command line; with world_size > 1 an mpirun MPMD line with one
-    tritonserver per rank, rank 0 serving and the others loading only the engine model(s)."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    cmd: list[str] = [mpirun, "--allow-run-as-root"] if world_size > 1 else []
-    for rank in range(world_size):
-        if world_size > 1:
-            cmd += ["-n", "1"]
-        cmd += [
-            str(install.tritonserver),
-            f"--model-repository={model_repo}",
-            f"--backend-directory={backends}",
-            f"--http-address={host}", f"--http-port={http_port}",
-            f"--grpc-address={host}", f"--grpc-port={grpc_port}",
-            f"--metrics-address={host}", f"--metrics-port={metrics_port}",
-            "--allow-gpu-metrics=false",
-            "--disable-auto-complete-config",
-            f"--exit-timeout-secs={exit_timeout_s}",
-            *restricted_api_args(admin_api_key),
-            # distinct per server and rank: python stubs of two servers must not share shm regions
-            f"--backend-config=python,shm-region-prefix-name={shm_prefix}{rank}_",
-        ]
-        if install.caches is not None:
-            cmd.append(f"--cache-directory={install.caches}")
-        if log_verbose:
-            cmd.append(f"--log-verbose={log_verbose}")
-        if rank > 0:
-            cmd += ["--model-control-mode=explicit", *(f"--load-model={m}" for m in engine_model_names)]
-        cmd += list(extra_args)
-        if world_size > 1 and rank < world_size - 1:
-            cmd.append(":")
-    return cmd
+                  host: str, http_port: int, grpc_port: int, metrics_port: int, log_verbose: int = 0,
+                  exit_timeout_s: int = 30, shm_prefix: str = "dsv3_", admin_api_key: str | None = None,
+                  extra_args: Sequence[str] = ()) -> list[str]:
+    """The tritonserver command line."""
+    cmd = [
+        str(install.tritonserver),
+        f"--model-repository={model_repo}",
+        f"--backend-directory={backends}",
+        f"--http-address={host}", f"--http-port={http_port}",
+        f"--grpc-address={host}", f"--grpc-port={grpc_port}",
+        f"--metrics-address={host}", f"--metrics-port={metrics_port}",
+        "--allow-gpu-metrics=false",
+        "--disable-auto-complete-config",
+        f"--exit-timeout-secs={exit_timeout_s}",
+        *restricted_api_args(admin_api_key),
+        # distinct per server: python stubs of two servers must not share shm regions
+        f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
+    ]
+    if install.caches is not None:
+        cmd.append(f"--cache-directory={install.caches}")
+    if log_verbose:
+        cmd.append(f"--log-verbose={log_verbose}")
+    return cmd + list(extra_args)
 
 
 @dataclass
 class TritonServer:
-    """A running tritonserver (or mpirun of several); stop() it, or use it as a context manager."""
+    """A running tritonserver; stop() it, or use it as a context manager."""
 
     process: subprocess.Popen
     host: str
@@ -263,8 +255,8 @@ class TritonServer:
         return f"; last log lines ({self.log_path}):\n" + "\n".join(lines)
 
     def stop(self, sig: int = signal.SIGINT, timeout_s: float = 30.0) -> int | None:
-        """Forward `sig` (tritonserver shuts down gracefully on SIGINT/SIGTERM; mpirun forwards
-        it to the ranks), wait, then kill the whole process group; return the exit status."""
+        """Forward `sig` (tritonserver shuts down gracefully on SIGINT/SIGTERM), wait, then kill the whole
+        process group (the stubs and the engine's rank processes with them); return the exit status."""
         atexit.unregister(self.stop)
         if self.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -294,7 +286,7 @@ class TritonServer:
 
 def start_server(model_repo: str | Path, *, http_port: int = 0, grpc_port: int = 0, metrics_port: int = 0,
                  host: str = "127.0.0.1", log_file: str | Path | None = None, log_verbose: int = 0,
-                 world_size: int = 1, tritonserver: str | Path | None = None, ready_timeout_s: float = 300.0,
+                 world_size: int | None = None, tritonserver: str | Path | None = None, ready_timeout_s: float = 300.0,
                  exit_timeout_s: int = 30, admin_api_key: str | None = None, extra_args: Sequence[str] = (),
                  capture_output: bool = True, env: dict[str, str] | None = None) -> TritonServer:
     """Start tritonserver on `model_repo` and wait until it is ready; ports 0 pick free ones.
@@ -308,9 +300,8 @@ def start_server(model_repo: str | Path, *, http_port: int = 0, grpc_port: int =
     if not model_repo.is_dir():
         raise FileNotFoundError(f"--model_repo {model_repo}: not a directory")
     install = find_install(tritonserver)
-    mpirun = shutil.which("mpirun") if world_size > 1 else "mpirun"
-    if mpirun is None:
-        raise FileNotFoundError(f"world_size {world_size} needs mpirun on PATH (one tritonserver per rank)")
+    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
+        raise ValueError(f"--world_size {world_size!r}: must be an integer >= 1")
     bind_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
     chosen = iter(free_ports(3, bind_host))
     http_port, grpc_port, metrics_port = (p or next(chosen) for p in (http_port, grpc_port, metrics_port))
@@ -320,13 +311,16 @@ def start_server(model_repo: str | Path, *, http_port: int = 0, grpc_port: int =
         backends = prepare_backends(install, workdir)
         shm_prefix = f"dsv3_{os.getpid()}_{next(_instance_counter)}_"
         cmd = build_command(install, backends, model_repo, host=host, http_port=http_port,
-                            grpc_port=grpc_port, metrics_port=metrics_port, world_size=world_size,
-                            log_verbose=log_verbose, exit_timeout_s=exit_timeout_s, mpirun=mpirun,
+                            grpc_port=grpc_port, metrics_port=metrics_port,
+                            log_verbose=log_verbose, exit_timeout_s=exit_timeout_s,
                             shm_prefix=shm_prefix, admin_api_key=admin_api_key, extra_args=extra_args)
         log_path = Path(log_file).resolve() if log_file else (workdir / "server.log" if capture_output else None)
         handle = open(log_path, "ab") if log_path else None
         # own session: Ctrl-C in a terminal reaches only us, and stop() can kill the whole group
-        proc = subprocess.Popen(cmd, env=server_env(install, env), stdin=subprocess.DEVNULL, stdout=handle,
+        server_environ = server_env(install, env)
+        if world_size is not None:
+            server_environ[WORLD_SIZE_ENV] = str(world_size)
+        proc = subprocess.Popen(cmd, env=server_environ, stdin=subprocess.DEVNULL, stdout=handle,
                                 stderr=subprocess.STDOUT if handle else None, start_new_session=True,
                                 preexec_fn=terminate_with_parent)
     except BaseException:
@@ -444,7 +438,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--http_port", type=int, default=8000)
     parser.add_argument("--grpc_port", type=int, default=8001)
     parser.add_argument("--metrics_port", type=int, default=8002)
-    parser.add_argument("--world_size", type=int, default=1, help="ranks (one tritonserver each, via mpirun)")
+    parser.add_argument("--world_size", type=int,
+                        help="processes to run the engine in: its --tp_size (one per rank, started by the engine "
+                             "model; the default) or 1 (its ranks joined in one process)")
     parser.add_argument("--log_file", type=Path, help="write server output here instead of the terminal")
     parser.add_argument("--log_verbose", type=int, default=0, help="tritonserver --log-verbose level")
     parser.add_argument("--ready_timeout", type=float, default=600.0, help="seconds to wait for readiness")

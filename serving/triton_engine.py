@@ -17,6 +17,7 @@ Streamed chunks end on whole characters: ids whose text ends inside a character 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import queue
 import signal
@@ -35,6 +36,7 @@ from runtime.executors.base import ExecutorConfig, ExecutorProtocol, create_exec
 from runtime.executors.process import ProcessExecutor, use_engine_process
 from runtime.executors.requests import RequestOutput, RequestStats
 from runtime.core.sampling import SamplingParams
+from serving.launcher import WORLD_SIZE_ENV
 from serving.request_validation import RequestError
 from serving.watchdog import Progress, Watchdog
 
@@ -107,7 +109,10 @@ class EngineModel:
         rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
         if rank:
             raise pb_utils.TritonModelException(
-                f"rank {rank}: the native runtime runs in one process (ranks are merged at load); use world_size 1")
+                f"rank {rank}: one tritonserver serves every rank of an engine (its engine model starts them); "
+                "run one, with launch_triton_server --world_size N, not one per rank under mpirun")
+        if os.environ.get(WORLD_SIZE_ENV):
+            executor_config = dataclasses.replace(executor_config, world_size=int(os.environ[WORLD_SIZE_ENV]))
         pb_utils.Logger.log_info(f"{self.label}: loading {engine_dir}")
         if use_engine_process(engine_process, executor_config.device):
             self.executor: ExecutorProtocol = ProcessExecutor(engine_dir, executor_config, torch_threads=torch_threads)

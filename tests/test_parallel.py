@@ -8,6 +8,7 @@ model's order, so logits agree to rounding (checked too), and the tokens exactly
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -220,3 +221,50 @@ def test_dry_run_plans_what_the_ranks_hold(tp2, shipped_model_dir, capsys):
 def test_world_size_must_fit_the_engine(tp2):
     with pytest.raises(ValueError, match="world_size 3: .* has tp_size 2"):
         Executor(tp2, ExecutorConfig(world_size=3))
+
+
+def _descendants(root: int) -> list[str]:
+    """Command lines of root's live descendants."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            children.setdefault(int(stat.read_text().rsplit(")", 1)[1].split()[1]), []).append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    found, todo = [], [root]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            todo.append(pid)
+            with contextlib.suppress(OSError):
+                found.append((Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+    return found
+
+
+def test_triton_world_size_serves_the_engine_from_its_ranks(tp2, tmp_path):
+    """launch_triton_server --world_size 2 on a tp-2 engine: one tritonserver, whose engine model starts rank 1 and
+    answers as the joined engine does; stopping the server ends the rank. --world_size 3 fails to load, naming it."""
+    pytest.importorskip("tritonclient.http")
+    from serving.launcher import start_server
+    from serving.model_repo import add_llmapi_model
+    from test_triton import http_generate
+
+    (tmp_path / "repo").mkdir()
+    add_llmapi_model(tmp_path / "repo", tp2, decoupled=False)
+    prompt = "def fibonacci(n):"
+    with Executor(tp2, ExecutorConfig(world_size=1, kv_cache_tokens=1024)) as ex:
+        want = ex.tokenizer.decode(
+            ex.submit(ex.tokenizer.encode(prompt), SamplingParams(max_tokens=16, temperature=0.0)).result().token_ids)
+    server = start_server(tmp_path / "repo", world_size=2, log_file=tmp_path / "server.log", ready_timeout_s=240,
+                          exit_timeout_s=5)
+    try:
+        ranks = [c for c in _descendants(server.process.pid) if "runtime.executors.ranks" in c]
+        assert len(ranks) == 1 and "/tensorrt_llm/engine 1 2 " in ranks[0], ranks  # the engine, linked as "engine"
+        status, body = http_generate(server, "tensorrt_llm", text_input=prompt, sampling_param_max_tokens=16,
+                                     sampling_param_temperature=0.0)
+        assert status == 200 and body["text_output"] == want, body
+    finally:
+        server.stop()
+    assert not [c for c in _descendants(os.getpid()) if "runtime.executors.ranks" in c]
+    with pytest.raises(RuntimeError, match="world_size 3: .* has tp_size 2"):
+        start_server(tmp_path / "repo", world_size=3, log_file=tmp_path / "bad.log", ready_timeout_s=240,
+                     exit_timeout_s=5)

@@ -276,21 +276,6 @@ def test_every_template_placeholder_is_filled_by_the_test_values(tmp_path: Path,
                     "exclude_input_in_output", "accumulate_tokens"}
 
 
-def test_launcher_world_size_command_runs_one_server_per_rank() -> None:
-    install = find_install()
-    cmd = build_command(install, Path("/b"), Path("/repo"), host="127.0.0.1", http_port=1, grpc_port=2,
-                        metrics_port=3, world_size=2, mpirun="mpirun", shm_prefix="t_")
-    assert cmd[:4] == ["mpirun", "--allow-run-as-root", "-n", "1"]
-    rank0, rank1 = " ".join(cmd).split(" : ")
-    assert "--http-address=127.0.0.1" in rank0 and "--grpc-address=127.0.0.1" in rank0
-    assert "shm-region-prefix-name=t_0_" in rank0 and "shm-region-prefix-name=t_1_" in rank1
-    assert "--load-model" not in rank0
-    assert "--model-control-mode=explicit" in rank1 and "--load-model=tensorrt_llm" in rank1
-    single = build_command(install, Path("/b"), Path("/repo"), host="0.0.0.0", http_port=1, grpc_port=2,
-                           metrics_port=3)
-    assert single[0] == str(install.tritonserver) and ":" not in single
-
-
 LAUNCHER_ERRORS = {
     "port_zero": (["--http_port", "0"], "--http_port 0: a port must be in 1..65535"),
     "port_too_large": (["--metrics_port", "65536"], "--metrics_port 65536: a port must be in 1..65535"),
