@@ -306,6 +306,8 @@ class EngineModel:
             "kv_free": kv.Metric(labels={"kv_cache_block_type": "free", **labels}),
             "kv_max": kv.Metric(labels={"kv_cache_block_type": "max", **labels}),
             "kv_fraction": kv.Metric(labels={"kv_cache_block_type": "fraction", **labels}),
+            "kv_tokens_per": kv.Metric(labels={"kv_cache_block_type": "tokens_per", **labels}),
+            "kv_reused": kv.Metric(labels={"kv_cache_block_type": "reused", **labels}),  # prompt blocks, since start
             "acceptance_rate": spec.Metric(labels={"spec_decode_type": "acceptance_rate", **labels}),
             "acceptance_estimate": spec.Metric(labels={"spec_decode_type": "acceptance_estimate", **labels}),
             "draft_len": spec.Metric(labels={"spec_decode_type": "draft_len", **labels}),
@@ -320,6 +322,7 @@ class EngineModel:
                 labels={"response_metric_type": "total_output_tokens", **labels}, buckets=buckets),
         }
         self.metrics["max"].set(self.executor.limits.max_batch_size)
+        self.metrics["kv_tokens_per"].set(self.kv_block_size)
 
     def _metrics_loop(self) -> None:
         m, last = self.metrics, {"generated": 0, "drafted": 0, "accepted": 0}
@@ -334,6 +337,7 @@ class EngineModel:
             m["kv_free"].set(s.kv_blocks_free)
             m["kv_max"].set(blocks)
             m["kv_fraction"].set(s.kv_blocks_used / blocks if blocks else 0.0)
+            m["kv_reused"].set(s.kv_reused_blocks)
             m["acceptance_rate"].set(s.acceptance_rate)
             m["acceptance_estimate"].set(s.acceptance_estimate)
             m["draft_len"].set(s.current_draft_len)

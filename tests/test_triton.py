@@ -33,6 +33,7 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 
 from runtime.core.sampling import SamplingParams  # noqa: E402
 from runtime.executors.session import Session  # noqa: E402
+from runtime.io.engine_format import read_limits  # noqa: E402
 from serving.fill_template import fill, parse_substitutions  # noqa: E402
 from serving.launcher import build_command, find_install, free_ports, python_stubs  # noqa: E402
 from triton_util import (TEMPLATE_REPO, TritonServer, add_model, fill_model_repo,  # noqa: E402
@@ -948,8 +949,10 @@ def test_shipped_model_streams_what_the_session_generates(shipped_server: Triton
 
 
 # ---- metrics ---------------------------------------------------------------------------------
-def test_metrics_report_requests_tokens_acceptance_kv_and_queue(server: TritonServer) -> None:
-    grpc_stream(server, "ensemble", text_input="hello", max_tokens=8)
+def test_metrics_report_requests_tokens_acceptance_kv_and_queue(server: TritonServer, checkpoint: Path) -> None:
+    long = " ".join(f"word{i}" for i in range(120))  # several full KV blocks, found in the prefix cache the second time
+    for text in ("hello", long, long):
+        grpc_stream(server, "ensemble", text_input=text, max_tokens=8)
 
     def settled() -> bool:
         m = metrics(server)
@@ -963,6 +966,9 @@ def test_metrics_report_requests_tokens_acceptance_kv_and_queue(server: TritonSe
     assert 0 <= metric(m, "nv_trt_llm_spec_decode_metrics", spec_decode_type="acceptance_rate") <= 1
     assert metric(m, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="max") > 0
     assert metric(m, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="used") == 0
+    assert metric(m, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="tokens_per") == \
+        read_limits(checkpoint)[1].kv_block_size
+    assert metric(m, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="reused") > 0
     assert metric(m, "nv_trt_llm_request_metrics", request_type="waiting") == 0
     assert metric(m, "nv_llm_output_token_len_count") > 0
 
