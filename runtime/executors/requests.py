@@ -239,11 +239,16 @@ class RequestIds:
             self._live.discard(request_id)
 
 
-def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_seq_len: int) -> None:
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_seq_len: int,
+                     max_batch_size: int) -> None:
     """Raise ValueError naming the parameter and what was expected."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
     params.validate(vocab_size)
+    if params.num_sequences > max_batch_size:
+        name = "n" if params.best_of is None else "best_of"
+        raise ValueError(f"{name} {params.num_sequences} exceeds this executor's max_batch_size {max_batch_size}: "
+                         "the request's sequences run in one batch")
     if not isinstance(prompt_token_ids, (list, tuple)) or not all(map(is_int, prompt_token_ids)):
         raise ValueError(f"prompt must be a list of integer token ids, got {prompt_token_ids!r:.80}")
     n = len(prompt_token_ids)
