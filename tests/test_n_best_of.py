@@ -146,3 +146,29 @@ def test_a_handle_of_several_outputs_gives_them_by_results(engine) -> None:
         with pytest.raises(ValueError, match=r"has 2 outputs \(n\); use results\(\)"):
             handle.result(120)
         assert len(handle.results(120)) == 2
+
+
+def test_chunked_prefill_and_preemption_keep_each_output_exact(engine) -> None:
+    """The prompt prefilled in chunks of 24 tokens and a KV pool too small for all four sequences at once (some wait
+    or are preempted and recomputed): each output is still its single request's, and every block comes back."""
+    params = replace(SAMPLED, n=4, max_tokens=40)
+    with executor(engine, 0, max_num_tokens=24, kv_cache_tokens=12 * BLOCK) as ex:
+        outs = ex.submit(PROMPT, params).results(300)
+        preemptions = ex.scheduler.preemptions
+        assert_all_free(ex)
+    assert preemptions > 0, "the pool was meant to be too small for all four"
+    assert [o.token_ids for o in outs] == [r.token_ids for r in singles(engine, 0, params, 4)]
+
+
+def test_session_returns_each_prompts_outputs(spec_checkpoint) -> None:
+    from runtime import Session
+
+    with Session(spec_checkpoint, num_draft_tokens=2) as s:
+        [one, two] = s.generate(["def fib(n):", "import os"], SamplingParams(max_tokens=6, temperature=1.0, seed=4,
+                                                                               n=2, best_of=3))
+        assert [o.index for o in one.outputs] == [0, 1] and len(two.outputs) == 2
+        assert one.text == one.outputs[0].text and one.token_ids == one.outputs[0].token_ids
+        assert one.outputs[0].cumulative_logprob >= one.outputs[1].cumulative_logprob
+        assert one.outputs[0].logprobs is None  # computed for the ranking, not asked for
+        with pytest.raises(ValueError, match="n and best_of must be 1"):
+            s.stream("x", SamplingParams(temperature=1.0, n=2))
