@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
-import hashlib
 import logging
 import os
 import sys
@@ -61,12 +60,9 @@ def cpu_kernels() -> ModuleType | None:
         return None
     from torch.utils.cpp_extension import load
 
-    # Built once into torch's extension cache (TORCH_EXTENSIONS_DIR), rebuilt when the source changes; one
-    # directory per source path, since ninja rebuilds whenever the path in its command changes (two checkouts
-    # sharing one directory would rebuild in turn, each waiting for the other's build)
-    checkout = hashlib.sha1(str(SOURCE.resolve()).encode()).hexdigest()[:8]
+    # Built once into torch's extension cache (TORCH_EXTENSIONS_DIR), rebuilt when the source changes.
     build_dir = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions")) / \
-        f"{EXTENSION}_py{sys.version_info.major}{sys.version_info.minor}_{checkout}"
+        f"{EXTENSION}_py{sys.version_info.major}{sys.version_info.minor}"
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
         with _sole_builder(build_dir):
