@@ -12,8 +12,9 @@ Nothing is dropped.
 With prefix caching (`PrefixCache`), a sequence being admitted starts on the longest chain of cached blocks its
 tokens match, shared with other sequences, and prefills only the rest; a preempted one thus recomputes only
 what was evicted meanwhile. The sequences of a request with several outputs (n / best_of) share its prompt
-that way: the others wait until the first has prefilled it (`_held`). A drafting sequence recomputes the part of the chain whose MTP rows it cannot use,
-unless the draft policy would not draft at the batch size it joins: it then stops drafting and reuses it all.
+that way: the others wait until the first has prefilled it (`_held`). A drafting sequence recomputes the part of
+the chain whose MTP rows it cannot use, unless the draft policy would not draft at the batch size it joins: it
+then stops drafting and reuses it all.
 
 The draft length comes from a `DraftPolicy` (runtime.core.draft_policy), and no more than leaves the token
 budget to prompts waiting to be prefilled.

@@ -428,7 +428,8 @@ class Executor:
     def _finish(self, request_id: str, reason: str, new: list[int] | None = None, delta: str = "",
                 error: str | None = None) -> None:
         """End a sequence (`request_id` is its Sequence.request_id; finished by its step, cancelled or failed): its
-        blocks go back and its last output out, the request's id free once its last sequence has ended; one at a time, so a callback's stats() sees every request running, queued or finished."""
+        blocks go back and its last output out, and the request's id is free once its last sequence has ended; one
+        at a time, so a callback's stats() sees every request running, queued or finished."""
         if request_id not in self._requests:
             return
         seq, tracker = self._requests.pop(request_id)
