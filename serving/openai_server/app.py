@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP server: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (SSE
 streaming), `/health` and `/metrics`, on the executor directly, as `trtllm-serve` and `vllm serve` run.
 
-Handlers only translate: a request's choices are submitted to the executor, whose thread runs every
-request in flight in one batch, and the handler waits on each `RequestHandle` asynchronously. A
+Handlers only translate: each prompt of a request is submitted to the executor with its n choices (one
+executor request, the prompt computed once), whose thread runs every request in flight in one batch, and the handler waits on each `RequestHandle` asynchronously. A
 streamed chunk carries what one executor output brought (every token of one MTP step together). A
 client that disconnects, streaming or not, has its requests cancelled, which frees their KV blocks.
 """
