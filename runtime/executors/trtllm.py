@@ -29,7 +29,7 @@ releases; the LLM API of the PyTorch backend, which is the only one that runs De
   `has_event_loop()` (tensorrt_llm/executor/result.py).
 - The result (`RequestOutput(DetokenizedGenerationResultBase, GenerationResult)`) is async
   iterable (`__aiter__`/`__anext__` yield itself, updated), with `.finished`, `.abort()`,
-  `.decoding_iter`, `.outputs[0]` a `CompletionOutput` with cumulative `.token_ids`,
+  `.decoding_iter`, `.outputs` (n `CompletionOutput`s, SamplingParams.n) with cumulative `.token_ids`,
   `.finish_reason` in {'stop', 'length', 'timeout', 'cancelled', None} and (1.x)
   `.request_perf_metrics` (tensorrt_llm/executor/result.py).
 - `request_perf_metrics.speculative_decoding.{total_draft_tokens, total_accepted_draft_tokens,
