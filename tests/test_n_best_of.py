@@ -172,3 +172,12 @@ def test_session_returns_each_prompts_outputs(spec_checkpoint) -> None:
         assert one.outputs[0].logprobs is None  # computed for the ranking, not asked for
         with pytest.raises(ValueError, match="n and best_of must be 1"):
             s.stream("x", SamplingParams(temperature=1.0, n=2))
+
+
+def test_adaptive_speculation_serves_every_output_and_frees_every_block(engine) -> None:
+    """Under adaptive speculation the first sequence's first decode step may not draft; the others are then
+    admitted all the same (the prefix cache decides what they reuse) rather than waiting for MTP rows."""
+    with Executor(engine, ExecutorConfig(num_draft_tokens=3, speculation="adaptive", max_seq_len=256)) as ex:
+        outs = ex.submit(PROMPT, replace(SAMPLED, n=3, max_tokens=16)).results(120)
+        assert_all_free(ex)
+    assert [len(o.token_ids) for o in outs] == [16] * 3 and len({tuple(o.token_ids) for o in outs}) == 3
