@@ -4,7 +4,7 @@
 Triton tokenizer models) do not load the model code and torch.
 """
 
-__all__ = ["GenerationResult", "GuidedDecodingParams", "SamplingParams", "Session"]
+__all__ = ["CompletionOutput", "GenerationResult", "GuidedDecodingParams", "SamplingParams", "Session"]
 
 
 def __getattr__(name: str):
@@ -12,7 +12,7 @@ def __getattr__(name: str):
         from runtime.core import sampling
 
         return getattr(sampling, name)
-    if name in ("Session", "GenerationResult"):
+    if name in ("Session", "GenerationResult", "CompletionOutput"):
         from runtime.executors import session
 
         return getattr(session, name)

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -319,10 +320,27 @@ def test_llmapi_penalties_and_cumulative_logprob_match_the_session(llmapi: Trito
     assert result.as_numpy("cumulative_logprob")[0] == pytest.approx(want.cumulative_logprob, rel=1e-4, abs=1e-3)
 
 
+def test_llmapi_best_of_returns_the_most_likely_candidate(llmapi: TritonServer, session: Session) -> None:
+    """sampling_param_best_of (n 1, as upstream's model): the candidate with the highest cumulative logprob, of
+    those seeded seed + i."""
+    prompt = PROMPTS[1]
+    sampled = SamplingParams(max_tokens=TOKENS, temperature=1.0, seed=5)
+    want = session.generate([prompt], replace(sampled, best_of=3, logprobs=0))[0]
+    candidates = [session.generate([prompt], replace(sampled, seed=5 + i, logprobs=0))[0] for i in range(3)]
+    assert want.text == max(candidates, key=lambda c: c.cumulative_logprob).text
+    result = infer(llmapi, "tensorrt_llm_unary", text_input=np.array([prompt], object),
+                   sampling_param_max_tokens=np.array([TOKENS], np.int32),
+                   sampling_param_temperature=np.array([1.0], np.float32),
+                   sampling_param_seed=np.array([5], np.uint64), sampling_param_best_of=np.array([3], np.int32))
+    assert result.as_numpy("text_output")[0].decode() == want.text
+
+
 LLMAPI_BAD_REQUESTS = {
     "max_tokens_zero": (dict(sampling_param_max_tokens=0), "sampling_param_max_tokens"),
     "top_p_above_one": (dict(sampling_param_top_p=1.5), "sampling_param_top_p"),
-    "best_of_two": (dict(sampling_param_best_of=2), "sampling_param_best_of=2"),
+    "best_of_greedy": (dict(sampling_param_best_of=2), "sampling_param_best_of must be 1 when using greedy sampling"),
+    "best_of_above_max_batch": (dict(sampling_param_best_of=1000, sampling_param_temperature=1.0),
+                                "best_of 1000 exceeds this executor's max_batch_size"),
     "frequency_penalty": (dict(sampling_param_frequency_penalty=5.0), "sampling_param_frequency_penalty"),
     "temperature_negative": (dict(sampling_param_temperature=-1.0), "sampling_param_temperature"),
     "lora": (dict(lora_id=3, lora_name="a", lora_path="/x"), "lora_id"),

@@ -147,8 +147,8 @@ def make_tensorrt_llm_double() -> ModuleType:
     mod.report_metrics = True  # fill outputs[0].request_perf_metrics when asked for
 
     class CompletionOutput:  # tensorrt_llm/executor/result.py
-        def __init__(self) -> None:
-            self.index, self.text, self.token_ids = 0, "", []
+        def __init__(self, index: int = 0) -> None:
+            self.index, self.text, self.token_ids = index, "", []
             self.finish_reason: str | None = None
             self.stop_reason = None
             self.request_perf_metrics = None
@@ -158,7 +158,8 @@ def make_tensorrt_llm_double() -> ModuleType:
         def __init__(self, llm: "LLM", inputs: dict, sp: Any, streaming: bool) -> None:
             self.llm, self.inputs, self.sampling_params, self.streaming = llm, inputs, sp, streaming
             self.prompt_token_ids = list(inputs["prompt_token_ids"])
-            self.outputs = [CompletionOutput()]
+            # n outputs, best_of candidates: candidate i streams the plan's tokens + i (see _copy_to_candidates)
+            self.outputs = [CompletionOutput(i) for i in range(sp.best_of or sp.n)]
             self.finished = False
             self.decoding_iter = 0
             self.abort_calls = 0
@@ -215,11 +216,22 @@ def make_tensorrt_llm_double() -> ModuleType:
                 spec = SimpleNamespace(total_draft_tokens=self._drafted, total_accepted_draft_tokens=self._accepted,
                                        acceptance_rate=self._accepted / self._drafted if self._drafted else 0.0)
                 out.request_perf_metrics = SimpleNamespace(speculative_decoding=spec)
+            self._copy_to_candidates()
             return self._done(reason) if reason else self
 
+        def _copy_to_candidates(self) -> None:
+            """Candidate i's tokens are candidate 0's plus i, its cumulative logprob candidate 0's minus i."""
+            first = self.outputs[0]
+            for o in self.outputs[1:]:
+                o.token_ids = [t + o.index for t in first.token_ids]
+                o.cumulative_logprob = None if first.cumulative_logprob is None else first.cumulative_logprob - o.index
+
         def _done(self, reason: str) -> "RequestOutput":
-            self.outputs[0].finish_reason = self._plan.finish_reason or reason
+            for o in self.outputs:
+                o.finish_reason = self._plan.finish_reason or reason
             self.finished = True
+            if len(self.outputs) > self.sampling_params.n:  # best_of: upstream keeps the n it ranks best
+                self.outputs = sorted(self.outputs, key=lambda o: -o.index)[: self.sampling_params.n]
             return self
 
     class LLM:  # tensorrt_llm/llmapi/llm.py
@@ -391,6 +403,41 @@ def test_logprobs_penalties_and_min_tokens_map() -> None:
                             "has no logprobs_mode")
     newer = sampling_params_class(list(UPSTREAM_SAMPLING_FIELDS) + ["logprobs_mode"])
     assert adapt_to_upstream_fields(processed, newer)["logprobs_mode"] == "processed_logprobs"
+
+
+def test_n_and_best_of_map() -> None:
+    """n and best_of under upstream's names, only when more than one sequence is asked for."""
+    kw = to_trtllm_sampling_kwargs(SamplingParams(temperature=1.0, n=2, best_of=3), Tok())
+    assert (kw["n"], kw["best_of"]) == (2, 3) and "use_beam_search" not in kw
+    assert to_trtllm_sampling_kwargs(SamplingParams(temperature=1.0, n=2), Tok())["n"] == 2
+    assert not {"n", "best_of"} & set(to_trtllm_sampling_kwargs(SamplingParams(temperature=1.0), Tok()))
+
+
+def test_contract_n_outputs_stream_by_index_and_best_of_arrives_ranked(engine_dir: Path, trtllm: ModuleType) -> None:
+    with TrtllmExecutor(engine_dir) as ex:
+        prompt = ex.tokenizer.encode("def fib(n):")
+        params = SamplingParams(max_tokens=10, temperature=1.0, seed=3, ignore_eos=True, n=2)
+        handle = ex.submit(prompt, params)
+        streamed = list(handle)
+        outs = handle.results(5)
+        [req] = trtllm.llms[0].requests
+        assert req.sampling_params == trtllm.SamplingParams(**to_trtllm_sampling_kwargs(params, ex.tokenizer))
+        plan = default_plan(prompt, None)
+        assert [o.token_ids for o in outs] == [[plan.token(i) + k for i in range(10)] for k in (0, 1)]
+        assert [o.index for o in outs] == [0, 1] and {o.index for o in streamed} == {0, 1}
+        assert all("".join(o.text_delta for o in streamed if o.index == k) == outs[k].text for k in (0, 1))
+        assert outs[1].stats.output_tokens == 10 and outs[1].stats.num_steps == outs[0].stats.num_steps
+        # best_of 3, n 1: nothing until upstream has chosen; then its best (the double ranks candidate 2 first)
+        handle = ex.submit(prompt, SamplingParams(max_tokens=10, temperature=1.0, seed=3, ignore_eos=True, best_of=3))
+        streamed = list(handle)
+        assert [(o.index, o.finished) for o in streamed] == [(0, True)]
+        assert streamed[0].token_ids == [plan.token(i) + 2 for i in range(10)]
+        stats = ex.stats()
+        assert (stats.requests_finished, stats.running, stats.queued) == (2, 0, 0)
+        with pytest.raises(ValueError, match="n 9 exceeds this executor's max_batch_size"):
+            ex.submit(prompt, SamplingParams(temperature=1.0, n=9))
+        with pytest.raises(ValueError, match="n must be 1 when using greedy sampling"):
+            ex.submit(prompt, SamplingParams(n=2))
 
 
 def test_logprobs_from_upstream() -> None:

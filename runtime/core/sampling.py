@@ -119,6 +119,10 @@ class SamplingParams:
     min_tokens: int = 0  # eos and stop tokens are banned (and stop strings ignored) before this many
     num_draft_tokens: int | None = None  # at most this many drafts per step (0: plain decoding); None: the executor's
     guided_decoding: GuidedDecodingParams | None = None  # structured output: every token masked by the grammar
+    # several outputs per prompt (vLLM / TensorRT-LLM): best_of sequences are sampled (None: n), output i with seed
+    # + i, and the n with the highest cumulative logprob returned (all of them, in order, when best_of is n)
+    n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         """A single stop string is one stop string (not one per character); lists become tuples."""
@@ -170,6 +174,13 @@ class SamplingParams:
             raise ValueError(f"num_draft_tokens must be None or an integer >= 0, got {self.num_draft_tokens!r}")
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens ({self.max_tokens})], got {self.min_tokens!r}")
+        if not is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.best_of is not None and (not is_int(self.best_of) or self.best_of < self.n):
+            raise ValueError(f"best_of must be None or an integer >= n ({self.n}), got {self.best_of!r}")
+        if self.greedy and self.num_sequences > 1:  # vLLM's rule: every greedy output would be the same
+            name = "n" if self.best_of is None else "best_of"
+            raise ValueError(f"{name} must be 1 when using greedy sampling (temperature 0), got {getattr(self, name)}")
         if self.guided_decoding is not None:
             if not isinstance(self.guided_decoding, GuidedDecodingParams):
                 raise ValueError(f"guided_decoding must be a GuidedDecodingParams, got {type(self.guided_decoding).__name__}")
@@ -182,6 +193,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences a request runs: best_of, or n."""
+        return self.n if self.best_of is None else self.best_of
 
     @property
     def penalized(self) -> bool:

@@ -11,8 +11,10 @@ Nothing is dropped.
 
 With prefix caching (`PrefixCache`), a sequence being admitted starts on the longest chain of cached blocks its
 tokens match, shared with other sequences, and prefills only the rest; a preempted one thus recomputes only
-what was evicted meanwhile. A drafting sequence recomputes the part of the chain whose MTP rows it cannot use,
-unless the draft policy would not draft at the batch size it joins: it then stops drafting and reuses it all.
+what was evicted meanwhile. The sequences of a request with several outputs (n / best_of) share its prompt
+that way: the others wait until the first has prefilled it (`_held`). A drafting sequence recomputes the part of
+the chain whose MTP rows it cannot use, unless the draft policy would not draft at the batch size it joins: it
+then stops drafting and reuses it all.
 
 The draft length comes from a `DraftPolicy` (runtime.core.draft_policy), and no more than leaves the token
 budget to prompts waiting to be prefilled.
@@ -152,8 +154,11 @@ class Scheduler:
             plan.append(Scheduled(seq, chunk))
             budget = self.config.max_num_tokens - sum(it.num_new for it in plan)
         admit = not stalled and self.preemptions == preemptions
-        while admit and self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size:
-            seq = self.waiting[0]
+        for seq in list(self.waiting) if admit else []:
+            if budget <= 0 or len(self.running) >= self.config.max_batch_size:
+                break
+            if self._held(seq):
+                continue
             cached, with_mtp = self.prefix_cache.match(seq) if self.prefix_cache is not None else ([], 0)
             stop_drafting = with_mtp < len(cached) and not self.policy.drafts_at(len(self.running) + 1)
             if not stop_drafting:
@@ -168,13 +173,25 @@ class Scheduler:
             self.cache.reuse(seq.block_table, cached)
             self.cache.grow(seq.block_table, start + max(chunk, 1))
             self._start_at(seq, start)
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self.admissions += 1
             seq.status, seq.admitted_at = Status.RUNNING, self.admissions
             self.running.append(seq)
             plan.append(Scheduled(seq, chunk) if chunk else Scheduled(seq, 1, 0))
             budget -= max(chunk, 1)
         return plan
+
+    def _held(self, seq: Sequence) -> bool:
+        """A sibling of a request with several outputs waits while its leader prefills the shared prompt, and, where
+        both draft, until the leader's first decode step has computed the prompt blocks' MTP rows (the catch-up):
+        admitted earlier, it would compute the prompt again instead of sharing the leader's blocks. Later (whether
+        or not that step drafted) it is admitted, and the prefix cache's rules decide what it reuses."""
+        lead = seq.leader
+        if lead is None or self.prefix_cache is None or lead.status is Status.FINISHED:
+            return False
+        if lead.status is Status.WAITING or lead.in_prefill:
+            return True
+        return self.prefix_cache.drafts(lead) and self.prefix_cache.drafts(seq) and lead.num_output_tokens < 2
 
     def _start_at(self, seq: Sequence, start: int) -> None:
         """A sequence admitted on `start` cached positions: its target KV, and its MTP rows where it drafts

@@ -10,6 +10,10 @@ a while would otherwise copy its growing backlog every step).
 Prefix caching may start a sequence at num_cached > 0 (num_mtp with it where it drafts), on blocks it
 shares with others (runtime.core.prefix_cache); nothing ever writes below those positions.
 
+The sequences of one request with several outputs (n / best_of) share its prompt's full blocks: the first
+(their `leader`) prefills the prompt, the others are admitted once those blocks are cached, with their MTP
+rows where they draft, and compute only the partial last block.
+
 A guided request keeps its grammar matcher (`GrammarMatcher`), advanced by the step's one writer; a penalized
 request keeps its token counts as tensors (`PenaltyState`), updated by the step's one writer
 with the tokens it keeps, so a step reads them in O(vocabulary) rather than recounting its history.
@@ -81,6 +85,8 @@ class Sequence:
     num_registered_blocks: int = 0
     num_mtp_blocks: int = 0
     num_reused_blocks: int | None = None
+    # n / best_of: the first sequence of the request, for the others (they wait for its prompt blocks, Scheduler)
+    leader: Sequence | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -15,6 +15,7 @@ import os
 import queue
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -31,8 +32,8 @@ from runtime.core.grammar import GrammarCompiler
 from runtime.core.prefix_cache import PrefixCache
 from runtime.core.scheduler import Scheduler
 from runtime.executors.base import ExecutorConfig
-from runtime.executors.requests import (ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestStats, RequestTracker,
-                             validate_request)
+from runtime.executors.requests import (BestOf, ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestStats,
+                                       RequestTracker, validate_request)
 from runtime.core.sequence import PenaltyState, Sequence
 from runtime.io.tokenizer import Tokenizer
 from runtime.core.model_runner import ModelRunner
@@ -114,7 +115,8 @@ class Executor:
         self.policy = DraftPolicy(config.speculation if k else "off", k, costs)
         prefix_cache = PrefixCache(self.cache.allocator, block, mtp=k > 0) if config.enable_block_reuse else None
         self.scheduler = Scheduler(self.limits, self.cache, self.policy, prefix_cache)
-        self._requests: dict[str, tuple[Sequence, RequestTracker]] = {}
+        self._requests: dict[str, tuple[Sequence, RequestTracker]] = {}  # by Sequence.request_id
+        self._groups: dict[str, list[str]] = {}  # request id -> its sequences' ids in flight (several: n / best_of)
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._wake = threading.Event()
         self._counts = dict(finished=0, generated=0, drafted=0, accepted=0, reused_blocks=0, missed_blocks=0)
@@ -152,7 +154,8 @@ class Executor:
     # ---- public API ---------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the parameter when this request cannot run here."""
-        validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.limits.max_seq_len)
+        validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.limits.max_seq_len,
+                         self.limits.max_batch_size)
         if params.guided_decoding is not None:
             self.grammars.check(params.guided_decoding)
             if self.tokenizer.eos_token_id in params.bad_token_ids:
@@ -178,24 +181,37 @@ class Executor:
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams,
                on_output: Callable[[RequestOutput], None] | None = None, request_id: str | None = None) -> RequestHandle:
-        """Queue a request; invalid parameters raise ValueError naming the parameter."""
+        """Queue a request; invalid parameters raise ValueError naming the parameter. With n / best_of > 1 it runs
+        one sequence per candidate, candidate i seeded with seed + i (mod 2^63), sharing the prompt's blocks."""
         self.validate(prompt_token_ids, params)
         rid = self._ids.claim(request_id)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(6), "little")
-        handle = RequestHandle(rid, self)
-        tracker = RequestTracker.create(rid, len(prompt_token_ids), params, self.tokenizer, self.limits.max_seq_len,
-                                        handle, on_output)
-        penalty = PenaltyState.create(list(prompt_token_ids), self.model_config.vocab_size,
-                                      self.cache.tensor.device) if params.penalized else None
-        seq = Sequence(rid, list(prompt_token_ids), len(prompt_token_ids), params, seed,
-                       in_thinking=self._thinking_after(prompt_token_ids), stop_ids=tracker.stop_ids, penalty=penalty,
-                       mtp_dropped=params.num_draft_tokens == 0,  # never drafts: keeps no MTP inputs
-                       grammar=self.grammars.matcher(params.guided_decoding) if params.guided_decoding else None)
+        handle = RequestHandle(rid, self, params.n)
+        size = params.num_sequences
+        best_of = BestOf(params.n, size, params.logprobs is not None) if size > params.n else None
+        group: list[tuple[Sequence, RequestTracker]] = []
+        for i in range(size):
+            # best_of ranks by cumulative logprob; the leader alone computes prompt logprobs, which all report
+            p = replace(params, logprobs=0) if best_of is not None and params.logprobs is None else params
+            tracker = RequestTracker.create(rid, len(prompt_token_ids), p, self.tokenizer, self.limits.max_seq_len,
+                                            handle, on_output)
+            tracker.index, tracker.best_of = i, best_of
+            if i:
+                tracker.prompt_logprobs, p = group[0][1].prompt_logprobs, replace(p, prompt_logprobs=None)
+            penalty = PenaltyState.create(list(prompt_token_ids), self.model_config.vocab_size,
+                                          self.cache.tensor.device) if params.penalized else None
+            seq = Sequence(rid if size == 1 else f"{rid}#{i}", list(prompt_token_ids), len(prompt_token_ids), p,
+                           (seed + i) % 2**63, in_thinking=self._thinking_after(prompt_token_ids),
+                           stop_ids=tracker.stop_ids, penalty=penalty,
+                           mtp_dropped=params.num_draft_tokens == 0,  # never drafts: keeps no MTP inputs
+                           grammar=self.grammars.matcher(params.guided_decoding) if params.guided_decoding else None,
+                           leader=group[0][0] if i else None)
+            group.append((seq, tracker))
         with self._submit_lock:
             if self._stopping:
                 self._ids.release(rid)
                 raise RuntimeError("executor is shut down")
-            self._inbox.put(("add", (seq, tracker)))
+            self._inbox.put(("add", group))
         self._wake.set()
         return handle
 
@@ -399,25 +415,31 @@ class Executor:
             except queue.Empty:
                 return
             if kind == "add":
-                seq, tracker = item
-                self._requests[seq.request_id] = (seq, tracker)
-                self.scheduler.add(seq)
+                self._groups[item[0][1].request_id] = [seq.request_id for seq, _ in item]
+                for seq, tracker in item:
+                    self._requests[seq.request_id] = (seq, tracker)
+                    self.scheduler.add(seq)
             else:
                 rid, handle = item
-                entry = self._requests.get(rid)
-                if entry is not None and (handle is None or entry[1].handle is handle):
-                    self._finish(rid, "cancelled")
+                for key in list(self._groups.get(rid, ())):
+                    if handle is None or self._requests[key][1].handle is handle:
+                        self._finish(key, "cancelled")
 
     def _finish(self, request_id: str, reason: str, new: list[int] | None = None, delta: str = "",
                 error: str | None = None) -> None:
-        """End a request (finished by its step, cancelled or failed): its blocks go back and its last output out,
-        one request at a time, so a callback's stats() sees every request running, queued or finished."""
+        """End a sequence (`request_id` is its Sequence.request_id; finished by its step, cancelled or failed): its
+        blocks go back and its last output out, and the request's id is free once its last sequence has ended; one
+        at a time, so a callback's stats() sees every request running, queued or finished."""
         if request_id not in self._requests:
             return
         seq, tracker = self._requests.pop(request_id)
-        self._ids.release(request_id)
+        group = self._groups[tracker.request_id]
+        group.remove(request_id)
+        if not group:  # its last sequence
+            del self._groups[tracker.request_id]
+            self._ids.release(tracker.request_id)
+            self._counts["finished"] += 1
         self.scheduler.remove(seq)
-        self._counts["finished"] += 1
         if error:
             log.error("request %s failed: %s", request_id, error)
         tracker.report(new or [], delta, reason, error)

@@ -77,7 +77,7 @@ class ProcessExecutor:
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # the maps below
         self._handles: dict[str, tuple[RequestHandle, Callable[[RequestOutput], None] | None]] = {}
-        self._last: dict[str, RequestOutput] = {}
+        self._last: dict[tuple[str, int], RequestOutput] = {}  # by request id and output index
         self._calls: dict[int, Future] = {}
         self._call_ids = itertools.count()
         self._ids = RequestIds()
@@ -96,7 +96,7 @@ class ProcessExecutor:
         """Queue a request; invalid parameters raise ValueError naming the parameter (from the engine's own
         validation). The handle is registered before the request leaves, so no output can arrive unclaimed."""
         rid = self._ids.claim(request_id)
-        handle = RequestHandle(rid, self)
+        handle = RequestHandle(rid, self, getattr(params, "n", 1))  # not a SamplingParams: refused below
         with self._lock:
             self._handles[rid] = (handle, on_output)
         try:
@@ -190,11 +190,11 @@ class ProcessExecutor:
             self._error = f"the engine process exited (status {self._process.returncode})"
             log.error("%s; ending its requests", self._error)
         with self._lock:
-            open_requests = list(self._last.items())
+            open_requests = list(self._last.values())
             calls, self._calls = list(self._calls.values()), {}
         for future in calls:
             future.set_exception(RuntimeError(self._error or "executor is shut down"))
-        for rid, last in open_requests:
+        for last in open_requests:
             self._deliver(replace(last, new_token_ids=[], text_delta="", new_logprobs=None if last.logprobs is None
                                   else [], finished=True, finish_reason="error", error=self._error or "shut down"))
 
@@ -205,18 +205,19 @@ class ProcessExecutor:
                 return
             handle, on_output = entry
             if out.finished:
-                del self._handles[out.request_id]
-                self._last.pop(out.request_id, None)
+                self._last.pop((out.request_id, out.index), None)
             else:
-                self._last[out.request_id] = out
-        if out.finished:
-            self._ids.release(out.request_id)
+                self._last[out.request_id, out.index] = out
         if on_output is not None:
             try:
                 on_output(out)
             except BaseException:  # user code on the reader's thread must not stop the deliveries
                 log.exception("output callback of %s failed", out.request_id)
         handle._push(out)
+        if handle.finished:  # the last of its outputs (SamplingParams.n)
+            with self._lock:
+                self._handles.pop(out.request_id, None)
+            self._ids.release(out.request_id)
 
 
 def _logging_levels() -> dict[str, int]:

@@ -78,6 +78,7 @@ class RequestOutput:
     cumulative_logprob: float | None = None
     # with SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing predicts it)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    index: int = 0  # which of the request's n outputs (SamplingParams.n) this is
 
 
 @dataclass
@@ -111,38 +112,39 @@ class ExecutorStats:
 class RequestHandle:
     """Outputs of one request: iterate (blocking or async) over deltas, or wait for the result.
 
-    The handle keeps the newest output (the result, once final) and what iteration has not handed out
-    yet. An output that arrives before a consumer has taken the one waiting is merged into it (tokens
-    and text deltas joined, the rest from the newer), as vLLM merges the outputs a slow consumer has
-    not collected: a consumer that falls behind, or only waits for the result, holds one output rather
-    than one per step, each with a copy of every token so far. An output leaves only when a consumer
-    takes it, under the lock, so an async wait cancelled by a timeout loses nothing and the same
-    iterator carries on. Async consumers wait on a future of their own event loop, woken by the
-    executor's thread, not on a worker thread each (a pool's threads would run out with many streams).
-    Waiting for the result wakes when the request finishes, not at every output (a batch's waiters
+    The handle keeps the newest output of each of the request's outputs (`RequestOutput.index`; one unless
+    SamplingParams.n > 1) and what iteration has not handed out yet. An output that arrives before a consumer has
+    taken the one of the same index waiting is merged into it (tokens and text deltas joined, the rest from the
+    newer), as vLLM merges the outputs a slow consumer has not collected: a consumer that falls behind, or only
+    waits for the result, holds one output per index rather than one per step, each with a copy of every token so
+    far. An output leaves only when a consumer takes it, under the lock, so an async wait cancelled by a timeout
+    loses nothing and the same iterator carries on. Async consumers wait on a future of their own event loop,
+    woken by the executor's thread, not on a worker thread each (a pool's threads would run out with many
+    streams). Waiting for the result wakes when the request finishes, not at every output (a batch's waiters
     would take turns at the GIL with the executor's thread).
     """
 
-    def __init__(self, request_id: str, executor: Canceller):
+    def __init__(self, request_id: str, executor: Canceller, num_outputs: int = 1):
         self.request_id = request_id
+        self.num_outputs = num_outputs
         self._executor = executor
-        self._last: RequestOutput | None = None
-        self._pending: RequestOutput | None = None  # not taken yet: every output since the last one taken, merged
-        self._delivered_final = False
+        self._last: dict[int, RequestOutput] = {}  # the newest output of each index
+        self._pending: dict[int, RequestOutput] = {}  # not taken yet, per index: every output since, merged
+        self._finals_taken = 0
         self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         lock = threading.Lock()
         self._arrived = threading.Condition(lock)  # any output
-        self._finished = threading.Condition(lock)  # the final one
+        self._finished = threading.Condition(lock)  # the final one of every index
 
     def _push(self, out: RequestOutput) -> None:
         with self._arrived:
-            self._last = out
-            held = self._pending
-            self._pending = out if held is None else replace(
+            self._last[out.index] = out
+            held = self._pending.get(out.index)
+            self._pending[out.index] = out if held is None else replace(
                 out, new_token_ids=held.new_token_ids + out.new_token_ids, text_delta=held.text_delta + out.text_delta,
                 new_logprobs=None if out.new_logprobs is None else held.new_logprobs + out.new_logprobs)
             self._arrived.notify_all()
-            if out.finished:
+            if self.finished:
                 self._finished.notify_all()
             waiters, self._async_waiters = self._async_waiters, []
         for loop, future in waiters:
@@ -152,31 +154,43 @@ class RequestHandle:
                 pass
 
     def _take(self) -> RequestOutput:
-        """The output not handed out yet; call with the lock held and something pending."""
-        out, self._pending = self._pending, None
-        self._delivered_final = out.finished
+        """The oldest output not handed out yet; call with the lock held and something pending."""
+        out = self._pending.pop(next(iter(self._pending)))
+        self._finals_taken += out.finished
         return out
 
     @property
     def finished(self) -> bool:
-        return self._last is not None and self._last.finished
+        """Every output of the request has its final one."""
+        return len(self._last) == self.num_outputs and all(o.finished for o in self._last.values())
+
+    @property
+    def _delivered_final(self) -> bool:
+        return self._finals_taken == self.num_outputs
 
     def cancel(self) -> None:
         """Cancel this request; a no-op once it has finished, even if a later request reuses its id."""
         self._executor.cancel(self.request_id, handle=self)
 
     def result(self, timeout: float | None = None) -> RequestOutput:
+        """The final output of a request with one output (`results` gives each of several)."""
+        if self.num_outputs != 1:
+            raise ValueError(f"request {self.request_id} has {self.num_outputs} outputs (n); use results()")
+        return self.results(timeout)[0]
+
+    def results(self, timeout: float | None = None) -> list[RequestOutput]:
+        """The final output of each of the request's outputs, by index."""
         with self._finished:
             if not self._finished.wait_for(lambda: self.finished, timeout):
                 raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
-            return self._last
+            return [self._last[i] for i in range(self.num_outputs)]
 
     def __iter__(self) -> Iterator[RequestOutput]:
         while True:
             with self._arrived:
                 if self._delivered_final:
                     return
-                self._arrived.wait_for(lambda: self._pending is not None)
+                self._arrived.wait_for(lambda: bool(self._pending))
                 out = self._take()
             yield out
 
@@ -188,7 +202,7 @@ class RequestHandle:
             with self._arrived:
                 if self._delivered_final:
                     raise StopAsyncIteration
-                if self._pending is not None:
+                if self._pending:
                     return self._take()
                 loop = asyncio.get_running_loop()
                 future = loop.create_future()
@@ -225,11 +239,16 @@ class RequestIds:
             self._live.discard(request_id)
 
 
-def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_seq_len: int) -> None:
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_seq_len: int,
+                     max_batch_size: int) -> None:
     """Raise ValueError naming the parameter and what was expected."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
     params.validate(vocab_size)
+    if params.num_sequences > max_batch_size:
+        name = "n" if params.best_of is None else "best_of"
+        raise ValueError(f"{name} {params.num_sequences} exceeds this executor's max_batch_size {max_batch_size}: "
+                         "the request's sequences run in one batch")
     if not isinstance(prompt_token_ids, (list, tuple)) or not all(map(is_int, prompt_token_ids)):
         raise ValueError(f"prompt must be a list of integer token ids, got {prompt_token_ids!r:.80}")
     n = len(prompt_token_ids)
@@ -242,6 +261,34 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_
     if n + params.max_tokens > max_seq_len:
         raise ValueError(f"max_tokens {params.max_tokens} with a {n}-token prompt exceeds max_seq_len "
                          f"{max_seq_len}; at most {max_seq_len - n}")
+
+
+@dataclass(eq=False)
+class BestOf:
+    """best_of > n: the candidates' outputs wait until every candidate has finished; then the n with the highest
+    cumulative logprob (vLLM's ranking; ties keep index order) go out, best first, each whole (its text as one
+    delta), re-indexed 0..n-1. A request cancelled or failed is not ranked: its first n candidates go out as they
+    ended. Candidates compute logprobs for the ranking; they are returned only where the request asked for them."""
+
+    n: int
+    best_of: int
+    show_logprobs: bool
+    finals: dict[int, RequestOutput] = field(default_factory=dict)
+
+    def rank(self, out: RequestOutput) -> list[RequestOutput]:
+        """What to deliver once `out` has arrived: nothing until the last candidate's final output."""
+        if not out.finished:
+            return []
+        self.finals[out.index] = out
+        if len(self.finals) < self.best_of:
+            return []
+        finals = [self.finals[i] for i in range(self.best_of)]
+        if not any(o.finish_reason in ("cancelled", "error") for o in finals):
+            finals.sort(key=lambda o: o.cumulative_logprob, reverse=True)
+        shown = (lambda lps: lps) if self.show_logprobs else (lambda lps: None)
+        return [replace(o, index=i, new_token_ids=o.token_ids, text_delta=o.text, mid_character=False,
+                        new_logprobs=shown(o.logprobs), logprobs=shown(o.logprobs))
+                for i, o in enumerate(finals[: self.n])]
 
 
 @dataclass(eq=False)
@@ -273,6 +320,8 @@ class RequestTracker:
     logprobs: list[TokenLogprob] | None = None  # of the output tokens reported, when asked for
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[TokenLogprob | None] | None = None  # filled by the prefill steps, when asked for
+    index: int = 0  # which of the request's sequences (n / best_of) it follows
+    best_of: BestOf | None = None  # best_of > n: where its outputs wait for the ranking
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
@@ -363,15 +412,16 @@ class RequestTracker:
         out = RequestOutput(self.request_id, list(new), list(self.token_ids), delta, self.text, self.finished,
                             reason, self.stats(), error, self.detok.holding,
                             None if logprobs is None else logprobs[len(logprobs) - len(new):], logprobs,
-                            None if logprobs is None else self.cumulative_logprob, self.prompt_logprobs)
-        if self.callback is not None:
-            try:
-                self.callback(out)
-            except BaseException:  # user code on the executor's thread (even sys.exit) must not stop serving
-                log.exception("output callback of %s failed", self.request_id)
-        self.handle._push(out)
+                            None if logprobs is None else self.cumulative_logprob, self.prompt_logprobs, self.index)
+        for o in [out] if self.best_of is None else self.best_of.rank(out):
+            if self.callback is not None:
+                try:
+                    self.callback(o)
+                except BaseException:  # user code on the executor's thread (even sys.exit) must not stop serving
+                    log.exception("output callback of %s failed", self.request_id)
+            self.handle._push(o)
         if self.finished:
             s = out.stats
-            log.info("request %s finished (%s): %d prompt + %d output tokens, %d/%d drafts accepted",
-                     self.request_id, reason, s.prompt_tokens, s.output_tokens, s.num_accepted_draft_tokens,
+            log.info("request %s[%d] finished (%s): %d prompt + %d output tokens, %d/%d drafts accepted",
+                     self.request_id, self.index, reason, s.prompt_tokens, s.output_tokens, s.num_accepted_draft_tokens,
                      s.num_draft_tokens)

@@ -21,15 +21,50 @@ from runtime.executors.base import create_executor
 
 
 @dataclass
-class GenerationResult:
-    prompt: str
+class CompletionOutput:
+    """One output of a prompt (vLLM's and TensorRT-LLM's name); SamplingParams.n gives a prompt n of them."""
+
+    index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None
     stats: RequestStats
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids (SamplingParams.logprobs)
     cumulative_logprob: float | None = None
+
+
+@dataclass
+class GenerationResult:
+    """A prompt's outputs; `text`, `token_ids` and the rest are its first output's (its only one unless n > 1;
+    the best one with best_of)."""
+
+    prompt: str
+    outputs: list[CompletionOutput]
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token, the first None
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def stats(self) -> RequestStats:
+        return self.outputs[0].stats
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        return self.outputs[0].logprobs
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        return self.outputs[0].cumulative_logprob
 
 
 class Session:
@@ -63,15 +98,21 @@ class Session:
         for i in ids:  # validate everything before submitting anything
             self.executor.validate(i, params)
         handles = [self.executor.submit(i, params) for i in ids]
-        outs = [h.result() for h in handles]
-        return [GenerationResult(p, o.text, o.token_ids, o.finish_reason, o.stats, o.logprobs, o.cumulative_logprob,
-                                 o.prompt_logprobs) for p, o in zip(prompts, outs)]
+        results = []
+        for prompt, handle in zip(prompts, handles):
+            outs = handle.results()
+            results.append(GenerationResult(prompt, [CompletionOutput(o.index, o.text, o.token_ids, o.finish_reason,
+                                                                      o.stats, o.logprobs, o.cumulative_logprob)
+                                                     for o in outs], outs[0].prompt_logprobs))
+        return results
 
     def stream(self, prompt: str, params: SamplingParams | None = None) -> Iterator[str]:
         """Text deltas as they are decoded; each is valid UTF-8 on its own. Invalid parameters raise
-        here; the request starts at the first next()."""
+        here; the request starts at the first next(). One output only (n = 1)."""
         ids, params = self._encode(prompt), params or SamplingParams()
         self.executor.validate(ids, params)
+        if params.num_sequences != 1:
+            raise ValueError("stream() yields one output's text; n and best_of must be 1 (use generate)")
         return self._deltas(ids, params)
 
     def _deltas(self, ids: list[int], params: SamplingParams) -> Iterator[str]:

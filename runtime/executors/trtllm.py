@@ -29,7 +29,7 @@ releases; the LLM API of the PyTorch backend, which is the only one that runs De
   `has_event_loop()` (tensorrt_llm/executor/result.py).
 - The result (`RequestOutput(DetokenizedGenerationResultBase, GenerationResult)`) is async
   iterable (`__aiter__`/`__anext__` yield itself, updated), with `.finished`, `.abort()`,
-  `.decoding_iter`, `.outputs[0]` a `CompletionOutput` with cumulative `.token_ids`,
+  `.decoding_iter`, `.outputs` (n `CompletionOutput`s, SamplingParams.n) with cumulative `.token_ids`,
   `.finish_reason` in {'stop', 'length', 'timeout', 'cancelled', None} and (1.x)
   `.request_perf_metrics` (tensorrt_llm/executor/result.py).
 - `request_perf_metrics.speculative_decoding.{total_draft_tokens, total_accepted_draft_tokens,
@@ -140,6 +140,9 @@ def to_trtllm_sampling_kwargs(params: SamplingParams, tokenizer: Any) -> dict[st
       `logprobs_mode` (vLLM's names, as upstream's since 1.1) when either is asked for.
     - `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `min_tokens` (same names and
       meanings) when not at their neutral values.
+    - `n` and `best_of` (same names and meanings; `use_beam_search` stays False) when more than one sequence is
+      asked for: upstream samples best_of and returns the n with the highest cumulative logprob, seeding its
+      sequences its own way (ours: seed + i).
     - `guided_decoding` as the fields of upstream's GuidedDecodingParams (`guided_decoding_fields`; the
       executor builds the upstream object, `upstream_sampling_params`). Upstream's MTP path may not apply penalties (its
       speculative decoders use a smaller sampler: docs/trtllm-backend.md).
@@ -173,6 +176,10 @@ def to_trtllm_sampling_kwargs(params: SamplingParams, tokenizer: Any) -> dict[st
         kwargs["min_tokens"] = params.min_tokens
     if params.guided_decoding is not None:
         kwargs["guided_decoding"] = guided_decoding_fields(params.guided_decoding)
+    if params.num_sequences > 1:
+        kwargs["n"] = params.n
+        if params.best_of is not None:
+            kwargs["best_of"] = params.best_of
     kwargs.update(include_stop_str_in_output=True, detokenize=False, return_perf_metrics=True)
     return kwargs
 
@@ -438,8 +445,15 @@ class _Request(RequestTracker):
 
     prompt: list[int] = field(default_factory=list)
     seen: int = 0  # upstream output tokens consumed
-    upstream: Any = None  # tensorrt_llm's RequestOutput once submitted
+    upstream: Any = None  # tensorrt_llm's RequestOutput once submitted (on the group's first)
     upstream_done: bool = False
+    # the trackers of the request's n outputs (SamplingParams.n), one list shared by all; the first streams upstream
+    group: list["_Request"] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        """Every output of the request has finished."""
+        return all(t.finished for t in self.group)
 
 
 class TrtllmExecutor:
@@ -508,7 +522,8 @@ class TrtllmExecutor:
     # ---- public API ---------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the parameter when this request cannot run here."""
-        validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.limits.max_seq_len)
+        validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.limits.max_seq_len,
+                         self.limits.max_batch_size)
         # tensorrt_llm/llmapi/llm.py, _check_arguments: without chunked prefill the whole prompt must
         # fit one step's max_num_tokens (generate_async raises otherwise)
         if not self.llm_kwargs.get("enable_chunked_prefill") and len(prompt_token_ids) > self.limits.max_num_tokens:
@@ -534,10 +549,16 @@ class TrtllmExecutor:
         rid = self._ids.claim(request_id)
         if not params.greedy and params.seed is None:  # as native: unseeded means a fresh random seed
             params = dataclasses.replace(params, seed=int.from_bytes(os.urandom(6), "little"))
-        handle = RequestHandle(rid, self)
-        req = _Request.create(rid, len(prompt_token_ids), params, self.tokenizer, self.limits.max_seq_len, handle,
-                              on_output)
-        req.prompt = list(prompt_token_ids)
+        handle = RequestHandle(rid, self, params.n)
+        group: list[_Request] = []
+        for i in range(params.n):  # upstream returns n outputs of one request (the best of best_of)
+            t = _Request.create(rid, len(prompt_token_ids), params, self.tokenizer, self.limits.max_seq_len, handle,
+                                on_output)
+            t.index, t.prompt, t.group = i, list(prompt_token_ids), group
+            if i:  # upstream's prompt logprobs, read once (by the first), are every output's
+                t.prompt_logprobs = group[0].prompt_logprobs
+            group.append(t)
+        req = group[0]
         try:
             self._loop.call_soon_threadsafe(self._start, req)
         except RuntimeError:  # the loop closed since the check above
@@ -590,7 +611,7 @@ class TrtllmExecutor:
     # ---- on the loop thread -------------------------------------------------------------------
     def _start(self, req: _Request) -> None:
         if self._stopping:
-            self._finish(req, "cancelled")
+            self._finish_all(req, "cancelled")
             return
         self._requests[req.request_id] = req
         task = self._loop.create_task(self._stream(req))
@@ -598,7 +619,7 @@ class TrtllmExecutor:
         task.add_done_callback(self._tasks.discard)
 
     async def _stream(self, req: _Request) -> None:
-        if req.finished:  # cancelled before it started
+        if req.done:  # cancelled before it started
             return
         try:
             kwargs = adapt_to_upstream_fields(to_trtllm_sampling_kwargs(req.params, self.tokenizer),
@@ -608,37 +629,34 @@ class TrtllmExecutor:
                                                    sampling_params=sampling_params, streaming=True)
         except Exception as e:
             log.exception("submitting %s to TensorRT-LLM failed", req.request_id)
-            self._finish(req, "error", error=f"{type(e).__name__}: {e}")
+            self._finish_all(req, "error", error=f"{type(e).__name__}: {e}")
             return
         try:
             async for out in req.upstream:
-                if req.finished:
+                if req.done:
                     break  # cancelled here, or finished by our own stop rules; abort already sent
                 self._on_response(req, out)
-                if req.finished:
+                if req.done:
                     break
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            if not req.finished:
+            if not req.done:
                 log.exception("TensorRT-LLM request %s failed", req.request_id)
-                self._finish(req, "error", error=f"{type(e).__name__}: {e}")
+                self._finish_all(req, "error", error=f"{type(e).__name__}: {e}")
             return
-        if not req.finished:
-            self._finish(req, "error", error="TensorRT-LLM's stream ended without a finished output")
+        if not req.done:
+            self._finish_all(req, "error", error="TensorRT-LLM's stream ended without a finished output")
 
     def _on_response(self, req: _Request, out: Any) -> None:
+        """One upstream response: the request's statistics, then each output's new tokens (output i is upstream's
+        outputs[i]; with best_of > n only the final response's, once upstream has chosen the n best)."""
         now = time.perf_counter()
-        completion = out.outputs[0]
-        ids = list(completion.token_ids or [])
-        new = ids[req.seen:]
-        logprobs = self._new_logprobs(req, completion, new)
-        req.seen = max(req.seen, len(ids))
         req.upstream_done = bool(out.finished)
         steps = getattr(out, "decoding_iter", None)
         if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0:
             req.num_steps = steps
-        elif new:
+        elif any(len(c.token_ids or []) > t.seen for t, c in zip(req.group, out.outputs)):
             req.num_steps += 1
         blocks = kv_cache_counts(out)
         if blocks is not None:
@@ -650,13 +668,28 @@ class TrtllmExecutor:
             self._counts["accepted"] += max(accepted - req.num_accepted_draft_tokens, 0)
             req.num_draft_tokens, req.num_accepted_draft_tokens = drafted, accepted
             self.reports_draft_stats = True
-        if new or out.finished:
-            upstream_reason = _UPSTREAM_REASONS.get(completion.finish_reason, "error") if out.finished else None
-            if out.finished and completion.finish_reason not in _UPSTREAM_REASONS:
+        if out.finished or req.params.num_sequences == req.params.n:
+            for t, completion in zip(req.group, out.outputs):
+                if t is not req:  # the request's statistics are every output's
+                    t.num_steps, t.num_draft_tokens, t.num_accepted_draft_tokens = \
+                        req.num_steps, req.num_draft_tokens, req.num_accepted_draft_tokens
+                    t.num_reused_blocks, t.num_missed_blocks = req.num_reused_blocks, req.num_missed_blocks
+                if not t.finished:
+                    self._on_output(t, completion, now, bool(out.finished))
+        if req.done and not req.upstream_done:
+            self._abort_upstream(req)
+
+    def _on_output(self, req: _Request, completion: Any, now: float, finished: bool) -> None:
+        """One output's new tokens, through the shared stop rules."""
+        ids = list(completion.token_ids or [])
+        new = ids[req.seen:]
+        logprobs = self._new_logprobs(req, completion, new)
+        req.seen = max(req.seen, len(ids))
+        if new or finished:
+            upstream_reason = _UPSTREAM_REASONS.get(completion.finish_reason, "error") if finished else None
+            if finished and completion.finish_reason not in _UPSTREAM_REASONS:
                 log.error("request %s: unknown TensorRT-LLM finish reason %r", req.request_id, completion.finish_reason)
             self._process(req, new, now, upstream_reason, logprobs)
-        if req.finished and not req.upstream_done:
-            self._abort_upstream(req)
 
     @staticmethod
     def _new_logprobs(req: _Request, completion: Any, new: list[int]) -> list[TokenLogprob] | None:
@@ -688,13 +721,16 @@ class TrtllmExecutor:
 
     def _finish(self, req: _Request, reason: str, new: list[int] | None = None, delta: str = "",
                 error: str | None = None) -> None:
+        """End one output; the request's id is free once its last output has ended."""
         if req.finished:
             return
         req.finished = True
-        self._requests.pop(req.request_id, None)
-        self._ids.release(req.request_id)
-        self._counts["finished"] += 1
-        if req.upstream_done and self.reports_draft_stats is None and speculative_counts(req.upstream) is None:
+        if req.done:
+            self._requests.pop(req.request_id, None)
+            self._ids.release(req.request_id)
+            self._counts["finished"] += 1
+        first = req.group[0]
+        if first.upstream_done and self.reports_draft_stats is None and speculative_counts(first.upstream) is None:
             self.reports_draft_stats = False
             log.warning("TensorRT-LLM reported no speculative-decoding metrics (request_perf_metrics); "
                         "draft and accepted token counts are reported as 0")
@@ -702,11 +738,15 @@ class TrtllmExecutor:
             log.error("request %s failed: %s", req.request_id, error)
         req.report(new or [], delta, reason, error)
 
+    def _finish_all(self, req: _Request, reason: str, error: str | None = None) -> None:
+        for t in req.group:
+            self._finish(t, reason, error=error)
+
     def _cancel_now(self, request_id: str, handle: RequestHandle | None = None) -> None:
         req = self._requests.get(request_id)
-        if req is None or req.finished or (handle is not None and req.handle is not handle):
+        if req is None or req.done or (handle is not None and req.handle is not handle):
             return
-        self._finish(req, "cancelled")
+        self._finish_all(req, "cancelled")
         if req.upstream is not None and not req.upstream_done:
             self._abort_upstream(req)
 

@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP server: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (SSE
 streaming), `/health` and `/metrics`, on the executor directly, as `trtllm-serve` and `vllm serve` run.
 
-Handlers only translate: a request's choices are submitted to the executor, whose thread runs every
-request in flight in one batch, and the handler waits on each `RequestHandle` asynchronously. A
+Handlers only translate: each prompt of a request is submitted to the executor with its n choices (one
+executor request, the prompt computed once), whose thread runs every request in flight in one batch, and the handler waits on each `RequestHandle` asynchronously. A
 streamed chunk carries what one executor output brought (every token of one MTP step together). A
 client that disconnects, streaming or not, has its requests cancelled, which frees their KV blocks.
 """
@@ -39,7 +39,7 @@ async def _disconnected(request: Request) -> None:
 
 
 async def _merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(choice index, output) as the handles' outputs arrive; one handle is read directly (no task, no queue)."""
+    """(handle index, output) as the handles' outputs arrive; one handle is read directly (no task, no queue)."""
     if len(handles) == 1:
         async for out in handles[0]:
             yield 0, out
@@ -51,7 +51,7 @@ async def _merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, Requ
             await queue.put((index, out))
 
     tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
-    remaining = len(handles)  # each handle ends with one final output
+    remaining = sum(h.num_outputs for h in handles)  # each output of each handle ends with one final output
     try:
         while remaining:
             index, out = await queue.get()
@@ -99,14 +99,13 @@ class OpenAIServer:
                            status=404, code="model_not_found")
 
     def _submit(self, g: Generation) -> list[RequestHandle]:
-        """Every choice of every prompt; several are all checked before any is submitted (submit checks one)."""
-        todo = [(f"{g.id}-{p * g.n + i}", ids, params) for p, ids in enumerate(g.prompts)
-                for i, params in enumerate(g.params)]
+        """One executor request per prompt, with its n choices (the executor shares the prompt between them);
+        several prompts are all checked before any is submitted (submit checks one)."""
         try:
-            if len(todo) > 1:
-                for _, ids, params in todo:
-                    self.executor.validate(ids, params)
-            return [self.executor.submit(ids, params, request_id=rid) for rid, ids, params in todo]
+            if len(g.prompts) > 1:
+                for ids in g.prompts:
+                    self.executor.validate(ids, g.params)
+            return [self.executor.submit(ids, g.params, request_id=f"{g.id}-{p}") for p, ids in enumerate(g.prompts)]
         except ValueError as e:
             raise APIError(str(e), protocol.parameter_of(str(e))) from None
 
@@ -141,13 +140,12 @@ class OpenAIServer:
         return protocol.completion_object(g, self.model, choices, chat, usage)
 
     async def _results(self, request: Request, handles: list[RequestHandle]) -> list[RequestOutput] | None:
-        """The final output of each handle, or None if the client disconnects first."""
+        """The final output of each choice, or None if the client disconnects first."""
 
-        async def final(h: RequestHandle) -> RequestOutput:
-            last = None
-            async for last in h:
+        async def final(h: RequestHandle) -> list[RequestOutput]:
+            async for _ in h:
                 pass
-            return last
+            return h.results(0)
 
         results = asyncio.gather(*(final(h) for h in handles))
         gone = asyncio.ensure_future(_disconnected(request))
@@ -156,7 +154,7 @@ class OpenAIServer:
         finally:
             gone.cancel()
         if results.done():
-            return results.result()
+            return [out for outs in results.result() for out in outs]  # choice i of prompt p at p * n + i
         results.cancel()
         return None
 
@@ -166,17 +164,19 @@ class OpenAIServer:
         finals: dict[int, RequestOutput] = {}
         outcome = "client disconnected"
         outputs = _merged(handles)
+        choices = len(g.prompts) * g.n
         try:
             if chat:  # the first chunk of each choice names the role, as OpenAI streams it
                 yield _sse(protocol.completion_object(
-                    g, self.model, [protocol.choice(i, None, None, chat, True, role=True) for i in range(len(handles))],
+                    g, self.model, [protocol.choice(i, None, None, chat, True, role=True) for i in range(choices)],
                     chat, chunk=True))
             elif g.echo_texts is not None:
                 yield _sse(protocol.completion_object(
                     g, self.model, [protocol.choice(i, g.echo_texts[i // g.n], None, chat, True)
-                                    for i in range(len(handles))], chat, chunk=True))
-            emitted = [0] * len(handles)  # characters of each choice's text streamed so far (logprobs' offsets)
-            async for index, out in outputs:
+                                    for i in range(choices)], chat, chunk=True))
+            emitted = [0] * choices  # characters of each choice's text streamed so far (logprobs' offsets)
+            async for prompt, out in outputs:
+                index = prompt * g.n + out.index
                 if out.finish_reason in ("error", "cancelled"):
                     outcome = f"failed: {out.error or out.finish_reason}"
                     yield _sse(APIError(f"generation failed: {out.error or out.finish_reason}", status=500,

@@ -14,7 +14,7 @@ import math
 import re
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.core.grammar import check_guide
@@ -67,7 +67,7 @@ class Generation:
     p * n + i (OpenAI's order)."""
 
     prompts: list[list[int]]
-    params: list[SamplingParams]  # one per choice of a prompt (their seeds differ); logprobs set: return them
+    params: SamplingParams  # n choices per prompt (the executor's n / best_of); logprobs set: return them
     stream: bool = False
     include_usage: bool = False
     echo_texts: list[str] | None = None  # completions with echo: each prompt's text, put before its output
@@ -76,7 +76,7 @@ class Generation:
 
     @property
     def n(self) -> int:
-        return len(self.params)
+        return self.params.n
 
 
 # ---- JSON values -------------------------------------------------------------------------------------------------
@@ -199,15 +199,18 @@ def _guide(body: dict) -> GuidedDecodingParams | None:
     return guide
 
 
-def _sampling(body: dict, tokenizer: Tokenizer, max_tokens: int | None, logprobs: int | None) -> list[SamplingParams]:
-    """The sampling parameters of each of the request's n choices."""
+def _sampling(body: dict, tokenizer: Tokenizer, max_tokens: int | None, logprobs: int | None, stream: bool
+              ) -> SamplingParams:
+    """The request's sampling parameters: its n choices (of best_of candidates) run as one executor request each
+    prompt, choice i seeded with seed + i (the executor's rule), so they repeat across calls."""
     n = _integer(body, "n", 1, MAX_N, 1)
     best_of = _integer(body, "best_of", 1, MAX_N, None)
-    if best_of is not None and best_of != n:
-        raise APIError(f"best_of {best_of} is not supported by this server; it takes best_of = n ({n})", "best_of")
+    if best_of is not None and best_of > n and stream:  # OpenAI's rule: they are chosen once all have finished
+        raise APIError(f"best_of {best_of} > n {n} cannot be streamed: the best are known once all have finished; "
+                       "send stream: false or best_of = n", "best_of")
     top_k = _integer(body, "top_k", -1, INT32_MAX, 0)
     seed = _integer(body, "seed", -(2**63), 2**63 - 1, None)
-    base = SamplingParams(
+    params = SamplingParams(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 0.0, math.inf, 1.0),
         top_p=_number(body, "top_p", 0.0, 1.0, 1.0),
@@ -221,13 +224,14 @@ def _sampling(body: dict, tokenizer: Tokenizer, max_tokens: int | None, logprobs
         frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0, 0.0),
         repetition_penalty=_number(body, "repetition_penalty", 0.0, math.inf, 1.0),
         min_tokens=_integer(body, "min_tokens", 0, INT32_MAX, 0),
-        guided_decoding=_guide(body))
-    if base.repetition_penalty == 0:
+        guided_decoding=_guide(body),
+        n=n,
+        best_of=best_of)
+    if params.repetition_penalty == 0:
         raise APIError("repetition_penalty must be > 0, got 0", "repetition_penalty")
-    if base.top_p == 0:
+    if params.top_p == 0:
         raise APIError("top_p must be in (0, 1], got 0", "top_p")
-    # choice i samples with seed + i: n choices of one seeded request differ, and repeat across calls
-    return [base if base.seed is None else replace(base, seed=(base.seed + i) % 2**63) for i in range(n)]
+    return params
 
 
 def _stream_options(body: dict, stream: bool) -> bool:
@@ -272,7 +276,8 @@ def completion_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_te
             prompts.append(ids)
     stream = _flag(body, "stream")
     max_tokens = _integer(body, "max_tokens", 1, INT32_MAX, COMPLETIONS_DEFAULT_MAX_TOKENS)
-    return Generation(prompts, _sampling(body, tokenizer, max_tokens, logprobs), stream, _stream_options(body, stream),
+    return Generation(prompts, _sampling(body, tokenizer, max_tokens, logprobs, stream), stream,
+                      _stream_options(body, stream),
                       texts if echo else None)
 
 
@@ -326,7 +331,8 @@ def chat_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_byt
         raise APIError("max_completion_tokens and max_tokens differ; send one", "max_completion_tokens")
     name = next(iter(asked), "max_completion_tokens")
     max_tokens = _integer(asked, name, 1, INT32_MAX, max(max_seq_len - len(ids), 1))  # default: the rest of the context
-    return Generation([ids], _sampling(body, tokenizer, max_tokens, logprobs), stream, _stream_options(body, stream))
+    return Generation([ids], _sampling(body, tokenizer, max_tokens, logprobs, stream), stream,
+                      _stream_options(body, stream))
 
 
 def parameter_of(message: str) -> str | None:
@@ -338,10 +344,11 @@ def parameter_of(message: str) -> str | None:
 # ---- responses ---------------------------------------------------------------------------------------------------
 def usage(prompts: list[list[int]], stats: list[RequestStats], kv_block_size: int) -> dict[str, Any]:
     """OpenAI's token counts (each prompt once, every choice's output; the prompt tokens found in the prefix cache
-    as `prompt_tokens_details.cached_tokens`, each prompt's best choice), and the requests' MTP drafting."""
+    as `prompt_tokens_details.cached_tokens`: each prompt's fewest over its choices, those its first sequence found,
+    as the others reuse what that one computed), and the requests' MTP drafting."""
     prompt_tokens = sum(map(len, prompts))
     n = len(stats) // len(prompts)  # choice i of prompt p at p * n + i
-    cached = sum(max(s.num_reused_blocks for s in stats[p * n:(p + 1) * n]) for p in range(len(prompts)))
+    cached = sum(min(s.num_reused_blocks for s in stats[p * n:(p + 1) * n]) for p in range(len(prompts)))
     completion = sum(s.output_tokens for s in stats)
     drafted = sum(s.num_draft_tokens for s in stats)
     accepted = sum(s.num_accepted_draft_tokens for s in stats)

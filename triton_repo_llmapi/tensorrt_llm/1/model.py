@@ -45,8 +45,6 @@ SCALARS: dict[str, Scalar] = {
     "sampling_param_max_tokens": Scalar("integer", 1, INT32_MAX),
     "sampling_param_seed": Scalar("integer", 0, 2**64 - 1),
 }
-# implemented only at the value upstream's model sends when the client gives none
-NEUTRAL = {"sampling_param_best_of": (1, "1 (one output per request)")}
 DEFAULT_MAX_TOKENS = 32  # the LLM API's SamplingParams.max_tokens
 
 
@@ -95,10 +93,6 @@ class TritonPythonModel(EngineModel):
             self.stop(request.request_id(), sender)
             return None
         refuse_unsupported(inputs, UNSUPPORTED)
-        for name, (neutral, supported) in NEUTRAL.items():
-            value = self._scalar(inputs, name)
-            if value is not None and value != neutral:
-                raise RequestError(f"{name}={value} is not supported by this runtime (supported: {supported})")
         if "text_input" not in inputs:
             raise RequestError("text_input is required")
         prompts = texts(inputs["text_input"], "text_input", self.max_input_bytes)
@@ -118,7 +112,14 @@ class TritonPythonModel(EngineModel):
                                 frequency_penalty=self._scalar(inputs, "sampling_param_frequency_penalty") or 0.0,
                                 presence_penalty=self._scalar(inputs, "sampling_param_presence_penalty") or 0.0,
                                 logprobs=0 if "cumulative_logprob" in outputs else None,
-                                guided_decoding=guided_decoding(inputs))
+                                guided_decoding=guided_decoding(inputs),
+                                # as upstream's model: n 1, the most likely of best_of sampled candidates
+                                best_of=self._scalar(inputs, "sampling_param_best_of"))
+        try:  # the rules of SamplingParams alone (n / best_of), refused under this model's input names
+            params.validate()
+        except ValueError as e:
+            name = str(e).split(" ", 1)[0]
+            raise RequestError(f"sampling_param_{e}" if f"sampling_param_{name}" in SCALARS else str(e)) from None
         prompt = self.tokenizer.encode(prompts[0])
         return Stream(sender, request.request_id(), bool(self._scalar(inputs, "streaming")), [],
                       bool(self._scalar(inputs, "sampling_param_return_perf_metrics")), outputs, params), prompt
