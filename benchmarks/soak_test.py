@@ -871,7 +871,8 @@ def markdown(r: dict[str, Any]) -> str:
         f"p99 {fmt(ms(lat['served']['latency_p99_s']))} ms. Engine max_seq_len {s['engine_build']['max_seq_len']}, "
         f"long prompts {s['long_prompt_tokens']} tokens, adaptive MTP speculation.",
         f"Before it, priming: every kind sent {s['prime_rounds']} time(s) by each of the {s['concurrency']} clients "
-        f"at once, kind after kind: {pr['requests']} requests in {pr['wall_s']:.0f} s, outcomes {pr['by_outcome']}.",
+        f"at once, kind after kind: {pr['requests']} requests in {pr['wall_s']:.0f} s, outcomes {pr['by_outcome']}."
+        if s["prime_rounds"] else "No priming (--prime_rounds 0).",
         "## Checks", "\n".join(f"- {c}: {'not measured' if ok is None else 'ok' if ok else 'FAILED'}"
                                 for c, ok in r["checks"].items()),
         "## Requests by kind (latency and TTFT in ms)",
