@@ -15,8 +15,14 @@ get; prompts near max_seq_len; and probes, greedy prompts whose text recorded on
 identical. Every request is bounded by --request_timeout_s; clients stop by themselves at the end.
 
 Resident memory (VmRSS) of every process of the server (tritonserver and each Python backend stub) is sampled
-idle, after --warmup_s of load ("start": first requests grow caches), every --sample_every_s and after the
-load drains ("end"). Writes <out>.json and <out>.md; exits 1 on any failed check.
+idle, after priming, after --warmup_s of the timed load ("start"), every --sample_every_s and after the load
+drains ("end"). Priming sends every kind --prime_rounds times from all clients at once before the timed load: a
+process's memory keeps the high-water mark of what it held at once (2 MB request bodies refused 32 at a time), so
+a baseline taken before every kind has hit its peak concurrency reads a plateau reached later as growth. Two
+checks then separate a plateau from a leak: growth from start to end within 10% (the issue's bound), and the
+growth rate fitted over the second half of the timed load, over the whole start-to-end window, within 10% too (a
+process still climbing at the end fails it even when its start-to-end growth is small). Writes <out>.json and
+<out>.md; exits 1 on any failed check.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ from runtime.io.engine_format import read_limits
 from runtime.io.tokenizer import Tokenizer
 
 RSS_GROWTH_LIMIT = 0.10  # of a process's resident memory, from the warm-up sample to the end
+MIN_SLOPE_SAMPLES = 3  # samples in the second half of the load needed to fit a growth rate
 CANCEL_TOKENS = 512  # a cancelled or disconnected request asks for this many (eos ignored): it is still running
 PROBE_TOKENS = 48
 DRAIN_S = 60.0  # after the load, how long the server may take to report no active request and no used KV block
@@ -518,10 +525,41 @@ def run_one(ctx: Ctx, kind: str, rng: random.Random) -> Record:
     return Record(kind, outcome, time.perf_counter() - sent, ttft, message)
 
 
+def prime(ctx: Ctx, names: list[str], args: argparse.Namespace) -> list[Record]:
+    """Every kind, in turn, sent by all clients at once, --prime_rounds times: each kind's peak of concurrent
+    requests (and of memory they hold at once) is reached before the memory baseline is taken."""
+    records: list[Record] = []
+    lock = threading.Lock()
+
+    def client(kind: str, seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(args.prime_rounds):
+            rec = run_one(ctx, kind, rng)
+            with lock:
+                records.append(rec)
+
+    for n, kind in enumerate(names):
+        threads = [threading.Thread(target=client, args=(kind, -(args.seed * 1000 + n * args.concurrency + i) - 1),
+                                    daemon=True) for i in range(args.concurrency)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(args.prime_rounds * (ctx.timeout + 30))
+        if ctx.server.process.poll() is not None:
+            break
+    return records
+
+
 def run_load(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
-    """The closed loop, with the main thread sampling memory and KV blocks; returns records and samples."""
+    """Priming, then the closed loop, with the main thread sampling memory and KV blocks; returns records
+    (priming's apart) and samples."""
     names = args.kinds or list(KINDS)
     weights = [KINDS[k][0] for k in names]
+    pids = server_processes(ctx.server)
+    idle = {"phase": "idle", "rss_kb": rss_kb(pids), "kv_used": kv_blocks(read_metrics(ctx.server.metrics_url))["used"]}
+    t_prime = time.perf_counter()
+    primed = prime(ctx, names, args) if args.prime_rounds else []
+    prime_s = time.perf_counter() - t_prime
     records: list[Record] = []
     lock = threading.Lock()
     t0 = time.perf_counter()
@@ -534,9 +572,8 @@ def run_load(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
             with lock:
                 records.append(rec)
 
-    pids = server_processes(ctx.server)
-    samples = [{"at_s": 0.0, "rss_kb": rss_kb(pids),
-                "kv_used": kv_blocks(read_metrics(ctx.server.metrics_url))["used"]}]
+    samples = [{**idle, "at_s": round(-prime_s, 1)}, {"phase": "primed", "at_s": 0.0, "rss_kb": rss_kb(pids),
+                                                       "kv_used": kv_blocks(read_metrics(ctx.server.metrics_url))["used"]}]
     threads = [threading.Thread(target=client, args=(args.seed * 1000 + i,), daemon=True)
                for i in range(args.concurrency)]
     for t in threads:
@@ -547,7 +584,8 @@ def run_load(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     for mark in marks:
         time.sleep(max(0.0, t0 + mark - time.perf_counter()))
         m, rss = read_metrics(ctx.server.metrics_url), rss_kb(pids)
-        samples.append({"at_s": round(time.perf_counter() - t0, 1), "rss_kb": rss, "kv_used": kv_blocks(m)["used"],
+        samples.append({"phase": "load", "at_s": round(time.perf_counter() - t0, 1), "rss_kb": rss,
+                        "kv_used": kv_blocks(m)["used"],
                         "active": metric(m, "nv_trt_llm_request_metrics", request_type="active")})
         start_index = len(samples) - 1 if mark == warmup else start_index
         with lock:
@@ -566,7 +604,8 @@ def run_load(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     wall = time.perf_counter() - t0
     with lock:
         records = list(records)
-    return {"records": records, "samples": samples, "pids": pids, "hung_clients": hung, "wall_s": wall,
+    return {"records": records, "primed": primed, "prime_s": prime_s, "samples": samples, "pids": pids,
+            "hung_clients": hung, "wall_s": wall,
             "start_index": len(samples) - 1 if start_index is None else start_index}  # None: the server died first
 
 
@@ -599,14 +638,33 @@ def errors_by_kind(records: list[Record], outcome: str) -> dict[str, Any]:
     return out
 
 
-def rss_table(pids: dict[int, str], idle: dict, start: dict, end: dict) -> list[dict[str, Any]]:
+def growth_rate_kb_h(samples: list[dict[str, Any]], pid: int, from_s: float) -> float | None:
+    """Least-squares slope (kB per hour) of a process's VmRSS over the load's samples from `from_s` on; None
+    with fewer than MIN_SLOPE_SAMPLES (or the process gone): a rate needs points to stand on."""
+    points = [(x["at_s"] / 3600, x["rss_kb"].get(pid)) for x in samples if x["phase"] == "load" and x["at_s"] >= from_s]
+    points = [(t, kb) for t, kb in points if kb is not None]
+    if len(points) < MIN_SLOPE_SAMPLES:
+        return None
+    return float(np.polyfit([t for t, _ in points], [kb for _, kb in points], 1)[0])
+
+
+def rss_table(pids: dict[int, str], samples: list[dict[str, Any]], start_index: int, end: dict[int, int | None],
+              load_s: float) -> list[dict[str, Any]]:
+    """Per process: VmRSS idle, after priming, at the start (after the warm-up), at the end; growth from start
+    to end; the rate fitted over the load's second half, and the growth that rate gives over start to end."""
+    idle, primed, start = (samples[0]["rss_kb"], samples[1]["rss_kb"], samples[start_index]["rss_kb"])
+    window_h = max(0.0, load_s - samples[start_index]["at_s"]) / 3600
     rows = []
     for pid, name in sorted(pids.items(), key=lambda x: x[1]):
         s, e = start.get(pid), end.get(pid)
         growth = None if not s or e is None else (e - s) / s
-        rows.append({"pid": pid, "process": name, "idle_kb": idle.get(pid), "start_kb": s, "end_kb": e,
-                     "growth": growth, "alive": e is not None,
-                     "over_limit": growth is not None and growth > RSS_GROWTH_LIMIT})
+        rate = growth_rate_kb_h(samples, pid, load_s / 2)
+        rate_growth = None if not s or rate is None or e is None else rate * window_h / s
+        rows.append({"pid": pid, "process": name, "idle_kb": idle.get(pid), "primed_kb": primed.get(pid),
+                     "start_kb": s, "end_kb": e, "growth": growth, "second_half_kb_per_h": rate,
+                     "second_half_rate_growth": rate_growth, "alive": e is not None,
+                     "over_limit": growth is not None and growth > RSS_GROWTH_LIMIT,
+                     "still_growing": rate_growth is not None and rate_growth > RSS_GROWTH_LIMIT})
     return rows
 
 
@@ -661,6 +719,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup_s", type=float, default=120.0, help="load before the 'start' memory sample "
                    "(at most a quarter of the run)")
     p.add_argument("--sample_every_s", type=float, default=60.0)
+    p.add_argument("--prime_rounds", type=int, default=1, help="before the timed load, every kind is sent this many "
+                   "times by each client, all clients at once (0: no priming)")
     p.add_argument("--request_timeout_s", type=float, default=120.0)
     p.add_argument("--threads", type=int, default=0, help="torch threads of the runtime (0: its default)")
     p.add_argument("--seed", type=int, default=0)
@@ -681,6 +741,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--kinds: unknown kind(s) {', '.join(unknown)}; expected some of {', '.join(KINDS)}")
     if args.concurrency < 1:
         p.error(f"--concurrency: must be >= 1, got {args.concurrency}")
+    if args.prime_rounds < 0:
+        p.error(f"--prime_rounds: must be >= 0, got {args.prime_rounds}")
     return args
 
 
@@ -719,12 +781,13 @@ def main(argv: list[str] | None = None) -> int:
 
     records: list[Record] = load["records"]
     samples = load["samples"]
-    start_rss = samples[load["start_index"]]["rss_kb"]
-    rss = rss_table(load["pids"], samples[0]["rss_kb"], start_rss, end_rss)
+    rss = rss_table(load["pids"], samples, load["start_index"], end_rss, args.minutes * 60)
+    rates_known = all(r["second_half_rate_growth"] is not None for r in rss if r["alive"])
     by_outcome = Counter(r.outcome for r in records)
-    unexpected = errors_by_kind(records, "unexpected_error")
-    mismatches = errors_by_kind(records, "mismatch")
-    cancels_sent = by_outcome["cancelled"] + by_outcome["disconnected"]
+    unexpected = errors_by_kind(load["primed"] + records, "unexpected_error")
+    mismatches = errors_by_kind(load["primed"] + records, "mismatch")
+    primed = Counter(r.outcome for r in load["primed"])
+    cancels_sent = sum(c["cancelled"] + c["disconnected"] for c in (by_outcome, primed))
     log_text = log.read_text(errors="replace") if log.is_file() else ""
     checks = {
         "no_unexpected_errors": not unexpected,
@@ -732,23 +795,28 @@ def main(argv: list[str] | None = None) -> int:
         "clients_stopped": load["hung_clients"] == 0,
         "server_processes_alive": all(r["alive"] for r in rss),  # a crashed stub is left <defunct>, no VmRSS
         f"rss_growth_within_{RSS_GROWTH_LIMIT:.0%}": not any(r["over_limit"] for r in rss),
+        # None: too few samples in the second half to fit a rate (a short run); reported, neither passed nor failed
+        f"rss_second_half_rate_within_{RSS_GROWTH_LIMIT:.0%}": not any(r["still_growing"] for r in rss)
+        if rates_known else None,
         "kv_blocks_all_free": end["kv_all_free"],
         "cancels_reached_the_executor": int(cancelled) == cancels_sent,
         "healthy_at_end": end["ready"] and end["server_alive"] and end["request"] == "ok",
         "no_stub_crash_in_log": "Fatal Python error" not in log_text,  # each stub logs a crash (faulthandler)
         "clean_shutdown": exit_status == 0,  # 1: a model still held requests after --exit-timeout-secs
     }
-    failures = [c for c, ok in checks.items() if not ok]
+    failures = [c for c, ok in checks.items() if ok is False]
     results = {
         "benchmark": "soak", "quick": args.quick, "passed": not failures, "failures": failures, "checks": checks,
         "settings": {"minutes": args.minutes, "concurrency": args.concurrency, "warmup_s": args.warmup_s,
-                     "sample_every_s": args.sample_every_s, "request_timeout_s": args.request_timeout_s,
+                     "sample_every_s": args.sample_every_s, "prime_rounds": args.prime_rounds, "request_timeout_s": args.request_timeout_s,
                      "seed": args.seed, "weights": {k: KINDS[k][0] for k in args.kinds or KINDS},
                      "engine": str(args.engine_dir or f"build_engine --model_dir {args.model} --max_draft_len 3"),
                      "engine_build": build.to_dict(), "repo_values": {k: v for k, v in values.items()
                                                                        if k not in ("engine_dir", "tokenizer_dir")},
                      "long_prompt_tokens": len(tok.encode(long[0])), "probe_tokens": PROBE_TOKENS,
                      "cancel_tokens": CANCEL_TOKENS, "host": server.client_host},
+        "priming": {"requests": len(load["primed"]), "wall_s": load["prime_s"], "by_outcome": dict(primed),
+                    "kinds_sent": dict(Counter(r.kind for r in load["primed"]))},
         "load_wall_s": load["wall_s"], "hung_clients": load["hung_clients"],
         "requests": {"total": len(records), "served": by_outcome["ok"], "by_outcome": dict(by_outcome),
                      "per_s": len(records) / load["wall_s"]},
@@ -786,10 +854,11 @@ def markdown(r: dict[str, Any]) -> str:
               v["outcomes"].get("unexpected_error", 0) + v["outcomes"].get("mismatch", 0),
               ms(v["latency_p50_s"]), ms(v["latency_p99_s"]), ms(v["ttft_p50_s"]), ms(v["ttft_p99_s"])]
              for k, v in r["kinds"].items()]
-    rss = [[p["process"], p["pid"], kb_mb(p["idle_kb"]), kb_mb(p["start_kb"]), kb_mb(p["end_kb"]),
-            None if p["growth"] is None else f"{p['growth']:+.1%}",
-            "GONE" if not p["alive"] else "OVER" if p["over_limit"] else "ok"]
-           for p in r["rss"]["processes"]]
+    rss = [[p["process"], p["pid"], kb_mb(p["idle_kb"]), kb_mb(p["primed_kb"]), kb_mb(p["start_kb"]),
+            kb_mb(p["end_kb"]), pct(p["growth"]), kb_mb(p["second_half_kb_per_h"]), pct(p["second_half_rate_growth"]),
+            "GONE" if not p["alive"] else ", ".join(["OVER"] * p["over_limit"] + ["STILL GROWING"] * p["still_growing"])
+            or "ok"] for p in r["rss"]["processes"]]
+    pr = r["priming"]
     errors = [f"- {k}: {v['count']} x, e.g. `{v['examples'][0]}`"
               for k, v in {**r["unexpected_errors"], **r["mismatches"]}.items()]
     lat = r["latency"]
@@ -801,14 +870,20 @@ def markdown(r: dict[str, Any]) -> str:
         f"p99 {fmt(ms(lat['all']['latency_p99_s']))} ms; served p50 {fmt(ms(lat['served']['latency_p50_s']))} ms, "
         f"p99 {fmt(ms(lat['served']['latency_p99_s']))} ms. Engine max_seq_len {s['engine_build']['max_seq_len']}, "
         f"long prompts {s['long_prompt_tokens']} tokens, adaptive MTP speculation.",
-        "## Checks", "\n".join(f"- {c}: {'ok' if ok else 'FAILED'}" for c, ok in r["checks"].items()),
+        f"Before it, priming: every kind sent {s['prime_rounds']} time(s) by each of the {s['concurrency']} clients "
+        f"at once, kind after kind: {pr['requests']} requests in {pr['wall_s']:.0f} s, outcomes {pr['by_outcome']}."
+        if s["prime_rounds"] else "No priming (--prime_rounds 0).",
+        "## Checks", "\n".join(f"- {c}: {'not measured' if ok is None else 'ok' if ok else 'FAILED'}"
+                                for c, ok in r["checks"].items()),
         "## Requests by kind (latency and TTFT in ms)",
         md_table(["kind", "weight", "requests", "ok", "refused as expected", "cancelled/disconnected",
                   "errors/mismatches", "p50", "p99", "TTFT p50", "TTFT p99"], kinds, digits=1),
         "## Errors by kind", "\n".join(errors) or "none",
-        f"## Resident memory (MB; start = after {r['rss']['start_at_s']:.0f} s of load, end = drained; limit "
-        f"+{r['rss']['limit']:.0%})",
-        md_table(["process", "pid", "idle", "start", "end", "growth", ""], rss, digits=1),
+        f"## Resident memory (MB; start = after priming and {r['rss']['start_at_s']:.0f} s of load, end = drained; "
+        f"limit +{r['rss']['limit']:.0%} from start to end, and for the second half's fitted rate over the same "
+        f"window)",
+        md_table(["process", "pid", "idle", "primed", "start", "end", "growth", "2nd half MB/h",
+                  "2nd-half rate over start-end", ""], rss, digits=1),
         f"## End\n\nKV blocks {end['kv_blocks']} (all free: {fmt(end['kv_all_free'])}; peak used in samples "
         f"{r['kv_used_peak_sampled']:.0f}); ready {fmt(end['ready'])}; a probe after the load: {end['request']}; "
         f"cancels and disconnects {r['cancellation']['cancels_and_disconnects']}, cancelled in the executor "
@@ -818,8 +893,12 @@ def markdown(r: dict[str, Any]) -> str:
         "## Machine", machine_md(r["machine"])])
 
 
-def kb_mb(kb: int | None) -> float | None:
+def kb_mb(kb: float | None) -> float | None:
     return None if kb is None else kb / 1024
+
+
+def pct(x: float | None) -> str | None:
+    return None if x is None else f"{x:+.1%}"
 
 
 if __name__ == "__main__":

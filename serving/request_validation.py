@@ -14,12 +14,12 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
 
-from runtime.core.grammar import check_guide
-from runtime.core.sampling import GuidedDecodingParams
+if TYPE_CHECKING:  # runtime.core imports torch: imported where a guide is read, not by every text model's stub
+    from runtime.core.sampling import GuidedDecodingParams
 
 INT32_MAX = 2**31 - 1
 
@@ -198,6 +198,9 @@ MAX_GUIDE_BYTES = 1 << 20  # a guide is not bounded by the context: by this
 def guided_decoding(inputs: dict[str, np.ndarray]) -> GuidedDecodingParams | None:
     """guided_decoding_guide_type and guided_decoding_guide as GuidedDecodingParams (None when the type is absent or
     empty), the guide's grammar checked: a refusal names the input and where in the guide the problem lies."""
+    from runtime.core.grammar import check_guide
+    from runtime.core.sampling import GuidedDecodingParams
+
     kind_values = inputs.get("guided_decoding_guide_type")
     if kind_values is None or is_empty(kind_values):
         if "guided_decoding_guide" in inputs and not is_empty(inputs["guided_decoding_guide"]):

@@ -434,12 +434,43 @@ def test_load_test_smoke(shipped_model_dir, tmp_path):
             assert 0 <= s["acceptance_rate"] <= 1
 
 
+def test_soak_rss_checks_tell_a_plateau_from_a_leak():
+    """A process that reaches a high-water mark after the baseline fails the start-to-end bound but not the
+    second-half rate; one that starts climbing late fails the rate while its start-to-end growth is under 10%;
+    noise fails neither; a short run fits no rate."""
+    pytest.importorskip("tritonclient.grpc")
+    import benchmarks.soak_test as st
+
+    load_s, every = 1800.0, 60.0
+    curves = {1: lambda t: 160_000 if t >= 300 else 100_000 + 250 * t,  # kB: its peak 5 minutes in, then flat
+              2: lambda t: 100_000 + 15 * max(0.0, t - 1200),  # flat, then 15 kB/s for the last 10 minutes
+              3: lambda t: 50_000 + (1_500 if int(t / every) % 2 else 0)}  # +-3% noise
+    pids = {1: "plateau", 2: "late leak", 3: "noise"}
+
+    def at(t: float, phase: str) -> dict:
+        return {"phase": phase, "at_s": t, "rss_kb": {pid: f(t) for pid, f in curves.items()}}
+
+    samples = [at(0.0, "idle"), at(0.0, "primed"), *[at(float(t), "load") for t in np.arange(every, load_s, every)]]
+    start_index = [x["at_s"] for x in samples].index(120.0, 2)
+    end = {pid: f(load_s) for pid, f in curves.items()}
+    rows = {r["process"]: r for r in st.rss_table(pids, samples, start_index, end, load_s)}
+    p, leak, noise = rows["plateau"], rows["late leak"], rows["noise"]
+    assert (p["start_kb"], p["end_kb"]) == (130_000, 160_000) and p["over_limit"]
+    assert p["second_half_kb_per_h"] == pytest.approx(0, abs=1e-6) and not p["still_growing"]
+    assert leak["growth"] == pytest.approx(0.09) and not leak["over_limit"]
+    assert leak["second_half_kb_per_h"] > 20_000 and leak["still_growing"]
+    assert not noise["over_limit"] and not noise["still_growing"]
+    short = [x for x in samples if x["at_s"] <= 120.0]
+    row = st.rss_table(pids, short, len(short) - 1, end, 150.0)[0]
+    assert row["second_half_kb_per_h"] is None and not row["still_growing"]
+
+
 def test_soak_test_smoke(shipped_model_dir, tmp_path):
     """A few seconds of the soak's mixed load on the real tritonserver: every kind is sent, nothing unexpected
     comes back, and the results hold the figures the soak reports (memory growth is not judged this short)."""
     pytest.importorskip("tritonclient.grpc")
     r = _run_benchmark("soak_test", ["--engine_dir", str(shipped_model_dir), "--out", str(tmp_path / "soak"),
-                                     "--minutes", "0.2", "--concurrency", "4"], timeout=150)
+                                     "--minutes", "0.2", "--concurrency", "4"], timeout=300)
     res = json.loads((tmp_path / "soak.json").read_text())
     assert r.returncode == (0 if res["passed"] else 1), r.stderr[-3000:]
     assert (tmp_path / "soak.md").read_text().startswith("# Soak test: ")
@@ -450,6 +481,8 @@ def test_soak_test_smoke(shipped_model_dir, tmp_path):
         assert checks[c], (c, res["unexpected_errors"], res["mismatches"], res["end"])
     assert checks["clean_shutdown"] == (res["server_exit_status"] == 0)
     assert res["settings"]["concurrency"] == 4 and res["settings"]["host"] == "127.0.0.1"
+    assert res["priming"]["kinds_sent"] == {k: 4 for k in res["kinds"]}  # every kind, by every client, before the load
+    assert checks["rss_second_half_rate_within_10%"] is None  # a 12 s run has too few samples to fit a rate
     req = res["requests"]
     assert req["total"] == sum(k["requests"] for k in res["kinds"].values()) > 0 and req["served"] > 0
     assert req["by_outcome"].get("unexpected_error", 0) == 0 and res["unexpected_errors"] == {}

@@ -1164,6 +1164,18 @@ def test_refusals_are_invalid_argument_on_every_model(server: TritonServer) -> N
     assert_healthy(server)
 
 
+def test_text_models_do_not_import_torch() -> None:
+    """preprocessing, postprocessing and the BLS run in stubs of their own (ten in the default repository): what
+    their modules import, each stub holds. Importing torch through request validation's guided decoding took each
+    from about 49 MB to 243 MB resident (2 GB over the default repository); only tensorrt_llm needs torch."""
+    code = ("import sys, serving.request_validation, serving.text_processing, serving.triton_parameters; "
+            "print(sorted(m for m in ('torch', 'runtime.core') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
+
+
 def test_watchdog_takes_a_stalled_server_down(checkpoint: Path, tmp_path: Path) -> None:
     """Readiness that says ready while nothing is served is the worst kind: when the step loop makes no progress
     for watchdog_timeout_s while requests wait (here a 5 ms timeout that a long prefill exceeds), the model logs
