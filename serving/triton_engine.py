@@ -170,8 +170,10 @@ class EngineModel:
         with self._lock:
             self._active.add(stream)
         try:
+            # read through on_output alone: the handle keeps nothing for an iteration that never comes
             self.executor.submit(prompt, stream.params, request_id=stream.executor_id,
-                                 on_output=lambda out, s=stream: self._outbox.put((s, out, time.perf_counter_ns())))
+                                 on_output=lambda out, s=stream: self._outbox.put((s, out, time.perf_counter_ns()))
+                                 ).callback_only()
         except BaseException:
             with self._lock:
                 self._active.discard(stream)

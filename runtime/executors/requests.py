@@ -129,6 +129,7 @@ class RequestHandle:
         self._last: RequestOutput | None = None
         self._pending: RequestOutput | None = None  # not taken yet: every output since the last one taken, merged
         self._delivered_final = False
+        self._buffered = True  # False after callback_only(): outputs go to on_output alone
         self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         lock = threading.Lock()
         self._arrived = threading.Condition(lock)  # any output
@@ -137,10 +138,12 @@ class RequestHandle:
     def _push(self, out: RequestOutput) -> None:
         with self._arrived:
             self._last = out
-            held = self._pending
-            self._pending = out if held is None else replace(
-                out, new_token_ids=held.new_token_ids + out.new_token_ids, text_delta=held.text_delta + out.text_delta,
-                new_logprobs=None if out.new_logprobs is None else held.new_logprobs + out.new_logprobs)
+            if self._buffered:
+                held = self._pending
+                self._pending = out if held is None else replace(
+                    out, new_token_ids=held.new_token_ids + out.new_token_ids,
+                    text_delta=held.text_delta + out.text_delta,
+                    new_logprobs=None if out.new_logprobs is None else held.new_logprobs + out.new_logprobs)
             self._arrived.notify_all()
             if out.finished:
                 self._finished.notify_all()
@@ -156,6 +159,18 @@ class RequestHandle:
         out, self._pending = self._pending, None
         self._delivered_final = out.finished
         return out
+
+    def callback_only(self) -> None:
+        """Keep no outputs for iteration from now on, for a caller that reads them through on_output alone (the
+        engine process's child, a Triton model): each output merged into an unread one copies every token so
+        far, O(n^2) over a long stream. result() and finished still answer; iterating raises."""
+        with self._arrived:
+            self._buffered, self._pending = False, None
+
+    def _check_buffered(self) -> None:
+        if not self._buffered:
+            raise RuntimeError(f"request {self.request_id}'s outputs go to its on_output callback only "
+                               "(callback_only() was called); it cannot be iterated")
 
     @property
     def finished(self) -> bool:
@@ -174,6 +189,7 @@ class RequestHandle:
     def __iter__(self) -> Iterator[RequestOutput]:
         while True:
             with self._arrived:
+                self._check_buffered()
                 if self._delivered_final:
                     return
                 self._arrived.wait_for(lambda: self._pending is not None)
@@ -186,6 +202,7 @@ class RequestHandle:
     async def __anext__(self) -> RequestOutput:
         while True:
             with self._arrived:
+                self._check_buffered()
                 if self._delivered_final:
                     raise StopAsyncIteration
                 if self._pending is not None:
