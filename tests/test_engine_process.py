@@ -114,6 +114,24 @@ def test_a_callback_only_handle_keeps_no_outputs(spec_checkpoint):
     assert out.token_ids == [t for o in seen for t in o.new_token_ids] and len(out.token_ids) == 40
 
 
+def test_stop_reason_is_the_stop_string_or_token_that_ended_it(engine, spec_checkpoint):
+    """RequestOutput.stop_reason (the LLM API's): the stop string or stop token id that ended the output, in one
+    process and through the pipe alike; None for a length limit."""
+    with create_executor(spec_checkpoint, CONFIG) as local:
+        plain = local.submit(PROMPTS[0], SamplingParams(max_tokens=40, ignore_eos=True)).result(60)
+        ids, text = plain.token_ids, plain.text
+        token = next(t for i, t in enumerate(ids) if i >= 3 and t not in ids[:i])
+        stop = next(text[i:i + 3] for i in range(4, len(text) - 3)
+                    if text[i:i + 3].strip() and text[i:i + 3] not in text[:i + 2])
+        cases = [(SamplingParams(max_tokens=40, ignore_eos=True, stop_token_ids=(token,)), token),
+                 (SamplingParams(max_tokens=40, ignore_eos=True, stop=("not in the text", stop)), stop),
+                 (SamplingParams(max_tokens=40, ignore_eos=True), None)]
+        for params, reason in cases:
+            for ex in (local, engine):
+                out = ex.submit(PROMPTS[0], params).result(60)
+                assert (out.finish_reason, out.stop_reason) == ("length" if reason is None else "stop", reason)
+
+
 def test_bad_request_raises_in_the_caller(engine):
     with pytest.raises(ValueError, match=r"^max_tokens must be an integer >= 1, got 0$"):
         engine.submit(PROMPTS[0], SamplingParams(max_tokens=0))

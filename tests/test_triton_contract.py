@@ -34,6 +34,8 @@ from runtime.io.engine_format import read_limits  # noqa: E402
 from serving.llmapi_config import ModelYamlError, read_model_yaml  # noqa: E402
 from serving.model_repo import add_llmapi_model  # noqa: E402
 from serving.request_validation import GUIDED_INPUTS  # noqa: E402
+from serving.triton_parameters import TritonConfig  # noqa: E402
+from runtime.executors.base import ExecutorConfig  # noqa: E402
 from test_triton import DTYPES, Streamed, grpc_inputs, http_generate  # noqa: E402
 from triton_util import TritonServer, fill_model_repo, make_tiny_checkpoint, repo_values, start_server  # noqa: E402
 
@@ -367,6 +369,8 @@ def test_model_yaml_maps_llm_api_keys(tmp_path: Path, checkpoint: Path) -> None:
     bare = read_model_yaml(write_yaml(tmp_path / "bare", checkpoint), tmp_path / "bare")
     assert bare.executor.speculation == "off"  # no speculative_config: no drafting, as the LLM API
     assert bare.executor.enable_block_reuse  # prefix caching on by default, as the LLM API
+    # what the file leaves out keeps the settings' own defaults, read from the dataclasses, not repeated
+    assert bare.triton == TritonConfig() and bare.executor == ExecutorConfig(speculation="off", num_draft_tokens=0)
 
 
 @pytest.mark.parametrize("keys, message", [
@@ -381,6 +385,9 @@ def test_model_yaml_maps_llm_api_keys(tmp_path: Path, checkpoint: Path) -> None:
      "max_draft_len 2 and num_nextn_predict_layers 3 differ"),
     (dict(triton_config={"decoupled": "yes"}), "triton_config.decoupled must be true or false"),
     (dict(triton_config={"max_batch_sizes": 4}), "triton_config: unknown key(s) max_batch_sizes"),
+    (dict(triton_config={"watchdog_timeout_s": "long"}), "triton_config.watchdog_timeout_s must be a number"),
+    (dict(speculative_config={"decoding_type": "MTP", "max_draft_len": 1}, triton_config={"speculation": "always"}),
+     "speculation must be 'off', 'fixed' or 'adaptive'"),
 ])
 def test_model_yaml_refuses_what_changes_the_output_naming_the_key(tmp_path: Path, checkpoint: Path,
                                                                    keys: dict, message: str) -> None:

@@ -78,6 +78,9 @@ class RequestOutput:
     cumulative_logprob: float | None = None
     # with SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing predicts it)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # what ended it with finish_reason "stop", as the LLM API's stop_reason: the stop string, or the stop token id of
+    # SamplingParams.stop_token_ids; None for eos and every other ending
+    stop_reason: str | int | None = None
 
 
 @dataclass
@@ -290,6 +293,7 @@ class RequestTracker:
     logprobs: list[TokenLogprob] | None = None  # of the output tokens reported, when asked for
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[TokenLogprob | None] | None = None  # filled by the prefill steps, when asked for
+    stop_reason: str | int | None = None  # RequestOutput.stop_reason, once consume() finds it
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
@@ -328,6 +332,7 @@ class RequestTracker:
         for t in new:
             if t in self.stop_ids:
                 reason = "stop"
+                self.stop_reason = t if t in p.stop_token_ids else None
             else:
                 kept.append(t)
                 self.held += self.detok.push([t])
@@ -339,8 +344,9 @@ class RequestTracker:
             if p.stop and len(self.token_ids) + len(kept) < p.min_tokens:
                 self.stop_after = len(self.held)
             elif p.stop:
-                hit = min((i for i in (self.held.find(s, max(self.stop_after - len(s) + 1, 0)) for s in p.stop)
-                           if i >= 0), default=-1)
+                found = [(i, s) for s in p.stop if (i := self.held.find(s, max(self.stop_after - len(s) + 1, 0))) >= 0]
+                if found:  # the earliest in the text (the first listed of those starting there)
+                    hit, self.stop_reason = min(found, key=lambda f: f[0])
             if reason or hit >= 0:
                 break
         self.token_ids += kept
@@ -380,7 +386,8 @@ class RequestTracker:
         out = RequestOutput(self.request_id, list(new), list(self.token_ids), delta, self.text, self.finished,
                             reason, self.stats(), error, self.detok.holding,
                             None if logprobs is None else logprobs[len(logprobs) - len(new):], logprobs,
-                            None if logprobs is None else self.cumulative_logprob, self.prompt_logprobs)
+                            None if logprobs is None else self.cumulative_logprob, self.prompt_logprobs,
+                            self.stop_reason if reason == "stop" else None)
         if self.callback is not None:
             try:
                 self.callback(out)

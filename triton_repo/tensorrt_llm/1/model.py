@@ -21,8 +21,9 @@ from runtime.executors.requests import RequestOutput
 from serving.request_validation import (GUIDED_INPUTS, NEUTRAL, TENSORRT_LLM_SCALARS, UNSUPPORTED_ENGINE_INPUTS,
                                         RequestError, client_named, guided_decoding, integer, no_unknown_parameters,
                                         refuse_non_neutral, refuse_unsupported, token_ids)
-from serving.triton_engine import WATCHDOG_TIMEOUT_S, Chunk, EngineModel, Stream, given
-from serving.triton_parameters import boolean, integer as integer_parameter, model_path, number, parameter
+from serving.triton_engine import Chunk, EngineModel, Stream, given
+from serving.triton_parameters import (TritonConfig, boolean, integer as integer_parameter, model_path, number,
+                                       parameter, settings)
 
 
 def word_list(request: Any, name: str, vocab_size: int) -> list[list[int]]:
@@ -51,23 +52,24 @@ class TritonPythonModel(EngineModel):
     def initialize(self, args: dict) -> None:
         faulthandler.enable()  # a crash of this stub is logged with its Python stacks, not lost
         config = json.loads(args["model_config"])
-        executor_config = ExecutorConfig(
-            num_draft_tokens=parameter(config, "num_draft_tokens", integer_parameter),
-            speculation=parameter(config, "speculation") or "adaptive",
+        executor_config = settings(
+            ExecutorConfig, num_draft_tokens=parameter(config, "num_draft_tokens", integer_parameter),
+            speculation=parameter(config, "speculation"),
             max_batch_size=parameter(config, "executor_max_batch_size", integer_parameter),
             max_seq_len=parameter(config, "executor_max_seq_len", integer_parameter),
             kv_cache_tokens=parameter(config, "max_tokens_in_paged_kv_cache", integer_parameter),
-            free_memory_fraction=parameter(config, "kv_cache_free_gpu_mem_fraction", number, default=0.9),
-            device=parameter(config, "device") or "cpu")
+            free_memory_fraction=parameter(config, "kv_cache_free_gpu_mem_fraction", number),
+            device=parameter(config, "device"))
+        triton = settings(
+            TritonConfig, decoupled=pb_utils.using_decoupled_model_transaction_policy(config),
+            torch_threads=parameter(config, "torch_threads", integer_parameter),
+            engine_process=parameter(config, "engine_process", boolean),
+            cancellation_check_period_ms=parameter(config, "cancellation_check_period_ms", integer_parameter),
+            stats_check_period_ms=parameter(config, "stats_check_period_ms", integer_parameter),
+            watchdog_timeout_s=parameter(config, "watchdog_timeout_s", number))
         self.exclude_input_default = parameter(config, "exclude_input_in_output", boolean, default=False)
-        self.start(model_path(config, "gpt_model_path", args["model_repository"]), executor_config,
-                   model_name=args["model_name"], model_version=args["model_version"],
-                   decoupled=pb_utils.using_decoupled_model_transaction_policy(config),
-                   torch_threads=parameter(config, "torch_threads", integer_parameter),
-                   engine_process=parameter(config, "engine_process", boolean),
-                   cancel_period_s=parameter(config, "cancellation_check_period_ms", integer_parameter, default=100) / 1000,
-                   stats_period_s=parameter(config, "stats_check_period_ms", integer_parameter, default=100) / 1000,
-                   watchdog_timeout_s=parameter(config, "watchdog_timeout_s", number, default=WATCHDOG_TIMEOUT_S))
+        self.start(model_path(config, "gpt_model_path", args["model_repository"]), executor_config, triton,
+                   model_name=args["model_name"], model_version=args["model_version"])
 
     def convert(self, request: Any, sender: Any) -> tuple[Stream, list[int]] | None:
         no_unknown_parameters(request.parameters(), "tensorrt_llm")
@@ -192,18 +194,7 @@ class TritonPythonModel(EngineModel):
         tensors = [pb_utils.Tensor("output_ids", np.array(ids, np.int32).reshape(1, 1, -1)),
                    pb_utils.Tensor("sequence_length", np.array([[len(ids)]], np.int32))]
         if stream.perf_metrics:
-            m = self.perf_metrics(stream, out.stats)
-            tensors += [
-                scalar("acceptance_rate", m.acceptance_rate, np.float32),
-                scalar("total_accepted_draft_tokens", m.accepted_draft_tokens, np.int32),
-                scalar("total_draft_tokens", m.draft_tokens, np.int32),
-                scalar("kv_cache_alloc_new_blocks", m.new_blocks, np.int32),
-                scalar("kv_cache_reused_blocks", m.reused_blocks, np.int32),
-                scalar("kv_cache_alloc_total_blocks", m.kv_blocks, np.int32),
-                scalar("arrival_time_ns", m.arrival_ns, np.int64),
-                scalar("first_scheduled_time_ns", m.first_scheduled_ns, np.int64),
-                scalar("first_token_time_ns", m.first_token_ns, np.int64),
-                scalar("last_token_time_ns", m.last_token_ns, np.int64)]
+            tensors += self.perf_metric_tensors(stream, out.stats, "legacy", (1, 1))
         if "num_input_tokens" in stream.outputs:
             tensors.append(scalar("num_input_tokens", out.stats.prompt_tokens, np.int32))
         if "num_output_tokens" in stream.outputs:
