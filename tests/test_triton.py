@@ -271,7 +271,7 @@ def test_every_template_placeholder_is_filled_by_the_test_values(tmp_path: Path,
     left = {p for c in repo.glob("*/config.pbtxt") for p in re.findall(r"\$\{(\w+)\}", c.read_text())}
     # these stay as placeholders on purpose: their models read an unfilled one as "use the default"
     assert left <= {"add_special_tokens", "skip_special_tokens", "max_tokens_in_paged_kv_cache", "num_draft_tokens",
-                    "kv_cache_free_gpu_mem_fraction", "watchdog_timeout_s",
+                    "kv_cache_free_gpu_mem_fraction", "watchdog_timeout_s", "enable_kv_cache_reuse",
                     "executor_max_batch_size", "executor_max_seq_len", "device", "torch_threads", "engine_process",
                     "exclude_input_in_output", "accumulate_tokens"}
 
@@ -512,6 +512,43 @@ def test_min_tokens_at_max_tokens_ignores_the_end_id(server: TritonServer, expec
         assert status == 200 and body["text_output"] == expected[prompt].text, (model, body)
 
 
+def test_min_tokens_below_max_tokens_is_the_sessions(server: TritonServer, session: Session, expected: dict) -> None:
+    """min_tokens (and the older min_length) between 1 and max_tokens hold back the end id until that many tokens,
+    as the Session's SamplingParams.min_tokens does (they were refused before)."""
+    prompt = next(p for p in PROMPTS if len(expected[p].token_ids) == TOKENS)
+    ids = expected[prompt].token_ids
+    i = next(i for i in range(2, TOKENS - 8) if ids[i] not in ids[:i])
+    want = session.generate([prompt], SamplingParams(max_tokens=TOKENS, stop_token_ids=(ids[i],), ignore_eos=True,
+                                                     min_tokens=i + 4))[0]
+    assert len(want.token_ids) >= i + 4  # the end id no longer ends it at i
+    request = dict(text_input=prompt, max_tokens=TOKENS, end_id=ids[i], exclude_input_in_output=True)
+    for model, name in (("ensemble", "min_tokens"), ("tensorrt_llm_bls", "min_length")):
+        status, body = http_generate(server, model, **request, **{name: i + 4})
+        assert status == 200 and body["text_output"] == want.text, (model, body)
+
+
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_return_log_probs_are_the_sessions(server: TritonServer, session: Session, model: str, streaming: bool) -> None:
+    """Upstream's --return-log-probs: cum_log_probs [1, 1] (the output's so far) and output_log_probs
+    [1, 1, tokens] (of the response's generated tokens) hold the Session's logprobs of the same request."""
+    from tritonclient.utils import InferenceServerException
+
+    prompt = PROMPTS[4]
+    want = session.generate([prompt], SamplingParams(max_tokens=TOKENS, logprobs=0))[0]
+    results = upstream_grpc_client(server, model, ["text_output", "cum_log_probs", "output_log_probs"],
+                                   text_input=[[prompt]], max_tokens=TOKENS, stream=streaming,
+                                   exclude_input_in_output=True, return_log_probs=True)
+    assert results and not any(isinstance(r, InferenceServerException) for r in results), results
+    assert (len(results) > 1) == streaming
+    for r in results:
+        assert r.as_numpy("cum_log_probs").shape == (1, 1) and r.as_numpy("output_log_probs").shape[:2] == (1, 1)
+    got = [float(v) for r in results for v in r.as_numpy("output_log_probs").reshape(-1)]
+    assert got == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4)
+    assert results[-1].as_numpy("cum_log_probs")[0][0] == pytest.approx(want.cumulative_logprob, abs=1e-3)
+    assert "".join(r.as_numpy("text_output")[0].decode() for r in results) == want.text
+
+
 def test_penalties_are_the_sessions(server: TritonServer, session: Session) -> None:
     """repetition_penalty, presence_penalty and frequency_penalty reach the executor (only their neutral values
     were taken before it implemented them)."""
@@ -642,8 +679,6 @@ def test_upstream_grpc_client_reads_text_output(server: TritonServer, expected: 
 
 UPSTREAM_CLIENT_FLAGS = {  # end_to_end_grpc_client.py's flags: the inputs it sends and outputs it asks for
     "-n 2": (dict(num_return_sequences=2), ["sequence_index"], "num_return_sequences=2", "supported: 1"),
-    "--return-log-probs": (dict(return_log_probs=True), ["cum_log_probs", "output_log_probs"], "return_log_probs",
-                           "supported: false"),
     "--return-context-logits": (dict(return_context_logits=True), ["context_logits"], "return_context_logits",
                                 "supported: false"),
     "--return-generation-logits": (dict(return_generation_logits=True), ["generation_logits"],

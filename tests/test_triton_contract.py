@@ -65,9 +65,10 @@ def expected(session: Session) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def unary(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
-    """The legacy flavour, every model non-decoupled (upstream end_to_end_test.py's deployment)."""
+    """The legacy flavour, every model non-decoupled (upstream end_to_end_test.py's deployment), prefix caching off
+    (enable_kv_cache_reuse false)."""
     work = tmp_path_factory.mktemp("contract_unary")
-    repo = fill_model_repo(work / "repo", repo_values(checkpoint, decoupled_mode="false"))
+    repo = fill_model_repo(work / "repo", repo_values(checkpoint, decoupled_mode="false", enable_kv_cache_reuse="false"))
     srv = start_server(repo, log_file=work / "server.log", ready_timeout_s=240, exit_timeout_s=3)
     try:
         yield srv
@@ -193,6 +194,18 @@ def test_unary_tensorrt_llm_shares_the_batch_and_takes_stop(unary: TritonServer,
     worker.join(timeout=60)
     assert int(result["r"].as_numpy("sequence_length")[0][0]) < len(ids) + 900, "the stop did not reach it"
     assert time.monotonic() - t0 < 60
+
+
+def test_enable_kv_cache_reuse_false_turns_prefix_caching_off(unary: TritonServer, session: Session) -> None:
+    """TensorRT-LLM's legacy enable_kv_cache_reuse parameter is the executor's enable_block_reuse: deployed with it
+    false, tensorrt_llm reuses no block of a prompt it has seen (by default it reuses the prompt's full blocks:
+    test_triton.py's test_perf_metrics_and_token_counts_as_upstream)."""
+    ids = session.tokenizer.encode(" ".join(PROMPTS * 3))
+    inputs = dict(input_ids=np.array([ids], np.int32), input_lengths=np.array([[len(ids)]], np.int32),
+                  request_output_len=np.array([[4]], np.int32), return_perf_metrics=np.array([[True]]))
+    reused = [int(infer_grpc(unary, "tensorrt_llm", **inputs).as_numpy("kv_cache_reused_blocks")[0][0])
+              for _ in range(2)]
+    assert len(ids) > 32 and reused == [0, 0]
 
 
 def infer_grpc(server: TritonServer, model: str, request_id: str = "", **values: Any) -> Any:

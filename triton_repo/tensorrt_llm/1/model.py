@@ -59,6 +59,7 @@ class TritonPythonModel(EngineModel):
             max_seq_len=parameter(config, "executor_max_seq_len", integer_parameter),
             kv_cache_tokens=parameter(config, "max_tokens_in_paged_kv_cache", integer_parameter),
             free_memory_fraction=parameter(config, "kv_cache_free_gpu_mem_fraction", number),
+            enable_block_reuse=parameter(config, "enable_kv_cache_reuse", boolean),  # TensorRT-LLM's legacy name
             device=parameter(config, "device"))
         triton = settings(
             TritonConfig, decoupled=pb_utils.using_decoupled_model_transaction_policy(config),
@@ -77,7 +78,7 @@ class TritonPythonModel(EngineModel):
             self.stop(request.request_id(), sender)
             return None
         prompt, params, streaming, exclude = self._convert(request)
-        outputs = frozenset(name for name in ("num_input_tokens", "num_output_tokens")
+        outputs = frozenset(name for name in ("num_input_tokens", "num_output_tokens", "log_probs")
                             if self._scalar(request, f"return_{name}", False))
         return Stream(sender, request.request_id(), streaming, [] if exclude else prompt,
                       bool(self._scalar(request, "return_perf_metrics", False)), outputs, params), prompt
@@ -123,14 +124,8 @@ class TritonPythonModel(EngineModel):
                                  f"{len(word)} tokens; only single-token bad words are supported")
             bad_ids.append(word[0])
         seed = self._alias(request, "seed", "random_seed")
-        min_tokens = self._alias(request, "min_tokens", "min_length")
-        ignore_stops = False
-        if min_tokens is not None and min_tokens > 1:
-            if min_tokens < max_tokens:
-                name = "min_tokens" if self._scalar(request, "min_tokens") is not None else "min_length"
-                raise RequestError(f"{name}={min_tokens} is not supported by this runtime (supported: <= 1, or >= "
-                                 f"max_tokens ({max_tokens}), which ignores the end id and stop ids)")
-            ignore_stops = True  # genai-perf's fixed output length: min_length = max_tokens
+        # more than max_tokens means all of them (genai-perf's fixed output length sends min_length = max_tokens)
+        min_tokens = min(self._alias(request, "min_tokens", "min_length") or 0, max_tokens)
         temperature, top_k, top_p = self._sampling(request)
         end_id = self._end_id(request)
         ignore_eos = end_id is not None and end_id != self.tokenizer.eos_token_id
@@ -143,9 +138,11 @@ class TritonPythonModel(EngineModel):
             top_p=top_p,
             seed=seed,
             stop=tuple(stop),
-            stop_token_ids=() if ignore_stops else tuple(stop_ids),
+            stop_token_ids=tuple(stop_ids),
             bad_token_ids=tuple(bad_ids),
-            ignore_eos=ignore_eos or ignore_stops,
+            ignore_eos=ignore_eos,
+            min_tokens=min_tokens,
+            logprobs=0 if self._scalar(request, "return_log_probs", False) else None,
             repetition_penalty=self._scalar(request, "repetition_penalty", 1.0),
             presence_penalty=self._scalar(request, "presence_penalty", 0.0),
             frequency_penalty=self._scalar(request, "frequency_penalty", 0.0),
@@ -185,7 +182,8 @@ class TritonPythonModel(EngineModel):
 
     def response(self, stream: Stream, chunk: Chunk, out: RequestOutput) -> Any:
         """output_ids [1, 1, N] and sequence_length [1, 1], plus what the request asked for: as upstream's, perf
-        metrics only with return_perf_metrics and token counts only with return_num_*_tokens, for each tensor costs
+        metrics only with return_perf_metrics, token counts only with return_num_*_tokens and cum_log_probs [1, 1] /
+        output_log_probs [1, 1, generated tokens of output_ids] only with return_log_probs, for each tensor costs
         every streamed token its trip through the server, the ensemble and the client."""
         def scalar(name: str, value: Any, dtype: Any) -> Any:
             return pb_utils.Tensor(name, np.array([[value]], dtype))
@@ -195,6 +193,11 @@ class TritonPythonModel(EngineModel):
                    pb_utils.Tensor("sequence_length", np.array([[len(ids)]], np.int32))]
         if stream.perf_metrics:
             tensors += self.perf_metric_tensors(stream, out.stats, "legacy", (1, 1))
+        if "log_probs" in stream.outputs:  # of the generated tokens in output_ids, under the target model
+            chosen = out.logprobs[len(out.logprobs) - len(ids):] if stream.streaming else out.logprobs
+            logprobs = [lp.logprob for lp in chosen]
+            tensors += [scalar("cum_log_probs", out.cumulative_logprob, np.float32),
+                        pb_utils.Tensor("output_log_probs", np.array(logprobs, np.float32).reshape(1, 1, -1))]
         if "num_input_tokens" in stream.outputs:
             tensors.append(scalar("num_input_tokens", out.stats.prompt_tokens, np.int32))
         if "num_output_tokens" in stream.outputs:

@@ -29,8 +29,10 @@ from serving.text_processing import Postprocessor, Preprocessor
 from serving.triton_parameters import boolean, parameter, sibling_config
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-# tensorrt_llm's optional outputs, passed on when it sends them (return_perf_metrics, return_num_*_tokens)
-STATS = (*(name for name, *_ in PERF_OUTPUTS["legacy"]), "num_input_tokens", "num_output_tokens")
+# tensorrt_llm's optional outputs, passed on when it sends them (return_perf_metrics, return_num_*_tokens,
+# return_log_probs)
+STATS = (*(name for name, *_ in PERF_OUTPUTS["legacy"]), "num_input_tokens", "num_output_tokens", "cum_log_probs",
+         "output_log_probs")
 
 
 class BLSError(Exception):
