@@ -496,20 +496,24 @@ def test_random_seed_is_the_seed(server: TritonServer) -> None:
     assert status == 200 and body["text_output"] != want
 
 
-def test_min_tokens_at_max_tokens_ignores_the_end_id(server: TritonServer, expected: dict) -> None:
-    """genai-perf's --output-tokens-mean-deterministic sends min_length = max_tokens: every request
-    then generates max_tokens tokens, eos and the end id notwithstanding."""
+def test_min_tokens_at_max_tokens_bans_the_end_id(server: TritonServer, session: Session, expected: dict) -> None:
+    """genai-perf's --output-tokens-mean-deterministic sends min_length = max_tokens: every request then generates
+    max_tokens tokens, the end id (and eos) banned until then, as TensorRT-LLM's min length bans its end id; the
+    text is the Session's with the same min_tokens."""
     prompt = next(p for p in PROMPTS if len(expected[p].token_ids) == TOKENS)
     ids = expected[prompt].token_ids
     i = next(i for i in range(2, TOKENS) if ids[i] not in ids[:i])
     request = dict(text_input=prompt, max_tokens=TOKENS, end_id=ids[i], exclude_input_in_output=True)
     out = grpc_stream(server, "ensemble", **request)
     assert out.error is None and out.text != expected[prompt].text  # the end id ends it
+    want = session.generate([prompt], SamplingParams(max_tokens=TOKENS, stop_token_ids=(ids[i],), ignore_eos=True,
+                                                     min_tokens=TOKENS))[0]
+    assert len(want.token_ids) == TOKENS
     out = grpc_stream(server, "ensemble", min_length=TOKENS, **request)
-    assert out.error is None and out.text == expected[prompt].text
+    assert out.error is None and out.text == want.text
     for model, extra in (("ensemble", dict(min_tokens=TOKENS + 5)), ("tensorrt_llm_bls", dict(min_length=TOKENS))):
         status, body = http_generate(server, model, **request, **extra)
-        assert status == 200 and body["text_output"] == expected[prompt].text, (model, body)
+        assert status == 200 and body["text_output"] == want.text, (model, body)
 
 
 def test_min_tokens_below_max_tokens_is_the_sessions(server: TritonServer, session: Session, expected: dict) -> None:
@@ -927,9 +931,9 @@ BAD_REQUESTS = {
     "bad_word_of_several_tokens": (dict(GOOD, bad_words=[["hello world"]]), "bad_words"),
     "beam_search": (dict(GOOD, beam_width=2), "beam_width"),
     "seed_too_large": (dict(GOOD, seed=np.uint64(2**64 - 1)), "seed"),
-    "min_tokens_below_max_tokens": (dict(GOOD, min_tokens=5), "min_tokens=5 is not supported by this runtime "
-                                    "(supported: <= 1, or >= max_tokens (8), which ignores the end id and stop ids)"),
-    "min_length_below_max_tokens": (dict(GOOD, min_length=5), "min_length=5 is not supported"),
+    "min_tokens_negative": (dict(GOOD, min_tokens=-1), "min_tokens must be an integer in [0, 2147483647], got -1"),
+    "min_length_and_min_tokens_differ": (dict(GOOD, min_tokens=5, min_length=6),
+                                         "min_tokens=5 and min_length=6 differ"),
     "seed_and_random_seed_differ": (dict(GOOD, seed=np.uint64(1), random_seed=np.uint64(2)),
                                     "seed=1 and random_seed=2 differ (random_seed is the older name of seed); "
                                     "give one of them"),
