@@ -124,9 +124,9 @@ PREPROCESSING_INPUTS = {"QUERY": "text_input", "REQUEST_OUTPUT_LEN": "max_tokens
                         "EMBEDDING_BIAS_WEIGHTS": "embedding_bias_weights",
                         "PROMPT_TABLE_EXTRA_ID": "prompt_table_extra_id"}
 # preprocessing's outputs -> the tensorrt_llm inputs they feed
-PREPROCESSED = {"INPUT_ID": "input_ids", "REQUEST_INPUT_LEN": "input_lengths", "REQUEST_OUTPUT_LEN": "request_output_len",
-                "BAD_WORDS_IDS": "bad_words_list", "STOP_WORDS_IDS": "stop_words_list", "OUT_END_ID": "end_id",
-                "OUT_PAD_ID": "pad_id"}
+PREPROCESSED = {"INPUT_ID": "input_ids", "REQUEST_INPUT_LEN": "input_lengths",
+                "REQUEST_OUTPUT_LEN": "request_output_len", "BAD_WORDS_IDS": "bad_words_list",
+                "STOP_WORDS_IDS": "stop_words_list", "OUT_END_ID": "end_id", "OUT_PAD_ID": "pad_id"}
 # the client's inputs passed straight to tensorrt_llm -> its names for them
 ENGINE_INPUTS = {name: name for name in (
     "exclude_input_in_output", "temperature", "repetition_penalty", "min_tokens", "presence_penalty",

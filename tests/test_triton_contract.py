@@ -68,7 +68,8 @@ def unary(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     """The legacy flavour, every model non-decoupled (upstream end_to_end_test.py's deployment), prefix caching off
     (enable_kv_cache_reuse false)."""
     work = tmp_path_factory.mktemp("contract_unary")
-    repo = fill_model_repo(work / "repo", repo_values(checkpoint, decoupled_mode="false", enable_kv_cache_reuse="false"))
+    repo = fill_model_repo(work / "repo", repo_values(checkpoint, decoupled_mode="false",
+                                                      enable_kv_cache_reuse="false"))
     srv = start_server(repo, log_file=work / "server.log", ready_timeout_s=240, exit_timeout_s=3)
     try:
         yield srv
