@@ -11,7 +11,7 @@ speculation never changes the output here) is named in a warning and not applied
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from builder.trtllm_engine import HF_DIR
 from runtime.core.sampling import RelaxedAcceptance
 from runtime.executors.base import DEFAULT_DRAFT_TOKENS, ExecutorConfig
 from runtime.io.engine_format import LLM_API_OPTIONS, engine_backend, read_limits
+from serving.triton_parameters import TritonConfig, settings
 
 MODEL_YAML = "model.yaml"
 SPECULATION_WARNED = ("use_mtp_vanilla", "mtp_eagle_one_model", "max_concurrency", "draft_len_schedule",
@@ -39,26 +40,11 @@ WARNED = ("tensor_parallel_size", "pipeline_parallel_size", "moe_expert_parallel
           "num_postprocess_workers", "postprocess_tokenizer_dir", "return_perf_metrics", "perf_metrics_max_requests",
           "enable_layerwise_nvtx_marker", "garbage_collection_gen0_threshold", "pytorch_backend_config",
           "load_format", "checkpoint_format", "batch_wait_timeout_ms", "enable_autotuner")
-TRITON_KEYS = ("max_batch_size", "decoupled", "cancellation_check_period_ms", "stats_check_period_ms",
-               "watchdog_timeout_s", "speculation", "device", "torch_threads", "engine_process")
+TRITON_KEYS = (*(f.name for f in fields(TritonConfig)), "speculation", "device")
 
 
 class ModelYamlError(ValueError):
     """A model.yaml this runtime cannot serve as written; the message names the file and the key."""
-
-
-@dataclass(frozen=True)
-class TritonConfig:
-    """`triton_config`: upstream's keys (max_batch_size, decoupled, cancellation_check_period_ms) and this
-    runtime's (stats_check_period_ms, watchdog_timeout_s, torch_threads, engine_process)."""
-
-    max_batch_size: int = 0
-    decoupled: bool = False
-    cancellation_check_period_ms: int = 100
-    stats_check_period_ms: int = 100
-    watchdog_timeout_s: float = 120.0
-    torch_threads: int | None = None
-    engine_process: bool | None = None  # the executor in a process of its own (None: on CUDA devices only)
 
 
 @dataclass(frozen=True)
@@ -151,29 +137,23 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
         raise ModelYamlError(f"{source}: unknown key(s) {', '.join(sorted(doc))}: not implemented by this runtime "
                              "(see serving/llmapi_config.py for the keys it reads)")
 
-    speculation = str(triton.get("speculation", "adaptive"))
+    device = triton.get("device")
     try:
-        executor = ExecutorConfig(
-            num_draft_tokens=draft_len, speculation="off" if draft_len == 0 else speculation,
+        executor = settings(
+            ExecutorConfig, num_draft_tokens=draft_len,
+            speculation="off" if draft_len == 0 else triton.get("speculation"),
             max_batch_size=limits.get("max_batch_size"), max_seq_len=limits.get("max_seq_len"),
             max_num_tokens=limits.get("max_num_tokens"), kv_cache_tokens=kv.get("max_tokens"),
-            free_memory_fraction=kv.get("free_gpu_memory_fraction", 0.9), device=str(triton.get("device", "cpu")),
-            relaxed_acceptance=relaxed, cuda_graphs=cuda_graphs, enable_block_reuse=kv.get("enable_block_reuse", True))
+            free_memory_fraction=kv.get("free_gpu_memory_fraction"), device=None if device is None else str(device),
+            relaxed_acceptance=relaxed, cuda_graphs=cuda_graphs, enable_block_reuse=kv.get("enable_block_reuse"))
     except ValueError as e:
         raise ModelYamlError(f"{source}: {e}") from None
-    threads = triton.get("torch_threads")
-    return LlmApiModel(model, executor, TritonConfig(
-        max_batch_size=_int(triton.get("max_batch_size", 0), "triton_config.max_batch_size", source, low=0),
-        decoupled=_bool(triton.get("decoupled", False), "triton_config.decoupled", source),
-        cancellation_check_period_ms=_int(triton.get("cancellation_check_period_ms", 100),
-                                          "triton_config.cancellation_check_period_ms", source),
-        stats_check_period_ms=_int(triton.get("stats_check_period_ms", 100), "triton_config.stats_check_period_ms",
-                                   source),
-        watchdog_timeout_s=_number(triton.get("watchdog_timeout_s", 120.0), "triton_config.watchdog_timeout_s",
-                                   source),
-        torch_threads=None if threads is None else _int(threads, "triton_config.torch_threads", source),
-        engine_process=None if triton.get("engine_process") is None
-        else _bool(triton["engine_process"], "triton_config.engine_process", source)), warnings)
+    checks = {"max_batch_size": lambda v, key, src: _int(v, key, src, low=0), "decoupled": _bool,
+              "cancellation_check_period_ms": _int, "stats_check_period_ms": _int, "watchdog_timeout_s": _number,
+              "torch_threads": _int, "engine_process": _bool}
+    return LlmApiModel(model, executor, settings(TritonConfig, **{
+        key: None if triton.get(key) is None else check(triton[key], f"triton_config.{key}", source)
+        for key, check in checks.items()}), warnings)
 
 
 def _engine_options(model: Path) -> dict[str, Any]:
@@ -269,5 +249,5 @@ def model_yaml(engine_dir: Path, model: str, *, decoupled: bool, max_batch_size:
                    "max_seq_len": build.max_seq_len, "max_num_tokens": build.max_num_tokens}
         if build.max_draft_len and cfg.num_nextn_predict_layers:
             options["speculative_config"] = {"decoding_type": "MTP", "max_draft_len": min(DEFAULT_DRAFT_TOKENS, build.max_draft_len)}
-        options["kv_cache_config"] = {"free_gpu_memory_fraction": 0.9}
+        options["kv_cache_config"] = {"free_gpu_memory_fraction": ExecutorConfig.free_memory_fraction}
     return {"model": model, **options, "triton_config": {"max_batch_size": max_batch_size, "decoupled": decoupled}}

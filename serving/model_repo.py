@@ -23,6 +23,7 @@ from runtime.io.atomic import atomic_write
 from runtime.io.engine_format import read_limits
 from serving.fill_template import fill, parse_substitutions
 from serving.llmapi_config import MODEL_YAML, model_yaml
+from serving.triton_parameters import TritonConfig
 
 TEMPLATE_REPO = Path(__file__).resolve().parents[1] / "triton_repo"
 LLMAPI_TEMPLATE = Path(__file__).resolve().parents[1] / "triton_repo_llmapi" / "tensorrt_llm"
@@ -46,8 +47,8 @@ def default_values(engine_dir: Path, **overrides: str) -> dict[str, str]:
         "postprocessing_instance_count": "1",
         "bls_instance_count": "8",  # requests the BLS serves at once (one per instance, docs/reliability.md)
         "tensorrt_llm_model_name": "tensorrt_llm",
-        "cancellation_check_period_ms": "100",
-        "stats_check_period_ms": "100",
+        "cancellation_check_period_ms": str(TritonConfig.cancellation_check_period_ms),
+        "stats_check_period_ms": str(TritonConfig.stats_check_period_ms),
     }
     values.update(overrides)
     return values

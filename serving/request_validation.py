@@ -116,10 +116,28 @@ class Scalar:
         return integer(values, name, int(self.low), int(self.high))
 
 
-# What the ensemble and BLS call the tensorrt_llm inputs they feed, where the name differs: a refusal from
-# tensorrt_llm names both, since behind the ensemble the client only knows its own name.
-CLIENT_NAMES = {"request_output_len": "max_tokens", "runtime_top_k": "top_k", "runtime_top_p": "top_p",
-                "len_penalty": "length_penalty", "streaming": "stream"}
+# The legacy flavour's names for one input along the pipeline, as the ensemble's config.pbtxt maps them (and the
+# BLS, which runs the same pipeline, with these maps): preprocessing's inputs by the client's (ensemble / BLS) name
+PREPROCESSING_INPUTS = {"QUERY": "text_input", "REQUEST_OUTPUT_LEN": "max_tokens", "BAD_WORDS_DICT": "bad_words",
+                        "STOP_WORDS_DICT": "stop_words", "END_ID": "end_id", "PAD_ID": "pad_id",
+                        "DECODER_QUERY": "decoder_text_input", "EMBEDDING_BIAS_WORDS": "embedding_bias_words",
+                        "EMBEDDING_BIAS_WEIGHTS": "embedding_bias_weights",
+                        "PROMPT_TABLE_EXTRA_ID": "prompt_table_extra_id"}
+# preprocessing's outputs -> the tensorrt_llm inputs they feed
+PREPROCESSED = {"INPUT_ID": "input_ids", "REQUEST_INPUT_LEN": "input_lengths",
+                "REQUEST_OUTPUT_LEN": "request_output_len", "BAD_WORDS_IDS": "bad_words_list",
+                "STOP_WORDS_IDS": "stop_words_list", "OUT_END_ID": "end_id", "OUT_PAD_ID": "pad_id"}
+# the client's inputs passed straight to tensorrt_llm -> its names for them
+ENGINE_INPUTS = {name: name for name in (
+    "exclude_input_in_output", "temperature", "repetition_penalty", "min_tokens", "presence_penalty",
+    "frequency_penalty", "seed", "random_seed", "min_length", "return_log_probs", "return_context_logits",
+    "return_generation_logits", "return_perf_metrics", "return_num_input_tokens", "return_num_output_tokens",
+    "beam_width", "num_return_sequences", "guided_decoding_guide_type", "guided_decoding_guide")} | {
+    "top_k": "runtime_top_k", "top_p": "runtime_top_p", "length_penalty": "len_penalty", "stream": "streaming"}
+# tensorrt_llm's inputs by the client's name where it differs: a refusal from tensorrt_llm names both, since behind
+# the ensemble the client only knows its own name
+CLIENT_NAMES = {engine: client for client, engine in ENGINE_INPUTS.items() if client != engine} | {
+    PREPROCESSED[name]: client for name, client in PREPROCESSING_INPUTS.items() if name in PREPROCESSED}
 
 
 def client_named(name: str) -> str:
@@ -180,7 +198,6 @@ def refuse_non_neutral(values: dict[str, Any]) -> None:
 NEUTRAL: dict[str, tuple[Any, str]] = {
     "beam_width": (lambda v: v == 1, "1 (no beam search)"),
     "num_return_sequences": (lambda v: v == 1, "1"),
-    "return_log_probs": (lambda v: not v, "false"),
     "return_context_logits": (lambda v: not v, "false"),
     "return_generation_logits": (lambda v: not v, "false"),
     # the BLS's draft-model speculation

@@ -15,14 +15,11 @@ from typing import Callable
 import numpy as np
 
 from runtime.io.tokenizer import Tokenizer
-from serving.request_validation import (INT32_MAX, UNSUPPORTED_TEXT_INPUTS, RequestError, integer, refuse_unsupported,
-                                        texts, token_ids)
+from serving.request_validation import (INT32_MAX, PREPROCESSING_INPUTS, UNSUPPORTED_TEXT_INPUTS, RequestError,
+                                        integer, refuse_unsupported, texts, token_ids)
 from serving.triton_parameters import boolean, integer as integer_parameter, model_path, parameter
 
 DEFAULT_MAX_INPUT_BYTES = 1 << 20  # when max_input_tokens is not set
-# what the ensemble calls preprocessing's inputs, for refusals the client understands
-CLIENT_NAMES = {"DECODER_QUERY": "decoder_text_input", "EMBEDDING_BIAS_WORDS": "embedding_bias_words",
-                "EMBEDDING_BIAS_WEIGHTS": "embedding_bias_weights", "PROMPT_TABLE_EXTRA_ID": "prompt_table_extra_id"}
 Inputs = Callable[[str], "np.ndarray | None"]  # an input tensor by name, None when the request has none
 
 
@@ -76,11 +73,12 @@ class Preprocessor:
         return next((i for i in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id) if i is not None), 0)
 
     def __call__(self, get: Inputs) -> dict[str, np.ndarray]:
+        client = PREPROCESSING_INPUTS  # refusals name the client's input
         if get("QUERY") is None:
-            raise RequestError("text_input is required")
+            raise RequestError(f"{client['QUERY']} is required")
         refuse_unsupported({n: v for n in UNSUPPORTED_TEXT_INPUTS if (v := get(n)) is not None},
-                           UNSUPPORTED_TEXT_INPUTS, CLIENT_NAMES)
-        queries = texts(get("QUERY"), "text_input", self.max_input_bytes)
+                           UNSUPPORTED_TEXT_INPUTS, client)
+        queries = texts(get("QUERY"), client["QUERY"], self.max_input_bytes)
         batch = len(queries)
         ids = [self.tokenizer.encode(q, add_bos=self.add_bos) for q in queries]
         lengths = np.array([[len(x)] for x in ids], np.int32)
@@ -88,28 +86,29 @@ class Preprocessor:
         for i, x in enumerate(ids):
             input_ids[i, : len(x)] = x
 
-        def words(tensor_name: str, client_name: str) -> np.ndarray:
+        def words(tensor_name: str) -> np.ndarray:
             t = get(tensor_name)
-            items = [[]] * batch if t is None else [texts(row, client_name, self.max_input_bytes)
+            items = [[]] * batch if t is None else [texts(row, client[tensor_name], self.max_input_bytes)
                                                     for row in t.reshape(batch, -1)]
             return word_lists(self.tokenizer, items)
 
-        def per_item(tensor_name: str, client_name: str, low: int, default: int | None = None) -> np.ndarray:
+        def per_item(tensor_name: str, low: int, default: int | None = None) -> np.ndarray:
             t = get(tensor_name)
             if t is None:
                 if default is None:
-                    raise RequestError(f"{client_name} is required")
+                    raise RequestError(f"{client[tensor_name]} is required")
                 return np.full((batch, 1), default, np.int32)
-            return np.array([[integer(v, client_name, low, INT32_MAX)] for v in t.reshape(batch, 1)], np.int32)
+            return np.array([[integer(v, client[tensor_name], low, INT32_MAX)] for v in t.reshape(batch, 1)],
+                            np.int32)
 
         return {
             "INPUT_ID": input_ids,
             "REQUEST_INPUT_LEN": lengths,
-            "REQUEST_OUTPUT_LEN": per_item("REQUEST_OUTPUT_LEN", "max_tokens", 1),
-            "BAD_WORDS_IDS": words("BAD_WORDS_DICT", "bad_words"),
-            "STOP_WORDS_IDS": words("STOP_WORDS_DICT", "stop_words"),
-            "OUT_END_ID": per_item("END_ID", "end_id", -1, self.end_id),
-            "OUT_PAD_ID": per_item("PAD_ID", "pad_id", 0, self.pad_id),
+            "REQUEST_OUTPUT_LEN": per_item("REQUEST_OUTPUT_LEN", 1),
+            "BAD_WORDS_IDS": words("BAD_WORDS_DICT"),
+            "STOP_WORDS_IDS": words("STOP_WORDS_DICT"),
+            "OUT_END_ID": per_item("END_ID", -1, self.end_id),
+            "OUT_PAD_ID": per_item("PAD_ID", 0, self.pad_id),
             "DECODER_INPUT_ID": np.full((batch, 1), self.pad_id, np.int32),
             "REQUEST_DECODER_INPUT_LEN": np.ones((batch, 1), np.int32),
             "EMBEDDING_BIAS": np.zeros((batch, 0), np.float32),

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
@@ -37,11 +38,12 @@ from runtime.executors.process import ProcessExecutor, use_engine_process
 from runtime.executors.requests import RequestOutput, RequestStats
 from runtime.core.sampling import SamplingParams
 from serving.launcher import WORLD_SIZE_ENV
+from serving.perf_metrics import PERF_OUTPUTS, PerfMetrics
 from serving.request_validation import RequestError
+from serving.triton_parameters import TritonConfig
 from serving.watchdog import Progress, Watchdog
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-WATCHDOG_TIMEOUT_S = 120.0  # default: no step of a deployment here comes near it; a wedged loop waits forever
 
 
 @dataclass(eq=False)
@@ -72,28 +74,6 @@ class Chunk:
     text: str
 
 
-@dataclass(frozen=True)
-class PerfMetrics:
-    """Upstream's per-request perf metrics. KV blocks: all a request holds (the blocks its tokens so far fill; 0
-    where the backend's block size is unknown), of which `reused_blocks` came from the prefix cache and the rest
-    are new; `missed_blocks` are its prompt's blocks
-    not found there. First scheduled: arrival plus the executor's queueing time (0 when the backend does not
-    report it, as upstream's unset times)."""
-
-    acceptance_rate: float
-    accepted_draft_tokens: int
-    draft_tokens: int
-    kv_blocks: int
-    new_blocks: int
-    reused_blocks: int
-    missed_blocks: int
-    kv_cache_hit_rate: float
-    arrival_ns: int
-    first_scheduled_ns: int
-    first_token_ns: int
-    last_token_ns: int
-
-
 class EngineModel:
     """The Triton python model over one executor; subclasses read requests (`convert`) and shape responses
     (`response`)."""
@@ -101,9 +81,8 @@ class EngineModel:
     label = "tensorrt_llm"  # how the model names itself in the server log
 
     # ---- set-up ---------------------------------------------------------------------------------
-    def start(self, engine_dir: Path, executor_config: ExecutorConfig, *, model_name: str, model_version: str,
-              decoupled: bool, torch_threads: int | None, engine_process: bool | None, cancel_period_s: float,
-              stats_period_s: float, watchdog_timeout_s: float) -> None:
+    def start(self, engine_dir: Path, executor_config: ExecutorConfig, triton: TritonConfig, *, model_name: str,
+              model_version: str) -> None:
         """Load the executor (in a process of its own where `use_engine_process` says: the responder then never
         holds the GIL its step loop needs) and start the sender, metrics and watchdog threads."""
         rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
@@ -114,17 +93,19 @@ class EngineModel:
         if os.environ.get(WORLD_SIZE_ENV):
             executor_config = dataclasses.replace(executor_config, world_size=int(os.environ[WORLD_SIZE_ENV]))
         pb_utils.Logger.log_info(f"{self.label}: loading {engine_dir}")
-        if use_engine_process(engine_process, executor_config.device):
-            self.executor: ExecutorProtocol = ProcessExecutor(engine_dir, executor_config, torch_threads=torch_threads)
+        if use_engine_process(triton.engine_process, executor_config.device):
+            self.executor: ExecutorProtocol = ProcessExecutor(engine_dir, executor_config,
+                                                              torch_threads=triton.torch_threads)
         else:
-            if torch_threads:  # small decode steps on a busy CPU run faster on fewer threads
-                torch.set_num_threads(torch_threads)
+            if triton.torch_threads:  # small decode steps on a busy CPU run faster on fewer threads
+                torch.set_num_threads(triton.torch_threads)
             self.executor = create_executor(engine_dir, executor_config)
         self.tokenizer = self.executor.tokenizer
         self.vocab_size = self.executor.model_config.vocab_size
-        self.decoupled = decoupled
-        self.cancel_period_s, self.stats_period_s = cancel_period_s, stats_period_s
-        self.watchdog_timeout_s = watchdog_timeout_s
+        self.decoupled = triton.decoupled
+        self.cancel_period_s = triton.cancellation_check_period_ms / 1000
+        self.stats_period_s = triton.stats_check_period_ms / 1000
+        self.watchdog_timeout_s = triton.watchdog_timeout_s
         # KV block size of the native executor; a TensorRT-LLM executor's block counts read 0 (as its metrics)
         self.kv_block_size = self.executor.kv_block_size
         self._create_metrics(model_name, model_version)
@@ -140,7 +121,7 @@ class EngineModel:
         self.watchdog = Watchdog({"executor": lambda: self.executor.health(self.watchdog_timeout_s),
                                   "responder": self._sender_health}, self._fail,
                                  period_s=min(1.0, self.watchdog_timeout_s / 4))
-        pb_utils.Logger.log_info(f"{self.label}: serving {engine_dir} ({'decoupled' if decoupled else 'unary'})")
+        pb_utils.Logger.log_info(f"{self.label}: serving {engine_dir} ({'decoupled' if self.decoupled else 'unary'})")
 
     # ---- requests -------------------------------------------------------------------------------
     def execute(self, requests: list) -> None:
@@ -175,8 +156,10 @@ class EngineModel:
         with self._lock:
             self._active.add(stream)
         try:
+            # read through on_output alone: the handle keeps nothing for an iteration that never comes
             self.executor.submit(prompt, stream.params, request_id=stream.executor_id,
-                                 on_output=lambda out, s=stream: self._outbox.put((s, out, time.perf_counter_ns())))
+                                 on_output=lambda out, s=stream: self._outbox.put((s, out, time.perf_counter_ns()))
+                                 ).callback_only()
         except BaseException:
             with self._lock:
                 self._active.discard(stream)
@@ -254,7 +237,15 @@ class EngineModel:
         scheduled = stream.arrival_ns + round(stats.queue_s * 1e9) if stats.queue_s is not None else 0
         blocks = -(-(stats.prompt_tokens + stats.output_tokens) // self.kv_block_size) if self.kv_block_size else 0
         return PerfMetrics(stats.acceptance_rate, stats.num_accepted_draft_tokens, stats.num_draft_tokens, blocks,
-                           max(blocks - stats.num_reused_blocks, 0), stats.num_reused_blocks, stats.num_missed_blocks, stats.kv_cache_hit_rate, stream.arrival_ns, scheduled, stream.first_token_ns, stream.last_token_ns)
+                           max(blocks - stats.num_reused_blocks, 0), stats.num_reused_blocks, stats.num_missed_blocks,
+                           stats.kv_cache_hit_rate, stream.arrival_ns, scheduled, stream.first_token_ns,
+                           stream.last_token_ns)
+
+    def perf_metric_tensors(self, stream: Stream, stats: RequestStats, flavour: str, shape: tuple[int, ...]) -> list:
+        """The request's perf metrics as the outputs of `flavour` ("legacy" or "llmapi"), each shaped `shape`."""
+        m = self.perf_metrics(stream, stats)
+        return [pb_utils.Tensor(name, np.array([getattr(m, field)], dtype).reshape(shape))
+                for name, field, dtype in PERF_OUTPUTS[flavour]]
 
     def _sender_health(self) -> str | None:
         stalled = self._sender.stalled_for()

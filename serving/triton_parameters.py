@@ -6,8 +6,13 @@ with that message rather than running on a silently wrong setting."""
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
+
+from serving.watchdog import STALL_TIMEOUT_S
+
+T = TypeVar("T")
 
 TRUE_VALUES = ("1", "true", "yes", "t", "y", "on")
 FALSE_VALUES = ("0", "false", "no", "f", "n", "off")
@@ -33,6 +38,27 @@ def number(value: str) -> float:
         return float(value)
     except ValueError:
         raise ValueError(f"expected a number, got {value!r}") from None
+
+
+@dataclass(frozen=True)
+class TritonConfig:
+    """What both Triton engine models take besides the executor's settings: upstream llmapi's `triton_config` keys
+    (max_batch_size, decoupled, cancellation_check_period_ms) and this runtime's (stats_check_period_ms,
+    watchdog_timeout_s, torch_threads, engine_process); the legacy model reads them from its parameters."""
+
+    max_batch_size: int = 0
+    decoupled: bool = False
+    cancellation_check_period_ms: int = 100
+    stats_check_period_ms: int = 100
+    watchdog_timeout_s: float = STALL_TIMEOUT_S
+    torch_threads: int | None = None
+    engine_process: bool | None = None  # the executor in a process of its own (None: on CUDA devices only)
+
+
+def settings(cls: Callable[..., T], **given: Any) -> T:
+    """`cls` (a settings dataclass) from the values a deployment gives, None meaning not given: the others keep
+    the dataclass's defaults, so no reader of a config file repeats them."""
+    return cls(**{name: value for name, value in given.items() if value is not None})
 
 
 def parameter(model_config: dict, name: str, cast: Callable[[str], Any] = str, default: Any = None) -> Any:

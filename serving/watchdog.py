@@ -18,6 +18,10 @@ from typing import Callable
 
 log = logging.getLogger(__name__)
 
+# how long a step loop (or a response sender) with work may go without progress before it counts as stalled, by
+# default: no step of a deployment here comes near it, and a wedged loop waits for ever
+STALL_TIMEOUT_S = 120.0
+
 Probe = Callable[[], "str | None"]
 
 

@@ -5,6 +5,7 @@ process left behind when the executor shuts down, its engine dies or its parent 
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 
 from runtime.core.sampling import SamplingParams
 from runtime.executors.base import ExecutorConfig, create_executor
-from runtime.executors.process import ProcessExecutor
+from runtime.executors.process import ProcessExecutor, _delta_of, _Stream
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -60,6 +61,75 @@ def test_streams_every_output_and_callbacks_run(engine):
     streamed = [t for out in h for t in out.new_token_ids]
     assert streamed == h.result(1).token_ids and len(streamed) == 16
     assert [t for out in seen for t in out.new_token_ids] == streamed and seen[-1].finished
+
+
+def fields(out) -> tuple:
+    """An output's reported content (not its timings), logprobs rounded: the two processes' sums may differ in
+    the last bits."""
+    lps = None if out.logprobs is None else [(lp.token_id, round(lp.logprob, 4)) for lp in out.logprobs]
+    plps = None if out.prompt_logprobs is None else [lp and (lp.token_id, round(lp.logprob, 4))
+                                                     for lp in out.prompt_logprobs]
+    return (out.new_token_ids, out.token_ids, out.text_delta, out.text, out.finished, out.finish_reason,
+            len(out.new_logprobs or []), lps, plps)
+
+
+def test_every_output_of_a_long_stream_as_in_process(engine, spec_checkpoint):
+    """The cumulative token_ids, text, logprobs and prompt logprobs the parent rebuilds from the child's deltas
+    are, output by output, what the executor reports in one process (stop strings hold text back meanwhile)."""
+    params = SamplingParams(max_tokens=90, ignore_eos=True, temperature=0.8, seed=3, logprobs=2, prompt_logprobs=1,
+                            stop=["zzzz"])
+    got: list = []
+    engine.submit(PROMPTS[0], params, on_output=got.append).result(120)
+    with create_executor(spec_checkpoint, CONFIG) as local:
+        want: list = []
+        local.submit(PROMPTS[0], params, on_output=want.append).result(120)
+    assert len(got[-1].token_ids) == 90 and len(got) > 20
+    assert [fields(o) for o in got] == [fields(o) for o in want]
+
+
+def test_the_pipe_carries_what_is_new(spec_checkpoint):
+    """Each message from the child holds its output's new tokens, not every token so far: its size does not
+    grow along the stream; and _Stream rebuilds each output whole."""
+    params = SamplingParams(max_tokens=60, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    outs: list = []
+    with create_executor(spec_checkpoint, CONFIG) as local:
+        local.submit(PROMPTS[2], params, on_output=outs.append).result(120)
+    deltas = [_delta_of(o, i == 0) for i, o in enumerate(outs)]
+    sizes = [len(pickle.dumps(d)) - len(pickle.dumps(d.new_token_ids + d.new_logprobs)) for d in deltas[1:]]
+    assert max(sizes) - min(sizes) < 64, sizes
+    stream = _Stream(None, None, len(PROMPTS[2]))
+    assert [fields(stream.rebuild(d)) for d in deltas] == [fields(o) for o in outs]
+
+
+def test_a_callback_only_handle_keeps_no_outputs(spec_checkpoint):
+    """How the child submits: outputs go to on_output alone, result() still answers, iterating says why not."""
+    seen: list = []
+    with create_executor(spec_checkpoint, CONFIG) as local:
+        h = local.submit(PROMPTS[1], SamplingParams(max_tokens=40, ignore_eos=True), on_output=seen.append)
+        h.callback_only()
+        out = h.result(60)
+        assert h._pending is None
+        with pytest.raises(RuntimeError, match="on_output callback only"):
+            next(iter(h))
+    assert out.token_ids == [t for o in seen for t in o.new_token_ids] and len(out.token_ids) == 40
+
+
+def test_stop_reason_is_the_stop_string_or_token_that_ended_it(engine, spec_checkpoint):
+    """RequestOutput.stop_reason (the LLM API's): the stop string or stop token id that ended the output, in one
+    process and through the pipe alike; None for a length limit."""
+    with create_executor(spec_checkpoint, CONFIG) as local:
+        plain = local.submit(PROMPTS[0], SamplingParams(max_tokens=40, ignore_eos=True)).result(60)
+        ids, text = plain.token_ids, plain.text
+        token = next(t for i, t in enumerate(ids) if i >= 3 and t not in ids[:i])
+        stop = next(text[i:i + 3] for i in range(4, len(text) - 3)
+                    if text[i:i + 3].strip() and text[i:i + 3] not in text[:i + 2])
+        cases = [(SamplingParams(max_tokens=40, ignore_eos=True, stop_token_ids=(token,)), token),
+                 (SamplingParams(max_tokens=40, ignore_eos=True, stop=("not in the text", stop)), stop),
+                 (SamplingParams(max_tokens=40, ignore_eos=True), None)]
+        for params, reason in cases:
+            for ex in (local, engine):
+                out = ex.submit(PROMPTS[0], params).result(60)
+                assert (out.finish_reason, out.stop_reason) == ("length" if reason is None else "stop", reason)
 
 
 def test_bad_request_raises_in_the_caller(engine):

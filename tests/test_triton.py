@@ -272,7 +272,7 @@ def test_every_template_placeholder_is_filled_by_the_test_values(tmp_path: Path,
     left = {p for c in repo.glob("*/config.pbtxt") for p in re.findall(r"\$\{(\w+)\}", c.read_text())}
     # these stay as placeholders on purpose: their models read an unfilled one as "use the default"
     assert left <= {"add_special_tokens", "skip_special_tokens", "max_tokens_in_paged_kv_cache", "num_draft_tokens",
-                    "kv_cache_free_gpu_mem_fraction", "watchdog_timeout_s",
+                    "kv_cache_free_gpu_mem_fraction", "watchdog_timeout_s", "enable_kv_cache_reuse",
                     "executor_max_batch_size", "executor_max_seq_len", "device", "torch_threads", "engine_process",
                     "exclude_input_in_output", "accumulate_tokens"}
 
@@ -482,20 +482,61 @@ def test_random_seed_is_the_seed(server: TritonServer) -> None:
     assert status == 200 and body["text_output"] != want
 
 
-def test_min_tokens_at_max_tokens_ignores_the_end_id(server: TritonServer, expected: dict) -> None:
-    """genai-perf's --output-tokens-mean-deterministic sends min_length = max_tokens: every request
-    then generates max_tokens tokens, eos and the end id notwithstanding."""
+def test_min_tokens_at_max_tokens_bans_the_end_id(server: TritonServer, session: Session, expected: dict) -> None:
+    """genai-perf's --output-tokens-mean-deterministic sends min_length = max_tokens: every request then generates
+    max_tokens tokens, the end id (and eos) banned until then, as TensorRT-LLM's min length bans its end id; the
+    text is the Session's with the same min_tokens."""
     prompt = next(p for p in PROMPTS if len(expected[p].token_ids) == TOKENS)
     ids = expected[prompt].token_ids
     i = next(i for i in range(2, TOKENS) if ids[i] not in ids[:i])
     request = dict(text_input=prompt, max_tokens=TOKENS, end_id=ids[i], exclude_input_in_output=True)
     out = grpc_stream(server, "ensemble", **request)
     assert out.error is None and out.text != expected[prompt].text  # the end id ends it
+    want = session.generate([prompt], SamplingParams(max_tokens=TOKENS, stop_token_ids=(ids[i],), ignore_eos=True,
+                                                     min_tokens=TOKENS))[0]
+    assert len(want.token_ids) == TOKENS
     out = grpc_stream(server, "ensemble", min_length=TOKENS, **request)
-    assert out.error is None and out.text == expected[prompt].text
+    assert out.error is None and out.text == want.text
     for model, extra in (("ensemble", dict(min_tokens=TOKENS + 5)), ("tensorrt_llm_bls", dict(min_length=TOKENS))):
         status, body = http_generate(server, model, **request, **extra)
-        assert status == 200 and body["text_output"] == expected[prompt].text, (model, body)
+        assert status == 200 and body["text_output"] == want.text, (model, body)
+
+
+def test_min_tokens_below_max_tokens_is_the_sessions(server: TritonServer, session: Session, expected: dict) -> None:
+    """min_tokens (and the older min_length) between 1 and max_tokens hold back the end id until that many tokens,
+    as the Session's SamplingParams.min_tokens does (they were refused before)."""
+    prompt = next(p for p in PROMPTS if len(expected[p].token_ids) == TOKENS)
+    ids = expected[prompt].token_ids
+    i = next(i for i in range(2, TOKENS - 8) if ids[i] not in ids[:i])
+    want = session.generate([prompt], SamplingParams(max_tokens=TOKENS, stop_token_ids=(ids[i],), ignore_eos=True,
+                                                     min_tokens=i + 4))[0]
+    assert len(want.token_ids) >= i + 4  # the end id no longer ends it at i
+    request = dict(text_input=prompt, max_tokens=TOKENS, end_id=ids[i], exclude_input_in_output=True)
+    for model, name in (("ensemble", "min_tokens"), ("tensorrt_llm_bls", "min_length")):
+        status, body = http_generate(server, model, **request, **{name: i + 4})
+        assert status == 200 and body["text_output"] == want.text, (model, body)
+
+
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_return_log_probs_are_the_sessions(server: TritonServer, session: Session, model: str, streaming: bool) -> None:
+    """Upstream's --return-log-probs: cum_log_probs [1, 1] (the output's so far) and output_log_probs
+    [1, 1, tokens] (of the response's generated tokens) hold the Session's logprobs of the same request."""
+    from tritonclient.utils import InferenceServerException
+
+    prompt = PROMPTS[4]
+    want = session.generate([prompt], SamplingParams(max_tokens=TOKENS, logprobs=0))[0]
+    results = upstream_grpc_client(server, model, ["text_output", "cum_log_probs", "output_log_probs"],
+                                   text_input=[[prompt]], max_tokens=TOKENS, stream=streaming,
+                                   exclude_input_in_output=True, return_log_probs=True)
+    assert results and not any(isinstance(r, InferenceServerException) for r in results), results
+    assert (len(results) > 1) == streaming
+    for r in results:
+        assert r.as_numpy("cum_log_probs").shape == (1, 1) and r.as_numpy("output_log_probs").shape[:2] == (1, 1)
+    got = [float(v) for r in results for v in r.as_numpy("output_log_probs").reshape(-1)]
+    assert got == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4)
+    assert results[-1].as_numpy("cum_log_probs")[0][0] == pytest.approx(want.cumulative_logprob, abs=1e-3)
+    assert "".join(r.as_numpy("text_output")[0].decode() for r in results) == want.text
 
 
 def test_penalties_are_the_sessions(server: TritonServer, session: Session) -> None:
@@ -628,8 +669,6 @@ def test_upstream_grpc_client_reads_text_output(server: TritonServer, expected: 
 
 UPSTREAM_CLIENT_FLAGS = {  # end_to_end_grpc_client.py's flags: the inputs it sends and outputs it asks for
     "-n 2": (dict(num_return_sequences=2), ["sequence_index"], "num_return_sequences=2", "supported: 1"),
-    "--return-log-probs": (dict(return_log_probs=True), ["cum_log_probs", "output_log_probs"], "return_log_probs",
-                           "supported: false"),
     "--return-context-logits": (dict(return_context_logits=True), ["context_logits"], "return_context_logits",
                                 "supported: false"),
     "--return-generation-logits": (dict(return_generation_logits=True), ["generation_logits"],
@@ -878,9 +917,9 @@ BAD_REQUESTS = {
     "bad_word_of_several_tokens": (dict(GOOD, bad_words=[["hello world"]]), "bad_words"),
     "beam_search": (dict(GOOD, beam_width=2), "beam_width"),
     "seed_too_large": (dict(GOOD, seed=np.uint64(2**64 - 1)), "seed"),
-    "min_tokens_below_max_tokens": (dict(GOOD, min_tokens=5), "min_tokens=5 is not supported by this runtime "
-                                    "(supported: <= 1, or >= max_tokens (8), which ignores the end id and stop ids)"),
-    "min_length_below_max_tokens": (dict(GOOD, min_length=5), "min_length=5 is not supported"),
+    "min_tokens_negative": (dict(GOOD, min_tokens=-1), "min_tokens must be an integer in [0, 2147483647], got -1"),
+    "min_length_and_min_tokens_differ": (dict(GOOD, min_tokens=5, min_length=6),
+                                         "min_tokens=5 and min_length=6 differ"),
     "seed_and_random_seed_differ": (dict(GOOD, seed=np.uint64(1), random_seed=np.uint64(2)),
                                     "seed=1 and random_seed=2 differ (random_seed is the older name of seed); "
                                     "give one of them"),

@@ -35,6 +35,8 @@ from runtime.io.engine_format import read_limits  # noqa: E402
 from serving.llmapi_config import ModelYamlError, read_model_yaml  # noqa: E402
 from serving.model_repo import add_llmapi_model  # noqa: E402
 from serving.request_validation import GUIDED_INPUTS  # noqa: E402
+from serving.triton_parameters import TritonConfig  # noqa: E402
+from runtime.executors.base import ExecutorConfig  # noqa: E402
 from test_triton import DTYPES, Streamed, grpc_inputs, http_generate  # noqa: E402
 from triton_util import TritonServer, fill_model_repo, make_tiny_checkpoint, repo_values, start_server  # noqa: E402
 
@@ -64,9 +66,11 @@ def expected(session: Session) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def unary(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
-    """The legacy flavour, every model non-decoupled (upstream end_to_end_test.py's deployment)."""
+    """The legacy flavour, every model non-decoupled (upstream end_to_end_test.py's deployment), prefix caching off
+    (enable_kv_cache_reuse false)."""
     work = tmp_path_factory.mktemp("contract_unary")
-    repo = fill_model_repo(work / "repo", repo_values(checkpoint, decoupled_mode="false"))
+    repo = fill_model_repo(work / "repo", repo_values(checkpoint, decoupled_mode="false",
+                                                      enable_kv_cache_reuse="false"))
     srv = start_server(repo, log_file=work / "server.log", ready_timeout_s=240, exit_timeout_s=3)
     try:
         yield srv
@@ -192,6 +196,18 @@ def test_unary_tensorrt_llm_shares_the_batch_and_takes_stop(unary: TritonServer,
     worker.join(timeout=60)
     assert int(result["r"].as_numpy("sequence_length")[0][0]) < len(ids) + 900, "the stop did not reach it"
     assert time.monotonic() - t0 < 60
+
+
+def test_enable_kv_cache_reuse_false_turns_prefix_caching_off(unary: TritonServer, session: Session) -> None:
+    """TensorRT-LLM's legacy enable_kv_cache_reuse parameter is the executor's enable_block_reuse: deployed with it
+    false, tensorrt_llm reuses no block of a prompt it has seen (by default it reuses the prompt's full blocks:
+    test_triton.py's test_perf_metrics_and_token_counts_as_upstream)."""
+    ids = session.tokenizer.encode(" ".join(PROMPTS * 3))
+    inputs = dict(input_ids=np.array([ids], np.int32), input_lengths=np.array([[len(ids)]], np.int32),
+                  request_output_len=np.array([[4]], np.int32), return_perf_metrics=np.array([[True]]))
+    reused = [int(infer_grpc(unary, "tensorrt_llm", **inputs).as_numpy("kv_cache_reused_blocks")[0][0])
+              for _ in range(2)]
+    assert len(ids) > 32 and reused == [0, 0]
 
 
 def infer_grpc(server: TritonServer, model: str, request_id: str = "", **values: Any) -> Any:
@@ -385,6 +401,8 @@ def test_model_yaml_maps_llm_api_keys(tmp_path: Path, checkpoint: Path) -> None:
     bare = read_model_yaml(write_yaml(tmp_path / "bare", checkpoint), tmp_path / "bare")
     assert bare.executor.speculation == "off"  # no speculative_config: no drafting, as the LLM API
     assert bare.executor.enable_block_reuse  # prefix caching on by default, as the LLM API
+    # what the file leaves out keeps the settings' own defaults, read from the dataclasses, not repeated
+    assert bare.triton == TritonConfig() and bare.executor == ExecutorConfig(speculation="off", num_draft_tokens=0)
 
 
 @pytest.mark.parametrize("keys, message", [
@@ -399,6 +417,9 @@ def test_model_yaml_maps_llm_api_keys(tmp_path: Path, checkpoint: Path) -> None:
      "max_draft_len 2 and num_nextn_predict_layers 3 differ"),
     (dict(triton_config={"decoupled": "yes"}), "triton_config.decoupled must be true or false"),
     (dict(triton_config={"max_batch_sizes": 4}), "triton_config: unknown key(s) max_batch_sizes"),
+    (dict(triton_config={"watchdog_timeout_s": "long"}), "triton_config.watchdog_timeout_s must be a number"),
+    (dict(speculative_config={"decoding_type": "MTP", "max_draft_len": 1}, triton_config={"speculation": "always"}),
+     "speculation must be 'off', 'fixed' or 'adaptive'"),
 ])
 def test_model_yaml_refuses_what_changes_the_output_naming_the_key(tmp_path: Path, checkpoint: Path,
                                                                    keys: dict, message: str) -> None:

@@ -3,7 +3,9 @@
 In one process a server's event loop (HTTP parsing, response formatting, waking streams) takes the GIL
 each time the step loop releases it, at every torch op, and the step loop waits to get it back. Here the
 step loop's process runs nothing else: requests, cancels and calls go down a pipe, and each output comes
-back as one message that one reader thread hands to its request's handle.
+back as one message that one reader thread hands to its request's handle. A message carries what is new
+(tokens, text delta, logprobs; the prompt's logprobs once): the parent rebuilds the cumulative token_ids,
+text and logprobs, so a long stream costs each output its own tokens on both sides, not all so far.
 """
 
 from __future__ import annotations
@@ -18,17 +20,17 @@ import subprocess
 import sys
 import threading
 from concurrent.futures import Future
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from runtime.core.sampling import SamplingParams
+from runtime.core.sampling import SamplingParams, TokenLogprob
 from runtime.executors.base import ExecutorConfig, create_executor
 from runtime.executors.lifetime import python_executable, terminate_with_parent
-from runtime.executors.requests import ExecutorStats, RequestHandle, RequestIds, RequestOutput
+from runtime.executors.requests import ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestStats
 
 log = logging.getLogger("runtime.executors.process")
 
@@ -46,6 +48,62 @@ def use_engine_process(choice: bool | None, device: str) -> bool:
 
 class EngineProcessError(RuntimeError):
     """The engine process failed to start or died."""
+
+
+@dataclass(eq=False)
+class _Output:
+    """One output's cumulative view (RequestOutput's token_ids, text and logprobs), rebuilt from the deltas."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    last: RequestOutput | None = None
+
+
+@dataclass(eq=False)
+class _Stream:
+    """The parent's side of one request: where its outputs go, and the cumulative view of each of its outputs
+    (SamplingParams.n) rebuilt from the deltas the child sends; the prompt's logprobs come once, for all."""
+
+    handle: RequestHandle
+    on_output: Callable[[RequestOutput], None] | None
+    prompt_tokens: int
+    outputs: dict[int, _Output] = field(default_factory=dict)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    def rebuild(self, delta: RequestOutput) -> RequestOutput:
+        """The output as the executor reported it, from what _delta_of sent of it."""
+        o = self.outputs.setdefault(delta.index, _Output())
+        o.token_ids += delta.new_token_ids
+        o.text += delta.text_delta
+        if delta.new_logprobs is not None:
+            o.logprobs = (o.logprobs or []) + delta.new_logprobs  # a new list: earlier outputs keep theirs
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        o.last = replace(delta, token_ids=list(o.token_ids), text=o.text, logprobs=o.logprobs,
+                         prompt_logprobs=self.prompt_logprobs)
+        return o.last
+
+    def ended(self, request_id: str, error: str) -> list[RequestOutput]:
+        """The deltas that end each of this request's outputs still open with `error` here (the engine process is
+        gone)."""
+        ends = []
+        for index in range(self.handle.num_outputs):
+            o = self.outputs.get(index, _Output())
+            if o.last is not None and o.last.finished:
+                continue
+            last = o.last or RequestOutput(request_id, [], [], "", "", False, None,
+                                           RequestStats(self.prompt_tokens, 0, 0, 0, 0, None, None), index=index)
+            ends.append(replace(last, new_token_ids=[], token_ids=[], text_delta="", text="",
+                                new_logprobs=None if o.logprobs is None else [], logprobs=None, prompt_logprobs=None,
+                                finished=True, finish_reason="error", error=error))
+        return ends
+
+
+def _delta_of(out: RequestOutput, first: bool) -> RequestOutput:
+    """What the pipe carries of an output: its cumulative fields emptied (the parent's _Stream rebuilds them),
+    the prompt's logprobs with the request's first output only (later ones repeat them)."""
+    return replace(out, token_ids=[], text="", logprobs=None, prompt_logprobs=out.prompt_logprobs if first else None)
 
 
 class ProcessExecutor:
@@ -76,8 +134,7 @@ class ProcessExecutor:
         self.model_config, self.limits, self.config, self.tokenizer, self.kv_block_size = payload
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # the maps below
-        self._handles: dict[str, tuple[RequestHandle, Callable[[RequestOutput], None] | None]] = {}
-        self._last: dict[tuple[str, int], RequestOutput] = {}  # by request id and output index
+        self._streams: dict[str, _Stream] = {}
         self._calls: dict[int, Future] = {}
         self._call_ids = itertools.count()
         self._ids = RequestIds()
@@ -98,20 +155,20 @@ class ProcessExecutor:
         rid = self._ids.claim(request_id)
         handle = RequestHandle(rid, self, getattr(params, "n", 1))  # not a SamplingParams: refused below
         with self._lock:
-            self._handles[rid] = (handle, on_output)
+            self._streams[rid] = _Stream(handle, on_output, len(prompt_token_ids))
         try:
             self._call("submit", list(prompt_token_ids), params, rid)
         except BaseException:
             with self._lock:
-                self._handles.pop(rid, None)
+                self._streams.pop(rid, None)
             self._ids.release(rid)
             raise
         return handle
 
     def cancel(self, request_id: str, handle: RequestHandle | None = None) -> None:
         with self._lock:
-            entry = self._handles.get(request_id)
-        if entry is not None and (handle is None or entry[0] is handle):
+            stream = self._streams.get(request_id)
+        if stream is not None and (handle is None or stream.handle is handle):
             self._post(("cancel", request_id))
 
     def stats(self) -> ExecutorStats:
@@ -190,33 +247,30 @@ class ProcessExecutor:
             self._error = f"the engine process exited (status {self._process.returncode})"
             log.error("%s; ending its requests", self._error)
         with self._lock:
-            open_requests = list(self._last.values())
+            streams = list(self._streams.items())
             calls, self._calls = list(self._calls.values()), {}
         for future in calls:
             future.set_exception(RuntimeError(self._error or "executor is shut down"))
-        for last in open_requests:
-            self._deliver(replace(last, new_token_ids=[], text_delta="", new_logprobs=None if last.logprobs is None
-                                  else [], finished=True, finish_reason="error", error=self._error or "shut down"))
+        for rid, stream in streams:
+            for end in stream.ended(rid, self._error or "shut down"):
+                self._deliver(end)
 
-    def _deliver(self, out: RequestOutput) -> None:
+    def _deliver(self, delta: RequestOutput) -> None:
+        """Rebuild an output from the child's delta and hand it to its request's callback and handle."""
         with self._lock:
-            entry = self._handles.get(out.request_id)
-            if entry is None:  # ended here already (the engine process died first)
+            stream = self._streams.get(delta.request_id)
+            if stream is None:  # ended here already (the engine process died first)
                 return
-            handle, on_output = entry
-            if out.finished:
-                self._last.pop((out.request_id, out.index), None)
-            else:
-                self._last[out.request_id, out.index] = out
-        if on_output is not None:
+            out = stream.rebuild(delta)
+        if stream.on_output is not None:
             try:
-                on_output(out)
+                stream.on_output(out)
             except BaseException:  # user code on the reader's thread must not stop the deliveries
                 log.exception("output callback of %s failed", out.request_id)
-        handle._push(out)
-        if handle.finished:  # the last of its outputs (SamplingParams.n)
+        stream.handle._push(out)
+        if stream.handle.finished:  # the last of its outputs (SamplingParams.n)
             with self._lock:
-                self._handles.pop(out.request_id, None)
+                self._streams.pop(out.request_id, None)
             self._ids.release(out.request_id)
 
 
@@ -249,8 +303,12 @@ def _engine_main(conn: Connection) -> None:
         return
     send(("ready", executor.model_config, executor.limits, executor.config, executor.tokenizer, executor.kv_block_size))
 
+    unanswered: set[str] = set()  # requests submitted that have sent no output yet
+
     def output(out: RequestOutput) -> None:  # on the step loop's thread, the only other sender
-        send(("out", out))
+        first = out.request_id in unanswered
+        unanswered.discard(out.request_id)
+        send(("out", _delta_of(out, first)))
 
     try:
         while True:
@@ -268,7 +326,13 @@ def _engine_main(conn: Connection) -> None:
             try:
                 if name == "submit":
                     ids, params, rid = args
-                    executor.submit(ids, params, on_output=output, request_id=rid)
+                    unanswered.add(rid)
+                    try:
+                        # read through `output` alone: the handle keeps nothing for an iteration that never comes
+                        executor.submit(ids, params, on_output=output, request_id=rid).callback_only()
+                    except BaseException:
+                        unanswered.discard(rid)
+                        raise
                 else:
                     value = getattr(executor, name)(*args)
             except Exception as e:

@@ -79,6 +79,9 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing predicts it)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     index: int = 0  # which of the request's n outputs (SamplingParams.n) this is
+    # what ended it with finish_reason "stop", as the LLM API's stop_reason: the stop string, or the stop token id of
+    # SamplingParams.stop_token_ids; None for eos and every other ending
+    stop_reason: str | int | None = None
 
 
 @dataclass
@@ -131,6 +134,7 @@ class RequestHandle:
         self._last: dict[int, RequestOutput] = {}  # the newest output of each index
         self._pending: dict[int, RequestOutput] = {}  # not taken yet, per index: every output since, merged
         self._finals_taken = 0
+        self._buffered = True  # False after callback_only(): outputs go to on_output alone
         self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         lock = threading.Lock()
         self._arrived = threading.Condition(lock)  # any output
@@ -139,10 +143,12 @@ class RequestHandle:
     def _push(self, out: RequestOutput) -> None:
         with self._arrived:
             self._last[out.index] = out
-            held = self._pending.get(out.index)
-            self._pending[out.index] = out if held is None else replace(
-                out, new_token_ids=held.new_token_ids + out.new_token_ids, text_delta=held.text_delta + out.text_delta,
-                new_logprobs=None if out.new_logprobs is None else held.new_logprobs + out.new_logprobs)
+            if self._buffered:
+                held = self._pending.get(out.index)
+                self._pending[out.index] = out if held is None else replace(
+                    out, new_token_ids=held.new_token_ids + out.new_token_ids,
+                    text_delta=held.text_delta + out.text_delta,
+                    new_logprobs=None if out.new_logprobs is None else held.new_logprobs + out.new_logprobs)
             self._arrived.notify_all()
             if self.finished:
                 self._finished.notify_all()
@@ -158,6 +164,18 @@ class RequestHandle:
         out = self._pending.pop(next(iter(self._pending)))
         self._finals_taken += out.finished
         return out
+
+    def callback_only(self) -> None:
+        """Keep no outputs for iteration from now on, for a caller that reads them through on_output alone (the
+        engine process's child, a Triton model): each output merged into an unread one copies every token so
+        far, O(n^2) over a long stream. result() and finished still answer; iterating raises."""
+        with self._arrived:
+            self._buffered, self._pending = False, {}
+
+    def _check_buffered(self) -> None:
+        if not self._buffered:
+            raise RuntimeError(f"request {self.request_id}'s outputs go to its on_output callback only "
+                               "(callback_only() was called); it cannot be iterated")
 
     @property
     def finished(self) -> bool:
@@ -188,6 +206,7 @@ class RequestHandle:
     def __iter__(self) -> Iterator[RequestOutput]:
         while True:
             with self._arrived:
+                self._check_buffered()
                 if self._delivered_final:
                     return
                 self._arrived.wait_for(lambda: bool(self._pending))
@@ -200,6 +219,7 @@ class RequestHandle:
     async def __anext__(self) -> RequestOutput:
         while True:
             with self._arrived:
+                self._check_buffered()
                 if self._delivered_final:
                     raise StopAsyncIteration
                 if self._pending:
@@ -322,6 +342,7 @@ class RequestTracker:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # filled by the prefill steps, when asked for
     index: int = 0  # which of the request's sequences (n / best_of) it follows
     best_of: BestOf | None = None  # best_of > n: where its outputs wait for the ranking
+    stop_reason: str | int | None = None  # RequestOutput.stop_reason, once consume() finds it
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
@@ -360,6 +381,7 @@ class RequestTracker:
         for t in new:
             if t in self.stop_ids:
                 reason = "stop"
+                self.stop_reason = t if t in p.stop_token_ids else None
             else:
                 kept.append(t)
                 self.held += self.detok.push([t])
@@ -371,8 +393,9 @@ class RequestTracker:
             if p.stop and len(self.token_ids) + len(kept) < p.min_tokens:
                 self.stop_after = len(self.held)
             elif p.stop:
-                hit = min((i for i in (self.held.find(s, max(self.stop_after - len(s) + 1, 0)) for s in p.stop)
-                           if i >= 0), default=-1)
+                found = [(i, s) for s in p.stop if (i := self.held.find(s, max(self.stop_after - len(s) + 1, 0))) >= 0]
+                if found:  # the earliest in the text (the first listed of those starting there)
+                    hit, self.stop_reason = min(found, key=lambda f: f[0])
             if reason or hit >= 0:
                 break
         self.token_ids += kept
@@ -412,7 +435,8 @@ class RequestTracker:
         out = RequestOutput(self.request_id, list(new), list(self.token_ids), delta, self.text, self.finished,
                             reason, self.stats(), error, self.detok.holding,
                             None if logprobs is None else logprobs[len(logprobs) - len(new):], logprobs,
-                            None if logprobs is None else self.cumulative_logprob, self.prompt_logprobs, self.index)
+                            None if logprobs is None else self.cumulative_logprob, self.prompt_logprobs,
+                            self.stop_reason if reason == "stop" else None, self.index)
         for o in [out] if self.best_of is None else self.best_of.rank(out):
             if self.callback is not None:
                 try:

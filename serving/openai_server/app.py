@@ -22,10 +22,10 @@ from runtime.executors.base import ExecutorProtocol
 from runtime.executors.requests import RequestHandle, RequestOutput
 from serving.openai_server import protocol
 from serving.openai_server.protocol import APIError, Generation
+from serving.watchdog import STALL_TIMEOUT_S
 
 log = logging.getLogger("serving.openai_server")
 
-HEALTH_TIMEOUT_S = 120.0  # a step loop with work that has not stepped for this long is stalled
 
 
 def _sse(obj: Any) -> str:
@@ -276,7 +276,7 @@ def create_app(executor: ExecutorProtocol, model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health() -> PlainTextResponse:
-        problem = await asyncio.to_thread(executor.health, HEALTH_TIMEOUT_S)  # a call to the engine process
+        problem = await asyncio.to_thread(executor.health, STALL_TIMEOUT_S)  # a call to the engine process
         return PlainTextResponse(problem or "ok", status_code=503 if problem else 200)
 
     @app.get("/metrics")

@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max_batch_size", type=int)
     p.add_argument("--max_seq_len", type=int)
     p.add_argument("--kv_cache_tokens", type=int)
-    p.add_argument("--free_memory_fraction", type=float, default=0.9,
+    p.add_argument("--free_memory_fraction", type=float, default=ExecutorConfig.free_memory_fraction,
                    help="share of the memory free after loading that the KV cache may take")
     p.add_argument("--torch_threads", type=int, help="torch CPU threads (default: torch's)")
     p.add_argument("--engine_process", action=argparse.BooleanOptionalAction,

@@ -21,8 +21,9 @@ from runtime.executors.requests import RequestOutput
 from serving.request_validation import (GUIDED_INPUTS, NEUTRAL, TENSORRT_LLM_SCALARS, UNSUPPORTED_ENGINE_INPUTS,
                                         RequestError, client_named, guided_decoding, integer, no_unknown_parameters,
                                         refuse_non_neutral, refuse_unsupported, token_ids)
-from serving.triton_engine import WATCHDOG_TIMEOUT_S, Chunk, EngineModel, Stream, given
-from serving.triton_parameters import boolean, integer as integer_parameter, model_path, number, parameter
+from serving.triton_engine import Chunk, EngineModel, Stream, given
+from serving.triton_parameters import (TritonConfig, boolean, integer as integer_parameter, model_path, number,
+                                       parameter, settings)
 
 
 def word_list(request: Any, name: str, vocab_size: int) -> list[list[int]]:
@@ -51,23 +52,25 @@ class TritonPythonModel(EngineModel):
     def initialize(self, args: dict) -> None:
         faulthandler.enable()  # a crash of this stub is logged with its Python stacks, not lost
         config = json.loads(args["model_config"])
-        executor_config = ExecutorConfig(
-            num_draft_tokens=parameter(config, "num_draft_tokens", integer_parameter),
-            speculation=parameter(config, "speculation") or "adaptive",
+        executor_config = settings(
+            ExecutorConfig, num_draft_tokens=parameter(config, "num_draft_tokens", integer_parameter),
+            speculation=parameter(config, "speculation"),
             max_batch_size=parameter(config, "executor_max_batch_size", integer_parameter),
             max_seq_len=parameter(config, "executor_max_seq_len", integer_parameter),
             kv_cache_tokens=parameter(config, "max_tokens_in_paged_kv_cache", integer_parameter),
-            free_memory_fraction=parameter(config, "kv_cache_free_gpu_mem_fraction", number, default=0.9),
-            device=parameter(config, "device") or "cpu")
+            free_memory_fraction=parameter(config, "kv_cache_free_gpu_mem_fraction", number),
+            enable_block_reuse=parameter(config, "enable_kv_cache_reuse", boolean),  # TensorRT-LLM's legacy name
+            device=parameter(config, "device"))
+        triton = settings(
+            TritonConfig, decoupled=pb_utils.using_decoupled_model_transaction_policy(config),
+            torch_threads=parameter(config, "torch_threads", integer_parameter),
+            engine_process=parameter(config, "engine_process", boolean),
+            cancellation_check_period_ms=parameter(config, "cancellation_check_period_ms", integer_parameter),
+            stats_check_period_ms=parameter(config, "stats_check_period_ms", integer_parameter),
+            watchdog_timeout_s=parameter(config, "watchdog_timeout_s", number))
         self.exclude_input_default = parameter(config, "exclude_input_in_output", boolean, default=False)
-        self.start(model_path(config, "gpt_model_path", args["model_repository"]), executor_config,
-                   model_name=args["model_name"], model_version=args["model_version"],
-                   decoupled=pb_utils.using_decoupled_model_transaction_policy(config),
-                   torch_threads=parameter(config, "torch_threads", integer_parameter),
-                   engine_process=parameter(config, "engine_process", boolean),
-                   cancel_period_s=parameter(config, "cancellation_check_period_ms", integer_parameter, default=100) / 1000,
-                   stats_period_s=parameter(config, "stats_check_period_ms", integer_parameter, default=100) / 1000,
-                   watchdog_timeout_s=parameter(config, "watchdog_timeout_s", number, default=WATCHDOG_TIMEOUT_S))
+        self.start(model_path(config, "gpt_model_path", args["model_repository"]), executor_config, triton,
+                   model_name=args["model_name"], model_version=args["model_version"])
 
     def convert(self, request: Any, sender: Any) -> tuple[Stream, list[int]] | None:
         no_unknown_parameters(request.parameters(), "tensorrt_llm")
@@ -75,7 +78,7 @@ class TritonPythonModel(EngineModel):
             self.stop(request.request_id(), sender)
             return None
         prompt, params, streaming, exclude = self._convert(request)
-        outputs = frozenset(name for name in ("num_input_tokens", "num_output_tokens")
+        outputs = frozenset(name for name in ("num_input_tokens", "num_output_tokens", "log_probs")
                             if self._scalar(request, f"return_{name}", False))
         return Stream(sender, request.request_id(), streaming, [] if exclude else prompt,
                       bool(self._scalar(request, "return_perf_metrics", False)), outputs, params), prompt
@@ -121,14 +124,8 @@ class TritonPythonModel(EngineModel):
                                  f"{len(word)} tokens; only single-token bad words are supported")
             bad_ids.append(word[0])
         seed = self._alias(request, "seed", "random_seed")
-        min_tokens = self._alias(request, "min_tokens", "min_length")
-        ignore_stops = False
-        if min_tokens is not None and min_tokens > 1:
-            if min_tokens < max_tokens:
-                name = "min_tokens" if self._scalar(request, "min_tokens") is not None else "min_length"
-                raise RequestError(f"{name}={min_tokens} is not supported by this runtime (supported: <= 1, or >= "
-                                 f"max_tokens ({max_tokens}), which ignores the end id and stop ids)")
-            ignore_stops = True  # genai-perf's fixed output length: min_length = max_tokens
+        # more than max_tokens means all of them (genai-perf's fixed output length sends min_length = max_tokens)
+        min_tokens = min(self._alias(request, "min_tokens", "min_length") or 0, max_tokens)
         temperature, top_k, top_p = self._sampling(request)
         end_id = self._end_id(request)
         ignore_eos = end_id is not None and end_id != self.tokenizer.eos_token_id
@@ -141,9 +138,11 @@ class TritonPythonModel(EngineModel):
             top_p=top_p,
             seed=seed,
             stop=tuple(stop),
-            stop_token_ids=() if ignore_stops else tuple(stop_ids),
+            stop_token_ids=tuple(stop_ids),
             bad_token_ids=tuple(bad_ids),
-            ignore_eos=ignore_eos or ignore_stops,
+            ignore_eos=ignore_eos,
+            min_tokens=min_tokens,
+            logprobs=0 if self._scalar(request, "return_log_probs", False) else None,
             repetition_penalty=self._scalar(request, "repetition_penalty", 1.0),
             presence_penalty=self._scalar(request, "presence_penalty", 0.0),
             frequency_penalty=self._scalar(request, "frequency_penalty", 0.0),
@@ -183,7 +182,8 @@ class TritonPythonModel(EngineModel):
 
     def response(self, stream: Stream, chunk: Chunk, out: RequestOutput) -> Any:
         """output_ids [1, 1, N] and sequence_length [1, 1], plus what the request asked for: as upstream's, perf
-        metrics only with return_perf_metrics and token counts only with return_num_*_tokens, for each tensor costs
+        metrics only with return_perf_metrics, token counts only with return_num_*_tokens and cum_log_probs [1, 1] /
+        output_log_probs [1, 1, generated tokens of output_ids] only with return_log_probs, for each tensor costs
         every streamed token its trip through the server, the ensemble and the client."""
         def scalar(name: str, value: Any, dtype: Any) -> Any:
             return pb_utils.Tensor(name, np.array([[value]], dtype))
@@ -192,18 +192,12 @@ class TritonPythonModel(EngineModel):
         tensors = [pb_utils.Tensor("output_ids", np.array(ids, np.int32).reshape(1, 1, -1)),
                    pb_utils.Tensor("sequence_length", np.array([[len(ids)]], np.int32))]
         if stream.perf_metrics:
-            m = self.perf_metrics(stream, out.stats)
-            tensors += [
-                scalar("acceptance_rate", m.acceptance_rate, np.float32),
-                scalar("total_accepted_draft_tokens", m.accepted_draft_tokens, np.int32),
-                scalar("total_draft_tokens", m.draft_tokens, np.int32),
-                scalar("kv_cache_alloc_new_blocks", m.new_blocks, np.int32),
-                scalar("kv_cache_reused_blocks", m.reused_blocks, np.int32),
-                scalar("kv_cache_alloc_total_blocks", m.kv_blocks, np.int32),
-                scalar("arrival_time_ns", m.arrival_ns, np.int64),
-                scalar("first_scheduled_time_ns", m.first_scheduled_ns, np.int64),
-                scalar("first_token_time_ns", m.first_token_ns, np.int64),
-                scalar("last_token_time_ns", m.last_token_ns, np.int64)]
+            tensors += self.perf_metric_tensors(stream, out.stats, "legacy", (1, 1))
+        if "log_probs" in stream.outputs:  # of the generated tokens in output_ids, under the target model
+            chosen = out.logprobs[len(out.logprobs) - len(ids):] if stream.streaming else out.logprobs
+            logprobs = [lp.logprob for lp in chosen]
+            tensors += [scalar("cum_log_probs", out.cumulative_logprob, np.float32),
+                        pb_utils.Tensor("output_log_probs", np.array(logprobs, np.float32).reshape(1, 1, -1))]
         if "num_input_tokens" in stream.outputs:
             tensors.append(scalar("num_input_tokens", out.stats.prompt_tokens, np.int32))
         if "num_output_tokens" in stream.outputs:

@@ -21,32 +21,18 @@ from typing import Any, Iterator
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from serving.request_validation import (TENSORRT_LLM_SCALARS, UNSUPPORTED_BLS_INPUTS, RequestError,
-                                        no_unknown_parameters, refuse_non_neutral, refuse_unsupported)
+from serving.perf_metrics import PERF_OUTPUTS
+from serving.request_validation import (ENGINE_INPUTS, PREPROCESSED, PREPROCESSING_INPUTS, TENSORRT_LLM_SCALARS,
+                                        UNSUPPORTED_BLS_INPUTS, RequestError, no_unknown_parameters,
+                                        refuse_non_neutral, refuse_unsupported)
 from serving.text_processing import Postprocessor, Preprocessor
 from serving.triton_parameters import boolean, parameter, sibling_config
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-FROM_CLIENT = {"QUERY": "text_input", "REQUEST_OUTPUT_LEN": "max_tokens", "BAD_WORDS_DICT": "bad_words",
-               "STOP_WORDS_DICT": "stop_words", "END_ID": "end_id", "PAD_ID": "pad_id"}  # preprocessing's inputs
-PREPROCESSED = {"INPUT_ID": "input_ids", "REQUEST_INPUT_LEN": "input_lengths",
-                "REQUEST_OUTPUT_LEN": "request_output_len", "BAD_WORDS_IDS": "bad_words_list",
-                "STOP_WORDS_IDS": "stop_words_list", "OUT_END_ID": "end_id", "OUT_PAD_ID": "pad_id"}
-TO_ENGINE = {"exclude_input_in_output": "exclude_input_in_output", "top_k": "runtime_top_k",
-             "top_p": "runtime_top_p", "temperature": "temperature", "length_penalty": "len_penalty",
-             "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens",
-             "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty", "seed": "seed",
-             "random_seed": "random_seed", "min_length": "min_length",
-             "return_log_probs": "return_log_probs", "return_context_logits": "return_context_logits",
-             "return_generation_logits": "return_generation_logits", "return_perf_metrics": "return_perf_metrics",
-             "return_num_input_tokens": "return_num_input_tokens",
-             "return_num_output_tokens": "return_num_output_tokens",
-             "beam_width": "beam_width", "num_return_sequences": "num_return_sequences", "stream": "streaming",
-             "guided_decoding_guide_type": "guided_decoding_guide_type", "guided_decoding_guide": "guided_decoding_guide"}
-# tensorrt_llm's optional outputs, passed on when it sends them (return_perf_metrics, return_num_*_tokens)
-STATS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "kv_cache_alloc_new_blocks",
-         "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks", "arrival_time_ns", "first_scheduled_time_ns",
-         "first_token_time_ns", "last_token_time_ns", "num_input_tokens", "num_output_tokens")
+# tensorrt_llm's optional outputs, passed on when it sends them (return_perf_metrics, return_num_*_tokens,
+# return_log_probs)
+STATS = (*(name for name, *_ in PERF_OUTPUTS["legacy"]), "num_input_tokens", "num_output_tokens", "cum_log_probs",
+         "output_log_probs")
 
 
 class BLSError(Exception):
@@ -81,7 +67,7 @@ def check_inputs(request: Any) -> None:
     inputs = {t.name(): t.as_numpy() for t in request.inputs()}
     refuse_unsupported(inputs, UNSUPPORTED_BLS_INPUTS)
     values = {}
-    for client, engine in {**TO_ENGINE, **{n: n for n in ("num_draft_tokens", "use_draft_logits")}}.items():
+    for client, engine in {**ENGINE_INPUTS, **{n: n for n in ("num_draft_tokens", "use_draft_logits")}}.items():
         if client in inputs and engine in TENSORRT_LLM_SCALARS:
             values[engine] = TENSORRT_LLM_SCALARS[engine].read(inputs[client], client)
     refuse_non_neutral(values)
@@ -147,7 +133,8 @@ class TritonPythonModel:
         check_inputs(request)
 
         def client_input(name: str) -> np.ndarray | None:  # preprocessing's input `name`, from the client's
-            t = pb_utils.get_input_tensor_by_name(request, FROM_CLIENT[name]) if name in FROM_CLIENT else None
+            t = pb_utils.get_input_tensor_by_name(request, PREPROCESSING_INPUTS[name]) \
+                if name in PREPROCESSING_INPUTS else None
             return None if t is None else t.as_numpy()
 
         pre = self.preprocess(client_input)
@@ -155,7 +142,7 @@ class TritonPythonModel:
         engine_request = pb_utils.InferenceRequest(
             model_name=self.engine_model, request_id=engine_id,
             inputs=[pb_utils.Tensor(PREPROCESSED[k], v) for k, v in pre.items() if k in PREPROCESSED]
-            + renamed(request, TO_ENGINE),
+            + renamed(request, ENGINE_INPUTS),
             requested_output_names=["output_ids", "sequence_length", *STATS])
         stream = pb_utils.get_input_tensor_by_name(request, "stream")
         accumulated: list[int] | None = [] if self.accumulate and stream is not None and stream.as_numpy().any() else None

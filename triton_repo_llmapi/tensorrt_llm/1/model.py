@@ -75,12 +75,8 @@ class TritonPythonModel(EngineModel):
                 f"{yaml_path}: triton_config says decoupled {llm.triton.decoupled} and max_batch_size "
                 f"{llm.triton.max_batch_size}, config.pbtxt {decoupled} and {config.get('max_batch_size', 0)}; "
                 "make them agree (make_model_repo --flavour llmapi writes both)")
-        self.start(llm.model, llm.executor, model_name=args["model_name"], model_version=args["model_version"],
-                   decoupled=decoupled, torch_threads=llm.triton.torch_threads,
-                   engine_process=llm.triton.engine_process,
-                   cancel_period_s=llm.triton.cancellation_check_period_ms / 1000,
-                   stats_period_s=llm.triton.stats_check_period_ms / 1000,
-                   watchdog_timeout_s=llm.triton.watchdog_timeout_s)
+        self.start(llm.model, llm.executor, llm.triton, model_name=args["model_name"],
+                   model_version=args["model_version"])
         self.max_input_bytes = self.executor.limits.max_seq_len * self.tokenizer.max_token_bytes
 
     def _scalar(self, inputs: dict[str, np.ndarray], name: str) -> Any:
@@ -134,30 +130,9 @@ class TritonPythonModel(EngineModel):
         if "finish_reason" in stream.outputs:
             tensors.append(tensor("finish_reason", str(out.finish_reason).encode(), object))
         if "stop_reason" in stream.outputs:
-            tensors.append(tensor("stop_reason", str(self.stop_reason(stream.params, out)).encode(), object))
+            tensors.append(tensor("stop_reason", str(out.stop_reason).encode(), object))
         if "cumulative_logprob" in stream.outputs:  # of the output so far, under the target model (raw logprobs)
             tensors.append(tensor("cumulative_logprob", out.cumulative_logprob or 0.0, np.float32))
         if stream.perf_metrics:
-            m = self.perf_metrics(stream, out.stats)
-            tensors += [tensor("kv_cache_reused_block", m.reused_blocks, np.int32),
-                        tensor("kv_cache_missed_block", m.missed_blocks, np.int32),
-                        tensor("kv_cache_alloc_new_blocks", m.new_blocks, np.int32),
-                        tensor("kv_cache_alloc_total_blocks", m.kv_blocks, np.int32),
-                        tensor("kv_cache_hit_rate", m.kv_cache_hit_rate, np.float32),
-                        tensor("arrival_time_ns", m.arrival_ns, np.int64),
-                        tensor("first_scheduled_time_ns", m.first_scheduled_ns, np.int64),
-                        tensor("first_token_time_ns", m.first_token_ns, np.int64),
-                        tensor("last_token_time_ns", m.last_token_ns, np.int64),
-                        tensor("acceptance_rate", m.acceptance_rate, np.float32),
-                        tensor("total_accepted_draft_tokens", m.accepted_draft_tokens, np.int32),
-                        tensor("total_draft_tokens", m.draft_tokens, np.int32)]
+            tensors += self.perf_metric_tensors(stream, out.stats, "llmapi", (1, 1) if self.batched else (1,))
         return pb_utils.InferenceResponse(tensors)
-
-    def stop_reason(self, params: SamplingParams, out: RequestOutput) -> str | None:
-        """The LLM API's stop_reason: the stop string that ended the output (cut from the text, as the LLM API's
-        include_stop_str_in_output false; the ids keep the token that completed it), None otherwise (the end of
-        sequence, the length limit, or not finished yet)."""
-        if out.finish_reason != "stop" or not params.stop:
-            return None
-        rest = self.tokenizer.decode(out.token_ids)[len(out.text):]
-        return next((s for s in params.stop if rest.startswith(s)), None)
