@@ -55,6 +55,24 @@ def test_same_tokens_as_in_process(engine, spec_checkpoint):
     assert all(o.stats.num_draft_tokens > 0 for o in got)  # it speculated over there
 
 
+def test_several_outputs_per_prompt_as_in_process(engine, spec_checkpoint):
+    """n / best_of through the pipe: each output rebuilt from its own deltas, the prompt's logprobs on every one,
+    the same as in one process; streamed by index."""
+    cases = [SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.9, seed=3, n=3, prompt_logprobs=1),
+             SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.9, seed=5, n=2, best_of=3)]
+    with create_executor(spec_checkpoint, CONFIG) as local:
+        want = [local.submit(PROMPTS[2], sp).results(60) for sp in cases]
+    seen: list = []
+    got = [engine.submit(PROMPTS[2], sp, on_output=seen.append).results(60) for sp in cases]
+    for g, w in zip(got, want):
+        assert [(o.index, o.token_ids, o.text, o.finish_reason) for o in g] == \
+            [(o.index, o.token_ids, o.text, o.finish_reason) for o in w]
+    assert all(o.prompt_logprobs is not None and len(o.prompt_logprobs) == len(PROMPTS[2]) for o in got[0])
+    first = [o for o in seen if o.request_id == seen[0].request_id]
+    streamed = {i: [t for o in first if o.index == i for t in o.new_token_ids] for i in range(3)}
+    assert [streamed[i] for i in range(3)] == [o.token_ids for o in got[0]]
+
+
 def test_streams_every_output_and_callbacks_run(engine):
     seen = []
     h = engine.submit(PROMPTS[0], SamplingParams(max_tokens=16, ignore_eos=True), on_output=seen.append)
@@ -108,7 +126,7 @@ def test_a_callback_only_handle_keeps_no_outputs(spec_checkpoint):
         h = local.submit(PROMPTS[1], SamplingParams(max_tokens=40, ignore_eos=True), on_output=seen.append)
         h.callback_only()
         out = h.result(60)
-        assert h._pending is None
+        assert not h._pending
         with pytest.raises(RuntimeError, match="on_output callback only"):
             next(iter(h))
     assert out.token_ids == [t for o in seen for t in o.new_token_ids] and len(out.token_ids) == 40

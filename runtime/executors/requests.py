@@ -436,7 +436,7 @@ class RequestTracker:
                             reason, self.stats(), error, self.detok.holding,
                             None if logprobs is None else logprobs[len(logprobs) - len(new):], logprobs,
                             None if logprobs is None else self.cumulative_logprob, self.prompt_logprobs,
-                            self.stop_reason if reason == "stop" else None, self.index)
+                            stop_reason=self.stop_reason if reason == "stop" else None, index=self.index)
         for o in [out] if self.best_of is None else self.best_of.rank(out):
             if self.callback is not None:
                 try:
