@@ -4,7 +4,7 @@ On CPU a decode step in ATen is dominated by per-operation overhead and by strea
 so the serving path runs C++ with AVX-512 instead: linear layers whose weights stay in the release's
 FP8 (or BF16) form, a whole MoE layer per call, absorbed MLA in two calls over the paged latent
 cache, RMSNorm; and composed of these, a whole decoder layer, all of a model's layers, the MTP module
-and its greedy chain of drafts, each in one call. Without AVX-512 (or a compiler) the runtime uses its
+and its greedy chain of drafts, and a whole greedy speculative step, each in one call. Without AVX-512 (or a compiler) the runtime uses its
 PyTorch path, which computes the same thing.
 """
 
@@ -229,3 +229,14 @@ def mtp_greedy_drafts(mtp: object, ids: Tensor, hidden: Tensor, rot: Tensor, kv_
     argmax, then K - 1 more steps on its own drafts at draft_positions [K - 1, B] (rotations draft_rot, complex)."""
     return cpu_kernels().mtp_greedy_drafts(mtp, ids, hidden, _pairs(rot), kv_cache, *_paged(batch),
                                            batch.last_index, draft_positions, _pairs(draft_rot))
+
+
+def greedy_step(target: object, mtp: object, ids: Tensor, hidden: Tensor, rot: Tensor, kv_cache: Tensor,
+                batch: PagedBatch, last_ids: Tensor, verify_positions: Tensor, verify_rot: Tensor
+                ) -> tuple[list[list[int]], Tensor]:
+    """A greedy speculative step in one call (`target` from `make_target`): `mtp_greedy_drafts` over the catch-up
+    `batch`, the target over each sequence's [last_ids[b], drafts] at verify_positions [B, K + 1] (rotations
+    verify_rot, complex), greedy acceptance. Returns the emitted tokens of each sequence and the target's hidden
+    states after the final norm [B * (K + 1), H]."""
+    return cpu_kernels().greedy_step(target, mtp, ids, hidden, _pairs(rot), kv_cache, *_paged(batch), batch.last_index,
+                                     last_ids, verify_positions, _pairs(verify_rot))

@@ -9,7 +9,8 @@
 // mla_attention absorbed MLA over the paged latent cache, read in place through the block tables.
 // rms_norm     RMSNorm of rows.
 // decoder_layer all of the above for one decoder layer, in one call; decoder_layers for all of a model's;
-//              mtp_layer the same for an MTP module; mtp_greedy_drafts its greedy chain of k drafts.
+//              mtp_layer the same for an MTP module; mtp_greedy_drafts its greedy chain of k drafts;
+//              greedy_step a whole greedy speculative step (drafts, verification, acceptance).
 //
 // Every output row is computed with the same arithmetic in the same order whatever the other rows
 // of the batch are, so a request's result does not depend on what it is batched with.
@@ -935,6 +936,60 @@ torch::Tensor mtp_greedy_drafts(const Mtp& M, const torch::Tensor& ids, const to
   return drafts;
 }
 
+// The target model around its layers, for `greedy_step`: embedding, the layers, the final norm, lm_head.
+struct Target {
+  torch::Tensor embed, norm;
+  double eps;
+  LayerStack stack;
+  Linear head;
+};
+
+Target make_target(torch::Tensor embed, torch::Tensor norm, double eps, LayerStack stack, torch::Tensor head_panels,
+                   torch::Tensor head_scale, int64_t vocab) {
+  check(embed.dim() == 2 && embed.scalar_type() == torch::kFloat, "embedding [vocab, H] float32");
+  return {embed, norm, eps, std::move(stack), {head_panels, head_scale, vocab}};
+}
+
+// One greedy speculative step for B decoding sequences with K drafts each: mtp_greedy_drafts (catch-up, then the
+// chain), the target over [last token, d1..dK] of each sequence at verify_positions [B, K + 1] (rotations
+// verify_rot [B, K + 1, pairs, 2]; drafts 2..K are proposed at the first K - 1 of them), the final norm and
+// lm_head, and greedy acceptance: each sequence's drafts up to the first that is not the target's argmax, then
+// the argmax there. Returns the emitted tokens of each sequence and the target's hidden states [B * (K + 1), H]
+// after the final norm (the MTP module's next inputs). The same calls in the same order as the step in Python.
+std::tuple<std::vector<std::vector<int64_t>>, torch::Tensor> greedy_step(
+    const Target& T, const Mtp& M, const torch::Tensor& ids, const torch::Tensor& hidden, const torch::Tensor& rot,
+    const torch::Tensor& kv_cache, const torch::Tensor& slots, const torch::Tensor& positions, const torch::Tensor& seq,
+    const torch::Tensor& tables, int64_t block_size, const torch::Tensor& rows, const torch::Tensor& last_ids,
+    const torch::Tensor& verify_positions, const torch::Tensor& verify_rot) {
+  const int64_t B = rows.numel(), K = verify_positions.size(1) - 1;
+  check(verify_positions.dim() == 2 && verify_positions.size(0) == B && K >= 1 &&
+            verify_positions.scalar_type() == torch::kLong && last_ids.numel() == B &&
+            verify_rot.dim() == 4 && verify_rot.size(0) == B && verify_rot.size(1) == K + 1,
+        "last_ids [B], verify_positions [B, K + 1] int64 and verify_rot [B, K + 1, pairs, 2], K >= 1");
+  const torch::Tensor drafts =
+      mtp_greedy_drafts(M, ids, hidden, rot, kv_cache, slots, positions, seq, tables, block_size, rows,
+                        verify_positions.slice(1, 0, K - 1).t().contiguous(),
+                        verify_rot.slice(1, 0, K - 1).transpose(0, 1).contiguous());
+  const torch::Tensor pos = verify_positions.flatten();
+  const torch::Tensor block = at::floor_divide(pos, block_size);
+  check(block.max().item<int64_t>() < tables.size(1), "block tables do not cover the verified positions");
+  const torch::Tensor each = torch::arange(B, pos.options()).repeat_interleave(K + 1);
+  const torch::Tensor verify_slots = tables.index({each, block}) * block_size + pos.remainder(block_size);
+  const torch::Tensor tokens = at::cat({last_ids.view({B, 1}).to(torch::kLong), drafts}, 1).flatten();
+  const torch::Tensor x = decoder_layers(T.stack, at::embedding(T.embed, tokens), verify_rot.flatten(0, 1), kv_cache,
+                                         verify_slots, pos, each, tables, block_size);
+  const torch::Tensor h = rms_norm(x, T.norm, T.eps);
+  const torch::Tensor argmax = T.head(h).argmax(-1).view({B, K + 1});
+  const int64_t *dp = drafts.data_ptr<int64_t>(), *ap = argmax.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> emitted(B);
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t n = 0;
+    while (n < K && dp[b * K + n] == ap[b * (K + 1) + n]) emitted[b].push_back(dp[b * K + n++]);
+    emitted[b].push_back(ap[b * (K + 1) + n]);
+  }
+  return {emitted, h};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The kernels touch no Python object: other threads (request intake, streaming) run meanwhile, as with ATen ops.
   const auto nogil = py::call_guard<py::gil_scoped_release>();
@@ -954,4 +1009,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mtp_layer", &mtp_layer, "an MTP module: embedding, norms, eh_proj, decoder layer, shared head", nogil);
   m.def("mtp_greedy_drafts", &mtp_greedy_drafts, "greedy drafts: the MTP module over the catch-up, then on its own drafts",
         nogil);
+  py::class_<Target>(m, "Target", "the target model's kernel weights around its layers (see make_target)");
+  m.def("make_target", &make_target, "gather the embedding, layers, final norm and lm_head for greedy_step");
+  m.def("greedy_step", &greedy_step, "a greedy speculative step: drafts, verification, acceptance", nogil);
 }

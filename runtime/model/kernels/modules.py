@@ -166,6 +166,40 @@ class FusedMTPLayer(_Fused, MTPLayer):
                                          rot[T:].view(*draft_positions.shape, -1))
 
 
+class GreedyStep:
+    """The greedy speculative step in one kernel call (`kernels.greedy_step`): the MTP catch-up and drafts, the
+    verification forward and greedy acceptance, with only the emitted tokens and the verified hidden states coming
+    back, for a model whose layers, MTP module and lm_head are each one call (`of`)."""
+
+    def __init__(self, model: DeepseekV3ForCausalLM):
+        head, norm = model.lm_head.packed, model.model.norm
+        self.rope, self.mtp = model.rope, model.mtp[0].handle
+        self.target = kernels.cpu_kernels().make_target(model.model.embed_tokens.weight, norm.weight, norm.eps,
+                                                        model.model.layers.handle, head.panels, head.scale,
+                                                        head.out_features)
+
+    @classmethod
+    def of(cls, model: DeepseekV3ForCausalLM) -> "GreedyStep | None":
+        """The step for `model`, or None where a part of it is not on the kernels as one call."""
+        layers, head = model.model.layers, model.lm_head
+        fused = (isinstance(layers, FusedDecoderStack) and layers.handle is not None and len(model.mtp) > 0
+                 and isinstance(model.mtp[0], FusedMTPLayer) and model.mtp[0].handle is not None
+                 and isinstance(head, PackedLinear) and head.packed is not None
+                 and isinstance(model.model.norm, KernelRMSNorm))
+        return cls(model) if fused else None
+
+    def __call__(self, next_ids: Tensor, hidden: Tensor, catch_up: PagedBatch, last_ids: Tensor, num_cached: list[int],
+                 kv_cache: Tensor, num_drafts: int) -> tuple[list[list[int]], Tensor]:
+        """For B sequences, each drafting num_drafts tokens after its num_cached[b] cached ones: the MTP module over
+        `catch_up` (next_ids, hidden), the drafts, and the target over [last_ids[b], drafts] at positions
+        num_cached[b] ..: each sequence's emitted tokens and the target's hidden states [B * (num_drafts + 1), H]."""
+        positions = torch.tensor(num_cached)[:, None] + torch.arange(num_drafts + 1)  # [B, K + 1]
+        rot = self.rope(torch.cat([catch_up.positions, positions.flatten()]))
+        T = catch_up.positions.numel()
+        return kernels.greedy_step(self.target, self.mtp, next_ids, hidden, rot[:T], kv_cache, catch_up, last_ids,
+                                   positions, rot[T:].view(*positions.shape, -1))
+
+
 # ---- swapping in ------------------------------------------------------------------------------------------
 def runs_here(device: torch.device, dtype: torch.dtype) -> bool:
     """The kernels serve float32 models on CPUs that can run them."""
