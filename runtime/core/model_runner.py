@@ -274,10 +274,9 @@ class ModelRunner:
         """The step as `step` runs it for these items, drafts to acceptance in one kernel call (`GreedyStep`)."""
         t0 = time.perf_counter()
         seqs, k = [it.seq for it in items], items[0].num_drafts
-        tables, starts, lens, next_ids, hidden = self._catch_up(seqs)
-        emitted, verified = self.greedy_step(next_ids, hidden, self._paged_batch(tables, starts, lens),
-                                             self._ids([s.token_ids[-1] for s in seqs]), [s.num_cached for s in seqs],
-                                             self.cache.tensor, k)
+        tables, starts, _, next_ids, hidden = self._catch_up(seqs)
+        emitted, verified = self.greedy_step(next_ids, hidden, self.cache.tensor, tables, self.cache.block_size, starts,
+                                             [s.num_cached for s in seqs], [s.token_ids[-1] for s in seqs], k)
         out = []
         for b, (s, tokens) in enumerate(zip(seqs, emitted)):
             kept = verified[b * (k + 1) : b * (k + 1) + len(tokens)].clone()  # the trusted positions' hidden states

@@ -231,12 +231,13 @@ def mtp_greedy_drafts(mtp: object, ids: Tensor, hidden: Tensor, rot: Tensor, kv_
                                            batch.last_index, draft_positions, _pairs(draft_rot))
 
 
-def greedy_step(target: object, mtp: object, ids: Tensor, hidden: Tensor, rot: Tensor, kv_cache: Tensor,
-                batch: PagedBatch, last_ids: Tensor, verify_positions: Tensor, verify_rot: Tensor
+def greedy_step(target: object, mtp: object, ids: Tensor, hidden: Tensor, kv_cache: Tensor, tables: list[list[int]],
+                block_size: int, num_mtp: list[int], num_cached: list[int], last_ids: list[int], num_drafts: int
                 ) -> tuple[list[list[int]], Tensor]:
-    """A greedy speculative step in one call (`target` from `make_target`): `mtp_greedy_drafts` over the catch-up
-    `batch`, the target over each sequence's [last_ids[b], drafts] at verify_positions [B, K + 1] (rotations
-    verify_rot, complex), greedy acceptance. Returns the emitted tokens of each sequence and the target's hidden
-    states after the final norm [B * (K + 1), H]."""
-    return cpu_kernels().greedy_step(target, mtp, ids, hidden, _pairs(rot), kv_cache, *_paged(batch), batch.last_index,
-                                     last_ids, verify_positions, _pairs(verify_rot))
+    """A greedy speculative step in one call (`target` from `make_target`), from host integers: `mtp_greedy_drafts`
+    over the catch-up (ids, hidden at positions num_mtp[b] .. num_cached[b] - 1 of sequence b, whose blocks are
+    tables[b]), the target over each sequence's [last_ids[b], drafts] at positions num_cached[b] .., greedy
+    acceptance. Returns the emitted tokens of each sequence and the target's hidden states after the final norm
+    [B * (num_drafts + 1), H]."""
+    return cpu_kernels().greedy_step(target, mtp, ids, hidden, kv_cache, tables, block_size, num_mtp, num_cached,
+                                     last_ids, num_drafts)

@@ -173,10 +173,10 @@ class GreedyStep:
 
     def __init__(self, model: DeepseekV3ForCausalLM):
         head, norm = model.lm_head.packed, model.model.norm
-        self.rope, self.mtp = model.rope, model.mtp[0].handle
+        self.mtp = model.mtp[0].handle
         self.target = kernels.cpu_kernels().make_target(model.model.embed_tokens.weight, norm.weight, norm.eps,
                                                         model.model.layers.handle, head.panels, head.scale,
-                                                        head.out_features)
+                                                        head.out_features, model.inv_freq, model.rope_attention_factor)
 
     @classmethod
     def of(cls, model: DeepseekV3ForCausalLM) -> "GreedyStep | None":
@@ -188,16 +188,14 @@ class GreedyStep:
                  and isinstance(model.model.norm, KernelRMSNorm))
         return cls(model) if fused else None
 
-    def __call__(self, next_ids: Tensor, hidden: Tensor, catch_up: PagedBatch, last_ids: Tensor, num_cached: list[int],
-                 kv_cache: Tensor, num_drafts: int) -> tuple[list[list[int]], Tensor]:
+    def __call__(self, next_ids: Tensor, hidden: Tensor, kv_cache: Tensor, tables: list[list[int]], block_size: int,
+                 num_mtp: list[int], num_cached: list[int], last_ids: list[int], num_drafts: int
+                 ) -> tuple[list[list[int]], Tensor]:
         """For B sequences, each drafting num_drafts tokens after its num_cached[b] cached ones: the MTP module over
-        `catch_up` (next_ids, hidden), the drafts, and the target over [last_ids[b], drafts] at positions
-        num_cached[b] ..: each sequence's emitted tokens and the target's hidden states [B * (num_drafts + 1), H]."""
-        positions = torch.tensor(num_cached)[:, None] + torch.arange(num_drafts + 1)  # [B, K + 1]
-        rot = self.rope(torch.cat([catch_up.positions, positions.flatten()]))
-        T = catch_up.positions.numel()
-        return kernels.greedy_step(self.target, self.mtp, next_ids, hidden, rot[:T], kv_cache, catch_up, last_ids,
-                                   positions, rot[T:].view(*positions.shape, -1))
+        its catch-up (next_ids, hidden at positions num_mtp[b] ..), the drafts, and the target over [last_ids[b],
+        drafts]: each sequence's emitted tokens and the target's hidden states [B * (num_drafts + 1), H]."""
+        return kernels.greedy_step(self.target, self.mtp, next_ids, hidden, kv_cache, tables, block_size, num_mtp,
+                                   num_cached, last_ids, num_drafts)
 
 
 # ---- swapping in ------------------------------------------------------------------------------------------
