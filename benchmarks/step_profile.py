@@ -146,7 +146,8 @@ def parts_of(r: dict[str, float]) -> dict[str, float]:
         "one_call_kernel": g("one_call_kernel", 0.0),
         "target_host": g("forward_target", 0.0) - g("layers_kernel", 0.0),
         "draft_host": g("draft", 0.0) - g("mtp_kernel", 0.0),
-        "verify_host": runner - g("draft", 0.0) - g("forward_target", 0.0) - g("logits", 0.0) - g("one_call_kernel", 0.0),
+        "verify_host": runner - g("draft", 0.0) - g("forward_target", 0.0) - g("logits", 0.0)
+        - g("one_call_kernel", 0.0),
         "schedule": g("schedule", 0.0),
         "detok_stop": g("detok_stop", 0.0),
         "update": g("update", 0.0),
@@ -376,7 +377,7 @@ def markdown(args, results: dict[str, Any], ks: list[int], paths: dict[int, list
           "ratios. 'k=N 1-call' is the greedy step in one kernel call (`ModelRunner.greedy_step`), run side by side "
           "with the general path.", "",
           "## Per decode step", "", md_table(head, rows, digits=3), "",
-          "## Speed-up over k=0 per token, and the bound each part puts on it", "", md_table(head[:1] + head[1:], brows),
+          "## Speed-up over k=0 per token, and the bound each part puts on it", "", md_table(["over k=0"] + head[1:], brows),
           "", "'host work as plain decoding's': the k step's kernels plus k=0's host time; 'no host work': kernels only "
           "in both; 'free drafts': the target's kernels alone (the general path times them apart).", "",
           f"Timers: {results['timer_cost_s_per_call'] * 1e9:.0f} ns per wrapped call over a bare call, "

@@ -3,9 +3,9 @@
 On CPU a decode step in ATen is dominated by per-operation overhead and by streaming fp32 weights,
 so the serving path runs C++ with AVX-512 instead: linear layers whose weights stay in the release's
 FP8 (or BF16) form, a whole MoE layer per call, absorbed MLA in two calls over the paged latent
-cache, RMSNorm; and composed of these, a whole decoder layer, all of a model's layers, the MTP module
-and its greedy chain of drafts, and a whole greedy speculative step, each in one call. Without AVX-512 (or a compiler) the runtime uses its
-PyTorch path, which computes the same thing.
+cache, RMSNorm; and composed of these, a whole decoder layer, all of a model's layers, the MTP module,
+its greedy chain of drafts and a whole greedy speculative step, each in one call. Without AVX-512 (or a
+compiler) the runtime uses its PyTorch path, which computes the same thing.
 """
 
 from __future__ import annotations
