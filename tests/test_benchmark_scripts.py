@@ -26,6 +26,7 @@ import benchmarks.common as bc
 import benchmarks.load_test as lt
 import benchmarks.serving as bs
 import benchmarks.speculative as bspec
+import benchmarks.step_profile as sprof
 import benchmarks.triton_serving as bt
 
 
@@ -302,6 +303,25 @@ def test_speculative_summarize_ours_and_hf():
     h = bspec.summarize(hf, None)
     assert h["decode_tokens_per_step"] == pytest.approx(2.0) and h["acceptance_rate_implied"] == pytest.approx(1.0)
     assert "outputs_equal_reference" not in h
+
+
+def test_step_profile_parts_add_up_and_bound_the_ratio():
+    """A step's timed regions become disjoint parts that add up to its wall time; the bounds read them per token."""
+    ms = 1e-3
+    k0 = {"runner": 1.0 * ms, "forward_target": 0.8 * ms, "layers_kernel": 0.6 * ms, "logits": 0.1 * ms,
+          "schedule": 0.05 * ms, "update": 0.05 * ms, "detok_stop": 0.02 * ms, "callback": 0.03 * ms,
+          "step": 1.2 * ms, "loop_gap": 0.01 * ms, "emitted": 1}
+    k1 = dict(k0, runner=1.6 * ms, draft=0.4 * ms, mtp_kernel=0.3 * ms, step=1.8 * ms, emitted=2)
+    for r in (k0, k1):
+        parts = sprof.parts_of(r)
+        assert sum(parts.values()) == pytest.approx(r["step"] + r["loop_gap"]) and min(parts.values()) >= 0
+    assert sprof.parts_of(k1)["mtp_kernels"] == pytest.approx(0.3 * ms)
+    base, spec = sprof.summarize([], [k0]), sprof.summarize([], [k1])
+    assert base["kernels_s_per_step"] == pytest.approx(0.7 * ms) and spec["kernels_s_per_step"] == pytest.approx(ms)
+    b = sprof.bounds(spec, base)
+    assert b["measured"] == pytest.approx((1.21 / 1) / (1.81 / 2))
+    assert b["no_host"] == pytest.approx(0.7 / (1.0 / 2)) and b["free_drafts"] == pytest.approx(0.7 / (0.7 / 2))
+    assert sprof.bounds(base, base)["measured"] == pytest.approx(1.0)
 
 
 def test_speculative_expected_tokens():

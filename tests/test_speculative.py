@@ -55,15 +55,29 @@ def test_chi2_pvalue_helper() -> None:
 
 
 def run_executor(engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], *,
-                 one_at_a_time: bool = False, timeout: float = 120, steps: list | None = None, **config):
-    """Outputs of `prompts` on a fresh executor; checks every KV block is free at the end."""
+                 one_at_a_time: bool = False, timeout: float = 120, steps: list | None = None,
+                 accepted_at: dict | None = None, one_call: bool | None = None, **config):
+    """Outputs of `prompts` on a fresh executor; checks every KV block is free at the end. accepted_at: filled with
+    {(prompt, position of the step's first token, drafts): drafts accepted} of every drafting step. one_call: True
+    checks that greedy steps ran in one kernel call (ModelRunner.greedy_step), False runs them all on the general
+    path."""
     params = params if isinstance(params, list) else [params] * len(prompts)
     with Executor(engine, ExecutorConfig(**config)) as ex:
-        if steps is not None:  # record every step's (drafts, accepted) as the scheduler sees them
+        if one_call is not None and ex.runner.greedy_step is None:
+            pytest.skip("the greedy step in one kernel call needs the CPU kernels")
+        if one_call is False:
+            ex.runner.greedy_step = None
+        if steps is not None or accepted_at is not None:  # record every step's drafts as the scheduler sees them
             observe = ex.policy.observe
 
             def recording(results):
-                steps.extend((r.num_drafts, r.num_accepted) for r in results if r.num_drafts)
+                drafting = [r for r in results if r.num_drafts]
+                if steps is not None:
+                    steps.extend((r.num_drafts, r.num_accepted) for r in drafting)
+                if accepted_at is not None:  # the update has applied the step: it started num_trusted back
+                    accepted_at.update(((tuple(r.seq.token_ids[: r.seq.num_prompt_tokens]),
+                                         r.seq.num_cached - r.num_trusted, r.num_drafts), r.num_accepted)
+                                       for r in drafting)
                 observe(results)
 
             ex.policy.observe = recording
@@ -73,6 +87,8 @@ def run_executor(engine, prompts: list[list[int]], params: SamplingParams | list
             handles = [ex.submit(p, sp) for p, sp in zip(prompts, params)]
             outs = [h.result(timeout) for h in handles]
         stats = ex.stats()
+        if one_call is not None:
+            assert (ex.runner.timings["one_call"] > 0) == one_call
         assert stats.kv_blocks_used == 0, f"{stats.kv_blocks_used} KV blocks still held after every request finished"
         assert stats.running == 0 and stats.queued == 0
     return outs, stats
@@ -242,6 +258,29 @@ def test_greedy_identity_one_at_a_time(shipped, greedy_reference) -> None:
                                speculation="fixed")
     assert [o.token_ids for o in outs] == greedy_reference[:n]
     assert stats.accepted_draft_tokens > 0
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_greedy_step_in_one_call_equals_the_general_path(shipped, greedy_reference, k) -> None:
+    """The greedy step in one kernel call emits the general path's tokens, batched and one request at a time, and
+    accepts as many drafts as the general path's step from the same position with as many drafts (so it proposed
+    the same ones: the MTP inputs it keeps and the cache it writes are right); the output is plain greedy
+    decoding's. (Which steps a batched run takes depends on when requests arrive, so steps are matched by where
+    they start.)"""
+    engine, prompts = shipped
+    params = SamplingParams(max_tokens=GREEDY_TOKENS, ignore_eos=True)
+    for alone, n in ((False, NUM_PROMPTS), (True, 4)):
+        tokens, accepted = {}, {}
+        for one_call in (True, False):
+            accepted[one_call] = {}
+            outs, _ = run_executor(engine, prompts[:n], params, one_at_a_time=alone, accepted_at=accepted[one_call],
+                                   one_call=one_call, num_draft_tokens=k, speculation="fixed")
+            tokens[one_call] = [o.token_ids for o in outs]
+        assert tokens[True] == tokens[False] == greedy_reference[:n], f"k={k}, alone={alone}"
+        common = accepted[True].keys() & accepted[False].keys()
+        assert len(common) >= 0.8 * max(len(accepted[True]), len(accepted[False])), f"k={k}: few steps in common"
+        assert {s: accepted[True][s] for s in common} == {s: accepted[False][s] for s in common}, f"k={k}, alone={alone}"
+        assert sum(accepted[True].values()) > 0
 
 
 # ---------------------------------------------------------------------------------------------

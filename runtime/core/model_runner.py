@@ -10,7 +10,9 @@ One step for a batch of sequences, each with its own number of new target tokens
 3. accept a prefix of each sequence's drafts and emit one more token (sampling.accept); rejected
    positions are simply left behind: the sequence's length is what the cache is trusted up to,
    and the scheduler gives back blocks past it.
-k = 0 is plain decoding through the same code. The runner reads sequences and writes none: what a step
+k = 0 is plain decoding through the same code. Where the CPU kernels run the whole model, a step of greedy decodes
+that all draft the same k > 0 (plain argmax, no logprobs) runs 1-3 in one kernel call (`GreedyStep`): only the
+emitted tokens and the verified hidden states come back. The runner reads sequences and writes none: what a step
 computed comes back as `StepResult`s, which `Scheduler.update_from_output` applies.
 
 A guided request's grammar is one more ban per row: draft j is drawn from the MTP distribution masked by
@@ -37,7 +39,7 @@ from runtime.core.cuda_graphs import CudaGraphRunner
 from runtime.core.grammar import grammar_bans
 from runtime.core.kv_cache import KVCache
 from runtime.model.batch import SHORT_QUERY, PagedBatch
-from runtime.model.kernels.modules import FusedMTPLayer, attends_in_kernels
+from runtime.model.kernels.modules import FusedMTPLayer, GreedyStep, attends_in_kernels
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM
 from runtime.core.sampling import (PURPOSE_DRAFT, Penalties, RelaxedAcceptance, SamplingTensors, TokenLogprob, accept,
                                    accept_greedy, adjusted_logits, probabilities, processed_logprobs, sample,
@@ -55,8 +57,10 @@ class ModelRunner:
         self.graphs = graphs
         self.relaxed = relaxed
         self.keep_mtp_inputs = keep_mtp_inputs and model.cfg.num_nextn_predict_layers > 0
-        self.timings = {"draft": 0.0, "target": 0.0}
+        self.timings = {"draft": 0.0, "target": 0.0, "one_call": 0.0}  # seconds; one_call: steps run in one call
         self.for_kernels = attends_in_kernels(model)  # paged batches in the per-token form the kernels read
+        # greedy steps in one kernel call where the whole model is on the kernels (None: the general path only)
+        self.greedy_step = GreedyStep.of(model) if self.keep_mtp_inputs and graphs is None else None
 
     # ---- batch plumbing -----------------------------------------------------------------------
     def _paged_batch(self, tables: list[list[int]], starts: list[int], lens: list[int]) -> PagedBatch:
@@ -151,12 +155,7 @@ class ModelRunner:
         model, seqs = self.model, [it.seq for it in items]
         ks = [it.num_drafts for it in items]
         K = max(ks)
-        # Catch-up: positions num_mtp .. num_cached-1, inputs h_i and the true token t_{i+1}.
-        tables = [s.block_table for s in seqs]
-        starts = [s.num_mtp for s in seqs]
-        lens = [s.num_cached - s.num_mtp for s in seqs]  # the pending hidden rows
-        next_ids = self._ids([t for s in seqs for t in s.token_ids[s.num_mtp + 1 : s.num_cached + 1]])
-        hidden = torch.cat([h for s in seqs for h in s.pending_hidden])
+        tables, starts, lens, next_ids, hidden = self._catch_up(seqs)
         # Plain argmax drafts unless a row samples, bans or penalizes tokens (its drafts then come from the MTP's
         # own distribution under the same rules as the target's rows, so a banned token is never drafted only to
         # be rejected, and a penalized greedy row drafts what its target row will choose).
@@ -193,6 +192,15 @@ class ModelRunner:
         draft_probs = torch.stack(probs, dim=1) if probs else None
         return torch.stack(drafts, dim=1), draft_probs
 
+    def _catch_up(self, seqs: list[Sequence]) -> tuple[list[list[int]], list[int], list[int], Tensor, Tensor]:
+        """The MTP catch-up's layout (tables, starts, lens) and inputs: positions num_mtp .. num_cached-1, each with
+        the target's hidden state h_i there and the true token t_{i+1}."""
+        tables = [s.block_table for s in seqs]
+        starts = [s.num_mtp for s in seqs]
+        lens = [s.num_cached - s.num_mtp for s in seqs]  # the pending hidden rows
+        next_ids = self._ids([t for s in seqs for t in s.token_ids[s.num_mtp + 1 : s.num_cached + 1]])
+        return tables, starts, lens, next_ids, torch.cat([h for s in seqs for h in s.pending_hidden])
+
     def _next_draft_logits(self, tables: list[list[int]], seqs: list[Sequence], ks: list[int], j: int, d: Tensor,
                            logits: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
         """Draft j+2 at position num_tokens - 1 + j from the MTP's own hidden state and draft j+1 (rows whose k
@@ -215,6 +223,8 @@ class ModelRunner:
         decode items feed [last token, drafts...] and emit 1..k+1 tokens. Items run shortest context
         first, long chunks last, so sequences of similar length share attention groups."""
         items = sorted(items, key=lambda it: (it.num_new > SHORT_QUERY, it.seq.num_cached + it.num_new))
+        if self.greedy_step is not None and self._in_one_call(items):
+            return self._step_in_one_call(items)
         t0 = time.perf_counter()
         drafting = [it for it in items if it.num_drafts > 0]
         drafts, draft_probs = self.draft(drafting) if drafting else (None, None)
@@ -251,6 +261,27 @@ class ModelRunner:
                                   logprobs, prompt_logprobs.get(i)))
         self.timings["draft"] += t1 - t0
         self.timings["target"] += time.perf_counter() - t1
+        return out
+
+    def _in_one_call(self, items: list[Scheduled]) -> bool:
+        """Whether the step is greedy speculation the one kernel call can run: every item a decode drafting the same
+        k > 0, its tokens the plain argmax, no logprobs asked for, no relaxed acceptance."""
+        k = items[0].num_drafts
+        return k > 0 and self.relaxed is None and all(
+            it.num_drafts == k and it.seq.plain_argmax and it.seq.params.logprobs is None for it in items)
+
+    def _step_in_one_call(self, items: list[Scheduled]) -> list[StepResult]:
+        """The step as `step` runs it for these items, drafts to acceptance in one kernel call (`GreedyStep`)."""
+        t0 = time.perf_counter()
+        seqs, k = [it.seq for it in items], items[0].num_drafts
+        tables, starts, _, next_ids, hidden = self._catch_up(seqs)
+        emitted, verified = self.greedy_step(next_ids, hidden, self.cache.tensor, tables, self.cache.block_size, starts,
+                                             [s.num_cached for s in seqs], [s.token_ids[-1] for s in seqs], k)
+        out = []
+        for b, (s, tokens) in enumerate(zip(seqs, emitted)):
+            kept = verified[b * (k + 1) : b * (k + 1) + len(tokens)].clone()  # the trusted positions' hidden states
+            out.append(StepResult(s, tokens, k, len(tokens) - 1, len(tokens), kept, True, s.in_thinking))
+        self.timings["one_call"] += time.perf_counter() - t0
         return out
 
     def _verify(self, items: list[Scheduled], decoding: list[int], hidden: Tensor, drafts: list[list[int]],

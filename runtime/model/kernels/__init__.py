@@ -3,9 +3,9 @@
 On CPU a decode step in ATen is dominated by per-operation overhead and by streaming fp32 weights,
 so the serving path runs C++ with AVX-512 instead: linear layers whose weights stay in the release's
 FP8 (or BF16) form, a whole MoE layer per call, absorbed MLA in two calls over the paged latent
-cache, RMSNorm; and composed of these, a whole decoder layer, all of a model's layers, the MTP module
-and its greedy chain of drafts, each in one call. Without AVX-512 (or a compiler) the runtime uses its
-PyTorch path, which computes the same thing.
+cache, RMSNorm; and composed of these, a whole decoder layer, all of a model's layers, the MTP module,
+its greedy chain of drafts and a whole greedy speculative step, each in one call. Without AVX-512 (or a
+compiler) the runtime uses its PyTorch path, which computes the same thing.
 """
 
 from __future__ import annotations
@@ -233,3 +233,15 @@ def mtp_greedy_drafts(mtp: object, ids: Tensor, hidden: Tensor, rot: Tensor, kv_
     argmax, then K - 1 more steps on its own drafts at draft_positions [K - 1, B] (rotations draft_rot, complex)."""
     return cpu_kernels().mtp_greedy_drafts(mtp, ids, hidden, _pairs(rot), kv_cache, *_paged(batch),
                                            batch.last_index, draft_positions, _pairs(draft_rot))
+
+
+def greedy_step(target: object, mtp: object, ids: Tensor, hidden: Tensor, kv_cache: Tensor, tables: list[list[int]],
+                block_size: int, num_mtp: list[int], num_cached: list[int], last_ids: list[int], num_drafts: int
+                ) -> tuple[list[list[int]], Tensor]:
+    """A greedy speculative step in one call (`target` from `make_target`), from host integers: `mtp_greedy_drafts`
+    over the catch-up (ids, hidden at positions num_mtp[b] .. num_cached[b] - 1 of sequence b, whose blocks are
+    tables[b]), the target over each sequence's [last_ids[b], drafts] at positions num_cached[b] .., greedy
+    acceptance. Returns the emitted tokens of each sequence and the target's hidden states after the final norm
+    [B * (num_drafts + 1), H]."""
+    return cpu_kernels().greedy_step(target, mtp, ids, hidden, kv_cache, tables, block_size, num_mtp, num_cached,
+                                     last_ids, num_drafts)

@@ -9,7 +9,8 @@
 // mla_attention absorbed MLA over the paged latent cache, read in place through the block tables.
 // rms_norm     RMSNorm of rows.
 // decoder_layer all of the above for one decoder layer, in one call; decoder_layers for all of a model's;
-//              mtp_layer the same for an MTP module; mtp_greedy_drafts its greedy chain of k drafts.
+//              mtp_layer the same for an MTP module; mtp_greedy_drafts its greedy chain of k drafts;
+//              greedy_step a whole greedy speculative step (drafts, verification, acceptance).
 //
 // Every output row is computed with the same arithmetic in the same order whatever the other rows
 // of the batch are, so a request's result does not depend on what it is batched with.
@@ -935,6 +936,90 @@ torch::Tensor mtp_greedy_drafts(const Mtp& M, const torch::Tensor& ids, const to
   return drafts;
 }
 
+// The target model around its layers, for `greedy_step`: embedding, rope, the layers, the final norm, lm_head.
+struct Target {
+  torch::Tensor embed, norm;
+  double eps;
+  LayerStack stack;
+  Linear head;
+  torch::Tensor inv_freq;
+  double rope_factor;
+};
+
+Target make_target(torch::Tensor embed, torch::Tensor norm, double eps, LayerStack stack, torch::Tensor head_panels,
+                   torch::Tensor head_scale, int64_t vocab, torch::Tensor inv_freq, double rope_factor) {
+  check(embed.dim() == 2 && embed.scalar_type() == torch::kFloat, "embedding [vocab, H] float32");
+  return {embed, norm, eps, std::move(stack), {head_panels, head_scale, vocab}, inv_freq, rope_factor};
+}
+
+// Rotations [N, pairs, 2] of positions [N], as DeepseekV3ForCausalLM.rope computes them (the same ATen calls).
+torch::Tensor rope(const Target& T, const torch::Tensor& positions) {
+  const torch::Tensor freqs = positions.unsqueeze(-1).to(torch::kFloat) * T.inv_freq;
+  return at::view_as_real(at::polar(at::full_like(freqs, T.rope_factor), freqs));
+}
+
+// One greedy speculative step for B decoding sequences with K drafts each, from host integers: sequence b has
+// num_cached[b] target positions cached, its MTP cache num_mtp[b], its blocks tables[b]; ids and hidden are the
+// MTP catch-up's inputs over positions num_mtp[b] .. num_cached[b] - 1. mtp_greedy_drafts (catch-up, then the
+// chain of drafts at positions num_cached[b] ..), the target over [last_ids[b], d1..dK] at positions
+// num_cached[b] .. num_cached[b] + K, the final norm and lm_head, and greedy acceptance: each sequence's drafts up to
+// the first that is not the target's argmax, then the argmax there. Returns the emitted tokens of each sequence and
+// the target's hidden states [B * (K + 1), H] after the final norm (the MTP module's next inputs). The same calls in
+// the same order as the step in Python.
+std::tuple<std::vector<std::vector<int64_t>>, torch::Tensor> greedy_step(
+    const Target& T, const Mtp& M, const torch::Tensor& ids, const torch::Tensor& hidden, const torch::Tensor& kv_cache,
+    const std::vector<std::vector<int64_t>>& tables, int64_t block_size, const std::vector<int64_t>& num_mtp,
+    const std::vector<int64_t>& num_cached, const std::vector<int64_t>& last_ids, int64_t K) {
+  const int64_t B = static_cast<int64_t>(tables.size());
+  check(K >= 1 && B >= 1 && block_size >= 1 && static_cast<int64_t>(num_mtp.size()) == B &&
+            static_cast<int64_t>(num_cached.size()) == B && static_cast<int64_t>(last_ids.size()) == B,
+        "K >= 1 and one block table, num_mtp, num_cached and last id per sequence");
+  int64_t W = 0;
+  for (const auto& t : tables) W = std::max<int64_t>(W, t.size());
+  auto table = torch::zeros({B, W}, torch::kLong);
+  int64_t* tb = table.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) std::copy(tables[b].begin(), tables[b].end(), tb + b * W);
+  // Catch-up positions, then the verified ones [B, K + 1]; drafts 2..K are proposed at the first K - 1 of these.
+  std::vector<int64_t> pos, slots, seq, last;
+  auto add = [&](int64_t b, int64_t p) {
+    check(p >= 0 && p / block_size < static_cast<int64_t>(tables[b].size()), "block tables do not cover the positions");
+    pos.push_back(p);
+    slots.push_back(tables[b][p / block_size] * block_size + p % block_size);
+    seq.push_back(b);
+  };
+  for (int64_t b = 0; b < B; ++b) {
+    check(num_mtp[b] < num_cached[b], "every sequence has hidden states to catch up on");
+    for (int64_t p = num_mtp[b]; p < num_cached[b]; ++p) add(b, p);
+    last.push_back(static_cast<int64_t>(pos.size()) - 1);
+  }
+  const int64_t Tc = static_cast<int64_t>(pos.size());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = 0; j <= K; ++j) add(b, num_cached[b] + j);
+  auto host = [](const std::vector<int64_t>& v) { return torch::tensor(v, torch::kLong); };
+  const torch::Tensor positions = host(pos), slot_mapping = host(slots), token_seq = host(seq);
+  const torch::Tensor rot = rope(T, positions);
+  const torch::Tensor verify_positions = positions.slice(0, Tc).view({B, K + 1});
+  const torch::Tensor verify_rot = rot.slice(0, Tc).view({B, K + 1, rot.size(1), 2});
+  const torch::Tensor drafts = mtp_greedy_drafts(
+      M, ids, hidden, rot.slice(0, 0, Tc), kv_cache, slot_mapping.slice(0, 0, Tc), positions.slice(0, 0, Tc),
+      token_seq.slice(0, 0, Tc), table, block_size, host(last), verify_positions.slice(1, 0, K - 1).t().contiguous(),
+      verify_rot.slice(1, 0, K - 1).transpose(0, 1).contiguous());
+  const torch::Tensor tokens = at::cat({host(last_ids).view({B, 1}), drafts}, 1).flatten();
+  const torch::Tensor x = decoder_layers(T.stack, at::embedding(T.embed, tokens), rot.slice(0, Tc), kv_cache,
+                                         slot_mapping.slice(0, Tc), positions.slice(0, Tc), token_seq.slice(0, Tc),
+                                         table, block_size);
+  const torch::Tensor h = rms_norm(x, T.norm, T.eps);
+  const torch::Tensor argmax = T.head(h).argmax(-1).view({B, K + 1});
+  const int64_t *dp = drafts.data_ptr<int64_t>(), *ap = argmax.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> emitted(B);
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t n = 0;
+    while (n < K && dp[b * K + n] == ap[b * (K + 1) + n]) emitted[b].push_back(dp[b * K + n++]);
+    emitted[b].push_back(ap[b * (K + 1) + n]);
+  }
+  return {emitted, h};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The kernels touch no Python object: other threads (request intake, streaming) run meanwhile, as with ATen ops.
   const auto nogil = py::call_guard<py::gil_scoped_release>();
@@ -954,4 +1039,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mtp_layer", &mtp_layer, "an MTP module: embedding, norms, eh_proj, decoder layer, shared head", nogil);
   m.def("mtp_greedy_drafts", &mtp_greedy_drafts, "greedy drafts: the MTP module over the catch-up, then on its own drafts",
         nogil);
+  py::class_<Target>(m, "Target", "the target model's kernel weights around its layers (see make_target)");
+  m.def("make_target", &make_target, "gather the embedding, rope, layers, final norm and lm_head for greedy_step");
+  m.def("greedy_step", &greedy_step, "a greedy speculative step: drafts, verification, acceptance", nogil);
 }

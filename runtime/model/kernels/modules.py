@@ -166,6 +166,38 @@ class FusedMTPLayer(_Fused, MTPLayer):
                                          rot[T:].view(*draft_positions.shape, -1))
 
 
+class GreedyStep:
+    """The greedy speculative step in one kernel call (`kernels.greedy_step`): the MTP catch-up and drafts, the
+    verification forward and greedy acceptance, with only the emitted tokens and the verified hidden states coming
+    back, for a model whose layers, MTP module and lm_head are each one call (`of`)."""
+
+    def __init__(self, model: DeepseekV3ForCausalLM):
+        head, norm = model.lm_head.packed, model.model.norm
+        self.mtp = model.mtp[0].handle
+        self.target = kernels.cpu_kernels().make_target(model.model.embed_tokens.weight, norm.weight, norm.eps,
+                                                        model.model.layers.handle, head.panels, head.scale,
+                                                        head.out_features, model.inv_freq, model.rope_attention_factor)
+
+    @classmethod
+    def of(cls, model: DeepseekV3ForCausalLM) -> "GreedyStep | None":
+        """The step for `model`, or None where a part of it is not on the kernels as one call."""
+        layers, head = model.model.layers, model.lm_head
+        fused = (isinstance(layers, FusedDecoderStack) and layers.handle is not None and len(model.mtp) > 0
+                 and isinstance(model.mtp[0], FusedMTPLayer) and model.mtp[0].handle is not None
+                 and isinstance(head, PackedLinear) and head.packed is not None
+                 and isinstance(model.model.norm, KernelRMSNorm))
+        return cls(model) if fused else None
+
+    def __call__(self, next_ids: Tensor, hidden: Tensor, kv_cache: Tensor, tables: list[list[int]], block_size: int,
+                 num_mtp: list[int], num_cached: list[int], last_ids: list[int], num_drafts: int
+                 ) -> tuple[list[list[int]], Tensor]:
+        """For B sequences, each drafting num_drafts tokens after its num_cached[b] cached ones: the MTP module over
+        its catch-up (next_ids, hidden at positions num_mtp[b] ..), the drafts, and the target over [last_ids[b],
+        drafts]: each sequence's emitted tokens and the target's hidden states [B * (num_drafts + 1), H]."""
+        return kernels.greedy_step(self.target, self.mtp, next_ids, hidden, kv_cache, tables, block_size, num_mtp,
+                                   num_cached, last_ids, num_drafts)
+
+
 # ---- swapping in ------------------------------------------------------------------------------------------
 def runs_here(device: torch.device, dtype: torch.dtype) -> bool:
     """The kernels serve float32 models on CPUs that can run them."""
