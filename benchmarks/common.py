@@ -250,6 +250,21 @@ def percentile(xs: Sequence[float | None], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
 
 
+def timed_request(ex: Any, prompt_ids: list[int], params: Any) -> tuple[Any, float, float | None, float | None]:
+    """Submit one request to an executor and wait for it: its final output, the time it was sent, and the times its
+    first and last outputs with tokens reached the output callback (None when none came)."""
+    stamps: dict[str, float] = {}
+
+    def on_output(o: Any) -> None:
+        if o.new_token_ids:
+            stamps["last"] = time.perf_counter()
+            stamps.setdefault("first", stamps["last"])
+
+    t0 = time.perf_counter()
+    out = ex.submit(prompt_ids, params, on_output=on_output).result()
+    return out, t0, stamps.get("first"), stamps.get("last")
+
+
 def request_ttft_tpot(sent: float, first_token: float | None, last_token: float | None,
                       output_tokens: int) -> tuple[float | None, float | None]:
     """TTFT and TPOT of one request as vLLM's benchmarks/benchmark_serving.py defines them, from the client's

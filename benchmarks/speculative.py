@@ -23,7 +23,8 @@ from typing import Any
 
 from benchmarks.common import (Timer, add_common_args, check_minimums, comma_list, engine_info, load_prompts,
                                machine_info, machine_md, md_table, mean, parse_with_quick, percentile, ratio,
-                               request_ttft_tpot, round_robin_by_source, set_threads, sync, target_line, write_results)
+                               request_ttft_tpot, round_robin_by_source, set_threads, sync, target_line, timed_request,
+                               write_results)
 
 import torch
 from tqdm import tqdm
@@ -278,18 +279,10 @@ def run_ours(ex: Executor, prompt_ids: list[int], params: SamplingParams) -> dic
     """One request; TTFT and TPOT from the times its first and last outputs with tokens reached the callback,
     on the same clock as hf_generate times HF's streamer."""
     before = dict(ex.runner.timings)
-    stamps: dict[str, float] = {}  # the first and the last output with tokens
-
-    def on_output(o) -> None:
-        if o.new_token_ids:
-            stamps["last"] = time.perf_counter()
-            stamps.setdefault("first", stamps["last"])
-
-    t0 = time.perf_counter()
-    out = ex.submit(prompt_ids, params, on_output=on_output).result()
+    out, t0, first, last = timed_request(ex, prompt_ids, params)
     latency = time.perf_counter() - t0
     s = out.stats
-    ttft, tpot = request_ttft_tpot(t0, stamps.get("first"), stamps.get("last"), s.output_tokens)
+    ttft, tpot = request_ttft_tpot(t0, first, last, s.output_tokens)
     return {"token_ids": out.token_ids, "output_tokens": s.output_tokens, "latency_s": latency,
             "ttft_s": ttft, "tpot_s": tpot, "num_steps": s.num_steps,
             "num_draft_tokens": s.num_draft_tokens, "num_accepted_draft_tokens": s.num_accepted_draft_tokens,

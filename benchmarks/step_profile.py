@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from benchmarks.common import (add_common_args, check_minimums, comma_list, engine_info, load_prompts, machine_info,
                                machine_md, md_table, parse_with_quick, percentile, request_ttft_tpot,
-                               round_robin_by_source, set_threads, write_results)
+                               round_robin_by_source, set_threads, timed_request, write_results)
 
 from runtime.core.sampling import SamplingParams
 from runtime.executors.base import ExecutorConfig
@@ -181,17 +181,9 @@ def timer_cost_s(calls: int = 200_000) -> float:
 
 def run_one(ex: Executor, prompt: list[int], params: SamplingParams) -> dict[str, Any]:
     """One request: TPOT from the times its first and last outputs with tokens reached the callback."""
-    stamps: dict[str, float] = {}
-
-    def on_output(o) -> None:
-        if o.new_token_ids:
-            stamps["last"] = time.perf_counter()
-            stamps.setdefault("first", stamps["last"])
-
-    t0 = time.perf_counter()
-    out = ex.submit(prompt, params, on_output=on_output).result()
+    out, t0, first, last = timed_request(ex, prompt, params)
     s = out.stats
-    _, tpot = request_ttft_tpot(t0, stamps.get("first"), stamps.get("last"), s.output_tokens)
+    _, tpot = request_ttft_tpot(t0, first, last, s.output_tokens)
     return {"token_ids": out.token_ids, "tpot_s": tpot, "output_tokens": s.output_tokens, "num_steps": s.num_steps}
 
 
