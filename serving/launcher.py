@@ -337,9 +337,8 @@ def start_server(model_repo: str | Path, *, http_port: int = 0, grpc_port: int =
     return server
 
 
-def python_stubs(root_pid: int) -> dict[int, str]:
-    """The live (not zombie) Python backend stubs among `root_pid`'s descendants: pid -> model instance name
-    (`<model>_<i>_<device>`, the stub's ninth argument)."""
+def live_descendants(root_pid: int) -> dict[int, list[bytes]]:
+    """The live (not zombie) descendants of `root_pid`: pid -> its command line's arguments."""
     children: dict[int, list[int]] = {}
     state: dict[int, str] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -350,7 +349,7 @@ def python_stubs(root_pid: int) -> dict[int, str]:
         pid = int(stat.parent.name)
         state[pid] = fields[0]
         children.setdefault(int(fields[1]), []).append(pid)
-    stubs, todo = {}, [root_pid]
+    found, todo = {}, [root_pid]
     while todo:
         for pid in children.get(todo.pop(), []):
             todo.append(pid)
@@ -358,9 +357,16 @@ def python_stubs(root_pid: int) -> dict[int, str]:
                 argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if argv[0].endswith(STUB_BINARY.encode()) and len(argv) > 8 and state[pid] != "Z":
-                stubs[pid] = argv[8].decode(errors="replace")
-    return stubs
+            if state[pid] != "Z":
+                found[pid] = argv
+    return found
+
+
+def python_stubs(root_pid: int) -> dict[int, str]:
+    """The live Python backend stubs among `root_pid`'s descendants: pid -> model instance name
+    (`<model>_<i>_<device>`, the stub's ninth argument)."""
+    return {pid: argv[8].decode(errors="replace") for pid, argv in live_descendants(root_pid).items()
+            if argv[0].endswith(STUB_BINARY.encode()) and len(argv) > 8}
 
 
 class _Stop(Exception):

@@ -8,7 +8,6 @@ model's order, so logits agree to rounding (checked too), and the tokens exactly
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -223,21 +222,12 @@ def test_world_size_must_fit_the_engine(tp2):
         Executor(tp2, ExecutorConfig(world_size=3))
 
 
-def _descendants(root: int) -> list[str]:
-    """Command lines of root's live descendants."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            children.setdefault(int(stat.read_text().rsplit(")", 1)[1].split()[1]), []).append(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            continue
-    found, todo = [], [root]
-    while todo:
-        for pid in children.get(todo.pop(), []):
-            todo.append(pid)
-            with contextlib.suppress(OSError):
-                found.append((Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode())
-    return found
+def _ranks_under(root: int) -> list[str]:
+    """Command lines of the rank processes among root's live descendants."""
+    from serving.launcher import live_descendants
+
+    lines = [b" ".join(argv).decode() for argv in live_descendants(root).values()]
+    return [c for c in lines if "runtime.executors.ranks" in c]
 
 
 def test_triton_world_size_serves_the_engine_from_its_ranks(tp2, tmp_path):
@@ -257,14 +247,14 @@ def test_triton_world_size_serves_the_engine_from_its_ranks(tp2, tmp_path):
     server = start_server(tmp_path / "repo", world_size=2, log_file=tmp_path / "server.log", ready_timeout_s=240,
                           exit_timeout_s=5)
     try:
-        ranks = [c for c in _descendants(server.process.pid) if "runtime.executors.ranks" in c]
+        ranks = _ranks_under(server.process.pid)
         assert len(ranks) == 1 and "/tensorrt_llm/engine 1 2 " in ranks[0], ranks  # the engine, linked as "engine"
         status, body = http_generate(server, "tensorrt_llm", text_input=prompt, sampling_param_max_tokens=16,
                                      sampling_param_temperature=0.0)
         assert status == 200 and body["text_output"] == want, body
     finally:
         server.stop()
-    assert not [c for c in _descendants(os.getpid()) if "runtime.executors.ranks" in c]
+    assert not _ranks_under(os.getpid())
     with pytest.raises(RuntimeError, match="world_size 3: .* has tp_size 2"):
         start_server(tmp_path / "repo", world_size=3, log_file=tmp_path / "bad.log", ready_timeout_s=240,
                      exit_timeout_s=5)
