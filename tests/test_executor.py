@@ -797,6 +797,39 @@ def test_drafts_are_dropped_before_anyone_is_preempted(engine) -> None:
     assert len(sched.running) == 2 and not sched.waiting
 
 
+def test_admission_reads_only_the_head_of_a_long_queue(engine) -> None:
+    """A step admits up to max_batch_size requests: with thousands queued it reads the queue's head, not a copy of
+    the whole queue per step (which made every step O(queued))."""
+    from collections import deque
+
+    from runtime.core.kv_cache import KVCache
+    from runtime.core.scheduler import Scheduler, SchedulerConfig
+    from runtime.core.sequence import Sequence
+
+    class CountingQueue(deque):
+        visited = 0
+
+        def __iter__(self):
+            for seq in super().__iter__():
+                CountingQueue.visited += 1
+                yield seq
+
+    cache = KVCache(engine.model_config, num_blocks=64, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_batch_size=4, max_num_tokens=64, max_seq_len=64), cache,
+                      DraftPolicy("adaptive", 2, costs(target_per_token=0.001, target_fixed=1.0, mtp=0.01),
+                                  prior_acceptance=0.9))
+    sched.waiting = CountingQueue()
+    for i in range(2000):
+        sched.add(Sequence(f"r{i}", list(range(6)), 6, SamplingParams(max_tokens=8), seed=i))
+    plan = sched.schedule()
+    assert [it.seq.request_id for it in plan] == ["r0", "r1", "r2", "r3"]
+    assert sched.waiting[0].request_id == "r4" and len(sched.waiting) == 1996
+    assert CountingQueue.visited <= 8
+    CountingQueue.visited = 0
+    sched.schedule()  # decodes; the queue waits for a seat
+    assert CountingQueue.visited <= 8
+
+
 def test_draft_policy_off_when_verification_costs_more() -> None:
     # compute-bound: verifying k drafts costs k+1 full forwards, and drafting is not free either
     policy = DraftPolicy("adaptive", 4, costs(target_per_token=1.0, target_fixed=0.0, mtp=0.3), prior_acceptance=0.7)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from itertools import islice
 
 from runtime.core.draft_policy import DraftPolicy
 from runtime.core.kv_cache import KVCache, OutOfBlocks
@@ -99,7 +100,7 @@ class Scheduler:
         it: a draft that delays admitting a request costs more throughput than it brings (adaptive
         speculation only; a fixed k is the user's choice)."""
         seats = max(self.config.max_batch_size - len(self.running), 0)
-        waiting = [s for s in self.running if s.in_prefill] + list(self.waiting)[:seats]
+        waiting = [s for s in self.running if s.in_prefill] + list(islice(self.waiting, seats))
         prefill = sum(s.num_to_prefill for s in waiting)
         return max(0, (budget - num_decodes - prefill) // num_decodes)
 
@@ -154,7 +155,8 @@ class Scheduler:
             plan.append(Scheduled(seq, chunk))
             budget = self.config.max_num_tokens - sum(it.num_new for it in plan)
         admit = not stalled and self.preemptions == preemptions
-        for seq in list(self.waiting) if admit else []:
+        admitted: list[Sequence] = []  # taken off the queue after the walk: the walk reads only its head
+        for seq in self.waiting if admit else ():
             if budget <= 0 or len(self.running) >= self.config.max_batch_size:
                 break
             if self._held(seq):
@@ -173,12 +175,14 @@ class Scheduler:
             self.cache.reuse(seq.block_table, cached)
             self.cache.grow(seq.block_table, start + max(chunk, 1))
             self._start_at(seq, start)
-            self.waiting.remove(seq)
+            admitted.append(seq)
             self.admissions += 1
             seq.status, seq.admitted_at = Status.RUNNING, self.admissions
             self.running.append(seq)
             plan.append(Scheduled(seq, chunk) if chunk else Scheduled(seq, 1, 0))
             budget -= max(chunk, 1)
+        for seq in admitted:  # each near the head: only held siblings come before it
+            self.waiting.remove(seq)
         return plan
 
     def _held(self, seq: Sequence) -> bool:
