@@ -28,6 +28,7 @@ import benchmarks.serving as bs
 import benchmarks.speculative as bspec
 import benchmarks.step_profile as sprof
 import benchmarks.triton_serving as bt
+import benchmarks.verify_cost as vcost
 
 
 # ---- benchmarks.common statistics ----------------------------------------------------------------------
@@ -322,6 +323,20 @@ def test_step_profile_parts_add_up_and_bound_the_ratio():
     assert b["measured"] == pytest.approx((1.21 / 1) / (1.81 / 2))
     assert b["no_host"] == pytest.approx(0.7 / (1.0 / 2)) and b["free_drafts"] == pytest.approx(0.7 / (0.7 / 2))
     assert sprof.bounds(base, base)["measured"] == pytest.approx(1.0)
+
+
+def test_verify_cost_splits_the_moe_increase_into_experts_and_tokens():
+    """Medians per q and part, increases over q = 1, and the MoE fit recovering the costs the timings were made of."""
+    samples = []
+    for q, experts in [(1, [2, 2]), (1, [2, 2]), (2, [3, 4]), (2, [4, 4]), (3, [5, 4]), (3, [4, 6])]:
+        us = dict.fromkeys((name for name, _ in vcost.PARTS), 10.0 * q)
+        us["moe"] = sum(1.0 + 5.0 * e + 2.0 * q for e in experts)  # per layer: 1 + 5 per expert + 2 per token
+        samples.append({"q": q, "us": us, "experts": experts})
+    s = vcost.summarize(samples, [1, 2, 3])
+    assert s["us"][3]["stack"] == 30.0 and s["over_q1_us"][2]["o"] == 10.0 and s["over_q1_us"][1]["q_a"] == 0.0
+    assert s["distinct_experts_per_moe_layer"] == {1: 2.0, 2: 3.75, 3: 4.75}
+    fit = s["moe_fit_us_per_layer"]
+    assert (fit["constant"], fit["per_distinct_expert"], fit["per_token"]) == pytest.approx((1.0, 5.0, 2.0))
 
 
 def test_speculative_expected_tokens():

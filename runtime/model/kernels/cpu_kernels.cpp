@@ -178,31 +178,36 @@ struct Bf16 {
 };
 
 // y[MT rows, NT*16 cols] = x[MT, K] . panels (ldp rows apart); `scale` holds one entry per k-block of this n-block.
+// Only the k-block's sums live in registers (MT * NT, the rows' broadcasts and one weight vector beside them); the
+// running sums wait in L1 between k-blocks, so that wide tiles fit: each converted weight vector serves MT rows.
 template <class W, int MT, int NT>
 void gemm_tile(const float* x, int64_t K, const typename W::T* panels, int64_t ldp, const float* scale, float* y,
                int64_t N, int64_t last_cols) {
-  __m512 acc[MT][NT], part[MT][NT];
+  alignas(64) float acc[MT][NT * kLanes];
   for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NT; ++j) _mm512_store_ps(acc[m] + j * kLanes, _mm512_setzero_ps());
   for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
     const int64_t k1 = std::min(K, k0 + kBlock);
+    __m512 part[MT][NT];
     for (int m = 0; m < MT; ++m)
       for (int j = 0; j < NT; ++j) part[m][j] = _mm512_setzero_ps();
     for (int64_t k = k0; k < k1; ++k) {
-      __m512 w[NT];
-      for (int j = 0; j < NT; ++j) w[j] = W::load16(panels + (j * ldp + k) * kLanes);
-      for (int m = 0; m < MT; ++m) {
-        const __m512 xb = _mm512_set1_ps(x[m * K + k]);
-        for (int j = 0; j < NT; ++j) part[m][j] = _mm512_fmadd_ps(xb, w[j], part[m][j]);
+      __m512 xb[MT];
+      for (int m = 0; m < MT; ++m) xb[m] = _mm512_set1_ps(x[m * K + k]);
+      for (int j = 0; j < NT; ++j) {
+        const __m512 w = W::load16(panels + (j * ldp + k) * kLanes);
+        for (int m = 0; m < MT; ++m) part[m][j] = _mm512_fmadd_ps(xb[m], w, part[m][j]);
       }
     }
     const __m512 s = _mm512_set1_ps(scale[k0 / kBlock]);
     for (int m = 0; m < MT; ++m)
-      for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_fmadd_ps(part[m][j], s, acc[m][j]);
+      for (int j = 0; j < NT; ++j)
+        _mm512_store_ps(acc[m] + j * kLanes, _mm512_fmadd_ps(part[m][j], s, _mm512_load_ps(acc[m] + j * kLanes)));
   }
   const __mmask16 tail = last_cols >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << last_cols) - 1);
   for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < NT; ++j) _mm512_mask_storeu_ps(y + m * N + j * kLanes, j == NT - 1 ? tail : 0xFFFF, acc[m][j]);
+    for (int j = 0; j < NT; ++j)
+      _mm512_mask_storeu_ps(y + m * N + j * kLanes, j == NT - 1 ? tail : 0xFFFF, _mm512_load_ps(acc[m] + j * kLanes));
 }
 
 // MT rows against panels [p0, p1) (all inside one 128-row n-block), NT panels at a time, the rest NT/2 at a time
@@ -306,11 +311,11 @@ void packed_gemm(const float* x, int64_t M, int64_t K, const typename W::T* pack
       const float* xr = x + m0 * K;
       float* yr = y + m0 * N;
       switch (m1 - m0) {
-        case 6: gemm_rows<W, 6, 2>(xr, K, packed, ldp, scale, lds, yr, N, p0, p1); break;
-        case 5: gemm_rows<W, 5, 2>(xr, K, packed, ldp, scale, lds, yr, N, p0, p1); break;
-        case 4: gemm_rows<W, 4, 3>(xr, K, packed, ldp, scale, lds, yr, N, p0, p1); break;
-        case 3: gemm_rows<W, 3, 4>(xr, K, packed, ldp, scale, lds, yr, N, p0, p1); break;
-        case 2: gemm_rows<W, 2, 4>(xr, K, packed, ldp, scale, lds, yr, N, p0, p1); break;
+        case 6: gemm_rows<W, 6, 4>(xr, K, packed, ldp, scale, lds, yr, N, p0, p1); break;
+        case 5: gemm_rows<W, 5, 4>(xr, K, packed, ldp, scale, lds, yr, N, p0, p1); break;
+        case 4: gemm_rows<W, 4, 4>(xr, K, packed, ldp, scale, lds, yr, N, p0, p1); break;
+        case 3: gemm_rows<W, 3, 8>(xr, K, packed, ldp, scale, lds, yr, N, p0, p1); break;
+        case 2: gemm_rows<W, 2, 8>(xr, K, packed, ldp, scale, lds, yr, N, p0, p1); break;
         case 1: gemm_rows<W, 1, 8>(xr, K, packed, ldp, scale, lds, yr, N, p0, p1); break;
         case 0: break;
         default: gemm_many_rows<W>(xr, m1 - m0, K, packed, ldp, scale, lds, yr, N, p0, p1);
