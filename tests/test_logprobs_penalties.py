@@ -20,7 +20,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from runtime.core.sampling import Adjustments, SamplingParams, SamplingTensors, probabilities
+from runtime.core.sampling import Adjustments, SamplingParams, SamplingTensors, probabilities, token_logprobs
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
 from runtime.executors.requests import RequestOutput
@@ -112,6 +112,28 @@ def test_logprobs_under_speculation_equal_plain(shipped_engine, prompts, plain_l
             continue
         assert_same_logprobs(o, ref, f"k={k}, request {i}")
     assert sum(o.stats.num_accepted_draft_tokens for o in outs) > 0
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels need x86-64 with AVX-512")
+@pytest.mark.parametrize("n", [0, 1, 5, 20])
+def test_token_logprobs_kernel_equals_the_torch_ops(n, monkeypatch) -> None:
+    """token_logprobs in one kernel call reads back what the torch ops do: the token's logprob and rank, and the n
+    largest logprobs (ties, -inf from top-k cuts included), with ties in id order."""
+    g = torch.Generator().manual_seed(n)
+    lp = torch.randn(7, 301, generator=g).log_softmax(-1)
+    lp[1, 100:] = float("-inf")  # a processed row after a top-k cut
+    lp[2, ::3] = lp[2].max()  # ties at the top, the chosen token among them
+    tokens = torch.tensor([0, 150, 6, 300, 17, 17, 299])
+    top_n = [n, 0, n, max(n - 1, 0), n, 1 if n else 0, n]
+    got = token_logprobs(lp, tokens, top_n)
+    monkeypatch.setattr("runtime.core.sampling.runs_here", lambda device, dtype: False)
+    want = token_logprobs(lp, tokens, top_n)
+    order = lp.sort(dim=-1, descending=True, stable=True)
+    for m, (a, b) in enumerate(zip(got, want)):
+        assert (a.token_id, a.logprob, a.rank) == (b.token_id, b.logprob, b.rank), m
+        assert [v for _, v in a.top] == [v for _, v in b.top], m
+        assert [t for t, _ in a.top] == order.indices[m, : top_n[m]].tolist(), m
+    assert got[2].rank == 1 and got[1].rank == 101
 
 
 def test_raw_logprobs_are_the_dense_forward_log_softmax(shipped_engine, prompts, plain_logprobs) -> None:

@@ -402,12 +402,15 @@ class TokenLogprob:
 def token_logprobs(logprobs: Tensor, tokens: Tensor, top_n: list[int]) -> list[TokenLogprob]:
     """TokenLogprobs of rows [M, V] of log-probabilities for the tokens [M] chosen there, with top_n[m]
     alternatives each, read back to the host in one transfer."""
-    chosen = logprobs.gather(-1, tokens[:, None])
-    rank = (logprobs > chosen).sum(-1, keepdim=True) + 1
     n = max(top_n)
-    top = logprobs.topk(n, dim=-1)
     # one float64 tensor, one transfer: [token, logprob, rank, n logprobs, n ids] per row (ids are exact in float64)
-    rows = torch.cat([t.double() for t in (tokens[:, None], chosen, rank, top.values, top.indices)], dim=-1).tolist()
+    if runs_here(logprobs.device, logprobs.dtype):  # in one kernel call: the torch ops' overhead is most of the cost
+        rows = cpu_kernels().token_logprobs(logprobs.contiguous(), tokens.contiguous(), n).tolist()
+    else:
+        chosen = logprobs.gather(-1, tokens[:, None])
+        rank = (logprobs > chosen).sum(-1, keepdim=True) + 1
+        top = logprobs.topk(n, dim=-1)
+        rows = torch.cat([t.double() for t in (tokens[:, None], chosen, rank, top.values, top.indices)], dim=-1).tolist()
     return [TokenLogprob(int(r[0]), r[1], int(r[2]), tuple(zip(map(int, r[3 + n : 3 + n + k]), r[3 : 3 + k])))
             for r, k in zip(rows, top_n)]
 

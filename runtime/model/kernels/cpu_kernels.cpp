@@ -1130,6 +1130,52 @@ torch::Tensor adjust_logits(const torch::Tensor& logits, int64_t num_rows, int64
   return out;
 }
 
+// ---- logprobs of emitted tokens: what sampling.token_logprobs reads back, in one call ----
+// Rows of log-probabilities lp [M, V] float32 and the token chosen in each, tokens [M] int64: per row, float64
+// [token, its logprob, its rank (1 + how many are larger), the n largest logprobs, their ids], largest first (of
+// equal ones the lowest id first).
+torch::Tensor token_logprobs(const torch::Tensor& lp, const torch::Tensor& tokens, int64_t n) {
+  check(lp.dim() == 2 && lp.scalar_type() == torch::kFloat && lp.is_contiguous(),
+        "token_logprobs: lp must be contiguous float32 [M, V]");
+  const int64_t M = lp.size(0), V = lp.size(1);
+  check(tokens.dim() == 1 && tokens.size(0) == M && tokens.scalar_type() == torch::kLong && tokens.is_contiguous(),
+        "token_logprobs: tokens must be contiguous int64 [M]");
+  check(n >= 0 && n <= V, "token_logprobs: n must be in [0, V]");
+  torch::Tensor out = torch::empty({M, 3 + 2 * n}, torch::kDouble);
+  double* o = out.data_ptr<double>();
+  const float* x = lp.data_ptr<float>();
+  const int64_t* t = tokens.data_ptr<int64_t>();
+  std::vector<float> vals(n);
+  std::vector<int64_t> ids(n);
+  for (int64_t m = 0; m < M; ++m, x += V, o += 3 + 2 * n) {
+    check(t[m] >= 0 && t[m] < V, "token_logprobs: token out of range");
+    const float chosen = x[t[m]];
+    const __m512 vc = _mm512_set1_ps(chosen);
+    int64_t larger = 0, kept = 0;
+    for (int64_t v0 = 0; v0 < V; v0 += kLanes) {
+      const int64_t len = std::min<int64_t>(kLanes, V - v0);
+      const __mmask16 mk = len == kLanes ? 0xFFFF : static_cast<__mmask16>((1u << len) - 1);
+      const __m512 xv = _mm512_maskz_loadu_ps(mk, x + v0);
+      larger += __builtin_popcount(_mm512_mask_cmp_ps_mask(mk, xv, vc, _CMP_GT_OQ));
+      // once n are kept, only lanes above the least of them can enter: most chunks have none
+      if (n == 0 || (kept == n && !_mm512_mask_cmp_ps_mask(mk, xv, _mm512_set1_ps(vals[n - 1]), _CMP_GT_OQ))) continue;
+      for (int64_t v = v0; v < v0 + len; ++v) {
+        if (kept == n && !(x[v] > vals[n - 1])) continue;
+        int64_t at = std::min(kept, n - 1);  // the slot it takes: after every kept value at least as large
+        while (at > 0 && x[v] > vals[at - 1]) {
+          vals[at] = vals[at - 1], ids[at] = ids[at - 1];
+          --at;
+        }
+        vals[at] = x[v], ids[at] = v;
+        kept = std::min(kept + 1, n);
+      }
+    }
+    o[0] = static_cast<double>(t[m]), o[1] = chosen, o[2] = static_cast<double>(larger + 1);
+    for (int64_t i = 0; i < n; ++i) o[3 + i] = vals[i], o[3 + n + i] = static_cast<double>(ids[i]);
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The kernels touch no Python object: other threads (request intake, streaming) run meanwhile, as with ATen ops.
   const auto nogil = py::call_guard<py::gil_scoped_release>();
@@ -1153,4 +1199,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("make_target", &make_target, "gather the embedding, rope, layers, final norm and lm_head for greedy_step");
   m.def("greedy_step", &greedy_step, "a greedy speculative step: drafts, verification, acceptance", nogil);
   m.def("adjust_logits", &adjust_logits, "penalties and bans of a batch's rows, drafts before each row counted", nogil);
+  m.def("token_logprobs", &token_logprobs, "emitted tokens' logprobs, ranks and top-n alternatives", nogil);
 }
