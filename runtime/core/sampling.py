@@ -305,7 +305,8 @@ class Adjustments:
             counts = counts + before.cumsum(1)[:, self.first :]  # row j: the drafts before it
         counts = counts.reshape(-1, V)
         in_prompt = torch.stack(self.in_prompt)[:, None].expand(-1, n, -1).reshape(-1, V)
-        rep, presence, frequency = torch.tensor(self.values, device=dev).view(-1, 3).repeat_interleave(n, dim=0).split(1, -1)
+        values = torch.tensor(self.values, device=dev).view(-1, 3).repeat_interleave(n, dim=0)
+        rep, presence, frequency = values.split(1, -1)  # [P * rows, 1] each
         rows = torch.tensor([b * n + r for b in self.penalized for r in range(n)], device=dev)
         x = logits[rows]
         seen = counts > 0
