@@ -20,11 +20,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from runtime.core.sampling import Penalties, SamplingParams, SamplingTensors, probabilities
+from runtime.core.sampling import Adjustments, SamplingParams, SamplingTensors, probabilities, token_logprobs
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
 from runtime.executors.requests import RequestOutput
 from runtime.io.loading import load_engine
+from runtime.model.kernels import cpu_kernels
 
 from conftest import bigram_tensors, chi2_pvalue, tiny_config_dict
 from executor_util import assert_all_free, run_fresh as run
@@ -113,6 +114,28 @@ def test_logprobs_under_speculation_equal_plain(shipped_engine, prompts, plain_l
     assert sum(o.stats.num_accepted_draft_tokens for o in outs) > 0
 
 
+@pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels need x86-64 with AVX-512")
+@pytest.mark.parametrize("n", [0, 1, 5, 20])
+def test_token_logprobs_kernel_equals_the_torch_ops(n, monkeypatch) -> None:
+    """token_logprobs in one kernel call reads back what the torch ops do: the token's logprob and rank, and the n
+    largest logprobs (ties, -inf from top-k cuts included), with ties in id order."""
+    g = torch.Generator().manual_seed(n)
+    lp = torch.randn(7, 301, generator=g).log_softmax(-1)
+    lp[1, 100:] = float("-inf")  # a processed row after a top-k cut
+    lp[2, ::3] = lp[2].max()  # ties at the top, the chosen token among them
+    tokens = torch.tensor([0, 150, 6, 300, 17, 17, 299])
+    top_n = [n, 0, n, max(n - 1, 0), n, 1 if n else 0, n]
+    got = token_logprobs(lp, tokens, top_n)
+    monkeypatch.setattr("runtime.core.sampling.runs_here", lambda device, dtype: False)
+    want = token_logprobs(lp, tokens, top_n)
+    order = lp.sort(dim=-1, descending=True, stable=True)
+    for m, (a, b) in enumerate(zip(got, want)):
+        assert (a.token_id, a.logprob, a.rank) == (b.token_id, b.logprob, b.rank), m
+        assert [v for _, v in a.top] == [v for _, v in b.top], m
+        assert [t for t, _ in a.top] == order.indices[m, : top_n[m]].tolist(), m
+    assert got[2].rank == 1 and got[1].rank == 101
+
+
 def test_raw_logprobs_are_the_dense_forward_log_softmax(shipped_engine, prompts, plain_logprobs) -> None:
     """Raw logprobs of every emitted token (greedy, penalized or not) are the log-softmax of the model's logits
     at its position, with the top-N alternatives and the token's rank."""
@@ -192,9 +215,10 @@ def test_session_results_carry_logprobs(shipped_model_dir) -> None:
 # ---------------------------------------------------------------------------------------------
 # Penalties and min_tokens
 # ---------------------------------------------------------------------------------------------
-def test_penalties_follow_hf_and_openai_definitions() -> None:
-    """Penalties.apply against transformers' RepetitionPenaltyLogitsProcessor (HF's definition) and the
-    OpenAI formula logit - frequency * count - presence * (count > 0)."""
+@pytest.mark.parametrize("path", ["apply", "apply_with_torch"])
+def test_penalties_follow_hf_and_openai_definitions(path) -> None:
+    """Adjustments, in the kernel and with torch ops, against transformers' RepetitionPenaltyLogitsProcessor (HF's
+    definition) and the OpenAI formula logit - frequency * count - presence * (count > 0)."""
     from transformers import RepetitionPenaltyLogitsProcessor
 
     g = torch.Generator().manual_seed(0)
@@ -204,14 +228,44 @@ def test_penalties_follow_hf_and_openai_definitions() -> None:
     counts = torch.bincount(torch.tensor(output), minlength=V).float()
     in_prompt = torch.zeros(V, dtype=torch.bool)
     in_prompt[prompt] = True
-    pen = Penalties(torch.tensor([1]), torch.tensor([[1.7]]), torch.tensor([[0.5]]), torch.tensor([[0.25]]),
-                    counts[None], in_prompt[None])
-    got = pen.apply(logits)
+    adj = Adjustments(1, 0, None, [1], [counts], [in_prompt], [1.7, 0.5, 0.25], [[], []], [[], []], [0, 0])
+    got = getattr(adj, path)(logits)
     assert torch.equal(got[0], logits[0]), "a row without penalties changed"
     hf = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([prompt + output]), logits[1:].clone())[0]
     want = hf - 0.25 * counts - 0.5 * (counts > 0)
     torch.testing.assert_close(got[1], want)
     assert got[1, 20] == pytest.approx((logits[1, 20] / 1.7 if logits[1, 20] > 0 else logits[1, 20] * 1.7) - 0.75 - 0.5)
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels need x86-64 with AVX-512")
+@pytest.mark.parametrize("first,num_rows", [(0, 1), (2, 1), (0, 5), (1, 4)])
+def test_adjustments_kernel_equals_the_torch_ops(first, num_rows) -> None:
+    """The one-call kernel gives the torch ops' bits on random rows: repeated drafts (counted per row on top of the
+    output's), negative logits, repetition penalties above and below 1, frequency / presence penalties of either sign,
+    bad tokens and min_tokens bans lifting at a row; the logits given are left as they were."""
+    g = torch.Generator().manual_seed(first * 10 + num_rows)
+    B, V = 4, 301  # V not a multiple of the kernel's 16 lanes
+    for _ in range(20):
+        logits = torch.randn(B * num_rows, V, generator=g) * 4
+        logits[:, :8] = torch.tensor([-3.0, -0.5, 0.0, 0.5, 3.0, -7.0, 2.0, -2.0])
+        given = logits.clone()
+        drafts = torch.randint(0, 12, (B, first + num_rows + 1), generator=g)  # few tokens: drafts repeat
+        drafts[:, 1] = drafts[:, 0]
+        penalized = [0, 2, 3]
+        counts = [torch.randint(0, 10, (V,), generator=g).float() * (torch.rand(V, generator=g) < 0.05) for _ in penalized]
+        in_prompt = [torch.rand(V, generator=g) < 0.03 for _ in penalized]  # sparse: whole lanes of 16 untouched
+        # repetition above and below 1, presence and frequency of either sign, with full mantissas (so a fused
+        # multiply-add would round frequency * count + presence differently from the torch ops)
+        values = [v for _ in penalized for v in (torch.empty(1).uniform_(0.5, 2, generator=g).item(),
+                                                 *torch.empty(2).uniform_(-2, 2, generator=g).tolist())]
+        bad = [[], [5, 17], [], [300]]
+        stops = [[1, 2], [], [], [4]]
+        stop_rows = [max(2 - first, 0), 0, 0, 1]
+        adj = Adjustments(num_rows, first, drafts, penalized, counts, in_prompt, values, bad, stops, stop_rows)
+        got, want = adj.apply(logits), adj.apply_with_torch(logits)
+        assert torch.equal(logits, given), "the kernel wrote into the logits it was given"
+        assert torch.equal(got, want), (got - want).abs().max()
+        assert got.isinf().sum() == want.isinf().sum() > 0
 
 
 def penalty_params() -> list[SamplingParams]:

@@ -41,8 +41,8 @@ from runtime.core.kv_cache import KVCache
 from runtime.model.batch import SHORT_QUERY, PagedBatch
 from runtime.model.kernels.modules import FusedMTPLayer, GreedyStep, attends_in_kernels
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM
-from runtime.core.sampling import (PURPOSE_DRAFT, Penalties, RelaxedAcceptance, SamplingTensors, TokenLogprob, accept,
-                                   accept_greedy, adjusted_logits, probabilities, processed_logprobs, sample,
+from runtime.core.sampling import (PURPOSE_DRAFT, Adjustments, RelaxedAcceptance, SamplingTensors, TokenLogprob, accept,
+                                   accept_greedy, adjusted_logits, ban_mask, probabilities, processed_logprobs, sample,
                                    token_logprobs, uniforms)
 from runtime.core.plan import Scheduled, StepResult
 from runtime.core.sequence import Sequence
@@ -101,52 +101,36 @@ class ModelRunner:
                                *self.adjustments(seqs, drafts, first, num_rows))
 
     def adjustments(self, seqs: list[Sequence], drafts: Tensor | None, first: int, num_rows: int
-                    ) -> tuple[Tensor | None, Penalties | None]:
+                    ) -> tuple[Tensor | None, Adjustments | None]:
         """What changes the logits of those rows before temperature (all a greedy row needs): the banned tokens
         (bad tokens, stop tokens while min_tokens is not reached by that row's index, and what a guided request's
-        grammar refuses after the drafts before the row) and the penalties, which count the drafts before it."""
-        V = self.model.cfg.vocab_size
-        bad = None
+        grammar refuses after the drafts before the row) and the penalties, which count the drafts before it. A
+        guided batch's bans come as one mask (bad tokens that leave nothing the grammar allows yield to it); the
+        rest as an `Adjustments`, applied in one kernel call."""
+        V, B = self.model.cfg.vocab_size, len(seqs)
+        bad = [list(s.params.bad_token_ids) for s in seqs]
+        stops = [list(s.stop_ids) if s.bans_stop_ids else [] for s in seqs]
+        # rows before min_tokens is reached
+        stop_rows = [max(s.params.min_tokens - s.num_output_tokens - first, 0) if s.bans_stop_ids else 0 for s in seqs]
+        mask = None
         grammars = [s.grammar for s in seqs]
-        banning = [(b, s) for b, s in enumerate(seqs) if s.params.bad_token_ids or s.bans_stop_ids]
-        guided = any(g is not None for g in grammars)
-        if banning or guided:
-            if guided:  # row j: what the grammar allows after the drafts before it
-                rows = None if drafts is None or first + num_rows == 1 else drafts[:, : first + num_rows - 1].tolist()
-                grammar = grammar_bans(grammars, rows, first, num_rows)
-                bad = grammar.clone()
-            else:
-                bad = torch.zeros(len(seqs), num_rows, V, dtype=torch.bool)
-            for b, s in banning:
-                bad[b, :, list(s.params.bad_token_ids)] = True
-                banned_rows = s.params.min_tokens - s.num_output_tokens - first  # rows before min_tokens is reached
-                if banned_rows > 0:
-                    bad[b, :banned_rows, list(s.stop_ids)] = True
-            if guided and banning:  # bad tokens that leave nothing the grammar allows yield to the grammar
-                empty = bad.all(-1)
-                bad[empty] = grammar[empty]
-            bad = bad.reshape(-1, V).to(self.device)
-        return bad, self._penalties(seqs, drafts, first, num_rows)
-
-    def _penalties(self, seqs: list[Sequence], drafts: Tensor | None, first: int, num_rows: int) -> Penalties | None:
+        if any(g is not None for g in grammars):
+            # row j: what the grammar allows after the drafts before it
+            rows = None if drafts is None or first + num_rows == 1 else drafts[:, : first + num_rows - 1].tolist()
+            mask = grammar_bans(grammars, rows, first, num_rows).reshape(-1, V)
+            listed = ban_mask(bad, stops, stop_rows, num_rows, V)
+            if listed is not None:  # bad tokens that leave nothing the grammar allows yield to the grammar
+                empty = (listed | mask).all(-1)
+                mask = torch.where(empty[:, None], mask, listed | mask)
+            mask = mask.to(self.device)
+            bad, stops, stop_rows = [[]] * B, [[]] * B, [0] * B  # in the mask now
         pen = [b for b, s in enumerate(seqs) if s.penalty is not None]
-        if not pen:
-            return None
-        V, dev = self.model.cfg.vocab_size, self.device
-        counts = torch.stack([seqs[b].penalty.counts for b in pen])[:, None].expand(-1, num_rows, -1)  # [P, rows, V]
-        last = first + num_rows - 1  # drafts before the last row
-        if last > 0:
-            d = drafts[:, :last] if len(pen) == len(seqs) else drafts[self._ids(pen), :last]
-            before = torch.zeros(len(pen), last + 1, V, device=dev)
-            before[:, 1:].scatter_(2, d[..., None], 1.0)
-            counts = counts + before.cumsum(1)[:, first:]  # row j: the drafts before it
-        in_prompt = torch.stack([seqs[b].penalty.in_prompt for b in pen])[:, None].expand(-1, num_rows, -1)
-        p = [seqs[b].params for b in pen]
-        values = torch.tensor([[x.repetition_penalty, x.presence_penalty, x.frequency_penalty] for x in p],
-                              device=dev).repeat_interleave(num_rows, dim=0)
-        rows = None if len(pen) == len(seqs) else self._ids([b * num_rows + r for b in pen for r in range(num_rows)])
-        return Penalties(rows, values[:, 0:1], values[:, 1:2], values[:, 2:3], counts.reshape(-1, V),
-                         in_prompt.reshape(-1, V))
+        if not pen and not any(bad) and not any(stop_rows):
+            return mask, None
+        values = [v for b in pen for v in (seqs[b].params.repetition_penalty, seqs[b].params.presence_penalty,
+                                           seqs[b].params.frequency_penalty)]
+        return mask, Adjustments(num_rows, first, drafts, pen, [seqs[b].penalty.counts for b in pen],
+                                 [seqs[b].penalty.in_prompt for b in pen], values, bad, stops, stop_rows)
 
     # ---- drafting -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -324,7 +308,7 @@ class ModelRunner:
             relaxed_kw = {}
             if self.relaxed is not None and K:
                 # penalized and with bans: a banned token is never accepted, relaxed or not
-                adjusted = adjusted_logits(logits.flatten(0, 1), st.bad_mask, st.penalties).view(B, K + 1, V)
+                adjusted = adjusted_logits(logits.flatten(0, 1), st.bad_mask, st.adjustments).view(B, K + 1, V)
                 relaxed_kw = dict(relaxed=self.relaxed, relaxed_probs=adjusted[:, :K].softmax(-1),
                                   relaxed_mask=self._thinking_mask(seqs, dt, ks))
             num_acc, nxt = accept(dt, dp, target_probs, self._ids(ks), self._ids([s.seed for s in seqs]),

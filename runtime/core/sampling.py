@@ -39,6 +39,8 @@ import torch
 from torch import Tensor
 
 from runtime.model.config import is_int, is_number
+from runtime.model.kernels import cpu_kernels
+from runtime.model.kernels.modules import runs_here
 
 
 MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (OpenAI's top_logprobs limit)
@@ -255,25 +257,77 @@ def uniforms(seeds: Tensor, positions: Tensor, purpose: int) -> Tensor:
 
 # ---- distributions ---------------------------------------------------------------------------
 @dataclass
-class Penalties:
-    """Repetition / presence / frequency penalties of some rows of a batch (the others have none)."""
+class Adjustments:
+    """Penalties and token bans of a batch's rows, per sequence: rows b * num_rows + r are sequence b's output tokens
+    num_output + first + r, each decided after the drafts before it (drafts[b, :first + r]), whose occurrences its
+    frequency / presence / repetition penalties count on top of the output's. Applied in one kernel call where the
+    CPU kernels run (a few small torch ops per step cost more than the work), else with torch ops."""
 
-    rows: Tensor | None  # [P] long: the rows they apply to (None: all)
-    repetition: Tensor  # [P, 1] float; 1 = off
-    presence: Tensor  # [P, 1] float
-    frequency: Tensor  # [P, 1] float
-    counts: Tensor  # [P, V] float: occurrences in the output before the row (drafts before it included)
-    in_prompt: Tensor  # [P, V] bool
+    num_rows: int
+    first: int
+    drafts: Tensor | None  # [B, >= first + num_rows - 1] long; None when no row follows a draft
+    penalized: list[int]  # the sequences with penalties
+    counts: list[Tensor]  # theirs: output token counts [V] float32 (drafts not included)
+    in_prompt: list[Tensor]  # [V] bool
+    values: list[float]  # repetition, presence, frequency of each penalized sequence in turn
+    bad: list[list[int]]  # per sequence: tokens banned in all its rows
+    stops: list[list[int]]  # per sequence: stop tokens banned in its first stop_rows rows (min_tokens)
+    stop_rows: list[int]
 
     def apply(self, logits: Tensor) -> Tensor:
-        """HF's repetition penalty over prompt and output (a positive logit divided, a negative one
-        multiplied), then OpenAI's frequency and presence penalties over the output."""
-        x = logits if self.rows is None else logits[self.rows]
-        seen = self.counts > 0
-        rep = self.repetition
-        x = torch.where(seen | self.in_prompt, torch.where(x > 0, x / rep, x * rep), x)
-        x = x - (self.frequency * self.counts + self.presence * seen)
-        return x if self.rows is None else logits.index_copy(0, self.rows, x)
+        """float32 logits [B * num_rows, V] adjusted (a new tensor): HF's repetition penalty over prompt and output (a
+        positive logit divided, a negative one multiplied), OpenAI's frequency and presence penalties over the output,
+        then the bans (-inf)."""
+        logits = logits.float()
+        if runs_here(logits.device, logits.dtype):
+            drafts = torch.empty(0, 0, dtype=torch.long) if self.drafts is None else self.drafts.contiguous()
+            return cpu_kernels().adjust_logits(logits.contiguous(), self.num_rows, self.first, drafts, self.penalized,
+                                               self.counts, self.in_prompt, self.values, self.bad, self.stops,
+                                               self.stop_rows)
+        return self.apply_with_torch(logits)
+
+    def apply_with_torch(self, logits: Tensor) -> Tensor:
+        """`apply` with torch ops (where the CPU kernels do not run)."""
+        logits = logits.float()
+        if self.penalized:
+            logits = self._penalize(logits)
+        bans = ban_mask(self.bad, self.stops, self.stop_rows, self.num_rows, logits.shape[-1])
+        return logits if bans is None else logits.masked_fill(bans.to(logits.device), float("-inf"))
+
+    def _penalize(self, logits: Tensor) -> Tensor:
+        V, dev, n = logits.shape[-1], logits.device, self.num_rows
+        counts = torch.stack(self.counts)[:, None].expand(-1, n, -1)  # [P, rows, V]
+        last = self.first + n - 1  # drafts before the last row
+        if last > 0:
+            d = self.drafts[torch.tensor(self.penalized, device=self.drafts.device), :last].to(dev)
+            before = torch.zeros(len(self.penalized), last + 1, V, device=dev)
+            before[:, 1:].scatter_(2, d[..., None], 1.0)
+            counts = counts + before.cumsum(1)[:, self.first :]  # row j: the drafts before it
+        counts = counts.reshape(-1, V)
+        in_prompt = torch.stack(self.in_prompt)[:, None].expand(-1, n, -1).reshape(-1, V)
+        values = torch.tensor(self.values, device=dev).view(-1, 3).repeat_interleave(n, dim=0)
+        rep, presence, frequency = values.split(1, -1)  # [P * rows, 1] each
+        rows = torch.tensor([b * n + r for b in self.penalized for r in range(n)], device=dev)
+        x = logits[rows]
+        seen = counts > 0
+        x = torch.where(seen | in_prompt, torch.where(x > 0, x / rep, x * rep), x)
+        x = x - (frequency * counts + presence * seen)
+        return logits.index_copy(0, rows, x)
+
+
+def ban_mask(bad: list[list[int]], stops: list[list[int]], stop_rows: list[int], num_rows: int, vocab_size: int
+             ) -> Tensor | None:
+    """[B * num_rows, V] bool on the host, True where a token is banned (None if none is): bad[b] in all of sequence
+    b's rows, stops[b] in its first stop_rows[b]."""
+    if not any(bad) and not any(stop_rows):
+        return None
+    mask = torch.zeros(len(bad), num_rows, vocab_size, dtype=torch.bool)
+    for b, (tokens, stop, rows) in enumerate(zip(bad, stops, stop_rows)):
+        if tokens:
+            mask[b, :, tokens] = True
+        if rows:
+            mask[b, :rows, stop] = True
+    return mask.view(-1, vocab_size)
 
 
 @dataclass
@@ -283,15 +337,13 @@ class SamplingTensors:
     temperature: Tensor  # [R] float; 0 marks a greedy row
     top_k: Tensor  # [R] long; 0 = off
     top_p: Tensor  # [R] float
-    bad_mask: Tensor | None = field(default=None)  # [R, V] True where the token is banned
-    penalties: Penalties | None = field(default=None)
+    bad_mask: Tensor | None = field(default=None)  # [R, V] True where the token is banned (bans given whole)
+    adjustments: Adjustments | None = field(default=None)
 
 
-def adjusted_logits(logits: Tensor, bad_mask: Tensor | None, penalties: Penalties | None) -> Tensor:
+def adjusted_logits(logits: Tensor, bad_mask: Tensor | None, adjustments: Adjustments | None) -> Tensor:
     """float32 logits after penalties and bans: what a greedy row takes the argmax of."""
-    logits = logits.float()
-    if penalties is not None:
-        logits = penalties.apply(logits)
+    logits = logits.float() if adjustments is None else adjustments.apply(logits)
     if bad_mask is not None:
         logits = logits.masked_fill(bad_mask, float("-inf"))
     return logits
@@ -320,7 +372,7 @@ def _processed(logits: Tensor, st: SamplingTensors) -> Tensor:
 
 def probabilities(logits: Tensor, st: SamplingTensors) -> Tensor:
     """Softmax of the adjusted logits / temperature after top-k and top-p; greedy rows become one-hot argmax."""
-    logits = adjusted_logits(logits, st.bad_mask, st.penalties)
+    logits = adjusted_logits(logits, st.bad_mask, st.adjustments)
     probs = _processed(logits, st).softmax(-1)
     greedy = st.temperature == 0
     if bool(greedy.any()):
@@ -332,7 +384,7 @@ def probabilities(logits: Tensor, st: SamplingTensors) -> Tensor:
 def processed_logprobs(logits: Tensor, st: SamplingTensors) -> Tensor:
     """Log-probabilities of the distribution a row is drawn from (vLLM's processed_logprobs); a greedy row's
     are its adjusted logits' (temperature, top-k and top-p do not change its choice)."""
-    adjusted = adjusted_logits(logits, st.bad_mask, st.penalties)
+    adjusted = adjusted_logits(logits, st.bad_mask, st.adjustments)
     out = _processed(adjusted, st).log_softmax(-1)
     greedy = st.temperature == 0
     return torch.where(greedy[:, None], adjusted.log_softmax(-1), out) if bool(greedy.any()) else out
@@ -351,12 +403,15 @@ class TokenLogprob:
 def token_logprobs(logprobs: Tensor, tokens: Tensor, top_n: list[int]) -> list[TokenLogprob]:
     """TokenLogprobs of rows [M, V] of log-probabilities for the tokens [M] chosen there, with top_n[m]
     alternatives each, read back to the host in one transfer."""
-    chosen = logprobs.gather(-1, tokens[:, None])
-    rank = (logprobs > chosen).sum(-1, keepdim=True) + 1
     n = max(top_n)
-    top = logprobs.topk(n, dim=-1)
     # one float64 tensor, one transfer: [token, logprob, rank, n logprobs, n ids] per row (ids are exact in float64)
-    rows = torch.cat([t.double() for t in (tokens[:, None], chosen, rank, top.values, top.indices)], dim=-1).tolist()
+    if runs_here(logprobs.device, logprobs.dtype):  # in one kernel call: the torch ops' overhead is most of the cost
+        rows = cpu_kernels().token_logprobs(logprobs.contiguous(), tokens.contiguous(), n).tolist()
+    else:
+        chosen = logprobs.gather(-1, tokens[:, None])
+        rank = (logprobs > chosen).sum(-1, keepdim=True) + 1
+        top = logprobs.topk(n, dim=-1)
+        rows = torch.cat([t.double() for t in (tokens[:, None], chosen, rank, top.values, top.indices)], dim=-1).tolist()
     return [TokenLogprob(int(r[0]), r[1], int(r[2]), tuple(zip(map(int, r[3 + n : 3 + n + k]), r[3 : 3 + k])))
             for r, k in zip(rows, top_n)]
 

@@ -26,8 +26,10 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <pthread.h>
@@ -1025,6 +1027,160 @@ std::tuple<std::vector<std::vector<int64_t>>, torch::Tensor> greedy_step(
   return {emitted, h};
 }
 
+// ---- logit adjustments: penalties and bans of a batch's rows in one call (sampling.Adjustments) ----
+namespace {
+
+// x[0:n] penalized in place, with output counts c and prompt flags p: HF's repetition penalty where c > 0 or p (a
+// positive logit divided, a negative one multiplied), then x - (frequency * c + presence * (c > 0)), rounded as the
+// torch ops round (no fused multiply-add: the sum is a masked add, which the compiler cannot contract).
+void penalize_span(float* x, const float* c, const bool* p, int64_t n, float rep, float pres, float freq) {
+  const __m512 vr = _mm512_set1_ps(rep), vp = _mm512_set1_ps(pres), vf = _mm512_set1_ps(freq);
+  const __m512 zero = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const int64_t len = std::min<int64_t>(kLanes, n - i);
+    const __mmask16 mk = len == kLanes ? 0xFFFF : static_cast<__mmask16>((1u << len) - 1);
+    alignas(16) uint8_t tail[kLanes] = {};
+    if (len < kLanes) std::memcpy(tail, p + i, len);
+    const void* flags = len < kLanes ? static_cast<const void*>(tail) : static_cast<const void*>(p + i);
+    const __m512i pi = _mm512_cvtepu8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(flags)));
+    const __m512 cv = _mm512_maskz_loadu_ps(mk, c + i);
+    const __mmask16 seen = _mm512_cmp_ps_mask(cv, zero, _CMP_GT_OQ);
+    const __mmask16 hit = seen | _mm512_test_epi32_mask(pi, pi);
+    if (!hit) continue;  // x - (frequency * 0 + presence * 0) is x: most of a vocabulary is neither seen nor prompted
+    const __m512 v = _mm512_maskz_loadu_ps(mk, x + i);
+    const __m512 rep_v = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, zero, _CMP_GT_OQ), _mm512_mul_ps(v, vr),
+                                              _mm512_div_ps(v, vr));
+    const __m512 f = _mm512_mul_ps(vf, cv);
+    const __m512 sub = _mm512_mask_add_ps(f, seen, f, vp);
+    _mm512_mask_storeu_ps(x + i, mk, _mm512_sub_ps(_mm512_mask_blend_ps(hit, v, rep_v), sub));
+  }
+}
+
+}  // namespace
+
+// A float32 copy of logits [B * num_rows, V] with penalties and bans applied: rows b * num_rows + r are sequence b's
+// output tokens num_output + first + r, each decided after drafts[b, :first + r]. Penalized sequence penalized[i]
+// has output counts counts[i] [V] float32 (drafts not included), prompt flags in_prompt[i] [V] bool and
+// values[3i:3i+3] = (repetition, presence, frequency); a row counts the drafts before it on top. Then bad[b] is
+// banned (-inf) in every row of sequence b, stops[b] in its first stop_rows[b] rows.
+torch::Tensor adjust_logits(const torch::Tensor& logits, int64_t num_rows, int64_t first, const torch::Tensor& drafts,
+                            const std::vector<int64_t>& penalized, const std::vector<torch::Tensor>& counts,
+                            const std::vector<torch::Tensor>& in_prompt, const std::vector<double>& values,
+                            const std::vector<std::vector<int64_t>>& bad, const std::vector<std::vector<int64_t>>& stops,
+                            const std::vector<int64_t>& stop_rows) {
+  check(logits.dim() == 2 && logits.scalar_type() == torch::kFloat && logits.is_contiguous(),
+        "adjust_logits: logits must be contiguous float32 [rows, V]");
+  const int64_t R = logits.size(0), V = logits.size(1), B = num_rows > 0 ? R / num_rows : 0;
+  check(num_rows > 0 && first >= 0 && B * num_rows == R, "adjust_logits: rows must be B * num_rows");
+  check(static_cast<int64_t>(bad.size()) == B && static_cast<int64_t>(stops.size()) == B &&
+        static_cast<int64_t>(stop_rows.size()) == B, "adjust_logits: bad, stops and stop_rows need one entry per sequence");
+  const size_t P = penalized.size();
+  check(counts.size() == P && in_prompt.size() == P && values.size() == 3 * P,
+        "adjust_logits: counts, in_prompt and 3 values per penalized sequence");
+  const int64_t D = drafts.dim() == 2 ? drafts.size(1) : 0;
+  check(first + num_rows - 1 <= D || P == 0, "adjust_logits: drafts [B, >= first + num_rows - 1] int64 needed");
+  check(D == 0 || (drafts.scalar_type() == torch::kLong && drafts.is_contiguous() && drafts.size(0) == B),
+        "adjust_logits: drafts must be contiguous int64 [B, D]");
+  torch::Tensor out = logits.clone();
+  float* y = out.data_ptr<float>();
+  const int64_t* d = D ? drafts.data_ptr<int64_t>() : nullptr;
+  std::vector<int64_t> tokens;
+  std::vector<float> xs, cs;
+  for (size_t i = 0; i < P; ++i) {
+    const int64_t b = penalized[i];
+    check(b >= 0 && b < B, "adjust_logits: penalized sequence out of range");
+    check(counts[i].scalar_type() == torch::kFloat && counts[i].is_contiguous() && counts[i].numel() == V &&
+          in_prompt[i].scalar_type() == torch::kBool && in_prompt[i].is_contiguous() && in_prompt[i].numel() == V,
+          "adjust_logits: counts [V] float32 and in_prompt [V] bool");
+    const float* c = counts[i].data_ptr<float>();
+    const bool* p = in_prompt[i].data_ptr<bool>();
+    const float rep = static_cast<float>(values[3 * i]), pres = static_cast<float>(values[3 * i + 1]),
+                freq = static_cast<float>(values[3 * i + 2]);
+    for (int64_t r = 0; r < num_rows; ++r) {
+      float* x = y + (b * num_rows + r) * V;
+      // the drafts before the row: their logits penalized from the originals with the drafts counted, written last
+      tokens.clear(), xs.clear(), cs.clear();
+      for (int64_t j = 0; j < first + r; ++j) {
+        const int64_t t = d[b * D + j];
+        check(t >= 0 && t < V, "adjust_logits: draft token out of range");
+        const auto at = std::find(tokens.begin(), tokens.end(), t);
+        if (at != tokens.end()) {
+          cs[at - tokens.begin()] += 1.0f;
+        } else {
+          tokens.push_back(t), xs.push_back(x[t]), cs.push_back(c[t] + 1.0f);
+        }
+      }
+      const std::vector<uint8_t> ones(tokens.size(), 1);
+      penalize_span(xs.data(), cs.data(), reinterpret_cast<const bool*>(ones.data()), static_cast<int64_t>(xs.size()),
+                    rep, pres, freq);
+      penalize_span(x, c, p, V, rep, pres, freq);
+      for (size_t j = 0; j < tokens.size(); ++j) x[tokens[j]] = xs[j];
+    }
+  }
+  const float ban = -std::numeric_limits<float>::infinity();
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t r = 0; r < num_rows; ++r) {
+      float* x = y + (b * num_rows + r) * V;
+      for (const int64_t t : bad[b]) {
+        check(t >= 0 && t < V, "adjust_logits: bad token out of range");
+        x[t] = ban;
+      }
+      if (r >= stop_rows[b]) continue;
+      for (const int64_t t : stops[b]) {
+        check(t >= 0 && t < V, "adjust_logits: stop token out of range");
+        x[t] = ban;
+      }
+    }
+  }
+  return out;
+}
+
+// ---- logprobs of emitted tokens: what sampling.token_logprobs reads back, in one call ----
+// Rows of log-probabilities lp [M, V] float32 and the token chosen in each, tokens [M] int64: per row, float64
+// [token, its logprob, its rank (1 + how many are larger), the n largest logprobs, their ids], largest first (of
+// equal ones the lowest id first).
+torch::Tensor token_logprobs(const torch::Tensor& lp, const torch::Tensor& tokens, int64_t n) {
+  check(lp.dim() == 2 && lp.scalar_type() == torch::kFloat && lp.is_contiguous(),
+        "token_logprobs: lp must be contiguous float32 [M, V]");
+  const int64_t M = lp.size(0), V = lp.size(1);
+  check(tokens.dim() == 1 && tokens.size(0) == M && tokens.scalar_type() == torch::kLong && tokens.is_contiguous(),
+        "token_logprobs: tokens must be contiguous int64 [M]");
+  check(n >= 0 && n <= V, "token_logprobs: n must be in [0, V]");
+  torch::Tensor out = torch::empty({M, 3 + 2 * n}, torch::kDouble);
+  double* o = out.data_ptr<double>();
+  const float* x = lp.data_ptr<float>();
+  const int64_t* t = tokens.data_ptr<int64_t>();
+  std::vector<float> vals(n);
+  std::vector<int64_t> ids(n);
+  for (int64_t m = 0; m < M; ++m, x += V, o += 3 + 2 * n) {
+    check(t[m] >= 0 && t[m] < V, "token_logprobs: token out of range");
+    const float chosen = x[t[m]];
+    const __m512 vc = _mm512_set1_ps(chosen);
+    int64_t larger = 0, kept = 0;
+    for (int64_t v0 = 0; v0 < V; v0 += kLanes) {
+      const int64_t len = std::min<int64_t>(kLanes, V - v0);
+      const __mmask16 mk = len == kLanes ? 0xFFFF : static_cast<__mmask16>((1u << len) - 1);
+      const __m512 xv = _mm512_maskz_loadu_ps(mk, x + v0);
+      larger += __builtin_popcount(_mm512_mask_cmp_ps_mask(mk, xv, vc, _CMP_GT_OQ));
+      // once n are kept, only lanes above the least of them can enter: most chunks have none
+      if (n == 0 || (kept == n && !_mm512_mask_cmp_ps_mask(mk, xv, _mm512_set1_ps(vals[n - 1]), _CMP_GT_OQ))) continue;
+      for (int64_t v = v0; v < v0 + len; ++v) {
+        if (kept == n && !(x[v] > vals[n - 1])) continue;
+        int64_t at = std::min(kept, n - 1);  // the slot it takes: after every kept value at least as large
+        while (at > 0 && x[v] > vals[at - 1]) {
+          vals[at] = vals[at - 1], ids[at] = ids[at - 1];
+          --at;
+        }
+        vals[at] = x[v], ids[at] = v;
+        kept = std::min(kept + 1, n);
+      }
+    }
+    o[0] = static_cast<double>(t[m]), o[1] = chosen, o[2] = static_cast<double>(larger + 1);
+    for (int64_t i = 0; i < n; ++i) o[3 + i] = vals[i], o[3 + n + i] = static_cast<double>(ids[i]);
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The kernels touch no Python object: other threads (request intake, streaming) run meanwhile, as with ATen ops.
   const auto nogil = py::call_guard<py::gil_scoped_release>();
@@ -1047,4 +1203,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Target>(m, "Target", "the target model's kernel weights around its layers (see make_target)");
   m.def("make_target", &make_target, "gather the embedding, rope, layers, final norm and lm_head for greedy_step");
   m.def("greedy_step", &greedy_step, "a greedy speculative step: drafts, verification, acceptance", nogil);
+  m.def("adjust_logits", &adjust_logits, "penalties and bans of a batch's rows, drafts before each row counted", nogil);
+  m.def("token_logprobs", &token_logprobs, "emitted tokens' logprobs, ranks and top-n alternatives", nogil);
 }
