@@ -25,7 +25,7 @@ from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
 from runtime.executors.requests import RequestOutput
 from runtime.io.loading import load_engine
-from runtime.model.kernels import cpu_kernels
+from runtime.model.kernels import cpu_missing_flags
 
 from conftest import bigram_tensors, chi2_pvalue, tiny_config_dict
 from executor_util import assert_all_free, run_fresh as run
@@ -114,7 +114,7 @@ def test_logprobs_under_speculation_equal_plain(shipped_engine, prompts, plain_l
     assert sum(o.stats.num_accepted_draft_tokens for o in outs) > 0
 
 
-@pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels need x86-64 with AVX-512")
+@pytest.mark.skipif(bool(cpu_missing_flags()), reason="CPU kernels need x86-64 with AVX-512")
 @pytest.mark.parametrize("n", [0, 1, 5, 20])
 def test_token_logprobs_kernel_equals_the_torch_ops(n, monkeypatch) -> None:
     """token_logprobs in one kernel call reads back what the torch ops do: the token's logprob and rank, and the n
@@ -237,7 +237,7 @@ def test_penalties_follow_hf_and_openai_definitions(path) -> None:
     assert got[1, 20] == pytest.approx((logits[1, 20] / 1.7 if logits[1, 20] > 0 else logits[1, 20] * 1.7) - 0.75 - 0.5)
 
 
-@pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels need x86-64 with AVX-512")
+@pytest.mark.skipif(bool(cpu_missing_flags()), reason="CPU kernels need x86-64 with AVX-512")
 @pytest.mark.parametrize("first,num_rows", [(0, 1), (2, 1), (0, 5), (1, 4)])
 def test_adjustments_kernel_equals_the_torch_ops(first, num_rows) -> None:
     """The one-call kernel gives the torch ops' bits on random rows: repeated drafts (counted per row on top of the
