@@ -103,6 +103,9 @@ def test_every_output_of_a_long_stream_as_in_process(engine, spec_checkpoint):
         local.submit(PROMPTS[0], params, on_output=want.append).result(120)
     assert len(got[-1].token_ids) == 90 and len(got) > 20
     assert [fields(o) for o in got] == [fields(o) for o in want]
+    # views of the parent's growing lists, not a copy of every token so far per output (8 bytes a token)
+    held = sum(sys.getsizeof(o.token_ids) + sys.getsizeof(o.logprobs) for o in got[:-1])
+    assert held < 100 * len(got), f"{held} bytes held by {len(got) - 1} outputs' token_ids and logprobs"
 
 
 def test_the_pipe_carries_what_is_new(spec_checkpoint):

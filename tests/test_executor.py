@@ -9,6 +9,8 @@ token for token with the same prompt decoded alone without speculation.
 from __future__ import annotations
 
 import dataclasses
+import pickle
+import sys
 
 import asyncio
 import threading
@@ -523,6 +525,27 @@ def test_streaming_callback_and_stats(engine, prompts, tokenizer) -> None:
     assert stats.current_draft_len == 3
     # each step emits 1..k+1 tokens: steps >= tokens / 4, and drafting helped at least once
     assert sum(f.stats.num_steps for f in finals) < stats.generated_tokens
+
+
+def test_streamed_outputs_share_the_tokens_so_far(engine, prompts, tokenizer) -> None:
+    """Each output's token_ids and logprobs (all so far) are views of the request's lists, not copies: a stream
+    of n outputs costs O(n), not O(n^2), and an output kept keeps what it had when it was reported."""
+    with Executor(engine, ExecutorConfig(num_draft_tokens=0, speculation="off")) as ex:
+        outs: list[RequestOutput] = []
+        sp = SamplingParams(max_tokens=200, ignore_eos=True, logprobs=1)
+        final = ex.submit(prompts[3], sp, on_output=outs.append).result(60)
+    assert len(outs) == 200 and outs[-1] is final
+    check_stream(outs, tokenizer)
+    assert [list(o.logprobs) for o in outs] == [final.logprobs[: i + 1] for i in range(200)]
+    # a copy of every token so far would take 8 bytes a token: 200 outputs, 200 * 201 / 2 tokens in all
+    held = sum(sys.getsizeof(o.token_ids) + sys.getsizeof(o.logprobs) for o in outs[:-1])
+    assert held < 200 * 200, f"{held} bytes held by 199 outputs' token_ids and logprobs"
+    mid = outs[99]
+    assert mid.token_ids == final.token_ids[:100] and mid.token_ids[-1] == final.token_ids[99]
+    assert mid.token_ids[98:] == final.token_ids[98:100] and mid.token_ids + [7] == final.token_ids[:100] + [7]
+    assert pickle.loads(pickle.dumps(mid)).token_ids == final.token_ids[:100]
+    with pytest.raises(IndexError):
+        mid.token_ids[100]
 
 
 def test_blocking_and_async_iteration(engine, prompts, tokenizer) -> None:

@@ -30,7 +30,8 @@ import torch
 from runtime.core.sampling import SamplingParams, TokenLogprob
 from runtime.executors.base import ExecutorConfig, create_executor
 from runtime.executors.lifetime import python_executable, terminate_with_parent
-from runtime.executors.requests import ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestStats
+from runtime.executors.requests import (ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestStats,
+                                        so_far)
 
 log = logging.getLogger("runtime.executors.process")
 
@@ -52,7 +53,8 @@ class EngineProcessError(RuntimeError):
 
 @dataclass(eq=False)
 class _Output:
-    """One output's cumulative view (RequestOutput's token_ids, text and logprobs), rebuilt from the deltas."""
+    """One output's cumulative view (RequestOutput's token_ids, text and logprobs), rebuilt from the deltas: the
+    lists grow in place, each output a view of them (requests.so_far)."""
 
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
@@ -77,10 +79,13 @@ class _Stream:
         o.token_ids += delta.new_token_ids
         o.text += delta.text_delta
         if delta.new_logprobs is not None:
-            o.logprobs = (o.logprobs or []) + delta.new_logprobs  # a new list: earlier outputs keep theirs
+            if o.logprobs is None:
+                o.logprobs = []
+            o.logprobs += delta.new_logprobs
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
-        o.last = replace(delta, token_ids=list(o.token_ids), text=o.text, logprobs=o.logprobs,
+        o.last = replace(delta, token_ids=so_far(o.token_ids, delta.finished), text=o.text,
+                         logprobs=None if o.logprobs is None else so_far(o.logprobs, delta.finished),
                          prompt_logprobs=self.prompt_logprobs)
         return o.last
 
