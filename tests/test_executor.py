@@ -23,9 +23,9 @@ from conftest import tiny_config_dict
 from runtime.io.loading import load_engine
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
-from runtime.executors.requests import RequestOutput
+from runtime.executors.requests import RequestHandle, RequestOutput, RequestStats
 from runtime.core.kv_cache import free_memory_bytes
-from runtime.core.sampling import SamplingParams
+from runtime.core.sampling import SamplingParams, TokenLogprob
 from runtime.core.draft_policy import DraftPolicy, StepCosts
 from runtime.core.plan import StepResult
 from runtime.core.scheduler import Scheduler
@@ -581,6 +581,27 @@ def test_outputs_not_collected_yet_are_merged(engine, prompts, tokenizer) -> Non
         assert len(outs) == 1 and outs[0].new_token_ids == final.token_ids and outs[0].text_delta == final.text
         check_stream(outs, tokenizer)
         assert list(h) == []  # delivered
+
+
+def test_unread_outputs_are_gathered_in_place() -> None:
+    """Outputs no consumer has taken yet are gathered into lists the handle appends each one's tokens, text and
+    logprobs to (joining them at every arrival copied everything unread each time: O(n^2) for a consumer that only
+    waits for the result); taking them gives one output with all of it and the newest's other fields."""
+    h = RequestHandle("r", executor=None)
+    stats = RequestStats(3, 0, 0, 0, 0, None, None)
+    lp = [TokenLogprob(t, -0.5, 1, ()) for t in range(300)]
+    outs = [RequestOutput("r", [t], list(range(t + 1)), f"<{t}>", "", t == 299, "length" if t == 299 else None,
+                          stats, new_logprobs=lp[t:t + 1]) for t in range(300)]
+    h._push(outs[0])
+    h._push(outs[1])
+    gathered = h._pending[0].gathered
+    for o in outs[2:]:
+        h._push(o)
+    assert h._pending[0].gathered is gathered and all(o.new_token_ids == [t] for t, o in enumerate(outs))
+    [merged] = list(h)
+    assert merged.new_token_ids == list(range(300)) and merged.text_delta == "".join(f"<{t}>" for t in range(300))
+    assert merged.new_logprobs == lp and merged.finished and merged.token_ids == outs[-1].token_ids
+    assert h.result(0) is outs[-1]
 
 
 def test_async_iteration_survives_a_cancelled_wait(engine, prompts, tokenizer) -> None:

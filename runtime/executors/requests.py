@@ -192,7 +192,7 @@ class RequestHandle:
         self.num_outputs = num_outputs
         self._executor = executor
         self._last: dict[int, RequestOutput] = {}  # the newest output of each index
-        self._pending: dict[int, RequestOutput] = {}  # not taken yet, per index: every output since, merged
+        self._pending: dict[int, _Unread] = {}  # not taken yet, per index: every output since
         self._finals_taken = 0
         self._buffered = True  # False after callback_only(): outputs go to on_output alone
         self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
@@ -205,10 +205,10 @@ class RequestHandle:
             self._last[out.index] = out
             if self._buffered:
                 held = self._pending.get(out.index)
-                self._pending[out.index] = out if held is None else replace(
-                    out, new_token_ids=held.new_token_ids + out.new_token_ids,
-                    text_delta=held.text_delta + out.text_delta,
-                    new_logprobs=None if out.new_logprobs is None else held.new_logprobs + out.new_logprobs)
+                if held is None:
+                    self._pending[out.index] = _Unread(out)
+                else:
+                    held.add(out)
             self._arrived.notify_all()
             if self.finished:
                 self._finished.notify_all()
@@ -221,7 +221,7 @@ class RequestHandle:
 
     def _take(self) -> RequestOutput:
         """The oldest output not handed out yet; call with the lock held and something pending."""
-        out = self._pending.pop(next(iter(self._pending)))
+        out = self._pending.pop(next(iter(self._pending))).output()
         self._finals_taken += out.finished
         return out
 
@@ -288,6 +288,37 @@ class RequestHandle:
                 future = loop.create_future()
                 self._async_waiters.append((loop, future))
             await future
+
+
+@dataclass(eq=False)
+class _Unread:
+    """What no consumer has taken yet of one of a request's outputs: the newest output and, once a second has
+    arrived, the new tokens, text deltas and logprobs of all of them gathered in lists of its own, each appended
+    once (joining them at every arrival would copy everything unread each time: O(n^2) for a consumer that only
+    waits for the result)."""
+
+    newest: RequestOutput
+    gathered: tuple[list[int], list[str], list[TokenLogprob] | None] | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        if self.gathered is None:
+            first = self.newest
+            self.gathered = (list(first.new_token_ids), [first.text_delta],
+                             None if first.new_logprobs is None else list(first.new_logprobs))
+        ids, texts, logprobs = self.gathered
+        ids += out.new_token_ids
+        texts.append(out.text_delta)
+        if logprobs is not None and out.new_logprobs is not None:
+            logprobs += out.new_logprobs
+        self.newest = out
+
+    def output(self) -> RequestOutput:
+        """The newest output, carrying what every one of them brought."""
+        if self.gathered is None:
+            return self.newest
+        ids, texts, logprobs = self.gathered
+        return replace(self.newest, new_token_ids=ids, text_delta="".join(texts),
+                       new_logprobs=None if self.newest.new_logprobs is None else logprobs)
 
 
 def _wake(future: asyncio.Future) -> None:
