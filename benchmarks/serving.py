@@ -37,7 +37,7 @@ from tqdm import tqdm
 from runtime.io.loading import load_engine
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
-from runtime.executors.requests import RequestOutput
+from runtime.executors.requests import FAILED_REASONS, RequestOutput
 from runtime.core.sampling import SamplingParams
 
 MODE_ORDER = ("plain", "fixed", "adaptive")
@@ -169,7 +169,7 @@ def _policy(ex: Executor) -> dict[str, Any]:
 def summarize(records: Records, t0: float, errors: list[str]) -> dict[str, Any]:
     """A level's numbers from its per-request records (None: not finished; cancelled or failed ones do not
     count as completed) and its start time t0."""
-    done = [r for r in records if r is not None and r["finish_reason"] not in ("cancelled", "error")]
+    done = [r for r in records if r is not None and r["finish_reason"] not in FAILED_REASONS]
     if not done:
         return {"completed": 0, "requests": len(records), "errors": errors}
     wall = max(r["finished"] for r in done) - t0

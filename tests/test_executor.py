@@ -9,6 +9,8 @@ token for token with the same prompt decoded alone without speculation.
 from __future__ import annotations
 
 import dataclasses
+import pickle
+import sys
 
 import asyncio
 import threading
@@ -21,9 +23,9 @@ from conftest import tiny_config_dict
 from runtime.io.loading import load_engine
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
-from runtime.executors.requests import RequestOutput
+from runtime.executors.requests import RequestHandle, RequestOutput, RequestStats
 from runtime.core.kv_cache import free_memory_bytes
-from runtime.core.sampling import SamplingParams
+from runtime.core.sampling import SamplingParams, TokenLogprob
 from runtime.core.draft_policy import DraftPolicy, StepCosts
 from runtime.core.plan import StepResult
 from runtime.core.scheduler import Scheduler
@@ -525,6 +527,27 @@ def test_streaming_callback_and_stats(engine, prompts, tokenizer) -> None:
     assert sum(f.stats.num_steps for f in finals) < stats.generated_tokens
 
 
+def test_streamed_outputs_share_the_tokens_so_far(engine, prompts, tokenizer) -> None:
+    """Each output's token_ids and logprobs (all so far) are views of the request's lists, not copies: a stream
+    of n outputs costs O(n), not O(n^2), and an output kept keeps what it had when it was reported."""
+    with Executor(engine, ExecutorConfig(num_draft_tokens=0, speculation="off")) as ex:
+        outs: list[RequestOutput] = []
+        sp = SamplingParams(max_tokens=200, ignore_eos=True, logprobs=1)
+        final = ex.submit(prompts[3], sp, on_output=outs.append).result(60)
+    assert len(outs) == 200 and outs[-1] is final
+    check_stream(outs, tokenizer)
+    assert [list(o.logprobs) for o in outs] == [final.logprobs[: i + 1] for i in range(200)]
+    # a copy of every token so far would take 8 bytes a token: 200 outputs, 200 * 201 / 2 tokens in all
+    held = sum(sys.getsizeof(o.token_ids) + sys.getsizeof(o.logprobs) for o in outs[:-1])
+    assert held < 200 * 200, f"{held} bytes held by 199 outputs' token_ids and logprobs"
+    mid = outs[99]
+    assert mid.token_ids == final.token_ids[:100] and mid.token_ids[-1] == final.token_ids[99]
+    assert mid.token_ids[98:] == final.token_ids[98:100] and mid.token_ids + [7] == final.token_ids[:100] + [7]
+    assert pickle.loads(pickle.dumps(mid)).token_ids == final.token_ids[:100]
+    with pytest.raises(IndexError):
+        mid.token_ids[100]
+
+
 def test_blocking_and_async_iteration(engine, prompts, tokenizer) -> None:
     with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed")) as ex:
         sp = SamplingParams(max_tokens=18, ignore_eos=True)
@@ -558,6 +581,27 @@ def test_outputs_not_collected_yet_are_merged(engine, prompts, tokenizer) -> Non
         assert len(outs) == 1 and outs[0].new_token_ids == final.token_ids and outs[0].text_delta == final.text
         check_stream(outs, tokenizer)
         assert list(h) == []  # delivered
+
+
+def test_unread_outputs_are_gathered_in_place() -> None:
+    """Outputs no consumer has taken yet are gathered into lists the handle appends each one's tokens, text and
+    logprobs to (joining them at every arrival copied everything unread each time: O(n^2) for a consumer that only
+    waits for the result); taking them gives one output with all of it and the newest's other fields."""
+    h = RequestHandle("r", executor=None)
+    stats = RequestStats(3, 0, 0, 0, 0, None, None)
+    lp = [TokenLogprob(t, -0.5, 1, ()) for t in range(300)]
+    outs = [RequestOutput("r", [t], list(range(t + 1)), f"<{t}>", "", t == 299, "length" if t == 299 else None,
+                          stats, new_logprobs=lp[t:t + 1]) for t in range(300)]
+    h._push(outs[0])
+    h._push(outs[1])
+    gathered = h._pending[0].gathered
+    for o in outs[2:]:
+        h._push(o)
+    assert h._pending[0].gathered is gathered and all(o.new_token_ids == [t] for t, o in enumerate(outs))
+    [merged] = list(h)
+    assert merged.new_token_ids == list(range(300)) and merged.text_delta == "".join(f"<{t}>" for t in range(300))
+    assert merged.new_logprobs == lp and merged.finished and merged.token_ids == outs[-1].token_ids
+    assert h.result(0) is outs[-1]
 
 
 def test_async_iteration_survives_a_cancelled_wait(engine, prompts, tokenizer) -> None:

@@ -3,19 +3,23 @@
 In one process a server's event loop (HTTP parsing, response formatting, waking streams) takes the GIL
 each time the step loop releases it, at every torch op, and the step loop waits to get it back. Here the
 step loop's process runs nothing else: requests, cancels and calls go down a pipe, and each output comes
-back as one message that one reader thread hands to its request's handle. A message carries what is new
-(tokens, text delta, logprobs; the prompt's logprobs once): the parent rebuilds the cumulative token_ids,
-text and logprobs, so a long stream costs each output its own tokens on both sides, not all so far.
+back as one message that one reader thread, reading through a buffer, hands to its request's handle. A
+message carries what is new (tokens, text delta, logprobs; the prompt's logprobs once): the parent rebuilds
+the cumulative token_ids, text and logprobs, so a long stream costs each output its own tokens on both
+sides, not all so far.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import itertools
 import logging
+import os
 import pickle
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -23,14 +27,15 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable
 
 import torch
 
 from runtime.core.sampling import SamplingParams, TokenLogprob
 from runtime.executors.base import ExecutorConfig, create_executor
 from runtime.executors.lifetime import python_executable, terminate_with_parent
-from runtime.executors.requests import ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestStats
+from runtime.executors.requests import (ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestStats,
+                                        so_far)
 
 log = logging.getLogger("runtime.executors.process")
 
@@ -52,7 +57,8 @@ class EngineProcessError(RuntimeError):
 
 @dataclass(eq=False)
 class _Output:
-    """One output's cumulative view (RequestOutput's token_ids, text and logprobs), rebuilt from the deltas."""
+    """One output's cumulative view (RequestOutput's token_ids, text and logprobs), rebuilt from the deltas: the
+    lists grow in place, each output a view of them (requests.so_far)."""
 
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
@@ -77,10 +83,13 @@ class _Stream:
         o.token_ids += delta.new_token_ids
         o.text += delta.text_delta
         if delta.new_logprobs is not None:
-            o.logprobs = (o.logprobs or []) + delta.new_logprobs  # a new list: earlier outputs keep theirs
+            if o.logprobs is None:
+                o.logprobs = []
+            o.logprobs += delta.new_logprobs
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
-        o.last = replace(delta, token_ids=list(o.token_ids), text=o.text, logprobs=o.logprobs,
+        o.last = replace(delta, token_ids=so_far(o.token_ids, delta.finished), text=o.text,
+                         logprobs=None if o.logprobs is None else so_far(o.logprobs, delta.finished),
                          prompt_logprobs=self.prompt_logprobs)
         return o.last
 
@@ -98,6 +107,36 @@ class _Stream:
                                 new_logprobs=None if o.logprobs is None else [], logprobs=None, prompt_logprobs=None,
                                 finished=True, finish_reason="error", error=error))
         return ends
+
+
+class _Messages:
+    """The reading end of a Connection, through a buffer: Connection.recv reads each message's length, then its
+    body (two reads a message); here one read takes whatever the child has sent so far (every output of a step,
+    at any batch size). The framing is Connection's: a big-endian int32 length (-1: a uint64 one follows), then
+    the pickle."""
+
+    def __init__(self, stream: BinaryIO):
+        self._stream = stream
+
+    @classmethod
+    def of(cls, conn: Connection) -> "_Messages":
+        """A reader of its own over `conn`'s descriptor (closing either leaves the other open)."""
+        return cls(io.BufferedReader(io.FileIO(os.dup(conn.fileno()), "rb"), 1 << 16))
+
+    def recv(self) -> Any:
+        (size,) = struct.unpack("!i", self._exactly(4))
+        if size == -1:
+            (size,) = struct.unpack("!Q", self._exactly(8))
+        return pickle.loads(self._exactly(size))
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def _exactly(self, n: int) -> bytes:
+        data = self._stream.read(n)
+        if len(data) < n:
+            raise EOFError
+        return data
 
 
 def _delta_of(out: RequestOutput, first: bool) -> RequestOutput:
@@ -228,9 +267,10 @@ class ProcessExecutor:
     def _read(self) -> None:
         """The one reader of the pipe: outputs to their handles, replies to their callers; at its end (the
         engine process exited or died) every request still open ends with an error."""
+        messages = _Messages.of(self._conn)
         try:
             while True:
-                kind, *payload = self._conn.recv()
+                kind, *payload = messages.recv()
                 if kind == "out":
                     self._deliver(payload[0])
                 elif kind == "reply":
@@ -241,6 +281,7 @@ class ProcessExecutor:
                         future.set_exception(error) if error is not None else future.set_result(value)
         except (EOFError, OSError):
             pass
+        messages.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._process.wait(5 if self._closed else 1)
         if not self._closed:

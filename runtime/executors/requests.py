@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import AsyncIterator, Callable, Iterator, Protocol
+from typing import AsyncIterator, Callable, Iterator, Protocol, Sequence, TypeVar, overload
 
 from runtime.model.config import is_int
 from runtime.core.sampling import SamplingParams, TokenLogprob
@@ -28,6 +28,59 @@ class Canceller(Protocol):
     def cancel(self, request_id: str, handle: "RequestHandle | None" = None) -> None: ...
 
 log = logging.getLogger("runtime.executors.requests")
+
+FAILED_REASONS = ("cancelled", "error")  # finish reasons of a request that did not run to its end
+
+T = TypeVar("T")
+
+
+class Prefix(Sequence[T]):
+    """The first `length` items of a list that only grows: a streamed output's token_ids and logprobs so far,
+    without copying every one so far into every output (O(n^2) over a long stream). Reads like a list
+    (equality with lists, slices and `+` give lists); list() it to keep it as one (json, mutation)."""
+
+    __slots__ = ("_items", "_length")
+
+    def __init__(self, items: list[T]):
+        self._items = items
+        self._length = len(items)
+
+    def __len__(self) -> int:
+        return self._length
+
+    @overload
+    def __getitem__(self, i: int) -> T: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[T]: ...
+
+    def __getitem__(self, i: int | slice) -> T | list[T]:
+        if isinstance(i, slice):
+            start, stop, step = i.indices(self._length)
+            return self._items[start:stop] if step == 1 else [self._items[j] for j in range(start, stop, step)]
+        if not -self._length <= i < self._length:
+            raise IndexError("Prefix index out of range")
+        return self._items[i % self._length]
+
+    def __iter__(self) -> Iterator[T]:
+        return itertools.islice(self._items, self._length)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (list, tuple, Prefix)):
+            return len(other) == self._length and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    def __add__(self, other: Sequence[T]) -> list[T]:
+        return self[:] + list(other)
+
+    def __radd__(self, other: Sequence[T]) -> list[T]:
+        return list(other) + self[:]
+
+    def __repr__(self) -> str:
+        return repr(self[:])
+
+    def __reduce__(self) -> tuple:  # pickled (the engine process's pipe) as the list it shows
+        return list, (self[:],)
 
 
 @dataclass
@@ -62,19 +115,22 @@ class RequestStats:
 
 @dataclass
 class RequestOutput:
+    """One output of a request. `token_ids` and `logprobs` (all so far) of an output before the final one are
+    `Prefix` views of the request's growing lists, not copies; the final output's are the lists themselves."""
+
     request_id: str
     new_token_ids: list[int]
-    token_ids: list[int]
+    token_ids: Sequence[int]
     text_delta: str
     text: str
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "cancelled" | "error"
+    finish_reason: str | None  # "stop" | "length" | "cancelled" | "error" (FAILED_REASONS: it did not run to its end)
     stats: RequestStats
     error: str | None = None  # what went wrong when finish_reason is "error"
     mid_character: bool = False  # the tokens so far end inside a character: their text comes with later tokens
     # with SamplingParams.logprobs: one per token of new_token_ids / token_ids, and the sum over token_ids
     new_logprobs: list[TokenLogprob] | None = None
-    logprobs: list[TokenLogprob] | None = None
+    logprobs: Sequence[TokenLogprob] | None = None
     cumulative_logprob: float | None = None
     # with SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing predicts it)
     prompt_logprobs: list[TokenLogprob | None] | None = None
@@ -82,6 +138,11 @@ class RequestOutput:
     # what ended it with finish_reason "stop", as the LLM API's stop_reason: the stop string, or the stop token id of
     # SamplingParams.stop_token_ids; None for eos and every other ending
     stop_reason: str | int | None = None
+
+    @property
+    def failed(self) -> bool:
+        """It ended without running to its end (cancelled, or an error)."""
+        return self.finish_reason in FAILED_REASONS
 
 
 @dataclass
@@ -119,8 +180,7 @@ class RequestHandle:
     SamplingParams.n > 1) and what iteration has not handed out yet. An output that arrives before a consumer has
     taken the one of the same index waiting is merged into it (tokens and text deltas joined, the rest from the
     newer), as vLLM merges the outputs a slow consumer has not collected: a consumer that falls behind, or only
-    waits for the result, holds one output per index rather than one per step, each with a copy of every token so
-    far. An output leaves only when a consumer takes it, under the lock, so an async wait cancelled by a timeout
+    waits for the result, holds one output per index rather than one per step. An output leaves only when a consumer takes it, under the lock, so an async wait cancelled by a timeout
     loses nothing and the same iterator carries on. Async consumers wait on a future of their own event loop,
     woken by the executor's thread, not on a worker thread each (a pool's threads would run out with many
     streams). Waiting for the result wakes when the request finishes, not at every output (a batch's waiters
@@ -132,7 +192,7 @@ class RequestHandle:
         self.num_outputs = num_outputs
         self._executor = executor
         self._last: dict[int, RequestOutput] = {}  # the newest output of each index
-        self._pending: dict[int, RequestOutput] = {}  # not taken yet, per index: every output since, merged
+        self._pending: dict[int, _Unread] = {}  # not taken yet, per index: every output since
         self._finals_taken = 0
         self._buffered = True  # False after callback_only(): outputs go to on_output alone
         self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
@@ -145,10 +205,10 @@ class RequestHandle:
             self._last[out.index] = out
             if self._buffered:
                 held = self._pending.get(out.index)
-                self._pending[out.index] = out if held is None else replace(
-                    out, new_token_ids=held.new_token_ids + out.new_token_ids,
-                    text_delta=held.text_delta + out.text_delta,
-                    new_logprobs=None if out.new_logprobs is None else held.new_logprobs + out.new_logprobs)
+                if held is None:
+                    self._pending[out.index] = _Unread(out)
+                else:
+                    held.add(out)
             self._arrived.notify_all()
             if self.finished:
                 self._finished.notify_all()
@@ -161,7 +221,7 @@ class RequestHandle:
 
     def _take(self) -> RequestOutput:
         """The oldest output not handed out yet; call with the lock held and something pending."""
-        out = self._pending.pop(next(iter(self._pending)))
+        out = self._pending.pop(next(iter(self._pending))).output()
         self._finals_taken += out.finished
         return out
 
@@ -228,6 +288,37 @@ class RequestHandle:
                 future = loop.create_future()
                 self._async_waiters.append((loop, future))
             await future
+
+
+@dataclass(eq=False)
+class _Unread:
+    """What no consumer has taken yet of one of a request's outputs: the newest output and, once a second has
+    arrived, the new tokens, text deltas and logprobs of all of them gathered in lists of its own, each appended
+    once (joining them at every arrival would copy everything unread each time: O(n^2) for a consumer that only
+    waits for the result)."""
+
+    newest: RequestOutput
+    gathered: tuple[list[int], list[str], list[TokenLogprob] | None] | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        if self.gathered is None:
+            first = self.newest
+            self.gathered = (list(first.new_token_ids), [first.text_delta],
+                             None if first.new_logprobs is None else list(first.new_logprobs))
+        ids, texts, logprobs = self.gathered
+        ids += out.new_token_ids
+        texts.append(out.text_delta)
+        if logprobs is not None and out.new_logprobs is not None:
+            logprobs += out.new_logprobs
+        self.newest = out
+
+    def output(self) -> RequestOutput:
+        """The newest output, carrying what every one of them brought."""
+        if self.gathered is None:
+            return self.newest
+        ids, texts, logprobs = self.gathered
+        return replace(self.newest, new_token_ids=ids, text_delta="".join(texts),
+                       new_logprobs=None if self.newest.new_logprobs is None else logprobs)
 
 
 def _wake(future: asyncio.Future) -> None:
@@ -303,7 +394,7 @@ class BestOf:
         if len(self.finals) < self.best_of:
             return []
         finals = [self.finals[i] for i in range(self.best_of)]
-        if not any(o.finish_reason in ("cancelled", "error") for o in finals):
+        if not any(o.failed for o in finals):
             finals.sort(key=lambda o: o.cumulative_logprob, reverse=True)
         shown = (lambda lps: lps) if self.show_logprobs else (lambda lps: None)
         return [replace(o, index=i, new_token_ids=o.token_ids, text_delta=o.text, mid_character=False,
@@ -426,16 +517,17 @@ class RequestTracker:
         """Deliver one output (final when reason is set) to the callback and the handle. A request that
         ends without consume() deciding it (cancelled, failed) also delivers the text held back for a
         possible stop string: it belongs to tokens already reported."""
-        if reason in ("cancelled", "error"):
+        if reason in FAILED_REASONS:
             held, self.held = self.held + self.detok.flush(), ""
             self.text += held
             delta += held
         self.finished = reason is not None
-        logprobs = None if self.logprobs is None else list(self.logprobs)
-        out = RequestOutput(self.request_id, list(new), list(self.token_ids), delta, self.text, self.finished,
-                            reason, self.stats(), error, self.detok.holding,
-                            None if logprobs is None else logprobs[len(logprobs) - len(new):], logprobs,
-                            None if logprobs is None else self.cumulative_logprob, self.prompt_logprobs,
+        lps = self.logprobs
+        out = RequestOutput(self.request_id, new, so_far(self.token_ids, self.finished), delta, self.text,
+                            self.finished, reason, self.stats(), error, self.detok.holding,
+                            None if lps is None else lps[len(lps) - len(new):],
+                            None if lps is None else so_far(lps, self.finished),
+                            None if lps is None else self.cumulative_logprob, self.prompt_logprobs,
                             stop_reason=self.stop_reason if reason == "stop" else None, index=self.index)
         for o in [out] if self.best_of is None else self.best_of.rank(out):
             if self.callback is not None:
@@ -449,3 +541,9 @@ class RequestTracker:
             log.info("request %s[%d] finished (%s): %d prompt + %d output tokens, %d/%d drafts accepted",
                      self.request_id, self.index, reason, s.prompt_tokens, s.output_tokens, s.num_accepted_draft_tokens,
                      s.num_draft_tokens)
+
+
+def so_far(items: list[T], final: bool) -> Sequence[T]:
+    """An output's view of a list that grows with its request: the list itself once it no longer grows (the final
+    output), else a Prefix of what it holds now."""
+    return items if final else Prefix(items)

@@ -681,8 +681,8 @@ class TrtllmExecutor:
 
     def _on_output(self, req: _Request, completion: Any, now: float, finished: bool) -> None:
         """One output's new tokens, through the shared stop rules."""
-        ids = list(completion.token_ids or [])
-        new = ids[req.seen:]
+        ids = completion.token_ids or []
+        new = list(ids[req.seen:])
         logprobs = self._new_logprobs(req, completion, new)
         req.seen = max(req.seen, len(ids))
         if new or finished:

@@ -126,7 +126,7 @@ class OpenAIServer:
         if outs is None:  # the client went away; nobody reads an answer
             self._log(g, None, "client disconnected", t0)
             return JSONResponse({}, status_code=499)
-        failed = next((o for o in outs if o.finish_reason in ("error", "cancelled")), None)
+        failed = next((o for o in outs if o.failed), None)
         if failed is not None:
             self._log(g, outs, f"failed: {failed.error or failed.finish_reason}", t0)
             raise APIError(f"generation failed: {failed.error or failed.finish_reason}", status=500, type="server_error")
@@ -177,7 +177,7 @@ class OpenAIServer:
             emitted = [0] * choices  # characters of each choice's text streamed so far (logprobs' offsets)
             async for prompt, out in outputs:
                 index = prompt * g.n + out.index
-                if out.finish_reason in ("error", "cancelled"):
+                if out.failed:
                     outcome = f"failed: {out.error or out.finish_reason}"
                     yield _sse(APIError(f"generation failed: {out.error or out.finish_reason}", status=500,
                                         type="server_error").body())
