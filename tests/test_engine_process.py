@@ -4,23 +4,19 @@ process left behind when the executor shuts down, its engine dies or its parent 
 
 from __future__ import annotations
 
-import io
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
-from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
 
 from runtime.core.sampling import SamplingParams
 from runtime.executors.base import ExecutorConfig, create_executor
-from runtime.executors.process import ProcessExecutor, _delta_of, _Messages, _Stream
+from runtime.executors.process import ProcessExecutor, _delta_of, _Stream
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -220,34 +216,3 @@ def test_no_engine_process_outlives_its_parent(spec_checkpoint, tmp_path):
         finally:
             parent.kill()
             parent.wait()
-
-
-def test_the_reader_takes_every_waiting_message_in_one_read():
-    """The parent reads the pipe through a buffer: messages already sent (a step's outputs) come out of one read,
-    not two reads each as Connection.recv takes them; one larger than the buffer comes whole; the child's end
-    closing ends the reading."""
-    reads = []
-
-    class CountedFile(io.FileIO):
-        def readinto(self, buffer):  # type: ignore[override]
-            n = super().readinto(buffer)
-            reads.append(n)
-            return n
-
-    a, b = socket.socketpair()
-    child, parent = Connection(a.detach()), Connection(b.detach())
-    messages = _Messages(io.BufferedReader(CountedFile(os.dup(parent.fileno()), "rb"), 1 << 16))
-    sent = [("out", i, "x" * i) for i in range(100)]
-    for m in sent:
-        child.send(m)
-    assert [messages.recv() for _ in sent] == sent and len(reads) == 1
-    big = ("out", b"y" * 300_000)
-    writer = threading.Thread(target=child.send, args=(big,))
-    writer.start()
-    assert messages.recv() == big
-    writer.join()
-    child.close()
-    with pytest.raises(EOFError):
-        messages.recv()
-    messages.close()
-    parent.close()

@@ -3,23 +3,19 @@
 In one process a server's event loop (HTTP parsing, response formatting, waking streams) takes the GIL
 each time the step loop releases it, at every torch op, and the step loop waits to get it back. Here the
 step loop's process runs nothing else: requests, cancels and calls go down a pipe, and each output comes
-back as one message that one reader thread, reading through a buffer, hands to its request's handle. A
-message carries what is new (tokens, text delta, logprobs; the prompt's logprobs once): the parent rebuilds
-the cumulative token_ids, text and logprobs, so a long stream costs each output its own tokens on both
-sides, not all so far.
+back as one message that one reader thread hands to its request's handle. A message carries what is new
+(tokens, text delta, logprobs; the prompt's logprobs once): the parent rebuilds the cumulative token_ids,
+text and logprobs, so a long stream costs each output its own tokens on both sides, not all so far.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import itertools
 import logging
-import os
 import pickle
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -27,7 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, Callable
 
 import torch
 
@@ -107,36 +103,6 @@ class _Stream:
                                 new_logprobs=None if o.logprobs is None else [], logprobs=None, prompt_logprobs=None,
                                 finished=True, finish_reason="error", error=error))
         return ends
-
-
-class _Messages:
-    """The reading end of a Connection, through a buffer: Connection.recv reads each message's length, then its
-    body (two reads a message); here one read takes whatever the child has sent so far (every output of a step,
-    at any batch size). The framing is Connection's: a big-endian int32 length (-1: a uint64 one follows), then
-    the pickle."""
-
-    def __init__(self, stream: BinaryIO):
-        self._stream = stream
-
-    @classmethod
-    def of(cls, conn: Connection) -> "_Messages":
-        """A reader of its own over `conn`'s descriptor (closing either leaves the other open)."""
-        return cls(io.BufferedReader(io.FileIO(os.dup(conn.fileno()), "rb"), 1 << 16))
-
-    def recv(self) -> Any:
-        (size,) = struct.unpack("!i", self._exactly(4))
-        if size == -1:
-            (size,) = struct.unpack("!Q", self._exactly(8))
-        return pickle.loads(self._exactly(size))
-
-    def close(self) -> None:
-        self._stream.close()
-
-    def _exactly(self, n: int) -> bytes:
-        data = self._stream.read(n)
-        if len(data) < n:
-            raise EOFError
-        return data
 
 
 def _delta_of(out: RequestOutput, first: bool) -> RequestOutput:
@@ -267,10 +233,9 @@ class ProcessExecutor:
     def _read(self) -> None:
         """The one reader of the pipe: outputs to their handles, replies to their callers; at its end (the
         engine process exited or died) every request still open ends with an error."""
-        messages = _Messages.of(self._conn)
         try:
             while True:
-                kind, *payload = messages.recv()
+                kind, *payload = self._conn.recv()
                 if kind == "out":
                     self._deliver(payload[0])
                 elif kind == "reply":
@@ -281,7 +246,6 @@ class ProcessExecutor:
                         future.set_exception(error) if error is not None else future.set_result(value)
         except (EOFError, OSError):
             pass
-        messages.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._process.wait(5 if self._closed else 1)
         if not self._closed:
