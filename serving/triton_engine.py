@@ -36,7 +36,7 @@ import triton_python_backend_utils as pb_utils
 from runtime.executors.base import ExecutorConfig, ExecutorProtocol, create_executor
 from runtime.executors.process import ProcessExecutor, use_engine_process
 from runtime.executors.requests import RequestOutput, RequestStats
-from runtime.core.sampling import SamplingParams
+from runtime.core.sampling_params import SamplingParams
 from serving.launcher import WORLD_SIZE_ENV
 from serving.perf_metrics import PERF_OUTPUTS, PerfMetrics
 from serving.request_validation import RequestError

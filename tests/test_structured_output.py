@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from runtime.core.grammar import GrammarCompiler, check_guide
-from runtime.core.sampling import GuidedDecodingParams, SamplingParams
+from runtime.core.sampling_params import GuidedDecodingParams, SamplingParams
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
 from runtime.executors.requests import RequestOutput

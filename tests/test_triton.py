@@ -31,7 +31,7 @@ import pytest
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
-from runtime.core.sampling import SamplingParams  # noqa: E402
+from runtime.core.sampling_params import SamplingParams  # noqa: E402
 from runtime.executors.session import Session  # noqa: E402
 from runtime.io.engine_format import read_limits  # noqa: E402
 from serving.fill_template import fill, parse_substitutions  # noqa: E402

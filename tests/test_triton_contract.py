@@ -29,7 +29,7 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 httpclient = pytest.importorskip("tritonclient.http")
 
 from builder.trtllm_engine import TrtllmOptions, llm_api_options  # noqa: E402
-from runtime.core.sampling import GuidedDecodingParams, SamplingParams  # noqa: E402
+from runtime.core.sampling_params import GuidedDecodingParams, SamplingParams  # noqa: E402
 from runtime.executors.session import Session  # noqa: E402
 from runtime.io.engine_format import read_limits  # noqa: E402
 from serving.llmapi_config import ModelYamlError, read_model_yaml  # noqa: E402

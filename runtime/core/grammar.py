@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from runtime.core.sampling import GuidedDecodingParams
+from runtime.core.sampling_params import GuidedDecodingParams
 
 CACHE_SIZE = 64  # compiled guides kept per executor
 # JSON as json.dumps writes it: no free whitespace, which a weak or distracted model fills with newlines up to

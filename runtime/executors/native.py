@@ -26,14 +26,14 @@ from runtime.executors.ranks import RankFailure, RankGroup, RankOptions, drive, 
 from runtime.io.engine_format import ENGINE_JSON, EngineManifest
 from runtime.io.loading import LoadedEngine, load_engine
 from runtime.core.kv_cache import KVCache, free_memory_bytes
-from runtime.core.sampling import SamplingParams
+from runtime.core.sampling_params import SamplingParams, validate_request
 from runtime.core.draft_policy import DraftPolicy, StepCosts
 from runtime.core.grammar import GrammarCompiler
 from runtime.core.prefix_cache import PrefixCache
 from runtime.core.scheduler import Scheduler
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.requests import (BestOf, ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestStats,
-                                       RequestTracker, validate_request)
+                                       RequestTracker)
 from runtime.core.sequence import PenaltyState, Sequence
 from runtime.io.tokenizer import Tokenizer
 from runtime.core.model_runner import ModelRunner

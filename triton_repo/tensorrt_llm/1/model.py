@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from runtime.core.sampling import SamplingParams
+from runtime.core.sampling_params import SamplingParams
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.requests import RequestOutput
 from serving.request_validation import (GUIDED_INPUTS, NEUTRAL, TENSORRT_LLM_SCALARS, UNSUPPORTED_ENGINE_INPUTS,
