@@ -14,12 +14,11 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
 import numpy as np
 
-if TYPE_CHECKING:  # runtime.core imports torch: imported where a guide is read, not by every text model's stub
-    from runtime.core.sampling_params import GuidedDecodingParams
+from runtime.core.sampling_params import GuidedDecodingParams
 
 INT32_MAX = 2**31 - 1
 
@@ -215,8 +214,7 @@ MAX_GUIDE_BYTES = 1 << 20  # a guide is not bounded by the context: by this
 def guided_decoding(inputs: dict[str, np.ndarray]) -> GuidedDecodingParams | None:
     """guided_decoding_guide_type and guided_decoding_guide as GuidedDecodingParams (None when the type is absent or
     empty), the guide's grammar checked: a refusal names the input and where in the guide the problem lies."""
-    from runtime.core.grammar import check_guide
-    from runtime.core.sampling_params import GuidedDecodingParams
+    from runtime.core.guide_check import check_guide  # llguidance: loaded where a guide is read
 
     kind_values = inputs.get("guided_decoding_guide_type")
     if kind_values is None or is_empty(kind_values):

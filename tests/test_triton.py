@@ -34,6 +34,7 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 from runtime.core.sampling_params import SamplingParams  # noqa: E402
 from runtime.executors.session import Session  # noqa: E402
 from runtime.io.engine_format import read_limits  # noqa: E402
+from serving.engine_limits import server_dir  # noqa: E402
 from serving.fill_template import fill, parse_substitutions  # noqa: E402
 from serving.launcher import build_command, find_install, free_ports, python_stubs  # noqa: E402
 from triton_util import (TEMPLATE_REPO, TritonServer, add_model, fill_model_repo,  # noqa: E402
@@ -954,6 +955,91 @@ def test_bad_request_names_the_parameter(server: TritonServer, case: str) -> Non
     assert_healthy(server)
 
 
+ENGINE_REFUSALS = {  # requests only tensorrt_llm refused before -> its message, formatted with the tokenizer's values
+    "temperature_negative": (dict(GOOD, temperature=-0.5), "temperature must be a finite number >= 0, got -0.5"),
+    "repetition_penalty_zero": (dict(GOOD, repetition_penalty=0.0),
+                                "repetition_penalty must be a finite number > 0, got 0.0"),
+    "seed_past_int64": (dict(GOOD, seed=np.uint64(2**63)), "seed must be an integer in [0, 2^63), got 9223372036854775808"),
+    "seed_and_random_seed_differ": (dict(GOOD, seed=np.uint64(1), random_seed=np.uint64(2)),
+                                    "seed=1 and random_seed=2 differ (random_seed is the older name of seed); "
+                                    "give one of them"),
+    "min_tokens_and_min_length_differ": (dict(GOOD, min_tokens=5, min_length=6),
+                                         "min_tokens=5 and min_length=6 differ (min_length is the older name of "
+                                         "min_tokens); give one of them"),
+    "end_id_past_vocab": (dict(GOOD, end_id=10**7), "end_id must be an integer in [-1, {v1}], got 10000000"),
+    "bad_word_of_several_tokens": (dict(GOOD, bad_words=[["hello world"]]),
+                                   "bad_words: 'hello world' is {hello_world} tokens; only single-token bad words are "
+                                   "supported"),
+    "max_tokens_past_context": (dict(GOOD, max_tokens=100_000),
+                                "max_tokens 100000 with a {hello}-token prompt exceeds max_seq_len " f"{MAX_SEQ_LEN}; "
+                                "at most {room}"),
+    "prompt_over_max_seq_len": (dict(GOOD, text_input="hello world " * MAX_SEQ_LEN),
+                                f"prompt has {{long}} tokens; max_seq_len is {MAX_SEQ_LEN}"),
+    "guided_with_min_tokens": (dict(GOOD, min_tokens=2, guided_decoding_guide_type="json"),
+                               "guided_decoding cannot be combined with ignore_eos or min_tokens: the grammar decides "
+                               "where the output ends (with eos)"),
+    "guide_invalid": (dict(GOOD, guided_decoding_guide_type="regex", guided_decoding_guide="a{2"),
+                      "guided_decoding_guide is invalid at position 1: unclosed counted repetition"),
+}
+
+
+def engine_refusal(session: Session, case: str) -> tuple[dict, str]:
+    values, message = ENGINE_REFUSALS[case]
+    tok = session.tokenizer
+    hello = len(tok.encode("hello"))
+    return values, message.format(v1=tok.vocab_size - 1, hello=hello, room=MAX_SEQ_LEN - hello,
+                                  hello_world=len(tok.encode("hello world", add_bos=False)),
+                                  long=len(tok.encode("hello world " * MAX_SEQ_LEN)))
+
+
+def executions(server: TritonServer, model: str) -> int:
+    """How many requests `model` has been given (Triton's statistics: refused ones included)."""
+    status, text = http_call(server, f"/v2/models/{model}/stats")
+    assert status == 200, text
+    stats = json.loads(text)["model_stats"][0]["inference_stats"]
+    return stats["success"]["count"] + stats["fail"]["count"]
+
+
+@pytest.mark.parametrize("case", list(ENGINE_REFUSALS), ids=list(ENGINE_REFUSALS))
+def test_bls_refuses_what_tensorrt_llm_would_before_calling_it(server: TritonServer, session: Session,
+                                                              case: str) -> None:
+    """The BLS passed these on to tensorrt_llm and its refusal back with the code Triton 2.51's BLS API reports for
+    it, which depends on the allocator (HTTP 500 under jemalloc): it now refuses them itself, with tensorrt_llm's
+    message, and tensorrt_llm is not called. The ensemble, which calls tensorrt_llm, gets the same message."""
+    values, message = engine_refusal(session, case)
+    before = executions(server, "tensorrt_llm")
+    status, body = http_generate(server, "tensorrt_llm_bls", **values)
+    assert (status, body) == (400, {"error": message})
+    assert executions(server, "tensorrt_llm") == before
+    assert http_generate(server, "ensemble", **values) == (400, {"error": f"in ensemble 'ensemble', {message}"})
+    assert executions(server, "tensorrt_llm") == before + 1  # the count sees a request tensorrt_llm refuses
+    assert_healthy(server)
+
+
+def test_bls_refusals_are_400_under_jemalloc(checkpoint: Path, session: Session, tmp_path: Path) -> None:
+    """Under jemalloc, every refusal the BLS passed on from tensorrt_llm was HTTP 500 (16 of 16 per kind in the soak
+    test's probe, docs/reliability.md): the BLS refuses them itself now, so they are 400 whatever the allocator."""
+    import ctypes.util
+
+    jemalloc = ctypes.util.find_library("jemalloc")
+    if jemalloc is None:
+        pytest.skip("libjemalloc is not installed")
+    repo = fill_model_repo(tmp_path / "repo", repo_values(checkpoint))
+    srv = start_server(repo, log_file=tmp_path / "server.log", ready_timeout_s=240, exit_timeout_s=3,
+                       env={**os.environ, "LD_PRELOAD": jemalloc})
+    try:
+        for case in ENGINE_REFUSALS:
+            values, message = engine_refusal(session, case)
+            assert http_generate(srv, "tensorrt_llm_bls", **values) == (400, {"error": message}), case
+        assert_healthy(srv)
+        srv.process.kill()  # no model finalizes: the engine's limits stay published until the launcher stops it
+        srv.process.wait()
+        assert (server_dir(srv.process.pid) / "tensorrt_llm.json").is_file()
+    finally:
+        srv.stop()
+    assert not server_dir(srv.process.pid).exists()
+
+
 # ---- the shipped model -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def shipped_server(shipped_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
@@ -1206,9 +1292,11 @@ def test_refusals_are_invalid_argument_on_every_model(server: TritonServer) -> N
 def test_text_models_do_not_import_torch() -> None:
     """preprocessing, postprocessing and the BLS run in stubs of their own (ten in the default repository): what
     their modules import, each stub holds. Importing torch through request validation's guided decoding took each
-    from about 49 MB to 243 MB resident (2 GB over the default repository); only tensorrt_llm needs torch."""
-    code = ("import sys, serving.request_validation, serving.text_processing, serving.triton_parameters; "
-            "print(sorted(m for m in ('torch', 'runtime.core') if m in sys.modules))")
+    from about 49 MB to 243 MB resident (2 GB over the default repository); only tensorrt_llm needs torch. The BLS
+    runs tensorrt_llm's request conversion and checks (serving.legacy_request), without it."""
+    code = ("import sys, serving.request_validation, serving.text_processing, serving.triton_parameters, "
+            "serving.legacy_request, serving.engine_limits; "
+            "print(sorted(m for m in ('torch', 'llguidance', 'runtime.core.sampling') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.core.grammar import check_guide
+from runtime.core.guide_check import check_guide
 from runtime.core.sampling import TokenLogprob
 from runtime.core.sampling_params import GuidedDecodingParams, SamplingParams
 from runtime.core.sampling_params import MAX_LOGPROBS
