@@ -196,7 +196,6 @@ def refuse_non_neutral(values: dict[str, Any]) -> None:
 # Inputs TensorRT-LLM clients send that this runtime implements only at their neutral value, by tensorrt_llm's names.
 NEUTRAL: dict[str, tuple[Any, str]] = {
     "beam_width": (lambda v: v == 1, "1 (no beam search)"),
-    "num_return_sequences": (lambda v: v == 1, "1"),
     "return_context_logits": (lambda v: not v, "false"),
     "return_generation_logits": (lambda v: not v, "false"),
     # the BLS's draft-model speculation

@@ -58,12 +58,17 @@ class Stream:
     outputs: frozenset[str] = frozenset()  # the optional outputs the request asked for (model specific)
     params: SamplingParams | None = None
     executor_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    pending: list[int] = field(default_factory=list)  # streamed ids not sent yet
-    pending_text: str = ""  # their text
+    pending: dict[int, list[int]] = field(default_factory=dict)  # streamed ids not sent yet, per output index
+    pending_text: dict[int, str] = field(default_factory=dict)  # their text
     # perf_counter_ns (CLOCK_MONOTONIC, the clock of upstream's std::chrono::steady_clock times)
     arrival_ns: int = field(default_factory=time.perf_counter_ns)
     first_token_ns: int = 0  # when the executor reported the first / latest new tokens (0: none yet)
     last_token_ns: int = 0
+    unfinished: int = field(init=False)  # outputs (SamplingParams.n) whose final output is still to come
+    closed: bool = False  # its final response is sent
+
+    def __post_init__(self) -> None:
+        self.unfinished = 1 if self.params is None else self.params.n
 
 
 @dataclass(frozen=True)
@@ -199,23 +204,27 @@ class EngineModel:
         if out.new_token_ids:
             stream.first_token_ns = stream.first_token_ns or at_ns
             stream.last_token_ns = at_ns
+        if stream.closed:
+            return  # another of the request's outputs failed: its error was the final response
         if out.finish_reason == "error":
             self._close(stream, out, pb_utils.InferenceResponse(error=pb_utils.TritonError(
                 f"generation failed for request {out.request_id}: {out.error or 'see the server log'}")))
             return
-        if stream.streaming:
-            stream.pending += out.new_token_ids
-            stream.pending_text += out.text_delta
-            if not out.finished and (not stream.pending or out.mid_character):
+        if stream.streaming:  # a response per chunk of each output
+            ids = stream.pending.setdefault(out.index, [])
+            ids += out.new_token_ids
+            stream.pending_text[out.index] = stream.pending_text.get(out.index, "") + out.text_delta
+            if not out.finished and (not ids or out.mid_character):
                 return  # the chunk would end inside a character
-            chunk = Chunk(stream.pending, stream.pending_text)
-            stream.pending, stream.pending_text = [], ""
-        elif out.finished:
+            chunk = Chunk(ids, stream.pending_text[out.index])
+            stream.pending[out.index], stream.pending_text[out.index] = [], ""
+        elif out.finished:  # a response per output
             chunk = Chunk(stream.prefix + out.token_ids, out.text)
         else:
             return
         response = self.response(stream, chunk, out)
-        if out.finished:
+        stream.unfinished -= out.finished
+        if not stream.unfinished:  # the last output's last response ends the request
             self._close(stream, out, response)
         else:
             try:
@@ -224,6 +233,7 @@ class EngineModel:
                 self.executor.cancel(stream.executor_id)
 
     def _close(self, stream: Stream, out: RequestOutput, response: Any) -> None:
+        stream.closed = True
         with self._lock:
             self._active.discard(stream)
         with contextlib.suppress(Exception):  # a client that cancelled is not there to tell

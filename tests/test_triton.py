@@ -669,7 +669,6 @@ def test_upstream_grpc_client_reads_text_output(server: TritonServer, expected: 
 
 
 UPSTREAM_CLIENT_FLAGS = {  # end_to_end_grpc_client.py's flags: the inputs it sends and outputs it asks for
-    "-n 2": (dict(num_return_sequences=2), ["sequence_index"], "num_return_sequences=2", "supported: 1"),
     "--return-context-logits": (dict(return_context_logits=True), ["context_logits"], "return_context_logits",
                                 "supported: false"),
     "--return-generation-logits": (dict(return_generation_logits=True), ["generation_logits"],
@@ -701,6 +700,76 @@ def test_upstream_client_flags_are_refused_naming_the_input(server: TritonServer
         grpcclient.InferenceServerClient(server.grpc_url).infer(
             "tensorrt_llm_bls_sync", grpc_inputs(text_input=[["hello"]], max_tokens=4, **values))
     assert e.value.status() == str(grpc.StatusCode.INVALID_ARGUMENT) and name in str(e.value), str(e.value)
+    assert_healthy(server)
+
+
+SAMPLED = dict(max_tokens=TOKENS, top_k=40, temperature=1.0)
+
+
+def sequences(results: list[Any], output: str) -> dict[int, list]:
+    """Each sequence's responses by sequence_index (absent: 0), as upstream's client reads them."""
+    from tritonclient.utils import InferenceServerException
+
+    assert results and not any(isinstance(r, InferenceServerException) for r in results), results
+    by_index: dict[int, list] = {}
+    for r in results:
+        index = r.as_numpy("sequence_index")
+        by_index.setdefault(0 if index is None else int(index[0][0]), []).append(r.as_numpy(output))
+    return by_index
+
+
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls", "tensorrt_llm_bls_accumulate"])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_num_return_sequences_are_the_single_requests_seeded_seed_plus_i(server: TritonServer, model: str,
+                                                                         streaming: bool) -> None:
+    """num_return_sequences N samples N sequences, sequence i as a single request seeded seed + i (the executor's
+    n), each response carrying one sequence and its sequence_index as upstream's (end_to_end_grpc_client.py -n
+    reads them by it): streamed, a response per chunk of each; not streamed, one per sequence. Every KV block
+    comes back."""
+    prompt = dict(text_input=[[PROMPTS[0]]], exclude_input_in_output=True, **SAMPLED)
+    want = [http_generate(server, "ensemble", **dict(prompt, text_input=PROMPTS[0]), seed=5 + i)[1]["text_output"]
+            for i in range(3)]
+    assert len(set(want)) == 3, want
+    results = upstream_grpc_client(server, model, ["text_output", "sequence_index"], **prompt, seed=np.uint64(5),
+                                   num_return_sequences=3, stream=streaming)
+    by_index = sequences(results, "text_output")
+    if model == "tensorrt_llm_bls_accumulate" and streaming:  # each response: the sequence's whole text so far
+        assert [chunks[-1][0].decode() for _, chunks in sorted(by_index.items())] == want
+    else:
+        assert [b"".join(c[0] for c in chunks).decode() for _, chunks in sorted(by_index.items())] == want
+    if streaming:
+        assert all(len(chunks) > 1 for chunks in by_index.values())
+    else:
+        assert [len(chunks) for chunks in by_index.values()] == [1, 1, 1]
+    assert wait_for(lambda: _kv_free(server))
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_tensorrt_llm_num_return_sequences_are_the_single_requests(server: TritonServer, session: Session,
+                                                                   streaming: bool) -> None:
+    """tensorrt_llm direct: output_ids of each sequence, as the single requests seeded seed + i give them."""
+    ids = session.tokenizer.encode(PROMPTS[2])
+    request = dict(input_ids=np.array([ids], np.int32), input_lengths=np.array([[len(ids)]], np.int32),
+                   request_output_len=np.array([[TOKENS]], np.int32), runtime_top_k=np.array([[40]], np.int32),
+                   temperature=np.array([[1.0]], np.float32), streaming=np.array([[streaming]]),
+                   exclude_input_in_output=np.array([[True]]))
+    def ids_by_sequence(**values: Any) -> list[list[int]]:
+        results = upstream_grpc_client(server, "tensorrt_llm", ["output_ids", "sequence_index"], **request, **values)
+        return [[t for chunk in chunks for t in chunk.reshape(-1).tolist()]
+                for _, chunks in sorted(sequences(results, "output_ids").items())]
+
+    want = [ids_by_sequence(seed=np.array([[9 + i]], np.uint64))[0] for i in range(2)]
+    assert want[0] != want[1]
+    assert ids_by_sequence(seed=np.array([[9]], np.uint64), num_return_sequences=np.array([[2]], np.int32)) == want
+    assert wait_for(lambda: _kv_free(server))
+
+
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_greedy_num_return_sequences_is_refused_as_the_executor_refuses_n(server: TritonServer, model: str) -> None:
+    """Every greedy sequence would be the same (upstream's client sends no top_k: its -n 2 decodes greedily)."""
+    [error] = upstream_grpc_client(server, model, ["text_output", "sequence_index"], text_input=[["hello"]],
+                                   max_tokens=4, stream=True, num_return_sequences=2, temperature=1.0)
+    assert "n must be 1 when using greedy sampling (temperature 0), got 2" in str(error), error
     assert_healthy(server)
 
 

@@ -223,6 +223,22 @@ def test_unary_tensorrt_llm_refuses_streaming_naming_the_input(unary: TritonServ
     assert e.value.status() == "400" and "streaming (stream) true needs a decoupled model" in str(e.value), e.value
 
 
+@pytest.mark.parametrize("model, message", [
+    ("ensemble", "num_return_sequences 2 needs a decoupled model (a response per sequence; this one is deployed with "
+                 "decoupled false)"),
+    ("tensorrt_llm_bls", "num_return_sequences 2 needs tensorrt_llm_bls to be decoupled (decoupled_mode:true): a "
+                         "response per sequence")])
+def test_unary_models_refuse_several_sequences_naming_the_input(unary: TritonServer, model: str, message: str) -> None:
+    """A unary model sends one response per request; upstream's sends one per sequence."""
+    from tritonclient.utils import InferenceServerException
+
+    with pytest.raises(InferenceServerException) as e:
+        infer(unary, model, ["text_output"], text_input=np.array([["hi"]], object),
+              max_tokens=np.array([[4]], np.int32), top_k=np.array([[40]], np.int32),
+              num_return_sequences=np.array([[2]], np.int32))
+    assert e.value.status() == "400" and message in str(e.value), e.value
+
+
 # ---- the llmapi flavour -----------------------------------------------------------------------
 @pytest.mark.parametrize("model", ["tensorrt_llm", "tensorrt_llm_unary"])
 def test_llmapi_model_declares_upstreams_tensors_exactly(llmapi: TritonServer, model: str) -> None:

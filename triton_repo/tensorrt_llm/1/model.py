@@ -19,7 +19,7 @@ from runtime.executors.base import ExecutorConfig
 from runtime.executors.requests import RequestOutput
 from serving.engine_limits import EngineLimits, publish, withdraw
 from serving.legacy_request import engine_request, scalar
-from serving.request_validation import client_named, no_unknown_parameters
+from serving.request_validation import RequestError, client_named, no_unknown_parameters
 from serving.triton_engine import Chunk, EngineModel, Stream
 from serving.triton_parameters import (TritonConfig, boolean, integer as integer_parameter, model_path, number,
                                        parameter, settings)
@@ -69,6 +69,9 @@ class TritonPythonModel(EngineModel):
             self.stop(request.request_id(), sender)
             return None
         converted = engine_request(inputs, self.tokenizer, self.limits, self.exclude_input_default)
+        if converted.params.n > 1 and not self.decoupled:
+            raise RequestError(f"num_return_sequences {converted.params.n} needs a decoupled model (a response per "
+                               "sequence; this one is deployed with decoupled false)")
         outputs = frozenset(name for name in ("num_input_tokens", "num_output_tokens", "log_probs")
                             if scalar(inputs, f"return_{name}", False))
         return Stream(sender, request.request_id(), converted.streaming,
@@ -80,7 +83,7 @@ class TritonPythonModel(EngineModel):
         metrics only with return_perf_metrics, token counts only with return_num_*_tokens and cum_log_probs [1, 1] /
         output_log_probs [1, 1, generated tokens of output_ids] only with return_log_probs, for each tensor costs
         every streamed token its trip through the server, the ensemble and the client."""
-        def scalar(name: str, value: Any, dtype: Any) -> Any:
+        def one_value(name: str, value: Any, dtype: Any) -> Any:
             return pb_utils.Tensor(name, np.array([[value]], dtype))
 
         ids = chunk.ids
@@ -91,10 +94,12 @@ class TritonPythonModel(EngineModel):
         if "log_probs" in stream.outputs:  # of the generated tokens in output_ids, under the target model
             chosen = out.logprobs[len(out.logprobs) - len(ids):] if stream.streaming else out.logprobs
             logprobs = [lp.logprob for lp in chosen]
-            tensors += [scalar("cum_log_probs", out.cumulative_logprob, np.float32),
+            tensors += [one_value("cum_log_probs", out.cumulative_logprob, np.float32),
                         pb_utils.Tensor("output_log_probs", np.array(logprobs, np.float32).reshape(1, 1, -1))]
+        if stream.params.n > 1:  # which of num_return_sequences, as upstream's (absent for one)
+            tensors.append(one_value("sequence_index", out.index, np.int32))
         if "num_input_tokens" in stream.outputs:
-            tensors.append(scalar("num_input_tokens", out.stats.prompt_tokens, np.int32))
+            tensors.append(one_value("num_input_tokens", out.stats.prompt_tokens, np.int32))
         if "num_output_tokens" in stream.outputs:
-            tensors.append(scalar("num_output_tokens", out.stats.output_tokens, np.int32))
+            tensors.append(one_value("num_output_tokens", out.stats.output_tokens, np.int32))
         return pb_utils.InferenceResponse(tensors)
