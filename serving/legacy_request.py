@@ -120,7 +120,7 @@ def engine_request(inputs: Inputs, tokenizer: Tokenizer, limits: EngineLimits,
         frequency_penalty=scalar(inputs, "frequency_penalty", 0.0),
         guided_decoding=guided_decoding({name: inputs[name] for name in GUIDED_INPUTS if name in inputs}),
         n=scalar(inputs, "num_return_sequences", 1))
-    validate_request(prompt, params, vocab_size, limits.max_seq_len, limits.max_batch_size)
+    validate_request(prompt, params, vocab_size, limits.max_seq_len, limits.max_batch_size, tokenizer.eos_token_id)
     return EngineRequest(prompt, params, bool(scalar(inputs, "streaming", False)),
                          bool(scalar(inputs, "exclude_input_in_output", exclude_input_default)))
 

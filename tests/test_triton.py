@@ -1049,6 +1049,8 @@ ENGINE_REFUSALS = {  # requests only tensorrt_llm refused before -> its message,
                                "where the output ends (with eos)"),
     "guide_invalid": (dict(GOOD, guided_decoding_guide_type="regex", guided_decoding_guide="a{2"),
                       "guided_decoding_guide is invalid at position 1: unclosed counted repetition"),
+    "guided_with_eos_banned": (dict(GOOD, guided_decoding_guide_type="json", bad_words=[["<｜end▁of▁sentence｜>"]]),
+                               "guided_decoding ends the output with eos; bad_token_ids must not ban it"),
 }
 
 

@@ -181,11 +181,14 @@ class SamplingParams:
 
 
 def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_seq_len: int,
-                     max_batch_size: int) -> None:
-    """Raise ValueError naming the parameter and what was expected."""
+                     max_batch_size: int, eos_token_id: int | None = None) -> None:
+    """Raise ValueError naming the parameter and what was expected (with `eos_token_id`, the executor's eos: a
+    guided request must be able to end with it)."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
     params.validate(vocab_size)
+    if params.guided_decoding is not None and eos_token_id is not None and eos_token_id in params.bad_token_ids:
+        raise ValueError("guided_decoding ends the output with eos; bad_token_ids must not ban it")
     if params.num_sequences > max_batch_size:
         name = "n" if params.best_of is None else "best_of"
         raise ValueError(f"{name} {params.num_sequences} exceeds this executor's max_batch_size {max_batch_size}: "

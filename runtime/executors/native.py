@@ -155,11 +155,9 @@ class Executor:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the parameter when this request cannot run here."""
         validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.limits.max_seq_len,
-                         self.limits.max_batch_size)
+                         self.limits.max_batch_size, self.tokenizer.eos_token_id)
         if params.guided_decoding is not None:
             self.grammars.check(params.guided_decoding)
-            if self.tokenizer.eos_token_id in params.bad_token_ids:
-                raise ValueError("guided_decoding ends the output with eos; bad_token_ids must not ban it")
         if params.num_draft_tokens is not None and params.num_draft_tokens > self.policy.max_k:
             raise ValueError(f"num_draft_tokens {params.num_draft_tokens} exceeds this executor's draft length "
                              f"{self.policy.max_k}")
