@@ -1,6 +1,6 @@
 """The legacy `tensorrt_llm` model's request as the executor takes it: TensorRT-LLM's input tensors (input_ids,
 request_output_len, runtime_top_k, stop_words_list, ...) read and checked, then converted to prompt ids and
-SamplingParams, and checked against the engine's limits as its executor checks them.
+SamplingParams (`engine_request`); and the executor's checks of such a request (`check_engine_request`).
 
 Shared by `tensorrt_llm` and `tensorrt_llm_bls`, which runs it on the tensors it is about to send, so that a request
 tensorrt_llm would refuse is refused by the BLS itself, with the same message: Triton 2.51's BLS API reports a
@@ -61,10 +61,10 @@ def word_list(inputs: Inputs, name: str, vocab_size: int) -> list[list[int]]:
     return words
 
 
-def engine_request(inputs: Inputs, tokenizer: Tokenizer, limits: EngineLimits,
+def engine_request(inputs: Inputs, tokenizer: Tokenizer, vocab_size: int,
                    exclude_input_default: bool) -> EngineRequest:
-    """The request's tensors as the executor's prompt and SamplingParams; RequestError (or the ValueError of
-    SamplingParams / the limits) naming the input where the request cannot be served."""
+    """The request's tensors as the executor's prompt and SamplingParams; RequestError naming the input where they
+    cannot be read. What the executor then checks is `check_engine_request`'s."""
     refuse_unsupported(inputs, UNSUPPORTED_ENGINE_INPUTS)
     refuse_non_neutral({name: scalar(inputs, name) for name in NEUTRAL})
     ids = inputs.get("input_ids")
@@ -77,7 +77,6 @@ def engine_request(inputs: Inputs, tokenizer: Tokenizer, limits: EngineLimits,
     length = scalar(inputs, "input_lengths", len(ids))
     if not 0 <= length <= len(ids):
         raise RequestError(f"input_lengths {length} is outside [0, {len(ids)}] (the input_ids given)")
-    vocab_size = limits.vocab_size
     prompt = token_ids(ids[:length], "input_ids", vocab_size)
     max_tokens = scalar(inputs, "request_output_len")
     if max_tokens is None:
@@ -120,9 +119,15 @@ def engine_request(inputs: Inputs, tokenizer: Tokenizer, limits: EngineLimits,
         frequency_penalty=scalar(inputs, "frequency_penalty", 0.0),
         guided_decoding=guided_decoding({name: inputs[name] for name in GUIDED_INPUTS if name in inputs}),
         n=scalar(inputs, "num_return_sequences", 1))
-    validate_request(prompt, params, vocab_size, limits.max_seq_len, limits.max_batch_size, tokenizer.eos_token_id)
     return EngineRequest(prompt, params, bool(scalar(inputs, "streaming", False)),
                          bool(scalar(inputs, "exclude_input_in_output", exclude_input_default)))
+
+
+def check_engine_request(request: EngineRequest, tokenizer: Tokenizer, limits: EngineLimits) -> None:
+    """The executor's checks of a request (ValueError naming the parameter), for the BLS, which has no executor:
+    tensorrt_llm leaves them to its executor's submit, not to run them twice on its execute thread."""
+    validate_request(request.prompt, request.params, limits.vocab_size, limits.max_seq_len, limits.max_batch_size,
+                     tokenizer.eos_token_id)
 
 
 def _alias(inputs: Inputs, name: str, old_name: str) -> Any:

@@ -50,11 +50,10 @@ class TritonPythonModel(EngineModel):
         self.exclude_input_default = parameter(config, "exclude_input_in_output", boolean, default=False)
         self.start(model_path(config, "gpt_model_path", args["model_repository"]), executor_config, triton,
                    model_name=args["model_name"], model_version=args["model_version"])
-        self.limits = EngineLimits(self.vocab_size, self.executor.limits.max_seq_len,
-                                   self.executor.limits.max_batch_size)
+        limits = EngineLimits(self.vocab_size, self.executor.limits.max_seq_len, self.executor.limits.max_batch_size)
         self.model_name = args["model_name"]
         try:  # for the BLS, which checks requests against them before it calls this model
-            publish(self.model_name, self.limits)
+            publish(self.model_name, limits)
         except OSError as e:  # the BLS then leaves the checks that need them to this model
             pb_utils.Logger.log_warn(f"{self.label}: the engine's limits are not published for the BLS: {e}")
 
@@ -68,7 +67,7 @@ class TritonPythonModel(EngineModel):
         if scalar(inputs, "stop", False):
             self.stop(request.request_id(), sender)
             return None
-        converted = engine_request(inputs, self.tokenizer, self.limits, self.exclude_input_default)
+        converted = engine_request(inputs, self.tokenizer, self.vocab_size, self.exclude_input_default)
         if converted.params.n > 1 and not self.decoupled:
             raise RequestError(f"num_return_sequences {converted.params.n} needs a decoupled model (a response per "
                                "sequence; this one is deployed with decoupled false)")

@@ -22,7 +22,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from serving.engine_limits import PublishedLimits
-from serving.legacy_request import engine_request
+from serving.legacy_request import check_engine_request, engine_request
 from serving.perf_metrics import PERF_OUTPUTS
 from serving.request_validation import (ENGINE_INPUTS, PREPROCESSED, PREPROCESSING_INPUTS, TENSORRT_LLM_SCALARS,
                                         UNSUPPORTED_BLS_INPUTS, RequestError, no_unknown_parameters,
@@ -150,8 +150,9 @@ class TritonPythonModel:
         pre = self.preprocess(client_input)
         engine_inputs = {PREPROCESSED[k]: v for k, v in pre.items() if k in PREPROCESSED} | renamed(request, ENGINE_INPUTS)
         limits = self.engine_limits.get()
-        if limits is not None:  # refuse what tensorrt_llm would, as it would (see check_inputs)
-            engine_request(engine_inputs, self.preprocess.tokenizer, limits, False)
+        if limits is not None:  # refuse what tensorrt_llm and its executor would, as they would (see check_inputs)
+            check_engine_request(engine_request(engine_inputs, self.preprocess.tokenizer, limits.vocab_size, False),
+                                 self.preprocess.tokenizer, limits)
         engine_id = f"{request.request_id()}#{uuid.uuid4().hex}"  # unique: a stop for it ends this request only
         engine_call = pb_utils.InferenceRequest(
             model_name=self.engine_model, request_id=engine_id,
