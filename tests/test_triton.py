@@ -765,6 +765,21 @@ def test_tensorrt_llm_num_return_sequences_are_the_single_requests(server: Trito
 
 
 @pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_num_return_sequences_over_http_take_generate_stream(server: TritonServer, model: str) -> None:
+    """Over HTTP, several sequences are several responses: generate_stream sends one event per sequence (not
+    streamed) with its sequence_index; Triton 2.51's generate takes exactly one response and says so, with HTTP
+    status 200."""
+    values = dict(text_input=PROMPTS[0], exclude_input_in_output=True, num_return_sequences=2, seed=5, **SAMPLED)
+    status, events = http_generate(server, model, "generate_stream", **values)
+    assert status == 200 and sorted(json.loads(e)["sequence_index"] for e in events) == [0, 1], events
+    assert http_generate(server, model, **values) == (200, {
+        "error": "generate expects model to produce exactly 1 response, use generate stream for model that generates "
+                 "various number of responses"})
+    assert wait_for(lambda: _kv_free(server))
+    assert_healthy(server)
+
+
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
 def test_greedy_num_return_sequences_is_refused_as_the_executor_refuses_n(server: TritonServer, model: str) -> None:
     """Every greedy sequence would be the same (upstream's client sends no top_k: its -n 2 decodes greedily)."""
     [error] = upstream_grpc_client(server, model, ["text_output", "sequence_index"], text_input=[["hello"]],
