@@ -760,7 +760,13 @@ def test_tensorrt_llm_num_return_sequences_are_the_single_requests(server: Trito
 
     want = [ids_by_sequence(seed=np.array([[9 + i]], np.uint64))[0] for i in range(2)]
     assert want[0] != want[1]
+    before = metrics(server)
     assert ids_by_sequence(seed=np.array([[9]], np.uint64), num_return_sequences=np.array([[2]], np.int32)) == want
+    # one request in the output-length histogram, with the tokens of both sequences
+    assert wait_for(lambda: metric(metrics(server), "nv_llm_output_token_len_count")
+                    == metric(before, "nv_llm_output_token_len_count") + 1)
+    assert metric(metrics(server), "nv_llm_output_token_len_sum") \
+        == metric(before, "nv_llm_output_token_len_sum") + len(want[0]) + len(want[1])
     assert wait_for(lambda: _kv_free(server))
 
 
