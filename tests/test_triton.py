@@ -186,6 +186,21 @@ def metrics(server: TritonServer) -> dict[str, float]:
             for line in text.splitlines() if line and not line.startswith("#")}
 
 
+def settled_metrics(server: TritonServer, family: str) -> dict[str, float]:
+    """The samples of a metric family once two reads 0.2 s apart agree: a request is counted just after its final
+    response is sent."""
+    def read() -> dict[str, float]:
+        return {k: v for k, v in metrics(server).items() if k.startswith(family)}
+
+    values = read()
+    for _ in range(50):
+        time.sleep(0.2)
+        values, previous = read(), values
+        if values == previous:
+            return values
+    raise AssertionError(f"{family} kept changing")
+
+
 def metric(values: dict[str, float], name: str, **labels: str) -> float:
     """Sum of the samples of `name` whose labels include `labels`."""
     total = 0.0
@@ -760,12 +775,12 @@ def test_tensorrt_llm_num_return_sequences_are_the_single_requests(server: Trito
 
     want = [ids_by_sequence(seed=np.array([[9 + i]], np.uint64))[0] for i in range(2)]
     assert want[0] != want[1]
-    before = metrics(server)
+    before = settled_metrics(server, "nv_llm_output_token_len")  # the requests before counted
     assert ids_by_sequence(seed=np.array([[9]], np.uint64), num_return_sequences=np.array([[2]], np.int32)) == want
     # one request in the output-length histogram, with the tokens of both sequences
-    assert wait_for(lambda: metric(metrics(server), "nv_llm_output_token_len_count")
-                    == metric(before, "nv_llm_output_token_len_count") + 1)
-    assert metric(metrics(server), "nv_llm_output_token_len_sum") \
+    after = settled_metrics(server, "nv_llm_output_token_len")
+    assert metric(after, "nv_llm_output_token_len_count") == metric(before, "nv_llm_output_token_len_count") + 1
+    assert metric(after, "nv_llm_output_token_len_sum") \
         == metric(before, "nv_llm_output_token_len_sum") + len(want[0]) + len(want[1])
     assert wait_for(lambda: _kv_free(server))
 
