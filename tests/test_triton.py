@@ -37,7 +37,7 @@ from runtime.io.engine_format import read_limits  # noqa: E402
 from serving.engine_limits import server_dir  # noqa: E402
 from serving.fill_template import fill, parse_substitutions  # noqa: E402
 from serving.launcher import build_command, find_install, free_ports, python_stubs  # noqa: E402
-from triton_util import (TEMPLATE_REPO, TritonServer, add_model, fill_model_repo,  # noqa: E402
+from triton_util import (EOS, TEMPLATE_REPO, TritonServer, add_model, fill_model_repo,  # noqa: E402
                          make_tiny_checkpoint, repo_values, start_server)
 
 MAX_SEQ_LEN = 1024  # the tiny checkpoint's max_position_embeddings (make_tiny_checkpoint)
@@ -1064,7 +1064,8 @@ ENGINE_REFUSALS = {  # requests only tensorrt_llm refused before -> its message,
     "temperature_negative": (dict(GOOD, temperature=-0.5), "temperature must be a finite number >= 0, got -0.5"),
     "repetition_penalty_zero": (dict(GOOD, repetition_penalty=0.0),
                                 "repetition_penalty must be a finite number > 0, got 0.0"),
-    "seed_past_int64": (dict(GOOD, seed=np.uint64(2**63)), "seed must be an integer in [0, 2^63), got 9223372036854775808"),
+    "seed_past_int64": (dict(GOOD, seed=np.uint64(2**63)),
+                        "seed must be an integer in [0, 2^63), got 9223372036854775808"),
     "seed_and_random_seed_differ": (dict(GOOD, seed=np.uint64(1), random_seed=np.uint64(2)),
                                     "seed=1 and random_seed=2 differ (random_seed is the older name of seed); "
                                     "give one of them"),
@@ -1085,7 +1086,7 @@ ENGINE_REFUSALS = {  # requests only tensorrt_llm refused before -> its message,
                                "where the output ends (with eos)"),
     "guide_invalid": (dict(GOOD, guided_decoding_guide_type="regex", guided_decoding_guide="a{2"),
                       "guided_decoding_guide is invalid at position 1: unclosed counted repetition"),
-    "guided_with_eos_banned": (dict(GOOD, guided_decoding_guide_type="json", bad_words=[["<｜end▁of▁sentence｜>"]]),
+    "guided_with_eos_banned": (dict(GOOD, guided_decoding_guide_type="json", bad_words=[[EOS]]),
                                "guided_decoding ends the output with eos; bad_token_ids must not ban it"),
 }
 

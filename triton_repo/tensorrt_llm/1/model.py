@@ -2,8 +2,8 @@
 out) over runtime's executor (the native `Executor`, or `TrtllmExecutor` for a --backend trtllm engine:
 `create_executor` picks). The executor, sender thread, cancellation, watchdog and metrics are
 serving.triton_engine's, shared with the llmapi model; serving.legacy_request reads TensorRT-LLM's tensors (shared
-with the BLS, which checks requests with it before calling this model); this file writes its outputs. Decoupled (streaming) or not (unary ModelInfer), one instance; stop words stay in the output, as
-upstream's do.
+with the BLS, which checks requests with it before calling this model); this file writes its outputs. Decoupled
+(streaming) or not (unary ModelInfer), one instance; stop words stay in the output, as upstream's do.
 """
 
 from __future__ import annotations

@@ -139,8 +139,8 @@ class TritonPythonModel:
     def _generate(self, request: Any) -> Iterator[Any]:
         n = check_inputs(request).get("num_return_sequences", 1)
         if n > 1 and not self.decoupled:
-            raise RequestError(f"num_return_sequences {n} needs tensorrt_llm_bls to be decoupled (decoupled_mode:true): "
-                               "a response per sequence")
+            raise RequestError(f"num_return_sequences {n} needs tensorrt_llm_bls to be decoupled "
+                               "(decoupled_mode:true): a response per sequence")
 
         def client_input(name: str) -> np.ndarray | None:  # preprocessing's input `name`, from the client's
             t = pb_utils.get_input_tensor_by_name(request, PREPROCESSING_INPUTS[name]) \
@@ -148,7 +148,8 @@ class TritonPythonModel:
             return None if t is None else t.as_numpy()
 
         pre = self.preprocess(client_input)
-        engine_inputs = {PREPROCESSED[k]: v for k, v in pre.items() if k in PREPROCESSED} | renamed(request, ENGINE_INPUTS)
+        engine_inputs = {PREPROCESSED[k]: v for k, v in pre.items() if k in PREPROCESSED} | \
+            renamed(request, ENGINE_INPUTS)
         limits = self.engine_limits.get()
         if limits is not None:  # refuse what tensorrt_llm and its executor would, as they would (see check_inputs)
             check_engine_request(engine_request(engine_inputs, self.preprocess.tokenizer, limits.vocab_size, False),
