@@ -24,6 +24,8 @@ class EngineLimits:
     vocab_size: int
     max_seq_len: int
     max_batch_size: int
+    kv_block_size: int = 0  # tokens per KV block (0: the executor does not say)
+    kv_blocks: int = 0  # blocks in its KV cache
 
 
 def server_dir(server_pid: int) -> Path:

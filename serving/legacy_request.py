@@ -127,7 +127,7 @@ def check_engine_request(request: EngineRequest, tokenizer: Tokenizer, limits: E
     """The executor's checks of a request (ValueError naming the parameter), for the BLS, which has no executor:
     tensorrt_llm leaves them to its executor's submit, not to run them twice on its execute thread."""
     validate_request(request.prompt, request.params, limits.vocab_size, limits.max_seq_len, limits.max_batch_size,
-                     tokenizer.eos_token_id)
+                     tokenizer.eos_token_id, (limits.kv_block_size, limits.kv_blocks) if limits.kv_block_size else None)
 
 
 def _alias(inputs: Inputs, name: str, old_name: str) -> Any:

@@ -1128,19 +1128,31 @@ def test_bls_refuses_what_tensorrt_llm_would_before_calling_it(server: TritonSer
 
 def test_bls_refusals_are_400_under_jemalloc(checkpoint: Path, session: Session, tmp_path: Path) -> None:
     """Under jemalloc, every refusal the BLS passed on from tensorrt_llm was HTTP 500 (16 of 16 per kind in the soak
-    test's probe, docs/reliability.md): the BLS refuses them itself now, so they are 400 whatever the allocator."""
+    test's probe, docs/reliability.md): the BLS refuses them itself now, so they are 400 whatever the allocator; a
+    request that does not fit a KV cache smaller than max_seq_len too."""
     import ctypes.util
 
     jemalloc = ctypes.util.find_library("jemalloc")
     if jemalloc is None:
         pytest.skip("libjemalloc is not installed")
-    repo = fill_model_repo(tmp_path / "repo", repo_values(checkpoint))
+    # a KV cache smaller than one max_seq_len sequence: the executor refuses what does not fit it
+    repo = fill_model_repo(tmp_path / "repo", repo_values(checkpoint, max_tokens_in_paged_kv_cache="256"))
     srv = start_server(repo, log_file=tmp_path / "server.log", ready_timeout_s=240, exit_timeout_s=3,
                        env={**os.environ, "LD_PRELOAD": jemalloc})
     try:
         for case in ENGINE_REFUSALS:
             values, message = engine_refusal(session, case)
             assert http_generate(srv, "tensorrt_llm_bls", **values) == (400, {"error": message}), case
+        assert wait_for(lambda: metric(metrics(srv), "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="max"))
+        m = metrics(srv)
+        block = int(metric(m, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="tokens_per"))
+        blocks = int(metric(m, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="max"))
+        hello = len(session.tokenizer.encode("hello"))
+        message = (f"max_tokens 500 with a {hello}-token prompt needs {-(-(hello + 499) // block)} KV blocks; the cache "
+                   f"has {blocks} (raise kv_cache_tokens)")
+        assert http_generate(srv, "tensorrt_llm_bls", **dict(GOOD, max_tokens=500)) == (400, {"error": message})
+        assert http_generate(srv, "ensemble", **dict(GOOD, max_tokens=500)) == \
+            (400, {"error": f"in ensemble 'ensemble', {message}"})
         assert_healthy(srv)
         srv.process.kill()  # no model finalizes: the engine's limits stay published until the launcher stops it
         srv.process.wait()

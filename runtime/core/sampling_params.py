@@ -181,9 +181,11 @@ class SamplingParams:
 
 
 def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_seq_len: int,
-                     max_batch_size: int, eos_token_id: int | None = None) -> None:
+                     max_batch_size: int, eos_token_id: int | None = None,
+                     kv_cache: tuple[int, int] | None = None) -> None:
     """Raise ValueError naming the parameter and what was expected (with `eos_token_id`, the executor's eos: a
-    guided request must be able to end with it)."""
+    guided request must be able to end with it; with `kv_cache`, its (tokens per block, blocks): the request must
+    fit it alone)."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
     params.validate(vocab_size)
@@ -205,3 +207,10 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_
     if n + params.max_tokens > max_seq_len:
         raise ValueError(f"max_tokens {params.max_tokens} with a {n}-token prompt exceeds max_seq_len "
                          f"{max_seq_len}; at most {max_seq_len - n}")
+    if kv_cache is not None:
+        # The last token is emitted, never cached, and drafts stop short of it: prompt + max_tokens - 1 positions.
+        block_size, blocks = kv_cache
+        need = -(-(n + params.max_tokens - 1) // block_size)
+        if need > blocks:
+            raise ValueError(f"max_tokens {params.max_tokens} with a {n}-token prompt needs {need} KV blocks; the cache "
+                             f"has {blocks} (raise kv_cache_tokens)")

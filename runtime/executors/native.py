@@ -155,17 +155,13 @@ class Executor:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the parameter when this request cannot run here."""
         validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.limits.max_seq_len,
-                         self.limits.max_batch_size, self.tokenizer.eos_token_id)
+                         self.limits.max_batch_size, self.tokenizer.eos_token_id,
+                         (self.cache.block_size, self.cache.allocator.num_blocks))
         if params.guided_decoding is not None:
             self.grammars.check(params.guided_decoding)
         if params.num_draft_tokens is not None and params.num_draft_tokens > self.policy.max_k:
             raise ValueError(f"num_draft_tokens {params.num_draft_tokens} exceeds this executor's draft length "
                              f"{self.policy.max_k}")
-        # The last token is emitted, never cached, and drafts stop short of it: prompt + max_tokens - 1 positions.
-        need = self.cache.blocks_for(len(prompt_token_ids) + params.max_tokens - 1)
-        if need > self.cache.allocator.num_blocks:
-            raise ValueError(f"max_tokens {params.max_tokens} with a {len(prompt_token_ids)}-token prompt needs {need} "
-                             f"KV blocks; the cache has {self.cache.allocator.num_blocks} (raise kv_cache_tokens)")
 
     @property
     def grammars(self) -> GrammarCompiler:

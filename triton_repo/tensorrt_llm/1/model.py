@@ -50,7 +50,9 @@ class TritonPythonModel(EngineModel):
         self.exclude_input_default = parameter(config, "exclude_input_in_output", boolean, default=False)
         self.start(model_path(config, "gpt_model_path", args["model_repository"]), executor_config, triton,
                    model_name=args["model_name"], model_version=args["model_version"])
-        limits = EngineLimits(self.vocab_size, self.executor.limits.max_seq_len, self.executor.limits.max_batch_size)
+        stats = self.executor.stats()  # nothing runs yet: every block is free
+        limits = EngineLimits(self.vocab_size, self.executor.limits.max_seq_len, self.executor.limits.max_batch_size,
+                              self.kv_block_size, stats.kv_blocks_used + stats.kv_blocks_free)
         self.model_name = args["model_name"]
         try:  # for the BLS, which checks requests against them before it calls this model
             publish(self.model_name, limits)
