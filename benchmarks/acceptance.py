@@ -33,7 +33,7 @@ from tqdm import tqdm
 from runtime.io.loading import load_engine
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
-from runtime.core.sampling import SamplingParams
+from runtime.core.sampling_params import SamplingParams
 
 
 def repeated_ngram_fraction(context: list[int], output: list[int], n: int = 4) -> float:

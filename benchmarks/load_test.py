@@ -31,7 +31,7 @@ from tqdm import tqdm
 from runtime.io.loading import load_engine
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
-from runtime.core.sampling import SamplingParams
+from runtime.core.sampling_params import SamplingParams
 
 
 class Deadline:

@@ -24,7 +24,7 @@ from typing import Any
 from benchmarks.common import (add_common_args, load_prompts, machine_info, machine_md, md_table, mean, ms,
                                parse_with_quick, ratio, request_ttft_tpot, round_robin_by_source, save_figure,
                                set_threads, target_line, write_results)
-from runtime.core.sampling import SamplingParams
+from runtime.core.sampling_params import SamplingParams
 from runtime.executors.session import Session
 from serving.openai_server.process import start_dsv3_serve
 

@@ -79,7 +79,7 @@ def tpot(engine: Path, world: int | None, threads: int, batches: list[int], max_
     import torch
 
     from benchmarks.common import load_prompts, mean
-    from runtime.core.sampling import SamplingParams
+    from runtime.core.sampling_params import SamplingParams
     from runtime.executors.base import ExecutorConfig
     from runtime.executors.native import Executor
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from benchmarks.common import (add_common_args, check_minimums, load_prompts, machine_info, machine_md, md_table, mean,
                                ms, parse_with_quick, ratio, set_threads, target_line, write_results)
-from runtime.core.sampling import SamplingParams
+from runtime.core.sampling_params import SamplingParams
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
 from runtime.executors.requests import RequestOutput

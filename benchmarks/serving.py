@@ -38,7 +38,7 @@ from runtime.io.loading import load_engine
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
 from runtime.executors.requests import FAILED_REASONS, RequestOutput
-from runtime.core.sampling import SamplingParams
+from runtime.core.sampling_params import SamplingParams
 
 MODE_ORDER = ("plain", "fixed", "adaptive")
 QUICK_DEFAULTS = dict(concurrency="1,4", num_requests=4, requests_per_client=2, qps_fractions="0.5", qps_requests=4,

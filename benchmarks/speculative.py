@@ -34,7 +34,7 @@ from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
 from runtime.core.cuda_graphs import CudaGraphRunner
 from runtime.core.kv_cache import KVCache
-from runtime.core.sampling import SamplingParams
+from runtime.core.sampling_params import SamplingParams
 from runtime.core.model_runner import ModelRunner
 
 TARGETS = {"k1_vs_k0": 1.6, "best_vs_k0": 2.0, "k0_vs_hf": 3.0}

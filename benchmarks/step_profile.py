@@ -27,7 +27,7 @@ from benchmarks.common import (add_common_args, check_minimums, comma_list, engi
                                machine_md, md_table, parse_with_quick, percentile, request_ttft_tpot,
                                round_robin_by_source, set_threads, timed_request, write_results)
 
-from runtime.core.sampling import SamplingParams
+from runtime.core.sampling_params import SamplingParams
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
 from runtime.executors.requests import RequestTracker

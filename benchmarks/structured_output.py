@@ -26,7 +26,7 @@ from typing import Any
 from benchmarks.common import (add_common_args, check_minimums, comma_list, load_prompts, machine_info, machine_md,
                                md_table, mean, ms, parse_with_quick, ratio, round_robin_by_source, set_threads,
                                write_results)
-from runtime.core.sampling import GuidedDecodingParams, SamplingParams
+from runtime.core.sampling_params import GuidedDecodingParams, SamplingParams
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
 from runtime.io.loading import load_engine

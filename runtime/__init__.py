@@ -9,9 +9,9 @@ __all__ = ["CompletionOutput", "GenerationResult", "GuidedDecodingParams", "Samp
 
 def __getattr__(name: str):
     if name in ("SamplingParams", "GuidedDecodingParams"):
-        from runtime.core import sampling
+        from runtime.core import sampling_params
 
-        return getattr(sampling, name)
+        return getattr(sampling_params, name)
     if name in ("Session", "GenerationResult", "CompletionOutput"):
         from runtime.executors import session
 

@@ -112,7 +112,7 @@ def build(args: argparse.Namespace, work: Path) -> Path:
 def session_runs(engine: Path, k: int, prompts: list[str], args: argparse.Namespace) -> list[Run]:
     """Greedy, one request at a time (TPOT at batch 1), after one warm-up request."""
     from runtime.executors.base import ExecutorConfig
-    from runtime.core.sampling import SamplingParams
+    from runtime.core.sampling_params import SamplingParams
     from runtime.executors.trtllm import TrtllmExecutor
 
     config = ExecutorConfig(num_draft_tokens=k, speculation="fixed" if k else "off")

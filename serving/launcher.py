@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from runtime.executors.lifetime import terminate_with_parent
+from serving.engine_limits import server_dir
 
 # the launcher's --world_size, for the engine models (serving.triton_engine): ExecutorConfig.world_size
 WORLD_SIZE_ENV = "DSV3_WORLD_SIZE"
@@ -272,6 +273,7 @@ class TritonServer:
         self.process.wait()
         for region in SHM_DIR.glob(f"{self.shm_prefix}*"):
             region.unlink(missing_ok=True)
+        shutil.rmtree(server_dir(self.process.pid), ignore_errors=True)  # left behind by a model that did not finalize
         if self._log_handle is not None:
             self._log_handle.close()
         shutil.rmtree(self.workdir, ignore_errors=True)

@@ -14,12 +14,11 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
 import numpy as np
 
-if TYPE_CHECKING:  # runtime.core imports torch: imported where a guide is read, not by every text model's stub
-    from runtime.core.sampling import GuidedDecodingParams
+from runtime.core.sampling_params import GuidedDecodingParams
 
 INT32_MAX = 2**31 - 1
 
@@ -197,7 +196,6 @@ def refuse_non_neutral(values: dict[str, Any]) -> None:
 # Inputs TensorRT-LLM clients send that this runtime implements only at their neutral value, by tensorrt_llm's names.
 NEUTRAL: dict[str, tuple[Any, str]] = {
     "beam_width": (lambda v: v == 1, "1 (no beam search)"),
-    "num_return_sequences": (lambda v: v == 1, "1"),
     "return_context_logits": (lambda v: not v, "false"),
     "return_generation_logits": (lambda v: not v, "false"),
     # the BLS's draft-model speculation
@@ -215,8 +213,7 @@ MAX_GUIDE_BYTES = 1 << 20  # a guide is not bounded by the context: by this
 def guided_decoding(inputs: dict[str, np.ndarray]) -> GuidedDecodingParams | None:
     """guided_decoding_guide_type and guided_decoding_guide as GuidedDecodingParams (None when the type is absent or
     empty), the guide's grammar checked: a refusal names the input and where in the guide the problem lies."""
-    from runtime.core.grammar import check_guide
-    from runtime.core.sampling import GuidedDecodingParams
+    from runtime.core.guide_check import check_guide  # llguidance: loaded where a guide is read
 
     kind_values = inputs.get("guided_decoding_guide_type")
     if kind_values is None or is_empty(kind_values):

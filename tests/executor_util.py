@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from runtime.core.sampling import SamplingParams
+from runtime.core.sampling_params import SamplingParams
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
 from runtime.executors.requests import RequestOutput

@@ -13,7 +13,7 @@ from runtime.core.cuda_graphs import CUBLASLT_MAX_TOKENS
 from runtime.io.loading import load_engine
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
-from runtime.core.sampling import SamplingParams
+from runtime.core.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

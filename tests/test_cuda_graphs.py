@@ -15,7 +15,7 @@ from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
 from runtime.core.kv_cache import KVCache
 from runtime.model.deepseek_v3 import Experts
-from runtime.core.sampling import SamplingParams
+from runtime.core.sampling_params import SamplingParams
 from runtime.core.model_runner import ModelRunner
 
 from conftest import tiny_config_dict

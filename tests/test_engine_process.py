@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.core.sampling import SamplingParams
+from runtime.core.sampling_params import SamplingParams
 from runtime.executors.base import ExecutorConfig, create_executor
 from runtime.executors.process import ProcessExecutor, _delta_of, _Stream
 

@@ -25,7 +25,8 @@ from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
 from runtime.executors.requests import RequestHandle, RequestOutput, RequestStats
 from runtime.core.kv_cache import free_memory_bytes
-from runtime.core.sampling import SamplingParams, TokenLogprob
+from runtime.core.sampling import TokenLogprob
+from runtime.core.sampling_params import SamplingParams
 from runtime.core.draft_policy import DraftPolicy, StepCosts
 from runtime.core.plan import StepResult
 from runtime.core.scheduler import Scheduler

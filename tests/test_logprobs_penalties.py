@@ -20,7 +20,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from runtime.core.sampling import Adjustments, SamplingParams, SamplingTensors, probabilities, token_logprobs
+from runtime.core.sampling import Adjustments, SamplingTensors, probabilities, token_logprobs
+from runtime.core.sampling_params import SamplingParams
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
 from runtime.executors.requests import RequestOutput

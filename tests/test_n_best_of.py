@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from runtime.core.sampling import SamplingParams
+from runtime.core.sampling_params import SamplingParams
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
 from runtime.io.loading import load_engine

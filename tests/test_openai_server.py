@@ -19,7 +19,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from runtime.core.sampling import SamplingParams  # noqa: E402
+from runtime.core.sampling_params import SamplingParams  # noqa: E402
 from runtime.executors.session import Session  # noqa: E402
 from runtime.io.tokenizer import Tokenizer  # noqa: E402
 from serving.openai_server.chat import render_chat  # noqa: E402

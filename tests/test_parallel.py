@@ -21,7 +21,7 @@ import torch
 
 from builder.convert import convert_checkpoint
 from builder.native_engine import build_engine
-from runtime.core.sampling import SamplingParams
+from runtime.core.sampling_params import SamplingParams
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
 from runtime.io.engine_format import BuildConfig
@@ -174,7 +174,7 @@ def test_ranks_die_with_a_killed_executor_process(tp2):
 
 TORCHRUN_SCRIPT = """
 import sys
-from runtime.core.sampling import SamplingParams
+from runtime.core.sampling_params import SamplingParams
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
 with Executor(sys.argv[1], ExecutorConfig(num_draft_tokens=2, speculation="fixed", kv_cache_tokens=1024)) as ex:

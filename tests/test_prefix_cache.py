@@ -18,7 +18,7 @@ import pytest
 
 from runtime.core.kv_cache import BlockAllocator, OutOfBlocks
 from runtime.core.prefix_cache import block_key
-from runtime.core.sampling import SamplingParams
+from runtime.core.sampling_params import SamplingParams
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
 from runtime.executors.requests import RequestOutput

@@ -24,7 +24,8 @@ from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
 from runtime.core.kv_cache import BlockAllocator, KVCache, OutOfBlocks
 from runtime.model.batch import PagedBatch
-from runtime.core.sampling import RelaxedAcceptance, SamplingParams, SamplingTensors, accept, probabilities
+from runtime.core.sampling import RelaxedAcceptance, SamplingTensors, accept, probabilities
+from runtime.core.sampling_params import SamplingParams
 from runtime.core.draft_policy import DraftPolicy
 from runtime.core.scheduler import Scheduler, SchedulerConfig
 from runtime.core.sequence import Sequence, Status

@@ -19,8 +19,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from runtime.core.grammar import GrammarCompiler, check_guide
-from runtime.core.sampling import GuidedDecodingParams, SamplingParams
+from runtime.core.grammar import GrammarCompiler
+from runtime.core.guide_check import check_guide
+from runtime.core.sampling_params import GuidedDecodingParams, SamplingParams
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
 from runtime.executors.requests import RequestOutput

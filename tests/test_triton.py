@@ -31,12 +31,13 @@ import pytest
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
-from runtime.core.sampling import SamplingParams  # noqa: E402
+from runtime.core.sampling_params import SamplingParams  # noqa: E402
 from runtime.executors.session import Session  # noqa: E402
 from runtime.io.engine_format import read_limits  # noqa: E402
+from serving.engine_limits import server_dir  # noqa: E402
 from serving.fill_template import fill, parse_substitutions  # noqa: E402
 from serving.launcher import build_command, find_install, free_ports, python_stubs  # noqa: E402
-from triton_util import (TEMPLATE_REPO, TritonServer, add_model, fill_model_repo,  # noqa: E402
+from triton_util import (EOS, TEMPLATE_REPO, TritonServer, add_model, fill_model_repo,  # noqa: E402
                          make_tiny_checkpoint, repo_values, start_server)
 
 MAX_SEQ_LEN = 1024  # the tiny checkpoint's max_position_embeddings (make_tiny_checkpoint)
@@ -183,6 +184,21 @@ def metrics(server: TritonServer) -> dict[str, float]:
     text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
             for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def settled_metrics(server: TritonServer, family: str) -> dict[str, float]:
+    """The samples of a metric family once two reads 0.2 s apart agree: a request is counted just after its final
+    response is sent."""
+    def read() -> dict[str, float]:
+        return {k: v for k, v in metrics(server).items() if k.startswith(family)}
+
+    values = read()
+    for _ in range(50):
+        time.sleep(0.2)
+        values, previous = read(), values
+        if values == previous:
+            return values
+    raise AssertionError(f"{family} kept changing")
 
 
 def metric(values: dict[str, float], name: str, **labels: str) -> float:
@@ -668,7 +684,6 @@ def test_upstream_grpc_client_reads_text_output(server: TritonServer, expected: 
 
 
 UPSTREAM_CLIENT_FLAGS = {  # end_to_end_grpc_client.py's flags: the inputs it sends and outputs it asks for
-    "-n 2": (dict(num_return_sequences=2), ["sequence_index"], "num_return_sequences=2", "supported: 1"),
     "--return-context-logits": (dict(return_context_logits=True), ["context_logits"], "return_context_logits",
                                 "supported: false"),
     "--return-generation-logits": (dict(return_generation_logits=True), ["generation_logits"],
@@ -700,6 +715,97 @@ def test_upstream_client_flags_are_refused_naming_the_input(server: TritonServer
         grpcclient.InferenceServerClient(server.grpc_url).infer(
             "tensorrt_llm_bls_sync", grpc_inputs(text_input=[["hello"]], max_tokens=4, **values))
     assert e.value.status() == str(grpc.StatusCode.INVALID_ARGUMENT) and name in str(e.value), str(e.value)
+    assert_healthy(server)
+
+
+SAMPLED = dict(max_tokens=TOKENS, top_k=40, temperature=1.0)
+
+
+def sequences(results: list[Any], output: str) -> dict[int, list]:
+    """Each sequence's responses by sequence_index (absent: 0), as upstream's client reads them."""
+    from tritonclient.utils import InferenceServerException
+
+    assert results and not any(isinstance(r, InferenceServerException) for r in results), results
+    by_index: dict[int, list] = {}
+    for r in results:
+        index = r.as_numpy("sequence_index")
+        by_index.setdefault(0 if index is None else int(index[0][0]), []).append(r.as_numpy(output))
+    return by_index
+
+
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls", "tensorrt_llm_bls_accumulate"])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_num_return_sequences_are_the_single_requests_seeded_seed_plus_i(server: TritonServer, model: str,
+                                                                         streaming: bool) -> None:
+    """num_return_sequences N samples N sequences, sequence i as a single request seeded seed + i (the executor's
+    n), each response carrying one sequence and its sequence_index as upstream's (end_to_end_grpc_client.py -n
+    reads them by it): streamed, a response per chunk of each; not streamed, one per sequence. Every KV block
+    comes back."""
+    prompt = dict(text_input=[[PROMPTS[0]]], exclude_input_in_output=True, **SAMPLED)
+    want = [http_generate(server, "ensemble", **dict(prompt, text_input=PROMPTS[0]), seed=5 + i)[1]["text_output"]
+            for i in range(3)]
+    assert len(set(want)) == 3, want
+    results = upstream_grpc_client(server, model, ["text_output", "sequence_index"], **prompt, seed=np.uint64(5),
+                                   num_return_sequences=3, stream=streaming)
+    by_index = sequences(results, "text_output")
+    if model == "tensorrt_llm_bls_accumulate" and streaming:  # each response: the sequence's whole text so far
+        assert [chunks[-1][0].decode() for _, chunks in sorted(by_index.items())] == want
+    else:
+        assert [b"".join(c[0] for c in chunks).decode() for _, chunks in sorted(by_index.items())] == want
+    if streaming:
+        assert all(len(chunks) > 1 for chunks in by_index.values())
+    else:
+        assert [len(chunks) for chunks in by_index.values()] == [1, 1, 1]
+    assert wait_for(lambda: _kv_free(server))
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_tensorrt_llm_num_return_sequences_are_the_single_requests(server: TritonServer, session: Session,
+                                                                   streaming: bool) -> None:
+    """tensorrt_llm direct: output_ids of each sequence, as the single requests seeded seed + i give them."""
+    ids = session.tokenizer.encode(PROMPTS[2])
+    request = dict(input_ids=np.array([ids], np.int32), input_lengths=np.array([[len(ids)]], np.int32),
+                   request_output_len=np.array([[TOKENS]], np.int32), runtime_top_k=np.array([[40]], np.int32),
+                   temperature=np.array([[1.0]], np.float32), streaming=np.array([[streaming]]),
+                   exclude_input_in_output=np.array([[True]]))
+    def ids_by_sequence(**values: Any) -> list[list[int]]:
+        results = upstream_grpc_client(server, "tensorrt_llm", ["output_ids", "sequence_index"], **request, **values)
+        return [[t for chunk in chunks for t in chunk.reshape(-1).tolist()]
+                for _, chunks in sorted(sequences(results, "output_ids").items())]
+
+    want = [ids_by_sequence(seed=np.array([[9 + i]], np.uint64))[0] for i in range(2)]
+    assert want[0] != want[1]
+    before = settled_metrics(server, "nv_llm_output_token_len")  # the requests before counted
+    assert ids_by_sequence(seed=np.array([[9]], np.uint64), num_return_sequences=np.array([[2]], np.int32)) == want
+    # one request in the output-length histogram, with the tokens of both sequences
+    after = settled_metrics(server, "nv_llm_output_token_len")
+    assert metric(after, "nv_llm_output_token_len_count") == metric(before, "nv_llm_output_token_len_count") + 1
+    assert metric(after, "nv_llm_output_token_len_sum") \
+        == metric(before, "nv_llm_output_token_len_sum") + len(want[0]) + len(want[1])
+    assert wait_for(lambda: _kv_free(server))
+
+
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_num_return_sequences_over_http_take_generate_stream(server: TritonServer, model: str) -> None:
+    """Over HTTP, several sequences are several responses: generate_stream sends one event per sequence (not
+    streamed) with its sequence_index; Triton 2.51's generate takes exactly one response and says so, with HTTP
+    status 200."""
+    values = dict(text_input=PROMPTS[0], exclude_input_in_output=True, num_return_sequences=2, seed=5, **SAMPLED)
+    status, events = http_generate(server, model, "generate_stream", **values)
+    assert status == 200 and sorted(json.loads(e)["sequence_index"] for e in events) == [0, 1], events
+    assert http_generate(server, model, **values) == (200, {
+        "error": "generate expects model to produce exactly 1 response, use generate stream for model that generates "
+                 "various number of responses"})
+    assert wait_for(lambda: _kv_free(server))
+    assert_healthy(server)
+
+
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_greedy_num_return_sequences_is_refused_as_the_executor_refuses_n(server: TritonServer, model: str) -> None:
+    """Every greedy sequence would be the same (upstream's client sends no top_k: its -n 2 decodes greedily)."""
+    [error] = upstream_grpc_client(server, model, ["text_output", "sequence_index"], text_input=[["hello"]],
+                                   max_tokens=4, stream=True, num_return_sequences=2, temperature=1.0)
+    assert "n must be 1 when using greedy sampling (temperature 0), got 2" in str(error), error
     assert_healthy(server)
 
 
@@ -954,6 +1060,108 @@ def test_bad_request_names_the_parameter(server: TritonServer, case: str) -> Non
     assert_healthy(server)
 
 
+ENGINE_REFUSALS = {  # requests only tensorrt_llm refused before -> its message, formatted with the tokenizer's values
+    "temperature_negative": (dict(GOOD, temperature=-0.5), "temperature must be a finite number >= 0, got -0.5"),
+    "repetition_penalty_zero": (dict(GOOD, repetition_penalty=0.0),
+                                "repetition_penalty must be a finite number > 0, got 0.0"),
+    "seed_past_int64": (dict(GOOD, seed=np.uint64(2**63)),
+                        "seed must be an integer in [0, 2^63), got 9223372036854775808"),
+    "seed_and_random_seed_differ": (dict(GOOD, seed=np.uint64(1), random_seed=np.uint64(2)),
+                                    "seed=1 and random_seed=2 differ (random_seed is the older name of seed); "
+                                    "give one of them"),
+    "min_tokens_and_min_length_differ": (dict(GOOD, min_tokens=5, min_length=6),
+                                         "min_tokens=5 and min_length=6 differ (min_length is the older name of "
+                                         "min_tokens); give one of them"),
+    "end_id_past_vocab": (dict(GOOD, end_id=10**7), "end_id must be an integer in [-1, {v1}], got 10000000"),
+    "bad_word_of_several_tokens": (dict(GOOD, bad_words=[["hello world"]]),
+                                   "bad_words: 'hello world' is {hello_world} tokens; only single-token bad words are "
+                                   "supported"),
+    "max_tokens_past_context": (dict(GOOD, max_tokens=100_000),
+                                "max_tokens 100000 with a {hello}-token prompt exceeds max_seq_len " f"{MAX_SEQ_LEN}; "
+                                "at most {room}"),
+    "prompt_over_max_seq_len": (dict(GOOD, text_input="hello world " * MAX_SEQ_LEN),
+                                f"prompt has {{long}} tokens; max_seq_len is {MAX_SEQ_LEN}"),
+    "guided_with_min_tokens": (dict(GOOD, min_tokens=2, guided_decoding_guide_type="json"),
+                               "guided_decoding cannot be combined with ignore_eos or min_tokens: the grammar decides "
+                               "where the output ends (with eos)"),
+    "guide_invalid": (dict(GOOD, guided_decoding_guide_type="regex", guided_decoding_guide="a{2"),
+                      "guided_decoding_guide is invalid at position 1: unclosed counted repetition"),
+    "guided_with_eos_banned": (dict(GOOD, guided_decoding_guide_type="json", bad_words=[[EOS]]),
+                               "guided_decoding ends the output with eos; bad_token_ids must not ban it"),
+}
+
+
+def engine_refusal(session: Session, case: str) -> tuple[dict, str]:
+    values, message = ENGINE_REFUSALS[case]
+    tok = session.tokenizer
+    hello = len(tok.encode("hello"))
+    return values, message.format(v1=tok.vocab_size - 1, hello=hello, room=MAX_SEQ_LEN - hello,
+                                  hello_world=len(tok.encode("hello world", add_bos=False)),
+                                  long=len(tok.encode("hello world " * MAX_SEQ_LEN)))
+
+
+def executions(server: TritonServer, model: str) -> int:
+    """How many requests `model` has been given (Triton's statistics: refused ones included)."""
+    status, text = http_call(server, f"/v2/models/{model}/stats")
+    assert status == 200, text
+    stats = json.loads(text)["model_stats"][0]["inference_stats"]
+    return stats["success"]["count"] + stats["fail"]["count"]
+
+
+@pytest.mark.parametrize("case", list(ENGINE_REFUSALS), ids=list(ENGINE_REFUSALS))
+def test_bls_refuses_what_tensorrt_llm_would_before_calling_it(server: TritonServer, session: Session,
+                                                              case: str) -> None:
+    """The BLS passed these on to tensorrt_llm and its refusal back with the code Triton 2.51's BLS API reports for
+    it, which depends on the allocator (HTTP 500 under jemalloc): it now refuses them itself, with tensorrt_llm's
+    message, and tensorrt_llm is not called. The ensemble, which calls tensorrt_llm, gets the same message."""
+    values, message = engine_refusal(session, case)
+    before = executions(server, "tensorrt_llm")
+    status, body = http_generate(server, "tensorrt_llm_bls", **values)
+    assert (status, body) == (400, {"error": message})
+    assert http_generate(server, "ensemble", **values) == (400, {"error": f"in ensemble 'ensemble', {message}"})
+    # Triton counts a request after its response: the ensemble's call is counted, the BLS made none
+    assert wait_for(lambda: executions(server, "tensorrt_llm") > before)
+    time.sleep(0.2)
+    assert executions(server, "tensorrt_llm") == before + 1
+    assert_healthy(server)
+
+
+def test_bls_refusals_are_400_under_jemalloc(checkpoint: Path, session: Session, tmp_path: Path) -> None:
+    """Under jemalloc, every refusal the BLS passed on from tensorrt_llm was HTTP 500 (16 of 16 per kind in the soak
+    test's probe, docs/reliability.md): the BLS refuses them itself now, so they are 400 whatever the allocator; a
+    request that does not fit a KV cache smaller than max_seq_len too."""
+    import ctypes.util
+
+    jemalloc = ctypes.util.find_library("jemalloc")
+    if jemalloc is None:
+        pytest.skip("libjemalloc is not installed")
+    # a KV cache smaller than one max_seq_len sequence: the executor refuses what does not fit it
+    repo = fill_model_repo(tmp_path / "repo", repo_values(checkpoint, max_tokens_in_paged_kv_cache="256"))
+    srv = start_server(repo, log_file=tmp_path / "server.log", ready_timeout_s=240, exit_timeout_s=3,
+                       env={**os.environ, "LD_PRELOAD": jemalloc})
+    try:
+        for case in ENGINE_REFUSALS:
+            values, message = engine_refusal(session, case)
+            assert http_generate(srv, "tensorrt_llm_bls", **values) == (400, {"error": message}), case
+        assert wait_for(lambda: metric(metrics(srv), "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="max"))
+        m = metrics(srv)
+        block = int(metric(m, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="tokens_per"))
+        blocks = int(metric(m, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="max"))
+        hello = len(session.tokenizer.encode("hello"))
+        message = (f"max_tokens 500 with a {hello}-token prompt needs {-(-(hello + 499) // block)} KV blocks; the cache "
+                   f"has {blocks} (raise kv_cache_tokens)")
+        assert http_generate(srv, "tensorrt_llm_bls", **dict(GOOD, max_tokens=500)) == (400, {"error": message})
+        assert http_generate(srv, "ensemble", **dict(GOOD, max_tokens=500)) == \
+            (400, {"error": f"in ensemble 'ensemble', {message}"})
+        assert_healthy(srv)
+        srv.process.kill()  # no model finalizes: the engine's limits stay published until the launcher stops it
+        srv.process.wait()
+        assert (server_dir(srv.process.pid) / "tensorrt_llm.json").is_file()
+    finally:
+        srv.stop()
+    assert not server_dir(srv.process.pid).exists()
+
+
 # ---- the shipped model -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def shipped_server(shipped_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
@@ -1130,6 +1338,23 @@ def test_refusals_are_checked_in_the_declared_type(server: TritonServer, session
     assert_healthy(server)
 
 
+def test_negative_seed_over_http_is_refused_by_tritons_frontend(server: TritonServer) -> None:
+    """seed is UINT64, as upstream declares it: Triton's HTTP front end fails to convert -1 before any model sees
+    it, and answers 500 on generate and on infer alike; nothing of ours runs, so this records Triton 2.51's behaviour
+    (docs/reliability.md). A seed past 2^63 does reach the models, which refuse it with 400."""
+    error = {"error": "Unable to parse 'data': attempt to access JSON non-unsigned-integer as unsigned-integer"}
+    for model in ("ensemble", "tensorrt_llm_bls"):
+        assert http_generate(server, model, **GOOD, seed=-1) == (500, error), model
+        status, body = http_generate(server, model, **GOOD, seed=2**64 - 1)
+        assert status == 400 and "seed" in body["error"], (model, status, body)
+    status, text = http_call(server, "/v2/models/tensorrt_llm_bls_sync/infer", {"inputs": [
+        {"name": "text_input", "shape": [1, 1], "datatype": "BYTES", "data": ["hello"]},
+        {"name": "max_tokens", "shape": [1, 1], "datatype": "INT32", "data": [8]},
+        {"name": "seed", "shape": [1, 1], "datatype": "UINT64", "data": [-1]}]})
+    assert (status, json.loads(text)) == (500, error)
+    assert_healthy(server)
+
+
 @pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
 def test_unknown_generate_keys_are_refused(server: TritonServer, model: str) -> None:
     """The generate endpoint passes JSON keys that are not inputs on as request parameters; a misspelt input
@@ -1206,9 +1431,11 @@ def test_refusals_are_invalid_argument_on_every_model(server: TritonServer) -> N
 def test_text_models_do_not_import_torch() -> None:
     """preprocessing, postprocessing and the BLS run in stubs of their own (ten in the default repository): what
     their modules import, each stub holds. Importing torch through request validation's guided decoding took each
-    from about 49 MB to 243 MB resident (2 GB over the default repository); only tensorrt_llm needs torch."""
-    code = ("import sys, serving.request_validation, serving.text_processing, serving.triton_parameters; "
-            "print(sorted(m for m in ('torch', 'runtime.core') if m in sys.modules))")
+    from about 49 MB to 243 MB resident (2 GB over the default repository); only tensorrt_llm needs torch. The BLS
+    runs tensorrt_llm's request conversion and checks (serving.legacy_request), without it."""
+    code = ("import sys, serving.request_validation, serving.text_processing, serving.triton_parameters, "
+            "serving.legacy_request, serving.engine_limits; "
+            "print(sorted(m for m in ('torch', 'llguidance', 'runtime.core.sampling') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

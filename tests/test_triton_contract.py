@@ -29,7 +29,7 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 httpclient = pytest.importorskip("tritonclient.http")
 
 from builder.trtllm_engine import TrtllmOptions, llm_api_options  # noqa: E402
-from runtime.core.sampling import GuidedDecodingParams, SamplingParams  # noqa: E402
+from runtime.core.sampling_params import GuidedDecodingParams, SamplingParams  # noqa: E402
 from runtime.executors.session import Session  # noqa: E402
 from runtime.io.engine_format import read_limits  # noqa: E402
 from serving.llmapi_config import ModelYamlError, read_model_yaml  # noqa: E402
@@ -221,6 +221,22 @@ def test_unary_tensorrt_llm_refuses_streaming_naming_the_input(unary: TritonServ
         infer(unary, "ensemble", ["text_output"], text_input=np.array([["hi"]], object),
               max_tokens=np.array([[4]], np.int32), stream=np.array([[True]]))
     assert e.value.status() == "400" and "streaming (stream) true needs a decoupled model" in str(e.value), e.value
+
+
+@pytest.mark.parametrize("model, message", [
+    ("ensemble", "num_return_sequences 2 needs a decoupled model (a response per sequence; this one is deployed with "
+                 "decoupled false)"),
+    ("tensorrt_llm_bls", "num_return_sequences 2 needs tensorrt_llm_bls to be decoupled (decoupled_mode:true): a "
+                         "response per sequence")])
+def test_unary_models_refuse_several_sequences_naming_the_input(unary: TritonServer, model: str, message: str) -> None:
+    """A unary model sends one response per request; upstream's sends one per sequence."""
+    from tritonclient.utils import InferenceServerException
+
+    with pytest.raises(InferenceServerException) as e:
+        infer(unary, model, ["text_output"], text_input=np.array([["hi"]], object),
+              max_tokens=np.array([[4]], np.int32), top_k=np.array([[40]], np.int32),
+              num_return_sequences=np.array([[2]], np.int32))
+    assert e.value.status() == "400" and message in str(e.value), e.value
 
 
 # ---- the llmapi flavour -----------------------------------------------------------------------

@@ -44,7 +44,8 @@ from runtime.io.engine_format import BuildConfig, EngineError, engine_backend
 from runtime.executors.base import ExecutorConfig, create_executor
 from runtime.executors.native import Executor
 from runtime.executors.requests import RequestOutput
-from runtime.core.sampling import GuidedDecodingParams, RelaxedAcceptance, SamplingParams
+from runtime.core.sampling import RelaxedAcceptance
+from runtime.core.sampling_params import GuidedDecodingParams, SamplingParams
 from runtime.core.scheduler import SchedulerConfig
 from runtime.executors.trtllm import (
     LLM_API_OPTIONS,

@@ -17,133 +17,18 @@ draft length: greedy output under a grammar does not depend on k.
 
 from __future__ import annotations
 
-import ast
-import json
-import re
 import threading
 from collections import OrderedDict
-from typing import Any
 
 import llguidance
 import numpy as np
 import torch
 from torch import Tensor
 
-from runtime.core.sampling import GuidedDecodingParams
+from runtime.core.guide_check import check_guide
+from runtime.core.sampling_params import GuidedDecodingParams
 
 CACHE_SIZE = 64  # compiled guides kept per executor
-# JSON as json.dumps writes it: no free whitespace, which a weak or distracted model fills with newlines up to
-# max_tokens (llguidance's default allows any); a schema's "x-guidance" object overrides these
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-_SUBSCHEMA_DICTS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SUBSCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
-                  "unevaluatedProperties", "unevaluatedItems", "additionalItems")
-_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
-
-
-def _grammar_text(guide: GuidedDecodingParams) -> str:
-    """llguidance's grammar for a guide (parsed, not yet validated); the grammar field takes GBNF/EBNF
-    (`root ::= ...`, as xgrammar and TensorRT-LLM) or Lark."""
-    kind, text = guide.kind, guide.text
-    if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_OPTIONS)
-    if kind == "json":
-        return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
-    if kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(text)
-    return llguidance.grammar_from("grammar", text)
-
-
-def _line_col(text: str, offset: int) -> str:
-    line, line_start = text.count("\n", 0, offset) + 1, text.rfind("\n", 0, offset) + 1
-    return f"line {line}, column {offset - line_start + 1}"
-
-
-def _schema_children(node: dict) -> list[tuple[str, Any]]:
-    """(JSON pointer step, subschema) pairs of a schema node."""
-    out = []
-    for key in _SUBSCHEMA_DICTS:
-        if isinstance(node.get(key), dict):
-            out += [(f"{key}/{name}", sub) for name, sub in node[key].items()]
-    for key in _SUBSCHEMA_ONE:
-        if isinstance(node.get(key), dict):
-            out.append((key, node[key]))
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(node.get(key), list):
-            out += [(f"{key}/{i}", sub) for i, sub in enumerate(node[key])]
-    return [(step, sub) for step, sub in out if isinstance(sub, dict)]
-
-
-def _schema_error(schema: dict) -> str:
-    return llguidance.LLMatcher.validate_grammar(_grammar_text(GuidedDecodingParams(json=schema)))
-
-
-def _schema_location(schema: dict, error: str) -> str:
-    """The JSON pointer of the deepest subschema that fails alone with the same error: where it lies (the engine's
-    schema errors name no position)."""
-    path, node = "", schema
-    while isinstance(node, dict):
-        for step, sub in _schema_children(node):
-            try:
-                same = _schema_error(sub) == error
-            except ValueError:
-                same = False
-            if same:
-                path, node = f"{path}/{step}", sub
-                break
-        else:
-            break
-    return path or "/"
-
-
-def _position(kind: str, text: str, error: str) -> str:
-    """Where in the guide the engine's error lies, in the guide's own terms."""
-    if kind == "regex":  # "regex parse error:\n    <regex>\n    <carets>\nerror: ..."
-        m = re.search(r"regex parse error:\n {4}[^\n]*\n( *)\^", error)
-        return f"position {len(m.group(1)) - 4}" if m else "an unknown position"
-    if kind == "json":
-        return f"{_schema_location(json.loads(text), error)} of the schema"
-    m = re.search(r"Rule '([^']+)' not found", error) or re.search(r'unknown name: "([^"]+)"', error)
-    if m:  # the first use of the undefined name
-        found = re.search(rf"(?<![\w-]){re.escape(m.group(1))}(?![\w-])", text)
-        return _line_col(text, found.start()) if found else "an unknown position"
-    m = re.search(r"at line \d+, ('(?:[^'\\]|\\.)*') \^", error)  # GBNF: 'the text before the problem' ^ '...'
-    if m and (before := ast.literal_eval(m.group(1))) and text.find(before) >= 0:
-        return _line_col(text, text.find(before) + len(before))
-    m = re.search(r"at line (\d+)", error) or re.match(r"(?:at )?(\d+)\((\d+)\)", error)  # Lark: line(column)
-    if m:
-        return f"line {m.group(1)}" + (f", column {m.group(2)}" if m.lastindex == 2 else "")
-    return "an unknown position"
-
-
-def _problem(error: str) -> str:
-    """The engine's message without its echo of the guide."""
-    m = re.search(r"\nerror: ([^\n]*)", error)
-    if m:
-        return m.group(1)
-    first = error.strip().split("\n")[0]
-    first = re.sub(r"^(?:at )?\d+\(\d+\): ", "", first)
-    first = re.sub(r" at line \d+, '.*$", "", first)
-    return re.sub(r"^Failed to convert the grammar from GBNF to Lark: ", "", first)
-
-
-def check_guide(guide: GuidedDecodingParams, field: str = "guided_decoding") -> str:
-    """The guide's grammar; ValueError naming `field` and the position of the problem when the guide is invalid."""
-    name = f"{field}.{guide.kind}" if field == "guided_decoding" else field
-    if guide.kind == "json":
-        try:
-            json.loads(guide.text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{name} is not valid JSON: {e.msg.removesuffix(' at')} at line {e.lineno}, column "
-                             f"{e.colno}") from None
-    try:
-        grammar = _grammar_text(guide)
-        error = llguidance.LLMatcher.validate_grammar(grammar)
-    except ValueError as e:  # the GBNF-to-Lark conversion raises
-        grammar, error = "", str(e)
-    if error:
-        raise ValueError(f"{name} is invalid at {_position(guide.kind, guide.text, error)}: {_problem(error)}")
-    return grammar
 
 
 class GrammarMatcher:

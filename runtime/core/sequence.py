@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from runtime.core.sampling import SamplingParams
+from runtime.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from runtime.core.grammar import GrammarMatcher

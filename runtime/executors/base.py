@@ -10,7 +10,8 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from runtime.core.sampling import RelaxedAcceptance, SamplingParams
+from runtime.core.sampling import RelaxedAcceptance
+from runtime.core.sampling_params import SamplingParams
 from runtime.core.scheduler import SchedulerConfig
 from runtime.executors.requests import ExecutorStats, RequestHandle, RequestOutput
 from runtime.io.engine_format import BuildConfig, engine_backend

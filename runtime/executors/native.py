@@ -26,14 +26,14 @@ from runtime.executors.ranks import RankFailure, RankGroup, RankOptions, drive, 
 from runtime.io.engine_format import ENGINE_JSON, EngineManifest
 from runtime.io.loading import LoadedEngine, load_engine
 from runtime.core.kv_cache import KVCache, free_memory_bytes
-from runtime.core.sampling import SamplingParams
+from runtime.core.sampling_params import SamplingParams, validate_request
 from runtime.core.draft_policy import DraftPolicy, StepCosts
 from runtime.core.grammar import GrammarCompiler
 from runtime.core.prefix_cache import PrefixCache
 from runtime.core.scheduler import Scheduler
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.requests import (BestOf, ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestStats,
-                                       RequestTracker, validate_request)
+                                       RequestTracker)
 from runtime.core.sequence import PenaltyState, Sequence
 from runtime.io.tokenizer import Tokenizer
 from runtime.core.model_runner import ModelRunner
@@ -155,19 +155,13 @@ class Executor:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the parameter when this request cannot run here."""
         validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.limits.max_seq_len,
-                         self.limits.max_batch_size)
+                         self.limits.max_batch_size, self.tokenizer.eos_token_id,
+                         (self.cache.block_size, self.cache.allocator.num_blocks))
         if params.guided_decoding is not None:
             self.grammars.check(params.guided_decoding)
-            if self.tokenizer.eos_token_id in params.bad_token_ids:
-                raise ValueError("guided_decoding ends the output with eos; bad_token_ids must not ban it")
         if params.num_draft_tokens is not None and params.num_draft_tokens > self.policy.max_k:
             raise ValueError(f"num_draft_tokens {params.num_draft_tokens} exceeds this executor's draft length "
                              f"{self.policy.max_k}")
-        # The last token is emitted, never cached, and drafts stop short of it: prompt + max_tokens - 1 positions.
-        need = self.cache.blocks_for(len(prompt_token_ids) + params.max_tokens - 1)
-        if need > self.cache.allocator.num_blocks:
-            raise ValueError(f"max_tokens {params.max_tokens} with a {len(prompt_token_ids)}-token prompt needs {need} "
-                             f"KV blocks; the cache has {self.cache.allocator.num_blocks} (raise kv_cache_tokens)")
 
     @property
     def grammars(self) -> GrammarCompiler:

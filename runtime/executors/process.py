@@ -27,7 +27,8 @@ from typing import Any, Callable
 
 import torch
 
-from runtime.core.sampling import SamplingParams, TokenLogprob
+from runtime.core.sampling import TokenLogprob
+from runtime.core.sampling_params import SamplingParams
 from runtime.executors.base import ExecutorConfig, create_executor
 from runtime.executors.lifetime import python_executable, terminate_with_parent
 from runtime.executors.requests import (ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestStats,

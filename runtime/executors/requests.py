@@ -16,8 +16,8 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable, Iterator, Protocol, Sequence, TypeVar, overload
 
-from runtime.model.config import is_int
-from runtime.core.sampling import SamplingParams, TokenLogprob
+from runtime.core.sampling import TokenLogprob
+from runtime.core.sampling_params import SamplingParams
 from runtime.io.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -348,30 +348,6 @@ class RequestIds:
     def release(self, request_id: str) -> None:
         with self._lock:
             self._live.discard(request_id)
-
-
-def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_seq_len: int,
-                     max_batch_size: int) -> None:
-    """Raise ValueError naming the parameter and what was expected."""
-    if not isinstance(params, SamplingParams):
-        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-    params.validate(vocab_size)
-    if params.num_sequences > max_batch_size:
-        name = "n" if params.best_of is None else "best_of"
-        raise ValueError(f"{name} {params.num_sequences} exceeds this executor's max_batch_size {max_batch_size}: "
-                         "the request's sequences run in one batch")
-    if not isinstance(prompt_token_ids, (list, tuple)) or not all(map(is_int, prompt_token_ids)):
-        raise ValueError(f"prompt must be a list of integer token ids, got {prompt_token_ids!r:.80}")
-    n = len(prompt_token_ids)
-    if n == 0:
-        raise ValueError("prompt must not be empty")
-    if any(not 0 <= t < vocab_size for t in prompt_token_ids):
-        raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
-    if n >= max_seq_len:
-        raise ValueError(f"prompt has {n} tokens; max_seq_len is {max_seq_len}")
-    if n + params.max_tokens > max_seq_len:
-        raise ValueError(f"max_tokens {params.max_tokens} with a {n}-token prompt exceeds max_seq_len "
-                         f"{max_seq_len}; at most {max_seq_len - n}")
 
 
 @dataclass(eq=False)

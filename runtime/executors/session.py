@@ -16,7 +16,8 @@ from typing import Iterator
 
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.requests import RequestStats
-from runtime.core.sampling import SamplingParams, TokenLogprob
+from runtime.core.sampling import TokenLogprob
+from runtime.core.sampling_params import SamplingParams
 from runtime.executors.base import create_executor
 
 

@@ -67,9 +67,10 @@ import yaml
 
 from runtime.io.engine_format import ENGINE_JSON, LLM_API_OPTIONS, BuildConfig, EngineError, EngineManifest, file_sha256
 from runtime.executors.base import ExecutorConfig
-from runtime.executors.requests import ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestTracker, validate_request
-from runtime.core.grammar import check_guide
-from runtime.core.sampling import GuidedDecodingParams, SamplingParams, TokenLogprob
+from runtime.executors.requests import ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestTracker
+from runtime.core.guide_check import check_guide
+from runtime.core.sampling import TokenLogprob
+from runtime.core.sampling_params import GuidedDecodingParams, SamplingParams, validate_request
 from runtime.core.scheduler import SchedulerConfig
 from runtime.io.tokenizer import Tokenizer
 

@@ -17,8 +17,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.core.grammar import check_guide
-from runtime.core.sampling import MAX_LOGPROBS, GuidedDecodingParams, SamplingParams, TokenLogprob
+from runtime.core.guide_check import check_guide
+from runtime.core.sampling import TokenLogprob
+from runtime.core.sampling_params import GuidedDecodingParams, SamplingParams
+from runtime.core.sampling_params import MAX_LOGPROBS
 from runtime.executors.requests import RequestStats
 from runtime.io.tokenizer import Tokenizer
 from serving.openai_server.chat import render_chat

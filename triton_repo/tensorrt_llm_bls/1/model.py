@@ -21,6 +21,8 @@ from typing import Any, Iterator
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from serving.engine_limits import PublishedLimits
+from serving.legacy_request import check_engine_request, engine_request
 from serving.perf_metrics import PERF_OUTPUTS
 from serving.request_validation import (ENGINE_INPUTS, PREPROCESSED, PREPROCESSING_INPUTS, TENSORRT_LLM_SCALARS,
                                         UNSUPPORTED_BLS_INPUTS, RequestError, no_unknown_parameters,
@@ -30,9 +32,9 @@ from serving.triton_parameters import boolean, parameter, sibling_config
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # tensorrt_llm's optional outputs, passed on when it sends them (return_perf_metrics, return_num_*_tokens,
-# return_log_probs)
+# return_log_probs, num_return_sequences above 1)
 STATS = (*(name for name, *_ in PERF_OUTPUTS["legacy"]), "num_input_tokens", "num_output_tokens", "cum_log_probs",
-         "output_log_probs")
+         "output_log_probs", "sequence_index")
 
 
 class BLSError(Exception):
@@ -43,13 +45,13 @@ class BLSError(Exception):
         self.code = error.code()
 
 
-def renamed(request: Any, names: dict[str, str]) -> list:
+def renamed(request: Any, names: dict[str, str]) -> dict[str, np.ndarray]:
     """The request's tensors among `names`, under their new names."""
-    out = []
+    out = {}
     for old, new in names.items():
         t = pb_utils.get_input_tensor_by_name(request, old)
         if t is not None:
-            out.append(pb_utils.Tensor(new, t.as_numpy()))
+            out[new] = t.as_numpy()
     return out
 
 
@@ -59,10 +61,13 @@ def outputs(response: Any) -> dict[str, np.ndarray]:
     return {t.name(): t.as_numpy() for t in response.output_tensors()}
 
 
-def check_inputs(request: Any) -> None:
-    """Refuse what tensorrt_llm would, under the client's names rather than the engine's (top_k, not
-    runtime_top_k), parameters this model does not take and inputs of upstream's BLS this runtime does not
-    implement; before tensorrt_llm is called (Triton 2.51's BLS API drops the error code of the models it calls)."""
+def check_inputs(request: Any) -> dict[str, Any]:
+    """Refuse the client's values under the client's names rather than the engine's (top_k, not runtime_top_k),
+    parameters this model does not take and inputs of upstream's BLS this runtime does not implement. What the
+    request means (max_tokens against the context, ...) is checked next, on the tensors for tensorrt_llm, by
+    tensorrt_llm's own conversion (`engine_request`): Triton 2.51's BLS API reports a composing model's error code
+    differently by allocator (a refusal of tensorrt_llm's came back as HTTP 500 under jemalloc), so nothing the
+    client did wrong is left for tensorrt_llm to refuse. Returns the scalar values read, by tensorrt_llm's names."""
     no_unknown_parameters(request.parameters(), "tensorrt_llm_bls")
     inputs = {t.name(): t.as_numpy() for t in request.inputs()}
     refuse_unsupported(inputs, UNSUPPORTED_BLS_INPUTS)
@@ -71,13 +76,14 @@ def check_inputs(request: Any) -> None:
         if client in inputs and engine in TENSORRT_LLM_SCALARS:
             values[engine] = TENSORRT_LLM_SCALARS[engine].read(inputs[client], client)
     refuse_non_neutral(values)
+    return values
 
 
 def error_response(e: Exception) -> Any:
     """A composing model's error or our own refusal as it is; any other failure without its traceback."""
     if isinstance(e, BLSError):
         return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e), e.code))
-    if isinstance(e, RequestError):
+    if isinstance(e, ValueError):  # a refusal (RequestError, or the request checks of tensorrt_llm: engine_request)
         return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG))
     pb_utils.Logger.log_error(f"tensorrt_llm_bls: request failed: {''.join(traceback.format_exception(e))}")
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(
@@ -98,6 +104,7 @@ class TritonPythonModel:
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.engine_model = parameter(config, "tensorrt_llm_model_name", default="tensorrt_llm")
         self.accumulate = parameter(config, "accumulate_tokens", boolean, default=False)
+        self.engine_limits = PublishedLimits(self.engine_model)
 
     def execute(self, requests: list) -> list | None:
         if self.decoupled:
@@ -130,7 +137,10 @@ class TritonPythonModel:
             return error_response(e)
 
     def _generate(self, request: Any) -> Iterator[Any]:
-        check_inputs(request)
+        n = check_inputs(request).get("num_return_sequences", 1)
+        if n > 1 and not self.decoupled:
+            raise RequestError(f"num_return_sequences {n} needs tensorrt_llm_bls to be decoupled "
+                               "(decoupled_mode:true): a response per sequence")
 
         def client_input(name: str) -> np.ndarray | None:  # preprocessing's input `name`, from the client's
             t = pb_utils.get_input_tensor_by_name(request, PREPROCESSING_INPUTS[name]) \
@@ -138,25 +148,33 @@ class TritonPythonModel:
             return None if t is None else t.as_numpy()
 
         pre = self.preprocess(client_input)
+        engine_inputs = {PREPROCESSED[k]: v for k, v in pre.items() if k in PREPROCESSED} | \
+            renamed(request, ENGINE_INPUTS)
+        limits = self.engine_limits.get()
+        if limits is not None:  # refuse what tensorrt_llm and its executor would, as they would (see check_inputs)
+            check_engine_request(engine_request(engine_inputs, self.preprocess.tokenizer, limits.vocab_size, False),
+                                 self.preprocess.tokenizer, limits)
         engine_id = f"{request.request_id()}#{uuid.uuid4().hex}"  # unique: a stop for it ends this request only
-        engine_request = pb_utils.InferenceRequest(
+        engine_call = pb_utils.InferenceRequest(
             model_name=self.engine_model, request_id=engine_id,
-            inputs=[pb_utils.Tensor(PREPROCESSED[k], v) for k, v in pre.items() if k in PREPROCESSED]
-            + renamed(request, ENGINE_INPUTS),
+            inputs=[pb_utils.Tensor(name, v) for name, v in engine_inputs.items()],
             requested_output_names=["output_ids", "sequence_length", *STATS])
         stream = pb_utils.get_input_tensor_by_name(request, "stream")
-        accumulated: list[int] | None = [] if self.accumulate and stream is not None and stream.as_numpy().any() else None
-        engine_responses = engine_request.exec(decoupled=True)
+        # accumulate_tokens: the whole text so far of each sequence (by sequence_index) in each of its responses
+        accumulate = self.accumulate and stream is not None and stream.as_numpy().any()
+        accumulated: dict[int, list[int]] = {}
+        engine_responses = engine_call.exec(decoupled=True)
         finished = False
         try:
             for response in engine_responses:
                 out = outputs(response)
                 if "output_ids" not in out:
                     continue  # a flags-only final response
-                if accumulated is not None:  # accumulate_tokens: the whole text so far in each response
-                    accumulated += out["output_ids"].reshape(-1)[: int(out["sequence_length"].reshape(-1)[0])].tolist()
-                    out["output_ids"] = np.array(accumulated, np.int32).reshape(1, 1, -1)
-                    out["sequence_length"] = np.array([[len(accumulated)]], np.int32)
+                if accumulate:
+                    ids = accumulated.setdefault(int(out.get("sequence_index", np.zeros(1)).reshape(-1)[0]), [])
+                    ids += out["output_ids"].reshape(-1)[: int(out["sequence_length"].reshape(-1)[0])].tolist()
+                    out["output_ids"] = np.array(ids, np.int32).reshape(1, 1, -1)
+                    out["sequence_length"] = np.array([[len(ids)]], np.int32)
                 text = self.postprocess(out["output_ids"], out["sequence_length"])
                 yield pb_utils.InferenceResponse([pb_utils.Tensor("text_output", text),
                                                   *(pb_utils.Tensor(k, out[k]) for k in STATS if k in out)])

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from runtime.core.sampling import SamplingParams
+from runtime.core.sampling_params import SamplingParams
 from runtime.executors.requests import RequestOutput
 from serving.llmapi_config import MODEL_YAML, read_model_yaml
 from serving.request_validation import (GUIDED_INPUTS, INT32_MAX, RequestError, Scalar, guided_decoding,

@@ -1,0 +1,216 @@
+"""A request's generation parameters and the checks a request passes before it runs (`validate_request`): no
+torch here, so that the Triton text models, which refuse a request before tensorrt_llm sees it, can run the same
+checks in their light stubs (runtime.core.sampling samples with them)."""
+
+from __future__ import annotations
+
+import json as _json
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from runtime.model.config import is_int, is_number
+
+MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (OpenAI's top_logprobs limit)
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # vLLM's names
+PENALTY_LIMIT = 2.0  # |presence_penalty| and |frequency_penalty| at most this (OpenAI's range)
+
+
+def _as_given(value: object) -> object:
+    """A list field as the caller wrote it (SamplingParams holds lists as tuples)."""
+    return list(value) if isinstance(value, tuple) else value
+
+
+@dataclass(frozen=True)
+class GuidedDecodingParams:
+    """Structured output (TensorRT-LLM's names): exactly one of a JSON schema (`json`: a string, a dict or a
+    pydantic model class), a regular expression, an EBNF grammar (GBNF `root ::= ...`, or Lark), or
+    `json_object=True` for any JSON object. A dict or model becomes its JSON text here, so a guide is a
+    (kind, text) pair: the key its compiled grammar is cached under (runtime.core.grammar)."""
+
+    json: Any = None
+    regex: str | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        value = self.json
+        if isinstance(value, type) and hasattr(value, "model_json_schema"):  # a pydantic model class
+            value = value.model_json_schema()
+        if isinstance(value, dict):
+            object.__setattr__(self, "json", _json.dumps(value))  # keeps property order: it is the output's
+
+    def validate(self) -> None:
+        """ValueError unless exactly one guide is given, of its type."""
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"guided_decoding.json_object must be true or false, got {self.json_object!r}")
+        given = [name for name in ("json", "regex", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"guided_decoding takes exactly one of json, regex, grammar, json_object; got "
+                             f"{', '.join(given) or 'none'}")
+        value = getattr(self, given[0])
+        if given[0] != "json_object" and (not isinstance(value, str) or not value):
+            kinds = "a non-empty string" + (", a dict or a pydantic model" if given[0] == "json" else "")
+            raise ValueError(f"guided_decoding.{given[0]} must be {kinds}, got {value!r:.80}")
+
+    @property
+    def kind(self) -> str:
+        """"json" | "regex" | "grammar" | "json_object" (of a validated guide)."""
+        return "json_object" if self.json_object else next(n for n in ("json", "regex", "grammar") if getattr(self, n))
+
+    @property
+    def text(self) -> str:
+        return "" if self.json_object else getattr(self, self.kind)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request generation parameters (names as vLLM / TensorRT-LLM use them)."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = all tokens
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    bad_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    # per emitted token: its logprob under the target and the N most likely alternatives (0..20; None: off)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    # "raw_logprobs": log-softmax of the model's logits (vLLM's default); "processed_logprobs": of the
+    # distribution tokens are drawn from (penalties, bans, temperature, top-k, top-p; greedy: penalties and bans)
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
+    repetition_penalty: float = 1.0  # HF / TensorRT-LLM: > 1 discourages tokens of the prompt and output
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from the logit of a token in the output
+    frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the output
+    min_tokens: int = 0  # eos and stop tokens are banned (and stop strings ignored) before this many
+    num_draft_tokens: int | None = None  # at most this many drafts per step (0: plain decoding); None: the executor's
+    guided_decoding: GuidedDecodingParams | None = None  # structured output: every token masked by the grammar
+    # several outputs per prompt (vLLM / TensorRT-LLM): best_of sequences are sampled (None: n), output i with seed
+    # + i, and the n with the highest cumulative logprob returned (all of them, in order, when best_of is n)
+    n: int = 1
+    best_of: int | None = None
+
+    def __post_init__(self) -> None:
+        """A single stop string is one stop string (not one per character); lists become tuples."""
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        for name in ("stop", "stop_token_ids", "bad_token_ids"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the parameter and what was expected."""
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not is_number(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
+        if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {_as_given(self.stop)!r}")
+        for name in ("stop_token_ids", "bad_token_ids"):
+            ids = getattr(self, name)
+            if not isinstance(ids, tuple) or not all(map(is_int, ids)):
+                raise ValueError(f"{name} must be a list of integer token ids, got {_as_given(ids)!r}")
+            bad = [t for t in ids if vocab_size is not None and not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"{name} must be token ids in [0, {vocab_size}), got {bad}")
+        if vocab_size is not None and len(set(self.bad_token_ids)) == vocab_size:
+            raise ValueError(f"bad_token_ids bans all {vocab_size} tokens; at least one must stay allowed")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and (not is_int(n) or not 0 <= n <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {n!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be 'raw_logprobs' or 'processed_logprobs', got {self.logprobs_mode!r}")
+        r = self.repetition_penalty
+        if not is_number(r) or not 0 < r < math.inf:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {r!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not is_number(v) or not -PENALTY_LIMIT <= v <= PENALTY_LIMIT:
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        if self.num_draft_tokens is not None and (not is_int(self.num_draft_tokens) or self.num_draft_tokens < 0):
+            raise ValueError(f"num_draft_tokens must be None or an integer >= 0, got {self.num_draft_tokens!r}")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens ({self.max_tokens})], got {self.min_tokens!r}")
+        if not is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.best_of is not None and (not is_int(self.best_of) or self.best_of < self.n):
+            raise ValueError(f"best_of must be None or an integer >= n ({self.n}), got {self.best_of!r}")
+        if self.greedy and self.num_sequences > 1:  # vLLM's rule: every greedy output would be the same
+            name = "n" if self.best_of is None else "best_of"
+            raise ValueError(f"{name} must be 1 when using greedy sampling (temperature 0), got {getattr(self, name)}")
+        if self.guided_decoding is not None:
+            if not isinstance(self.guided_decoding, GuidedDecodingParams):
+                raise ValueError(f"guided_decoding must be a GuidedDecodingParams, got {type(self.guided_decoding).__name__}")
+            self.guided_decoding.validate()
+            # the grammar ends the output with eos: a request that ignores or bans it could never end there
+            if self.ignore_eos or self.min_tokens:
+                raise ValueError("guided_decoding cannot be combined with ignore_eos or min_tokens: the grammar "
+                                 "decides where the output ends (with eos)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences a request runs: best_of, or n."""
+        return self.n if self.best_of is None else self.best_of
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def plain_argmax(self) -> bool:
+        """Greedy with nothing banned, penalized or guided: a token is the logits' plain argmax, drafts included
+        (min_tokens aside: `Sequence.plain_argmax` knows whether it still bans)."""
+        return self.greedy and not self.bad_token_ids and not self.penalized and self.guided_decoding is None
+
+
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_seq_len: int,
+                     max_batch_size: int, eos_token_id: int | None = None,
+                     kv_cache: tuple[int, int] | None = None) -> None:
+    """Raise ValueError naming the parameter and what was expected (with `eos_token_id`, the executor's eos: a
+    guided request must be able to end with it; with `kv_cache`, its (tokens per block, blocks): the request must
+    fit it alone)."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+    params.validate(vocab_size)
+    if params.guided_decoding is not None and eos_token_id is not None and eos_token_id in params.bad_token_ids:
+        raise ValueError("guided_decoding ends the output with eos; bad_token_ids must not ban it")
+    if params.num_sequences > max_batch_size:
+        name = "n" if params.best_of is None else "best_of"
+        raise ValueError(f"{name} {params.num_sequences} exceeds this executor's max_batch_size {max_batch_size}: "
+                         "the request's sequences run in one batch")
+    if not isinstance(prompt_token_ids, (list, tuple)) or not all(map(is_int, prompt_token_ids)):
+        raise ValueError(f"prompt must be a list of integer token ids, got {prompt_token_ids!r:.80}")
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise ValueError("prompt must not be empty")
+    if any(not 0 <= t < vocab_size for t in prompt_token_ids):
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+    if n >= max_seq_len:
+        raise ValueError(f"prompt has {n} tokens; max_seq_len is {max_seq_len}")
+    if n + params.max_tokens > max_seq_len:
+        raise ValueError(f"max_tokens {params.max_tokens} with a {n}-token prompt exceeds max_seq_len "
+                         f"{max_seq_len}; at most {max_seq_len - n}")
+    if kv_cache is not None:
+        # The last token is emitted, never cached, and drafts stop short of it: prompt + max_tokens - 1 positions.
+        block_size, blocks = kv_cache
+        need = -(-(n + params.max_tokens - 1) // block_size)
+        if need > blocks:
+            raise ValueError(f"max_tokens {params.max_tokens} with a {n}-token prompt needs {need} KV blocks; the cache "
+                             f"has {blocks} (raise kv_cache_tokens)")

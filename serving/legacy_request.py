@@ -1,0 +1,155 @@
+"""The legacy `tensorrt_llm` model's request as the executor takes it: TensorRT-LLM's input tensors (input_ids,
+request_output_len, runtime_top_k, stop_words_list, ...) read and checked, then converted to prompt ids and
+SamplingParams (`engine_request`); and the executor's checks of such a request (`check_engine_request`).
+
+Shared by `tensorrt_llm` and `tensorrt_llm_bls`, which runs it on the tensors it is about to send, so that a request
+tensorrt_llm would refuse is refused by the BLS itself, with the same message: Triton 2.51's BLS API reports a
+composing model's error code differently under another allocator (500 for a refusal under jemalloc). No torch: the
+BLS's stub stays light.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from runtime.core.sampling_params import SamplingParams, validate_request
+from runtime.io.tokenizer import Tokenizer
+from serving.engine_limits import EngineLimits
+from serving.request_validation import (GUIDED_INPUTS, NEUTRAL, TENSORRT_LLM_SCALARS, UNSUPPORTED_ENGINE_INPUTS,
+                                        RequestError, client_named, guided_decoding, integer, refuse_non_neutral,
+                                        refuse_unsupported, token_ids)
+
+Inputs = dict[str, np.ndarray]  # a request's input tensors by tensorrt_llm's names
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A legacy request, converted: what the executor is given and how its output is sent."""
+
+    prompt: list[int]
+    params: SamplingParams
+    streaming: bool
+    exclude_input: bool
+
+
+def scalar(inputs: Inputs, name: str, default: Any = None) -> Any:
+    """One value of a scalar input, checked in its declared type before anything converts it."""
+    values = inputs.get(name)
+    return default if values is None else TENSORRT_LLM_SCALARS[name].read(values, client_named(name))
+
+
+def word_list(inputs: Inputs, name: str, vocab_size: int) -> list[list[int]]:
+    """TensorRT-LLM's [1, 2, W] word list (ids, end offsets padded with -1) -> words as id lists."""
+    arr = inputs.get(name)
+    if arr is None:
+        return []
+    given = arr
+    if arr.ndim == 3:
+        if arr.shape[0] != 1:
+            raise RequestError(f"{name}: one request per batch item expected, got batch {arr.shape[0]}")
+        arr = arr[0]
+    if arr.ndim != 2 or arr.shape[0] != 2:
+        raise RequestError(f"{name} must have shape [2, W] (ids, offsets), got {list(given.shape)}")
+    ids, offsets = arr[0].tolist(), [o for o in arr[1].tolist() if o >= 0]
+    if offsets != sorted(offsets) or (offsets and offsets[-1] > len(ids)):
+        raise RequestError(f"{name}: offsets {offsets} are not increasing ends within {len(ids)} ids")
+    words = [ids[a:b] for a, b in zip([0] + offsets, offsets) if b > a]
+    token_ids((t for word in words for t in word), name, vocab_size)
+    return words
+
+
+def engine_request(inputs: Inputs, tokenizer: Tokenizer, vocab_size: int,
+                   exclude_input_default: bool) -> EngineRequest:
+    """The request's tensors as the executor's prompt and SamplingParams; RequestError naming the input where they
+    cannot be read. What the executor then checks is `check_engine_request`'s."""
+    refuse_unsupported(inputs, UNSUPPORTED_ENGINE_INPUTS)
+    refuse_non_neutral({name: scalar(inputs, name) for name in NEUTRAL})
+    ids = inputs.get("input_ids")
+    if ids is None:
+        raise RequestError("input_ids is required")
+    if ids.ndim == 2 and ids.shape[0] != 1:
+        raise RequestError(f"input_ids: one prompt per request expected, got batch {ids.shape[0]} "
+                           "(requests are batched in flight; send them separately)")
+    ids = ids.reshape(-1)
+    length = scalar(inputs, "input_lengths", len(ids))
+    if not 0 <= length <= len(ids):
+        raise RequestError(f"input_lengths {length} is outside [0, {len(ids)}] (the input_ids given)")
+    prompt = token_ids(ids[:length], "input_ids", vocab_size)
+    max_tokens = scalar(inputs, "request_output_len")
+    if max_tokens is None:
+        raise RequestError("request_output_len (max_tokens) is required")
+
+    stop, stop_ids = [], []
+    for word in word_list(inputs, "stop_words_list", vocab_size):
+        if len(word) == 1 and word[0] in tokenizer.special_ids:
+            stop_ids.append(word[0])  # special tokens never show in the text a stop string is matched in
+        else:
+            stop.append(tokenizer.decode(word, skip_special_tokens=False))
+    bad_ids = []
+    for word in word_list(inputs, "bad_words_list", vocab_size):
+        if len(word) != 1:
+            raise RequestError(f"bad_words: {tokenizer.decode(word, skip_special_tokens=False)!r} is "
+                               f"{len(word)} tokens; only single-token bad words are supported")
+        bad_ids.append(word[0])
+    seed = _alias(inputs, "seed", "random_seed")
+    # more than max_tokens means all of them (genai-perf's fixed output length sends min_length = max_tokens)
+    min_tokens = min(_alias(inputs, "min_tokens", "min_length") or 0, max_tokens)
+    temperature, top_k, top_p = _sampling(inputs)
+    end_id = None if "end_id" not in inputs else integer(inputs["end_id"], "end_id", -1, vocab_size - 1)
+    ignore_eos = end_id is not None and end_id != tokenizer.eos_token_id
+    if ignore_eos and end_id >= 0:  # a custom end id replaces eos; -1 means none
+        stop_ids.append(end_id)
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        stop=tuple(stop),
+        stop_token_ids=tuple(stop_ids),
+        bad_token_ids=tuple(bad_ids),
+        ignore_eos=ignore_eos,
+        min_tokens=min_tokens,
+        logprobs=0 if scalar(inputs, "return_log_probs", False) else None,
+        repetition_penalty=scalar(inputs, "repetition_penalty", 1.0),
+        presence_penalty=scalar(inputs, "presence_penalty", 0.0),
+        frequency_penalty=scalar(inputs, "frequency_penalty", 0.0),
+        guided_decoding=guided_decoding({name: inputs[name] for name in GUIDED_INPUTS if name in inputs}),
+        n=scalar(inputs, "num_return_sequences", 1))
+    return EngineRequest(prompt, params, bool(scalar(inputs, "streaming", False)),
+                         bool(scalar(inputs, "exclude_input_in_output", exclude_input_default)))
+
+
+def check_engine_request(request: EngineRequest, tokenizer: Tokenizer, limits: EngineLimits) -> None:
+    """The executor's checks of a request (ValueError naming the parameter), for the BLS, which has no executor:
+    tensorrt_llm leaves them to its executor's submit, not to run them twice on its execute thread."""
+    validate_request(request.prompt, request.params, limits.vocab_size, limits.max_seq_len, limits.max_batch_size,
+                     tokenizer.eos_token_id, (limits.kv_block_size, limits.kv_blocks) if limits.kv_block_size else None)
+
+
+def _alias(inputs: Inputs, name: str, old_name: str) -> Any:
+    """An input that upstream's older templates name differently (random_seed, min_length)."""
+    value, old = scalar(inputs, name), scalar(inputs, old_name)
+    if value is not None and old is not None and value != old:
+        raise RequestError(f"{name}={value} and {old_name}={old} differ ({old_name} is the older name of "
+                           f"{name}); give one of them")
+    return old if value is None else value
+
+
+def _sampling(inputs: Inputs) -> tuple[float, int, float]:
+    """(temperature, top_k, top_p) as TensorRT-LLM reads its inputs: runtime_top_k 0 or unset with
+    runtime_top_p unset or <= 0 decodes greedily whatever the temperature (its top-k kernel then takes
+    k = 1); otherwise it samples, at temperature 1.0 when none is given (upstream's default)."""
+    temperature = scalar(inputs, "temperature")
+    top_k = scalar(inputs, "runtime_top_k", 0)
+    top_p = scalar(inputs, "runtime_top_p")
+    top_p_set = top_p is not None and top_p > 0  # upstream reads top_p <= 0 as "not set"
+    sampling = top_k != 0 or top_p_set
+    if temperature is None:
+        temperature = 1.0 if sampling else 0.0
+    elif not sampling and temperature >= 0:
+        temperature = 0.0  # greedy; an invalid temperature still gets its error
+    return temperature, top_k, top_p if top_p_set else 1.0
