@@ -268,7 +268,8 @@ def adjusted_params(plain: list[list[int]]) -> list[SamplingParams]:
     out = []
     for i, ref in enumerate(plain):
         kind = [dict(repetition_penalty=1.3), dict(presence_penalty=0.8, frequency_penalty=0.4),
-                dict(repetition_penalty=0.9, frequency_penalty=-0.3), dict(bad_token_ids=(ref[1],), repetition_penalty=1.1),
+                dict(repetition_penalty=0.9, frequency_penalty=-0.3),
+                dict(bad_token_ids=(ref[1],), repetition_penalty=1.1),
                 dict(stop_token_ids=(ref[2],), min_tokens=8) if i % 2 else dict(stop_token_ids=(ref[5],), min_tokens=5)]
         out.append(SamplingParams(max_tokens=GREEDY_TOKENS, ignore_eos=True, **kind[i % len(kind)]))
     return out

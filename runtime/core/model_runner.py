@@ -12,8 +12,9 @@ One step for a batch of sequences, each with its own number of new target tokens
    and the scheduler gives back blocks past it.
 k = 0 is plain decoding through the same code. Where the CPU kernels run the whole model, a step of greedy decodes
 that all draft the same k > 0 (no grammar, no logprobs; penalties and bans applied in the call) runs 1-3 in one
-kernel call (`GreedyStep`): only the emitted tokens and the verified hidden states come back. The runner reads sequences and writes none: what a step
-computed comes back as `StepResult`s, which `Scheduler.update_from_output` applies.
+kernel call (`GreedyStep`): only the emitted tokens and the verified hidden states come back. The runner reads
+sequences and writes none: what a step computed comes back as `StepResult`s, which `Scheduler.update_from_output`
+applies.
 
 A guided request's grammar is one more ban per row: draft j is drawn from the MTP distribution masked by
 the grammar state after drafts 1..j-1, and each verified row is masked by its own state (a bitmask per

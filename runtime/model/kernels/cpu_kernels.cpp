@@ -1054,7 +1054,9 @@ torch::Tensor mtp_greedy_drafts(const Mtp& M, const torch::Tensor& ids, const to
   std::tie(logits, h) = mtp_layer(M, ids, hidden, rot, kv_cache, slots, positions, seq, tables, block_size, rows);
   auto drafts = torch::empty({B, K}, ids.options().dtype(torch::kLong));
   // draft j: the argmax of its logits adjusted with drafts 1..j before it counted
-  auto choose = [&](const torch::Tensor& x, int64_t j) { return (adjust ? adjust->apply(x, 1, j, drafts) : x).argmax(-1); };
+  auto choose = [&](const torch::Tensor& x, int64_t j) {
+    return (adjust ? adjust->apply(x, 1, j, drafts) : x).argmax(-1);
+  };
   torch::Tensor d = choose(logits, 0);
   drafts.select(1, 0).copy_(d);
   const torch::Tensor each = torch::arange(B, drafts.options());
