@@ -261,23 +261,51 @@ def test_greedy_identity_one_at_a_time(shipped, greedy_reference) -> None:
     assert stats.accepted_draft_tokens > 0
 
 
+def adjusted_params(plain: list[list[int]]) -> list[SamplingParams]:
+    """Greedy requests whose penalties or bans change their output, per prompt in turn (plain: its plain greedy
+    output): repetition; presence and frequency; repeats rewarded; its plain 2nd token banned; its plain 3rd token a
+    stop token before min_tokens 8 (banned where plain decoding chose it) or its 6th before min_tokens 5 (the ban
+    lifts where plain decoding chooses it)."""
+    out = []
+    for i, ref in enumerate(plain):
+        kind = [dict(repetition_penalty=1.3), dict(presence_penalty=0.8, frequency_penalty=0.4),
+                dict(repetition_penalty=0.9, frequency_penalty=-0.3),
+                dict(bad_token_ids=(ref[1],), repetition_penalty=1.1),
+                dict(stop_token_ids=(ref[2],), min_tokens=8) if i % 2 else dict(stop_token_ids=(ref[5],), min_tokens=5)]
+        out.append(SamplingParams(max_tokens=GREEDY_TOKENS, ignore_eos=True, **kind[i % len(kind)]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def adjusted_reference(shipped, greedy_reference):
+    """(adjusted_params, their plain decoding's outputs), which differ from the unadjusted ones."""
+    engine, prompts = shipped
+    params = adjusted_params(greedy_reference)
+    outs, _ = run_executor(engine, prompts, params, num_draft_tokens=0, speculation="off")
+    tokens = [o.token_ids for o in outs]
+    assert sum(t != ref for t, ref in zip(tokens, greedy_reference)) >= 0.8 * len(tokens)
+    return params, tokens
+
+
+@pytest.mark.parametrize("adjusted", [False, True], ids=["plain", "penalties-bans"])
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
-def test_greedy_step_in_one_call_equals_the_general_path(shipped, greedy_reference, k) -> None:
+def test_greedy_step_in_one_call_equals_the_general_path(shipped, greedy_reference, request, adjusted, k) -> None:
     """The greedy step in one kernel call emits the general path's tokens, batched and one request at a time, and
     accepts as many drafts as the general path's step from the same position with as many drafts (so it proposed
-    the same ones: the MTP inputs it keeps and the cache it writes are right); the output is plain greedy
-    decoding's. (Which steps a batched run takes depends on when requests arrive, so steps are matched by where
-    they start.)"""
+    the same ones: the MTP inputs it keeps and the cache it writes are right, and penalties and bans are applied to
+    its drafts as to the general path's); the output is plain decoding's. (Which steps a batched run takes depends
+    on when requests arrive, so steps are matched by where they start.)"""
     engine, prompts = shipped
-    params = SamplingParams(max_tokens=GREEDY_TOKENS, ignore_eos=True)
-    for alone, n in ((False, NUM_PROMPTS), (True, 4)):
+    params, reference = (request.getfixturevalue("adjusted_reference") if adjusted else
+                         ([SamplingParams(max_tokens=GREEDY_TOKENS, ignore_eos=True)] * NUM_PROMPTS, greedy_reference))
+    for alone, n in ((False, NUM_PROMPTS), (True, 5 if adjusted else 4)):  # alone: each kind of adjustment once
         tokens, accepted = {}, {}
         for one_call in (True, False):
             accepted[one_call] = {}
-            outs, _ = run_executor(engine, prompts[:n], params, one_at_a_time=alone, accepted_at=accepted[one_call],
+            outs, _ = run_executor(engine, prompts[:n], params[:n], one_at_a_time=alone, accepted_at=accepted[one_call],
                                    one_call=one_call, num_draft_tokens=k, speculation="fixed")
             tokens[one_call] = [o.token_ids for o in outs]
-        assert tokens[True] == tokens[False] == greedy_reference[:n], f"k={k}, alone={alone}"
+        assert tokens[True] == tokens[False] == reference[:n], f"k={k}, alone={alone}"
         common = accepted[True].keys() & accepted[False].keys()
         assert len(common) >= 0.8 * max(len(accepted[True]), len(accepted[False])), f"k={k}: few steps in common"
         assert {s: accepted[True][s] for s in common} == {s: accepted[False][s] for s in common}, f"k={k}, alone={alone}"

@@ -11,9 +11,10 @@ One step for a batch of sequences, each with its own number of new target tokens
    positions are simply left behind: the sequence's length is what the cache is trusted up to,
    and the scheduler gives back blocks past it.
 k = 0 is plain decoding through the same code. Where the CPU kernels run the whole model, a step of greedy decodes
-that all draft the same k > 0 (plain argmax, no logprobs) runs 1-3 in one kernel call (`GreedyStep`): only the
-emitted tokens and the verified hidden states come back. The runner reads sequences and writes none: what a step
-computed comes back as `StepResult`s, which `Scheduler.update_from_output` applies.
+that all draft the same k > 0 (no grammar, no logprobs; penalties and bans applied in the call) runs 1-3 in one
+kernel call (`GreedyStep`): only the emitted tokens and the verified hidden states come back. The runner reads
+sequences and writes none: what a step computed comes back as `StepResult`s, which `Scheduler.update_from_output`
+applies.
 
 A guided request's grammar is one more ban per row: draft j is drawn from the MTP distribution masked by
 the grammar state after drafts 1..j-1, and each verified row is masked by its own state (a bitmask per
@@ -248,19 +249,22 @@ class ModelRunner:
         return out
 
     def _in_one_call(self, items: list[Scheduled]) -> bool:
-        """Whether the step is greedy speculation the one kernel call can run: every item a decode drafting the same
-        k > 0, its tokens the plain argmax, no logprobs asked for, no relaxed acceptance."""
+        """Whether the step is greedy speculation the one kernel call can run: every item a greedy decode drafting the
+        same k > 0, not guided, no logprobs asked for, no relaxed acceptance (penalties and bans the call applies)."""
         k = items[0].num_drafts
         return k > 0 and self.relaxed is None and all(
-            it.num_drafts == k and it.seq.plain_argmax and it.seq.params.logprobs is None for it in items)
+            it.num_drafts == k and it.seq.params.greedy and it.seq.grammar is None and it.seq.params.logprobs is None
+            for it in items)
 
     def _step_in_one_call(self, items: list[Scheduled]) -> list[StepResult]:
         """The step as `step` runs it for these items, drafts to acceptance in one kernel call (`GreedyStep`)."""
         t0 = time.perf_counter()
         seqs, k = [it.seq for it in items], items[0].num_drafts
         tables, starts, _, next_ids, hidden = self._catch_up(seqs)
+        _, adjustments = self.adjustments(seqs, None, 0, k + 1)  # the rows from draft 1's on (no grammar: no mask)
         emitted, verified = self.greedy_step(next_ids, hidden, self.cache.tensor, tables, self.cache.block_size, starts,
-                                             [s.num_cached for s in seqs], [s.token_ids[-1] for s in seqs], k)
+                                             [s.num_cached for s in seqs], [s.token_ids[-1] for s in seqs], k,
+                                             None if adjustments is None else adjustments.kernel_args())
         out = []
         for b, (s, tokens) in enumerate(zip(seqs, emitted)):
             kept = verified[b * (k + 1) : b * (k + 1) + len(tokens)].clone()  # the trusted positions' hidden states

@@ -109,10 +109,13 @@ class Adjustments:
         logits = logits.float()
         if runs_here(logits.device, logits.dtype):
             drafts = torch.empty(0, 0, dtype=torch.long) if self.drafts is None else self.drafts.contiguous()
-            return cpu_kernels().adjust_logits(logits.contiguous(), self.num_rows, self.first, drafts, self.penalized,
-                                               self.counts, self.in_prompt, self.values, self.bad, self.stops,
-                                               self.stop_rows)
+            return cpu_kernels().adjust_logits(logits.contiguous(), self.num_rows, self.first, drafts,
+                                               *self.kernel_args())
         return self.apply_with_torch(logits)
+
+    def kernel_args(self) -> tuple:
+        """The penalties and bans as the kernels take them (`adjust_logits`, `kernels.greedy_step`)."""
+        return self.penalized, self.counts, self.in_prompt, self.values, self.bad, self.stops, self.stop_rows
 
     def apply_with_torch(self, logits: Tensor) -> Tensor:
         """`apply` with torch ops (where the CPU kernels do not run)."""

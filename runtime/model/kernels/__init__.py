@@ -232,16 +232,20 @@ def mtp_greedy_drafts(mtp: object, ids: Tensor, hidden: Tensor, rot: Tensor, kv_
     """Greedy drafts [B, K] in one call: `mtp_layer` over the catch-up (head at each sequence's last token), its
     argmax, then K - 1 more steps on its own drafts at draft_positions [K - 1, B] (rotations draft_rot, complex)."""
     return cpu_kernels().mtp_greedy_drafts(mtp, ids, hidden, _pairs(rot), kv_cache, *_paged(batch),
-                                           batch.last_index, draft_positions, _pairs(draft_rot))
+                                           batch.last_index, draft_positions, _pairs(draft_rot), None)
 
 
 def greedy_step(target: object, mtp: object, ids: Tensor, hidden: Tensor, kv_cache: Tensor, tables: list[list[int]],
-                block_size: int, num_mtp: list[int], num_cached: list[int], last_ids: list[int], num_drafts: int
-                ) -> tuple[list[list[int]], Tensor]:
+                block_size: int, num_mtp: list[int], num_cached: list[int], last_ids: list[int], num_drafts: int,
+                adjustments: tuple | None = None) -> tuple[list[list[int]], Tensor]:
     """A greedy speculative step in one call (`target` from `make_target`), from host integers: `mtp_greedy_drafts`
     over the catch-up (ids, hidden at positions num_mtp[b] .. num_cached[b] - 1 of sequence b, whose blocks are
     tables[b]), the target over each sequence's [last_ids[b], drafts] at positions num_cached[b] .., greedy
-    acceptance. Returns the emitted tokens of each sequence and the target's hidden states after the final norm
+    acceptance. With `adjustments` (penalties and bans in `adjust_logits`' layout: sampling.Adjustments.kernel_args,
+    stop bans counted from the first draft's row) every draft and verified row is the argmax of its adjusted logits.
+    Returns the emitted tokens of each sequence and the target's hidden states after the final norm
     [B * (num_drafts + 1), H]."""
-    return cpu_kernels().greedy_step(target, mtp, ids, hidden, kv_cache, tables, block_size, num_mtp, num_cached,
-                                     last_ids, num_drafts)
+    ext = cpu_kernels()
+    adjust = None if adjustments is None else ext.Adjustments(*adjustments)
+    return ext.greedy_step(target, mtp, ids, hidden, kv_cache, tables, block_size, num_mtp, num_cached, last_ids,
+                           num_drafts, adjust)

@@ -878,155 +878,6 @@ Layer make_layer(int64_t cache_layer, torch::Tensor input_norm, torch::Tensor q_
   return L;
 }
 
-// An MTP module's weights for `mtp_layer`: h' = eh_proj([enorm(embed(t)); hnorm(h)]) -> decoder layer ->
-// shared_head.norm, then the head.
-struct Mtp {
-  torch::Tensor embed, enorm, hnorm, head_norm;
-  double eps;
-  Linear eh_proj, head;
-  Layer block;
-};
-
-Mtp make_mtp(torch::Tensor embed, torch::Tensor enorm, torch::Tensor hnorm, torch::Tensor head_norm, double eps,
-             torch::Tensor eh_panels, torch::Tensor eh_scale, torch::Tensor head_panels, torch::Tensor head_scale,
-             int64_t vocab, Layer block) {
-  check(embed.dim() == 2 && embed.scalar_type() == torch::kFloat, "embedding [vocab, H] float32");
-  const int64_t H = embed.size(1);
-  return {embed, enorm, hnorm, head_norm, eps, {eh_panels, eh_scale, H}, {head_panels, head_scale, vocab}, block};
-}
-
-// (logits, hidden after shared_head.norm) of the MTP module, at `rows` only when given, exactly as
-// MTPLayer.forward computes them with the kernels one by one.
-std::tuple<torch::Tensor, torch::Tensor> mtp_layer(const Mtp& M, const torch::Tensor& ids, const torch::Tensor& hidden,
-                                                   const torch::Tensor& rot, const torch::Tensor& kv_cache,
-                                                   const torch::Tensor& slots, const torch::Tensor& positions,
-                                                   const torch::Tensor& seq, const torch::Tensor& tables, int64_t block_size,
-                                                   const std::optional<torch::Tensor>& rows) {
-  const torch::Tensor e = rms_norm(at::embedding(M.embed, ids), M.enorm, M.eps);
-  const torch::Tensor x = M.eh_proj(at::cat({e, rms_norm(hidden.contiguous(), M.hnorm, M.eps)}, -1));
-  torch::Tensor h = rms_norm(decoder_layer(M.block, x, rot, kv_cache, slots, positions, seq, tables, block_size),
-                             M.head_norm, M.eps);
-  if (rows.has_value()) h = h.index({*rows});
-  return {M.head(h), h};
-}
-
-// Greedy drafts [B, K]: the MTP module over the catch-up tokens (as mtp_layer, the head at `rows`: one per
-// sequence), its argmax as draft 1, then K - 1 more steps, each on the previous draft and the module's own
-// hidden state, at positions draft_positions[j] (one per sequence; rotations draft_rot[j]). The same calls in
-// the same order as drafting step by step, without a trip through Python per draft.
-torch::Tensor mtp_greedy_drafts(const Mtp& M, const torch::Tensor& ids, const torch::Tensor& hidden, const torch::Tensor& rot,
-                                const torch::Tensor& kv_cache, const torch::Tensor& slots, const torch::Tensor& positions,
-                                const torch::Tensor& seq, const torch::Tensor& tables, int64_t block_size,
-                                const torch::Tensor& rows, const torch::Tensor& draft_positions,
-                                const torch::Tensor& draft_rot) {
-  const int64_t B = rows.numel(), K = draft_positions.size(0) + 1;
-  check(draft_positions.dim() == 2 && draft_positions.size(1) == B && draft_positions.scalar_type() == torch::kLong &&
-            draft_rot.dim() == 4 && draft_rot.size(0) == K - 1 && draft_rot.size(1) == B,
-        "draft_positions [K - 1, B] int64 and draft_rot [K - 1, B, pairs, 2]");
-  check(tables.dim() == 2 && tables.size(0) == B && block_size >= 1, "one block table row per drafting sequence");
-  torch::Tensor logits, h;
-  std::tie(logits, h) = mtp_layer(M, ids, hidden, rot, kv_cache, slots, positions, seq, tables, block_size, rows);
-  auto drafts = torch::empty({B, K}, ids.options().dtype(torch::kLong));
-  torch::Tensor d = logits.argmax(-1);
-  drafts.select(1, 0).copy_(d);
-  const torch::Tensor each = torch::arange(B, drafts.options());
-  for (int64_t j = 1; j < K; ++j) {
-    const torch::Tensor pos = draft_positions[j - 1].contiguous();
-    const torch::Tensor block = at::floor_divide(pos, block_size);
-    check(block.max().item<int64_t>() < tables.size(1), "block tables do not cover the draft positions");
-    const torch::Tensor step_slots = tables.gather(1, block.unsqueeze(1)).squeeze(1) * block_size + pos.remainder(block_size);
-    std::tie(logits, h) = mtp_layer(M, d, h, draft_rot[j - 1].contiguous(), kv_cache, step_slots, pos, each, tables,
-                                    block_size, std::nullopt);
-    d = logits.argmax(-1);
-    drafts.select(1, j).copy_(d);
-  }
-  return drafts;
-}
-
-// The target model around its layers, for `greedy_step`: embedding, rope, the layers, the final norm, lm_head.
-struct Target {
-  torch::Tensor embed, norm;
-  double eps;
-  LayerStack stack;
-  Linear head;
-  torch::Tensor inv_freq;
-  double rope_factor;
-};
-
-Target make_target(torch::Tensor embed, torch::Tensor norm, double eps, LayerStack stack, torch::Tensor head_panels,
-                   torch::Tensor head_scale, int64_t vocab, torch::Tensor inv_freq, double rope_factor) {
-  check(embed.dim() == 2 && embed.scalar_type() == torch::kFloat, "embedding [vocab, H] float32");
-  return {embed, norm, eps, std::move(stack), {head_panels, head_scale, vocab}, inv_freq, rope_factor};
-}
-
-// Rotations [N, pairs, 2] of positions [N], as DeepseekV3ForCausalLM.rope computes them (the same ATen calls).
-torch::Tensor rope(const Target& T, const torch::Tensor& positions) {
-  const torch::Tensor freqs = positions.unsqueeze(-1).to(torch::kFloat) * T.inv_freq;
-  return at::view_as_real(at::polar(at::full_like(freqs, T.rope_factor), freqs));
-}
-
-// One greedy speculative step for B decoding sequences with K drafts each, from host integers: sequence b has
-// num_cached[b] target positions cached, its MTP cache num_mtp[b], its blocks tables[b]; ids and hidden are the
-// MTP catch-up's inputs over positions num_mtp[b] .. num_cached[b] - 1. mtp_greedy_drafts (catch-up, then the
-// chain of drafts at positions num_cached[b] ..), the target over [last_ids[b], d1..dK] at positions
-// num_cached[b] .. num_cached[b] + K, the final norm and lm_head, and greedy acceptance: each sequence's drafts up to
-// the first that is not the target's argmax, then the argmax there. Returns the emitted tokens of each sequence and
-// the target's hidden states [B * (K + 1), H] after the final norm (the MTP module's next inputs). The same calls in
-// the same order as the step in Python.
-std::tuple<std::vector<std::vector<int64_t>>, torch::Tensor> greedy_step(
-    const Target& T, const Mtp& M, const torch::Tensor& ids, const torch::Tensor& hidden, const torch::Tensor& kv_cache,
-    const std::vector<std::vector<int64_t>>& tables, int64_t block_size, const std::vector<int64_t>& num_mtp,
-    const std::vector<int64_t>& num_cached, const std::vector<int64_t>& last_ids, int64_t K) {
-  const int64_t B = static_cast<int64_t>(tables.size());
-  check(K >= 1 && B >= 1 && block_size >= 1 && static_cast<int64_t>(num_mtp.size()) == B &&
-            static_cast<int64_t>(num_cached.size()) == B && static_cast<int64_t>(last_ids.size()) == B,
-        "K >= 1 and one block table, num_mtp, num_cached and last id per sequence");
-  int64_t W = 0;
-  for (const auto& t : tables) W = std::max<int64_t>(W, t.size());
-  auto table = torch::zeros({B, W}, torch::kLong);
-  int64_t* tb = table.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) std::copy(tables[b].begin(), tables[b].end(), tb + b * W);
-  // Catch-up positions, then the verified ones [B, K + 1]; drafts 2..K are proposed at the first K - 1 of these.
-  std::vector<int64_t> pos, slots, seq, last;
-  auto add = [&](int64_t b, int64_t p) {
-    check(p >= 0 && p / block_size < static_cast<int64_t>(tables[b].size()), "block tables do not cover the positions");
-    pos.push_back(p);
-    slots.push_back(tables[b][p / block_size] * block_size + p % block_size);
-    seq.push_back(b);
-  };
-  for (int64_t b = 0; b < B; ++b) {
-    check(num_mtp[b] < num_cached[b], "every sequence has hidden states to catch up on");
-    for (int64_t p = num_mtp[b]; p < num_cached[b]; ++p) add(b, p);
-    last.push_back(static_cast<int64_t>(pos.size()) - 1);
-  }
-  const int64_t Tc = static_cast<int64_t>(pos.size());
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t j = 0; j <= K; ++j) add(b, num_cached[b] + j);
-  auto host = [](const std::vector<int64_t>& v) { return torch::tensor(v, torch::kLong); };
-  const torch::Tensor positions = host(pos), slot_mapping = host(slots), token_seq = host(seq);
-  const torch::Tensor rot = rope(T, positions);
-  const torch::Tensor verify_positions = positions.slice(0, Tc).view({B, K + 1});
-  const torch::Tensor verify_rot = rot.slice(0, Tc).view({B, K + 1, rot.size(1), 2});
-  const torch::Tensor drafts = mtp_greedy_drafts(
-      M, ids, hidden, rot.slice(0, 0, Tc), kv_cache, slot_mapping.slice(0, 0, Tc), positions.slice(0, 0, Tc),
-      token_seq.slice(0, 0, Tc), table, block_size, host(last), verify_positions.slice(1, 0, K - 1).t().contiguous(),
-      verify_rot.slice(1, 0, K - 1).transpose(0, 1).contiguous());
-  const torch::Tensor tokens = at::cat({host(last_ids).view({B, 1}), drafts}, 1).flatten();
-  const torch::Tensor x = decoder_layers(T.stack, at::embedding(T.embed, tokens), rot.slice(0, Tc), kv_cache,
-                                         slot_mapping.slice(0, Tc), positions.slice(0, Tc), token_seq.slice(0, Tc),
-                                         table, block_size);
-  const torch::Tensor h = rms_norm(x, T.norm, T.eps);
-  const torch::Tensor argmax = T.head(h).argmax(-1).view({B, K + 1});
-  const int64_t *dp = drafts.data_ptr<int64_t>(), *ap = argmax.data_ptr<int64_t>();
-  std::vector<std::vector<int64_t>> emitted(B);
-  for (int64_t b = 0; b < B; ++b) {
-    int64_t n = 0;
-    while (n < K && dp[b * K + n] == ap[b * (K + 1) + n]) emitted[b].push_back(dp[b * K + n++]);
-    emitted[b].push_back(ap[b * (K + 1) + n]);
-  }
-  return {emitted, h};
-}
-
 // ---- logit adjustments: penalties and bans of a batch's rows in one call (sampling.Adjustments) ----
 namespace {
 
@@ -1135,6 +986,180 @@ torch::Tensor adjust_logits(const torch::Tensor& logits, int64_t num_rows, int64
   return out;
 }
 
+// A batch's penalties and bans in adjust_logits' layout, for the greedy chain and step to apply to their rows
+// (sampling.Adjustments.kernel_args): stop_rows counts the rows from the first draft's on.
+struct Adjustments {
+  std::vector<int64_t> penalized;
+  std::vector<torch::Tensor> counts, in_prompt;
+  std::vector<double> values;
+  std::vector<std::vector<int64_t>> bad, stops;
+  std::vector<int64_t> stop_rows;
+
+  // adjust_logits of rows first .. first + num_rows - 1 of each sequence (its stop bans shifted to them)
+  torch::Tensor apply(const torch::Tensor& logits, int64_t num_rows, int64_t first, const torch::Tensor& drafts) const {
+    std::vector<int64_t> rows(stop_rows.size());
+    for (size_t b = 0; b < rows.size(); ++b) rows[b] = std::max<int64_t>(stop_rows[b] - first, 0);
+    return adjust_logits(logits, num_rows, first, drafts, penalized, counts, in_prompt, values, bad, stops, rows);
+  }
+};
+
+// An MTP module's weights for `mtp_layer`: h' = eh_proj([enorm(embed(t)); hnorm(h)]) -> decoder layer ->
+// shared_head.norm, then the head.
+struct Mtp {
+  torch::Tensor embed, enorm, hnorm, head_norm;
+  double eps;
+  Linear eh_proj, head;
+  Layer block;
+};
+
+Mtp make_mtp(torch::Tensor embed, torch::Tensor enorm, torch::Tensor hnorm, torch::Tensor head_norm, double eps,
+             torch::Tensor eh_panels, torch::Tensor eh_scale, torch::Tensor head_panels, torch::Tensor head_scale,
+             int64_t vocab, Layer block) {
+  check(embed.dim() == 2 && embed.scalar_type() == torch::kFloat, "embedding [vocab, H] float32");
+  const int64_t H = embed.size(1);
+  return {embed, enorm, hnorm, head_norm, eps, {eh_panels, eh_scale, H}, {head_panels, head_scale, vocab}, block};
+}
+
+// (logits, hidden after shared_head.norm) of the MTP module, at `rows` only when given, exactly as
+// MTPLayer.forward computes them with the kernels one by one.
+std::tuple<torch::Tensor, torch::Tensor> mtp_layer(const Mtp& M, const torch::Tensor& ids, const torch::Tensor& hidden,
+                                                   const torch::Tensor& rot, const torch::Tensor& kv_cache,
+                                                   const torch::Tensor& slots, const torch::Tensor& positions,
+                                                   const torch::Tensor& seq, const torch::Tensor& tables, int64_t block_size,
+                                                   const std::optional<torch::Tensor>& rows) {
+  const torch::Tensor e = rms_norm(at::embedding(M.embed, ids), M.enorm, M.eps);
+  const torch::Tensor x = M.eh_proj(at::cat({e, rms_norm(hidden.contiguous(), M.hnorm, M.eps)}, -1));
+  torch::Tensor h = rms_norm(decoder_layer(M.block, x, rot, kv_cache, slots, positions, seq, tables, block_size),
+                             M.head_norm, M.eps);
+  if (rows.has_value()) h = h.index({*rows});
+  return {M.head(h), h};
+}
+
+// Greedy drafts [B, K]: the MTP module over the catch-up tokens (as mtp_layer, the head at `rows`: one per
+// sequence), its argmax as draft 1, then K - 1 more steps, each on the previous draft and the module's own
+// hidden state, at positions draft_positions[j] (one per sequence; rotations draft_rot[j]). With `adjust`, each
+// argmax is of the logits adjusted as the draft's row is (the drafts before it counted). The same calls in the same
+// order as drafting step by step, without a trip through Python per draft.
+torch::Tensor mtp_greedy_drafts(const Mtp& M, const torch::Tensor& ids, const torch::Tensor& hidden, const torch::Tensor& rot,
+                                const torch::Tensor& kv_cache, const torch::Tensor& slots, const torch::Tensor& positions,
+                                const torch::Tensor& seq, const torch::Tensor& tables, int64_t block_size,
+                                const torch::Tensor& rows, const torch::Tensor& draft_positions,
+                                const torch::Tensor& draft_rot, const std::optional<Adjustments>& adjust) {
+  const int64_t B = rows.numel(), K = draft_positions.size(0) + 1;
+  check(draft_positions.dim() == 2 && draft_positions.size(1) == B && draft_positions.scalar_type() == torch::kLong &&
+            draft_rot.dim() == 4 && draft_rot.size(0) == K - 1 && draft_rot.size(1) == B,
+        "draft_positions [K - 1, B] int64 and draft_rot [K - 1, B, pairs, 2]");
+  check(tables.dim() == 2 && tables.size(0) == B && block_size >= 1, "one block table row per drafting sequence");
+  torch::Tensor logits, h;
+  std::tie(logits, h) = mtp_layer(M, ids, hidden, rot, kv_cache, slots, positions, seq, tables, block_size, rows);
+  auto drafts = torch::empty({B, K}, ids.options().dtype(torch::kLong));
+  // draft j: the argmax of its logits adjusted with drafts 1..j before it counted
+  auto choose = [&](const torch::Tensor& x, int64_t j) {
+    return (adjust ? adjust->apply(x, 1, j, drafts) : x).argmax(-1);
+  };
+  torch::Tensor d = choose(logits, 0);
+  drafts.select(1, 0).copy_(d);
+  const torch::Tensor each = torch::arange(B, drafts.options());
+  for (int64_t j = 1; j < K; ++j) {
+    const torch::Tensor pos = draft_positions[j - 1].contiguous();
+    const torch::Tensor block = at::floor_divide(pos, block_size);
+    check(block.max().item<int64_t>() < tables.size(1), "block tables do not cover the draft positions");
+    const torch::Tensor step_slots = tables.gather(1, block.unsqueeze(1)).squeeze(1) * block_size + pos.remainder(block_size);
+    std::tie(logits, h) = mtp_layer(M, d, h, draft_rot[j - 1].contiguous(), kv_cache, step_slots, pos, each, tables,
+                                    block_size, std::nullopt);
+    d = choose(logits, j);
+    drafts.select(1, j).copy_(d);
+  }
+  return drafts;
+}
+
+// The target model around its layers, for `greedy_step`: embedding, rope, the layers, the final norm, lm_head.
+struct Target {
+  torch::Tensor embed, norm;
+  double eps;
+  LayerStack stack;
+  Linear head;
+  torch::Tensor inv_freq;
+  double rope_factor;
+};
+
+Target make_target(torch::Tensor embed, torch::Tensor norm, double eps, LayerStack stack, torch::Tensor head_panels,
+                   torch::Tensor head_scale, int64_t vocab, torch::Tensor inv_freq, double rope_factor) {
+  check(embed.dim() == 2 && embed.scalar_type() == torch::kFloat, "embedding [vocab, H] float32");
+  return {embed, norm, eps, std::move(stack), {head_panels, head_scale, vocab}, inv_freq, rope_factor};
+}
+
+// Rotations [N, pairs, 2] of positions [N], as DeepseekV3ForCausalLM.rope computes them (the same ATen calls).
+torch::Tensor rope(const Target& T, const torch::Tensor& positions) {
+  const torch::Tensor freqs = positions.unsqueeze(-1).to(torch::kFloat) * T.inv_freq;
+  return at::view_as_real(at::polar(at::full_like(freqs, T.rope_factor), freqs));
+}
+
+// One greedy speculative step for B decoding sequences with K drafts each, from host integers: sequence b has
+// num_cached[b] target positions cached, its MTP cache num_mtp[b], its blocks tables[b]; ids and hidden are the
+// MTP catch-up's inputs over positions num_mtp[b] .. num_cached[b] - 1. mtp_greedy_drafts (catch-up, then the
+// chain of drafts at positions num_cached[b] ..), the target over [last_ids[b], d1..dK] at positions
+// num_cached[b] .. num_cached[b] + K, the final norm and lm_head, and greedy acceptance: each sequence's drafts up to
+// the first that is not the target's argmax, then the argmax there; with `adjust`, drafts and verified rows are
+// argmaxes of adjusted logits (Adjustments: row j counts drafts 1..j). Returns the emitted tokens of each sequence and
+// the target's hidden states [B * (K + 1), H] after the final norm (the MTP module's next inputs). The same calls in
+// the same order as the step in Python.
+std::tuple<std::vector<std::vector<int64_t>>, torch::Tensor> greedy_step(
+    const Target& T, const Mtp& M, const torch::Tensor& ids, const torch::Tensor& hidden, const torch::Tensor& kv_cache,
+    const std::vector<std::vector<int64_t>>& tables, int64_t block_size, const std::vector<int64_t>& num_mtp,
+    const std::vector<int64_t>& num_cached, const std::vector<int64_t>& last_ids, int64_t K,
+    const std::optional<Adjustments>& adjust) {
+  const int64_t B = static_cast<int64_t>(tables.size());
+  check(K >= 1 && B >= 1 && block_size >= 1 && static_cast<int64_t>(num_mtp.size()) == B &&
+            static_cast<int64_t>(num_cached.size()) == B && static_cast<int64_t>(last_ids.size()) == B,
+        "K >= 1 and one block table, num_mtp, num_cached and last id per sequence");
+  int64_t W = 0;
+  for (const auto& t : tables) W = std::max<int64_t>(W, t.size());
+  auto table = torch::zeros({B, W}, torch::kLong);
+  int64_t* tb = table.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) std::copy(tables[b].begin(), tables[b].end(), tb + b * W);
+  // Catch-up positions, then the verified ones [B, K + 1]; drafts 2..K are proposed at the first K - 1 of these.
+  std::vector<int64_t> pos, slots, seq, last;
+  auto add = [&](int64_t b, int64_t p) {
+    check(p >= 0 && p / block_size < static_cast<int64_t>(tables[b].size()), "block tables do not cover the positions");
+    pos.push_back(p);
+    slots.push_back(tables[b][p / block_size] * block_size + p % block_size);
+    seq.push_back(b);
+  };
+  for (int64_t b = 0; b < B; ++b) {
+    check(num_mtp[b] < num_cached[b], "every sequence has hidden states to catch up on");
+    for (int64_t p = num_mtp[b]; p < num_cached[b]; ++p) add(b, p);
+    last.push_back(static_cast<int64_t>(pos.size()) - 1);
+  }
+  const int64_t Tc = static_cast<int64_t>(pos.size());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = 0; j <= K; ++j) add(b, num_cached[b] + j);
+  auto host = [](const std::vector<int64_t>& v) { return torch::tensor(v, torch::kLong); };
+  const torch::Tensor positions = host(pos), slot_mapping = host(slots), token_seq = host(seq);
+  const torch::Tensor rot = rope(T, positions);
+  const torch::Tensor verify_positions = positions.slice(0, Tc).view({B, K + 1});
+  const torch::Tensor verify_rot = rot.slice(0, Tc).view({B, K + 1, rot.size(1), 2});
+  const torch::Tensor drafts = mtp_greedy_drafts(
+      M, ids, hidden, rot.slice(0, 0, Tc), kv_cache, slot_mapping.slice(0, 0, Tc), positions.slice(0, 0, Tc),
+      token_seq.slice(0, 0, Tc), table, block_size, host(last), verify_positions.slice(1, 0, K - 1).t().contiguous(),
+      verify_rot.slice(1, 0, K - 1).transpose(0, 1).contiguous(), adjust);
+  const torch::Tensor tokens = at::cat({host(last_ids).view({B, 1}), drafts}, 1).flatten();
+  const torch::Tensor x = decoder_layers(T.stack, at::embedding(T.embed, tokens), rot.slice(0, Tc), kv_cache,
+                                         slot_mapping.slice(0, Tc), positions.slice(0, Tc), token_seq.slice(0, Tc),
+                                         table, block_size);
+  const torch::Tensor h = rms_norm(x, T.norm, T.eps);
+  const torch::Tensor logits = T.head(h);
+  const torch::Tensor argmax = (adjust ? adjust->apply(logits, K + 1, 0, drafts) : logits).argmax(-1).view({B, K + 1});
+  const int64_t *dp = drafts.data_ptr<int64_t>(), *ap = argmax.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> emitted(B);
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t n = 0;
+    while (n < K && dp[b * K + n] == ap[b * (K + 1) + n]) emitted[b].push_back(dp[b * K + n++]);
+    emitted[b].push_back(ap[b * (K + 1) + n]);
+  }
+  return {emitted, h};
+}
+
 // ---- logprobs of emitted tokens: what sampling.token_logprobs reads back, in one call ----
 // Rows of log-probabilities lp [M, V] float32 and the token chosen in each, tokens [M] int64: per row, float64
 // [token, its logprob, its rank (1 + how many are larger), the n largest logprobs, their ids], largest first (of
@@ -1202,6 +1227,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         nogil);
   py::class_<Target>(m, "Target", "the target model's kernel weights around its layers (see make_target)");
   m.def("make_target", &make_target, "gather the embedding, rope, layers, final norm and lm_head for greedy_step");
+  py::class_<Adjustments>(m, "Adjustments", "a batch's penalties and bans in adjust_logits' layout, for greedy_step")
+      .def(py::init([](std::vector<int64_t> penalized, std::vector<torch::Tensor> counts,
+                       std::vector<torch::Tensor> in_prompt, std::vector<double> values,
+                       std::vector<std::vector<int64_t>> bad, std::vector<std::vector<int64_t>> stops,
+                       std::vector<int64_t> stop_rows) {
+        return Adjustments{std::move(penalized), std::move(counts), std::move(in_prompt), std::move(values),
+                           std::move(bad), std::move(stops), std::move(stop_rows)};
+      }));
   m.def("greedy_step", &greedy_step, "a greedy speculative step: drafts, verification, acceptance", nogil);
   m.def("adjust_logits", &adjust_logits, "penalties and bans of a batch's rows, drafts before each row counted", nogil);
   m.def("token_logprobs", &token_logprobs, "emitted tokens' logprobs, ranks and top-n alternatives", nogil);
