@@ -9,10 +9,11 @@ errors reported as text with a position rather than raised from C++. TensorRT-LL
 A guide is compiled once per distinct guide (an LRU of pristine matchers, keyed by kind and text); each
 sequence gets a deep copy. The matcher holds the grammar state after the sequence's kept output tokens:
 `GrammarMatcher.advance` is called by the step's one writer (`Scheduler.update_from_output`). The model
-runner asks for the bans of rows that follow drafts (`grammar_bans`): each matcher consumes the drafts,
-writes one bitmask per row and rolls them back, leaving the state as it found it. Once the grammar is complete the mask
-allows EOS only, so the request ends the way any request ends (a stop token), at the same token for every
-draft length: greedy output under a grammar does not depend on k.
+runner asks for the bitmasks of rows that follow drafts (`grammar_bitmasks`): each matcher consumes the drafts,
+writes one bitmask per row and rolls them back, leaving the state as it found it; the bitmasks reach the logits
+as llguidance writes them (`Adjustments.allowed`). Once the grammar is complete the mask allows EOS only, so the
+request ends the way any request ends (a stop token), at the same token for every draft length: greedy output
+under a grammar does not depend on k.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from runtime.core.sampling import GuidedDecodingParams
+from runtime.core.sampling import GuidedDecodingParams, refused_tokens
 
 CACHE_SIZE = 64  # compiled guides kept per executor
 # JSON as json.dumps writes it: no free whitespace, which a weak or distracted model fills with newlines up to
@@ -176,20 +177,19 @@ class GrammarMatcher:
 
     def masks(self, drafts: list[int], first: int, num_rows: int) -> Tensor:
         """[num_rows, V] bool, True where banned (`fill_masks`'s rows, of one sequence)."""
-        return grammar_bans([self], [drafts], first, num_rows)[0]
+        return refused_tokens(grammar_bitmasks([self], [drafts], first, num_rows), self.vocab_size)
 
 
-def grammar_bans(matchers: list[GrammarMatcher | None], drafts: list[list[int]] | None, first: int, num_rows: int
-                 ) -> Tensor:
-    """[B, num_rows, V] bool, True where a sequence's grammar bans the token at that row (none for a sequence
-    without one): each matcher fills its rows' bitmasks, then all are unpacked in one pass."""
+def grammar_bitmasks(matchers: list[GrammarMatcher | None], drafts: list[list[int]] | None, first: int, num_rows: int
+                     ) -> Tensor:
+    """[B * num_rows, W] int32 bitmask words (`Adjustments.allowed`) of what each sequence's grammar allows at those
+    rows (every bit set for a sequence without one)."""
     some = next(m for m in matchers if m is not None)
     words = np.full((len(matchers), num_rows, some.mask_words), -1, dtype=np.int32)
     for b, m in enumerate(matchers):
         if m is not None:
             m.fill_masks(words[b], drafts[b] if drafts else [], first)
-    bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")[..., : some.vocab_size]
-    return torch.from_numpy(bits == 0)
+    return torch.from_numpy(words.reshape(-1, some.mask_words))
 
 
 class GrammarCompiler:
