@@ -148,30 +148,42 @@ def check_guide(guide: GuidedDecodingParams, field: str = "guided_decoding") -> 
 
 
 class GrammarMatcher:
-    """One sequence's grammar state after its kept output tokens, and the masks of the rows it decides next."""
+    """One sequence's grammar state after its kept output tokens, and the masks of the rows it decides next. The masks
+    computed since the last advance are kept by the drafts before their row: a verification's rows 0..k-1 are the
+    step's draft rows (the same state, the same drafts), so only its last row is computed again."""
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, mask_words: int):
         self.matcher, self.vocab_size, self.mask_words = matcher, vocab_size, mask_words
+        self._masks: dict[tuple[int, ...], np.ndarray] = {}  # drafts before a row -> its bitmask, in this state
 
     def advance(self, tokens: list[int]) -> None:
         """Consume kept output tokens (never more than the grammar allows: they were drawn under its masks)."""
-        if tokens and not self.matcher.consume_tokens(tokens):
-            raise RuntimeError(f"grammar rejected kept tokens {tokens}: {self.matcher.get_error()[:200]}")
+        if tokens:
+            self._masks.clear()
+            if not self.matcher.consume_tokens(tokens):
+                raise RuntimeError(f"grammar rejected kept tokens {tokens}: {self.matcher.get_error()[:200]}")
 
     def fill_masks(self, words: np.ndarray, drafts: list[int], first: int) -> None:
         """Write the bitmasks of rows first .. first + len(words) - 1 into words [rows, W] (int32, all bits set on
         entry): row r is decided after drafts[:first + r]. Rows after a draft the grammar refuses, or after the eos
         that completes it, keep every bit: that draft is rejected (its own row bans it) or ends the request, so no
         later row is ever used. The matcher's state is restored."""
-        m = self.matcher
-        consumed = m.try_consume_tokens(drafts[:first]) if first else 0
-        if consumed == first:
-            for r in range(len(words)):
-                m.unsafe_compute_mask_ptr(words[r].ctypes.data, words[r].nbytes)
-                j = first + r
-                if r + 1 == len(words) or j >= len(drafts) or m.try_consume_tokens(drafts[j : j + 1]) != 1:
+        m, consumed = self.matcher, 0  # the matcher is in the state after drafts[:consumed]
+        for r in range(len(words)):
+            before = tuple(drafts[: first + r])
+            if len(before) < first + r:  # no drafts given for the row: it is never used
+                break
+            known = self._masks.get(before)
+            if known is None:
+                want = len(before) - consumed
+                got = m.try_consume_tokens(list(before[consumed:])) if want else 0
+                consumed += got
+                if got != want:
                     break
-                consumed += 1
+                m.unsafe_compute_mask_ptr(words[r].ctypes.data, words[r].nbytes)
+                self._masks[before] = words[r].copy()
+            else:
+                words[r] = known
         if consumed:
             m.rollback(consumed)
 
