@@ -263,6 +263,18 @@ def test_bad_tokens_that_leave_nothing_yield_to_the_grammar(shipped_engine, ship
         assert out.text == "q" and out.finish_reason == "stop", (k, out.text)
 
 
+def test_guided_output_with_the_torch_ops_is_the_kernels(shipped_engine, shipped_tokenizer, prompts, monkeypatch
+                                                         ) -> None:
+    """Where the kernels do not run (CUDA, no AVX-512) the torch ops unpack the grammar's bitmasks: the same output,
+    bad tokens yielding to the grammar included."""
+    letter = shipped_tokenizer.encode("q", add_bos=False)
+    params = [SamplingParams(max_tokens=MAX_TOKENS, guided_decoding=GUIDES["json"]),
+              SamplingParams(max_tokens=8, bad_token_ids=tuple(letter), guided_decoding=GuidedDecodingParams(regex="q"))]
+    kernels = [o.token_ids for o in run(shipped_engine, prompts[:2], params, 2)]
+    monkeypatch.setattr("runtime.core.sampling.runs_here", lambda device, dtype: False)
+    assert [o.token_ids for o in run(shipped_engine, prompts[:2], params, 2)] == kernels
+
+
 def test_session_refuses_before_submitting_anything(shipped_model_dir) -> None:
     with Session(shipped_model_dir, num_draft_tokens=2) as s:
         bad = SamplingParams(guided_decoding=GuidedDecodingParams(regex="ab[c-"))
