@@ -269,6 +269,43 @@ def test_adjustments_kernel_equals_the_torch_ops(first, num_rows) -> None:
         assert got.isinf().sum() == want.isinf().sum() > 0
 
 
+@pytest.mark.skipif(bool(cpu_missing_flags()), reason="CPU kernels need x86-64 with AVX-512")
+@pytest.mark.parametrize("first,num_rows", [(0, 1), (2, 1), (0, 4)])
+def test_grammar_bitmask_words_ban_what_they_refuse_in_the_kernel_as_with_torch(first, num_rows) -> None:
+    """A guided batch's bitmask words go to the kernel as they are: random words (bits past the vocabulary, which is
+    not a multiple of 32, set or not), rows of all bits (no grammar), penalties, bad and stop bans on top; bans that
+    would leave nothing the words allow yield to them. The kernel, the torch ops (which unpack the words) and a
+    reference written token by token all agree."""
+    g = torch.Generator().manual_seed(first * 10 + num_rows)
+    B, V = 4, 301
+    W = -(-V // 32)
+    for trial in range(20):
+        logits = torch.randn(B * num_rows, V, generator=g) * 4
+        drafts = torch.randint(0, 12, (B, first + num_rows + 1), generator=g)
+        allowed = torch.randint(-2**31, 2**31, (B * num_rows, W), generator=g, dtype=torch.int64).to(torch.int32)
+        allowed[num_rows : 2 * num_rows] = -1  # sequence 1: no grammar
+        allowed[-1] = 0
+        allowed[-1, 3] = 1 << 5 | 1 << 9  # tokens 101 and 105 only: banned below, so the bans yield
+        bad = [[7, 40], [5, 17], [], [101, 105, 250]]
+        stops = [[1, 2, 300], [], [], [4]]
+        stop_rows = [max(2 - first, 0), 0, 0, num_rows]
+        counts = [torch.randint(0, 3, (V,), generator=g).float()]
+        args = (num_rows, first, drafts, [2], counts, [torch.rand(V, generator=g) < 0.1], [1.3, 0.4, 0.2])
+        adj = Adjustments(*args, bad, stops, stop_rows, allowed)
+        got, with_torch = adj.apply(logits), adj.apply_with_torch(logits)
+        want = Adjustments(*args, [[]] * B, [[]] * B, [0] * B).apply_with_torch(logits)
+        for row in range(B * num_rows):
+            b, r = divmod(row, num_rows)
+            words = [w & 0xFFFFFFFF for w in allowed[row].tolist()]
+            grammar = {t for t in range(V) if words[t // 32] >> (t % 32) & 1}
+            listed = set(bad[b]) | (set(stops[b]) if r < stop_rows[b] else set())
+            kept = grammar - listed or grammar
+            want[row, [t for t in range(V) if t not in kept]] = float("-inf")
+        assert torch.equal(got, want), (trial, (got != want).nonzero()[:5])
+        assert torch.equal(with_torch, want), trial
+        assert got[-1].isfinite().nonzero().flatten().tolist() == [101, 105]
+
+
 def penalty_params() -> list[SamplingParams]:
     """A mixed batch: penalized greedy requests of each kind, min_tokens, a plain greedy one and a seeded
     penalized sampled one (which only shares the steps)."""

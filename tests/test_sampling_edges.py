@@ -67,13 +67,10 @@ def target_probs(shipped_engine, ids: list[list[int]], params: SamplingParams) -
 
 def probs_under(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The sampling distributions [n, V] of logits [n, V] under one request's parameters (float64)."""
-    n, V = logits.shape
-    bad = None
-    if params.bad_token_ids:
-        bad = torch.zeros(n, V, dtype=torch.bool)
-        bad[:, list(params.bad_token_ids)] = True
+    n = logits.shape[0]
+    logits = logits.float().index_fill(-1, torch.tensor(params.bad_token_ids, dtype=torch.long), float("-inf"))
     st = SamplingTensors(torch.full((n,), float(params.temperature)), torch.full((n,), params.top_k, dtype=torch.long),
-                         torch.full((n,), float(params.top_p)), bad)
+                         torch.full((n,), float(params.top_p)))
     return probabilities(logits, st).double()
 
 

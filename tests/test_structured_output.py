@@ -207,6 +207,29 @@ def test_masks_restore_the_matcher_and_free_rows_after_a_refused_draft(shipped_t
         m.advance([a])
 
 
+def test_verification_reuses_a_draft_mask_only_for_the_same_drafts_in_the_same_state(shipped_tokenizer) -> None:
+    """The masks drafting computed are reused by the rows after the same drafts, and only until the state advances:
+    a verification after other drafts (drafted another way) or after an advance gets its own masks, those of a
+    matcher that never drafted."""
+    tok = shipped_tokenizer
+    compiler = GrammarCompiler(tok.backend.to_str(), 4096, tok.eos_token_id)
+    guide = GuidedDecodingParams(regex="(ab|ba)c+")
+    m = compiler.matcher(guide)
+    a, b, c = (tok.backend.token_to_id(x) for x in "abc")
+
+    def fresh(kept: list[int], drafts: list[int]) -> torch.Tensor:
+        ref = compiler.matcher(guide)
+        ref.advance(kept)
+        return ref.masks(drafts, 0, len(drafts) + 1)
+
+    for j, drafts in enumerate(([a], [a, b], [a, b, c])):  # drafting: row j after drafts[:j], one row at a time
+        m.masks(drafts, j, 1)
+    assert torch.equal(m.masks([a, b, c], 0, 4), fresh([], [a, b, c]))
+    assert torch.equal(m.masks([b, a, c], 0, 4), fresh([], [b, a, c]))  # other drafts: a's row is not b's
+    m.advance([a])
+    assert torch.equal(m.masks([b, c], 0, 3), fresh([a], [b, c]))  # row 0 after nothing: the new state's
+
+
 @pytest.mark.parametrize("guide, message", [
     (GuidedDecodingParams(regex="(abc"), "guided_decoding.regex is invalid at position 0: unclosed group"),
     (GuidedDecodingParams(regex="ab{3,1}"), "guided_decoding.regex is invalid at position 2: invalid repetition "
@@ -239,6 +262,18 @@ def test_bad_tokens_that_leave_nothing_yield_to_the_grammar(shipped_engine, ship
     for k in (0, 2):
         [out] = run(shipped_engine, prompts[:1], [params], k)
         assert out.text == "q" and out.finish_reason == "stop", (k, out.text)
+
+
+def test_guided_output_with_the_torch_ops_is_the_kernels(shipped_engine, shipped_tokenizer, prompts, monkeypatch
+                                                         ) -> None:
+    """Where the kernels do not run (CUDA, no AVX-512) the torch ops unpack the grammar's bitmasks: the same output,
+    bad tokens yielding to the grammar included."""
+    letter = shipped_tokenizer.encode("q", add_bos=False)
+    params = [SamplingParams(max_tokens=MAX_TOKENS, guided_decoding=GUIDES["json"]),
+              SamplingParams(max_tokens=8, bad_token_ids=tuple(letter), guided_decoding=GuidedDecodingParams(regex="q"))]
+    kernels = [o.token_ids for o in run(shipped_engine, prompts[:2], params, 2)]
+    monkeypatch.setattr("runtime.core.sampling.runs_here", lambda device, dtype: False)
+    assert [o.token_ids for o in run(shipped_engine, prompts[:2], params, 2)] == kernels
 
 
 def test_session_refuses_before_submitting_anything(shipped_model_dir) -> None:

@@ -9,10 +9,11 @@ errors reported as text with a position rather than raised from C++. TensorRT-LL
 A guide is compiled once per distinct guide (an LRU of pristine matchers, keyed by kind and text); each
 sequence gets a deep copy. The matcher holds the grammar state after the sequence's kept output tokens:
 `GrammarMatcher.advance` is called by the step's one writer (`Scheduler.update_from_output`). The model
-runner asks for the bans of rows that follow drafts (`grammar_bans`): each matcher consumes the drafts,
-writes one bitmask per row and rolls them back, leaving the state as it found it. Once the grammar is complete the mask
-allows EOS only, so the request ends the way any request ends (a stop token), at the same token for every
-draft length: greedy output under a grammar does not depend on k.
+runner asks for the bitmasks of rows that follow drafts (`grammar_bitmasks`): each matcher consumes the drafts,
+writes one bitmask per row and rolls them back, leaving the state as it found it; the bitmasks reach the logits
+as llguidance writes them (`Adjustments.allowed`). Once the grammar is complete the mask allows EOS only, so the
+request ends the way any request ends (a stop token), at the same token for every draft length: greedy output
+under a grammar does not depend on k.
 """
 
 from __future__ import annotations
@@ -26,55 +27,67 @@ import torch
 from torch import Tensor
 
 from runtime.core.guide_check import check_guide
+from runtime.core.sampling import refused_tokens
 from runtime.core.sampling_params import GuidedDecodingParams
 
 CACHE_SIZE = 64  # compiled guides kept per executor
 
 
 class GrammarMatcher:
-    """One sequence's grammar state after its kept output tokens, and the masks of the rows it decides next."""
+    """One sequence's grammar state after its kept output tokens, and the masks of the rows it decides next. The masks
+    computed since the last advance are kept by the drafts before their row: a verification's rows 0..k-1 are the
+    step's draft rows (the same state, the same drafts), so only its last row is computed again."""
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, mask_words: int):
         self.matcher, self.vocab_size, self.mask_words = matcher, vocab_size, mask_words
+        self._masks: dict[tuple[int, ...], np.ndarray] = {}  # drafts before a row -> its bitmask, in this state
 
     def advance(self, tokens: list[int]) -> None:
         """Consume kept output tokens (never more than the grammar allows: they were drawn under its masks)."""
-        if tokens and not self.matcher.consume_tokens(tokens):
-            raise RuntimeError(f"grammar rejected kept tokens {tokens}: {self.matcher.get_error()[:200]}")
+        if tokens:
+            self._masks.clear()
+            if not self.matcher.consume_tokens(tokens):
+                raise RuntimeError(f"grammar rejected kept tokens {tokens}: {self.matcher.get_error()[:200]}")
 
     def fill_masks(self, words: np.ndarray, drafts: list[int], first: int) -> None:
         """Write the bitmasks of rows first .. first + len(words) - 1 into words [rows, W] (int32, all bits set on
         entry): row r is decided after drafts[:first + r]. Rows after a draft the grammar refuses, or after the eos
         that completes it, keep every bit: that draft is rejected (its own row bans it) or ends the request, so no
         later row is ever used. The matcher's state is restored."""
-        m = self.matcher
-        consumed = m.try_consume_tokens(drafts[:first]) if first else 0
-        if consumed == first:
-            for r in range(len(words)):
-                m.unsafe_compute_mask_ptr(words[r].ctypes.data, words[r].nbytes)
-                j = first + r
-                if r + 1 == len(words) or j >= len(drafts) or m.try_consume_tokens(drafts[j : j + 1]) != 1:
+        m, consumed = self.matcher, 0  # the matcher is in the state after drafts[:consumed]
+        for r in range(len(words)):
+            before = tuple(drafts[: first + r])
+            if len(before) < first + r:  # no drafts given for the row: it is never used
+                break
+            known = self._masks.get(before)
+            if known is None:
+                want = len(before) - consumed
+                got = m.try_consume_tokens(list(before[consumed:])) if want else 0
+                consumed += got
+                if got != want:
                     break
-                consumed += 1
+                m.unsafe_compute_mask_ptr(words[r].ctypes.data, words[r].nbytes)
+                self._masks[before] = words[r].copy()
+            else:
+                words[r] = known
         if consumed:
             m.rollback(consumed)
 
     def masks(self, drafts: list[int], first: int, num_rows: int) -> Tensor:
         """[num_rows, V] bool, True where banned (`fill_masks`'s rows, of one sequence)."""
-        return grammar_bans([self], [drafts], first, num_rows)[0]
+        return refused_tokens(grammar_bitmasks([self], [drafts], first, num_rows), self.vocab_size)
 
 
-def grammar_bans(matchers: list[GrammarMatcher | None], drafts: list[list[int]] | None, first: int, num_rows: int
-                 ) -> Tensor:
-    """[B, num_rows, V] bool, True where a sequence's grammar bans the token at that row (none for a sequence
-    without one): each matcher fills its rows' bitmasks, then all are unpacked in one pass."""
+def grammar_bitmasks(matchers: list[GrammarMatcher | None], drafts: list[list[int]] | None, first: int, num_rows: int
+                     ) -> Tensor:
+    """[B * num_rows, W] int32 bitmask words (`Adjustments.allowed`) of what each sequence's grammar allows at those
+    rows (every bit set for a sequence without one)."""
     some = next(m for m in matchers if m is not None)
     words = np.full((len(matchers), num_rows, some.mask_words), -1, dtype=np.int32)
     for b, m in enumerate(matchers):
         if m is not None:
             m.fill_masks(words[b], drafts[b] if drafts else [], first)
-    bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")[..., : some.vocab_size]
-    return torch.from_numpy(bits == 0)
+    return torch.from_numpy(words.reshape(-1, some.mask_words))
 
 
 class GrammarCompiler:

@@ -37,13 +37,13 @@ import torch
 from torch import Tensor
 
 from runtime.core.cuda_graphs import CudaGraphRunner
-from runtime.core.grammar import grammar_bans
+from runtime.core.grammar import grammar_bitmasks
 from runtime.core.kv_cache import KVCache
 from runtime.model.batch import SHORT_QUERY, PagedBatch
 from runtime.model.kernels.modules import FusedMTPLayer, GreedyStep, attends_in_kernels
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM
 from runtime.core.sampling import (PURPOSE_DRAFT, Adjustments, RelaxedAcceptance, SamplingTensors, TokenLogprob, accept,
-                                   accept_greedy, adjusted_logits, ban_mask, probabilities, processed_logprobs, sample,
+                                   accept_greedy, adjusted_logits, probabilities, processed_logprobs, sample,
                                    token_logprobs, uniforms)
 from runtime.core.plan import Scheduled, StepResult
 from runtime.core.sequence import Sequence
@@ -99,39 +99,30 @@ class ModelRunner:
         values = torch.tensor([[s.params.temperature, min(s.params.top_k, V), s.params.top_p] for s in seqs],
                               dtype=torch.float64).repeat_interleave(num_rows, dim=0).to(dev)
         return SamplingTensors(values[:, 0].float(), values[:, 1].long(), values[:, 2].float(),
-                               *self.adjustments(seqs, drafts, first, num_rows))
+                               self.adjustments(seqs, drafts, first, num_rows))
 
-    def adjustments(self, seqs: list[Sequence], drafts: Tensor | None, first: int, num_rows: int
-                    ) -> tuple[Tensor | None, Adjustments | None]:
+    def adjustments(self, seqs: list[Sequence], drafts: Tensor | None, first: int, num_rows: int) -> Adjustments | None:
         """What changes the logits of those rows before temperature (all a greedy row needs): the banned tokens
         (bad tokens, stop tokens while min_tokens is not reached by that row's index, and what a guided request's
-        grammar refuses after the drafts before the row) and the penalties, which count the drafts before it. A
-        guided batch's bans come as one mask (bad tokens that leave nothing the grammar allows yield to it); the
-        rest as an `Adjustments`, applied in one kernel call."""
-        V, B = self.model.cfg.vocab_size, len(seqs)
+        grammar refuses after the drafts before the row, as the grammar's bitmasks) and the penalties, which count
+        the drafts before it; applied in one kernel call."""
         bad = [list(s.params.bad_token_ids) for s in seqs]
         stops = [list(s.stop_ids) if s.bans_stop_ids else [] for s in seqs]
         # rows before min_tokens is reached
         stop_rows = [max(s.params.min_tokens - s.num_output_tokens - first, 0) if s.bans_stop_ids else 0 for s in seqs]
-        mask = None
+        allowed = None
         grammars = [s.grammar for s in seqs]
         if any(g is not None for g in grammars):
             # row j: what the grammar allows after the drafts before it
             rows = None if drafts is None or first + num_rows == 1 else drafts[:, : first + num_rows - 1].tolist()
-            mask = grammar_bans(grammars, rows, first, num_rows).reshape(-1, V)
-            listed = ban_mask(bad, stops, stop_rows, num_rows, V)
-            if listed is not None:  # bad tokens that leave nothing the grammar allows yield to the grammar
-                empty = (listed | mask).all(-1)
-                mask = torch.where(empty[:, None], mask, listed | mask)
-            mask = mask.to(self.device)
-            bad, stops, stop_rows = [[]] * B, [[]] * B, [0] * B  # in the mask now
+            allowed = grammar_bitmasks(grammars, rows, first, num_rows)
         pen = [b for b, s in enumerate(seqs) if s.penalty is not None]
-        if not pen and not any(bad) and not any(stop_rows):
-            return mask, None
+        if not pen and not any(bad) and not any(stop_rows) and allowed is None:
+            return None
         values = [v for b in pen for v in (seqs[b].params.repetition_penalty, seqs[b].params.presence_penalty,
                                            seqs[b].params.frequency_penalty)]
-        return mask, Adjustments(num_rows, first, drafts, pen, [seqs[b].penalty.counts for b in pen],
-                                 [seqs[b].penalty.in_prompt for b in pen], values, bad, stops, stop_rows)
+        return Adjustments(num_rows, first, drafts, pen, [seqs[b].penalty.counts for b in pen],
+                           [seqs[b].penalty.in_prompt for b in pen], values, bad, stops, stop_rows, allowed)
 
     # ---- drafting -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -153,7 +144,7 @@ class ModelRunner:
         if not plain:
             # rules that depend on the drafts before a row (penalties, min_tokens) need fresh tensors per draft
             per_draft = any(s.penalty is not None or s.bans_stop_ids or s.grammar is not None for s in seqs)
-            rules = self.adjustments if greedy else self.sampling_tensors  # greedy: (bans, penalties) only
+            rules = self.adjustments if greedy else self.sampling_tensors  # greedy: the adjustments only
             st = rules(seqs, None, 0, 1)
             if not greedy:
                 seeds = self._ids([s.seed for s in seqs])
@@ -165,7 +156,7 @@ class ModelRunner:
             if plain:
                 d = logits.argmax(-1)
             elif greedy:
-                d = adjusted_logits(logits, *st).argmax(-1)
+                d = adjusted_logits(logits, st).argmax(-1)
             else:
                 q = probabilities(logits, st)
                 d = torch.where(st.temperature == 0, q.argmax(-1), sample(q, uniforms(seeds, positions + j, PURPOSE_DRAFT)))
@@ -261,7 +252,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         seqs, k = [it.seq for it in items], items[0].num_drafts
         tables, starts, _, next_ids, hidden = self._catch_up(seqs)
-        _, adjustments = self.adjustments(seqs, None, 0, k + 1)  # the rows from draft 1's on (no grammar: no mask)
+        adjustments = self.adjustments(seqs, None, 0, k + 1)  # the rows from draft 1's on (no grammar here)
         emitted, verified = self.greedy_step(next_ids, hidden, self.cache.tensor, tables, self.cache.block_size, starts,
                                              [s.num_cached for s in seqs], [s.token_ids[-1] for s in seqs], k,
                                              None if adjustments is None else adjustments.kernel_args())
@@ -293,7 +284,7 @@ class ModelRunner:
             scores = logits
             if not all(s.plain_argmax for s in seqs):  # else the fast path: the logits' own argmax
                 dt = self._ids(d).view(B, K)
-                scores = adjusted_logits(logits.flatten(0, 1), *self.adjustments(seqs, dt, 0, K + 1)).view(B, K + 1, V)
+                scores = adjusted_logits(logits.flatten(0, 1), self.adjustments(seqs, dt, 0, K + 1)).view(B, K + 1, V)
                 # a greedy row's processed distribution is that of its adjusted logits (processed_logprobs)
                 processed = partial(_rows_log_softmax, scores.view(B * (K + 1), V))
             emitted = []
@@ -312,7 +303,7 @@ class ModelRunner:
             relaxed_kw = {}
             if self.relaxed is not None and K:
                 # penalized and with bans: a banned token is never accepted, relaxed or not
-                adjusted = adjusted_logits(logits.flatten(0, 1), st.bad_mask, st.adjustments).view(B, K + 1, V)
+                adjusted = adjusted_logits(logits.flatten(0, 1), st.adjustments).view(B, K + 1, V)
                 relaxed_kw = dict(relaxed=self.relaxed, relaxed_probs=adjusted[:, :K].softmax(-1),
                                   relaxed_mask=self._thinking_mask(seqs, dt, ks))
             num_acc, nxt = accept(dt, dp, target_probs, self._ids(ks), self._ids([s.seed for s in seqs]),

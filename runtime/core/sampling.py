@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -101,6 +102,10 @@ class Adjustments:
     bad: list[list[int]]  # per sequence: tokens banned in all its rows
     stops: list[list[int]]  # per sequence: stop tokens banned in its first stop_rows rows (min_tokens)
     stop_rows: list[int]
+    # a guided batch's grammar bitmasks [B * num_rows, >= ceil(V / 32)] int32 on the host: bit t % 32 of word t // 32
+    # set where the row's grammar allows token t (all set for a row without one); bad and stop bans that would leave
+    # nothing it allows yield to it in that row
+    allowed: Tensor | None = None
 
     def apply(self, logits: Tensor) -> Tensor:
         """float32 logits [B * num_rows, V] adjusted (a new tensor): HF's repetition penalty over prompt and output (a
@@ -109,8 +114,9 @@ class Adjustments:
         logits = logits.float()
         if runs_here(logits.device, logits.dtype):
             drafts = torch.empty(0, 0, dtype=torch.long) if self.drafts is None else self.drafts.contiguous()
+            allowed = torch.empty(0, 0, dtype=torch.int32) if self.allowed is None else self.allowed.contiguous()
             return cpu_kernels().adjust_logits(logits.contiguous(), self.num_rows, self.first, drafts,
-                                               *self.kernel_args())
+                                               *self.kernel_args(), allowed)
         return self.apply_with_torch(logits)
 
     def kernel_args(self) -> tuple:
@@ -122,7 +128,14 @@ class Adjustments:
         logits = logits.float()
         if self.penalized:
             logits = self._penalize(logits)
-        bans = ban_mask(self.bad, self.stops, self.stop_rows, self.num_rows, logits.shape[-1])
+        V = logits.shape[-1]
+        bans = ban_mask(self.bad, self.stops, self.stop_rows, self.num_rows, V)
+        if self.allowed is not None:
+            refused = refused_tokens(self.allowed, V)
+            if bans is not None:  # bans that leave nothing the grammar allows yield to it
+                empty = (bans | refused).all(-1)
+                refused = torch.where(empty[:, None], refused, bans | refused)
+            bans = refused
         return logits if bans is None else logits.masked_fill(bans.to(logits.device), float("-inf"))
 
     def _penalize(self, logits: Tensor) -> Tensor:
@@ -161,6 +174,12 @@ def ban_mask(bad: list[list[int]], stops: list[list[int]], stop_rows: list[int],
     return mask.view(-1, vocab_size)
 
 
+def refused_tokens(allowed: Tensor, vocab_size: int) -> Tensor:
+    """[rows, V] bool, True where bitmask words [rows, W] int32 (`Adjustments.allowed`) refuse the token."""
+    bits = np.unpackbits(allowed.numpy().view(np.uint8), axis=-1, bitorder="little")[:, :vocab_size]
+    return torch.from_numpy(bits == 0)
+
+
 @dataclass
 class SamplingTensors:
     """Per-row sampling parameters of a batch as tensors (rows are token positions to decide)."""
@@ -168,16 +187,12 @@ class SamplingTensors:
     temperature: Tensor  # [R] float; 0 marks a greedy row
     top_k: Tensor  # [R] long; 0 = off
     top_p: Tensor  # [R] float
-    bad_mask: Tensor | None = field(default=None)  # [R, V] True where the token is banned (bans given whole)
     adjustments: Adjustments | None = field(default=None)
 
 
-def adjusted_logits(logits: Tensor, bad_mask: Tensor | None, adjustments: Adjustments | None) -> Tensor:
+def adjusted_logits(logits: Tensor, adjustments: Adjustments | None) -> Tensor:
     """float32 logits after penalties and bans: what a greedy row takes the argmax of."""
-    logits = logits.float() if adjustments is None else adjustments.apply(logits)
-    if bad_mask is not None:
-        logits = logits.masked_fill(bad_mask, float("-inf"))
-    return logits
+    return logits.float() if adjustments is None else adjustments.apply(logits)
 
 
 def _processed(logits: Tensor, st: SamplingTensors) -> Tensor:
@@ -203,7 +218,7 @@ def _processed(logits: Tensor, st: SamplingTensors) -> Tensor:
 
 def probabilities(logits: Tensor, st: SamplingTensors) -> Tensor:
     """Softmax of the adjusted logits / temperature after top-k and top-p; greedy rows become one-hot argmax."""
-    logits = adjusted_logits(logits, st.bad_mask, st.adjustments)
+    logits = adjusted_logits(logits, st.adjustments)
     probs = _processed(logits, st).softmax(-1)
     greedy = st.temperature == 0
     if bool(greedy.any()):
@@ -215,7 +230,7 @@ def probabilities(logits: Tensor, st: SamplingTensors) -> Tensor:
 def processed_logprobs(logits: Tensor, st: SamplingTensors) -> Tensor:
     """Log-probabilities of the distribution a row is drawn from (vLLM's processed_logprobs); a greedy row's
     are its adjusted logits' (temperature, top-k and top-p do not change its choice)."""
-    adjusted = adjusted_logits(logits, st.bad_mask, st.adjustments)
+    adjusted = adjusted_logits(logits, st.adjustments)
     out = _processed(adjusted, st).log_softmax(-1)
     greedy = st.temperature == 0
     return torch.where(greedy[:, None], adjusted.log_softmax(-1), out) if bool(greedy.any()) else out

@@ -907,18 +907,50 @@ void penalize_span(float* x, const float* c, const bool* p, int64_t n, float rep
   }
 }
 
+// Row x[0:V] under a grammar's bitmask words w (bit t % 32 of word t / 32 set: token t allowed): the tokens it refuses
+// banned (-inf), and the bad and stop tokens too unless they would leave nothing it allows (then they yield to the
+// grammar). buf: scratch, one word per 32 tokens.
+void ban_refused(float* x, int64_t V, const int32_t* w, const std::vector<int64_t>& bad,
+                 const std::vector<int64_t>* stops, std::vector<uint32_t>& buf) {
+  const int64_t W = (V + 31) / 32;
+  buf.assign(reinterpret_cast<const uint32_t*>(w), reinterpret_cast<const uint32_t*>(w) + W);
+  if (V % 32) buf[W - 1] &= (1u << (V % 32)) - 1;  // bits past the vocabulary are no tokens
+  for (const int64_t t : bad) {
+    check(t >= 0 && t < V, "adjust_logits: bad token out of range");
+    buf[t / 32] &= ~(1u << (t % 32));
+  }
+  if (stops != nullptr) {
+    for (const int64_t t : *stops) {
+      check(t >= 0 && t < V, "adjust_logits: stop token out of range");
+      buf[t / 32] &= ~(1u << (t % 32));
+    }
+  }
+  if (std::all_of(buf.begin(), buf.end(), [](uint32_t v) { return v == 0; })) {
+    buf.assign(reinterpret_cast<const uint32_t*>(w), reinterpret_cast<const uint32_t*>(w) + W);
+  }
+  const __m512 ban = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < V; i += kLanes) {
+    const int64_t len = std::min<int64_t>(kLanes, V - i);
+    const __mmask16 lanes = len == kLanes ? 0xFFFF : static_cast<__mmask16>((1u << len) - 1);
+    const __mmask16 refused = static_cast<__mmask16>(~(buf[i / 32] >> (i % 32))) & lanes;
+    if (refused) _mm512_mask_storeu_ps(x + i, refused, ban);
+  }
+}
+
 }  // namespace
 
 // A float32 copy of logits [B * num_rows, V] with penalties and bans applied: rows b * num_rows + r are sequence b's
 // output tokens num_output + first + r, each decided after drafts[b, :first + r]. Penalized sequence penalized[i]
 // has output counts counts[i] [V] float32 (drafts not included), prompt flags in_prompt[i] [V] bool and
 // values[3i:3i+3] = (repetition, presence, frequency); a row counts the drafts before it on top. Then bad[b] is
-// banned (-inf) in every row of sequence b, stops[b] in its first stop_rows[b] rows.
+// banned (-inf) in every row of sequence b, stops[b] in its first stop_rows[b] rows. With grammar bitmask words
+// allowed [rows, >= ceil(V / 32)] int32 (empty: none), a row also bans what its words refuse (bit t % 32 of word
+// t / 32 clear), and its bad and stop bans yield to the words where they would leave no token they allow.
 torch::Tensor adjust_logits(const torch::Tensor& logits, int64_t num_rows, int64_t first, const torch::Tensor& drafts,
                             const std::vector<int64_t>& penalized, const std::vector<torch::Tensor>& counts,
                             const std::vector<torch::Tensor>& in_prompt, const std::vector<double>& values,
                             const std::vector<std::vector<int64_t>>& bad, const std::vector<std::vector<int64_t>>& stops,
-                            const std::vector<int64_t>& stop_rows) {
+                            const std::vector<int64_t>& stop_rows, const torch::Tensor& allowed) {
   check(logits.dim() == 2 && logits.scalar_type() == torch::kFloat && logits.is_contiguous(),
         "adjust_logits: logits must be contiguous float32 [rows, V]");
   const int64_t R = logits.size(0), V = logits.size(1), B = num_rows > 0 ? R / num_rows : 0;
@@ -932,6 +964,10 @@ torch::Tensor adjust_logits(const torch::Tensor& logits, int64_t num_rows, int64
   check(first + num_rows - 1 <= D || P == 0, "adjust_logits: drafts [B, >= first + num_rows - 1] int64 needed");
   check(D == 0 || (drafts.scalar_type() == torch::kLong && drafts.is_contiguous() && drafts.size(0) == B),
         "adjust_logits: drafts must be contiguous int64 [B, D]");
+  check(allowed.numel() == 0 || (allowed.dim() == 2 && allowed.scalar_type() == torch::kInt &&
+                                 allowed.is_contiguous() && allowed.size(0) == R && allowed.size(1) >= (V + 31) / 32),
+        "adjust_logits: allowed must be contiguous int32 [rows, >= ceil(V / 32)] bitmask words");
+  const int64_t W = allowed.numel() ? allowed.size(1) : 0;
   torch::Tensor out = logits.clone();
   float* y = out.data_ptr<float>();
   const int64_t* d = D ? drafts.data_ptr<int64_t>() : nullptr;
@@ -969,9 +1005,15 @@ torch::Tensor adjust_logits(const torch::Tensor& logits, int64_t num_rows, int64
     }
   }
   const float ban = -std::numeric_limits<float>::infinity();
+  std::vector<uint32_t> buf;
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t r = 0; r < num_rows; ++r) {
       float* x = y + (b * num_rows + r) * V;
+      if (W) {
+        const int32_t* w = allowed.data_ptr<int32_t>() + (b * num_rows + r) * W;
+        ban_refused(x, V, w, bad[b], r < stop_rows[b] ? &stops[b] : nullptr, buf);
+        continue;
+      }
       for (const int64_t t : bad[b]) {
         check(t >= 0 && t < V, "adjust_logits: bad token out of range");
         x[t] = ban;
@@ -999,7 +1041,8 @@ struct Adjustments {
   torch::Tensor apply(const torch::Tensor& logits, int64_t num_rows, int64_t first, const torch::Tensor& drafts) const {
     std::vector<int64_t> rows(stop_rows.size());
     for (size_t b = 0; b < rows.size(); ++b) rows[b] = std::max<int64_t>(stop_rows[b] - first, 0);
-    return adjust_logits(logits, num_rows, first, drafts, penalized, counts, in_prompt, values, bad, stops, rows);
+    return adjust_logits(logits, num_rows, first, drafts, penalized, counts, in_prompt, values, bad, stops, rows,
+                         torch::empty({0, 0}, torch::kInt));  // no grammar: guided steps take the general path
   }
 };
 
