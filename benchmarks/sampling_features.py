@@ -63,7 +63,7 @@ def main() -> None:
     check_minimums(p, args, dict(max_tokens=2, rounds=1))
     set_threads(args.threads)
     engine = load_engine(args.model, device=args.device, dtype=args.dtype)
-    texts = [x["text"] for x in round_robin_by_source(load_prompts(args.model, args.prompts), max(levels))]
+    texts = [x["text"] for x in round_robin_by_source(load_prompts(args.model, args.prompts), max(*levels, args.rounds))]
 
     results: dict[str, Any] = {}
     rows = []
@@ -73,9 +73,11 @@ def main() -> None:
             ids = [ex.tokenizer.encode(t)[:64] for t in texts]
             ex.submit(ids[0], SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)).result()  # warm-up
             for c in levels:
-                prompts = [ids[i % len(ids)] for i in range(c)]
                 runs: dict[str, list[dict[str, Any]]] = {name: [] for name in SETTINGS}
                 for r in range(args.rounds):
+                    # each round its own prompts (the same for every setting): at concurrency 1 one prompt's
+                    # acceptance would otherwise stand for all
+                    prompts = [ids[(r * c + i) % len(ids)] for i in range(c)]
                     for name in (SETTINGS if r % 2 == 0 else reversed(SETTINGS)):
                         params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, **SETTINGS[name])
                         runs[name] += run_round(ex, prompts, params)
