@@ -98,6 +98,11 @@ def engine_request(inputs: Inputs, tokenizer: Tokenizer, vocab_size: int,
     # more than max_tokens means all of them (genai-perf's fixed output length sends min_length = max_tokens)
     min_tokens = min(_alias(inputs, "min_tokens", "min_length") or 0, max_tokens)
     temperature, top_k, top_p = _sampling(inputs)
+    n = scalar(inputs, "num_return_sequences", 1)
+    if n > 1 and temperature == 0:  # the executor's rule, said in this surface's terms: its greedy needs no temperature 0
+        raise RequestError(f"num_return_sequences must be 1 when decoding greedily, got {n}: every sequence would be "
+                           f"the same (greedy unless {client_named('runtime_top_k')} or {client_named('runtime_top_p')}"
+                           " is above 0, as TensorRT-LLM reads them, and temperature above 0)")
     end_id = None if "end_id" not in inputs else integer(inputs["end_id"], "end_id", -1, vocab_size - 1)
     ignore_eos = end_id is not None and end_id != tokenizer.eos_token_id
     if ignore_eos and end_id >= 0:  # a custom end id replaces eos; -1 means none
@@ -118,7 +123,7 @@ def engine_request(inputs: Inputs, tokenizer: Tokenizer, vocab_size: int,
         presence_penalty=scalar(inputs, "presence_penalty", 0.0),
         frequency_penalty=scalar(inputs, "frequency_penalty", 0.0),
         guided_decoding=guided_decoding({name: inputs[name] for name in GUIDED_INPUTS if name in inputs}),
-        n=scalar(inputs, "num_return_sequences", 1))
+        n=n)
     return EngineRequest(prompt, params, bool(scalar(inputs, "streaming", False)),
                          bool(scalar(inputs, "exclude_input_in_output", exclude_input_default)))
 

@@ -801,11 +801,13 @@ def test_num_return_sequences_over_http_take_generate_stream(server: TritonServe
 
 
 @pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
-def test_greedy_num_return_sequences_is_refused_as_the_executor_refuses_n(server: TritonServer, model: str) -> None:
+def test_greedy_num_return_sequences_is_refused_naming_it(server: TritonServer, model: str) -> None:
     """Every greedy sequence would be the same (upstream's client sends no top_k: its -n 2 decodes greedily)."""
     [error] = upstream_grpc_client(server, model, ["text_output", "sequence_index"], text_input=[["hello"]],
                                    max_tokens=4, stream=True, num_return_sequences=2, temperature=1.0)
-    assert "n must be 1 when using greedy sampling (temperature 0), got 2" in str(error), error
+    assert ("num_return_sequences must be 1 when decoding greedily, got 2: every sequence would be the same (greedy "
+            "unless runtime_top_k (top_k) or runtime_top_p (top_p) is above 0, as TensorRT-LLM reads them, and "
+            "temperature above 0)") in str(error), error
     assert_healthy(server)
 
 
