@@ -12,9 +12,9 @@ One step for a batch of sequences, each with its own number of new target tokens
    and the scheduler gives back blocks past it.
 k = 0 is plain decoding through the same code. Where the CPU kernels run the whole model, a step of greedy decodes
 that all draft the same k > 0 (no grammar; penalties, bans and logprobs computed in the call) runs 1-3 in one
-kernel call (`GreedyStep`): only the emitted tokens, their logprobs and the verified hidden states come back. The runner reads
-sequences and writes none: what a step computed comes back as `StepResult`s, which `Scheduler.update_from_output`
-applies.
+kernel call (`GreedyStep`): only the emitted tokens, their logprobs and the verified hidden states come back. The
+runner reads sequences and writes none: what a step computed comes back as `StepResult`s, which
+`Scheduler.update_from_output` applies.
 
 A guided request's grammar is one more ban per row: draft j is drawn from the MTP distribution masked by
 the grammar state after drafts 1..j-1, and each verified row is masked by its own state (a bitmask per
@@ -256,10 +256,9 @@ class ModelRunner:
         logprobs = None
         if max(top_n) >= 0:
             logprobs = top_n, [s.params.logprobs_mode == "processed_logprobs" for s in seqs]
-        emitted, verified, rows = self.greedy_step(next_ids, hidden, self.cache.tensor, tables, self.cache.block_size,
-                                                   starts, [s.num_cached for s in seqs], [s.token_ids[-1] for s in seqs],
-                                                   k, None if adjustments is None else adjustments.kernel_args(),
-                                                   logprobs)
+        emitted, verified, rows = self.greedy_step(
+            next_ids, hidden, self.cache.tensor, tables, self.cache.block_size, starts, [s.num_cached for s in seqs],
+            [s.token_ids[-1] for s in seqs], k, None if adjustments is None else adjustments.kernel_args(), logprobs)
         found = iter(read_token_logprobs(rows, [n for n, tokens in zip(top_n, emitted) if n >= 0 for _ in tokens]))
         out = []
         for b, (s, tokens) in enumerate(zip(seqs, emitted)):
