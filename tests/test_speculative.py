@@ -312,6 +312,76 @@ def test_greedy_step_in_one_call_equals_the_general_path(shipped, greedy_referen
         assert sum(accepted[True].values()) > 0
 
 
+def logprob_params(plain: list[list[int]]) -> list[SamplingParams]:
+    """Greedy requests asking for logprobs, per prompt in turn: top-5 raw; top-0 processed; none; penalized top-3
+    raw; penalized processed top-4 with a ban; min_tokens processed top-20 (plain: its plain greedy output)."""
+    kinds = [dict(logprobs=5), dict(logprobs=0, logprobs_mode="processed_logprobs"), dict(),
+             dict(logprobs=3, repetition_penalty=1.3, frequency_penalty=0.4),
+             dict(logprobs=4, logprobs_mode="processed_logprobs", presence_penalty=0.8, repetition_penalty=1.1),
+             dict(logprobs=20, logprobs_mode="processed_logprobs", min_tokens=8)]
+    out = []
+    for i, ref in enumerate(plain):
+        kind = dict(kinds[i % len(kinds)])
+        if i % len(kinds) == 4:
+            kind["bad_token_ids"] = (ref[1],)
+        if i % len(kinds) == 5:
+            kind["stop_token_ids"] = (ref[2],)
+        out.append(SamplingParams(max_tokens=GREEDY_TOKENS, ignore_eos=True, **kind))
+    return out
+
+
+def assert_same_logprobs(got, want, label: str) -> None:
+    """The same tokens, logprobs within 1e-5, the same ranks and top-n ids."""
+    assert got.token_ids == want.token_ids, f"{label}: tokens differ"
+    if want.logprobs is None:
+        assert got.logprobs is None, label
+        return
+    assert len(got.logprobs) == len(want.logprobs) == len(got.token_ids), label
+    for i, (x, y) in enumerate(zip(got.logprobs, want.logprobs)):
+        assert (x.token_id, x.rank) == (y.token_id, y.rank), f"{label}: token {i}"
+        assert abs(x.logprob - y.logprob) <= 1e-5, f"{label}: token {i}: {x.logprob} vs {y.logprob}"
+        assert [t for t, _ in x.top] == [t for t, _ in y.top], f"{label}: token {i}: top ids differ"
+        assert all(abs(a - b) <= 1e-5 for (_, a), (_, b) in zip(x.top, y.top)), f"{label}: token {i}: top differs"
+
+
+@pytest.fixture(scope="module")
+def logprob_reference(shipped, greedy_reference):
+    """(logprob_params, their plain decoding's outputs)."""
+    engine, prompts = shipped
+    params = logprob_params(greedy_reference)
+    outs, _ = run_executor(engine, prompts, params, num_draft_tokens=0, speculation="off")
+    assert sum(o.logprobs is not None for o in outs) >= 0.8 * len(outs)
+    return params, outs
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_greedy_step_in_one_call_computes_the_general_paths_logprobs(shipped, logprob_reference, monkeypatch,
+                                                                      k) -> None:
+    """Greedy steps of requests asking for logprobs (raw and processed, with and without penalties and bans) run in
+    one kernel call, whose logprobs are the general path's and plain decoding's, batched and one at a time."""
+    engine, prompts = shipped
+    params, reference = logprob_reference
+    in_one_call = []  # logprobs of the steps run in one call
+    one_step = ModelRunner._step_in_one_call
+
+    def recording(runner, items):
+        results = one_step(runner, items)
+        in_one_call.extend(r.logprobs for r in results if r.logprobs is not None)
+        return results
+
+    monkeypatch.setattr(ModelRunner, "_step_in_one_call", recording)
+    for alone, n in ((False, NUM_PROMPTS), (True, 6)):
+        outs = {}
+        for one_call in (True, False):
+            outs[one_call], _ = run_executor(engine, prompts[:n], params[:n], one_at_a_time=alone, one_call=one_call,
+                                             num_draft_tokens=k, speculation="fixed")
+        for i, (a, b, ref) in enumerate(zip(outs[True], outs[False], reference)):
+            assert_same_logprobs(a, b, f"k={k}, alone={alone}, request {i}: one call vs general path")
+            assert_same_logprobs(a, ref, f"k={k}, alone={alone}, request {i}: one call vs k = 0")
+        assert sum(o.stats.num_accepted_draft_tokens for o in outs[True]) > 0
+    assert len(in_one_call) >= 10, "few steps asking for logprobs ran in one call"
+
+
 # ---------------------------------------------------------------------------------------------
 # Lossless rejection sampling on `accept` alone
 # ---------------------------------------------------------------------------------------------

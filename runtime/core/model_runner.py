@@ -11,10 +11,10 @@ One step for a batch of sequences, each with its own number of new target tokens
    positions are simply left behind: the sequence's length is what the cache is trusted up to,
    and the scheduler gives back blocks past it.
 k = 0 is plain decoding through the same code. Where the CPU kernels run the whole model, a step of greedy decodes
-that all draft the same k > 0 (no grammar, no logprobs; penalties and bans applied in the call) runs 1-3 in one
-kernel call (`GreedyStep`): only the emitted tokens and the verified hidden states come back. The runner reads
-sequences and writes none: what a step computed comes back as `StepResult`s, which `Scheduler.update_from_output`
-applies.
+that all draft the same k > 0 (no grammar; penalties, bans and logprobs computed in the call) runs 1-3 in one
+kernel call (`GreedyStep`): only the emitted tokens, their logprobs and the verified hidden states come back. The
+runner reads sequences and writes none: what a step computed comes back as `StepResult`s, which
+`Scheduler.update_from_output` applies.
 
 A guided request's grammar is one more ban per row: draft j is drawn from the MTP distribution masked by
 the grammar state after drafts 1..j-1, and each verified row is masked by its own state (a bitmask per
@@ -43,8 +43,8 @@ from runtime.model.batch import SHORT_QUERY, PagedBatch
 from runtime.model.kernels.modules import FusedMTPLayer, GreedyStep, attends_in_kernels
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM
 from runtime.core.sampling import (PURPOSE_DRAFT, Adjustments, RelaxedAcceptance, SamplingTensors, TokenLogprob, accept,
-                                   accept_greedy, adjusted_logits, probabilities, processed_logprobs, sample,
-                                   token_logprobs, uniforms)
+                                   accept_greedy, adjusted_logits, probabilities, processed_logprobs,
+                                   read_token_logprobs, sample, token_logprobs, uniforms)
 from runtime.core.plan import Scheduled, StepResult
 from runtime.core.sequence import Sequence
 
@@ -241,11 +241,10 @@ class ModelRunner:
 
     def _in_one_call(self, items: list[Scheduled]) -> bool:
         """Whether the step is greedy speculation the one kernel call can run: every item a greedy decode drafting the
-        same k > 0, not guided, no logprobs asked for, no relaxed acceptance (penalties and bans the call applies)."""
+        same k > 0, not guided, no relaxed acceptance (penalties, bans and logprobs the call computes)."""
         k = items[0].num_drafts
         return k > 0 and self.relaxed is None and all(
-            it.num_drafts == k and it.seq.params.greedy and it.seq.grammar is None and it.seq.params.logprobs is None
-            for it in items)
+            it.num_drafts == k and it.seq.params.greedy and it.seq.grammar is None for it in items)
 
     def _step_in_one_call(self, items: list[Scheduled]) -> list[StepResult]:
         """The step as `step` runs it for these items, drafts to acceptance in one kernel call (`GreedyStep`)."""
@@ -253,13 +252,19 @@ class ModelRunner:
         seqs, k = [it.seq for it in items], items[0].num_drafts
         tables, starts, _, next_ids, hidden = self._catch_up(seqs)
         adjustments = self.adjustments(seqs, None, 0, k + 1)  # the rows from draft 1's on (no grammar here)
-        emitted, verified = self.greedy_step(next_ids, hidden, self.cache.tensor, tables, self.cache.block_size, starts,
-                                             [s.num_cached for s in seqs], [s.token_ids[-1] for s in seqs], k,
-                                             None if adjustments is None else adjustments.kernel_args())
+        top_n = [-1 if s.params.logprobs is None else s.params.logprobs for s in seqs]
+        logprobs = None
+        if max(top_n) >= 0:
+            logprobs = top_n, [s.params.logprobs_mode == "processed_logprobs" for s in seqs]
+        emitted, verified, rows = self.greedy_step(
+            next_ids, hidden, self.cache.tensor, tables, self.cache.block_size, starts, [s.num_cached for s in seqs],
+            [s.token_ids[-1] for s in seqs], k, None if adjustments is None else adjustments.kernel_args(), logprobs)
+        found = iter(read_token_logprobs(rows, [n for n, tokens in zip(top_n, emitted) if n >= 0 for _ in tokens]))
         out = []
         for b, (s, tokens) in enumerate(zip(seqs, emitted)):
             kept = verified[b * (k + 1) : b * (k + 1) + len(tokens)].clone()  # the trusted positions' hidden states
-            out.append(StepResult(s, tokens, k, len(tokens) - 1, len(tokens), kept, True, s.in_thinking))
+            token_lps = None if top_n[b] < 0 else [next(found) for _ in tokens]
+            out.append(StepResult(s, tokens, k, len(tokens) - 1, len(tokens), kept, True, s.in_thinking, token_lps))
         self.timings["one_call"] += time.perf_counter() - t0
         return out
 

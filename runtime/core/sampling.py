@@ -252,14 +252,21 @@ def token_logprobs(logprobs: Tensor, tokens: Tensor, top_n: list[int]) -> list[T
     n = max(top_n)
     # one float64 tensor, one transfer: [token, logprob, rank, n logprobs, n ids] per row (ids are exact in float64)
     if runs_here(logprobs.device, logprobs.dtype):  # in one kernel call: the torch ops' overhead is most of the cost
-        rows = cpu_kernels().token_logprobs(logprobs.contiguous(), tokens.contiguous(), n).tolist()
+        rows = cpu_kernels().token_logprobs(logprobs.contiguous(), tokens.contiguous(), n)
     else:
         chosen = logprobs.gather(-1, tokens[:, None])
         rank = (logprobs > chosen).sum(-1, keepdim=True) + 1
         top = logprobs.topk(n, dim=-1)
-        rows = torch.cat([t.double() for t in (tokens[:, None], chosen, rank, top.values, top.indices)], dim=-1).tolist()
+        rows = torch.cat([t.double() for t in (tokens[:, None], chosen, rank, top.values, top.indices)], dim=-1)
+    return read_token_logprobs(rows, top_n)
+
+
+def read_token_logprobs(rows: Tensor, top_n: list[int]) -> list[TokenLogprob]:
+    """TokenLogprobs of float64 rows [M, 3 + 2n] in the `token_logprobs` kernel's layout ([token, logprob, rank,
+    n logprobs, n ids]), with top_n[m] <= n alternatives each (also what `kernels.greedy_step` returns)."""
+    n = (rows.shape[1] - 3) // 2
     return [TokenLogprob(int(r[0]), r[1], int(r[2]), tuple(zip(map(int, r[3 + n : 3 + n + k]), r[3 : 3 + k])))
-            for r, k in zip(rows, top_n)]
+            for r, k in zip(rows.tolist(), top_n)]
 
 
 def sample(probs: Tensor, u: Tensor) -> Tensor:

@@ -237,15 +237,19 @@ def mtp_greedy_drafts(mtp: object, ids: Tensor, hidden: Tensor, rot: Tensor, kv_
 
 def greedy_step(target: object, mtp: object, ids: Tensor, hidden: Tensor, kv_cache: Tensor, tables: list[list[int]],
                 block_size: int, num_mtp: list[int], num_cached: list[int], last_ids: list[int], num_drafts: int,
-                adjustments: tuple | None = None) -> tuple[list[list[int]], Tensor]:
+                adjustments: tuple | None = None, logprobs: tuple[list[int], list[bool]] | None = None
+                ) -> tuple[list[list[int]], Tensor, Tensor]:
     """A greedy speculative step in one call (`target` from `make_target`), from host integers: `mtp_greedy_drafts`
     over the catch-up (ids, hidden at positions num_mtp[b] .. num_cached[b] - 1 of sequence b, whose blocks are
     tables[b]), the target over each sequence's [last_ids[b], drafts] at positions num_cached[b] .., greedy
     acceptance. With `adjustments` (penalties and bans in `adjust_logits`' layout: sampling.Adjustments.kernel_args,
     stop bans counted from the first draft's row) every draft and verified row is the argmax of its adjusted logits.
-    Returns the emitted tokens of each sequence and the target's hidden states after the final norm
-    [B * (num_drafts + 1), H]."""
+    With `logprobs` (per sequence: top-n, -1 for none; whether processed, i.e. of the adjusted logits), the emitted
+    tokens' logprobs too, as `token_logprobs` of the rows that decided them. Returns the emitted tokens of each
+    sequence, the target's hidden states after the final norm [B * (num_drafts + 1), H] and the logprob rows
+    (`sampling.read_token_logprobs`; [0, 3] without `logprobs`)."""
     ext = cpu_kernels()
     adjust = None if adjustments is None else ext.Adjustments(*adjustments)
+    top_n, processed = logprobs if logprobs is not None else ([], [])
     return ext.greedy_step(target, mtp, ids, hidden, kv_cache, tables, block_size, num_mtp, num_cached, last_ids,
-                           num_drafts, adjust)
+                           num_drafts, adjust, top_n, processed)

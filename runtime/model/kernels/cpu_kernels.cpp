@@ -1116,6 +1116,8 @@ torch::Tensor mtp_greedy_drafts(const Mtp& M, const torch::Tensor& ids, const to
   return drafts;
 }
 
+torch::Tensor token_logprobs(const torch::Tensor& lp, const torch::Tensor& tokens, int64_t n);
+
 // The target model around its layers, for `greedy_step`: embedding, rope, the layers, the final norm, lm_head.
 struct Target {
   torch::Tensor embed, norm;
@@ -1144,18 +1146,23 @@ torch::Tensor rope(const Target& T, const torch::Tensor& positions) {
 // chain of drafts at positions num_cached[b] ..), the target over [last_ids[b], d1..dK] at positions
 // num_cached[b] .. num_cached[b] + K, the final norm and lm_head, and greedy acceptance: each sequence's drafts up to
 // the first that is not the target's argmax, then the argmax there; with `adjust`, drafts and verified rows are
-// argmaxes of adjusted logits (Adjustments: row j counts drafts 1..j). Returns the emitted tokens of each sequence and
-// the target's hidden states [B * (K + 1), H] after the final norm (the MTP module's next inputs). The same calls in
-// the same order as the step in Python.
-std::tuple<std::vector<std::vector<int64_t>>, torch::Tensor> greedy_step(
+// argmaxes of adjusted logits (Adjustments: row j counts drafts 1..j). Returns the emitted tokens of each sequence,
+// the target's hidden states [B * (K + 1), H] after the final norm (the MTP module's next inputs) and the emitted
+// tokens' token_logprobs rows of the sequences with top_n[b] >= 0 (top_n empty: none), in order, over the rows'
+// log-softmax: of the adjusted logits where processed[b], else of the raw ones. The same calls in the same order as
+// the step in Python.
+std::tuple<std::vector<std::vector<int64_t>>, torch::Tensor, torch::Tensor> greedy_step(
     const Target& T, const Mtp& M, const torch::Tensor& ids, const torch::Tensor& hidden, const torch::Tensor& kv_cache,
     const std::vector<std::vector<int64_t>>& tables, int64_t block_size, const std::vector<int64_t>& num_mtp,
     const std::vector<int64_t>& num_cached, const std::vector<int64_t>& last_ids, int64_t K,
-    const std::optional<Adjustments>& adjust) {
+    const std::optional<Adjustments>& adjust, const std::vector<int64_t>& top_n, const std::vector<bool>& processed) {
   const int64_t B = static_cast<int64_t>(tables.size());
   check(K >= 1 && B >= 1 && block_size >= 1 && static_cast<int64_t>(num_mtp.size()) == B &&
             static_cast<int64_t>(num_cached.size()) == B && static_cast<int64_t>(last_ids.size()) == B,
         "K >= 1 and one block table, num_mtp, num_cached and last id per sequence");
+  check((top_n.empty() && processed.empty()) ||
+            (static_cast<int64_t>(top_n.size()) == B && static_cast<int64_t>(processed.size()) == B),
+        "greedy_step: top_n and processed need one entry per sequence (or none)");
   int64_t W = 0;
   for (const auto& t : tables) W = std::max<int64_t>(W, t.size());
   auto table = torch::zeros({B, W}, torch::kLong);
@@ -1191,8 +1198,9 @@ std::tuple<std::vector<std::vector<int64_t>>, torch::Tensor> greedy_step(
                                          slot_mapping.slice(0, Tc), positions.slice(0, Tc), token_seq.slice(0, Tc),
                                          table, block_size);
   const torch::Tensor h = rms_norm(x, T.norm, T.eps);
-  const torch::Tensor logits = T.head(h);
-  const torch::Tensor argmax = (adjust ? adjust->apply(logits, K + 1, 0, drafts) : logits).argmax(-1).view({B, K + 1});
+  const torch::Tensor logits = T.head(h).contiguous();
+  const torch::Tensor adjusted = adjust ? adjust->apply(logits, K + 1, 0, drafts) : logits;
+  const torch::Tensor argmax = adjusted.argmax(-1).view({B, K + 1});
   const int64_t *dp = drafts.data_ptr<int64_t>(), *ap = argmax.data_ptr<int64_t>();
   std::vector<std::vector<int64_t>> emitted(B);
   for (int64_t b = 0; b < B; ++b) {
@@ -1200,7 +1208,21 @@ std::tuple<std::vector<std::vector<int64_t>>, torch::Tensor> greedy_step(
     while (n < K && dp[b * K + n] == ap[b * (K + 1) + n]) emitted[b].push_back(dp[b * K + n++]);
     emitted[b].push_back(ap[b * (K + 1) + n]);
   }
-  return {emitted, h};
+  // the rows that decided the emitted tokens of the sequences asking for logprobs, raw or adjusted
+  const int64_t V = logits.size(1);
+  std::vector<const float*> rows;
+  std::vector<int64_t> chosen;
+  int64_t n = 0;
+  for (int64_t b = 0; b < static_cast<int64_t>(top_n.size()); ++b) {
+    if (top_n[b] < 0) continue;
+    n = std::max(n, top_n[b]);
+    const float* src = (processed[b] ? adjusted : logits).data_ptr<float>() + b * (K + 1) * V;
+    for (size_t j = 0; j < emitted[b].size(); ++j) rows.push_back(src + j * V), chosen.push_back(emitted[b][j]);
+  }
+  if (rows.empty()) return {emitted, h, torch::empty({0, 3}, torch::kDouble)};
+  auto picked = torch::empty({static_cast<int64_t>(rows.size()), V}, torch::kFloat);
+  for (size_t m = 0; m < rows.size(); ++m) std::copy(rows[m], rows[m] + V, picked.data_ptr<float>() + m * V);
+  return {emitted, h, token_logprobs(at::log_softmax(picked, -1), torch::tensor(chosen, torch::kLong), n)};
 }
 
 // ---- logprobs of emitted tokens: what sampling.token_logprobs reads back, in one call ----

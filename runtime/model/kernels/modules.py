@@ -169,8 +169,8 @@ class FusedMTPLayer(_Fused, MTPLayer):
 class GreedyStep:
     """The greedy speculative step in one kernel call (`kernels.greedy_step`): the MTP catch-up and drafts, the
     verification forward and greedy acceptance (penalties and bans applied to each draft's and verified row's logits
-    where given), with only the emitted tokens and the verified hidden states coming back, for a model whose layers,
-    MTP module and lm_head are each one call (`of`)."""
+    where given), with only the emitted tokens, the verified hidden states and the emitted tokens' logprobs (where
+    asked for) coming back, for a model whose layers, MTP module and lm_head are each one call (`of`)."""
 
     def __init__(self, model: DeepseekV3ForCausalLM):
         head, norm = model.lm_head.packed, model.model.norm
@@ -191,13 +191,14 @@ class GreedyStep:
 
     def __call__(self, next_ids: Tensor, hidden: Tensor, kv_cache: Tensor, tables: list[list[int]], block_size: int,
                  num_mtp: list[int], num_cached: list[int], last_ids: list[int], num_drafts: int,
-                 adjustments: tuple | None = None) -> tuple[list[list[int]], Tensor]:
+                 adjustments: tuple | None = None, logprobs: tuple[list[int], list[bool]] | None = None
+                 ) -> tuple[list[list[int]], Tensor, Tensor]:
         """For B sequences, each drafting num_drafts tokens after its num_cached[b] cached ones: the MTP module over
         its catch-up (next_ids, hidden at positions num_mtp[b] ..), the drafts, and the target over [last_ids[b],
-        drafts], with `adjustments` (`kernels.greedy_step`) if given: each sequence's emitted tokens and the target's
-        hidden states [B * (num_drafts + 1), H]."""
+        drafts], with `adjustments` and `logprobs` (`kernels.greedy_step`) if given: each sequence's emitted tokens,
+        the target's hidden states [B * (num_drafts + 1), H] and the emitted tokens' logprob rows."""
         return kernels.greedy_step(self.target, self.mtp, next_ids, hidden, kv_cache, tables, block_size, num_mtp,
-                                   num_cached, last_ids, num_drafts, adjustments)
+                                   num_cached, last_ids, num_drafts, adjustments, logprobs)
 
 
 # ---- swapping in ------------------------------------------------------------------------------------------
