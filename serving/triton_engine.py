@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import os
 import queue
-import signal
 import threading
 import time
 import traceback
@@ -41,7 +40,7 @@ from serving.launcher import WORLD_SIZE_ENV
 from serving.perf_metrics import PERF_OUTPUTS, PerfMetrics
 from serving.request_validation import RequestError
 from serving.triton_parameters import TritonConfig
-from serving.watchdog import Progress, Watchdog
+from serving.watchdog import Progress, Watchdog, stop_server
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -269,8 +268,7 @@ class EngineModel:
     def _fail(self, reason: str) -> None:
         """The watchdog found requests no longer served: take the server down, so that readiness fails and a
         supervisor restarts it, rather than answer health checks while every request hangs."""
-        pb_utils.Logger.log_error(f"{self.label}: {reason}; stopping tritonserver (pid {os.getppid()})")
-        os.kill(os.getppid(), signal.SIGTERM)
+        stop_server(os.getppid(), f"{self.label}: {reason}")
 
     def _cancel_abandoned(self) -> None:
         """Cancel requests whose client cancelled or disconnected (frees their KV blocks now).

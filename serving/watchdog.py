@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import faulthandler
 import logging
+import os
+import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Callable
 
 log = logging.getLogger(__name__)
@@ -21,6 +24,9 @@ log = logging.getLogger(__name__)
 # how long a step loop (or a response sender) with work may go without progress before it counts as stalled, by
 # default: no step of a deployment here comes near it, and a wedged loop waits for ever
 STALL_TIMEOUT_S = 120.0
+
+# how long a server stopped by its watchdog gets to exit on SIGTERM before it is killed
+KILL_AFTER_S = 60.0
 
 Probe = Callable[[], "str | None"]
 
@@ -61,3 +67,29 @@ class Watchdog:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie has)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def stop_server(pid: int, reason: str, kill_after_s: float = KILL_AFTER_S) -> None:
+    """Take a server that no longer serves down: SIGTERM, then SIGKILL if it is still running `kill_after_s` later.
+    A server wedged in its own shutdown ignores SIGTERM and keeps answering health checks (seen: tritonserver
+    deadlocked in its abort handler after a heap corruption). Said on stderr, not through the server's logger,
+    which may be what is stuck."""
+    print(f"watchdog: {reason}; stopping the server (pid {pid})", file=sys.stderr, flush=True)
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + kill_after_s
+    while time.monotonic() < deadline:
+        if not running(pid):
+            return
+        time.sleep(0.2)
+    print(f"watchdog: pid {pid} still running {kill_after_s:.0f} s after SIGTERM; killing it", file=sys.stderr,
+          flush=True)
+    os.kill(pid, signal.SIGKILL)

@@ -1159,3 +1159,22 @@ def test_watchdog_calls_on_failure_once_with_the_reason() -> None:
     time.sleep(0.1)
     assert failures == ["loop: no progress for 3 s"] and dog.failure == "loop: no progress for 3 s"
     dog.stop()
+
+
+@pytest.mark.parametrize("ignores_sigterm", [False, True])
+def test_a_stalled_server_is_killed_when_sigterm_does_not_stop_it(ignores_sigterm: bool) -> None:
+    """A server wedged in its own shutdown (tritonserver deadlocked in its abort handler) ignores SIGTERM and keeps
+    answering health checks: the watchdog kills it; one that exits on SIGTERM gets nothing more."""
+    import signal
+    import subprocess
+    import sys
+
+    from serving.watchdog import running, stop_server
+
+    handler = "signal.SIG_IGN" if ignores_sigterm else "signal.SIG_DFL"
+    code = f"import signal, time; signal.signal(signal.SIGTERM, {handler}); print('up', flush=True); time.sleep(60)"
+    server = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    assert server.stdout.readline() == b"up\n"
+    stop_server(server.pid, "test: stalled", kill_after_s=1.0)
+    assert server.wait(5) == (-signal.SIGKILL if ignores_sigterm else -signal.SIGTERM)
+    assert not running(server.pid)

@@ -1458,7 +1458,7 @@ def test_watchdog_takes_a_stalled_server_down(checkpoint: Path, tmp_path: Path) 
         srv.stop()
     log = (tmp_path / "server.log").read_text()
     assert "watchdog: executor: the executor's step loop has made no progress for " in log
-    assert "requests running" in log and "stopping tritonserver (pid " in log
+    assert "requests running" in log and "stopping the server (pid " in log
     assert 'Thread 0x' in log and 'in _step' in log  # the stacks: where the step loop was
 
 
