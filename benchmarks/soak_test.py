@@ -410,6 +410,15 @@ BAD: dict[str, tuple[Callable[[Ctx, random.Random], str | None], tuple[str, ...]
     "stop_word_id_negative": (engine_stop_word, ("stop_words_list must hold token ids in [0, {vocab}), got [-4]",)),
     "postprocessing_token_negative": (lambda ctx, rng: postprocess(ctx, [-1]),
                                       ("TOKENS_BATCH must hold token ids in [0, {vocab}), got [-1]",)),
+    # refused by the BLS itself before it calls tensorrt_llm (by tensorrt_llm for the ensemble)
+    "end_id_past_vocab": (refusal_any({**GOOD, "end_id": 10**7}), ("end_id must be an integer in [-1, ",
+                                                                   "got 10000000")),
+    "bad_word_of_several_tokens": (refusal_any({**GOOD, "bad_words": [["hello world"]]}),
+                                   ("bad_words: 'hello world' is ", "only single-token bad words are supported")),
+    "guide_invalid": (refusal_any({**GOOD, "guided_decoding_guide_type": "regex", "guided_decoding_guide": "a{2"}),
+                      ("guided_decoding_guide is invalid at position 1: unclosed counted repetition",)),
+    "guided_with_min_tokens": (refusal_any({**GOOD, "min_tokens": 2, "guided_decoding_guide_type": "json"}),
+                               ("guided_decoding cannot be combined with ignore_eos or min_tokens",)),
 }
 
 
