@@ -19,8 +19,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from runtime.core.grammar import GrammarCompiler
+from runtime.core.grammar import GrammarCompiler, GrammarMatcher, grammar_bitmasks
 from runtime.core.guide_check import check_guide
+from runtime.core.sampling import refused_tokens
 from runtime.core.sampling_params import GuidedDecodingParams, SamplingParams
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
@@ -31,6 +32,12 @@ from conftest import chi2_pvalue
 from executor_util import assert_all_free, run_fresh as run
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+
+def masks(m: GrammarMatcher, drafts: list[int], first: int, num_rows: int) -> torch.Tensor:
+    """[num_rows, V] bool, True where m's grammar bans a token (`fill_masks`'s rows, of one sequence)."""
+    return refused_tokens(grammar_bitmasks([m], [drafts], first, num_rows), m.vocab_size)
+
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
           "properties": {"name": {"type": "string", "maxLength": 12},
@@ -175,7 +182,7 @@ def test_sampled_first_token_follows_the_masked_target(shipped_engine, prompts, 
     m = shipped_engine.model
     logits = m.logits(m(torch.tensor([prompt]))[0, -1:]).float()[0]
     compiler = GrammarCompiler(shipped_tokenizer.backend.to_str(), logits.shape[0], shipped_tokenizer.eos_token_id)
-    banned = compiler.matcher(guide).masks([], 0, 1)[0]
+    banned = masks(compiler.matcher(guide), [], 0, 1)[0]
     target = logits.masked_fill(banned, float("-inf")).softmax(-1)
     n = 400
     outs = run(shipped_engine, [prompt] * n, [SamplingParams(max_tokens=4, temperature=1.0, seed=s,
@@ -193,15 +200,15 @@ def test_masks_restore_the_matcher_and_free_rows_after_a_refused_draft(shipped_t
     compiler = GrammarCompiler(tok.backend.to_str(), 4096, tok.eos_token_id)
     m = compiler.matcher(GuidedDecodingParams(regex="ab+c"))
     a, b, c = (tok.backend.token_to_id(x) for x in "abc")
-    before = m.masks([], 0, 1)
-    rows = m.masks([a, b, b], 0, 4)  # after nothing, a, ab, abb
-    assert torch.equal(m.masks([], 0, 1), before)  # the state is restored
+    before = masks(m, [], 0, 1)
+    rows = masks(m, [a, b, b], 0, 4)  # after nothing, a, ab, abb
+    assert torch.equal(masks(m, [], 0, 1), before)  # the state is restored
     assert not before[0, a] and before[0, b] and rows[1:, b].logical_not().all() and rows[2:, c].logical_not().all()
     assert rows[1, c]  # "ac" is refused
-    refused = m.masks([a, c, b], 0, 3)
+    refused = masks(m, [a, c, b], 0, 3)
     assert not refused[2].any()  # after a refused draft: unconstrained (never used)
     m.advance([a, b, c])
-    [only_eos] = m.masks([], 0, 1)
+    [only_eos] = masks(m, [], 0, 1)
     assert (~only_eos).nonzero().flatten().tolist() == [tok.eos_token_id]
     with pytest.raises(RuntimeError, match="grammar rejected kept tokens"):
         m.advance([a])
@@ -220,14 +227,14 @@ def test_verification_reuses_a_draft_mask_only_for_the_same_drafts_in_the_same_s
     def fresh(kept: list[int], drafts: list[int]) -> torch.Tensor:
         ref = compiler.matcher(guide)
         ref.advance(kept)
-        return ref.masks(drafts, 0, len(drafts) + 1)
+        return masks(ref, drafts, 0, len(drafts) + 1)
 
     for j, drafts in enumerate(([a], [a, b], [a, b, c])):  # drafting: row j after drafts[:j], one row at a time
-        m.masks(drafts, j, 1)
-    assert torch.equal(m.masks([a, b, c], 0, 4), fresh([], [a, b, c]))
-    assert torch.equal(m.masks([b, a, c], 0, 4), fresh([], [b, a, c]))  # other drafts: a's row is not b's
+        masks(m, drafts, j, 1)
+    assert torch.equal(masks(m, [a, b, c], 0, 4), fresh([], [a, b, c]))
+    assert torch.equal(masks(m, [b, a, c], 0, 4), fresh([], [b, a, c]))  # other drafts: a's row is not b's
     m.advance([a])
-    assert torch.equal(m.masks([b, c], 0, 3), fresh([a], [b, c]))  # row 0 after nothing: the new state's
+    assert torch.equal(masks(m, [b, c], 0, 3), fresh([a], [b, c]))  # row 0 after nothing: the new state's
 
 
 @pytest.mark.parametrize("guide, message", [

@@ -27,7 +27,6 @@ import torch
 from torch import Tensor
 
 from runtime.core.guide_check import check_guide
-from runtime.core.sampling import refused_tokens
 from runtime.core.sampling_params import GuidedDecodingParams
 
 CACHE_SIZE = 64  # compiled guides kept per executor
@@ -72,10 +71,6 @@ class GrammarMatcher:
                 words[r] = known
         if consumed:
             m.rollback(consumed)
-
-    def masks(self, drafts: list[int], first: int, num_rows: int) -> Tensor:
-        """[num_rows, V] bool, True where banned (`fill_masks`'s rows, of one sequence)."""
-        return refused_tokens(grammar_bitmasks([self], [drafts], first, num_rows), self.vocab_size)
 
 
 def grammar_bitmasks(matchers: list[GrammarMatcher | None], drafts: list[list[int]] | None, first: int, num_rows: int
