@@ -255,7 +255,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         seqs, k = [it.seq for it in items], items[0].num_drafts
         tables, num_mtp = [s.block_table for s in seqs], []
-        next_ids = hidden = _NOTHING  # plain decoding has no MTP catch-up
+        next_ids = hidden = _NO_CATCH_UP  # plain decoding has no MTP catch-up
         if k:
             tables, num_mtp, _, next_ids, hidden = self._catch_up(seqs)
         adjustments = self.adjustments(seqs, None, 0, k + 1)  # the rows from draft 1's on (no grammar here)
@@ -385,7 +385,7 @@ class ModelRunner:
         return mask.to(self.device)
 
 
-_NOTHING = torch.empty(0)  # the MTP catch-up's inputs of a step that drafts nothing
+_NO_CATCH_UP = torch.empty(0)  # the MTP catch-up's inputs of a step that drafts nothing
 
 
 def _rows_log_softmax(logits: Tensor, rows: Tensor) -> Tensor:
