@@ -1,4 +1,4 @@
-"""Where a batch-1 speculative step's time goes (greedy, k = 0..4), and whether the one-call step pays.
+"""Where a batch-1 step's time goes (greedy, k = 0..4), and whether the one-call step pays.
 
 Our executor runs held-out prompts one at a time (greedy, ignore_eos, speculation fixed, one executor per k).
 Timers (perf_counter around coarse regions, installed by wrapping the methods and kernel calls below) split each
@@ -9,8 +9,9 @@ acceptance, results), the scheduler's plan and update, detokenizing and stop che
 of the loop's step, and the loop's gap between steps. Every request also runs without timers, in alternating
 order, so the timers' own cost shows as the TPOT ratio between the two.
 
-For k > 0 both paths run side by side, request by request in alternating order: 'general' (the runner's Python
-draft -> verify -> accept) and 'one_call' (the greedy step in one kernel call).
+For every k both paths run side by side, request by request in alternating order: 'general' (the runner's Python
+draft -> verify -> accept) and 'one_call' (the greedy step in one kernel call); k = 0 on the general path is the
+baseline of the ratios.
 
   python -m benchmarks.step_profile                # full run (8 prompts x 128 tokens, 2 rounds)
   python -m benchmarks.step_profile --quick        # smoke run
@@ -255,7 +256,7 @@ def main() -> None:
     executors = {k: Executor(engine, ExecutorConfig(num_draft_tokens=k, speculation="fixed" if k else "off",
                                                     max_batch_size=1, device=args.device)) for k in ks}
     one_call = {k: ex.runner.greedy_step for k, ex in executors.items()}
-    paths = {k: [p for p in PATHS if k and (p == "general" or one_call[k] is not None)] or ["general"] for k in ks}
+    paths = {k: [p for p in PATHS if p == "general" or one_call[k] is not None] for k in ks}
     ids = [executors[0].tokenizer.encode(x["text"]) for x in prompts]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     for k, ex in executors.items():  # warm-up: a full-length request per path

@@ -13,8 +13,8 @@ from runtime.model import kernels
 from runtime.model.batch import PagedBatch
 from runtime.model.config import ModelConfig
 from runtime.model.fp8 import dequantize_block_fp8, dequantize_tensor_fp8, quantize_block_fp8, quantize_tensor_fp8
-from runtime.model.kernels.modules import (FusedDecoderLayer, FusedDecoderStack, FusedMTPLayer, KernelMLA, KernelMoE,
-                                     PackedLinear, attends_in_kernels, swap_class)
+from runtime.model.kernels.modules import (FusedDecoderLayer, FusedDecoderStack, FusedMTPLayer, GreedyStep, KernelMLA,
+                                     KernelMoE, PackedLinear, attends_in_kernels, swap_class)
 from runtime.core.kv_cache import KVCache
 from runtime.io.loading import load_engine
 from runtime.model.deepseek_v3 import MLA, DeepseekV3ForCausalLM, MoE
@@ -351,6 +351,30 @@ def test_greedy_drafts_in_one_call_equal_drafting_step_by_step(shipped_model_dir
         assert torch.equal(one_call, by_step)
         with pytest.raises(RuntimeError, match="block tables do not cover the draft positions"):
             model.mtp[0].greedy_drafts(model.rope, ids, hidden, batch, one_call, 8)  # draft 8 of the last: position 48
+
+
+def test_greedy_step_without_drafts_is_the_target_forward_and_argmax(shipped_model_dir) -> None:
+    """`GreedyStep` with no drafts (plain decoding) runs the target over each sequence's last token alone: bit for
+    bit the hidden states after the final norm and the cache writes of the model's forward, and the argmax of its
+    logits; the MTP module is not needed (a step with drafts refuses to run without it)."""
+    model = load_engine(shipped_model_dir).model
+    cfg, bs = model.cfg, 16
+    num_cached = [5, 40, 77]
+    cache, tables, ids = _random_paged(cfg, num_cached, [1, 1, 1], torch.Generator().manual_seed(3), bs)
+    step = GreedyStep.of(model)
+    step.mtp = None
+    rows = [row[: -(-(n + 1) // bs)] for row, n in zip(tables.tolist(), num_cached)]  # unpadded, as the runner's
+    one_call = cache.tensor.clone()
+    with torch.inference_mode():
+        emitted, hidden, logprobs = step(torch.empty(0), torch.empty(0), one_call, rows, bs, [], num_cached,
+                                         ids.tolist(), 0)
+        forward = cache.tensor.clone()
+        want = model(ids, batch=PagedBatch.build(num_cached, [1, 1, 1], tables, bs, True), kv_cache=forward)
+        assert torch.equal(hidden, want)
+        assert emitted == [[t] for t in model.logits(want).argmax(-1).tolist()]
+        assert torch.equal(one_call, forward) and logprobs.shape == (0, 3)
+        with pytest.raises(RuntimeError, match="greedy_step: drafts need the MTP module and num_mtp per sequence"):
+            step(ids, want, one_call, rows, bs, [n - 1 for n in num_cached], num_cached, ids.tolist(), 1)
 
 
 def test_layers_the_whole_layer_call_cannot_run_stay_on_the_kernels_one_by_one(tiny_checkpoint) -> None:

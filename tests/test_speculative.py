@@ -12,6 +12,7 @@ acceptance and rollback.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -26,11 +27,13 @@ from runtime.core.kv_cache import BlockAllocator, KVCache, OutOfBlocks
 from runtime.model.batch import PagedBatch
 from runtime.core.sampling import RelaxedAcceptance, SamplingTensors, accept, probabilities
 from runtime.core.sampling_params import SamplingParams
-from runtime.core.draft_policy import DraftPolicy
+from runtime.core.draft_policy import DraftPolicy, StepCosts
 from runtime.core.scheduler import Scheduler, SchedulerConfig
 from runtime.core.sequence import Sequence, Status
 from runtime.io.tokenizer import Tokenizer
 from runtime.core.model_runner import ModelRunner
+from runtime.model.kernels.modules import GreedyStep
+from runtime.core.plan import Scheduled, StepResult
 
 from conftest import REPO_ROOT, chi2_pvalue, tiny_config_dict
 
@@ -64,7 +67,7 @@ def run_executor(engine, prompts: list[list[int]], params: SamplingParams | list
     path."""
     params = params if isinstance(params, list) else [params] * len(prompts)
     with Executor(engine, ExecutorConfig(**config)) as ex:
-        if one_call is not None and ex.runner.greedy_step is None:
+        if one_call and ex.runner.greedy_step is None:
             pytest.skip("the greedy step in one kernel call needs the CPU kernels")
         if one_call is False:
             ex.runner.greedy_step = None
@@ -203,9 +206,10 @@ def shipped(shipped_model_dir):
 
 @pytest.fixture(scope="module")
 def greedy_reference(shipped):
+    """Plain greedy outputs of the prompts, on the general path (what the one-call step is checked against)."""
     engine, prompts = shipped
     params = SamplingParams(max_tokens=GREEDY_TOKENS, ignore_eos=True)
-    outs, stats = run_executor(engine, prompts, params, num_draft_tokens=0, speculation="off")
+    outs, stats = run_executor(engine, prompts, params, one_call=False, num_draft_tokens=0, speculation="off")
     assert stats.draft_tokens == 0
     assert all(len(o.token_ids) == GREEDY_TOKENS and o.finish_reason == "length" for o in outs)
     return [o.token_ids for o in outs]
@@ -278,10 +282,10 @@ def adjusted_params(plain: list[list[int]]) -> list[SamplingParams]:
 
 @pytest.fixture(scope="module")
 def adjusted_reference(shipped, greedy_reference):
-    """(adjusted_params, their plain decoding's outputs), which differ from the unadjusted ones."""
+    """(adjusted_params, their plain decoding's outputs on the general path), which differ from the unadjusted ones."""
     engine, prompts = shipped
     params = adjusted_params(greedy_reference)
-    outs, _ = run_executor(engine, prompts, params, num_draft_tokens=0, speculation="off")
+    outs, _ = run_executor(engine, prompts, params, one_call=False, num_draft_tokens=0, speculation="off")
     tokens = [o.token_ids for o in outs]
     assert sum(t != ref for t, ref in zip(tokens, greedy_reference)) >= 0.8 * len(tokens)
     return params, tokens
@@ -337,7 +341,13 @@ def assert_same_logprobs(got, want, label: str) -> None:
         assert got.logprobs is None, label
         return
     assert len(got.logprobs) == len(want.logprobs) == len(got.token_ids), label
-    for i, (x, y) in enumerate(zip(got.logprobs, want.logprobs)):
+    assert_same_token_logprobs(got.logprobs, want.logprobs, label)
+
+
+def assert_same_token_logprobs(got: list, want: list, label: str) -> None:
+    """TokenLogprobs of the same tokens, logprobs within 1e-5, the same ranks and top-n ids."""
+    assert len(got) == len(want), label
+    for i, (x, y) in enumerate(zip(got, want)):
         assert (x.token_id, x.rank) == (y.token_id, y.rank), f"{label}: token {i}"
         assert abs(x.logprob - y.logprob) <= 1e-5, f"{label}: token {i}: {x.logprob} vs {y.logprob}"
         assert [t for t, _ in x.top] == [t for t, _ in y.top], f"{label}: token {i}: top ids differ"
@@ -346,10 +356,10 @@ def assert_same_logprobs(got, want, label: str) -> None:
 
 @pytest.fixture(scope="module")
 def logprob_reference(shipped, greedy_reference):
-    """(logprob_params, their plain decoding's outputs)."""
+    """(logprob_params, their plain decoding's outputs on the general path)."""
     engine, prompts = shipped
     params = logprob_params(greedy_reference)
-    outs, _ = run_executor(engine, prompts, params, num_draft_tokens=0, speculation="off")
+    outs, _ = run_executor(engine, prompts, params, one_call=False, num_draft_tokens=0, speculation="off")
     assert sum(o.logprobs is not None for o in outs) >= 0.8 * len(outs)
     return params, outs
 
@@ -380,6 +390,150 @@ def test_greedy_step_in_one_call_computes_the_general_paths_logprobs(shipped, lo
             assert_same_logprobs(a, ref, f"k={k}, alone={alone}, request {i}: one call vs k = 0")
         assert sum(o.stats.num_accepted_draft_tokens for o in outs[True]) > 0
     assert len(in_one_call) >= 10, "few steps asking for logprobs ran in one call"
+
+
+def run_steps_both_ways(monkeypatch, ks: set[int]) -> list[tuple[list[StepResult], list[StepResult]]]:
+    """From now on, each step the one kernel call takes with k in `ks` is first run on the general path, on the same
+    items (the one call then writes the same cache entries over it): returns the list it fills with (the one call's
+    results, the general path's) per step."""
+    pairs = []
+    one_step = ModelRunner._step_in_one_call
+
+    def both_ways(runner: ModelRunner, items: list[Scheduled]) -> list[StepResult]:
+        general = None
+        if items[0].num_drafts in ks:
+            step_in_one_call, runner.greedy_step = runner.greedy_step, None
+            try:
+                general = runner.step(items)
+            finally:
+                runner.greedy_step = step_in_one_call
+        results = one_step(runner, items)
+        if general is not None:
+            pairs.append((results, general))
+        return results
+
+    monkeypatch.setattr(ModelRunner, "_step_in_one_call", both_ways)
+    return pairs
+
+
+def assert_same_steps(pairs: list[tuple[list[StepResult], list[StepResult]]], label: str) -> None:
+    """Each step's results in one call are the general path's: the same tokens, drafts and acceptance, the same kept
+    hidden states (the MTP layer's next inputs) and logprobs."""
+    for n, (one_call, general) in enumerate(pairs):
+        assert len(one_call) == len(general), f"{label}, step {n}"
+        for b, (x, y) in enumerate(zip(one_call, general)):
+            at = f"{label}, step {n}, sequence {b}"
+            assert x.seq is y.seq, at
+            assert (x.new_token_ids, x.num_drafts, x.num_accepted, x.num_trusted, x.mtp_caught_up) == \
+                (y.new_token_ids, y.num_drafts, y.num_accepted, y.num_trusted, y.mtp_caught_up), at
+            assert (x.hidden is None) == (y.hidden is None), at
+            if x.hidden is not None:
+                assert x.hidden.shape == y.hidden.shape and torch.equal(x.hidden, y.hidden), at
+            assert (x.logprobs is None) == (y.logprobs is None), at
+            if x.logprobs is not None:
+                assert_same_token_logprobs(x.logprobs, y.logprobs, at)
+
+
+@pytest.mark.parametrize("kind", ["plain", "penalties-bans", "logprobs"])
+def test_plain_greedy_step_in_one_call_equals_the_general_path(shipped, greedy_reference, request, monkeypatch,
+                                                               kind) -> None:
+    """Plain decoding (k = 0) of greedy requests runs its decode steps in one kernel call, batched and one request at
+    a time: each step's tokens and logprobs are those the general path computes for the same items (with penalties,
+    bans, min_tokens and logprobs, raw and processed), and so is the output."""
+    engine, prompts = shipped
+    if kind == "plain":
+        params, reference = [SamplingParams(max_tokens=GREEDY_TOKENS, ignore_eos=True)] * NUM_PROMPTS, greedy_reference
+    elif kind == "penalties-bans":
+        params, reference = request.getfixturevalue("adjusted_reference")
+    else:
+        params, with_logprobs = request.getfixturevalue("logprob_reference")
+        reference = [o.token_ids for o in with_logprobs]
+    pairs = run_steps_both_ways(monkeypatch, {0})
+    for alone, n in ((False, NUM_PROMPTS), (True, 6)):
+        pairs.clear()
+        outs, _ = run_executor(engine, prompts[:n], params[:n], one_at_a_time=alone, one_call=True,
+                               num_draft_tokens=0, speculation="off")
+        assert [o.token_ids for o in outs] == reference[:n], f"{kind}, alone={alone}"
+        if kind == "logprobs":
+            for i, (o, ref) in enumerate(zip(outs, with_logprobs)):
+                assert_same_logprobs(o, ref, f"alone={alone}, request {i}")
+        assert_same_steps(pairs, f"{kind}, alone={alone}")
+        emitted = sum(len(o.token_ids) for o in outs)  # one decode step each (prefill chunks emit none)
+        assert sum(len(one_call) for one_call, _ in pairs) >= (emitted if alone else 0.5 * emitted)
+        assert alone or max(len(one_call) for one_call, _ in pairs) >= 4, "no batched step in one call"
+
+
+def test_switching_between_plain_and_speculative_steps_keeps_the_mtp_inputs(shipped, greedy_reference,
+                                                                           monkeypatch) -> None:
+    """Adaptive speculation switching k between steps (k = 0 several times in a row, then k = 2): the plain steps in
+    one call keep each position's hidden state for the MTP catch-up of the next drafting step, as the general path
+    does, so drafts accepted from each position are the general path's and the output is plain greedy decoding's."""
+    engine, prompts = shipped
+    pattern = [0, 0, 0, 2, 0, 2, 2]
+    monkeypatch.setattr(Executor, "profile", lambda self, max_k: StepCosts([1], {q: [1.0] for q in range(1, 4)}, [0.1]))
+    monkeypatch.setattr(Scheduler, "MTP_IDLE_LIMIT", 10**6)
+    params = SamplingParams(max_tokens=GREEDY_TOKENS, ignore_eos=True)
+    pairs = run_steps_both_ways(monkeypatch, {0})  # (the general path's runs never reach it)
+    for alone, n in ((False, NUM_PROMPTS), (True, 4)):
+        accepted = {}
+        pairs.clear()
+        for one_call in (False, True):
+            ks = itertools.cycle(pattern)  # each run the same k at the same step
+            monkeypatch.setattr(DraftPolicy, "choose", lambda self, batch_size, drafters=None: next(ks))
+            accepted[one_call] = {}
+            outs, _ = run_executor(engine, prompts[:n], params, one_at_a_time=alone, accepted_at=accepted[one_call],
+                                   one_call=one_call, num_draft_tokens=2, speculation="adaptive")
+            assert [o.token_ids for o in outs] == greedy_reference[:n], f"one_call={one_call}, alone={alone}"
+        assert_same_steps(pairs, f"alone={alone}")
+        assert sum(r.hidden is not None for one_call, _ in pairs for r in one_call) >= n * GREEDY_TOKENS / 4
+        common = accepted[True].keys() & accepted[False].keys()
+        assert len(common) >= 0.8 * max(len(accepted[True]), len(accepted[False])) > 0, f"alone={alone}"
+        assert {s: accepted[True][s] for s in common} == {s: accepted[False][s] for s in common}, f"alone={alone}"
+        assert sum(accepted[True].values()) > 0
+
+
+@pytest.fixture(scope="module")
+def shipped_without_mtp(shipped, shipped_model_dir, tmp_path_factory):
+    """(engine, prompts): the shipped model's target alone, from a copy of its checkpoint without the MTP tensors."""
+    from safetensors.torch import load_file, save_file
+
+    from runtime.io.checkpoint import is_mtp_tensor
+
+    _, prompts = shipped
+    src, out = shipped_model_dir, tmp_path_factory.mktemp("nomtp")
+    cfg = ModelConfig.from_dict(json.loads((src / "config.json").read_text()))
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {n: f for n, f in index["weight_map"].items() if not is_mtp_tensor(n, cfg)}
+    for f in sorted(set(index["weight_map"].values())):
+        save_file({n: t for n, t in load_file(src / f).items() if not is_mtp_tensor(n, cfg)}, out / f)
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (out / f).write_bytes((src / f).read_bytes())
+    engine = load_engine(out, dtype="float32")
+    assert engine.model_config.num_nextn_predict_layers == 0
+    return engine, prompts
+
+
+def test_plain_greedy_step_in_one_call_on_a_model_without_mtp(shipped_without_mtp, greedy_reference, monkeypatch
+                                                              ) -> None:
+    """A model without an MTP layer runs its greedy decode steps in one kernel call too, with penalties, bans and
+    logprobs: each step's tokens and logprobs are the general path's, and plain requests decode as the shipped
+    model's target does."""
+    engine, prompts = shipped_without_mtp
+    params = logprob_params(greedy_reference)
+    outs = {}
+    step = GreedyStep.of(engine.model)
+    assert step is not None and step.mtp is None
+    pairs = run_steps_both_ways(monkeypatch, {0})
+    for one_call in (False, True):
+        outs[one_call], _ = run_executor(engine, prompts, params, one_call=one_call, num_draft_tokens=0)
+    for i, (a, b) in enumerate(zip(outs[True], outs[False])):
+        assert_same_logprobs(a, b, f"request {i}")
+    assert_same_steps(pairs, "without MTP")
+    assert sum(len(one_call) for one_call, _ in pairs) >= 0.5 * NUM_PROMPTS * GREEDY_TOKENS
+    plain, _ = run_executor(engine, prompts[:4], SamplingParams(max_tokens=GREEDY_TOKENS, ignore_eos=True),
+                            one_call=True, num_draft_tokens=0)
+    assert [o.token_ids for o in plain] == greedy_reference[:4]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -622,7 +776,6 @@ def test_relaxed_acceptance_never_emits_bad_tokens() -> None:
     from conftest import bigram_tensors
     from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM
     from runtime.io.loading import load_release_tensors
-    from runtime.core.plan import Scheduled
 
     V = 512
     cfg = ModelConfig.from_dict(tiny_config_dict(vocab_size=V))

@@ -11,8 +11,9 @@ One step for a batch of sequences, each with its own number of new target tokens
    positions are simply left behind: the sequence's length is what the cache is trusted up to,
    and the scheduler gives back blocks past it.
 k = 0 is plain decoding through the same code. Where the CPU kernels run the whole model, a step of greedy decodes
-that all draft the same k > 0 (no grammar; penalties, bans and logprobs computed in the call) runs 1-3 in one
-kernel call (`GreedyStep`): only the emitted tokens, their logprobs and the verified hidden states come back. The
+that all draft the same k (no grammar; penalties, bans and logprobs computed in the call) runs 1-3 in one kernel
+call (`GreedyStep`; k = 0: the target forward and argmax alone, also for a model without an MTP layer): only the
+emitted tokens, their logprobs and the verified hidden states come back. The
 runner reads sequences and writes none: what a step computed comes back as `StepResult`s, which
 `Scheduler.update_from_output` applies.
 
@@ -60,8 +61,8 @@ class ModelRunner:
         self.keep_mtp_inputs = keep_mtp_inputs and model.cfg.num_nextn_predict_layers > 0
         self.timings = {"draft": 0.0, "target": 0.0, "one_call": 0.0}  # seconds; one_call: steps run in one call
         self.for_kernels = attends_in_kernels(model)  # paged batches in the per-token form the kernels read
-        # greedy steps in one kernel call where the whole model is on the kernels (None: the general path only)
-        self.greedy_step = GreedyStep.of(model) if self.keep_mtp_inputs and graphs is None else None
+        # greedy steps in one kernel call where the whole target is on the kernels (None: the general path only)
+        self.greedy_step = GreedyStep.of(model) if graphs is None else None
 
     # ---- batch plumbing -----------------------------------------------------------------------
     def _paged_batch(self, tables: list[list[int]], starts: list[int], lens: list[int]) -> PagedBatch:
@@ -240,31 +241,39 @@ class ModelRunner:
         return out
 
     def _in_one_call(self, items: list[Scheduled]) -> bool:
-        """Whether the step is greedy speculation the one kernel call can run: every item a greedy decode drafting the
-        same k > 0, not guided, no relaxed acceptance (penalties, bans and logprobs the call computes)."""
+        """Whether the greedy step in one kernel call can run the step: every item a greedy decode drafting the same
+        k (k > 0 where the call has the MTP module), not guided, no relaxed acceptance (penalties, bans and logprobs
+        the call computes)."""
         k = items[0].num_drafts
-        return k > 0 and self.relaxed is None and all(
-            it.num_drafts == k and it.seq.params.greedy and it.seq.grammar is None for it in items)
+        if self.relaxed is not None or (k > 0 and self.greedy_step.mtp is None):
+            return False
+        return all(it.num_drafts == k and not it.seq.in_prefill and it.seq.params.greedy and it.seq.grammar is None
+                   for it in items)
 
     def _step_in_one_call(self, items: list[Scheduled]) -> list[StepResult]:
-        """The step as `step` runs it for these items, drafts to acceptance in one kernel call (`GreedyStep`)."""
+        """The step as `step` runs it for these items, drafts (if any) to acceptance in one kernel call (`GreedyStep`)."""
         t0 = time.perf_counter()
         seqs, k = [it.seq for it in items], items[0].num_drafts
-        tables, starts, _, next_ids, hidden = self._catch_up(seqs)
+        tables, num_mtp = [s.block_table for s in seqs], []
+        next_ids = hidden = _NO_CATCH_UP  # plain decoding has no MTP catch-up
+        if k:
+            tables, num_mtp, _, next_ids, hidden = self._catch_up(seqs)
         adjustments = self.adjustments(seqs, None, 0, k + 1)  # the rows from draft 1's on (no grammar here)
         top_n = [-1 if s.params.logprobs is None else s.params.logprobs for s in seqs]
         logprobs = None
         if max(top_n) >= 0:
             logprobs = top_n, [s.params.logprobs_mode == "processed_logprobs" for s in seqs]
         emitted, verified, rows = self.greedy_step(
-            next_ids, hidden, self.cache.tensor, tables, self.cache.block_size, starts, [s.num_cached for s in seqs],
+            next_ids, hidden, self.cache.tensor, tables, self.cache.block_size, num_mtp, [s.num_cached for s in seqs],
             [s.token_ids[-1] for s in seqs], k, None if adjustments is None else adjustments.kernel_args(), logprobs)
         found = iter(read_token_logprobs(rows, [n for n, tokens in zip(top_n, emitted) if n >= 0 for _ in tokens]))
         out = []
         for b, (s, tokens) in enumerate(zip(seqs, emitted)):
-            kept = verified[b * (k + 1) : b * (k + 1) + len(tokens)].clone()  # the trusted positions' hidden states
+            kept = None  # the trusted positions' hidden states, where the MTP layer will read them
+            if self.keep_mtp_inputs and not s.mtp_dropped:
+                kept = verified[b * (k + 1) : b * (k + 1) + len(tokens)].clone()
             token_lps = None if top_n[b] < 0 else [next(found) for _ in tokens]
-            out.append(StepResult(s, tokens, k, len(tokens) - 1, len(tokens), kept, True, s.in_thinking, token_lps))
+            out.append(StepResult(s, tokens, k, len(tokens) - 1, len(tokens), kept, k > 0, s.in_thinking, token_lps))
         self.timings["one_call"] += time.perf_counter() - t0
         return out
 
@@ -374,6 +383,9 @@ class ModelRunner:
                 mask[b, j] = state
                 state = self.relaxed.advance(state, t)
         return mask.to(self.device)
+
+
+_NO_CATCH_UP = torch.empty(0)  # the MTP catch-up's inputs of a step that drafts nothing
 
 
 def _rows_log_softmax(logits: Tensor, rows: Tensor) -> Tensor:

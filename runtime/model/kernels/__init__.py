@@ -4,7 +4,7 @@ On CPU a decode step in ATen is dominated by per-operation overhead and by strea
 so the serving path runs C++ with AVX-512 instead: linear layers whose weights stay in the release's
 FP8 (or BF16) form, a whole MoE layer per call, absorbed MLA in two calls over the paged latent
 cache, RMSNorm; and composed of these, a whole decoder layer, all of a model's layers, the MTP module,
-its greedy chain of drafts and a whole greedy speculative step, each in one call. Without AVX-512 (or a
+its greedy chain of drafts and a whole greedy step (speculative or plain), each in one call. Without AVX-512 (or a
 compiler) the runtime uses its PyTorch path, which computes the same thing.
 """
 
@@ -235,15 +235,16 @@ def mtp_greedy_drafts(mtp: object, ids: Tensor, hidden: Tensor, rot: Tensor, kv_
                                            batch.last_index, draft_positions, _pairs(draft_rot), None)
 
 
-def greedy_step(target: object, mtp: object, ids: Tensor, hidden: Tensor, kv_cache: Tensor, tables: list[list[int]],
-                block_size: int, num_mtp: list[int], num_cached: list[int], last_ids: list[int], num_drafts: int,
-                adjustments: tuple | None = None, logprobs: tuple[list[int], list[bool]] | None = None
+def greedy_step(target: object, mtp: object | None, ids: Tensor, hidden: Tensor, kv_cache: Tensor,
+                tables: list[list[int]], block_size: int, num_mtp: list[int], num_cached: list[int], last_ids: list[int],
+                num_drafts: int, adjustments: tuple | None = None, logprobs: tuple[list[int], list[bool]] | None = None
                 ) -> tuple[list[list[int]], Tensor, Tensor]:
-    """A greedy speculative step in one call (`target` from `make_target`), from host integers: `mtp_greedy_drafts`
-    over the catch-up (ids, hidden at positions num_mtp[b] .. num_cached[b] - 1 of sequence b, whose blocks are
-    tables[b]), the target over each sequence's [last_ids[b], drafts] at positions num_cached[b] .., greedy
-    acceptance. With `adjustments` (penalties and bans in `adjust_logits`' layout: sampling.Adjustments.kernel_args,
-    stop bans counted from the first draft's row) every draft and verified row is the argmax of its adjusted logits.
+    """A greedy step in one call (`target` from `make_target`), from host integers: `mtp_greedy_drafts` over the
+    catch-up (ids, hidden at positions num_mtp[b] .. num_cached[b] - 1 of sequence b, whose blocks are tables[b]),
+    the target over each sequence's [last_ids[b], drafts] at positions num_cached[b] .., greedy acceptance. With
+    num_drafts 0 it is plain decoding: no MTP module (`mtp` may be None; ids, hidden and num_mtp are not read).
+    With `adjustments` (penalties and bans in `adjust_logits`' layout: sampling.Adjustments.kernel_args, stop bans
+    counted from the first draft's row) every draft and verified row is the argmax of its adjusted logits.
     With `logprobs` (per sequence: top-n, -1 for none; whether processed, i.e. of the adjusted logits), the emitted
     tokens' logprobs too, as `token_logprobs` of the rows that decided them. Returns the emitted tokens of each
     sequence, the target's hidden states after the final norm [B * (num_drafts + 1), H] and the logprob rows

@@ -10,7 +10,7 @@
 // rms_norm     RMSNorm of rows.
 // decoder_layer all of the above for one decoder layer, in one call; decoder_layers for all of a model's;
 //              mtp_layer the same for an MTP module; mtp_greedy_drafts its greedy chain of k drafts;
-//              greedy_step a whole greedy speculative step (drafts, verification, acceptance).
+//              greedy_step a whole greedy step (drafts, verification, acceptance; or plain decoding, K = 0).
 //
 // Every output row is computed with the same arithmetic in the same order whatever the other rows
 // of the batch are, so a request's result does not depend on what it is batched with.
@@ -1140,26 +1140,29 @@ torch::Tensor rope(const Target& T, const torch::Tensor& positions) {
   return at::view_as_real(at::polar(at::full_like(freqs, T.rope_factor), freqs));
 }
 
-// One greedy speculative step for B decoding sequences with K drafts each, from host integers: sequence b has
+// One greedy step for B decoding sequences with K >= 0 drafts each, from host integers: sequence b has
 // num_cached[b] target positions cached, its MTP cache num_mtp[b], its blocks tables[b]; ids and hidden are the
 // MTP catch-up's inputs over positions num_mtp[b] .. num_cached[b] - 1. mtp_greedy_drafts (catch-up, then the
 // chain of drafts at positions num_cached[b] ..), the target over [last_ids[b], d1..dK] at positions
 // num_cached[b] .. num_cached[b] + K, the final norm and lm_head, and greedy acceptance: each sequence's drafts up to
 // the first that is not the target's argmax, then the argmax there; with `adjust`, drafts and verified rows are
-// argmaxes of adjusted logits (Adjustments: row j counts drafts 1..j). Returns the emitted tokens of each sequence,
-// the target's hidden states [B * (K + 1), H] after the final norm (the MTP module's next inputs) and the emitted
-// tokens' token_logprobs rows of the sequences with top_n[b] >= 0 (top_n empty: none), in order, over the rows'
-// log-softmax: of the adjusted logits where processed[b], else of the raw ones. The same calls in the same order as
-// the step in Python.
+// argmaxes of adjusted logits (Adjustments: row j counts drafts 1..j). K = 0 is plain decoding: no MTP module (M may
+// be null; num_mtp, ids and hidden are not read), the target over last_ids[b] alone. Returns the emitted tokens of
+// each sequence, the target's hidden states [B * (K + 1), H] after the final norm (the MTP module's next inputs) and
+// the emitted tokens' token_logprobs rows of the sequences with top_n[b] >= 0 (top_n empty: none), in order, over the
+// rows' log-softmax: of the adjusted logits where processed[b], else of the raw ones. The same calls in the same
+// order as the step in Python.
 std::tuple<std::vector<std::vector<int64_t>>, torch::Tensor, torch::Tensor> greedy_step(
-    const Target& T, const Mtp& M, const torch::Tensor& ids, const torch::Tensor& hidden, const torch::Tensor& kv_cache,
+    const Target& T, const Mtp* M, const torch::Tensor& ids, const torch::Tensor& hidden, const torch::Tensor& kv_cache,
     const std::vector<std::vector<int64_t>>& tables, int64_t block_size, const std::vector<int64_t>& num_mtp,
     const std::vector<int64_t>& num_cached, const std::vector<int64_t>& last_ids, int64_t K,
     const std::optional<Adjustments>& adjust, const std::vector<int64_t>& top_n, const std::vector<bool>& processed) {
   const int64_t B = static_cast<int64_t>(tables.size());
-  check(K >= 1 && B >= 1 && block_size >= 1 && static_cast<int64_t>(num_mtp.size()) == B &&
-            static_cast<int64_t>(num_cached.size()) == B && static_cast<int64_t>(last_ids.size()) == B,
-        "K >= 1 and one block table, num_mtp, num_cached and last id per sequence");
+  check(K >= 0 && B >= 1 && block_size >= 1 && static_cast<int64_t>(num_cached.size()) == B &&
+            static_cast<int64_t>(last_ids.size()) == B,
+        "greedy_step: K >= 0 and one block table, num_cached and last id per sequence");
+  check(K == 0 || (M != nullptr && static_cast<int64_t>(num_mtp.size()) == B),
+        "greedy_step: drafts need the MTP module and num_mtp per sequence");
   check((top_n.empty() && processed.empty()) ||
             (static_cast<int64_t>(top_n.size()) == B && static_cast<int64_t>(processed.size()) == B),
         "greedy_step: top_n and processed need one entry per sequence (or none)");
@@ -1176,7 +1179,7 @@ std::tuple<std::vector<std::vector<int64_t>>, torch::Tensor, torch::Tensor> gree
     slots.push_back(tables[b][p / block_size] * block_size + p % block_size);
     seq.push_back(b);
   };
-  for (int64_t b = 0; b < B; ++b) {
+  for (int64_t b = 0; K > 0 && b < B; ++b) {  // no catch-up for plain decoding
     check(num_mtp[b] < num_cached[b], "every sequence has hidden states to catch up on");
     for (int64_t p = num_mtp[b]; p < num_cached[b]; ++p) add(b, p);
     last.push_back(static_cast<int64_t>(pos.size()) - 1);
@@ -1189,8 +1192,8 @@ std::tuple<std::vector<std::vector<int64_t>>, torch::Tensor, torch::Tensor> gree
   const torch::Tensor rot = rope(T, positions);
   const torch::Tensor verify_positions = positions.slice(0, Tc).view({B, K + 1});
   const torch::Tensor verify_rot = rot.slice(0, Tc).view({B, K + 1, rot.size(1), 2});
-  const torch::Tensor drafts = mtp_greedy_drafts(
-      M, ids, hidden, rot.slice(0, 0, Tc), kv_cache, slot_mapping.slice(0, 0, Tc), positions.slice(0, 0, Tc),
+  const torch::Tensor drafts = K == 0 ? torch::empty({B, 0}, torch::kLong) : mtp_greedy_drafts(
+      *M, ids, hidden, rot.slice(0, 0, Tc), kv_cache, slot_mapping.slice(0, 0, Tc), positions.slice(0, 0, Tc),
       token_seq.slice(0, 0, Tc), table, block_size, host(last), verify_positions.slice(1, 0, K - 1).t().contiguous(),
       verify_rot.slice(1, 0, K - 1).transpose(0, 1).contiguous(), adjust);
   const torch::Tensor tokens = at::cat({host(last_ids).view({B, 1}), drafts}, 1).flatten();
@@ -1300,7 +1303,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return Adjustments{std::move(penalized), std::move(counts), std::move(in_prompt), std::move(values),
                            std::move(bad), std::move(stops), std::move(stop_rows)};
       }));
-  m.def("greedy_step", &greedy_step, "a greedy speculative step: drafts, verification, acceptance", nogil);
+  m.def("greedy_step", &greedy_step, "a greedy step: drafts, verification, acceptance (K = 0: plain decoding)", nogil);
   m.def("adjust_logits", &adjust_logits, "penalties and bans of a batch's rows, drafts before each row counted", nogil);
   m.def("token_logprobs", &token_logprobs, "emitted tokens' logprobs, ranks and top-n alternatives", nogil);
 }

@@ -167,24 +167,25 @@ class FusedMTPLayer(_Fused, MTPLayer):
 
 
 class GreedyStep:
-    """The greedy speculative step in one kernel call (`kernels.greedy_step`): the MTP catch-up and drafts, the
-    verification forward and greedy acceptance (penalties and bans applied to each draft's and verified row's logits
-    where given), with only the emitted tokens, the verified hidden states and the emitted tokens' logprobs (where
-    asked for) coming back, for a model whose layers, MTP module and lm_head are each one call (`of`)."""
+    """The greedy step in one kernel call (`kernels.greedy_step`): the MTP catch-up and drafts, the verification
+    forward and greedy acceptance (penalties and bans applied to each draft's and verified row's logits where given),
+    or with no drafts the plain decoding forward and argmax, with only the emitted tokens, the verified hidden states
+    and the emitted tokens' logprobs (where asked for) coming back, for a model whose layers and lm_head are each one
+    call (`of`); drafting also needs its MTP module as one call (`mtp`, else None)."""
 
     def __init__(self, model: DeepseekV3ForCausalLM):
         head, norm = model.lm_head.packed, model.model.norm
-        self.mtp = model.mtp[0].handle
+        fused_mtp = len(model.mtp) > 0 and isinstance(model.mtp[0], FusedMTPLayer) and model.mtp[0].handle is not None
+        self.mtp: object | None = model.mtp[0].handle if fused_mtp else None
         self.target = kernels.cpu_kernels().make_target(model.model.embed_tokens.weight, norm.weight, norm.eps,
                                                         model.model.layers.handle, head.panels, head.scale,
                                                         head.out_features, model.inv_freq, model.rope_attention_factor)
 
     @classmethod
     def of(cls, model: DeepseekV3ForCausalLM) -> "GreedyStep | None":
-        """The step for `model`, or None where a part of it is not on the kernels as one call."""
+        """The step for `model`, or None where a part of the target is not on the kernels as one call."""
         layers, head = model.model.layers, model.lm_head
-        fused = (isinstance(layers, FusedDecoderStack) and layers.handle is not None and len(model.mtp) > 0
-                 and isinstance(model.mtp[0], FusedMTPLayer) and model.mtp[0].handle is not None
+        fused = (isinstance(layers, FusedDecoderStack) and layers.handle is not None
                  and isinstance(head, PackedLinear) and head.packed is not None
                  and isinstance(model.model.norm, KernelRMSNorm))
         return cls(model) if fused else None
@@ -193,10 +194,11 @@ class GreedyStep:
                  num_mtp: list[int], num_cached: list[int], last_ids: list[int], num_drafts: int,
                  adjustments: tuple | None = None, logprobs: tuple[list[int], list[bool]] | None = None
                  ) -> tuple[list[list[int]], Tensor, Tensor]:
-        """For B sequences, each drafting num_drafts tokens after its num_cached[b] cached ones: the MTP module over
-        its catch-up (next_ids, hidden at positions num_mtp[b] ..), the drafts, and the target over [last_ids[b],
-        drafts], with `adjustments` and `logprobs` (`kernels.greedy_step`) if given: each sequence's emitted tokens,
-        the target's hidden states [B * (num_drafts + 1), H] and the emitted tokens' logprob rows."""
+        """For B sequences, each drafting num_drafts >= 0 tokens after its num_cached[b] cached ones: the MTP module
+        over its catch-up (next_ids, hidden at positions num_mtp[b] ..; not read without drafts), the drafts, and the
+        target over [last_ids[b], drafts], with `adjustments` and `logprobs` (`kernels.greedy_step`) if given: each
+        sequence's emitted tokens, the target's hidden states [B * (num_drafts + 1), H] and the emitted tokens'
+        logprob rows."""
         return kernels.greedy_step(self.target, self.mtp, next_ids, hidden, kv_cache, tables, block_size, num_mtp,
                                    num_cached, last_ids, num_drafts, adjustments, logprobs)
 
