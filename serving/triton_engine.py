@@ -204,6 +204,8 @@ class EngineModel:
         if out.new_token_ids:
             stream.first_token_ns = stream.first_token_ns or at_ns
             stream.last_token_ns = at_ns
+        if out.finished and out.finish_reason in self.metrics["requests"]:  # each sequence under its own reason
+            self.metrics["requests"][out.finish_reason].increment(1)
         if stream.closed:
             return  # another of the request's outputs failed: its error was the final response
         if out.finished:
@@ -240,8 +242,6 @@ class EngineModel:
             self._active.discard(stream)
         with contextlib.suppress(Exception):  # a client that cancelled is not there to tell
             stream.sender.send(response, flags=FINAL)
-        if out.finish_reason in self.metrics["requests"]:
-            self.metrics["requests"][out.finish_reason].increment(1)
         self.metrics["input_tokens"].observe(out.stats.prompt_tokens)
         self.metrics["output_tokens"].observe(stream.output_tokens)  # of every output of the request
 
@@ -293,7 +293,8 @@ class EngineModel:
             family("nv_trt_llm_request_metrics", "TRT LLM request metrics", family.GAUGE),
             family("nv_trt_llm_kv_cache_block_metrics", "TRT LLM KV cache block metrics", family.GAUGE),
             family("nv_trt_llm_spec_decode_metrics", "Speculative (MTP) decoding metrics", family.GAUGE),
-            family("nv_trt_llm_requests_total", "Requests finished, by finish reason", family.COUNTER),
+            family("nv_trt_llm_requests_total", "Requests finished, by finish reason (each of a request's "
+                   "num_return_sequences counts, under its own reason)", family.COUNTER),
             family("nv_trt_llm_generated_tokens_total", "Tokens generated", family.COUNTER),
             family("nv_trt_llm_draft_tokens_total", "MTP draft tokens proposed and accepted", family.COUNTER),
             family("nv_llm_input_token_len", "TRT LLM response metrics", family.HISTOGRAM),
