@@ -24,6 +24,8 @@ from typing import Any, Callable, Iterable, Sequence
 ROOT = Path(__file__).resolve().parents[1]
 import torch
 
+from runtime.core.sampling_params import SamplingParams
+from runtime.executors.session import Session
 from runtime.io.atomic import atomic_write
 from runtime.io.checkpoint import expected_tensor_shapes, is_mtp_tensor
 from runtime.model.kernels.modules import KernelMLA, PackedExperts, PackedLinear
@@ -279,6 +281,19 @@ def request_ttft_tpot(sent: float, first_token: float | None, last_token: float 
     if output_tokens < 2 or last_token is None:
         return ttft, None
     return ttft, (last_token - first_token) / (output_tokens - 1)
+
+
+def session_request(session: Session, prompt: str, max_tokens: int) -> tuple[float | None, float | None]:
+    """TTFT and TPOT of one request to a runtime Session on the client's clock (when its handle yields the first
+    and last outputs), eos ignored: the baseline a server's are compared with."""
+    ids = session.tokenizer.encode(prompt)
+    sent = time.perf_counter()
+    first = last = None
+    for out in session.executor.submit(ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True)):
+        if out.new_token_ids:
+            last = time.perf_counter()
+            first = first or last
+    return request_ttft_tpot(sent, first, last, max_tokens)
 
 
 def ms(seconds: float | None) -> float | None:

@@ -23,24 +23,12 @@ from typing import Any
 
 from benchmarks.common import (add_common_args, load_prompts, machine_info, machine_md, md_table, mean, ms,
                                parse_with_quick, ratio, request_ttft_tpot, round_robin_by_source, save_figure,
-                               set_threads, target_line, write_results)
-from runtime.core.sampling_params import SamplingParams
+                               session_request, set_threads, target_line, write_results)
 from runtime.executors.session import Session
 from serving.openai_server.process import start_dsv3_serve
 
 MODES = {"plain": ["--num_draft_tokens", "0"], "mtp": ["--num_draft_tokens", "3", "--speculation", "adaptive"]}
 GOAL = 1.10  # server TPOT / Session TPOT at concurrency 1
-
-
-def session_request(session: Session, prompt: str, max_tokens: int) -> tuple[float | None, float | None]:
-    ids = session.tokenizer.encode(prompt)
-    sent = time.perf_counter()
-    first = last = None
-    for out in session.executor.submit(ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True)):
-        if out.new_token_ids:
-            last = time.perf_counter()
-            first = first or last
-    return request_ttft_tpot(sent, first, last, max_tokens)
 
 
 def server_request(port: int, model: str, prompt: str, max_tokens: int) -> tuple[float | None, float | None]:

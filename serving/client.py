@@ -31,12 +31,10 @@ def _input(name: str, value: np.ndarray, dtype: str) -> grpcclient.InferInput:
     return i
 
 
-def stream_generate(url: str, prompt: str, max_tokens: int, temperature: float = 0.0, seed: int | None = None,
-                    end_id: int | None = None, model: str = "tensorrt_llm_bls", timeout_s: float = 300.0,
-                    perf_metrics: bool = False) -> Iterator[StreamChunk]:
-    """Yield the streamed responses of one request (end_id -1: ignore eos, as TensorRT-LLM's
-    clients do; perf_metrics: ask for the MTP drafting stats with each response); raises
-    RuntimeError with Triton's message."""
+def text_inputs(prompt: str, max_tokens: int, temperature: float = 0.0, seed: int | None = None,
+                end_id: int | None = None, perf_metrics: bool = False) -> list[grpcclient.InferInput]:
+    """A streamed request of the text models (`ensemble`, `tensorrt_llm_bls`): end_id -1 ignores eos, as
+    TensorRT-LLM's clients do; perf_metrics asks for the MTP drafting stats with each response."""
     inputs = [
         _input("text_input", np.array([[prompt.encode()]], dtype=object), "BYTES"),
         _input("max_tokens", np.array([[max_tokens]], dtype=np.int32), "INT32"),
@@ -51,11 +49,32 @@ def stream_generate(url: str, prompt: str, max_tokens: int, temperature: float =
         inputs.append(_input("end_id", np.array([[end_id]], dtype=np.int32), "INT32"))
     if perf_metrics:
         inputs.append(_input("return_perf_metrics", np.array([[True]]), "BOOL"))
+    return inputs
+
+
+def token_id_inputs(prompt_ids: list[int], max_tokens: int, end_id: int | None = None) -> list[grpcclient.InferInput]:
+    """A streamed greedy request of the legacy `tensorrt_llm` model itself: token ids in and out."""
+    inputs = [
+        _input("input_ids", np.array([prompt_ids], dtype=np.int32), "INT32"),
+        _input("input_lengths", np.array([[len(prompt_ids)]], dtype=np.int32), "INT32"),
+        _input("request_output_len", np.array([[max_tokens]], dtype=np.int32), "INT32"),
+        _input("streaming", np.array([[True]]), "BOOL"),
+    ]
+    if end_id is not None:
+        inputs.append(_input("end_id", np.array([[end_id]], dtype=np.int32), "INT32"))
+    return inputs
+
+
+def stream_generate(url: str, prompt: str, max_tokens: int, temperature: float = 0.0, seed: int | None = None,
+                    end_id: int | None = None, model: str = "tensorrt_llm_bls", timeout_s: float = 300.0,
+                    perf_metrics: bool = False) -> Iterator[StreamChunk]:
+    """Yield the streamed responses of one request (`text_inputs`); raises RuntimeError with Triton's message."""
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: responses.put((result, error, time.perf_counter())))
     try:
-        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        client.async_stream_infer(model, text_inputs(prompt, max_tokens, temperature, seed, end_id, perf_metrics),
+                                  enable_empty_final_response=True)
         while True:
             result, error, at = responses.get(timeout=timeout_s)
             if error is not None:

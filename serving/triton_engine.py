@@ -204,6 +204,8 @@ class EngineModel:
         if out.new_token_ids:
             stream.first_token_ns = stream.first_token_ns or at_ns
             stream.last_token_ns = at_ns
+        if out.finished and out.finish_reason in self.metrics["requests"]:  # each sequence under its own reason
+            self.metrics["requests"][out.finish_reason].increment(1)
         if stream.closed:
             return  # another of the request's outputs failed: its error was the final response
         if out.finished:
@@ -240,8 +242,6 @@ class EngineModel:
             self._active.discard(stream)
         with contextlib.suppress(Exception):  # a client that cancelled is not there to tell
             stream.sender.send(response, flags=FINAL)
-        if out.finish_reason in self.metrics["requests"]:
-            self.metrics["requests"][out.finish_reason].increment(1)
         self.metrics["input_tokens"].observe(out.stats.prompt_tokens)
         self.metrics["output_tokens"].observe(stream.output_tokens)  # of every output of the request
 
@@ -293,7 +293,8 @@ class EngineModel:
             family("nv_trt_llm_request_metrics", "TRT LLM request metrics", family.GAUGE),
             family("nv_trt_llm_kv_cache_block_metrics", "TRT LLM KV cache block metrics", family.GAUGE),
             family("nv_trt_llm_spec_decode_metrics", "Speculative (MTP) decoding metrics", family.GAUGE),
-            family("nv_trt_llm_requests_total", "Requests finished, by finish reason", family.COUNTER),
+            family("nv_trt_llm_requests_total", "Requests finished, by finish reason (each of a request's "
+                   "num_return_sequences counts, under its own reason)", family.COUNTER),
             family("nv_trt_llm_generated_tokens_total", "Tokens generated", family.COUNTER),
             family("nv_trt_llm_draft_tokens_total", "MTP draft tokens proposed and accepted", family.COUNTER),
             family("nv_llm_input_token_len", "TRT LLM response metrics", family.HISTOGRAM),
@@ -327,22 +328,21 @@ class EngineModel:
         self.metrics["kv_tokens_per"].set(self.kv_block_size)
 
     def _metrics_loop(self) -> None:
-        m, last = self.metrics, {"generated": 0, "drafted": 0, "accepted": 0}
+        """Publish the executor's stats every stats_period_s. A gauge is set only when its value changed: each set
+        is a round trip to tritonserver, whose CPU time on a small machine is taken from the forward."""
+        m, shown, last = self.metrics, {}, {"generated": 0, "drafted": 0, "accepted": 0}
         while self._running:
             time.sleep(self.stats_period_s)
             s = self.executor.stats()
             blocks = s.kv_blocks_used + s.kv_blocks_free
-            m["active"].set(s.running + s.queued)
-            m["scheduled"].set(s.running)
-            m["waiting"].set(s.queued)
-            m["kv_used"].set(s.kv_blocks_used)
-            m["kv_free"].set(s.kv_blocks_free)
-            m["kv_max"].set(blocks)
-            m["kv_fraction"].set(s.kv_blocks_used / blocks if blocks else 0.0)
-            m["kv_reused"].set(s.kv_reused_blocks)
-            m["acceptance_rate"].set(s.acceptance_rate)
-            m["acceptance_estimate"].set(s.acceptance_estimate)
-            m["draft_len"].set(s.current_draft_len)
+            for key, value in (("active", s.running + s.queued), ("scheduled", s.running), ("waiting", s.queued),
+                               ("kv_used", s.kv_blocks_used), ("kv_free", s.kv_blocks_free), ("kv_max", blocks),
+                               ("kv_fraction", s.kv_blocks_used / blocks if blocks else 0.0),
+                               ("kv_reused", s.kv_reused_blocks), ("acceptance_rate", s.acceptance_rate),
+                               ("acceptance_estimate", s.acceptance_estimate), ("draft_len", s.current_draft_len)):
+                if shown.get(key) != value:
+                    m[key].set(value)
+                    shown[key] = value
             for key, total in (("generated", s.generated_tokens), ("drafted", s.draft_tokens),
                                ("accepted", s.accepted_draft_tokens)):
                 if total > last[key]:

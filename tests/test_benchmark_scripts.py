@@ -273,17 +273,27 @@ def test_serving_rounds_pool_end_to_end():
     assert s["latency_mean_s"] == pytest.approx((1.0 + 1.5 + 0.5) / 3)
 
 
-def test_triton_closed_loop_counts_failed_requests(monkeypatch):
-    def one_request(url, prompt, max_tokens):
+def test_triton_closed_loop_counts_failed_requests():
+    def send(prompt, max_tokens):
         if prompt == "bad":
             raise RuntimeError("in ensemble 'ensemble', max_tokens must be >= 1")
         return {"ttft_s": 0.5, "tpot_s": 0.01, "tokens": max_tokens}
 
-    monkeypatch.setattr(bt, "one_request", one_request)
-    out = bt.closed_loop("url", ["good", "bad", "good"], concurrency=2, n_requests=6, max_tokens=4)
+    out = bt.closed_loop(send, ["good", "bad", "good"], concurrency=2, n_requests=6, max_tokens=4)
     assert (out["requests"], out["completed"], out["tpot_s"], out["ttft_s"]) == (6, 4, 0.01, 0.5)
     assert sorted(out["errors"]) == [f"request {i}: RuntimeError: in ensemble 'ensemble', max_tokens must be >= 1"
                                      for i in (1, 4)]
+
+
+def test_triton_rounds_merge_weighted_by_completed_requests():
+    runs = [{"concurrency": 1, "requests": 4, "completed": 4, "errors": [], "tpot_s": 0.01, "ttft_s": 0.1,
+             "output_tok_s": 100.0, "wall_s": 2.0},
+            {"concurrency": 1, "requests": 4, "completed": 2, "errors": ["request 1: x"], "tpot_s": 0.04,
+             "ttft_s": 0.4, "output_tok_s": 50.0, "wall_s": 1.0}]
+    out = bt.merged(runs)
+    assert (out["requests"], out["completed"], out["errors"], out["wall_s"]) == (8, 6, ["request 1: x"], 3.0)
+    assert out["tpot_s"] == pytest.approx(0.02) and out["ttft_s"] == pytest.approx(0.2)
+    assert out["output_tok_s"] == pytest.approx(250 / 3)
 
 
 # ---- benchmark_speculative / measure_acceptance / load_test pure parts -----------------------------

@@ -1222,6 +1222,20 @@ def test_metrics_report_requests_tokens_acceptance_kv_and_queue(server: TritonSe
     assert metric(m, "nv_llm_output_token_len_count") > 0
 
 
+def test_finished_requests_count_each_returned_sequence(server: TritonServer) -> None:
+    """nv_trt_llm_requests_total counts each of a request's num_return_sequences under its own finish reason (each
+    sequence has its own final response and reason); it counted the request once, by its last sequence."""
+    family = "nv_trt_llm_requests_total"
+    before = settled_metrics(server, family)
+    results = upstream_grpc_client(server, "ensemble", ["text_output", "sequence_index"], text_input=[[PROMPTS[0]]],
+                                   max_tokens=4, top_k=40, temperature=1.0, end_id=-1, seed=np.uint64(3),
+                                   num_return_sequences=3)
+    assert sorted(sequences(results, "text_output")) == [0, 1, 2]
+    after = settled_metrics(server, family)
+    assert metric(after, family, finish_reason="length") == metric(before, family, finish_reason="length") + 3
+    assert metric(after, family) == metric(before, family) + 3
+
+
 @pytest.mark.parametrize("key, value, message", [
     ("engine_dir", '/e" }\nbackend: "pytorch', "a quote, backslash or control character ('\"') cannot stand inside a "
                                                 "config.pbtxt string"),
