@@ -9,7 +9,6 @@ token for token with the same prompt decoded alone without speculation.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import pickle
 import sys
 
@@ -271,7 +270,6 @@ def test_limits_above_the_engine_are_refused(engine) -> None:
     ("max_seq_len", 2.5, "max_seq_len must be an integer >= 1, got 2.5"),
     ("kv_cache_tokens", -16, "kv_cache_tokens must be an integer >= 1, got -16"),
     ("num_draft_tokens", -1, "num_draft_tokens must be an integer >= 0, got -1"),
-    ("overlap_outputs", 1, "overlap_outputs must be true or false, got 1"),
 ])
 def test_config_values_are_checked(field, value, message) -> None:
     """A zero limit would leave every request waiting forever: refused when the config is made."""
@@ -381,22 +379,17 @@ def test_cancel_frees_blocks_at_once(engine, prompts) -> None:
         assert ex.stats().kv_blocks_used == 0
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_cancelled_request_text_covers_its_tokens(engine, prompts, tokenizer, overlap) -> None:
+def test_cancelled_request_text_covers_its_tokens(engine, prompts, tokenizer) -> None:
     """With stop strings, text that could start one is held back; a request cancelled meanwhile
-    still reports it: its final text is the text of its tokens (and its outputs, delivered on a thread of their
-    own, still stream in order)."""
+    still reports it: its final text is the text of its tokens."""
     decoding, cancelled = threading.Event(), threading.Event()
 
-    outs: list[RequestOutput] = []
-
-    def pause(o: RequestOutput) -> None:  # the delivering thread: no step (overlapped: one more) until the cancel
-        outs.append(o)
+    def pause(o: RequestOutput) -> None:  # executor thread: no step until the test has cancelled
         if len(o.token_ids) >= 6 and not decoding.is_set():
             decoding.set()
             cancelled.wait(30)
 
-    with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed", overlap_outputs=overlap)) as ex:
+    with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed")) as ex:
         h = ex.submit(prompts[4], SamplingParams(max_tokens=190, ignore_eos=True, stop=("\x00never stop here\x00",)),
                       on_output=pause)
         assert decoding.wait(30)
@@ -405,7 +398,6 @@ def test_cancelled_request_text_covers_its_tokens(engine, prompts, tokenizer, ov
         out = h.result(10)
         assert out.finish_reason == "cancelled" and len(out.token_ids) >= 6
         assert out.text == tokenizer.decode(out.token_ids)
-        check_stream(outs, tokenizer)
         assert_all_free(ex)
 
 
@@ -534,45 +526,6 @@ def test_streaming_callback_and_stats(engine, prompts, tokenizer) -> None:
     assert stats.current_draft_len == 3
     # each step emits 1..k+1 tokens: steps >= tokens / 4, and drafting helped at least once
     assert sum(f.stats.num_steps for f in finals) < stats.generated_tokens
-
-
-@pytest.mark.parametrize("k", [0, 1, 2, 3])
-def test_overlapped_delivery_streams_what_inline_delivery_streams(engine, prompts, alone, tokenizer, k) -> None:
-    """ExecutorConfig.overlap_outputs delivers on a thread of its own: every request streams the same outputs, in
-    the same order, as when the step loop delivers them (greedy, sampled, logprobs, a stop string hit mid-stream)."""
-    stop = tokenizer.decode(alone[4])[20:24]
-    params = [SamplingParams(max_tokens=MAX_TOKENS[1], ignore_eos=True),
-              SamplingParams(max_tokens=20, temperature=0.8, top_k=50, seed=1, ignore_eos=True),
-              SamplingParams(max_tokens=MAX_TOKENS[3], ignore_eos=True, logprobs=2),
-              SamplingParams(max_tokens=MAX_TOKENS[4], ignore_eos=True, stop=(stop,))]
-    streams, threads = {}, {}
-    for overlap in (False, True):
-        cfg = ExecutorConfig(num_draft_tokens=k, speculation="fixed" if k else "off", overlap_outputs=overlap)
-        with Executor(engine, cfg) as ex:
-            submitted = threading.Event()
-            hold_inbox_until(ex, submitted)  # one batch from the first step on, both times
-            outs: dict[int, list[RequestOutput]] = {i: [] for i in range(len(params))}
-
-            def on_output(o: RequestOutput, i: int) -> None:
-                outs[i].append(o)
-                threads[overlap] = threading.current_thread().name
-
-            hs = [ex.submit(prompts[i], sp, on_output=functools.partial(on_output, i=n))
-                  for n, (i, sp) in enumerate(zip((1, 2, 3, 4), params))]
-            submitted.set()
-            for h in hs:
-                h.result(60)
-            assert_all_free(ex)
-        for stream in list(outs.values())[:3]:
-            check_stream(stream, tokenizer)
-        assert "".join(o.text_delta for o in outs[3]) == outs[3][-1].text  # cut before the stop string
-        streams[overlap] = {i: [(o.new_token_ids, o.text_delta, list(o.token_ids), o.finish_reason, o.new_logprobs)
-                                for o in stream] for i, stream in outs.items()}
-    assert threads == {False: "executor", True: "executor-outputs"}
-    assert streams[True] == streams[False]
-    final = {i: stream[-1] for i, stream in streams[True].items()}
-    assert final[0][2] == alone[1] and final[2][2] == alone[3]
-    assert final[3][3] == "stop" and len(final[3][2]) < MAX_TOKENS[4]
 
 
 def test_streamed_outputs_share_the_tokens_so_far(engine, prompts, tokenizer) -> None:
@@ -781,9 +734,8 @@ def test_bad_token_ids_never_emitted(engine, prompts, alone) -> None:
         assert not set(o.token_ids) & set(banned)
 
 
-@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("error", [RuntimeError("client bug"), SystemExit(1)])
-def test_raising_callback_does_not_break_the_request(engine, prompts, alone, error, overlap) -> None:
+def test_raising_callback_does_not_break_the_request(engine, prompts, alone, error) -> None:
     """A callback runs user code on the executor's thread: whatever it raises (even sys.exit) is
     logged, and the request and the executor go on."""
     calls = []
@@ -792,19 +744,17 @@ def test_raising_callback_does_not_break_the_request(engine, prompts, alone, err
         calls.append(o)
         raise error
 
-    with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed", overlap_outputs=overlap)) as ex:
+    with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed")) as ex:
         out = ex.submit(prompts[3], SamplingParams(max_tokens=MAX_TOKENS[3], ignore_eos=True), on_output=boom).result(30)
         assert out.token_ids == alone[3] and calls and calls[-1].finished
         assert ex.submit(prompts[1], SamplingParams(max_tokens=5, ignore_eos=True)).result(30).finish_reason == "length"
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_a_failing_step_loop_ends_every_request_and_refuses_new_ones(engine, prompts, overlap) -> None:
+def test_a_failing_step_loop_ends_every_request_and_refuses_new_ones(engine, prompts) -> None:
     """A bug outside the model step (here in the scheduler's bookkeeping) stops the loop: every request
     in flight or queued finishes with an error naming it, and later submits are refused, rather than
     hanging their callers."""
-    config = ExecutorConfig(num_draft_tokens=2, speculation="fixed", max_batch_size=2, overlap_outputs=overlap)
-    with Executor(engine, config) as ex:
+    with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed", max_batch_size=2)) as ex:
         all_submitted = threading.Event()
 
         def broken(*args):

@@ -47,9 +47,6 @@ class ExecutorConfig:
     # processes to run an engine's tensor-parallel ranks in: None, its tp_size (one process per rank, started by
     # the executor, runtime.executors.ranks); 1, its rank files joined in this process
     world_size: int | None = None
-    # deliver a step's outputs (callbacks, handles) on a thread of their own while the next step's forward runs,
-    # rather than on the step loop's thread between steps (runtime.executors.delivery)
-    overlap_outputs: bool = False
 
     def __post_init__(self) -> None:
         k = self.num_draft_tokens
@@ -61,9 +58,8 @@ class ExecutorConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        for name in ("enable_block_reuse", "overlap_outputs"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.enable_block_reuse, bool):
+            raise ValueError(f"enable_block_reuse must be true or false, got {self.enable_block_reuse!r}")
         if not (isinstance(self.free_memory_fraction, (int, float)) and 0 < self.free_memory_fraction <= 1):
             raise ValueError(f"free_memory_fraction must be in (0, 1], got {self.free_memory_fraction!r}")
         if self.world_size is not None and (not isinstance(self.world_size, int) or self.world_size < 1):

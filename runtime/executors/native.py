@@ -32,7 +32,6 @@ from runtime.core.grammar import GrammarCompiler
 from runtime.core.prefix_cache import PrefixCache
 from runtime.core.scheduler import Scheduler
 from runtime.executors.base import ExecutorConfig
-from runtime.executors.delivery import OutputDelivery
 from runtime.executors.requests import (BestOf, ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestStats,
                                        RequestTracker)
 from runtime.core.sequence import PenaltyState, Sequence
@@ -126,7 +125,6 @@ class Executor:
         self._error: str | None = None  # why the step loop stopped, if it failed
         self._progress = time.monotonic()  # when the step loop last began a step (or an idle wait)
         self._submit_lock = threading.Lock()  # a submit either lands before shutdown or is refused
-        self._outputs = OutputDelivery(config.overlap_outputs)
 
     def _kv_capacity(self, bytes_per_token: int, k: int, block: int) -> int:
         """KV cache tokens: kv_cache_tokens, or room for max_batch_size sequences of max_seq_len, within
@@ -347,21 +345,18 @@ class Executor:
         self._drain_inbox()  # submitted but never scheduled: ended too, never lost
         for rid in list(self._requests):
             self._finish(rid, "error" if error else "cancelled", error=error)
-        self._outputs.close()
 
     def _step(self) -> None:
         if self.ranks is not None:
             self.ranks.check()  # a rank that exited ends the loop (RankFailure), idle or not
         self._drain_inbox()
         if not self.scheduler.has_work():
-            self._outputs.hand_off()
             self._wake.wait(0.05)
             self._wake.clear()
             return
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         if not plan:  # everything waits for blocks that running requests will free
-            self._outputs.hand_off()
             self._wake.wait(0.01)
             self._wake.clear()
             return
@@ -373,7 +368,6 @@ class Executor:
                 tracker.num_missed_blocks = self.cache.blocks_for(tracker.num_prompt_tokens) - tracker.num_reused_blocks
                 self._counts["reused_blocks"] += tracker.num_reused_blocks
                 self._counts["missed_blocks"] += tracker.num_missed_blocks
-        self._outputs.hand_off()  # overlapped: the last step's outputs are delivered while this step's forward runs
         try:
             results = self.runner.step(plan)
         except RankFailure:  # the ranks are gone or out of step: nothing can run any more
@@ -404,8 +398,7 @@ class Executor:
         self.scheduler.update_from_output(plan, results, kept, finished, time.perf_counter() - t0)
         for rid, new, delta, reason in reports:
             if reason is None:
-                tracker = self._requests[rid][1]
-                self._outputs.send(tracker, tracker.output(new, delta, None))
+                self._requests[rid][1].report(new, delta, None)
             else:
                 self._finish(rid, reason, new, delta)
 
@@ -430,8 +423,7 @@ class Executor:
                 error: str | None = None) -> None:
         """End a sequence (`request_id` is its Sequence.request_id; finished by its step, cancelled or failed): its
         blocks go back and its last output out, and the request's id is free once its last sequence has ended; one
-        at a time, so a callback's stats() sees every request running, queued or finished (delivered inline; with
-        overlap_outputs it may see later steps)."""
+        at a time, so a callback's stats() sees every request running, queued or finished."""
         if request_id not in self._requests:
             return
         seq, tracker = self._requests.pop(request_id)
@@ -444,4 +436,4 @@ class Executor:
         self.scheduler.remove(seq)
         if error:
             log.error("request %s failed: %s", request_id, error)
-        self._outputs.send(tracker, tracker.output(new or [], delta, reason, error))
+        tracker.report(new or [], delta, reason, error)

@@ -490,14 +490,9 @@ class RequestTracker:
                             self.num_steps, ttft, tpot, queue, self.num_reused_blocks, self.num_missed_blocks)
 
     def report(self, new: list[int], delta: str, reason: str | None, error: str | None = None) -> None:
-        """Deliver one output (final when reason is set) to the callback and the handle."""
-        self.deliver(self.output(new, delta, reason, error))
-
-    def output(self, new: list[int], delta: str, reason: str | None, error: str | None = None) -> list[RequestOutput]:
-        """One output as it stands now, to deliver (none while a best_of candidate waits for the others): a
-        snapshot that later steps do not change, so it may be delivered on another thread. A request that ends
-        without consume() deciding it (cancelled, failed) also carries the text held back for a possible stop
-        string: it belongs to tokens already reported."""
+        """Deliver one output (final when reason is set) to the callback and the handle. A request that
+        ends without consume() deciding it (cancelled, failed) also delivers the text held back for a
+        possible stop string: it belongs to tokens already reported."""
         if reason in FAILED_REASONS:
             held, self.held = self.held + self.detok.flush(), ""
             self.text += held
@@ -510,22 +505,18 @@ class RequestTracker:
                             None if lps is None else so_far(lps, self.finished),
                             None if lps is None else self.cumulative_logprob, self.prompt_logprobs,
                             stop_reason=self.stop_reason if reason == "stop" else None, index=self.index)
-        if self.finished:
-            s = out.stats
-            log.info("request %s[%d] finished (%s): %d prompt + %d output tokens, %d/%d drafts accepted",
-                     self.request_id, self.index, reason, s.prompt_tokens, s.output_tokens, s.num_accepted_draft_tokens,
-                     s.num_draft_tokens)
-        return [out] if self.best_of is None else self.best_of.rank(out)
-
-    def deliver(self, outs: list[RequestOutput]) -> None:
-        """Hand outputs from output() to the callback and the handle, in order."""
-        for o in outs:
+        for o in [out] if self.best_of is None else self.best_of.rank(out):
             if self.callback is not None:
                 try:
                     self.callback(o)
                 except BaseException:  # user code on the executor's thread (even sys.exit) must not stop serving
                     log.exception("output callback of %s failed", self.request_id)
             self.handle._push(o)
+        if self.finished:
+            s = out.stats
+            log.info("request %s[%d] finished (%s): %d prompt + %d output tokens, %d/%d drafts accepted",
+                     self.request_id, self.index, reason, s.prompt_tokens, s.output_tokens, s.num_accepted_draft_tokens,
+                     s.num_draft_tokens)
 
 
 def so_far(items: list[T], final: bool) -> Sequence[T]:
