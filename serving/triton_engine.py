@@ -57,8 +57,7 @@ class Stream:
     outputs: frozenset[str] = frozenset()  # the optional outputs the request asked for (model specific)
     params: SamplingParams | None = None
     executor_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    pending: dict[int, list[int]] = field(default_factory=dict)  # streamed ids not sent yet, per output index
-    pending_text: dict[int, str] = field(default_factory=dict)  # their text
+    pending: dict[int, Chunk] = field(default_factory=dict)  # streamed ids and text not sent yet, per output index
     # perf_counter_ns (CLOCK_MONOTONIC, the clock of upstream's std::chrono::steady_clock times)
     arrival_ns: int = field(default_factory=time.perf_counter_ns)
     first_token_ns: int = 0  # when the executor reported the first / latest new tokens (0: none yet)
@@ -215,13 +214,12 @@ class EngineModel:
                 f"generation failed for request {out.request_id}: {out.error or 'see the server log'}")))
             return
         if stream.streaming:  # a response per chunk of each output
-            ids = stream.pending.setdefault(out.index, [])
-            ids += out.new_token_ids
-            stream.pending_text[out.index] = stream.pending_text.get(out.index, "") + out.text_delta
-            if not out.finished and (not ids or out.mid_character):
-                return  # the chunk would end inside a character
-            chunk = Chunk(ids, stream.pending_text[out.index])
-            stream.pending[out.index], stream.pending_text[out.index] = [], ""
+            held = stream.pending.pop(out.index, None)
+            chunk = Chunk(list(out.new_token_ids), out.text_delta) if held is None else \
+                Chunk(held.ids + out.new_token_ids, held.text + out.text_delta)
+            if not out.finished and (not chunk.ids or out.mid_character):
+                stream.pending[out.index] = chunk  # the chunk would end inside a character
+                return
         elif out.finished:  # a response per output
             chunk = Chunk(stream.prefix + out.token_ids, out.text)
         else:
