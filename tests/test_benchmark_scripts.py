@@ -565,3 +565,13 @@ def test_prefix_cache_smoke(shipped_model_dir, tmp_path):
         assert [x["requests"] for x in chat[name]["rounds"]] == [4] and chat[name]["output_tokens_per_s"] > 0
     assert [t["target"] for t in res["targets"]] == ["TTFT, 40-token prefix cached vs not"]
     assert res["machine"]["command"].startswith("python -m benchmarks.prefix_cache ")
+
+
+def test_fp8_gpu_modes_must_name_known_modes_and_the_fp32_reference(capsys):
+    from benchmarks import fp8_gpu
+    for modes in ("bf16,fp8", "fp32,fp4"):
+        with pytest.raises(SystemExit) as e:
+            fp8_gpu.main(["--modes", modes])
+        assert e.value.code == 2
+        assert (f"--modes: names of fp32, bf16, fp8, fp8_dequantize including fp32 (the reference), got {modes!r}"
+                in capsys.readouterr().err)

@@ -40,6 +40,7 @@ class ExecutorConfig:
     dtype: str | None = None
     relaxed_acceptance: RelaxedAcceptance | None = None
     cpu_kernels: bool = True  # on CPU in float32: C++ kernels, weights as stored (runtime.model.kernels.modules)
+    fp8_weights: bool = True  # in bfloat16: FP8-stored weights stay FP8 (runtime.model.fp8_linear)
     cuda_graphs: bool = True  # on CUDA: forwards of <= 512 new tokens per sequence replay graphs (decodes': at start)
     # prefix caching: requests reuse the KV blocks of prefixes computed before (runtime.core.prefix_cache), as
     # TensorRT-LLM's kv_cache_config.enable_block_reuse

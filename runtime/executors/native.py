@@ -74,14 +74,15 @@ class Executor:
     def _load(self, path: Path) -> LoadedEngine:
         """The engine in this process, or its rank 0 with the other ranks started alongside (runtime.executors.ranks)."""
         config = self.config
-        options = dict(device=config.device, dtype=config.dtype, cpu_kernels=config.cpu_kernels)
+        options = dict(device=config.device, dtype=config.dtype, cpu_kernels=config.cpu_kernels,
+                       fp8_weights=config.fp8_weights)
         if not (path / ENGINE_JSON).is_file():  # a plain checkpoint (or no model: load_engine says so)
             return load_engine(path, **options)
         build = EngineManifest.read(path).build
         world = config.ranks(build, str(path))
         if world == 1:
             return load_engine(path, **options)
-        self.ranks = RankGroup.open(path, build, RankOptions(config.dtype, config.cpu_kernels))
+        self.ranks = RankGroup.open(path, build, RankOptions(config.dtype, config.cpu_kernels, config.fp8_weights))
         engine = load_engine(path, **options, par=self.ranks.par)
         self.ranks.connect()
         engine.model = drive(engine.model, self.ranks)

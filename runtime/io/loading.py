@@ -26,6 +26,7 @@ from runtime.model.config import ConfigError, ModelConfig
 from runtime.io.engine_format import (DTYPES, ENGINE_JSON, BuildConfig, EngineError, EngineManifest, checkpoint_limits,
                             shard_index, shard_shape, split_dim)
 from runtime.model.fp8 import BLOCK, FP8_DTYPE, dequantize_block_fp8, dequantize_tensor_fp8, scale_shape
+from runtime.model import fp8_linear
 from runtime.model.kernels import modules as kernel_modules
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM, rope_inv_freq
 from runtime.model.parallel import WHOLE, Parallel
@@ -47,11 +48,14 @@ class LoadedEngine:
 
 
 def load_engine(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
-                *, verify: bool = True, cpu_kernels: bool = True, par: Parallel = WHOLE) -> LoadedEngine:
+                *, verify: bool = True, cpu_kernels: bool = True, fp8_weights: bool = True,
+                par: Parallel = WHOLE) -> LoadedEngine:
     """Load an engine directory (engine.json) or a plain HF DeepSeek-V3 checkpoint directory.
 
     dtype overrides the engine's build dtype; verify=False skips hashing the files (big engines);
     cpu_kernels: on CPU in float32, run the C++ kernels with the weights as stored (runtime.model.kernels.modules);
+    fp8_weights: in bfloat16, keep FP8-stored weights FP8 (runtime.model.fp8_linear) rather than
+    dequantize them at load;
     par: one rank of the engine's tp_size, which loads its rank file alone (default: the whole model).
     """
     path = Path(path)
@@ -69,8 +73,11 @@ def load_engine(path: str | Path, device: str | torch.device = "cpu", dtype: str
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(source.cfg, par)
     kernels_here = cpu_kernels and kernel_modules.runs_here(device, build.torch_dtype)
+    fp8_here = fp8_weights and fp8_linear.runs_here(build.torch_dtype)
     if kernels_here:
         kernel_modules.prepare(model, source.stored_dtype)
+    elif fp8_here:
+        fp8_linear.prepare(model, source.stored_dtype, build.torch_dtype)
     _materialize(model, device, build.torch_dtype)
     model.eval().requires_grad_(False)
     try:
@@ -79,6 +86,8 @@ def load_engine(path: str | Path, device: str | torch.device = "cpu", dtype: str
         raise EngineError(str(e)) from e
     if kernels_here:
         kernel_modules.finish(model)
+    elif fp8_here:
+        fp8_linear.finish(model)
     return LoadedEngine(model, source.cfg, build, path, path, built=source.built)
 
 
@@ -122,10 +131,12 @@ def fill(model: DeepseekV3ForCausalLM, weights: Iterable[Weight], source: str) -
     """Put each weight into its place in its final form; every place must be filled exactly once."""
     cfg = model.cfg
     modules = dict(model.named_modules())
-    params = dict(model.named_parameters()) | {n: b for n, b in model.named_buffers() if n != "inv_freq"}
-    places = set(params) | {f"{n}.weight" for n, m in modules.items() if isinstance(m, kernel_modules.PackedLinear)} | \
-        {f"{n}.{p}" for n, m in modules.items() if isinstance(m, kernel_modules.PackedExperts)
-         for p in ("gate_proj", "up_proj", "down_proj")}
+    linears, experts = _LINEARS_AS_STORED, _EXPERTS_AS_STORED
+    as_stored = {n for n, m in modules.items() if isinstance(m, linears + experts)}  # they load their own tensors
+    params = {n: p for n, p in [*model.named_parameters(), *model.named_buffers()]
+              if n != "inv_freq" and n.rpartition(".")[0] not in as_stored}
+    places = set(params) | {f"{n}.weight" for n, m in modules.items() if isinstance(m, linears)} | \
+        {f"{n}.{p}" for n, m in modules.items() if isinstance(m, experts) for p in ("gate_proj", "up_proj", "down_proj")}
     filled: dict[str, int] = {}
     with torch.no_grad():
         for name, expert, tensor, scale in weights:
@@ -133,9 +144,12 @@ def fill(model: DeepseekV3ForCausalLM, weights: Iterable[Weight], source: str) -
             module = modules.get(owner)
             if name not in places:
                 raise EngineError(f"{source}: unexpected tensor {to_release(name, cfg)!r}")
-            if isinstance(module, kernel_modules.PackedLinear):
-                module.load(tensor, scale)
-            elif isinstance(module, kernel_modules.PackedExperts):
+            if isinstance(module, linears):
+                try:
+                    module.load(tensor, scale)
+                except ValueError as e:
+                    raise EngineError(f"{source}: tensor {to_release(name, cfg)!r}: {e}") from None
+            elif isinstance(module, experts):
                 if scale is None:
                     raise EngineError(f"{source}: tensor {to_release(name, cfg)!r} is {tensor.dtype}, expected FP8 "
                                       "(its layer's experts are stored as FP8)")
@@ -156,6 +170,8 @@ def fill(model: DeepseekV3ForCausalLM, weights: Iterable[Weight], source: str) -
 
 
 _EXPERTS = ("experts.gate_proj", "experts.up_proj", "experts.down_proj")
+_LINEARS_AS_STORED = (kernel_modules.PackedLinear, fp8_linear.FP8Linear)
+_EXPERTS_AS_STORED = (kernel_modules.PackedExperts, fp8_linear.FP8Experts)
 
 
 def _dequantized(name: str, t: Tensor, scale: Tensor, source: str) -> Tensor:
@@ -163,8 +179,6 @@ def _dequantized(name: str, t: Tensor, scale: Tensor, source: str) -> Tensor:
     try:
         if scale.dim() < t.dim():
             return dequantize_tensor_fp8(t, scale.view(*scale.shape, 1, 1))
-        if t.dim() == 3:
-            return torch.stack([dequantize_block_fp8(q, s) for q, s in zip(t, scale)])
         return dequantize_block_fp8(t, scale)
     except (ValueError, RuntimeError) as e:
         raise EngineError(f"{source}: tensor {name + SCALE_SUFFIX!r} of shape {list(scale.shape)} does not fit "

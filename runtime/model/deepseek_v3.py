@@ -225,8 +225,13 @@ class Experts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(E, I, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
 
+    def stacked(self, name: str, e: Tensor | int | None = None) -> Tensor:
+        """Projection `name`'s weights as real values: every expert's [E, out, in], or those of experts `e`."""
+        w = getattr(self, name)
+        return w if e is None else w[e]
+
     def _mlp(self, e: int, rows: Tensor) -> Tensor:
-        return F.silu(F.linear(rows, self.gate_proj[e])) * F.linear(rows, self.up_proj[e])
+        return F.silu(F.linear(rows, self.stacked("gate_proj", e))) * F.linear(rows, self.stacked("up_proj", e))
 
     def forward(self, x: Tensor, weights: Tensor, idx: Tensor) -> Tensor:
         T, k = idx.shape
@@ -242,13 +247,13 @@ class Experts(nn.Module):
         (T, k), H = idx.shape, x.shape[-1]
         e = idx.flatten()
         rows = x[:, None].expand(T, k, H).reshape(T * k, 1, H)
-        h = F.silu(rows @ self.gate_proj[e].mT) * (rows @ self.up_proj[e].mT)
-        return ((h @ self.down_proj[e].mT).view(T, k, H) * weights[..., None]).sum(1)
+        h = F.silu(rows @ self.stacked("gate_proj", e).mT) * (rows @ self.stacked("up_proj", e).mT)
+        return ((h @ self.stacked("down_proj", e).mT).view(T, k, H) * weights[..., None]).sum(1)
 
     def _dense(self, x: Tensor, weights: Tensor, idx: Tensor) -> Tensor:
-        h = F.silu(x @ self.gate_proj.mT) * (x @ self.up_proj.mT)  # [E, T, I]
+        h = F.silu(x @ self.stacked("gate_proj").mT) * (x @ self.stacked("up_proj").mT)  # [E, T, I]
         routed = x.new_zeros(idx.shape[0], self.gate_proj.shape[0]).scatter_(1, idx, weights)  # [T, E]
-        return torch.einsum("te,eth->th", routed, h @ self.down_proj.mT)
+        return torch.einsum("te,eth->th", routed, h @ self.stacked("down_proj").mT)
 
     def _grouped(self, x: Tensor, weights: Tensor, idx: Tensor) -> Tensor:
         E, k = self.gate_proj.shape[0], idx.shape[1]
@@ -256,7 +261,7 @@ class Experts(nn.Module):
         order = flat.argsort()
         counts = torch.bincount(flat, minlength=E).tolist()
         token = order // k
-        outs = [F.linear(self._mlp(e, rows), self.down_proj[e]) for e, rows in enumerate(x[token].split(counts)) if counts[e]]
+        outs = [F.linear(self._mlp(e, rows), self.stacked("down_proj", e)) for e, rows in enumerate(x[token].split(counts)) if counts[e]]
         y = torch.cat(outs) * weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, token, y)
 

@@ -52,16 +52,18 @@ def dequantize_block_fp8(
     block: tuple[int, int] = BLOCK,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Multiply each block of `q` by its entry of `scale_inv`; computed in float32, returned as `dtype`."""
-    if q.dim() != 2:
-        raise ValueError(f"dequantize_block_fp8: weight has shape {list(q.shape)}, expected 2-D")
-    if tuple(scale_inv.shape) != scale_shape(q.shape, block):
+    """Multiply each block of `q` [..., N, K] (matrices, or stacks of them) by its entry of `scale_inv`
+    [..., ceil(N/bo), ceil(K/bi)]; computed in float32, returned as `dtype`."""
+    if q.dim() < 2:
+        raise ValueError(f"dequantize_block_fp8: weight has shape {list(q.shape)}, expected 2-D or stacked 2-D")
+    want = (*q.shape[:-2], *scale_shape(q.shape[-2:], block))
+    if tuple(scale_inv.shape) != want:
         raise ValueError(
             f"dequantize_block_fp8: scale_inv has shape {list(scale_inv.shape)} for weight "
-            f"{list(q.shape)}, expected {list(scale_shape(q.shape, block))}"
+            f"{list(q.shape)}, expected {list(want)}"
         )
-    rows, cols = q.shape
-    full = scale_inv.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:rows, :cols]
+    rows, cols = q.shape[-2:]
+    full = scale_inv.float().repeat_interleave(block[0], -2).repeat_interleave(block[1], -1)[..., :rows, :cols]
     return (q.float() * full).to(dtype)
 
 

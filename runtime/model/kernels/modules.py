@@ -220,14 +220,14 @@ def prepare(model: DeepseekV3ForCausalLM, stored: StoredDtype) -> None:
         if isinstance(module, MoE) and moe_fits and stored(f"{name}.experts.gate_proj") == FP8_DTYPE and \
                 stored(f"{name}.shared_experts.gate_proj.weight") == FP8_DTYPE:
             module.experts = PackedExperts(module.experts)
-            _replace(model, name, swap_class(module, KernelMoE))
+            replace_submodule(model, name, swap_class(module, KernelMoE))
     for name, module in list(model.named_modules()):
         if isinstance(module, RMSNorm):
-            _replace(model, name, swap_class(module, KernelRMSNorm))
+            replace_submodule(model, name, swap_class(module, KernelRMSNorm))
         elif isinstance(module, MLA) and attention_fits:
-            _replace(model, name, swap_class(module, KernelMLA))
+            replace_submodule(model, name, swap_class(module, KernelMLA))
         elif isinstance(module, nn.Linear) and not name.endswith("kv_b_proj"):  # kv_b_proj: read per head
-            _replace(model, name, PackedLinear(module.in_features, module.out_features))
+            replace_submodule(model, name, PackedLinear(module.in_features, module.out_features))
 
 
 def finish(model: DeepseekV3ForCausalLM) -> None:
@@ -252,7 +252,7 @@ def finish(model: DeepseekV3ForCausalLM) -> None:
         if isinstance(layer, DecoderLayer) and (handle := _layer_handle(layer)) is not None:
             fused = swap_class(layer, FusedDecoderLayer)
             fused.handle = handle
-            _replace(model, name, fused)
+            replace_submodule(model, name, fused)
     layers = model.model.layers
     if all(isinstance(layer, FusedDecoderLayer) for layer in layers):
         model.model.layers = swap_class(layers, FusedDecoderStack)
@@ -281,7 +281,7 @@ def _same(a: kernels.PackedWeight, b: kernels.PackedWeight) -> bool:
     return torch.equal(a.panels, b.panels) and torch.equal(a.scale, b.scale)
 
 
-def _replace(root: nn.Module, name: str, module: nn.Module) -> None:
+def replace_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, child, module)
 

@@ -1,0 +1,224 @@
+"""FP8 weights kept FP8 in memory, for models computed in bfloat16 (the GPU path real releases need).
+
+The release stores each Linear and routed-expert weight as float8_e4m3fn codes with one float32 scale per
+128x128 block (`runtime.model.fp8`). Dequantized to bf16 they take twice the memory, in fp32 four times; here
+they stay as stored. `prepare` swaps these modules in before the weights load, as the CPU kernels' modules are
+(`runtime.model.kernels.modules`); `finish` picks, per weight shape, how its matrix products run, taking the
+first of these that a probe on the model's device shows to give what the dequantized weight gives:
+
+- "scaled_mm": activations quantized per token and 128 channels (1x128 blocks, amax / 448, as DeepSeek's
+  `act_quant`), then `torch._scaled_mm` with 1x128 and 128x128 float32 scales (cuBLASLt, Hopper and newer,
+  where the installed torch wires it and the shapes meet its alignment);
+- "triton": the same quantized activations through a Triton block-scaled FP8 GEMM (`runtime.model.fp8_triton`),
+  where Triton is installed;
+- "dequantize": the weight dequantized to the activations' dtype for each product (memory as FP8, arithmetic
+  as bf16). Everywhere else, the CPU included.
+
+Routed experts always dequantize the weights of the experts a batch uses (a grouped FP8 GEMM is left to do).
+`kv_b_proj` stays a plain dequantized Linear: absorbed MLA reads its weight per head. Every path is free of
+host synchronization, so CUDA graphs capture them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM, Experts, MoE
+from runtime.model.fp8 import BLOCK, FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8, scale_shape
+from runtime.model.kernels import block_scales
+from runtime.model.kernels.modules import StoredDtype, replace_submodule
+
+log = logging.getLogger(__name__)
+
+GemmPath = Literal["scaled_mm", "triton", "dequantize"]
+FAST_PATHS: tuple[GemmPath, ...] = ("triton", "scaled_mm")  # in the order they are tried (triton: one launch)
+ACTIVATION_BLOCK = (1, BLOCK[1])  # one scale per token and 128 input channels
+ROW_ALIGN = 4  # cuBLASLt wants the activations' scale columns 16-byte aligned: rows padded to a multiple of 4
+
+
+def runs_here(dtype: torch.dtype) -> bool:
+    """FP8 weights are kept for bfloat16 models; float32 models dequantize at load (the exact reference)."""
+    return dtype == torch.bfloat16
+
+
+def fp8_product(path: GemmPath, x: Tensor, codes: Tensor, scale: Tensor) -> Tensor:
+    """x [M, K] times the FP8 weight (codes [N, K], block scales [ceil(N/128), ceil(K/128)]) transposed, by `path`,
+    in x's dtype."""
+    if path == "dequantize":
+        return F.linear(x, dequantize_block_fp8(codes, scale, dtype=x.dtype))
+    if path == "triton":
+        from runtime.model.fp8_triton import fp8_gemm
+
+        return fp8_gemm(x.contiguous(), codes, scale)
+    q, s = quantize_block_fp8(x, ACTIVATION_BLOCK)
+    M, pad = x.shape[0], -x.shape[0] % ROW_ALIGN
+    if pad:
+        q = F.pad(q.view(torch.uint8), (0, 0, 0, pad)).view(FP8_DTYPE)
+        s = F.pad(s, (0, 0, 0, pad), value=1.0)
+    return torch._scaled_mm(q, codes.t(), scale_a=s.t().contiguous().t(), scale_b=scale.t(), out_dtype=x.dtype)[:M]
+
+
+class FP8Linear(nn.Module):
+    """A bias-free linear whose weight stays FP8 codes [out, in] with float32 scales per 128x128 block."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8_DTYPE))
+        self.register_buffer("weight_scale_inv", torch.empty(scale_shape((out_features, in_features))))
+        self.path: GemmPath = "dequantize"
+
+    def load(self, codes: Tensor, scale: Tensor | None) -> None:
+        if scale is None or codes.shape != self.weight.shape:
+            raise ValueError(f"{'FP8' if scale is not None else 'unscaled ' + str(codes.dtype)} weight of shape "
+                             f"{list(codes.shape)}, expected FP8 codes of shape {list(self.weight.shape)} with scales")
+        self.weight.copy_(codes)
+        self.weight_scale_inv.copy_(block_scales(scale, tuple(codes.shape)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = fp8_product(self.path, x.reshape(-1, self.in_features), self.weight, self.weight_scale_inv)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+class FP8Experts(Experts):
+    """Routed experts stacked as FP8 codes [E, out, in] with scales [E, ceil(out/128), ceil(in/128)]. Path "triton":
+    a decode step's (token, expert) pairs in one kernel launch per projection (`fp8_pairs`), longer batches one
+    FP8 GEMM per expert; "dequantize": each product dequantizes the weights of the experts it uses."""
+
+    path: GemmPath = "dequantize"
+
+    def __init__(self, experts: Experts):
+        nn.Module.__init__(self)
+        self.first, self.expert_parallel = experts.first, experts.expert_parallel
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            shape = getattr(experts, name).shape
+            self.register_buffer(name, torch.empty(shape, dtype=FP8_DTYPE))
+            self.register_buffer(f"{name}_scale_inv", torch.empty(shape[0], *scale_shape(shape[1:])))
+        self.dtype = torch.bfloat16  # the model's compute dtype (`prepare`)
+
+    def load(self, name: str, expert: int | None, codes: Tensor, scale: Tensor) -> None:
+        stack, scales = getattr(self, name), getattr(self, f"{name}_scale_inv")
+        for e, (c, s) in enumerate(zip(codes, scale)) if expert is None else [(expert, (codes, scale))]:
+            stack[e].copy_(c)
+            scales[e].copy_(block_scales(s, tuple(c.shape)))
+
+    def stacked(self, name: str, e: Tensor | int | None = None) -> Tensor:
+        codes, scale = getattr(self, name), getattr(self, f"{name}_scale_inv")
+        if e is not None:  # gathered as bytes: indexing float8 tensors is not implemented everywhere
+            codes, scale = codes.view(torch.uint8)[e].view(FP8_DTYPE), scale[e]
+        return dequantize_block_fp8(codes, scale, dtype=self.dtype)
+
+    def _pairs(self, x: Tensor, weights: Tensor, idx: Tensor) -> Tensor:
+        if self.path != "triton":
+            return super()._pairs(x, weights, idx)
+        from runtime.model.fp8_triton import fp8_pairs
+
+        (T, k), e = idx.shape, idx.flatten()
+        rows = x.repeat_interleave(k, 0)  # row t * k + j: token t for its j-th expert
+        h = F.silu(fp8_pairs(rows, self.gate_proj, self.gate_proj_scale_inv, e)) * \
+            fp8_pairs(rows, self.up_proj, self.up_proj_scale_inv, e)
+        out = fp8_pairs(h, self.down_proj, self.down_proj_scale_inv, e)
+        return (out.view(T, k, -1) * weights[..., None]).sum(1)
+
+    def _dense(self, x: Tensor, weights: Tensor, idx: Tensor) -> Tensor:
+        if self.path != "triton":
+            return super()._dense(x, weights, idx)
+        from runtime.model.fp8_triton import fp8_gemm
+
+        routed = x.new_zeros(idx.shape[0], self.gate_proj.shape[0]).scatter_(1, idx, weights)  # [T, E]
+        x = x.contiguous()
+        out = torch.zeros_like(x)
+        for e in range(self.gate_proj.shape[0]):  # every expert over every token, as the base class (no host sync)
+            h = F.silu(fp8_gemm(x, self.gate_proj[e], self.gate_proj_scale_inv[e])) * \
+                fp8_gemm(x, self.up_proj[e], self.up_proj_scale_inv[e])
+            out += routed[:, e, None] * fp8_gemm(h, self.down_proj[e], self.down_proj_scale_inv[e])
+        return out
+
+
+def prepare(model: DeepseekV3ForCausalLM, stored: StoredDtype, dtype: torch.dtype) -> None:
+    """Swap in, before any weight is loaded, an FP8 module for every Linear and expert stack stored as FP8."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, MoE) and stored(f"{name}.experts.gate_proj") == FP8_DTYPE:
+            module.experts = FP8Experts(module.experts)
+            module.experts.dtype = dtype
+        elif isinstance(module, nn.Linear) and not name.endswith("kv_b_proj") and \
+                stored(f"{name}.weight") == FP8_DTYPE:  # kv_b_proj: absorbed MLA reads its weight per head
+            replace_submodule(model, name, FP8Linear(module.in_features, module.out_features))
+
+
+def finish(model: DeepseekV3ForCausalLM) -> None:
+    """After loading: each FP8 linear's GEMM path, probed once per weight shape on the model's device."""
+    probed: dict[tuple[int, int], GemmPath] = {}
+    linears = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    for linear in linears:
+        shape = (linear.out_features, linear.in_features)
+        if shape not in probed:
+            probed[shape] = _probe(linear.weight, linear.weight_scale_inv)
+        linear.path = probed[shape]
+    stacks = [m for m in model.modules() if isinstance(m, FP8Experts)]
+    experts_path = _probe_experts(stacks[0]) if stacks else "dequantize"
+    for stack in stacks:
+        stack.path = experts_path
+    log.info("FP8 weights kept as stored: %d linears (GEMM paths by weight shape: %s), %d expert stacks (%s)",
+             len(linears), ", ".join(f"{n}x{k} {p}" for (n, k), p in sorted(probed.items())), len(stacks),
+             experts_path)
+
+
+def gemm_paths(model: nn.Module) -> dict[str, int]:
+    """How many FP8 linears and expert stacks run each GEMM path."""
+    paths: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, (FP8Linear, FP8Experts)):
+            key = m.path if isinstance(m, FP8Linear) else f"experts {m.path}"
+            paths[key] = paths.get(key, 0) + 1
+    return paths
+
+
+def _probe(codes: Tensor, scale: Tensor) -> GemmPath:
+    """The first fast path that runs this weight on its device and gives, for 1 and 17 tokens, what the dequantized
+    weight gives on the same quantized activations (within bf16's rounding); else "dequantize"."""
+    if codes.device.type != "cuda":
+        return "dequantize"
+    reference = dequantize_block_fp8(codes, scale)
+    gen = torch.Generator(device=codes.device).manual_seed(0)
+    inputs = [torch.randn(m, codes.shape[1], device=codes.device, generator=gen).to(torch.bfloat16) for m in (1, 17)]
+    for path in FAST_PATHS:
+        try:
+            for x in inputs:
+                got = fp8_product(path, x, codes, scale).float()
+                want = F.linear(dequantize_block_fp8(*quantize_block_fp8(x, ACTIVATION_BLOCK), ACTIVATION_BLOCK), reference)
+                if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()):
+                    raise ValueError(f"max error {(got - want).abs().max().item():.3g}")
+            return path
+        except (RuntimeError, ValueError, NotImplementedError, ImportError) as e:
+            log.debug("FP8 GEMM path %s for weights %s: %s", path, list(codes.shape), e)
+    return "dequantize"
+
+
+def _probe_experts(experts: FP8Experts) -> GemmPath:
+    """"triton" where the pairs kernel and the per-expert GEMM give, on this stack, what its dequantized experts give
+    on the same quantized activations; else "dequantize"."""
+    codes = experts.gate_proj
+    if codes.device.type != "cuda":
+        return "dequantize"
+    E, _, H = codes.shape
+    gen = torch.Generator(device=codes.device).manual_seed(0)
+    x = torch.randn(2 * E, H, device=codes.device, generator=gen).to(torch.bfloat16)
+    idx = torch.arange(2 * E, device=codes.device).remainder(E).view(E, 2)
+    weights = torch.rand(E, 2, device=codes.device, generator=gen).to(torch.bfloat16)
+    try:
+        experts.path = "triton"
+        got = [experts._pairs(x[:E], weights, idx).float(), experts._dense(x, weights.repeat(2, 1), idx.repeat(2, 1)).float()]
+    except (RuntimeError, ValueError, NotImplementedError, ImportError) as e:
+        log.debug("FP8 expert path triton: %s", e)
+        return "dequantize"
+    finally:
+        experts.path = "dequantize"
+    want = [experts._pairs(x[:E], weights, idx).float(), experts._dense(x, weights.repeat(2, 1), idx.repeat(2, 1)).float()]
+    ok = all(torch.allclose(g, w, rtol=5e-2, atol=5e-2 * w.abs().max().item()) for g, w in zip(got, want))
+    return "triton" if ok else "dequantize"

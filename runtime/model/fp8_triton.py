@@ -1,0 +1,100 @@
+"""A block-scaled FP8 GEMM in Triton, in the style of DeepSeek-V3's `inference/kernel.py` (`fp8_gemm`).
+
+Weights come as FP8 codes with a float32 scale per 128x128 block, activations in bf16; the kernel
+quantizes each token's 128-channel slice of K as it loads it (amax / 448, as DeepSeek's `act_quant`),
+multiplies it with the weight's slice on the tensor cores in FP8, and adds the product to a float32
+accumulator times the two scales: one launch per product, quantization included. Imported only where Triton is installed (`runtime.model.fp8_linear`).
+Tile sizes are fixed by the row count rather than autotuned, so no benchmarking runs inside a CUDA graph
+capture, and row and column counts are not specialized on, so a new batch size compiles nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from runtime.model.fp8 import FP8_MAX, MIN_SCALE
+
+BLOCK_K = 128  # one scale block of K per iteration
+
+
+@triton.jit(do_not_specialize=["M", "N", "K"])
+def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, b_scale_ptr, M, N, K, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    a_rows, b_cols = rows % M, cols % N  # wrapped: out-of-range rows and columns are computed and not stored
+    a_ptrs = a_ptr + a_rows[:, None] * K + ks[None, :]
+    b_ptrs = b_ptr + b_cols[None, :] * K + ks[:, None]
+    b_scale_ptrs = b_scale_ptr + (b_cols // BLOCK_K) * k_blocks
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(k_blocks):
+        left = K - i * BLOCK_K
+        a = tl.load(a_ptrs, mask=ks[None, :] < left, other=0.0).to(tl.float32)
+        a_scale = tl.maximum(tl.max(tl.abs(a), axis=1) / FP8_MAX, MIN_SCALE)  # this token's 128 channels
+        a_codes = tl.clamp(a / a_scale[:, None], -FP8_MAX, FP8_MAX).to(b_ptr.dtype.element_ty)
+        b = tl.load(b_ptrs, mask=ks[:, None] < left, other=0.0)
+        acc += tl.dot(a_codes, b) * a_scale[:, None] * tl.load(b_scale_ptrs)[None, :]
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+        b_scale_ptrs += 1
+    c_ptrs = c_ptr + rows[:, None] * N + cols[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def fp8_gemm(a: Tensor, b: Tensor, b_scale: Tensor) -> Tensor:
+    """a [M, K] (bf16) times b [N, K] FP8 with scales [ceil(N/128), ceil(K/128)], transposed: [M, N] in a's dtype.
+    Each token's activations are quantized per 128 channels inside the kernel (as `quantize_block_fp8` with 1x128
+    blocks does). Every operand contiguous."""
+    M, K = a.shape
+    N = b.shape[0]
+    c = torch.empty(M, N, dtype=a.dtype, device=a.device)
+    block_m = 16 if M <= 16 else 64
+    block_n = 64
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    _fp8_gemm_kernel[grid](a, b, c, b_scale, M, N, K, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BLOCK_M=block_m,
+                           BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=4, num_stages=3)
+    return c
+
+
+@triton.jit(do_not_specialize=["N", "K"])
+def _fp8_pairs_kernel(x_ptr, w_ptr, w_scale_ptr, expert_ptr, out_ptr, N, K, FP8_MAX: tl.constexpr,
+                      MIN_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pair, pid_n = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(expert_ptr + pair).to(tl.int64)
+    k_blocks, n_blocks = tl.cdiv(K, BLOCK_K), tl.cdiv(N, BLOCK_K)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    w_base = w_ptr + expert * N * K
+    scale_ptrs = w_scale_ptr + expert * n_blocks * k_blocks + (cols // BLOCK_K) * k_blocks
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for i in range(k_blocks):
+        kk = i * BLOCK_K + ks
+        k_ok = kk < K
+        a = tl.load(x_ptr + pair * K + kk, mask=k_ok, other=0.0).to(tl.float32)
+        a_scale = tl.maximum(tl.max(tl.abs(a), axis=0) / FP8_MAX, MIN_SCALE)
+        a_codes = tl.clamp(a / a_scale, -FP8_MAX, FP8_MAX).to(w_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_base + cols[None, :] * K + kk[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        partial = tl.sum(a_codes[:, None] * w.to(tl.float32), axis=0)
+        acc += partial * a_scale * tl.load(scale_ptrs + i, mask=col_ok, other=0.0)
+    tl.store(out_ptr + pair * N + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+def fp8_pairs(x: Tensor, w: Tensor, w_scale: Tensor, experts: Tensor) -> Tensor:
+    """Row p of x [P, K] (bf16) times expert experts[p]'s weight (w [E, N, K] FP8, scales [E, ceil(N/128),
+    ceil(K/128)]) transposed: [P, N] in x's dtype, each row's activations quantized per 128 channels as in
+    `fp8_gemm`. One launch for all (token, expert) pairs of a decode step, reading only their experts' weights."""
+    P, K = x.shape
+    N = w.shape[1]
+    out = torch.empty(P, N, dtype=x.dtype, device=x.device)
+    block_n = 64
+    _fp8_pairs_kernel[(P, triton.cdiv(N, block_n))](x, w, w_scale, experts, out, N, K, FP8_MAX=FP8_MAX,
+                                                     MIN_SCALE=MIN_SCALE, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+                                                     num_warps=4)
+    return out

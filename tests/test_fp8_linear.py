@@ -1,0 +1,138 @@
+"""FP8 weights kept FP8 in bfloat16 models (runtime.model.fp8_linear), on the CPU: loaded as stored, the same
+model as dequantizing at load, smaller, and the Triton GEMM checked in Triton's interpreter. The GPU paths are
+checked in tests/test_cuda.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime.core.sampling_params import SamplingParams
+from runtime.executors.base import ExecutorConfig
+from runtime.executors.native import Executor
+from runtime.io.engine_format import EngineError
+from runtime.io.loading import fill, load_engine
+from runtime.model.deepseek_v3 import Experts
+from runtime.model.fp8 import FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8
+from runtime.model.fp8_linear import FP8Experts, FP8Linear, gemm_paths
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ROOT / "models" / "deepseek-v3-mini"
+
+
+@pytest.fixture(scope="module")
+def kept():
+    return load_engine(MODEL, dtype="bfloat16")
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+def test_bf16_model_keeps_fp8_weights_as_stored(kept):
+    """Every linear the release stores as FP8 but kv_b_proj stays FP8 codes with block scales; the routed experts too."""
+    linears = {n: m for n, m in kept.model.named_modules() if isinstance(m, FP8Linear)}
+    cfg = kept.model_config
+    per_layer = 4 + 3  # q_a, q_b, kv_a, o_proj; the MLP's or the shared expert's three
+    assert len(linears) == per_layer * (cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
+    assert not any(n.endswith("kv_b_proj") for n in linears)
+    assert all(m.weight.dtype == FP8_DTYPE and m.weight_scale_inv.dtype == torch.float32 for m in linears.values())
+    experts = [m for m in kept.model.modules() if isinstance(m, FP8Experts)]
+    assert len(experts) == cfg.num_hidden_layers - cfg.first_k_dense_replace + cfg.num_nextn_predict_layers
+    assert gemm_paths(kept.model) == {"dequantize": len(linears), "experts dequantize": len(experts)}  # CPU: no FP8 GEMM
+
+
+def test_bf16_fp8_weights_give_the_dequantized_models_logits_and_less_memory(kept):
+    """Dequantizing each product computes what dequantizing at load computes, bit for bit; the weights take
+    less than two thirds of the bytes."""
+    plain = load_engine(MODEL, dtype="bfloat16", fp8_weights=False)
+    assert not any(isinstance(m, (FP8Linear, FP8Experts)) for m in plain.model.modules())
+    ids = torch.tensor([[0, 5, 17, 99, 1024, 7, 3, 4000, 12, 12, 12, 256]])
+    with torch.inference_mode():
+        assert torch.equal(kept.model.logits(kept.model(ids)), plain.model.logits(plain.model(ids)))
+    assert weight_bytes(kept.model) < 0.65 * weight_bytes(plain.model)
+
+
+def test_fp8_experts_gather_the_experts_a_batch_uses(kept):
+    experts = next(m for m in kept.model.modules() if isinstance(m, FP8Experts))
+    whole = experts.stacked("down_proj")
+    assert whole.dtype == torch.bfloat16 and whole.shape == experts.down_proj.shape
+    e = torch.tensor([3, 0, 3, 7])
+    assert torch.equal(experts.stacked("down_proj", e), whole[e])
+    assert torch.equal(whole[2], dequantize_block_fp8(experts.down_proj[2], experts.down_proj_scale_inv[2],
+                                                      dtype=torch.bfloat16))
+    assert isinstance(experts, Experts)
+
+
+def test_fp8_weight_of_the_wrong_shape_is_refused_by_name():
+    model = load_engine(MODEL, dtype="bfloat16").model
+    codes, scale = quantize_block_fp8(torch.randn(128, 255))
+    with pytest.raises(EngineError, match=r"^test: tensor 'model.layers.0.self_attn.q_a_proj.weight': FP8 weight of "
+                                          r"shape \[128, 255\], expected FP8 codes of shape \[128, 256\] with scales$"):
+        fill(model, [("model.layers.0.self_attn.q_a_proj.weight", None, codes, scale)], "test")
+    with pytest.raises(EngineError, match=r"unscaled torch.bfloat16 weight of shape \[128, 256\]"):
+        fill(model, [("model.layers.0.self_attn.q_a_proj.weight", None, torch.zeros(128, 256, dtype=torch.bfloat16),
+                      None)], "test")
+
+
+def test_bf16_fp8_speculative_greedy_equals_plain():
+    """With FP8 weights kept, MTP drafting changes no greedy token (k = 3 against k = 0)."""
+    prompts = [p["text"] for p in json.loads((MODEL / "heldout_prompts.json").read_text())[:3]]
+    outputs = {}
+    for k in (0, 3):
+        config = ExecutorConfig(num_draft_tokens=k, speculation="fixed" if k else "off", dtype="bfloat16")
+        with Executor(MODEL, config) as ex:
+            assert any(isinstance(m, FP8Linear) for m in ex.engine.model.modules())
+            handles = [ex.submit(ex.tokenizer.encode(p), SamplingParams(max_tokens=20, ignore_eos=True)) for p in prompts]
+            outputs[k] = [h.result(timeout=300) for h in handles]
+    assert [o.token_ids for o in outputs[3]] == [o.token_ids for o in outputs[0]]
+    assert sum(o.stats.num_accepted_draft_tokens for o in outputs[3]) > 0
+
+
+TRITON_CHECK = """
+import torch, torch.nn.functional as F
+from runtime.model.fp8 import FP8_DTYPE, quantize_block_fp8, dequantize_block_fp8
+from runtime.model.fp8_triton import fp8_gemm, fp8_pairs
+g = torch.Generator().manual_seed(0)
+for M, N, K in ((1, 96, 256), (17, 384, 128), (5, 130, 200), (33, 300, 640)):
+    # activations whose 1x128 quantization is exact: e4m3 codes with 448 in every block, times a power of two
+    # per block (Triton's interpreter rounds some values to e4m3 wrongly; the GPU test checks the rounding)
+    codes = (torch.randn(M, K, generator=g) * 100).clamp(-448, 448).to(FP8_DTYPE).float()
+    codes[:, ::128] = 448.0
+    x = codes * 2.0 ** torch.randint(-6, 6, (M, -(-K // 128)), generator=g).float().repeat_interleave(128, 1)[:, :K]
+    w = torch.randn(N, K, generator=g) * (10.0 ** torch.arange(N).remainder(3))[:, None]  # rows differ in scale
+    wq, ws = quantize_block_fp8(w)
+    q, s = quantize_block_fp8(x, (1, 128))
+    assert torch.equal(dequantize_block_fp8(q, s, (1, 128)), x)
+    want = F.linear(x, dequantize_block_fp8(wq, ws))
+    got = fp8_gemm(x, wq, ws)
+    err = ((got - want).abs() / want.abs().amax(0)).max().item()  # per output column, as the scales go
+    assert err < 1e-4, (M, N, K, err)
+    experts = torch.randn(3, N, K, generator=g) * torch.tensor([1.0, 30.0, 0.01])[:, None, None]
+    eq, es = zip(*(quantize_block_fp8(e) for e in experts))
+    eq, es = torch.stack(eq), torch.stack(es)
+    which = torch.randint(0, 3, (M,), generator=g)
+    got = fp8_pairs(x, eq, es, which)
+    for p, e in enumerate(which.tolist()):
+        want = F.linear(x[p], dequantize_block_fp8(eq[e], es[e]))
+        err = ((got[p] - want).abs() / want.abs().max()).max().item()
+        assert err < 1e-4, (M, N, K, p, e, err)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(find_spec("triton") is None, reason="needs the triton package")
+def test_triton_fp8_gemm_in_the_interpreter():
+    """The Triton block-scaled GEMM, run by Triton's interpreter on the CPU, quantizes each token's 128-channel
+    blocks by their own scale and multiplies by the right weight blocks' scales: the dequantized operands' product,
+    partial blocks of rows, columns and K included; the pairs kernel reads each row's own expert."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", TRITON_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
