@@ -367,14 +367,14 @@ def test_greedy_step_without_drafts_is_the_target_forward_and_argmax(shipped_mod
     one_call = cache.tensor.clone()
     with torch.inference_mode():
         emitted, hidden, logprobs = step(torch.empty(0), torch.empty(0), one_call, rows, bs, [], num_cached,
-                                         ids.tolist(), 0)
+                                         ids.tolist(), [0, 0, 0])
         forward = cache.tensor.clone()
         want = model(ids, batch=PagedBatch.build(num_cached, [1, 1, 1], tables, bs, True), kv_cache=forward)
         assert torch.equal(hidden, want)
         assert emitted == [[t] for t in model.logits(want).argmax(-1).tolist()]
         assert torch.equal(one_call, forward) and logprobs.shape == (0, 3)
         with pytest.raises(RuntimeError, match="greedy_step: drafts need the MTP module and num_mtp per sequence"):
-            step(ids, want, one_call, rows, bs, [n - 1 for n in num_cached], num_cached, ids.tolist(), 1)
+            step(ids, want, one_call, rows, bs, [n - 1 for n in num_cached], num_cached, ids.tolist(), [0, 1, 0])
 
 
 def test_layers_the_whole_layer_call_cannot_run_stay_on_the_kernels_one_by_one(tiny_checkpoint) -> None:

@@ -12,6 +12,7 @@ acceptance and rollback.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -393,15 +394,15 @@ def test_greedy_step_in_one_call_computes_the_general_paths_logprobs(shipped, lo
 
 
 def run_steps_both_ways(monkeypatch, ks: set[int]) -> list[tuple[list[StepResult], list[StepResult]]]:
-    """From now on, each step the one kernel call takes with k in `ks` is first run on the general path, on the same
-    items (the one call then writes the same cache entries over it): returns the list it fills with (the one call's
-    results, the general path's) per step."""
+    """From now on, each step the one kernel call takes whose items' k are all in `ks` is first run on the general
+    path, on the same items (the one call then writes the same cache entries over it): returns the list it fills with
+    (the one call's results, the general path's) per step."""
     pairs = []
     one_step = ModelRunner._step_in_one_call
 
     def both_ways(runner: ModelRunner, items: list[Scheduled]) -> list[StepResult]:
         general = None
-        if items[0].num_drafts in ks:
+        if {it.num_drafts for it in items} <= ks:
             step_in_one_call, runner.greedy_step = runner.greedy_step, None
             try:
                 general = runner.step(items)
@@ -461,6 +462,38 @@ def test_plain_greedy_step_in_one_call_equals_the_general_path(shipped, greedy_r
         emitted = sum(len(o.token_ids) for o in outs)  # one decode step each (prefill chunks emit none)
         assert sum(len(one_call) for one_call, _ in pairs) >= (emitted if alone else 0.5 * emitted)
         assert alone or max(len(one_call) for one_call, _ in pairs) >= 4, "no batched step in one call"
+
+
+MIXED_KS = [0, 1, 3, 2]  # each request's num_draft_tokens in turn: batched steps draft a k per sequence
+
+
+@pytest.mark.parametrize("kind", ["plain", "penalties-bans", "logprobs"])
+def test_greedy_step_in_one_call_with_a_k_per_sequence_equals_the_general_path(shipped, greedy_reference, request,
+                                                                                monkeypatch, kind) -> None:
+    """Batched requests drafting k = 0, 1, 3, 2 in turn run their decode steps, a k per sequence, in one kernel call:
+    each step's tokens, drafts accepted, kept hidden states (the MTP layer's next inputs, also of the sequences not
+    drafting) and logprobs are those the general path computes for the same items (with penalties, bans, min_tokens
+    and logprobs, raw and processed), and the output is plain decoding's."""
+    engine, prompts = shipped
+    if kind == "plain":
+        params, reference = [SamplingParams(max_tokens=GREEDY_TOKENS, ignore_eos=True)] * NUM_PROMPTS, greedy_reference
+    elif kind == "penalties-bans":
+        params, reference = request.getfixturevalue("adjusted_reference")
+    else:
+        params, with_logprobs = request.getfixturevalue("logprob_reference")
+        reference = [o.token_ids for o in with_logprobs]
+    params = [dataclasses.replace(p, num_draft_tokens=MIXED_KS[i % len(MIXED_KS)]) for i, p in enumerate(params)]
+    pairs = run_steps_both_ways(monkeypatch, set(range(max(MIXED_KS) + 1)))
+    outs, _ = run_executor(engine, prompts, params, one_call=True, num_draft_tokens=max(MIXED_KS), speculation="fixed")
+    assert [o.token_ids for o in outs] == reference, kind
+    if kind == "logprobs":
+        for i, (o, ref) in enumerate(zip(outs, with_logprobs)):
+            assert_same_logprobs(o, ref, f"request {i}")
+    assert_same_steps(pairs, kind)
+    ks = [{r.num_drafts for r in one_call} for one_call, _ in pairs]
+    assert sum(len(k) > 1 for k in ks) >= 10, "few steps with a k per sequence in one call"
+    assert set(MIXED_KS) in ks, "no step in one call with every k"
+    assert sum(r.num_accepted for one_call, _ in pairs for r in one_call) > 0
 
 
 def test_switching_between_plain_and_speculative_steps_keeps_the_mtp_inputs(shipped, greedy_reference,

@@ -10,10 +10,10 @@ One step for a batch of sequences, each with its own number of new target tokens
 3. accept a prefix of each sequence's drafts and emit one more token (sampling.accept); rejected
    positions are simply left behind: the sequence's length is what the cache is trusted up to,
    and the scheduler gives back blocks past it.
-k = 0 is plain decoding through the same code. Where the CPU kernels run the whole model, a step of greedy decodes
-that all draft the same k (no grammar; penalties, bans and logprobs computed in the call) runs 1-3 in one kernel
-call (`GreedyStep`; k = 0: the target forward and argmax alone, also for a model without an MTP layer): only the
-emitted tokens, their logprobs and the verified hidden states come back. The
+k = 0 is plain decoding through the same code. Where the CPU kernels run the whole model, a step of greedy decodes,
+each with its own k (no grammar; penalties, bans and logprobs computed in the call), runs 1-3 in one kernel call
+(`GreedyStep`; a sequence with k = 0: the target forward and argmax alone; a step where none drafts also for a model
+without an MTP layer): only the emitted tokens, their logprobs and the verified hidden states come back. The
 runner reads sequences and writes none: what a step computed comes back as `StepResult`s, which
 `Scheduler.update_from_output` applies.
 
@@ -241,38 +241,37 @@ class ModelRunner:
         return out
 
     def _in_one_call(self, items: list[Scheduled]) -> bool:
-        """Whether the greedy step in one kernel call can run the step: every item a greedy decode drafting the same
-        k (k > 0 where the call has the MTP module), not guided, no relaxed acceptance (penalties, bans and logprobs
-        the call computes)."""
-        k = items[0].num_drafts
-        if self.relaxed is not None or (k > 0 and self.greedy_step.mtp is None):
+        """Whether the greedy step in one kernel call can run the step: every item a greedy decode (each with its own
+        k), not guided, no relaxed acceptance, and the call has the MTP module where some item drafts (penalties, bans
+        and logprobs the call computes)."""
+        if self.relaxed is not None or (self.greedy_step.mtp is None and any(it.num_drafts for it in items)):
             return False
-        return all(it.num_drafts == k and not it.seq.in_prefill and it.seq.params.greedy and it.seq.grammar is None
-                   for it in items)
+        return all(not it.seq.in_prefill and it.seq.params.greedy and it.seq.grammar is None for it in items)
 
     def _step_in_one_call(self, items: list[Scheduled]) -> list[StepResult]:
         """The step as `step` runs it for these items, drafts (if any) to acceptance in one kernel call (`GreedyStep`)."""
         t0 = time.perf_counter()
-        seqs, k = [it.seq for it in items], items[0].num_drafts
-        tables, num_mtp = [s.block_table for s in seqs], []
+        seqs, ks = [it.seq for it in items], [it.num_drafts for it in items]
         next_ids = hidden = _NO_CATCH_UP  # plain decoding has no MTP catch-up
-        if k:
-            tables, num_mtp, _, next_ids, hidden = self._catch_up(seqs)
-        adjustments = self.adjustments(seqs, None, 0, k + 1)  # the rows from draft 1's on (no grammar here)
+        if max(ks):
+            _, _, _, next_ids, hidden = self._catch_up([s for s, k in zip(seqs, ks) if k])
+        adjustments = self.adjustments(seqs, None, 0, max(ks) + 1)  # the rows from draft 1's on (no grammar here)
         top_n = [-1 if s.params.logprobs is None else s.params.logprobs for s in seqs]
         logprobs = None
         if max(top_n) >= 0:
             logprobs = top_n, [s.params.logprobs_mode == "processed_logprobs" for s in seqs]
         emitted, verified, rows = self.greedy_step(
-            next_ids, hidden, self.cache.tensor, tables, self.cache.block_size, num_mtp, [s.num_cached for s in seqs],
-            [s.token_ids[-1] for s in seqs], k, None if adjustments is None else adjustments.kernel_args(), logprobs)
+            next_ids, hidden, self.cache.tensor, [s.block_table for s in seqs], self.cache.block_size,
+            [s.num_mtp for s in seqs], [s.num_cached for s in seqs], [s.token_ids[-1] for s in seqs], ks,
+            None if adjustments is None else adjustments.kernel_args(), logprobs)
         found = iter(read_token_logprobs(rows, [n for n, tokens in zip(top_n, emitted) if n >= 0 for _ in tokens]))
-        out = []
-        for b, (s, tokens) in enumerate(zip(seqs, emitted)):
+        out, start = [], 0
+        for s, k, tokens, n in zip(seqs, ks, emitted, top_n):
             kept = None  # the trusted positions' hidden states, where the MTP layer will read them
             if self.keep_mtp_inputs and not s.mtp_dropped:
-                kept = verified[b * (k + 1) : b * (k + 1) + len(tokens)].clone()
-            token_lps = None if top_n[b] < 0 else [next(found) for _ in tokens]
+                kept = verified[start : start + len(tokens)].clone()
+            start += k + 1
+            token_lps = None if n < 0 else [next(found) for _ in tokens]
             out.append(StepResult(s, tokens, k, len(tokens) - 1, len(tokens), kept, k > 0, s.in_thinking, token_lps))
         self.timings["one_call"] += time.perf_counter() - t0
         return out

@@ -232,23 +232,24 @@ def mtp_greedy_drafts(mtp: object, ids: Tensor, hidden: Tensor, rot: Tensor, kv_
     """Greedy drafts [B, K] in one call: `mtp_layer` over the catch-up (head at each sequence's last token), its
     argmax, then K - 1 more steps on its own drafts at draft_positions [K - 1, B] (rotations draft_rot, complex)."""
     return cpu_kernels().mtp_greedy_drafts(mtp, ids, hidden, _pairs(rot), kv_cache, *_paged(batch),
-                                           batch.last_index, draft_positions, _pairs(draft_rot), None)
+                                           batch.last_index, draft_positions, _pairs(draft_rot), [], None)
 
 
 def greedy_step(target: object, mtp: object | None, ids: Tensor, hidden: Tensor, kv_cache: Tensor,
                 tables: list[list[int]], block_size: int, num_mtp: list[int], num_cached: list[int], last_ids: list[int],
-                num_drafts: int, adjustments: tuple | None = None, logprobs: tuple[list[int], list[bool]] | None = None
-                ) -> tuple[list[list[int]], Tensor, Tensor]:
-    """A greedy step in one call (`target` from `make_target`), from host integers: `mtp_greedy_drafts` over the
-    catch-up (ids, hidden at positions num_mtp[b] .. num_cached[b] - 1 of sequence b, whose blocks are tables[b]),
-    the target over each sequence's [last_ids[b], drafts] at positions num_cached[b] .., greedy acceptance. With
-    num_drafts 0 it is plain decoding: no MTP module (`mtp` may be None; ids, hidden and num_mtp are not read).
-    With `adjustments` (penalties and bans in `adjust_logits`' layout: sampling.Adjustments.kernel_args, stop bans
-    counted from the first draft's row) every draft and verified row is the argmax of its adjusted logits.
-    With `logprobs` (per sequence: top-n, -1 for none; whether processed, i.e. of the adjusted logits), the emitted
-    tokens' logprobs too, as `token_logprobs` of the rows that decided them. Returns the emitted tokens of each
-    sequence, the target's hidden states after the final norm [B * (num_drafts + 1), H] and the logprob rows
-    (`sampling.read_token_logprobs`; [0, 3] without `logprobs`)."""
+                num_drafts: list[int], adjustments: tuple | None = None,
+                logprobs: tuple[list[int], list[bool]] | None = None) -> tuple[list[list[int]], Tensor, Tensor]:
+    """A greedy step in one call (`target` from `make_target`), from host integers, sequence b drafting num_drafts[b]
+    tokens: `mtp_greedy_drafts` over the catch-up of the sequences that draft (ids, hidden at positions num_mtp[b] ..
+    num_cached[b] - 1 of sequence b, whose blocks are tables[b]), the target over each sequence's [last_ids[b], drafts]
+    at positions num_cached[b] .., greedy acceptance. A sequence with no drafts is plain decoding; where none drafts,
+    no MTP module is needed (`mtp` may be None; ids, hidden and num_mtp are not read). With `adjustments` (penalties
+    and bans in `adjust_logits`' layout: sampling.Adjustments.kernel_args, stop bans counted from the first draft's
+    row) every draft and verified row is the argmax of its adjusted logits. With `logprobs` (per sequence: top-n, -1
+    for none; whether processed, i.e. of the adjusted logits), the emitted tokens' logprobs too, as `token_logprobs`
+    of the rows that decided them. Returns the emitted tokens of each sequence, the target's hidden states after the
+    final norm (num_drafts[b] + 1 rows per sequence, in order) and the logprob rows (`sampling.read_token_logprobs`;
+    [0, 3] without `logprobs`)."""
     ext = cpu_kernels()
     adjust = None if adjustments is None else ext.Adjustments(*adjustments)
     top_n, processed = logprobs if logprobs is not None else ([], [])

@@ -10,7 +10,7 @@
 // rms_norm     RMSNorm of rows.
 // decoder_layer all of the above for one decoder layer, in one call; decoder_layers for all of a model's;
 //              mtp_layer the same for an MTP module; mtp_greedy_drafts its greedy chain of k drafts;
-//              greedy_step a whole greedy step (drafts, verification, acceptance; or plain decoding, K = 0).
+//              greedy_step a whole greedy step (drafts, verification, acceptance; k per sequence, 0: plain decoding).
 //
 // Every output row is computed with the same arithmetic in the same order whatever the other rows
 // of the batch are, so a request's result does not depend on what it is batched with.
@@ -1044,6 +1044,22 @@ struct Adjustments {
     return adjust_logits(logits, num_rows, first, drafts, penalized, counts, in_prompt, values, bad, stops, rows,
                          torch::empty({0, 0}, torch::kInt));  // no grammar: guided steps take the general path
   }
+
+  // those of sequences seqs[0], seqs[1], .. as a batch of their own (the drafting ones of a step)
+  Adjustments of(const std::vector<int64_t>& seqs) const {
+    Adjustments a;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      const int64_t b = seqs[i];
+      const auto at = std::find(penalized.begin(), penalized.end(), b);
+      if (at != penalized.end()) {
+        const size_t p = at - penalized.begin();
+        a.penalized.push_back(static_cast<int64_t>(i)), a.counts.push_back(counts[p]), a.in_prompt.push_back(in_prompt[p]);
+        a.values.insert(a.values.end(), values.begin() + 3 * p, values.begin() + 3 * p + 3);
+      }
+      a.bad.push_back(bad[b]), a.stops.push_back(stops[b]), a.stop_rows.push_back(stop_rows[b]);
+    }
+    return a;
+  }
 };
 
 // An MTP module's weights for `mtp_layer`: h' = eh_proj([enorm(embed(t)); hnorm(h)]) -> decoder layer ->
@@ -1081,18 +1097,22 @@ std::tuple<torch::Tensor, torch::Tensor> mtp_layer(const Mtp& M, const torch::Te
 // Greedy drafts [B, K]: the MTP module over the catch-up tokens (as mtp_layer, the head at `rows`: one per
 // sequence), its argmax as draft 1, then K - 1 more steps, each on the previous draft and the module's own
 // hidden state, at positions draft_positions[j] (one per sequence; rotations draft_rot[j]). With `adjust`, each
-// argmax is of the logits adjusted as the draft's row is (the drafts before it counted). The same calls in the same
-// order as drafting step by step, without a trip through Python per draft.
+// argmax is of the logits adjusted as the draft's row is (the drafts before it counted). With `ks` (sequence b drafts
+// ks[b] in 1..K; empty: all K), a step runs over the sequences whose chain reaches it, the others keeping their last
+// logits and hidden state (what their row holds past ks[b] is no draft). The same calls in the same order as drafting
+// step by step, without a trip through Python per draft.
 torch::Tensor mtp_greedy_drafts(const Mtp& M, const torch::Tensor& ids, const torch::Tensor& hidden, const torch::Tensor& rot,
                                 const torch::Tensor& kv_cache, const torch::Tensor& slots, const torch::Tensor& positions,
                                 const torch::Tensor& seq, const torch::Tensor& tables, int64_t block_size,
                                 const torch::Tensor& rows, const torch::Tensor& draft_positions,
-                                const torch::Tensor& draft_rot, const std::optional<Adjustments>& adjust) {
+                                const torch::Tensor& draft_rot, const std::vector<int64_t>& ks,
+                                const std::optional<Adjustments>& adjust) {
   const int64_t B = rows.numel(), K = draft_positions.size(0) + 1;
   check(draft_positions.dim() == 2 && draft_positions.size(1) == B && draft_positions.scalar_type() == torch::kLong &&
             draft_rot.dim() == 4 && draft_rot.size(0) == K - 1 && draft_rot.size(1) == B,
         "draft_positions [K - 1, B] int64 and draft_rot [K - 1, B, pairs, 2]");
   check(tables.dim() == 2 && tables.size(0) == B && block_size >= 1, "one block table row per drafting sequence");
+  check(ks.empty() || static_cast<int64_t>(ks.size()) == B, "ks: one number of drafts per sequence (or none)");
   torch::Tensor logits, h;
   std::tie(logits, h) = mtp_layer(M, ids, hidden, rot, kv_cache, slots, positions, seq, tables, block_size, rows);
   auto drafts = torch::empty({B, K}, ids.options().dtype(torch::kLong));
@@ -1104,12 +1124,25 @@ torch::Tensor mtp_greedy_drafts(const Mtp& M, const torch::Tensor& ids, const to
   drafts.select(1, 0).copy_(d);
   const torch::Tensor each = torch::arange(B, drafts.options());
   for (int64_t j = 1; j < K; ++j) {
-    const torch::Tensor pos = draft_positions[j - 1].contiguous();
+    std::vector<int64_t> active;  // the sequences drafting j + 1 or more
+    for (int64_t b = 0; b < B; ++b)
+      if (ks.empty() || ks[b] > j) active.push_back(b);
+    const bool all = static_cast<int64_t>(active.size()) == B;
+    const torch::Tensor idx = all ? each : torch::tensor(active, torch::kLong);
+    auto part = [&](const torch::Tensor& t) { return all ? t : t.index_select(0, idx); };
+    const torch::Tensor pos = part(draft_positions[j - 1]).contiguous();
     const torch::Tensor block = at::floor_divide(pos, block_size);
     check(block.max().item<int64_t>() < tables.size(1), "block tables do not cover the draft positions");
-    const torch::Tensor step_slots = tables.gather(1, block.unsqueeze(1)).squeeze(1) * block_size + pos.remainder(block_size);
-    std::tie(logits, h) = mtp_layer(M, d, h, draft_rot[j - 1].contiguous(), kv_cache, step_slots, pos, each, tables,
-                                    block_size, std::nullopt);
+    const torch::Tensor step_slots = part(tables).gather(1, block.unsqueeze(1)).squeeze(1) * block_size +
+                                     pos.remainder(block_size);
+    torch::Tensor step_logits, step_h;
+    std::tie(step_logits, step_h) = mtp_layer(M, part(d), part(h), part(draft_rot[j - 1]).contiguous(), kv_cache,
+                                              step_slots, pos, idx, tables, block_size, std::nullopt);
+    if (all) {
+      logits = step_logits, h = step_h;
+    } else {
+      logits.index_copy_(0, idx, step_logits), h.index_copy_(0, idx, step_h);
+    }
     d = choose(logits, j);
     drafts.select(1, j).copy_(d);
   }
@@ -1140,27 +1173,31 @@ torch::Tensor rope(const Target& T, const torch::Tensor& positions) {
   return at::view_as_real(at::polar(at::full_like(freqs, T.rope_factor), freqs));
 }
 
-// One greedy step for B decoding sequences with K >= 0 drafts each, from host integers: sequence b has
-// num_cached[b] target positions cached, its MTP cache num_mtp[b], its blocks tables[b]; ids and hidden are the
-// MTP catch-up's inputs over positions num_mtp[b] .. num_cached[b] - 1. mtp_greedy_drafts (catch-up, then the
-// chain of drafts at positions num_cached[b] ..), the target over [last_ids[b], d1..dK] at positions
-// num_cached[b] .. num_cached[b] + K, the final norm and lm_head, and greedy acceptance: each sequence's drafts up to
-// the first that is not the target's argmax, then the argmax there; with `adjust`, drafts and verified rows are
-// argmaxes of adjusted logits (Adjustments: row j counts drafts 1..j). K = 0 is plain decoding: no MTP module (M may
-// be null; num_mtp, ids and hidden are not read), the target over last_ids[b] alone. Returns the emitted tokens of
-// each sequence, the target's hidden states [B * (K + 1), H] after the final norm (the MTP module's next inputs) and
-// the emitted tokens' token_logprobs rows of the sequences with top_n[b] >= 0 (top_n empty: none), in order, over the
+// One greedy step for B decoding sequences, sequence b with ks[b] >= 0 drafts (K the most), from host integers:
+// sequence b has num_cached[b] target positions cached, its MTP cache num_mtp[b], its blocks tables[b]; ids and hidden
+// are the MTP catch-up's inputs over positions num_mtp[b] .. num_cached[b] - 1 of the sequences that draft, in order.
+// mtp_greedy_drafts over those (catch-up, then the chain of drafts at positions num_cached[b] ..), the target over
+// [last_ids[b], d1..d_ks[b]] at positions num_cached[b] .. num_cached[b] + ks[b], the final norm and lm_head, and greedy
+// acceptance: each sequence's drafts up to the first that is not the target's argmax, then the argmax there; with
+// `adjust`, drafts and verified rows are argmaxes of adjusted logits (Adjustments: row j counts drafts 1..j). A
+// sequence with no drafts is plain decoding: no MTP catch-up (its num_mtp is not read), the target over last_ids[b]
+// alone; with none drafting the MTP module is not needed (M may be null). Rows past ks[b] repeat its last, so the
+// logits are [B * (K + 1), V] as the step in Python has them. Returns the emitted tokens of each sequence, the target's
+// hidden states after the final norm (the MTP module's next inputs), ks[b] + 1 rows per sequence in order, and the
+// emitted tokens' token_logprobs rows of the sequences with top_n[b] >= 0 (top_n empty: none), in order, over the
 // rows' log-softmax: of the adjusted logits where processed[b], else of the raw ones. The same calls in the same
 // order as the step in Python.
 std::tuple<std::vector<std::vector<int64_t>>, torch::Tensor, torch::Tensor> greedy_step(
     const Target& T, const Mtp* M, const torch::Tensor& ids, const torch::Tensor& hidden, const torch::Tensor& kv_cache,
     const std::vector<std::vector<int64_t>>& tables, int64_t block_size, const std::vector<int64_t>& num_mtp,
-    const std::vector<int64_t>& num_cached, const std::vector<int64_t>& last_ids, int64_t K,
+    const std::vector<int64_t>& num_cached, const std::vector<int64_t>& last_ids, const std::vector<int64_t>& ks,
     const std::optional<Adjustments>& adjust, const std::vector<int64_t>& top_n, const std::vector<bool>& processed) {
   const int64_t B = static_cast<int64_t>(tables.size());
-  check(K >= 0 && B >= 1 && block_size >= 1 && static_cast<int64_t>(num_cached.size()) == B &&
-            static_cast<int64_t>(last_ids.size()) == B,
-        "greedy_step: K >= 0 and one block table, num_cached and last id per sequence");
+  check(B >= 1 && block_size >= 1 && static_cast<int64_t>(num_cached.size()) == B &&
+            static_cast<int64_t>(last_ids.size()) == B && static_cast<int64_t>(ks.size()) == B &&
+            *std::min_element(ks.begin(), ks.end()) >= 0,
+        "greedy_step: one block table, num_cached, last id and number of drafts >= 0 per sequence");
+  const int64_t K = *std::max_element(ks.begin(), ks.end());
   check(K == 0 || (M != nullptr && static_cast<int64_t>(num_mtp.size()) == B),
         "greedy_step: drafts need the MTP module and num_mtp per sequence");
   check((top_n.empty() && processed.empty()) ||
@@ -1171,60 +1208,83 @@ std::tuple<std::vector<std::vector<int64_t>>, torch::Tensor, torch::Tensor> gree
   auto table = torch::zeros({B, W}, torch::kLong);
   int64_t* tb = table.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) std::copy(tables[b].begin(), tables[b].end(), tb + b * W);
-  // Catch-up positions, then the verified ones [B, K + 1]; drafts 2..K are proposed at the first K - 1 of these.
-  std::vector<int64_t> pos, slots, seq, last;
-  auto add = [&](int64_t b, int64_t p) {
+  std::vector<int64_t> drafting, drafting_ks;  // the sequences that draft, in order, and their numbers of drafts
+  for (int64_t b = 0; b < B; ++b)
+    if (ks[b] > 0) drafting.push_back(b), drafting_ks.push_back(ks[b]);
+  const int64_t D = static_cast<int64_t>(drafting.size());
+  const bool all_draft = D == B;
+  // Catch-up positions (of the i-th drafting sequence: table row i of the drafting ones), then the verified ones.
+  std::vector<int64_t> pos, slots, seq, last, draft_pos(D * std::max<int64_t>(K - 1, 0));  // [K - 1, D]
+  auto add = [&](int64_t b, int64_t p, int64_t row) {
     check(p >= 0 && p / block_size < static_cast<int64_t>(tables[b].size()), "block tables do not cover the positions");
     pos.push_back(p);
     slots.push_back(tables[b][p / block_size] * block_size + p % block_size);
-    seq.push_back(b);
+    seq.push_back(row);
   };
-  for (int64_t b = 0; K > 0 && b < B; ++b) {  // no catch-up for plain decoding
-    check(num_mtp[b] < num_cached[b], "every sequence has hidden states to catch up on");
-    for (int64_t p = num_mtp[b]; p < num_cached[b]; ++p) add(b, p);
+  for (int64_t i = 0; i < D; ++i) {
+    const int64_t b = drafting[i];
+    check(num_mtp[b] < num_cached[b], "every drafting sequence has hidden states to catch up on");
+    for (int64_t p = num_mtp[b]; p < num_cached[b]; ++p) add(b, p, i);
     last.push_back(static_cast<int64_t>(pos.size()) - 1);
+    for (int64_t j = 1; j < K; ++j) draft_pos[(j - 1) * D + i] = num_cached[b] + j - 1;  // draft j + 1 proposed there
   }
   const int64_t Tc = static_cast<int64_t>(pos.size());
   for (int64_t b = 0; b < B; ++b)
-    for (int64_t j = 0; j <= K; ++j) add(b, num_cached[b] + j);
+    for (int64_t j = 0; j <= ks[b]; ++j) add(b, num_cached[b] + j, b);
   auto host = [](const std::vector<int64_t>& v) { return torch::tensor(v, torch::kLong); };
   const torch::Tensor positions = host(pos), slot_mapping = host(slots), token_seq = host(seq);
   const torch::Tensor rot = rope(T, positions);
-  const torch::Tensor verify_positions = positions.slice(0, Tc).view({B, K + 1});
-  const torch::Tensor verify_rot = rot.slice(0, Tc).view({B, K + 1, rot.size(1), 2});
-  const torch::Tensor drafts = K == 0 ? torch::empty({B, 0}, torch::kLong) : mtp_greedy_drafts(
-      *M, ids, hidden, rot.slice(0, 0, Tc), kv_cache, slot_mapping.slice(0, 0, Tc), positions.slice(0, 0, Tc),
-      token_seq.slice(0, 0, Tc), table, block_size, host(last), verify_positions.slice(1, 0, K - 1).t().contiguous(),
-      verify_rot.slice(1, 0, K - 1).transpose(0, 1).contiguous(), adjust);
-  const torch::Tensor tokens = at::cat({host(last_ids).view({B, 1}), drafts}, 1).flatten();
-  const torch::Tensor x = decoder_layers(T.stack, at::embedding(T.embed, tokens), rot.slice(0, Tc), kv_cache,
+  // every sequence's drafts [B, K], as the verified rows count them (zeros where a sequence does not draft)
+  torch::Tensor all_drafts = torch::empty({B, 0}, torch::kLong);
+  if (K > 0) {
+    std::optional<Adjustments> drafting_adjust;  // the drafting sequences' own where some do not draft
+    if (adjust && !all_draft) drafting_adjust = adjust->of(drafting);
+    const torch::Tensor draft_positions = host(draft_pos).view({K - 1, D});
+    const torch::Tensor drafts = mtp_greedy_drafts(
+        *M, ids, hidden, rot.slice(0, 0, Tc), kv_cache, slot_mapping.slice(0, 0, Tc), positions.slice(0, 0, Tc),
+        token_seq.slice(0, 0, Tc), all_draft ? table : table.index_select(0, host(drafting)), block_size, host(last),
+        draft_positions, rope(T, draft_positions), drafting_ks, all_draft ? adjust : drafting_adjust);
+    all_drafts = all_draft ? drafts : torch::zeros({B, K}, torch::kLong).index_copy_(0, host(drafting), drafts);
+  }
+  const int64_t* dp = all_drafts.data_ptr<int64_t>();
+  std::vector<int64_t> tokens, rows;  // the verified tokens; per sequence, the K + 1 rows of its logits
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t first = static_cast<int64_t>(tokens.size());
+    tokens.push_back(last_ids[b]);
+    tokens.insert(tokens.end(), dp + b * K, dp + b * K + ks[b]);
+    for (int64_t j = 0; j <= K; ++j) rows.push_back(first + std::min(j, ks[b]));
+  }
+  const torch::Tensor x = decoder_layers(T.stack, at::embedding(T.embed, host(tokens)), rot.slice(0, Tc), kv_cache,
                                          slot_mapping.slice(0, Tc), positions.slice(0, Tc), token_seq.slice(0, Tc),
                                          table, block_size);
   const torch::Tensor h = rms_norm(x, T.norm, T.eps);
-  const torch::Tensor logits = T.head(h).contiguous();
-  const torch::Tensor adjusted = adjust ? adjust->apply(logits, K + 1, 0, drafts) : logits;
+  torch::Tensor logits = T.head(h);
+  if (static_cast<int64_t>(tokens.size()) < B * (K + 1)) logits = logits.index_select(0, host(rows));
+  logits = logits.contiguous();
+  const torch::Tensor adjusted = adjust ? adjust->apply(logits, K + 1, 0, all_drafts) : logits;
   const torch::Tensor argmax = adjusted.argmax(-1).view({B, K + 1});
-  const int64_t *dp = drafts.data_ptr<int64_t>(), *ap = argmax.data_ptr<int64_t>();
+  const int64_t* ap = argmax.data_ptr<int64_t>();
   std::vector<std::vector<int64_t>> emitted(B);
   for (int64_t b = 0; b < B; ++b) {
     int64_t n = 0;
-    while (n < K && dp[b * K + n] == ap[b * (K + 1) + n]) emitted[b].push_back(dp[b * K + n++]);
+    while (n < ks[b] && dp[b * K + n] == ap[b * (K + 1) + n]) emitted[b].push_back(dp[b * K + n++]);
     emitted[b].push_back(ap[b * (K + 1) + n]);
   }
   // the rows that decided the emitted tokens of the sequences asking for logprobs, raw or adjusted
   const int64_t V = logits.size(1);
-  std::vector<const float*> rows;
+  std::vector<const float*> picked_rows;
   std::vector<int64_t> chosen;
   int64_t n = 0;
   for (int64_t b = 0; b < static_cast<int64_t>(top_n.size()); ++b) {
     if (top_n[b] < 0) continue;
     n = std::max(n, top_n[b]);
     const float* src = (processed[b] ? adjusted : logits).data_ptr<float>() + b * (K + 1) * V;
-    for (size_t j = 0; j < emitted[b].size(); ++j) rows.push_back(src + j * V), chosen.push_back(emitted[b][j]);
+    for (size_t j = 0; j < emitted[b].size(); ++j) picked_rows.push_back(src + j * V), chosen.push_back(emitted[b][j]);
   }
-  if (rows.empty()) return {emitted, h, torch::empty({0, 3}, torch::kDouble)};
-  auto picked = torch::empty({static_cast<int64_t>(rows.size()), V}, torch::kFloat);
-  for (size_t m = 0; m < rows.size(); ++m) std::copy(rows[m], rows[m] + V, picked.data_ptr<float>() + m * V);
+  if (picked_rows.empty()) return {emitted, h, torch::empty({0, 3}, torch::kDouble)};
+  auto picked = torch::empty({static_cast<int64_t>(picked_rows.size()), V}, torch::kFloat);
+  for (size_t m = 0; m < picked_rows.size(); ++m)
+    std::copy(picked_rows[m], picked_rows[m] + V, picked.data_ptr<float>() + m * V);
   return {emitted, h, token_logprobs(at::log_softmax(picked, -1), torch::tensor(chosen, torch::kLong), n)};
 }
 
@@ -1303,7 +1363,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return Adjustments{std::move(penalized), std::move(counts), std::move(in_prompt), std::move(values),
                            std::move(bad), std::move(stops), std::move(stop_rows)};
       }));
-  m.def("greedy_step", &greedy_step, "a greedy step: drafts, verification, acceptance (K = 0: plain decoding)", nogil);
+  m.def("greedy_step", &greedy_step, "a greedy step: drafts, verification, acceptance (k = 0: plain decoding)",
+        nogil);
   m.def("adjust_logits", &adjust_logits, "penalties and bans of a batch's rows, drafts before each row counted", nogil);
   m.def("token_logprobs", &token_logprobs, "emitted tokens' logprobs, ranks and top-n alternatives", nogil);
 }

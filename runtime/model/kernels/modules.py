@@ -191,14 +191,14 @@ class GreedyStep:
         return cls(model) if fused else None
 
     def __call__(self, next_ids: Tensor, hidden: Tensor, kv_cache: Tensor, tables: list[list[int]], block_size: int,
-                 num_mtp: list[int], num_cached: list[int], last_ids: list[int], num_drafts: int,
+                 num_mtp: list[int], num_cached: list[int], last_ids: list[int], num_drafts: list[int],
                  adjustments: tuple | None = None, logprobs: tuple[list[int], list[bool]] | None = None
                  ) -> tuple[list[list[int]], Tensor, Tensor]:
-        """For B sequences, each drafting num_drafts >= 0 tokens after its num_cached[b] cached ones: the MTP module
-        over its catch-up (next_ids, hidden at positions num_mtp[b] ..; not read without drafts), the drafts, and the
-        target over [last_ids[b], drafts], with `adjustments` and `logprobs` (`kernels.greedy_step`) if given: each
-        sequence's emitted tokens, the target's hidden states [B * (num_drafts + 1), H] and the emitted tokens'
-        logprob rows."""
+        """For B sequences, sequence b drafting num_drafts[b] >= 0 tokens after its num_cached[b] cached ones: the MTP
+        module over the catch-up of those that draft (next_ids, hidden at positions num_mtp[b] ..; not read where none
+        drafts), the drafts, and the target over [last_ids[b], drafts], with `adjustments` and `logprobs`
+        (`kernels.greedy_step`) if given: each sequence's emitted tokens, the target's hidden states
+        (num_drafts[b] + 1 rows per sequence, in order) and the emitted tokens' logprob rows."""
         return kernels.greedy_step(self.target, self.mtp, next_ids, hidden, kv_cache, tables, block_size, num_mtp,
                                    num_cached, last_ids, num_drafts, adjustments, logprobs)
 
