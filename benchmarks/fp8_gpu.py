@@ -78,7 +78,7 @@ def logit_errors(engine: LoadedEngine, reference: LoadedEngine, prompts: list[li
 
 V3_SHAPES = {"q_a_proj": (1536, 7168), "o_proj": (7168, 16384), "dense gate_proj": (18432, 7168),
              "expert gate_proj": (2048, 7168), "expert down_proj": (7168, 2048)}
-GEMM_TOKENS = (1, 4, 16, 64, 256, 2048)
+GEMM_TOKENS = (1, 16, 64, 256, 2048)
 
 
 def graph_time_us(fn: Callable[[], Any], calls: int = 10, replays: int = 5) -> float:
@@ -116,6 +116,9 @@ def gemm_timings() -> dict[str, Any]:
                 except (RuntimeError, ValueError) as e:
                     row[path] = None
                     row[f"{path}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            from runtime.model.fp8_triton import fp8_gemm
+            for block_n in (16, 64):  # the Triton GEMM's tile width against its default (32)
+                row[f"triton_n{block_n}"] = graph_time_us(lambda: fp8_gemm(x, codes, scale, block_n=block_n))
             rows[f"{name} {N}x{K} M={M}"] = row
         del bf16
     E, (N, K), k = 32, V3_SHAPES["expert gate_proj"], 8
@@ -129,6 +132,8 @@ def gemm_timings() -> dict[str, Any]:
         rows[f"experts pairs {E}x{N}x{K} tokens={T} pairs={T * k}"] = {
             "bf16": graph_time_us(lambda: (x[:, None] @ bf16[e].mT)),
             "triton": graph_time_us(lambda: fp8_pairs(x, codes, scale, e)),
+            **{f"triton_n{n}_w{w}": graph_time_us(lambda: fp8_pairs(x, codes, scale, e, block_n=n, num_warps=w))
+               for n, w in ((32, 4), (128, 4), (128, 8))},
             "dequantize": graph_time_us(lambda: x[:, None] @ dequantize_block_fp8(
                 codes.view(torch.uint8)[e].view(FP8_DTYPE), scale[e], dtype=torch.bfloat16).mT),
         }
@@ -208,8 +213,9 @@ def main(argv: list[str] | None = None) -> None:
                  errors[m]["max_abs_error"], errors[m]["relative_error"], errors[m]["top1_agreement"]] for m in modes]
     payload = {"machine": info, "settings": vars(args) | {"modes": modes, "ks": ks}, "memory": memory,
                "logit_errors_vs_fp32": errors, "decode": results, "v3_shape_products_us": gemms}
-    paths = ("bf16", "triton", "scaled_mm", "dequantize")
-    gemm_rows = [[name, *(row.get(p) for p in paths), ratio(row["bf16"], row.get("triton"))] for name, row in gemms.items()]
+    paths = ("bf16", "scaled_mm", "triton", "dequantize")
+    variants = sorted({k for row in gemms.values() for k in row if k.startswith("triton_")})
+    gemm_rows = [[name, *(row.get(p) for p in (*paths, *variants))] for name, row in gemms.items()]
     markdown = "\n\n".join([
         f"# FP8 weights with bf16 activations vs the fp32 path ({info.get('gpu', args.device)})",
         f"{len(prompt_ids)} held-out prompts x {args.max_tokens} tokens, greedy, batch 1, {args.rounds} rounds "
@@ -219,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
         md_table(["mode", "k", "TPOT ms", "speed vs fp32 k=0", "acceptance", "greedy = fp32's (share)",
                   "k>0 = k=0 tokens"], rows, digits=3),
         *(["## Single products at DeepSeek-V3's shapes (microseconds, CUDA graph replay)",
-           md_table(["product", *paths, "bf16 / triton"], gemm_rows, digits=1)] if gemms else []),
+           md_table(["product", *paths, *variants], gemm_rows, digits=1)] if gemms else []),
         "## Machine\n\n" + machine_md(info)])
     write_results(args.out_dir, args.name, payload, markdown)
     try:

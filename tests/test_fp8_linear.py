@@ -99,7 +99,7 @@ def test_bf16_fp8_speculative_greedy_equals_plain():
 TRITON_CHECK = """
 import torch, torch.nn.functional as F
 from runtime.model.fp8 import FP8_DTYPE, quantize_block_fp8, dequantize_block_fp8
-from runtime.model.fp8_triton import fp8_gemm, fp8_pairs
+from runtime.model.fp8_triton import act_quant, fp8_gemm, fp8_pairs
 g = torch.Generator().manual_seed(0)
 for M, N, K in ((1, 96, 256), (17, 384, 128), (5, 130, 200), (33, 300, 640)):
     # activations whose 1x128 quantization is exact: e4m3 codes with 448 in every block, times a power of two
@@ -124,6 +124,10 @@ for M, N, K in ((1, 96, 256), (17, 384, 128), (5, 130, 200), (33, 300, 640)):
         want = F.linear(x[p], dequantize_block_fp8(eq[e], es[e]))
         err = ((got[p] - want).abs() / want.abs().max()).max().item()
         assert err < 1e-4, (M, N, K, p, e, err)
+    codes, scale = act_quant(x, M + 3)
+    q, s = quantize_block_fp8(x, (1, 128))
+    assert torch.equal(codes[:M].float(), q.float()) and not codes[M:].float().any()
+    assert torch.equal(scale[:M], s) and scale.stride() == (1, M + 3)
 print("ok")
 """
 
@@ -132,7 +136,8 @@ print("ok")
 def test_triton_fp8_gemm_in_the_interpreter():
     """The Triton block-scaled GEMM, run by Triton's interpreter on the CPU, quantizes each token's 128-channel
     blocks by their own scale and multiplies by the right weight blocks' scales: the dequantized operands' product,
-    partial blocks of rows, columns and K included; the pairs kernel reads each row's own expert."""
+    partial blocks of rows, columns and K included; the pairs kernel reads each row's own expert; the activation
+    quantizer gives `quantize_block_fp8`'s codes and scales, in the layout torch._scaled_mm takes."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-c", TRITON_CHECK], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]

@@ -7,21 +7,24 @@ they stay as stored. `prepare` swaps these modules in before the weights load, a
 first of these that a probe on the model's device shows to give what the dequantized weight gives:
 
 - "scaled_mm": activations quantized per token and 128 channels (1x128 blocks, amax / 448, as DeepSeek's
-  `act_quant`), then `torch._scaled_mm` with 1x128 and 128x128 float32 scales (cuBLASLt, Hopper and newer,
-  where the installed torch wires it and the shapes meet its alignment);
-- "triton": the same quantized activations through a Triton block-scaled FP8 GEMM (`runtime.model.fp8_triton`),
-  where Triton is installed;
+  `act_quant`; one Triton launch where Triton is installed), then `torch._scaled_mm` with 1x128 and 128x128
+  float32 scales (cuBLASLt, Hopper and newer, where the installed torch wires it and the weight's scales meet
+  its 16-byte alignment: ceil(in/128) a multiple of 4, as in every DeepSeek-V3 weight);
+- "triton": a Triton block-scaled FP8 GEMM that quantizes the activations itself (`runtime.model.fp8_triton`),
+  for the shapes cuBLASLt refuses, where Triton is installed;
 - "dequantize": the weight dequantized to the activations' dtype for each product (memory as FP8, arithmetic
   as bf16). Everywhere else, the CPU included.
 
-Routed experts always dequantize the weights of the experts a batch uses (a grouped FP8 GEMM is left to do).
-`kv_b_proj` stays a plain dequantized Linear: absorbed MLA reads its weight per head. Every path is free of
-host synchronization, so CUDA graphs capture them.
+Routed experts run a Triton kernel over a decode step's (token, expert) pairs and one FP8 GEMM per expert
+beyond, where Triton is installed, else dequantize the experts a batch uses. `kv_b_proj` stays a plain
+dequantized Linear: absorbed MLA reads its weight per head. Every path is free of host synchronization, so CUDA
+graphs capture them.
 """
 
 from __future__ import annotations
 
 import logging
+from importlib.util import find_spec
 from typing import Literal
 
 import torch
@@ -36,8 +39,9 @@ from runtime.model.kernels.modules import StoredDtype, replace_submodule
 log = logging.getLogger(__name__)
 
 GemmPath = Literal["scaled_mm", "triton", "dequantize"]
-FAST_PATHS: tuple[GemmPath, ...] = ("triton", "scaled_mm")  # in the order they are tried (triton: one launch)
+FAST_PATHS: tuple[GemmPath, ...] = ("scaled_mm", "triton")  # in the order they are tried (docs/ say why)
 ACTIVATION_BLOCK = (1, BLOCK[1])  # one scale per token and 128 input channels
+_HAS_TRITON = find_spec("triton") is not None
 ROW_ALIGN = 4  # cuBLASLt wants the activations' scale columns 16-byte aligned: rows padded to a multiple of 4
 
 
@@ -55,12 +59,23 @@ def fp8_product(path: GemmPath, x: Tensor, codes: Tensor, scale: Tensor) -> Tens
         from runtime.model.fp8_triton import fp8_gemm
 
         return fp8_gemm(x.contiguous(), codes, scale)
+    M = x.shape[0]
+    q, s = _quantize_rows(x, M + -M % ROW_ALIGN)
+    return torch._scaled_mm(q, codes.t(), scale_a=s, scale_b=scale.t(), out_dtype=x.dtype)[:M]
+
+
+def _quantize_rows(x: Tensor, rows: int) -> tuple[Tensor, Tensor]:
+    """x's 1x128-block quantization padded with zero rows to `rows`, scales column-major: in one Triton launch where
+    Triton is installed, else in PyTorch operations."""
+    if _HAS_TRITON and x.is_cuda:
+        from runtime.model.fp8_triton import act_quant
+
+        return act_quant(x.contiguous(), rows)
     q, s = quantize_block_fp8(x, ACTIVATION_BLOCK)
-    M, pad = x.shape[0], -x.shape[0] % ROW_ALIGN
-    if pad:
-        q = F.pad(q.view(torch.uint8), (0, 0, 0, pad)).view(FP8_DTYPE)
-        s = F.pad(s, (0, 0, 0, pad), value=1.0)
-    return torch._scaled_mm(q, codes.t(), scale_a=s.t().contiguous().t(), scale_b=scale.t(), out_dtype=x.dtype)[:M]
+    if rows > x.shape[0]:
+        q = F.pad(q.view(torch.uint8), (0, 0, 0, rows - x.shape[0])).view(FP8_DTYPE)
+        s = F.pad(s, (0, 0, 0, rows - x.shape[0]), value=1.0)
+    return q, s.t().contiguous().t()
 
 
 class FP8Linear(nn.Module):

@@ -47,19 +47,43 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, b_scale_ptr, M, N, K, FP8_MAX: tl.cons
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-def fp8_gemm(a: Tensor, b: Tensor, b_scale: Tensor) -> Tensor:
+def fp8_gemm(a: Tensor, b: Tensor, b_scale: Tensor, block_n: int = 32, num_stages: int = 3) -> Tensor:
     """a [M, K] (bf16) times b [N, K] FP8 with scales [ceil(N/128), ceil(K/128)], transposed: [M, N] in a's dtype.
     Each token's activations are quantized per 128 channels inside the kernel (as `quantize_block_fp8` with 1x128
     blocks does). Every operand contiguous."""
     M, K = a.shape
     N = b.shape[0]
     c = torch.empty(M, N, dtype=a.dtype, device=a.device)
-    block_m = 16 if M <= 16 else 64
-    block_n = 64
+    block_m = 16 if M <= 16 else 32
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
     _fp8_gemm_kernel[grid](a, b, c, b_scale, M, N, K, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BLOCK_M=block_m,
-                           BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=4, num_stages=3)
+                           BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=4, num_stages=num_stages)
     return c
+
+
+@triton.jit(do_not_specialize=["M", "K", "M_PADDED"])
+def _act_quant_kernel(x_ptr, codes_ptr, scale_t_ptr, M, K, M_PADDED, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+    row, block = tl.program_id(0), tl.program_id(1)
+    ks = block * BLOCK_K + tl.arange(0, BLOCK_K)
+    x = tl.load(x_ptr + row * K + ks, mask=(ks < K) & (row < M), other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX, MIN_SCALE)
+    codes = tl.clamp(x / scale, -FP8_MAX, FP8_MAX).to(codes_ptr.dtype.element_ty)
+    tl.store(codes_ptr + row * K + ks, codes, mask=ks < K)
+    tl.store(scale_t_ptr + block * M_PADDED + row, scale)
+
+
+def act_quant(x: Tensor, rows: int) -> tuple[Tensor, Tensor]:
+    """x [M, K] quantized per token and 128 channels in one launch, as `quantize_block_fp8` with 1x128 blocks:
+    codes [rows, K] (rows >= M; the rows past M zero) and scales [rows, ceil(K/128)] stored column-major, the
+    layout `torch._scaled_mm` takes."""
+    M, K = x.shape
+    blocks = triton.cdiv(K, BLOCK_K)
+    codes = torch.empty(rows, K, dtype=torch.float8_e4m3fn, device=x.device)
+    scale_t = torch.empty(blocks, rows, dtype=torch.float32, device=x.device)
+    _act_quant_kernel[(rows, blocks)](x, codes, scale_t, M, K, rows, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
+                                      BLOCK_K=BLOCK_K)
+    return codes, scale_t.t()
 
 
 @triton.jit(do_not_specialize=["N", "K"])
@@ -86,15 +110,14 @@ def _fp8_pairs_kernel(x_ptr, w_ptr, w_scale_ptr, expert_ptr, out_ptr, N, K, FP8_
     tl.store(out_ptr + pair * N + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
-def fp8_pairs(x: Tensor, w: Tensor, w_scale: Tensor, experts: Tensor) -> Tensor:
+def fp8_pairs(x: Tensor, w: Tensor, w_scale: Tensor, experts: Tensor, block_n: int = 64, num_warps: int = 4) -> Tensor:
     """Row p of x [P, K] (bf16) times expert experts[p]'s weight (w [E, N, K] FP8, scales [E, ceil(N/128),
     ceil(K/128)]) transposed: [P, N] in x's dtype, each row's activations quantized per 128 channels as in
     `fp8_gemm`. One launch for all (token, expert) pairs of a decode step, reading only their experts' weights."""
     P, K = x.shape
     N = w.shape[1]
     out = torch.empty(P, N, dtype=x.dtype, device=x.device)
-    block_n = 64
     _fp8_pairs_kernel[(P, triton.cdiv(N, block_n))](x, w, w_scale, experts, out, N, K, FP8_MAX=FP8_MAX,
                                                      MIN_SCALE=MIN_SCALE, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-                                                     num_warps=4)
+                                                     num_warps=num_warps)
     return out
