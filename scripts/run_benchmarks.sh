@@ -25,11 +25,12 @@ run sampling_features benchmarks.sampling_features --rounds 6
 run structured_output benchmarks.structured_output --rounds 4
 run serving benchmarks.serving --num_requests 8 --requests_per_client 8 --rounds 3 --qps_requests 24 \
   --min_tokens 48 --max_tokens 96
-# On a CUDA host, the load test, batch-1 and serving benchmarks again on the GPU (files named after it, e.g. *_h100).
+# On a CUDA host, the load test, batch-1, FP8 and serving benchmarks again on the GPU (files named after it, e.g. *_h100).
 gpu=$(python -c "import torch; print(torch.cuda.get_device_name().split()[1].lower() if torch.cuda.is_available() else '')")
 if [ -n "$gpu" ]; then
   run "load_test_$gpu" benchmarks.load_test --device cuda --name "load_test_$gpu" --max_output_tokens 64 --modes plain,adaptive
   run "speculative_$gpu" benchmarks.speculative --device cuda --name "speculative_$gpu"
+  run "fp8_$gpu" benchmarks.fp8_gpu --device cuda --name "fp8_$gpu"
   run "serving_$gpu" benchmarks.serving --device cuda --name "serving_$gpu" --num_requests 8 \
     --requests_per_client 8 --rounds 3 --qps_requests 24 --min_tokens 48 --max_tokens 96
 fi
