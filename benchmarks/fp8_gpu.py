@@ -50,8 +50,10 @@ def load_mode(model: str, mode: str, device: str) -> tuple[LoadedEngine, dict[st
     engine = load_engine(model, device=device, dtype=dtype, fp8_weights=fp8)
     if mode == "fp8_dequantize":
         for m in engine.model.modules():
-            if isinstance(m, (FP8Linear, FP8Experts)):
+            if isinstance(m, FP8Linear):
                 m.path = "dequantize"
+            elif isinstance(m, FP8Experts):
+                m.pairs_path, m.dense_paths = "dequantize", dict.fromkeys(m.dense_paths, "dequantize")
     tensors = {t.data_ptr(): t for t in [*engine.model.parameters(), *engine.model.buffers()]}
     info: dict[str, Any] = {"weight_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
                             "gemm_paths": gemm_paths(engine.model)}

@@ -40,7 +40,8 @@ class ExecutorConfig:
     dtype: str | None = None
     relaxed_acceptance: RelaxedAcceptance | None = None
     cpu_kernels: bool = True  # on CPU in float32: C++ kernels, weights as stored (runtime.model.kernels.modules)
-    fp8_weights: bool = True  # in bfloat16: FP8-stored weights stay FP8 (runtime.model.fp8_linear)
+    # in bfloat16, FP8-stored weights stay FP8 (runtime.model.fp8_linear): None on CUDA only, True everywhere, False never
+    fp8_weights: bool | None = None
     cuda_graphs: bool = True  # on CUDA: forwards of <= 512 new tokens per sequence replay graphs (decodes': at start)
     # prefix caching: requests reuse the KV blocks of prefixes computed before (runtime.core.prefix_cache), as
     # TensorRT-LLM's kv_cache_config.enable_block_reuse
@@ -63,6 +64,8 @@ class ExecutorConfig:
             raise ValueError(f"enable_block_reuse must be true or false, got {self.enable_block_reuse!r}")
         if not (isinstance(self.free_memory_fraction, (int, float)) and 0 < self.free_memory_fraction <= 1):
             raise ValueError(f"free_memory_fraction must be in (0, 1], got {self.free_memory_fraction!r}")
+        if self.fp8_weights not in (None, True, False):
+            raise ValueError(f"fp8_weights must be true, false or unset, got {self.fp8_weights!r}")
         if self.world_size is not None and (not isinstance(self.world_size, int) or self.world_size < 1):
             raise ValueError(f"world_size must be an integer >= 1, got {self.world_size!r}")
 

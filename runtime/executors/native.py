@@ -82,7 +82,7 @@ class Executor:
         world = config.ranks(build, str(path))
         if world == 1:
             return load_engine(path, **options)
-        self.ranks = RankGroup.open(path, build, RankOptions(config.dtype, config.cpu_kernels, config.fp8_weights))
+        self.ranks = RankGroup.open(path, build, RankOptions(config.dtype, config.cpu_kernels, fp8_weights=config.fp8_weights))
         engine = load_engine(path, **options, par=self.ranks.par)
         self.ranks.connect()
         engine.model = drive(engine.model, self.ranks)

@@ -66,9 +66,9 @@ class RankOptions:
 
     dtype: str | None = None
     cpu_kernels: bool = True
-    fp8_weights: bool = True
     verify: bool = True
     threads: int = 1  # torch intra-op threads per rank
+    fp8_weights: bool | None = None
 
 
 class RankGroup:

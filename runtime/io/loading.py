@@ -48,14 +48,14 @@ class LoadedEngine:
 
 
 def load_engine(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
-                *, verify: bool = True, cpu_kernels: bool = True, fp8_weights: bool = True,
+                *, verify: bool = True, cpu_kernels: bool = True, fp8_weights: bool | None = None,
                 par: Parallel = WHOLE) -> LoadedEngine:
     """Load an engine directory (engine.json) or a plain HF DeepSeek-V3 checkpoint directory.
 
     dtype overrides the engine's build dtype; verify=False skips hashing the files (big engines);
     cpu_kernels: on CPU in float32, run the C++ kernels with the weights as stored (runtime.model.kernels.modules);
-    fp8_weights: in bfloat16, keep FP8-stored weights FP8 (runtime.model.fp8_linear) rather than
-    dequantize them at load;
+    fp8_weights: in bfloat16, keep FP8-stored weights FP8 (runtime.model.fp8_linear) rather than dequantize them at
+    load: None (default) on CUDA only, True on any device, False never;
     par: one rank of the engine's tp_size, which loads its rank file alone (default: the whole model).
     """
     path = Path(path)
@@ -70,14 +70,14 @@ def load_engine(path: str | Path, device: str | torch.device = "cpu", dtype: str
                           "(from build_engine) or a Hugging Face DeepSeek-V3 checkpoint directory")
     build = _as_loaded(source.build, dtype)
     device = torch.device(device)
+    kernels_here = cpu_kernels and kernel_modules.runs_here(device, build.torch_dtype)
+    fp8_here = not kernels_here and fp8_linear.runs_here(device, build.torch_dtype, fp8_weights)
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(source.cfg, par)
-    kernels_here = cpu_kernels and kernel_modules.runs_here(device, build.torch_dtype)
-    fp8_here = fp8_weights and fp8_linear.runs_here(build.torch_dtype)
+        if fp8_here:  # its modules' buffers are allocated on the device, below
+            fp8_linear.prepare(model, source.stored_dtype, build.torch_dtype)
     if kernels_here:
         kernel_modules.prepare(model, source.stored_dtype)
-    elif fp8_here:
-        fp8_linear.prepare(model, source.stored_dtype, build.torch_dtype)
     _materialize(model, device, build.torch_dtype)
     model.eval().requires_grad_(False)
     try:
@@ -86,7 +86,7 @@ def load_engine(path: str | Path, device: str | torch.device = "cpu", dtype: str
         raise EngineError(str(e)) from e
     if kernels_here:
         kernel_modules.finish(model)
-    elif fp8_here:
+    if fp8_here:
         fp8_linear.finish(model)
     return LoadedEngine(model, source.cfg, build, path, path, built=source.built)
 
@@ -179,6 +179,8 @@ def _dequantized(name: str, t: Tensor, scale: Tensor, source: str) -> Tensor:
     try:
         if scale.dim() < t.dim():
             return dequantize_tensor_fp8(t, scale.view(*scale.shape, 1, 1))
+        if t.dim() == 3:  # one expert at a time: a stack's fp32 temporaries would be 3x the stack
+            return torch.stack([dequantize_block_fp8(q, s) for q, s in zip(t, scale)])
         return dequantize_block_fp8(t, scale)
     except (ValueError, RuntimeError) as e:
         raise EngineError(f"{source}: tensor {name + SCALE_SUFFIX!r} of shape {list(scale.shape)} does not fit "

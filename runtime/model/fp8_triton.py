@@ -3,8 +3,8 @@
 Weights come as FP8 codes with a float32 scale per 128x128 block, activations in bf16; the kernel
 quantizes each token's 128-channel slice of K as it loads it (amax / 448, as DeepSeek's `act_quant`),
 multiplies it with the weight's slice on the tensor cores in FP8, and adds the product to a float32
-accumulator times the two scales: one launch per product, quantization included. Imported only where Triton is installed (`runtime.model.fp8_linear`).
-Tile sizes are fixed by the row count rather than autotuned, so no benchmarking runs inside a CUDA graph
+accumulator times the two scales: one launch per product, quantization included. Imported only where
+Triton is installed (`runtime.model.fp8_linear`). Tile sizes are fixed by the row count rather than autotuned, so no benchmarking runs inside a CUDA graph
 capture, and row and column counts are not specialized on, so a new batch size compiles nothing.
 """
 
@@ -15,23 +15,24 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from runtime.model.fp8 import FP8_MAX, MIN_SCALE
+from runtime.model.fp8 import BLOCK, FP8_MAX, MIN_SCALE
 
-BLOCK_K = 128  # one scale block of K per iteration
+BLOCK_K = BLOCK[1]  # K advances one scale block per iteration: one activation and one weight scale each
+SCALE_N = BLOCK[0]  # output columns per weight scale
 
 
 @triton.jit(do_not_specialize=["M", "N", "K"])
 def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, b_scale_ptr, M, N, K, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_N: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     k_blocks = tl.cdiv(K, BLOCK_K)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     a_rows, b_cols = rows % M, cols % N  # wrapped: out-of-range rows and columns are computed and not stored
-    a_ptrs = a_ptr + a_rows[:, None] * K + ks[None, :]
-    b_ptrs = b_ptr + b_cols[None, :] * K + ks[:, None]
-    b_scale_ptrs = b_scale_ptr + (b_cols // BLOCK_K) * k_blocks
+    a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * K + ks[None, :]  # 64-bit: M x K passes 2^31 in long prefills
+    b_ptrs = b_ptr + b_cols.to(tl.int64)[None, :] * K + ks[:, None]
+    b_scale_ptrs = b_scale_ptr + (b_cols // SCALE_N) * k_blocks
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(k_blocks):
         left = K - i * BLOCK_K
@@ -43,7 +44,7 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, b_scale_ptr, M, N, K, FP8_MAX: tl.cons
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
         b_scale_ptrs += 1
-    c_ptrs = c_ptr + rows[:, None] * N + cols[None, :]
+    c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
@@ -57,7 +58,7 @@ def fp8_gemm(a: Tensor, b: Tensor, b_scale: Tensor, block_n: int = 32, num_stage
     block_m = 16 if M <= 16 else 32
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
     _fp8_gemm_kernel[grid](a, b, c, b_scale, M, N, K, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BLOCK_M=block_m,
-                           BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=4, num_stages=num_stages)
+                           BLOCK_N=block_n, BLOCK_K=BLOCK_K, SCALE_N=SCALE_N, num_warps=4, num_stages=num_stages)
     return c
 
 
@@ -66,10 +67,10 @@ def _act_quant_kernel(x_ptr, codes_ptr, scale_t_ptr, M, K, M_PADDED, FP8_MAX: tl
                       BLOCK_K: tl.constexpr):
     row, block = tl.program_id(0), tl.program_id(1)
     ks = block * BLOCK_K + tl.arange(0, BLOCK_K)
-    x = tl.load(x_ptr + row * K + ks, mask=(ks < K) & (row < M), other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row.to(tl.int64) * K + ks, mask=(ks < K) & (row < M), other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX, MIN_SCALE)
     codes = tl.clamp(x / scale, -FP8_MAX, FP8_MAX).to(codes_ptr.dtype.element_ty)
-    tl.store(codes_ptr + row * K + ks, codes, mask=ks < K)
+    tl.store(codes_ptr + row.to(tl.int64) * K + ks, codes, mask=ks < K)
     tl.store(scale_t_ptr + block * M_PADDED + row, scale)
 
 
@@ -88,15 +89,15 @@ def act_quant(x: Tensor, rows: int) -> tuple[Tensor, Tensor]:
 
 @triton.jit(do_not_specialize=["N", "K"])
 def _fp8_pairs_kernel(x_ptr, w_ptr, w_scale_ptr, expert_ptr, out_ptr, N, K, FP8_MAX: tl.constexpr,
-                      MIN_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pair, pid_n = tl.program_id(0), tl.program_id(1)
+                      MIN_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_N: tl.constexpr):
+    pair, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
     expert = tl.load(expert_ptr + pair).to(tl.int64)
-    k_blocks, n_blocks = tl.cdiv(K, BLOCK_K), tl.cdiv(N, BLOCK_K)
+    k_blocks, n_blocks = tl.cdiv(K, BLOCK_K), tl.cdiv(N, SCALE_N)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
     w_base = w_ptr + expert * N * K
-    scale_ptrs = w_scale_ptr + expert * n_blocks * k_blocks + (cols // BLOCK_K) * k_blocks
+    scale_ptrs = w_scale_ptr + expert * n_blocks * k_blocks + (cols // SCALE_N) * k_blocks
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for i in range(k_blocks):
         kk = i * BLOCK_K + ks
@@ -119,5 +120,5 @@ def fp8_pairs(x: Tensor, w: Tensor, w_scale: Tensor, experts: Tensor, block_n: i
     out = torch.empty(P, N, dtype=x.dtype, device=x.device)
     _fp8_pairs_kernel[(P, triton.cdiv(N, block_n))](x, w, w_scale, experts, out, N, K, FP8_MAX=FP8_MAX,
                                                      MIN_SCALE=MIN_SCALE, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-                                                     num_warps=num_warps)
+                                                     SCALE_N=SCALE_N, num_warps=num_warps)
     return out
