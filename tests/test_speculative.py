@@ -435,6 +435,17 @@ def assert_same_steps(pairs: list[tuple[list[StepResult], list[StepResult]]], la
                 assert_same_token_logprobs(x.logprobs, y.logprobs, at)
 
 
+def greedy_case(kind: str, request, greedy_reference: list[list[int]]
+                ) -> tuple[list[SamplingParams], list[list[int]], list | None]:
+    """A greedy case's requests' params, their reference tokens and (kind "logprobs") their reference outputs."""
+    if kind == "plain":
+        return [SamplingParams(max_tokens=GREEDY_TOKENS, ignore_eos=True)] * NUM_PROMPTS, greedy_reference, None
+    if kind == "penalties-bans":
+        return (*request.getfixturevalue("adjusted_reference"), None)
+    params, with_logprobs = request.getfixturevalue("logprob_reference")
+    return params, [o.token_ids for o in with_logprobs], with_logprobs
+
+
 @pytest.mark.parametrize("kind", ["plain", "penalties-bans", "logprobs"])
 def test_plain_greedy_step_in_one_call_equals_the_general_path(shipped, greedy_reference, request, monkeypatch,
                                                                kind) -> None:
@@ -442,13 +453,7 @@ def test_plain_greedy_step_in_one_call_equals_the_general_path(shipped, greedy_r
     a time: each step's tokens and logprobs are those the general path computes for the same items (with penalties,
     bans, min_tokens and logprobs, raw and processed), and so is the output."""
     engine, prompts = shipped
-    if kind == "plain":
-        params, reference = [SamplingParams(max_tokens=GREEDY_TOKENS, ignore_eos=True)] * NUM_PROMPTS, greedy_reference
-    elif kind == "penalties-bans":
-        params, reference = request.getfixturevalue("adjusted_reference")
-    else:
-        params, with_logprobs = request.getfixturevalue("logprob_reference")
-        reference = [o.token_ids for o in with_logprobs]
+    params, reference, with_logprobs = greedy_case(kind, request, greedy_reference)
     pairs = run_steps_both_ways(monkeypatch, {0})
     for alone, n in ((False, NUM_PROMPTS), (True, 6)):
         pairs.clear()
@@ -475,13 +480,7 @@ def test_greedy_step_in_one_call_with_a_k_per_sequence_equals_the_general_path(s
     drafting) and logprobs are those the general path computes for the same items (with penalties, bans, min_tokens
     and logprobs, raw and processed), and the output is plain decoding's."""
     engine, prompts = shipped
-    if kind == "plain":
-        params, reference = [SamplingParams(max_tokens=GREEDY_TOKENS, ignore_eos=True)] * NUM_PROMPTS, greedy_reference
-    elif kind == "penalties-bans":
-        params, reference = request.getfixturevalue("adjusted_reference")
-    else:
-        params, with_logprobs = request.getfixturevalue("logprob_reference")
-        reference = [o.token_ids for o in with_logprobs]
+    params, reference, with_logprobs = greedy_case(kind, request, greedy_reference)
     params = [dataclasses.replace(p, num_draft_tokens=MIXED_KS[i % len(MIXED_KS)]) for i, p in enumerate(params)]
     pairs = run_steps_both_ways(monkeypatch, set(range(max(MIXED_KS) + 1)))
     outs, _ = run_executor(engine, prompts, params, one_call=True, num_draft_tokens=max(MIXED_KS), speculation="fixed")
