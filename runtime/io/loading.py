@@ -1,9 +1,10 @@
 """An engine directory or a Hugging Face checkpoint, loaded straight into the model's final form.
 
 The model is built on the meta device; where the CPU kernels run, their modules are swapped in first
-(`runtime.model.kernels.modules.prepare`), chosen by how each weight is stored. Then every tensor is read from
-its file (no memory map) and goes once into its final form: FP8 codes and scales into the kernels' packs as
-they are, everything else into its parameter (dequantized where a PyTorch module needs real values). No
+(`runtime.model.kernels.modules.prepare`), and in a bfloat16 model on CUDA the FP8 modules
+(`runtime.model.fp8_linear.prepare`), chosen by how each weight is stored. Then every tensor is read from its
+file (no memory map) and goes once into its final form: FP8 codes and scales into those modules as they are,
+everything else into its parameter (dequantized where a PyTorch module needs real values). No
 copy of the whole model in another form ever exists: loading peaks at the kept weights plus one tensor.
 A rank of a tensor-parallel run (`par`) reads its own rank file alone, into its part of the model
 (`runtime.model.parallel`); a single process joins an engine's rank files here, tensor by tensor.
