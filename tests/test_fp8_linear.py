@@ -150,3 +150,39 @@ def test_triton_fp8_gemm_in_the_interpreter():
 def test_fp8_weights_setting_is_checked():
     with pytest.raises(ValueError, match=r"^fp8_weights must be true, false or unset, got 'yes'$"):
         ExecutorConfig(fp8_weights="yes")
+
+
+def test_a_probe_that_fails_in_any_way_rules_the_path_out(monkeypatch):
+    """Triton's compiler errors are not RuntimeErrors (on a GPU without FP8 support the Triton kernels fail to
+    compile): any failure of a path sends the probe on to the next one, and to dequantizing at the end."""
+    from runtime.model import fp8_linear
+
+    class CompilationError(Exception):  # as triton.compiler.errors.CompilationError: a plain Exception
+        pass
+
+    tried = []
+
+    def failing(path, *args):
+        tried.append(path)
+        raise CompilationError("fp8e4nv not supported in this architecture")
+
+    monkeypatch.setattr(fp8_linear, "_fp8_capable", lambda device: True)
+    monkeypatch.setattr(fp8_linear, "fp8_product", failing)
+    codes, scale = quantize_block_fp8(torch.randn(256, 256))
+    assert fp8_linear._probe(codes, scale) == "dequantize"
+    assert tried == list(fp8_linear.FAST_PATHS)
+
+
+def test_fp8_modules_are_built_on_the_meta_device(monkeypatch):
+    """The FP8 modules are swapped in before loading with no memory of their own (a DeepSeek-V3 model's worth of
+    empty buffers on the CPU first would be ~650 GB of address space)."""
+    devices = []
+    build = FP8Linear.__init__
+
+    def recording(self, *args):
+        build(self, *args)
+        devices.append(self.weight.device.type)
+
+    monkeypatch.setattr(FP8Linear, "__init__", recording)
+    load_engine(MODEL, dtype="bfloat16", fp8_weights=True)
+    assert devices and set(devices) == {"meta"}
