@@ -186,3 +186,30 @@ def test_fp8_modules_are_built_on_the_meta_device(monkeypatch):
     monkeypatch.setattr(FP8Linear, "__init__", recording)
     load_engine(MODEL, dtype="bfloat16", fp8_weights=True)
     assert devices and set(devices) == {"meta"}
+
+
+def test_fp8_experts_longer_batches_run_each_projection_by_its_own_path(kept, monkeypatch):
+    """Beyond decode every expert runs over every token, each projection's products by the path its shape probed
+    (here stand-ins that record the path and compute the dequantized product), weighted by the routing as the
+    bf16 model's dense path weighs them."""
+    from runtime.model import fp8_linear
+
+    experts = next(m for m in kept.model.modules() if isinstance(m, FP8Experts))
+    E, _, H = experts.gate_proj.shape
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(20, H, generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(20)])
+    weights = torch.rand(20, 2, generator=g).to(torch.bfloat16)
+    want = experts._dense(x, weights, idx).float()  # every path "dequantize": the base class's dense path
+    calls = []
+
+    def product(path, x, codes, scale):
+        calls.append(path)
+        return torch.nn.functional.linear(x, dequantize_block_fp8(codes, scale, dtype=x.dtype))
+
+    monkeypatch.setattr(fp8_linear, "fp8_product", product)
+    paths = {"gate_proj": "scaled_mm", "up_proj": "triton", "down_proj": "dequantize"}
+    monkeypatch.setattr(experts, "dense_paths", paths)
+    got = experts._dense(x, weights, idx).float()
+    assert calls == ["scaled_mm", "triton", "dequantize"] * E
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
