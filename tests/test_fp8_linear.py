@@ -213,3 +213,29 @@ def test_fp8_experts_longer_batches_run_each_projection_by_its_own_path(kept, mo
     got = experts._dense(x, weights, idx).float()
     assert calls == ["scaled_mm", "triton", "dequantize"] * E
     assert (got - want).abs().max() <= 0.02 * want.abs().max()
+
+
+@pytest.mark.skipif(find_spec("triton") is None, reason="needs the triton package")
+def test_triton_kernels_compile_for_hopper():
+    """The kernels compile to Hopper (sm_90) machine code on a machine without a GPU, with the argument types the
+    runtime passes: Triton's compiler reports errors a CPU-only run of the interpreter never meets."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from runtime.model import fp8_triton as kernels
+
+    blocks = {"BLOCK_K": kernels.BLOCK_K, "SCALE_N": kernels.SCALE_N}
+    cases = [
+        (kernels._fp8_gemm_kernel, {"a_ptr": "*bf16", "b_ptr": "*fp8e4nv", "c_ptr": "*bf16", "b_scale_ptr": "*fp32",
+                                    "M": "i32", "N": "i32", "K": "i32"}, {"BLOCK_M": 16, "BLOCK_N": 32, **blocks}),
+        (kernels._act_quant_kernel, {"x_ptr": "*bf16", "codes_ptr": "*fp8e4nv", "scale_t_ptr": "*fp32", "M": "i32",
+                                     "K": "i32", "M_PADDED": "i32"}, {"BLOCK_K": kernels.BLOCK_K}),
+        (kernels._fp8_pairs_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32",
+                                     "expert_ptr": "*i64", "out_ptr": "*bf16", "N": "i32", "K": "i32"},
+         {"BLOCK_N": 64, **blocks}),
+    ]
+    for kernel, signature, constants in cases:
+        compiled = triton.compile(ASTSource(kernel, signature | dict.fromkeys(constants, "constexpr"),
+                                            constexprs=constants), target=GPUTarget("cuda", 90, 32))
+        assert compiled.asm["cubin"]

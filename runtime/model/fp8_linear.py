@@ -15,8 +15,8 @@ first of these that a probe on the model's device shows to give what the dequant
 - "dequantize": the weight dequantized to the activations' dtype for each product (memory as FP8, arithmetic
   as bf16). Everywhere else, the CPU included.
 
-Routed experts run a Triton kernel over a decode step's (token, expert) pairs and one FP8 GEMM per expert
-beyond, where Triton is installed, else dequantize the experts a batch uses. `kv_b_proj` stays a plain
+Routed experts run a Triton kernel over a decode step's (token, expert) pairs where Triton is installed, and
+longer batches every expert over every token, each projection by its shape's path as above. `kv_b_proj` stays a plain
 dequantized Linear: absorbed MLA reads its weight per head. Every path is free of host synchronization, so CUDA
 graphs capture them.
 """
@@ -24,6 +24,7 @@ graphs capture them.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from importlib.util import find_spec
 from typing import Literal
 
@@ -42,6 +43,7 @@ GemmPath = Literal["scaled_mm", "triton", "dequantize"]
 FAST_PATHS: tuple[GemmPath, ...] = ("scaled_mm", "triton")  # in the order they are tried (docs/gpu.md says why)
 ACTIVATION_BLOCK = (1, BLOCK[1])  # one scale per token and 128 input channels
 _HAS_TRITON = find_spec("triton") is not None
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # an expert stack's
 ROW_ALIGN = 4  # cuBLASLt wants the activations' scale columns 16-byte aligned: rows padded to a multiple of 4
 
 
@@ -111,16 +113,16 @@ class FP8Experts(Experts):
     linear's of that shape); "dequantize" dequantizes the weights of the experts a product uses."""
 
     pairs_path: GemmPath = "dequantize"
-    dense_paths: dict[str, GemmPath] = dict.fromkeys(("gate_proj", "up_proj", "down_proj"), "dequantize")
+    dense_paths: dict[str, GemmPath] = dict.fromkeys(PROJECTIONS, "dequantize")
 
-    def __init__(self, experts: Experts):
+    def __init__(self, experts: Experts, dtype: torch.dtype):
         nn.Module.__init__(self)
         self.first, self.expert_parallel = experts.first, experts.expert_parallel
-        for name in ("gate_proj", "up_proj", "down_proj"):
+        for name in PROJECTIONS:
             shape = getattr(experts, name).shape
             self.register_buffer(name, torch.empty(shape, dtype=FP8_DTYPE))
             self.register_buffer(f"{name}_scale_inv", torch.empty(shape[0], *scale_shape(shape[1:])))
-        self.dtype = torch.bfloat16  # the model's compute dtype (`prepare`)
+        self.dtype = dtype  # the model's compute dtype, what `stacked` dequantizes to
 
     def load(self, name: str, expert: int | None, codes: Tensor, scale: Tensor) -> None:
         stack, scales = getattr(self, name), getattr(self, f"{name}_scale_inv")
@@ -165,8 +167,7 @@ def prepare(model: DeepseekV3ForCausalLM, stored: StoredDtype, dtype: torch.dtyp
     stored as FP8."""
     for name, module in list(model.named_modules()):
         if isinstance(module, MoE) and stored(f"{name}.experts.gate_proj") == FP8_DTYPE:
-            module.experts = FP8Experts(module.experts)
-            module.experts.dtype = dtype
+            module.experts = FP8Experts(module.experts, dtype)
         elif isinstance(module, nn.Linear) and not name.endswith("kv_b_proj") and \
                 stored(f"{name}.weight") == FP8_DTYPE:  # kv_b_proj: absorbed MLA reads its weight per head
             replace_submodule(model, name, FP8Linear(module.in_features, module.out_features))
@@ -188,8 +189,9 @@ def finish(model: DeepseekV3ForCausalLM) -> None:
         linear.path = path_of(linear.weight, linear.weight_scale_inv)
     stacks = [m for m in model.modules() if isinstance(m, FP8Experts)]
     if stacks:
-        pairs = _probe_pairs(stacks[0])
-        dense = {n: path_of(getattr(stacks[0], n)[0], getattr(stacks[0], f"{n}_scale_inv")[0]) for n in FP8Experts.dense_paths}
+        first = stacks[0]
+        pairs = _probe_pairs(first)
+        dense = {n: path_of(getattr(first, n)[0], getattr(first, f"{n}_scale_inv")[0]) for n in PROJECTIONS}
         for stack in stacks:
             stack.pairs_path, stack.dense_paths = pairs, dict(dense)
     log.info("FP8 weights kept as stored: %d linears, %d expert stacks (pairs %s); GEMM paths by weight shape: %s",
@@ -199,13 +201,11 @@ def finish(model: DeepseekV3ForCausalLM) -> None:
 
 def gemm_paths(model: nn.Module) -> dict[str, int]:
     """How many FP8 linears run each GEMM path, and expert stacks each pairs and dense path."""
-    paths: dict[str, int] = {}
+    keys = [m.path for m in model.modules() if isinstance(m, FP8Linear)]
     for m in model.modules():
-        keys = [m.path] if isinstance(m, FP8Linear) else [f"experts pairs {m.pairs_path}"] + \
-            [f"experts {n} {p}" for n, p in m.dense_paths.items()] if isinstance(m, FP8Experts) else []
-        for key in keys:
-            paths[key] = paths.get(key, 0) + 1
-    return paths
+        if isinstance(m, FP8Experts):
+            keys += [f"experts pairs {m.pairs_path}", *(f"experts {n} {p}" for n, p in m.dense_paths.items())]
+    return dict(Counter(keys))
 
 
 def _fp8_capable(device: torch.device) -> bool:
@@ -221,13 +221,12 @@ def _probe(codes: Tensor, scale: Tensor) -> GemmPath:
     reference = dequantize_block_fp8(codes, scale)
     gen = torch.Generator(device=codes.device).manual_seed(0)
     inputs = [torch.randn(m, codes.shape[1], device=codes.device, generator=gen).to(torch.bfloat16) for m in (1, 17)]
-    wants = [F.linear(dequantize_block_fp8(*quantize_block_fp8(x, ACTIVATION_BLOCK), ACTIVATION_BLOCK), reference)
-             for x in inputs]
+    wants = [F.linear(_as_quantized(x), reference) for x in inputs]
     for path in FAST_PATHS:
         try:
             for x, want in zip(inputs, wants):
                 got = fp8_product(path, x, codes, scale).float()
-                if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()):
+                if not _agrees(got, want):
                     raise ValueError(f"max error {(got - want).abs().max().item():.3g}")
             return path
         except Exception as e:  # a probe: any failure (torch's, cuBLASLt's, Triton's compiler's) rules the path out
@@ -245,8 +244,8 @@ def _probe_pairs(experts: FP8Experts, n: int = 4) -> GemmPath:
     gen = torch.Generator(device=codes.device).manual_seed(0)
     x = torch.randn(2 * n, codes.shape[2], device=codes.device, generator=gen).to(torch.bfloat16)
     which = torch.arange(2 * n, device=codes.device) % n
-    want = torch.einsum("pk,pnk->pn", dequantize_block_fp8(*quantize_block_fp8(x, ACTIVATION_BLOCK), ACTIVATION_BLOCK),
-                        dequantize_block_fp8(codes[:n], experts.gate_proj_scale_inv[:n])[which])
+    weights = dequantize_block_fp8(codes[:n], experts.gate_proj_scale_inv[:n])[which]
+    want = torch.einsum("pk,pnk->pn", _as_quantized(x), weights)
     try:
         from runtime.model.fp8_triton import fp8_pairs
 
@@ -254,4 +253,14 @@ def _probe_pairs(experts: FP8Experts, n: int = 4) -> GemmPath:
     except Exception as e:  # a probe, as `_probe`
         log.debug("FP8 experts' pairs kernel: %s: %s", type(e).__name__, e)
         return "dequantize"
-    return "triton" if torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()) else "dequantize"
+    return "triton" if _agrees(got, want) else "dequantize"
+
+
+def _as_quantized(x: Tensor) -> Tensor:
+    """x as the FP8 paths see it: quantized per token and 128 channels, dequantized to float32."""
+    return dequantize_block_fp8(*quantize_block_fp8(x, ACTIVATION_BLOCK), ACTIVATION_BLOCK)
+
+
+def _agrees(got: Tensor, want: Tensor) -> bool:
+    """Within bf16's rounding of the output (2% of the largest value)."""
+    return torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())

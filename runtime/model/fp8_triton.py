@@ -4,8 +4,9 @@ Weights come as FP8 codes with a float32 scale per 128x128 block, activations in
 quantizes each token's 128-channel slice of K as it loads it (amax / 448, as DeepSeek's `act_quant`),
 multiplies it with the weight's slice on the tensor cores in FP8, and adds the product to a float32
 accumulator times the two scales: one launch per product, quantization included. Imported only where
-Triton is installed (`runtime.model.fp8_linear`). Tile sizes are fixed by the row count rather than autotuned, so no benchmarking runs inside a CUDA graph
-capture, and row and column counts are not specialized on, so a new batch size compiles nothing.
+Triton is installed (`runtime.model.fp8_linear`). Tile sizes are fixed by the row count rather than
+autotuned, so no benchmarking runs inside a CUDA graph capture, and row and column counts are not
+specialized on, so a new batch size compiles nothing.
 """
 
 from __future__ import annotations
@@ -19,11 +20,21 @@ from runtime.model.fp8 import BLOCK, FP8_MAX, MIN_SCALE
 
 BLOCK_K = BLOCK[1]  # K advances one scale block per iteration: one activation and one weight scale each
 SCALE_N = BLOCK[0]  # output columns per weight scale
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_MIN_SCALE = tl.constexpr(MIN_SCALE)
+
+
+@triton.jit
+def _quantize(x, axis: tl.constexpr, codes_dtype: tl.constexpr):
+    """float32 x quantized per slice along `axis` as `quantize_block_fp8` does (scale = amax / 448): (codes, scales)."""
+    scale = tl.maximum(tl.max(tl.abs(x), axis=axis) / _FP8_MAX, _MIN_SCALE)
+    codes = tl.clamp(x / tl.expand_dims(scale, axis), -_FP8_MAX, _FP8_MAX).to(codes_dtype)
+    return codes, scale
 
 
 @triton.jit(do_not_specialize=["M", "N", "K"])
-def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, b_scale_ptr, M, N, K, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_N: tl.constexpr):
+def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, b_scale_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, SCALE_N: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     k_blocks = tl.cdiv(K, BLOCK_K)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -37,8 +48,7 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, b_scale_ptr, M, N, K, FP8_MAX: tl.cons
     for i in range(k_blocks):
         left = K - i * BLOCK_K
         a = tl.load(a_ptrs, mask=ks[None, :] < left, other=0.0).to(tl.float32)
-        a_scale = tl.maximum(tl.max(tl.abs(a), axis=1) / FP8_MAX, MIN_SCALE)  # this token's 128 channels
-        a_codes = tl.clamp(a / a_scale[:, None], -FP8_MAX, FP8_MAX).to(b_ptr.dtype.element_ty)
+        a_codes, a_scale = _quantize(a, 1, b_ptr.dtype.element_ty)  # each token's 128 channels
         b = tl.load(b_ptrs, mask=ks[:, None] < left, other=0.0)
         acc += tl.dot(a_codes, b) * a_scale[:, None] * tl.load(b_scale_ptrs)[None, :]
         a_ptrs += BLOCK_K
@@ -57,19 +67,17 @@ def fp8_gemm(a: Tensor, b: Tensor, b_scale: Tensor, block_n: int = 32, num_stage
     c = torch.empty(M, N, dtype=a.dtype, device=a.device)
     block_m = 16 if M <= 16 else 32
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-    _fp8_gemm_kernel[grid](a, b, c, b_scale, M, N, K, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BLOCK_M=block_m,
-                           BLOCK_N=block_n, BLOCK_K=BLOCK_K, SCALE_N=SCALE_N, num_warps=4, num_stages=num_stages)
+    _fp8_gemm_kernel[grid](a, b, c, b_scale, M, N, K, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+                           SCALE_N=SCALE_N, num_warps=4, num_stages=num_stages)
     return c
 
 
 @triton.jit(do_not_specialize=["M", "K", "M_PADDED"])
-def _act_quant_kernel(x_ptr, codes_ptr, scale_t_ptr, M, K, M_PADDED, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
+def _act_quant_kernel(x_ptr, codes_ptr, scale_t_ptr, M, K, M_PADDED, BLOCK_K: tl.constexpr):
     row, block = tl.program_id(0), tl.program_id(1)
     ks = block * BLOCK_K + tl.arange(0, BLOCK_K)
     x = tl.load(x_ptr + row.to(tl.int64) * K + ks, mask=(ks < K) & (row < M), other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX, MIN_SCALE)
-    codes = tl.clamp(x / scale, -FP8_MAX, FP8_MAX).to(codes_ptr.dtype.element_ty)
+    codes, scale = _quantize(x, 0, codes_ptr.dtype.element_ty)
     tl.store(codes_ptr + row.to(tl.int64) * K + ks, codes, mask=ks < K)
     tl.store(scale_t_ptr + block * M_PADDED + row, scale)
 
@@ -82,14 +90,13 @@ def act_quant(x: Tensor, rows: int) -> tuple[Tensor, Tensor]:
     blocks = triton.cdiv(K, BLOCK_K)
     codes = torch.empty(rows, K, dtype=torch.float8_e4m3fn, device=x.device)
     scale_t = torch.empty(blocks, rows, dtype=torch.float32, device=x.device)
-    _act_quant_kernel[(rows, blocks)](x, codes, scale_t, M, K, rows, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
-                                      BLOCK_K=BLOCK_K)
+    _act_quant_kernel[(rows, blocks)](x, codes, scale_t, M, K, rows, BLOCK_K=BLOCK_K)
     return codes, scale_t.t()
 
 
 @triton.jit(do_not_specialize=["N", "K"])
-def _fp8_pairs_kernel(x_ptr, w_ptr, w_scale_ptr, expert_ptr, out_ptr, N, K, FP8_MAX: tl.constexpr,
-                      MIN_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_N: tl.constexpr):
+def _fp8_pairs_kernel(x_ptr, w_ptr, w_scale_ptr, expert_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, SCALE_N: tl.constexpr):
     pair, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
     expert = tl.load(expert_ptr + pair).to(tl.int64)
     k_blocks, n_blocks = tl.cdiv(K, BLOCK_K), tl.cdiv(N, SCALE_N)
@@ -103,10 +110,9 @@ def _fp8_pairs_kernel(x_ptr, w_ptr, w_scale_ptr, expert_ptr, out_ptr, N, K, FP8_
         kk = i * BLOCK_K + ks
         k_ok = kk < K
         a = tl.load(x_ptr + pair * K + kk, mask=k_ok, other=0.0).to(tl.float32)
-        a_scale = tl.maximum(tl.max(tl.abs(a), axis=0) / FP8_MAX, MIN_SCALE)
-        a_codes = tl.clamp(a / a_scale, -FP8_MAX, FP8_MAX).to(w_ptr.dtype.element_ty).to(tl.float32)
+        a_codes, a_scale = _quantize(a, 0, w_ptr.dtype.element_ty)
         w = tl.load(w_base + cols[None, :] * K + kk[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        partial = tl.sum(a_codes[:, None] * w.to(tl.float32), axis=0)
+        partial = tl.sum(a_codes.to(tl.float32)[:, None] * w.to(tl.float32), axis=0)
         acc += partial * a_scale * tl.load(scale_ptrs + i, mask=col_ok, other=0.0)
     tl.store(out_ptr + pair * N + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
@@ -118,7 +124,6 @@ def fp8_pairs(x: Tensor, w: Tensor, w_scale: Tensor, experts: Tensor, block_n: i
     P, K = x.shape
     N = w.shape[1]
     out = torch.empty(P, N, dtype=x.dtype, device=x.device)
-    _fp8_pairs_kernel[(P, triton.cdiv(N, block_n))](x, w, w_scale, experts, out, N, K, FP8_MAX=FP8_MAX,
-                                                     MIN_SCALE=MIN_SCALE, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-                                                     SCALE_N=SCALE_N, num_warps=num_warps)
+    _fp8_pairs_kernel[(P, triton.cdiv(N, block_n))](x, w, w_scale, experts, out, N, K, BLOCK_N=block_n,
+                                                     BLOCK_K=BLOCK_K, SCALE_N=SCALE_N, num_warps=num_warps)
     return out
