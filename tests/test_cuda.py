@@ -79,10 +79,10 @@ def test_cuda_graphs_equal_eager(k):
 
 
 def test_cuda_fp8_weights_stay_fp8_and_each_product_is_the_dequantized_ones():
-    """A bf16 engine keeps FP8-stored weights FP8 on the GPU; every weight shape's product, by whichever path the
-    load probed (torch._scaled_mm, Triton or dequantizing), is what the dequantized weight gives on the same
-    quantized activations, for 1 to 40 tokens."""
-    engine = load_engine(MODEL, device="cuda", dtype="bfloat16")
+    """A bf16 engine asked to keep FP8-stored weights FP8 on the GPU; every weight shape's product, by whichever
+    path the load probed (torch._scaled_mm, Triton or dequantizing), is what the dequantized weight gives on the
+    same quantized activations, for 1 to 40 tokens."""
+    engine = load_engine(MODEL, device="cuda", dtype="bfloat16", fp8_weights=True)
     linears = [m for m in engine.model.modules() if isinstance(m, FP8Linear)]
     assert len(linears) == 154 and all(m.weight.is_cuda and m.weight.dtype == FP8_DTYPE for m in linears)
     shapes = {(m.out_features, m.in_features): m for m in linears}
@@ -104,7 +104,7 @@ def test_cuda_fp8_logits_close_to_fp32():
     benchmarks/fp8_gpu.py reports the measured values)."""
     ids = torch.arange(5, 300, device="cuda")[None] % 4096
     fp32 = load_engine(MODEL, device="cuda", dtype="float32").model
-    fp8 = load_engine(MODEL, device="cuda", dtype="bfloat16").model
+    fp8 = load_engine(MODEL, device="cuda", dtype="bfloat16", fp8_weights=True).model
     with torch.no_grad():
         want = fp32.logits(fp32(ids)).float()
         got = fp8.logits(fp8(ids)).float()
@@ -116,7 +116,8 @@ def test_cuda_fp8_graphs_run_and_free_every_block():
     """The FP8 engine decodes through captured graphs, speculative and plain, and gives its blocks back."""
     prompts = [p["text"] for p in json.loads((MODEL / "heldout_prompts.json").read_text())[:4]]
     for k in (0, 3):
-        config = ExecutorConfig(num_draft_tokens=k, speculation="fixed" if k else "off", device="cuda", dtype="bfloat16")
+        config = ExecutorConfig(num_draft_tokens=k, speculation="fixed" if k else "off", device="cuda", dtype="bfloat16",
+                                fp8_weights=True)
         with Executor(MODEL, config) as ex:
             assert any(isinstance(m, FP8Linear) for m in ex.engine.model.modules())
             handles = [ex.submit(ex.tokenizer.encode(p), SamplingParams(max_tokens=32, ignore_eos=True)) for p in prompts]
@@ -129,7 +130,7 @@ def test_cuda_fp8_experts_run_their_kernels_and_match_the_dequantized_experts():
     """Where Triton is installed a decode step's (token, expert) pairs run the Triton pairs kernel, longer batches each
     projection by the path its shape probed; both give what the dequantized experts give, within the activations'
     FP8 rounding (two quantized activations in a row)."""
-    engine = load_engine(MODEL, device="cuda", dtype="bfloat16")
+    engine = load_engine(MODEL, device="cuda", dtype="bfloat16", fp8_weights=True)
     stacks = [m for m in engine.model.modules() if isinstance(m, FP8Experts)]
     assert len(stacks) == 21
     assert {m.pairs_path for m in stacks} == ({"triton"} if find_spec("triton") else {"dequantize"})

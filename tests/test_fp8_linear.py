@@ -173,6 +173,35 @@ def test_a_probe_that_fails_in_any_way_rules_the_path_out(monkeypatch):
     assert tried == list(fp8_linear.FAST_PATHS)
 
 
+@pytest.mark.parametrize("requested", [None, True])
+def test_by_default_fp8_stays_only_where_a_fast_path_runs(monkeypatch, requested):
+    """On a GPU with FP8 products where only some weight shapes have a fast path (as probed), the default load
+    dequantizes the rest at load, experts included, and computes what `fp8_weights=False` computes; asked for with
+    `fp8_weights=True`, every FP8 weight stays FP8."""
+    from runtime.model import fp8_linear
+
+    fast = (96, 256)  # one weight shape with a fast path; its products stand in as dequantized ones on the CPU
+    monkeypatch.setattr(fp8_linear, "_fp8_capable", lambda device: True)
+    monkeypatch.setattr(fp8_linear, "_probe", lambda codes, scale: "scaled_mm" if tuple(codes.shape) == fast
+                        else "dequantize")
+    monkeypatch.setattr(fp8_linear, "_probe_pairs", lambda experts: "dequantize")
+    monkeypatch.setattr(fp8_linear, "fp8_product", lambda path, x, codes, scale: torch.nn.functional.linear(
+        x, dequantize_block_fp8(codes, scale, dtype=x.dtype)))
+    loaded = load_engine(MODEL, dtype="bfloat16", fp8_weights=requested)
+    plain = load_engine(MODEL, dtype="bfloat16", fp8_weights=False)
+    linears = [m for m in loaded.model.modules() if isinstance(m, FP8Linear)]
+    stacks = [m for m in loaded.model.modules() if isinstance(m, FP8Experts)]
+    everything = 7 * (plain.model_config.num_hidden_layers + plain.model_config.num_nextn_predict_layers)
+    if requested:
+        assert len(linears) == everything and stacks
+    else:
+        assert linears and all(tuple(m.weight.shape) == fast for m in linears) and len(linears) < everything
+        assert not stacks and any(isinstance(m, Experts) for m in loaded.model.modules())
+    ids = torch.tensor([[0, 5, 17, 99, 1024, 7, 3, 4000, 12, 12, 12, 256]])
+    with torch.inference_mode():
+        assert torch.equal(loaded.model.logits(loaded.model(ids)), plain.model.logits(plain.model(ids)))
+
+
 def test_fp8_modules_are_built_on_the_meta_device(monkeypatch):
     """The FP8 modules are swapped in before loading with no memory of their own (a DeepSeek-V3 model's worth of
     empty buffers on the CPU first would be ~650 GB of address space)."""

@@ -40,7 +40,8 @@ class ExecutorConfig:
     dtype: str | None = None
     relaxed_acceptance: RelaxedAcceptance | None = None
     cpu_kernels: bool = True  # on CPU in float32: C++ kernels, weights as stored (runtime.model.kernels.modules)
-    # in bfloat16, FP8-stored weights stay FP8 (runtime.model.fp8_linear): None on CUDA only, True everywhere, False never
+    # in bfloat16, FP8-stored weights stay FP8 (runtime.model.fp8_linear): None where an FP8 product runs,
+    # True everywhere, False never
     fp8_weights: bool | None = None
     cuda_graphs: bool = True  # on CUDA: forwards of <= 512 new tokens per sequence replay graphs (decodes': at start)
     # prefix caching: requests reuse the KV blocks of prefixes computed before (runtime.core.prefix_cache), as

@@ -56,7 +56,8 @@ def load_engine(path: str | Path, device: str | torch.device = "cpu", dtype: str
     dtype overrides the engine's build dtype; verify=False skips hashing the files (big engines);
     cpu_kernels: on CPU in float32, run the C++ kernels with the weights as stored (runtime.model.kernels.modules);
     fp8_weights: in bfloat16, keep FP8-stored weights FP8 (runtime.model.fp8_linear) rather than dequantize them at
-    load: None (default) on CUDA only, True on any device, False never;
+    load: None (default) where a fast FP8 product runs (GPUs of compute capability 8.9 or newer), True everywhere,
+    False never;
     par: one rank of the engine's tp_size, which loads its rank file alone (default: the whole model).
     """
     path = Path(path)
@@ -88,7 +89,7 @@ def load_engine(path: str | Path, device: str | torch.device = "cpu", dtype: str
     if kernels_here:
         kernel_modules.finish(model)
     if fp8_here:
-        fp8_linear.finish(model)
+        fp8_linear.finish(model, keep_all=fp8_weights is True)
     return LoadedEngine(model, source.cfg, build, path, path, built=source.built)
 
 

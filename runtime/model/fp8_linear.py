@@ -15,6 +15,11 @@ first of these that a probe on the model's device shows to give what the dequant
 - "dequantize": the weight dequantized to the activations' dtype for each product (memory as FP8, arithmetic
   as bf16). Everywhere else, the CPU included.
 
+By default (`fp8_weights` unset) FP8 stays only where it runs fast: on GPUs with FP8 products (compute capability
+8.9 or newer), and there a weight shape with no fast path (an expert stack with none) is dequantized at load, as
+in a model loaded with `fp8_weights=False`. Asked for (`fp8_weights=True`), every FP8 weight stays FP8 anywhere,
+dequantized for each product where nothing faster runs: memory for time.
+
 Routed experts run a Triton kernel over a decode step's (token, expert) pairs where Triton is installed, and
 longer batches every expert over every token, each projection by its shape's path as above. `kv_b_proj` stays a plain
 dequantized Linear: absorbed MLA reads its weight per head. Every path is free of host synchronization, so CUDA
@@ -44,16 +49,16 @@ FAST_PATHS: tuple[GemmPath, ...] = ("scaled_mm", "triton")  # in the order they 
 ACTIVATION_BLOCK = (1, BLOCK[1])  # one scale per token and 128 input channels
 _HAS_TRITON = find_spec("triton") is not None
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # an expert stack's
+COMPUTE_DTYPE = torch.bfloat16  # the only dtype FP8 weights stay FP8 in
 ROW_ALIGN = 4  # cuBLASLt wants the activations' scale columns 16-byte aligned: rows padded to a multiple of 4
 
 
 def runs_here(device: torch.device, dtype: torch.dtype, requested: bool | None) -> bool:
-    """Whether FP8 weights stay FP8: for bfloat16 models on CUDA by default (`requested` None), on any device when
-    requested; never in float32 (the exact reference, dequantized at load). On a CPU no FP8 product exists, so kept
-    weights are dequantized for every product: memory for time, only on request."""
-    if dtype != torch.bfloat16 or requested is False:
+    """Whether FP8 weights load as FP8: in bfloat16 models on GPUs with FP8 products by default (`requested` None),
+    on any device when requested; never in float32 (the exact reference, dequantized at load)."""
+    if dtype != COMPUTE_DTYPE or requested is False:
         return False
-    return requested is True or device.type == "cuda"
+    return requested is True or _fp8_capable(device)
 
 
 def fp8_product(path: GemmPath, x: Tensor, codes: Tensor, scale: Tensor) -> Tensor:
@@ -173,9 +178,10 @@ def prepare(model: DeepseekV3ForCausalLM, stored: StoredDtype, dtype: torch.dtyp
             replace_submodule(model, name, FP8Linear(module.in_features, module.out_features))
 
 
-def finish(model: DeepseekV3ForCausalLM) -> None:
+def finish(model: DeepseekV3ForCausalLM, keep_all: bool) -> None:
     """After loading: each FP8 linear's GEMM path, probed once per weight shape on the model's device, and the
-    experts' (their products' shape probed as a linear's, their pairs kernel on a few of one stack's experts)."""
+    experts' (their products' shape probed as a linear's, their pairs kernel on a few of one stack's experts).
+    Unless `keep_all`, the linears and expert stacks with no fast path are then dequantized at load."""
     probed: dict[tuple[int, int], GemmPath] = {}
 
     def path_of(codes: Tensor, scale: Tensor) -> GemmPath:
@@ -194,9 +200,41 @@ def finish(model: DeepseekV3ForCausalLM) -> None:
         dense = {n: path_of(getattr(first, n)[0], getattr(first, f"{n}_scale_inv")[0]) for n in PROJECTIONS}
         for stack in stacks:
             stack.pairs_path, stack.dense_paths = pairs, dict(dense)
-    log.info("FP8 weights kept as stored: %d linears, %d expert stacks (pairs %s); GEMM paths by weight shape: %s",
-             len(linears), len(stacks), stacks[0].pairs_path if stacks else "-",
-             ", ".join(f"{n}x{k} {p}" for (n, k), p in sorted(probed.items())))
+    slow = 0 if keep_all else _dequantize_slow(model)
+    log.info("FP8 weights kept as stored: %d linears, %d expert stacks (pairs %s), %d dequantized at load (no fast "
+             "path); GEMM paths by weight shape: %s", len(linears), len(stacks), stacks[0].pairs_path if stacks else
+             "-", slow, ", ".join(f"{n}x{k} {p}" for (n, k), p in sorted(probed.items())))
+
+
+def _dequantize_slow(model: DeepseekV3ForCausalLM) -> int:
+    """Each FP8 linear whose product would dequantize its weight, and each expert stack with no fast path, replaced
+    by its dequantized module (what `fp8_weights=False` loads), one at a time; how many were."""
+    slow = [(n, m) for n, m in model.named_modules() if isinstance(m, FP8Linear) and m.path == "dequantize"]
+    for name, linear in slow:
+        plain = nn.Linear(linear.in_features, linear.out_features, bias=False, device="meta")
+        plain.weight = nn.Parameter(dequantize_block_fp8(linear.weight, linear.weight_scale_inv, dtype=COMPUTE_DTYPE),
+                                    requires_grad=False)
+        replace_submodule(model, name, plain)
+    moes = [m for m in model.modules() if isinstance(m, MoE) and isinstance(m.experts, FP8Experts)
+            and m.experts.pairs_path == "dequantize" and set(m.experts.dense_paths.values()) == {"dequantize"}]
+    for moe in moes:
+        moe.experts = _dequantized_experts(moe.experts)
+    return len(slow) + len(moes)
+
+
+def _dequantized_experts(stack: FP8Experts) -> Experts:
+    """The stack as plain Experts in its compute dtype, dequantized one expert at a time (a whole stack at once
+    would take several times its bytes in temporaries)."""
+    plain = Experts.__new__(Experts)
+    nn.Module.__init__(plain)
+    plain.first, plain.expert_parallel = stack.first, stack.expert_parallel
+    for name in PROJECTIONS:
+        codes = getattr(stack, name)
+        weights = torch.empty(codes.shape, dtype=stack.dtype, device=codes.device)
+        for e in range(codes.shape[0]):
+            weights[e] = stack.stacked(name, e)
+        setattr(plain, name, nn.Parameter(weights, requires_grad=False))
+    return plain
 
 
 def gemm_paths(model: nn.Module) -> dict[str, int]:
