@@ -115,6 +115,7 @@ def machine_info() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "torch_interop_threads": torch.get_num_interop_threads(),
         "cuda_available": torch.cuda.is_available(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "load_average_1m_5m_15m": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "git_commit": _git("rev-parse", "HEAD"),
         # changed tracked files, but not the benchmark outputs this very run rewrites
@@ -342,9 +343,9 @@ def target_line(name: str, value: float | None, goal: float, unit: str = "x") ->
 
 
 def machine_md(info: dict[str, Any]) -> str:
-    keys = ("date_utc", "cpu_model", "cpu_count", "torch_threads", "torch_version", "transformers_version",
+    keys = ("date_utc", "cpu_model", "cpu_count", "gpu", "torch_threads", "torch_version", "transformers_version",
             "load_average_1m_5m_15m", "git_commit", "git_dirty_files", "command")
-    return "\n".join(f"- {k}: `{info[k]}`" for k in keys if k in info)
+    return "\n".join(f"- {k}: `{info[k]}`" for k in keys if info.get(k) is not None)
 
 
 # ---- atomic outputs -------------------------------------------------------------------------

@@ -158,8 +158,6 @@ def main(argv: list[str] | None = None) -> None:
     ks = comma_list(p, "--ks", args.ks)
     set_threads(args.threads)
     info = machine_info()
-    if args.device == "cuda":
-        info["gpu"] = torch.cuda.get_device_name()
 
     engines, memory = {}, {}
     for mode in tqdm(modes, desc="load"):

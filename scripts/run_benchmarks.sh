@@ -19,10 +19,10 @@ if [ $# -ge 1 ] && [ -f data/val.bin ]; then run fp8 benchmarks.fp8 --bf16_model
 wait
 run load_test benchmarks.load_test --max_output_tokens 64 --modes plain,adaptive
 run triton benchmarks.triton_serving
-run openai_serving benchmarks.openai_serving
+run openai_serving benchmarks.openai_serving --rounds 6 --requests 6 --max_tokens 64
 run speculative benchmarks.speculative
 run sampling_features benchmarks.sampling_features --rounds 6
-run structured_output benchmarks.structured_output --rounds 4
+run structured_output benchmarks.structured_output --threads 1 --rounds 4
 run serving benchmarks.serving --num_requests 8 --requests_per_client 8 --rounds 3 --qps_requests 24 \
   --min_tokens 48 --max_tokens 96
 # On a CUDA host, the load test, batch-1, FP8 and serving benchmarks again on the GPU (files named after it, e.g. *_h100).
