@@ -4,15 +4,15 @@ Writes a synthetic sharded checkpoint of a few hundred MB (wide hidden size, few
 weights), converts it in a child process that reports its own peak RSS (ru_maxrss), and compares
 that with a child that only imports the converter (the Python + torch baseline). This process
 imports no torch and writes the checkpoint from a child too: Linux carries a parent's peak RSS
-into a forked child's ru_maxrss, so the parent must stay small.
+into a forked child's ru_maxrss, so the parent must stay small (it imports torch, for the machine record, only
+after the children ran). Writes docs/benchmarks/<name>.json and .md.
 
-    python -m benchmarks.convert_memory [--tp_size 2 --ep_size 2 --fp8] [--out FILE]
+    python -m benchmarks.convert_memory [--tp_size 2 --ep_size 2 --fp8 --shard_mb 160] [--name convert_memory]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
@@ -67,7 +67,8 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--fp8", action="store_true", help="FP8 source, converted with FP8_BLOCK_SCALES (pass-through)")
     p.add_argument("--shard_mb", type=int, default=160)
-    p.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "convert_memory.json")
+    p.add_argument("--out_dir", type=Path, default=ROOT / "docs" / "benchmarks")
+    p.add_argument("--name", default="convert_memory", help="the result files' base name")
     args = p.parse_args()
 
     build = {"tp_size": args.tp_size, "ep_size": args.ep_size, "dtype": args.dtype,
@@ -100,9 +101,19 @@ def main() -> None:
     print(f"peak RSS {peak / mb:.0f} MiB = {result['peak_rss_over_largest_shard']:.2f} x largest shard "
           f"(Python + torch baseline {baseline / mb:.0f} MiB; above it {(peak - baseline) / mb:.0f} MiB "
           f"= {result['peak_over_baseline_over_largest_shard']:.2f} x)")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    from benchmarks.common import machine_info, machine_md, write_results  # imports torch: after the children
+
+    result["machine"] = machine_info()
+    markdown = (f"# Converter peak memory\n\n{machine_md(result['machine'])}\n\n"
+                f"| checkpoint | largest shard | peak RSS | Python + torch baseline | peak above baseline |\n"
+                f"|---|---|---|---|---|\n"
+                f"| {result['checkpoint_bytes'] / mb:.0f} MiB in {len(shards)} shards | {largest / mb:.0f} MiB | "
+                f"{peak / mb:.0f} MiB ({result['peak_rss_over_largest_shard']:.2f}x) | {baseline / mb:.0f} MiB | "
+                f"{(peak - baseline) / mb:.0f} MiB ({result['peak_over_baseline_over_largest_shard']:.2f}x the "
+                f"largest shard) |\n")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    js, md = write_results(args.out_dir, args.name, result, markdown)
+    print(f"wrote {js} and {md}")
 
 
 if __name__ == "__main__":
