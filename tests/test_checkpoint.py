@@ -20,6 +20,7 @@ from runtime.io.checkpoint import (
     INDEX_NAME,
     CheckpointError,
     HFCheckpoint,
+    check_finite,
     expected_tensor_shapes,
     is_fp8_quantized,
     is_mtp_tensor,
@@ -599,6 +600,27 @@ def test_non_finite_values_are_refused_as_they_stream(make_ckpt, name, fp8):
         with pytest.raises(CheckpointError) as e:
             list(ck.iter_tensors(dequantize=dequantize))
         assert str(e.value) == want
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16, torch.float16, torch.float32])
+def test_check_finite_finds_every_non_finite_value_anywhere(dtype, tmp_path):
+    """Each NaN code (FP8: 0x7F and 0xFF) and each infinity, at the first, a middle and the last element, is found;
+    the largest finite values, negative zero and an empty tensor pass."""
+    base = (torch.linspace(-1, 1, 4099) * (448 if dtype == torch.float8_e4m3fn else 1e4)).to(dtype)
+    extremes = [448.0, -448.0] if dtype == torch.float8_e4m3fn else [torch.finfo(dtype).max, torch.finfo(dtype).min]
+    check_finite(torch.tensor(extremes + [-0.0]).to(dtype), "w", tmp_path)
+    check_finite(base[:0], "w", tmp_path)
+    if dtype == torch.float8_e4m3fn:
+        bad = [lambda t, i, code=code: t.view(torch.uint8).__setitem__(i, code) for code in (0x7F, 0xFF)]
+    else:
+        bad = [lambda t, i, v=v: t.__setitem__(i, v) for v in (float("nan"), float("inf"), float("-inf"))]
+    for put in bad:
+        for i in (0, 2049, 4098):
+            t = base.clone()
+            put(t, i)
+            with pytest.raises(CheckpointError, match=r"tensor 'w' holds NaN or infinite values$"):
+                check_finite(t, "w", tmp_path)
+    check_finite(base, "w", tmp_path)
 
 
 def test_the_release_config_reads_without_unknown_fields(caplog):
