@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -253,3 +255,14 @@ def test_refuses_non_finite_weights_in_rank_files(engine):
     with pytest.raises(EngineError) as e:
         load_engine(engine, verify=False)
     assert str(e.value) == f"{rank1}: tensor {name!r} holds NaN or infinite values"
+
+
+def test_loading_a_model_leaves_torch_dynamo_unimported():
+    """Building the model under the meta device runs no op through torch's reference implementations (normal_,
+    arange), whose first call imports torch._dynamo: about a second and ~90 MB in every process that loads an
+    engine (each rank, the Triton model, each Session)."""
+    shipped = Path(__file__).resolve().parents[1] / "models" / "deepseek-v3-mini"
+    code = (f"import sys; from runtime.io.loading import load_engine; load_engine({str(shipped)!r}); "
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False"]

@@ -46,9 +46,10 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[Tensor, float]:
-    """Inverse frequencies (YaRN-blended when rope_scaling is set) and the rotation's scale."""
+    """Inverse frequencies (YaRN-blended when rope_scaling is set) and the rotation's scale, on the CPU (also
+    while a model is built under the meta device, where these ops would take torch's slow reference path)."""
     dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
-    freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
     rs = cfg.rope_scaling
     if rs is None:
         return freq, 1.0
@@ -58,7 +59,7 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[Tensor, float]:
 
     low = max(math.floor(correction_dim(rs.beta_fast)), 0)
     high = min(math.ceil(correction_dim(rs.beta_slow)), dim - 1)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / max(high - low, 1e-3)).clamp(0, 1)
     freq = freq / rs.factor * ramp + freq * (1 - ramp)
     if rs.mscale and rs.mscale_all_dim:  # DeepSeek-V3 gives both (equal): the factor is 1
         return freq, yarn_mscale(rs.factor, rs.mscale) / yarn_mscale(rs.factor, rs.mscale_all_dim)

@@ -103,7 +103,8 @@ class VocabParallelEmbedding(nn.Embedding):
     are summed (exact: one rank holds each token)."""
 
     def __init__(self, vocab_size: int, dim: int, par: Parallel):
-        super().__init__(par.layout.part(vocab_size), dim)
+        rows = par.layout.part(vocab_size)
+        super().__init__(rows, dim, _weight=torch.empty(rows, dim))  # loaded, not initialized (normal_ is slow on meta)
         self.par = par
         self.first = par.layout.rank * self.num_embeddings
 
