@@ -257,12 +257,12 @@ def test_refuses_non_finite_weights_in_rank_files(engine):
     assert str(e.value) == f"{rank1}: tensor {name!r} holds NaN or infinite values"
 
 
-def test_loading_a_model_leaves_torch_dynamo_unimported():
-    """Building the model under the meta device runs no op through torch's reference implementations (normal_,
-    arange), whose first call imports torch._dynamo: about a second and ~90 MB in every process that loads an
-    engine (each rank, the Triton model, each Session)."""
+def test_loading_a_model_imports_neither_torch_dynamo_nor_sympy():
+    """Building the model under the meta device and allocating it run no op through torch's reference
+    implementations (normal_, arange, empty_like of a meta tensor), whose first use imports torch._dynamo or
+    sympy: seconds and ~90 MB in every process that loads an engine (each rank, the Triton model, each Session)."""
     shipped = Path(__file__).resolve().parents[1] / "models" / "deepseek-v3-mini"
     code = (f"import sys; from runtime.io.loading import load_engine; load_engine({str(shipped)!r}); "
-            "print('torch._dynamo' in sys.modules)")
+            "print('torch._dynamo' in sys.modules, 'sympy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["False"]
+    assert out.split() == ["False", "False"]

@@ -119,7 +119,8 @@ def _materialize(model: DeepseekV3ForCausalLM, device: torch.device, dtype: torc
         p.data = p.data.to(dtype)
         if k_major and p.dim() >= 2 and not name.endswith("embed_tokens.weight"):
             p.data = p.data.mT.contiguous().mT
-    model.to_empty(device=device)
+    # to_empty's empty_like takes torch's reference path for meta tensors, whose first use imports sympy (seconds)
+    model._apply(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device))
     model.inv_freq.copy_(rope_inv_freq(model.cfg)[0])
 
 
