@@ -211,8 +211,9 @@ def row_problems(row: str) -> list[str]:
         problems.append(f"{files[0]}: date {date} not in the row")
     # as recorded, or in the units a reader wants: seconds as ms, fractions as percent
     values = [x * scale for x in numbers_in(record) for scale in (1, 1000, 100)]
-    text = re.sub(r"\([^)]*\)\]?|\[[^\]]*\]", " ", INLINE_CODE.sub(" ", row))  # drop links and code
+    text = re.sub(r"\[[^\]]*\]\([^)]*\)", " ", INLINE_CODE.sub(" ", row))  # drop links and code, not parentheses
     text = re.sub(r"\b\d{4}-\d{2}-\d{2}\b|\b[0-9a-f]{7,40}\b", " ", text)  # dates and commits
+    text = re.sub(r"\b(?:Triton|torch|Python|CUDA) \d+(?:\.\d+)+", " ", text)  # versions
     for number in re.findall(r"(?<![\w.])\d+\.\d+(?![\w.])", text):
         decimals = len(number.split(".")[1])
         x = float(number)
@@ -329,3 +330,4 @@ def test_measurement_check_finds_numbers_not_in_the_file() -> None:
     assert row_problems(good) == []
     bad = good.replace("39.711", "39.987").replace(record["git_commit"][:7], "0000000")
     assert len(row_problems(bad)) == 2
+    assert len(row_problems(good.replace("39.711", "39.711 (39.987 another way)"))) == 1  # parentheses count too
