@@ -16,7 +16,8 @@ identical. Every request is bounded by --request_timeout_s; clients stop by them
 
 Resident memory (VmRSS) of every process of the server (tritonserver and each Python backend stub) is sampled
 idle, after priming, after --warmup_s of the timed load ("start"), every --sample_every_s and after the load
-drains ("end"). Priming sends every kind --prime_rounds times from all clients at once before the timed load: a
+drains ("end"), with the shared memory within it at the start and the end (RssShmem, reported, not judged).
+Priming sends every kind --prime_rounds times from all clients at once before the timed load: a
 process's memory keeps the high-water mark of what it held at once (2 MB request bodies refused 32 at a time), so
 a baseline taken before every kind has hit its peak concurrency reads a plateau reached later as growth. Two
 checks then separate a plateau from a leak: growth from start to end within 10% (the issue's bound), and the
@@ -465,12 +466,13 @@ def server_processes(server: TritonServer) -> dict[int, str]:
         server.process.pid).items()}}
 
 
-def rss_kb(pids: dict[int, str]) -> dict[int, int | None]:
-    """VmRSS of each pid in kB (None: the process is gone)."""
+def rss_kb(pids: dict[int, str], field: str = "VmRSS") -> dict[int, int | None]:
+    """VmRSS (or another /proc/<pid>/status field in kB: RssShmem, the shared memory in it) of each pid in kB
+    (None: the process is gone)."""
     out: dict[int, int | None] = {}
     for pid in pids:
         try:
-            line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmRSS:"))
+            line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith(f"{field}:"))
             out[pid] = int(line.split()[1])
         except (OSError, StopIteration):
             out[pid] = None
@@ -594,7 +596,7 @@ def run_load(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         time.sleep(max(0.0, t0 + mark - time.perf_counter()))
         m, rss = read_metrics(ctx.server.metrics_url), rss_kb(pids)
         samples.append({"phase": "load", "at_s": round(time.perf_counter() - t0, 1), "rss_kb": rss,
-                        "kv_used": kv_blocks(m)["used"],
+                        "shmem_kb": rss_kb(pids, "RssShmem"), "kv_used": kv_blocks(m)["used"],
                         "active": metric(m, "nv_trt_llm_request_metrics", request_type="active")})
         start_index = len(samples) - 1 if mark == warmup else start_index
         with lock:
@@ -658,9 +660,11 @@ def growth_rate_kb_h(samples: list[dict[str, Any]], pid: int, from_s: float) -> 
 
 
 def rss_table(pids: dict[int, str], samples: list[dict[str, Any]], start_index: int, end: dict[int, int | None],
-              load_s: float) -> list[dict[str, Any]]:
+              end_shmem: dict[int, int | None], load_s: float) -> list[dict[str, Any]]:
     """Per process: VmRSS idle, after priming, at the start (after the warm-up), at the end; growth from start
-    to end; the rate fitted over the load's second half, and the growth that rate gives over start to end."""
+    to end; the rate fitted over the load's second half, and the growth that rate gives over start to end. Also
+    the shared memory within VmRSS at the start and the end (RssShmem: a Python backend stub's region, which
+    Triton maps again, keeping the old mapping, when a large request body does not fit it)."""
     idle, primed, start = (samples[0]["rss_kb"], samples[1]["rss_kb"], samples[start_index]["rss_kb"])
     window_h = max(0.0, load_s - samples[start_index]["at_s"]) / 3600
     rows = []
@@ -670,7 +674,8 @@ def rss_table(pids: dict[int, str], samples: list[dict[str, Any]], start_index: 
         rate = growth_rate_kb_h(samples, pid, load_s / 2)
         rate_growth = None if not s or rate is None or e is None else rate * window_h / s
         rows.append({"pid": pid, "process": name, "idle_kb": idle.get(pid), "primed_kb": primed.get(pid),
-                     "start_kb": s, "end_kb": e, "growth": growth, "second_half_kb_per_h": rate,
+                     "start_kb": s, "end_kb": e, "start_shmem_kb": samples[start_index]["shmem_kb"].get(pid),
+                     "end_shmem_kb": end_shmem.get(pid), "growth": growth, "second_half_kb_per_h": rate,
                      "second_half_rate_growth": rate_growth, "alive": e is not None,
                      "over_limit": growth is not None and growth > RSS_GROWTH_LIMIT,
                      "still_growing": rate_growth is not None and rate_growth > RSS_GROWTH_LIMIT})
@@ -781,7 +786,7 @@ def main(argv: list[str] | None = None) -> int:
         cancelled_before = cancelled_total(server)
         load = run_load(ctx, args)
         end = end_checks(ctx)
-        end_rss = rss_kb(load["pids"])
+        end_rss, end_shmem = rss_kb(load["pids"]), rss_kb(load["pids"], "RssShmem")
         cancelled = cancelled_total(server) - cancelled_before
     finally:
         t_stop = time.perf_counter()
@@ -790,7 +795,7 @@ def main(argv: list[str] | None = None) -> int:
 
     records: list[Record] = load["records"]
     samples = load["samples"]
-    rss = rss_table(load["pids"], samples, load["start_index"], end_rss, args.minutes * 60)
+    rss = rss_table(load["pids"], samples, load["start_index"], end_rss, end_shmem, args.minutes * 60)
     rates_known = all(r["second_half_rate_growth"] is not None for r in rss if r["alive"])
     by_outcome = Counter(r.outcome for r in records)
     unexpected = errors_by_kind(load["primed"] + records, "unexpected_error")
@@ -864,7 +869,7 @@ def markdown(r: dict[str, Any]) -> str:
               ms(v["latency_p50_s"]), ms(v["latency_p99_s"]), ms(v["ttft_p50_s"]), ms(v["ttft_p99_s"])]
              for k, v in r["kinds"].items()]
     rss = [[p["process"], p["pid"], kb_mb(p["idle_kb"]), kb_mb(p["primed_kb"]), kb_mb(p["start_kb"]),
-            kb_mb(p["end_kb"]), pct(p["growth"]), kb_mb(p["second_half_kb_per_h"]), pct(p["second_half_rate_growth"]),
+            kb_mb(p["end_kb"]), f"{fmt(kb_mb(p['start_shmem_kb']), 1)} -> {fmt(kb_mb(p['end_shmem_kb']), 1)}", pct(p["growth"]), kb_mb(p["second_half_kb_per_h"]), pct(p["second_half_rate_growth"]),
             "GONE" if not p["alive"] else ", ".join(["OVER"] * p["over_limit"] + ["STILL GROWING"] * p["still_growing"])
             or "ok"] for p in r["rss"]["processes"]]
     pr = r["priming"]
@@ -891,7 +896,8 @@ def markdown(r: dict[str, Any]) -> str:
         f"## Resident memory (MB; start = after priming and {r['rss']['start_at_s']:.0f} s of load, end = drained; "
         f"limit +{r['rss']['limit']:.0%} from start to end, and for the second half's fitted rate over the same "
         f"window)",
-        md_table(["process", "pid", "idle", "primed", "start", "end", "growth", "2nd half MB/h",
+        md_table(["process", "pid", "idle", "primed", "start", "end", "of which shared (start -> end)", "growth",
+                  "2nd half MB/h",
                   "2nd-half rate over start-end", ""], rss, digits=1),
         f"## End\n\nKV blocks {end['kv_blocks']} (all free: {fmt(end['kv_all_free'])}; peak used in samples "
         f"{r['kv_used_peak_sampled']:.0f}); ready {fmt(end['ready'])}; a probe after the load: {end['request']}; "

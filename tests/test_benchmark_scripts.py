@@ -493,20 +493,23 @@ def test_soak_rss_checks_tell_a_plateau_from_a_leak():
     pids = {1: "plateau", 2: "late leak", 3: "noise"}
 
     def at(t: float, phase: str) -> dict:
-        return {"phase": phase, "at_s": t, "rss_kb": {pid: f(t) for pid, f in curves.items()}}
+        return {"phase": phase, "at_s": t, "rss_kb": {pid: f(t) for pid, f in curves.items()},
+                "shmem_kb": {pid: 2_000 + t for pid in curves}}
 
     samples = [at(0.0, "idle"), at(0.0, "primed"), *[at(float(t), "load") for t in np.arange(every, load_s, every)]]
     start_index = [x["at_s"] for x in samples].index(120.0, 2)
     end = {pid: f(load_s) for pid, f in curves.items()}
-    rows = {r["process"]: r for r in st.rss_table(pids, samples, start_index, end, load_s)}
+    end_shmem = {pid: 9_000 for pid in curves}
+    rows = {r["process"]: r for r in st.rss_table(pids, samples, start_index, end, end_shmem, load_s)}
     p, leak, noise = rows["plateau"], rows["late leak"], rows["noise"]
     assert (p["start_kb"], p["end_kb"]) == (130_000, 160_000) and p["over_limit"]
+    assert (p["start_shmem_kb"], p["end_shmem_kb"]) == (2_120, 9_000)  # reported, not judged
     assert p["second_half_kb_per_h"] == pytest.approx(0, abs=1e-6) and not p["still_growing"]
     assert leak["growth"] == pytest.approx(0.09) and not leak["over_limit"]
     assert leak["second_half_kb_per_h"] > 20_000 and leak["still_growing"]
     assert not noise["over_limit"] and not noise["still_growing"]
     short = [x for x in samples if x["at_s"] <= 120.0]
-    row = st.rss_table(pids, short, len(short) - 1, end, 150.0)[0]
+    row = st.rss_table(pids, short, len(short) - 1, end, end_shmem, 150.0)[0]
     assert row["second_half_kb_per_h"] is None and not row["still_growing"]
 
 
