@@ -29,7 +29,7 @@ from runtime.io.engine_format import (DTYPES, ENGINE_JSON, BuildConfig, EngineEr
 from runtime.model.fp8 import BLOCK, FP8_DTYPE, dequantize_block_fp8, dequantize_tensor_fp8, scale_shape
 from runtime.model import fp8_linear
 from runtime.model.kernels import modules as kernel_modules
-from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM, rope_inv_freq
+from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM
 from runtime.model.parallel import WHOLE, Parallel
 from runtime.io.weights import parameter_shapes, to_internal, to_release
 
@@ -119,9 +119,10 @@ def _materialize(model: DeepseekV3ForCausalLM, device: torch.device, dtype: torc
         p.data = p.data.to(dtype)
         if k_major and p.dim() >= 2 and not name.endswith("embed_tokens.weight"):
             p.data = p.data.mT.contiguous().mT
-    # to_empty's empty_like takes torch's reference path for meta tensors, whose first use imports sympy (seconds)
-    model._apply(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device))
-    model.inv_freq.copy_(rope_inv_freq(model.cfg)[0])
+    # meta tensors allocated empty (to_empty's empty_like takes torch's reference path for them, whose first use
+    # imports sympy: seconds); the rest, RoPE's frequencies computed at build, moved as they are
+    model._apply(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device) if t.is_meta
+                 else t.to(device))
 
 
 def load_release_tensors(model: DeepseekV3ForCausalLM, tensors: Iterable[tuple[str, Tensor]],
