@@ -244,6 +244,29 @@ def test_fp8_experts_longer_batches_run_each_projection_by_its_own_path(kept, mo
     assert (got - want).abs().max() <= 0.02 * want.abs().max()
 
 
+def test_scaled_mm_gets_aligned_scales_for_every_expert(kept, monkeypatch):
+    """cuBLASLt refuses a scale tensor that does not start on a 16-byte boundary (CUBLAS_STATUS_NOT_SUPPORTED, seen
+    on an H200 for odd experts beyond decode): an expert's slice of a stack's scales is handed over aligned, with
+    the same values."""
+    from runtime.model import fp8_linear
+
+    def scaled_mm(q, codes_t, scale_a, scale_b, out_dtype):
+        assert scale_b.data_ptr() % 16 == 0, "scale_b not 16-byte aligned"
+        a = dequantize_block_fp8(q, scale_a, fp8_linear.ACTIVATION_BLOCK)
+        return torch.nn.functional.linear(a, dequantize_block_fp8(codes_t.t(), scale_b.t())).to(out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    experts = next(m for m in kept.model.modules() if isinstance(m, FP8Experts))
+    scales = experts.gate_proj_scale_inv
+    assert any(scales[e].data_ptr() % 16 for e in range(scales.shape[0]))  # the case exists in the shipped model
+    x = torch.randn(5, experts.gate_proj.shape[2]).to(torch.bfloat16)
+    for e in range(scales.shape[0]):
+        got = fp8_linear.fp8_product("scaled_mm", x, experts.gate_proj[e], scales[e])
+        want = fp8_linear.fp8_product("dequantize", fp8_linear._as_quantized(x).to(torch.bfloat16), experts.gate_proj[e],
+                                      scales[e])
+        assert torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
 @pytest.mark.skipif(find_spec("triton") is None, reason="needs the triton package")
 def test_triton_kernels_compile_for_hopper():
     """The kernels compile to Hopper (sm_90) machine code on a machine without a GPU, with the argument types the

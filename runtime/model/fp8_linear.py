@@ -51,6 +51,7 @@ _HAS_TRITON = find_spec("triton") is not None
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # an expert stack's
 COMPUTE_DTYPE = torch.bfloat16  # the only dtype FP8 weights stay FP8 in
 ROW_ALIGN = 4  # cuBLASLt wants the activations' scale columns 16-byte aligned: rows padded to a multiple of 4
+SCALE_ALIGN = 16  # bytes: cuBLASLt wants each scale tensor to start on a 16-byte boundary
 
 
 def runs_here(device: torch.device, dtype: torch.dtype, requested: bool | None) -> bool:
@@ -72,6 +73,8 @@ def fp8_product(path: GemmPath, x: Tensor, codes: Tensor, scale: Tensor) -> Tens
         return fp8_gemm(x.contiguous(), codes, scale)
     M = x.shape[0]
     q, s = _quantize_rows(x, M + -M % ROW_ALIGN)
+    if scale.data_ptr() % SCALE_ALIGN:  # an expert's slice of a stack's scales can start mid-word: cuBLASLt refuses
+        scale = scale.clone()
     return torch._scaled_mm(q, codes.t(), scale_a=s, scale_b=scale.t(), out_dtype=x.dtype)[:M]
 
 
