@@ -262,8 +262,8 @@ def test_scaled_mm_gets_aligned_scales_for_every_expert(kept, monkeypatch):
     x = torch.randn(5, experts.gate_proj.shape[2]).to(torch.bfloat16)
     for e in range(scales.shape[0]):
         got = fp8_linear.fp8_product("scaled_mm", x, experts.gate_proj[e], scales[e])
-        want = fp8_linear.fp8_product("dequantize", fp8_linear._as_quantized(x).to(torch.bfloat16), experts.gate_proj[e],
-                                      scales[e])
+        quantized = fp8_linear._as_quantized(x).to(torch.bfloat16)
+        want = fp8_linear.fp8_product("dequantize", quantized, experts.gate_proj[e], scales[e])
         assert torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 
