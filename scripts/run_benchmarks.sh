@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run every benchmark on the shipped model and write docs/benchmarks/*.{json,md,png}.
 # The timed ones (load test, Triton, batch 1, serving) run one after another with torch's default
-# threads (all cores); the counts and losses (acceptance, FP8 vs BF16) run first, side by side with
+# threads (all cores); the counts and losses (acceptance, penalized drafts, FP8 vs BF16) run first, side by side with
 # one thread each. Each benchmark reports ratios measured within its own run.
 # Usage: bash scripts/run_benchmarks.sh [BF16_EXPORT_DIR]
 #   BF16_EXPORT_DIR: a BF16 export of the same training checkpoint (python -m training.export_model --bf16),
@@ -15,6 +15,7 @@ run() { local name=$1; shift; echo "== $name: $*"; python -m "$@" > "docs/benchm
 val=(); [ -f data/val.bin ] && val=(--val_bin data/val.bin --val_tokens 65536)
 
 run acceptance benchmarks.acceptance --ks 1,2,3,4 "${val[@]}" --threads 1 &
+run penalized_drafts benchmarks.penalized_drafts --threads 1 &
 if [ $# -ge 1 ] && [ -f data/val.bin ]; then run fp8 benchmarks.fp8 --bf16_model "$1" --threads 1 & fi
 wait
 run load_test benchmarks.load_test --max_output_tokens 64 --modes plain,adaptive

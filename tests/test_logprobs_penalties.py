@@ -536,3 +536,19 @@ def test_cost_benchmark_smoke_run(tmp_path, monkeypatch) -> None:
         assert set(r) >= {"off", "logprobs", "penalties", "both"}
     assert res["k2_c2"]["off"]["acceptance_rate"] > 0
     assert "| k | concurrency | setting |" in (tmp_path / "sampling_features_quick.md").read_text()
+
+
+def test_penalized_drafts_benchmark_smoke_run(tmp_path, monkeypatch) -> None:
+    """benchmarks.penalized_drafts at its smoke settings: drafts without the penalties are really other drafts
+    (another acceptance), and neither changes a greedy penalized output (the target rows decide every token)."""
+    import benchmarks.penalized_drafts as bench
+
+    monkeypatch.setattr("sys.argv", ["penalized_drafts", "--quick", "--out_dir", str(tmp_path)])
+    bench.main()
+    res = json.loads((tmp_path / "penalized_drafts_quick.json").read_text())["results"]["k2"]
+    greedy, sampled = res["greedy"], res["sampled"]
+    assert greedy["penalized"]["output_equals_k0"] == greedy["unpenalized"]["output_equals_k0"] == 2
+    assert greedy["penalized"]["draft_tokens"] > 0 and sampled["unpenalized"]["draft_tokens"] > 0
+    assert greedy["penalized"]["acceptance_rate"] != greedy["unpenalized"]["acceptance_rate"]
+    assert sampled["penalized"]["acceptance_rate"] != sampled["unpenalized"]["acceptance_rate"]
+    assert "| k | requests | drafts |" in (tmp_path / "penalized_drafts_quick.md").read_text()
