@@ -28,9 +28,12 @@ class EngineLimits:
     kv_blocks: int = 0  # blocks in its KV cache
 
 
+SERVER_DIR_PREFIX = f"tritonserver-{os.getuid()}-"  # then the tritonserver's pid
+
+
 def server_dir(server_pid: int) -> Path:
     """Where the models of the tritonserver with this pid publish their limits (its launcher removes it)."""
-    return Path(tempfile.gettempdir()) / f"tritonserver-{os.getuid()}-{server_pid}"
+    return Path(tempfile.gettempdir()) / f"{SERVER_DIR_PREFIX}{server_pid}"
 
 
 def limits_dir(create: bool = False) -> Path:

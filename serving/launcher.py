@@ -25,6 +25,7 @@ import contextlib
 import importlib.util
 import itertools
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -41,7 +42,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from runtime.executors.lifetime import terminate_with_parent
-from serving.engine_limits import server_dir
+from serving.engine_limits import SERVER_DIR_PREFIX, server_dir
 
 # the launcher's --world_size, for the engine models (serving.triton_engine): ExecutorConfig.world_size
 WORLD_SIZE_ENV = "DSV3_WORLD_SIZE"
@@ -50,6 +51,8 @@ CONTAINER_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
 RESTRICTED_APIS = "shared-memory,model-repository,logging,trace"
 ADMIN_HEADER = "admin-key"
 SHM_DIR = Path("/dev/shm")
+SHM_REGION = re.compile(r"dsv3_(\d+)_")  # a Python backend region of ours: dsv3_<launcher pid>_<n>_<Triton's name>
+WORKDIR = re.compile(r"dsv3-triton-(\d+)-")  # a launcher's private work directory: dsv3-triton-<launcher pid>-<random>
 STUB_BINARY = "triton_python_backend_stub"
 SUPERVISE_PERIOD_S = 1.0
 _instance_counter = itertools.count()
@@ -286,6 +289,38 @@ class TritonServer:
         self.stop()
 
 
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_leftovers(shm_dir: Path = SHM_DIR, tmp_dir: Path | None = None) -> list[Path]:
+    """Remove what launchers and servers killed before their stop() left: Python backend regions in /dev/shm
+    (memory: a few MB per model instance) and work directories (a copy of the backends) named after a launcher
+    pid with no process, and limits directories (`server_dir`) of a tritonserver pid with no process. A dead pid
+    proves them stale; a reused pid keeps them."""
+    tmp_dir = tmp_dir or Path(tempfile.gettempdir())
+    removed = []
+    for region in shm_dir.glob("dsv3_*"):
+        m = SHM_REGION.match(region.name)
+        if m and not pid_alive(int(m.group(1))):
+            with contextlib.suppress(OSError):  # another user's region (sticky /dev/shm), or gone meanwhile
+                region.unlink()
+                removed.append(region)
+    for directory in [*tmp_dir.glob("dsv3-triton-*"), *tmp_dir.glob(f"{SERVER_DIR_PREFIX}*")]:
+        m = WORKDIR.match(directory.name)
+        pid = m.group(1) if m else directory.name[len(SERVER_DIR_PREFIX):]
+        if directory.is_dir() and pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(directory, ignore_errors=True)
+            removed.append(directory)
+    return removed
+
+
 def start_server(model_repo: str | Path, *, http_port: int = 0, grpc_port: int = 0, metrics_port: int = 0,
                  host: str = "127.0.0.1", log_file: str | Path | None = None, log_verbose: int = 0,
                  world_size: int | None = None, tritonserver: str | Path | None = None, ready_timeout_s: float = 300.0,
@@ -302,13 +337,17 @@ def start_server(model_repo: str | Path, *, http_port: int = 0, grpc_port: int =
     if not model_repo.is_dir():
         raise FileNotFoundError(f"--model_repo {model_repo}: not a directory")
     install = find_install(tritonserver)
+    stale = remove_stale_leftovers()
+    if stale:
+        print(f"launch_triton_server: removed {len(stale)} leftovers of killed servers: "
+              f"{', '.join(str(p) for p in stale[:3])}{' ...' if len(stale) > 3 else ''}", file=sys.stderr)
     if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
         raise ValueError(f"--world_size {world_size!r}: must be an integer >= 1")
     bind_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
     chosen = iter(free_ports(3, bind_host))
     http_port, grpc_port, metrics_port = (p or next(chosen) for p in (http_port, grpc_port, metrics_port))
 
-    workdir = Path(tempfile.mkdtemp(prefix="tritonserver-"))
+    workdir = Path(tempfile.mkdtemp(prefix=f"dsv3-triton-{os.getpid()}-"))
     try:
         backends = prepare_backends(install, workdir)
         shm_prefix = f"dsv3_{os.getpid()}_{next(_instance_counter)}_"

@@ -9,6 +9,7 @@ pieces, so streamed chunks are checked to be whole UTF-8 that adds up to the ful
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -17,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -36,7 +38,8 @@ from runtime.executors.session import Session  # noqa: E402
 from runtime.io.engine_format import read_limits  # noqa: E402
 from serving.engine_limits import server_dir  # noqa: E402
 from serving.fill_template import fill, parse_substitutions  # noqa: E402
-from serving.launcher import build_command, find_install, free_ports, python_stubs  # noqa: E402
+from serving.launcher import (SHM_DIR, build_command, find_install, free_ports, live_descendants,  # noqa: E402
+                              python_stubs, remove_stale_leftovers)
 from triton_util import (EOS, TEMPLATE_REPO, TritonServer, add_model, fill_model_repo,  # noqa: E402
                          make_tiny_checkpoint, repo_values, start_server)
 
@@ -364,6 +367,31 @@ def test_launcher_stops_the_server_when_a_stub_dies(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_leftovers_of_a_killed_launcher_are_removed_by_the_next(tmp_path: Path) -> None:
+    """A launcher killed before its stop() leaves its Python backend regions in /dev/shm (memory) and its work
+    directory; the next launcher removes them, since their launcher pid has no process, and keeps a live one's."""
+    proc, _ = launch_echo_server(tmp_path)
+    stubs = python_stubs(proc.pid)
+    server_pid = next(p for p in live_descendants(proc.pid) if p not in stubs)
+    proc.kill()
+    proc.wait()
+    for pid in [*stubs, server_pid]:  # the server goes with its launcher; its stubs may linger
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    regions = sorted(SHM_DIR.glob(f"dsv3_{proc.pid}_*"))
+    workdirs = sorted(Path(tempfile.gettempdir()).glob(f"dsv3-triton-{proc.pid}-*"))
+    assert regions and workdirs, "the killed launcher left nothing behind: the test proves nothing"
+    live = SHM_DIR / f"dsv3_{os.getpid()}_999_test-region"  # named after this live process: kept
+    live.write_bytes(b"x")
+    try:
+        removed = remove_stale_leftovers()
+        assert set(regions + workdirs) <= set(removed)
+        assert not any(p.exists() for p in regions + workdirs)
+        assert live.exists() and live not in removed
+    finally:
+        live.unlink()
 
 
 def test_launcher_cli_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
