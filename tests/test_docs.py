@@ -9,6 +9,9 @@
 - README.md's Python code blocks compile, and the names they import from this project exist.
 - A README table row that links a result file under docs/benchmarks/ gives that file's recorded commit and
   date, and every decimal number in the row is one of the file's numbers (as rounded in the row).
+- Every decimal number in a section of docs/*.md (a heading to the next) is one of the numbers of the result
+  files the section links or names, or a setting that page's short list (SETTINGS) names; a section with such
+  numbers and no result file fails.
 
 The helpers are tested on broken input too, so each check can fail.
 """
@@ -29,6 +32,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "docs" / "benchmarks"
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "triton_repo" / "README.md",
          ROOT / "models" / "deepseek-v3-mini" / "README.md"]
@@ -38,6 +42,25 @@ EXTERNAL = {"cd", "cp", "curl", "docker", "export", "git", "mkdir", "pip", "sour
             "genai-perf", "perf_analyzer", "aiperf", "apt-get", "cat", "echo", "head", "tail", "ls"}
 PROJECT_PACKAGES = ("builder", "runtime", "serving", "benchmarks", "training")
 HELP_TIMEOUT_S = 120
+DOC_PAGES = sorted((ROOT / "docs").glob("*.md"))  # docs/benchmarks/*.md are generated, not checked here
+# Decimal numbers on a docs page that are settings, versions or facts of upstream's release, not measurements:
+# page -> number as printed -> why. A number a result file records (a benchmark's settings are in its command or
+# settings) needs no entry; a measured number never gets one.
+SETTINGS = {
+    "engine-format.md": {"4.3": "the size of each of DeepSeek-V3's released shards, ~4.3 GB: the release's"},
+    "gpu.md": {"8.9": "compute capability 8.9 (Ada), the first with FP8 products"},
+    "openai-server.md": {"1.0": "temperature's default"},
+    "parallel-execution.md": {"0.9": "--free_gpu_memory_fraction's default",
+                              "0.12": "kv_b_proj's bytes a rank at tp 8, arithmetic on DeepSeek-V3's config.json"},
+    "reliability.md": {"0.9": "free_memory_fraction's default"},
+    "sampling-features.md": {"9999.0": "the logprob vLLM's OpenAI server writes for -inf",
+                             "1.1": "repetition penalty set for a comparison not kept as a result file",
+                             "0.3": "presence and frequency penalties set for it",
+                             "0.8": "temperature set for it, and in an example"},
+    "speculative-decoding.md": {"1.1": "MIN_GAIN, the adaptive policy's margin"},
+    "structured-output.md": {"0.2": "xgrammar's version"},
+    "trtllm-backend.md": {"1.0": "TensorRT-LLM's version", "1.1": "TensorRT-LLM's version"},
+}
 
 FENCE = re.compile(r"^(```|~~~)\s*([\w+-]*)[^\n]*\n(.*?)^\1\s*$", re.M | re.S)
 INLINE_LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
@@ -195,6 +218,54 @@ def numbers_in(value: object) -> list[float]:
     return []
 
 
+def decimal_numbers(text: str) -> list[str]:
+    """The decimal numbers of a piece of Markdown as printed, outside code, link targets, dates, commits and
+    versions."""
+    versions = r"(\b(?:Triton|tritonserver|torch|Python|CUDA|transformers)`? )\d+(?:\.\d+)+"  # "Triton 2.51"
+    text = re.sub(versions, r"\1", text)
+    text = INLINE_CODE.sub(" ", FENCE.sub(" ", text))
+    text = re.sub(r"\]\([^)]*\)", "] ", text)  # link targets; a link's text stays
+    text = re.sub(r"<?https?://\S+", " ", text)
+    text = re.sub(r"\b\d{4}-\d{2}-\d{2}\b|\b[0-9a-f]{7,40}\b", " ", text)  # dates and commits
+    # a number ends at a space, punctuation, a sentence's full stop or a ratio's "x" (1.57x), not inside a
+    # version (2.51.0) or a name (v1.2b)
+    return re.findall(r"(?<![\w.])\d+\.\d+(?=x?(?:[^\w.]|\.(?!\w)|$))", text)
+
+
+# A number recorded under a key that names its unit, in the units the pages print it in: bytes as KiB, MiB or GiB;
+# kB (as /proc gives them) as MB (the soak's own tables divide by 1024).
+UNIT_KEYS = ((re.compile(r"bytes"), (2 ** -10, 2 ** -20, 2 ** -30)), (re.compile(r"(?:^|_)kb(?:_|$)"), (2 ** -10,)))
+
+
+def unit_numbers(value: object, scales: tuple[float, ...] = ()) -> list[float]:
+    """The numbers of `value` that sit under a key naming their unit (or inside one), converted (UNIT_KEYS)."""
+    if isinstance(value, dict):
+        found = []
+        for key, inner in value.items():
+            inner_scales = next((s for pattern, s in UNIT_KEYS if pattern.search(str(key))), scales)
+            found += unit_numbers(inner, inner_scales)
+        return found
+    if isinstance(value, list):
+        return [x for v in value for x in unit_numbers(v, scales)]
+    return [x * scale for x in numbers_in(value) for scale in scales] if scales else []
+
+
+def file_values(paths: list[Path]) -> list[float]:
+    """The numbers of result files as recorded, or in the units a reader wants: seconds as ms, fractions as
+    percent, bytes and kB as the pages print them (UNIT_KEYS)."""
+    values = []
+    for path in paths:
+        record = json.loads(path.read_text())
+        values += [x * scale for x in numbers_in(record) for scale in (1, 1000, 100)] + unit_numbers(record)
+    return values
+
+
+def is_among(number: str, values: list[float]) -> bool:
+    """`number` as printed is one of `values`, rounded to the number's decimals."""
+    tolerance = 0.5 * 10 ** -len(number.split(".")[1]) + 1e-9
+    return any(abs(v - float(number)) <= tolerance for v in values)
+
+
 def row_problems(row: str) -> list[str]:
     """A table row quoting a result file: its commit and date are in the row, and each decimal number in the
     row (outside links and code) is a number of the file, as rounded."""
@@ -209,16 +280,10 @@ def row_problems(row: str) -> list[str]:
         problems.append(f"{files[0]}: commit {commit} not in the row")
     if date not in row:
         problems.append(f"{files[0]}: date {date} not in the row")
-    # as recorded, or in the units a reader wants: seconds as ms, fractions as percent
-    values = [x * scale for x in numbers_in(record) for scale in (1, 1000, 100)]
-    text = re.sub(r"\[[^\]]*\]\([^)]*\)", " ", INLINE_CODE.sub(" ", row))  # drop links and code, not parentheses
-    text = re.sub(r"\b\d{4}-\d{2}-\d{2}\b|\b[0-9a-f]{7,40}\b", " ", text)  # dates and commits
-    text = re.sub(r"\b(?:Triton|torch|Python|CUDA) \d+(?:\.\d+)+", " ", text)  # versions
-    for number in re.findall(r"(?<![\w.])\d+\.\d+(?![\w.])", text):
-        decimals = len(number.split(".")[1])
-        x = float(number)
-        tolerance = 0.5 * 10 ** -decimals + 1e-9
-        if not any(abs(v - x) <= tolerance for v in values):
+    values = file_values([ROOT / files[0]])
+    text = re.sub(r"\[[^\]]*\]\([^)]*\)", " ", row)  # drop links (text too), not parentheses
+    for number in decimal_numbers(text):
+        if not is_among(number, values):
             problems.append(f"{files[0]}: {number} is not among the file's numbers")
     return problems
 
@@ -226,6 +291,58 @@ def row_problems(row: str) -> list[str]:
 def result_rows(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("|") and "docs/benchmarks/" in line
             and ".json)" in line]
+
+
+def sections(text: str) -> list[tuple[str, str]]:
+    """(heading, text) of each section of a page: a heading to the next heading of any level, the heading's line
+    included (the text before the first heading is the page's own, under ""). Lines in fenced blocks are not
+    headings."""
+    found: list[tuple[str, list[str]]] = [("", [])]
+    fence: str | None = None
+    for line in text.splitlines():
+        m = re.match(r"^(```|~~~)", line)
+        if m:
+            fence = None if fence == m.group(1) else fence or m.group(1)
+        heading = None if fence or m else re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if heading:
+            found.append((heading.group(1), []))
+        found[-1][1].append(line)
+    return [(heading, "\n".join(lines)) for heading, lines in found]
+
+
+def result_files(text: str) -> list[Path]:
+    """The result files a piece of Markdown links or names, in code or not: `benchmarks/X.md`, `.json` or `.png` for
+    docs/benchmarks/X.json (`benchmarks/soak_kinds/X.md` for docs/benchmarks/soak_kinds/X.json), and every result
+    file of a folder of them it names (`benchmarks/soak_kinds.md`, `benchmarks/soak_kinds/`)."""
+    files: set[Path] = set()
+    for name in re.findall(r"benchmarks/((?:[\w-]+/)*[\w.-]+?)(?:\.(?:md|json|png)\b|/)", text):
+        if (BENCHMARKS / f"{name}.json").is_file():
+            files.add(BENCHMARKS / f"{name}.json")
+        if (BENCHMARKS / name).is_dir():
+            files.update((BENCHMARKS / name).glob("*.json"))
+    return sorted(files)
+
+
+def section_problems(page: str, text: str, allowed: dict[str, str] | None = None) -> list[str]:
+    """Each decimal number of each section of a docs page is a number of a result file the section links or
+    names (as rounded), or a setting the page's allow-list names."""
+    allowed = allowed or {}
+    problems = []
+    for heading, body in sections(text):
+        numbers = [n for n in decimal_numbers(body) if n not in allowed]
+        if not numbers:
+            continue
+        files = result_files(body)
+        where = f"{page}, section {heading or '(top)'!r}"
+        if not files:
+            problems.append(f"{where}: {', '.join(numbers)} quote no result file (link one)")
+            continue
+        values = file_values(files)
+        missing = [n for n in numbers if not is_among(n, values)]
+        if missing:
+            names = ", ".join(str(f.relative_to(BENCHMARKS)) for f in files)
+            problems.append(f"{where}: {', '.join(missing)} not among the numbers of {names}")
+    return problems
 
 
 # ---- the tests -----------------------------------------------------------------------------------
@@ -300,6 +417,18 @@ def test_readme_measurements_match_their_result_files() -> None:
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.parametrize("page", DOC_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_docs_measurements_match_the_result_files_their_sections_name(page: Path) -> None:
+    problems = section_problems(page.name, page.read_text(encoding="utf-8"), SETTINGS.get(page.name))
+    assert not problems, "\n".join(problems)
+
+
+def test_each_allowed_setting_is_on_its_page() -> None:
+    stale = [f"{page}: {number}" for page, numbers in SETTINGS.items() for number in numbers
+             if number not in decimal_numbers((ROOT / "docs" / page).read_text(encoding="utf-8"))]
+    assert not stale, f"allowed settings no longer on their pages (drop them from SETTINGS): {stale}"
+
+
 # ---- the checks can fail ---------------------------------------------------------------------------
 
 def test_link_check_finds_broken_links() -> None:
@@ -331,3 +460,30 @@ def test_measurement_check_finds_numbers_not_in_the_file() -> None:
     bad = good.replace("39.711", "39.987").replace(record["git_commit"][:7], "0000000")
     assert len(row_problems(bad)) == 2
     assert len(row_problems(good.replace("39.711", "39.711 (39.987 another way)"))) == 1  # parentheses count too
+
+
+def test_section_check_finds_numbers_not_in_the_sections_files() -> None:
+    good = "# Page\n\n## Measured\n\nk = 0: 39.711 ms ([speculative.md](benchmarks/speculative.md)).\n"
+    assert section_problems("p.md", good) == []
+    assert section_problems("p.md", good.replace("39.711", "39.987")) == \
+        ["p.md, section 'Measured': 39.987 not among the numbers of speculative.json"]
+    # a file linked in another section does not count; a section with no file names its numbers
+    apart = "## Files\n\n[speculative.md](benchmarks/speculative.md)\n\n## Numbers\n\n39.711 ms, 1.57x.\n"
+    assert section_problems("p.md", apart) == ["p.md, section 'Numbers': 39.711, 1.57 quote no result file (link one)"]
+    # code, link targets, versions, dates and allowed settings are not measurements; a ratio's "x" and a
+    # sentence's full stop end a number
+    quiet = "## S\n\n`0.5` [a](x/1.5.md) torch 2.11, `tritonserver` 2.51.0, 2026-11-26, default 0.9\n"
+    assert section_problems("p.md", quiet, {"0.9": "a default"}) == []
+    assert decimal_numbers("1.57x and 3.5. v1.2b 2.51.0") == ["1.57", "3.5"]
+    # headings in code blocks do not start sections; a heading belongs to its section
+    assert [h for h, _ in sections("# A\n```\n# not a heading\n```\n## B [f](benchmarks/x.md)\n")] == \
+        ["", "A", "B [f](benchmarks/x.md)"]
+    # every form of naming a result file; a folder's name stands for its files; a missing file for none
+    assert result_files("`docs/benchmarks/soak.json`, benchmarks/fp8_h200.png, benchmarks/no_such.md") == \
+        [BENCHMARKS / "fp8_h200.json", BENCHMARKS / "soak.json"]
+    assert result_files("`docs/benchmarks/soak_kinds/c78e791_no_bls_cancels.md`") == \
+        [BENCHMARKS / "soak_kinds" / "c78e791_no_bls_cancels.json"]
+    assert result_files("[soak_kinds/](benchmarks/soak_kinds.md)") == sorted((BENCHMARKS / "soak_kinds").glob("*.json"))
+    # recorded units: bytes as MiB, kB as MB
+    assert is_among("107.0", file_values([BENCHMARKS / "fp8_h200.json"]))  # fp32 weight_bytes 112239840
+    assert is_among("101.6", file_values([BENCHMARKS / "soak_no_bls_cancels.json"]))  # tritonserver start_kb 104064
