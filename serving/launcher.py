@@ -317,7 +317,8 @@ def remove_stale_leftovers(shm_dir: Path = SHM_DIR, tmp_dir: Path | None = None)
         pid = m.group(1) if m else directory.name[len(SERVER_DIR_PREFIX):]
         if directory.is_dir() and pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(directory, ignore_errors=True)
-            removed.append(directory)
+            if not directory.exists():  # not another user's
+                removed.append(directory)
     return removed
 
 
