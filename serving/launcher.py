@@ -55,6 +55,11 @@ SHM_REGION = re.compile(r"dsv3_(\d+)_")  # a Python backend region of ours: dsv3
 WORKDIR = re.compile(r"dsv3-triton-(\d+)-")  # a launcher's private work directory: dsv3-triton-<launcher pid>-<random>
 STUB_BINARY = "triton_python_backend_stub"
 SUPERVISE_PERIOD_S = 1.0
+# Each Python backend stub's shared-memory region starts this large (Triton's default is 1 MiB), so that request
+# bodies up to a few MB (refused ones included) fit without growing it: Triton 2.51 maps a grown region again and
+# keeps the old mapping, so every growth adds to the resident memory of the stub and of tritonserver for good.
+# The file is sparse: pages are memory only once a body has used them.
+PYTHON_SHM_REGION_BYTES = 16 << 20
 _instance_counter = itertools.count()
 
 
@@ -188,6 +193,7 @@ def build_command(install: TritonInstall, backends: Path, model_repo: Path, *,
         *restricted_api_args(admin_api_key),
         # distinct per server: python stubs of two servers must not share shm regions
         f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
+        f"--backend-config=python,shm-default-byte-size={PYTHON_SHM_REGION_BYTES}",
     ]
     if install.caches is not None:
         cmd.append(f"--cache-directory={install.caches}")

@@ -38,8 +38,8 @@ from runtime.executors.session import Session  # noqa: E402
 from runtime.io.engine_format import read_limits  # noqa: E402
 from serving.engine_limits import server_dir  # noqa: E402
 from serving.fill_template import fill, parse_substitutions  # noqa: E402
-from serving.launcher import (SHM_DIR, build_command, find_install, free_ports, live_descendants,  # noqa: E402
-                              python_stubs, remove_stale_leftovers)
+from serving.launcher import (PYTHON_SHM_REGION_BYTES, SHM_DIR, build_command, find_install,  # noqa: E402
+                              free_ports, live_descendants, python_stubs, remove_stale_leftovers)
 from triton_util import (EOS, TEMPLATE_REPO, TritonServer, add_model, fill_model_repo,  # noqa: E402
                          make_tiny_checkpoint, repo_values, start_server)
 
@@ -1406,6 +1406,20 @@ def test_unknown_generate_keys_are_refused(server: TritonServer, model: str) -> 
     status, body = http_generate(server, model, **GOOD, max_token=3)
     assert status == 400 and "unknown parameter(s) max_token: " in body["error"], body
     assert "takes inputs only (a generate endpoint's JSON keys must be input names)" in body["error"]
+    assert_healthy(server)
+
+
+def test_large_request_bodies_leave_the_stubs_shared_memory_as_it_was(server: TritonServer) -> None:
+    """A 2 MB text_input (refused) grew the receiving stubs' regions from Triton's 1 MiB default, and Triton 2.51 maps
+    a grown region again, keeping the old mapping: resident memory that stays. The launcher starts every region large
+    enough for it."""
+    regions = {r: r.stat().st_size for r in SHM_DIR.glob(f"{server.shm_prefix}*")}
+    assert regions and set(regions.values()) == {PYTHON_SHM_REGION_BYTES}, regions
+    with ThreadPoolExecutor(4) as pool:  # several at once, to the ensemble and the BLS
+        outs = list(pool.map(lambda m: grpc_stream(server, m, **dict(GOOD, text_input="x" * 2_000_000)),
+                             ["ensemble", "tensorrt_llm_bls"] * 4))
+    assert all(o.error is not None and "text_input is 2000000 bytes" in o.error for o in outs), outs
+    assert {r: r.stat().st_size for r in SHM_DIR.glob(f"{server.shm_prefix}*")} == regions
     assert_healthy(server)
 
 
