@@ -483,4 +483,4 @@ def test_section_check_finds_numbers_not_in_the_sections_files() -> None:
     assert result_files("[soak_kinds/](benchmarks/soak_kinds.md)") == sorted((BENCHMARKS / "soak_kinds").glob("*.json"))
     # recorded units: bytes as MiB, kB as MB
     assert is_among("107.0", file_values([BENCHMARKS / "fp8_h200.json"]))  # fp32 weight_bytes 112239840
-    assert is_among("101.6", file_values([BENCHMARKS / "soak_no_bls_cancels.json"]))  # tritonserver start_kb 104064
+    assert is_among("101.6", file_values([BENCHMARKS / "soak_kinds" / "100082b_no_bls_cancels.json"]))  # start_kb 104064
