@@ -844,6 +844,7 @@ def main(argv: list[str] | None = None) -> int:
         "kv_used_peak_sampled": max(s["kv_used"] for s in samples),
         "end": end, "server_exit_status": exit_status, "server_stop_s": stop_s,
         "server_log": {"tracebacks": log_text.count("Traceback"), "lines": len(log_text.splitlines()),
+                       "crash_frames": server.crash_frames(),
                        "models_not_unloaded": sorted(set(re.findall(r"successfully loaded '(\w+)'", log_text))
                                                      - set(re.findall(r"successfully unloaded '(\w+)'", log_text)))},
         "machine": info,
@@ -905,6 +906,8 @@ def markdown(r: dict[str, Any]) -> str:
         f"{r['cancellation']['executor_cancelled']:.0f}; server exit status {r['server_exit_status']} after "
         f"{r['server_stop_s']:.1f} s; tracebacks in the server log {r['server_log']['tracebacks']}; models that did "
         f"not unload at shutdown: {', '.join(r['server_log']['models_not_unloaded']) or 'none'}.",
+        *(["tritonserver crashed; its backtrace, its own frames named:\n\n```\n"
+           + "\n".join(r["server_log"]["crash_frames"]) + "\n```"] if r["server_log"]["crash_frames"] else []),
         "## Machine", machine_md(r["machine"])])
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import bisect
 import contextlib
 import importlib.util
 import itertools
@@ -264,6 +265,13 @@ class TritonServer:
         lines = self.log_path.read_text(errors="replace").splitlines()[-n:]
         return f"; last log lines ({self.log_path}):\n" + "\n".join(lines)
 
+    def crash_frames(self) -> list[str]:
+        """The backtrace of a fatal signal in the server's log, its own frames named (`named_crash_frames`); empty
+        without one, or when the server's output is not captured."""
+        if self.log_path is None or not self.log_path.is_file():
+            return []
+        return named_crash_frames(self.log_path.read_text(errors="replace"), Path(self.process.args[0]))
+
     def stop(self, sig: int = signal.SIGINT, timeout_s: float = 30.0) -> int | None:
         """Forward `sig` (tritonserver shuts down gracefully on SIGINT/SIGTERM), wait, then kill the whole
         process group (the stubs and the engine's rank processes with them); return the exit status."""
@@ -410,6 +418,45 @@ def live_descendants(root_pid: int) -> dict[int, list[bytes]]:
     return found
 
 
+FATAL_SIGNAL = re.compile(r"^Signal \((?:4|6|7|8|11)\) received\.$", re.M)  # Triton's handler, then a backtrace
+FRAME = re.compile(r"^ ?(\d+)# (?:0x([0-9A-Fa-f]+) in (\S+)|.*)$")
+
+
+def named_crash_frames(log_text: str, tritonserver: Path) -> list[str]:
+    """The backtrace tritonserver logs after its last fatal signal, its own frames named (`name+0xoffset`), the others
+    as logged; empty without one. The wheel's tritonserver keeps its symbols, and frame 0 is its ErrorSignalHandler,
+    which gives the load address."""
+    signals = list(FATAL_SIGNAL.finditer(log_text))
+    if not signals:
+        return []
+    frames = []
+    for line in log_text[signals[-1].end():].splitlines()[1:]:
+        m = FRAME.match(line)
+        if not m:
+            break
+        frames.append((line.strip(), int(m.group(2), 16) if m.group(2) else None, m.group(3)))
+    try:
+        nm = subprocess.run(["nm", "-C", "--defined-only", str(tritonserver)], capture_output=True, text=True,
+                            timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return [line for line, _, _ in frames]
+    symbols = sorted((int(addr, 16), name) for addr, kind, name in
+                     (row.split(" ", 2) for row in nm.splitlines() if row.count(" ") >= 2) if kind in "tTwW")
+    handler = next((a for a, name in symbols if name.endswith("ErrorSignalHandler(int)")), None)
+    if not frames or handler is None or frames[0][1] is None:
+        return [line for line, _, _ in frames]
+    base = (frames[0][1] - handler) // 4096 * 4096  # a PIE loads at a page boundary
+    starts = [a for a, _ in symbols]
+    named = []
+    for line, address, path in frames:
+        i = bisect.bisect_right(starts, address - base) - 1 if address is not None else -1
+        if path and Path(path).name == tritonserver.name and i >= 0:
+            named.append(f"{line.split('#')[0]}# {symbols[i][1]}+{address - base - starts[i]:#x}")
+        else:
+            named.append(line)
+    return named
+
+
 def python_stubs(root_pid: int) -> dict[int, str]:
     """The live Python backend stubs among `root_pid`'s descendants: pid -> model instance name
     (`<model>_<i>_<device>`, the stub's ninth argument)."""
@@ -457,6 +504,9 @@ def supervise(server: TritonServer) -> int:
             return 1
     status = server.process.returncode
     print(f"tritonserver exited with status {status}", file=sys.stderr)
+    frames = server.crash_frames()
+    if frames:
+        print("tritonserver's backtrace, its own frames named:\n  " + "\n  ".join(frames), file=sys.stderr)
     server.stop()
     return status
 

@@ -14,6 +14,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -39,7 +40,8 @@ from runtime.io.engine_format import read_limits  # noqa: E402
 from serving.engine_limits import server_dir  # noqa: E402
 from serving.fill_template import fill, parse_substitutions  # noqa: E402
 from serving.launcher import (PYTHON_SHM_REGION_BYTES, SHM_DIR, build_command, find_install,  # noqa: E402
-                              free_ports, live_descendants, python_stubs, remove_stale_leftovers)
+                              free_ports, live_descendants, named_crash_frames, python_stubs,
+                              remove_stale_leftovers)
 from triton_util import (EOS, TEMPLATE_REPO, TritonServer, add_model, fill_model_repo,  # noqa: E402
                          make_tiny_checkpoint, repo_values, start_server)
 
@@ -392,6 +394,35 @@ def test_leftovers_of_a_killed_launcher_are_removed_by_the_next(tmp_path: Path) 
         assert live.exists() and live not in removed
     finally:
         live.unlink()
+
+
+# From a soak's server log (Triton 2.51 from the wheel, 2026-11-26): a SIGSEGV in the gRPC stream frontend's response
+# callback, and the backtrace Triton's handler logged (paths shortened).
+CRASH_LOG = """W1126 16:00:26.840618 3418 pinned_memory_manager.cc:170] "failed to allocate pinned system memory"
+Signal (11) received.
+ 0# 0x000055B8D832952D in /venv/pytriton/tritonserver/bin/tritonserver
+ 1# 0x00007FCFEFE5A050 in /lib/x86_64-linux-gnu/libc.so.6
+ 2# 0x000055B8D839A7B9 in /venv/pytriton/tritonserver/bin/tritonserver
+ 3# 0x00007FCFF0848390 in /venv/nvidia_pytriton.libs/libtritonserver-717102f0.so
+ 4# TRITONBACKEND_ResponseSend in /venv/nvidia_pytriton.libs/libtritonserver-717102f0.so
+
+I1126 16:02:31.436862 3579 pb_stub.cc:2145]  Non-graceful termination detected.
+"""
+
+
+@pytest.mark.skipif(shutil.which("nm") is None, reason="needs binutils' nm")
+def test_crash_backtraces_name_tritonservers_own_frames() -> None:
+    """Triton logs a crash's frames in its own binary as bare addresses; the wheel's tritonserver keeps its symbols,
+    so the launcher (and the soak's report) name them: here the frontend callback the server crashed in."""
+    frames = named_crash_frames(CRASH_LOG, find_install().tritonserver)
+    assert frames == [
+        "0# triton::server::(anonymous namespace)::ErrorSignalHandler(int)+0xbd",
+        "1# 0x00007FCFEFE5A050 in /lib/x86_64-linux-gnu/libc.so.6",
+        "2# triton::server::grpc::ModelStreamInferHandler::StreamInferResponseComplete(TRITONSERVER_InferenceResponse*, "
+        "unsigned int, void*)+0x39",
+        "3# 0x00007FCFF0848390 in /venv/nvidia_pytriton.libs/libtritonserver-717102f0.so",
+        "4# TRITONBACKEND_ResponseSend in /venv/nvidia_pytriton.libs/libtritonserver-717102f0.so"]
+    assert named_crash_frames("Signal (2) received.\nSignal (2) received.\n", find_install().tritonserver) == []
 
 
 def test_launcher_cli_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
