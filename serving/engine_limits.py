@@ -28,7 +28,10 @@ class EngineLimits:
     kv_blocks: int = 0  # blocks in its KV cache
 
 
-SERVER_DIR_PREFIX = f"tritonserver-{os.getuid()}-"  # then the tritonserver's pid
+# A pid names a process only within its pid namespace; containers that share /dev/shm or /tmp (docker --ipc=host)
+# do not share pids, so names that carry a pid carry the namespace too.
+PID_NAMESPACE = os.stat("/proc/self/ns/pid").st_ino
+SERVER_DIR_PREFIX = f"tritonserver-{os.getuid()}-{PID_NAMESPACE}-"  # then the tritonserver's pid
 
 
 def server_dir(server_pid: int) -> Path:

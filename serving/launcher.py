@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from runtime.executors.lifetime import terminate_with_parent
-from serving.engine_limits import SERVER_DIR_PREFIX, server_dir
+from serving.engine_limits import PID_NAMESPACE, SERVER_DIR_PREFIX, server_dir
 
 # the launcher's --world_size, for the engine models (serving.triton_engine): ExecutorConfig.world_size
 WORLD_SIZE_ENV = "DSV3_WORLD_SIZE"
@@ -52,8 +52,10 @@ CONTAINER_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
 RESTRICTED_APIS = "shared-memory,model-repository,logging,trace"
 ADMIN_HEADER = "admin-key"
 SHM_DIR = Path("/dev/shm")
-SHM_REGION = re.compile(r"dsv3_(\d+)_")  # a Python backend region of ours: dsv3_<launcher pid>_<n>_<Triton's name>
-WORKDIR = re.compile(r"dsv3-triton-(\d+)-")  # a launcher's private work directory: dsv3-triton-<launcher pid>-<random>
+# a Python backend region of ours: dsv3_<pid namespace>_<launcher pid>_<n>_<Triton's name>
+SHM_REGION = re.compile(r"dsv3_(\d+)_(\d+)_\d+_")
+# a launcher's private work directory: dsv3-triton-<pid namespace>-<launcher pid>-<random>
+WORKDIR = re.compile(r"dsv3-triton-(\d+)-(\d+)-")
 STUB_BINARY = "triton_python_backend_stub"
 SUPERVISE_PERIOD_S = 1.0
 # Each Python backend stub's shared-memory region starts this large (Triton's default is 1 MiB), so that request
@@ -317,18 +319,20 @@ def remove_stale_leftovers(shm_dir: Path = SHM_DIR, tmp_dir: Path | None = None)
     """Remove what launchers and servers killed before their stop() left: Python backend regions in /dev/shm
     (memory: a few MB per model instance) and work directories (a copy of the backends) named after a launcher
     pid with no process, and limits directories (`server_dir`) of a tritonserver pid with no process. A dead pid
-    proves them stale; a reused pid keeps them."""
+    of this pid namespace proves them stale; a reused pid keeps them, and so does another namespace's name."""
     tmp_dir = tmp_dir or Path(tempfile.gettempdir())
     removed = []
     for region in shm_dir.glob("dsv3_*"):
         m = SHM_REGION.match(region.name)
-        if m and not pid_alive(int(m.group(1))):
+        if m and int(m.group(1)) == PID_NAMESPACE and not pid_alive(int(m.group(2))):
             with contextlib.suppress(OSError):  # another user's region (sticky /dev/shm), or gone meanwhile
                 region.unlink()
                 removed.append(region)
     for directory in [*tmp_dir.glob("dsv3-triton-*"), *tmp_dir.glob(f"{SERVER_DIR_PREFIX}*")]:
         m = WORKDIR.match(directory.name)
-        pid = m.group(1) if m else directory.name[len(SERVER_DIR_PREFIX):]
+        if m and int(m.group(1)) != PID_NAMESPACE:
+            continue
+        pid = m.group(2) if m else directory.name[len(SERVER_DIR_PREFIX):]
         if directory.is_dir() and pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(directory, ignore_errors=True)
             if not directory.exists():  # not another user's
@@ -362,10 +366,10 @@ def start_server(model_repo: str | Path, *, http_port: int = 0, grpc_port: int =
     chosen = iter(free_ports(3, bind_host))
     http_port, grpc_port, metrics_port = (p or next(chosen) for p in (http_port, grpc_port, metrics_port))
 
-    workdir = Path(tempfile.mkdtemp(prefix=f"dsv3-triton-{os.getpid()}-"))
+    workdir = Path(tempfile.mkdtemp(prefix=f"dsv3-triton-{PID_NAMESPACE}-{os.getpid()}-"))
     try:
         backends = prepare_backends(install, workdir)
-        shm_prefix = f"dsv3_{os.getpid()}_{next(_instance_counter)}_"
+        shm_prefix = f"dsv3_{PID_NAMESPACE}_{os.getpid()}_{next(_instance_counter)}_"
         cmd = build_command(install, backends, model_repo, host=host, http_port=http_port,
                             grpc_port=grpc_port, metrics_port=metrics_port,
                             log_verbose=log_verbose, exit_timeout_s=exit_timeout_s,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.engine_limits import EngineLimits, PublishedLimits, publish, withdraw
+from serving.engine_limits import EngineLimits, PublishedLimits, publish, server_dir, withdraw
 
 
 @pytest.fixture(autouse=True)
@@ -32,7 +32,7 @@ def test_published_limits_are_read_until_withdrawn() -> None:
 
 
 def test_a_directory_others_can_write_is_refused(private_tmp: Path) -> None:
-    directory = private_tmp / f"tritonserver-{os.getuid()}-{os.getppid()}"
+    directory = server_dir(os.getppid())
     directory.mkdir(mode=0o777)
     directory.chmod(0o777)
     with pytest.raises(OSError, match=f"is not a directory private to uid {os.getuid()}"):
@@ -44,6 +44,6 @@ def test_a_directory_others_can_write_is_refused(private_tmp: Path) -> None:
 
 def test_a_symlink_in_place_of_the_directory_is_refused(private_tmp: Path) -> None:
     (private_tmp / "elsewhere").mkdir(mode=0o700)
-    (private_tmp / f"tritonserver-{os.getuid()}-{os.getppid()}").symlink_to(private_tmp / "elsewhere")
+    server_dir(os.getppid()).symlink_to(private_tmp / "elsewhere")
     with pytest.raises(OSError, match="is not a directory private to uid"):
         publish("tensorrt_llm", EngineLimits(512, 1024, 8))

@@ -37,7 +37,7 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 from runtime.core.sampling_params import SamplingParams  # noqa: E402
 from runtime.executors.session import Session  # noqa: E402
 from runtime.io.engine_format import read_limits  # noqa: E402
-from serving.engine_limits import server_dir  # noqa: E402
+from serving.engine_limits import PID_NAMESPACE, server_dir  # noqa: E402
 from serving.fill_template import fill, parse_substitutions  # noqa: E402
 from serving.launcher import (PYTHON_SHM_REGION_BYTES, SHM_DIR, build_command, find_install,  # noqa: E402
                               free_ports, live_descendants, named_crash_frames, python_stubs,
@@ -373,7 +373,8 @@ def test_launcher_stops_the_server_when_a_stub_dies(tmp_path: Path) -> None:
 
 def test_leftovers_of_a_killed_launcher_are_removed_by_the_next(tmp_path: Path) -> None:
     """A launcher killed before its stop() leaves its Python backend regions in /dev/shm (memory) and its work
-    directory; the next launcher removes them, since their launcher pid has no process, and keeps a live one's."""
+    directory; the next launcher removes them, since their launcher pid has no process, and keeps a live one's and
+    those of another pid namespace (a container sharing /dev/shm), whose pids say nothing here."""
     proc, _ = launch_echo_server(tmp_path)
     stubs = python_stubs(proc.pid)
     server_pid = next(p for p in live_descendants(proc.pid) if p not in stubs)
@@ -382,18 +383,21 @@ def test_leftovers_of_a_killed_launcher_are_removed_by_the_next(tmp_path: Path) 
     for pid in [*stubs, server_pid]:  # the server goes with its launcher; its stubs may linger
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    regions = sorted(SHM_DIR.glob(f"dsv3_{proc.pid}_*"))
-    workdirs = sorted(Path(tempfile.gettempdir()).glob(f"dsv3-triton-{proc.pid}-*"))
+    regions = sorted(SHM_DIR.glob(f"dsv3_{PID_NAMESPACE}_{proc.pid}_*"))
+    workdirs = sorted(Path(tempfile.gettempdir()).glob(f"dsv3-triton-{PID_NAMESPACE}-{proc.pid}-*"))
     assert regions and workdirs, "the killed launcher left nothing behind: the test proves nothing"
-    live = SHM_DIR / f"dsv3_{os.getpid()}_999_test-region"  # named after this live process: kept
-    live.write_bytes(b"x")
+    kept = [SHM_DIR / f"dsv3_{PID_NAMESPACE}_{os.getpid()}_999_test-region",  # this live process's
+            SHM_DIR / f"dsv3_{PID_NAMESPACE + 1}_{proc.pid}_999_test-region"]  # a dead pid, of another namespace
+    for path in kept:
+        path.write_bytes(b"x")
     try:
         removed = remove_stale_leftovers()
         assert set(regions + workdirs) <= set(removed)
         assert not any(p.exists() for p in regions + workdirs)
-        assert live.exists() and live not in removed
+        assert all(p.exists() and p not in removed for p in kept)
     finally:
-        live.unlink()
+        for path in kept:
+            path.unlink(missing_ok=True)
 
 
 # From a soak's server log (Triton 2.51 from the wheel, 2026-11-26): a SIGSEGV in the gRPC stream frontend's response
