@@ -52,10 +52,11 @@ CONTAINER_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
 RESTRICTED_APIS = "shared-memory,model-repository,logging,trace"
 ADMIN_HEADER = "admin-key"
 SHM_DIR = Path("/dev/shm")
-# a Python backend region of ours: dsv3_<pid namespace>_<launcher pid>_<n>_<Triton's name>
-SHM_REGION = re.compile(r"dsv3_(\d+)_(\d+)_\d+_")
-# a launcher's private work directory: dsv3-triton-<pid namespace>-<launcher pid>-<random>
-WORKDIR = re.compile(r"dsv3-triton-(\d+)-(\d+)-")
+# Names that carry the pid of a launcher (stub regions, work directories) or of a tritonserver (limits directories):
+# each pattern's group is the pid. Only this pid namespace's: another's pids say nothing here.
+LEFTOVERS = ((SHM_DIR, re.compile(rf"dsv3_{PID_NAMESPACE}_(\d+)_\d+_")),  # dsv3_<ns>_<launcher pid>_<n>_<Triton's>
+             (None, re.compile(rf"dsv3-triton-{PID_NAMESPACE}-(\d+)-")),  # dsv3-triton-<ns>-<launcher pid>-<random>
+             (None, re.compile(rf"{re.escape(SERVER_DIR_PREFIX)}(\d+)$")))  # server_dir: None is the temporary dir
 STUB_BINARY = "triton_python_backend_stub"
 SUPERVISE_PERIOD_S = 1.0
 # Each Python backend stub's shared-memory region starts this large (Triton's default is 1 MiB), so that request
@@ -311,32 +312,27 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's process
-        return True
+        pass
     return True
 
 
-def remove_stale_leftovers(shm_dir: Path = SHM_DIR, tmp_dir: Path | None = None) -> list[Path]:
-    """Remove what launchers and servers killed before their stop() left: Python backend regions in /dev/shm
-    (memory: a few MB per model instance) and work directories (a copy of the backends) named after a launcher
-    pid with no process, and limits directories (`server_dir`) of a tritonserver pid with no process. A dead pid
-    of this pid namespace proves them stale; a reused pid keeps them, and so does another namespace's name."""
-    tmp_dir = tmp_dir or Path(tempfile.gettempdir())
+def remove_stale_leftovers() -> list[Path]:
+    """Remove what launchers and servers killed before their stop() left (LEFTOVERS): Python backend regions in
+    /dev/shm (memory: a few MB per model instance), work directories (a copy of the backends) and limits
+    directories. A dead pid of this pid namespace proves them stale; a reused pid keeps them."""
     removed = []
-    for region in shm_dir.glob("dsv3_*"):
-        m = SHM_REGION.match(region.name)
-        if m and int(m.group(1)) == PID_NAMESPACE and not pid_alive(int(m.group(2))):
-            with contextlib.suppress(OSError):  # another user's region (sticky /dev/shm), or gone meanwhile
-                region.unlink()
-                removed.append(region)
-    for directory in [*tmp_dir.glob("dsv3-triton-*"), *tmp_dir.glob(f"{SERVER_DIR_PREFIX}*")]:
-        m = WORKDIR.match(directory.name)
-        if m and int(m.group(1)) != PID_NAMESPACE:
-            continue
-        pid = m.group(2) if m else directory.name[len(SERVER_DIR_PREFIX):]
-        if directory.is_dir() and pid.isdigit() and not pid_alive(int(pid)):
-            shutil.rmtree(directory, ignore_errors=True)
-            if not directory.exists():  # not another user's
-                removed.append(directory)
+    for directory, pattern in LEFTOVERS:
+        for path in (directory or Path(tempfile.gettempdir())).iterdir():
+            m = pattern.match(path.name)
+            if not m or pid_alive(int(m.group(1))):
+                continue
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            if not path.exists():  # not another user's (sticky /dev/shm and /tmp)
+                removed.append(path)
     return removed
 
 
