@@ -297,6 +297,24 @@ def session_request(session: Session, prompt: str, max_tokens: int) -> tuple[flo
     return request_ttft_tpot(sent, first, last, max_tokens)
 
 
+def cpu_seconds(pids: dict[str, list[int]]) -> dict[str, float]:
+    """CPU time (user + system, seconds) each named group of processes has used so far; "this process" is added
+    (every thread of it). A process that has exited counts 0."""
+    tick = os.sysconf("SC_CLK_TCK")
+    used = {}
+    for name, group in pids.items():
+        used[name] = 0.0
+        for pid in group:
+            try:  # fields after the command name: utime and stime are the 12th and 13th
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            used[name] += (int(fields[11]) + int(fields[12])) / tick
+    mine = os.times()
+    used["this process"] = mine.user + mine.system
+    return used
+
+
 def ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e3
 

@@ -21,10 +21,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import (add_common_args, load_prompts, machine_info, machine_md, md_table, mean, ms,
-                               parse_with_quick, ratio, request_ttft_tpot, round_robin_by_source, save_figure,
+from benchmarks.common import (add_common_args, cpu_seconds, load_prompts, machine_info, machine_md, md_table, mean,
+                               ms, parse_with_quick, ratio, request_ttft_tpot, round_robin_by_source, save_figure,
                                session_request, set_threads, target_line, write_results)
 from runtime.executors.session import Session
+from serving.launcher import live_descendants
 from serving.openai_server.process import start_dsv3_serve
 
 MODES = {"plain": ["--num_draft_tokens", "0"], "mtp": ["--num_draft_tokens", "3", "--speculation", "adaptive"]}
@@ -85,19 +86,31 @@ def main() -> int:
                             for name, server in servers.items()}}
                 for run in paths.values():  # warm-up
                     run(prompts[0])
+                processes = {name: {"server": [server.process.pid, *live_descendants(server.process.pid)]}
+                             for name, server in servers.items()}
                 got: dict[str, list] = {name: [] for name in paths}
+                cpu: dict[str, dict[str, float]] = {name: {} for name in paths}
                 for r in range(args.rounds):
                     names = list(paths)
                     for name in names[r % len(names):] + names[:r % len(names)]:  # each path in each place
+                        before = cpu_seconds(processes.get(name, {}))
                         got[name] += [paths[name](pr) for pr in prompts]
-            results[mode] = got
+                        for group, seconds in cpu_seconds(processes.get(name, {})).items():
+                            cpu[name][group] = cpu[name].get(group, 0.0) + seconds - before[group]
+            tokens = args.rounds * len(prompts) * args.max_tokens
+            results[mode] = {"requests": got, "cpu_us_per_token": {
+                name: {("client" if group == "this process" and name != "session" else group):
+                       round(seconds / tokens * 1e6, 1) for group, seconds in used.items()}
+                for name, used in cpu.items()}}
         finally:
             for server in servers.values():
                 server.stop()
 
     rows, targets, summary = [], [], {}
-    for mode, got in results.items():
-        s = {name: {"ttft_s": mean(t for t, _ in v), "tpot_s": mean(t for _, t in v)} for name, v in got.items()}
+    for mode, r in results.items():
+        s = {name: {"ttft_s": mean(t for t, _ in v), "tpot_s": mean(t for _, t in v)}
+             for name, v in r["requests"].items()}
+        s["cpu_us_per_token"] = r["cpu_us_per_token"]
         s["server_over_session_tpot"] = ratio(s["server"]["tpot_s"], s["session"]["tpot_s"])
         s["one_process_over_session_tpot"] = ratio(s["one_process"]["tpot_s"], s["session"]["tpot_s"])
         summary[mode] = s
@@ -116,6 +129,14 @@ def main() -> int:
         md_table(["mode", "Session TPOT ms", "server TPOT ms", "server / Session", "one-process server TPOT ms",
                   "one-process / Session", "Session TTFT ms", "server TTFT ms"], rows),
         f"![TPOT]({args.name}.png)",
+        "## CPU time per streamed token (us)",
+        "User + system time of each side while it streamed, divided by the tokens: the Session's process; each "
+        "server's processes (the one-process server's one, the server's and its engine process) and this one (the "
+        "client). A forward that takes every core shares them with the rest.",
+        md_table(["mode", "Session", "server", "its client", "one-process server", "its client"],
+                 [[m, c["session"]["this process"], c["server"]["server"], c["server"]["client"],
+                   c["one_process"]["server"], c["one_process"]["client"]]
+                  for m, c in ((m, s["cpu_us_per_token"]) for m, s in summary.items())], digits=0),
         "## Targets", "\n".join(f"- {t['text']}" for t in targets), "## Machine", machine_md(info)])
     js, mdp = write_results(args.out_dir, args.name, {"results": summary, "targets": targets,
                                                       "max_tokens": args.max_tokens, "machine": info}, md)

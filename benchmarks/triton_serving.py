@@ -26,12 +26,13 @@ from typing import Any, Callable
 
 import tritonclient.grpc as grpcclient
 
-from benchmarks.common import (add_common_args, closed_loop_clients, comma_list, load_prompts, machine_info, machine_md,
-                               md_table, mean, ms, parse_with_quick, ratio, request_ttft_tpot, round_robin_by_source,
-                               run_tool, session_request, set_threads, target_line, write_results)
+from benchmarks.common import (add_common_args, closed_loop_clients, comma_list, cpu_seconds, load_prompts,
+                               machine_info, machine_md, md_table, mean, ms, parse_with_quick, ratio, request_ttft_tpot,
+                               round_robin_by_source, run_tool, session_request, set_threads, target_line,
+                               write_results)
 from runtime.executors.session import Session
 from runtime.io.tokenizer import Tokenizer
-from serving.launcher import start_server
+from serving.launcher import python_stubs, start_server
 from serving.model_repo import default_values, fill_model_repo
 from serving.client import text_inputs, token_id_inputs
 
@@ -127,18 +128,34 @@ def merged(runs: list[dict]) -> dict:
             "wall_s": wall}
 
 
-def at_concurrency_1(send: Request, session: Session, prompts: list[str], rounds: int,
-                     max_tokens: int) -> tuple[dict, float | None]:
+def at_concurrency_1(send: Request, session: Session, prompts: list[str], rounds: int, max_tokens: int,
+                     server_processes: dict[str, list[int]]) -> tuple[dict, float | None, dict[str, dict[str, float]]]:
     """Triton's closed loop at concurrency 1 and the Session's TPOT on the same prompts, alternating (the Session
-    first in even rounds, Triton first in odd ones)."""
+    first in even rounds, Triton first in odd ones), and the CPU time each side used per streamed token: the
+    Session's process; `server_processes`' and this one (the client) while Triton streamed."""
     runs, tpots = [], []
+    cpu: dict[str, dict[str, float]] = {"session": {}, "triton": {}}
     for r in range(rounds):
         for side in (("session", "triton") if r % 2 == 0 else ("triton", "session")):
+            before = cpu_seconds(server_processes if side == "triton" else {})
             if side == "triton":
                 runs.append(closed_loop(send, prompts, 1, len(prompts), max_tokens))
             else:
                 tpots += [session_request(session, p, max_tokens)[1] for p in prompts]
-    return merged(runs), mean(tpots)
+            for name, seconds in cpu_seconds(server_processes if side == "triton" else {}).items():
+                cpu[side][name] = cpu[side].get(name, 0.0) + seconds - before[name]
+    tokens = rounds * len(prompts) * max_tokens
+    per_token = {side: {("client" if name == "this process" and side == "triton" else name): round(s / tokens * 1e6, 1)
+                        for name, s in used.items()} for side, used in cpu.items()}
+    return merged(runs), mean(tpots), per_token
+
+
+def server_processes(server_pid: int) -> dict[str, list[int]]:
+    """tritonserver's pid and its Python backend stubs' by model (the instance name without `_<i>_<device>`)."""
+    groups: dict[str, list[int]] = {"tritonserver": [server_pid]}
+    for pid, instance in python_stubs(server_pid).items():
+        groups.setdefault(f"{instance.rsplit('_', 2)[0]} stub", []).append(pid)
+    return groups
 
 
 def main() -> int:
@@ -189,10 +206,11 @@ def main() -> int:
                 send = triton_request(server.grpc_url, args.triton_model, tokenizer)
                 send(prompts[0], 8)  # warm-ups
                 session_request(session, prompts[0], 8)
-                first, session_tpot = at_concurrency_1(send, session, level_prompts(1), args.rounds, args.max_tokens)
+                first, session_tpot, cpu = at_concurrency_1(send, session, level_prompts(1), args.rounds,
+                                                            args.max_tokens, server_processes(server.process.pid))
                 results[mode] = {"levels": [first] + [closed_loop(send, level_prompts(c), c, len(level_prompts(c)),
                                                                   args.max_tokens) for c in levels[1:]],
-                                 "session_tpot_s": session_tpot}
+                                 "session_tpot_s": session_tpot, "cpu_us_per_token_c1": cpu}
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -208,6 +226,7 @@ def main() -> int:
     speedups = [[c, ratio(results["plain"]["levels"][i]["tpot_s"], results["mtp"]["levels"][i]["tpot_s"]),
                  ratio(results["mtp"]["levels"][i]["output_tok_s"], results["plain"]["levels"][i]["output_tok_s"])]
                 for i, c in enumerate(levels)]
+    cpu_columns = sorted(results["plain"]["cpu_us_per_token_c1"]["triton"], key=lambda c: (c == "client", c))
     info = machine_info()
     md = "\n\n".join([
         f"# Triton (gRPC streaming, {args.triton_model}): plain vs MTP (adaptive, up to 3 drafts)",
@@ -219,6 +238,14 @@ def main() -> int:
         md_table(["mode", "session TPOT ms", "Triton TPOT ms", "ratio"],
                  [[m, ms(r["session_tpot_s"]), ms(r["levels"][0]["tpot_s"]), r["triton_over_session_tpot_c1"]]
                   for m, r in results.items()]),
+        "## CPU time per streamed token at concurrency 1 (us)",
+        "User + system time over the concurrency-1 rounds, divided by the tokens streamed: the Session's process "
+        "while it generated; each Triton process and this one (the client) while Triton streamed. A forward that "
+        "takes every core shares them with the rest.",
+        md_table(["mode", "Session", *cpu_columns, "Triton total"],
+                 [[m, r["cpu_us_per_token_c1"]["session"]["this process"],
+                   *(r["cpu_us_per_token_c1"]["triton"][c] for c in cpu_columns),
+                   sum(r["cpu_us_per_token_c1"]["triton"].values())] for m, r in results.items()], digits=0),
         "## Targets", "\n".join(f"- {t['text']}" for t in targets), "## Machine", machine_md(info)])
     js, mdp = write_results(args.out_dir, args.name, {"results": results, "speedups": speedups, "targets": targets,
                                                       "max_tokens": args.max_tokens, "triton_model": args.triton_model,

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -294,6 +295,31 @@ def test_triton_rounds_merge_weighted_by_completed_requests():
     assert (out["requests"], out["completed"], out["errors"], out["wall_s"]) == (8, 6, ["request 1: x"], 3.0)
     assert out["tpot_s"] == pytest.approx(0.02) and out["ttft_s"] == pytest.approx(0.2)
     assert out["output_tok_s"] == pytest.approx(250 / 3)
+
+
+def test_cpu_seconds_counts_each_group_and_this_process():
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                             "while time.process_time() - t < 0.5: pass\nimport sys; sys.stdin.read()"],
+                            stdin=subprocess.PIPE)
+    try:
+        time.sleep(1.5)
+        before = bc.cpu_seconds({"busy": [busy.pid], "none": []})
+        t = time.process_time()
+        while time.process_time() - t < 0.3:  # this process burns 0.3 s
+            pass
+        after = bc.cpu_seconds({"busy": [busy.pid], "none": [], "absent": [10**8]})  # above any pid_max
+    finally:
+        busy.communicate(b"")
+    assert 0.4 <= before["busy"] <= after["busy"] <= before["busy"] + 0.1  # its 0.5 s, then idle
+    assert before["none"] == after["none"] == after["absent"] == 0.0
+    assert 0.25 <= after["this process"] - before["this process"] <= 0.5
+
+
+def test_triton_server_processes_group_stubs_by_model(monkeypatch):
+    monkeypatch.setattr(bt, "python_stubs", lambda pid: {11: "tensorrt_llm_0_0", 12: "preprocessing_0_1",
+                                                         13: "preprocessing_1_0", 14: "tensorrt_llm_bls_0_0"})
+    assert bt.server_processes(10) == {"tritonserver": [10], "tensorrt_llm stub": [11],
+                                       "preprocessing stub": [12, 13], "tensorrt_llm_bls stub": [14]}
 
 
 # ---- benchmark_speculative / measure_acceptance / load_test pure parts -----------------------------
