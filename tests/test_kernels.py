@@ -93,6 +93,64 @@ def test_nan_reaches_the_attention_output() -> None:
     assert out[0, :16].isnan().all() and not out[0, 16:].isnan().any()
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+@pytest.mark.parametrize("tokens", [1, 2, 3])
+def test_mla_attention_splits_heads_of_few_tokens_exactly(threads, tokens) -> None:
+    """Fewer tokens than threads (a batch-1 decode or verify) split each token's heads over the threads, in
+    uneven groups here (5 heads): every head's output as the formula gives it, bit for bit the one-thread result."""
+    g = torch.Generator().manual_seed(tokens)
+    heads, D, rank, vdim, bs = 5, 48, 32, 16, 4
+    cache = torch.randn(40, D, generator=g)
+    tables = torch.tensor([[7, 2, 9, 0, 5, 3], [1, 4, 6, 8, 0, 0]])
+    positions = torch.tensor([17, 9, 21][:tokens])
+    seq = torch.tensor([0, 1, 0][:tokens])
+    q = torch.randn(tokens, heads, D, generator=g) * 0.3
+    w_uv = torch.randn(heads, rank, vdim, generator=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernels.mla_attention(q, cache, positions, seq, tables, bs, w_uv)
+        torch.set_num_threads(threads)
+        got = kernels.mla_attention(q, cache, positions, seq, tables, bs, w_uv)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, one)
+    for t in range(tokens):
+        slots = torch.tensor([tables[seq[t], i // bs] * bs + i % bs for i in range(positions[t] + 1)])
+        ctx = cache[slots].double()
+        p = torch.softmax(q[t].double() @ ctx.t(), dim=-1)  # [heads, L]
+        ref = torch.einsum("hr,hrv->hv", p @ ctx[:, :rank], w_uv.double()).reshape(-1)
+        torch.testing.assert_close(got[t].double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_mla_prepare_splits_large_heads_exactly(tokens) -> None:
+    """Heads with a W_UK of 128 x 256 are items of their own, spread over the threads even for one token: the
+    queries bit for bit the one-thread ones and as the formula gives them, the cache rows the same."""
+    g = torch.Generator().manual_seed(tokens)
+    heads, nope, rope, rank = 6, 128, 16, 256
+    q = torch.randn(tokens, heads * (nope + rope), generator=g)
+    kv = torch.randn(tokens, rank + rope, generator=g)
+    rot = torch.polar(torch.ones(tokens, rope // 2), torch.rand(tokens, rope // 2, generator=g) * 6)
+    w_uk = torch.randn(heads, nope, rank, generator=g) * 0.1
+    norm, slots = torch.rand(rank, generator=g) + 0.5, torch.tensor([5, 0, 7][:tokens])
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            cache = torch.zeros(8, rank + rope)
+            results.append((kernels.mla_prepare(q, kv, rot, norm, 1e-6, w_uk, 0.125, cache, slots), cache))
+    finally:
+        torch.set_num_threads(before)
+    (one, one_cache), *others = results
+    for out, cache in others:
+        assert torch.equal(out, one) and torch.equal(cache, one_cache)
+    q_nope = q.view(tokens, heads, nope + rope)[..., :nope].double()
+    ref = 0.125 * torch.einsum("thn,hnr->thr", q_nope, w_uk.double())
+    torch.testing.assert_close(one[..., :rank].double(), ref, rtol=1e-5, atol=1e-5)
+
+
 def stacked(codes: list[tuple[torch.Tensor, torch.Tensor]]) -> kernels.PackedWeight:
     packed = kernels.PackedWeight.empty_fp8(len(codes), *codes[0][0].shape)
     for e, (q, s) in enumerate(codes):

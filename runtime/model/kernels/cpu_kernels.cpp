@@ -674,13 +674,19 @@ torch::Tensor mla_prepare(const torch::Tensor& q, const torch::Tensor& kv, const
     float* row = cp + sp[t] * D;
     rms_norm_row(kvt, rank, nw, static_cast<float>(eps), row);
     rope_row(kvt + rank, rp + t * rope, rope / 2, 1.0f, row + rank);
-    for (int64_t h = 0; h < heads; ++h) {
-      const float* qh = qp + (t * heads + h) * (nope + rope);
-      float* o = op + (t * heads + h) * D;
+  }
+  // (token, head) items, in chunks of at least ~32K multiply-adds: DeepSeek-V3's heads (128 x 128 x 512 of W_UK)
+  // spread over the threads even for one token, while small models' few heads stay on one thread.
+  const int64_t chunk = std::max<int64_t>(1, 32768 / (nope * rank));
+  parallel(T * heads, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / heads, h = i % heads;
+      const float* qh = qp + i * (nope + rope);
+      float* o = op + i * D;
       matvec(qh, nope, wk + h * nope * rank, rank, sc, o);
       rope_row(qh + nope, rp + t * rope, rope / 2, sc, o + rank);
     }
-  }
+  }, chunk);
   return out;
 }
 
@@ -709,10 +715,15 @@ torch::Tensor mla_attention(const torch::Tensor& q, const torch::Tensor& cache, 
   const int64_t* tb = tables.data_ptr<int64_t>();
   const int64_t max_blocks = tables.size(1), dv = D / kLanes, rv = rank / kLanes;
   float* outp = out.data_ptr<float>();
-  parallel(T, [&](int64_t t0, int64_t t1) {
+  // Items are (token, group of heads): fewer tokens than threads (a batch-1 decode step) split their heads, so
+  // every core works; each item reads its token's context once for all of its heads.
+  const int64_t threads = at::get_num_threads();
+  const int64_t groups = T >= threads ? 1 : std::min(heads, (threads + T - 1) / T);
+  parallel(T * groups, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores, rowsum(heads), zeros(D, 0.0f), olat(heads * rank);
     std::vector<const float*> ctx;
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / groups, h0 = i % groups * heads / groups, h1 = (i % groups + 1) * heads / groups;
       const int64_t L = pos[t] + 1, Lp = (L + kLanes - 1) / kLanes * kLanes;
       check(L >= 1 && L <= max_blocks * block_size, "position negative or past the block table");
       check(sq[t] >= 0 && sq[t] < tables.size(0), "sequence index out of range");
@@ -728,7 +739,7 @@ torch::Tensor mla_attention(const torch::Tensor& q, const torch::Tensor& cache, 
         const float* const* rows = ctx.data() + l0;
         for (int64_t i = kLanes; i < 2 * kLanes && l0 + i < L; ++i)  // the next chunk's rows, from L3
           for (int64_t b = 0; b < D * 4; b += 64) _mm_prefetch(reinterpret_cast<const char*>(rows[i]) + b, _MM_HINT_T0);
-        for (int64_t h = 0; h < heads; ++h) {  // 16 partial dot products, then one tree
+        for (int64_t h = h0; h < h1; ++h) {  // 16 partial dot products, then one tree
           const float* qh = qp + (t * heads + h) * D;
           __m512 acc[kLanes];
 #pragma GCC unroll 16
@@ -742,7 +753,7 @@ torch::Tensor mla_attention(const torch::Tensor& q, const torch::Tensor& cache, 
         }
       }
       const __mmask16 tail = L % kLanes ? static_cast<__mmask16>((1u << (L % kLanes)) - 1) : 0xFFFF;
-      for (int64_t h = 0; h < heads; ++h) {  // softmax numerators in place; padding set to 0
+      for (int64_t h = h0; h < h1; ++h) {  // softmax numerators in place; padding set to 0
         float* s = scores.data() + h * Lp;
         __m512 mx = _mm512_set1_ps(-INFINITY);
         for (int64_t l = 0; l < Lp; l += kLanes)
@@ -757,11 +768,11 @@ torch::Tensor mla_attention(const torch::Tensor& q, const torch::Tensor& cache, 
         rowsum[h] = _mm512_reduce_add_ps(sum);
       }
       float* o = olat.data();
-      std::fill_n(o, heads * rank, 0.0f);
+      std::fill_n(o + h0 * rank, (h1 - h0) * rank, 0.0f);
       for (int64_t l0 = 0; l0 < L; l0 += kLanes) {  // o += p . c, again 16 rows at a time for every head
         const float* const* rows = ctx.data() + l0;
         const int64_t n = std::min(kLanes, L - l0);
-        for (int64_t h = 0; h < heads; ++h) {
+        for (int64_t h = h0; h < h1; ++h) {
           const float* s = scores.data() + h * Lp + l0;
           float* oh = o + h * rank;
           int64_t r = 0;
@@ -789,7 +800,7 @@ torch::Tensor mla_attention(const torch::Tensor& q, const torch::Tensor& cache, 
           }
         }
       }
-      for (int64_t h = 0; h < heads; ++h)  // (softmax @ c) W_UV^T
+      for (int64_t h = h0; h < h1; ++h)  // (softmax @ c) W_UV^T
         matvec(o + h * rank, rank, wv + h * rank * vdim, vdim, 1.0f / rowsum[h], outp + (t * heads + h) * vdim);
     }
   });
