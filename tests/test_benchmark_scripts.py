@@ -23,6 +23,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 import benchmarks.acceptance as ma
+import benchmarks.attention_threads as att
 import benchmarks.common as bc
 import benchmarks.load_test as lt
 import benchmarks.serving as bs
@@ -313,6 +314,16 @@ def test_cpu_seconds_counts_each_group_and_this_process():
     assert 0.4 <= before["busy"] <= after["busy"] <= before["busy"] + 0.1  # its 0.5 s, then idle
     assert before["none"] == after["none"] == after["absent"] == 0.0
     assert 0.25 <= after["this process"] - before["this process"] <= 0.5
+
+
+def test_attention_threads_quick_run_writes_every_kernel_and_shape(tmp_path):
+    assert att.main(["--quick", "--threads", "2", "--out_dir", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "attention_threads_quick.json").read_text())
+    assert res["threads"] == 2
+    assert sorted((r["shape"], r["kernel"]) for r in res["results"]) == [
+        ("DeepSeek-V3", "mla_attention"), ("DeepSeek-V3", "mla_prepare"), ("shipped model", "mla_attention"),
+        ("shipped model", "mla_prepare")]
+    assert all(r["us_1_thread"] > 0 and r["us_2_threads"] > 0 and r["context"] == 64 for r in res["results"])
 
 
 def test_triton_server_processes_group_stubs_by_model(monkeypatch):
