@@ -125,10 +125,10 @@ def test_mla_attention_splits_heads_of_few_tokens_exactly(threads, tokens) -> No
 
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_mla_prepare_splits_large_heads_exactly(tokens) -> None:
-    """Heads with a W_UK of 128 x 256 are items of their own, spread over the threads even for one token: the
+    """Heads with a W_UK of 128 x 512 are items of their own, spread over the threads even for one token: the
     queries bit for bit the one-thread ones and as the formula gives them, the cache rows the same."""
     g = torch.Generator().manual_seed(tokens)
-    heads, nope, rope, rank = 6, 128, 16, 256
+    heads, nope, rope, rank = 6, 128, 16, 512
     q = torch.randn(tokens, heads * (nope + rope), generator=g)
     kv = torch.randn(tokens, rank + rope, generator=g)
     rot = torch.polar(torch.ones(tokens, rope // 2), torch.rand(tokens, rope // 2, generator=g) * 6)

@@ -675,9 +675,10 @@ torch::Tensor mla_prepare(const torch::Tensor& q, const torch::Tensor& kv, const
     rms_norm_row(kvt, rank, nw, static_cast<float>(eps), row);
     rope_row(kvt + rank, rp + t * rope, rope / 2, 1.0f, row + rank);
   }
-  // (token, head) items, in chunks of at least ~32K multiply-adds: DeepSeek-V3's heads (128 x 128 x 512 of W_UK)
-  // spread over the threads even for one token, while small models' few heads stay on one thread.
-  const int64_t chunk = std::max<int64_t>(1, 32768 / (nope * rank));
+  // (token, head) items, in chunks of at least 64K multiply-adds: DeepSeek-V3's heads (128 x 128 x 512 of W_UK)
+  // spread over the threads even for one token, while a small model's verify (its few heads, a few tokens) stays
+  // on one thread, where waking another would cost more than it saves.
+  const int64_t chunk = std::max<int64_t>(1, 65536 / (nope * rank));
   parallel(T * heads, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / heads, h = i % heads;
