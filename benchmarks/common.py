@@ -7,6 +7,7 @@ each written to a temporary file in the same folder and renamed into place.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -19,7 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 import torch
@@ -313,6 +314,28 @@ def cpu_seconds(pids: dict[str, list[int]]) -> dict[str, float]:
     mine = os.times()
     used["this process"] = mine.user + mine.system
     return used
+
+
+class CpuTime:
+    """CPU time of each side of a comparison, summed over the spans it ran: its processes' and this process's
+    (named by the role this process plays for that side, such as "client")."""
+
+    def __init__(self) -> None:
+        self.used: dict[str, dict[str, float]] = {}
+
+    @contextlib.contextmanager
+    def span(self, side: str, processes: dict[str, list[int]] | None = None,
+             this_process: str = "this process") -> Iterator[None]:
+        before = cpu_seconds(processes or {})
+        yield
+        totals = self.used.setdefault(side, {})
+        for name, seconds in cpu_seconds(processes or {}).items():
+            key = this_process if name == "this process" else name
+            totals[key] = totals.get(key, 0.0) + seconds - before[name]
+
+    def per_token_us(self, tokens: int) -> dict[str, dict[str, float]]:
+        return {side: {name: round(s / tokens * 1e6, 1) for name, s in used.items()}
+                for side, used in self.used.items()}
 
 
 def ms(seconds: float | None) -> float | None:

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import (add_common_args, cpu_seconds, load_prompts, machine_info, machine_md, md_table, mean,
+from benchmarks.common import (CpuTime, add_common_args, load_prompts, machine_info, machine_md, md_table, mean,
                                ms, parse_with_quick, ratio, request_ttft_tpot, round_robin_by_source, save_figure,
                                session_request, set_threads, target_line, write_results)
 from runtime.executors.session import Session
@@ -89,19 +89,14 @@ def main() -> int:
                 processes = {name: {"server": [server.process.pid, *live_descendants(server.process.pid)]}
                              for name, server in servers.items()}
                 got: dict[str, list] = {name: [] for name in paths}
-                cpu: dict[str, dict[str, float]] = {name: {} for name in paths}
+                cpu = CpuTime()
                 for r in range(args.rounds):
                     names = list(paths)
                     for name in names[r % len(names):] + names[:r % len(names)]:  # each path in each place
-                        before = cpu_seconds(processes.get(name, {}))
-                        got[name] += [paths[name](pr) for pr in prompts]
-                        for group, seconds in cpu_seconds(processes.get(name, {})).items():
-                            cpu[name][group] = cpu[name].get(group, 0.0) + seconds - before[group]
-            tokens = args.rounds * len(prompts) * args.max_tokens
-            results[mode] = {"requests": got, "cpu_us_per_token": {
-                name: {("client" if group == "this process" and name != "session" else group):
-                       round(seconds / tokens * 1e6, 1) for group, seconds in used.items()}
-                for name, used in cpu.items()}}
+                        with cpu.span(name, processes.get(name), "this process" if name == "session" else "client"):
+                            got[name] += [paths[name](pr) for pr in prompts]
+            results[mode] = {"requests": got,
+                             "cpu_us_per_token": cpu.per_token_us(args.rounds * len(prompts) * args.max_tokens)}
         finally:
             for server in servers.values():
                 server.stop()

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import tritonclient.grpc as grpcclient
 
-from benchmarks.common import (add_common_args, closed_loop_clients, comma_list, cpu_seconds, load_prompts,
+from benchmarks.common import (CpuTime, add_common_args, closed_loop_clients, comma_list, load_prompts,
                                machine_info, machine_md, md_table, mean, ms, parse_with_quick, ratio, request_ttft_tpot,
                                round_robin_by_source, run_tool, session_request, set_threads, target_line,
                                write_results)
@@ -134,20 +134,16 @@ def at_concurrency_1(send: Request, session: Session, prompts: list[str], rounds
     first in even rounds, Triton first in odd ones), and the CPU time each side used per streamed token: the
     Session's process; `server_processes`' and this one (the client) while Triton streamed."""
     runs, tpots = [], []
-    cpu: dict[str, dict[str, float]] = {"session": {}, "triton": {}}
+    cpu = CpuTime()
     for r in range(rounds):
         for side in (("session", "triton") if r % 2 == 0 else ("triton", "session")):
-            before = cpu_seconds(server_processes if side == "triton" else {})
             if side == "triton":
-                runs.append(closed_loop(send, prompts, 1, len(prompts), max_tokens))
+                with cpu.span(side, server_processes, this_process="client"):
+                    runs.append(closed_loop(send, prompts, 1, len(prompts), max_tokens))
             else:
-                tpots += [session_request(session, p, max_tokens)[1] for p in prompts]
-            for name, seconds in cpu_seconds(server_processes if side == "triton" else {}).items():
-                cpu[side][name] = cpu[side].get(name, 0.0) + seconds - before[name]
-    tokens = rounds * len(prompts) * max_tokens
-    per_token = {side: {("client" if name == "this process" and side == "triton" else name): round(s / tokens * 1e6, 1)
-                        for name, s in used.items()} for side, used in cpu.items()}
-    return merged(runs), mean(tpots), per_token
+                with cpu.span(side):
+                    tpots += [session_request(session, p, max_tokens)[1] for p in prompts]
+    return merged(runs), mean(tpots), cpu.per_token_us(rounds * len(prompts) * max_tokens)
 
 
 def server_processes(server_pid: int) -> dict[str, list[int]]:

@@ -326,6 +326,24 @@ def test_attention_threads_quick_run_writes_every_kernel_and_shape(tmp_path):
     assert all(r["us_1_thread"] > 0 and r["us_2_threads"] > 0 and r["context"] == 64 for r in res["results"])
 
 
+def test_cpu_time_sums_each_sides_spans_per_token():
+    def burn(seconds: float) -> None:
+        t = time.process_time()
+        while time.process_time() - t < seconds:
+            pass
+
+    cpu = bc.CpuTime()
+    for _ in range(2):
+        with cpu.span("server", {"none": []}, this_process="client"):
+            burn(0.2)
+        with cpu.span("session"):
+            burn(0.1)
+    got = cpu.per_token_us(1000)  # us per token over 1000 tokens: 1 s of CPU reads 1000
+    assert sorted(got) == ["server", "session"] and sorted(got["server"]) == ["client", "none"]
+    assert got["server"]["none"] == 0.0 and list(got["session"]) == ["this process"]
+    assert 380 <= got["server"]["client"] <= 500 and 180 <= got["session"]["this process"] <= 300
+
+
 def test_triton_server_processes_group_stubs_by_model(monkeypatch):
     monkeypatch.setattr(bt, "python_stubs", lambda pid: {11: "tensorrt_llm_0_0", 12: "preprocessing_0_1",
                                                          13: "preprocessing_1_0", 14: "tensorrt_llm_bls_0_0"})
