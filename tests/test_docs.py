@@ -8,10 +8,16 @@
   commands (scripts/quickstart.sh, scripts/run_tests.sh) are not run: they are what CI runs.
 - README.md's Python code blocks compile, and the names they import from this project exist.
 - A README table row that links a result file under docs/benchmarks/ gives that file's recorded commit and
-  date, and every decimal number in the row is one of the file's numbers (as rounded in the row).
-- Every decimal number in a section of docs/*.md (a heading to the next) is one of the numbers of the result
-  files the section links or names, or a setting that page's short list (SETTINGS) names; a section with such
-  numbers and no result file fails.
+  date, and every decimal number and measured integer in the row is one of the file's numbers (as rounded in
+  the row).
+- Every decimal number and measured integer in a section of docs/*.md (a heading to the next) is one of the
+  numbers of the result files the section links or names, or a setting that page's short list (SETTINGS) names;
+  a section with such numbers and no result file fails. A measured integer is one written with thousands
+  separators (28,029 requests) or one of 4+ digits next to a unit or a measured noun (1419 tok/s, 27034 served)
+  or in a table row; it must be a file's number exactly, or to its last non-zero digit where the page marks it
+  approximate (about 1,900, ~1,700). Smaller integers, years, dates, commits, versions, ids and ports are left
+  alone: they are settings and names far more often than measurements, and a small count would match some other
+  number of a file by chance anyway.
 
 The helpers are tested on broken input too, so each check can fail.
 """
@@ -28,6 +34,7 @@ import subprocess
 import sys
 
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -201,29 +208,44 @@ def readme_commands() -> list[list[str]]:
 
 # ---- measurements --------------------------------------------------------------------------------
 
-def numbers_in(value: object) -> list[float]:
+def numbers_in(value: object, integers: bool = False) -> list[float]:
+    """The numbers of a record, and the decimal numbers inside its strings (a command's flags); with `integers`,
+    the integers inside its strings and keys too (a shape named "o_proj 7168x16384 M=2048"), but no pid."""
     if isinstance(value, bool):
         return []
     if isinstance(value, (int, float)):
         return [float(value)]
     if isinstance(value, dict):
-        return [x for v in value.values() for x in numbers_in(v)]
+        # a process's pid is no measurement: under "pid", as a key of its own (shmem_kb's "9100") or in parentheses
+        # in one ("stub tensorrt_llm_0_0 (9100)")
+        keys = [x for k in value if not str(k).isdigit()
+                for x in numbers_in(re.sub(r"\(\d+\)", "", str(k)), integers)] if integers else []
+        if integers:
+            value = {k: v for k, v in value.items() if k != "pid"}
+        return keys + [x for v in value.values() for x in numbers_in(v, integers)]
     if isinstance(value, list):
-        return [x for v in value for x in numbers_in(v)]
-    if isinstance(value, str):  # numbers inside recorded strings (e.g. a command's flags) count too
-        return [float(x) for x in re.findall(r"\d+\.\d+", value)]
+        return [x for v in value for x in numbers_in(v, integers)]
+    if isinstance(value, str):
+        return [float(x) for x in re.findall(r"\d+\.\d+" if not integers else r"\d+(?:\.\d+)?", value)]
     return []
 
 
-def decimal_numbers(text: str) -> list[str]:
-    """The decimal numbers of a piece of Markdown as printed, outside code, link targets, dates, commits and
-    versions."""
+def measurement_text(text: str) -> str:
+    """A piece of Markdown without what holds no measurement: code, link targets, addresses, versions, dates and
+    commits."""
     versions = r"(\b(?:Triton|tritonserver|torch|Python|CUDA|transformers)`? )\d+(?:\.\d+)+"  # "Triton 2.51"
     text = re.sub(versions, r"\1", text)
     text = INLINE_CODE.sub(" ", FENCE.sub(" ", text))
     text = re.sub(r"\]\([^)]*\)", "] ", text)  # link targets; a link's text stays
     text = re.sub(r"<?https?://\S+", " ", text)
-    text = re.sub(r"\b\d{4}-\d{2}-\d{2}\b|\b[0-9a-f]{7,40}\b", " ", text)  # dates and commits
+    # dates, and commits: 7 to 40 hex digits with a letter among them, or 7 digits (8651496); 33171952 is a number
+    return re.sub(r"\b\d{4}-\d{2}-\d{2}\b|\b(?=\d*[a-f])[0-9a-f]{7,40}\b|\b\d{7}\b", " ", text)
+
+
+def decimal_numbers(text: str) -> list[str]:
+    """The decimal numbers of a piece of Markdown as printed, outside code, link targets, dates, commits and
+    versions."""
+    text = measurement_text(text)
     # a number ends at a space, punctuation, a sentence's full stop or a ratio's "x" (1.57x), not inside a
     # version (2.51.0) or a name (v1.2b)
     return re.findall(r"(?<![\w.])\d+\.\d+(?=x?(?:[^\w.]|\.(?!\w)|$))", text)
@@ -245,6 +267,78 @@ def unit_numbers(value: object, scales: tuple[float, ...] = ()) -> list[float]:
     if isinstance(value, list):
         return [x for v in value for x in unit_numbers(v, scales)]
     return [x * scale for x in numbers_in(value) for scale in scales] if scales else []
+
+
+# Integers the pages print that are measurements: any written with thousands separators (28,029), and one of 4+
+# digits followed by a unit or a measured noun (1419 tok/s, 27034 requests, a 1500-token prefix; also each number of a
+# list that ends in one: 1095 and 1419 tok/s) or standing in a table row. Smaller integers are counts of settings and
+# things (2 cores, 16 experts, k = 3) far more often than measurements, and a bare 4+ digit number in prose is an id,
+# a port, a year or an issue number: neither is checked. The unit decides how a file's numbers may be scaled to it.
+TIME_UNITS = r"ms|us|µs|ns"  # from seconds (x 1000) or as recorded
+SIZE_UNITS = r"KB|KiB|kB|MB|MiB|GB|GiB|bytes|B"  # from bytes or kB (UNIT_KEYS) or as recorded
+PLAIN_UNITS = (r"tok/s|tokens?/s|req/s|s|seconds?|minutes?|requests?|tokens?|cancels?|cancell?ed|cancellations?|"
+               r"served|refused|refusals?|responses?|errors?|disconnect(?:s|ed)?|runs?|steps?|calls?|drafts?|"
+               r"blocks?|positions?|parameters?|params|rows?|columns?|layers?")  # counts and rates: as recorded
+YEAR = re.compile(r"^(?:19[5-9]\d|20[0-3]\d)$")
+# "about 1,900", "~1,700": the number is rounded (to its last non-zero digit); any other is exact
+APPROXIMATE = re.compile(r"(?:\b(?:about|around|roughly|nearly|almost|approximately|some)|~|≈)\s*$", re.I)
+
+
+class Integer(NamedTuple):
+    printed: str  # as on the page: "28,029"
+    kind: str  # "time", "size" or "plain" (its unit's), "table" (a table cell's, unit unknown) or "count" (none)
+    approximate: bool
+
+
+def measured_integers(text: str) -> list[Integer]:
+    """The measured integers of a piece of Markdown (as the comment above TIME_UNITS says), outside what
+    measurement_text drops."""
+    units = {"time": TIME_UNITS, "size": SIZE_UNITS, "plain": PLAIN_UNITS}
+    # the numbers of a list that ends in a unit share it: "1095 and 1419 tok/s" (not "hidden 1024, 4 layers")
+    list_of_numbers = r"(?:\s*(?:and|or|to|vs\.?|/|-|–)\s*~?\d[\d,.]*)*"
+    found = []
+    for line in measurement_text(text).splitlines():
+        in_table = line.lstrip().startswith("|")
+        # an integer ends at a space or punctuation, not inside a decimal (3.14), a version (2.51.0) or a name
+        # (v12, TRTLLM-7028, 4096d)
+        for m in re.finditer(r"(?<![\w.,-])(\d{1,3}(?:,\d{3})+|\d+)(?!\w|[.,]\d)", line):
+            number, after = m.group(1), line[m.end():]
+            digits = number.replace(",", "")
+            kind = next((k for k, u in units.items() if re.match(rf"{list_of_numbers}[ -]?(?:{u})(?![\w/])", after)),
+                        "table" if in_table else "count")
+            if "," in number or (len(digits) >= 4 and not YEAR.match(digits) and kind != "count"):
+                found.append(Integer(number, kind, bool(APPROXIMATE.search(line[:m.start()]))))
+    return found
+
+
+def integer_numbers(text: str) -> list[str]:
+    """The measured integers of a piece of Markdown as printed."""
+    return [i.printed for i in measured_integers(text)]
+
+
+def is_integer_among(number: Integer, values: list[float]) -> bool:
+    """`number` is one of `values` rounded to an integer; an approximate one (about 7,600) rounded as printed: to its
+    last non-zero digit, never to fewer than two significant digits (7,550 to 7,649; about 10,000: 9,500 to 10,499)."""
+    digits = number.printed.replace(",", "")
+    zeros = min(len(digits) - len(digits.rstrip("0")), len(digits) - 2) if number.approximate else 0
+    tolerance = 0.5 * 10 ** max(zeros, 0) + 1e-9
+    return any(abs(v - int(digits)) <= tolerance for v in values)
+
+
+def integer_values(paths: list[Path], kind: str) -> list[float]:
+    """The numbers of result files an integer of `kind` may print: as recorded, with the integers inside recorded
+    strings and keys (a command's --max_tokens 2048, a shape named "o_proj 7168x16384"); seconds as ms for a time
+    or a table cell; bytes and kB as the pages print them (UNIT_KEYS) for a size or a table cell."""
+    values = []
+    for path in paths:
+        record = json.loads(path.read_text())
+        raw = numbers_in(record, integers=True)
+        values += raw
+        if kind in ("time", "table"):
+            values += [x * 1000 for x in raw]
+        if kind in ("size", "table"):
+            values += unit_numbers(record)
+    return values
 
 
 def file_values(paths: list[Path]) -> list[float]:
@@ -277,12 +371,22 @@ def row_problems(row: str) -> list[str]:
         problems.append(f"{files[0]}: commit {commit} not in the row")
     if date not in row:
         problems.append(f"{files[0]}: date {date} not in the row")
-    values = file_values([ROOT / files[0]])
     text = re.sub(r"\[[^\]]*\]\([^)]*\)", " ", row)  # drop links (text too), not parentheses
-    for number in decimal_numbers(text):
-        if not is_among(number, values):
-            problems.append(f"{files[0]}: {number} is not among the file's numbers")
+    for number in numbers_missing(text, [ROOT / files[0]]):
+        problems.append(f"{files[0]}: {number} is not among the file's numbers")
     return problems
+
+
+def numbers_missing(text: str, files: list[Path], allowed: dict[str, str] | None = None) -> list[str]:
+    """The decimal numbers and measured integers of a piece of Markdown, as printed, that are none of the files'
+    numbers (as rounded) nor allowed."""
+    allowed = allowed or {}
+    decimals = [n for n in decimal_numbers(text) if n not in allowed]
+    integers = [i for i in measured_integers(text) if i.printed not in allowed]
+    values = file_values(files) if decimals else []
+    by_kind = {kind: integer_values(files, kind) for kind in {i.kind for i in integers}}
+    return [n for n in decimals if not is_among(n, values)] + \
+        [i.printed for i in integers if not is_integer_among(i, by_kind[i.kind])]
 
 
 def result_rows(text: str) -> list[str]:
@@ -321,12 +425,12 @@ def result_files(text: str) -> list[Path]:
 
 
 def section_problems(page: str, text: str, allowed: dict[str, str] | None = None) -> list[str]:
-    """Each decimal number of each section of a docs page is a number of a result file the section links or
-    names (as rounded), or a setting the page's allow-list names."""
+    """Each decimal number and measured integer (integer_numbers) of each section of a docs page is a number of a
+    result file the section links or names (as rounded), or a setting the page's allow-list names."""
     allowed = allowed or {}
     problems = []
     for heading, body in sections(text):
-        numbers = [n for n in decimal_numbers(body) if n not in allowed]
+        numbers = [n for n in decimal_numbers(body) + integer_numbers(body) if n not in allowed]
         if not numbers:
             continue
         files = result_files(body)
@@ -334,8 +438,7 @@ def section_problems(page: str, text: str, allowed: dict[str, str] | None = None
         if not files:
             problems.append(f"{where}: {', '.join(numbers)} quote no result file (link one)")
             continue
-        values = file_values(files)
-        missing = [n for n in numbers if not is_among(n, values)]
+        missing = numbers_missing(body, files, allowed)
         if missing:
             names = ", ".join(str(f.relative_to(BENCHMARKS)) for f in files)
             problems.append(f"{where}: {', '.join(missing)} not among the numbers of {names}")
@@ -421,8 +524,11 @@ def test_docs_measurements_match_the_result_files_their_sections_name(page: Path
 
 
 def test_each_allowed_setting_is_on_its_page() -> None:
+    def printed(text: str) -> list[str]:
+        return decimal_numbers(text) + integer_numbers(text)
+
     stale = [f"{page}: {number}" for page, numbers in SETTINGS.items() for number in numbers
-             if number not in decimal_numbers((ROOT / "docs" / page).read_text(encoding="utf-8"))]
+             if number not in printed((ROOT / "docs" / page).read_text(encoding="utf-8"))]
     assert not stale, f"allowed settings no longer on their pages (drop them from SETTINGS): {stale}"
 
 
@@ -457,6 +563,46 @@ def test_measurement_check_finds_numbers_not_in_the_file() -> None:
     bad = good.replace("39.711", "39.987").replace(record["git_commit"][:7], "0000000")
     assert len(row_problems(bad)) == 2
     assert len(row_problems(good.replace("39.711", "39.711 (39.987 another way)"))) == 1  # parentheses count too
+    soak = json.loads((ROOT / "docs/benchmarks/soak.json").read_text())["machine"]
+    counts = f"| soak | 27034 requests, 18308 served | [file](docs/benchmarks/soak.json) | {soak['git_commit'][:7]}, " \
+             f"{soak['date_utc'][:10]} |"
+    assert row_problems(counts) == []
+    assert row_problems(counts.replace("18308", "18380")) == \
+        ["docs/benchmarks/soak.json: 18380 is not among the file's numbers"]
+
+
+def test_integer_check_finds_counts_not_in_the_files() -> None:
+    good = ("## Soak\n\n28,029 requests, 21,064 served, 5,662 refused, 1,303 cancelled, 1802 s "
+            "([soak_no_bls_cancels.md](benchmarks/soak_no_bls_cancels.md)).\n")
+    assert section_problems("p.md", good) == []
+    assert section_problems("p.md", good.replace("1,303", "1,330")) == \
+        ["p.md, section 'Soak': 1,330 not among the numbers of soak_no_bls_cancels.json"]
+    # another file's count does not do (27,034 is soak.json's), nor a count with no file at all
+    assert section_problems("p.md", good.replace("28,029", "27,034")) == \
+        ["p.md, section 'Soak': 27,034 not among the numbers of soak_no_bls_cancels.json"]
+    assert section_problems("p.md", "## S\n\n| jemalloc | 3,964 |\n") == \
+        ["p.md, section 'S': 3,964 quote no result file (link one)"]
+    # which integers are measurements: separated thousands, 4+ digits before a unit or noun (also the first of a
+    # list that ends in one) or in a table; not small counts, ids, ports, years, dates, commits or code
+    assert integer_numbers("2 cores, 16 experts, port 8000, issue 7006, PR 6948, TRTLLM-7028, in 2026, on "
+                           "2026-11-26, commit 8651496, `1419 tok/s`, hidden 1024, 4 layers, 3.5 ms, 2.51.0; "
+                           "1095 and 1419 tok/s, a 1500-token prefix, 28,029 requests, 2048 us") == \
+        ["1095", "1419", "1500", "28,029", "2048"]
+    assert integer_numbers("| o_proj | 1050 | 2026 | 12 | 33171952 | 4109438 |") == ["1050", "33171952"]
+    # exact unless the page marks it approximate, then to its last non-zero digit (two significant digits at least)
+    assert [i.approximate for i in measured_integers("about 1,900 requests, ~1,700 cancels, 1,303 cancelled")] == \
+        [True, True, False]
+    assert not is_integer_among(Integer("7,600", "plain", False), [7644.0])
+    assert is_integer_among(Integer("7,600", "plain", True), [7644.0])
+    assert not is_integer_among(Integer("7,600", "plain", True), [7660.0])
+    assert is_integer_among(Integer("10,000", "plain", True), [10499.0])
+    # a time may be a file's seconds as ms, a count only what the file counts; pids are not counts
+    soak = [BENCHMARKS / "soak.json"]  # latency.all.latency_p50_s 2.0319884...
+    assert is_integer_among(Integer("2032", "time", False), integer_values(soak, "time"))
+    assert not is_integer_among(Integer("2032", "plain", False), integer_values(soak, "plain"))
+    assert 9100 not in integer_values([BENCHMARKS / "soak_kinds" / "91e8e07_grpc_cancels_only.json"], "plain")
+    # the integers in a result file's keys and strings count: fp8_h200's shapes and its command's flags
+    assert {7168, 16384, 2048} <= set(integer_values([BENCHMARKS / "fp8_h200.json"], "plain"))
 
 
 def test_section_check_finds_numbers_not_in_the_sections_files() -> None:
