@@ -767,7 +767,8 @@ def test_a_failing_step_loop_ends_every_request_and_refuses_new_ones(engine, pro
         for h in handles:
             out = h.result(30)
             assert (out.finish_reason, out.error) == ("error", "executor stopped: KeyError: 'bookkeeping'")
-        with pytest.raises(RuntimeError, match="^executor is shut down$"):
+        stopped = r"^executor is shut down \(executor stopped: KeyError: 'bookkeeping'\)$"
+        with pytest.raises(RuntimeError, match=stopped):
             ex.submit(prompts[0], SamplingParams(max_tokens=2))
 
 

@@ -132,6 +132,24 @@ def test_chunked_prefill_preemption_and_cancellation_keep_guided_output_exact(sh
     assert cancelled.finish_reason == "cancelled" and reference[2][: len(cancelled.token_ids)] == cancelled.token_ids
 
 
+@pytest.mark.parametrize("k", [0, 3])
+def test_a_grammar_that_fails_while_generating_ends_its_request_only(shipped_engine, prompts, k) -> None:
+    """llguidance builds its lexer lazily: this regex compiles, then exceeds the lexer's limits at its first token.
+    Its request ends with an error naming the guide; the request beside it, the executor and the blocks are fine."""
+    bad = SamplingParams(max_tokens=8, guided_decoding=GuidedDecodingParams(regex="a{1,100000}b{50000}"))
+    free = SamplingParams(max_tokens=24, ignore_eos=True)
+    reference = run(shipped_engine, [prompts[1]], free, k, alone=True)[0].token_ids
+    with Executor(shipped_engine, ExecutorConfig(num_draft_tokens=k, speculation="fixed")) as ex:
+        failed, beside = ex.submit(prompts[0], bad), ex.submit(prompts[1], free)
+        failed, beside = failed.result(120), beside.result(120)
+        after = ex.submit(prompts[1], free).result(120)
+        assert_all_free(ex)
+    assert failed.finish_reason == "error"
+    assert failed.error.startswith("guided_decoding.regex: the grammar failed while generating: "), failed.error
+    assert beside.finish_reason == after.finish_reason == "length"
+    assert beside.token_ids == after.token_ids == reference
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_every_draft_is_drawn_within_the_grammar(shipped_engine, shipped_tokenizer, prompts, temperature) -> None:
     """Drafts come from the MTP distribution masked by the state each would be drawn in (the output so far plus the
@@ -210,8 +228,10 @@ def test_masks_restore_the_matcher_and_free_rows_after_a_refused_draft(shipped_t
     m.advance([a, b, c])
     [only_eos] = masks(m, [], 0, 1)
     assert (~only_eos).nonzero().flatten().tolist() == [tok.eos_token_id]
-    with pytest.raises(RuntimeError, match="grammar rejected kept tokens"):
-        m.advance([a])
+    assert m.error is None
+    m.advance([a])  # a token the grammar refuses: only a failing grammar lets one be kept; the executor ends it
+    assert m.error is not None and m.error.startswith("the grammar failed while generating: ")
+    assert not masks(m, [], 0, 1).any()  # no more masks: the sequence ends after this step
 
 
 def test_verification_reuses_a_draft_mask_only_for_the_same_drafts_in_the_same_state(shipped_tokenizer) -> None:

@@ -40,13 +40,17 @@ class GrammarMatcher:
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, mask_words: int):
         self.matcher, self.vocab_size, self.mask_words = matcher, vocab_size, mask_words
         self._masks: dict[tuple[int, ...], np.ndarray] = {}  # drafts before a row -> its bitmask, in this state
+        # Why the grammar stopped working, if it did: llguidance builds its lexer lazily, so a guide that compiled
+        # can still exceed its limits while generating (a regex of huge repeats). The executor ends this sequence
+        # with the error; the others go on.
+        self.error: str | None = None
 
     def advance(self, tokens: list[int]) -> None:
-        """Consume kept output tokens (never more than the grammar allows: they were drawn under its masks)."""
-        if tokens:
+        """Consume kept output tokens (drawn under its masks, so only a failing grammar refuses them)."""
+        if tokens and self.error is None:
             self._masks.clear()
             if not self.matcher.consume_tokens(tokens):
-                raise RuntimeError(f"grammar rejected kept tokens {tokens}: {self.matcher.get_error()[:200]}")
+                self.error = f"the grammar failed while generating: {self.matcher.get_error()[:200]}"
 
     def fill_masks(self, words: np.ndarray, drafts: list[int], first: int) -> None:
         """Write the bitmasks of rows first .. first + len(words) - 1 into words [rows, W] (int32, all bits set on
@@ -54,6 +58,8 @@ class GrammarMatcher:
         that completes it, keep every bit: that draft is rejected (its own row bans it) or ends the request, so no
         later row is ever used. The matcher's state is restored."""
         m, consumed = self.matcher, 0  # the matcher is in the state after drafts[:consumed]
+        if self.error is not None:
+            return
         for r in range(len(words)):
             before = tuple(drafts[: first + r])
             if len(before) < first + r:  # no drafts given for the row: it is never used
@@ -69,7 +75,9 @@ class GrammarMatcher:
                 self._masks[before] = words[r].copy()
             else:
                 words[r] = known
-        if consumed:
+        if m.is_error():  # the rows' tokens are never kept: the executor ends the sequence after this step
+            self.error = f"the grammar failed while generating: {m.get_error()[:200]}"
+        elif consumed:
             m.rollback(consumed)
 
 

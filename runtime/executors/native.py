@@ -205,7 +205,7 @@ class Executor:
         with self._submit_lock:
             if self._stopping:
                 self._ids.release(rid)
-                raise RuntimeError("executor is shut down")
+                raise RuntimeError(f"executor is shut down{f' ({self._error})' if self._error else ''}")
             self._inbox.put(("add", group))
         self._wake.set()
         return handle
@@ -397,11 +397,17 @@ class Executor:
                     finished.add(r.seq)
                 reports.append((r.seq.request_id, new, delta, reason))
         self.scheduler.update_from_output(plan, results, kept, finished, time.perf_counter() - t0)
+        failed = {r.seq.request_id: f"guided_decoding.{r.seq.params.guided_decoding.kind}: {r.seq.grammar.error}"
+                  for r in results if r.seq.grammar is not None and r.seq.grammar.error is not None}
         for rid, new, delta, reason in reports:
+            if rid in failed:
+                continue
             if reason is None:
                 self._requests[rid][1].report(new, delta, None)
             else:
                 self._finish(rid, reason, new, delta)
+        for rid, error in failed.items():  # its grammar, not the engine: the other requests go on
+            self._finish(rid, "error", error=error)
 
     def _drain_inbox(self) -> None:
         while True:
