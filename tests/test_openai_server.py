@@ -300,6 +300,16 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
                               "max_completion_tokens": 4}, "max_completion_tokens",
      "max_completion_tokens and max_tokens differ; send one"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": True,
+                              "max_completion_tokens": 1}, "max_tokens", "max_tokens must be an integer, got True"),
+    ("/v1/chat/completions", {"messages": [{"role": ["user"], "content": "x"}]}, "messages",
+     "messages[0].role must be one of system, developer, user, assistant, got ['user']"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]},
+     "messages", "messages[0].content parts must be {\"type\": \"text\", \"text\": ...}; this server takes text only"),
+    ("/v1/completions", {"prompt": "ab\ud800"}, "prompt",
+     "prompt must be Unicode text; it has a lone surrogate at character 2"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\udfff"}]}, "messages[0].content",
+     "messages[0].content must be Unicode text; it has a lone surrogate at character 0"),
 ]
 
 
@@ -312,6 +322,9 @@ def test_bad_requests_name_the_parameter(server: Server, path: str, body: dict, 
 
 def test_malformed_and_oversized_bodies_are_refused(server: Server) -> None:
     status, answer = server.post("/v1/completions", b"{not json")
+    assert status == 400 and answer["error"]["message"].startswith("the request body must be JSON: ")
+    nested = b'{"prompt": "x", "user": ' + b"[" * 5000 + b"]" * 5000 + b"}"  # deeper than the parser recurses
+    status, answer = server.post("/v1/completions", nested)
     assert status == 400 and answer["error"]["message"].startswith("the request body must be JSON: ")
     status, answer = server.post("/v1/completions", b"[1, 2]")
     assert (status, answer["error"]["message"]) == (400, "the request body must be a JSON object, got list")
@@ -329,6 +342,49 @@ def test_malformed_and_oversized_bodies_are_refused(server: Server) -> None:
     assert json.loads(response.read())["error"]["message"] == "the request body is larger than 401408 bytes"
     sock.close()
     assert urllib.request.urlopen(server.base + "/health", timeout=10).status == 200
+
+
+def _streamed_events(server: Server, body: dict) -> list[dict]:
+    req = urllib.request.Request(server.base + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    lines = urllib.request.urlopen(req, timeout=60).read().decode().splitlines()
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": PROMPTS[2], "max_tokens": 12, "stop": ["graph"]},  # text held back while a stop string may begin
+    {"prompt": "x", "max_tokens": 20, "guided_regex": "😀🎉a"},  # characters split over byte tokens
+], ids=["stop", "multibyte"])
+def test_text_offsets_are_where_tokens_start_streamed_or_not(server: Server, body: dict) -> None:
+    """`text_offset` counts the characters the tokens before each one complete: rising, within the text, and the same
+    whether streamed (whose text may wait for a stop string or a character's last byte) or not."""
+    body = {**body, "temperature": 0, "logprobs": 0}
+    status, whole = server.post("/v1/completions", body)
+    assert status == 200, whole
+    text, offsets = whole["choices"][0]["text"], whole["choices"][0]["logprobs"]["text_offset"]
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] <= len(text)
+    streamed = [o for e in _streamed_events(server, body) for c in e["choices"] if c.get("logprobs")
+                for o in c["logprobs"]["text_offset"]]
+    assert streamed == offsets
+    if "guided_regex" in body:  # 😀 and 🎉 each start at the token that completes them: "a" starts at 2
+        assert text == "😀🎉a" and offsets[-1] == 2 and offsets.count(0) > 1
+
+
+def test_a_grammar_that_fails_while_generating_is_a_400_and_the_server_serves_on(server: Server, plain: Session
+                                                                                 ) -> None:
+    """This regex compiles, then exceeds llguidance's lexer limits at its first token: the request gets a 400 naming
+    its guide parameter (streamed: the same error as an event); the server stays healthy and serves the next."""
+    body = {"prompt": PROMPTS[0], "max_tokens": 8, "guided_regex": "a{1,100000}b{50000}"}
+    status, answer = server.post("/v1/completions", body)
+    assert (status, answer["error"]["param"], answer["error"]["type"]) == (400, "guided_regex", "invalid_request_error")
+    assert answer["error"]["message"].startswith(
+        "generation failed: guided_decoding.regex: the grammar failed while generating: "), answer
+    assert _streamed_events(server, body)[-1]["error"]["param"] == "guided_regex"
+    assert urllib.request.urlopen(server.base + "/health", timeout=10).status == 200
+    out = server.client.completions.create(model="deepseek-v3-mini", prompt=PROMPTS[0], max_tokens=TOKENS,
+                                           temperature=0)
+    assert out.choices[0].text == _plain_text(plain, plain.tokenizer.encode(PROMPTS[0]))
+    _wait_idle(server)
 
 
 def _wait_idle(server: Server, timeout: float = 60) -> dict[str, float]:

@@ -62,6 +62,15 @@ async def _merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, Requ
             t.cancel()
 
 
+def _failure(g: Generation, out: RequestOutput) -> APIError:
+    """A generation that failed: 400 naming the structured-output parameter when its grammar failed (the request's
+    guide, not the server), else 500."""
+    message = f"generation failed: {out.error or out.finish_reason}"
+    if g.guide_parameter is not None and (out.error or "").startswith("guided_decoding."):
+        return APIError(message, g.guide_parameter)
+    return APIError(message, status=500, type="server_error")
+
+
 class OpenAIServer:
     """The routes over one executor."""
 
@@ -89,7 +98,7 @@ class OpenAIServer:
             chunks.append(chunk)
         try:
             return json.loads(b"".join(chunks))
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep to parse
             raise APIError(f"the request body must be JSON: {e}") from None
 
     def _check_model(self, body: Any) -> None:
@@ -108,6 +117,8 @@ class OpenAIServer:
             return [self.executor.submit(ids, g.params, request_id=f"{g.id}-{p}") for p, ids in enumerate(g.prompts)]
         except ValueError as e:
             raise APIError(str(e), protocol.parameter_of(str(e))) from None
+        except RuntimeError as e:  # the executor stopped serving (its error says why); /health says 503 too
+            raise APIError(str(e), status=503, type="server_error") from None
 
     async def generate(self, request: Request, parse: Callable[..., Generation], chat: bool) -> Any:
         t0 = time.perf_counter()
@@ -129,11 +140,11 @@ class OpenAIServer:
         failed = next((o for o in outs if o.failed), None)
         if failed is not None:
             self._log(g, outs, f"failed: {failed.error or failed.finish_reason}", t0)
-            raise APIError(f"generation failed: {failed.error or failed.finish_reason}", status=500, type="server_error")
+            raise _failure(g, failed)
         texts = [o.text for o in outs]
         if g.echo_texts is not None:
             texts = [g.echo_texts[i // g.n] + t for i, t in enumerate(texts)]
-        choices = [protocol.choice(i, t, o.finish_reason, chat, chunk=False, logprobs=self._logprobs(o.logprobs, chat, 0))
+        choices = [protocol.choice(i, t, o.finish_reason, chat, chunk=False, logprobs=self._logprobs(o.logprobs, chat))
                    for i, (t, o) in enumerate(zip(texts, outs))]
         usage = protocol.usage(g.prompts, [o.stats for o in outs], self.executor.kv_block_size)
         self._log(g, outs, "ok", t0)
@@ -156,6 +167,7 @@ class OpenAIServer:
         if results.done():
             return [out for outs in results.result() for out in outs]  # choice i of prompt p at p * n + i
         results.cancel()
+        results.add_done_callback(lambda f: f.cancelled() or f.exception())  # read: asyncio logs an unread one
         return None
 
     async def _stream(self, g: Generation, handles: list[RequestHandle], chat: bool, t0: float) -> AsyncIterator[str]:
@@ -174,20 +186,18 @@ class OpenAIServer:
                 yield _sse(protocol.completion_object(
                     g, self.model, [protocol.choice(i, g.echo_texts[i // g.n], None, chat, True)
                                     for i in range(choices)], chat, chunk=True))
-            emitted = [0] * choices  # characters of each choice's text streamed so far (logprobs' offsets)
+            offsets = [protocol.TextOffsets(self.logprobs) for _ in range(choices)]  # completions' text_offset
             async for prompt, out in outputs:
                 index = prompt * g.n + out.index
                 if out.failed:
                     outcome = f"failed: {out.error or out.finish_reason}"
-                    yield _sse(APIError(f"generation failed: {out.error or out.finish_reason}", status=500,
-                                        type="server_error").body())
+                    yield _sse(_failure(g, out).body())
                     break
                 if out.finished:
                     finals[index] = out
                 if out.text_delta or out.finished or out.new_logprobs:
                     c = protocol.choice(index, out.text_delta, out.finish_reason, chat, chunk=True,
-                                        logprobs=self._logprobs(out.new_logprobs, chat, emitted[index]))
-                    emitted[index] += len(out.text_delta)
+                                        logprobs=self._logprobs(out.new_logprobs, chat, offsets[index]))
                     yield _sse(protocol.completion_object(g, self.model, [c], chat, chunk=True))
             else:
                 outcome = "ok"
@@ -203,10 +213,13 @@ class OpenAIServer:
                     h.cancel()
             self._log(g, [finals[i] for i in sorted(finals)], outcome, t0)
 
-    def _logprobs(self, lps: list | None, chat: bool, offset: int) -> dict[str, Any] | None:
+    def _logprobs(self, lps: list | None, chat: bool, offsets: protocol.TextOffsets | None = None
+                  ) -> dict[str, Any] | None:
+        """`offsets`: the choice's so far (streaming); a whole output starts its own."""
         if lps is None:
             return None
-        return self.logprobs.chat(lps) if chat else self.logprobs.completion(lps, offset)
+        return self.logprobs.chat(lps) if chat else \
+            self.logprobs.completion(lps, offsets or protocol.TextOffsets(self.logprobs))
 
     def _log(self, g: Generation, outs: list[RequestOutput] | None, outcome: str, t0: float) -> None:
         prompt = sum(map(len, g.prompts))

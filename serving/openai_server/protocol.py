@@ -10,6 +10,7 @@ not implement are accepted at their neutral value and refused otherwise, naming 
 
 from __future__ import annotations
 
+import codecs
 import math
 import re
 import time
@@ -73,6 +74,7 @@ class Generation:
     stream: bool = False
     include_usage: bool = False
     echo_texts: list[str] | None = None  # completions with echo: each prompt's text, put before its output
+    guide_parameter: str | None = None  # the parameter its structured output came from (a failing grammar names it)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -117,6 +119,10 @@ def _text(value: Any, name: str, max_bytes: int) -> str:
     """A string bounded in bytes before anything tokenizes it."""
     if not isinstance(value, str):
         raise APIError(f"{name} must be a string, got {type(value).__name__}", name)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate (JSON's \ud800): no UTF-8 text, nothing to tokenize
+        raise APIError(f"{name} must be Unicode text; it has a lone surrogate at character {e.start}", name) from None
     if len(value) > max_bytes or len(value.encode("utf-8", "surrogatepass")) > max_bytes:
         raise APIError(f"{name} is longer than the {max_bytes} bytes that can fit the model's context "
                        "(max_seq_len tokens of at most the tokenizer's longest token)", name)
@@ -172,10 +178,15 @@ def _response_format(value: Any) -> tuple[GuidedDecodingParams | None, str]:
     return GuidedDecodingParams(json=spec["schema"]), "response_format.json_schema.schema"
 
 
+def _guide_parameters(body: dict) -> list[str]:
+    """The request's parameters that constrain its output (one is allowed)."""
+    return [k for k in ("response_format", *GUIDE_KEYS, "structured_outputs") if body.get(k) is not None]
+
+
 def _guide(body: dict) -> GuidedDecodingParams | None:
     """The request's structured output: response_format, a guided_* extra or structured_outputs (one of them), its
     grammar checked here so a refusal names the field as the client wrote it, and where the problem lies."""
-    given = [k for k in ("response_format", *GUIDE_KEYS, "structured_outputs") if body.get(k) is not None]
+    given = _guide_parameters(body)
     if len(given) > 1:
         raise APIError(f"{' and '.join(given)} both constrain the output; send one", given[1])
     if not given:
@@ -279,8 +290,8 @@ def completion_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_te
     stream = _flag(body, "stream")
     max_tokens = _integer(body, "max_tokens", 1, INT32_MAX, COMPLETIONS_DEFAULT_MAX_TOKENS)
     return Generation(prompts, _sampling(body, tokenizer, max_tokens, logprobs, stream), stream,
-                      _stream_options(body, stream),
-                      texts if echo else None)
+                      _stream_options(body, stream), texts if echo else None,
+                      guide_parameter=next(iter(_guide_parameters(body)), None))
 
 
 def _messages(body: dict, max_text_bytes: int) -> list[dict[str, str]]:
@@ -293,14 +304,15 @@ def _messages(body: dict, max_text_bytes: int) -> list[dict[str, str]]:
         if not isinstance(m, dict) or set(m) - MESSAGE_KEYS or "role" not in m:
             raise APIError(f"{where} must be an object with role and content (and name), got {str(m)[:80]}",
                            "messages")
-        if m["role"] not in ROLES:
+        if not isinstance(m["role"], str) or m["role"] not in ROLES:
             raise APIError(f"{where}.role must be one of {', '.join(ROLES)}, got {m['role']!r}", "messages")
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and set(p) == {"type", "text"} for p in content):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and set(p) == {"type", "text"} and
+                       isinstance(p["text"], str) for p in content):
                 raise APIError(f"{where}.content parts must be {{\"type\": \"text\", \"text\": ...}}; this server "
                                "takes text only", "messages")
-            content = "".join(str(p["text"]) for p in content)
+            content = "".join(p["text"] for p in content)
         content = _text(content, f"{where}.content", max_text_bytes)
         total += len(content.encode("utf-8", "surrogatepass"))
         if total > max_text_bytes:
@@ -328,13 +340,13 @@ def chat_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_byt
         raise APIError(str(e), "messages") from None
     ids = tokenizer.encode(_text(text, "messages", max_text_bytes), add_bos=False)  # the template places bos
     stream = _flag(body, "stream")
-    asked = {k: body.get(k) for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None}
-    if len(asked) == 2 and len(set(asked.values())) == 2:
+    asked = {k: _integer(body, k, 1, INT32_MAX, None) for k in ("max_completion_tokens", "max_tokens")
+             if body.get(k) is not None}  # each checked as an integer before they are compared
+    if len(set(asked.values())) > 1:
         raise APIError("max_completion_tokens and max_tokens differ; send one", "max_completion_tokens")
-    name = next(iter(asked), "max_completion_tokens")
-    max_tokens = _integer(asked, name, 1, INT32_MAX, max(max_seq_len - len(ids), 1))  # default: the rest of the context
+    max_tokens = next(iter(asked.values()), max(max_seq_len - len(ids), 1))  # default: the rest of the context
     return Generation([ids], _sampling(body, tokenizer, max_tokens, logprobs, stream), stream,
-                      _stream_options(body, stream))
+                      _stream_options(body, stream), guide_parameter=next(iter(_guide_parameters(body)), None))
 
 
 def parameter_of(message: str) -> str | None:
@@ -385,6 +397,25 @@ def choice(index: int, text: str | None, finish_reason: str | None, chat: bool, 
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
+class TextOffsets:
+    """Where each token of a choice starts in its text (completions' `text_offset`), from the tokens alone, so that
+    streamed chunks (whose text may wait for a stop string or the rest of a character) give the same offsets as
+    the whole output: the characters the tokens before it complete (a character split over tokens belongs to the
+    token that completes it; special tokens add none, as the text skips them)."""
+
+    def __init__(self, fmt: LogprobsFormat):
+        self.fmt, self.chars = fmt, 0
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # bytes that never complete: U+FFFD
+
+    def take(self, token_ids: list[int]) -> list[int]:
+        starts = []
+        for i in token_ids:
+            starts.append(self.chars)
+            if i not in self.fmt.tokenizer.special_ids:
+                self.chars += len(self._utf8.decode(self.fmt.token_bytes(i)))
+        return starts
+
+
 class LogprobsFormat:
     """Token logprobs in OpenAI's shapes: completions' parallel lists (tokens, token_logprobs, top_logprobs,
     text_offset) or chat's content entries (token, logprob, bytes, top_logprobs)."""
@@ -399,15 +430,11 @@ class LogprobsFormat:
     def token(self, token_id: int) -> str:
         return self.token_bytes(token_id).decode("utf-8", "replace")
 
-    def completion(self, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
-        """`offset`: characters of the choice's text before these tokens."""
-        tokens = [self.token(lp.token_id) for lp in lps]
-        offsets = []
-        for t in tokens:
-            offsets.append(offset)
-            offset += len(t)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{self.token(i): v for i, v in lp.top} for lp in lps], "text_offset": offsets}
+    def completion(self, lps: list[TokenLogprob], offsets: TextOffsets) -> dict[str, Any]:
+        """`offsets`: the choice's, fed every token before these."""
+        return {"tokens": [self.token(lp.token_id) for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{self.token(i): v for i, v in lp.top} for lp in lps],
+                "text_offset": offsets.take([lp.token_id for lp in lps])}
 
     def chat(self, lps: list[TokenLogprob]) -> dict[str, Any]:
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
