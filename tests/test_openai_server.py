@@ -306,6 +306,8 @@ BAD = [
      "messages[0].role must be one of system, developer, user, assistant, got ['user']"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]},
      "messages", "messages[0].content parts must be {\"type\": \"text\", \"text\": ...}; this server takes text only"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello world " * 1100}]}, "messages",
+     "prompt has 4423 tokens; max_seq_len is 2048"),
     ("/v1/completions", {"prompt": "ab\ud800"}, "prompt",
      "prompt must be Unicode text; it has a lone surrogate at character 2"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\udfff"}]}, "messages[0].content",

@@ -107,16 +107,18 @@ class OpenAIServer:
             raise APIError(f"The model `{name}` does not exist. This server serves `{self.model}`.", "model",
                            status=404, code="model_not_found")
 
-    def _submit(self, g: Generation) -> list[RequestHandle]:
+    def _submit(self, g: Generation, chat: bool) -> list[RequestHandle]:
         """One executor request per prompt, with its n choices (the executor shares the prompt between them);
-        several prompts are all checked before any is submitted (submit checks one)."""
+        several prompts are all checked before any is submitted (submit checks one). A chat's prompt is its
+        messages."""
         try:
             if len(g.prompts) > 1:
                 for ids in g.prompts:
                     self.executor.validate(ids, g.params)
             return [self.executor.submit(ids, g.params, request_id=f"{g.id}-{p}") for p, ids in enumerate(g.prompts)]
         except ValueError as e:
-            raise APIError(str(e), protocol.parameter_of(str(e))) from None
+            param = protocol.parameter_of(str(e))
+            raise APIError(str(e), "messages" if chat and param == "prompt" else param) from None
         except RuntimeError as e:  # the executor stopped serving (its error says why); /health says 503 too
             raise APIError(str(e), status=503, type="server_error") from None
 
@@ -125,7 +127,7 @@ class OpenAIServer:
         body = await self._body(request)
         self._check_model(body)
         g = parse(body, self.tokenizer, self.max_seq_len, self.max_text_bytes)
-        handles = self._submit(g)
+        handles = self._submit(g, chat)
         if g.stream:
             return StreamingResponse(self._stream(g, handles, chat, t0), media_type="text/event-stream")
         try:
