@@ -281,6 +281,24 @@ def test_invalid_guides_name_the_field_and_position(guide, message) -> None:
     assert str(e.value) == message
 
 
+@pytest.mark.parametrize("guide", [GuidedDecodingParams(grammar="root ::= root"),
+                                   GuidedDecodingParams(json={"$ref": "#"}),
+                                   GuidedDecodingParams(regex="[^\\x00-\\x{10FFFF}]")], ids=["grammar", "json", "regex"])
+def test_guides_that_allow_no_output_are_refused_at_submit(shipped_engine, shipped_tokenizer, prompts, guide) -> None:
+    """Guides whose language is empty pass the syntax check; the grammar engine finds that nothing can begin them,
+    and the request is refused before it runs (an empty output ended by eos would pass for a valid one)."""
+    compiler = GrammarCompiler(shipped_tokenizer.backend.to_str(), 4096, shipped_tokenizer.eos_token_id)
+    message = f"guided_decoding.{guide.kind} allows no output: no token can begin it (NoExtensionBias)"
+    with pytest.raises(ValueError) as e:
+        compiler.check(guide)
+    assert str(e.value) == message
+    with Executor(shipped_engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed")) as ex:
+        with pytest.raises(ValueError) as e:
+            ex.submit(prompts[0], SamplingParams(max_tokens=8, guided_decoding=guide))
+        assert str(e.value) == message
+        assert_all_free(ex)
+
+
 def test_bad_tokens_that_leave_nothing_yield_to_the_grammar(shipped_engine, shipped_tokenizer, prompts) -> None:
     """A row where the request's bad tokens ban everything the grammar allows takes the grammar's mask alone: the
     output still follows the grammar (a step never emits a token the grammar refuses)."""
@@ -344,6 +362,10 @@ def test_openai_server_response_format_and_guided_extras(shipped_model_dir, tmp_
             client.completions.create(**ask, extra_body={"guided_regex": "ab(c"})
         assert e.value.body["message"] == "guided_regex is invalid at position 2: unclosed group"
         assert e.value.body["param"] == "guided_regex"
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(**ask, extra_body={"structured_outputs": {"grammar": "root ::= root"}})
+        assert e.value.body["param"] == "structured_outputs"
+        assert e.value.body["message"].startswith("guided_decoding.grammar allows no output")
         chat = client.chat.completions.create(model="deepseek-v3-mini", messages=[{"role": "user", "content": prompt}],
                                               max_tokens=MAX_TOKENS, temperature=0, response_format=schema)
         assert conforms("json", chat.choices[0].message.content)

@@ -32,6 +32,11 @@ from runtime.core.sampling_params import GuidedDecodingParams
 CACHE_SIZE = 64  # compiled guides kept per executor
 
 
+def first_line(error: str) -> str:
+    """llguidance's error without the parser state it appends."""
+    return error.split("\n", 1)[0][:200]
+
+
 class GrammarMatcher:
     """One sequence's grammar state after its kept output tokens, and the masks of the rows it decides next. The masks
     computed since the last advance are kept by the drafts before their row: a verification's rows 0..k-1 are the
@@ -50,7 +55,7 @@ class GrammarMatcher:
         if tokens and self.error is None:
             self._masks.clear()
             if not self.matcher.consume_tokens(tokens):
-                self.error = f"the grammar failed while generating: {self.matcher.get_error()[:200]}"
+                self.error = f"the grammar failed while generating: {first_line(self.matcher.get_error())}"
 
     def fill_masks(self, words: np.ndarray, drafts: list[int], first: int) -> None:
         """Write the bitmasks of rows first .. first + len(words) - 1 into words [rows, W] (int32, all bits set on
@@ -76,7 +81,7 @@ class GrammarMatcher:
             else:
                 words[r] = known
         if m.is_error():  # the rows' tokens are never kept: the executor ends the sequence after this step
-            self.error = f"the grammar failed while generating: {m.get_error()[:200]}"
+            self.error = f"the grammar failed while generating: {first_line(m.get_error())}"
         elif consumed:
             m.rollback(consumed)
 
@@ -111,7 +116,12 @@ class GrammarCompiler:
             return self._cache[key]
         matcher = llguidance.LLMatcher(self.tokenizer, check_guide(guide), log_level=0)
         if matcher.is_error():  # valid grammar the tokenizer cannot serve
-            raise ValueError(f"guided_decoding.{guide.kind} cannot be served: {matcher.get_error()[:200]}")
+            raise ValueError(f"guided_decoding.{guide.kind} cannot be served: {first_line(matcher.get_error())}")
+        probe, words = matcher.deep_copy(), np.empty(self.mask_words, np.int32)
+        probe.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        if probe.is_error():  # an empty language (root ::= root, a self-referencing schema): nothing can begin it
+            raise ValueError(f"guided_decoding.{guide.kind} allows no output: no token can begin it "
+                             f"({first_line(probe.get_error())})")
         self._cache[key] = matcher
         if len(self._cache) > CACHE_SIZE:
             self._cache.popitem(last=False)

@@ -118,6 +118,8 @@ class OpenAIServer:
             return [self.executor.submit(ids, g.params, request_id=f"{g.id}-{p}") for p, ids in enumerate(g.prompts)]
         except ValueError as e:
             param = protocol.parameter_of(str(e))
+            if str(e).startswith("guided_decoding."):  # the grammar engine refused the guide
+                param = g.guide_parameter
             raise APIError(str(e), "messages" if chat and param == "prompt" else param) from None
         except RuntimeError as e:  # the executor stopped serving (its error says why); /health says 503 too
             raise APIError(str(e), status=503, type="server_error") from None
