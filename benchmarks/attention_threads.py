@@ -13,29 +13,18 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from benchmarks.common import (DEFAULT_OUT_DIR, check_minimums, comma_list, machine_info, machine_md, md_table,
-                               parse_with_quick, ratio, write_results)
+                               median_us, parse_with_quick, ratio, write_results)
 from runtime.model import kernels
 
 # heads, nope, rope, latent rank, v: MLA's per-head sizes
 SHAPES = {"DeepSeek-V3": (128, 128, 64, 512, 128), "shipped model": (4, 64, 32, 64, 64)}
 BLOCK = 64  # the latent cache's block size here
-
-
-def median_us(fn: Callable[[], Any], reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
 
 
 def kernel_calls(shape: tuple[int, ...], context: int) -> dict[str, Callable[[], Any]]:

@@ -338,6 +338,18 @@ class CpuTime:
                 for side, used in self.used.items()}
 
 
+def median_us(fn: Callable[[], Any], reps: int, clock: Callable[[], float] = time.perf_counter) -> float:
+    """Median time of fn() in microseconds on `clock` (wall time; time.thread_time for the calling thread's CPU),
+    over `reps` calls after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = clock()
+        fn()
+        times.append(clock() - t0)
+    return statistics.median(times) * 1e6
+
+
 def ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e3
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import (add_common_args, check_minimums, load_prompts, machine_info, machine_md, md_table,
-                               parse_with_quick, write_results)
+                               median_us, parse_with_quick, write_results)
 from runtime.core.kv_cache import KVCache
 from runtime.io.loading import load_engine
 from runtime.io.tokenizer import Tokenizer
@@ -54,13 +54,7 @@ BLOCK = 16
 
 def cpu_us(fn: Callable[[], Any], reps: int) -> float:
     """Median thread CPU time of fn() in microseconds, after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.thread_time()
-        fn()
-        times.append(time.thread_time() - t0)
-    return statistics.median(times) * 1e6
+    return median_us(fn, reps, time.thread_time)
 
 
 def greedy_context(model, tokens: list[int], extra: int, cache: KVCache, table: torch.Tensor) -> list[int]:
