@@ -407,7 +407,7 @@ BAD: dict[str, tuple[Callable[[Ctx, random.Random], str | None], tuple[str, ...]
     "text_input_not_utf8": (refusal_grpc({**GOOD, "text_input": [[b"\xff\xfe bad"]]}),
                             ("text_input must be valid UTF-8 text",)),
     "prompt_over_max_seq_len": (lambda ctx, rng: refusal_any({**GOOD, "text_input": "hello world " * ctx.max_seq_len})(
-        ctx, rng), ("prompt has ", " tokens; max_seq_len is {max_seq_len}")),
+        ctx, rng), ("input_ids (text_input) has ", " tokens; max_seq_len is {max_seq_len}")),
     "stop_word_id_negative": (engine_stop_word, ("stop_words_list must hold token ids in [0, {vocab}), got [-4]",)),
     "postprocessing_token_negative": (lambda ctx, rng: postprocess(ctx, [-1]),
                                       ("TOKENS_BATCH must hold token ids in [0, {vocab}), got [-1]",)),

@@ -19,8 +19,8 @@ from runtime.core.sampling_params import SamplingParams, validate_request
 from runtime.io.tokenizer import Tokenizer
 from serving.engine_limits import EngineLimits
 from serving.request_validation import (GUIDED_INPUTS, NEUTRAL, TENSORRT_LLM_SCALARS, UNSUPPORTED_ENGINE_INPUTS,
-                                        RequestError, client_named, guided_decoding, integer, refuse_non_neutral,
-                                        refuse_unsupported, token_ids)
+                                        RequestError, client_named, guided_decoding, integer, named_for_client,
+                                        refuse_non_neutral, refuse_unsupported, token_ids)
 
 Inputs = dict[str, np.ndarray]  # a request's input tensors by tensorrt_llm's names
 
@@ -94,6 +94,7 @@ def engine_request(inputs: Inputs, tokenizer: Tokenizer, vocab_size: int,
             raise RequestError(f"bad_words: {tokenizer.decode(word, skip_special_tokens=False)!r} is "
                                f"{len(word)} tokens; only single-token bad words are supported")
         bad_ids.append(word[0])
+    scalar(inputs, "len_penalty")  # checked as declared (finite), then unused: it weighs beams, and a request has one
     seed = _alias(inputs, "seed", "random_seed")
     # more than max_tokens means all of them (genai-perf's fixed output length sends min_length = max_tokens)
     min_tokens = min(_alias(inputs, "min_tokens", "min_length") or 0, max_tokens)
@@ -128,11 +129,25 @@ def engine_request(inputs: Inputs, tokenizer: Tokenizer, vocab_size: int,
                          bool(scalar(inputs, "exclude_input_in_output", exclude_input_default)))
 
 
+# tensorrt_llm's inputs, with the ensemble's names (preprocessing makes the first from text), for the executor's
+# parameters its refusals start with
+INPUT_NAMES = {"prompt": "input_ids (text_input)", "stop": "stop_words_list (stop_words)",
+               "stop_token_ids": "stop_words_list (stop_words)", "bad_token_ids": "bad_words_list (bad_words)",
+               **{param: client_named(name) for param, name in (
+                   ("max_tokens", "request_output_len"), ("n", "num_return_sequences"), ("top_k", "runtime_top_k"),
+                   ("top_p", "runtime_top_p"))}}
+
+
 def check_engine_request(request: EngineRequest, tokenizer: Tokenizer, limits: EngineLimits) -> None:
-    """The executor's checks of a request (ValueError naming the parameter), for the BLS, which has no executor:
-    tensorrt_llm leaves them to its executor's submit, not to run them twice on its execute thread."""
-    validate_request(request.prompt, request.params, limits.vocab_size, limits.max_seq_len, limits.max_batch_size,
-                     tokenizer.eos_token_id, (limits.kv_block_size, limits.kv_blocks) if limits.kv_block_size else None)
+    """The executor's checks of a request (RequestError naming the input, as tensorrt_llm's refusal of it does),
+    for the BLS, which has no executor: tensorrt_llm leaves them to its executor's submit, not to run them twice
+    on its execute thread."""
+    try:
+        validate_request(request.prompt, request.params, limits.vocab_size, limits.max_seq_len, limits.max_batch_size,
+                         tokenizer.eos_token_id,
+                         (limits.kv_block_size, limits.kv_blocks) if limits.kv_block_size else None)
+    except ValueError as e:
+        raise RequestError(named_for_client(str(e), INPUT_NAMES)) from None
 
 
 def _alias(inputs: Inputs, name: str, old_name: str) -> Any:

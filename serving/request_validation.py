@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
@@ -137,6 +138,15 @@ ENGINE_INPUTS = {name: name for name in (
 # the ensemble the client only knows its own name
 CLIENT_NAMES = {engine: client for client, engine in ENGINE_INPUTS.items() if client != engine} | {
     PREPROCESSED[name]: client for name, client in PREPROCESSING_INPUTS.items() if name in PREPROCESSED}
+
+
+def named_for_client(message: str, input_names: Mapping[str, str]) -> str:
+    """An executor's refusal (its message starts with the parameter as SamplingParams and the executor name it:
+    "max_tokens 5000 with ...", "stop[3] is ...", "prompt has ...") under the name the client sent it by."""
+    head = re.match(r"[a-z_]+", message)
+    if head is None or head.group() not in input_names:
+        return message
+    return input_names[head.group()] + message[head.end():]
 
 
 def client_named(name: str) -> str:

@@ -38,7 +38,7 @@ from runtime.executors.requests import RequestOutput, RequestStats
 from runtime.core.sampling_params import SamplingParams
 from serving.launcher import WORLD_SIZE_ENV
 from serving.perf_metrics import PERF_OUTPUTS, PerfMetrics
-from serving.request_validation import RequestError
+from serving.request_validation import RequestError, named_for_client
 from serving.triton_parameters import TritonConfig
 from serving.watchdog import Progress, Watchdog, stop_server
 
@@ -83,6 +83,8 @@ class EngineModel:
     (`response`)."""
 
     label = "tensorrt_llm"  # how the model names itself in the server log
+    # the model's input names for the executor's parameters its refusals start with (SamplingParams' names)
+    input_names: dict[str, str] = {}
 
     # ---- set-up ---------------------------------------------------------------------------------
     def start(self, engine_dir: Path, executor_config: ExecutorConfig, triton: TritonConfig, *, model_name: str,
@@ -164,9 +166,11 @@ class EngineModel:
             self.executor.submit(prompt, stream.params, request_id=stream.executor_id,
                                  on_output=lambda out, s=stream: self._outbox.put((s, out, time.perf_counter_ns()))
                                  ).callback_only()
-        except BaseException:
+        except BaseException as e:
             with self._lock:
                 self._active.discard(stream)
+            if isinstance(e, ValueError):  # the executor's refusal, under this model's input names
+                raise RequestError(named_for_client(str(e), self.input_names)) from None
             raise
 
     def stop(self, triton_id: str, sender: Any) -> None:

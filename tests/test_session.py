@@ -284,6 +284,8 @@ def test_seed_reproducibility(session) -> None:
     (SamplingParams(stop_token_ids=(5000,)), "stop_token_ids must be token ids in [0, 4096), got [5000]"),
     (SamplingParams(stop=("",)), "stop must be a list of non-empty strings, got ['']"),
     (SamplingParams(stop=None), "stop must be a list of non-empty strings, got None"),
+    (SamplingParams(stop=tuple(f"s{i}" for i in range(65))), "stop holds 65 strings; at most 64"),
+    (SamplingParams(stop=("ok", "x" * 1025)), "stop[1] is 1025 characters; at most 1024"),
     (SamplingParams(stop_token_ids=5), "stop_token_ids must be a list of integer token ids, got 5"),
     (SamplingParams(stop_token_ids=["a"]), "stop_token_ids must be a list of integer token ids, got ['a']"),
     (SamplingParams(bad_token_ids=[1.0]), "bad_token_ids must be a list of integer token ids, got [1.0]"),

@@ -1084,7 +1084,9 @@ BAD_REQUESTS = {
     "temperature_negative": (dict(GOOD, temperature=-0.5), "temperature"),
     "top_p_above_one": (dict(GOOD, top_p=1.5), "top_p"),
     "text_input_not_utf8": (dict(GOOD, text_input=[[b"\xff\xfe bad"]]), "text_input"),
-    "prompt_over_limit": (dict(GOOD, text_input="hello world " * MAX_SEQ_LEN), "prompt"),
+    "prompt_over_limit": (dict(GOOD, text_input="hello world " * MAX_SEQ_LEN), "input_ids (text_input) has "),
+    "length_penalty_infinite": (dict(GOOD, length_penalty=1e39),  # FP32 infinity, also through JSON
+                                "must be a finite number in [-inf, inf], got inf"),
     "bad_word_of_several_tokens": (dict(GOOD, bad_words=[["hello world"]]), "bad_words"),
     "beam_search": (dict(GOOD, beam_width=2), "beam_width"),
     "seed_too_large": (dict(GOOD, seed=np.uint64(2**64 - 1)), "seed"),
@@ -1142,10 +1144,11 @@ ENGINE_REFUSALS = {  # requests only tensorrt_llm refused before -> its message,
                                    "bad_words: 'hello world' is {hello_world} tokens; only single-token bad words are "
                                    "supported"),
     "max_tokens_past_context": (dict(GOOD, max_tokens=100_000),
-                                "max_tokens 100000 with a {hello}-token prompt exceeds max_seq_len " f"{MAX_SEQ_LEN}; "
+                                "request_output_len (max_tokens) 100000 with a {hello}-token prompt exceeds "
+                                f"max_seq_len {MAX_SEQ_LEN}; "
                                 "at most {room}"),
     "prompt_over_max_seq_len": (dict(GOOD, text_input="hello world " * MAX_SEQ_LEN),
-                                f"prompt has {{long}} tokens; max_seq_len is {MAX_SEQ_LEN}"),
+                                f"input_ids (text_input) has {{long}} tokens; max_seq_len is {MAX_SEQ_LEN}"),
     "guided_with_min_tokens": (dict(GOOD, min_tokens=2, guided_decoding_guide_type="json"),
                                "guided_decoding cannot be combined with ignore_eos or min_tokens: the grammar decides "
                                "where the output ends (with eos)"),

@@ -14,6 +14,9 @@ from runtime.model.config import is_int, is_number
 MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (OpenAI's top_logprobs limit)
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # vLLM's names
 PENALTY_LIMIT = 2.0  # |presence_penalty| and |frequency_penalty| at most this (OpenAI's range)
+# Stop strings are searched in every new token's text on the step loop every request shares: bounded so that one
+# request cannot slow the others (vLLM and TensorRT-LLM set no bound; OpenAI takes 4)
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 1024
 
 
 def _as_given(value: object) -> object:
@@ -116,6 +119,11 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
         if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {_as_given(self.stop)!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop holds {len(self.stop)} strings; at most {MAX_STOP_STRINGS}")
+        longest = max(range(len(self.stop)), key=lambda i: len(self.stop[i]), default=None)
+        if longest is not None and len(self.stop[longest]) > MAX_STOP_CHARS:
+            raise ValueError(f"stop[{longest}] is {len(self.stop[longest])} characters; at most {MAX_STOP_CHARS}")
         for name in ("stop_token_ids", "bad_token_ids"):
             ids = getattr(self, name)
             if not isinstance(ids, tuple) or not all(map(is_int, ids)):

@@ -351,7 +351,7 @@ def chat_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_byt
 
 def parameter_of(message: str) -> str | None:
     """The request parameter an executor refusal names first (its messages start with the parameter)."""
-    word = message.split(" ", 1)[0].rstrip(":")
+    word = re.match(r"[a-z_]*", message).group()  # "max_tokens 5000 ...", "stop[3] is ...", "prompt: ..."
     return word if word in COMPLETION_KEYS | CHAT_KEYS else None
 
 

@@ -18,7 +18,7 @@ import triton_python_backend_utils as pb_utils
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.requests import RequestOutput
 from serving.engine_limits import EngineLimits, publish, withdraw
-from serving.legacy_request import engine_request, scalar
+from serving.legacy_request import INPUT_NAMES, engine_request, scalar
 from serving.request_validation import RequestError, client_named, no_unknown_parameters
 from serving.triton_engine import Chunk, EngineModel, Stream
 from serving.triton_parameters import (TritonConfig, boolean, integer as integer_parameter, model_path, number,
@@ -27,6 +27,7 @@ from serving.triton_parameters import (TritonConfig, boolean, integer as integer
 
 class TritonPythonModel(EngineModel):
     streaming_input = client_named("streaming")
+    input_names = INPUT_NAMES
 
     def initialize(self, args: dict) -> None:
         faulthandler.enable()  # a crash of this stub is logged with its Python stacks, not lost

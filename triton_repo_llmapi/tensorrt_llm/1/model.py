@@ -27,7 +27,7 @@ from runtime.core.sampling_params import SamplingParams
 from runtime.executors.requests import RequestOutput
 from serving.llmapi_config import MODEL_YAML, read_model_yaml
 from serving.request_validation import (GUIDED_INPUTS, INT32_MAX, RequestError, Scalar, guided_decoding,
-                                        no_unknown_parameters, refuse_unsupported, texts)
+                                        named_for_client, no_unknown_parameters, refuse_unsupported, texts)
 from serving.triton_engine import Chunk, EngineModel, Stream, given
 
 UNSUPPORTED = {"image_url": "multimodal input; this is a text model",
@@ -58,6 +58,8 @@ def llm_api_sampling(temperature: float | None, top_k: int | None, top_p: float 
 
 class TritonPythonModel(EngineModel):
     label = "tensorrt_llm (llmapi)"
+    input_names = {"prompt": "text_input", "stop": "sampling_param_stop",
+                   **{name.removeprefix("sampling_param_"): name for name in SCALARS if name.startswith("sampling_param_")}}
 
     def initialize(self, args: dict) -> None:
         faulthandler.enable()  # a crash of this stub is logged with its Python stacks, not lost
@@ -114,8 +116,7 @@ class TritonPythonModel(EngineModel):
         try:  # the rules of SamplingParams alone (n / best_of), refused under this model's input names
             params.validate()
         except ValueError as e:
-            name = str(e).split(" ", 1)[0]
-            raise RequestError(f"sampling_param_{e}" if f"sampling_param_{name}" in SCALARS else str(e)) from None
+            raise RequestError(named_for_client(str(e), self.input_names)) from None
         prompt = self.tokenizer.encode(prompts[0])
         return Stream(sender, request.request_id(), bool(self._scalar(inputs, "streaming")), [],
                       bool(self._scalar(inputs, "sampling_param_return_perf_metrics")), outputs, params), prompt
