@@ -309,6 +309,24 @@ def test_error_missing_shard(make_ckpt):
     assert str(e.value) == f"{path / INDEX_NAME}: shard '{shard}' named in weight_map does not exist, expected {path / shard}"
 
 
+@pytest.mark.parametrize("where", ["../elsewhere/{shard}", "/tmp/{shard}", ""])
+def test_error_shard_named_outside_the_directory(make_ckpt, tmp_path, where):
+    """A shard the index names outside the checkpoint's directory is refused before anything is read (it was
+    opened: any readable file's first bytes showed up in the header error)."""
+    path, _, _ = make_ckpt()
+    shard = "model-00002-of-00005.safetensors"
+    name = where.format(shard=shard)
+    (tmp_path / "elsewhere").mkdir(exist_ok=True)
+    (path / shard).rename(tmp_path / "elsewhere" / shard)  # a real shard, so only its name is wrong
+    index = json.loads((path / INDEX_NAME).read_text())
+    index["weight_map"] = {k: name if v == shard else v for k, v in index["weight_map"].items()}
+    (path / INDEX_NAME).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError) as e:
+        HFCheckpoint(path)
+    assert str(e.value) == (f"{path / INDEX_NAME}: shard {name!r} named in weight_map is not a file name inside "
+                            f"{path}; expected a relative name without '..'")
+
+
 def test_error_missing_tensor(make_ckpt):
     path, _, _ = make_ckpt(drop={"model.layers.1.mlp.gate.weight"})
     with pytest.raises(CheckpointError) as e:

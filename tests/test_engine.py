@@ -244,6 +244,23 @@ def test_loader_checks_limits_against_the_model(engine, field, value, message):
     assert str(e.value) == message.format(src=f"{engine / 'engine.json'}: field 'model_config'")
 
 
+def test_refuses_weight_files_named_outside_the_engine(engine, tmp_path):
+    """engine.json names files inside its directory: a rank file moved elsewhere and named by its absolute path was
+    loaded (with its hash recomputed), and so would any file the process can read."""
+    moved = tmp_path / "rank0.safetensors"
+    (engine / "rank0.safetensors").rename(moved)
+
+    def point_outside(raw: dict) -> None:
+        raw["weights"] = [str(moved) if w == "rank0.safetensors" else w for w in raw["weights"]]
+        raw["files"] = {(str(moved) if k == "rank0.safetensors" else k): v for k, v in raw["files"].items()}
+
+    _rewrite_manifest(engine, point_outside)
+    with pytest.raises(EngineError) as e:
+        load_engine(engine)
+    assert str(e.value) == (f"{engine / 'engine.json'}: fields 'weights' / 'files' name {str(moved)!r}, not a file "
+                            f"name inside {engine}; expected a relative name without '..'")
+
+
 def test_refuses_non_finite_weights_in_rank_files(engine):
     from safetensors.torch import load_file, save_file
 

@@ -395,6 +395,13 @@ def check_finite(t: torch.Tensor, name: str, file: Path) -> torch.Tensor:
     return t
 
 
+def is_local_name(name: str) -> bool:
+    """A file name a checkpoint index or an engine manifest may list: relative, inside its directory (no "..",
+    not absolute). The file itself may be a symlink, as a hub cache's shards are."""
+    path = Path(name)
+    return bool(name) and not path.is_absolute() and ".." not in path.parts and "\\" not in name
+
+
 def _read_index(index: Path) -> dict[str, str]:
     """The index's weight_map, after checking that every shard it names exists."""
     try:
@@ -405,6 +412,9 @@ def _read_index(index: Path) -> dict[str, str]:
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{index}: field 'weight_map' is missing or malformed, expected {{tensor name: shard file}}")
     for shard in sorted(set(weight_map.values())):
+        if not is_local_name(shard):
+            raise CheckpointError(f"{index}: shard {shard!r} named in weight_map is not a file name inside "
+                                  f"{index.parent}; expected a relative name without '..'")
         if not (index.parent / shard).is_file():
             raise CheckpointError(f"{index}: shard {shard!r} named in weight_map does not exist, expected {index.parent / shard}")
     return weight_map

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
-from runtime.io.checkpoint import CheckpointError, HFCheckpoint
+from runtime.io.checkpoint import CheckpointError, HFCheckpoint, is_local_name
 from runtime.model.config import ConfigError, ModelConfig, is_int
 from runtime.model.parallel import Layout, chunk
 
@@ -252,6 +252,10 @@ class EngineManifest:
             raise
         except (TypeError, ValueError, AttributeError) as e:
             raise EngineError(f"{path}: malformed field ({e}); rebuild the engine") from None
+        outside = [name for name in (*manifest.weights, *manifest.files) if not is_local_name(name)]
+        if outside:
+            raise EngineError(f"{path}: fields 'weights' / 'files' name {outside[0]!r}, not a file name inside "
+                              f"{engine_dir}; expected a relative name without '..'")
         if raw.get("backend") != build.backend:
             raise EngineError(f"{path}: field 'backend' is {raw.get('backend')!r}, expected {build.backend!r} as in 'build'")
         if stored_hash != manifest.content_hash:
