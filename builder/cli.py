@@ -16,8 +16,9 @@ from pathlib import Path
 from builder.convert import convert_checkpoint
 from builder.native_engine import TrtllmCheckpoint, build_engine, check_matches_checkpoint
 from builder.trtllm_engine import TrtllmOptions, build_trtllm_engine
-from builder.validation import (NO_QUANT, BuildError, check_output_dir, check_tokenizer, machine_memory, memory_notes,
-                                open_hf_checkpoint, plan_text, validate_build, validate_sharding)
+from builder.validation import (NO_QUANT, BuildError, check_not_replacing, check_output_dir, check_tokenizer,
+                                machine_memory, memory_notes, open_hf_checkpoint, plan_text, validate_build,
+                                validate_sharding)
 from runtime.io.atomic import owned_tempdir, remove_stale
 from runtime.io.checkpoint import CheckpointError, HFCheckpoint
 from runtime.io.engine_format import DEFAULT_MAX_DRAFT_LEN, BuildConfig, EngineError, max_draft_len_allowed
@@ -136,12 +137,9 @@ def run(args: argparse.Namespace) -> None:
     check_output_dir(args.output_dir, args.force)
     for note in remove_stale(args.output_dir):
         print(f"build_engine: {note}", file=sys.stderr)
-    out = args.output_dir.resolve()
-    for flag, src in (("--model_dir", args.model_dir), ("--checkpoint_dir", args.checkpoint_dir),
-                      ("--tokenizer_dir", args.tokenizer_dir), ("the current directory", Path.cwd())):
-        if src is not None and (out == src.resolve() or out in src.resolve().parents):
-            raise BuildError(f"--output_dir {args.output_dir} is or contains {flag} ({src}); "
-                             "replacing it would delete that; choose another directory")
+    check_not_replacing(args.output_dir, "--output_dir", {
+        "--model_dir": args.model_dir, "--checkpoint_dir": args.checkpoint_dir, "--tokenizer_dir": args.tokenizer_dir,
+        "the current directory": Path.cwd()})
     options = TrtllmOptions(
         enable_attention_dp=args.enable_attention_dp, kv_cache_dtype=args.kv_cache_dtype,
         free_gpu_memory_fraction=args.free_gpu_memory_fraction, enable_block_reuse=args.enable_block_reuse,

@@ -127,6 +127,16 @@ def check_output_dir(out_dir: Path, force: bool) -> None:
         raise BuildError(f"{out_dir}: output directory already exists; pass --force to replace it")
 
 
+def check_not_replacing(out_dir: Path, flag: str, inputs: dict[str, Path | None]) -> None:
+    """Refuse an output directory that is or contains one of the inputs (flag -> path; files too): replacing it
+    would delete them."""
+    out = Path(out_dir).resolve()
+    for name, src in inputs.items():
+        if src is not None and (out == Path(src).resolve() or out in Path(src).resolve().parents):
+            raise BuildError(f"{flag} {out_dir} is or contains {name} ({src}); replacing it would delete that; "
+                             "choose another directory")
+
+
 @contextlib.contextmanager
 def build_output(out_dir: Path, force: bool) -> Iterator[Path]:
     """A build's output, made atomically (runtime.io.atomic) once out_dir is known to be free or forced."""

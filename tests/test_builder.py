@@ -310,6 +310,26 @@ def test_force_replaces_atomically_and_never_deletes_inputs(hf, tmp_path, capsys
     assert (inside / "hf" / "config.json").is_file()
 
 
+def test_export_model_refuses_to_replace_its_training_run(tmp_path, monkeypatch, capsys):
+    """export_model --force with --out_dir the run directory deleted ckpt.pt and everything beside it: refused as
+    build_engine refuses an output that contains its input, before the checkpoint is read."""
+    import training.export_model as export
+
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("ckpt.pt", "tokenizer.json", "notes.txt"):
+        (run / name).write_text("kept")
+    monkeypatch.setattr(sys, "argv", ["export_model", "--ckpt", str(run / "ckpt.pt"), "--tokenizer_dir", str(run),
+                                      "--out_dir", str(run), "--force"])
+    with pytest.raises(SystemExit) as e:
+        export.main()
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"export_model: error: --out_dir {run} is or contains --ckpt ({run / 'ckpt.pt'}); replacing it would delete "
+        "that; choose another directory")
+    assert sorted(p.name for p in run.iterdir()) == ["ckpt.pt", "notes.txt", "tokenizer.json"]
+
+
 def test_output_that_appears_during_the_build_is_not_replaced(hf, tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
     orig = engine_builder._build_rank

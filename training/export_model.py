@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from builder.hf_writer import write_hf_checkpoint
+from builder.validation import BuildError, check_not_replacing
 from runtime.model.config import ModelConfig, QuantizationConfig
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM
 from runtime.io.weights import release_tensors
@@ -34,6 +35,11 @@ def main() -> None:
     args = p.parse_args()
     if not args.ckpt.is_file():
         p.error(f"--ckpt {args.ckpt}: file not found")
+    try:
+        check_not_replacing(args.out_dir, "--out_dir", {"--ckpt": args.ckpt, "--tokenizer_dir": args.tokenizer_dir,
+                                                         "the current directory": Path.cwd()})
+    except BuildError as e:
+        p.error(str(e))
 
     state = torch.load(args.ckpt, map_location="cpu", weights_only=True)
     cfg = ModelConfig.from_dict({**state["config"], "torch_dtype": "bfloat16"})
