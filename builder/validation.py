@@ -17,7 +17,7 @@ import torch
 from runtime.io.atomic import atomic_dir
 from runtime.io.checkpoint import HFCheckpoint
 from runtime.io.engine_format import BuildConfig, EngineError, check_model_limits
-from runtime.io.tokenizer import TOKENIZER_FILES
+from runtime.io.tokenizer import TOKENIZER_FILES, Tokenizer
 from runtime.model.config import ModelConfig
 from runtime.model.fp8 import BLOCK
 from builder.trtllm_layout import rank_layout
@@ -161,6 +161,10 @@ def check_tokenizer(src: Path) -> list[str]:
             json.loads((Path(src) / name).read_text())
         except (ValueError, UnicodeDecodeError) as e:
             raise BuildError(f"{Path(src) / name}: not valid JSON ({e})") from None
+    try:  # as the runtime loads it, so that no engine is built that the runtime refuses to load
+        Tokenizer.from_dir(src)
+    except (OSError, ValueError) as e:
+        raise BuildError(str(e)) from None
     return present
 
 

@@ -382,6 +382,16 @@ def test_error_missing_and_corrupt_inputs(hf, tmp_path, capsys):
     assert error(capsys, "--model_dir", tmp_path / "notok", "--output_dir", out, "--max_seq_len", 256) == (
         f"build_engine: error: {tmp_path / 'notok' / 'tokenizer.json'}: not a file, expected the tokenizer's "
         "tokenizer.json")
+    # a tokenizer the runtime would refuse to load is refused at build, as it loads it
+    (tmp_path / "notok" / "tokenizer.json").rmdir()
+    (tmp_path / "notok" / "tokenizer.json").write_text("{}")
+    assert error(capsys, "--model_dir", tmp_path / "notok", "--output_dir", out, "--max_seq_len", 256).startswith(
+        f"build_engine: error: cannot read tokenizer file {tmp_path / 'notok' / 'tokenizer.json'}: Model missing")
+    shutil.copy(hf / "tokenizer.json", tmp_path / "notok" / "tokenizer.json")
+    (tmp_path / "notok" / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<nope>"}))
+    assert error(capsys, "--model_dir", tmp_path / "notok", "--output_dir", out, "--max_seq_len", 256) == (
+        f"build_engine: error: {tmp_path / 'notok' / 'tokenizer_config.json'}: bos_token '<nope>' is not in the "
+        "tokenizer's vocabulary")
     assert error(capsys, "--model_dir", hf, "--output_dir", out, "--max_seq_len", 256, "--kv_block_size", 24) == (
         "build_engine: error: kv_block_size is 24, expected a power of two (as TensorRT-LLM's tokens_per_block) "
         "at most max_seq_len (256)")
