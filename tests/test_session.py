@@ -253,6 +253,28 @@ def test_stop_on_eos(spec_checkpoint, tmp_path, reference) -> None:
     assert r2.finish_reason == "length" and r2.token_ids == ref
 
 
+def test_stop_on_config_eos_when_the_tokenizer_names_none(spec_checkpoint, tmp_path, reference, caplog) -> None:
+    """tokenizer_config.json without eos_token: generation ends at config.json's eos_token_id, as transformers'
+    generate would (it ran to max_tokens), and the load says so."""
+    ref = reference[1].token_ids
+    eos_id = ref[6]
+    ckpt = tmp_path / "config_eos"
+    shutil.copytree(spec_checkpoint, ckpt)
+    tok_cfg = json.loads((ckpt / "tokenizer_config.json").read_text())
+    tok_cfg.pop("eos_token", None)
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["eos_token_id"] = eos_id
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with caplog.at_level("WARNING", logger="runtime.executors.native"):
+        with Session(ckpt, num_draft_tokens=3, max_seq_len=MAX_SEQ_LEN) as s:
+            assert s.tokenizer.eos_token_id == eos_id
+            [r] = s.generate(PROMPTS[1], SamplingParams(max_tokens=40))
+    assert r.finish_reason == "stop" and r.token_ids == ref[:ref.index(eos_id)]
+    assert f"tokenizer_config.json names no eos_token; generation ends at config.json's eos_token_id {eos_id}" in \
+        caplog.text
+
+
 def test_seed_reproducibility(session) -> None:
     def run(seed):
         [r] = session.generate(PROMPT, SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=seed,

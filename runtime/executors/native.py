@@ -98,6 +98,8 @@ class Executor:
         k = config.draft_len(build.max_draft_len, cfg.num_nextn_predict_layers, str(self.engine.path), self.engine.built)
         self.model_config = cfg
         self.tokenizer = Tokenizer.from_dir(self.engine.tokenizer_dir)
+        if note := self.tokenizer.adopt_eos(cfg.eos_token_id):
+            log.warning(note)
         self._grammars: GrammarCompiler | None = None  # built at the first guided request
         block = build.kv_block_size
         dtype = next(self.engine.model.parameters()).dtype

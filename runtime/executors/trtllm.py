@@ -486,6 +486,8 @@ class TrtllmExecutor:
             max_num_tokens=int(self.llm_kwargs.get("max_num_tokens", build.max_num_tokens)),
             max_seq_len=int(self.llm_kwargs.get("max_seq_len", build.max_seq_len)))
         self.tokenizer = Tokenizer.from_dir(self.engine.model_dir)
+        if note := self.tokenizer.adopt_eos(self.model_config.eos_token_id):
+            log.warning(note)
         self.reports_draft_stats: bool | None = None  # unknown until a request has finished
 
         self._trtllm = import_tensorrt_llm()

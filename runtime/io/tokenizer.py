@@ -127,6 +127,22 @@ class Tokenizer:
     def eos_token_id(self) -> int | None:
         return self._eos_token_id
 
+    def adopt_eos(self, config_eos: int | None) -> str | None:
+        """Take config.json's eos_token_id where tokenizer_config.json names no eos_token (generation would never end
+        at an eos otherwise; transformers' generate stops there); a note saying so, or that the two differ (the
+        tokenizer's is kept, as vLLM keeps it), for the loader to log."""
+        if config_eos is None or config_eos == self._eos_token_id or not 0 <= config_eos < self.vocab_size:
+            return None
+        token = self.backend.id_to_token(config_eos)
+        if self._eos_token_id is None:
+            self._eos_token_id = config_eos
+            self.special_ids = self.special_ids | {config_eos}
+            return (f"{self.path}: tokenizer_config.json names no eos_token; generation ends at config.json's "
+                    f"eos_token_id {config_eos} ({token!r})")
+        return (f"{self.path}: tokenizer_config.json's eos_token ({self.backend.id_to_token(self._eos_token_id)!r}, "
+                f"id {self._eos_token_id}) and config.json's eos_token_id {config_eos} ({token!r}) differ; generation "
+                "ends at the tokenizer's")
+
     @property
     def pad_token_id(self) -> int | None:
         return self._pad_token_id
