@@ -420,6 +420,10 @@ def test_error_fp8_weight_without_scale(make_ckpt):
     (dict(tie_word_embeddings=True),
      "field 'tie_word_embeddings' is True, expected false (DeepSeek-V3's lm_head is a weight of its own)"),
     (dict(attention_bias=True), "field 'attention_bias' is True, expected false (DeepSeek-V3's attention has no biases)"),
+    # listing the layout of 10**9 layers or experts grew memory without end before any tensor was compared
+    (dict(num_hidden_layers=10**9), "field 'num_hidden_layers' is 1000000000, expected at most 1024"),
+    (dict(n_routed_experts=10**9), "field 'n_routed_experts' is 1000000000, expected at most 4096"),
+    (dict(num_nextn_predict_layers=10**9), "field 'num_nextn_predict_layers' is 1000000000, expected at most 16"),
 ])
 def test_error_config_field_types(tiny_cfg, overrides, message):
     """Malformed fields are refused when config.json is read, naming the field (no ZeroDivisionError

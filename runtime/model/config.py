@@ -26,6 +26,9 @@ POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermed
                  "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group", "n_shared_experts",
                  "moe_layer_freq", "max_position_embeddings")
 NON_NEGATIVE_INTS = ("num_nextn_predict_layers", "first_k_dense_replace")
+# Far above any DeepSeek release (V3: 61 layers, 256 experts, 1 MTP layer), low enough that the layout a config
+# declares (every tensor's name, each rank's share) is listed in moments rather than growing without end
+UPPER_BOUNDS = {"num_hidden_layers": 1024, "n_routed_experts": 4096, "num_nextn_predict_layers": 16}
 POSITIVE_NUMBERS = ("routed_scaling_factor", "rms_norm_eps", "rope_theta")
 # Fields that do not change what the model computes at inference: bookkeeping, training-only settings.
 # Derived fields (head_dim, qk_head_dim, rope_interleave) are checked against what they derive from; any
@@ -245,6 +248,9 @@ class ModelConfig:
         def bad(field_name: str, expected: str) -> ConfigError:
             return ConfigError(f"{source}: field {field_name!r} is {getattr(self, field_name)!r}, expected {expected}")
 
+        for name, most in UPPER_BOUNDS.items():
+            if getattr(self, name) > most:
+                raise bad(name, f"at most {most}")
         if self.scoring_func != "sigmoid":
             raise bad("scoring_func", "'sigmoid'")
         if self.topk_method != "noaux_tc":
