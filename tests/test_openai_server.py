@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import shutil
 import socket
 import time
 import urllib.request
@@ -22,7 +23,7 @@ pytest.importorskip("fastapi")
 from runtime.core.sampling_params import SamplingParams  # noqa: E402
 from runtime.executors.session import Session  # noqa: E402
 from runtime.io.tokenizer import Tokenizer  # noqa: E402
-from serving.openai_server.chat import render_chat  # noqa: E402
+from serving.openai_server.chat import ChatTemplateFault, render_chat  # noqa: E402
 from serving.openai_server.cli import parse_args  # noqa: E402
 from serving.openai_server.process import start_dsv3_serve  # noqa: E402
 
@@ -389,6 +390,49 @@ def test_a_grammar_that_fails_while_generating_is_a_400_and_the_server_serves_on
                                            temperature=0)
     assert out.choices[0].text == _plain_text(plain, plain.tokenizer.encode(PROMPTS[0]))
     _wait_idle(server)
+
+
+@pytest.mark.parametrize("template, error", [
+    ("{% for i in range(10**9) %}{% endfor %}", "OverflowError"),  # past the sandbox's range limit
+    ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "RecursionError"),
+    ("{% for m in messages %}", "TemplateSyntaxError"),
+])
+def test_a_chat_template_that_cannot_render_is_the_models_fault(shipped_model_dir: Path, template: str,
+                                                                 error: str) -> None:
+    """Errors of the template itself (not its raise_exception on the messages) are the model's: ChatTemplateFault,
+    which the server answers 500 (they escaped as raw exceptions, or were blamed on the request)."""
+    tok = Tokenizer.from_dir(shipped_model_dir)
+    with pytest.raises(ChatTemplateFault) as e:
+        render_chat(template, [{"role": "user", "content": "hi"}], tok)
+    assert str(e.value).startswith(f"the model's chat template cannot be rendered: {error}: ")
+
+
+def test_a_slow_chat_template_does_not_hold_the_event_loop(shipped_model_dir: Path, tmp_path: Path) -> None:
+    """The template renders on a worker thread: while a slow one renders, /health and other requests are answered
+    (a template's loops ran on the event loop and froze the whole server)."""
+    model = tmp_path / "model"
+    shutil.copytree(shipped_model_dir, model)
+    (model / "chat_template.jinja").write_text(
+        "{% for i in range(30000) %}{% for j in range(3000) %}{% endfor %}{% endfor %}{{ messages[0].content }}")
+    server = Server(model, tmp_path / "serve.log")
+    try:
+        done: dict[str, float] = {}
+
+        def chat() -> None:
+            server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+            done["chat"] = time.monotonic()
+
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(chat)
+            time.sleep(0.5)
+            assert urllib.request.urlopen(server.base + "/health", timeout=60).status == 200
+            done["health"] = time.monotonic()
+            pending.result(timeout=300)
+        # without the worker thread /health waited for the whole render (~2.5 s here) and came back just before
+        # the chat's 2 tokens; with it, it comes back at once
+        assert done["chat"] - done["health"] > 1.0, done
+    finally:
+        server.stop()
 
 
 def _wait_idle(server: Server, timeout: float = 60) -> dict[str, float]:

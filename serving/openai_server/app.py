@@ -128,7 +128,8 @@ class OpenAIServer:
         t0 = time.perf_counter()
         body = await self._body(request)
         self._check_model(body)
-        g = parse(body, self.tokenizer, self.max_seq_len, self.max_text_bytes)
+        # on a worker thread: rendering the model's chat template and tokenizing must not hold the event loop
+        g = await asyncio.to_thread(parse, body, self.tokenizer, self.max_seq_len, self.max_text_bytes)
         handles = self._submit(g, chat)
         if g.stream:
             return StreamingResponse(self._stream(g, handles, chat, t0), media_type="text/event-stream")

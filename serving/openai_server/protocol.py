@@ -24,7 +24,7 @@ from runtime.core.sampling_params import GuidedDecodingParams, SamplingParams
 from runtime.core.sampling_params import MAX_LOGPROBS
 from runtime.executors.requests import RequestStats
 from runtime.io.tokenizer import Tokenizer
-from serving.openai_server.chat import render_chat
+from serving.openai_server.chat import ChatTemplateFault, render_chat
 from serving.request_validation import INT32_MAX, RequestError
 
 MAX_N = 128  # choices per request, as OpenAI allows
@@ -338,6 +338,8 @@ def chat_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_byt
                            add_generation_prompt=_flag(body, "add_generation_prompt", True))
     except RequestError as e:
         raise APIError(str(e), "messages") from None
+    except ChatTemplateFault as e:
+        raise APIError(str(e), status=500, type="server_error") from None
     ids = tokenizer.encode(_text(text, "messages", max_text_bytes), add_bos=False)  # the template places bos
     stream = _flag(body, "stream")
     asked = {k: _integer(body, k, 1, INT32_MAX, None) for k in ("max_completion_tokens", "max_tokens")
