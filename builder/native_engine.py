@@ -61,6 +61,9 @@ class TrtllmCheckpoint:
         cfg = model_config_from_trtllm(raw, str(source))
         mapping, quant = raw.get("mapping") or {}, raw.get("quantization") or {}
         tp, ep, moe_tp = mapping.get("tp_size", 1), mapping.get("moe_ep_size", 1), mapping.get("moe_tp_size", 1)
+        for name, value in (("tp_size", tp), ("moe_ep_size", ep), ("moe_tp_size", moe_tp)):
+            if not is_int(value) or value < 1:
+                raise BuildError(f"{source}: field 'mapping.{name}' is {value!r}, expected a positive integer")
         if mapping.get("world_size", 1) != tp or mapping.get("pp_size", 1) != 1 or moe_tp * ep != tp:
             raise BuildError(
                 f"{source}: field 'mapping' is {mapping}, expected world_size = tp_size, pp_size 1 "

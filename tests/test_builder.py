@@ -420,6 +420,17 @@ def test_error_wrong_shapes(tiny_checkpoint, hf, tmp_path, capsys):
     (ckpt / "rank1.safetensors").unlink()
     assert error(capsys, "--checkpoint_dir", ckpt, "--output_dir", tmp_path / "o", "--tokenizer_dir", hf) == (
         f"build_engine: error: {ckpt / 'rank1.safetensors'}: rank file missing, expected 2 rank files for tp_size 2")
+    # malformed config.json fields named, not a TypeError's traceback
+    config = json.loads((ckpt / "config.json").read_text())
+    for edit, message in ((("mapping", "moe_tp_size", None), "field 'mapping.moe_tp_size' is None, expected a positive "
+                           "integer"),
+                          ((None, "dtype", ["float32"]), "dtype is ['float32'], expected one of ")):
+        broken = json.loads(json.dumps(config))
+        section, key, value = edit
+        (broken[section] if section else broken)[key] = value
+        (ckpt / "config.json").write_text(json.dumps(broken))
+        assert error(capsys, "--checkpoint_dir", ckpt, "--output_dir", tmp_path / "o", "--tokenizer_dir", hf
+                     ).startswith(f"build_engine: error: {ckpt / 'config.json'}: {message}")
 
 
 def test_error_unsupported_quantization(tiny_checkpoint, hf, tmp_path, capsys):

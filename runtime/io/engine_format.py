@@ -64,11 +64,11 @@ class BuildConfig:
                               f"tokens_per_block) at most max_seq_len ({self.max_seq_len})")
         if not isinstance(self.max_draft_len, int) or self.max_draft_len < 0:
             raise EngineError(f"max_draft_len is {self.max_draft_len!r}, expected an integer >= 0")
-        if self.dtype not in DTYPES:
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise EngineError(f"dtype is {self.dtype!r}, expected one of {', '.join(DTYPES)}")
-        if self.quant_algo not in QUANT_ALGOS:
+        if not isinstance(self.quant_algo, (str, type(None))) or self.quant_algo not in QUANT_ALGOS:
             raise EngineError(f"quant_algo is {self.quant_algo!r}, expected FP8_BLOCK_SCALES, FP8 or none")
-        if self.backend not in BACKENDS:
+        if not isinstance(self.backend, str) or self.backend not in BACKENDS:
             raise EngineError(f"backend is {self.backend!r}, expected one of {', '.join(BACKENDS)}")
         if self.tp_size % self.ep_size:
             raise EngineError(
