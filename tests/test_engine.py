@@ -261,6 +261,40 @@ def test_refuses_weight_files_named_outside_the_engine(engine, tmp_path):
                             f"name inside {engine}; expected a relative name without '..'")
 
 
+def _retype(file: Path, tensor: str, dtype: str) -> None:
+    """Declare another dtype for a tensor in a safetensors header, its bytes unchanged."""
+    import struct
+
+    raw = file.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    header[tensor]["dtype"] = dtype
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    file.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+
+
+@pytest.mark.parametrize("tensor, dtype, message", [
+    ("model.layers.1.self_attn.o_proj.weight", "U8",
+     "tensor 'model.layers.1.self_attn.o_proj.weight' is U8, expected one of BF16, F16, F32, F8_E4M3"),
+    ("model.layers.1.self_attn.o_proj.weight", "F8_E5M2",
+     "tensor 'model.layers.1.self_attn.o_proj.weight' is F8_E5M2, expected one of BF16, F16, F32, F8_E4M3"),
+    ("model.layers.1.self_attn.o_proj.weight_scale_inv", "I32",
+     "tensor 'model.layers.1.self_attn.o_proj.weight_scale_inv' is I32, expected one of BF16, F16, F32, F8_E4M3"),
+])
+def test_refuses_rank_files_with_other_dtypes(shipped_model_dir, tmp_path, tensor, dtype, message):
+    """A rank file's dtypes are the converter's: other ones (of the same width, so the file stays well formed) were
+    read as values, a silently wrong model, or failed with a bare KeyError; refused naming the file and tensor."""
+    b = BuildConfig(max_seq_len=256, quant_algo="FP8_BLOCK_SCALES")
+    convert_checkpoint(shipped_model_dir, tmp_path / "ckpt", b, progress=False)
+    engine = build_engine(tmp_path / "ckpt", tmp_path / "engine", b, progress=False)
+    rank0 = engine / "rank0.safetensors"
+    _retype(rank0, tensor, dtype)
+    with pytest.raises(EngineError) as e:
+        load_engine(engine, verify=False)
+    assert str(e.value) == f"{rank0}: {message}"
+
+
 def test_refuses_non_finite_weights_in_rank_files(engine):
     from safetensors.torch import load_file, save_file
 

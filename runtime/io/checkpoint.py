@@ -395,6 +395,22 @@ def check_finite(t: torch.Tensor, name: str, file: Path) -> torch.Tensor:
     return t
 
 
+def check_stored_dtypes(header: Mapping[str, TensorInfo], file: Path) -> None:
+    """A rank file's dtypes as the converter writes them: every tensor a float type, each FP8 weight with a float32
+    block scale beside it and no scale without one (other dtypes read as values would be a silently wrong model)."""
+    for name, info in header.items():
+        if info.dtype not in FLOAT_CODES:
+            raise CheckpointError(f"{file}: tensor {name!r} is {info.dtype}, expected one of {', '.join(FLOAT_CODES)}")
+        weight = name.removesuffix(SCALE_SUFFIX)
+        if name != weight:
+            if info.dtype != "F32":
+                raise CheckpointError(f"{file}: tensor {name!r} is {info.dtype}, expected F32 (block scales)")
+            if weight not in header or header[weight].dtype != FP8_CODE:
+                raise CheckpointError(f"{file}: tensor {name!r} scales no {FP8_CODE} weight {weight!r}")
+        elif info.dtype == FP8_CODE and name + SCALE_SUFFIX not in header:
+            raise CheckpointError(f"{file}: FP8 tensor {name!r} has no {name + SCALE_SUFFIX!r}")
+
+
 def is_local_name(name: str) -> bool:
     """A file name a checkpoint index or an engine manifest may list: relative, inside its directory (no "..",
     not absolute). The file itself may be a symlink, as a hub cache's shards are."""

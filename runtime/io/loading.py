@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from runtime.io.checkpoint import (SCALE_SUFFIX, TORCH_DTYPES, CheckpointError, HFCheckpoint, Scratch, check_finite,
-                                read_safetensors_header, read_tensor)
+                                check_stored_dtypes, read_safetensors_header, read_tensor)
 from runtime.model.config import ConfigError, ModelConfig
 from runtime.io.engine_format import (DTYPES, ENGINE_JSON, BuildConfig, EngineError, EngineManifest, checkpoint_limits,
                             shard_index, shard_shape, split_dim)
@@ -253,6 +253,7 @@ class _RankSource:
         self._scratch = Scratch()
         try:
             self.header = read_safetensors_header(self.file)
+            check_stored_dtypes(self.header, self.file)
         except CheckpointError as e:
             raise EngineError(str(e)) from None
         self.shapes = parameter_shapes(self.cfg)
@@ -293,6 +294,8 @@ class _EngineSource:
         self._scratch = Scratch()  # each rank piece is read into it, then joined or consumed
         try:
             self.headers = [read_safetensors_header(f) for f in self.files]
+            for header, file in zip(self.headers, self.files):
+                check_stored_dtypes(header, file)
         except CheckpointError as e:
             raise EngineError(str(e)) from None
         self.shapes = parameter_shapes(self.cfg)
