@@ -375,21 +375,22 @@ def test_text_offsets_are_where_tokens_start_streamed_or_not(server: Server, bod
         assert text == "😀🎉a" and offsets[-1] == 2 and offsets.count(0) > 1
 
 
-def test_a_grammar_that_fails_while_generating_is_a_400_and_the_server_serves_on(server: Server, plain: Session
-                                                                                 ) -> None:
-    """This regex compiles, then exceeds llguidance's lexer limits at its first token: the request gets a 400 naming
-    its guide parameter (streamed: the same error as an event); the server stays healthy and serves the next."""
-    body = {"prompt": PROMPTS[0], "max_tokens": 8, "guided_regex": "a{1,100000}b{50000}"}
-    status, answer = server.post("/v1/completions", body)
-    assert (status, answer["error"]["param"], answer["error"]["type"]) == (400, "guided_regex", "invalid_request_error")
-    assert answer["error"]["message"].startswith(
-        "generation failed: guided_decoding.regex: the grammar failed while generating: "), answer
-    assert _streamed_events(server, body)[-1]["error"]["param"] == "guided_regex"
-    assert urllib.request.urlopen(server.base + "/health", timeout=10).status == 200
-    out = server.client.completions.create(model="deepseek-v3-mini", prompt=PROMPTS[0], max_tokens=TOKENS,
-                                           temperature=0)
-    assert out.choices[0].text == _plain_text(plain, plain.tokenizer.encode(PROMPTS[0]))
-    _wait_idle(server)
+def test_a_grammar_that_fails_while_generating_is_a_400_naming_its_parameter() -> None:
+    """The executor ends a request whose grammar fails while generating (tests/test_structured_output.py); the server
+    answers that as the request's fault, naming the parameter its guide came from, and any other failure as 500."""
+    from types import SimpleNamespace
+
+    from serving.openai_server.app import _failure
+    from serving.openai_server.protocol import Generation
+
+    g = Generation([[1]], SamplingParams(), guide_parameter="guided_regex")
+    grammar = SimpleNamespace(error="guided_decoding.regex: the grammar failed while generating: lexer error",
+                              finish_reason="error")
+    e = _failure(g, grammar)
+    assert (e.status, e.param, e.type, e.message) == (400, "guided_regex", "invalid_request_error",
+                                                      "generation failed: " + grammar.error)
+    e = _failure(g, SimpleNamespace(error="executor stopped: KeyError", finish_reason="error"))
+    assert (e.status, e.param, e.type) == (500, None, "server_error")
 
 
 @pytest.mark.parametrize("template, error", [

@@ -132,11 +132,38 @@ def test_chunked_prefill_preemption_and_cancellation_keep_guided_output_exact(sh
     assert cancelled.finish_reason == "cancelled" and reference[2][: len(cancelled.token_ids)] == cancelled.token_ids
 
 
+class FailingLexer:
+    """llguidance's matcher, failing as its lexer does past its limits (a regex like a{1,100000}b{50000} compiles,
+    then may fail at its first tokens, depending on which lexer states earlier requests built): consuming a token
+    fails with its error. Everything else is the real matcher's."""
+
+    def __init__(self, matcher):
+        self._matcher = matcher
+
+    def consume_tokens(self, tokens):
+        return False
+
+    def get_error(self):
+        return "lexer error: too many expressions constructed"
+
+    def __getattr__(self, name):
+        return getattr(self._matcher, name)
+
+
 @pytest.mark.parametrize("k", [0, 3])
-def test_a_grammar_that_fails_while_generating_ends_its_request_only(shipped_engine, prompts, k) -> None:
-    """llguidance builds its lexer lazily: this regex compiles, then exceeds the lexer's limits at its first token.
-    Its request ends with an error naming the guide; the request beside it, the executor and the blocks are fine."""
-    bad = SamplingParams(max_tokens=8, guided_decoding=GuidedDecodingParams(regex="a{1,100000}b{50000}"))
+def test_a_grammar_that_fails_while_generating_ends_its_request_only(shipped_engine, prompts, k, monkeypatch) -> None:
+    """A guide that fails while generating ends its own request with an error naming the guide; the request beside
+    it, the executor and the blocks are fine (the failure stopped the executor's step loop: every request failed,
+    every later one was refused)."""
+    real = GrammarCompiler.matcher
+
+    def failing(self, guide):
+        m = real(self, guide)
+        m.matcher = FailingLexer(m.matcher)
+        return m
+
+    monkeypatch.setattr(GrammarCompiler, "matcher", failing)
+    bad = SamplingParams(max_tokens=8, guided_decoding=GuidedDecodingParams(regex="[a-z]+"))
     free = SamplingParams(max_tokens=24, ignore_eos=True)
     reference = run(shipped_engine, [prompts[1]], free, k, alone=True)[0].token_ids
     with Executor(shipped_engine, ExecutorConfig(num_draft_tokens=k, speculation="fixed")) as ex:
@@ -144,8 +171,9 @@ def test_a_grammar_that_fails_while_generating_ends_its_request_only(shipped_eng
         failed, beside = failed.result(120), beside.result(120)
         after = ex.submit(prompts[1], free).result(120)
         assert_all_free(ex)
-    assert failed.finish_reason == "error"
-    assert failed.error.startswith("guided_decoding.regex: the grammar failed while generating: "), failed.error
+    assert (failed.finish_reason, failed.error) == (
+        "error", "guided_decoding.regex: the grammar failed while generating: lexer error: too many expressions "
+                 "constructed")
     assert beside.finish_reason == after.finish_reason == "length"
     assert beside.token_ids == after.token_ids == reference
 

@@ -119,9 +119,11 @@ class GrammarCompiler:
             raise ValueError(f"guided_decoding.{guide.kind} cannot be served: {first_line(matcher.get_error())}")
         probe, words = matcher.deep_copy(), np.empty(self.mask_words, np.int32)
         probe.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
-        if probe.is_error():  # an empty language (root ::= root, a self-referencing schema): nothing can begin it
-            raise ValueError(f"guided_decoding.{guide.kind} allows no output: no token can begin it "
-                             f"({first_line(probe.get_error())})")
+        if probe.is_error():  # an empty language (root ::= root, a self-referencing schema), or past the lexer's limits
+            error = first_line(probe.get_error())
+            raise ValueError(f"guided_decoding.{guide.kind} allows no output: no token can begin it ({error})"
+                             if error == "NoExtensionBias" else
+                             f"guided_decoding.{guide.kind} cannot be served: {error}")
         self._cache[key] = matcher
         if len(self._cache) > CACHE_SIZE:
             self._cache.popitem(last=False)
