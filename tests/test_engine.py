@@ -261,6 +261,19 @@ def test_refuses_weight_files_named_outside_the_engine(engine, tmp_path):
                             f"name inside {engine}; expected a relative name without '..'")
 
 
+@pytest.mark.parametrize("weights", [["rank1.safetensors", "rank0.safetensors"],
+                                     ["rank0.safetensors", "rank0.safetensors"], ["rank0.safetensors"]])
+def test_refuses_weight_files_out_of_rank_order(engine, weights):
+    """A rank file's place in engine.json's list is its rank (the files carry none): a list reordered or with a
+    file twice, its hash recomputed, loaded a tp 2 engine silently wrong."""
+    _rewrite_manifest(engine, lambda raw: raw.__setitem__("weights", weights))
+    with pytest.raises(EngineError) as e:
+        load_engine(engine)
+    assert str(e.value) == (f"{engine / 'engine.json'}: field 'weights' is {weights}, expected ['rank0.safetensors', "
+                            "'rank1.safetensors'] (one file per rank of tp_size 2, in rank order, as build_engine "
+                            "writes)")
+
+
 def _retype(file: Path, tensor: str, dtype: str) -> None:
     """Declare another dtype for a tensor in a safetensors header, its bytes unchanged."""
     import struct

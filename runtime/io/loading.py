@@ -227,9 +227,10 @@ def _native_manifest(path: Path) -> EngineManifest:
             f"{path}: built with --backend trtllm; run it with the TensorRT-LLM backend "
             f"(trtllm-serve {path / 'hf'} --backend pytorch --extra_llm_api_options "
             f"{path / 'extra_llm_api_options.yaml'}) or rebuild with --backend native")
-    if len(manifest.weights) != manifest.build.tp_size:
-        raise EngineError(f"{path / ENGINE_JSON}: lists {len(manifest.weights)} weight files, expected one per rank "
-                          f"(tp_size {manifest.build.tp_size})")
+    ranks = [f"rank{r}.safetensors" for r in range(manifest.build.tp_size)]
+    if list(manifest.weights) != ranks:  # a file's place in the list is its rank: the files carry no rank of their own
+        raise EngineError(f"{path / ENGINE_JSON}: field 'weights' is {list(manifest.weights)}, expected {ranks} (one "
+                          f"file per rank of tp_size {manifest.build.tp_size}, in rank order, as build_engine writes)")
     return manifest
 
 
