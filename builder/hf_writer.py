@@ -63,7 +63,9 @@ def write_hf_checkpoint(
 
         def flush() -> None:
             nonlocal shard_bytes
-            save_file(shard, tmp / f"model-{len(shards) + 1:05d}.safetensors", metadata={"format": "pt"})
+            path = tmp / f"model-{len(shards) + 1:05d}.safetensors"
+            save_file(shard, path, metadata={"format": "pt"})
+            shutil.copymode(tmp / "config.json", path)  # safetensors writes 0600; the checkpoint's files share a mode
             shards.append(list(shard))
             shard.clear()
             shard_bytes = 0

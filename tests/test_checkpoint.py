@@ -198,6 +198,9 @@ def test_writer_copies_tokenizer(tmp_path, tiny_cfg):
     path = write_hf_checkpoint(tmp_path / "c", cfg, [("model.norm.weight", torch.ones(32))], tokenizer_dir=tok)
     for fname in ("tokenizer.json", "tokenizer_config.json"):
         assert (path / fname).read_text() == (tok / fname).read_text()
+    # every file of the checkpoint has the mode a new file gets here (safetensors wrote its shards 0600)
+    assert {p.name: p.stat().st_mode & 0o777 for p in path.iterdir()} == \
+        dict.fromkeys((p.name for p in path.iterdir()), (path / "config.json").stat().st_mode & 0o777)
 
 
 def test_scale_in_another_shard(tmp_path, tiny_cfg):
