@@ -140,13 +140,16 @@ CLIENT_NAMES = {engine: client for client, engine in ENGINE_INPUTS.items() if cl
     PREPROCESSED[name]: client for name, client in PREPROCESSING_INPUTS.items() if name in PREPROCESSED}
 
 
+def refused_parameter(message: str) -> str:
+    """The parameter an executor's refusal starts with, as SamplingParams and the executor name it ("max_tokens 5000
+    with ...", "stop[3] is ...", "prompt has ...", "guided_decoding.regex ..."); "" if none."""
+    return re.match(r"[a-z_]*", message).group()
+
+
 def named_for_client(message: str, input_names: Mapping[str, str]) -> str:
-    """An executor's refusal (its message starts with the parameter as SamplingParams and the executor name it:
-    "max_tokens 5000 with ...", "stop[3] is ...", "prompt has ...") under the name the client sent it by."""
-    head = re.match(r"[a-z_]+", message)
-    if head is None or head.group() not in input_names:
-        return message
-    return input_names[head.group()] + message[head.end():]
+    """An executor's refusal under the name the client sent its parameter by."""
+    head = refused_parameter(message)
+    return input_names[head] + message[len(head):] if head in input_names else message
 
 
 def client_named(name: str) -> str:

@@ -109,18 +109,15 @@ class OpenAIServer:
 
     def _submit(self, g: Generation, chat: bool) -> list[RequestHandle]:
         """One executor request per prompt, with its n choices (the executor shares the prompt between them);
-        several prompts are all checked before any is submitted (submit checks one). A chat's prompt is its
-        messages."""
+        several prompts are all checked before any is submitted (submit checks one)."""
         try:
             if len(g.prompts) > 1:
                 for ids in g.prompts:
                     self.executor.validate(ids, g.params)
             return [self.executor.submit(ids, g.params, request_id=f"{g.id}-{p}") for p, ids in enumerate(g.prompts)]
-        except ValueError as e:
-            param = protocol.parameter_of(str(e))
-            if str(e).startswith("guided_decoding."):  # the grammar engine refused the guide
-                param = g.guide_parameter
-            raise APIError(str(e), "messages" if chat and param == "prompt" else param) from None
+        except ValueError as e:  # a chat's prompt is its messages; the grammar engine's refusals name the guide
+            names = {"prompt": "messages" if chat else "prompt", "guided_decoding": g.guide_parameter or ""}
+            raise APIError(str(e), protocol.parameter_of(str(e), names)) from None
         except RuntimeError as e:  # the executor stopped serving (its error says why); /health says 503 too
             raise APIError(str(e), status=503, type="server_error") from None
 

@@ -16,7 +16,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 from runtime.core.guide_check import check_guide
 from runtime.core.sampling import TokenLogprob
@@ -25,7 +25,7 @@ from runtime.core.sampling_params import MAX_LOGPROBS
 from runtime.executors.requests import RequestStats
 from runtime.io.tokenizer import Tokenizer
 from serving.openai_server.chat import ChatTemplateFault, render_chat
-from serving.request_validation import INT32_MAX, RequestError
+from serving.request_validation import INT32_MAX, RequestError, refused_parameter
 
 MAX_N = 128  # choices per request, as OpenAI allows
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -119,11 +119,11 @@ def _text(value: Any, name: str, max_bytes: int) -> str:
     """A string bounded in bytes before anything tokenizes it."""
     if not isinstance(value, str):
         raise APIError(f"{name} must be a string, got {type(value).__name__}", name)
-    try:
-        value.encode("utf-8")
+    try:  # at least one byte a character: a longer string is refused before it is encoded
+        size = len(value) if len(value) > max_bytes else len(value.encode("utf-8"))
     except UnicodeEncodeError as e:  # a lone surrogate (JSON's \ud800): no UTF-8 text, nothing to tokenize
         raise APIError(f"{name} must be Unicode text; it has a lone surrogate at character {e.start}", name) from None
-    if len(value) > max_bytes or len(value.encode("utf-8", "surrogatepass")) > max_bytes:
+    if size > max_bytes:
         raise APIError(f"{name} is longer than the {max_bytes} bytes that can fit the model's context "
                        "(max_seq_len tokens of at most the tokenizer's longest token)", name)
     return value
@@ -314,7 +314,7 @@ def _messages(body: dict, max_text_bytes: int) -> list[dict[str, str]]:
                                "takes text only", "messages")
             content = "".join(p["text"] for p in content)
         content = _text(content, f"{where}.content", max_text_bytes)
-        total += len(content.encode("utf-8", "surrogatepass"))
+        total += len(content.encode("utf-8"))  # _text refused lone surrogates
         if total > max_text_bytes:
             raise APIError(f"messages are longer than the {max_text_bytes} bytes that can fit the model's context",
                            "messages")
@@ -351,9 +351,11 @@ def chat_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_byt
                       _stream_options(body, stream), guide_parameter=next(iter(_guide_parameters(body)), None))
 
 
-def parameter_of(message: str) -> str | None:
-    """The request parameter an executor refusal names first (its messages start with the parameter)."""
-    word = re.match(r"[a-z_]*", message).group()  # "max_tokens 5000 ...", "stop[3] is ...", "prompt: ..."
+def parameter_of(message: str, request_names: Mapping[str, str]) -> str | None:
+    """The request parameter an executor refusal names first (its messages start with the parameter), under this
+    request's name for it where that differs (request_names: executor name -> request parameter)."""
+    word = refused_parameter(message)
+    word = request_names.get(word, word)
     return word if word in COMPLETION_KEYS | CHAT_KEYS else None
 
 

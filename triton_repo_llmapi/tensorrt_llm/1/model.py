@@ -59,7 +59,8 @@ def llm_api_sampling(temperature: float | None, top_k: int | None, top_p: float 
 class TritonPythonModel(EngineModel):
     label = "tensorrt_llm (llmapi)"
     input_names = {"prompt": "text_input", "stop": "sampling_param_stop",
-                   **{name.removeprefix("sampling_param_"): name for name in SCALARS if name.startswith("sampling_param_")}}
+                   **{name.removeprefix("sampling_param_"): name for name in SCALARS
+                      if name.startswith("sampling_param_")}}
 
     def initialize(self, args: dict) -> None:
         faulthandler.enable()  # a crash of this stub is logged with its Python stacks, not lost
