@@ -8,6 +8,7 @@ model's order, so logits agree to rounding (checked too), and the tokens exactly
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import signal
@@ -125,6 +126,49 @@ def test_close_leaves_no_rank(tp2):
     pids = [p.pid for p in ex.ranks.procs]
     ex.shutdown()
     assert all(_gone(pid) for pid in pids)
+
+
+def listening(pid: int) -> set[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]]:
+    """The TCP (address, port) pairs process `pid` listens on, from /proc."""
+    sockets = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            link = os.readlink(fd)
+        except OSError:  # closed since listed (the listing's own descriptor)
+            continue
+        if link.startswith("socket:["):
+            sockets.add(link[len("socket:["):-1])
+    found = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            local, state, inode = line.split()[1], line.split()[3], line.split()[9]
+            if state == "0A" and inode in sockets:  # LISTEN
+                raw, port = bytes.fromhex(local.split(":")[0]), int(local.split(":")[1], 16)
+                words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # each 32-bit word host order
+                found.add((ipaddress.ip_address(words), port))
+    return found
+
+
+def loopback(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
+
+
+def test_ranks_listen_on_loopback_only_and_leave_no_rendezvous(tp2):
+    """Ranks started here listen on loopback alone (rank 0 hosted a torch TCPStore, which listens on every
+    interface whatever host it is given, and the ranks' calls are pickles), and the directory they met in is
+    gone once the group has formed."""
+    before = listening(os.getpid())
+    ex = executor(tp2, None)
+    try:
+        [worker] = ex.ranks.procs
+        opened = {"rank 0": listening(os.getpid()) - before, "rank 1": listening(worker.pid)}
+        assert all(opened.values()), opened  # gloo's own
+        assert all(loopback(a) for socks in opened.values() for a, _ in socks), opened
+        assert ex.ranks.rendezvous is not None and not ex.ranks.rendezvous.exists()
+        assert ex.submit([5, 17, 300], SamplingParams(max_tokens=4, temperature=0.0)).result().finish_reason == "length"
+    finally:
+        ex.shutdown()
 
 
 def test_a_killed_rank_stops_the_executor_with_a_clear_error(tp2, shipped_model_dir):

@@ -10,6 +10,10 @@ to the other ranks. Each rank keeps a KV cache of the same shape, written by the
 slots (the latent cache is replicated, see runtime.model.deepseek_v3), so block tables mean the same on every
 rank, and scheduling, speculation, in-flight batching, preemption and cancellation stay on rank 0 unchanged.
 
+Ranks started here meet through a file store in a directory only this user can open (removed once the group has
+formed) and connect over loopback: torch's TCPStore listens on every interface, whatever host it is given, and
+the ranks' calls are pickles. Ranks torchrun started meet at its store and connect as torch.distributed chooses.
+
 Lifetime: a worker dies with rank 0's process (runtime.executors.lifetime) or when the group's connections
 close; `RankGroup.close` sends a stop, then SIGTERM, then SIGKILL. Any failure inside a driven forward leaves the
 ranks out of step (some wait in a collective the others never reach), so it ends the group and raises
@@ -25,9 +29,11 @@ import json
 import logging
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -48,7 +54,7 @@ from runtime.model.parallel import Parallel
 log = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"  # the ranks of one host (a multi-host launch would use torchrun's rendezvous)
-CONNECT_TIMEOUT = datetime.timedelta(seconds=120)  # a worker's store connection and loading wait
+CONNECT_TIMEOUT = datetime.timedelta(seconds=120)  # a worker's loading and the group's forming
 # A rank waits in a collective for the others for as long as they compute, and idle workers wait for rank 0's
 # next call for as long as no request comes: no timeout fits both, so a dead rank is found by its closed
 # connection (at once) and a stuck one by the executor's health watchdog.
@@ -74,8 +80,10 @@ class RankOptions:
 class RankGroup:
     """Rank 0's handle on ranks 1..world-1: their processes, the store they met at and the process group."""
 
-    def __init__(self, path: Path, build: BuildConfig, store: dist.TCPStore, procs: list[subprocess.Popen]):
+    def __init__(self, path: Path, build: BuildConfig, store: dist.Store, procs: list[subprocess.Popen],
+                 rendezvous: Path | None = None):
         self.path, self.build, self.store, self.procs = path, build, store, procs
+        self.rendezvous = rendezvous  # the file store's directory, for ranks started here
         self.par = Parallel(build.layout(0))  # its group once `connect` has formed it
         self.closed = False
         self.sent_bytes = 0  # calls broadcast to each other rank
@@ -97,7 +105,7 @@ class RankGroup:
                 raise ValueError(f"torchrun started {size} ranks; {path} has tp_size {world}")
             if rank:
                 options = dataclasses.replace(options, threads=torch.get_num_threads())
-                raise SystemExit(_worker(str(path), rank, world, _torchrun_store(rank, world), options))
+                raise SystemExit(_worker(str(path), rank, world, _torchrun_store(rank, world), options, loopback=False))
             return cls(Path(path), build, _torchrun_store(0, world), [])  # torchrun watches and ends the ranks
         threads = max(1, torch.get_num_threads() // world)
         torch.set_num_threads(threads)
@@ -106,13 +114,15 @@ class RankGroup:
     @classmethod
     def start(cls, path: str | Path, build: BuildConfig, options: RankOptions) -> "RankGroup":
         """Start ranks 1..tp_size-1 loading their rank files."""
-        store = dist.TCPStore(HOST, 0, build.tp_size, is_master=True, timeout=CONNECT_TIMEOUT, wait_for_workers=False)
+        rendezvous = Path(tempfile.mkdtemp(prefix=f"dsv3-ranks-{os.getpid()}-"))  # mode 0700
+        store_file = str(rendezvous / "store")
+        store = _file_store(store_file, build.tp_size)
         opts = json.dumps(asdict(options))
         procs = [subprocess.Popen([python_executable(), "-m", "runtime.executors.ranks", str(path), str(r), str(build.tp_size),
-                                   str(store.port), opts], preexec_fn=terminate_with_parent)
+                                   store_file, opts], preexec_fn=terminate_with_parent)
                  for r in range(1, build.tp_size)]
         log.info("started ranks 1..%d of %s (pids %s)", build.tp_size - 1, path, [p.pid for p in procs])
-        return cls(Path(path), build, store, procs)
+        return cls(Path(path), build, store, procs, rendezvous)
 
     def connect(self) -> None:
         """Wait for every rank to have loaded its weights (or fail, naming why), then form the process group."""
@@ -129,7 +139,12 @@ class RankGroup:
                 raise RankFailure(f"ranks {sorted(waiting)} did not load {self.path} within "
                                   f"{CONNECT_TIMEOUT.total_seconds():.0f} s")
             time.sleep(0.02)
-        self.par.group = _group(self.store, 0, self.world_size)
+        self.par.group = _group(self.store, 0, self.world_size, loopback=self.rendezvous is not None)
+        self._remove_rendezvous()
+
+    def _remove_rendezvous(self) -> None:
+        if self.rendezvous is not None:
+            shutil.rmtree(self.rendezvous, ignore_errors=True)
 
     def _check(self, rank: int) -> None:
         if not self.procs:  # torchrun's: it ends every rank when one fails
@@ -175,6 +190,7 @@ class RankGroup:
         if self.closed:
             return
         self.closed = True
+        self._remove_rendezvous()
         if graceful and self.par.group is not None and all(p.poll() is None for p in self.procs):
             try:
                 self.send(None)
@@ -244,9 +260,26 @@ def rss_bytes(pid: int, peak: bool = False) -> int:
 
 
 # ---- plumbing ------------------------------------------------------------------------------------------------
-def _group(store: dist.Store, rank: int, world: int) -> dist.ProcessGroup:
-    """The ranks' gloo group, of their own (not torch.distributed's default group: one process may hold several)."""
-    return dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world, COLLECTIVE_TIMEOUT)
+def _group(store: dist.Store, rank: int, world: int, loopback: bool) -> dist.ProcessGroup:
+    """The ranks' gloo group, of their own (not torch.distributed's default group: one process may hold several),
+    formed when every rank has joined it (its store is no longer needed then); over loopback for ranks of one host
+    (else gloo listens on the address the host name resolves to)."""
+    store = dist.PrefixStore("gloo", store)
+    if loopback:
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = COLLECTIVE_TIMEOUT
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=HOST)]
+        group = dist.ProcessGroupGloo(store, rank, world, options)
+    else:
+        group = dist.ProcessGroupGloo(store, rank, world, COLLECTIVE_TIMEOUT)
+    group.barrier().wait()
+    return group
+
+
+def _file_store(path: str, world: int) -> dist.FileStore:
+    store = dist.FileStore(path, world)
+    store.set_timeout(CONNECT_TIMEOUT)
+    return store
 
 
 def _broadcast(par: Parallel, t: Tensor) -> int:
@@ -295,7 +328,7 @@ def _torchrun_store(rank: int, world: int) -> dist.Store:
     return dist.PrefixStore("dsv3", store)
 
 
-def _worker(path: str, rank: int, world: int, store: dist.Store, options: RankOptions) -> int:
+def _worker(path: str, rank: int, world: int, store: dist.Store, options: RankOptions, loopback: bool) -> int:
     torch.set_num_threads(options.threads)
     try:
         par = Parallel(EngineManifest.read(Path(path)).build.layout(rank))
@@ -305,7 +338,7 @@ def _worker(path: str, rank: int, world: int, store: dist.Store, options: RankOp
         store.set(f"error/{rank}", f"{type(e).__name__}: {e}")
         return 1
     store.set(f"loaded/{rank}", "1")
-    par.group = _group(store, rank, world)
+    par.group = _group(store, rank, world, loopback)
     try:
         _serve(engine.model, par)
     except RuntimeError as e:  # rank 0 has gone (its connection closed) or a collective failed
@@ -319,12 +352,12 @@ def main() -> int:
     p.add_argument("path")
     p.add_argument("rank", type=int)
     p.add_argument("world", type=int)
-    p.add_argument("port", type=int)
+    p.add_argument("store", help="the file store rank 0 made")
     p.add_argument("options")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format=f"rank {args.rank}: %(levelname)s %(message)s")
-    store = dist.TCPStore(HOST, args.port, args.world, is_master=False, timeout=CONNECT_TIMEOUT)
-    return _worker(args.path, args.rank, args.world, store, RankOptions(**json.loads(args.options)))
+    return _worker(args.path, args.rank, args.world, _file_store(args.store, args.world),
+                   RankOptions(**json.loads(args.options)), loopback=True)
 
 
 if __name__ == "__main__":
