@@ -480,3 +480,33 @@ def test_health_metrics_and_loopback_default(server: Server) -> None:
     assert m["kv_blocks_free"] > 0 and 0 <= m["draft_len"] <= 3  # the last step's (0 after a prefill-only step)
     assert parse_args(["models/x"]).host == "127.0.0.1"
     assert "request " in server.log.read_text()  # one info line per request
+
+
+def test_an_api_key_guards_the_v1_routes(shipped_model_dir: Path, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """With --api_key every /v1 route answers OpenAI's 401 unless the request carries `Authorization: Bearer <key>`
+    (which the openai client sends) and serves as usual with it; /health and /metrics stay open, as vLLM's.
+    $DSV3_API_KEY is the flag's default, so the key need not be on the process list."""
+    server = Server(shipped_model_dir, tmp_path / "serve.log", "--api_key", "s3cret", "--num_draft_tokens", "1")
+    try:
+        body = {"prompt": "In the beginning", "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
+                        {"Authorization": "Bearer s3cret2"}):
+            status, answer = server.post("/v1/completions", body, headers)
+            assert (status, answer["error"]["code"], answer["error"]["type"]) == \
+                (401, "invalid_api_key", "invalid_request_error"), (headers, answer)
+        with pytest.raises(openai.AuthenticationError):
+            server.client.models.list()  # api_key "unused"
+        keyed = openai.OpenAI(base_url=server.base + "/v1", api_key="s3cret", max_retries=0, timeout=120)
+        name = keyed.models.list().data[0].id
+        out = keyed.completions.create(model=name, prompt="In the beginning", max_tokens=2)
+        assert out.usage.completion_tokens == 2
+        assert urllib.request.urlopen(server.base + "/health", timeout=10).read() == b"ok"
+        assert server.metrics()["requests_finished_total"] == 1  # the refused ones never reached the executor
+        assert "refused (401)" in server.log.read_text()
+    finally:
+        assert server.stop() == 0
+    monkeypatch.setenv("DSV3_API_KEY", "from-env")
+    assert parse_args(["models/x"]).api_key == "from-env"
+    monkeypatch.delenv("DSV3_API_KEY")
+    assert parse_args(["models/x"]).api_key is None

@@ -10,12 +10,13 @@ client that disconnects, streaming or not, has its requests cancelled, which fre
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
 from typing import Any, AsyncIterator, Callable
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from runtime.executors.base import ExecutorProtocol
@@ -254,9 +255,24 @@ class OpenAIServer:
         return "\n".join(lines) + "\n"
 
 
-def create_app(executor: ExecutorProtocol, model_name: str) -> FastAPI:
+def key_check(api_key: str | None) -> Callable[[Request], None]:
+    """A dependency refusing requests without `Authorization: Bearer <api_key>` (OpenAI's 401), as `vllm serve
+    --api-key` guards /v1; None lets every request in."""
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    def check(request: Request) -> None:
+        if expected is not None and not hmac.compare_digest(
+                request.headers.get("authorization", "").encode("utf-8", "surrogateescape"), expected):
+            raise APIError("Incorrect or missing API key: send the header `Authorization: Bearer <key>` with the "
+                           "key the server was started with", status=401, code="invalid_api_key")
+    return check
+
+
+def create_app(executor: ExecutorProtocol, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The app; with `api_key` the /v1 routes need it (/health and /metrics stay open, as vLLM's)."""
     server = OpenAIServer(executor, model_name)
     app = FastAPI(title="dsv3-serve", docs_url=None, redoc_url=None, openapi_url=None)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(key_check(api_key))])
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
@@ -272,20 +288,20 @@ def create_app(executor: ExecutorProtocol, model_name: str) -> FastAPI:
         return JSONResponse(APIError(f"internal error ({type(e).__name__}); see the server log", status=500,
                                      type="server_error").body(), status_code=500)
 
-    @app.get("/v1/models")
+    @v1.get("/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [server.model_card()]}
 
-    @app.get("/v1/models/{name:path}")
+    @v1.get("/models/{name:path}")
     async def model(name: str) -> dict[str, Any]:
         server._check_model({"model": name})
         return server.model_card()
 
-    @app.post("/v1/completions")
+    @v1.post("/completions")
     async def completions(request: Request) -> Any:
         return await server.generate(request, protocol.completion_request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Any:
         return await server.generate(request, protocol.chat_request, chat=True)
 
@@ -298,4 +314,5 @@ def create_app(executor: ExecutorProtocol, model_name: str) -> FastAPI:
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(await asyncio.to_thread(server.metrics), media_type="text/plain; version=0.0.4")
 
+    app.include_router(v1)
     return app

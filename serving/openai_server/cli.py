@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -46,6 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("model", type=Path, help="checkpoint or engine directory")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api_key", default=os.environ.get("DSV3_API_KEY") or None,
+                   help="require `Authorization: Bearer API_KEY` on /v1 (default: $DSV3_API_KEY, which keeps the key "
+                        "off the process list; neither: no key)")
     p.add_argument("--served_model_name", help="the model's name in the API (default: the directory's name)")
     p.add_argument("--num_draft_tokens", type=int, help="MTP draft length (default: 3 where the model has an "
                    "MTP layer, at most the engine's max_draft_len; 0: plain decoding)")
@@ -86,9 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = args.served_model_name or args.model.resolve().name
     try:
-        log.info("serving %s as %r at http://%s:%d/v1", args.model, name, args.host, args.port)
-        Server(uvicorn.Config(create_app(executor, name), host=args.host, port=args.port, log_level=args.log_level,
-                              access_log=False)).run()  # the app logs one line per request itself
+        log.info("serving %s as %r at http://%s:%d/v1%s", args.model, name, args.host, args.port,
+                 " (API key required)" if args.api_key else "")
+        Server(uvicorn.Config(create_app(executor, name, args.api_key), host=args.host, port=args.port,
+                              log_level=args.log_level, access_log=False)).run()  # the app logs each request itself
     finally:
         executor.shutdown()
     return 0
