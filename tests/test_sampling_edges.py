@@ -340,6 +340,23 @@ BAD_PARAMS = [
 ]
 
 
+def test_min_tokens_must_leave_a_token_allowed(validation_executor) -> None:
+    """Before min_tokens is reached eos and the stop token ids are banned besides bad_token_ids: a request whose bans
+    cover the vocabulary is refused (it came back with no token at all); with ignore_eos, eos is no stop and stays
+    allowed."""
+    ex, prompt, _ = validation_executor
+    eos = ex.tokenizer.eos_token_id
+    others = [t for t in range(4096) if t != eos]
+    message = ("min_tokens 2 bans eos and stop_token_ids until it is reached; with bad_token_ids that bans all 4096 "
+               "tokens: at least one must stay allowed")
+    for kw in (dict(stop_token_ids=others), dict(stop_token_ids=others[:100], bad_token_ids=others[100:])):
+        with pytest.raises(ValueError) as e:
+            ex.submit(prompt, SamplingParams(max_tokens=4, min_tokens=2, **kw))
+        assert str(e.value) == message
+    out = ex.submit(prompt, SamplingParams(max_tokens=4, min_tokens=2, ignore_eos=True, stop_token_ids=others)).result(30)
+    assert out.token_ids[:2] == [eos, eos]
+
+
 @pytest.mark.parametrize("kw, message", BAD_PARAMS, ids=[str(i) for i in range(len(BAD_PARAMS))])
 def test_invalid_params_exact_message_and_executor_keeps_serving(shipped_engine, kw, message, validation_executor) -> None:
     ex, prompt, ref = validation_executor

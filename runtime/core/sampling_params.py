@@ -199,6 +199,12 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_
     params.validate(vocab_size)
     if params.guided_decoding is not None and eos_token_id is not None and eos_token_id in params.bad_token_ids:
         raise ValueError("guided_decoding ends the output with eos; bad_token_ids must not ban it")
+    if params.min_tokens:  # before it is reached eos and the stop token ids are banned too
+        stops = set(params.stop_token_ids) | ({eos_token_id} if eos_token_id is not None and not params.ignore_eos
+                                              else set())
+        if len(stops | set(params.bad_token_ids)) == vocab_size:
+            raise ValueError(f"min_tokens {params.min_tokens} bans eos and stop_token_ids until it is reached; with "
+                             f"bad_token_ids that bans all {vocab_size} tokens: at least one must stay allowed")
     if params.num_sequences > max_batch_size:
         name = "n" if params.best_of is None else "best_of"
         raise ValueError(f"{name} {params.num_sequences} exceeds this executor's max_batch_size {max_batch_size}: "
