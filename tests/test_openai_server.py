@@ -308,7 +308,7 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]},
      "messages", "messages[0].content parts must be {\"type\": \"text\", \"text\": ...}; this server takes text only"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello world " * 1100}]}, "messages",
-     "prompt has 4423 tokens; max_seq_len is 2048"),
+     "messages come to 4423 tokens with the chat template; max_seq_len is 2048"),
     ("/v1/completions", {"prompt": "x", "stop": [str(i) for i in range(65)]}, "stop", "stop holds 65 strings; at most 64"),
     ("/v1/completions", {"prompt": "x", "stop": ["a", "b" * 1025]}, "stop", "stop[1] is 1025 characters; at most 1024"),
     ("/v1/completions", {"prompt": "ab\ud800"}, "prompt",

@@ -341,6 +341,9 @@ def chat_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_byt
     except ChatTemplateFault as e:
         raise APIError(str(e), status=500, type="server_error") from None
     ids = tokenizer.encode(_text(text, "messages", max_text_bytes), add_bos=False)  # the template places bos
+    if len(ids) >= max_seq_len:  # said of the messages: the client never saw the rendered prompt
+        raise APIError(f"messages come to {len(ids)} tokens with the chat template; max_seq_len is {max_seq_len}",
+                       "messages")
     stream = _flag(body, "stream")
     asked = {k: _integer(body, k, 1, INT32_MAX, None) for k in ("max_completion_tokens", "max_tokens")
              if body.get(k) is not None}  # each checked as an integer before they are compared
