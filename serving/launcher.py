@@ -172,9 +172,11 @@ def server_env(install: TritonInstall, base: dict[str, str] | None = None) -> di
 def restricted_api_args(admin_api_key: str | None) -> list[str]:
     """Keep the admin APIs (shared memory, model repository and control, logging, tracing) away from clients:
     Triton serves them only to requests carrying the header `admin-key` (gRPC: `triton-grpc-protocol-admin-key`)
-    with this value; without one, with a random value nobody is told, so they are off. Shared-memory
-    registration let any client that reaches the port crash the server through a Python stub's own region."""
-    key = admin_api_key or secrets.token_hex(32)
+    with this value. Without one they are off: the value is random and holds a line break, which no HTTP header
+    or gRPC metadata value can carry, since tritonserver's command line (and the key on it) is readable by every
+    local user. Shared-memory registration let any client that reaches the port crash the server through a
+    Python stub's own region."""
+    key = admin_api_key or f"{secrets.token_hex(16)}\n{secrets.token_hex(16)}"
     return [f"--http-restricted-api={RESTRICTED_APIS}:{ADMIN_HEADER}={key}",
             f"--grpc-restricted-protocol={RESTRICTED_APIS}:{ADMIN_HEADER}={key}"]
 
@@ -551,8 +553,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--exit_timeout", type=int, default=30,
                         help="seconds tritonserver may take to finish in-flight requests and unload the models when "
                              "stopping (Triton's default; the BLS's instances unload one after another, ~1 s each)")
-    parser.add_argument("--admin_api_key", help="serve the admin APIs (shared memory, model control, logging, "
-                        f"trace) to requests with header '{ADMIN_HEADER}: <this value>'; default: off")
+    parser.add_argument("--admin_api_key", default=os.environ.get("DSV3_TRITON_ADMIN_KEY") or None,
+                        help="serve the admin APIs (shared memory, model control, logging, trace) to requests with "
+                             f"header '{ADMIN_HEADER}: <this value>' (default: $DSV3_TRITON_ADMIN_KEY, which keeps it "
+                             "off this launcher's process list; tritonserver's own command line shows it to local "
+                             "users); neither: off")
     args = parser.parse_args(argv)
     problem = check_args(args)
     if problem:
