@@ -19,7 +19,8 @@ from pathlib import Path
 
 import yaml
 
-from runtime.io.atomic import atomic_write
+from builder.validation import BuildError, check_not_replacing, check_output_dir
+from runtime.io.atomic import atomic_dir, atomic_write
 from runtime.io.engine_format import read_limits
 from serving.fill_template import fill, parse_substitutions
 from serving.llmapi_config import MODEL_YAML, model_yaml
@@ -105,12 +106,10 @@ def main(argv: list[str] | None = None) -> int:
                                              "decoupled_mode only; its other settings are in tensorrt_llm/1/model.yaml)")
     p.add_argument("--force", action="store_true")
     args = p.parse_args(argv)
-    if args.output_dir.exists():
-        if not args.force:
-            print(f"{args.output_dir}: already exists; pass --force to replace it", file=sys.stderr)
-            return 2
-        shutil.rmtree(args.output_dir)
     try:
+        check_output_dir(args.output_dir, args.force)
+        check_not_replacing(args.output_dir, "--output_dir", {"--engine_dir": args.engine_dir,
+                                                              "the current directory": Path.cwd()})
         subs = parse_substitutions(args.set)
         if args.flavour == "llmapi":
             unknown = sorted(set(subs) - {"decoupled_mode"})
@@ -120,11 +119,13 @@ def main(argv: list[str] | None = None) -> int:
             decoupled = subs.get("decoupled_mode", "true").lower()
             if decoupled not in ("true", "false"):
                 raise ValueError(f"--set decoupled_mode:{subs['decoupled_mode']}: expected true or false")
-            args.output_dir.mkdir(parents=True)
-            add_llmapi_model(args.output_dir, args.engine_dir, decoupled=decoupled == "true")
-        else:
-            fill_model_repo(args.output_dir, default_values(args.engine_dir.resolve(), **subs))
-    except (ValueError, KeyError) as e:
+        args.output_dir.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_dir(args.output_dir, force=True) as repo:  # replaced only once the new one is whole
+            if args.flavour == "llmapi":
+                add_llmapi_model(repo, args.engine_dir, decoupled=decoupled == "true")
+            else:
+                fill_model_repo(repo, default_values(args.engine_dir.resolve(), **subs))
+    except (ValueError, KeyError, BuildError) as e:
         print(f"make_model_repo: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         return 2
     print(args.output_dir)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import queue
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -485,3 +486,27 @@ def test_make_model_repo_writes_the_llmapi_flavour(tmp_path: Path, checkpoint: P
                           "--set", "num_draft_tokens:2"], capture_output=True, text=True)
     assert bad.returncode == 2 and "num_draft_tokens" in bad.stderr and "model.yaml" in bad.stderr
     assert not (tmp_path / "bad").exists()
+
+
+def test_make_model_repo_never_deletes_its_inputs_nor_leaves_half_a_repository(tmp_path: Path, checkpoint: Path) -> None:
+    """--force replaces a repository, nothing else: an --output_dir that is or contains the engine or the working
+    directory is refused (it was deleted, the engine with it); a refusal while the repository is written leaves
+    the one already there as it was, and no half-written directory."""
+    script = Path(sys.executable).with_name("make_model_repo")
+    project = tmp_path / "project"
+    shutil.copytree(checkpoint, project / "engine")
+    (project / "notes.txt").write_text("keep")
+    for engine, out, cwd, name in ((project / "engine", project, tmp_path, "--engine_dir"),
+                                   (checkpoint, Path("."), project, "the current directory")):
+        run = subprocess.run([script, "--engine_dir", engine, "--output_dir", out, "--force"],
+                             capture_output=True, text=True, cwd=cwd)
+        assert run.returncode == 2 and f"--output_dir {out} is or contains {name}" in run.stderr, run.stderr
+        assert (project / "notes.txt").read_text() == "keep" and (project / "engine" / "config.json").is_file()
+    repo = tmp_path / "repo"
+    assert subprocess.run([script, "--engine_dir", checkpoint, "--output_dir", repo], capture_output=True).returncode == 0
+    before = sorted(str(p.relative_to(repo)) for p in repo.rglob("*"))
+    bad = subprocess.run([script, "--engine_dir", checkpoint, "--output_dir", repo, "--force",
+                          "--set", "decoupled_mode:0x0"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "decoupled_mode" in bad.stderr, bad.stderr
+    assert sorted(str(p.relative_to(repo)) for p in repo.rglob("*")) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["project", "repo"]
