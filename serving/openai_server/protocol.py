@@ -28,6 +28,7 @@ from serving.openai_server.chat import ChatTemplateFault, render_chat
 from serving.request_validation import INT32_MAX, RequestError, refused_parameter
 
 MAX_N = 128  # choices per request, as OpenAI allows
+MAX_SEQUENCES = 2048  # prompts x (best_of or n) a completions request runs: one small body could queue 10^5
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 # Structured output besides OpenAI's response_format: vLLM's guided_* extras (also SGLang's and TGI clients' habit)
@@ -274,6 +275,8 @@ def completion_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_te
     if not isinstance(prompt, list) or not prompt:
         raise APIError("prompt must be a string, a list of strings, a list of token ids or a list of such lists",
                        "prompt")
+    if len(prompt) > MAX_SEQUENCES:  # before any is tokenized
+        raise APIError(f"prompt holds {len(prompt)} prompts; at most {MAX_SEQUENCES} a request", "prompt")
     prompts, texts = [], []
     for p in prompt:
         if isinstance(p, str):
@@ -289,8 +292,12 @@ def completion_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_te
             prompts.append(ids)
     stream = _flag(body, "stream")
     max_tokens = _integer(body, "max_tokens", 1, INT32_MAX, COMPLETIONS_DEFAULT_MAX_TOKENS)
-    return Generation(prompts, _sampling(body, tokenizer, max_tokens, logprobs, stream), stream,
-                      _stream_options(body, stream), texts if echo else None,
+    params = _sampling(body, tokenizer, max_tokens, logprobs, stream)
+    if len(prompts) * params.num_sequences > MAX_SEQUENCES:
+        name = "n" if params.best_of is None else "best_of"
+        raise APIError(f"{len(prompts)} prompts x {name} {params.num_sequences} = "
+                       f"{len(prompts) * params.num_sequences} sequences; at most {MAX_SEQUENCES} a request", name)
+    return Generation(prompts, params, stream, _stream_options(body, stream), texts if echo else None,
                       guide_parameter=next(iter(_guide_parameters(body)), None))
 
 
