@@ -572,3 +572,31 @@ def test_a_killed_build_does_not_hang_the_next_load() -> None:
     assert done.returncode == 0, done.stderr
     assert f"CPU kernels: removing {build_dir / 'lock'}, left by a build that was killed" in done.stderr
     assert not (build_dir / "lock").exists()
+
+
+def test_kernels_are_not_loaded_from_a_directory_others_can_write(tmp_path) -> None:
+    """The extension is built into and loaded from TORCH_EXTENSIONS_DIR: a directory another user can write (or
+    made first, in a shared /tmp) would let them swap in their own library, which the load would run. The build
+    directory and its parent must be this user's (the parent may be root's, or sticky as /tmp is) and writable by
+    no one else; otherwise the kernels are off, with a warning naming the directory."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = tmp_path / "ext"
+    root.mkdir()
+    script = ("import logging; logging.basicConfig(level=logging.WARNING); from runtime.model import kernels; "
+              "print(kernels.build_dir()); print(kernels.cpu_kernels())")
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(root), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    build = root / kernels.build_dir().name
+    for opened, closed in ((root, None), (build, root)):
+        if closed is not None:
+            closed.chmod(0o755)
+        opened.mkdir(exist_ok=True)
+        opened.chmod(0o777)
+        run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+        assert run.stdout.split() == [str(build), "None"], run.stderr
+        assert (f"CPU kernels off: {opened} is not a directory private to uid {os.getuid()} (owner uid "
+                f"{os.getuid()}, mode 777); using the PyTorch path") in run.stderr, run.stderr
+        assert not list(build.glob("*.so"))

@@ -16,6 +16,7 @@ import functools
 import hashlib
 import logging
 import os
+import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,20 +62,43 @@ def cpu_kernels() -> ModuleType | None:
         return None
     from torch.utils.cpp_extension import load
 
-    # Built once into torch's extension cache (TORCH_EXTENSIONS_DIR), rebuilt when the source changes; one
-    # directory per source path, since ninja rebuilds whenever the path in its command changes (two checkouts
-    # sharing one directory would rebuild in turn, each waiting for the other's build)
-    checkout = hashlib.sha1(str(SOURCE.resolve()).encode()).hexdigest()[:8]
-    build_dir = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions")) / \
-        f"{EXTENSION}_py{sys.version_info.major}{sys.version_info.minor}_{checkout}"
-    build_dir.mkdir(parents=True, exist_ok=True)
+    build = build_dir()
     try:
-        with _sole_builder(build_dir):
-            return load(EXTENSION, [str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(build_dir),
+        build.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _check_private(build)
+    except OSError as e:
+        log.warning("CPU kernels off: %s; using the PyTorch path", e)
+        return None
+    try:
+        with _sole_builder(build):
+            return load(EXTENSION, [str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(build),
                         verbose=os.environ.get("DSV3_KERNELS_VERBOSE") == "1")
     except (OSError, RuntimeError, ImportError) as e:  # no compiler, failed build
         log.warning("CPU kernels off: building %s failed (%s); using the PyTorch path", SOURCE.name, e)
         return None
+
+
+def build_dir() -> Path:
+    """Where the extension is built, once, into torch's extension cache (TORCH_EXTENSIONS_DIR), rebuilt when the
+    source changes: one directory per source path, since ninja rebuilds whenever the path in its command changes
+    (two checkouts sharing one directory would rebuild in turn, each waiting for the other's build)."""
+    checkout = hashlib.sha1(str(SOURCE.resolve()).encode()).hexdigest()[:8]
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+    return root / f"{EXTENSION}_py{sys.version_info.major}{sys.version_info.minor}_{checkout}"
+
+
+def _check_private(build: Path) -> None:
+    """OSError unless no other user can change what this process loads and runs: the build directory is this
+    user's and writable by no one else, and its parent (where it could be renamed away and replaced) is this
+    user's or root's, writable by no one else unless sticky (as /tmp is). A TORCH_EXTENSIONS_DIR in /tmp could
+    be made by another user first, who then swaps in their own library."""
+    for path, parent in ((build, False), (build.parent, True)):
+        st = os.lstat(path)
+        owners = (os.getuid(), 0) if parent else (os.getuid(),)
+        writable_by_others = st.st_mode & 0o022 and not (parent and st.st_mode & stat.S_ISVTX)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid not in owners or writable_by_others:
+            raise OSError(f"{path} is not a directory private to uid {os.getuid()} (owner uid {st.st_uid}, mode "
+                          f"{stat.S_IMODE(st.st_mode):o})")
 
 
 @contextlib.contextmanager
@@ -83,7 +107,7 @@ def _sole_builder(build_dir: Path) -> Iterator[None]:
     torch's own lock is a file that a killed build leaves behind, after which every later load waits for
     ever without a word (a server that never finishes starting). Whoever holds this lock is the only process
     in `load`, so a torch lock file found then is stale and is removed."""
-    with open(build_dir / "dsv3.flock", "w") as f:
+    with open(os.open(build_dir / "dsv3.flock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600), "w") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
