@@ -31,6 +31,7 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -253,16 +254,28 @@ class TritonServer:
         except (urllib.error.URLError, OSError):
             return False
 
+    def make_regions_private(self) -> None:
+        """Mode 0600 for this server's Python-backend shared-memory regions: Triton 2.51 makes them 0644 whatever
+        the umask, and they carry every request's prompt and output. Done as they appear, while the server
+        starts and while `supervise` watches it; a process that opened a region before cannot be shut out
+        (docs/reliability.md: give Triton a private /dev/shm on a shared host)."""
+        for region in SHM_DIR.glob(f"{self.shm_prefix}*"):
+            with contextlib.suppress(OSError):  # gone meanwhile, or not ours
+                if stat.S_IMODE(region.lstat().st_mode) != 0o600:
+                    region.chmod(0o600)
+
     def wait_ready(self, timeout_s: float) -> None:
         """Poll readiness; raise RuntimeError (with the log's tail) if the server exits or times out."""
         deadline = time.monotonic() + timeout_s
         while not self.is_ready():
+            self.make_regions_private()
             if self.process.poll() is not None:
                 raise RuntimeError(f"tritonserver exited with status {self.process.returncode} before "
                                    f"becoming ready{self._log_tail()}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"tritonserver not ready after {timeout_s:.0f} s{self._log_tail()}")
             time.sleep(0.1)
+        self.make_regions_private()
 
     def _log_tail(self, n: int = 40) -> str:
         if self.log_path is None or not self.log_path.is_file():
@@ -399,12 +412,12 @@ def live_descendants(root_pid: int) -> dict[int, list[bytes]]:
     """The live (not zombie) descendants of `root_pid`: pid -> its command line's arguments."""
     children: dict[int, list[int]] = {}
     state: dict[int, str] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+            fields = stat_file.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
         except (OSError, IndexError):
             continue
-        pid = int(stat.parent.name)
+        pid = int(stat_file.parent.name)
         state[pid] = fields[0]
         children.setdefault(int(fields[1]), []).append(pid)
     found, todo = {}, [root_pid]
@@ -494,6 +507,7 @@ def supervise(server: TritonServer) -> int:
     to report: the server's, or 1 for a dead stub."""
     while server.process.poll() is None:
         time.sleep(SUPERVISE_PERIOD_S)
+        server.make_regions_private()
         dead = server.dead_stubs()
         if dead:
             time.sleep(2 * SUPERVISE_PERIOD_S)  # stubs also exit when the server shuts down by itself

@@ -1366,6 +1366,15 @@ def test_admin_apis_need_the_admin_key(server: TritonServer, path: str, body: An
     assert_healthy(server)
 
 
+def test_stub_regions_are_private_to_the_servers_user(server: TritonServer) -> None:
+    """The Python backend's shared-memory regions carry every request's prompt and output, and Triton 2.51 makes them
+    0644 whatever the umask: readable by every local user. The launcher makes each 0600 as it appears."""
+    regions = sorted(SHM_DIR.glob(f"{server.shm_prefix}*"))
+    assert len(regions) >= 5  # a stub each: ensemble's members, the BLS's instances
+    assert {oct(region.stat().st_mode & 0o777) for region in regions} == {oct(0o600)}
+    assert_healthy(server)
+
+
 def test_launcher_restricts_admin_apis_by_default() -> None:
     """Without --admin_api_key the admin APIs are keyed to a random value no client can send (a line break inside:
     tritonserver's command line, key included, is readable by every local user): off."""
