@@ -564,6 +564,16 @@ def test_llm_kwargs_refuse_more_than_built(engine: TrtllmEngine, config: Executo
     assert str(e.value) == message
 
 
+def test_an_engine_cannot_ask_to_run_remote_code(engine: TrtllmEngine) -> None:
+    """trust_remote_code in an engine's LLM-API options would have TensorRT-LLM run Python from the engine's hf/
+    directory (an auto_map in its config.json): refused, naming the file; false passes."""
+    with pytest.raises(EngineError) as e:
+        llm_kwargs_for({**engine.options, "trust_remote_code": True}, engine.manifest, source="x/extra_llm_api_options.yaml")
+    assert str(e.value) == ("x/extra_llm_api_options.yaml: trust_remote_code must be false or absent: DeepSeek-V3 needs "
+                            "no code from its checkpoint, and an engine directory must not run any")
+    assert llm_kwargs_for({**engine.options, "trust_remote_code": False}, engine.manifest)["trust_remote_code"] is False
+
+
 def test_engine_directory_checks(engine_dir: Path, spec_checkpoint: Path, tmp_path: Path) -> None:
     assert engine_backend(engine_dir) == "trtllm" and engine_backend(spec_checkpoint) is None
     assert TrtllmEngine.open(engine_dir).model_dir == engine_dir / "hf"

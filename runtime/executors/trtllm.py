@@ -271,6 +271,9 @@ def llm_kwargs_for(options: Mapping[str, Any], manifest: EngineManifest, config:
     if not isinstance(options, Mapping):
         raise EngineError(f"{source}: expected a mapping of LLM-API options, got {type(options).__name__}")
     kwargs = copy.deepcopy(dict(options))
+    if kwargs.get("trust_remote_code"):  # it would run Python an engine's hf/ directory brings (its auto_map)
+        raise EngineError(f"{source}: trust_remote_code must be false or absent: DeepSeek-V3 needs no code from its "
+                          "checkpoint, and an engine directory must not run any")
     build, cfg = manifest.build, manifest.model_config
     if config is not None:
         limits = config.limits(build, source)
