@@ -16,6 +16,7 @@ from runtime.core.sampling_params import GuidedDecodingParams
 # JSON as json.dumps writes it: no free whitespace, which a weak or distracted model fills with newlines up to
 # max_tokens (llguidance's default allows any); a schema's "x-guidance" object overrides these
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+LOCATION_BUDGET = 4  # an invalid schema's error is located compiling at most ~4 schemas' bytes of its subschemas
 _SUBSCHEMA_DICTS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SUBSCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
                   "unevaluatedProperties", "unevaluatedItems", "additionalItems")
@@ -59,12 +60,16 @@ def _schema_error(schema: dict) -> str:
     return llguidance.LLMatcher.validate_grammar(_grammar_text(GuidedDecodingParams(json=schema)))
 
 
-def _schema_location(schema: dict, error: str) -> str:
+def _schema_location(schema: dict, error: str, budget: int) -> str:
     """The JSON pointer of the deepest subschema that fails alone with the same error: where it lies (the engine's
-    schema errors name no position)."""
+    schema errors name no position). The search compiles subschemas of at most `budget` bytes in all, then names
+    the deepest found so far: compiling each level's subschemas costs time quadratic in a deep schema's size."""
     path, node = "", schema
     while isinstance(node, dict):
         for step, sub in _schema_children(node):
+            budget -= len(json.dumps(sub))
+            if budget < 0:
+                return path or "/"
             try:
                 same = _schema_error(sub) == error
             except ValueError:
@@ -83,7 +88,7 @@ def _position(kind: str, text: str, error: str) -> str:
         m = re.search(r"regex parse error:\n {4}[^\n]*\n( *)\^", error)
         return f"position {len(m.group(1)) - 4}" if m else "an unknown position"
     if kind == "json":
-        return f"{_schema_location(json.loads(text), error)} of the schema"
+        return f"{_schema_location(json.loads(text), error, LOCATION_BUDGET * len(text) + 4096)} of the schema"
     m = re.search(r"Rule '([^']+)' not found", error) or re.search(r'unknown name: "([^"]+)"', error)
     if m:  # the first use of the undefined name
         found = re.search(rf"(?<![\w-]){re.escape(m.group(1))}(?![\w-])", text)
