@@ -577,8 +577,8 @@ def test_a_killed_build_does_not_hang_the_next_load() -> None:
 def test_kernels_are_not_loaded_from_a_directory_others_can_write(tmp_path) -> None:
     """The extension is built into and loaded from TORCH_EXTENSIONS_DIR: a directory another user can write (or
     made first, in a shared /tmp) would let them swap in their own library, which the load would run. The build
-    directory and its parent must be this user's (the parent may be root's, or sticky as /tmp is) and writable by
-    no one else; otherwise the kernels are off, with a warning naming the directory."""
+    directory and every directory above it must be this user's or root's and writable by no other user; otherwise
+    the kernels are off, with a warning naming the directory."""
     import os
     import subprocess
     import sys
@@ -597,6 +597,31 @@ def test_kernels_are_not_loaded_from_a_directory_others_can_write(tmp_path) -> N
         opened.chmod(0o777)
         run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
         assert run.stdout.split() == [str(build), "None"], run.stderr
-        assert (f"CPU kernels off: {opened} is not a directory private to uid {os.getuid()} (owner uid "
-                f"{os.getuid()}, mode 777); using the PyTorch path") in run.stderr, run.stderr
+        assert (f"CPU kernels off: {opened} is not private to uid {os.getuid()} (owner uid {os.getuid()}, group "
+                f"{os.getgid()}, mode 777): choose a TORCH_EXTENSIONS_DIR no other user can change; using the "
+                "PyTorch path") in run.stderr, run.stderr
         assert not list(build.glob("*.so"))
+
+
+def test_private_build_directories_need_no_other_users_write_access(tmp_path) -> None:
+    """What the kernels accept: this user's directories under a sticky one (as /tmp), group-writable ones whose
+    group is this user's alone (a umask of 002 with per-user groups), and a symlinked TORCH_EXTENSIONS_DIR whose
+    target is private; what they refuse: a parent anyone can write, wherever it is above."""
+    import grp
+    import os
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    own = shared / "mine" / "ext"
+    own.mkdir(parents=True)
+    kernels.check_private(own)
+    if not grp.getgrgid(os.getgid()).gr_mem:  # this user's group has no other member
+        own.chmod(0o775)
+        kernels.check_private(own)
+    link = tmp_path / "link"
+    link.symlink_to(own)
+    kernels.check_private(link)
+    shared.chmod(0o777)  # two levels up: another user could rename mine/ away and put theirs there
+    with pytest.raises(OSError, match=f"{shared} is not private to uid {os.getuid()}"):
+        kernels.check_private(own)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import grp
 import hashlib
 import logging
 import os
@@ -65,7 +66,7 @@ def cpu_kernels() -> ModuleType | None:
     build = build_dir()
     try:
         build.mkdir(mode=0o700, parents=True, exist_ok=True)
-        _check_private(build)
+        check_private(build)
     except OSError as e:
         log.warning("CPU kernels off: %s; using the PyTorch path", e)
         return None
@@ -87,18 +88,32 @@ def build_dir() -> Path:
     return root / f"{EXTENSION}_py{sys.version_info.major}{sys.version_info.minor}_{checkout}"
 
 
-def _check_private(build: Path) -> None:
-    """OSError unless no other user can change what this process loads and runs: the build directory is this
-    user's and writable by no one else, and its parent (where it could be renamed away and replaced) is this
-    user's or root's, writable by no one else unless sticky (as /tmp is). A TORCH_EXTENSIONS_DIR in /tmp could
-    be made by another user first, who then swaps in their own library."""
-    for path, parent in ((build, False), (build.parent, True)):
-        st = os.lstat(path)
-        owners = (os.getuid(), 0) if parent else (os.getuid(),)
-        writable_by_others = st.st_mode & 0o022 and not (parent and st.st_mode & stat.S_ISVTX)
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid not in owners or writable_by_others:
-            raise OSError(f"{path} is not a directory private to uid {os.getuid()} (owner uid {st.st_uid}, mode "
-                          f"{stat.S_IMODE(st.st_mode):o})")
+def check_private(build: Path) -> None:
+    """OSError unless no other user can change what this process loads and runs: the build directory and every
+    directory above it (symlinks resolved) are this user's or root's, and no other user can write to them (a
+    sticky directory, as /tmp is, lets no one rename what is not theirs; a group of this user alone, as a umask
+    of 002 under per-user groups gives, is no other user). A TORCH_EXTENSIONS_DIR in a shared directory could be
+    made, or renamed away and replaced, by another user, who would then have this process load a library of
+    theirs."""
+    real = build.resolve()
+    for path in (real, *real.parents):
+        st = os.stat(path)
+        if st.st_uid not in (os.getuid(), 0) or _writable_by_others(st):
+            raise OSError(f"{path} is not private to uid {os.getuid()} (owner uid {st.st_uid}, group {st.st_gid}, "
+                          f"mode {stat.S_IMODE(st.st_mode):o}): choose a TORCH_EXTENSIONS_DIR no other user can change")
+
+
+def _writable_by_others(st: os.stat_result) -> bool:
+    if st.st_mode & stat.S_ISVTX:
+        return False
+    if st.st_mode & stat.S_IWOTH:
+        return True
+    if not st.st_mode & stat.S_IWGRP:
+        return False
+    try:
+        return st.st_gid != os.getgid() or bool(grp.getgrgid(st.st_gid).gr_mem)
+    except KeyError:  # a group without an entry: of no other user by name
+        return False
 
 
 @contextlib.contextmanager
