@@ -20,7 +20,8 @@ import yaml
 from builder.trtllm_engine import HF_DIR
 from runtime.core.sampling import RelaxedAcceptance
 from runtime.executors.base import DEFAULT_DRAFT_TOKENS, ExecutorConfig
-from runtime.io.engine_format import LLM_API_OPTIONS, engine_backend, read_limits
+from runtime.executors.trtllm import read_llm_api_options
+from runtime.io.engine_format import engine_backend, read_limits
 from serving.triton_parameters import TritonConfig, settings
 
 MODEL_YAML = "model.yaml"
@@ -158,9 +159,7 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
 
 def _engine_options(model: Path) -> dict[str, Any]:
     """A --backend trtllm engine's own LLM-API options ({} for a native engine or a checkpoint)."""
-    if engine_backend(model) != "trtllm":
-        return {}
-    return yaml.safe_load((model / LLM_API_OPTIONS).read_text()) or {}
+    return read_llm_api_options(model) if engine_backend(model) == "trtllm" else {}
 
 
 def _speculative(spec: Any, engine_options: dict[str, Any], source: str,

@@ -54,6 +54,7 @@ from runtime.executors.trtllm import (
     TrtllmExecutor,
     adapt_to_upstream_fields,
     llm_kwargs_for,
+    read_llm_api_options,
     to_trtllm_sampling_kwargs,
 )
 
@@ -564,14 +565,24 @@ def test_llm_kwargs_refuse_more_than_built(engine: TrtllmEngine, config: Executo
     assert str(e.value) == message
 
 
-def test_an_engine_cannot_ask_to_run_remote_code(engine: TrtllmEngine) -> None:
+def test_an_engine_cannot_ask_to_run_remote_code(engine_dir: Path, tmp_path: Path) -> None:
     """trust_remote_code in an engine's LLM-API options would have TensorRT-LLM run Python from the engine's hf/
-    directory (an auto_map in its config.json): refused, naming the file; false passes."""
-    with pytest.raises(EngineError) as e:
-        llm_kwargs_for({**engine.options, "trust_remote_code": True}, engine.manifest, source="x/extra_llm_api_options.yaml")
-    assert str(e.value) == ("x/extra_llm_api_options.yaml: trust_remote_code must be false or absent: DeepSeek-V3 needs "
-                            "no code from its checkpoint, and an engine directory must not run any")
-    assert llm_kwargs_for({**engine.options, "trust_remote_code": False}, engine.manifest)["trust_remote_code"] is False
+    directory (an auto_map in its config.json): refused when the engine is opened and when make_model_repo copies
+    the options into an llmapi model.yaml (which upstream's llmapi model hands to LLM() as they are)."""
+    from serving.llmapi_config import model_yaml
+
+    engine = tmp_path / "engine"
+    shutil.copytree(engine_dir, engine)
+    options = engine / LLM_API_OPTIONS
+    options.write_text(options.read_text() + "trust_remote_code: true\n")
+    message = (f"{options}: trust_remote_code must be false or absent: DeepSeek-V3 needs no code from its checkpoint, "
+               "and an engine directory must not run any")
+    for read in (read_llm_api_options, lambda e: model_yaml(e, "engine", decoupled=True)):
+        with pytest.raises(EngineError) as e:
+            read(engine)
+        assert str(e.value) == message
+    options.write_text(options.read_text().replace("trust_remote_code: true", "trust_remote_code: false"))
+    assert read_llm_api_options(engine)["trust_remote_code"] is False
 
 
 def test_engine_directory_checks(engine_dir: Path, spec_checkpoint: Path, tmp_path: Path) -> None:

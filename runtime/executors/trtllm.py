@@ -252,6 +252,25 @@ def _field_names(cls: Any) -> set[str] | None:
         return None
 
 
+def read_llm_api_options(engine_dir: Path) -> dict[str, Any]:
+    """A --backend trtllm engine's LLM-API options (what it gives `LLM()`, and what make_model_repo copies into an
+    llmapi model.yaml), refused unless a mapping without trust_remote_code: LLM() would run Python the engine's
+    hf/ directory brings (an auto_map in its config.json), and DeepSeek-V3 needs none."""
+    options_file = engine_dir / LLM_API_OPTIONS
+    if not options_file.is_file():
+        raise EngineError(f"{options_file}: missing; rebuild the engine with build_engine --backend trtllm")
+    try:
+        options = yaml.safe_load(options_file.read_text())
+    except yaml.YAMLError as e:
+        raise EngineError(f"{options_file}: invalid YAML ({e})") from None
+    if not isinstance(options, dict):
+        raise EngineError(f"{options_file}: expected a mapping of LLM-API options")
+    if options.get("trust_remote_code"):
+        raise EngineError(f"{options_file}: trust_remote_code must be false or absent: DeepSeek-V3 needs no code from "
+                          "its checkpoint, and an engine directory must not run any")
+    return options
+
+
 def llm_kwargs_for(options: Mapping[str, Any], manifest: EngineManifest, config: ExecutorConfig | None = None,
                    overrides: Mapping[str, Any] | None = None, source: str = LLM_API_OPTIONS) -> dict[str, Any]:
     """The `LLM(...)` keyword arguments: the engine's LLM-API options (the YAML), with the serving
@@ -271,9 +290,6 @@ def llm_kwargs_for(options: Mapping[str, Any], manifest: EngineManifest, config:
     if not isinstance(options, Mapping):
         raise EngineError(f"{source}: expected a mapping of LLM-API options, got {type(options).__name__}")
     kwargs = copy.deepcopy(dict(options))
-    if kwargs.get("trust_remote_code"):  # it would run Python an engine's hf/ directory brings (its auto_map)
-        raise EngineError(f"{source}: trust_remote_code must be false or absent: DeepSeek-V3 needs no code from its "
-                          "checkpoint, and an engine directory must not run any")
     build, cfg = manifest.build, manifest.model_config
     if config is not None:
         limits = config.limits(build, source)
@@ -426,16 +442,7 @@ class TrtllmEngine:
         if len(parents) != 1:
             raise EngineError(f"{path / ENGINE_JSON}: weights {list(manifest.weights)} are not in one directory")
         model_dir = path / parents.pop()
-        options_file = path / LLM_API_OPTIONS
-        if not options_file.is_file():
-            raise EngineError(f"{options_file}: missing; rebuild the engine with build_engine --backend trtllm")
-        try:
-            options = yaml.safe_load(options_file.read_text())
-        except yaml.YAMLError as e:
-            raise EngineError(f"{options_file}: invalid YAML ({e})") from None
-        if not isinstance(options, dict):
-            raise EngineError(f"{options_file}: expected a mapping of LLM-API options")
-        return cls(path, manifest, model_dir, options)
+        return cls(path, manifest, model_dir, read_llm_api_options(path))
 
     @property
     def build(self) -> BuildConfig:
