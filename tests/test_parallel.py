@@ -171,6 +171,32 @@ def test_ranks_listen_on_loopback_only_and_leave_no_rendezvous(tp2):
         ex.shutdown()
 
 
+def test_a_rank_that_exits_after_loading_fails_the_group_at_once(tmp_path):
+    """A rank that reports its weights loaded and then exits: rank 0, forming the group, names it at once (gloo
+    waits for every member as long as a collective may take, a year, and held rank 0 there)."""
+    import threading
+
+    from runtime.executors.ranks import RankFailure, RankGroup, _file_store
+
+    store_file = str(tmp_path / "store")
+    worker = subprocess.Popen([sys.executable, "-c", "import sys, time, torch.distributed as dist; "
+                               "dist.FileStore(sys.argv[1], 2).set('loaded/1', '1'); time.sleep(1)", store_file])
+    group = RankGroup(tmp_path, BuildConfig(tp_size=2), _file_store(store_file, 2), [worker], tmp_path / "rendezvous")
+    failure: list[BaseException] = []
+
+    def connect() -> None:
+        try:
+            group.connect()
+        except RankFailure as e:
+            failure.append(e)
+
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "rank 0 is still waiting for a rank that has exited"
+    assert [str(e) for e in failure] == [f"rank 1 (pid {worker.pid}) exited with code 0"]
+
+
 def test_a_killed_rank_stops_the_executor_with_a_clear_error(tp2, shipped_model_dir):
     """Killed during a request: the request ends with an error naming the rank; the executor stops serving."""
     ex = executor(tp2, None)

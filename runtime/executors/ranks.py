@@ -34,6 +34,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -139,8 +140,33 @@ class RankGroup:
                 raise RankFailure(f"ranks {sorted(waiting)} did not load {self.path} within "
                                   f"{CONNECT_TIMEOUT.total_seconds():.0f} s")
             time.sleep(0.02)
-        self.par.group = _group(self.store, 0, self.world_size, loopback=self.rendezvous is not None)
+        self.par.group = self._form_group()
         self._remove_rendezvous()
+
+    def _form_group(self) -> dist.ProcessGroup:
+        """The process group, formed on a thread of its own while the ranks' processes are watched: gloo waits for
+        every rank to join for as long as its collectives may take (COLLECTIVE_TIMEOUT), so a rank that exits after
+        loading held rank 0 there."""
+        formed: dict[str, Any] = {}
+
+        def form() -> None:
+            try:
+                formed["group"] = _group(self.store, 0, self.world_size, loopback=self.rendezvous is not None)
+            except Exception as e:  # raised below, on the caller's thread
+                formed["error"] = e
+
+        thread = threading.Thread(target=form, name="rank-group", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + CONNECT_TIMEOUT.total_seconds()
+        while thread.is_alive():
+            self.check()
+            if time.monotonic() > deadline:
+                raise RankFailure(f"the ranks of {self.path} did not form their group within "
+                                  f"{CONNECT_TIMEOUT.total_seconds():.0f} s")
+            thread.join(0.05)
+        if "error" in formed:
+            raise RankFailure(f"the ranks of {self.path} could not form their group: {formed['error']}")
+        return formed["group"]
 
     def _remove_rendezvous(self) -> None:
         if self.rendezvous is not None:
