@@ -14,7 +14,8 @@ import hmac
 import json
 import logging
 import time
-from typing import Any, AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -255,14 +256,23 @@ class OpenAIServer:
         return "\n".join(lines) + "\n"
 
 
-def key_check(api_key: str | None) -> Callable[[Request], None]:
+def api_key_problem(api_key: str) -> str | None:
+    """What is wrong with a key for `Authorization: Bearer <key>` (None: nothing): an empty one would guard nothing,
+    and a header carries printable ASCII without spaces."""
+    if not api_key or not api_key.isascii() or not api_key.isprintable() or " " in api_key:
+        return "--api_key (or DSV3_API_KEY) must be a non-empty string of printable ASCII without spaces"
+    return None
+
+
+def key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
     """A dependency refusing requests without `Authorization: Bearer <api_key>` (OpenAI's 401), as `vllm serve
     --api-key` guards /v1; None lets every request in."""
-    expected = f"Bearer {api_key}".encode() if api_key else None
+    expected = f"Bearer {api_key}".encode("latin-1") if api_key else None
 
-    def check(request: Request) -> None:
+    async def check(request: Request) -> None:
+        # the server decodes headers as latin-1: encoded so, they are the bytes the client sent
         if expected is not None and not hmac.compare_digest(
-                request.headers.get("authorization", "").encode("utf-8", "surrogateescape"), expected):
+                request.headers.get("authorization", "").encode("latin-1"), expected):
             raise APIError("Incorrect or missing API key: send the header `Authorization: Bearer <key>` with the "
                            "key the server was started with", status=401, code="invalid_api_key")
     return check
@@ -305,9 +315,12 @@ def create_app(executor: ExecutorProtocol, model_name: str, api_key: str | None 
     async def chat_completions(request: Request) -> Any:
         return await server.generate(request, protocol.chat_request, chat=True)
 
+    health_thread = ThreadPoolExecutor(1, thread_name_prefix="health")  # not queued behind requests being parsed
+
     @app.get("/health")
     async def health() -> PlainTextResponse:
-        problem = await asyncio.to_thread(executor.health, STALL_TIMEOUT_S)  # a call to the engine process
+        problem = await asyncio.get_running_loop().run_in_executor(  # a call to the engine process
+            health_thread, executor.health, STALL_TIMEOUT_S)
         return PlainTextResponse(problem or "ok", status_code=503 if problem else 200)
 
     @app.get("/metrics")

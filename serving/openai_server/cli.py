@@ -23,7 +23,7 @@ import uvicorn
 
 from runtime.executors.base import ExecutorConfig, create_executor
 from runtime.executors.process import EngineProcessError, ProcessExecutor, use_engine_process
-from serving.openai_server.app import create_app
+from serving.openai_server.app import api_key_problem, create_app
 
 log = logging.getLogger("serving.openai_server")
 
@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("model", type=Path, help="checkpoint or engine directory")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api_key", default=os.environ.get("DSV3_API_KEY") or None,
+    p.add_argument("--api_key", default=os.environ.get("DSV3_API_KEY"),
                    help="require `Authorization: Bearer API_KEY` on /v1 (default: $DSV3_API_KEY, which keeps the key "
                         "off the process list; neither: no key)")
     p.add_argument("--served_model_name", help="the model's name in the API (default: the directory's name)")
@@ -73,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.api_key is not None and (problem := api_key_problem(args.api_key)):
+        print(f"dsv3-serve: {problem}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.log_level == "info":  # one line per request: the server's, not also the executor's
         logging.getLogger("runtime.executors.requests").setLevel(logging.WARNING)
