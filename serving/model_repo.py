@@ -19,8 +19,8 @@ from pathlib import Path
 
 import yaml
 
-from builder.validation import BuildError, check_not_replacing, check_output_dir
-from runtime.io.atomic import atomic_dir, atomic_write
+from builder.validation import BuildError, build_output, check_not_replacing
+from runtime.io.atomic import atomic_write
 from runtime.io.engine_format import read_limits
 from serving.fill_template import fill, parse_substitutions
 from serving.llmapi_config import MODEL_YAML, model_yaml
@@ -107,10 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true")
     args = p.parse_args(argv)
     try:
-        check_output_dir(args.output_dir, args.force)
-        check_not_replacing(args.output_dir, "--output_dir", {"--engine_dir": args.engine_dir,
-                                                              "the current directory": Path.cwd()})
         subs = parse_substitutions(args.set)
+        check_not_replacing(args.output_dir, "--output_dir", {
+            "--engine_dir": args.engine_dir, "the current directory": Path.cwd(), "the templates": TEMPLATE_REPO,
+            "the llmapi template": LLMAPI_TEMPLATE.parent,
+            **{f"--set {key}": Path(subs[key]) for key in PATH_KEYS if key in subs}})
         if args.flavour == "llmapi":
             unknown = sorted(set(subs) - {"decoupled_mode"})
             if unknown:
@@ -119,8 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             decoupled = subs.get("decoupled_mode", "true").lower()
             if decoupled not in ("true", "false"):
                 raise ValueError(f"--set decoupled_mode:{subs['decoupled_mode']}: expected true or false")
-        args.output_dir.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_dir(args.output_dir, force=True) as repo:  # replaced only once the new one is whole
+        with build_output(args.output_dir, args.force) as repo:  # replaced only once the new one is whole
             if args.flavour == "llmapi":
                 add_llmapi_model(repo, args.engine_dir, decoupled=decoupled == "true")
             else:

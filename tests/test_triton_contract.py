@@ -502,8 +502,16 @@ def test_make_model_repo_never_deletes_its_inputs_nor_leaves_half_a_repository(t
                              capture_output=True, text=True, cwd=cwd)
         assert run.returncode == 2 and f"--output_dir {out} is or contains {name}" in run.stderr, run.stderr
         assert (project / "notes.txt").read_text() == "keep" and (project / "engine" / "config.json").is_file()
+    tokenizer = project / "tokenizer"
+    shutil.copytree(checkpoint, tokenizer)
+    run = subprocess.run([script, "--engine_dir", checkpoint, "--output_dir", project, "--force",
+                          "--set", f"tokenizer_dir:{tokenizer}"], capture_output=True, text=True)
+    assert run.returncode == 2 and f"is or contains --set tokenizer_dir ({tokenizer})" in run.stderr, run.stderr
+    assert (tokenizer / "tokenizer.json").is_file()
     repo = tmp_path / "repo"
     assert subprocess.run([script, "--engine_dir", checkpoint, "--output_dir", repo], capture_output=True).returncode == 0
+    again = subprocess.run([script, "--engine_dir", checkpoint, "--output_dir", repo], capture_output=True, text=True)
+    assert again.returncode == 2 and "output directory already exists; pass --force to replace it" in again.stderr
     before = sorted(str(p.relative_to(repo)) for p in repo.rglob("*"))
     bad = subprocess.run([script, "--engine_dir", checkpoint, "--output_dir", repo, "--force",
                           "--set", "decoupled_mode:0x0"], capture_output=True, text=True)
