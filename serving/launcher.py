@@ -260,9 +260,14 @@ class TritonServer:
         starts and while `supervise` watches it; a process that opened a region before cannot be shut out
         (docs/reliability.md: give Triton a private /dev/shm on a shared host)."""
         for region in SHM_DIR.glob(f"{self.shm_prefix}*"):
-            with contextlib.suppress(OSError):  # gone meanwhile, or not ours
-                if stat.S_IMODE(region.lstat().st_mode) != 0o600:
-                    region.chmod(0o600)
+            with contextlib.suppress(OSError):  # gone meanwhile, or not a file of ours
+                fd = os.open(region, os.O_RDONLY | os.O_NOFOLLOW)
+                try:
+                    st = os.fstat(fd)
+                    if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) != 0o600:
+                        os.fchmod(fd, 0o600)
+                finally:
+                    os.close(fd)
 
     def wait_ready(self, timeout_s: float) -> None:
         """Poll readiness; raise RuntimeError (with the log's tail) if the server exits or times out."""

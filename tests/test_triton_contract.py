@@ -518,3 +518,31 @@ def test_make_model_repo_never_deletes_its_inputs_nor_leaves_half_a_repository(t
     assert bad.returncode == 2 and "decoupled_mode" in bad.stderr, bad.stderr
     assert sorted(str(p.relative_to(repo)) for p in repo.rglob("*")) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["project", "repo"]
+
+
+def test_the_default_admin_key_cannot_be_sent(unary: TritonServer) -> None:
+    """Without --admin_api_key the admin APIs are keyed to a value with a line break, because tritonserver's command
+    line shows the key to every local user: a client that read it there cannot present it, over HTTP (its halves,
+    the header folded, a bare line feed) or gRPC (metadata holds no line break), and the server stays up."""
+    import socket
+
+    import tritonclient.grpc as grpcclient
+
+    argv = Path(f"/proc/{unary.process.pid}/cmdline").read_bytes().split(b"\0")
+    [flag] = [a for a in argv if a.startswith(b"--http-restricted-api=")]
+    key = flag.split(b":admin-key=", 1)[1]
+    first, second = key.split(b"\n")
+    for value in (first, second, first + b" " + second, first + b"\r\n " + second, key):
+        with socket.create_connection(("127.0.0.1", unary.http_port), timeout=10) as c:
+            c.sendall(b"GET /v2/logging HTTP/1.1\r\nHost: x\r\nadmin-key: " + value + b"\r\nConnection: close\r\n\r\n")
+            try:
+                answer = c.recv(200)
+            except socket.timeout:
+                answer = b""
+        assert not answer.startswith(b"HTTP/1.1 200"), (value, answer)
+    client = grpcclient.InferenceServerClient(unary.grpc_url)
+    for value in (first, second):
+        with pytest.raises(Exception, match="This protocol is restricted"):
+            client.update_log_settings({"log_verbose_level": 1},
+                                       headers={"triton-grpc-protocol-admin-key": value.decode()})
+    assert unary.is_ready()
