@@ -310,7 +310,12 @@ BAD = [
      "messages", "messages[0].content parts must be {\"type\": \"text\", \"text\": ...}; this server takes text only"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello world " * 1100}]}, "messages",
      "messages come to 4423 tokens with the chat template; max_seq_len is 2048"),
-    ("/v1/completions", {"prompt": ["x"] * 2049, "max_tokens": 1}, "prompt", "prompt holds 2049 prompts; at most 2048 a request"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2047},
+     "max_completion_tokens",
+     "max_completion_tokens 2047 with messages of 24 tokens with the chat template exceeds max_seq_len 2048; "
+     "at most 2024"),
+    ("/v1/completions", {"prompt": ["x"] * 2049, "max_tokens": 1}, "prompt",
+     "prompt holds 2049 prompts; at most 2048 a request"),
     ("/v1/completions", {"prompt": [[7]] * 300, "max_tokens": 1, "n": 8, "temperature": 1}, "n",
      "300 prompts x n 8 = 2400 sequences; at most 2048 a request"),
     ("/v1/completions", {"prompt": [[7]] * 300, "max_tokens": 1, "n": 2, "best_of": 7, "temperature": 1}, "best_of",

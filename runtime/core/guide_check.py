@@ -17,6 +17,7 @@ from runtime.core.sampling_params import GuidedDecodingParams
 # max_tokens (llguidance's default allows any); a schema's "x-guidance" object overrides these
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 LOCATION_BUDGET = 4  # an invalid schema's error is located compiling at most ~4 schemas' bytes of its subschemas
+LOCATION_FLOOR = 4096  # bytes any schema may compile locating it: a small schema is always located exactly
 _SUBSCHEMA_DICTS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SUBSCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
                   "unevaluatedProperties", "unevaluatedItems", "additionalItems")
@@ -69,7 +70,7 @@ def _schema_location(schema: dict, error: str, budget: int) -> str:
         for step, sub in _schema_children(node):
             budget -= len(json.dumps(sub))
             if budget < 0:
-                return path or "/"
+                return f"{path or '/'} (or below it)"
             try:
                 same = _schema_error(sub) == error
             except ValueError:
@@ -88,7 +89,7 @@ def _position(kind: str, text: str, error: str) -> str:
         m = re.search(r"regex parse error:\n {4}[^\n]*\n( *)\^", error)
         return f"position {len(m.group(1)) - 4}" if m else "an unknown position"
     if kind == "json":
-        return f"{_schema_location(json.loads(text), error, LOCATION_BUDGET * len(text) + 4096)} of the schema"
+        return f"{_schema_location(json.loads(text), error, LOCATION_BUDGET * len(text) + LOCATION_FLOOR)} of the schema"
     m = re.search(r"Rule '([^']+)' not found", error) or re.search(r'unknown name: "([^"]+)"', error)
     if m:  # the first use of the undefined name
         found = re.search(rf"(?<![\w-]){re.escape(m.group(1))}(?![\w-])", text)

@@ -157,7 +157,7 @@ class SamplingParams:
         if self.best_of is not None and (not is_int(self.best_of) or self.best_of < self.n):
             raise ValueError(f"best_of must be None or an integer >= n ({self.n}), got {self.best_of!r}")
         if self.greedy and self.num_sequences > 1:  # vLLM's rule: every greedy output would be the same
-            name = "n" if self.best_of is None else "best_of"
+            name = self.num_sequences_name
             raise ValueError(f"{name} must be 1 when using greedy sampling (temperature 0), got {getattr(self, name)}")
         if self.guided_decoding is not None:
             if not isinstance(self.guided_decoding, GuidedDecodingParams):
@@ -176,6 +176,16 @@ class SamplingParams:
     def num_sequences(self) -> int:
         """Sequences a request runs: best_of, or n."""
         return self.n if self.best_of is None else self.best_of
+
+    @property
+    def num_sequences_name(self) -> str:
+        """The parameter that set num_sequences, for refusals."""
+        return "n" if self.best_of is None else "best_of"
+
+    def stop_ids(self, eos_token_id: int | None) -> frozenset[int]:
+        """The token ids that end the output (eos unless ignored, and stop_token_ids): what min_tokens bans."""
+        eos = {eos_token_id} if eos_token_id is not None and not self.ignore_eos else set()
+        return frozenset(self.stop_token_ids) | eos
 
     @property
     def penalized(self) -> bool:
@@ -199,16 +209,12 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_
     params.validate(vocab_size)
     if params.guided_decoding is not None and eos_token_id is not None and eos_token_id in params.bad_token_ids:
         raise ValueError("guided_decoding ends the output with eos; bad_token_ids must not ban it")
-    if params.min_tokens:  # before it is reached eos and the stop token ids are banned too
-        stops = set(params.stop_token_ids) | ({eos_token_id} if eos_token_id is not None and not params.ignore_eos
-                                              else set())
-        if len(stops | set(params.bad_token_ids)) == vocab_size:
-            raise ValueError(f"min_tokens {params.min_tokens} bans eos and stop_token_ids until it is reached; with "
-                             f"bad_token_ids that bans all {vocab_size} tokens: at least one must stay allowed")
+    if params.min_tokens and len(params.stop_ids(eos_token_id) | set(params.bad_token_ids)) == vocab_size:
+        raise ValueError(f"min_tokens {params.min_tokens} bans eos and stop_token_ids until it is reached; with "
+                         f"bad_token_ids that bans all {vocab_size} tokens: at least one must stay allowed")
     if params.num_sequences > max_batch_size:
-        name = "n" if params.best_of is None else "best_of"
-        raise ValueError(f"{name} {params.num_sequences} exceeds this executor's max_batch_size {max_batch_size}: "
-                         "the request's sequences run in one batch")
+        raise ValueError(f"{params.num_sequences_name} {params.num_sequences} exceeds this executor's max_batch_size "
+                         f"{max_batch_size}: the request's sequences run in one batch")
     if not isinstance(prompt_token_ids, (list, tuple)) or not all(map(is_int, prompt_token_ids)):
         raise ValueError(f"prompt must be a list of integer token ids, got {prompt_token_ids!r:.80}")
     n = len(prompt_token_ids)

@@ -421,11 +421,8 @@ class RequestTracker:
     def create(cls, request_id: str, num_prompt_tokens: int, params: SamplingParams, tokenizer: Tokenizer,
                max_seq_len: int, handle: RequestHandle,
                callback: Callable[[RequestOutput], None] | None = None) -> "RequestTracker":
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos and tokenizer.eos_token_id is not None:
-            stop_ids.add(tokenizer.eos_token_id)
         return cls(request_id, num_prompt_tokens, params, handle, IncrementalDetokenizer(tokenizer),
-                   frozenset(stop_ids), max_seq_len, callback)
+                   params.stop_ids(tokenizer.eos_token_id), max_seq_len, callback)
 
     def consume(self, new: list[int], now: float, logprobs: list[TokenLogprob] | None = None
                 ) -> tuple[list[int], str, str | None]:

@@ -294,7 +294,7 @@ def completion_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_te
     max_tokens = _integer(body, "max_tokens", 1, INT32_MAX, COMPLETIONS_DEFAULT_MAX_TOKENS)
     params = _sampling(body, tokenizer, max_tokens, logprobs, stream)
     if len(prompts) * params.num_sequences > MAX_SEQUENCES:
-        name = "n" if params.best_of is None else "best_of"
+        name = params.num_sequences_name
         raise APIError(f"{len(prompts)} prompts x {name} {params.num_sequences} = "
                        f"{len(prompts) * params.num_sequences} sequences; at most {MAX_SEQUENCES} a request", name)
     return Generation(prompts, params, stream, _stream_options(body, stream), texts if echo else None,
@@ -357,6 +357,10 @@ def chat_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_byt
     if len(set(asked.values())) > 1:
         raise APIError("max_completion_tokens and max_tokens differ; send one", "max_completion_tokens")
     max_tokens = next(iter(asked.values()), max(max_seq_len - len(ids), 1))  # default: the rest of the context
+    if asked and len(ids) + max_tokens > max_seq_len:  # said of the messages, as above
+        name = next(iter(asked))
+        raise APIError(f"{name} {max_tokens} with messages of {len(ids)} tokens with the chat template exceeds "
+                       f"max_seq_len {max_seq_len}; at most {max_seq_len - len(ids)}", name)
     return Generation([ids], _sampling(body, tokenizer, max_tokens, logprobs, stream), stream,
                       _stream_options(body, stream), guide_parameter=next(iter(_guide_parameters(body)), None))
 
