@@ -16,6 +16,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from runtime.executors.lifetime import PID_NAMESPACE
+
 
 @dataclass(frozen=True)
 class EngineLimits:
@@ -28,9 +30,6 @@ class EngineLimits:
     kv_blocks: int = 0  # blocks in its KV cache
 
 
-# A pid names a process only within its pid namespace; containers that share /dev/shm or /tmp (docker --ipc=host)
-# do not share pids, so names that carry a pid carry the namespace too.
-PID_NAMESPACE = os.stat("/proc/self/ns/pid").st_ino
 SERVER_DIR_PREFIX = f"tritonserver-{os.getuid()}-{PID_NAMESPACE}-"  # then the tritonserver's pid
 
 

@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from runtime.executors.lifetime import terminate_with_parent
-from serving.engine_limits import PID_NAMESPACE, SERVER_DIR_PREFIX, server_dir
+from runtime.executors.lifetime import PID_NAMESPACE, remove_stale, terminate_with_parent
+from serving.engine_limits import SERVER_DIR_PREFIX, server_dir
 
 # the launcher's --world_size, for the engine models (serving.triton_engine): ExecutorConfig.world_size
 WORLD_SIZE_ENV = "DSV3_WORLD_SIZE"
@@ -326,34 +326,12 @@ class TritonServer:
         self.stop()
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        pass
-    return True
-
-
 def remove_stale_leftovers() -> list[Path]:
     """Remove what launchers and servers killed before their stop() left (LEFTOVERS): Python backend regions in
     /dev/shm (memory: a few MB per model instance), work directories (a copy of the backends) and limits
-    directories. A dead pid of this pid namespace proves them stale; a reused pid keeps them."""
-    removed = []
-    for directory, pattern in LEFTOVERS:
-        for path in (directory or Path(tempfile.gettempdir())).iterdir():
-            m = pattern.match(path.name)
-            if not m or pid_alive(int(m.group(1))):
-                continue
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                with contextlib.suppress(OSError):
-                    path.unlink()
-            if not path.exists():  # not another user's (sticky /dev/shm and /tmp)
-                removed.append(path)
-    return removed
+    directories."""
+    return [p for directory, pattern in LEFTOVERS
+            for p in remove_stale(directory or Path(tempfile.gettempdir()), pattern)]
 
 
 def start_server(model_repo: str | Path, *, http_port: int = 0, grpc_port: int = 0, metrics_port: int = 0,

@@ -157,9 +157,19 @@ def loopback(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
 def test_ranks_listen_on_loopback_only_and_leave_no_rendezvous(tp2):
     """Ranks started here listen on loopback alone (rank 0 hosted a torch TCPStore, which listens on every
     interface whatever host it is given, and the ranks' calls are pickles), and the directory they met in is
-    gone once the group has formed."""
+    gone once the group has formed; one that a killed rank 0 left is removed when ranks next start (a live
+    process's stays)."""
+    import tempfile
+
+    from runtime.executors.lifetime import PID_NAMESPACE
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    left = Path(tempfile.mkdtemp(prefix=f"dsv3-ranks-{PID_NAMESPACE}-{int(dead.stdout)}-"))
+    live = Path(tempfile.mkdtemp(prefix=f"dsv3-ranks-{PID_NAMESPACE}-{os.getpid()}-"))
     before = listening(os.getpid())
     ex = executor(tp2, None)
+    assert not left.exists() and live.is_dir()
+    live.rmdir()
     try:
         [worker] = ex.ranks.procs
         opened = {"rank 0": listening(os.getpid()) - before, "rank 1": listening(worker.pid)}

@@ -37,7 +37,8 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 from runtime.core.sampling_params import SamplingParams  # noqa: E402
 from runtime.executors.session import Session  # noqa: E402
 from runtime.io.engine_format import read_limits  # noqa: E402
-from serving.engine_limits import PID_NAMESPACE, server_dir  # noqa: E402
+from runtime.executors.lifetime import PID_NAMESPACE  # noqa: E402
+from serving.engine_limits import server_dir  # noqa: E402
 from serving.fill_template import fill, parse_substitutions  # noqa: E402
 from serving.launcher import (PYTHON_SHM_REGION_BYTES, SHM_DIR, build_command, find_install,  # noqa: E402
                               free_ports, live_descendants, named_crash_frames, python_stubs,

@@ -4,13 +4,19 @@ command-line tools can use it."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import os
+import re
 import shutil
 import signal
 import sys
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
+# A pid names a process only within its pid namespace; containers that share /dev/shm or /tmp (docker --ipc=host)
+# do not share pids, so names that carry a pid carry the namespace too.
+PID_NAMESPACE = os.stat("/proc/self/ns/pid").st_ino
 _prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved at import: a forked child only calls it
 
 
@@ -30,3 +36,33 @@ def terminate_with_parent() -> None:
     """In a child (as a Popen preexec_fn): get SIGTERM when the thread that started it ends, i.e. when its
     parent dies, even by SIGKILL, so that nothing it started keeps running, holding memory or ports."""
     _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
+
+
+def remove_stale(directory: Path, pattern: re.Pattern[str]) -> list[Path]:
+    """Remove the files and directories in `directory` whose names `pattern` matches with the pid (group 1) of a
+    process of this pid namespace that has ended: what a process killed before its cleanup left. A dead pid
+    proves them stale; a reused pid keeps them. Returns what was removed (not other users' entries, which a
+    sticky directory keeps)."""
+    removed = []
+    for path in directory.iterdir():
+        m = pattern.match(path.name)
+        if not m or pid_alive(int(m.group(1))):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        if not path.exists():
+            removed.append(path)
+    return removed

@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -44,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from runtime.executors.lifetime import python_executable, terminate_with_parent
+from runtime.executors.lifetime import PID_NAMESPACE, python_executable, remove_stale, terminate_with_parent
 from runtime.io.engine_format import BuildConfig, EngineManifest
 from runtime.io.loading import load_engine
 from runtime.model.batch import PagedBatch
@@ -60,6 +61,7 @@ CONNECT_TIMEOUT = datetime.timedelta(seconds=120)  # a worker's loading and the 
 # next call for as long as no request comes: no timeout fits both, so a dead rank is found by its closed
 # connection (at once) and a stuck one by the executor's health watchdog.
 COLLECTIVE_TIMEOUT = datetime.timedelta(days=365)
+RENDEZVOUS_LEFT = re.compile(rf"dsv3-ranks-{PID_NAMESPACE}-(\d+)-")  # a rank 0 killed while its ranks met
 _CACHE = "<kv_cache>"  # stands for the rank's own KV cache in a broadcast call
 
 
@@ -115,7 +117,8 @@ class RankGroup:
     @classmethod
     def start(cls, path: str | Path, build: BuildConfig, options: RankOptions) -> "RankGroup":
         """Start ranks 1..tp_size-1 loading their rank files."""
-        rendezvous = Path(tempfile.mkdtemp(prefix=f"dsv3-ranks-{os.getpid()}-"))  # mode 0700
+        remove_stale(Path(tempfile.gettempdir()), RENDEZVOUS_LEFT)  # killed rank 0s' leftovers
+        rendezvous = Path(tempfile.mkdtemp(prefix=f"dsv3-ranks-{PID_NAMESPACE}-{os.getpid()}-"))  # mode 0700
         store_file = str(rendezvous / "store")
         store = _file_store(store_file, build.tp_size)
         opts = json.dumps(asdict(options))
