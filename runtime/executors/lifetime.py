@@ -1,6 +1,6 @@
-"""Child processes of ours: the interpreter they run on, and their ending with their parent (the engine
-process, tensor-parallel ranks, servers started by tests and benchmarks). Kept free of torch so the light
-command-line tools can use it."""
+"""Child processes of ours: the interpreter they run on, their ending with their parent (the engine process,
+tensor-parallel ranks, servers started by tests and benchmarks), and the removal of what killed ones left. Kept
+free of torch so the light command-line tools can use it."""
 
 from __future__ import annotations
 
