@@ -54,8 +54,15 @@ def real(values: np.ndarray, name: str, low: float = -math.inf, high: float = ma
         raise RequestError(f"{name}: expected a number, got {values.dtype} {value!r}")
     value = float(value)
     if not (math.isfinite(value) and low <= value <= high):
-        raise RequestError(f"{name} must be a finite number in [{low}, {high}], got {value}")
+        raise RequestError(f"{name} must be a finite number{bounds_text(low, high)}, got {value}")
     return value
+
+
+def bounds_text(low: float, high: float) -> str:
+    """' in [low, high]', ' >= low', ' <= high' or '' (no bound), as a refusal states a range."""
+    if math.isinf(low) and math.isinf(high):
+        return ""
+    return f" >= {low}" if math.isinf(high) else f" <= {high}" if math.isinf(low) else f" in [{low}, {high}]"
 
 
 def flag(values: np.ndarray, name: str) -> bool:

@@ -261,7 +261,7 @@ BAD = [
      "max_tokens must be an integer in [1, 2147483647], got 0"),
     ("/v1/completions", {"prompt": "x", "max_tokens": True}, "max_tokens", "max_tokens must be an integer, got True"),
     ("/v1/completions", {"prompt": "x", "max_token": 3}, "max_token", "Unrecognized request argument supplied: max_token"),
-    ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature", "temperature must be in [0.0, inf], got -1"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature", "temperature must be >= 0.0, got -1"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p", "top_p must be in (0, 1], got 0"),
     ("/v1/completions", {"prompt": "x", "n": 0}, "n", "n must be an integer in [1, 128], got 0"),
     ("/v1/completions", {"prompt": "x", "n": 2, "best_of": 1}, "best_of",
@@ -324,6 +324,8 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "stop": ["a", "b" * 1025]}, "stop", "stop[1] is 1025 characters; at most 1024"),
     ("/v1/completions", {"prompt": "ab\ud800"}, "prompt",
      "prompt must be Unicode text; it has a lone surrogate at character 2"),
+    ("/v1/completions", {"prompt": "x", "stop": ["ok", "a\ud800"]}, "stop",
+     "stop[1] must be Unicode text; it has a lone surrogate at character 1"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\udfff"}]}, "messages[0].content",
      "messages[0].content must be Unicode text; it has a lone surrogate at character 0"),
 ]
@@ -358,6 +360,21 @@ def test_malformed_and_oversized_bodies_are_refused(server: Server) -> None:
     assert json.loads(response.read())["error"]["message"] == "the request body is larger than 401408 bytes"
     sock.close()
     assert urllib.request.urlopen(server.base + "/health", timeout=10).status == 200
+
+
+def test_a_client_that_leaves_mid_body_costs_one_log_line(server: Server) -> None:
+    """A client that closes its connection halfway through a body logged two full tracebacks (~120 lines, free to
+    send again and again); now one line, and the server serves on."""
+    before = server.log.read_text().count("\n")
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
+        time.sleep(0.2)
+    assert urllib.request.urlopen(server.base + "/health", timeout=10).status == 200
+    new = server.log.read_text().splitlines()[before:]
+    assert "Traceback" not in "\n".join(new), new
+    assert sum("the client disconnected before sending the whole body" in line for line in new) == 3, new
 
 
 def _streamed_events(server: Server, body: dict) -> list[dict]:

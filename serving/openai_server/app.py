@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from runtime.executors.base import ExecutorProtocol
 from runtime.executors.requests import RequestHandle, RequestOutput
@@ -93,11 +94,14 @@ class OpenAIServer:
             raise APIError(f"the request body is larger than {self.max_body_bytes} bytes", status=413)
         size = 0
         chunks = []
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise APIError(f"the request body is larger than {self.max_body_bytes} bytes", status=413)
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    raise APIError(f"the request body is larger than {self.max_body_bytes} bytes", status=413)
+                chunks.append(chunk)
+        except ClientDisconnect:  # one log line, not two tracebacks: a client can send half bodies for free
+            raise APIError("the client disconnected before sending the whole body") from None
         try:
             return json.loads(b"".join(chunks))
         except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep to parse

@@ -25,7 +25,7 @@ from runtime.core.sampling_params import MAX_LOGPROBS
 from runtime.executors.requests import RequestStats
 from runtime.io.tokenizer import Tokenizer
 from serving.openai_server.chat import ChatTemplateFault, render_chat
-from serving.request_validation import INT32_MAX, RequestError, refused_parameter
+from serving.request_validation import INT32_MAX, RequestError, bounds_text, refused_parameter
 
 MAX_N = 128  # choices per request, as OpenAI allows
 MAX_SEQUENCES = 2048  # prompts x (best_of or n) a completions request runs: one small body could queue 10^5
@@ -103,7 +103,7 @@ def _number(body: dict, name: str, low: float, high: float, default: float) -> f
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
         raise APIError(f"{name} must be a finite number, got {value!r}", name)
     if not low <= value <= high:
-        raise APIError(f"{name} must be in [{low}, {high}], got {value}", name)
+        raise APIError(f"{name} must be{bounds_text(low, high)}, got {value}", name)
     return float(value)
 
 
@@ -137,6 +137,12 @@ def _stop(body: dict) -> tuple[str, ...]:
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise APIError(f"stop must be a non-empty string or a list of them, got {value!r}", "stop")
+    for i, stop in enumerate(stops):  # text that can never appear in the output would never stop it
+        try:
+            stop.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(f"stop[{i}] must be Unicode text; it has a lone surrogate at character {e.start}",
+                           "stop") from None
     return tuple(stops)
 
 
