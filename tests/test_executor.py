@@ -264,6 +264,16 @@ def test_limits_above_the_engine_are_refused(engine) -> None:
         Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="always"))
 
 
+@pytest.mark.parametrize("speculation", ["fixed", "adaptive"])
+def test_a_checkpoints_draft_length_is_bounded(shipped_model_dir, speculation) -> None:
+    """A checkpoint has no max_draft_len of its own: num_draft_tokens 100000 was taken (adaptive speculation then
+    profiled 100001 verify lengths at start, and dsv3-serve never came up); it is refused past the cap an engine's
+    max_draft_len has."""
+    with pytest.raises(ValueError) as e:
+        Executor(shipped_model_dir, ExecutorConfig(num_draft_tokens=100_000, speculation=speculation))
+    assert str(e.value) == f"num_draft_tokens 100000 exceeds 8, the most the MTP module is re-run for ({shipped_model_dir})"
+
+
 @pytest.mark.parametrize("field,value,message", [
     ("max_num_tokens", 0, "max_num_tokens must be an integer >= 1, got 0"),
     ("max_batch_size", 0, "max_batch_size must be an integer >= 1, got 0"),

@@ -14,7 +14,7 @@ from runtime.core.sampling import RelaxedAcceptance
 from runtime.core.sampling_params import SamplingParams
 from runtime.core.scheduler import SchedulerConfig
 from runtime.executors.requests import ExecutorStats, RequestHandle, RequestOutput
-from runtime.io.engine_format import BuildConfig, engine_backend
+from runtime.io.engine_format import MAX_DRAFT_LEN, BuildConfig, engine_backend
 from runtime.io.tokenizer import Tokenizer
 from runtime.model.config import ModelConfig
 
@@ -95,6 +95,9 @@ class ExecutorConfig:
                              "is 0, or the checkpoint stores no MTP weights); use num_draft_tokens=0")
         if k > max_draft_len and built:
             raise ValueError(f"num_draft_tokens {k} exceeds the engine's max_draft_len {max_draft_len} ({source})")
+        if k > MAX_DRAFT_LEN:  # a checkpoint has no max_draft_len of its own; an engine's is at most this
+            raise ValueError(f"num_draft_tokens {k} exceeds {MAX_DRAFT_LEN}, the most the MTP module is re-run for "
+                             f"({source})")
         return k
 
     def limits(self, build: BuildConfig, source: str, built: bool = True) -> SchedulerConfig:
