@@ -81,6 +81,27 @@ def test_streams_every_output_and_callbacks_run(engine):
     assert [t for out in seen for t in out.new_token_ids] == streamed and seen[-1].finished
 
 
+def test_a_callback_that_calls_the_executor_is_refused_at_once(engine):
+    """Callbacks run on the thread that reads the engine's replies, so a call from one waited for itself: stats()
+    timed out after 60 s with an empty message, stalling every stream meanwhile. Refused at once, naming the call;
+    the request and the executor go on."""
+    errors: list[str] = []
+
+    def on_output(out) -> None:
+        try:
+            engine.stats()
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    started = time.monotonic()
+    h = engine.submit(PROMPTS[0], SamplingParams(max_tokens=4, ignore_eos=True), on_output=on_output)
+    assert len(h.result(30).token_ids) == 4 and time.monotonic() - started < 30
+    assert errors and errors[0] == ("stats() cannot be called from an output callback of an executor in an engine "
+                                    "process: callbacks run on the thread that reads the engine's replies; call it "
+                                    "from another thread")
+    assert engine.stats().running == 0
+
+
 def fields(out) -> tuple:
     """An output's reported content (not its timings), logprobs rounded: the two processes' sums may differ in
     the last bits."""

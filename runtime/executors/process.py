@@ -221,6 +221,10 @@ class ProcessExecutor:
             raise RuntimeError(self._error or f"the engine process is gone ({e})") from None
 
     def _call(self, name: str, *args: Any, timeout: float = CALL_TIMEOUT_S) -> Any:
+        if threading.current_thread() is self._reader:  # its reply would wait for this very thread to read it
+            raise RuntimeError(f"{name}() cannot be called from an output callback of an executor in an engine "
+                               "process: callbacks run on the thread that reads the engine's replies; call it from "
+                               "another thread")
         call, future = next(self._call_ids), Future()
         with self._lock:
             self._calls[call] = future
