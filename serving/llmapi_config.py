@@ -11,6 +11,7 @@ speculation never changes the output here) is named in a warning and not applied
 
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -56,27 +57,35 @@ class LlmApiModel:
     warnings: list[str] = field(default_factory=list)
 
 
+def _shown(value: Any) -> str:
+    """A refused value for a message, cut short: YAML aliases can make a few bytes of file a structure of
+    billions of items, which repr would expand."""
+    shown = reprlib.Repr()
+    shown.maxlevel, shown.maxlist, shown.maxdict, shown.maxstring, shown.maxother = 1, 4, 4, 60, 60
+    return shown.repr(value)
+
+
 def _int(value: Any, key: str, source: str, low: int = 1) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ModelYamlError(f"{source}: {key} must be an integer >= {low}, got {value!r}")
+        raise ModelYamlError(f"{source}: {key} must be an integer >= {low}, got {_shown(value)}")
     return value
 
 
 def _number(value: Any, key: str, source: str) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ModelYamlError(f"{source}: {key} must be a number, got {value!r}")
+        raise ModelYamlError(f"{source}: {key} must be a number, got {_shown(value)}")
     return float(value)
 
 
 def _bool(value: Any, key: str, source: str) -> bool:
     if not isinstance(value, bool):
-        raise ModelYamlError(f"{source}: {key} must be true or false, got {value!r}")
+        raise ModelYamlError(f"{source}: {key} must be true or false, got {_shown(value)}")
     return value
 
 
 def _mapping(value: Any, key: str, source: str) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise ModelYamlError(f"{source}: {key} must be a mapping, got {value!r}")
+        raise ModelYamlError(f"{source}: {key} must be a mapping, got {_shown(value)}")
     return value
 
 
@@ -86,7 +95,7 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
     source = str(path)
     try:
         doc = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as e:
+    except (OSError, ValueError, yaml.YAMLError) as e:  # ValueError: an integer of more digits than Python converts
         raise ModelYamlError(f"{source}: cannot read it: {e}") from None
     doc = dict(_mapping(doc, "the file", source))
     warnings: list[str] = []
@@ -99,19 +108,19 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
     engine_options = _engine_options(model)
     tokenizer = doc.pop("tokenizer", None)
     if tokenizer is not None and (model_dir / str(tokenizer)).resolve() != model.resolve():
-        raise ModelYamlError(f"{source}: tokenizer {tokenizer!r}: this runtime uses the model's own tokenizer; "
+        raise ModelYamlError(f"{source}: tokenizer {_shown(tokenizer)}: this runtime uses the model's own tokenizer; "
                              "leave tokenizer out")
     backend = doc.pop("backend", None)
     if backend not in (None, "pytorch"):
-        raise ModelYamlError(f"{source}: backend {backend!r}: supported: pytorch (TensorRT-LLM's; this runtime runs "
+        raise ModelYamlError(f"{source}: backend {_shown(backend)}: supported: pytorch (TensorRT-LLM's; this runtime runs "
                              "a native engine natively and a --backend trtllm engine on TensorRT-LLM's PyTorch backend)")
     dtype = doc.pop("dtype", None)
     if dtype not in (None, "auto", build.dtype):
-        raise ModelYamlError(f"{source}: dtype {dtype!r}: the engine's is {build.dtype!r}; rebuild it with --dtype "
+        raise ModelYamlError(f"{source}: dtype {_shown(dtype)}: the engine's is {build.dtype!r}; rebuild it with --dtype "
                              f"or set dtype auto")
     max_beam_width = doc.pop("max_beam_width", 1)
     if max_beam_width != 1:
-        raise ModelYamlError(f"{source}: max_beam_width {max_beam_width!r}: supported: 1 (no beam search)")
+        raise ModelYamlError(f"{source}: max_beam_width {_shown(max_beam_width)}: supported: 1 (no beam search)")
     limits = {k: _int(doc.pop(k), k, source) for k in ("max_batch_size", "max_seq_len", "max_num_tokens") if k in doc}
 
     draft_len, relaxed = _speculative(doc.pop("speculative_config", None), engine_options, source, warnings)
@@ -120,7 +129,7 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
     if "cuda_graph_config" in doc:
         cuda_graphs = doc.pop("cuda_graph_config") is not None  # the LLM API's null turns CUDA graphs off
     triton = _mapping(doc.pop("triton_config", None) or {}, "triton_config", source)
-    unknown = sorted(set(triton) - set(TRITON_KEYS))
+    unknown = sorted(map(str, set(triton) - set(TRITON_KEYS)))
     if unknown:
         raise ModelYamlError(f"{source}: triton_config: unknown key(s) {', '.join(unknown)} (supported: "
                              f"{', '.join(TRITON_KEYS)})")
@@ -135,7 +144,7 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
         else:
             warnings.append(f"{key}: not applied (it changes how the work is done, not what is generated)")
     if doc:
-        raise ModelYamlError(f"{source}: unknown key(s) {', '.join(sorted(doc))}: not implemented by this runtime "
+        raise ModelYamlError(f"{source}: unknown key(s) {', '.join(sorted(map(str, doc)))}: not implemented by this runtime "
                              "(see serving/llmapi_config.py for the keys it reads)")
 
     device = triton.get("device")
@@ -171,7 +180,7 @@ def _speculative(spec: Any, engine_options: dict[str, Any], source: str,
     spec = dict(_mapping(spec, "speculative_config", source))
     kind = spec.pop("decoding_type", None)
     if kind != "MTP":
-        raise ModelYamlError(f"{source}: speculative_config.decoding_type {kind!r}: supported: MTP (this runtime "
+        raise ModelYamlError(f"{source}: speculative_config.decoding_type {_shown(kind)}: supported: MTP (this runtime "
                              "drafts with the model's own MTP layer)")
     k = spec.pop("max_draft_len", None)
     old = spec.pop("num_nextn_predict_layers", None)
@@ -219,7 +228,7 @@ def _kv_cache(kv: Any, engine_options: dict[str, Any], source: str, warnings: li
     dtype = kv.pop("dtype", None)
     built = engine_options.get("kv_cache_config", {}).get("dtype", "auto")
     if dtype not in (None, "auto", built):
-        raise ModelYamlError(f"{source}: kv_cache_config.dtype {dtype!r}: supported: auto (the model's dtype) or the "
+        raise ModelYamlError(f"{source}: kv_cache_config.dtype {_shown(dtype)}: supported: auto (the model's dtype) or the "
                              f"engine's ({built!r}; build_engine --kv_cache_dtype sets it for a --backend trtllm engine)")
     for name in [n for n in KV_CACHE_WARNED if n in kv]:
         value = kv.pop(name)

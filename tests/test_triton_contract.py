@@ -448,6 +448,27 @@ def test_model_yaml_refuses_what_changes_the_output_naming_the_key(tmp_path: Pat
         read_model_yaml(write_yaml(tmp_path, checkpoint, **keys), tmp_path)
 
 
+BOMB = "xa: &a [x,x,x,x,x,x,x,x,x]\n" + "".join(  # nine levels of aliases: 9^9 items in ~300 bytes
+    f"x{b}: &{b} [{', '.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi")) + "max_seq_len: *i\n"
+
+
+@pytest.mark.parametrize("text, message", [
+    (BOMB, "max_seq_len must be an integer >= 1, got [[...], [...], [...], [...], ...]"),
+    ("1: 2\n", "unknown key(s) 1: not implemented by this runtime"),
+    ("max_seq_len: " + "9" * 5000 + "\n", "cannot read it: Exceeds the limit (4300 digits)"),
+])
+def test_a_hostile_model_yaml_gets_a_short_error_naming_the_file(tmp_path: Path, checkpoint: Path, text: str,
+                                                                  message: str) -> None:
+    """A model.yaml of YAML aliases (a few hundred bytes that expand to billions of items: the refusal printed the
+    value, and took 2.5 GB and 30 s), keys that are not strings, or an integer too long to convert: each a short
+    ModelYamlError naming the file (they were a MemoryError, a TypeError and a bare ValueError)."""
+    path = write_yaml(tmp_path, checkpoint)
+    path.write_text("model: engine\n" + text)
+    with pytest.raises(ModelYamlError) as e:
+        read_model_yaml(path, tmp_path)
+    assert str(e.value).startswith(f"{path}: ") and message in str(e.value) and len(str(e.value)) < 400, str(e.value)
+
+
 def test_model_yaml_names_what_it_does_not_apply(tmp_path: Path, checkpoint: Path) -> None:
     llm = read_model_yaml(write_yaml(tmp_path, checkpoint, enable_attention_dp=True, tensor_parallel_size=8,
                                      speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2,
