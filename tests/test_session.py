@@ -452,3 +452,44 @@ def test_sessions_left_open_exit_cleanly(shipped_model_dir, left, runs) -> None:
                               cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
         unexpected = [line for line in done.stderr.splitlines() if not line.startswith("CPU kernels off")]
         assert (done.returncode, unexpected, done.stdout) == (0, [], "20\n"), done.stderr
+
+
+def test_an_interrupted_generate_cancels_its_requests(session, monkeypatch) -> None:
+    """Ctrl-C while generate() waits (here: as it starts waiting for the first result): nobody will read its
+    results, so its requests are cancelled and their blocks freed (they ran to max_tokens)."""
+    from runtime.executors.requests import RequestHandle
+
+    wait_idle(session)
+    before = session.executor.stats()
+
+    def interrupted(self, timeout=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(RequestHandle, "results", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        session.generate([PROMPT] * 4, SamplingParams(max_tokens=MAX_SEQ_LEN - 24, ignore_eos=True))
+    monkeypatch.undo()
+    wait_idle(session)
+    after = session.executor.stats()
+    assert after.kv_blocks_used == 0 and after.requests_finished == before.requests_finished + 4
+    assert after.generated_tokens - before.generated_tokens < 4 * (MAX_SEQ_LEN - 24)
+
+
+def test_two_threads_iterating_one_handle_both_end(session) -> None:
+    """Each output goes to one of them; the one that did not take the final output waited for ever."""
+    import threading
+
+    handle = session.executor.submit(session.tokenizer.encode(PROMPT), SamplingParams(max_tokens=30, ignore_eos=True))
+    taken: list[list[int]] = [[], []]
+
+    def consume(i: int) -> None:
+        for out in handle:
+            taken[i].extend(out.new_token_ids)
+
+    threads = [threading.Thread(target=consume, args=(i,), daemon=True) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    assert sorted(taken[0] + taken[1]) == sorted(handle.result().token_ids)

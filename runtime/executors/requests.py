@@ -223,6 +223,8 @@ class RequestHandle:
         """The oldest output not handed out yet; call with the lock held and something pending."""
         out = self._pending.pop(next(iter(self._pending))).output()
         self._finals_taken += out.finished
+        if self._delivered_final:  # another thread iterating the handle waits for what will now never come
+            self._arrived.notify_all()
         return out
 
     def callback_only(self) -> None:
@@ -269,7 +271,9 @@ class RequestHandle:
                 self._check_buffered()
                 if self._delivered_final:
                     return
-                self._arrived.wait_for(lambda: bool(self._pending))
+                self._arrived.wait_for(lambda: bool(self._pending) or self._delivered_final)
+                if not self._pending:
+                    return
                 out = self._take()
             yield out
 

@@ -100,11 +100,16 @@ class Session:
             self.executor.validate(i, params)
         handles = [self.executor.submit(i, params) for i in ids]
         results = []
-        for prompt, handle in zip(prompts, handles):
-            outs = handle.results()
-            results.append(GenerationResult(prompt, [CompletionOutput(o.index, o.text, o.token_ids, o.finish_reason,
-                                                                      o.stats, o.logprobs, o.cumulative_logprob)
-                                                     for o in outs], outs[0].prompt_logprobs))
+        try:
+            for prompt, handle in zip(prompts, handles):
+                outs = handle.results()
+                results.append(GenerationResult(prompt, [CompletionOutput(o.index, o.text, o.token_ids, o.finish_reason,
+                                                                          o.stats, o.logprobs, o.cumulative_logprob)
+                                                         for o in outs], outs[0].prompt_logprobs))
+        finally:  # interrupted (Ctrl-C): nobody will read the rest, so they stop and free their blocks
+            for handle in handles:
+                if not handle.finished:
+                    handle.cancel()
         return results
 
     def stream(self, prompt: str, params: SamplingParams | None = None) -> Iterator[str]:
