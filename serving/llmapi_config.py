@@ -144,8 +144,8 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
         else:
             warnings.append(f"{key}: not applied (it changes how the work is done, not what is generated)")
     if doc:
-        raise ModelYamlError(f"{source}: unknown key(s) {', '.join(sorted(map(str, doc)))}: not implemented by this runtime "
-                             "(see serving/llmapi_config.py for the keys it reads)")
+        raise ModelYamlError(f"{source}: unknown key(s) {', '.join(sorted(map(str, doc)))}: not implemented by this "
+                             "runtime (see serving/llmapi_config.py for the keys it reads)")
 
     device = triton.get("device")
     try:
@@ -161,9 +161,12 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
     checks = {"max_batch_size": lambda v, key, src: _int(v, key, src, low=0), "decoupled": _bool,
               "cancellation_check_period_ms": _int, "stats_check_period_ms": _int, "watchdog_timeout_s": _number,
               "torch_threads": _int, "engine_process": _bool}
-    return LlmApiModel(model, executor, settings(TritonConfig, **{
-        key: None if triton.get(key) is None else check(triton[key], f"triton_config.{key}", source)
-        for key, check in checks.items()}), warnings)
+    given = {key: None if triton.get(key) is None else check(triton[key], f"triton_config.{key}", source)
+             for key, check in checks.items()}
+    try:
+        return LlmApiModel(model, executor, settings(TritonConfig, **given), warnings)
+    except ValueError as e:  # a value out of its range
+        raise ModelYamlError(f"{source}: triton_config.{e}") from None
 
 
 def _engine_options(model: Path) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from typing import Any, Callable, TypeVar
 from serving.watchdog import STALL_TIMEOUT_S
 
 T = TypeVar("T")
+MAX_TORCH_THREADS = 1024  # more cores than any host this runs on; 10^9 made OpenMP abort allocating their stacks
 
 TRUE_VALUES = ("1", "true", "yes", "t", "y", "on")
 FALSE_VALUES = ("0", "false", "no", "f", "n", "off")
@@ -53,6 +54,17 @@ class TritonConfig:
     watchdog_timeout_s: float = STALL_TIMEOUT_S
     torch_threads: int | None = None
     engine_process: bool | None = None  # the executor in a process of its own (None: on CUDA devices only)
+
+    def __post_init__(self) -> None:
+        """ValueError naming the setting whose value cannot work: a watchdog of 0 or less stopped the server at the
+        first request, a period of 10^20 ms killed the responder thread, 10^9 torch threads aborted the process."""
+        for name, low, high in (("cancellation_check_period_ms", 1, 3_600_000), ("stats_check_period_ms", 1, 3_600_000),
+                                ("watchdog_timeout_s", 0.001, 86_400), ("torch_threads", 1, MAX_TORCH_THREADS)):
+            value = getattr(self, name)
+            if value is None and name == "torch_threads":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+                raise ValueError(f"{name} must be a number in [{low}, {high}], got {value!r}")
 
 
 def settings(cls: Callable[..., T], **given: Any) -> T:

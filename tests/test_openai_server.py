@@ -543,6 +543,15 @@ def test_an_api_key_guards_the_v1_routes(shipped_model_dir: Path, tmp_path: Path
     assert parse_args(["models/x"]).api_key is None
 
 
+def test_torch_threads_out_of_range_are_refused_at_start(capsys: pytest.CaptureFixture) -> None:
+    """10^9 torch threads made OpenMP abort the process allocating their stacks, naming nothing."""
+    from serving.openai_server.cli import main
+
+    for threads in ("0", "1000000000"):
+        assert main(["models/none", "--torch_threads", threads]) == 2
+        assert capsys.readouterr().err == f"dsv3-serve: --torch_threads must be in [1, 1024], got {threads}\n"
+
+
 @pytest.mark.parametrize("key", ["", "two words", "cl\u00e9", "tab\tkey"])
 def test_an_api_key_a_header_cannot_carry_is_refused_at_start(key: str, capsys: pytest.CaptureFixture) -> None:
     """An empty key (`--api_key "$KEY"` with KEY unset) guarded nothing; one with spaces, control or non-ASCII

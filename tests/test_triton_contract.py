@@ -439,12 +439,17 @@ def test_model_yaml_maps_llm_api_keys(tmp_path: Path, checkpoint: Path) -> None:
     (dict(triton_config={"decoupled": "yes"}), "triton_config.decoupled must be true or false"),
     (dict(triton_config={"max_batch_sizes": 4}), "triton_config: unknown key(s) max_batch_sizes"),
     (dict(triton_config={"watchdog_timeout_s": "long"}), "triton_config.watchdog_timeout_s must be a number"),
+    (dict(triton_config={"watchdog_timeout_s": -1}),
+     "triton_config.watchdog_timeout_s must be a number in [0.001, 86400], got -1.0"),
+    (dict(triton_config={"cancellation_check_period_ms": 10**20}),
+     f"triton_config.cancellation_check_period_ms must be a number in [1, 3600000], got {10**20}"),
+    (dict(triton_config={"torch_threads": 10**9}), "triton_config.torch_threads must be a number in [1, 1024]"),
     (dict(speculative_config={"decoding_type": "MTP", "max_draft_len": 1}, triton_config={"speculation": "always"}),
      "speculation must be 'off', 'fixed' or 'adaptive'"),
 ])
 def test_model_yaml_refuses_what_changes_the_output_naming_the_key(tmp_path: Path, checkpoint: Path,
                                                                    keys: dict, message: str) -> None:
-    with pytest.raises(ModelYamlError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ModelYamlError, match=re.escape(message)):
         read_model_yaml(write_yaml(tmp_path, checkpoint, **keys), tmp_path)
 
 

@@ -24,6 +24,7 @@ import uvicorn
 from runtime.executors.base import ExecutorConfig, create_executor
 from runtime.executors.process import EngineProcessError, ProcessExecutor, use_engine_process
 from serving.openai_server.app import api_key_problem, create_app
+from serving.triton_parameters import MAX_TORCH_THREADS
 
 log = logging.getLogger("serving.openai_server")
 
@@ -75,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.api_key is not None and (problem := api_key_problem(args.api_key)):
         print(f"dsv3-serve: {problem}", file=sys.stderr)
+        return 2
+    if args.torch_threads is not None and not 1 <= args.torch_threads <= MAX_TORCH_THREADS:
+        print(f"dsv3-serve: --torch_threads must be in [1, {MAX_TORCH_THREADS}], got {args.torch_threads}",
+              file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.log_level == "info":  # one line per request: the server's, not also the executor's
