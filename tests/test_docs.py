@@ -56,7 +56,8 @@ DOC_PAGES = sorted((ROOT / "docs").glob("*.md"))  # docs/benchmarks/*.md are gen
 SETTINGS = {
     "engine-format.md": {"4.3": "the size of each of DeepSeek-V3's released shards, ~4.3 GB: the release's"},
     "gpu.md": {"8.9": "compute capability 8.9 (Ada), the first with FP8 products"},
-    "openai-server.md": {"1.0": "temperature's default"},
+    "openai-server.md": {"1.0": "temperature's default",
+                         "1,000,000": "chat.MAX_RANGE_ITEMS and MAX_PRODUCT_ITEMS, a template render's bounds"},
     "parallel-execution.md": {"0.9": "--free_gpu_memory_fraction's default",
                               "0.12": "kv_b_proj's bytes a rank at tp 8, arithmetic on DeepSeek-V3's config.json"},
     "reliability.md": {"0.9": "free_memory_fraction's default"},

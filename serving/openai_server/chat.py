@@ -8,10 +8,12 @@ Jinja's immutable sandbox with transformers' conventions (trim_blocks, lstrip_bl
 from __future__ import annotations
 
 import functools
+import threading
 from datetime import datetime
+from typing import Any
 
 from jinja2 import TemplateError, TemplateSyntaxError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 
 from runtime.io.tokenizer import Tokenizer
 from serving.request_validation import RequestError
@@ -26,10 +28,47 @@ def _raise_exception(message: str) -> None:
     raise RequestError(message)
 
 
+MAX_RANGE_ITEMS = 1_000_000  # range() items a render may make in all: Jinja's sandbox bounds each range, not nests
+MAX_PRODUCT_ITEMS = 1_000_000  # characters or items a template's `*` may make ('x' * 10**9 took 3 GB and 12 s)
+MAX_EXPONENT = 1024  # `**`'s: 10 ** 10 ** 8 computes for minutes
+_render = threading.local()  # the budget of the render running on this thread (renders run on worker threads)
+
+
+def _over_budget(what: str) -> ChatTemplateFault:
+    return ChatTemplateFault(f"the model's chat template cannot be rendered: it {what}, past this server's bound")
+
+
+def _bounded_range(*args: int) -> range:
+    items = safe_range(*args)
+    _render.range_items_left -= len(items)
+    if _render.range_items_left < 0:
+        raise _over_budget(f"loops over more than {MAX_RANGE_ITEMS} range() items")
+    return items
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """Jinja's immutable sandbox with the work one render may do bounded, so a model's template cannot hold a
+    server's worker thread (a server stops only once its threads have): range() items in all, and the size of
+    what `*` and `**` make."""
+
+    intercepted_binops = frozenset(["*", "**"])
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for seq, times in ((left, right), (right, left)):
+                if (isinstance(seq, (str, list, tuple)) and isinstance(times, int)
+                        and len(seq) * times > MAX_PRODUCT_ITEMS):
+                    raise _over_budget(f"makes a sequence of more than {MAX_PRODUCT_ITEMS} items with *")
+        if operator == "**" and isinstance(right, int) and abs(right) > MAX_EXPONENT:
+            raise _over_budget(f"raises to a power above {MAX_EXPONENT} with **")
+        return super().call_binop(context, operator, left, right)
+
+
 @functools.lru_cache(maxsize=4)
 def _compile(template: str):
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals.update(raise_exception=_raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
+    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True)
+    env.globals.update(raise_exception=_raise_exception, strftime_now=lambda f: datetime.now().strftime(f),
+                       range=_bounded_range)
     return env.from_string(template)
 
 
@@ -39,6 +78,7 @@ def render_chat(template: str, messages: list[dict[str, str]], tokenizer: Tokeni
     in rendering them), ChatTemplateFault when it cannot be rendered at all."""
     special = {name: tokenizer.decode([i], skip_special_tokens=False) if i is not None else ""
                for name, i in (("bos_token", tokenizer.bos_token_id), ("eos_token", tokenizer.eos_token_id))}
+    _render.range_items_left = MAX_RANGE_ITEMS
     try:
         return _compile(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **special)
     except RequestError:
