@@ -51,7 +51,7 @@ class TrtllmCheckpoint:
             raise BuildError(f"{source}: file not found, expected a TensorRT-LLM checkpoint directory")
         try:
             raw = json.loads(source.read_text())
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise BuildError(f"{source}: not valid JSON ({e})") from None
         if not isinstance(raw, dict):
             raise BuildError(f"{source}: expected a JSON object")

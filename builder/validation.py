@@ -159,7 +159,7 @@ def check_tokenizer(src: Path) -> list[str]:
     for name in (n for n in present if n.endswith(".json")):
         try:
             json.loads((Path(src) / name).read_text())
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, RecursionError) as e:
             raise BuildError(f"{Path(src) / name}: not valid JSON ({e})") from None
     try:  # as the runtime loads it, so that no engine is built that the runtime refuses to load
         Tokenizer.from_dir(src)

@@ -528,6 +528,13 @@ def test_error_config_not_json(tmp_path):
     with pytest.raises(ConfigError) as e:
         HFCheckpoint(tmp_path)
     assert str(e.value).startswith(f"{tmp_path / 'config.json'}: not UTF-8 text (")
+    # arrays nested past the parser's recursion, an integer too long to convert: a traceback before
+    for text in ('{"model_type": "deepseek_v3", "x": ' + "[" * 100000 + "]" * 100000 + "}",
+                 '{"model_type": "deepseek_v3", "hidden_size": ' + "9" * 5000 + "}"):
+        (tmp_path / "config.json").write_text(text)
+        with pytest.raises(ConfigError) as e:
+            HFCheckpoint(tmp_path)
+        assert str(e.value).startswith(f"{tmp_path / 'config.json'}: not valid JSON (")
 
 
 HF_CONFIGS = Path(__file__).parent / "data" / "hf_configs"

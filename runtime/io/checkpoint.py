@@ -422,7 +422,7 @@ def _read_index(index: Path) -> dict[str, str]:
     """The index's weight_map, after checking that every shard it names exists."""
     try:
         raw = json.loads(index.read_text())
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise CheckpointError(f"{index}: not valid JSON ({e})") from None
     weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):

@@ -228,7 +228,7 @@ class EngineManifest:
         path = engine_dir / ENGINE_JSON
         try:
             raw = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:
             raise EngineError(f"{path}: cannot read engine.json ({e})") from None
         version = raw.get("format_version") if isinstance(raw, dict) else None
         if not is_int(version) or version < 1:

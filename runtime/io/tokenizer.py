@@ -107,8 +107,8 @@ class Tokenizer:
         if (cfg_file := path / CONFIG_FILE).is_file():
             try:
                 config = json.loads(cfg_file.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise ValueError(f"cannot read {cfg_file}: {e}") from e
+            except (OSError, ValueError, RecursionError) as e:
+                raise ValueError(f"cannot read {cfg_file}: {e}") from None
             if not isinstance(config, dict):
                 raise ValueError(f"{cfg_file}: expected a JSON object")
         template = None

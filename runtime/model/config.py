@@ -222,10 +222,10 @@ class ModelConfig:
             raise ConfigError(f"{path}: file not found")
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
         except UnicodeDecodeError as e:
             raise ConfigError(f"{path}: not UTF-8 text ({e})") from None
+        except (ValueError, RecursionError) as e:  # also: an integer too long to convert, arrays nested too deep
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a JSON object")
         return cls.from_dict(raw, source=str(path))
