@@ -564,13 +564,21 @@ def test_an_api_key_guards_the_v1_routes(shipped_model_dir: Path, tmp_path: Path
     assert parse_args(["models/x"]).api_key is None
 
 
-def test_torch_threads_out_of_range_are_refused_at_start(capsys: pytest.CaptureFixture) -> None:
-    """10^9 torch threads made OpenMP abort the process allocating their stacks, naming nothing."""
+def test_bad_flags_are_refused_at_start_naming_them(shipped_model_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    """Each was a traceback (10^9 torch threads: OpenMP aborted the process allocating their stacks)."""
     from serving.openai_server.cli import main
 
     for threads in ("0", "1000000000"):
         assert main(["models/none", "--torch_threads", threads]) == 2
         assert capsys.readouterr().err == f"dsv3-serve: --torch_threads must be in [1, 1024], got {threads}\n"
+    for flags, message in ((["--device", "tpu"], "--device tpu: expected cpu or cuda[:index]"),
+                           (["--max_batch_size", "0"], "max_batch_size must be an integer >= 1, got 0"),
+                           (["--free_memory_fraction", "nan"], "free_memory_fraction must be in (0, 1], got nan")):
+        assert main([str(shipped_model_dir), *flags]) == 2
+        assert capsys.readouterr().err == f"dsv3-serve: {message}\n"
+    with pytest.raises(SystemExit):
+        main([str(shipped_model_dir), "--port", "70000"])
+    assert "argument --port: expected a port in [0, 65535], got 70000" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("key", ["", "two words", "cl\u00e9", "tab\tkey"])

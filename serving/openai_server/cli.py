@@ -43,11 +43,18 @@ class Server(uvicorn.Server):
                 signal.signal(s, handler)
 
 
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in [0, 65535], got {port}")
+    return port
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="dsv3-serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", type=Path, help="checkpoint or engine directory")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--api_key", default=os.environ.get("DSV3_API_KEY"),
                    help="require `Authorization: Bearer API_KEY` on /v1 (default: $DSV3_API_KEY, which keeps the key "
                         "off the process list; neither: no key)")
@@ -86,11 +93,16 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("runtime.executors.requests").setLevel(logging.WARNING)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
-    config = ExecutorConfig(
-        num_draft_tokens=args.num_draft_tokens, speculation="off" if args.num_draft_tokens == 0 else args.speculation,
-        device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
-        kv_cache_tokens=args.kv_cache_tokens, free_memory_fraction=args.free_memory_fraction)
     try:
+        torch.device(args.device)
+    except RuntimeError:
+        print(f"dsv3-serve: --device {args.device}: expected cpu or cuda[:index]", file=sys.stderr)
+        return 2
+    try:
+        config = ExecutorConfig(
+            num_draft_tokens=args.num_draft_tokens,
+            speculation="off" if args.num_draft_tokens == 0 else args.speculation, device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
+            kv_cache_tokens=args.kv_cache_tokens, free_memory_fraction=args.free_memory_fraction)
         executor = (ProcessExecutor(args.model, config, torch_threads=args.torch_threads)
                     if use_engine_process(args.engine_process, args.device) else create_executor(args.model, config))
     except (ValueError, FileNotFoundError, EngineProcessError) as e:
