@@ -8,6 +8,7 @@ output directory appears only when the build is complete.
 from __future__ import annotations
 
 import argparse
+import math
 import signal
 import sys
 import threading
@@ -47,6 +48,20 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _unit_interval(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:  # NaN too
+        raise argparse.ArgumentTypeError(f"{text!r} is not in [0, 1]")
+    return value
+
+
+def _gib(text: str) -> float:
+    value = float(text)
+    if not 0 < value < math.inf:  # NaN too
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of GiB")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="build_engine", description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
@@ -71,7 +86,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dry_run", action="store_true",
                    help="write nothing: print each rank's weight bytes, the KV cache bytes per token and the tokens "
                         "that fit, from --model_dir's config.json alone (no weights needed)")
-    p.add_argument("--device_memory_gib", type=float,
+    p.add_argument("--device_memory_gib", type=_gib,
                    help="--dry_run: memory of each rank's device (default: this machine's); the KV cache gets "
                         "--free_gpu_memory_fraction of it, less the weights")
     t = p.add_argument_group("--backend trtllm (LLM API options)")
@@ -83,7 +98,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--use_mtp_vanilla", action="store_true")
     t.add_argument("--use_relaxed_acceptance_for_thinking", action="store_true")
     t.add_argument("--relaxed_topk", type=_positive, default=TrtllmOptions.relaxed_topk)
-    t.add_argument("--relaxed_delta", type=float, default=TrtllmOptions.relaxed_delta)
+    t.add_argument("--relaxed_delta", type=_unit_interval, default=TrtllmOptions.relaxed_delta)
     t.add_argument("--guided_decoding_backend", choices=["xgrammar", "llguidance"],
                    help="serve structured output (GuidedDecodingParams) with this grammar engine; default: off")
     return p

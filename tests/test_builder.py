@@ -465,6 +465,11 @@ def test_error_parallelism(tiny_checkpoint, hf, tmp_path, capsys):
         f"build_engine: error: --ep_size 4 does not divide n_routed_experts (6) of {src / 'config.json'}")
     assert error(capsys, "--model_dir", hf, "--output_dir", out, "--tp_size", 0) == (
         "build_engine: error: argument --tp_size: '0' is not a positive integer")
+    # written as .nan into the LLM-API options, or a traceback, before
+    assert error(capsys, "--model_dir", hf, "--output_dir", out, "--backend", "trtllm", "--relaxed_delta", "nan") == (
+        "build_engine: error: argument --relaxed_delta: 'nan' is not in [0, 1]")
+    assert error(capsys, "--model_dir", hf, "--dry_run", "--device_memory_gib", "-1") == (
+        "build_engine: error: argument --device_memory_gib: '-1' is not a positive number of GiB")
     assert not out.exists()
 
 
