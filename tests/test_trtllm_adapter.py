@@ -585,6 +585,19 @@ def test_an_engine_cannot_ask_to_run_remote_code(engine_dir: Path, tmp_path: Pat
     assert read_llm_api_options(engine)["trust_remote_code"] is False
 
 
+def test_an_engines_option_sections_must_be_mappings(engine_dir: Path, tmp_path: Path) -> None:
+    """kv_cache_config: 5 (or a list for speculative_config) was an AttributeError deep in make_model_repo."""
+    engine = tmp_path / "engine"
+    shutil.copytree(engine_dir, engine)
+    options = engine / LLM_API_OPTIONS
+    doc = yaml.safe_load(options.read_text())
+    for section, value in (("kv_cache_config", 5), ("speculative_config", [1])):
+        options.write_text(yaml.safe_dump({**doc, section: value}))
+        with pytest.raises(EngineError) as e:
+            read_llm_api_options(engine)
+        assert str(e.value) == f"{options}: {section} must be a mapping, got {type(value).__name__}"
+
+
 def test_engine_directory_checks(engine_dir: Path, spec_checkpoint: Path, tmp_path: Path) -> None:
     assert engine_backend(engine_dir) == "trtllm" and engine_backend(spec_checkpoint) is None
     assert TrtllmEngine.open(engine_dir).model_dir == engine_dir / "hf"

@@ -131,9 +131,10 @@ class Executor:
 
     def _kv_capacity(self, bytes_per_token: int, k: int, block: int) -> int:
         """KV cache tokens: kv_cache_tokens, or room for max_batch_size sequences of max_seq_len, within
-        free_memory_fraction of the memory free now (the weights loaded). A cache the memory cannot hold, or
-        one that cannot hold a single max_seq_len sequence, is refused naming the setting, before anything is
-        allocated: an allocator error or the OOM killer names nothing."""
+        free_memory_fraction of the memory free now (the weights loaded). A cache the memory cannot hold, or (sized
+        here) one that cannot hold a single max_seq_len sequence, is refused naming the setting, before anything is
+        allocated: an allocator error or the OOM killer names nothing. A kv_cache_tokens given may hold less than
+        max_seq_len: a request that cannot fit it alone is refused at submit, naming kv_cache_tokens."""
         config, limits = self.config, self.limits
         free = free_memory_bytes(torch.device(config.device))
         budget = None if free is None else int(free * config.free_memory_fraction) // bytes_per_token

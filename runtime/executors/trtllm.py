@@ -265,6 +265,9 @@ def read_llm_api_options(engine_dir: Path) -> dict[str, Any]:
         raise EngineError(f"{options_file}: invalid YAML ({e})") from None
     if not isinstance(options, dict):
         raise EngineError(f"{options_file}: expected a mapping of LLM-API options")
+    for section in ("kv_cache_config", "speculative_config", "cuda_graph_config"):
+        if options.get(section) is not None and not isinstance(options[section], dict):
+            raise EngineError(f"{options_file}: {section} must be a mapping, got {type(options[section]).__name__}")
     if options.get("trust_remote_code"):
         raise EngineError(f"{options_file}: trust_remote_code must be false or absent: DeepSeek-V3 needs no code from "
                           "its checkpoint, and an engine directory must not run any")
