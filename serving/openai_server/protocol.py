@@ -116,14 +116,20 @@ def _flag(body: dict, name: str, default: bool = False) -> bool:
     return value
 
 
+def _utf8_size(text: str, name: str, param: str) -> int:
+    """Its UTF-8 bytes; a lone surrogate (JSON's \\ud800) is no UTF-8 text: nothing to tokenize or to match."""
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError as e:
+        raise APIError(f"{name} must be Unicode text; it has a lone surrogate at character {e.start}", param) from None
+
+
 def _text(value: Any, name: str, max_bytes: int) -> str:
     """A string bounded in bytes before anything tokenizes it."""
     if not isinstance(value, str):
         raise APIError(f"{name} must be a string, got {type(value).__name__}", name)
-    try:  # at least one byte a character: a longer string is refused before it is encoded
-        size = len(value) if len(value) > max_bytes else len(value.encode("utf-8"))
-    except UnicodeEncodeError as e:  # a lone surrogate (JSON's \ud800): no UTF-8 text, nothing to tokenize
-        raise APIError(f"{name} must be Unicode text; it has a lone surrogate at character {e.start}", name) from None
+    # at least one byte a character: a longer string is refused before it is encoded
+    size = len(value) if len(value) > max_bytes else _utf8_size(value, name, name)
     if size > max_bytes:
         raise APIError(f"{name} is longer than the {max_bytes} bytes that can fit the model's context "
                        "(max_seq_len tokens of at most the tokenizer's longest token)", name)
@@ -138,11 +144,7 @@ def _stop(body: dict) -> tuple[str, ...]:
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise APIError(f"stop must be a non-empty string or a list of them, got {value!r}", "stop")
     for i, stop in enumerate(stops):  # text that can never appear in the output would never stop it
-        try:
-            stop.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise APIError(f"stop[{i}] must be Unicode text; it has a lone surrogate at character {e.start}",
-                           "stop") from None
+        _utf8_size(stop, f"stop[{i}]", "stop")
     return tuple(stops)
 
 

@@ -98,13 +98,16 @@ def check_private(build: Path) -> None:
     real = build.resolve()
     for path in (real, *real.parents):
         st = os.stat(path)
-        if st.st_uid not in (os.getuid(), 0) or _writable_by_others(st):
+        if st.st_uid not in (os.getuid(), 0) or _writable_by_others(st, sticky_protects=path != real):
             raise OSError(f"{path} is not private to uid {os.getuid()} (owner uid {st.st_uid}, group {st.st_gid}, "
                           f"mode {stat.S_IMODE(st.st_mode):o}): choose a TORCH_EXTENSIONS_DIR no other user can change")
 
 
-def _writable_by_others(st: os.stat_result) -> bool:
-    if st.st_mode & stat.S_ISVTX:
+def _writable_by_others(st: os.stat_result, sticky_protects: bool) -> bool:
+    """Another user can change what the directory holds; sticky_protects: a directory above the build directory,
+    where the sticky bit keeps others from renaming ours (in the build directory itself they could still add the
+    library before it is built)."""
+    if sticky_protects and st.st_mode & stat.S_ISVTX:
         return False
     if st.st_mode & stat.S_IWOTH:
         return True
