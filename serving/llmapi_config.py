@@ -23,6 +23,7 @@ from runtime.core.sampling import RelaxedAcceptance
 from runtime.executors.base import DEFAULT_DRAFT_TOKENS, ExecutorConfig
 from runtime.executors.trtllm import read_llm_api_options
 from runtime.io.engine_format import engine_backend, read_limits
+from runtime.io.yaml_file import read_yaml
 from serving.triton_parameters import TritonConfig, settings
 
 MODEL_YAML = "model.yaml"
@@ -94,7 +95,7 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
     where make_model_repo links the engine). Refusals raise ModelYamlError naming the key."""
     source = str(path)
     try:
-        doc = yaml.safe_load(path.read_text())
+        doc = read_yaml(path)
     except (OSError, ValueError, yaml.YAMLError) as e:  # ValueError: an integer of more digits than Python converts
         raise ModelYamlError(f"{source}: cannot read it: {e}") from None
     doc = dict(_mapping(doc, "the file", source))

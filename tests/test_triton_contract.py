@@ -461,12 +461,14 @@ BOMB = "xa: &a [x,x,x,x,x,x,x,x,x]\n" + "".join(  # nine levels of aliases: 9^9 
     (BOMB, "max_seq_len must be an integer >= 1, got [[...], [...], [...], [...], ...]"),
     ("1: 2\n", "unknown key(s) 1: not implemented by this runtime"),
     ("max_seq_len: " + "9" * 5000 + "\n", "cannot read it: Exceeds the limit (4300 digits)"),
+    ("max_seq_len: 64\nkv_cache_config: {}\nmax_seq_len: 128\n", "found duplicate key 'max_seq_len'\n  in"),
 ])
 def test_a_hostile_model_yaml_gets_a_short_error_naming_the_file(tmp_path: Path, checkpoint: Path, text: str,
                                                                   message: str) -> None:
     """A model.yaml of YAML aliases (a few hundred bytes that expand to billions of items: the refusal printed the
-    value, and took 2.5 GB and 30 s), keys that are not strings, or an integer too long to convert: each a short
-    ModelYamlError naming the file (they were a MemoryError, a TypeError and a bare ValueError)."""
+    value, and took 2.5 GB and 30 s), keys that are not strings, an integer too long to convert, or a key given twice:
+    each a short ModelYamlError naming the file (they were a MemoryError, a TypeError, a bare ValueError, and the
+    last value taken silently)."""
     path = write_yaml(tmp_path, checkpoint)
     path.write_text("model: engine\n" + text)
     with pytest.raises(ModelYamlError) as e:

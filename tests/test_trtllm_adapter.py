@@ -586,7 +586,8 @@ def test_an_engine_cannot_ask_to_run_remote_code(engine_dir: Path, tmp_path: Pat
 
 
 def test_an_engines_option_sections_must_be_mappings(engine_dir: Path, tmp_path: Path) -> None:
-    """kv_cache_config: 5 (or a list for speculative_config) was an AttributeError deep in make_model_repo."""
+    """kv_cache_config: 5 (or a list for speculative_config) was an AttributeError deep in make_model_repo; a section
+    given twice is refused naming its key."""
     engine = tmp_path / "engine"
     shutil.copytree(engine_dir, engine)
     options = engine / LLM_API_OPTIONS
@@ -596,6 +597,13 @@ def test_an_engines_option_sections_must_be_mappings(engine_dir: Path, tmp_path:
         with pytest.raises(EngineError) as e:
             read_llm_api_options(engine)
         assert str(e.value) == f"{options}: {section} must be a mapping, got {type(value).__name__}"
+
+    # a key given twice was taken with its last value, without a word
+    options.write_text(yaml.safe_dump(doc) + "kv_cache_config:\n  enable_block_reuse: false\n")
+    with pytest.raises(EngineError) as e:
+        read_llm_api_options(engine)
+    assert str(e.value).startswith(f"{options}: cannot read it: while constructing a mapping") and \
+        "found duplicate key 'kv_cache_config'" in str(e.value), str(e.value)
 
 
 def test_engine_directory_checks(engine_dir: Path, spec_checkpoint: Path, tmp_path: Path) -> None:

@@ -66,6 +66,7 @@ from typing import Any, Callable, Mapping
 import yaml
 
 from runtime.io.engine_format import ENGINE_JSON, LLM_API_OPTIONS, BuildConfig, EngineError, EngineManifest, file_sha256
+from runtime.io.yaml_file import read_yaml
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.requests import ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestTracker
 from runtime.core.guide_check import check_guide
@@ -260,9 +261,9 @@ def read_llm_api_options(engine_dir: Path) -> dict[str, Any]:
     if not options_file.is_file():
         raise EngineError(f"{options_file}: missing; rebuild the engine with build_engine --backend trtllm")
     try:
-        options = yaml.safe_load(options_file.read_text())
-    except yaml.YAMLError as e:
-        raise EngineError(f"{options_file}: invalid YAML ({e})") from None
+        options = read_yaml(options_file)
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        raise EngineError(f"{options_file}: cannot read it: {e}") from None
     if not isinstance(options, dict):
         raise EngineError(f"{options_file}: expected a mapping of LLM-API options")
     for section in ("kv_cache_config", "speculative_config", "cuda_graph_config"):
