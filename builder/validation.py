@@ -148,6 +148,11 @@ def build_output(out_dir: Path, force: bool) -> Iterator[Path]:
         raise BuildError(str(e)) from None
 
 
+def os_error_text(e: OSError) -> str:
+    """The file system's own refusal (no space, no permission, a file in the way) as one line naming the file."""
+    return f"{e.filename}: {e.strerror or e}" if e.filename else str(e.strerror or e)
+
+
 def check_tokenizer(src: Path) -> list[str]:
     """The tokenizer files present in src; tokenizer.json is required, and the JSON ones must be JSON."""
     tok = Path(src) / "tokenizer.json"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from builder.validation import BuildError, build_output, check_not_replacing
+from builder.validation import BuildError, build_output, check_not_replacing, os_error_text
 from runtime.io.atomic import atomic_write
 from runtime.io.engine_format import read_limits
 from serving.fill_template import fill, parse_substitutions
@@ -127,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
                 fill_model_repo(repo, default_values(args.engine_dir.resolve(), **subs))
     except (ValueError, KeyError, BuildError) as e:
         print(f"make_model_repo: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the file system's: no space, no permission (the repository is written whole or not at all)
+        print(f"make_model_repo: {os_error_text(e)}; no model repository was written", file=sys.stderr)
         return 2
     print(args.output_dir)
     return 0

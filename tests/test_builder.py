@@ -330,6 +330,26 @@ def test_export_model_refuses_to_replace_its_training_run(tmp_path, monkeypatch,
     assert sorted(p.name for p in run.iterdir()) == ["ckpt.pt", "notes.txt", "tokenizer.json"]
 
 
+
+def test_export_model_refuses_what_is_not_a_training_checkpoint(tmp_path, monkeypatch, capsys):
+    """A --ckpt that torch.load cannot read, or a torch file without the training run's keys, is one line naming the
+    flag (torch.load's and a KeyError's tracebacks before), and nothing is written."""
+    import training.export_model as export
+
+    (tmp_path / "notes.pt").write_text("not a checkpoint")
+    torch.save({"weights": torch.zeros(1)}, tmp_path / "other.pt")
+    for name, message in (("notes.pt", "not a checkpoint torch.load can read ("),
+                          ("other.pt", "not a checkpoint of training.train_model or training.distill_mtp "
+                                       "(no config, model, step)")):
+        monkeypatch.setattr(sys, "argv", ["export_model", "--ckpt", str(tmp_path / name), "--tokenizer_dir",
+                                          str(tmp_path), "--out_dir", str(tmp_path / "out")])
+        with pytest.raises(SystemExit) as e:
+            export.main()
+        assert e.value.code == 2
+        assert capsys.readouterr().err.splitlines()[-1].startswith(
+            f"export_model: error: --ckpt {tmp_path / name}: {message}")
+    assert not (tmp_path / "out").exists()
+
 def test_output_that_appears_during_the_build_is_not_replaced(hf, tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
     orig = engine_builder._build_rank

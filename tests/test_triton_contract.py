@@ -548,6 +548,26 @@ def test_make_model_repo_never_deletes_its_inputs_nor_leaves_half_a_repository(t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["project", "repo"]
 
 
+
+def test_make_model_repo_on_a_full_disk_is_one_line(tmp_path: Path, checkpoint: Path, monkeypatch, capsys) -> None:
+    """The file system's refusals while the repository is written (here no space, after a first file) are one line
+    naming the file, exit status 2, and no half-written repository (shutil's traceback before)."""
+    import errno
+    import os
+
+    import serving.model_repo as model_repo
+
+    def full_disk(repo: Path, values: dict) -> None:
+        (repo / "ensemble").mkdir()
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(repo / "ensemble" / "config.pbtxt"))
+
+    monkeypatch.setattr(model_repo, "fill_model_repo", full_disk)
+    assert model_repo.main(["--engine_dir", str(checkpoint), "--output_dir", str(tmp_path / "repo")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("make_model_repo: ") and err.endswith(
+        "/ensemble/config.pbtxt: No space left on device; no model repository was written\n"), err
+    assert list(tmp_path.iterdir()) == []
+
 def test_the_default_admin_key_cannot_be_sent(unary: TritonServer) -> None:
     """Without --admin_api_key the admin APIs are keyed to a value with a line break, because tritonserver's command
     line shows the key to every local user: a client that read it there cannot present it, over HTTP (its halves,

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from builder.hf_writer import write_hf_checkpoint
-from builder.validation import BuildError, check_not_replacing
+from builder.validation import BuildError, check_not_replacing, os_error_text
 from runtime.model.config import ModelConfig, QuantizationConfig
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM
 from runtime.io.weights import release_tensors
@@ -41,7 +41,15 @@ def main() -> None:
     except BuildError as e:
         p.error(str(e))
 
-    state = torch.load(args.ckpt, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(args.ckpt, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch.load raises what its unpickler or zip reader does: no narrower base class
+        p.error(f"--ckpt {args.ckpt}: not a checkpoint torch.load can read ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else 'no detail'})")
+    missing = [key for key in ("config", "model", "step") if not isinstance(state, dict) or key not in state]
+    if missing:
+        p.error(f"--ckpt {args.ckpt}: not a checkpoint of training.train_model or training.distill_mtp "
+                f"(no {', '.join(missing)})")
     cfg = ModelConfig.from_dict({**state["config"], "torch_dtype": "bfloat16"})
     if not args.bf16:
         cfg = ModelConfig.from_dict({**cfg.to_dict(), "quantization_config": vars(QuantizationConfig()) | {
@@ -54,6 +62,8 @@ def main() -> None:
                             force=args.force)
     except (FileExistsError, FileNotFoundError) as e:
         p.error(str(e))
+    except OSError as e:  # no space, no permission: the output is written whole or not at all
+        p.error(f"{os_error_text(e)}; no checkpoint was written")
     print(f"step {state['step']} -> {args.out_dir}")
 
 
