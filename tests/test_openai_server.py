@@ -405,18 +405,21 @@ def test_text_offsets_are_where_tokens_start_streamed_or_not(server: Server, bod
 
 def test_a_grammar_that_fails_while_generating_is_a_400_naming_its_parameter() -> None:
     """The executor ends a request whose grammar fails while generating (tests/test_structured_output.py); the server
-    answers that as the request's fault, naming the parameter its guide came from, and any other failure as 500."""
+    answers that as the request's fault, naming the parameter its guide came from (and the field in the message, as
+    the client wrote it: not the executor's guided_decoding.<kind>), and any other failure as 500."""
     from types import SimpleNamespace
 
     from serving.openai_server.app import _failure
     from serving.openai_server.protocol import Generation
 
-    g = Generation([[1]], SamplingParams(), guide_parameter="guided_regex")
     grammar = SimpleNamespace(error="guided_decoding.regex: the grammar failed while generating: lexer error",
                               finish_reason="error")
-    e = _failure(g, grammar)
-    assert (e.status, e.param, e.type, e.message) == (400, "guided_regex", "invalid_request_error",
-                                                      "generation failed: " + grammar.error)
+    for field in ("guided_regex", "response_format.json_schema.schema"):
+        g = Generation([[1]], SamplingParams(), guide_field=field)
+        e = _failure(g, grammar)
+        assert (e.status, e.param, e.type, e.message) == (
+            400, field.split(".")[0], "invalid_request_error",
+            f"generation failed: {field}: the grammar failed while generating: lexer error")
     e = _failure(g, SimpleNamespace(error="executor stopped: KeyError", finish_reason="error"))
     assert (e.status, e.param, e.type) == (500, None, "server_error")
 

@@ -68,10 +68,9 @@ async def _merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, Requ
 def _failure(g: Generation, out: RequestOutput) -> APIError:
     """A generation that failed: 400 naming the structured-output parameter when its grammar failed (the request's
     guide, not the server), else 500."""
-    message = f"generation failed: {out.error or out.finish_reason}"
     if g.guide_parameter is not None and (out.error or "").startswith("guided_decoding."):
-        return APIError(message, g.guide_parameter)
-    return APIError(message, status=500, type="server_error")
+        return APIError(f"generation failed: {g.guide_message(out.error)}", g.guide_parameter)
+    return APIError(f"generation failed: {out.error or out.finish_reason}", status=500, type="server_error")
 
 
 class OpenAIServer:
@@ -123,7 +122,7 @@ class OpenAIServer:
             return [self.executor.submit(ids, g.params, request_id=f"{g.id}-{p}") for p, ids in enumerate(g.prompts)]
         except ValueError as e:  # a chat's prompt is its messages; the grammar engine's refusals name the guide
             names = {"prompt": "messages" if chat else "prompt", "guided_decoding": g.guide_parameter or ""}
-            raise APIError(str(e), protocol.parameter_of(str(e), names)) from None
+            raise APIError(g.guide_message(str(e)), protocol.parameter_of(str(e), names)) from None
         except RuntimeError as e:  # the executor stopped serving (its error says why); /health says 503 too
             raise APIError(str(e), status=503, type="server_error") from None
 

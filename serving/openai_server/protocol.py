@@ -75,13 +75,21 @@ class Generation:
     stream: bool = False
     include_usage: bool = False
     echo_texts: list[str] | None = None  # completions with echo: each prompt's text, put before its output
-    guide_parameter: str | None = None  # the parameter its structured output came from (a failing grammar names it)
+    guide_field: str | None = None  # where its structured output came from, as the client wrote it (errors name it)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
     def n(self) -> int:
         return self.params.n
+
+    @property
+    def guide_parameter(self) -> str | None:
+        return None if self.guide_field is None else self.guide_field.split(".")[0]
+
+    def guide_message(self, message: str) -> str:
+        """An executor's message about the guide (`guided_decoding.json: ...`) in the client's words."""
+        return message if self.guide_field is None else guide_message(message, self.guide_field)
 
 
 # ---- JSON values -------------------------------------------------------------------------------------------------
@@ -192,14 +200,19 @@ def _guide_parameters(body: dict) -> list[str]:
     return [k for k in ("response_format", *GUIDE_KEYS, "structured_outputs") if body.get(k) is not None]
 
 
-def _guide(body: dict) -> GuidedDecodingParams | None:
+def guide_message(message: str, field: str) -> str:
+    """A refusal of the executor's guided_decoding.<kind> said of the request's field."""
+    return re.sub(r"^guided_decoding\.\w+", field, message)
+
+
+def _guide(body: dict) -> tuple[GuidedDecodingParams | None, str | None]:
     """The request's structured output: response_format, a guided_* extra or structured_outputs (one of them), its
     grammar checked here so a refusal names the field as the client wrote it, and where the problem lies."""
     given = _guide_parameters(body)
     if len(given) > 1:
         raise APIError(f"{' and '.join(given)} both constrain the output; send one", given[1])
     if not given:
-        return None
+        return None, None
     name, value = given[0], body[given[0]]
     if name == "response_format":
         guide, field = _response_format(value)
@@ -212,17 +225,17 @@ def _guide(body: dict) -> GuidedDecodingParams | None:
     else:
         guide, field = GuidedDecodingParams(**{GUIDE_KEYS[name]: value}), name
     if guide is None:
-        return None
+        return None, None
     try:
         guide.validate()
         check_guide(guide, field)
     except ValueError as e:
-        raise APIError(re.sub(r"^guided_decoding\.\w+", field, str(e)), name) from None
-    return guide
+        raise APIError(guide_message(str(e), field), name) from None
+    return guide, field
 
 
 def _sampling(body: dict, tokenizer: Tokenizer, max_tokens: int | None, logprobs: int | None, stream: bool
-              ) -> SamplingParams:
+              ) -> tuple[SamplingParams, str | None]:
     """The request's sampling parameters: its n choices (of best_of candidates) run as one executor request each
     prompt, choice i seeded with seed + i (the executor's rule), so they repeat across calls."""
     n = _integer(body, "n", 1, MAX_N, 1)
@@ -232,6 +245,7 @@ def _sampling(body: dict, tokenizer: Tokenizer, max_tokens: int | None, logprobs
                        "send stream: false or best_of = n", "best_of")
     top_k = _integer(body, "top_k", -1, INT32_MAX, 0)
     seed = _integer(body, "seed", -(2**63), 2**63 - 1, None)
+    guide, guide_field = _guide(body)
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 0.0, math.inf, 1.0),
@@ -246,14 +260,14 @@ def _sampling(body: dict, tokenizer: Tokenizer, max_tokens: int | None, logprobs
         frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0, 0.0),
         repetition_penalty=_number(body, "repetition_penalty", 0.0, math.inf, 1.0),
         min_tokens=_integer(body, "min_tokens", 0, INT32_MAX, 0),
-        guided_decoding=_guide(body),
+        guided_decoding=guide,
         n=n,
         best_of=best_of)
     if params.repetition_penalty == 0:
         raise APIError("repetition_penalty must be > 0, got 0", "repetition_penalty")
     if params.top_p == 0:
         raise APIError("top_p must be in (0, 1], got 0", "top_p")
-    return params
+    return params, guide_field
 
 
 def _stream_options(body: dict, stream: bool) -> bool:
@@ -300,13 +314,12 @@ def completion_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_te
             prompts.append(ids)
     stream = _flag(body, "stream")
     max_tokens = _integer(body, "max_tokens", 1, INT32_MAX, COMPLETIONS_DEFAULT_MAX_TOKENS)
-    params = _sampling(body, tokenizer, max_tokens, logprobs, stream)
+    params, guide_field = _sampling(body, tokenizer, max_tokens, logprobs, stream)
     if len(prompts) * params.num_sequences > MAX_SEQUENCES:
         name = params.num_sequences_name
         raise APIError(f"{len(prompts)} prompts x {name} {params.num_sequences} = "
                        f"{len(prompts) * params.num_sequences} sequences; at most {MAX_SEQUENCES} a request", name)
-    return Generation(prompts, params, stream, _stream_options(body, stream), texts if echo else None,
-                      guide_parameter=next(iter(_guide_parameters(body)), None))
+    return Generation(prompts, params, stream, _stream_options(body, stream), texts if echo else None, guide_field)
 
 
 def _messages(body: dict, max_text_bytes: int) -> list[dict[str, str]]:
@@ -369,8 +382,8 @@ def chat_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_byt
         name = next(iter(asked))
         raise APIError(f"{name} {max_tokens} with messages of {len(ids)} tokens with the chat template exceeds "
                        f"max_seq_len {max_seq_len}; at most {max_seq_len - len(ids)}", name)
-    return Generation([ids], _sampling(body, tokenizer, max_tokens, logprobs, stream), stream,
-                      _stream_options(body, stream), guide_parameter=next(iter(_guide_parameters(body)), None))
+    params, guide_field = _sampling(body, tokenizer, max_tokens, logprobs, stream)
+    return Generation([ids], params, stream, _stream_options(body, stream), guide_field=guide_field)
 
 
 def parameter_of(message: str, request_names: Mapping[str, str]) -> str | None:
