@@ -9,6 +9,7 @@ token for token with the same prompt decoded alone without speculation.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import pickle
 import sys
 
@@ -759,6 +760,27 @@ def test_raising_callback_does_not_break_the_request(engine, prompts, alone, err
         assert out.token_ids == alone[3] and calls and calls[-1].finished
         assert ex.submit(prompts[1], SamplingParams(max_tokens=5, ignore_eos=True)).result(30).finish_reason == "length"
 
+
+
+def test_shutdown_from_an_output_callback(engine, prompts, caplog) -> None:
+    """A callback may shut its executor down (a client that got what it wanted): the call returns at once (it
+    tried to join its own thread: "cannot join current thread", logged as a callback failure), the loop stops
+    after that step, and the requests in flight and later submits are ended or refused."""
+    with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed")) as ex:
+        other = ex.submit(prompts[1], SamplingParams(max_tokens=200, ignore_eos=True))
+
+        def enough(o: RequestOutput) -> None:
+            if len(o.token_ids) >= 3:
+                ex.shutdown()
+
+        with caplog.at_level(logging.WARNING):
+            out = ex.submit(prompts[3], SamplingParams(max_tokens=200, ignore_eos=True), on_output=enough).result(30)
+        assert out.finish_reason == "cancelled" and len(out.token_ids) >= 3
+        assert other.result(30).finish_reason == "cancelled"
+        ex._thread.join(30)
+        assert not ex._thread.is_alive() and not caplog.records, [r.getMessage() for r in caplog.records]
+        with pytest.raises(RuntimeError, match="executor is shut down"):
+            ex.submit(prompts[0], SamplingParams(max_tokens=2))
 
 def test_a_failing_step_loop_ends_every_request_and_refuses_new_ones(engine, prompts) -> None:
     """A bug outside the model step (here in the scheduler's bookkeeping) stops the loop: every request

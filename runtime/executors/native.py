@@ -266,10 +266,13 @@ class Executor:
 
     def shutdown(self, timeout: float | None = 30) -> None:
         """End what is in flight ("cancelled") and stop the step loop, waiting up to `timeout` seconds for
-        the step under way (None: until it ends). Calling it again does nothing more."""
+        the step under way (None: until it ends). Calling it again does nothing more. From an output callback
+        (the loop's own thread) it returns at once, and the loop stops once the callback returns."""
         with self._submit_lock:
             self._stopping = True
         self._wake.set()
+        if threading.current_thread() is self._thread:
+            return
         self._thread.join(timeout)
         if self.ranks is not None:  # a stop message only when no step is under way, else signals
             self.ranks.close(graceful=not self._thread.is_alive())
@@ -349,6 +352,8 @@ class Executor:
         self._drain_inbox()  # submitted but never scheduled: ended too, never lost
         for rid in list(self._requests):
             self._finish(rid, "error" if error else "cancelled", error=error)
+        if self.ranks is not None:  # no call in flight now (shutdown closes them too, if the loop is slow to stop)
+            self.ranks.close()
 
     def _step(self) -> None:
         if self.ranks is not None:
