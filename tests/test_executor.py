@@ -782,6 +782,28 @@ def test_shutdown_from_an_output_callback(engine, prompts, caplog) -> None:
         with pytest.raises(RuntimeError, match="executor is shut down"):
             ex.submit(prompts[0], SamplingParams(max_tokens=2))
 
+
+def test_max_queued_requests_sheds_load(engine, prompts, alone) -> None:
+    """With max_queued_requests, a submit while that many requests wait to be scheduled is refused at once (the
+    servers answer 503 / UNAVAILABLE) instead of waiting behind them; the queued ones run as they would have, and
+    submits are taken again once the queue drains. Without it the queue has no bound (as vLLM)."""
+    with pytest.raises(ValueError, match=r"^max_queued_requests must be an integer >= 1, got 0$"):
+        ExecutorConfig(max_queued_requests=0)
+    with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed", max_queued_requests=2)) as ex:
+        go = threading.Event()
+        hold_inbox_until(ex, go)
+        params = SamplingParams(max_tokens=MAX_TOKENS[3], ignore_eos=True)
+        queued = [ex.submit(prompts[3], params), ex.submit(prompts[3], params)]
+        with pytest.raises(RuntimeError) as e:
+            ex.submit(prompts[1], SamplingParams(max_tokens=5))
+        assert str(e.value) == ("the queue is full: 2 requests wait to be scheduled (max_queued_requests); "
+                                "try again later")
+        assert ex.stats().queued == 2
+        go.set()
+        assert [h.result(30).token_ids for h in queued] == [alone[3], alone[3]]
+        assert ex.submit(prompts[3], params).result(30).token_ids == alone[3]
+        assert_all_free(ex)
+
 def test_a_failing_step_loop_ends_every_request_and_refuses_new_ones(engine, prompts) -> None:
     """A bug outside the model step (here in the scheduler's bookkeeping) stops the loop: every request
     in flight or queued finishes with an error naming it, and later submits are refused, rather than

@@ -528,6 +528,8 @@ def test_llm_kwargs_as_built_and_with_executor_config(engine: TrtllmEngine, capl
     assert llm_kwargs_for(engine.options, m) == opts == engine.options
     assert opts["speculative_config"] == {"decoding_type": "MTP", "num_nextn_predict_layers": 3}
     assert "speculative_config" not in llm_kwargs_for(opts, m, ExecutorConfig(num_draft_tokens=0))
+    with pytest.raises(ValueError, match=r"^max_queued_requests 4: not available with a --backend trtllm engine "):
+        llm_kwargs_for(opts, m, ExecutorConfig(max_queued_requests=4))
     assert "speculative_config" not in llm_kwargs_for(opts, m, ExecutorConfig(num_draft_tokens=3, speculation="off"))
     two = llm_kwargs_for(opts, m, ExecutorConfig(num_draft_tokens=2, speculation="fixed"))
     assert two == {**opts, "speculative_config": {"decoding_type": "MTP", "num_nextn_predict_layers": 2}}

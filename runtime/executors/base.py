@@ -50,6 +50,9 @@ class ExecutorConfig:
     # processes to run an engine's tensor-parallel ranks in: None, its tp_size (one process per rank, started by
     # the executor, runtime.executors.ranks); 1, its rank files joined in this process
     world_size: int | None = None
+    # load shedding, as SGLang's --max-queued-requests: a submit while this many requests wait to be scheduled is
+    # refused (RuntimeError: a server's 503 / UNAVAILABLE, for the client to retry); None: no bound, as vLLM
+    max_queued_requests: int | None = None
 
     def __post_init__(self) -> None:
         k = self.num_draft_tokens
@@ -57,7 +60,7 @@ class ExecutorConfig:
             raise ValueError(f"num_draft_tokens must be an integer >= 0, got {k!r}")
         if self.speculation not in ("off", "fixed", "adaptive"):
             raise ValueError(f"speculation must be 'off', 'fixed' or 'adaptive', got {self.speculation!r}")
-        for name in ("max_batch_size", "max_num_tokens", "max_seq_len", "kv_cache_tokens"):
+        for name in ("max_batch_size", "max_num_tokens", "max_seq_len", "kv_cache_tokens", "max_queued_requests"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

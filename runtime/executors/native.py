@@ -209,6 +209,11 @@ class Executor:
             if self._stopping:
                 self._ids.release(rid)
                 raise RuntimeError(f"executor is shut down{f' ({self._error})' if self._error else ''}")
+            bound = self.config.max_queued_requests
+            if bound is not None and self._queued() >= bound:
+                self._ids.release(rid)
+                raise RuntimeError(f"the queue is full: {bound} requests wait to be scheduled (max_queued_requests); "
+                                   "try again later")
             self._inbox.put(("add", group))
         self._wake.set()
         return handle
@@ -233,7 +238,7 @@ class Executor:
     def stats(self) -> ExecutorStats:
         c = self._counts
         return ExecutorStats(
-            running=len(self.scheduler.running), queued=len(self.scheduler.waiting) + self._submitted_not_seen(),
+            running=len(self.scheduler.running), queued=self._queued(),
             kv_blocks_used=self.cache.allocator.num_used, kv_blocks_free=self.cache.allocator.num_free,
             kv_blocks_cached=self.cache.allocator.num_cached, kv_reused_blocks=c["reused_blocks"],
             kv_missed_blocks=c["missed_blocks"],
@@ -258,6 +263,10 @@ class Executor:
             return (f"the executor's step loop has made no progress for {stalled:.1f} s "
                     f"({len(self.scheduler.running)} requests running, {waiting} waiting)")
         return None
+
+    def _queued(self) -> int:
+        """Sequences waiting to be scheduled (preempted ones included) and requests the step loop has not taken yet."""
+        return len(self.scheduler.waiting) + self._submitted_not_seen()
 
     def _submitted_not_seen(self) -> int:
         """Requests in the inbox (not its cancels), which the step loop has not taken yet."""

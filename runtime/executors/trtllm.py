@@ -288,14 +288,17 @@ def llm_kwargs_for(options: Mapping[str, Any], manifest: EngineManifest, config:
     kv_cache_config.enable_block_reuse False (True keeps the engine's own, build_engine --[no-]enable_block_reuse,
     on unless built off, as upstream's default); dtype -> dtype;
     relaxed_acceptance -> speculative_config.{use_relaxed_acceptance_for_thinking, relaxed_topk,
-    relaxed_delta, begin_thinking_phase_token, end_thinking_phase_token}. `device` does not apply
-    (TensorRT-LLM places ranks on the visible GPUs) and is ignored.
+    relaxed_delta, begin_thinking_phase_token, end_thinking_phase_token}; max_queued_requests is refused. `device`
+    does not apply (TensorRT-LLM places ranks on the visible GPUs) and is ignored.
     """
     if not isinstance(options, Mapping):
         raise EngineError(f"{source}: expected a mapping of LLM-API options, got {type(options).__name__}")
     kwargs = copy.deepcopy(dict(options))
     build, cfg = manifest.build, manifest.model_config
     if config is not None:
+        if config.max_queued_requests is not None:
+            raise ValueError(f"max_queued_requests {config.max_queued_requests}: not available with a --backend "
+                             "trtllm engine (TensorRT-LLM's LLM API takes no queue bound); leave it unset")
         limits = config.limits(build, source)
         for name in ("max_batch_size", "max_num_tokens", "max_seq_len"):
             if getattr(config, name) is not None:

@@ -70,6 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv_cache_tokens", type=int)
     p.add_argument("--free_memory_fraction", type=float, default=ExecutorConfig.free_memory_fraction,
                    help="share of the memory free after loading that the KV cache may take")
+    p.add_argument("--max_queued_requests", type=int,
+                   help="requests allowed to wait for a batch slot; more are refused with 503 for the client to "
+                        "retry (default: no bound)")
     p.add_argument("--torch_threads", type=int, help="torch CPU threads (default: torch's)")
     p.add_argument("--engine_process", action=argparse.BooleanOptionalAction,
                    help="run the executor in a process of its own, so the server's request handling never holds "
@@ -103,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
             num_draft_tokens=args.num_draft_tokens,
             speculation="off" if args.num_draft_tokens == 0 else args.speculation, device=args.device,
             dtype=args.dtype, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
-            kv_cache_tokens=args.kv_cache_tokens, free_memory_fraction=args.free_memory_fraction)
+            kv_cache_tokens=args.kv_cache_tokens, free_memory_fraction=args.free_memory_fraction,
+            max_queued_requests=args.max_queued_requests)
         executor = (ProcessExecutor(args.model, config, torch_threads=args.torch_threads)
                     if use_engine_process(args.engine_process, args.device) else create_executor(args.model, config))
     except (ValueError, FileNotFoundError, EngineProcessError) as e:
