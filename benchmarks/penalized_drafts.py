@@ -3,11 +3,11 @@
 A request with repetition / presence / frequency penalties is verified against the penalized target (row j with
 the counts of its own prefix, drafts before it included). Its drafts may come from the penalized MTP distribution
 (the runtime's rule: draft j penalized with the output and drafts 1..j-1) or from the MTP's own, unpenalized one;
-both are exact (greedy: the target rows decide every token; sampled: lossless acceptance against the draft
-distribution actually used), so only the acceptance differs. This measures it: for each draft length (--ks,
+both are exact (greedy: the target rows decide every token; sampled with a seed: the target rows' races decide
+them, runtime.core.sampling), so only the acceptance differs. This measures it: for each draft length (--ks,
 speculation fixed) and for greedy and sampled requests (temperature --temperature, seeded per prompt), the
 held-out prompts are served with penalized drafts and with unpenalized ones, and the acceptance, tokens per
-step and (greedy) the output tokens are compared, the latter also with k = 0's.
+step and the output tokens are compared, the latter with k = 0's.
 
 Unpenalized drafting is not an option of the runtime; this benchmark gets it by hiding each sequence's penalties
 from the runner's `draft` (its target rows still see them). Both variants run the general step path (the greedy
@@ -96,7 +96,8 @@ def main() -> None:
     modes = {"greedy": [SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, **PENALTIES)] * len(texts),
              "sampled": [SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=args.temperature,
                                         seed=i, **PENALTIES) for i in range(len(texts))]}
-    reference = [o.token_ids for o in serve(engine, 0, "penalized", texts, modes["greedy"], args.device)]
+    reference = {mode: [o.token_ids for o in serve(engine, 0, "penalized", texts, params, args.device)]
+                 for mode, params in modes.items()}
 
     results: dict[str, Any] = {}
     rows = []
@@ -104,11 +105,10 @@ def main() -> None:
     for k, mode, d in tqdm(runs, desc="penalized_drafts", dynamic_ncols=True):
         outs = serve(engine, k, d, texts, modes[mode], args.device)
         s = summarize(outs)
-        if mode == "greedy":  # the target rows decide every token: the drafts must not change them
-            s["output_equals_k0"] = sum(o.token_ids == r for o, r in zip(outs, reference))
+        # the target rows decide every token (greedy: argmaxes; seeded sampling: races): drafts must not change them
+        s["output_equals_k0"] = sum(o.token_ids == r for o, r in zip(outs, reference[mode]))
         results.setdefault(f"k{k}", {}).setdefault(mode, {})[d] = s
-        rows.append([k, mode, d, s["acceptance_rate"], s["tokens_per_step"],
-                     f"{s['output_equals_k0']}/{len(texts)}" if mode == "greedy" else "-"])
+        rows.append([k, mode, d, s["acceptance_rate"], s["tokens_per_step"], f"{s['output_equals_k0']}/{len(texts)}"])
     verdicts = []
     for k in ks:
         for mode in modes:
@@ -120,8 +120,8 @@ def main() -> None:
     md = [f"# Penalized or unpenalized drafts{' (quick smoke run)' if args.quick else ''}", "",
           f"Shipped model, {len(texts)} held-out prompts cut at 64 tokens, {args.max_tokens} new tokens, ignore_eos, "
           f"penalties {PENALTIES}; sampled at temperature {args.temperature}, seed = prompt index. Speculation fixed at "
-          f"k; both variants on the general step path. 'output == k=0': greedy outputs equal to plain decoding's "
-          f"with the same penalties.", "",
+          f"k; both variants on the general step path. 'output == k=0': outputs equal to plain decoding's with the "
+          f"same penalties (and seed).", "",
           md_table(["k", "requests", "drafts", "acceptance", "tokens/step", "output == k=0"], rows, 3), "",
           *verdicts, "", machine_md(info)]
     write_results(args.out_dir, args.name, {"penalties": PENALTIES, "results": results, "machine": info,

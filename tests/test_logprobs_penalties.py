@@ -540,7 +540,8 @@ def test_cost_benchmark_smoke_run(tmp_path, monkeypatch) -> None:
 
 def test_penalized_drafts_benchmark_smoke_run(tmp_path, monkeypatch) -> None:
     """benchmarks.penalized_drafts at its smoke settings: drafts without the penalties are really other drafts
-    (another acceptance), and neither changes a greedy penalized output (the target rows decide every token)."""
+    (another acceptance), and neither changes a penalized output, greedy or sampled with a seed (the target rows
+    decide every token)."""
     import benchmarks.penalized_drafts as bench
 
     monkeypatch.setattr("sys.argv", ["penalized_drafts", "--quick", "--out_dir", str(tmp_path)])
@@ -548,7 +549,22 @@ def test_penalized_drafts_benchmark_smoke_run(tmp_path, monkeypatch) -> None:
     res = json.loads((tmp_path / "penalized_drafts_quick.json").read_text())["results"]["k2"]
     greedy, sampled = res["greedy"], res["sampled"]
     assert greedy["penalized"]["output_equals_k0"] == greedy["unpenalized"]["output_equals_k0"] == 2
+    assert sampled["penalized"]["output_equals_k0"] == sampled["unpenalized"]["output_equals_k0"] == 2
     assert greedy["penalized"]["draft_tokens"] > 0 and sampled["unpenalized"]["draft_tokens"] > 0
     assert greedy["penalized"]["acceptance_rate"] != greedy["unpenalized"]["acceptance_rate"]
-    assert sampled["penalized"]["acceptance_rate"] != sampled["unpenalized"]["acceptance_rate"]
     assert "| k | requests | drafts |" in (tmp_path / "penalized_drafts_quick.md").read_text()
+
+
+def test_sampling_coupling_benchmark_smoke_run(tmp_path, monkeypatch) -> None:
+    """benchmarks.sampling_coupling at its smoke settings: the race's outputs are plain decoding's, rejection
+    sampling (the same seeds) draws other tokens, and both accept drafts."""
+    import benchmarks.sampling_coupling as bench
+
+    monkeypatch.setattr("sys.argv", ["sampling_coupling", "--quick", "--out_dir", str(tmp_path)])
+    bench.main()
+    res = json.loads((tmp_path / "sampling_coupling_quick.json").read_text())["results"]["T1.0_k2"]
+    assert res["race"]["output_equals_k0"] == 2
+    assert res["race"]["accepted_draft_tokens"] > 0 and res["rejection"]["accepted_draft_tokens"] > 0
+    assert res["race"]["acceptance_rate"] != res["rejection"]["acceptance_rate"]
+    assert set(res["race_over_rejection"]) == {"acceptance", "tokens_per_step", "time_per_token"}
+    assert "| temperature | k | coupling |" in (tmp_path / "sampling_coupling_quick.md").read_text()

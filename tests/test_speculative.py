@@ -26,14 +26,15 @@ from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
 from runtime.core.kv_cache import BlockAllocator, KVCache, OutOfBlocks
 from runtime.model.batch import PagedBatch
-from runtime.core.sampling import RelaxedAcceptance, SamplingTensors, accept, probabilities
+from runtime.core import sampling
+from runtime.core.sampling import RelaxedAcceptance, SamplingTensors, accept, probabilities, race
 from runtime.core.sampling_params import SamplingParams
 from runtime.core.draft_policy import DraftPolicy, StepCosts
 from runtime.core.scheduler import Scheduler, SchedulerConfig
 from runtime.core.sequence import Sequence, Status
 from runtime.io.tokenizer import Tokenizer
 from runtime.core.model_runner import ModelRunner
-from runtime.model.kernels.modules import GreedyStep
+from runtime.model.kernels.modules import GreedyStep, runs_here
 from runtime.core.plan import Scheduled, StepResult
 
 from conftest import REPO_ROOT, chi2_pvalue, tiny_config_dict
@@ -727,6 +728,73 @@ def test_accept_is_reproducible_and_seed_dependent(lossless_setup) -> None:
     assert torch.equal(half[0], a[0][n // 2:]) and torch.equal(half[1], a[1][n // 2:])
 
 
+
+def arrivals(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    key = torch.from_numpy(sampling._hashes(seeds, positions, sampling.PURPOSE_RACE)[0])
+    return sampling.arrivals(key, vocab_size)
+
+
+def test_arrivals_are_exponential_and_keyed_by_seed_position_and_token() -> None:
+    seeds, positions = torch.tensor([5, 5, 6, 5 + 2**32]), torch.tensor([9, 10, 9, 9])
+    e = arrivals(seeds, positions, 50_000)
+    assert torch.equal(e, arrivals(seeds, positions, 50_000)) and (e > 0).all()
+    for row in e:  # Exp(1): mean 1, P(E > 1) = 1/e
+        assert row.mean().item() == pytest.approx(1.0, abs=0.02)
+        assert (row > 1).double().mean().item() == pytest.approx(math.exp(-1), abs=0.01)
+    for a, b in itertools.combinations(range(4), 2):  # another position, seed or seed half: other numbers
+        assert abs(torch.corrcoef(torch.stack([e[a], e[b]]))[0, 1].item()) < 0.02
+    assert torch.equal(arrivals(seeds[:1], positions[:1], 50_000)[0], e[0])  # a row's numbers are its own
+
+
+def test_the_race_in_one_kernel_call_is_the_torch_ops_pick(monkeypatch) -> None:
+    """The CPU kernel's race (which skips the log for tokens that cannot win) picks what the torch ops pick, bit
+    for bit, also over distributions with zeros (top-k / top-p cuts) and one-hot rows; its seed hashes are numpy's."""
+    if not runs_here(torch.device("cpu"), torch.float32):
+        pytest.skip("the CPU kernels do not run here")
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(3000, 4096, generator=g) * torch.rand(3000, 1, generator=g) * 6
+    probs = probabilities(logits, SamplingTensors(torch.rand(3000, generator=g) + 0.3,
+                                                  torch.randint(0, 60, (3000,), generator=g),
+                                                  torch.where(torch.rand(3000, generator=g) < 0.5, 0.9, 1.0)))
+    probs[:10] = torch.nn.functional.one_hot(torch.arange(10) * 300, 4096).float()
+    seeds, positions = torch.randint(0, 2**62, (3000,), generator=g), torch.randint(0, 10**6, (3000,), generator=g)
+    kernel, hashes = race(probs, seeds, positions), sampling._hashes(seeds, positions, sampling.PURPOSE_ACCEPT)
+    monkeypatch.setattr(sampling, "runs_here", lambda device, dtype: False)
+    monkeypatch.setattr(sampling, "cpu_kernels", lambda: None)
+    assert torch.equal(kernel, race(probs, seeds, positions))
+    assert all((a == b).all() for a, b in zip(hashes, sampling._hashes(seeds, positions, sampling.PURPOSE_ACCEPT)))
+    assert torch.equal(kernel[:10], torch.arange(10) * 300)
+
+
+def test_raced_rows_are_lossless_and_emit_the_targets_own_picks(lossless_setup) -> None:
+    """Seeded sampled rows: drafts race on q with the noise of their position; the emitted tokens follow p (the
+    same chi-square checks as rejection sampling), draft 1 is accepted between the coupling's bounds
+    (1 - TV) / (1 + TV) and 1 - TV, and every emitted token is the target's own pick at its position, whatever the
+    drafts were: the tokens plain decoding (k = 0) emits."""
+    p, q, _, seeds, positions = lossless_setup
+    target = p[None].expand(N_ROWS, 3, V).contiguous()
+    raced, greedy, two = torch.ones(N_ROWS, dtype=torch.bool), torch.zeros(N_ROWS, dtype=torch.bool), torch.full((N_ROWS,), 2)
+    drafts = torch.stack([race(q[j].expand(N_ROWS, V), seeds, positions + j) for j in range(2)], dim=1)
+    num_acc, nxt = accept(drafts, None, target, two, seeds, positions, greedy, raced)
+    check_lossless(p, emitted_tokens(drafts, num_acc, nxt), num_acc, "raced drafts")
+    tv = 0.5 * (p[0] - q[0]).abs().sum().item()
+    rate = (num_acc >= 1).double().mean().item()
+    assert (1 - tv) / (1 + tv) - 0.005 < rate < 1 - tv + 0.005, (rate, tv)
+    picks = torch.stack([race(p[j].expand(N_ROWS, V), seeds, positions + j) for j in range(3)], dim=1)
+    _, plain = accept(torch.zeros(N_ROWS, 0, dtype=torch.long), None, target[:, :1], torch.zeros_like(two), seeds,
+                      positions, greedy, raced)
+    assert torch.equal(plain, picks[:, 0])
+    for used in (drafts, one_hot_drafts(p), torch.zeros_like(drafts)):
+        n, t = accept(used, None, target, two, seeds, positions, greedy, raced)
+        emitted = emitted_tokens(used, n, t)
+        assert torch.equal(torch.where(emitted >= 0, emitted, picks), picks)
+    # beside rows that do not race, a raced row decides the same (and theirs are rejection sampling's)
+    half = torch.arange(N_ROWS) % 2 == 0
+    n, t = accept(drafts, None, target, two, seeds, positions, greedy, half)
+    assert torch.equal(n[half], num_acc[half]) and torch.equal(t[half], nxt[half])
+    n_rs, t_rs = accept(drafts, None, target, two, seeds, positions, greedy)
+    assert torch.equal(n[~half], n_rs[~half]) and torch.equal(t[~half], t_rs[~half])
+
 # ---------------------------------------------------------------------------------------------
 # Relaxed acceptance
 # ---------------------------------------------------------------------------------------------
@@ -908,6 +976,46 @@ def test_sampling_seed_reproducible(tiny_engine) -> None:
     assert len(distinct) == 5, "different seeds gave the same output"
 
 
+
+def seeded_params() -> list[SamplingParams]:
+    """Sampled, seeded requests with every feature a row's distribution has: temperature, top-k, top-p,
+    penalties, bans, min_tokens, logprobs (n > 1 runs sequences seeded seed + i: tests/test_n_best_of.py)."""
+    return [SamplingParams(temperature=1.0, seed=11, max_tokens=56, ignore_eos=True),
+            SamplingParams(temperature=0.7, top_p=0.9, seed=12, logprobs=2, max_tokens=24, ignore_eos=True),
+            SamplingParams(temperature=1.2, top_k=20, seed=2**40 + 3, repetition_penalty=1.2, max_tokens=32,
+                           ignore_eos=True),
+            SamplingParams(temperature=0.9, seed=14, presence_penalty=0.5, frequency_penalty=0.3,
+                           bad_token_ids=(5, 6, 7), max_tokens=16, ignore_eos=True),
+            SamplingParams(temperature=0.8, seed=15, min_tokens=30, max_tokens=40, stop_token_ids=(1, 2))]
+
+
+@pytest.mark.parametrize("k, speculation, one_at_a_time", [(1, "fixed", False), (2, "fixed", True),
+                                                           (3, "fixed", False), (4, "fixed", False),
+                                                           (3, "adaptive", False)])
+def test_seeded_sampling_is_plain_decodings_output_for_every_draft_length(shipped, monkeypatch, k, speculation,
+                                                                          one_at_a_time) -> None:
+    """A seeded sampled request's output is the same token for token (and its logprobs within 1e-5) at every draft
+    length, alone or batched, under adaptive speculation too (whose k follows the load and the acceptance so far,
+    here between steps of one run): its tokens are the target's own races at their positions, which drafts cannot
+    change."""
+    engine, prompts = shipped
+    params = seeded_params()
+    prompts = prompts[: len(params)]
+    ref, _ = run_executor(engine, prompts, params, num_draft_tokens=0, speculation="off")
+    # costs under which adaptive speculation drafts (the machine's own, profiled, may pick k = 0 throughout); it
+    # tries a neighbour of its choice every EXPLORE_EVERY steps, so k changes between steps of one run
+    sizes = [1, 2, 4, 8]
+    monkeypatch.setattr(Executor, "profile", lambda self, max_k: StepCosts(
+        sizes, {q: [b * (0.85 + 0.15 * q) for b in sizes] for q in range(1, max_k + 2)}, [b * 0.1 for b in sizes]))
+    steps: list = []
+    outs, stats = run_executor(engine, prompts, params, one_at_a_time=one_at_a_time, num_draft_tokens=k,
+                               speculation=speculation, steps=steps)
+    assert stats.accepted_draft_tokens > 0.3 * stats.draft_tokens > 0, stats
+    if speculation == "adaptive":
+        assert len({drafts for drafts, _ in steps}) >= 2, steps
+    for i, (got, want) in enumerate(zip(outs, ref)):
+        assert_same_logprobs(got, want, f"request {i}")
+
 def test_a_tiny_temperature_samples_the_argmax() -> None:
     """logits / 1e-38 overflows float32; the distribution must still be the argmax's, not NaN."""
     logits = torch.tensor([[0.5, 3.0, -1.0, 2.9], [7.0, 7.0, 1.0, -80.0]])
@@ -916,9 +1024,18 @@ def test_a_tiny_temperature_samples_the_argmax() -> None:
     assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0]]))
 
 
-def test_top_k_1_sampling_equals_greedy(tiny_engine) -> None:
-    """temperature > 0 with top_k=1 (or a tiny top_p) makes p and q one-hot: the rejection-
-    sampling path (draft probs, residual max(0, p - q)) must then reproduce greedy exactly."""
+def rejection_sampling_for_seeded_requests(monkeypatch) -> None:
+    """Seeded sampled requests race (runtime.core.sampling); the others, whose seeds a test cannot choose, take
+    rejection sampling: this gives seeded requests the others' path, for tests of it."""
+    monkeypatch.setattr(ModelRunner, "_raced", lambda self, seqs: None)
+
+
+@pytest.mark.parametrize("coupling", ["race", "rejection"])
+def test_top_k_1_sampling_equals_greedy(tiny_engine, monkeypatch, coupling) -> None:
+    """temperature > 0 with top_k=1 (or a tiny top_p) makes p and q one-hot: both acceptance rules (the rejection-
+    sampling path with draft probs and residual max(0, p - q) too) must then reproduce greedy exactly."""
+    if coupling == "rejection":
+        rejection_sampling_for_seeded_requests(monkeypatch)
     tok = Tokenizer.from_dir(tiny_engine.tokenizer_dir)
     prompts = [tok.encode("import os"), tok.encode("And God said"), tok.encode("x")]
     greedy = SamplingParams(max_tokens=30, ignore_eos=True)
@@ -931,10 +1048,13 @@ def test_top_k_1_sampling_equals_greedy(tiny_engine) -> None:
     assert 0 < stats.accepted_draft_tokens < stats.draft_tokens
 
 
-def test_first_token_distribution_matches_target(tiny_engine) -> None:
-    """k=2, temperature 1: over 1500 seeds the first generated token (decided by rejection
-    sampling against two MTP drafts) follows the target softmax at the prompt's last position,
-    and the second token the target's marginal over the first."""
+@pytest.mark.parametrize("coupling", ["race", "rejection"])
+def test_first_token_distribution_matches_target(tiny_engine, monkeypatch, coupling) -> None:
+    """k=2, temperature 1: over 1500 seeds the first generated token (decided against two MTP drafts, by the race of
+    seeded requests or by the rejection sampling of unseeded ones) follows the target softmax at the prompt's last
+    position, and the second token the target's marginal over the first."""
+    if coupling == "rejection":
+        rejection_sampling_for_seeded_requests(monkeypatch)
     tok = Tokenizer.from_dir(tiny_engine.tokenizer_dir)
     prompt = tok.encode("for i in")
     n = 1500

@@ -45,7 +45,7 @@ from runtime.model.kernels.modules import FusedMTPLayer, GreedyStep, attends_in_
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM
 from runtime.core.sampling import (PURPOSE_DRAFT, Adjustments, RelaxedAcceptance, SamplingTensors, TokenLogprob, accept,
                                    accept_greedy, adjusted_logits, probabilities, processed_logprobs,
-                                   read_token_logprobs, sample, token_logprobs, uniforms)
+                                   race, read_token_logprobs, sample, token_logprobs, uniforms)
 from runtime.core.plan import Scheduled, StepResult
 from runtime.core.sequence import Sequence
 
@@ -150,6 +150,7 @@ class ModelRunner:
             if not greedy:
                 seeds = self._ids([s.seed for s in seqs])
                 positions = self._ids([s.num_tokens for s in seqs])  # absolute position of draft 1
+                raced = self._raced(seqs)
         drafts, probs = [], []
         for j in range(K):
             if not plain and per_draft and j:
@@ -161,6 +162,8 @@ class ModelRunner:
             else:
                 q = probabilities(logits, st)
                 d = torch.where(st.temperature == 0, q.argmax(-1), sample(q, uniforms(seeds, positions + j, PURPOSE_DRAFT)))
+                if raced is not None:  # with the noise its target row will race with at this position
+                    d[raced] = race(q[raced], seeds[raced], positions[raced] + j)
                 probs.append(q)
             drafts.append(d)
             if j + 1 == K:
@@ -168,6 +171,11 @@ class ModelRunner:
             logits, h = self._next_draft_logits(tables, seqs, ks, j, d, logits, h)
         draft_probs = torch.stack(probs, dim=1) if probs else None
         return torch.stack(drafts, dim=1), draft_probs
+
+    def _raced(self, seqs: list[Sequence]) -> Tensor | None:
+        """[B] bool: the sampled sequences of seeded requests, which race (runtime.core.sampling); None if none."""
+        raced = [s.params.seed is not None and not s.params.greedy for s in seqs]
+        return self._ids(raced).bool() if any(raced) else None
 
     def _catch_up(self, seqs: list[Sequence]) -> tuple[list[list[int]], list[int], list[int], Tensor, Tensor]:
         """The MTP catch-up's layout (tables, starts, lens) and inputs: positions num_mtp .. num_cached-1, each with
@@ -320,7 +328,7 @@ class ModelRunner:
                 relaxed_kw = dict(relaxed=self.relaxed, relaxed_probs=adjusted[:, :K].softmax(-1),
                                   relaxed_mask=self._thinking_mask(seqs, dt, ks))
             num_acc, nxt = accept(dt, dp, target_probs, self._ids(ks), self._ids([s.seed for s in seqs]),
-                                  self._ids([s.num_tokens for s in seqs]), greedy, **relaxed_kw)
+                                  self._ids([s.num_tokens for s in seqs]), greedy, self._raced(seqs), **relaxed_kw)
             emitted = [d[b][:n] + [t] for b, (n, t) in enumerate(zip(num_acc.tolist(), nxt.tolist()))]
             processed = partial(_processed_rows, logits.flatten(0, 1), st)
         logprobs = self._logprobs(seqs, logits, processed, emitted)

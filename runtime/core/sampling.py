@@ -1,18 +1,22 @@
 """Sampling parameters, target/draft distributions and the acceptance rules of speculative decoding.
 
-Randomness is counter-based: every uniform draw is a hash of (request seed, token position, purpose),
-so a seeded request draws the same numbers whatever else shares its batch, and the draws are
-vectorized over the batch without per-request generator objects. Its output repeats when its
-draft lengths repeat (always at k = 0; at a fixed k unless a full token budget cuts drafts).
-Lossless acceptance consumes the draws differently for different k, so under adaptive
-speculation, whose k follows the load, a seeded sampled request can take another path, drawn
-from the same distribution. Greedy output never depends on k.
+Randomness is counter-based: every draw is a hash of (request seed, token position, purpose, and for the
+race below the token), so a request draws the same numbers whatever else shares its batch, and the draws are
+vectorized over the batch without per-request generator objects.
 
 Acceptance (rows are sequences, columns draft positions j = 0..k-1, target rows j = 0..k):
 - greedy: accept while the draft equals the target argmax; emit the argmax at the first mismatch;
-- lossless sampling (Leviathan et al.): accept d_j with probability min(1, p_j(d_j) / q_j(d_j));
-  at the first rejection sample from normalize(max(0, p_j - q_j)); after k acceptances sample the
-  bonus token from p_k. The emitted tokens follow p exactly, for any draft distribution q;
+- seeded sampling (an exponential race, the Gumbel-max trick): target row j picks argmax_v p_j(v) / E_v with
+  E_v ~ Exp(1) hashed from (seed, position, v): a sample of p_j that depends only on the seed, the position and
+  p_j. Drafts race on the MTP distribution with the same E at the same position; they are accepted while they
+  equal the target's pick, and the pick at the first mismatch follows them. Every emitted token is the pick plain
+  decoding makes at its position, so a seeded request's output is the same for every draft length, batch and load
+  (adaptive speculation included), and follows p exactly (Daliri et al. 2024, "drafter-invariant speculative
+  decoding"). A draft is accepted with P[race(p) = race(q)] >= (1 - TV) / (1 + TV), TV the total variation
+  distance of p and q, a little below rejection sampling's 1 - TV: so it is kept for requests that set a seed;
+- other sampling, lossless rejection sampling (Leviathan et al.): accept d_j with probability
+  min(1, p_j(d_j) / q_j(d_j)); at the first rejection sample from normalize(max(0, p_j - q_j)); after k
+  acceptances sample the bonus token from p_k. The emitted tokens follow p exactly, for any draft distribution q;
 - relaxed (TensorRT-LLM's, for thinking; lossy, greedy only): also accept d_j when it is among the
   target's top-N and p_j(d_j) >= p_j(top1) - delta.
 
@@ -30,7 +34,9 @@ temperature, top-k, top-p.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -62,26 +68,60 @@ class RelaxedAcceptance:
 
 
 # ---- counter-based uniforms --------------------------------------------------------------------
-PURPOSE_ACCEPT, PURPOSE_SAMPLE, PURPOSE_DRAFT = 1, 2, 3
+PURPOSE_RACE, PURPOSE_ACCEPT, PURPOSE_SAMPLE, PURPOSE_DRAFT = 0, 1, 2, 3
 _M32 = 0xFFFFFFFF
 
 
-def _mix32(x: Tensor) -> Tensor:
-    """A 32-bit integer hash (multipliers below 2^31 so int64 products never overflow)."""
+def _mix32(x: Any) -> Any:
+    """A 32-bit integer hash (multipliers below 2^31 so int64 products never overflow), of int64 numpy arrays or
+    tensors alike."""
     x = x & _M32
     for mult in (0x7FEB352D, 0x68E31DA5, 0x5BD1E995):
         x = ((x ^ (x >> 16)) * mult) & _M32
     return x ^ (x >> 15)
 
 
-def uniforms(seeds: Tensor, positions: Tensor, purpose: int) -> Tensor:
-    """U(0,1) float64 draws, one per (seed, position) pair; same inputs give the same numbers. Both
-    halves of a 64-bit seed go into two different 32-bit hashes, so seeds such as 1 and 2^32 differ."""
+def _hashes(seeds: Tensor, positions: Tensor, purpose: int) -> tuple[np.ndarray, np.ndarray]:
+    """Two 32-bit hashes of each (seed, position, purpose), int64 on the host: in one kernel call where the CPU
+    kernels are, else with numpy (a hundred integer ops on a batch's rows, each of which costs torch microseconds);
+    both halves of a 64-bit seed go into each, so seeds such as 1 and 2^32 differ."""
+    if seeds.device.type == "cpu" and (kernels := cpu_kernels()) is not None:
+        seeds, positions = torch.broadcast_tensors(seeds, positions)
+        hi, lo = kernels.seed_hashes(seeds.flatten().contiguous(), positions.flatten().contiguous(), purpose).numpy()
+        return hi.reshape(seeds.shape), lo.reshape(seeds.shape)
+    seeds, positions = seeds.cpu().numpy(), positions.cpu().numpy()
     seed_lo, seed_hi = seeds & _M32, seeds >> 32
     where = _mix32(positions * 4 + purpose)
     hi = _mix32(_mix32(_mix32(seed_lo) ^ seed_hi) ^ where)
     lo = _mix32(_mix32(_mix32(seed_hi ^ 0x27D4EB2F) ^ seed_lo) ^ _mix32(where ^ 0x165667B1))
-    return (hi.double() * 2.0**32 + lo.double() + 0.5) / 2.0**64
+    return hi, lo
+
+
+def uniforms(seeds: Tensor, positions: Tensor, purpose: int) -> Tensor:
+    """U(0,1) float64 draws, one per (seed, position) pair; same inputs give the same numbers."""
+    hi, lo = _hashes(seeds, positions, purpose)
+    return torch.from_numpy((hi * 2.0**32 + lo + 0.5) / 2.0**64).to(seeds.device)
+
+
+@functools.lru_cache(maxsize=8)
+def _token_codes(vocab_size: int, device: torch.device) -> Tensor:
+    return _mix32(torch.arange(vocab_size, device=device) + 0x9E3779B9)
+
+
+def race(probs: Tensor, seeds: Tensor, positions: Tensor) -> Tensor:
+    """One token per row of probs [B, V], distributed as the row: argmax_v p(v) / E_v with E_v ~ Exp(1) a hash of
+    (seed, position, v), the same for the same inputs. In one kernel call where the CPU kernels run (bit for bit the
+    torch ops' pick)."""
+    key = torch.from_numpy(_hashes(seeds, positions, PURPOSE_RACE)[0]).to(probs.device)
+    if runs_here(probs.device, probs.dtype):
+        return cpu_kernels().race(probs.contiguous(), key.contiguous())
+    return (probs.double() / arrivals(key, probs.shape[-1])).argmax(-1)
+
+
+def arrivals(keys: Tensor, vocab_size: int) -> Tensor:
+    """The race's Exp(1) draws [B, V] float64 of each row's 32-bit key."""
+    u = (_mix32(keys[:, None] ^ _token_codes(vocab_size, keys.device)).double() + 0.5) / 2.0**32
+    return -torch.log(u)
 
 
 # ---- distributions ---------------------------------------------------------------------------
@@ -286,42 +326,53 @@ def accept_greedy(drafts: list[int], target_argmax: list[int]) -> int:
 
 def accept(
     drafts: Tensor, draft_probs: Tensor | None, target_probs: Tensor, num_drafts: Tensor,
-    seeds: Tensor, positions: Tensor, greedy: Tensor,
+    seeds: Tensor, positions: Tensor, greedy: Tensor, raced: Tensor | None = None,
     relaxed: RelaxedAcceptance | None = None, relaxed_probs: Tensor | None = None, relaxed_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Decide a prefix of each row's drafts and the token that follows it.
 
     drafts [B, K] (padding past num_drafts[b] is ignored), draft_probs [B, K, V] or None for one-hot
     (argmax) drafts, target_probs [B, K+1, V] after temperature/top-k/top-p (one-hot for greedy rows),
-    positions [B] the absolute position of each row's first draft, greedy [B] bool. Relaxed
+    positions [B] the absolute position of each row's first draft, greedy [B] bool, raced [B] bool the
+    sampled rows that race (seeded requests; their drafts raced too), None for none. Relaxed
     acceptance needs the plain softmax of the target logits [B, K, V] and a [B, K] mask of the draft
     positions inside a thinking span. Returns (num_accepted [B], next_token [B]): row b emits
     drafts[b, :num_accepted[b]] then next_token[b].
     """
     B, K = drafts.shape
     row = torch.arange(B, device=drafts.device)
-    if K == 0:
-        num_accepted = torch.zeros(B, dtype=torch.long, device=drafts.device)
-        residual = target_probs[:, 0]
-    else:
+    picks = target_probs.argmax(-1)  # [B, K+1]: the greedy rows' tokens, and the raced rows' below
+    picked = greedy
+    if raced is not None and bool(raced.any()):
+        at = positions[raced][:, None] + torch.arange(K + 1, device=drafts.device)
+        picks[raced] = race(target_probs[raced].flatten(0, 1), seeds[raced].repeat_interleave(K + 1),
+                            at.flatten()).view(-1, K + 1)
+        picked = greedy | raced
+    num_accepted = torch.zeros(B, dtype=torch.long, device=drafts.device)
+    if K:
         cols = torch.arange(K, device=drafts.device)
-        p_draft = target_probs[:, :K].gather(-1, drafts[..., None]).squeeze(-1)  # p_j(d_j)
-        q_draft = torch.ones_like(p_draft) if draft_probs is None else draft_probs.gather(-1, drafts[..., None]).squeeze(-1)
-        u = uniforms(seeds[:, None].expand(B, K), positions[:, None] + cols[None, :], PURPOSE_ACCEPT)
-        ok_random = u < (p_draft / q_draft.clamp_min(1e-30)).double()
-        ok_greedy = drafts == target_probs[:, :K].argmax(-1)
+        ok = drafts == picks[:, :K]
         if relaxed is not None and relaxed_probs is not None:
             top = relaxed_probs.topk(min(relaxed.top_n, relaxed_probs.shape[-1]), dim=-1)
             p_relaxed = relaxed_probs.gather(-1, drafts[..., None]).squeeze(-1)
             in_top = (top.indices == drafts[..., None]).any(-1)
-            ok_greedy |= relaxed_mask & in_top & (p_relaxed >= top.values[..., 0] - relaxed.delta)
-        ok = torch.where(greedy[:, None], ok_greedy, ok_random) & (cols[None, :] < num_drafts[:, None])
-        num_accepted = ok.long().cumprod(-1).sum(-1)  # [B]
-        # The token after the accepted prefix comes from normalize(max(0, p - q)) at the first
-        # rejection, or from p itself after the last draft (where q is zero).
+            ok |= greedy[:, None] & relaxed_mask & in_top & (p_relaxed >= top.values[..., 0] - relaxed.delta)
+        if not bool(picked.all()):
+            p_draft = target_probs[:, :K].gather(-1, drafts[..., None]).squeeze(-1)  # p_j(d_j)
+            q_draft = (torch.ones_like(p_draft) if draft_probs is None
+                       else draft_probs.gather(-1, drafts[..., None]).squeeze(-1))
+            u = uniforms(seeds[:, None].expand(B, K), positions[:, None] + cols[None, :], PURPOSE_ACCEPT)
+            ok = torch.where(picked[:, None], ok, u < (p_draft / q_draft.clamp_min(1e-30)).double())
+        num_accepted = (ok & (cols[None, :] < num_drafts[:, None])).long().cumprod(-1).sum(-1)  # [B]
+    if bool(picked.all()):
+        return num_accepted, picks[row, num_accepted]
+    # A row that samples by rejection takes the token after its accepted prefix from normalize(max(0, p - q)) at
+    # the first rejection, or from p itself after the last draft (where q is zero).
+    p_next = target_probs[row, num_accepted]  # [B, V]
+    residual = p_next
+    if K:
         rejected = num_accepted < num_drafts
         at = num_accepted.clamp(max=K - 1)
-        p_next = target_probs[row, num_accepted]  # [B, V]
         if draft_probs is None:  # q is one-hot on the rejected draft
             d = drafts[row, at]
             residual = p_next.clone()
@@ -330,6 +381,6 @@ def accept(
             q_next = torch.where(rejected[:, None], draft_probs[row, at], 0.0)
             residual = (p_next - q_next).clamp_min(0)
         residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)  # p == q: sample p
-    next_token = torch.where(greedy, target_probs[row, num_accepted].argmax(-1),
+    next_token = torch.where(picked, picks[row, num_accepted],
                              sample(residual, uniforms(seeds, positions + num_accepted, PURPOSE_SAMPLE)))
     return num_accepted, next_token
