@@ -748,7 +748,7 @@ def test_arrivals_are_exponential_and_keyed_by_seed_position_and_token() -> None
 
 def test_the_race_in_one_kernel_call_is_the_torch_ops_pick(monkeypatch) -> None:
     """The CPU kernel's race (which skips the log for tokens that cannot win) picks what the torch ops pick, bit
-    for bit, also over distributions with zeros (top-k / top-p cuts) and one-hot rows; its seed hashes are numpy's."""
+    for bit, also over distributions with zeros (top-k / top-p cuts) and one-hot rows; its uniform draws are numpy's."""
     if not runs_here(torch.device("cpu"), torch.float32):
         pytest.skip("the CPU kernels do not run here")
     g = torch.Generator().manual_seed(5)
@@ -758,11 +758,12 @@ def test_the_race_in_one_kernel_call_is_the_torch_ops_pick(monkeypatch) -> None:
                                                   torch.where(torch.rand(3000, generator=g) < 0.5, 0.9, 1.0)))
     probs[:10] = torch.nn.functional.one_hot(torch.arange(10) * 300, 4096).float()
     seeds, positions = torch.randint(0, 2**62, (3000,), generator=g), torch.randint(0, 10**6, (3000,), generator=g)
-    kernel, hashes = race(probs, seeds, positions), sampling._hashes(seeds, positions, sampling.PURPOSE_ACCEPT)
+    kernel = race(probs, seeds, positions)
+    draws = sampling.uniforms(seeds.view(100, 30), positions.view(100, 30), sampling.PURPOSE_ACCEPT)
     monkeypatch.setattr(sampling, "runs_here", lambda device, dtype: False)
     monkeypatch.setattr(sampling, "cpu_kernels", lambda: None)
     assert torch.equal(kernel, race(probs, seeds, positions))
-    assert all((a == b).all() for a, b in zip(hashes, sampling._hashes(seeds, positions, sampling.PURPOSE_ACCEPT)))
+    assert torch.equal(draws, sampling.uniforms(seeds.view(100, 30), positions.view(100, 30), sampling.PURPOSE_ACCEPT))
     assert torch.equal(kernel[:10], torch.arange(10) * 300)
 
 

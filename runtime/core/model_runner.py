@@ -161,10 +161,13 @@ class ModelRunner:
                 d = adjusted_logits(logits, st).argmax(-1)
             else:
                 q = probabilities(logits, st)
-                d = torch.where(st.temperature == 0, q.argmax(-1), sample(q, uniforms(seeds, positions + j, PURPOSE_DRAFT)))
+                d = q.argmax(-1)  # a greedy row's q is one-hot on its argmax
                 if raced is not None:  # with the noise its target row will race with at this position
                     d[raced] = race(q[raced], seeds[raced], positions[raced] + j)
-                probs.append(q)
+                rejecting = st.temperature > 0 if raced is None else (st.temperature > 0) & ~raced
+                if bool(rejecting.any()):  # rejection sampling's drafts, and their distribution for acceptance
+                    d = torch.where(rejecting, sample(q, uniforms(seeds, positions + j, PURPOSE_DRAFT)), d)
+                    probs.append(q)
             drafts.append(d)
             if j + 1 == K:
                 break

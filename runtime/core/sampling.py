@@ -82,13 +82,9 @@ def _mix32(x: Any) -> Any:
 
 
 def _hashes(seeds: Tensor, positions: Tensor, purpose: int) -> tuple[np.ndarray, np.ndarray]:
-    """Two 32-bit hashes of each (seed, position, purpose), int64 on the host: in one kernel call where the CPU
-    kernels are, else with numpy (a hundred integer ops on a batch's rows, each of which costs torch microseconds);
-    both halves of a 64-bit seed go into each, so seeds such as 1 and 2^32 differ."""
-    if seeds.device.type == "cpu" and (kernels := cpu_kernels()) is not None:
-        seeds, positions = torch.broadcast_tensors(seeds, positions)
-        hi, lo = kernels.seed_hashes(seeds.flatten().contiguous(), positions.flatten().contiguous(), purpose).numpy()
-        return hi.reshape(seeds.shape), lo.reshape(seeds.shape)
+    """Two 32-bit hashes of each (seed, position, purpose), int64 on the host (numpy: a hundred integer ops on a
+    batch's rows, each of which costs torch microseconds); both halves of a 64-bit seed go into each, so seeds such
+    as 1 and 2^32 differ."""
     seeds, positions = seeds.cpu().numpy(), positions.cpu().numpy()
     seed_lo, seed_hi = seeds & _M32, seeds >> 32
     where = _mix32(positions * 4 + purpose)
@@ -98,7 +94,11 @@ def _hashes(seeds: Tensor, positions: Tensor, purpose: int) -> tuple[np.ndarray,
 
 
 def uniforms(seeds: Tensor, positions: Tensor, purpose: int) -> Tensor:
-    """U(0,1) float64 draws, one per (seed, position) pair; same inputs give the same numbers."""
+    """U(0,1) float64 draws, one per (seed, position) pair; same inputs give the same numbers. In one kernel call
+    where the CPU kernels are (bit for bit numpy's)."""
+    if seeds.device.type == "cpu" and (kernels := cpu_kernels()) is not None:
+        seeds, positions = torch.broadcast_tensors(seeds, positions)
+        return kernels.uniforms(seeds.flatten().contiguous(), positions.flatten().contiguous(), purpose).view(seeds.shape)
     hi, lo = _hashes(seeds, positions, purpose)
     return torch.from_numpy((hi * 2.0**32 + lo + 0.5) / 2.0**64).to(seeds.device)
 
@@ -112,9 +112,9 @@ def race(probs: Tensor, seeds: Tensor, positions: Tensor) -> Tensor:
     """One token per row of probs [B, V], distributed as the row: argmax_v p(v) / E_v with E_v ~ Exp(1) a hash of
     (seed, position, v), the same for the same inputs. In one kernel call where the CPU kernels run (bit for bit the
     torch ops' pick)."""
-    key = torch.from_numpy(_hashes(seeds, positions, PURPOSE_RACE)[0]).to(probs.device)
     if runs_here(probs.device, probs.dtype):
-        return cpu_kernels().race(probs.contiguous(), key.contiguous())
+        return cpu_kernels().race(probs.contiguous(), seeds.contiguous(), positions.contiguous(), PURPOSE_RACE)
+    key = torch.from_numpy(_hashes(seeds, positions, PURPOSE_RACE)[0]).to(probs.device)
     return (probs.double() / arrivals(key, probs.shape[-1])).argmax(-1)
 
 

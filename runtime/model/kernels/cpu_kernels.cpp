@@ -11,7 +11,7 @@
 // decoder_layer all of the above for one decoder layer, in one call; decoder_layers for all of a model's;
 //              mtp_layer the same for an MTP module; mtp_greedy_drafts its greedy chain of k drafts;
 //              greedy_step a whole greedy step (drafts, verification, acceptance; k per sequence, 0: plain decoding).
-// race         a seeded sampled row's token (runtime.core.sampling.race).
+// uniforms, race the counter-based draws of runtime.core.sampling and a seeded sampled row's token.
 //
 // Every output row is computed with the same arithmetic in the same order whatever the other rows
 // of the batch are, so a request's result does not depend on what it is batched with.
@@ -1353,41 +1353,53 @@ inline uint32_t mix32(uint32_t x) {
   return x ^ (x >> 15);
 }
 
-// runtime.core.sampling._hashes: two 32-bit hashes (hi, lo) of each row's (seed, position, purpose), int64 [2, N].
-torch::Tensor seed_hashes(const torch::Tensor& seeds, const torch::Tensor& positions, int64_t purpose) {
-  check(seeds.dim() == 1 && seeds.scalar_type() == torch::kLong && seeds.is_contiguous() &&
+// runtime.core.sampling._hashes of one (seed, position, purpose): hi, and lo where asked.
+inline uint32_t seed_hash(int64_t seed, int64_t position, int64_t purpose, uint32_t* lo = nullptr) {
+  const uint32_t lo32 = static_cast<uint32_t>(seed), hi32 = static_cast<uint32_t>(seed >> 32);
+  const uint32_t where = mix32(static_cast<uint32_t>(position * 4 + purpose));
+  if (lo) *lo = mix32(mix32(mix32(hi32 ^ 0x27D4EB2Fu) ^ lo32) ^ mix32(where ^ 0x165667B1u));
+  return mix32(mix32(mix32(lo32) ^ hi32) ^ where);
+}
+
+void check_seeds(const torch::Tensor& seeds, const torch::Tensor& positions, int64_t n, const char* what) {
+  check(seeds.dim() == 1 && seeds.size(0) == n && seeds.scalar_type() == torch::kLong && seeds.is_contiguous() &&
             positions.sizes() == seeds.sizes() && positions.scalar_type() == torch::kLong && positions.is_contiguous(),
-        "seed_hashes: seeds and positions must be contiguous int64 [N]");
+        what);
+}
+
+// runtime.core.sampling.uniforms: U(0, 1) float64 draws of each row's (seed, position, purpose), [N].
+torch::Tensor uniforms(const torch::Tensor& seeds, const torch::Tensor& positions, int64_t purpose) {
+  check_seeds(seeds, positions, seeds.numel(), "uniforms: seeds and positions must be contiguous int64 [N]");
   const int64_t N = seeds.size(0);
-  torch::Tensor out = torch::empty({2, N}, torch::kLong);
+  torch::Tensor out = torch::empty({N}, torch::kDouble);
   const int64_t *s = seeds.data_ptr<int64_t>(), *p = positions.data_ptr<int64_t>();
-  int64_t* o = out.data_ptr<int64_t>();
+  double* o = out.data_ptr<double>();
   for (int64_t i = 0; i < N; ++i) {
-    const uint32_t lo32 = static_cast<uint32_t>(s[i]), hi32 = static_cast<uint32_t>(s[i] >> 32);
-    const uint32_t where = mix32(static_cast<uint32_t>(p[i] * 4 + purpose));
-    o[i] = mix32(mix32(mix32(lo32) ^ hi32) ^ where);
-    o[N + i] = mix32(mix32(mix32(hi32 ^ 0x27D4EB2Fu) ^ lo32) ^ mix32(where ^ 0x165667B1u));
+    uint32_t lo;
+    const uint32_t hi = seed_hash(s[i], p[i], purpose, &lo);
+    o[i] = (static_cast<double>(hi) * 4294967296.0 + static_cast<double>(lo) + 0.5) / 18446744073709551616.0;
   }
   return out;
 }
 
 // One token per row of probs [R, V]: argmax_v p(v) / E_v with E_v = -log((mix32(key ^ mix32(v + 0x9E3779B9)) + 0.5)
-// / 2^32), key = keys[r] (runtime.core.sampling.race, bit for bit). E_v >= 1 - u_v, so a token whose p(v) / (1 - u_v)
-// cannot beat the best so far needs no log: most of a vocabulary is passed over on a hash and a division.
-torch::Tensor race(const torch::Tensor& probs, const torch::Tensor& keys) {
+// / 2^32), key the row's seed_hash (runtime.core.sampling.race, bit for bit). E_v >= 1 - u_v, so a token whose
+// p(v) / (1 - u_v) cannot beat the best so far needs no log: most of a vocabulary is passed over on a hash and a
+// division.
+torch::Tensor race(const torch::Tensor& probs, const torch::Tensor& seeds, const torch::Tensor& positions,
+                   int64_t purpose) {
   check(probs.dim() == 2 && probs.scalar_type() == torch::kFloat && probs.is_contiguous(),
         "race: probs must be contiguous float32 [R, V]");
   const int64_t R = probs.size(0), V = probs.size(1);
-  check(keys.dim() == 1 && keys.size(0) == R && keys.scalar_type() == torch::kLong && keys.is_contiguous(),
-        "race: keys must be contiguous int64 [R]");
+  check_seeds(seeds, positions, R, "race: seeds and positions must be contiguous int64 [R]");
   torch::Tensor out = torch::empty({R}, torch::kLong);
   const float* p = probs.data_ptr<float>();
-  const int64_t* k = keys.data_ptr<int64_t>();
+  const int64_t *s = seeds.data_ptr<int64_t>(), *pos = positions.data_ptr<int64_t>();
   int64_t* o = out.data_ptr<int64_t>();
   parallel(R, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* row = p + r * V;
-      const uint32_t key = static_cast<uint32_t>(k[r]);
+      const uint32_t key = seed_hash(s[r], pos[r], purpose);
       double best = -1.0;
       int64_t pick = 0;
       for (int64_t v = 0; v < V; ++v) {
@@ -1438,6 +1450,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         nogil);
   m.def("adjust_logits", &adjust_logits, "penalties and bans of a batch's rows, drafts before each row counted", nogil);
   m.def("token_logprobs", &token_logprobs, "emitted tokens' logprobs, ranks and top-n alternatives", nogil);
-  m.def("seed_hashes", &seed_hashes, "the counter-based draws' hashes of (seed, position, purpose)", nogil);
+  m.def("uniforms", &uniforms, "the counter-based U(0, 1) draws of (seed, position, purpose)", nogil);
   m.def("race", &race, "one token per row: the exponential race of runtime.core.sampling", nogil);
 }
