@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from types import SimpleNamespace
 import pickle
 import sys
 
@@ -983,6 +984,12 @@ def test_adaptive_drafts_leave_the_budget_to_waiting_prefill(engine) -> None:
     assert plan("fixed", 21) == [4, 4, 4, 4]
 
 
+def drafted(new_token_ids: list[int], num_drafts: int, num_accepted: int, temperature: float = 0.0) -> StepResult:
+    """A drafting step's result for the policy, of a greedy request (or sampled, at a temperature)."""
+    seq = SimpleNamespace(params=SamplingParams(temperature=temperature))
+    return StepResult(seq, new_token_ids, num_drafts=num_drafts, num_accepted=num_accepted)  # type: ignore[arg-type]
+
+
 def test_draft_policy_intermediate_and_learning() -> None:
     c = costs(target_per_token=0.2, target_fixed=1.0, mtp=0.05)
     policy = DraftPolicy("adaptive", 4, c, prior_acceptance=0.6)
@@ -993,15 +1000,33 @@ def test_draft_policy_intermediate_and_learning() -> None:
     assert k == best and 0 < k < 4
     # acceptance drops to zero: the policy learns it and stops drafting
     for _ in range(200):
-        policy.observe([StepResult(None, [1], num_drafts=k or 1, num_accepted=0)])
+        policy.observe([drafted([1], num_drafts=k or 1, num_accepted=0)])
     assert policy.acceptance < 0.01
     assert policy.choose(1) == 0
     # all drafts accepted for a while: it drafts the most again
     for _ in range(400):
-        policy.observe([StepResult(None, [1] * 5, num_drafts=4, num_accepted=4)])
+        policy.observe([drafted([1] * 5, num_drafts=4, num_accepted=4)])
     assert policy.acceptance > 0.99
     assert policy.choose(1) == 4
 
+
+
+def test_draft_policy_learns_greedy_and_sampled_requests_apart() -> None:
+    """Sampled requests whose drafts are seldom accepted stop drafting for sampled requests, not for greedy ones
+    (one rate for all drove k to 0 for every request after a few sampled ones); a mixed batch sums each drafter's
+    expected tokens by its kind, so it drafts for the greedy requests' sake."""
+    c = costs(target_per_token=0.2, target_fixed=1.0, mtp=0.05)
+    policy = DraftPolicy("adaptive", 3, c, prior_acceptance=0.8)
+    k = policy.choose(4, {"greedy": 4})
+    assert k > 0 and policy.choose(4, {"sampled": 4}) == k
+    for _ in range(200):
+        policy.observe([drafted([1], num_drafts=k, num_accepted=0, temperature=1.0)])
+    assert policy.acceptance_by_depth["sampled"][0] < 0.01 and policy.acceptance_by_depth["greedy"][0] == 0.8
+    assert policy.acceptance == pytest.approx(policy.acceptance_by_depth["sampled"][0])  # the kind seen most
+    assert policy.choose(4, {"sampled": 4}) == 0
+    assert policy.choose(4, {"greedy": 4}) == k
+    assert policy.choose(4, {"greedy": 3, "sampled": 1}) > 0
+    assert policy.drafts_at(4)  # greedy requests would draft: new ones keep their MTP inputs
 
 def test_draft_policy_modes() -> None:
     assert DraftPolicy("fixed", 3).choose(8) == 3
@@ -1012,13 +1037,13 @@ def test_draft_policy_modes() -> None:
         DraftPolicy("x", 3)
     # acceptance per depth: [accepted 1 of 3 drafts] reached depths 1 (accepted) and 2 (rejected)
     p = DraftPolicy("fixed", 3, prior_acceptance=0.5, smoothing=1.0)
-    p.observe([StepResult(None, [1, 2], num_drafts=3, num_accepted=1)])
-    assert p.acceptance_by_depth == pytest.approx([1.0, 0.0, 0.5])  # depth 3 not reached: prior kept
+    p.observe([drafted([1, 2], num_drafts=3, num_accepted=1)])
+    assert p.acceptance_by_depth["greedy"] == pytest.approx([1.0, 0.0, 0.5])  # depth 3 not reached: prior kept
     assert p.acceptance == 1.0
     assert p.expected_tokens(1) == pytest.approx(2.0) and p.expected_tokens(3) == pytest.approx(2.0)
-    p.observe([StepResult(None, [1, 2, 3, 4], num_drafts=3, num_accepted=3),
-               StepResult(None, [1, 2, 3], num_drafts=3, num_accepted=2)])
-    assert p.acceptance_by_depth == pytest.approx([1.0, 1.0, 0.5])
+    p.observe([drafted([1, 2, 3, 4], num_drafts=3, num_accepted=3),
+               drafted([1, 2, 3], num_drafts=3, num_accepted=2)])
+    assert p.acceptance_by_depth["greedy"] == pytest.approx([1.0, 1.0, 0.5])
     assert p.expected_tokens(3) == pytest.approx(1 + 1 + 1 + 0.5)
 
 
@@ -1028,9 +1053,9 @@ def test_draft_policy_prefers_short_drafts_when_deep_drafts_fail() -> None:
     c = costs(target_per_token=0.05, target_fixed=1.0, mtp=0.05)
     policy = DraftPolicy("adaptive", 4, c, prior_acceptance=0.7, smoothing=0.1)
     for i in range(300):
-        policy.observe([StepResult(None, [], num_drafts=4, num_accepted=1 if i % 5 else 0)])
+        policy.observe([drafted([], num_drafts=4, num_accepted=1 if i % 5 else 0)])
     assert policy.acceptance == pytest.approx(0.8, abs=0.1)
-    assert policy.acceptance_by_depth[1] < 0.05  # depths 3 and 4 are never reached
+    assert policy.acceptance_by_depth["greedy"][1] < 0.05  # depths 3 and 4 are never reached
     assert policy.choose(1) == 1
 
 
@@ -1138,7 +1163,7 @@ def test_draft_policy_explores_the_draft_lengths_next_to_its_choice() -> None:
                                   prior_acceptance=0.6), 1.6)
     assert set(policy.choose(1) for _ in range(n)) == {0}
     policy = DraftPolicy("adaptive", 3, costs(target_per_token=0.2, target_fixed=0.8, mtp=0.1))
-    policy.acceptance_by_depth = [0.9, 0.9, 0.05]  # rates 1, 1.46, 1.69, 1.45 x plain: k = 2
+    policy.acceptance_by_depth["greedy"] = [0.9, 0.9, 0.05]  # rates 1, 1.46, 1.69, 1.45 x plain: k = 2
     picks = [policy.choose(1) for _ in range(n)]
     assert picks[every] == [3, 1, 3, 1] and set(chosen(picks)) == {2}
 

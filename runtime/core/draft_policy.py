@@ -1,15 +1,26 @@
 """How many tokens to draft: fixed, off, or adaptive, the k that maximizes expected tokens per second for
-the current batch size, from the acceptance measured per draft depth and a step cost table profiled on
-this machine at start-up (k = 0 when verifying costs more than it saves). It learns from the steps the
-executor runs (`Scheduler.update_from_output` feeds it)."""
+the current batch, from the acceptance measured per draft depth and kind of request and a step cost table
+profiled on this machine at start-up (k = 0 when verifying costs more than it saves). It learns from the
+steps the executor runs (`Scheduler.update_from_output` feeds it)."""
 
 from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from runtime.core.plan import StepResult
+from runtime.core.sampling_params import SamplingParams
+
+# Greedy and sampled requests accept drafts at different rates (a sampled token is the draft's less often), so
+# the policy learns each apart: sampled traffic must not price drafts for greedy requests, nor the other way.
+GREEDY, SAMPLED = "greedy", "sampled"
+KINDS = (GREEDY, SAMPLED)
+
+
+def draft_kind(params: SamplingParams) -> str:
+    return GREEDY if params.greedy else SAMPLED
 
 
 @dataclass
@@ -47,7 +58,8 @@ class DraftPolicy:
 
     Acceptance is learned per draft depth: a[j] = P(draft j+1 accepted | drafts 1..j accepted),
     since a draft chained on drafts is right less often than the first one; treating depths as
-    one i.i.d. rate over-values long drafts. Step costs are profiled forwards, corrected as the
+    one i.i.d. rate over-values long drafts. It is learned per kind of request (`draft_kind`), and a
+    step's expected tokens sum each drafter's by its kind. Step costs are profiled forwards, corrected as the
     executor runs: for each profiled batch size and k, the ratio of whole decode steps (the
     runner's Python, drafting's catch-up over positions verified since the last draft, the
     outputs) to the profiled forwards is learned; a k not yet run there borrows k = 0's ratio.
@@ -74,27 +86,33 @@ class DraftPolicy:
         if mode == "adaptive" and costs is None:
             raise ValueError("adaptive speculation needs measured step costs")
         self.mode, self.max_k, self.costs = mode, max_k if mode != "off" else 0, costs
-        self.acceptance_by_depth = [prior_acceptance] * max(max_k, 1)  # smoothed conditional rates
+        # per kind, smoothed conditional rates
+        self.acceptance_by_depth = {kind: [prior_acceptance] * max(max_k, 1) for kind in KINDS}
+        self.drafted = dict.fromkeys(KINDS, 0)  # drafting steps observed per kind
         self.smoothing, self.cost_smoothing = smoothing, cost_smoothing
         self.cost_ratio: dict[tuple[int, int], float] = {}  # (profiled batch size, k) -> whole step / profiled
         self.decisions: dict[int, int] = {}  # profiled batch size -> steps decided there
 
     @property
     def acceptance(self) -> float:
-        """Acceptance of the first draft (what k = 1 would see)."""
-        return self.acceptance_by_depth[0]
+        """Acceptance of the first draft (what k = 1 would see), of the kind of request that drafted most."""
+        return self.acceptance_by_depth[max(KINDS, key=self.drafted.get)][0]
 
     def observe(self, results: list[StepResult]) -> None:
         """Depth j is reached when drafts 1..j-1 passed; it counts as accepted when draft j did too."""
-        reached = [0] * len(self.acceptance_by_depth)
-        accepted = [0] * len(self.acceptance_by_depth)
-        for r in results:
-            for j in range(min(r.num_accepted + 1, r.num_drafts)):
-                reached[j] += 1
-                accepted[j] += j < r.num_accepted
-        for j, n in enumerate(reached):
-            if n:
-                self.acceptance_by_depth[j] += self.smoothing * (accepted[j] / n - self.acceptance_by_depth[j])
+        depth = len(self.acceptance_by_depth[GREEDY])
+        for kind in KINDS:
+            reached, accepted = [0] * depth, [0] * depth
+            for r in results:
+                if r.num_drafts and draft_kind(r.seq.params) == kind:
+                    self.drafted[kind] += 1
+                    for j in range(min(r.num_accepted + 1, r.num_drafts)):
+                        reached[j] += 1
+                        accepted[j] += j < r.num_accepted
+            rates = self.acceptance_by_depth[kind]
+            for j, n in enumerate(reached):
+                if n:
+                    rates[j] += self.smoothing * (accepted[j] / n - rates[j])
 
     def observe_step(self, batch_size: int, k: int, seconds: float) -> None:
         """A whole decode step (no prefill in it) of batch_size sequences at draft length k took `seconds`."""
@@ -109,10 +127,10 @@ class DraftPolicy:
         """Whole step / profiled forwards at a profiled batch size: learned, else k = 0's, else 1."""
         return self.cost_ratio.get((bucket, k), self.cost_ratio.get((bucket, 0), 1.0))
 
-    def expected_tokens(self, k: int) -> float:
-        """1 + sum over depths j <= k of P(drafts 1..j all accepted)."""
+    def expected_tokens(self, k: int, kind: str = GREEDY) -> float:
+        """1 + sum over depths j <= k of P(drafts 1..j all accepted), for a request of `kind`."""
         total, p = 1.0, 1.0
-        for a in self.acceptance_by_depth[:k]:
+        for a in self.acceptance_by_depth[kind][:k]:
             p *= a
             total += p
         return total
@@ -121,26 +139,32 @@ class DraftPolicy:
         """Predicted seconds of a whole decode step: the profiled forwards times the learned ratio."""
         return self.costs.step_seconds(batch_size, k) * self._ratio(self.costs.bucket(batch_size), k)
 
-    def _rate(self, batch_size: int, drafters: int, k: int, tokens: float) -> float:
-        """Predicted tokens per second of a step at draft length k where each drafter emits `tokens`."""
-        return (batch_size + drafters * (tokens - 1)) / self.step_seconds(batch_size, k)
+    def _rate(self, batch_size: int, drafters: Mapping[str, int], k: int, tokens: Mapping[str, float]) -> float:
+        """Predicted tokens per second of a step at draft length k where each drafter emits its kind's `tokens`."""
+        extra = sum(n * (tokens[kind] - 1) for kind, n in drafters.items())
+        return (batch_size + extra) / self.step_seconds(batch_size, k)
 
-    def _rates(self, batch_size: int, drafters: int) -> dict[int, float]:
-        return {k: self._rate(batch_size, drafters, k, self.expected_tokens(k)) for k in range(self.max_k + 1)}
+    def _rates(self, batch_size: int, drafters: Mapping[str, int]) -> dict[int, float]:
+        return {k: self._rate(batch_size, drafters, k, {kind: self.expected_tokens(k, kind) for kind in drafters})
+                for k in range(self.max_k + 1)}
 
     def drafts_at(self, batch_size: int) -> bool:
-        """Whether a step of batch_size decodes, all able to draft, would draft (`choose` without exploring and
-        without counting a decision)."""
+        """Whether a step of batch_size decodes, all able to draft and of one kind, would draft for some kind
+        (`choose` without exploring and without counting a decision)."""
         if self.mode != "adaptive":
             return self.max_k > 0
-        rate = self._rates(batch_size, batch_size)
-        return max(rate.values()) >= self.MIN_GAIN * rate[0]
+        for kind in KINDS:
+            rate = self._rates(batch_size, {kind: batch_size})
+            if max(rate.values()) >= self.MIN_GAIN * rate[0]:
+                return True
+        return False
 
-    def choose(self, batch_size: int, drafters: int | None = None) -> int:
-        """k for a step of batch_size decodes, `drafters` of which can draft (default: all)."""
+    def choose(self, batch_size: int, drafters: Mapping[str, int] | None = None) -> int:
+        """k for a step of batch_size decodes, `drafters[kind]` of which can draft and are of that kind (default:
+        all, greedy)."""
         if self.mode != "adaptive" or batch_size == 0:
             return self.max_k
-        drafters = batch_size if drafters is None else drafters
+        drafters = {GREEDY: batch_size} if drafters is None else drafters
         rate = self._rates(batch_size, drafters)
         best = max(rate, key=rate.get)
         choice = best if rate[best] >= self.MIN_GAIN * rate[0] else 0
@@ -153,7 +177,8 @@ class DraftPolicy:
             # One draft more only if it could win were that draft always accepted (reached whenever drafts
             # 1..choice pass): otherwise no acceptance could make it the choice, and trying it would cost a
             # step (with a catch-up over every prompt not yet drafted from) to learn nothing.
-            always = self.expected_tokens(choice) + math.prod(self.acceptance_by_depth[:choice])
+            always = {kind: self.expected_tokens(choice, kind) + math.prod(self.acceptance_by_depth[kind][:choice])
+                      for kind in drafters}
             if self._rate(batch_size, drafters, choice + 1, always) >= max(rate[choice], self.MIN_GAIN * rate[0]):
                 return choice + 1
         return choice

@@ -27,11 +27,11 @@ given back, and what the draft policy learns.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from itertools import islice
 
-from runtime.core.draft_policy import DraftPolicy
+from runtime.core.draft_policy import DraftPolicy, draft_kind
 from runtime.core.kv_cache import KVCache, OutOfBlocks
 from runtime.core.plan import Scheduled, StepResult
 from runtime.core.prefix_cache import PrefixCache
@@ -117,7 +117,7 @@ class Scheduler:
         budget = self.config.max_num_tokens
         preemptions = self.preemptions
         decodes = [s for s in self.running if not s.in_prefill]
-        drafters = sum(s.can_draft for s in decodes)
+        drafters = Counter(draft_kind(s.params) for s in decodes if s.can_draft)
         k = self.policy_k = self.policy.choose(len(decodes), drafters) if drafters else 0
         if self.policy.mode == "adaptive" and decodes:
             k = min(k, self._draft_room(len(decodes), budget))
