@@ -6,8 +6,8 @@ so its output is plain decoding's at every draft length; one without a seed take
 distribution, so only the acceptance and the time per token differ. This serves the held-out prompts (cut at 64
 tokens) sampled and seeded per prompt, for each temperature and draft length (speculation fixed), once with the race
 and once with rejection sampling (seeded too, so the run repeats: the runner is told no row races), in alternating
-order over --rounds, and reports the acceptance, tokens per step, time per output token of each, and how many race outputs equal
-k = 0's (all of them, or the race is broken).
+order over --rounds, and reports the acceptance, tokens per step, time per output token of each, and how many outputs equal
+k = 0's (the race's: all of them, or it is broken).
 
   python -m benchmarks.sampling_coupling --threads 1
   python -m benchmarks.sampling_coupling --quick
@@ -95,15 +95,15 @@ def main() -> None:
                     # seeded at a fixed k, every round decodes the same tokens: acceptance from the first
                     entry = results.setdefault(f"T{t}_k{k}", {}).setdefault(c, summarize(outs) | {"tpot_ms": []})
                     entry["tpot_ms"].append(1e3 * tpot)
-                    if c == "race":  # the race's tokens are plain decoding's, whatever the drafts
-                        entry["output_equals_k0"] = sum(o.token_ids == q.token_ids for o, q in zip(outs, plain))
+                    # the race's tokens are plain decoding's, whatever the drafts; rejection sampling's are others
+                    entry["output_equals_k0"] = sum(o.token_ids == q.token_ids for o, q in zip(outs, plain))
                     bar.update()
     rows = []
     for t, k, c in runs:
         entry = results[f"T{t}_k{k}"][c]
         entry["tpot_ms_mean"] = mean(entry["tpot_ms"])
         rows.append([t, k, c, entry["acceptance_rate"], entry["tokens_per_step"], entry["tpot_ms_mean"],
-                     f"{entry['output_equals_k0']}/{len(prompts)}" if c == "race" else "-"])
+                     f"{entry['output_equals_k0']}/{len(prompts)}"])
     verdicts = []
     for t in temperatures:
         for k in ks:
@@ -122,7 +122,7 @@ def main() -> None:
           f"one request at a time, seed = prompt index, speculation fixed at k, {args.rounds} round(s) in "
           f"alternating order (ms/token: each request's time over its tokens, prefill included; mean over requests and "
           f"rounds). Acceptance and tokens per step do not depend on timing. "
-          f"'output == k=0': race outputs equal to plain decoding's with the same seed.", "",
+          f"'output == k=0': outputs equal to plain decoding's with the same seed.", "",
           md_table(["temperature", "k", "coupling", "acceptance", "tokens/step", "ms/token", "output == k=0"], rows, 3),
           "", *verdicts, "", machine_md(info)]
     write_results(args.out_dir, args.name, {"results": results, "machine": info, "args": vars(args)}, "\n".join(md))

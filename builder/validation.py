@@ -149,8 +149,11 @@ def build_output(out_dir: Path, force: bool) -> Iterator[Path]:
 
 
 def os_error_text(e: OSError) -> str:
-    """The file system's own refusal (no space, no permission, a file in the way) as one line naming the file."""
-    return f"{e.filename}: {e.strerror or e}" if e.filename else str(e.strerror or e)
+    """The file system's own refusal (no space, no permission, a file in the way) as one line naming the file (both,
+    for a rename)."""
+    what = e.strerror or next((a for a in e.args if isinstance(a, str)), type(e).__name__)
+    where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
+    return f"{where}: {what}" if where else what
 
 
 def check_tokenizer(src: Path) -> list[str]:

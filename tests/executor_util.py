@@ -5,10 +5,19 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
+from runtime.core.model_runner import ModelRunner
 from runtime.core.sampling_params import SamplingParams
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
 from runtime.executors.requests import RequestOutput
+
+
+def seeded_requests_take_rejection_sampling(mp: pytest.MonkeyPatch) -> None:
+    """Seeded sampled requests race (runtime.core.sampling); the others, whose seeds a test cannot choose, take
+    rejection sampling: this gives seeded requests the others' path, for tests of it."""
+    mp.setattr(ModelRunner, "_raced", lambda self, seqs: None)
 
 
 def hold_inbox_until(ex: Executor, event: threading.Event) -> None:

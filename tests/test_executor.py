@@ -24,6 +24,7 @@ import torch
 from conftest import tiny_config_dict
 from runtime.io.loading import load_engine
 from runtime.executors.base import ExecutorConfig
+from runtime.executors import native as native_executor
 from runtime.executors.native import Executor
 from runtime.executors.requests import RequestHandle, RequestOutput, RequestStats
 from runtime.core.kv_cache import free_memory_bytes
@@ -780,6 +781,7 @@ def test_shutdown_from_an_output_callback(engine, prompts, caplog) -> None:
         assert other.result(30).finish_reason == "cancelled"
         ex._thread.join(30)
         assert not ex._thread.is_alive() and not caplog.records, [r.getMessage() for r in caplog.records]
+        assert ex not in native_executor._live  # nothing keeps the stopped executor (its engine, its cache) alive
         with pytest.raises(RuntimeError, match="executor is shut down"):
             ex.submit(prompts[0], SamplingParams(max_tokens=2))
 
@@ -804,6 +806,26 @@ def test_max_queued_requests_sheds_load(engine, prompts, alone) -> None:
         assert [h.result(30).token_ids for h in queued] == [alone[3], alone[3]]
         assert ex.submit(prompts[3], params).result(30).token_ids == alone[3]
         assert_all_free(ex)
+    # the bound counts requests, not their sequences: an n = 3 request waiting (3 sequences behind a batch that is
+    # full) is one of the two
+    config = ExecutorConfig(num_draft_tokens=0, speculation="off", max_batch_size=3, max_queued_requests=2)
+    with Executor(engine, config) as ex:
+        sampled = SamplingParams(max_tokens=200, temperature=1.0, n=3, ignore_eos=True)
+        running = ex.submit(prompts[1], sampled)
+        deadline = time.monotonic() + 30
+        while ex.stats().running < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        waiting = ex.submit(prompts[2], dataclasses.replace(sampled, max_tokens=4))
+        while ex.stats().queued < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert (ex.stats().running, ex.stats().queued) == (3, 3)
+        taken = ex.submit(prompts[0], SamplingParams(max_tokens=4))
+        with pytest.raises(RuntimeError, match="the queue is full: 2 requests wait"):
+            ex.submit(prompts[0], SamplingParams(max_tokens=4))
+        running.cancel()
+        assert len(waiting.results(30)) == 3 and taken.result(30).finish_reason == "length"
+        assert_all_free(ex)
+
 
 def test_a_failing_step_loop_ends_every_request_and_refuses_new_ones(engine, prompts) -> None:
     """A bug outside the model step (here in the scheduler's bookkeeping) stops the loop: every request

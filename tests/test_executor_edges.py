@@ -706,13 +706,12 @@ def test_many_requests_beyond_max_batch_size(shipped_engine, corpus, alone) -> N
 
 
 # ---------------------------------------------------------------------------------------------
-# Seeded sampling: the same output alone and batched where the README promises it (k = 0, fixed k)
+# Seeded sampling: the same output alone and batched
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("speculation, k, kv", [("off", 0, None), ("fixed", 3, None), ("off", 0, 64)])
 def test_seeded_sampling_batched_equals_alone(shipped_engine, corpus, speculation, k, kv) -> None:
-    """README: 'A seed makes a sampled request repeat its output when its draft lengths repeat (k = 0, or a
-    fixed k)'. Alone vs beside greedy and other sampled requests arriving at other times (and, at k = 0,
-    under preemption in a 5-block cache)."""
+    """A seed makes a sampled request repeat its output: alone vs beside greedy and other sampled requests arriving
+    at other times (and, at k = 0, under preemption in a 5-block cache)."""
     params = [SamplingParams(max_tokens=20, temperature=0.9, seed=s, top_k=tk, top_p=tp, ignore_eos=True)
               for s, tk, tp in [(1, 0, 1.0), (2, 50, 1.0), (3, 0, 0.9)]]
     ps = [prompt(corpus, 0, 30), prompt(corpus, 120, 12), prompt(corpus, 240, 45)]

@@ -1,10 +1,10 @@
 """Edge cases of sampling with and without MTP speculation, SamplingParams validation and the Session API,
 on the shipped model in float32.
 
-- Lossless: over many seeds, the first two tokens sampled with a fixed k (rejection sampling against
-  the MTP's own temperature / top-k / top-p / bad-token distribution) follow the exact target
-  distribution (chi-square, p > 1e-4), as k = 0 does; banned tokens never appear.
-- Seeds: a seeded request repeats its output at a fixed k alone and in other batch compositions.
+- Lossless: over many seeds, the first two tokens sampled with a fixed k (by the race seeded requests run, and by
+  rejection sampling against the MTP's own temperature / top-k / top-p / bad-token distribution) follow the exact
+  target distribution (chi-square, p > 1e-4), as k = 0 does; banned tokens never appear.
+- Seeds: a seeded request repeats its output alone and in other batch compositions.
 - Validation: every bad value raises ValueError with the message the code defines, and the
   executor keeps serving afterwards.
 - Session: several prompts, streaming, stop strings inside multi-token steps, multi-byte text, finish
@@ -28,7 +28,7 @@ from runtime.core.sampling import SamplingTensors, probabilities
 from runtime.io.tokenizer import IncrementalDetokenizer
 
 from conftest import chi2_pvalue  # noqa: E402
-from executor_util import assert_all_free, hold_inbox_until  # noqa: E402
+from executor_util import assert_all_free, hold_inbox_until, seeded_requests_take_rejection_sampling  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -104,6 +104,7 @@ def lossless_params(shipped_engine, fib_prompt) -> SamplingParams:
 
 
 N_SEEDS = 1500
+REJECTION = "3-rejection"  # k = 3 with rejection sampling, which unseeded requests take
 
 
 OTHER_PROMPT = "import numpy as np\n"
@@ -119,10 +120,12 @@ def other_params(seed: int) -> SamplingParams:
 def lossless_runs(shipped_engine, shipped_tokenizer, fib_prompt, lossless_params):
     """k = 0: N_SEEDS requests of lossless_params. k = 3: the same requests (other seeds), with every
     other one followed by an `other_params` request and every sixth by a greedy request with bans, so
-    that rows of one verification differ in k, parameters and greediness."""
+    that rows of one verification differ in k, parameters and greediness; seeded, they race. REJECTION: k = 3's
+    run with rejection sampling (what unseeded requests take)."""
     runs = {}
     other_prompt = shipped_tokenizer.encode(OTHER_PROMPT)
-    for k in (0, 3):
+    for run_name in (0, 3, REJECTION):
+        k = 3 if run_name == REJECTION else run_name
         prompts, params, kinds = [], [], []
         for s in range(N_SEEDS):
             # at k = 3 four tokens, so that the first decode step really drafts 3 (drafts stop at max_tokens - 1)
@@ -135,18 +138,21 @@ def lossless_runs(shipped_engine, shipped_tokenizer, fib_prompt, lossless_params
             if k and s % 6 == 0:
                 prompts.append(other_prompt), kinds.append("greedy")
                 params.append(SamplingParams(max_tokens=3, bad_token_ids=(5, 6), ignore_eos=True))
-        outs, stats = run(shipped_engine, prompts, params, k)
-        runs[k] = ([o for o, kd in zip(outs, kinds) if kd == "main"], stats,
+        with pytest.MonkeyPatch.context() as mp:
+            if run_name == REJECTION:
+                seeded_requests_take_rejection_sampling(mp)
+            outs, stats = run(shipped_engine, prompts, params, k)
+        runs[run_name] = ([o for o, kd in zip(outs, kinds) if kd == "main"], stats,
                    {kd: [o for o, kk in zip(outs, kinds) if kk == kd] for kd in ("other", "greedy")})
     return runs
 
 
-@pytest.mark.parametrize("k", [0, 3])
+@pytest.mark.parametrize("k", [0, 3, REJECTION])
 def test_first_two_tokens_follow_the_target_with_top_k_top_p_temperature_and_a_ban(
         shipped_engine, fib_prompt, lossless_params, lossless_runs, k) -> None:
     """The first token and the (first, second) pair, sampled over 1500 seeds, follow the exact target
-    distribution after temperature / top-k / top-p / bad tokens, at k = 0 and at a fixed k = 3 (where
-    both accepted drafts and residual samples decide them)."""
+    distribution after temperature / top-k / top-p / bad tokens, at k = 0 and at a fixed k = 3, by the race and by
+    rejection sampling (where both accepted drafts and residual samples decide them)."""
     outs, stats, _ = lossless_runs[k]
     banned = lossless_params.bad_token_ids[0]
     assert all(len(o.token_ids) == (4 if k else 2) for o in outs)
@@ -254,7 +260,7 @@ def test_drafts_never_propose_banned_tokens(shipped_engine, shipped_tokenizer, h
 
 
 # ---------------------------------------------------------------------------------------------
-# Seeded sampling: same output alone and in other batch compositions (fixed k)
+# Seeded sampling: same output alone and in other batch compositions
 # ---------------------------------------------------------------------------------------------
 def greedy(n: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=n, ignore_eos=True, **kw)
@@ -262,9 +268,9 @@ def greedy(n: int, **kw) -> SamplingParams:
 
 @pytest.mark.parametrize("k", [0, 2, 3])
 def test_seeded_sampling_batched_equals_alone_with_bans_and_nucleus(shipped_engine, shipped_tokenizer, heldout, k) -> None:
-    """README: a seed repeats the output when draft lengths repeat (k = 0 or a fixed k). A top-p /
-    top-k / bad-token seeded request alone, twice in one batch, and beside greedy requests (with and
-    without bans), other sampled requests and a request that joins mid-way."""
+    """A seed repeats the output (at every draft length: tests/test_speculative.py). A top-p / top-k / bad-token
+    seeded request alone, twice in one batch, and beside greedy requests (with and without bans), other sampled
+    requests and a request that joins mid-way."""
     ps = [shipped_tokenizer.encode(t)[:n] for t, n in zip(heldout[:4], (18, 30, 9, 25))]
     sp = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.85, top_k=40, seed=123,
                         bad_token_ids=(ps[1][3], 13), ignore_eos=True)

@@ -38,6 +38,7 @@ from runtime.model.kernels.modules import GreedyStep, runs_here
 from runtime.core.plan import Scheduled, StepResult
 
 from conftest import REPO_ROOT, chi2_pvalue, tiny_config_dict
+from executor_util import seeded_requests_take_rejection_sampling
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -730,8 +731,8 @@ def test_accept_is_reproducible_and_seed_dependent(lossless_setup) -> None:
 
 
 def arrivals(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    key = torch.from_numpy(sampling._hashes(seeds, positions, sampling.PURPOSE_RACE)[0])
-    return sampling.arrivals(key, vocab_size)
+    hi, lo = (torch.from_numpy(h) for h in sampling._hashes(seeds, positions, sampling.PURPOSE_RACE))
+    return sampling.arrivals(hi, lo, vocab_size)
 
 
 def test_arrivals_are_exponential_and_keyed_by_seed_position_and_token() -> None:
@@ -744,6 +745,17 @@ def test_arrivals_are_exponential_and_keyed_by_seed_position_and_token() -> None
     for a, b in itertools.combinations(range(4), 2):  # another position, seed or seed half: other numbers
         assert abs(torch.corrcoef(torch.stack([e[a], e[b]]))[0, 1].item()) < 0.02
     assert torch.equal(arrivals(seeds[:1], positions[:1], 50_000)[0], e[0])  # a row's numbers are its own
+
+
+
+def test_the_race_draws_arrivals_small_enough_for_very_unlikely_tokens() -> None:
+    """A token of probability p wins only with an arrival E below about p x the winner's: a 32-bit uniform per token
+    cannot draw an E below 1.2e-10 (tokens under ~1e-10 were never picked); the 64-bit draw reaches 2.7e-20. The key
+    whose hash of token 7 is 0 (the hash maps 0 to 0) gives token 7 the least draw there is."""
+    codes = sampling._token_codes(64, torch.device("cpu"))
+    e = sampling.arrivals(codes[7:8], torch.zeros(1, dtype=torch.long), 64)[0]
+    assert e[7].item() == pytest.approx(2.0**-65, rel=1e-9) and (e[torch.arange(64) != 7] > 1e-12).all()
+    assert e[7].item() < 1e-19
 
 
 def test_the_race_in_one_kernel_call_is_the_torch_ops_pick(monkeypatch) -> None:
@@ -1025,18 +1037,12 @@ def test_a_tiny_temperature_samples_the_argmax() -> None:
     assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0]]))
 
 
-def rejection_sampling_for_seeded_requests(monkeypatch) -> None:
-    """Seeded sampled requests race (runtime.core.sampling); the others, whose seeds a test cannot choose, take
-    rejection sampling: this gives seeded requests the others' path, for tests of it."""
-    monkeypatch.setattr(ModelRunner, "_raced", lambda self, seqs: None)
-
-
 @pytest.mark.parametrize("coupling", ["race", "rejection"])
 def test_top_k_1_sampling_equals_greedy(tiny_engine, monkeypatch, coupling) -> None:
     """temperature > 0 with top_k=1 (or a tiny top_p) makes p and q one-hot: both acceptance rules (the rejection-
     sampling path with draft probs and residual max(0, p - q) too) must then reproduce greedy exactly."""
     if coupling == "rejection":
-        rejection_sampling_for_seeded_requests(monkeypatch)
+        seeded_requests_take_rejection_sampling(monkeypatch)
     tok = Tokenizer.from_dir(tiny_engine.tokenizer_dir)
     prompts = [tok.encode("import os"), tok.encode("And God said"), tok.encode("x")]
     greedy = SamplingParams(max_tokens=30, ignore_eos=True)
@@ -1055,7 +1061,7 @@ def test_first_token_distribution_matches_target(tiny_engine, monkeypatch, coupl
     seeded requests or by the rejection sampling of unseeded ones) follows the target softmax at the prompt's last
     position, and the second token the target's marginal over the first."""
     if coupling == "rejection":
-        rejection_sampling_for_seeded_requests(monkeypatch)
+        seeded_requests_take_rejection_sampling(monkeypatch)
     tok = Tokenizer.from_dir(tiny_engine.tokenizer_dir)
     prompt = tok.encode("for i in")
     n = 1500

@@ -476,6 +476,23 @@ def test_a_hostile_model_yaml_gets_a_short_error_naming_the_file(tmp_path: Path,
     assert str(e.value).startswith(f"{path}: ") and message in str(e.value) and len(str(e.value)) < 400, str(e.value)
 
 
+
+def test_yaml_merge_keys_override_without_being_duplicates(tmp_path: Path) -> None:
+    """`<<` merges bring in keys a mapping may override, also in a mapping that is itself a merge source (which
+    PyYAML flattens before constructing it): read as safe_load reads them; a key given twice is still refused."""
+    from runtime.io.yaml_file import read_yaml
+
+    for text in ("base: &b {x: 1, y: 2}\nd:\n  <<: *b\n  x: 5\n",
+                 "x:\n  defs: &m\n    <<: {a: 1}\n    a: 2\ny:\n  <<: *m\n",
+                 "x:\n  defs: &m {a: 1, <<: {a: 2}}\ny:\n  <<: *m\n",
+                 "a: &a {x: 1}\nb: &b {y: 2}\nc:\n  <<: [*a, *b]\n  x: 3\n"):
+        path = tmp_path / "doc.yaml"
+        path.write_text(text)
+        assert read_yaml(path) == yaml.safe_load(text), text
+    path.write_text("d:\n  <<: {x: 1}\n  x: 2\n  x: 3\n")
+    with pytest.raises(yaml.YAMLError, match="found duplicate key 'x'"):
+        read_yaml(path)
+
 def test_model_yaml_names_what_it_does_not_apply(tmp_path: Path, checkpoint: Path) -> None:
     llm = read_model_yaml(write_yaml(tmp_path, checkpoint, enable_attention_dp=True, tensor_parallel_size=8,
                                      speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2,

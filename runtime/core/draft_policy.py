@@ -13,14 +13,14 @@ from dataclasses import dataclass
 from runtime.core.plan import StepResult
 from runtime.core.sampling_params import SamplingParams
 
-# Greedy and sampled requests accept drafts at different rates (a sampled token is the draft's less often), so
-# the policy learns each apart: sampled traffic must not price drafts for greedy requests, nor the other way.
-GREEDY, SAMPLED = "greedy", "sampled"
-KINDS = (GREEDY, SAMPLED)
+# Greedy requests, seeded sampled ones (the race) and other sampled ones (rejection sampling) accept drafts at
+# different rates, so the policy learns each apart: sampled traffic must not price drafts for greedy requests.
+GREEDY, SEEDED, SAMPLED = "greedy", "seeded", "sampled"
+KINDS = (GREEDY, SEEDED, SAMPLED)
 
 
 def draft_kind(params: SamplingParams) -> str:
-    return GREEDY if params.greedy else SAMPLED
+    return GREEDY if params.greedy else SEEDED if params.races else SAMPLED
 
 
 @dataclass

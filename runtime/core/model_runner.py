@@ -177,7 +177,7 @@ class ModelRunner:
 
     def _raced(self, seqs: list[Sequence]) -> Tensor | None:
         """[B] bool: the sampled sequences of seeded requests, which race (runtime.core.sampling); None if none."""
-        raced = [s.params.seed is not None and not s.params.greedy for s in seqs]
+        raced = [s.params.races for s in seqs]
         return self._ids(raced).bool() if any(raced) else None
 
     def _catch_up(self, seqs: list[Sequence]) -> tuple[list[list[int]], list[int], list[int], Tensor, Tensor]:

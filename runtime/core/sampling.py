@@ -7,7 +7,7 @@ vectorized over the batch without per-request generator objects.
 Acceptance (rows are sequences, columns draft positions j = 0..k-1, target rows j = 0..k):
 - greedy: accept while the draft equals the target argmax; emit the argmax at the first mismatch;
 - seeded sampling (an exponential race, the Gumbel-max trick): target row j picks argmax_v p_j(v) / E_v with
-  E_v ~ Exp(1) hashed from (seed, position, v): a sample of p_j that depends only on the seed, the position and
+  E_v ~ Exp(1) hashed from (seed, position, v) (a 64-bit uniform each): a sample of p_j that depends only on the seed, the position and
   p_j. Drafts race on the MTP distribution with the same E at the same position; they are accepted while they
   equal the target's pick, and the pick at the first mismatch follows them. Every emitted token is the pick plain
   decoding makes at its position, so a seeded request's output is the same for every draft length, batch and load
@@ -111,17 +111,23 @@ def _token_codes(vocab_size: int, device: torch.device) -> Tensor:
 def race(probs: Tensor, seeds: Tensor, positions: Tensor) -> Tensor:
     """One token per row of probs [B, V], distributed as the row: argmax_v p(v) / E_v with E_v ~ Exp(1) a hash of
     (seed, position, v), the same for the same inputs. In one kernel call where the CPU kernels run (bit for bit the
-    torch ops' pick)."""
+    torch ops' pick); with torch ops a few rows at a time, since each row's draws take V float64 and int64 values."""
     if runs_here(probs.device, probs.dtype):
         return cpu_kernels().race(probs.contiguous(), seeds.contiguous(), positions.contiguous(), PURPOSE_RACE)
-    key = torch.from_numpy(_hashes(seeds, positions, PURPOSE_RACE)[0]).to(probs.device)
-    return (probs.double() / arrivals(key, probs.shape[-1])).argmax(-1)
+    hi, lo = (torch.from_numpy(h).to(probs.device) for h in _hashes(seeds, positions, PURPOSE_RACE))
+    rows = max(1, 2**20 // probs.shape[-1])
+    return torch.cat([(probs[i : i + rows].double() / arrivals(hi[i : i + rows], lo[i : i + rows], probs.shape[-1]))
+                      .argmax(-1) for i in range(0, probs.shape[0], rows)])
 
 
-def arrivals(keys: Tensor, vocab_size: int) -> Tensor:
-    """The race's Exp(1) draws [B, V] float64 of each row's 32-bit key."""
-    u = (_mix32(keys[:, None] ^ _token_codes(vocab_size, keys.device)).double() + 0.5) / 2.0**32
-    return -torch.log(u)
+def arrivals(hi: Tensor, lo: Tensor, vocab_size: int) -> Tensor:
+    """The race's Exp(1) draws [B, V] float64 from each row's two 32-bit keys: E = -log(1 - w) with w a 64-bit
+    uniform, so that a token as unlikely as 1e-15 still wins as often as it should (a 32-bit draw cannot make E
+    smaller than 1.2e-10)."""
+    x1 = _mix32(hi[:, None] ^ _token_codes(vocab_size, hi.device))
+    x2 = _mix32(x1 ^ lo[:, None])
+    w = (x1.double() * 2.0**32 + x2.double() + 0.5) / 2.0**64
+    return -torch.log1p(-w)
 
 
 # ---- distributions ---------------------------------------------------------------------------

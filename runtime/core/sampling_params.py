@@ -173,6 +173,12 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def races(self) -> bool:
+        """Sampled with a seed: each token is an exponential race its drafts run too (runtime.core.sampling), so the
+        output is plain decoding's at every draft length; without a seed, rejection sampling (more drafts accepted)."""
+        return self.seed is not None and not self.greedy
+
+    @property
     def num_sequences(self) -> int:
         """Sequences a request runs: best_of, or n."""
         return self.n if self.best_of is None else self.best_of

@@ -128,6 +128,9 @@ class Executor:
         self._error: str | None = None  # why the step loop stopped, if it failed
         self._progress = time.monotonic()  # when the step loop last began a step (or an idle wait)
         self._submit_lock = threading.Lock()  # a submit either lands before shutdown or is refused
+        # requests with sequences waiting to be scheduled, counted by the step loop under _submit_lock as it takes them
+        # from the inbox and schedules: with the inbox's, what max_queued_requests bounds
+        self._waiting_requests = 0
 
     def _kv_capacity(self, bytes_per_token: int, k: int, block: int) -> int:
         """KV cache tokens: kv_cache_tokens, or room for max_batch_size sequences of max_seq_len, within
@@ -210,7 +213,7 @@ class Executor:
                 self._ids.release(rid)
                 raise RuntimeError(f"executor is shut down{f' ({self._error})' if self._error else ''}")
             bound = self.config.max_queued_requests
-            if bound is not None and self._queued() >= bound:
+            if bound is not None and self._waiting_requests + self._submitted_not_seen() >= bound:
                 self._ids.release(rid)
                 raise RuntimeError(f"the queue is full: {bound} requests wait to be scheduled (max_queued_requests); "
                                    "try again later")
@@ -363,6 +366,7 @@ class Executor:
             self._finish(rid, "error" if error else "cancelled", error=error)
         if self.ranks is not None:  # no call in flight now (shutdown closes them too, if the loop is slow to stop)
             self.ranks.close()
+        _live.discard(self)  # nothing left to stop at exit (also when shutdown() came from a callback)
 
     def _step(self) -> None:
         if self.ranks is not None:
@@ -374,6 +378,8 @@ class Executor:
             return
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
+        with self._submit_lock:
+            self._count_waiting()
         if not plan:  # everything waits for blocks that running requests will free
             self._wake.wait(0.01)
             self._wake.clear()
@@ -428,20 +434,26 @@ class Executor:
 
     def _drain_inbox(self) -> None:
         while True:
-            try:
-                kind, item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "add":
-                self._groups[item[0][1].request_id] = [seq.request_id for seq, _ in item]
-                for seq, tracker in item:
-                    self._requests[seq.request_id] = (seq, tracker)
-                    self.scheduler.add(seq)
-            else:
-                rid, handle = item
-                for key in list(self._groups.get(rid, ())):
-                    if handle is None or self._requests[key][1].handle is handle:
-                        self._finish(key, "cancelled")
+            with self._submit_lock:  # a request taken in is counted waiting at once (max_queued_requests)
+                try:
+                    kind, item = self._inbox.get_nowait()
+                except queue.Empty:
+                    self._count_waiting()
+                    return
+                if kind == "add":
+                    self._groups[item[0][1].request_id] = [seq.request_id for seq, _ in item]
+                    for seq, tracker in item:
+                        self._requests[seq.request_id] = (seq, tracker)
+                        self.scheduler.add(seq)
+                    self._waiting_requests += 1
+                    continue
+            rid, handle = item  # a cancel: its callbacks run outside the lock (they may submit)
+            for key in list(self._groups.get(rid, ())):
+                if handle is None or self._requests[key][1].handle is handle:
+                    self._finish(key, "cancelled")
+
+    def _count_waiting(self) -> None:
+        self._waiting_requests = len({id(seq.leader or seq) for seq in self.scheduler.waiting})
 
     def _finish(self, request_id: str, reason: str, new: list[int] | None = None, delta: str = "",
                 error: str | None = None) -> None:

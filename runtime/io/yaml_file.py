@@ -14,21 +14,29 @@ _MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            if key_node.tag == _MERGE_TAG:  # `<<: *base` then an explicit key overrides the base's: not a repeat
-                continue
-            key = self.construct_object(key_node, deep=deep)
-            try:
-                repeated = key in seen
-                seen.add(key)
-            except TypeError:  # an unhashable key: SafeLoader's own construct_mapping refuses it with its position
-                break
-            if repeated:
-                raise ConstructorError("while constructing a mapping", node.start_mark,
-                                       f"found duplicate key {reprlib.repr(key)}", key_node.start_mark)
-        return super().construct_mapping(node, deep)
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._checked: set[int] = set()  # mappings already checked: flattening puts merged keys into them
+
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        """Refuse a key given twice before `<<` merges bring in keys its own may override (PyYAML may flatten a
+        mapping used as a merge source before constructing it, so the check cannot wait until then)."""
+        if id(node) not in self._checked:
+            self._checked.add(id(node))
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                if key_node.tag == _MERGE_TAG:
+                    continue
+                key = self.construct_object(key_node, deep=False)
+                try:
+                    repeated = key in seen
+                    seen.add(key)
+                except TypeError:  # an unhashable key: SafeLoader's construct_mapping refuses it with its position
+                    break
+                if repeated:
+                    raise ConstructorError("while constructing a mapping", node.start_mark,
+                                           f"found duplicate key {reprlib.repr(key)}", key_node.start_mark)
+        super().flatten_mapping(node)
 
 
 def read_yaml(path: Path) -> Any:

@@ -114,12 +114,21 @@ class OpenAIServer:
 
     def _submit(self, g: Generation, chat: bool) -> list[RequestHandle]:
         """One executor request per prompt, with its n choices (the executor shares the prompt between them);
-        several prompts are all checked before any is submitted (submit checks one)."""
+        several prompts are all checked before any is submitted (submit checks one), and those submitted are
+        cancelled if a later one is refused (a full queue): the client's retry must not find them running."""
+        handles: list[RequestHandle] = []
         try:
             if len(g.prompts) > 1:
                 for ids in g.prompts:
                     self.executor.validate(ids, g.params)
-            return [self.executor.submit(ids, g.params, request_id=f"{g.id}-{p}") for p, ids in enumerate(g.prompts)]
+            for p, ids in enumerate(g.prompts):
+                try:
+                    handles.append(self.executor.submit(ids, g.params, request_id=f"{g.id}-{p}"))
+                except Exception:
+                    for h in handles:
+                        h.cancel()
+                    raise
+            return handles
         except ValueError as e:  # a chat's prompt is its messages; the grammar engine's refusals name the guide
             names = {"prompt": "messages" if chat else "prompt", "guided_decoding": g.guide_parameter or ""}
             raise APIError(g.guide_message(str(e)), protocol.parameter_of(str(e), names)) from None

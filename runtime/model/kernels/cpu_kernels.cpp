@@ -1382,10 +1382,10 @@ torch::Tensor uniforms(const torch::Tensor& seeds, const torch::Tensor& position
   return out;
 }
 
-// One token per row of probs [R, V]: argmax_v p(v) / E_v with E_v = -log((mix32(key ^ mix32(v + 0x9E3779B9)) + 0.5)
-// / 2^32), key the row's seed_hash (runtime.core.sampling.race, bit for bit). E_v >= 1 - u_v, so a token whose
-// p(v) / (1 - u_v) cannot beat the best so far needs no log: most of a vocabulary is passed over on a hash and a
-// division.
+// One token per row of probs [R, V]: argmax_v p(v) / E_v with E_v = -log1p(-w_v), w_v = (x1 2^32 + x2 + 0.5) / 2^64,
+// x1 = mix32(hi ^ mix32(v + 0x9E3779B9)), x2 = mix32(x1 ^ lo), (hi, lo) the row's seed_hash (runtime.core.sampling.race,
+// bit for bit). E_v >= w_v >= x1 / 2^32, so a token whose p(v) / (x1 / 2^32) cannot beat the best so far needs neither
+// x2 nor a log: most of a vocabulary is passed over on a hash and a division.
 torch::Tensor race(const torch::Tensor& probs, const torch::Tensor& seeds, const torch::Tensor& positions,
                    int64_t purpose) {
   check(probs.dim() == 2 && probs.scalar_type() == torch::kFloat && probs.is_contiguous(),
@@ -1399,16 +1399,18 @@ torch::Tensor race(const torch::Tensor& probs, const torch::Tensor& seeds, const
   parallel(R, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* row = p + r * V;
-      const uint32_t key = seed_hash(s[r], pos[r], purpose);
+      uint32_t lo;
+      const uint32_t hi = seed_hash(s[r], pos[r], purpose, &lo);
       double best = -1.0;
       int64_t pick = 0;
       for (int64_t v = 0; v < V; ++v) {
         if (!(row[v] > 0.0f)) continue;
-        const double u = (static_cast<double>(mix32(key ^ mix32(static_cast<uint32_t>(v) + 0x9E3779B9u))) + 0.5) /
-                         4294967296.0;
+        const uint32_t x1 = mix32(hi ^ mix32(static_cast<uint32_t>(v) + 0x9E3779B9u));
         const double pv = static_cast<double>(row[v]);
-        if (pv / (1.0 - u) * (1.0 + 1e-12) <= best) continue;
-        const double score = pv / -std::log(u);
+        if (x1 != 0 && pv / (static_cast<double>(x1) / 4294967296.0) * (1.0 + 1e-12) <= best) continue;
+        const uint32_t x2 = mix32(x1 ^ lo);
+        const double w = (static_cast<double>(x1) * 4294967296.0 + static_cast<double>(x2) + 0.5) / 18446744073709551616.0;
+        const double score = pv / -std::log1p(-w);
         if (score > best) best = score, pick = v;
       }
       o[r] = pick;
