@@ -169,35 +169,30 @@ def test_stop_strings_and_echo(server: Server, plain: Session) -> None:
     assert r.choices[0].text == PROMPTS[0] + full
 
 
-def test_n_choices_with_a_seed_repeat_and_differ(server: Server, plain_seeded: Session) -> None:
+def test_n_choices_with_a_seed_repeat_and_differ(server: Server, plain: Session) -> None:
     kw = dict(model="deepseek-v3-mini", prompt=PROMPTS[1], max_tokens=TOKENS, temperature=1.0, n=3, seed=7)
     a, b = server.client.completions.create(**kw), server.client.completions.create(**kw)
     texts = [c.text for c in a.choices]
     assert texts == [c.text for c in b.choices] and [c.index for c in a.choices] == [0, 1, 2]
     assert len(set(texts)) > 1  # choice i samples with seed + i
-    # one executor request with n = 3 (the prompt computed once): choice i is the request seeded 7 + i
-    assert texts == [_plain_text_of(plain_seeded, PROMPTS[1], 7 + i) for i in range(3)]
-    assert a.usage.completion_tokens == 3 * TOKENS and a.usage.prompt_tokens == len(plain_seeded.tokenizer.encode(PROMPTS[1]))
+    # one executor request with n = 3 (the prompt computed once): choice i is the request seeded 7 + i, and what
+    # plain decoding (k = 0) samples with that seed, the server drafting 3
+    assert texts == [_plain_text_of(plain, PROMPTS[1], 7 + i) for i in range(3)]
+    assert a.usage.completion_tokens == 3 * TOKENS and a.usage.prompt_tokens == len(plain.tokenizer.encode(PROMPTS[1]))
 
 
 def _plain_text_of(session: Session, prompt: str, seed: int) -> str:
-    """A sampled request on the server's settings (k = 3, fixed): what one choice of the server's gives."""
+    """A seeded sampled request decoded plainly: what one choice of the server's gives at any draft length."""
     params = SamplingParams(max_tokens=TOKENS, temperature=1.0, seed=seed)
     return session.executor.submit(session.tokenizer.encode(prompt), params).result().text
 
 
-@pytest.fixture(scope="module")
-def plain_seeded(shipped_model_dir: Path) -> Iterator[Session]:
-    with Session(shipped_model_dir, num_draft_tokens=3, speculation="fixed") as s:
-        yield s
-
-
-def test_best_of_returns_the_n_most_likely_candidates(server: Server, plain_seeded: Session) -> None:
+def test_best_of_returns_the_n_most_likely_candidates(server: Server, plain: Session) -> None:
     r = server.client.completions.create(model="deepseek-v3-mini", prompt=PROMPTS[2], max_tokens=TOKENS,
                                          temperature=1.0, n=2, best_of=4, seed=3)
-    ids = plain_seeded.tokenizer.encode(PROMPTS[2])
-    candidates = [plain_seeded.executor.submit(ids, SamplingParams(max_tokens=TOKENS, temperature=1.0, seed=3 + i,
-                                                                   logprobs=0)).result() for i in range(4)]
+    ids = plain.tokenizer.encode(PROMPTS[2])
+    candidates = [plain.executor.submit(ids, SamplingParams(max_tokens=TOKENS, temperature=1.0, seed=3 + i,
+                                                            logprobs=0)).result() for i in range(4)]
     best = sorted(candidates, key=lambda c: c.cumulative_logprob, reverse=True)[:2]
     assert [c.text for c in r.choices] == [c.text for c in best] and [c.index for c in r.choices] == [0, 1]
     assert r.choices[0].logprobs is None and r.usage.completion_tokens == 2 * TOKENS
