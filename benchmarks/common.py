@@ -238,6 +238,15 @@ def closed_loop_clients(num_requests: int, concurrency: int, send: Callable[[int
 
 
 # ---- statistics -----------------------------------------------------------------------------
+def drafting_summary(outs: Sequence[Any]) -> dict[str, Any]:
+    """Requests' drafting in all: drafts, accepted drafts, acceptance and tokens per step (outputs' stats)."""
+    drafted = sum(o.stats.num_draft_tokens for o in outs)
+    accepted = sum(o.stats.num_accepted_draft_tokens for o in outs)
+    return {"requests": len(outs), "draft_tokens": drafted, "accepted_draft_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "tokens_per_step": sum(o.stats.output_tokens for o in outs) / sum(o.stats.num_steps for o in outs)}
+
+
 def mean(xs: Iterable[float | None]) -> float | None:
     xs = [x for x in xs if x is not None and not math.isnan(x)]
     return statistics.fmean(xs) if xs else None

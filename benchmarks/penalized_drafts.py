@@ -26,8 +26,9 @@ from typing import Any, Callable
 
 from tqdm import tqdm
 
-from benchmarks.common import (add_common_args, check_minimums, comma_list, load_prompts, machine_info, machine_md,
-                               md_table, parse_with_quick, round_robin_by_source, set_threads, write_results)
+from benchmarks.common import (add_common_args, check_minimums, comma_list, drafting_summary, load_prompts,
+                               machine_info, machine_md, md_table, parse_with_quick, round_robin_by_source, set_threads,
+                               write_results)
 from runtime.core.model_runner import ModelRunner
 from runtime.core.sampling_params import SamplingParams
 from runtime.executors.base import ExecutorConfig
@@ -68,14 +69,6 @@ def serve(engine: Any, k: int, drafts: str, texts: list[str], params: list[Sampl
         return [h.result() for h in [ex.submit(p, sp) for p, sp in zip(prompts, params)]]
 
 
-def summarize(outs: list[Any]) -> dict[str, Any]:
-    drafted = sum(o.stats.num_draft_tokens for o in outs)
-    accepted = sum(o.stats.num_accepted_draft_tokens for o in outs)
-    return {"requests": len(outs), "draft_tokens": drafted, "accepted_draft_tokens": accepted,
-            "acceptance_rate": accepted / drafted if drafted else None,
-            "tokens_per_step": sum(o.stats.output_tokens for o in outs) / sum(o.stats.num_steps for o in outs)}
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
@@ -104,7 +97,7 @@ def main() -> None:
     runs = [(k, mode, d) for k in ks for mode in modes for d in DRAFTS]
     for k, mode, d in tqdm(runs, desc="penalized_drafts", dynamic_ncols=True):
         outs = serve(engine, k, d, texts, modes[mode], args.device)
-        s = summarize(outs)
+        s = drafting_summary(outs)
         # the target rows decide every token (greedy: argmaxes; seeded sampling: races): drafts must not change them
         s["output_equals_k0"] = sum(o.token_ids == r for o, r in zip(outs, reference[mode]))
         results.setdefault(f"k{k}", {}).setdefault(mode, {})[d] = s

@@ -21,9 +21,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from benchmarks.common import (add_common_args, check_minimums, comma_list, load_prompts, machine_info, machine_md,
-                               md_table, mean, parse_with_quick, ratio, round_robin_by_source, set_threads,
-                               write_results)
+from benchmarks.common import (add_common_args, check_minimums, comma_list, drafting_summary, load_prompts,
+                               machine_info, machine_md, md_table, mean, parse_with_quick, ratio, round_robin_by_source,
+                               set_threads, write_results)
 from runtime.core.sampling_params import SamplingParams
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
@@ -47,14 +47,6 @@ def serve(engine: Any, k: int, coupling: str, prompts: list[list[int]], params: 
             outs.append(out)
             tpots.append((time.perf_counter() - t0) / len(out.token_ids))
     return outs, mean(tpots)
-
-
-def summarize(outs: list[Any]) -> dict[str, Any]:
-    drafted = sum(o.stats.num_draft_tokens for o in outs)
-    accepted = sum(o.stats.num_accepted_draft_tokens for o in outs)
-    return {"draft_tokens": drafted, "accepted_draft_tokens": accepted,
-            "acceptance_rate": accepted / drafted if drafted else None,
-            "tokens_per_step": sum(o.stats.output_tokens for o in outs) / sum(o.stats.num_steps for o in outs)}
 
 
 def main() -> None:
@@ -93,7 +85,7 @@ def main() -> None:
                 for k, c in order:
                     outs, tpot = serve(engine, k, c, prompts, params, args.device)
                     # seeded at a fixed k, every round decodes the same tokens: acceptance from the first
-                    entry = results.setdefault(f"T{t}_k{k}", {}).setdefault(c, summarize(outs) | {"tpot_ms": []})
+                    entry = results.setdefault(f"T{t}_k{k}", {}).setdefault(c, drafting_summary(outs) | {"tpot_ms": []})
                     entry["tpot_ms"].append(1e3 * tpot)
                     # the race's tokens are plain decoding's, whatever the drafts; rejection sampling's are others
                     entry["output_equals_k0"] = sum(o.token_ids == q.token_ids for o, q in zip(outs, plain))
