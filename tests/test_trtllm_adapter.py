@@ -608,6 +608,22 @@ def test_an_engines_option_sections_must_be_mappings(engine_dir: Path, tmp_path:
         "found duplicate key 'kv_cache_config'" in str(e.value), str(e.value)
 
 
+
+def test_dsv3_serve_on_a_trtllm_engine_without_tensorrt_llm_is_one_line(engine_dir: Path, capsys) -> None:
+    """Where TensorRT-LLM is not installed, dsv3-serve on a --backend trtllm engine says where it runs (a 25-line
+    traceback before), as its other start-up refusals do."""
+    import importlib.util
+
+    pytest.importorskip("fastapi")
+    from serving.openai_server.cli import main
+
+    if importlib.util.find_spec("tensorrt_llm") is not None:
+        pytest.skip("TensorRT-LLM is installed here")
+    assert main([str(engine_dir), "--port", "18977", "--no-engine_process"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dsv3-serve: TensorRT-LLM is not available") and "--backend native" in err, err
+    assert "Traceback" not in err and len(err.splitlines()) == 2, err  # the message and the import's own error
+
 def test_engine_directory_checks(engine_dir: Path, spec_checkpoint: Path, tmp_path: Path) -> None:
     assert engine_backend(engine_dir) == "trtllm" and engine_backend(spec_checkpoint) is None
     assert TrtllmEngine.open(engine_dir).model_dir == engine_dir / "hf"

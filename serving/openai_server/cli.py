@@ -23,6 +23,7 @@ import uvicorn
 
 from runtime.executors.base import ExecutorConfig, create_executor
 from runtime.executors.process import EngineProcessError, ProcessExecutor, use_engine_process
+from runtime.executors.trtllm import TensorRTLLMUnavailable
 from serving.openai_server.app import api_key_problem, create_app
 from serving.triton_parameters import MAX_TORCH_THREADS
 
@@ -62,7 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num_draft_tokens", type=int, help="MTP draft length (default: 3 where the model has an "
                    "MTP layer, at most the engine's max_draft_len; 0: plain decoding)")
     p.add_argument("--speculation", choices=("fixed", "adaptive"), default="adaptive",
-                   help="fixed: num_draft_tokens every step; adaptive: up to that many, by batch size and acceptance")
+                   help="fixed: num_draft_tokens every step; adaptive (the default): up to that many, by batch size and "
+                        "acceptance")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     p.add_argument("--dtype", help="compute dtype (default: the engine's choice for the device)")
     p.add_argument("--max_batch_size", type=int)
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             max_queued_requests=args.max_queued_requests)
         executor = (ProcessExecutor(args.model, config, torch_threads=args.torch_threads)
                     if use_engine_process(args.engine_process, args.device) else create_executor(args.model, config))
-    except (ValueError, FileNotFoundError, EngineProcessError) as e:
+    except (ValueError, FileNotFoundError, EngineProcessError, TensorRTLLMUnavailable) as e:
         print(f"dsv3-serve: {e}", file=sys.stderr)
         return 2
     name = args.served_model_name or args.model.resolve().name
