@@ -787,43 +787,42 @@ def test_shutdown_from_an_output_callback(engine, prompts, caplog) -> None:
 
 
 def test_max_queued_requests_sheds_load(engine, prompts, alone) -> None:
-    """With max_queued_requests, a submit while that many requests wait to be scheduled is refused at once (the
-    servers answer 503 / UNAVAILABLE) instead of waiting behind them; the queued ones run as they would have, and
-    submits are taken again once the queue drains. Without it the queue has no bound (as vLLM)."""
+    """With max_queued_requests, a submit while that many requests wait to be scheduled (the batch is full; an n = 3
+    request is one) is refused at once (dsv3-serve answers 503) instead of waiting behind them; the queued ones run
+    as they would have, and submits are taken again once the queue drains. A burst on an idle server is admitted as
+    far as the batch takes it (requests not yet taken in by the step loop are not counted). Without the setting the
+    queue has no bound (as vLLM)."""
     with pytest.raises(ValueError, match=r"^max_queued_requests must be an integer >= 1, got 0$"):
         ExecutorConfig(max_queued_requests=0)
-    with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed", max_queued_requests=2)) as ex:
+    with pytest.raises(ValueError, match=r"^max_queued_requests must be an integer >= 1, got True$"):
+        ExecutorConfig(max_queued_requests=True)
+    with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed", max_queued_requests=1)) as ex:
         go = threading.Event()
         hold_inbox_until(ex, go)
         params = SamplingParams(max_tokens=MAX_TOKENS[3], ignore_eos=True)
-        queued = [ex.submit(prompts[3], params), ex.submit(prompts[3], params)]
-        with pytest.raises(RuntimeError) as e:
-            ex.submit(prompts[1], SamplingParams(max_tokens=5))
-        assert str(e.value) == ("the queue is full: 2 requests wait to be scheduled (max_queued_requests); "
-                                "try again later")
-        assert ex.stats().queued == 2
+        burst = [ex.submit(prompts[3], params) for _ in range(4)]  # an idle server, a batch of 8: all taken
         go.set()
-        assert [h.result(30).token_ids for h in queued] == [alone[3], alone[3]]
-        assert ex.submit(prompts[3], params).result(30).token_ids == alone[3]
-        assert_all_free(ex)
-    # the bound counts requests, not their sequences: an n = 3 request waiting (3 sequences behind a batch that is
-    # full) is one of the two
+        assert [h.result(30).token_ids for h in burst] == [alone[3]] * 4
     config = ExecutorConfig(num_draft_tokens=0, speculation="off", max_batch_size=3, max_queued_requests=2)
     with Executor(engine, config) as ex:
         sampled = SamplingParams(max_tokens=200, temperature=1.0, n=3, ignore_eos=True)
-        running = ex.submit(prompts[1], sampled)
+        running = ex.submit(prompts[1], sampled)  # fills the batch
         deadline = time.monotonic() + 30
         while ex.stats().running < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
-        waiting = ex.submit(prompts[2], dataclasses.replace(sampled, max_tokens=4))
-        while ex.stats().queued < 3 and time.monotonic() < deadline:
+        waiting = [ex.submit(prompts[2], dataclasses.replace(sampled, max_tokens=4)),
+                   ex.submit(prompts[0], SamplingParams(max_tokens=4))]
+        while ex._waiting_requests < 2 and time.monotonic() < deadline:  # as the step loop last counted them
             time.sleep(0.01)
-        assert (ex.stats().running, ex.stats().queued) == (3, 3)
-        taken = ex.submit(prompts[0], SamplingParams(max_tokens=4))
-        with pytest.raises(RuntimeError, match="the queue is full: 2 requests wait"):
+        assert (ex.stats().running, ex.stats().queued) == (3, 4)  # sequences: the metric; requests: the bound
+        with pytest.raises(RuntimeError) as e:
             ex.submit(prompts[0], SamplingParams(max_tokens=4))
+        assert str(e.value) == ("the queue is full: 2 requests wait to be scheduled (max_queued_requests); "
+                                "try again later")
         running.cancel()
-        assert len(waiting.results(30)) == 3 and taken.result(30).finish_reason == "length"
+        assert len(waiting[0].results(30)) == 3 and waiting[1].result(30).finish_reason == "length"
+        assert ex.submit(prompts[3], SamplingParams(max_tokens=MAX_TOKENS[3], ignore_eos=True)).result(30).token_ids \
+            == alone[3]
         assert_all_free(ex)
 
 

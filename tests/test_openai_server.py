@@ -421,7 +421,7 @@ def test_a_grammar_that_fails_while_generating_is_a_400_naming_its_parameter() -
 
 def test_a_multi_prompt_request_refused_midway_leaves_nothing_running(shipped_engine) -> None:
     """A completions request of several prompts submits one executor request per prompt; when a later one is refused
-    (here the queue is full: 503), those already submitted are cancelled, so neither the refused client nor its
+    (here the third: a full queue, 503), those already submitted are cancelled, so neither the refused client nor its
     retry pays for them."""
     import threading
 
@@ -431,22 +431,30 @@ def test_a_multi_prompt_request_refused_midway_leaves_nothing_running(shipped_en
     from serving.openai_server.app import OpenAIServer
     from serving.openai_server.protocol import APIError, Generation
 
-    with Executor(shipped_engine, ExecutorConfig(num_draft_tokens=0, speculation="off", max_queued_requests=2)) as ex:
+    with Executor(shipped_engine, ExecutorConfig(num_draft_tokens=0, speculation="off")) as ex:
         go = threading.Event()
         hold_inbox_until(ex, go)
-        cancelled: list[str] = []
+        outputs: list[str | None] = []
         submit = ex.submit
-        ex.submit = lambda *a, **kw: submit(*a, on_output=lambda o: cancelled.append(o.finish_reason), **kw)
+
+        def third_refused(*args, **kw):
+            if len(outputs) == 2:  # two submitted
+                raise RuntimeError("the queue is full: 1 requests wait to be scheduled (max_queued_requests)")
+            outputs.append(None)
+            return submit(*args, on_output=lambda o: outputs.append(o.finish_reason), **kw)
+
+        ex.submit = third_refused
         g = Generation([[1, 2, 3]] * 3, SamplingParams(max_tokens=50, ignore_eos=True))
         with pytest.raises(APIError) as e:
             OpenAIServer(ex, "m")._submit(g, chat=False)
         assert e.value.status == 503 and "the queue is full" in e.value.message
         go.set()
         deadline = time.monotonic() + 30
-        while len(cancelled) < 2 and time.monotonic() < deadline:
+        while len(outputs) < 4 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert cancelled == ["cancelled", "cancelled"]
+        assert outputs[2:] == ["cancelled", "cancelled"]
         assert_all_free(ex)
+
 
 @pytest.mark.parametrize("template, error", [
     ("{% for i in range(10**9) %}{% endfor %}", "OverflowError"),  # past the sandbox's range limit

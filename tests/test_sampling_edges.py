@@ -382,9 +382,9 @@ def validation_executor(shipped_engine, fib_prompt):
 
 
 def test_valid_edge_values_are_accepted(validation_executor) -> None:
-    """The edges of the documented ranges are valid: seed 0 and 2^63 - 1, top_p 1, top_k above the
-    vocabulary, logprobs 0 and 20, penalties at their limits, min_tokens = max_tokens, bans of all tokens
-    but one."""
+    """The edges of the documented ranges are valid: seed 0 and 2^63 - 1 (numpy integers too, the same seed), top_p 1,
+    top_k above the vocabulary, logprobs 0 and 20, penalties at their limits, min_tokens = max_tokens, bans of all
+    tokens but one."""
     import numpy as np
 
     ex, prompt, _ = validation_executor
@@ -395,6 +395,12 @@ def test_valid_edge_values_are_accepted(validation_executor) -> None:
                dict(presence_penalty=-2, frequency_penalty=2), dict(min_tokens=3)):
         out = ex.submit(prompt, SamplingParams(max_tokens=3, ignore_eos=True, **kw)).result(30)
         assert out.finish_reason == "length" and len(out.token_ids) == 3
+    # a numpy seed is the same seed as the Python int (np.int64 + 1 overflowed, and % 2**63 of it was a float)
+    for seed in (2**63 - 1, 2**60 + 1):
+        outs = [ex.submit(prompt, SamplingParams(max_tokens=6, temperature=1.0, n=3, seed=s, ignore_eos=True)).results(30)
+                for s in (seed, np.int64(seed), np.uint64(seed))]
+        assert [o.token_ids for o in outs[1]] == [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[2]]
+        assert len({tuple(o.token_ids) for o in outs[0]}) > 1  # each sequence its own seed
     # everything but one token banned: greedy and sampled both emit only that token
     keep = 77
     ban = [t for t in range(4096) if t != keep]

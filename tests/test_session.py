@@ -475,6 +475,30 @@ def test_an_interrupted_generate_cancels_its_requests(session, monkeypatch) -> N
     assert after.generated_tokens - before.generated_tokens < 4 * (MAX_SEQ_LEN - 24)
 
 
+
+def test_a_generate_refused_midway_cancels_what_it_submitted(session, monkeypatch) -> None:
+    """A submit refused after others were made (a full queue: max_queued_requests) raises from generate(), and the
+    prompts already submitted are cancelled: their handles were lost with the exception, nobody could read them."""
+    wait_idle(session)
+    before = session.executor.stats()
+    submit, made = session.executor.submit, []
+
+    def refused_third(*args, **kw):
+        if len(made) == 2:
+            raise RuntimeError("the queue is full: 1 requests wait to be scheduled (max_queued_requests)")
+        made.append(submit(*args, **kw))
+        return made[-1]
+
+    monkeypatch.setattr(session.executor, "submit", refused_third)
+    with pytest.raises(RuntimeError, match="the queue is full"):
+        session.generate([PROMPT] * 4, SamplingParams(max_tokens=MAX_SEQ_LEN - 24, ignore_eos=True))
+    monkeypatch.undo()
+    wait_idle(session)
+    after = session.executor.stats()
+    assert [h.results(30)[0].finish_reason for h in made] == ["cancelled", "cancelled"]
+    assert after.kv_blocks_used == 0 and after.requests_finished == before.requests_finished + 2
+    assert after.generated_tokens - before.generated_tokens < 2 * (MAX_SEQ_LEN - 24)
+
 def test_two_threads_iterating_one_handle_both_end(session) -> None:
     """Each output goes to one of them; the one that did not take the final output waited for ever."""
     import threading

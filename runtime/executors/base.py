@@ -62,7 +62,7 @@ class ExecutorConfig:
             raise ValueError(f"speculation must be 'off', 'fixed' or 'adaptive', got {self.speculation!r}")
         for name in ("max_batch_size", "max_num_tokens", "max_seq_len", "kv_cache_tokens", "max_queued_requests"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not isinstance(self.enable_block_reuse, bool):
             raise ValueError(f"enable_block_reuse must be true or false, got {self.enable_block_reuse!r}")

@@ -128,8 +128,9 @@ class Executor:
         self._error: str | None = None  # why the step loop stopped, if it failed
         self._progress = time.monotonic()  # when the step loop last began a step (or an idle wait)
         self._submit_lock = threading.Lock()  # a submit either lands before shutdown or is refused
-        # requests with sequences waiting to be scheduled, counted by the step loop under _submit_lock as it takes them
-        # from the inbox and schedules: with the inbox's, what max_queued_requests bounds
+        # requests with sequences the scheduler left waiting (an n > 1 request is one), counted by the step loop after
+        # each schedule: what max_queued_requests bounds. Requests still in the inbox are not counted: a burst on an
+        # idle server is admitted as far as the batch takes it, and the bound is exceeded by one step's arrivals at most
         self._waiting_requests = 0
 
     def _kv_capacity(self, bytes_per_token: int, k: int, block: int) -> int:
@@ -186,7 +187,7 @@ class Executor:
         one sequence per candidate, candidate i seeded with seed + i (mod 2^63), sharing the prompt's blocks."""
         self.validate(prompt_token_ids, params)
         rid = self._ids.claim(request_id)
-        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(6), "little")
+        seed = int(params.seed) if params.seed is not None else int.from_bytes(os.urandom(6), "little")  # numpy ints too
         handle = RequestHandle(rid, self, params.n)
         size = params.num_sequences
         best_of = BestOf(params.n, size, params.logprobs is not None) if size > params.n else None
@@ -213,7 +214,7 @@ class Executor:
                 self._ids.release(rid)
                 raise RuntimeError(f"executor is shut down{f' ({self._error})' if self._error else ''}")
             bound = self.config.max_queued_requests
-            if bound is not None and self._waiting_requests + self._submitted_not_seen() >= bound:
+            if bound is not None and self._waiting_requests >= bound:
                 self._ids.release(rid)
                 raise RuntimeError(f"the queue is full: {bound} requests wait to be scheduled (max_queued_requests); "
                                    "try again later")
@@ -373,13 +374,13 @@ class Executor:
             self.ranks.check()  # a rank that exited ends the loop (RankFailure), idle or not
         self._drain_inbox()
         if not self.scheduler.has_work():
+            self._count_waiting()  # none: cancels may have emptied the queue since the last schedule
             self._wake.wait(0.05)
             self._wake.clear()
             return
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
-        with self._submit_lock:
-            self._count_waiting()
+        self._count_waiting()
         if not plan:  # everything waits for blocks that running requests will free
             self._wake.wait(0.01)
             self._wake.clear()
@@ -434,23 +435,20 @@ class Executor:
 
     def _drain_inbox(self) -> None:
         while True:
-            with self._submit_lock:  # a request taken in is counted waiting at once (max_queued_requests)
-                try:
-                    kind, item = self._inbox.get_nowait()
-                except queue.Empty:
-                    self._count_waiting()
-                    return
-                if kind == "add":
-                    self._groups[item[0][1].request_id] = [seq.request_id for seq, _ in item]
-                    for seq, tracker in item:
-                        self._requests[seq.request_id] = (seq, tracker)
-                        self.scheduler.add(seq)
-                    self._waiting_requests += 1
-                    continue
-            rid, handle = item  # a cancel: its callbacks run outside the lock (they may submit)
-            for key in list(self._groups.get(rid, ())):
-                if handle is None or self._requests[key][1].handle is handle:
-                    self._finish(key, "cancelled")
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._groups[item[0][1].request_id] = [seq.request_id for seq, _ in item]
+                for seq, tracker in item:
+                    self._requests[seq.request_id] = (seq, tracker)
+                    self.scheduler.add(seq)
+            else:
+                rid, handle = item
+                for key in list(self._groups.get(rid, ())):
+                    if handle is None or self._requests[key][1].handle is handle:
+                        self._finish(key, "cancelled")
 
     def _count_waiting(self) -> None:
         self._waiting_requests = len({id(seq.leader or seq) for seq in self.scheduler.waiting})

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Iterator
 
 from runtime.executors.base import ExecutorConfig
-from runtime.executors.requests import RequestStats
+from runtime.executors.requests import RequestHandle, RequestStats
 from runtime.core.sampling import TokenLogprob
 from runtime.core.sampling_params import SamplingParams
 from runtime.executors.base import create_executor
@@ -98,15 +98,17 @@ class Session:
         ids = [self._encode(p) for p in prompts]
         for i in ids:  # validate everything before submitting anything
             self.executor.validate(i, params)
-        handles = [self.executor.submit(i, params) for i in ids]
+        handles: list[RequestHandle] = []
         results = []
-        try:
+        try:  # a refused submit (a full queue) or Ctrl-C cancels what was submitted: nobody will read it
+            for i in ids:
+                handles.append(self.executor.submit(i, params))
             for prompt, handle in zip(prompts, handles):
                 outs = handle.results()
                 results.append(GenerationResult(prompt, [CompletionOutput(o.index, o.text, o.token_ids, o.finish_reason,
                                                                           o.stats, o.logprobs, o.cumulative_logprob)
                                                          for o in outs], outs[0].prompt_logprobs))
-        finally:  # interrupted (Ctrl-C): nobody will read the rest, so they stop and free their blocks
+        finally:  # refused or interrupted: nobody will read the rest, so they stop and free their blocks
             for handle in handles:
                 if not handle.finished:
                     handle.cancel()

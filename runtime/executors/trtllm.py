@@ -162,7 +162,7 @@ def to_trtllm_sampling_kwargs(params: SamplingParams, tokenizer: Any) -> dict[st
         if 0 < params.top_k < 2**31:  # a top_k past int32 is past any vocabulary: all tokens
             kwargs["top_k"] = params.top_k
         if params.seed is not None:
-            kwargs["seed"] = params.seed % SEED_MODULUS
+            kwargs["seed"] = int(params.seed) % SEED_MODULUS  # numpy ints too (their % 2**64 is a float)
     if params.stop_token_ids:
         kwargs["stop_token_ids"] = list(params.stop_token_ids)
     if params.bad_token_ids:
