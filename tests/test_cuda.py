@@ -49,13 +49,18 @@ def test_cuda_capture_leaves_the_blas_choice_as_it_was():
     assert torch.backends.cuda.preferred_blas_library() == before
 
 
-def test_cuda_speculative_greedy_equals_plain():
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
+def test_cuda_speculative_greedy_equals_plain(temperature):
+    """Greedy output, and seeded sampled output (the race), are plain decoding's on the GPU too, where the verify
+    forward's GEMMs have other shapes than a one-token step's."""
     prompts = [p["text"] for p in json.loads((MODEL / "heldout_prompts.json").read_text())[:8]]
     outputs = {}
     for k in (0, 3):
         config = ExecutorConfig(num_draft_tokens=k, speculation="fixed" if k else "off", device="cuda", dtype="float32")
         with Executor(MODEL, config) as ex:
-            handles = [ex.submit(ex.tokenizer.encode(p), SamplingParams(max_tokens=48, ignore_eos=True)) for p in prompts]
+            handles = [ex.submit(ex.tokenizer.encode(p), SamplingParams(max_tokens=48, ignore_eos=True,
+                                                                        temperature=temperature, seed=i))
+                       for i, p in enumerate(prompts)]
             outputs[k] = [h.result(timeout=300) for h in handles]
     assert [o.token_ids for o in outputs[3]] == [o.token_ids for o in outputs[0]]
     assert sum(o.stats.num_accepted_draft_tokens for o in outputs[3]) > 0
