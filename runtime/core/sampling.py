@@ -7,13 +7,14 @@ vectorized over the batch without per-request generator objects.
 Acceptance (rows are sequences, columns draft positions j = 0..k-1, target rows j = 0..k):
 - greedy: accept while the draft equals the target argmax; emit the argmax at the first mismatch;
 - seeded sampling (an exponential race, the Gumbel-max trick): target row j picks argmax_v p_j(v) / E_v with
-  E_v ~ Exp(1) hashed from (seed, position, v) (a 64-bit uniform each): a sample of p_j that depends only on the seed, the position and
-  p_j. Drafts race on the MTP distribution with the same E at the same position; they are accepted while they
-  equal the target's pick, and the pick at the first mismatch follows them. Every emitted token is the pick plain
-  decoding makes at its position, so a seeded request's output is the same for every draft length, batch and load
-  (adaptive speculation included), and follows p exactly (Daliri et al. 2024, "drafter-invariant speculative
-  decoding"). A draft is accepted with P[race(p) = race(q)] >= (1 - TV) / (1 + TV), TV the total variation
-  distance of p and q, a little below rejection sampling's 1 - TV: so it is kept for requests that set a seed;
+  E_v ~ Exp(1) hashed from (seed, position, v) (a 64-bit uniform each): a sample of p_j that depends only on the
+  seed, the position and p_j. Drafts race on the MTP distribution with the same E at the same position; they are
+  accepted while they equal the target's pick, and the pick at the first mismatch follows them. Every emitted
+  token is the pick plain decoding makes at its position, so a seeded request's output is the same for every
+  draft length, batch and load (adaptive speculation included), and follows p exactly (Daliri et al. 2024,
+  "drafter-invariant speculative decoding"). A draft is accepted with P[race(p) = race(q)] >= (1 - TV) / (1 + TV),
+  TV the total variation distance of p and q, a little below rejection sampling's 1 - TV: so it is kept for
+  requests that set a seed (SamplingParams.races);
 - other sampling, lossless rejection sampling (Leviathan et al.): accept d_j with probability
   min(1, p_j(d_j) / q_j(d_j)); at the first rejection sample from normalize(max(0, p_j - q_j)); after k
   acceptances sample the bonus token from p_k. The emitted tokens follow p exactly, for any draft distribution q;
@@ -67,7 +68,7 @@ class RelaxedAcceptance:
         return True if token == self.begin_thinking_token else False if token == self.end_thinking_token else thinking
 
 
-# ---- counter-based uniforms --------------------------------------------------------------------
+# ---- counter-based draws -----------------------------------------------------------------------
 PURPOSE_RACE, PURPOSE_ACCEPT, PURPOSE_SAMPLE, PURPOSE_DRAFT = 0, 1, 2, 3
 _M32 = 0xFFFFFFFF
 
@@ -98,7 +99,8 @@ def uniforms(seeds: Tensor, positions: Tensor, purpose: int) -> Tensor:
     where the CPU kernels are (bit for bit numpy's)."""
     if seeds.device.type == "cpu" and (kernels := cpu_kernels()) is not None:
         seeds, positions = torch.broadcast_tensors(seeds, positions)
-        return kernels.uniforms(seeds.flatten().contiguous(), positions.flatten().contiguous(), purpose).view(seeds.shape)
+        draws = kernels.uniforms(seeds.flatten().contiguous(), positions.flatten().contiguous(), purpose)
+        return draws.view(seeds.shape)
     hi, lo = _hashes(seeds, positions, purpose)
     return torch.from_numpy((hi * 2.0**32 + lo + 0.5) / 2.0**64).to(seeds.device)
 
