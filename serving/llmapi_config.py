@@ -43,7 +43,7 @@ WARNED = ("tensor_parallel_size", "pipeline_parallel_size", "moe_expert_parallel
           "num_postprocess_workers", "postprocess_tokenizer_dir", "return_perf_metrics", "perf_metrics_max_requests",
           "enable_layerwise_nvtx_marker", "garbage_collection_gen0_threshold", "pytorch_backend_config",
           "load_format", "checkpoint_format", "batch_wait_timeout_ms", "enable_autotuner")
-TRITON_KEYS = (*(f.name for f in fields(TritonConfig)), "speculation", "device")
+TRITON_KEYS = (*(f.name for f in fields(TritonConfig)), "speculation", "device", "max_queue_size")
 
 
 class ModelYamlError(ValueError):
@@ -156,7 +156,8 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
             max_batch_size=limits.get("max_batch_size"), max_seq_len=limits.get("max_seq_len"),
             max_num_tokens=limits.get("max_num_tokens"), kv_cache_tokens=kv.get("max_tokens"),
             free_memory_fraction=kv.get("free_gpu_memory_fraction"), device=None if device is None else str(device),
-            relaxed_acceptance=relaxed, cuda_graphs=cuda_graphs, enable_block_reuse=kv.get("enable_block_reuse"))
+            relaxed_acceptance=relaxed, cuda_graphs=cuda_graphs, enable_block_reuse=kv.get("enable_block_reuse"),
+            max_queued_requests=_queue_bound(triton.get("max_queue_size"), source))
     except ValueError as e:
         raise ModelYamlError(f"{source}: {e}") from None
     checks = {"max_batch_size": lambda v, key, src: _int(v, key, src, low=0), "decoupled": _bool,
@@ -168,6 +169,11 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
         return LlmApiModel(model, executor, settings(TritonConfig, **given), warnings)
     except ValueError as e:  # a value out of its range
         raise ModelYamlError(f"{source}: triton_config.{e}") from None
+
+
+def _queue_bound(value: Any, source: str) -> int | None:
+    """triton_config.max_queue_size, as the legacy flavour's parameter: 0 or unset is no bound."""
+    return None if value is None else _int(value, "triton_config.max_queue_size", source, low=0) or None
 
 
 def _engine_options(model: Path) -> dict[str, Any]:

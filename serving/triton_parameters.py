@@ -34,6 +34,15 @@ def integer(value: str) -> int:
         raise ValueError(f"expected an integer, got {value!r}") from None
 
 
+def queue_bound(value: str) -> int | None:
+    """TensorRT-LLM's max_queue_size: requests allowed to wait for a batch place (the executor's max_queued_requests);
+    0 is no bound, as upstream's."""
+    bound = integer(value)
+    if bound < 0:
+        raise ValueError(f"expected an integer >= 0 (0: no bound), got {value!r}")
+    return bound or None
+
+
 def number(value: str) -> float:
     try:
         return float(value)

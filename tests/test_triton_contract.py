@@ -411,11 +411,13 @@ def test_model_yaml_maps_llm_api_keys(tmp_path: Path, checkpoint: Path) -> None:
     path = write_yaml(tmp_path, checkpoint, backend="pytorch", max_batch_size=4, max_seq_len=512, max_num_tokens=256,
                       speculative_config={"decoding_type": "MTP", "max_draft_len": 2},
                       kv_cache_config={"free_gpu_memory_fraction": 0.5, "max_tokens": 4096, "enable_block_reuse": False},
-                      triton_config={"max_batch_size": 0, "decoupled": True, "speculation": "fixed"})
+                      triton_config={"max_batch_size": 0, "decoupled": True, "speculation": "fixed",
+                                     "max_queue_size": 16})
     llm = read_model_yaml(path, tmp_path)
     e = llm.executor
     assert (e.max_batch_size, e.max_seq_len, e.max_num_tokens, e.num_draft_tokens, e.speculation) == (4, 512, 256, 2,
                                                                                                       "fixed")
+    assert e.max_queued_requests == 16  # the legacy flavour's max_queue_size, under triton_config
     assert (e.free_memory_fraction, e.kv_cache_tokens, e.enable_block_reuse) == (0.5, 4096, False)
     assert llm.triton.decoupled and not llm.warnings
     (tmp_path / "bare").mkdir()
@@ -476,6 +478,30 @@ def test_a_hostile_model_yaml_gets_a_short_error_naming_the_file(tmp_path: Path,
     assert str(e.value).startswith(f"{path}: ") and message in str(e.value) and len(str(e.value)) < 400, str(e.value)
 
 
+
+
+def test_max_queue_size_is_the_executors_queue_bound(tmp_path: Path, checkpoint: Path) -> None:
+    """TensorRT-LLM's max_queue_size (fill_template's default 0: no bound, as upstream's) sets the executor's
+    max_queued_requests in both flavours; a negative one is refused naming it."""
+    from serving.triton_parameters import queue_bound
+
+    assert (queue_bound("0"), queue_bound("8")) == (None, 8)
+    with pytest.raises(ValueError, match=r"expected an integer >= 0 \(0: no bound\), got '-1'"):
+        queue_bound("-1")
+    repo = fill_model_repo(tmp_path / "repo", repo_values(checkpoint))
+    config = (repo / "tensorrt_llm" / "config.pbtxt").read_text()
+    assert 'key: "max_queue_size"\n  value: {\n    string_value: "0"' in config
+    repo = fill_model_repo(tmp_path / "repo8", repo_values(checkpoint, max_queue_size="8"))
+    assert 'string_value: "8"' in (repo / "tensorrt_llm" / "config.pbtxt").read_text()
+    for value, expected in ((0, None), (3, 3)):
+        (tmp_path / str(value)).mkdir()
+        llm = read_model_yaml(write_yaml(tmp_path / str(value), checkpoint, triton_config={"max_queue_size": value}),
+                              tmp_path / str(value))
+        assert llm.executor.max_queued_requests == expected
+    (tmp_path / "neg").mkdir()
+    with pytest.raises(ModelYamlError, match=r"triton_config.max_queue_size must be an integer >= 0, got -1"):
+        read_model_yaml(write_yaml(tmp_path / "neg", checkpoint, triton_config={"max_queue_size": -1}),
+                        tmp_path / "neg")
 
 def test_yaml_merge_keys_override_without_being_duplicates(tmp_path: Path) -> None:
     """`<<` merges bring in keys a mapping may override, also in a mapping that is itself a merge source (which

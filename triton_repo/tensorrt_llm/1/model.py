@@ -22,7 +22,7 @@ from serving.legacy_request import INPUT_NAMES, engine_request, scalar
 from serving.request_validation import RequestError, client_named, no_unknown_parameters
 from serving.triton_engine import Chunk, EngineModel, Stream
 from serving.triton_parameters import (TritonConfig, boolean, integer as integer_parameter, model_path, number,
-                                       parameter, settings)
+                                       parameter, queue_bound, settings)
 
 
 class TritonPythonModel(EngineModel):
@@ -40,6 +40,7 @@ class TritonPythonModel(EngineModel):
             kv_cache_tokens=parameter(config, "max_tokens_in_paged_kv_cache", integer_parameter),
             free_memory_fraction=parameter(config, "kv_cache_free_gpu_mem_fraction", number),
             enable_block_reuse=parameter(config, "enable_kv_cache_reuse", boolean),  # TensorRT-LLM's legacy name
+            max_queued_requests=parameter(config, "max_queue_size", queue_bound),
             device=parameter(config, "device"))
         triton = settings(
             TritonConfig, decoupled=pb_utils.using_decoupled_model_transaction_policy(config),
