@@ -295,6 +295,13 @@ def test_verification_reuses_a_draft_mask_only_for_the_same_drafts_in_the_same_s
      "guided_decoding.json is invalid at /properties/a/items of the schema: Invalid type: foo"),
     (GuidedDecodingParams(json={"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}),
      "guided_decoding.json is invalid at /properties/a of the schema: Pointer '/$defs/missing' does not exist"),
+    # number bounds the grammar engine cannot turn into a pattern (it said "min=Some(1e308), max=None")
+    (GuidedDecodingParams(json={"type": "object", "properties": {"x": {"type": "number", "minimum": 1e308}}}),
+     "guided_decoding.json is invalid at /properties/x of the schema: the grammar engine cannot express these number "
+     "bounds (minimum 1e308)"),
+    (GuidedDecodingParams(json={"type": "number", "exclusiveMinimum": 1e300, "maximum": 1e301}),
+     "guided_decoding.json is invalid at / of the schema: the grammar engine cannot express these number bounds "
+     "(minimum 1e300, maximum 1e301)"),
     (GuidedDecodingParams(grammar='root ::= "yes" | maybe'),
      "guided_decoding.grammar is invalid at line 1, column 18: Rule 'maybe' not found"),
     (GuidedDecodingParams(grammar='root ::= "a" x\nx ::= ("b" | "c"'),

@@ -104,14 +104,21 @@ def _position(kind: str, text: str, error: str) -> str:
 
 
 def _problem(error: str) -> str:
-    """The engine's message without its echo of the guide."""
+    """The engine's message without its echo of the guide, and without Rust's Some(x) / None in number ranges."""
     m = re.search(r"\nerror: ([^\n]*)", error)
     if m:
         return m.group(1)
     first = error.strip().split("\n")[0]
     first = re.sub(r"^(?:at )?\d+\(\d+\): ", "", first)
     first = re.sub(r" at line \d+, '.*$", "", first)
-    return re.sub(r"^Failed to convert the grammar from GBNF to Lark: ", "", first)
+    first = re.sub(r"^Failed to convert the grammar from GBNF to Lark: ", "", first)
+    m = re.fullmatch(r"Failed to generate regex for (\w+) range: min=(?:Some\((.*)\)|None), max=(?:Some\((.*)\)|None)",
+                     first)
+    if m:
+        kind, low, high = m.groups()
+        bounds = ", ".join(f"{name} {value}" for name, value in (("minimum", low), ("maximum", high)) if value)
+        return f"the grammar engine cannot express these {'number' if kind == 'float' else kind} bounds ({bounds})"
+    return first
 
 
 def check_guide(guide: GuidedDecodingParams, field: str = "guided_decoding") -> str:
