@@ -17,7 +17,7 @@ from runtime.executors.requests import RequestOutput
 def seeded_requests_take_rejection_sampling(mp: pytest.MonkeyPatch) -> None:
     """Seeded sampled requests race (runtime.core.sampling); the others, whose seeds a test cannot choose, take
     rejection sampling: this gives seeded requests the others' path, for tests of it."""
-    mp.setattr(ModelRunner, "_raced", lambda self, seqs: None)
+    mp.setattr(ModelRunner, "_raced_rows", lambda self, seqs: [])
 
 
 def hold_inbox_until(ex: Executor, event: threading.Event) -> None:

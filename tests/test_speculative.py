@@ -731,8 +731,7 @@ def test_accept_is_reproducible_and_seed_dependent(lossless_setup) -> None:
 
 
 def arrivals(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    hi, lo = (torch.from_numpy(h) for h in sampling._hashes(seeds, positions, sampling.PURPOSE_RACE))
-    return sampling.arrivals(hi, lo, vocab_size)
+    return sampling.arrivals(*sampling._hashes(seeds, positions, sampling.PURPOSE_RACE), vocab_size)
 
 
 def test_arrivals_are_exponential_and_keyed_by_seed_position_and_token() -> None:
@@ -760,7 +759,7 @@ def test_the_race_draws_arrivals_small_enough_for_very_unlikely_tokens() -> None
 
 def test_the_race_in_one_kernel_call_is_the_torch_ops_pick(monkeypatch) -> None:
     """The CPU kernel's race (which skips the log for tokens that cannot win) picks what the torch ops pick, bit
-    for bit, also over distributions with zeros (top-k / top-p cuts) and one-hot rows; its uniform draws are numpy's."""
+    for bit, also over distributions with zeros (top-k / top-p cuts) and one-hot rows; its uniform draws are the torch ops'."""
     if not runs_here(torch.device("cpu"), torch.float32):
         pytest.skip("the CPU kernels do not run here")
     g = torch.Generator().manual_seed(5)

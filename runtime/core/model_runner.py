@@ -150,7 +150,10 @@ class ModelRunner:
             if not greedy:
                 seeds = self._ids([s.seed for s in seqs])
                 positions = self._ids([s.num_tokens for s in seqs])  # absolute position of draft 1
-                raced = self._raced(seqs)
+                raced_rows = self._raced_rows(seqs)  # known on the host: no device sync, no boolean-mask indexing
+                raced = self._ids(raced_rows) if raced_rows else None
+                rejecting = [not s.params.greedy and b not in raced_rows for b, s in enumerate(seqs)]
+                rejecting_mask = self._ids(rejecting).bool() if any(rejecting) else None
         drafts, probs = [], []
         for j in range(K):
             if not plain and per_draft and j:
@@ -164,9 +167,8 @@ class ModelRunner:
                 d = q.argmax(-1)  # a greedy row's q is one-hot on its argmax
                 if raced is not None:  # with the noise its target row will race with at this position
                     d[raced] = race(q[raced], seeds[raced], positions[raced] + j)
-                rejecting = st.temperature > 0 if raced is None else (st.temperature > 0) & ~raced
-                if bool(rejecting.any()):  # rejection sampling's drafts, and their distribution for acceptance
-                    d = torch.where(rejecting, sample(q, uniforms(seeds, positions + j, PURPOSE_DRAFT)), d)
+                if rejecting_mask is not None:  # rejection sampling's drafts, and their distribution for acceptance
+                    d = torch.where(rejecting_mask, sample(q, uniforms(seeds, positions + j, PURPOSE_DRAFT)), d)
                     probs.append(q)
             drafts.append(d)
             if j + 1 == K:
@@ -175,10 +177,14 @@ class ModelRunner:
         draft_probs = torch.stack(probs, dim=1) if probs else None
         return torch.stack(drafts, dim=1), draft_probs
 
-    def _raced(self, seqs: list[Sequence]) -> Tensor | None:
-        """[B] bool: the sampled sequences of seeded requests, which race (runtime.core.sampling); None if none."""
-        raced = [s.params.races for s in seqs]
-        return self._ids(raced).bool() if any(raced) else None
+    def _raced_rows(self, seqs: list[Sequence]) -> list[int]:
+        """The rows of the sampled sequences of seeded requests, which race (runtime.core.sampling)."""
+        return [b for b, s in enumerate(seqs) if s.params.races]
+
+    def _raced_mask(self, seqs: list[Sequence]) -> Tensor | None:
+        """[B] bool of `_raced_rows`, None if no row races."""
+        rows = set(self._raced_rows(seqs))
+        return self._ids([b in rows for b in range(len(seqs))]).bool() if rows else None
 
     def _catch_up(self, seqs: list[Sequence]) -> tuple[list[list[int]], list[int], list[int], Tensor, Tensor]:
         """The MTP catch-up's layout (tables, starts, lens) and inputs: positions num_mtp .. num_cached-1, each with
@@ -331,7 +337,7 @@ class ModelRunner:
                 relaxed_kw = dict(relaxed=self.relaxed, relaxed_probs=adjusted[:, :K].softmax(-1),
                                   relaxed_mask=self._thinking_mask(seqs, dt, ks))
             num_acc, nxt = accept(dt, dp, target_probs, self._ids(ks), self._ids([s.seed for s in seqs]),
-                                  self._ids([s.num_tokens for s in seqs]), greedy, self._raced(seqs), **relaxed_kw)
+                                  self._ids([s.num_tokens for s in seqs]), greedy, self._raced_mask(seqs), **relaxed_kw)
             emitted = [d[b][:n] + [t] for b, (n, t) in enumerate(zip(num_acc.tolist(), nxt.tolist()))]
             processed = partial(_processed_rows, logits.flatten(0, 1), st)
         logprobs = self._logprobs(seqs, logits, processed, emitted)

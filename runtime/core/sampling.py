@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -73,20 +72,17 @@ PURPOSE_RACE, PURPOSE_ACCEPT, PURPOSE_SAMPLE, PURPOSE_DRAFT = 0, 1, 2, 3
 _M32 = 0xFFFFFFFF
 
 
-def _mix32(x: Any) -> Any:
-    """A 32-bit integer hash (multipliers below 2^31 so int64 products never overflow), of int64 numpy arrays or
-    tensors alike."""
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash (multipliers below 2^31 so int64 products never overflow)."""
     x = x & _M32
     for mult in (0x7FEB352D, 0x68E31DA5, 0x5BD1E995):
         x = ((x ^ (x >> 16)) * mult) & _M32
     return x ^ (x >> 15)
 
 
-def _hashes(seeds: Tensor, positions: Tensor, purpose: int) -> tuple[np.ndarray, np.ndarray]:
-    """Two 32-bit hashes of each (seed, position, purpose), int64 on the host (numpy: a hundred integer ops on a
-    batch's rows, each of which costs torch microseconds); both halves of a 64-bit seed go into each, so seeds such
-    as 1 and 2^32 differ."""
-    seeds, positions = seeds.cpu().numpy(), positions.cpu().numpy()
+def _hashes(seeds: Tensor, positions: Tensor, purpose: int) -> tuple[Tensor, Tensor]:
+    """Two 32-bit hashes (int64, on the tensors' device) of each (seed, position, purpose); both halves of a 64-bit
+    seed go into each, so seeds such as 1 and 2^32 differ. The CPU kernels compute the same (`seed_hash`)."""
     seed_lo, seed_hi = seeds & _M32, seeds >> 32
     where = _mix32(positions * 4 + purpose)
     hi = _mix32(_mix32(_mix32(seed_lo) ^ seed_hi) ^ where)
@@ -96,13 +92,13 @@ def _hashes(seeds: Tensor, positions: Tensor, purpose: int) -> tuple[np.ndarray,
 
 def uniforms(seeds: Tensor, positions: Tensor, purpose: int) -> Tensor:
     """U(0,1) float64 draws, one per (seed, position) pair; same inputs give the same numbers. In one kernel call
-    where the CPU kernels are (bit for bit numpy's)."""
+    where the CPU kernels are (bit for bit the torch ops', which take a few hundred microseconds of small ops)."""
     if seeds.device.type == "cpu" and (kernels := cpu_kernels()) is not None:
         seeds, positions = torch.broadcast_tensors(seeds, positions)
         draws = kernels.uniforms(seeds.flatten().contiguous(), positions.flatten().contiguous(), purpose)
         return draws.view(seeds.shape)
     hi, lo = _hashes(seeds, positions, purpose)
-    return torch.from_numpy((hi * 2.0**32 + lo + 0.5) / 2.0**64).to(seeds.device)
+    return (hi.double() * 2.0**32 + lo.double() + 0.5) / 2.0**64
 
 
 @functools.lru_cache(maxsize=8)
@@ -116,7 +112,7 @@ def race(probs: Tensor, seeds: Tensor, positions: Tensor) -> Tensor:
     torch ops' pick); with torch ops a few rows at a time, since each row's draws take V float64 and int64 values."""
     if runs_here(probs.device, probs.dtype):
         return cpu_kernels().race(probs.contiguous(), seeds.contiguous(), positions.contiguous(), PURPOSE_RACE)
-    hi, lo = (torch.from_numpy(h).to(probs.device) for h in _hashes(seeds, positions, PURPOSE_RACE))
+    hi, lo = _hashes(seeds, positions, PURPOSE_RACE)
     rows = max(1, 2**20 // probs.shape[-1])
     return torch.cat([(probs[i : i + rows].double() / arrivals(hi[i : i + rows], lo[i : i + rows], probs.shape[-1]))
                       .argmax(-1) for i in range(0, probs.shape[0], rows)])
@@ -351,7 +347,7 @@ def accept(
     row = torch.arange(B, device=drafts.device)
     picks = target_probs.argmax(-1)  # [B, K+1]: the greedy rows' tokens, and the raced rows' below
     picked = greedy
-    if raced is not None and bool(raced.any()):
+    if raced is not None:
         at = positions[raced][:, None] + torch.arange(K + 1, device=drafts.device)
         picks[raced] = race(target_probs[raced].flatten(0, 1), seeds[raced].repeat_interleave(K + 1),
                             at.flatten()).view(-1, K + 1)
