@@ -101,14 +101,16 @@ class DraftPolicy:
     def observe(self, results: list[StepResult]) -> None:
         """Depth j is reached when drafts 1..j-1 passed; it counts as accepted when draft j did too."""
         depth = len(self.acceptance_by_depth[GREEDY])
-        for kind in KINDS:
-            reached, accepted = [0] * depth, [0] * depth
-            for r in results:
-                if r.num_drafts and draft_kind(r.seq.params) == kind:
-                    self.drafted[kind] += 1
-                    for j in range(min(r.num_accepted + 1, r.num_drafts)):
-                        reached[j] += 1
-                        accepted[j] += j < r.num_accepted
+        seen: dict[str, tuple[list[int], list[int]]] = {}  # kind -> (reached, accepted) per depth, in one pass
+        for r in results:
+            if r.num_drafts:
+                kind = draft_kind(r.seq.params)
+                reached, accepted = seen.setdefault(kind, ([0] * depth, [0] * depth))
+                self.drafted[kind] += 1
+                for j in range(min(r.num_accepted + 1, r.num_drafts)):
+                    reached[j] += 1
+                    accepted[j] += j < r.num_accepted
+        for kind, (reached, accepted) in seen.items():
             rates = self.acceptance_by_depth[kind]
             for j, n in enumerate(reached):
                 if n:
