@@ -61,7 +61,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model_dir", type=Path, default=DEFAULT_MODEL, help="HF checkpoint to build")
     p.add_argument("--engine_dir", type=Path, help="an existing --backend trtllm engine (skips the build)")
-    p.add_argument("--work_dir", type=Path, help="where the engine and model repository go (default: a temp dir)")
+    p.add_argument("--work_dir", type=Path, help="where the engine, model repositories and server logs go "
+                   "(default: a temp dir, removed when the check passes)")
     p.add_argument("--draft_lens", default="0,3", help="comma-separated draft lengths; the first is the reference")
     p.add_argument("--max_tokens", type=int, default=64)
     p.add_argument("--num_prompts", type=int, default=8)
@@ -241,8 +242,23 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     print(f"tensorrt_llm {getattr(trtllm, '__version__', '?')}", flush=True)
 
-    work = args.work_dir or Path(tempfile.mkdtemp(prefix="check_trtllm-"))
-    work.mkdir(parents=True, exist_ok=True)
+    if args.work_dir is not None:
+        args.work_dir.mkdir(parents=True, exist_ok=True)
+        return check(args, args.work_dir)
+    work = Path(tempfile.mkdtemp(prefix="check_trtllm-"))
+    status = 1
+    try:
+        status = check(args, work)
+    finally:
+        if status == 0:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(f"check_trtllm: kept {work} (engine, model repositories, server logs) for inspection", file=sys.stderr)
+    return status
+
+
+def check(args: argparse.Namespace, work: Path) -> int:
+    """Build (unless --engine_dir), run every path and compare; 0 when all agree. `work` holds what it writes."""
     try:
         engine = args.engine_dir or build(args, work)
     except subprocess.CalledProcessError as e:

@@ -29,6 +29,7 @@ import json
 import logging
 import shutil
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -960,8 +961,11 @@ def test_contract_same_outputs_as_native(engine_dir: Path, trtllm: ModuleType, n
 
 # ---- serving/check_trtllm.py on the session path, with the double -----------------------------------
 def test_check_script_session_path_with_the_double(engine_dir: Path, trtllm: ModuleType, tmp_path: Path,
-                                                   capsys) -> None:
+                                                   capsys, monkeypatch) -> None:
     check = _import_check()
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(["def fib(n):", {"text": "for i in range(10):"}]))
     args = ["--engine_dir", str(engine_dir), "--skip_triton", "--prompts_file", str(prompts), "--max_tokens", "8",
@@ -974,10 +978,14 @@ def test_check_script_session_path_with_the_double(engine_dir: Path, trtllm: Mod
     assert all(llm.kwargs["kv_cache_config"]["free_gpu_memory_fraction"] == 0.5 for llm in trtllm.llms)
     results = json.loads((tmp_path / "out.json").read_text())
     assert len(results["paths"]["session_k3"]) == 2
-    # outputs that depend on the draft length fail the check
+    assert list(temp.iterdir()) == []  # its work directory went with the pass
+    # outputs that depend on the draft length fail the check; the work directory stays for inspection
     trtllm.plan = lambda prompt, sp: Plan(lambda i: 100 + i + trtllm.llms[-1].draft_len)
     assert check.main(args) == 1
-    assert "MISMATCH session k=3 vs k=0 at output token 0" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "MISMATCH session k=3 vs k=0 at output token 0" in captured.out
+    [kept] = temp.iterdir()
+    assert captured.err == f"check_trtllm: kept {kept} (engine, model repositories, server logs) for inspection\n"
 
 
 def test_check_script_builds_the_shipped_model(shipped_model_dir: Path, trtllm: ModuleType, tmp_path: Path,
