@@ -261,6 +261,10 @@ def model_yaml(engine_dir: Path, model: str, *, decoupled: bool, max_batch_size:
     options = dict(_engine_options(engine_dir))
     if options:
         model = f"{model}/{HF_DIR}"  # what upstream's LLM loads; read_model_yaml takes the engine around it
+        spec = dict(options.get("speculative_config") or {})
+        if "num_nextn_predict_layers" in spec and "max_draft_len" not in spec:  # upstream's llmapi model is
+            spec["max_draft_len"] = spec.pop("num_nextn_predict_layers")      # current: its current name
+            options["speculative_config"] = spec
     else:
         options = {"backend": "pytorch", "tensor_parallel_size": build.tp_size,
                    "moe_expert_parallel_size": build.ep_size, "max_batch_size": build.max_batch_size,

@@ -54,6 +54,7 @@ from runtime.executors.trtllm import (
     TrtllmEngine,
     TrtllmExecutor,
     adapt_to_upstream_fields,
+    draft_len_of,
     llm_kwargs_for,
     read_llm_api_options,
     to_trtllm_sampling_kwargs,
@@ -554,6 +555,26 @@ def test_llm_kwargs_as_built_and_with_executor_config(engine: TrtllmEngine, capl
     # enable_block_reuse True (the default) keeps the engine's own setting, as built
     assert llm_kwargs_for({**opts, "kv_cache_config": {"enable_block_reuse": False}}, m, ExecutorConfig()) == {
         **opts, "kv_cache_config": {"enable_block_reuse": False}}
+
+
+def test_the_draft_length_under_either_name(engine: TrtllmEngine, engine_dir: Path, tmp_path: Path) -> None:
+    """build_engine writes num_nextn_predict_layers (every release reads it); upstream's 2026 name is max_draft_len.
+    The adapter reads either, keeps a pair it was given at one value, and make_model_repo's llmapi model.yaml (for
+    upstream's current llmapi model) carries the current name, which read_model_yaml takes without a warning."""
+    from serving.llmapi_config import model_yaml, read_model_yaml
+
+    m = engine.manifest
+    renamed = {**engine.options, "speculative_config": {"decoding_type": "MTP", "max_draft_len": 2}}
+    assert draft_len_of(llm_kwargs_for(renamed, m)) == 2 == draft_len_of(llm_kwargs_for(engine.options, m, ExecutorConfig(
+        num_draft_tokens=2, speculation="fixed")))
+    both = llm_kwargs_for(renamed, m, ExecutorConfig(num_draft_tokens=1, speculation="fixed"))
+    assert both["speculative_config"] == {"decoding_type": "MTP", "max_draft_len": 1, "num_nextn_predict_layers": 1}
+    doc = model_yaml(engine_dir, "engine", decoupled=True)
+    assert doc["speculative_config"] == {"decoding_type": "MTP", "max_draft_len": 3}
+    (tmp_path / "engine").symlink_to(engine_dir)
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump(doc))
+    llm = read_model_yaml(tmp_path / "model.yaml", tmp_path)
+    assert llm.executor.num_draft_tokens == 3 and not [w for w in llm.warnings if "deprecated" in w], llm.warnings
 
 
 @pytest.mark.parametrize("config, message", [

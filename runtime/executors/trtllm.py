@@ -324,6 +324,8 @@ def llm_kwargs_for(options: Mapping[str, Any], manifest: EngineManifest, config:
             # max_total_draft_tokens) to num_nextn_predict_layers; with a one-layer checkpoint and
             # use_mtp_vanilla False that layer is re-run (MTP Eagle), so k may exceed the layer count.
             spec["num_nextn_predict_layers"] = k
+            if "max_draft_len" in spec:  # both names given (an llmapi model.yaml's): one value
+                spec["max_draft_len"] = k
             if config.speculation == "adaptive":
                 log.warning("speculation 'adaptive' is not available with TensorRT-LLM; drafting a fixed %d", k)
             relaxed = config.relaxed_acceptance
@@ -377,8 +379,12 @@ def _model_fields(cls: Any) -> set[str] | None:
 
 
 def draft_len_of(llm_kwargs: Mapping[str, Any]) -> int:
+    """The MTP draft length the LLM arguments ask for: `max_draft_len` (upstream's name since 2026) or its older
+    name `num_nextn_predict_layers`, which build_engine writes (every release reads it)."""
     spec = llm_kwargs.get("speculative_config") or {}
-    return int(spec.get("num_nextn_predict_layers", 0)) if isinstance(spec, Mapping) else 0
+    if not isinstance(spec, Mapping):
+        return 0
+    return int(spec.get("max_draft_len", spec.get("num_nextn_predict_layers", 0)))
 
 
 def speculative_counts(result: Any) -> tuple[int, int] | None:
