@@ -280,7 +280,8 @@ UNSUPPORTED_ENGINE_INPUTS: dict[str, str] = {
     "context_phase_params": "disaggregated serving",
     **dict.fromkeys(("retention_token_range_starts", "retention_token_range_ends", "retention_token_range_priorities",
                      "retention_token_range_durations_ms", "retention_decode_priority",
-                     "retention_decode_duration_ms"), "KV cache retention; this runtime reuses no prefixes"),
+                     "retention_decode_duration_ms"), "KV cache retention priorities: its prefix cache evicts the least "
+                    "recently used blocks"),
     **dict.fromkeys(("lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size"),
                     "lookahead decoding"),
 }

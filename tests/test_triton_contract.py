@@ -35,7 +35,8 @@ from runtime.executors.session import Session  # noqa: E402
 from runtime.io.engine_format import read_limits  # noqa: E402
 from serving.llmapi_config import ModelYamlError, read_model_yaml  # noqa: E402
 from serving.model_repo import add_llmapi_model  # noqa: E402
-from serving.request_validation import GUIDED_INPUTS  # noqa: E402
+from serving.request_validation import (GUIDED_INPUTS, UNSUPPORTED_ENGINE_INPUTS, RequestError,  # noqa: E402
+                                        refuse_unsupported)
 from serving.triton_parameters import TritonConfig  # noqa: E402
 from runtime.executors.base import ExecutorConfig  # noqa: E402
 from test_triton import DTYPES, Streamed, grpc_inputs, http_generate  # noqa: E402
@@ -637,3 +638,11 @@ def test_the_default_admin_key_cannot_be_sent(unary: TritonServer) -> None:
             client.update_log_settings({"log_verbose_level": 1},
                                        headers={"triton-grpc-protocol-admin-key": value.decode()})
     assert unary.is_ready()
+
+
+def test_kv_cache_retention_inputs_are_refused_for_what_they_ask() -> None:
+    """Retention priorities are refused as such: the runtime does reuse prefixes (its refusal said it reused none)."""
+    with pytest.raises(RequestError) as e:
+        refuse_unsupported({"retention_decode_priority": np.array([[50]], np.int32)}, UNSUPPORTED_ENGINE_INPUTS)
+    assert str(e.value) == ("retention_decode_priority is not supported by this runtime (KV cache retention "
+                            "priorities: its prefix cache evicts the least recently used blocks); supported: not given")

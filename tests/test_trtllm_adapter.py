@@ -955,6 +955,24 @@ def native(spec_checkpoint: Path) -> dict[str, Any]:
     return {"prompts": prompts, "raw": raw, "streams": streams}
 
 
+def test_contract_same_refusals_as_native(engine_dir: Path, spec_checkpoint: Path, trtllm: ModuleType) -> None:
+    """A request the native executor refuses for what it asks is refused by the adapter with the same message
+    (it skipped the checks that need the eos id: a guided request banning eos could never end)."""
+    with Executor(spec_checkpoint, ExecutorConfig(num_draft_tokens=0, speculation="off")) as native, \
+            TrtllmExecutor(engine_dir) as adapter:
+        eos, vocab = native.tokenizer.eos_token_id, native.model_config.vocab_size
+        assert adapter.tokenizer.eos_token_id == eos
+        bad = [SamplingParams(max_tokens=8, guided_decoding=GuidedDecodingParams(regex="[a-z]+"), bad_token_ids=(eos,)),
+               SamplingParams(max_tokens=8, min_tokens=4, bad_token_ids=tuple(t for t in range(vocab) if t != eos))]
+        for params in bad:
+            messages = []
+            for ex in (native, adapter):
+                with pytest.raises(ValueError) as e:
+                    ex.validate([5, 6, 7], params)
+                messages.append(str(e.value))
+            assert messages[0] == messages[1], messages
+
+
 @pytest.mark.parametrize("steps", [(1,), (3, 1, 4, 2)], ids=["one-token-steps", "mtp-like-steps"])
 def test_contract_same_outputs_as_native(engine_dir: Path, trtllm: ModuleType, native: dict, steps) -> None:
     """The double replays the native model's own greedy tokens; the adapter's RequestOutputs must

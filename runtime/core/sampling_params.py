@@ -205,11 +205,11 @@ class SamplingParams:
 
 
 def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_seq_len: int,
-                     max_batch_size: int, eos_token_id: int | None = None,
+                     max_batch_size: int, eos_token_id: int | None,
                      kv_cache: tuple[int, int] | None = None) -> None:
-    """Raise ValueError naming the parameter and what was expected (with `eos_token_id`, the executor's eos: a
-    guided request must be able to end with it; with `kv_cache`, its (tokens per block, blocks): the request must
-    fit it alone)."""
+    """Raise ValueError naming the parameter and what was expected. `eos_token_id` is the executor's eos (None: the
+    tokenizer has none): a guided request must be able to end with it. With `kv_cache`, its (tokens per block,
+    blocks): the request must fit it alone."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
     params.validate(vocab_size)

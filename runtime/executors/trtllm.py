@@ -549,7 +549,7 @@ class TrtllmExecutor:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the parameter when this request cannot run here."""
         validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.limits.max_seq_len,
-                         self.limits.max_batch_size)
+                         self.limits.max_batch_size, self.tokenizer.eos_token_id)
         # tensorrt_llm/llmapi/llm.py, _check_arguments: without chunked prefill the whole prompt must
         # fit one step's max_num_tokens (generate_async raises otherwise)
         if not self.llm_kwargs.get("enable_chunked_prefill") and len(prompt_token_ids) > self.limits.max_num_tokens:
