@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         engines[mode], memory[mode] = load_mode(args.model, mode, args.device)
     prompts = round_robin_by_source(load_prompts(args.model), args.num_prompts)
     executors = {(mode, k): Executor(engines[mode], ExecutorConfig(
-        num_draft_tokens=k, speculation="fixed" if k else "off", max_batch_size=1, device=args.device))
+        num_draft_tokens=k, speculation="fixed", max_batch_size=1, device=args.device))
         for mode in modes for k in ks}
     tok = executors[modes[0], ks[0]].tokenizer
     prompt_ids = [tok.encode(x["text"]) for x in prompts]

@@ -58,7 +58,7 @@ def unpenalized_draft(draft: Callable) -> Callable:
 
 def serve(engine: Any, k: int, drafts: str, texts: list[str], params: list[SamplingParams], device: str) -> list[Any]:
     """Each prompt (its first 64 tokens) with its params, all at once."""
-    config = ExecutorConfig(num_draft_tokens=k, speculation="fixed" if k else "off", max_batch_size=len(texts),
+    config = ExecutorConfig(num_draft_tokens=k, speculation="fixed", max_batch_size=len(texts),
                             device=device)
     with Executor(engine, config) as ex:
         runner: ModelRunner = ex.runner

@@ -36,7 +36,7 @@ def serve(engine: Any, k: int, coupling: str, prompts: list[list[int]], params: 
           device: str) -> tuple[list[Any], float]:
     """Each prompt with its params, one request at a time (batch 1, where speculation pays most); the outputs and
     the mean over requests of their time per output token in seconds (prefill included)."""
-    config = ExecutorConfig(num_draft_tokens=k, speculation="fixed" if k else "off", max_batch_size=1, device=device)
+    config = ExecutorConfig(num_draft_tokens=k, speculation="fixed", max_batch_size=1, device=device)
     with Executor(engine, config) as ex:
         if coupling == "rejection":
             ex.runner._raced_rows = lambda seqs: []  # type: ignore[method-assign]

@@ -68,7 +68,7 @@ def main() -> None:
     results: dict[str, Any] = {}
     rows = []
     for k in ks:
-        with Executor(engine, ExecutorConfig(num_draft_tokens=k, speculation="fixed" if k else "off",
+        with Executor(engine, ExecutorConfig(num_draft_tokens=k, speculation="fixed",
                                              max_batch_size=max(levels), device=args.device)) as ex:
             ids = [ex.tokenizer.encode(t)[:64] for t in texts]
             ex.submit(ids[0], SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)).result()  # warm-up

@@ -370,7 +370,7 @@ def main() -> None:
 
     executors: dict[int, Executor] = {}
     for k in ks:
-        executors[k] = Executor(engine, ExecutorConfig(num_draft_tokens=k, speculation="fixed" if k else "off",
+        executors[k] = Executor(engine, ExecutorConfig(num_draft_tokens=k, speculation="fixed",
                                                        max_batch_size=1, device=args.device))
     tok = executors[0].tokenizer
     prompt_ids = [tok.encode(x["text"]) for x in prompts]

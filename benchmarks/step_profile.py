@@ -253,7 +253,7 @@ def main() -> None:
 
     prompts = round_robin_by_source(load_prompts(args.model, args.prompts), args.num_prompts)
     engine = load_engine(args.model, device=args.device, dtype=args.dtype)
-    executors = {k: Executor(engine, ExecutorConfig(num_draft_tokens=k, speculation="fixed" if k else "off",
+    executors = {k: Executor(engine, ExecutorConfig(num_draft_tokens=k, speculation="fixed",
                                                     max_batch_size=1, device=args.device)) for k in ks}
     one_call = {k: ex.runner.greedy_step for k, ex in executors.items()}
     paths = {k: [p for p in PATHS if p == "general" or one_call[k] is not None] for k in ks}

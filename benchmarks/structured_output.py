@@ -106,7 +106,7 @@ def main() -> None:
     outputs: dict[int, list[list[int]]] = {}  # per concurrency: the schema outputs of the first k
     costs: list[list[Any]] = []
     for k in ks:
-        with Executor(engine, ExecutorConfig(num_draft_tokens=k, speculation="fixed" if k else "off",
+        with Executor(engine, ExecutorConfig(num_draft_tokens=k, speculation="fixed",
                                              max_batch_size=max(levels), device=args.device)) as ex:
             ids = [ex.tokenizer.encode(t)[:64] for t in texts]
             for params in setting_params.values():  # warm-up (and the schema's compilation)

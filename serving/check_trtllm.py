@@ -116,7 +116,7 @@ def session_runs(engine: Path, k: int, prompts: list[str], args: argparse.Namesp
     from runtime.core.sampling_params import SamplingParams
     from runtime.executors.trtllm import TrtllmExecutor
 
-    config = ExecutorConfig(num_draft_tokens=k, speculation="fixed" if k else "off")
+    config = ExecutorConfig(num_draft_tokens=k, speculation="fixed")
     overrides = {"kv_cache_config": {"free_gpu_memory_fraction": args.free_gpu_memory_fraction}}
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     runs = []
@@ -150,7 +150,7 @@ def triton_runs(engine: Path, k: int, prompts: list[str], n_tokens: list[int], w
     shutil.copytree(args.triton_repo, repo, ignore=shutil.ignore_patterns("__pycache__"))
     values = {"triton_max_batch_size": "8", "decoupled_mode": "true", "engine_dir": str(engine),
               "tokenizer_dir": str(TrtllmEngine.open(engine).model_dir), "num_draft_tokens": str(k),
-              "speculation": "fixed" if k else "off", "preprocessing_instance_count": "1",
+              "speculation": "fixed", "preprocessing_instance_count": "1",
               "postprocessing_instance_count": "1", "bls_instance_count": "1",
               "tensorrt_llm_model_name": "tensorrt_llm", "cancellation_check_period_ms": "20",
               "stats_check_period_ms": "100"}

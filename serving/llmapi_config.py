@@ -152,7 +152,7 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
     try:
         executor = settings(
             ExecutorConfig, num_draft_tokens=draft_len,
-            speculation="off" if draft_len == 0 else triton.get("speculation"),
+            speculation=triton.get("speculation"),
             max_batch_size=limits.get("max_batch_size"), max_seq_len=limits.get("max_seq_len"),
             max_num_tokens=limits.get("max_num_tokens"), kv_cache_tokens=kv.get("max_tokens"),
             free_memory_fraction=kv.get("free_gpu_memory_fraction"), device=None if device is None else str(device),

@@ -45,7 +45,7 @@ def run_fresh(engine, prompts: list[list[int]], params: SamplingParams | list[Sa
     """Outputs on a fresh executor drafting k tokens (0: plain), all submitted together or one at a time; every
     KV block back at the end."""
     params = params if isinstance(params, list) else [params] * len(prompts)
-    cfg = ExecutorConfig(num_draft_tokens=k, speculation=speculation if k else "off", max_seq_len=max_seq_len,
+    cfg = ExecutorConfig(num_draft_tokens=k, speculation=speculation, max_seq_len=max_seq_len,
                          **config)
     with Executor(engine, cfg) as ex:
         if alone:

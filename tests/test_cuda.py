@@ -56,7 +56,7 @@ def test_cuda_speculative_greedy_equals_plain(temperature):
     prompts = [p["text"] for p in json.loads((MODEL / "heldout_prompts.json").read_text())[:8]]
     outputs = {}
     for k in (0, 3):
-        config = ExecutorConfig(num_draft_tokens=k, speculation="fixed" if k else "off", device="cuda", dtype="float32")
+        config = ExecutorConfig(num_draft_tokens=k, speculation="fixed", device="cuda", dtype="float32")
         with Executor(MODEL, config) as ex:
             handles = [ex.submit(ex.tokenizer.encode(p), SamplingParams(max_tokens=48, ignore_eos=True,
                                                                         temperature=temperature, seed=i))
@@ -73,7 +73,7 @@ def test_cuda_graphs_equal_eager(k):
     prompts = [p["text"] for p in json.loads((MODEL / "heldout_prompts.json").read_text())[:6]]
     outputs = {}
     for graphs in (False, True):
-        config = ExecutorConfig(num_draft_tokens=k, speculation="fixed" if k else "off", device="cuda",
+        config = ExecutorConfig(num_draft_tokens=k, speculation="fixed", device="cuda",
                                 dtype="float32", cuda_graphs=graphs)
         with Executor(MODEL, config) as ex:
             handles = [ex.submit(ex.tokenizer.encode(p), SamplingParams(max_tokens=40, ignore_eos=True)) for p in prompts]
@@ -121,7 +121,7 @@ def test_cuda_fp8_graphs_run_and_free_every_block():
     """The FP8 engine decodes through captured graphs, speculative and plain, and gives its blocks back."""
     prompts = [p["text"] for p in json.loads((MODEL / "heldout_prompts.json").read_text())[:4]]
     for k in (0, 3):
-        config = ExecutorConfig(num_draft_tokens=k, speculation="fixed" if k else "off", device="cuda", dtype="bfloat16",
+        config = ExecutorConfig(num_draft_tokens=k, speculation="fixed", device="cuda", dtype="bfloat16",
                                 fp8_weights=True)
         with Executor(MODEL, config) as ex:
             assert any(isinstance(m, FP8Linear) for m in ex.engine.model.modules())

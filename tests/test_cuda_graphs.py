@@ -143,7 +143,7 @@ def test_executor_on_padded_batches_equals_eager(spec_checkpoint, k) -> None:
     prompts = [[5 + i] * n for i, n in enumerate((3, 11, 6, 17, 2))]
     outputs = []
     for graphs in (False, True):
-        with Executor(engine, ExecutorConfig(num_draft_tokens=k, speculation="fixed" if k else "off",
+        with Executor(engine, ExecutorConfig(num_draft_tokens=k, speculation="fixed",
                                              max_num_tokens=24, max_seq_len=64)) as ex:
             if graphs:
                 ex.runner.graphs = CudaGraphRunner(engine.model, ex.cache, capture=False)

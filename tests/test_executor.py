@@ -164,7 +164,7 @@ def record_plans(ex: Executor) -> list[list[tuple[str, int, int]]]:
 def test_chunked_prefill_equals_one_shot(engine, prompts, alone, k, budget) -> None:
     long_ids = [4, 6]  # 60 and 36 tokens
     assert all(len(prompts[i]) > 4 * budget for i in long_ids)
-    spec = "fixed" if k else "off"
+    spec = "fixed"
     with Executor(engine, ExecutorConfig(num_draft_tokens=k, speculation=spec, max_num_tokens=budget)) as ex:
         plans = record_plans(ex)
         hs = {i: ex.submit(prompts[i], SamplingParams(max_tokens=MAX_TOKENS[i], ignore_eos=True)) for i in long_ids}
@@ -189,7 +189,7 @@ def test_preemption_with_tiny_kv_cache(engine, prompts, alone, k) -> None:
     sampled one still all finish with their own outputs, sequences really are preempted (and
     recomputed), and every block is free at the end."""
     ids = [1, 2, 3, 4, 6, 7]
-    spec = "fixed" if k else "off"
+    spec = "fixed"
     sampled = SamplingParams(max_tokens=24, temperature=1.0, seed=9, ignore_eos=True)
     with Executor(engine, ExecutorConfig(num_draft_tokens=k, speculation=spec)) as ex:
         sampled_alone = ex.submit(prompts[5], sampled).result(30).token_ids
@@ -265,6 +265,10 @@ def test_limits_above_the_engine_are_refused(engine) -> None:
         Executor(engine, ExecutorConfig(num_draft_tokens=5, speculation="fixed"))
     with pytest.raises(ValueError, match="speculation must be 'off', 'fixed' or 'adaptive', got 'always'"):
         Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="always"))
+    # drafting nothing is plain decoding whatever the mode (every caller used to spell this out)
+    assert [ExecutorConfig(num_draft_tokens=0, speculation=mode).speculation for mode in ("fixed", "adaptive")] == [
+        "off", "off"]
+    assert ExecutorConfig(num_draft_tokens=None).speculation == "adaptive"
 
 
 @pytest.mark.parametrize("speculation", ["fixed", "adaptive"])

@@ -90,7 +90,7 @@ def test_bf16_fp8_speculative_greedy_equals_plain():
     prompts = [p["text"] for p in json.loads((MODEL / "heldout_prompts.json").read_text())[:3]]
     outputs = {}
     for k in (0, 3):
-        config = ExecutorConfig(num_draft_tokens=k, speculation="fixed" if k else "off", dtype="bfloat16",
+        config = ExecutorConfig(num_draft_tokens=k, speculation="fixed", dtype="bfloat16",
                                 fp8_weights=True)
         with Executor(MODEL, config) as ex:
             assert any(isinstance(m, FP8Linear) for m in ex.engine.model.modules())

@@ -33,7 +33,7 @@ def engine(spec_checkpoint):
 
 
 def executor(engine, k: int, **kw) -> Executor:
-    return Executor(engine, ExecutorConfig(num_draft_tokens=k, speculation="fixed" if k else "off", max_seq_len=256,
+    return Executor(engine, ExecutorConfig(num_draft_tokens=k, speculation="fixed", max_seq_len=256,
                                            **kw))
 
 

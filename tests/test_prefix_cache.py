@@ -49,7 +49,7 @@ PROMPTS = [SYSTEM + tokens(10 + i, n) for i, n in enumerate((3, 11, 20, 1, 29))]
 
 
 def executor(engine, k: int, reuse: bool = True, speculation: str = "fixed", **kw) -> Executor:
-    return Executor(engine, ExecutorConfig(num_draft_tokens=k, speculation=speculation if k else "off",
+    return Executor(engine, ExecutorConfig(num_draft_tokens=k, speculation=speculation,
                                            enable_block_reuse=reuse, **kw))
 
 

@@ -76,7 +76,7 @@ def probs_under(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def run(shipped_engine, prompts, params, k: int, **config) -> tuple[list[RequestOutput], object]:
     params = params if isinstance(params, list) else [params] * len(prompts)
-    cfg = ExecutorConfig(num_draft_tokens=k, speculation="fixed" if k else "off", max_seq_len=MAX_SEQ_LEN, **config)
+    cfg = ExecutorConfig(num_draft_tokens=k, speculation="fixed", max_seq_len=MAX_SEQ_LEN, **config)
     with Executor(shipped_engine, cfg) as ex:
         hs = [ex.submit(p, sp) for p, sp in zip(prompts, params)]
         outs = [h.result(120) for h in hs]
@@ -275,7 +275,7 @@ def test_seeded_sampling_batched_equals_alone_with_bans_and_nucleus(shipped_engi
     sp = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.85, top_k=40, seed=123,
                         bad_token_ids=(ps[1][3], 13), ignore_eos=True)
     other = SamplingParams(max_tokens=25, temperature=1.3, seed=7, ignore_eos=True)
-    cfg = ExecutorConfig(num_draft_tokens=k, speculation="fixed" if k else "off", max_seq_len=MAX_SEQ_LEN)
+    cfg = ExecutorConfig(num_draft_tokens=k, speculation="fixed", max_seq_len=MAX_SEQ_LEN)
     with Executor(shipped_engine, cfg) as ex:
         solo = ex.submit(ps[0], sp).result(60).token_ids
         solo_other = ex.submit(ps[3], other).result(60).token_ids

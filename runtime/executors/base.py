@@ -27,7 +27,7 @@ class ExecutorConfig:
     """Serving settings; limits left as None come from the engine and may not exceed it."""
 
     num_draft_tokens: int | None = None  # None: DEFAULT_DRAFT_TOKENS (at most the engine's), 0 without MTP
-    speculation: str = "adaptive"  # "off" | "fixed" | "adaptive"
+    speculation: str = "adaptive"  # "off" | "fixed" | "adaptive"; "off" when num_draft_tokens is 0
     max_batch_size: int | None = None
     max_num_tokens: int | None = None
     max_seq_len: int | None = None
@@ -60,6 +60,8 @@ class ExecutorConfig:
             raise ValueError(f"num_draft_tokens must be an integer >= 0, got {k!r}")
         if self.speculation not in ("off", "fixed", "adaptive"):
             raise ValueError(f"speculation must be 'off', 'fixed' or 'adaptive', got {self.speculation!r}")
+        if k == 0:  # drafting nothing is plain decoding, whatever the mode
+            object.__setattr__(self, "speculation", "off")
         for name in ("max_batch_size", "max_num_tokens", "max_seq_len", "kv_cache_tokens", "max_queued_requests"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):

@@ -78,8 +78,7 @@ class Session:
         `enable_block_reuse` False turns prefix caching off (every prompt is computed in full).
         `limits` are ExecutorConfig's (max_batch_size, kv_cache_tokens, free_memory_fraction, ...).
         An engine built with --backend trtllm runs on TensorRT-LLM (runtime.executors.trtllm)."""
-        mode = "off" if num_draft_tokens == 0 else speculation
-        self.executor = create_executor(path, ExecutorConfig(num_draft_tokens=num_draft_tokens, speculation=mode,
+        self.executor = create_executor(path, ExecutorConfig(num_draft_tokens=num_draft_tokens, speculation=speculation,
                                                              device=device, dtype=dtype,
                                                              enable_block_reuse=enable_block_reuse, **limits))
         self.tokenizer = self.executor.tokenizer

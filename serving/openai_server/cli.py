@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = ExecutorConfig(
             num_draft_tokens=args.num_draft_tokens,
-            speculation="off" if args.num_draft_tokens == 0 else args.speculation, device=args.device,
+            speculation=args.speculation, device=args.device,
             dtype=args.dtype, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
             kv_cache_tokens=args.kv_cache_tokens, free_memory_fraction=args.free_memory_fraction,
             max_queued_requests=args.max_queued_requests)
