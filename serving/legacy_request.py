@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.core.sampling_params import SamplingParams, validate_request
+from runtime.core.sampling_params import SamplingParams, seed_from_client, validate_request
 from runtime.io.tokenizer import Tokenizer
 from serving.engine_limits import EngineLimits
 from serving.request_validation import (GUIDED_INPUTS, NEUTRAL, TENSORRT_LLM_SCALARS, UNSUPPORTED_ENGINE_INPUTS,
@@ -113,7 +113,7 @@ def engine_request(inputs: Inputs, tokenizer: Tokenizer, vocab_size: int,
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
-        seed=seed,
+        seed=seed_from_client(seed),
         stop=tuple(stop),
         stop_token_ids=tuple(stop_ids),
         bad_token_ids=tuple(bad_ids),

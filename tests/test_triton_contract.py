@@ -335,8 +335,8 @@ def test_llmapi_samples_as_the_llm_api(llmapi: TritonServer, expected: dict) -> 
         return body["text_output"]
 
     assert text(sampling_param_top_k=1, sampling_param_temperature=1.0) == expected[prompt].text
-    seeded = {text(sampling_param_temperature=1.0, sampling_param_seed=s) for s in (1, 1)}
-    assert len(seeded) == 1 and seeded != {expected[prompt].text}
+    seeded = {text(sampling_param_temperature=1.0, sampling_param_seed=s) for s in (1, 1, 2**63 + 1)}
+    assert len(seeded) == 1 and seeded != {expected[prompt].text}  # a UINT64 seed is taken modulo 2^63
 
 
 def test_llmapi_penalties_and_cumulative_logprob_match_the_session(llmapi: TritonServer, session: Session) -> None:

@@ -14,6 +14,13 @@ from runtime.model.config import is_int, is_number
 MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (OpenAI's top_logprobs limit)
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # vLLM's names
 PENALTY_LIMIT = 2.0  # |presence_penalty| and |frequency_penalty| at most this (OpenAI's range)
+SEED_MODULUS = 2**63  # seeds are in [0, 2^63): they travel in int64 tensors
+
+
+def seed_from_client(seed: int | None) -> int | None:
+    """A client's seed, any integer its API's type carries (int64 in OpenAI's, uint64 in Triton's), as a request's:
+    its residue modulo 2^63, so every such seed is taken and equal seeds stay equal."""
+    return None if seed is None else int(seed) % SEED_MODULUS
 # Stop strings are searched in every new token's text on the step loop every request shares: bounded so that one
 # request cannot slow the others (vLLM and TensorRT-LLM set no bound; OpenAI takes 4)
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 1024
@@ -115,7 +122,7 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if not is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < SEED_MODULUS):
             raise ValueError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
         if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {_as_given(self.stop)!r}")

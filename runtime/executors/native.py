@@ -26,7 +26,7 @@ from runtime.executors.ranks import RankFailure, RankGroup, RankOptions, drive, 
 from runtime.io.engine_format import ENGINE_JSON, EngineManifest
 from runtime.io.loading import LoadedEngine, load_engine
 from runtime.core.kv_cache import KVCache, free_memory_bytes
-from runtime.core.sampling_params import SamplingParams, validate_request
+from runtime.core.sampling_params import SEED_MODULUS, SamplingParams, validate_request
 from runtime.core.draft_policy import DraftPolicy, StepCosts
 from runtime.core.grammar import GrammarCompiler
 from runtime.core.prefix_cache import PrefixCache
@@ -203,7 +203,7 @@ class Executor:
             penalty = PenaltyState.create(list(prompt_token_ids), self.model_config.vocab_size,
                                           self.cache.tensor.device) if params.penalized else None
             seq = Sequence(rid if size == 1 else f"{rid}#{i}", list(prompt_token_ids), len(prompt_token_ids), p,
-                           (seed + i) % 2**63, in_thinking=self._thinking_after(prompt_token_ids),
+                           (seed + i) % SEED_MODULUS, in_thinking=self._thinking_after(prompt_token_ids),
                            stop_ids=tracker.stop_ids, penalty=penalty,
                            mtp_dropped=params.num_draft_tokens == 0,  # never drafts: keeps no MTP inputs
                            grammar=self.grammars.matcher(params.guided_decoding) if params.guided_decoding else None,

@@ -77,7 +77,6 @@ from runtime.io.tokenizer import Tokenizer
 
 log = logging.getLogger("runtime.executors.trtllm")
 
-SEED_MODULUS = 2**64  # TensorRT-LLM's seed is a uint64 (SamplingConfig.randomSeed)
 GUIDED_DECODING_BACKENDS = ("xgrammar", "llguidance")  # llm_args.py: TorchLlmArgs.guided_decoding_backend
 
 TRTLLM_MISSING_MESSAGE = (
@@ -122,7 +121,7 @@ def to_trtllm_sampling_kwargs(params: SamplingParams, tokenizer: Any) -> dict[st
       `SamplingConfig::checkTemperature` accepts 0.
     - sampling: `temperature`, `top_p` (always given: None means 0 in older C++ defaults), `top_k`
       only when ours is > 0 and fits upstream's int32 (ours 0 = off; upstream None = "C++ runtime
-      default 0, i.e., all logits"), `seed` modulo 2**64 (a uint64 upstream). An unseeded request
+      default 0, i.e., all logits"), `seed` as it is (ours in [0, 2^63) fit upstream's uint64). An unseeded request
       is given a random seed by `TrtllmExecutor.submit` (upstream None would be seed 0 for every
       request).
     - eos: `end_id` = the tokenizer's eos, or -1 (no end token) when `ignore_eos` or there is none.
@@ -162,7 +161,7 @@ def to_trtllm_sampling_kwargs(params: SamplingParams, tokenizer: Any) -> dict[st
         if 0 < params.top_k < 2**31:  # a top_k past int32 is past any vocabulary: all tokens
             kwargs["top_k"] = params.top_k
         if params.seed is not None:
-            kwargs["seed"] = int(params.seed) % SEED_MODULUS  # numpy ints too (their % 2**64 is a float)
+            kwargs["seed"] = int(params.seed)  # a numpy int, validation accepts, as the Python int
     if params.stop_token_ids:
         kwargs["stop_token_ids"] = list(params.stop_token_ids)
     if params.bad_token_ids:

@@ -20,8 +20,8 @@ from typing import Any, Mapping
 
 from runtime.core.guide_check import check_guide
 from runtime.core.sampling import TokenLogprob
-from runtime.core.sampling_params import GuidedDecodingParams, SamplingParams
-from runtime.core.sampling_params import MAX_LOGPROBS
+from runtime.core.sampling_params import (MAX_LOGPROBS, PENALTY_LIMIT, GuidedDecodingParams, SamplingParams,
+                                          seed_from_client)
 from runtime.executors.requests import RequestStats
 from runtime.io.tokenizer import Tokenizer
 from serving.openai_server.chat import ChatTemplateFault, render_chat
@@ -251,13 +251,13 @@ def _sampling(body: dict, tokenizer: Tokenizer, max_tokens: int | None, logprobs
         temperature=_number(body, "temperature", 0.0, math.inf, 1.0),
         top_p=_number(body, "top_p", 0.0, 1.0, 1.0),
         top_k=0 if top_k == -1 else top_k,  # vLLM's -1 and OpenAI-style 0 both mean all tokens
-        seed=None if seed is None else seed % 2**63,
+        seed=seed_from_client(seed),
         stop=_stop(body),
         stop_token_ids=tuple(_token_list(body.get("stop_token_ids") or [], "stop_token_ids", tokenizer.vocab_size)),
         ignore_eos=_flag(body, "ignore_eos"),
         logprobs=logprobs,
-        presence_penalty=_number(body, "presence_penalty", -2.0, 2.0, 0.0),
-        frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0, 0.0),
+        presence_penalty=_number(body, "presence_penalty", -PENALTY_LIMIT, PENALTY_LIMIT, 0.0),
+        frequency_penalty=_number(body, "frequency_penalty", -PENALTY_LIMIT, PENALTY_LIMIT, 0.0),
         repetition_penalty=_number(body, "repetition_penalty", 0.0, math.inf, 1.0),
         min_tokens=_integer(body, "min_tokens", 0, INT32_MAX, 0),
         guided_decoding=guide,

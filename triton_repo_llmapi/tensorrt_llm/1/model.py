@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from runtime.core.sampling_params import SamplingParams
+from runtime.core.sampling_params import PENALTY_LIMIT, SamplingParams, seed_from_client
 from runtime.executors.requests import RequestOutput
 from serving.llmapi_config import MODEL_YAML, read_model_yaml
 from serving.request_validation import (GUIDED_INPUTS, INT32_MAX, RequestError, Scalar, guided_decoding,
@@ -38,7 +38,8 @@ SCALARS: dict[str, Scalar] = {
                      "sampling_param_return_perf_metrics", "return_finish_reason", "return_stop_reason",
                      "return_cumulative_logprob"), FLAG),
     "sampling_param_temperature": Scalar("real", 0.0),
-    **dict.fromkeys(("sampling_param_frequency_penalty", "sampling_param_presence_penalty"), Scalar("real", -2.0, 2.0)),
+    **dict.fromkeys(("sampling_param_frequency_penalty", "sampling_param_presence_penalty"),
+                    Scalar("real", -PENALTY_LIMIT, PENALTY_LIMIT)),
     "sampling_param_top_p": Scalar("real", 0.0, 1.0),
     "sampling_param_top_k": Scalar("integer", 0, INT32_MAX),
     "sampling_param_best_of": Scalar("integer", 1, INT32_MAX),
@@ -107,7 +108,7 @@ class TritonPythonModel(EngineModel):
                             if self._scalar(inputs, f"return_{name}"))
         params = SamplingParams(max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
                                 temperature=temperature, top_k=top_k, top_p=top_p,
-                                seed=self._scalar(inputs, "sampling_param_seed"), stop=stop,
+                                seed=seed_from_client(self._scalar(inputs, "sampling_param_seed")), stop=stop,
                                 frequency_penalty=self._scalar(inputs, "sampling_param_frequency_penalty") or 0.0,
                                 presence_penalty=self._scalar(inputs, "sampling_param_presence_penalty") or 0.0,
                                 logprobs=0 if "cumulative_logprob" in outputs else None,
