@@ -21,7 +21,6 @@ from tqdm import tqdm
 from builder.validation import BuildError, build_output, copy_tokenizer, open_hf_checkpoint, quant_algo_flag, validate_build
 from builder.native_engine import BUILDER_VERSION
 from runtime.io.checkpoint import FP8_CODE, INDEX_NAME
-from runtime.model.config import ModelConfig
 from runtime.io.engine_format import LLM_API_OPTIONS, BuildConfig, EngineManifest
 
 HF_DIR = "hf"
@@ -43,7 +42,7 @@ class TrtllmOptions:
     guided_decoding_backend: str | None = None  # "xgrammar" | "llguidance": structured output (None: off)
 
 
-def llm_api_options(cfg: ModelConfig, build: BuildConfig, options: TrtllmOptions) -> dict[str, Any]:
+def llm_api_options(build: BuildConfig, options: TrtllmOptions) -> dict[str, Any]:
     """The `LLM(...)` arguments, as trtllm-serve's --extra_llm_api_options YAML takes them."""
     out: dict[str, Any] = {
         "dtype": build.dtype,
@@ -100,7 +99,7 @@ def build_trtllm_engine(model_dir: str | Path, output_dir: str | Path, build: Bu
         for name in tqdm(released_files, desc="link", unit="file", disable=not progress):
             _link_or_copy(model_dir / name, hf / name)
         tokenizer = copy_tokenizer(Path(tokenizer_dir) if tokenizer_dir is not None else model_dir, hf)
-        (tmp / LLM_API_OPTIONS).write_text(yaml.safe_dump(llm_api_options(cfg, build, options), sort_keys=False))
+        (tmp / LLM_API_OPTIONS).write_text(yaml.safe_dump(llm_api_options(build, options), sort_keys=False))
         files = [f"{HF_DIR}/{n}" for n in released_files + tokenizer] + [LLM_API_OPTIONS]
         EngineManifest.create(tmp, cfg, build, [f"{HF_DIR}/{s}" for s in shards], files, BUILDER_VERSION).write(tmp)
     return Path(output_dir)

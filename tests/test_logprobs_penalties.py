@@ -125,7 +125,7 @@ def test_token_logprobs_kernel_equals_the_torch_ops(n, monkeypatch) -> None:
     tokens = torch.tensor([0, 150, 6, 300, 17, 17, 299])
     top_n = [n, 0, n, max(n - 1, 0), n, 1 if n else 0, n]
     got = token_logprobs(lp, tokens, top_n)
-    monkeypatch.setattr("runtime.core.sampling.runs_here", lambda device, dtype: False)
+    monkeypatch.setattr("runtime.core.sampling.cpu_kernels_serve", lambda device, dtype: False)
     want = token_logprobs(lp, tokens, top_n)
     order = lp.sort(dim=-1, descending=True, stable=True)
     for m, (a, b) in enumerate(zip(got, want)):

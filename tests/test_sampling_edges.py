@@ -502,7 +502,7 @@ def test_multibyte_text_in_multi_token_steps(shipped_tokenizer, chunk) -> None:
     for params in (SamplingParams(max_tokens=200, ignore_eos=True),
                    SamplingParams(max_tokens=200, ignore_eos=True, stop=["語の"]),
                    SamplingParams(max_tokens=200, ignore_eos=True, stop=["🚀"])):
-        tracker = RequestTracker.create("r", 3, params, shipped_tokenizer, 4096, handle=None)
+        tracker = RequestTracker.create("r", 3, params, shipped_tokenizer, handle=None)
         text, reason, kept_all = "", None, []
         for i in range(0, len(ids), chunk):
             kept, delta, reason = tracker.consume(ids[i: i + chunk], now=1.0)

@@ -188,7 +188,7 @@ def test_stop_string_inside_a_multi_token_step(session, reference, stop_at) -> N
     params = SamplingParams(max_tokens=40, ignore_eos=True, stop=(stop,))
 
     def run(step: int) -> tuple[list[int], str, str | None]:
-        tracker = RequestTracker.create("r", 5, params, tok, MAX_SEQ_LEN, handle=None)
+        tracker = RequestTracker.create("r", 5, params, tok, handle=None)
         text, reason = "", None
         for i in range(0, len(ids), step):
             _, delta, reason = tracker.consume(ids[i: i + step], now=1.0)
@@ -208,7 +208,7 @@ def test_tpot_is_the_time_after_the_first_token_over_the_tokens_after_it(session
     from runtime.executors.requests import RequestTracker
 
     tracker = RequestTracker.create("r", 5, SamplingParams(max_tokens=40, ignore_eos=True), session.tokenizer,
-                                    MAX_SEQ_LEN, handle=None, callback=None)
+                                    handle=None, callback=None)
     tracker.arrival_time = 0.0
     for ids, t in (([10, 11, 12], 1.0), ([13], 2.0), ([14, 15], 3.0)):
         tracker.consume(ids, now=t)

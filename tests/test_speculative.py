@@ -34,7 +34,7 @@ from runtime.core.scheduler import Scheduler, SchedulerConfig
 from runtime.core.sequence import Sequence, Status
 from runtime.io.tokenizer import Tokenizer
 from runtime.core.model_runner import ModelRunner
-from runtime.model.kernels.modules import GreedyStep, runs_here
+from runtime.model.kernels.modules import GreedyStep, cpu_kernels_serve
 from runtime.core.plan import Scheduled, StepResult
 
 from conftest import REPO_ROOT, chi2_pvalue, tiny_config_dict
@@ -760,7 +760,7 @@ def test_the_race_draws_arrivals_small_enough_for_very_unlikely_tokens() -> None
 def test_the_race_in_one_kernel_call_is_the_torch_ops_pick(monkeypatch) -> None:
     """The CPU kernel's race (which skips the log for tokens that cannot win) picks what the torch ops pick, bit
     for bit, also over distributions with zeros (top-k / top-p cuts) and one-hot rows; its uniform draws are the torch ops'."""
-    if not runs_here(torch.device("cpu"), torch.float32):
+    if not cpu_kernels_serve(torch.device("cpu"), torch.float32):
         pytest.skip("the CPU kernels do not run here")
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(3000, 4096, generator=g) * torch.rand(3000, 1, generator=g) * 6
@@ -771,7 +771,7 @@ def test_the_race_in_one_kernel_call_is_the_torch_ops_pick(monkeypatch) -> None:
     seeds, positions = torch.randint(0, 2**62, (3000,), generator=g), torch.randint(0, 10**6, (3000,), generator=g)
     kernel = race(probs, seeds, positions)
     draws = sampling.uniforms(seeds.view(100, 30), positions.view(100, 30), sampling.PURPOSE_ACCEPT)
-    monkeypatch.setattr(sampling, "runs_here", lambda device, dtype: False)
+    monkeypatch.setattr(sampling, "cpu_kernels_serve", lambda device, dtype: False)
     monkeypatch.setattr(sampling, "cpu_kernels", lambda: None)
     assert torch.equal(kernel, race(probs, seeds, positions))
     assert torch.equal(draws, sampling.uniforms(seeds.view(100, 30), positions.view(100, 30), sampling.PURPOSE_ACCEPT))
@@ -887,12 +887,13 @@ def test_relaxed_acceptance_never_emits_bad_tokens() -> None:
     must not pass that way either (the relaxed distribution is the masked one)."""
     from conftest import bigram_tensors
     from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM
-    from runtime.io.loading import load_release_tensors
+    from runtime.io.loading import fill
+    from runtime.io.weights import to_internal
 
     V = 512
     cfg = ModelConfig.from_dict(tiny_config_dict(vocab_size=V))
     model = DeepseekV3ForCausalLM(cfg)
-    load_release_tensors(model, bigram_tensors(cfg, 0))
+    fill(model, ((*to_internal(name, cfg), t, None) for name, t in bigram_tensors(cfg, 0)), "bigram tensors")
     model.eval()
     banned = frozenset(range(0, V, 2))
     relaxed = RelaxedAcceptance(top_n=10, delta=0.6, begin_thinking_token=V - 1, end_thinking_token=V - 3)

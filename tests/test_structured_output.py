@@ -375,7 +375,7 @@ def test_guided_output_with_the_torch_ops_is_the_kernels(shipped_engine, shipped
     params = [SamplingParams(max_tokens=MAX_TOKENS, guided_decoding=GUIDES["json"]),
               SamplingParams(max_tokens=8, bad_token_ids=tuple(letter), guided_decoding=GuidedDecodingParams(regex="q"))]
     kernels = [o.token_ids for o in run(shipped_engine, prompts[:2], params, 2)]
-    monkeypatch.setattr("runtime.core.sampling.runs_here", lambda device, dtype: False)
+    monkeypatch.setattr("runtime.core.sampling.cpu_kernels_serve", lambda device, dtype: False)
     assert [o.token_ids for o in run(shipped_engine, prompts[:2], params, 2)] == kernels
 
 

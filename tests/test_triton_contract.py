@@ -535,8 +535,8 @@ def test_builders_llm_api_options_are_a_model_yaml(tmp_path: Path, checkpoint: P
     """The options build_engine --backend trtllm writes (what upstream's own llmapi model is given) read here
     without a refusal: every key is an LLM-API key this reader knows."""
     cfg, build = read_limits(checkpoint)
-    options = llm_api_options(cfg, build, TrtllmOptions(use_relaxed_acceptance_for_thinking=True, relaxed_topk=3,
-                                                        relaxed_delta=0.2))
+    options = llm_api_options(build, TrtllmOptions(use_relaxed_acceptance_for_thinking=True, relaxed_topk=3,
+                                                   relaxed_delta=0.2))
     llm = read_model_yaml(write_yaml(tmp_path, checkpoint, **options), tmp_path)
     assert llm.executor.num_draft_tokens == build.max_draft_len and llm.executor.relaxed_acceptance.top_n == 3
 

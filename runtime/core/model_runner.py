@@ -15,7 +15,8 @@ each with its own k (no grammar; penalties, bans and logprobs computed in the ca
 (`GreedyStep`; a sequence with k = 0: the target forward and argmax alone; a step where none drafts also for a model
 without an MTP layer): only the emitted tokens, their logprobs and the verified hidden states come back. The
 runner reads sequences and writes none: what a step computed comes back as `StepResult`s, which
-`Scheduler.update_from_output` applies.
+`Scheduler.update_from_output` applies (a grammar that fails while its masks are computed records that on its own
+matcher, which the executor reads after the step and ends the request).
 
 A guided request's grammar is one more ban per row: draft j is drawn from the MTP distribution masked by
 the grammar state after drafts 1..j-1, and each verified row is masked by its own state (a bitmask per

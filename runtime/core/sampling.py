@@ -44,7 +44,7 @@ from torch import Tensor
 
 from runtime.model.config import is_int, is_number
 from runtime.model.kernels import cpu_kernels
-from runtime.model.kernels.modules import runs_here
+from runtime.model.kernels.modules import cpu_kernels_serve
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ def race(probs: Tensor, seeds: Tensor, positions: Tensor) -> Tensor:
     """One token per row of probs [B, V], distributed as the row: argmax_v p(v) / E_v with E_v ~ Exp(1) a hash of
     (seed, position, v), the same for the same inputs. In one kernel call where the CPU kernels run (bit for bit the
     torch ops' pick); with torch ops a few rows at a time, since each row's draws take V float64 and int64 values."""
-    if runs_here(probs.device, probs.dtype):
+    if cpu_kernels_serve(probs.device, probs.dtype):
         return cpu_kernels().race(probs.contiguous(), seeds.contiguous(), positions.contiguous(), PURPOSE_RACE)
     hi, lo = _hashes(seeds, positions, PURPOSE_RACE)
     rows = max(1, 2**20 // probs.shape[-1])
@@ -156,7 +156,7 @@ class Adjustments:
         positive logit divided, a negative one multiplied), OpenAI's frequency and presence penalties over the output,
         then the bans (-inf)."""
         logits = logits.float()
-        if runs_here(logits.device, logits.dtype):
+        if cpu_kernels_serve(logits.device, logits.dtype):
             drafts = torch.empty(0, 0, dtype=torch.long) if self.drafts is None else self.drafts.contiguous()
             allowed = torch.empty(0, 0, dtype=torch.int32) if self.allowed is None else self.allowed.contiguous()
             return cpu_kernels().adjust_logits(logits.contiguous(), self.num_rows, self.first, drafts,
@@ -295,7 +295,7 @@ def token_logprobs(logprobs: Tensor, tokens: Tensor, top_n: list[int]) -> list[T
     alternatives each, read back to the host in one transfer."""
     n = max(top_n)
     # one float64 tensor, one transfer: [token, logprob, rank, n logprobs, n ids] per row (ids are exact in float64)
-    if runs_here(logprobs.device, logprobs.dtype):  # in one kernel call: the torch ops' overhead is most of the cost
+    if cpu_kernels_serve(logprobs.device, logprobs.dtype):  # one kernel call: the torch ops cost more than the work
         rows = cpu_kernels().token_logprobs(logprobs.contiguous(), tokens.contiguous(), n)
     else:
         chosen = logprobs.gather(-1, tokens[:, None])

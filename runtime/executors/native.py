@@ -195,8 +195,7 @@ class Executor:
         for i in range(size):
             # best_of ranks by cumulative logprob; the leader alone computes prompt logprobs, which all report
             p = replace(params, logprobs=0) if best_of is not None and params.logprobs is None else params
-            tracker = RequestTracker.create(rid, len(prompt_token_ids), p, self.tokenizer, self.limits.max_seq_len,
-                                            handle, on_output)
+            tracker = RequestTracker.create(rid, len(prompt_token_ids), p, self.tokenizer, handle, on_output)
             tracker.index, tracker.best_of = i, best_of
             if i:
                 tracker.prompt_logprobs, p = group[0][1].prompt_logprobs, replace(p, prompt_logprobs=None)

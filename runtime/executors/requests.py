@@ -1,6 +1,6 @@
 """The output side of a request, shared by every backend's executor.
 
-Request validation, stop conditions (stop token ids and eos, max_tokens, max_seq_len, stop strings),
+Stop conditions (stop token ids and eos, max_tokens, stop strings),
 UTF-8-safe text deltas, per-request statistics and delivery to callbacks and iterators live here
 once, so the native executor and the TensorRT-LLM adapter answer the same request the same way.
 """
@@ -392,7 +392,6 @@ class RequestTracker:
     handle: RequestHandle
     detok: IncrementalDetokenizer
     stop_ids: frozenset[int]
-    max_seq_len: int
     callback: Callable[[RequestOutput], None] | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
     first_scheduled_time: float | None = None
@@ -423,10 +422,10 @@ class RequestTracker:
 
     @classmethod
     def create(cls, request_id: str, num_prompt_tokens: int, params: SamplingParams, tokenizer: Tokenizer,
-               max_seq_len: int, handle: RequestHandle,
+               handle: RequestHandle,
                callback: Callable[[RequestOutput], None] | None = None) -> "RequestTracker":
         return cls(request_id, num_prompt_tokens, params, handle, IncrementalDetokenizer(tokenizer),
-                   params.stop_ids(tokenizer.eos_token_id), max_seq_len, callback)
+                   params.stop_ids(tokenizer.eos_token_id), callback)
 
     def consume(self, new: list[int], now: float, logprobs: list[TokenLogprob] | None = None
                 ) -> tuple[list[int], str, str | None]:
@@ -434,7 +433,7 @@ class RequestTracker:
         text delta, finish reason).
 
         Ids are taken one at a time, so a step that emitted several (speculation) ends exactly where
-        plain decoding would: before a stop id, at the token that reaches max_tokens / max_seq_len,
+        plain decoding would: before a stop id, at the token that reaches max_tokens,
         or at the token that completes a stop string (the text cut before it). With stop strings,
         the last (longest stop - 1) characters are held back until they can no longer start one, so
         a client never sees part of a stop string. Before min_tokens no stop string ends a request (as
@@ -454,7 +453,7 @@ class RequestTracker:
                 kept.append(t)
                 self.held += self.detok.push([t])
                 emitted = len(self.token_ids) + len(kept)
-                if emitted >= p.max_tokens or self.num_prompt_tokens + emitted >= self.max_seq_len:
+                if emitted >= p.max_tokens:  # validation keeps prompt + max_tokens within max_seq_len
                     reason = "length"
             if reason:
                 self.held += self.detok.flush()

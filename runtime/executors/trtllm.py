@@ -577,8 +577,7 @@ class TrtllmExecutor:
         handle = RequestHandle(rid, self, params.n)
         group: list[_Request] = []
         for i in range(params.n):  # upstream returns n outputs of one request (the best of best_of)
-            t = _Request.create(rid, len(prompt_token_ids), params, self.tokenizer, self.limits.max_seq_len, handle,
-                                on_output)
+            t = _Request.create(rid, len(prompt_token_ids), params, self.tokenizer, handle, on_output)
             t.index, t.prompt, t.group = i, list(prompt_token_ids), group
             if i:  # upstream's prompt logprobs, read once (by the first), are every output's
                 t.prompt_logprobs = group[0].prompt_logprobs

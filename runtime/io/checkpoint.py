@@ -294,11 +294,11 @@ class HFCheckpoint:
             if not wanted:
                 continue
             for name in wanted:
-                yield name, self._load(shard, name, dequantize, dtype)
+                yield name, self._load(name, dequantize, dtype)
 
     def get(self, name: str, dequantize: bool = True, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
         """One tensor, read from its shard (same conventions as iter_tensors)."""
-        return self._load(self._shard_of(name), name, dequantize, dtype)
+        return self._load(name, dequantize, dtype)
 
     def validate(self) -> None:
         """Check, from headers only, that the files hold exactly the release layout of config.json (its MTP
@@ -358,7 +358,7 @@ class HFCheckpoint:
         shard = self._shard_of(name)
         return check_finite(read_tensor(self.path / shard, self._headers[shard][name], scratch), name, self.path / shard)
 
-    def _load(self, shard: str, name: str, dequantize: bool, dtype: torch.dtype | None) -> torch.Tensor:
+    def _load(self, name: str, dequantize: bool, dtype: torch.dtype | None) -> torch.Tensor:
         t = self.read(name)
         if not (dequantize and t.dtype == FP8_DTYPE):
             return t if dtype is None else t.to(dtype)

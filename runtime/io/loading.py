@@ -72,8 +72,8 @@ def load_engine(path: str | Path, device: str | torch.device = "cpu", dtype: str
                           "(from build_engine) or a Hugging Face DeepSeek-V3 checkpoint directory")
     build = _as_loaded(source.build, dtype)
     device = torch.device(device)
-    kernels_here = cpu_kernels and kernel_modules.runs_here(device, build.torch_dtype)
-    fp8_here = not kernels_here and fp8_linear.runs_here(device, build.torch_dtype, fp8_weights)
+    kernels_here = cpu_kernels and kernel_modules.cpu_kernels_serve(device, build.torch_dtype)
+    fp8_here = not kernels_here and fp8_linear.keeps_fp8(device, build.torch_dtype, fp8_weights)
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(source.cfg, par)
         if fp8_here:  # its modules' buffers are allocated on the device, below
@@ -123,12 +123,6 @@ def _materialize(model: DeepseekV3ForCausalLM, device: torch.device, dtype: torc
     # imports sympy: seconds); the rest, RoPE's frequencies computed at build, moved as they are
     model._apply(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device) if t.is_meta
                  else t.to(device))
-
-
-def load_release_tensors(model: DeepseekV3ForCausalLM, tensors: Iterable[tuple[str, Tensor]],
-                         source: str = "tensors") -> None:
-    """Fill a model from release-named tensors (training, reference models in tests)."""
-    fill(model, ((*to_internal(name, model.cfg), t, None) for name, t in tensors), source)
 
 
 def fill(model: DeepseekV3ForCausalLM, weights: Iterable[Weight], source: str) -> None:

@@ -54,7 +54,7 @@ ROW_ALIGN = 4  # cuBLASLt wants the activations' scale columns 16-byte aligned: 
 SCALE_ALIGN = 16  # bytes: cuBLASLt wants each scale tensor to start on a 16-byte boundary
 
 
-def runs_here(device: torch.device, dtype: torch.dtype, requested: bool | None) -> bool:
+def keeps_fp8(device: torch.device, dtype: torch.dtype, requested: bool | None) -> bool:
     """Whether FP8 weights load as FP8: in bfloat16 models on GPUs with FP8 products by default (`requested` None),
     on any device when requested; never in float32 (the exact reference, dequantized at load)."""
     if dtype != COMPUTE_DTYPE or requested is False:

@@ -204,7 +204,7 @@ class GreedyStep:
 
 
 # ---- swapping in ------------------------------------------------------------------------------------------
-def runs_here(device: torch.device, dtype: torch.dtype) -> bool:
+def cpu_kernels_serve(device: torch.device, dtype: torch.dtype) -> bool:
     """The kernels serve float32 models on CPUs that can run them."""
     return device.type == "cpu" and dtype == torch.float32 and kernels.cpu_kernels() is not None
 
