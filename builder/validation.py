@@ -19,7 +19,6 @@ from runtime.io.checkpoint import HFCheckpoint
 from runtime.io.engine_format import BuildConfig, EngineError, check_model_limits
 from runtime.io.tokenizer import TOKENIZER_FILES, Tokenizer
 from runtime.model.config import ModelConfig
-from runtime.model.fp8 import BLOCK
 from builder.trtllm_layout import rank_layout
 
 
@@ -188,11 +187,6 @@ def open_hf_checkpoint(model_dir: Path, build: BuildConfig) -> tuple[HFCheckpoin
     """Open and validate (headers only) an HF checkpoint against the build options."""
     ckpt = HFCheckpoint(model_dir)
     cfg = ckpt.config
-    if ckpt.quantized and tuple(ckpt.block) != BLOCK:
-        raise BuildError(
-            f"{model_dir / 'config.json'}: unsupported quantization: weight_block_size {list(ckpt.block)}, "
-            f"expected {list(BLOCK)} (FP8_BLOCK_SCALES)"
-        )
     ckpt.validate()
     validate_sharding(cfg, build, str(model_dir / "config.json"))
     return ckpt, cfg

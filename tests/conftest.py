@@ -13,8 +13,16 @@ import pytest
 import torch
 
 from runtime.io.checkpoint import expected_tensor_shapes
+from runtime.io.loading import fill
 from runtime.io.tokenizer import CONFIG_FILE, TOKENIZER_FILE
+from runtime.io.weights import to_internal
 from runtime.model.config import ModelConfig
+
+
+def load_release_tensors(model: torch.nn.Module, tensors, source: str = "tensors") -> None:
+    """Fill a model from release-named (name, tensor) pairs: reference models built in tests."""
+    fill(model, ((*to_internal(name, model.cfg), t, None) for name, t in tensors), source)
+
 
 TINY_CONFIG: dict[str, Any] = {
     "architectures": ["DeepseekV3ForCausalLM"],

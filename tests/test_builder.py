@@ -457,12 +457,13 @@ def test_error_unsupported_quantization(tiny_checkpoint, hf, tmp_path, capsys):
     out = tmp_path / "out"
     assert error(capsys, "--model_dir", hf, "--output_dir", out, "--quant_algo", "NVFP4") == (
         "build_engine: error: argument --quant_algo: invalid choice: 'NVFP4' (choose from 'FP8_BLOCK_SCALES', 'FP8', 'NO_QUANT')")
-    cfg = tiny_config_dict()
+    src = tiny_checkpoint("b64", tiny_config_dict(), fp8=True)
+    cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"]["weight_block_size"] = [64, 64]
-    src = tiny_checkpoint("b64", cfg, fp8=True)
+    (src / "config.json").write_text(json.dumps(cfg))
     assert error(capsys, "--model_dir", src, "--output_dir", out, "--max_seq_len", 256) == (
-        f"build_engine: error: {src / 'config.json'}: unsupported quantization: weight_block_size [64, 64], "
-        "expected [128, 128] (FP8_BLOCK_SCALES)")
+        f"build_engine: error: {src / 'config.json'}: field 'quantization_config.weight_block_size' is [64, 64], "
+        "expected [128, 128] (the release's FP8 block scales; TensorRT-LLM's FP8_BLOCK_SCALES)")
     ckpt = convert_checkpoint(hf, tmp_path / "ckpt", BuildConfig(**LIMITS), progress=False)
     c = json.loads((ckpt / "config.json").read_text())
     c["quantization"]["quant_algo"] = "W4A8_AWQ"

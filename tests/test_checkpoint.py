@@ -423,6 +423,29 @@ def test_error_fp8_weight_without_scale(make_ckpt):
     (dict(tie_word_embeddings=True),
      "field 'tie_word_embeddings' is True, expected false (DeepSeek-V3's lm_head is a weight of its own)"),
     (dict(attention_bias=True), "field 'attention_bias' is True, expected false (DeepSeek-V3's attention has no biases)"),
+    # forms that loaded as another model, silently, or were refused in Python's words
+    (dict(rope_scaling={"factor": 4.0, "original_max_position_embeddings": 64}),
+     "field 'rope_scaling' has no type (or rope_type): expected 'yarn' (DeepSeek-V3's) or 'default'; transformers "
+     "reads it as 'default', DeepSeek's code as 'yarn'"),
+    (dict(rope_scaling={"type": "yarn", "factor": 4.0}),
+     "field 'rope_scaling' (yarn) has no original_max_position_embeddings: expected the scaling factor and the "
+     "context length before scaling (DeepSeek-V3: 40 and 4096)"),
+    (dict(original_max_position_embeddings=32),
+     "fields 'original_max_position_embeddings' (32) and 'rope_scaling.original_max_position_embeddings' (64) "
+     "disagree; give one"),
+    (dict(partial_rotary_factor=0.5),
+     "field 'partial_rotary_factor' is 0.5, expected 1 (DeepSeek-V3 rotates qk_rope_head_dim whole)"),
+    (dict(moe_layer_freq=2),
+     "field 'moe_layer_freq' is 2, expected 1 (every DeepSeek-V3 release; transformers ignores the field, DeepSeek's "
+     "own code reads it, so the layers' layout for another value depends on who saved them)"),
+    (dict(eos_token_id=[1, 5]),
+     "field 'eos_token_id' is [1, 5], expected one token id (give the others to requests as stop_token_ids)"),
+    (dict(quantization_config={"quant_method": "fp8", "weight_block_size": [192, 192]}),
+     "field 'quantization_config.weight_block_size' is [192, 192], expected [128, 128] (the release's FP8 block "
+     "scales; TensorRT-LLM's FP8_BLOCK_SCALES)"),
+    (dict(num_mtp_layers=2),
+     "fields 'num_nextn_predict_layers' (1) and 'num_mtp_layers' (2) disagree (num_mtp_layers is transformers' "
+     "other name for num_nextn_predict_layers); give one"),
     # listing the layout of 10**9 layers or experts grew memory without end before any tensor was compared
     (dict(num_hidden_layers=10**9), "field 'num_hidden_layers' is 1000000000, expected at most 1024"),
     (dict(n_routed_experts=10**9), "field 'n_routed_experts' is 1000000000, expected at most 4096"),
@@ -659,3 +682,14 @@ def test_the_release_config_reads_without_unknown_fields(caplog):
     with caplog.at_level(logging.WARNING, logger="runtime.model.config"):
         cfg = ModelConfig.from_json(HF_CONFIGS / "deepseek-v3.json")
     assert caplog.records == [] and cfg.rope_scaling.factor == 40 and cfg.num_nextn_predict_layers == 1
+
+
+def test_transformers_other_field_names_are_read(tiny_cfg):
+    """transformers' aliases (DeepseekV3Config.attribute_map) are the fields: a config giving only num_mtp_layers
+    declared no MTP layer here, and its MTP tensors were refused as unexpected."""
+    raw = tiny_cfg()
+    raw["num_mtp_layers"] = raw.pop("num_nextn_predict_layers")
+    raw["num_local_experts"] = raw.pop("n_routed_experts")
+    cfg = ModelConfig.from_dict(raw)
+    assert (cfg.num_nextn_predict_layers, cfg.n_routed_experts) == (1, tiny_cfg()["n_routed_experts"])
+    assert cfg.extra == {} and cfg == ModelConfig.from_dict(tiny_cfg())

@@ -281,6 +281,15 @@ def test_a_checkpoints_draft_length_is_bounded(shipped_model_dir, speculation) -
     assert str(e.value) == f"num_draft_tokens 100000 exceeds 8, the most the MTP module is re-run for ({shipped_model_dir})"
 
 
+def test_a_checkpoints_max_seq_len_is_bounded_by_its_positions(shipped_model_dir) -> None:
+    """An engine's max_seq_len is checked against max_position_embeddings at build and load; a checkpoint opened
+    directly took any max_seq_len and ran positions the model was never trained on."""
+    with pytest.raises(ValueError) as e:
+        Executor(shipped_model_dir, ExecutorConfig(max_seq_len=4096, num_draft_tokens=0))
+    assert str(e.value) == (f"max_seq_len 4096 exceeds max_position_embeddings 2048 ({shipped_model_dir}): positions "
+                            "past it were never trained")
+
+
 @pytest.mark.parametrize("field,value,message", [
     ("max_num_tokens", 0, "max_num_tokens must be an integer >= 1, got 0"),
     ("max_batch_size", 0, "max_batch_size must be an integer >= 1, got 0"),

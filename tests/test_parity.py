@@ -1,7 +1,7 @@
 """Parity of our runtime with HF transformers' `DeepseekV3ForCausalLM`, in float32.
 
 Both models read the SAME checkpoint (written by `write_hf_checkpoint`): HF through
-`from_pretrained`, ours through `HFCheckpoint` + `load_release_tensors`. The tiny configs switch on every
+`from_pretrained`, ours through `HFCheckpoint` + `load_release_tensors` (conftest). The tiny configs switch on every
 feature of the real model: YaRN (factor > 1, both mscale keys: equal as in V3 with q LoRA, unequal
 without), grouped routing (n_group > 1, topk_group < n_group) with a random correction bias that
 changes most tokens' experts, q LoRA on and off, a dense first layer, two shared experts,
@@ -43,9 +43,8 @@ from runtime.io.checkpoint import HFCheckpoint, expected_tensor_shapes
 from runtime.model.config import ModelConfig
 from runtime.model.batch import PagedBatch
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM
-from runtime.io.loading import load_release_tensors
 
-from conftest import tiny_config_dict
+from conftest import load_release_tensors, tiny_config_dict
 
 TOL = 1e-4  # max |logit difference|; logits have std ~1
 BLOCK_SIZE = 4
@@ -609,6 +608,35 @@ def test_config_corners_match_hf(change, tmp_path):
     ours = load_ours(cfg, tensors.items())
     with torch.no_grad():
         assert_close(ours.logits(ours(ids)), load_hf(path, cfg)(ids).logits, change)
+
+
+@pytest.mark.parametrize("change", ["yarn_betas_swapped", "top_level_original_max_position_embeddings",
+                                    "original_max_position_embeddings_as_float", "rope_scaling_empty"])
+def test_config_variants_read_as_transformers_reads_them(change, tmp_path):
+    """config.json forms transformers loads, read as it reads them: YaRN's ramp over a negative span (beta_fast below
+    beta_slow: we kept the span at least 1e-3, off by 5 in logits), the pre-YaRN length given only at the top level
+    (transformers 5's reading; we used the default), as a float, and an empty rope_scaling (plain RoPE)."""
+    cfg = parity_config(True)
+    tensors = parity_tensors(cfg, 4)
+    path = write_hf_checkpoint(tmp_path / "ckpt", cfg, tensors.items(), fp8=False)
+    raw = json.loads((path / "config.json").read_text())
+    yarn = raw["rope_scaling"]
+    if change == "yarn_betas_swapped":
+        yarn["beta_fast"], yarn["beta_slow"] = 1, 32
+    elif change == "top_level_original_max_position_embeddings":
+        raw["original_max_position_embeddings"] = 2 * yarn.pop("original_max_position_embeddings")
+    elif change == "original_max_position_embeddings_as_float":
+        yarn["original_max_position_embeddings"] = float(yarn["original_max_position_embeddings"])
+    else:
+        raw["rope_scaling"] = {}
+    (path / "config.json").write_text(json.dumps(raw))
+    ckpt = HFCheckpoint(path)
+    if change == "top_level_original_max_position_embeddings":
+        assert ckpt.config.rope_scaling.original_max_position_embeddings == raw["original_max_position_embeddings"]
+    ours = load_ours(ckpt.config, ckpt.iter_tensors())
+    ids = token_ids(cfg, (1, 24), 6)
+    with torch.no_grad():
+        assert_close(ours.logits(ours(ids)), load_hf(path, ckpt.config)(ids).logits, change)
 
 
 def test_config_as_installed_transformers_saves_it_matches_hf(pair, tmp_path):

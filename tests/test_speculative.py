@@ -885,15 +885,13 @@ def test_relaxed_acceptance_end_to_end(tiny_engine) -> None:
 def test_relaxed_acceptance_never_emits_bad_tokens() -> None:
     """Inside a thinking span relaxed acceptance takes drafts in the target's top-N; a banned token
     must not pass that way either (the relaxed distribution is the masked one)."""
-    from conftest import bigram_tensors
+    from conftest import bigram_tensors, load_release_tensors
     from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM
-    from runtime.io.loading import fill
-    from runtime.io.weights import to_internal
 
     V = 512
     cfg = ModelConfig.from_dict(tiny_config_dict(vocab_size=V))
     model = DeepseekV3ForCausalLM(cfg)
-    fill(model, ((*to_internal(name, cfg), t, None) for name, t in bigram_tensors(cfg, 0)), "bigram tensors")
+    load_release_tensors(model, bigram_tensors(cfg, 0))
     model.eval()
     banned = frozenset(range(0, V, 2))
     relaxed = RelaxedAcceptance(top_n=10, delta=0.6, begin_thinking_token=V - 1, end_thinking_token=V - 3)

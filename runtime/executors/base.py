@@ -105,9 +105,10 @@ class ExecutorConfig:
                              f"({source})")
         return k
 
-    def limits(self, build: BuildConfig, source: str, built: bool = True) -> SchedulerConfig:
+    def limits(self, build: BuildConfig, model: ModelConfig, source: str, built: bool = True) -> SchedulerConfig:
         """max_batch_size, max_num_tokens and max_seq_len to serve with: as asked, else as built; more than an
-        engine was built for is refused naming the flag to rebuild with (a plain checkpoint's are defaults)."""
+        engine was built for is refused naming the flag to rebuild with (a plain checkpoint's are defaults), and a
+        max_seq_len past the model's max_position_embeddings is refused for both."""
         values = {}
         for name in ("max_batch_size", "max_num_tokens", "max_seq_len"):
             asked, most = getattr(self, name), getattr(build, name)
@@ -115,6 +116,9 @@ class ExecutorConfig:
                 raise ValueError(f"{name} {asked} exceeds the engine's {name} {most} ({source}); "
                                  f"rebuild the engine with --{name} {asked}")
             values[name] = most if asked is None else asked
+        if values["max_seq_len"] > model.max_position_embeddings:
+            raise ValueError(f"max_seq_len {values['max_seq_len']} exceeds max_position_embeddings "
+                             f"{model.max_position_embeddings} ({source}): positions past it were never trained")
         return SchedulerConfig(**values)
 
 

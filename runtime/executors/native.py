@@ -94,7 +94,7 @@ class Executor:
 
     def _setup(self) -> None:
         build, cfg, config = self.engine.build, self.engine.model_config, self.config
-        self.limits = config.limits(build, str(self.engine.path), self.engine.built)
+        self.limits = config.limits(build, cfg, str(self.engine.path), self.engine.built)
         k = config.draft_len(build.max_draft_len, cfg.num_nextn_predict_layers, str(self.engine.path), self.engine.built)
         self.model_config = cfg
         self.tokenizer = Tokenizer.from_dir(self.engine.tokenizer_dir)

@@ -36,7 +36,11 @@ POSITIVE_NUMBERS = ("routed_scaling_factor", "rms_norm_eps", "rope_theta")
 NO_EFFECT = frozenset({"transformers_version", "_name_or_path", "auto_map", "use_cache", "initializer_range",
                        "attention_dropout", "pretraining_tp", "output_router_logits", "router_aux_loss_coef",
                        "aux_loss_alpha", "seq_aux", "pad_token_id", "dtype", "ep_size"})
-DERIVED = ("rope_parameters", "head_dim", "qk_head_dim", "rope_interleave")  # read into, or checked against, fields
+# read into, or checked against, fields
+DERIVED = ("rope_parameters", "head_dim", "qk_head_dim", "rope_interleave", "original_max_position_embeddings",
+           "partial_rotary_factor")
+# transformers' other names for fields (DeepseekV3Config.attribute_map): read as the field, refused where they differ
+ALIASES = {"num_mtp_layers": "num_nextn_predict_layers", "num_local_experts": "n_routed_experts"}
 # Keys of `rope_scaling` (transformers 4 and DeepSeek's release) and `rope_parameters` (transformers 5)
 ROPE_KEYS = frozenset({"type", "rope_type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
                        "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate",
@@ -161,10 +165,16 @@ class ModelConfig:
             n for n, f in cls.__dataclass_fields__.items()
             if f.default is MISSING and f.default_factory is MISSING
         ]
-        missing = [n for n in required if n not in raw]
+        missing = [n for n in required if n not in raw and n not in {ALIASES[a] for a in ALIASES if a in raw}]
         if missing:
             raise ConfigError(f"{source}: missing required field(s) {', '.join(missing)}")
         kwargs: dict[str, Any] = {k: raw[k] for k in known if k in raw}
+        for alias, name in ALIASES.items():
+            if alias in raw:
+                if name in raw and raw[name] != raw[alias]:
+                    raise ConfigError(f"{source}: fields {name!r} ({raw[name]!r}) and {alias!r} ({raw[alias]!r}) "
+                                      f"disagree ({alias} is transformers' other name for {name}); give one")
+                kwargs[name] = raw[alias]
         for name in ("rope_scaling", "rope_parameters", "quantization_config"):
             if raw.get(name) is not None and not isinstance(raw[name], dict):
                 raise ConfigError(f"{source}: field {name!r} must be an object or null, got {raw[name]!r}")
@@ -204,9 +214,12 @@ class ModelConfig:
         if isinstance(kwargs.get("eos_token_id"), list):
             if not kwargs["eos_token_id"]:
                 raise ConfigError(f"{source}: field 'eos_token_id' must be a token id or a non-empty list of them")
+            if len(set(kwargs["eos_token_id"])) > 1:  # transformers stops at any of them; this runtime has one eos
+                raise ConfigError(f"{source}: field 'eos_token_id' is {kwargs['eos_token_id']!r}, expected one token "
+                                  "id (give the others to requests as stop_token_ids)")
             kwargs["eos_token_id"] = kwargs["eos_token_id"][0]
         _check_derived(raw, source)
-        kwargs["extra"] = {k: v for k, v in raw.items() if k not in known and k not in DERIVED}
+        kwargs["extra"] = {k: v for k, v in raw.items() if k not in known and k not in DERIVED and k not in ALIASES}
         unknown = sorted(set(kwargs["extra"]) - NO_EFFECT)
         if unknown:
             log.warning("%s: field(s) %s not read by this runtime; if they change the model's math, its output "
@@ -265,6 +278,9 @@ class ModelConfig:
             raise bad("num_experts_per_tok", "at most the experts in the selected groups")
         if self.qk_rope_head_dim % 2:
             raise bad("qk_rope_head_dim", "an even number")
+        if self.moe_layer_freq != 1:  # DeepSeek's code reads it, transformers ignores it: a layout would be a guess
+            raise bad("moe_layer_freq", "1 (every DeepSeek-V3 release; transformers ignores the field, DeepSeek's "
+                      "own code reads it, so the layers' layout for another value depends on who saved them)")
         if self.num_nextn_predict_layers < 0:
             raise bad("num_nextn_predict_layers", ">= 0")
         # fields the model reads but does not vary on: any other value would be silently ignored
@@ -298,21 +314,32 @@ class ModelConfig:
         if q is not None and (q.fmt, q.activation_scheme) != ("e4m3", "dynamic"):
             raise ConfigError(f"{source}: field 'quantization_config' has fmt {q.fmt!r} and activation_scheme "
                               f"{q.activation_scheme!r}, expected 'e4m3' and 'dynamic' (the release's FP8)")
+        if q is not None and tuple(q.weight_block_size) != (128, 128):
+            raise ConfigError(f"{source}: field 'quantization_config.weight_block_size' is "
+                              f"{list(q.weight_block_size)}, expected [128, 128] (the release's FP8 block scales; "
+                              "TensorRT-LLM's FP8_BLOCK_SCALES)")
 
 
 def _read_rope(raw: dict[str, Any], source: str) -> tuple[RopeScaling | None, Any]:
     """(YaRN parameters or None, rope_theta or None) from `rope_scaling` (transformers 4, the release) or
     `rope_parameters` (transformers 5, which moves rope_theta in there); both present must agree."""
     found = {}
+    if raw.get("partial_rotary_factor", 1) != 1:
+        raise ConfigError(f"{source}: field 'partial_rotary_factor' is {raw['partial_rotary_factor']!r}, expected 1 "
+                          "(DeepSeek-V3 rotates qk_rope_head_dim whole)")
     for name in ("rope_scaling", "rope_parameters"):
         rope = raw.get(name)
-        if rope is None:
+        if not rope:  # null or {}: no scaling, as transformers reads them
             continue
         unknown = sorted(set(rope) - ROPE_KEYS)
         if unknown:
             raise ConfigError(f"{source}: field '{name}.{unknown[0]}' is not supported, expected only "
                               f"{', '.join(sorted(ROPE_KEYS))}")
-        kind = rope.get("rope_type", rope.get("type", "yarn" if name == "rope_scaling" else "default"))
+        if name == "rope_scaling" and "type" not in rope and "rope_type" not in rope:
+            raise ConfigError(f"{source}: field 'rope_scaling' has no type (or rope_type): expected 'yarn' "
+                              "(DeepSeek-V3's) or 'default'; transformers reads it as 'default', DeepSeek's code as "
+                              "'yarn'")
+        kind = rope.get("rope_type", rope.get("type", "default"))
         if rope.get("type", kind) != kind:
             raise ConfigError(f"{source}: fields '{name}.type' ({rope['type']!r}) and '{name}.rope_type' "
                               f"({kind!r}) disagree")
@@ -326,10 +353,21 @@ def _read_rope(raw: dict[str, Any], source: str) -> tuple[RopeScaling | None, An
         scaling = None
         if kind == "yarn":
             keys = {k: v for k, v in rope.items() if k in RopeScaling.__dataclass_fields__ and k != "type"}
-            try:
-                scaling = RopeScaling(**keys)
-            except TypeError as e:
-                raise ConfigError(f"{source}: field {name!r}: {e}") from None
+            outer = raw.get("original_max_position_embeddings")
+            inner = keys.get("original_max_position_embeddings")
+            if outer is not None and inner is not None and outer != inner:
+                raise ConfigError(f"{source}: fields 'original_max_position_embeddings' ({outer!r}) and "
+                                  f"'{name}.original_max_position_embeddings' ({inner!r}) disagree; give one")
+            if inner is None and outer is not None:  # transformers 5 reads the top-level one
+                keys["original_max_position_embeddings"] = outer
+            value = keys.get("original_max_position_embeddings")
+            if is_number(value) and not is_int(value) and float(value).is_integer():
+                keys["original_max_position_embeddings"] = int(value)  # 4096.0, as transformers takes it
+            missing = [k for k in ("factor", "original_max_position_embeddings") if k not in keys]
+            if missing:
+                raise ConfigError(f"{source}: field '{name}' (yarn) has no {' or '.join(missing)}: expected the "
+                                  "scaling factor and the context length before scaling (DeepSeek-V3: 40 and 4096)")
+            scaling = RopeScaling(**keys)
         found[name] = (scaling, rope.get("rope_theta"))
     theta = raw.get("rope_theta")
     thetas = {v[1] for v in found.values() if v[1] is not None} | ({theta} if theta is not None else set())

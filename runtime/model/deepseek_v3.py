@@ -59,7 +59,8 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[Tensor, float]:
 
     low = max(math.floor(correction_dim(rs.beta_fast)), 0)
     high = min(math.ceil(correction_dim(rs.beta_slow)), dim - 1)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / max(high - low, 1e-3)).clamp(0, 1)
+    span = high - low if high != low else 1e-3  # DeepSeek's and transformers' linear_ramp_factor, sign and all
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / span).clamp(0, 1)
     freq = freq / rs.factor * ramp + freq * (1 - ramp)
     if rs.mscale and rs.mscale_all_dim:  # DeepSeek-V3 gives both (equal): the factor is 1
         return freq, yarn_mscale(rs.factor, rs.mscale) / yarn_mscale(rs.factor, rs.mscale_all_dim)
