@@ -693,3 +693,21 @@ def test_transformers_other_field_names_are_read(tiny_cfg):
     cfg = ModelConfig.from_dict(raw)
     assert (cfg.num_nextn_predict_layers, cfg.n_routed_experts) == (1, tiny_cfg()["n_routed_experts"])
     assert cfg.extra == {} and cfg == ModelConfig.from_dict(tiny_cfg())
+
+
+def test_a_layers_routed_experts_share_one_dtype(make_ckpt):
+    """A layer whose routed experts mix FP8 and BF16 loaded without the CPU kernels and was refused with them, naming
+    an internal stacked tensor: every path refuses it when the checkpoint is opened, naming the stored tensors."""
+    path, _, _ = make_ckpt(fp8=True, max_shard_bytes=1 << 30)
+    index = json.loads((path / INDEX_NAME).read_text())
+    name = "model.layers.1.mlp.experts.3.gate_proj.weight"
+    shard = path / index["weight_map"][name]
+    tensors = load_file(shard)
+    tensors[name] = HFCheckpoint(path).get(name).to(torch.bfloat16)
+    del tensors[name + "_scale_inv"], index["weight_map"][name + "_scale_inv"]
+    save_file(tensors, shard)
+    (path / INDEX_NAME).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError) as e:
+        HFCheckpoint(path).validate()
+    assert str(e.value) == (f"{shard}: tensor {name!r} is BF16 but 'model.layers.1.mlp.experts.0.gate_proj.weight' is "
+                            "F8_E4M3, expected one dtype for a layer's routed experts (as DeepSeek's releases store them)")

@@ -40,6 +40,9 @@ _FP8_RE = re.compile(
 )
 
 
+_EXPERT_RE = re.compile(rf"^model\.layers\.(\d+)\.mlp\.experts\.\d+\.{_PROJ}\.weight$")
+
+
 class CheckpointError(ValueError):
     """A checkpoint directory that is incomplete, corrupt or does not match its config.json."""
 
@@ -320,6 +323,15 @@ class HFCheckpoint:
                 if self.tensor_info(scale).dtype != "F32":
                     raise CheckpointError(f"{self.path / self._shard_of(scale)}: tensor {scale!r} is "
                                           f"{self.tensor_info(scale).dtype}, expected F32 (block scales)")
+        stacks: dict[tuple[str, str], tuple[str, str]] = {}  # (layer, projection) -> (a routed expert, its dtype)
+        for name in expected:
+            if (m := _EXPERT_RE.match(name)) is None:
+                continue
+            first, dtype = stacks.setdefault(m.groups(), (name, self.tensor_info(name).dtype))
+            if self.tensor_info(name).dtype != dtype:  # a layer's experts are held as one stack, in one dtype
+                raise CheckpointError(f"{self.path / self._shard_of(name)}: tensor {name!r} is "
+                                      f"{self.tensor_info(name).dtype} but {first!r} is {dtype}, expected one dtype "
+                                      "for a layer's routed experts (as DeepSeek's releases store them)")
         for name in self._weight_map:
             weight = name.removesuffix(SCALE_SUFFIX)
             if weight not in expected:
