@@ -251,9 +251,94 @@ def test_logprobs_equal_plain_decodings(server: Server, plain: Session) -> None:
     assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
 
 
+def test_echo_with_logprobs_scores_the_prompt(server: Server, plain: Session) -> None:
+    """echo with logprobs (lm-eval's log-likelihood request) gives the prompt's tokens' logprobs (None for the first)
+    before the output's; max_tokens 0 with echo returns the prompt alone, with no completion tokens."""
+    ids = plain.tokenizer.encode(PROMPTS[1])
+    want = plain.executor.submit(ids, SamplingParams(max_tokens=4, logprobs=2, prompt_logprobs=2)).result()
+    r = server.client.completions.create(model="deepseek-v3-mini", prompt=PROMPTS[1], max_tokens=4, temperature=0,
+                                         echo=True, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == PROMPTS[1] + want.text
+    assert len(lp.tokens) == len(ids) + len(want.token_ids) and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    expected = [x.logprob for x in want.prompt_logprobs[1:]] + [x.logprob for x in want.logprobs]
+    assert all(abs(a - b) < 1e-5 for a, b in zip(lp.token_logprobs[1:], expected, strict=True))
+    scored = server.client.completions.create(model="deepseek-v3-mini", prompt=PROMPTS[1], max_tokens=0, echo=True,
+                                              logprobs=0)
+    assert scored.choices[0].text == PROMPTS[1] and scored.choices[0].finish_reason == "length"
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(ids)
+    assert scored.choices[0].logprobs.token_logprobs == lp.token_logprobs[:len(ids)]
+    streamed = list(server.client.completions.create(model="deepseek-v3-mini", prompt=PROMPTS[1], max_tokens=4,
+                                                     temperature=0, echo=True, logprobs=2, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
+    assert [x for c in streamed if c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs] == \
+        lp.token_logprobs
+
+
+def test_completions_top_logprobs_always_hold_the_chosen_token(server: Server) -> None:
+    """As OpenAI documents (up to logprobs + 1 entries): a sampled token outside the top alternatives is there too;
+    logprobs 0 gives the chosen token's entry."""
+    r = server.client.completions.create(model="deepseek-v3-mini", prompt=PROMPTS[0], max_tokens=TOKENS, temperature=1.5,
+                                         seed=3, logprobs=1)
+    lp = r.choices[0].logprobs
+    assert all(tok in top and top[tok] == v for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs))
+    assert any(len(top) == 2 for top in lp.top_logprobs)  # temperature 1.5 picks outside the most likely sometimes
+    r = server.client.completions.create(model="deepseek-v3-mini", prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                         logprobs=0)
+    lp = r.choices[0].logprobs
+    assert lp.top_logprobs == [{t: v} for t, v in zip(lp.tokens, lp.token_logprobs)]
+
+
+def test_what_openais_and_vllms_clients_send_is_taken(server: Server, plain: Session) -> None:
+    """An assistant message as the openai client returns it (null refusal, tool_calls, audio ...) sent back in the
+    next turn, parameters sent as null, OpenAI's bookkeeping parameters and vLLM's extras at their defaults: all
+    taken, the output unchanged. Content parts are joined by lines, as vLLM joins them; a message's name reaches the
+    template."""
+    base = [{"role": "user", "content": "Who made the light?"}]
+    first = server.client.chat.completions.create(model="deepseek-v3-mini", messages=base, max_tokens=4,
+                                                  temperature=0)
+    turn = [*base, first.choices[0].message.model_dump(), {"role": "user", "content": "And then?"}]
+    assert turn[1]["refusal"] is None and "tool_calls" in turn[1]
+    plain_turn = [*base, {"role": "assistant", "content": first.choices[0].message.content}, turn[2]]
+    kw = dict(model="deepseek-v3-mini", max_tokens=TOKENS, temperature=0)
+    want = server.client.chat.completions.create(messages=plain_turn, **kw).choices[0].message.content
+    extras = {"store": None, "metadata": {"run": "1"}, "min_p": 0, "skip_special_tokens": True, "user": "u",
+              "include_stop_str_in_output": False, "chat_template_kwargs": {}, "service_tier": "auto",
+              "reasoning_effort": None, "max_completion_tokens": None, "guided_decoding_backend": "xgrammar"}
+    got = server.client.chat.completions.create(messages=turn, extra_body=extras, **kw)
+    assert got.choices[0].message.content == want
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Who made"}, {"type": "text", "text": "the light?"}]}]
+    joined = [{"role": "user", "content": "Who made\nthe light?"}]
+    assert server.client.chat.completions.create(messages=parts, **kw).choices[0].message.content == \
+        server.client.chat.completions.create(messages=joined, **kw).choices[0].message.content
+    tok = plain.tokenizer
+    named = "{% for m in messages %}{{ m.name }}:{{ m.content }}{% endfor %}{{ greeting }}"
+    assert render_chat(named, [{"role": "user", "content": "hi", "name": "ann"}], tok,
+                       variables={"greeting": "!"}) == "ann:hi!"
+
+
+def test_continuous_usage_stats_and_http_errors_in_openais_shape(server: Server) -> None:
+    chunks = list(server.client.completions.create(
+        model="deepseek-v3-mini", prompt=PROMPTS[0], max_tokens=TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert all(c.usage is not None for c in chunks) and counts == sorted(counts) and counts[-1] == TOKENS
+    assert counts[0] > 0 and len(set(counts)) > 1
+    status, body = server.post("/v1/nowhere", {})
+    assert (status, body) == (404, {"error": {"message": "Not Found", "type": "invalid_request_error", "param": None,
+                                              "code": "404"}})
+    req = urllib.request.Request(server.base + "/health", method="HEAD")
+    assert urllib.request.urlopen(req, timeout=10).status == 200
+
+
 BAD = [
     ("/v1/completions", {"model": "deepseek-v3-mini", "prompt": "x", "max_tokens": 0}, "max_tokens",
-     "max_tokens must be an integer in [1, 2147483647], got 0"),
+     "max_tokens must be at least 1 (0 returns the prompt alone: it needs echo: true)"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0, "echo": True, "stream": True}, "max_tokens",
+     "max_tokens 0 (the prompt alone, as for scoring it) is not streamed; send stream: false"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -1}, "max_tokens",
+     "max_tokens must be an integer in [0, 2147483647], got -1"),
     ("/v1/completions", {"prompt": "x", "max_tokens": True}, "max_tokens", "max_tokens must be an integer, got True"),
     ("/v1/completions", {"prompt": "x", "max_token": 3}, "max_token", "Unrecognized request argument supplied: max_token"),
     ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature", "temperature must be >= 0.0, got -1"),
@@ -268,7 +353,7 @@ BAD = [
      "best_of = n"),
     ("/v1/completions", {"prompt": "x", "n": 100}, "n", "n 100 exceeds this executor's max_batch_size 8: the "
      "request's sequences run in one batch"),
-    ("/v1/completions", {"prompt": ""}, "prompt", "prompt must not be empty"),
+    ("/v1/completions", {"prompt": [[]]}, "prompt", "prompt must not be empty"),
     ("/v1/completions", {"max_tokens": 3}, "prompt", "prompt is required"),
     ("/v1/completions", {"prompt": [1, 99999]}, "prompt", "prompt must hold token ids in [0, 4096), got [99999]"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, "max_tokens",
@@ -281,8 +366,18 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens",
      "min_tokens must be an integer in [0, max_tokens (4)], got 5"),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs", "logprobs must be an integer in [0, 20], got 21"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 1, "echo": True}, "logprobs",
-     "logprobs with echo is not supported by this server (no prompt logprobs); send one"),
+    ("/v1/completions", {"prompt": "x", "min_p": 0.1}, "min_p", "min_p 0.1 is not supported by this server; it takes "
+     "null or 0"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "store": True}, "store",
+     "store True is not supported by this server; it takes null or false (nothing is stored)"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {
+        "messages": []}}, "chat_template_kwargs", "chat_template_kwargs must be an object of the template's own "
+     "variables (not add_generation_prompt, bos_token, eos_token, messages), got {'messages': []}"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]},
+     "messages", "messages[0].tool_calls must be null or empty: this server does no tool calling, audio or "
+     "annotations"),
+    ("/v1/chat/completions", {"model": 5, "messages": [{"role": "user", "content": "x"}]}, "model",
+     "model must be a string, got int"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias",
      "logit_bias {'5': 1} is not supported by this server; it takes null or {}"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs",
@@ -291,7 +386,7 @@ BAD = [
      "stream_options is only allowed when stream is true"),
     ("/v1/chat/completions", {"messages": []}, "messages", "messages must be a non-empty list of {role, content}"),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages",
-     "messages[0].role must be one of system, developer, user, assistant, got 'tool'"),
+     "messages[0].role 'tool': this server does no tool or function calling"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
      "tools", "tools [{'type': 'function'}] is not supported by this server; it takes null or [] (no tool calling)"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3,

@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from runtime.executors.base import ExecutorProtocol
@@ -108,6 +109,8 @@ class OpenAIServer:
 
     def _check_model(self, body: Any) -> None:
         name = body.get("model") if isinstance(body, dict) else None
+        if name is not None and not isinstance(name, str):
+            raise APIError(f"model must be a string, got {type(name).__name__}", "model")
         if name is not None and name != self.model:
             raise APIError(f"The model `{name}` does not exist. This server serves `{self.model}`.", "model",
                            status=404, code="model_not_found")
@@ -157,12 +160,13 @@ class OpenAIServer:
         if failed is not None:
             self._log(g, outs, f"failed: {failed.error or failed.finish_reason}", t0)
             raise _failure(g, failed)
-        texts = [o.text for o in outs]
+        texts = ["" if g.echo_only else o.text for o in outs]
         if g.echo_texts is not None:
             texts = [g.echo_texts[i // g.n] + t for i, t in enumerate(texts)]
-        choices = [protocol.choice(i, t, o.finish_reason, chat, chunk=False, logprobs=self._logprobs(o.logprobs, chat))
+        choices = [protocol.choice(i, t, "length" if g.echo_only else o.finish_reason, chat, chunk=False,
+                                   logprobs=self._choice_logprobs(g, i, o, chat))
                    for i, (t, o) in enumerate(zip(texts, outs))]
-        usage = protocol.usage(g.prompts, [o.stats for o in outs], self.executor.kv_block_size)
+        usage = protocol.usage(g.prompts, [o.stats for o in outs], self.executor.kv_block_size, g.echo_only)
         self._log(g, outs, "ok", t0)
         return protocol.completion_object(g, self.model, choices, chat, usage)
 
@@ -198,23 +202,31 @@ class OpenAIServer:
                 yield _sse(protocol.completion_object(
                     g, self.model, [protocol.choice(i, None, None, chat, True, role=True) for i in range(choices)],
                     chat, chunk=True))
-            elif g.echo_texts is not None:
+            elif g.echo_texts is not None and not g.echo_logprobs:
                 yield _sse(protocol.completion_object(
                     g, self.model, [protocol.choice(i, g.echo_texts[i // g.n], None, chat, True)
-                                    for i in range(choices)], chat, chunk=True))
+                                    for i in range(choices)], chat, chunk=True, usage_=self._usage_so_far(g, {})))
             offsets = [protocol.TextOffsets(self.logprobs) for _ in range(choices)]  # completions' text_offset
+            produced: dict[int, int] = {}  # completion tokens so far, by choice (continuous usage)
             async for prompt, out in outputs:
                 index = prompt * g.n + out.index
                 if out.failed:
                     outcome = f"failed: {out.error or out.finish_reason}"
                     yield _sse(_failure(g, out).body())
                     break
+                if g.echo_logprobs and index not in produced:  # the prompt's logprobs come with its first output
+                    lps = self.logprobs.prompt_completion(g.prompts[prompt], out.prompt_logprobs, offsets[index])
+                    c = protocol.choice(index, g.echo_texts[prompt], None, chat, chunk=True, logprobs=lps)
+                    yield _sse(protocol.completion_object(g, self.model, [c], chat, chunk=True,
+                                                          usage_=self._usage_so_far(g, produced)))
+                produced[index] = out.stats.output_tokens
                 if out.finished:
                     finals[index] = out
                 if out.text_delta or out.finished or out.new_logprobs:
                     c = protocol.choice(index, out.text_delta, out.finish_reason, chat, chunk=True,
                                         logprobs=self._logprobs(out.new_logprobs, chat, offsets[index]))
-                    yield _sse(protocol.completion_object(g, self.model, [c], chat, chunk=True))
+                    yield _sse(protocol.completion_object(g, self.model, [c], chat, chunk=True,
+                                                          usage_=self._usage_so_far(g, produced)))
             else:
                 outcome = "ok"
                 if g.include_usage:
@@ -228,6 +240,24 @@ class OpenAIServer:
                 if not h.finished:
                     h.cancel()
             self._log(g, [finals[i] for i in sorted(finals)], outcome, t0)
+
+    def _usage_so_far(self, g: Generation, produced: dict[int, int]) -> dict[str, int] | None:
+        """A streamed chunk's usage with continuous_usage_stats: the prompts and every choice's tokens so far."""
+        if not g.continuous_usage:
+            return None
+        prompt, completion = sum(map(len, g.prompts)), sum(produced.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def _choice_logprobs(self, g: Generation, index: int, out: RequestOutput, chat: bool) -> dict[str, Any] | None:
+        """A whole choice's logprobs; with echo, its prompt's before its output's (none of an echo_only output's)."""
+        if not g.echo_logprobs:
+            return self._logprobs(out.logprobs, chat)
+        offsets = protocol.TextOffsets(self.logprobs)
+        echoed = self.logprobs.prompt_completion(g.prompts[index // g.n], out.prompt_logprobs, offsets)
+        if g.echo_only:
+            return echoed
+        generated = self.logprobs.completion(list(out.logprobs), offsets)
+        return {key: echoed[key] + generated[key] for key in echoed}
 
     def _logprobs(self, lps: list | None, chat: bool, offsets: protocol.TextOffsets | None = None
                   ) -> dict[str, Any] | None:
@@ -304,6 +334,11 @@ def create_app(executor: ExecutorProtocol, model_name: str, api_key: str | None 
             log.info("%s %s refused (%d): %s", request.method, request.url.path, e.status, e.message)
         return JSONResponse(e.body(), status_code=e.status)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:  # unknown route, method
+        return JSONResponse(APIError(str(e.detail), status=e.status_code, code=str(e.status_code)).body(),
+                            status_code=e.status_code, headers=getattr(e, "headers", None))
+
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception) -> JSONResponse:
         log.exception("%s %s failed", request.method, request.url.path)
@@ -329,7 +364,7 @@ def create_app(executor: ExecutorProtocol, model_name: str, api_key: str | None 
 
     health_thread = ThreadPoolExecutor(1, thread_name_prefix="health")  # not queued behind requests being parsed
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> PlainTextResponse:
         problem = await asyncio.get_running_loop().run_in_executor(  # a call to the engine process
             health_thread, executor.health, STALL_TIMEOUT_S)

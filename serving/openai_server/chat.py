@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import threading
 from datetime import datetime
-from typing import Any
+from typing import Any, Mapping
 
 from jinja2 import TemplateError, TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
@@ -72,15 +72,20 @@ def _compile(template: str):
     return env.from_string(template)
 
 
+RENDER_NAMES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})  # what render_chat sets
+
+
 def render_chat(template: str, messages: list[dict[str, str]], tokenizer: Tokenizer,
-                add_generation_prompt: bool = True) -> str:
-    """The prompt text of `messages`; RequestError when the template refuses them (its raise_exception or an error
-    in rendering them), ChatTemplateFault when it cannot be rendered at all."""
+                add_generation_prompt: bool = True, variables: Mapping[str, Any] | None = None) -> str:
+    """The prompt text of `messages`, with the template's own `variables` (a request's chat_template_kwargs, e.g. a
+    thinking switch) beside RENDER_NAMES; RequestError when the template refuses them (its raise_exception or an
+    error in rendering them), ChatTemplateFault when it cannot be rendered at all."""
     special = {name: tokenizer.decode([i], skip_special_tokens=False) if i is not None else ""
                for name, i in (("bos_token", tokenizer.bos_token_id), ("eos_token", tokenizer.eos_token_id))}
     _render.range_items_left = MAX_RANGE_ITEMS
     try:
-        return _compile(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **special)
+        return _compile(template).render(**(variables or {}), messages=messages,
+                                         add_generation_prompt=add_generation_prompt, **special)
     except RequestError:
         raise
     except (TemplateSyntaxError, ArithmeticError, RecursionError, MemoryError) as e:

@@ -15,7 +15,7 @@ import math
 import re
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from runtime.core.guide_check import check_guide
@@ -24,7 +24,7 @@ from runtime.core.sampling_params import (MAX_LOGPROBS, PENALTY_LIMIT, GuidedDec
                                           seed_from_client)
 from runtime.executors.requests import RequestStats
 from runtime.io.tokenizer import Tokenizer
-from serving.openai_server.chat import ChatTemplateFault, render_chat
+from serving.openai_server.chat import RENDER_NAMES, ChatTemplateFault, render_chat
 from serving.request_validation import INT32_MAX, RequestError, bounds_text, refused_parameter
 
 MAX_N = 128  # choices per request, as OpenAI allows
@@ -36,20 +36,47 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 GUIDE_KEYS = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "grammar"}
 STRUCTURED_OUTPUTS_KEYS = {"json", "regex", "grammar", "json_object"}
 
-# Parameters taken at their neutral value only: name -> (is it neutral?, what this server takes).
+# Parameters taken at their neutral value only: name -> (is it neutral?, what this server takes). A parameter sent
+# as null is absent (OpenAI's clients and vLLM's send nulls for what they leave unset).
 NEUTRAL: dict[str, tuple[Any, str]] = {
-    "logit_bias": (lambda v: v in (None, {}), "null or {}"),
-    "suffix": (lambda v: v is None, "null"),
-    "tools": (lambda v: v in (None, []), "null or [] (no tool calling)"),
-    "tool_choice": (lambda v: v in (None, "none"), "null or \"none\" (no tool calling)"),
+    "logit_bias": (lambda v: v == {}, "null or {}"),
+    "suffix": (lambda v: False, "null"),
+    "tools": (lambda v: v == [], "null or [] (no tool calling)"),
+    "tool_choice": (lambda v: v == "none", "null or \"none\" (no tool calling)"),
+    "functions": (lambda v: v == [], "null or [] (no function calling)"),
+    "function_call": (lambda v: v == "none", "null or \"none\" (no function calling)"),
+    "store": (lambda v: v is False, "null or false (nothing is stored)"),
+    "modalities": (lambda v: v == ["text"], "null or [\"text\"]"),
+    **dict.fromkeys(("audio", "reasoning_effort", "verbosity", "web_search_options"), (lambda v: False, "null")),
+    # vLLM's extras at their defaults
+    "min_p": (lambda v: v == 0, "null or 0"),
+    "skip_special_tokens": (lambda v: v is True, "null or true (special tokens are never in the text)"),
+    "spaces_between_special_tokens": (lambda v: v is True, "null or true"),
+    "include_stop_str_in_output": (lambda v: v is False, "null or false (a stop string ends the text before it)"),
+    "continue_final_message": (lambda v: v is False, "null or false"),
+    "bad_words": (lambda v: v == [], "null or []"),
+    "priority": (lambda v: v == 0, "null or 0 (requests are served first come, first served)"),
+    "return_tokens_as_token_ids": (lambda v: v is False, "null or false"),
+    "use_beam_search": (lambda v: v is False, "null or false"),
 }
+# Parameters that do not change what is generated, accepted and not used: OpenAI's bookkeeping and routing hints,
+# `prediction` (a latency hint), vLLM's choice of structured-output backend (this server has one)
+IGNORED = {"user", "metadata", "service_tier", "prompt_cache_key", "safety_identifier", "prediction", "request_id",
+           "guided_decoding_backend"}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop",
-          "stop_token_ids", "seed", "ignore_eos", "user", "presence_penalty", "frequency_penalty",
-          "repetition_penalty", "min_tokens", "logit_bias", "response_format", "structured_outputs", *GUIDE_KEYS}
+          "stop_token_ids", "seed", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
+          "min_tokens", "logit_bias", "response_format", "structured_outputs", *GUIDE_KEYS, *IGNORED,
+          *(set(NEUTRAL) - {"tools", "tool_choice", "functions", "function_call", "store", "modalities", "audio",
+                            "reasoning_effort", "verbosity", "web_search_options", "continue_final_message"})}
 COMPLETION_KEYS = COMMON | {"prompt", "echo", "logprobs", "suffix", "best_of"}
 CHAT_KEYS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
-                      "parallel_tool_calls", "add_generation_prompt"}
-MESSAGE_KEYS = {"role", "content", "name"}
+                      "parallel_tool_calls", "add_generation_prompt", "chat_template_kwargs", "functions",
+                      "function_call", "store", "modalities", "audio", "reasoning_effort", "verbosity",
+                      "web_search_options", "continue_final_message"}
+# What an assistant message OpenAI's client returned carries, sent back in the next turn: taken when null or empty
+MESSAGE_EXTRAS = {"refusal": (None,), "tool_calls": (None, []), "function_call": (None,), "audio": (None,),
+                  "annotations": (None, [])}
+MESSAGE_KEYS = {"role", "content", "name", *MESSAGE_EXTRAS}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -76,6 +103,9 @@ class Generation:
     include_usage: bool = False
     echo_texts: list[str] | None = None  # completions with echo: each prompt's text, put before its output
     guide_field: str | None = None  # where its structured output came from, as the client wrote it (errors name it)
+    echo_logprobs: bool = False  # echo with logprobs: the prompt's tokens' logprobs before the output's
+    echo_only: bool = False  # max_tokens 0 with echo (scoring a text): one token is generated and not returned
+    continuous_usage: bool = False  # streamed: usage so far in every chunk (vLLM's continuous_usage_stats)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -166,8 +196,11 @@ def _token_list(value: Any, name: str, vocab_size: int) -> list[int]:
 
 
 def _check_keys(body: Any, known: set[str]) -> dict:
+    """The body without its null parameters (absent, as OpenAI reads them); unknown ones and non-neutral values of
+    what this server does not implement refused."""
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
+    body = {k: v for k, v in body.items() if v is not None}
     unknown = sorted(set(body) - known)
     if unknown:
         raise APIError(f"Unrecognized request argument supplied: {', '.join(unknown)}", unknown[0])
@@ -270,16 +303,18 @@ def _sampling(body: dict, tokenizer: Tokenizer, max_tokens: int | None, logprobs
     return params, guide_field
 
 
-def _stream_options(body: dict, stream: bool) -> bool:
+def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats)."""
     options = body.get("stream_options")
     if options is None:
-        return False
+        return False, False
     if not stream:
         raise APIError("stream_options is only allowed when stream is true", "stream_options")
     if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
         raise APIError(f"stream_options takes include_usage (and continuous_usage_stats), got {options!r}",
                        "stream_options")
-    return _flag(options, "include_usage")
+    include = _flag(options, "include_usage")  # continuous_usage_stats adds to include_usage, as vLLM reads them
+    return include, include and _flag(options, "continuous_usage_stats")
 
 
 def completion_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_bytes: int) -> Generation:
@@ -287,8 +322,6 @@ def completion_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_te
     body = _check_keys(body, COMPLETION_KEYS)
     logprobs = _integer(body, "logprobs", 0, MAX_LOGPROBS, None)
     echo = _flag(body, "echo")
-    if logprobs is not None and echo:
-        raise APIError("logprobs with echo is not supported by this server (no prompt logprobs); send one", "logprobs")
     prompt = body.get("prompt")
     if prompt is None:
         raise APIError("prompt is required", "prompt")
@@ -302,10 +335,10 @@ def completion_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_te
     prompts, texts = [], []
     for p in prompt:
         if isinstance(p, str):
-            if not p:
-                raise APIError("prompt must not be empty", "prompt")
             texts.append(_text(p, "prompt", max_text_bytes))
-            prompts.append(tokenizer.encode(p))
+            prompts.append(tokenizer.encode(p))  # "" is the beginning-of-text token alone, as OpenAI takes it
+            if not prompts[-1]:
+                raise APIError("prompt must not be empty (this tokenizer adds no beginning-of-text token)", "prompt")
         else:
             ids = _token_list(p, "prompt", tokenizer.vocab_size)
             if not ids:
@@ -313,13 +346,23 @@ def completion_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_te
             texts.append(tokenizer.decode(ids))
             prompts.append(ids)
     stream = _flag(body, "stream")
-    max_tokens = _integer(body, "max_tokens", 1, INT32_MAX, COMPLETIONS_DEFAULT_MAX_TOKENS)
-    params, guide_field = _sampling(body, tokenizer, max_tokens, logprobs, stream)
+    max_tokens = _integer(body, "max_tokens", 0, INT32_MAX, COMPLETIONS_DEFAULT_MAX_TOKENS)
+    if max_tokens == 0 and not echo:
+        raise APIError("max_tokens must be at least 1 (0 returns the prompt alone: it needs echo: true)", "max_tokens")
+    if max_tokens == 0 and stream:
+        raise APIError("max_tokens 0 (the prompt alone, as for scoring it) is not streamed; send stream: false",
+                       "max_tokens")
+    params, guide_field = _sampling(body, tokenizer, max_tokens or 1, logprobs, stream)
+    if echo and logprobs is not None:  # the prompt's tokens' logprobs too (as vLLM: scoring a text)
+        params = replace(params, prompt_logprobs=logprobs)
     if len(prompts) * params.num_sequences > MAX_SEQUENCES:
         name = params.num_sequences_name
         raise APIError(f"{len(prompts)} prompts x {name} {params.num_sequences} = "
                        f"{len(prompts) * params.num_sequences} sequences; at most {MAX_SEQUENCES} a request", name)
-    return Generation(prompts, params, stream, _stream_options(body, stream), texts if echo else None, guide_field)
+    include_usage, continuous = _stream_options(body, stream)
+    return Generation(prompts, params, stream, include_usage, texts if echo else None, guide_field,
+                      echo_logprobs=echo and logprobs is not None, echo_only=max_tokens == 0,
+                      continuous_usage=continuous)
 
 
 def _messages(body: dict, max_text_bytes: int) -> list[dict[str, str]]:
@@ -332,21 +375,32 @@ def _messages(body: dict, max_text_bytes: int) -> list[dict[str, str]]:
         if not isinstance(m, dict) or set(m) - MESSAGE_KEYS or "role" not in m:
             raise APIError(f"{where} must be an object with role and content (and name), got {str(m)[:80]}",
                            "messages")
+        if m["role"] in ("tool", "function"):
+            raise APIError(f"{where}.role {m['role']!r}: this server does no tool or function calling", "messages")
         if not isinstance(m["role"], str) or m["role"] not in ROLES:
             raise APIError(f"{where}.role must be one of {', '.join(ROLES)}, got {m['role']!r}", "messages")
+        for key, empty in MESSAGE_EXTRAS.items():  # what the client's last answer carried, sent back
+            if m.get(key) not in empty:
+                raise APIError(f"{where}.{key} must be null or empty: this server does no tool calling, audio or "
+                               "annotations", "messages")
         content = m.get("content")
-        if isinstance(content, list):  # content parts: text only
+        if content is None and m["role"] == "assistant":  # OpenAI's assistant turns may have no content
+            content = ""
+        if isinstance(content, list):  # content parts: text only, joined by lines as vLLM and trtllm-serve join them
             if not all(isinstance(p, dict) and p.get("type") == "text" and set(p) == {"type", "text"} and
                        isinstance(p["text"], str) for p in content):
                 raise APIError(f"{where}.content parts must be {{\"type\": \"text\", \"text\": ...}}; this server "
                                "takes text only", "messages")
-            content = "".join(p["text"] for p in content)
+            content = "\n".join(p["text"] for p in content)
         content = _text(content, f"{where}.content", max_text_bytes)
-        total += len(content.encode("utf-8"))  # _text refused lone surrogates
+        message = {"role": ROLES[m["role"]], "content": content}
+        if m.get("name") is not None:  # the template may use it, as vLLM passes it on
+            message["name"] = _text(m["name"], f"{where}.name", 256)
+        total += sum(len(v.encode("utf-8")) for v in message.values())  # _text refused lone surrogates
         if total > max_text_bytes:
             raise APIError(f"messages are longer than the {max_text_bytes} bytes that can fit the model's context",
                            "messages")
-        out.append({"role": ROLES[m["role"]], "content": content})
+        out.append(message)
     return out
 
 
@@ -361,9 +415,13 @@ def chat_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_byt
     if tokenizer.chat_template is None:
         raise APIError("this model has no chat template (chat_template in tokenizer_config.json or a "
                        "chat_template.jinja file); use /v1/completions", "messages")
+    extra = body.get("chat_template_kwargs", {})
+    if not isinstance(extra, dict) or set(extra) & RENDER_NAMES:
+        raise APIError("chat_template_kwargs must be an object of the template's own variables (not "
+                       f"{', '.join(sorted(RENDER_NAMES))}), got {str(extra)[:120]}", "chat_template_kwargs")
     try:
         text = render_chat(tokenizer.chat_template, messages, tokenizer,
-                           add_generation_prompt=_flag(body, "add_generation_prompt", True))
+                           add_generation_prompt=_flag(body, "add_generation_prompt", True), variables=extra)
     except RequestError as e:
         raise APIError(str(e), "messages") from None
     except ChatTemplateFault as e:
@@ -383,7 +441,8 @@ def chat_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_byt
         raise APIError(f"{name} {max_tokens} with messages of {len(ids)} tokens with the chat template exceeds "
                        f"max_seq_len {max_seq_len}; at most {max_seq_len - len(ids)}", name)
     params, guide_field = _sampling(body, tokenizer, max_tokens, logprobs, stream)
-    return Generation([ids], params, stream, _stream_options(body, stream), guide_field=guide_field)
+    include_usage, continuous = _stream_options(body, stream)
+    return Generation([ids], params, stream, include_usage, guide_field=guide_field, continuous_usage=continuous)
 
 
 def parameter_of(message: str, request_names: Mapping[str, str]) -> str | None:
@@ -395,14 +454,15 @@ def parameter_of(message: str, request_names: Mapping[str, str]) -> str | None:
 
 
 # ---- responses ---------------------------------------------------------------------------------------------------
-def usage(prompts: list[list[int]], stats: list[RequestStats], kv_block_size: int) -> dict[str, Any]:
+def usage(prompts: list[list[int]], stats: list[RequestStats], kv_block_size: int, echo_only: bool = False
+          ) -> dict[str, Any]:
     """OpenAI's token counts (each prompt once, every choice's output; the prompt tokens found in the prefix cache
     as `prompt_tokens_details.cached_tokens`: each prompt's fewest over its choices, those its first sequence found,
     as the others reuse what that one computed), and the requests' MTP drafting."""
     prompt_tokens = sum(map(len, prompts))
     n = len(stats) // len(prompts)  # choice i of prompt p at p * n + i
     cached = sum(min(s.num_reused_blocks for s in stats[p * n:(p + 1) * n]) for p in range(len(prompts)))
-    completion = sum(s.output_tokens for s in stats)
+    completion = 0 if echo_only else sum(s.output_tokens for s in stats)  # echo_only: its one token not returned
     drafted = sum(s.num_draft_tokens for s in stats)
     accepted = sum(s.num_accepted_draft_tokens for s in stats)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
@@ -418,7 +478,7 @@ def completion_object(g: Generation, model: str, choices: list[dict[str, Any]], 
     kind = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
     out = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{g.id}", "object": kind, "created": g.created, "model": model,
            "choices": choices}
-    if not chunk or g.include_usage:
+    if not chunk or g.include_usage or g.continuous_usage:
         out["usage"] = usage_  # streamed with include_usage: null in every chunk but the last, as OpenAI sends
     return out
 
@@ -469,11 +529,25 @@ class LogprobsFormat:
     def token(self, token_id: int) -> str:
         return self.token_bytes(token_id).decode("utf-8", "replace")
 
+    def top(self, lp: TokenLogprob) -> dict[str, float]:
+        """Completions' top_logprobs entry: the alternatives by their text, most likely first (two tokens of one text,
+        as partial characters' U+FFFD, keep the likelier), and the chosen token, always (OpenAI: up to logprobs + 1)."""
+        out: dict[str, float] = {}
+        for i, v in (*lp.top, (lp.token_id, lp.logprob)):
+            out.setdefault(self.token(i), v)
+        return out
+
     def completion(self, lps: list[TokenLogprob], offsets: TextOffsets) -> dict[str, Any]:
         """`offsets`: the choice's, fed every token before these."""
         return {"tokens": [self.token(lp.token_id) for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{self.token(i): v for i, v in lp.top} for lp in lps],
-                "text_offset": offsets.take([lp.token_id for lp in lps])}
+                "top_logprobs": [self.top(lp) for lp in lps], "text_offset": offsets.take([lp.token_id for lp in lps])}
+
+    def prompt_completion(self, prompt: list[int], lps: list[TokenLogprob | None], offsets: TextOffsets
+                          ) -> dict[str, Any]:
+        """An echoed prompt's logprobs in completions' shape: None for its first token, which nothing predicts."""
+        return {"tokens": [self.token(i) for i in prompt],
+                "token_logprobs": [None if lp is None else lp.logprob for lp in lps],
+                "top_logprobs": [None if lp is None else self.top(lp) for lp in lps], "text_offset": offsets.take(prompt)}
 
     def chat(self, lps: list[TokenLogprob]) -> dict[str, Any]:
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
