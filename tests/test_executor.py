@@ -803,8 +803,8 @@ def test_max_queued_requests_sheds_load(engine, prompts, alone) -> None:
     """With max_queued_requests, a submit while that many requests wait to be scheduled (the batch is full; an n = 3
     request is one) is refused at once (dsv3-serve answers 503) instead of waiting behind them; the queued ones run
     as they would have, and submits are taken again once the queue drains. A burst on an idle server is admitted as
-    far as the batch takes it (requests not yet taken in by the step loop are not counted). Without the setting the
-    queue has no bound (as vLLM)."""
+    far as the batch takes it, plus the bound (requests the step loop has not yet taken in count). Without the setting
+    the queue has no bound (as vLLM)."""
     with pytest.raises(ValueError, match=r"^max_queued_requests must be an integer >= 1, got 0$"):
         ExecutorConfig(max_queued_requests=0)
     with pytest.raises(ValueError, match=r"^max_queued_requests must be an integer >= 1, got True$"):
@@ -813,9 +813,11 @@ def test_max_queued_requests_sheds_load(engine, prompts, alone) -> None:
         go = threading.Event()
         hold_inbox_until(ex, go)
         params = SamplingParams(max_tokens=MAX_TOKENS[3], ignore_eos=True)
-        burst = [ex.submit(prompts[3], params) for _ in range(4)]  # an idle server, a batch of 8: all taken
+        burst = [ex.submit(prompts[3], params) for _ in range(9)]  # an idle server, a batch of 8, one may wait
+        with pytest.raises(RuntimeError, match="^the queue is full"):  # a burst passed the bound, however large
+            ex.submit(prompts[3], params)
         go.set()
-        assert [h.result(30).token_ids for h in burst] == [alone[3]] * 4
+        assert [h.result(30).token_ids for h in burst] == [alone[3]] * 9
     config = ExecutorConfig(num_draft_tokens=0, speculation="off", max_batch_size=3, max_queued_requests=2)
     with Executor(engine, config) as ex:
         sampled = SamplingParams(max_tokens=200, temperature=1.0, n=3, ignore_eos=True)

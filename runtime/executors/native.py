@@ -128,10 +128,11 @@ class Executor:
         self._error: str | None = None  # why the step loop stopped, if it failed
         self._progress = time.monotonic()  # when the step loop last began a step (or an idle wait)
         self._submit_lock = threading.Lock()  # a submit either lands before shutdown or is refused
-        # requests with sequences the scheduler left waiting (an n > 1 request is one), counted by the step loop after
-        # each schedule: what max_queued_requests bounds. Requests still in the inbox are not counted: a burst on an
-        # idle server is admitted as far as the batch takes it, and the bound is exceeded by one step's arrivals at most
-        self._waiting_requests = 0
+        # What max_queued_requests bounds: requests with sequences the scheduler left waiting (an n > 1 request is
+        # one) and the batch places it left free, counted by the step loop after each schedule, and the requests
+        # submitted since (in the inbox). A burst is admitted as far as the batch takes it, plus the bound.
+        self._waiting_requests, self._free_places = 0, self.limits.max_batch_size
+        self._submitted, self._drained = 0, 0  # requests put in the inbox since the last count; taken out of it
 
     def _kv_capacity(self, bytes_per_token: int, k: int, block: int) -> int:
         """KV cache tokens: kv_cache_tokens, or room for max_batch_size sequences of max_seq_len, within
@@ -213,10 +214,11 @@ class Executor:
                 self._ids.release(rid)
                 raise RuntimeError(f"executor is shut down{f' ({self._error})' if self._error else ''}")
             bound = self.config.max_queued_requests
-            if bound is not None and self._waiting_requests >= bound:
+            if bound is not None and self._waiting_requests + self._submitted >= bound + self._free_places:
                 self._ids.release(rid)
                 raise RuntimeError(f"the queue is full: {bound} requests wait to be scheduled (max_queued_requests); "
                                    "try again later")
+            self._submitted += 1
             self._inbox.put(("add", group))
         self._wake.set()
         return handle
@@ -439,6 +441,7 @@ class Executor:
             except queue.Empty:
                 return
             if kind == "add":
+                self._drained += 1
                 self._groups[item[0][1].request_id] = [seq.request_id for seq, _ in item]
                 for seq, tracker in item:
                     self._requests[seq.request_id] = (seq, tracker)
@@ -450,7 +453,13 @@ class Executor:
                         self._finish(key, "cancelled")
 
     def _count_waiting(self) -> None:
-        self._waiting_requests = len({id(seq.leader or seq) for seq in self.scheduler.waiting})
+        """What load shedding reads (max_queued_requests), as the last schedule left it."""
+        waiting = len({id(seq.leader or seq) for seq in self.scheduler.waiting})
+        free = max(0, self.limits.max_batch_size - len(self.scheduler.running))
+        with self._submit_lock:
+            self._waiting_requests, self._free_places = waiting, free
+            self._submitted -= self._drained
+            self._drained = 0
 
     def _finish(self, request_id: str, reason: str, new: list[int] | None = None, delta: str = "",
                 error: str | None = None) -> None:
