@@ -103,7 +103,8 @@ def test_batched_staggered_equals_alone(engine, prompts, alone, speculation, k, 
     # adaptive: a batch limit of 4 makes later waves queue; step costs where drafting pays and no sequence
     # given up, so that the tiny model (whose MTP layer costs half a target step) drafts here
     limit = 4 if speculation == "adaptive" else None
-    monkeypatch.setattr(Executor, "profile", lambda self, max_k: costs(target_per_token=0.001, target_fixed=1.0, mtp=0.01))
+    monkeypatch.setattr(native_executor, "profile_step_costs",
+                        lambda runner, batch, max_k: costs(target_per_token=0.001, target_fixed=1.0, mtp=0.01))
     monkeypatch.setattr(Scheduler, "MTP_IDLE_LIMIT", 10**6)
     with Executor(engine, ExecutorConfig(num_draft_tokens=k, speculation=speculation, max_batch_size=limit)) as ex:
         greedy = lambda n: SamplingParams(max_tokens=n, ignore_eos=True)  # noqa: E731

@@ -23,6 +23,7 @@ import torch
 from runtime.model.config import ModelConfig
 from runtime.io.loading import load_engine
 from runtime.executors.base import ExecutorConfig
+from runtime.executors import native
 from runtime.executors.native import Executor
 from runtime.core.kv_cache import BlockAllocator, KVCache, OutOfBlocks
 from runtime.model.batch import PagedBatch
@@ -504,7 +505,8 @@ def test_switching_between_plain_and_speculative_steps_keeps_the_mtp_inputs(ship
     does, so drafts accepted from each position are the general path's and the output is plain greedy decoding's."""
     engine, prompts = shipped
     pattern = [0, 0, 0, 2, 0, 2, 2]
-    monkeypatch.setattr(Executor, "profile", lambda self, max_k: StepCosts([1], {q: [1.0] for q in range(1, 4)}, [0.1]))
+    monkeypatch.setattr(native, "profile_step_costs",
+                        lambda runner, batch, max_k: StepCosts([1], {q: [1.0] for q in range(1, 4)}, [0.1]))
     monkeypatch.setattr(Scheduler, "MTP_IDLE_LIMIT", 10**6)
     params = SamplingParams(max_tokens=GREEDY_TOKENS, ignore_eos=True)
     pairs = run_steps_both_ways(monkeypatch, {0})  # (the general path's runs never reach it)
@@ -1016,7 +1018,7 @@ def test_seeded_sampling_is_plain_decodings_output_for_every_draft_length(shippe
     # costs under which adaptive speculation drafts (the machine's own, profiled, may pick k = 0 throughout); it
     # tries a neighbour of its choice every EXPLORE_EVERY steps, so k changes between steps of one run
     sizes = [1, 2, 4, 8]
-    monkeypatch.setattr(Executor, "profile", lambda self, max_k: StepCosts(
+    monkeypatch.setattr(native, "profile_step_costs", lambda runner, batch, max_k: StepCosts(
         sizes, {q: [b * (0.85 + 0.15 * q) for b in sizes] for q in range(1, max_k + 2)}, [b * 0.1 for b in sizes]))
     steps: list = []
     outs, stats = run_executor(engine, prompts, params, one_at_a_time=one_at_a_time, num_draft_tokens=k,

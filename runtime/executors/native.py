@@ -27,7 +27,8 @@ from runtime.io.engine_format import ENGINE_JSON, EngineManifest
 from runtime.io.loading import LoadedEngine, load_engine
 from runtime.core.kv_cache import KVCache, free_memory_bytes
 from runtime.core.sampling_params import SEED_MODULUS, SamplingParams, validate_request
-from runtime.core.draft_policy import DraftPolicy, StepCosts
+from runtime.core.cost_profile import profile_step_costs
+from runtime.core.draft_policy import DraftPolicy
 from runtime.core.grammar import GrammarCompiler
 from runtime.core.prefix_cache import PrefixCache
 from runtime.core.scheduler import Scheduler
@@ -114,7 +115,8 @@ class Executor:
             graphs.capture_decodes(self.limits.max_batch_size, k + 1, self.limits.max_seq_len, mtp=k > 0)
         self.runner = ModelRunner(self.engine.model, self.cache, config.relaxed_acceptance,
                                   keep_mtp_inputs=k > 0, graphs=graphs)
-        costs = self.profile(k) if config.speculation == "adaptive" and k else None
+        costs = (profile_step_costs(self.runner, self.limits.max_batch_size, k)
+                 if config.speculation == "adaptive" and k else None)
         self.policy = DraftPolicy(config.speculation if k else "off", k, costs)
         prefix_cache = PrefixCache(self.cache.allocator, block, mtp=k > 0) if config.enable_block_reuse else None
         self.scheduler = Scheduler(self.limits, self.cache, self.policy, prefix_cache)
@@ -301,54 +303,6 @@ class Executor:
 
     # ---- profiling for adaptive speculation ---------------------------------------------------
     @torch.inference_mode()
-    def profile(self, max_k: int, context: int = 64, repeats: int = 5, warmup: int = 2) -> StepCosts:
-        """Time target forwards (q tokens per sequence) and MTP forwards at a few batch sizes
-        (medians after `warmup` untimed calls, which take a fresh model's first-touch costs and
-        start the kernels' threads; costs forced non-decreasing in q, as they are, so noise cannot
-        invert them)."""
-        model, cache = self.engine.model, self.cache
-        fits = cache.allocator.num_free // cache.blocks_for(context + max_k + 1)
-        largest = max(1, min(self.limits.max_batch_size, fits))
-        context = min(context, cache.allocator.num_free * cache.block_size // largest - max_k - 1)
-        sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < largest] + [largest]
-        tables = [cache.allocator.allocate(cache.blocks_for(context + max_k + 1)) for _ in range(sizes[-1])]
-        sync = torch.cuda.synchronize if cache.tensor.is_cuda else (lambda: None)  # time the GPU's work, not its queueing
-        try:
-            def timed(fn) -> float:
-                for _ in range(warmup):
-                    fn()
-                times = []
-                for _ in range(repeats):
-                    sync()
-                    t0 = time.perf_counter()
-                    fn()
-                    sync()
-                    times.append(time.perf_counter() - t0)
-                return sorted(times)[repeats // 2]
-
-            # random tokens, so sequences route to different experts as real ones do (one id for all
-            # would send every token to the same experts and under-price large batches)
-            gen = torch.Generator().manual_seed(0)
-            vocab = model.cfg.vocab_size
-            target = {q: [] for q in range(1, max_k + 2)}
-            mtp = []
-            runner = self.runner
-            for b in sizes:
-                for q in target:
-                    ids = torch.randint(vocab, (b * q,), generator=gen).tolist()
-                    target[q].append(timed(lambda: model.logits(
-                        runner.forward_target(tables[:b], [context] * b, [q] * b, ids))))
-                ids = torch.randint(vocab, (b,), generator=gen).to(self.config.device)
-                hidden = torch.randn(b, model.cfg.hidden_size, generator=gen).to(cache.tensor.dtype).to(
-                    self.config.device)
-                mtp.append(timed(lambda: runner.forward_mtp(tables[:b], [context] * b, [1] * b, ids, hidden)))
-        finally:
-            for t in tables:
-                cache.allocator.free(t)
-        for q in range(2, max_k + 2):
-            target[q] = [max(a, b) for a, b in zip(target[q], target[q - 1])]
-        return StepCosts(sizes, target, mtp)
-
     # ---- the step loop ------------------------------------------------------------------------
     def _loop(self) -> None:
         error = None
