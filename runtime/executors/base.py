@@ -150,6 +150,23 @@ class ExecutorProtocol(Protocol):
     def __exit__(self, *exc: object) -> None: ...
 
 
+def submit_all(executor: ExecutorProtocol, prompts: list[list[int]], params: SamplingParams,
+               request_ids: list[str] | None = None) -> list[RequestHandle]:
+    """Submit several prompts as one call of a client's: every one is validated before any is submitted, and those
+    submitted are cancelled if a later submit is refused (a full queue), so a client's retry finds none running."""
+    for ids in prompts:
+        executor.validate(ids, params)
+    handles: list[RequestHandle] = []
+    try:
+        for i, ids in enumerate(prompts):
+            handles.append(executor.submit(ids, params, request_id=None if request_ids is None else request_ids[i]))
+    except BaseException:
+        for h in handles:
+            h.cancel()
+        raise
+    return handles
+
+
 def create_executor(path: str | Path, config: ExecutorConfig = ExecutorConfig(), **kwargs: Any) -> ExecutorProtocol:
     """TensorRT-LLM for an engine built with --backend trtllm, else the native executor."""
     if engine_backend(path) == "trtllm":

@@ -14,11 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from runtime.executors.base import ExecutorConfig
-from runtime.executors.requests import RequestHandle, RequestStats
 from runtime.core.sampling import TokenLogprob
 from runtime.core.sampling_params import SamplingParams
-from runtime.executors.base import create_executor
+from runtime.executors.base import ExecutorConfig, create_executor, submit_all
+from runtime.executors.requests import RequestStats
 
 
 @dataclass
@@ -94,20 +93,15 @@ class Session:
             raise ValueError(f"prompts must be a string or a list of strings, got {type(prompts).__name__}")
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         params = params or SamplingParams()
-        ids = [self._encode(p) for p in prompts]
-        for i in ids:  # validate everything before submitting anything
-            self.executor.validate(i, params)
-        handles: list[RequestHandle] = []
+        handles = submit_all(self.executor, [self._encode(p) for p in prompts], params)
         results = []
-        try:  # a refused submit (a full queue) or Ctrl-C cancels what was submitted: nobody will read it
-            for i in ids:
-                handles.append(self.executor.submit(i, params))
+        try:
             for prompt, handle in zip(prompts, handles):
                 outs = handle.results()
                 results.append(GenerationResult(prompt, [CompletionOutput(o.index, o.text, o.token_ids, o.finish_reason,
                                                                           o.stats, o.logprobs, o.cumulative_logprob)
                                                          for o in outs], outs[0].prompt_logprobs))
-        finally:  # refused or interrupted: nobody will read the rest, so they stop and free their blocks
+        finally:  # interrupted (Ctrl-C): nobody will read the rest, so they stop and free their blocks
             for handle in handles:
                 if not handle.finished:
                     handle.cancel()

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from runtime.executors.base import ExecutorProtocol
+from runtime.executors.base import ExecutorProtocol, submit_all
 from runtime.executors.requests import RequestHandle, RequestOutput
 from serving.openai_server import protocol
 from serving.openai_server.protocol import APIError, Generation
@@ -116,22 +116,10 @@ class OpenAIServer:
                            status=404, code="model_not_found")
 
     def _submit(self, g: Generation, chat: bool) -> list[RequestHandle]:
-        """One executor request per prompt, with its n choices (the executor shares the prompt between them);
-        several prompts are all checked before any is submitted (submit checks one), and those submitted are
-        cancelled if a later one is refused (a full queue): the client's retry must not find them running."""
-        handles: list[RequestHandle] = []
+        """One executor request per prompt, with its n choices (the executor shares the prompt between them), all
+        or none (`submit_all`)."""
         try:
-            if len(g.prompts) > 1:
-                for ids in g.prompts:
-                    self.executor.validate(ids, g.params)
-            for p, ids in enumerate(g.prompts):
-                try:
-                    handles.append(self.executor.submit(ids, g.params, request_id=f"{g.id}-{p}"))
-                except Exception:
-                    for h in handles:
-                        h.cancel()
-                    raise
-            return handles
+            return submit_all(self.executor, g.prompts, g.params, [f"{g.id}-{p}" for p in range(len(g.prompts))])
         except ValueError as e:  # a chat's prompt is its messages; the grammar engine's refusals name the guide
             names = {"prompt": "messages" if chat else "prompt", "guided_decoding": g.guide_parameter or ""}
             raise APIError(g.guide_message(str(e)), protocol.parameter_of(str(e), names)) from None
