@@ -1,9 +1,9 @@
 """CUDA graphs for every step of up to MAX_QUERY new tokens per sequence (decode, verification, MTP
 drafting, prefill chunks).
 
-On a GPU, a decode step of this runtime is ~1,400 small kernels (21 layers of MLA and MoE); launched
-one by one from Python they take ~25 ms on an H100, where the GPU itself is busy for ~3 ms. A graph
-captured once per batch shape replays them in one launch, as vLLM and TensorRT-LLM do.
+On a GPU, a decode step of this runtime is over a thousand small kernels; launched one by one from Python, the
+launches take far longer than the GPU's work (docs/gpu.md). A graph captured once per batch shape replays them in
+one launch, as vLLM and TensorRT-LLM do.
 
 A graph needs fixed shapes and no host syncs: batches are laid out as [B, Q] tokens by
 `PagedBatch.padded` (sequences padded to a power-of-two count B, block tables to a power-of-two
@@ -34,9 +34,8 @@ from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM
 _CAPTURING = threading.Lock()
 MAX_QUERY = 512  # longer prefill chunks run eagerly
 MIN_CONTEXT = 256  # block tables padded to at least this many tokens: fewer shapes to capture as contexts grow
-# Graphs of at most this many tokens are recorded with cuBLASLt's GEMMs, larger ones with cuBLAS's. On an H100,
-# fp32 x @ W.T with 8-16 rows and 96-384 outputs took ~30-50 us in cuBLAS (2-3 us in cuBLASLt), and 24-32
-# rows took 13-15 us in cuBLASLt (4-9 us in cuBLAS).
+# Graphs of at most this many tokens are recorded with cuBLASLt's GEMMs, larger ones with cuBLAS's: each is the
+# faster below / above it for this runtime's small GEMMs (docs/gpu.md)
 CUBLASLT_MAX_TOKENS = 16
 
 

@@ -43,8 +43,7 @@ CALL_TIMEOUT_S = 60.0
 def use_engine_process(choice: bool | None, device: str) -> bool:
     """Whether a server runs its executor apart: as asked, else on CUDA devices only. On a CPU the forward's
     torch threads take every core, and a second process's work (pickling, the pipe, the reader) takes them
-    from it: at concurrency 1 a server on 2 cores was slower apart than in one process
-    (benchmarks.openai_serving). On a GPU the host's cores are free while the device computes."""
+    from it (docs/openai-server.md measures it); on a GPU the host's cores are free while the device computes."""
     return device.startswith("cuda") if choice is None else choice
 
 

@@ -108,11 +108,9 @@ def _materialize(model: DeepseekV3ForCausalLM, device: torch.device, dtype: torc
     `dtype` on `device`; buffers stay fp32.
 
     On CPU, matmul weights keep their [out, in] shape but are stored K-major (each [in, out] contiguous):
-    F.linear then runs x @ W as a plain NN gemm, which MKL does faster for 2..128 rows (on the shipped
-    model a batch-16 decode step ~6%, a 63-token prefill ~12%, batch 1 within noise). Embedding tables
+    F.linear then runs x @ W as a plain NN gemm, which MKL does faster for a few rows. Embedding tables
     stay row-major for their lookups. On CUDA every weight stays row-major, the layout cuBLAS and
-    cuBLASLt are tuned for: with the GEMMs the graphs record (cuda_graphs.CUBLASLT_MAX_TOKENS), a decode
-    step on an H100 took 2.60 / 3.54 ms for 1 / 16 sequences, against 2.83 / 4.07 ms with K-major weights.
+    cuBLASLt are tuned for (measured: docs/gpu.md).
     """
     k_major = device.type == "cpu"
     for name, p in model.named_parameters():

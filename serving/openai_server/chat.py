@@ -29,7 +29,7 @@ def _raise_exception(message: str) -> None:
 
 
 MAX_RANGE_ITEMS = 1_000_000  # range() items a render may make in all: Jinja's sandbox bounds each range, not nests
-MAX_PRODUCT_ITEMS = 1_000_000  # characters or items a template's `*` may make ('x' * 10**9 took 3 GB and 12 s)
+MAX_PRODUCT_ITEMS = 1_000_000  # characters or items a template's `*` may make ('x' * 10**9 takes gigabytes)
 MAX_EXPONENT = 1024  # `**`'s: 10 ** 10 ** 8 computes for minutes
 _render = threading.local()  # the budget of the render running on this thread (renders run on worker threads)
 

@@ -251,7 +251,7 @@ def _paged(batch: PagedBatch) -> tuple:
 def decoder_layer(layer: object, x: Tensor, rot: Tensor, kv_cache: Tensor, batch: PagedBatch) -> Tensor:
     """A whole decoder layer (`layer` from `make_layer`) over tokens x [T, H] in one call: the kernels above in
     DecoderLayer's order, so the result is bit for bit that of calling them one by one, without the Python in
-    between (on a small model it took as long as the kernels). rot: complex [T, rope/2]."""
+    between (which on a small model costs as much as the kernels). rot: complex [T, rope/2]."""
     return cpu_kernels().decoder_layer(layer, x.contiguous(), _pairs(rot), kv_cache, *_paged(batch))
 
 
