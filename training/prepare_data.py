@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("RAYON_NUM_THREADS", "2")  # tokenizers' thread pool; the box has 2 cores
+# tokenizers' thread pool (set before tokenizers is imported): the cores this process may use, not the host's
+os.environ.setdefault("RAYON_NUM_THREADS", str(len(os.sched_getaffinity(0))))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
 
 import argparse

@@ -60,7 +60,9 @@ class ModelRunner:
         self.graphs = graphs
         self.relaxed = relaxed
         self.keep_mtp_inputs = keep_mtp_inputs and model.cfg.num_nextn_predict_layers > 0
-        self.timings = {"draft": 0.0, "target": 0.0, "one_call": 0.0}  # seconds; one_call: steps run in one call
+        # seconds (benchmarks read them); one_call: steps run in one call. Each part ends in a host read of its
+        # tokens (drafts, accepted tokens), which waits for the device: on CUDA they time its work, not the launches
+        self.timings = {"draft": 0.0, "target": 0.0, "one_call": 0.0}
         self.for_kernels = attends_in_kernels(model)  # paged batches in the per-token form the kernels read
         # greedy steps in one kernel call where the whole target is on the kernels (None: the general path only)
         self.greedy_step = GreedyStep.of(model) if graphs is None else None
