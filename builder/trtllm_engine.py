@@ -21,9 +21,7 @@ from tqdm import tqdm
 from builder.validation import BuildError, build_output, copy_tokenizer, open_hf_checkpoint, quant_algo_flag, validate_build
 from builder.native_engine import BUILDER_VERSION
 from runtime.io.checkpoint import FP8_CODE, INDEX_NAME
-from runtime.io.engine_format import LLM_API_OPTIONS, BuildConfig, EngineManifest
-
-HF_DIR = "hf"
+from runtime.io.engine_format import HF_DIR, LLM_API_OPTIONS, BuildConfig, EngineManifest
 
 
 @dataclass(frozen=True)

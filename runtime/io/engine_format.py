@@ -32,6 +32,7 @@ BACKENDS = ("native", "trtllm")
 HF_MAX_SEQ_LEN = 4096  # cap on max_seq_len when a plain HF checkpoint is loaded
 DEFAULT_MAX_DRAFT_LEN = 4  # an engine built without --max_draft_len, and a plain checkpoint with an MTP layer
 LLM_API_OPTIONS = "extra_llm_api_options.yaml"  # a --backend trtllm engine's LLM-API options
+HF_DIR = "hf"  # a --backend trtllm engine's checkpoint, in the layout TensorRT-LLM loads
 MAX_DRAFT_LEN = 8  # cap when one MTP module is re-run per draft token (native runtime, TRT-LLM MTP Eagle)
 
 
