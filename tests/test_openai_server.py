@@ -366,8 +366,7 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens",
      "min_tokens must be an integer in [0, max_tokens (4)], got 5"),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs", "logprobs must be an integer in [0, 20], got 21"),
-    ("/v1/completions", {"prompt": "x", "min_p": 0.1}, "min_p", "min_p 0.1 is not supported by this server; it takes "
-     "null or 0"),
+    ("/v1/completions", {"prompt": "x", "min_p": 1.5}, "min_p", "min_p must be in [0.0, 1.0], got 1.5"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "store": True}, "store",
      "store True is not supported by this server; it takes null or false (nothing is stored)"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {

@@ -70,7 +70,7 @@ def probs_under(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     n = logits.shape[0]
     logits = logits.float().index_fill(-1, torch.tensor(params.bad_token_ids, dtype=torch.long), float("-inf"))
     st = SamplingTensors(torch.full((n,), float(params.temperature)), torch.full((n,), params.top_k, dtype=torch.long),
-                         torch.full((n,), float(params.top_p)))
+                         torch.full((n,), float(params.top_p)), torch.full((n,), float(params.min_p)))
     return probabilities(logits, st).double()
 
 
@@ -111,9 +111,9 @@ OTHER_PROMPT = "import numpy as np\n"
 
 
 def other_params(seed: int) -> SamplingParams:
-    """The sampled requests that share the k = 3 run's batches: other prompt, temperature, nucleus, and
+    """The sampled requests that share the k = 3 run's batches: other prompt, temperature, nucleus, min-p, and
     max_tokens 2 (so they draft 1 where the others draft 3)."""
-    return SamplingParams(max_tokens=2, temperature=1.5, top_p=0.95, seed=seed, ignore_eos=True)
+    return SamplingParams(max_tokens=2, temperature=1.5, top_p=0.95, min_p=0.02, seed=seed, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +180,8 @@ def test_first_two_tokens_follow_the_target_with_top_k_top_p_temperature_and_a_b
 
 def test_rows_sharing_the_batch_keep_their_own_distribution(shipped_engine, shipped_tokenizer, lossless_runs) -> None:
     """In the mixed k = 3 run: the other sampled requests' first token follows their own target
-    (temperature 1.5, top_p 0.95, one draft), and the greedy ones with bans all equal the plain greedy output."""
+    (temperature 1.5, top_p 0.95, min_p 0.02, one draft), and the greedy ones with bans all equal the plain greedy
+    output."""
     _, _, rest = lossless_runs[3]
     other_prompt = shipped_tokenizer.encode(OTHER_PROMPT)
     p1 = target_probs(shipped_engine, [other_prompt], other_params(0))[0]

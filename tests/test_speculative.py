@@ -1037,6 +1037,26 @@ def test_a_tiny_temperature_samples_the_argmax() -> None:
     assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0]]))
 
 
+def test_min_p_cuts_what_is_less_likely_than_its_share_of_the_top_token() -> None:
+    """vLLM's min-p, after temperature and before top-k / top-p: a token survives when p(v) >= min_p * max p; greedy
+    rows and min_p 0 rows are unchanged."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 50, generator=g) * 2
+    temperature = torch.tensor([0.7, 1.3, 1.0, 0.0])
+    min_p = torch.tensor([0.1, 0.3, 0.0, 0.5])
+    probs = probabilities(logits, SamplingTensors(temperature, torch.tensor([0, 0, 0, 0]), torch.ones(4), min_p))
+    for r in range(3):
+        p = (logits[r] / temperature[r]).softmax(-1)
+        p = torch.where(p >= min_p[r] * p.max(), p, torch.zeros_like(p))
+        torch.testing.assert_close(probs[r], p / p.sum())
+    assert 0 < int((probs[:2] > 0).sum(-1).min()) < 50  # the cut cut something, and kept something
+    assert probs[3].argmax() == logits[3].argmax() and probs[3].max() == 1
+    both = probabilities(logits[:1], SamplingTensors(temperature[:1], torch.tensor([3]), torch.ones(1),
+                                                     torch.tensor([0.2])))
+    p = (logits[0] / temperature[0]).softmax(-1)
+    assert int((both > 0).sum()) == min(3, int((p >= 0.2 * p.max()).sum()))
+
+
 @pytest.mark.parametrize("coupling", ["race", "rejection"])
 def test_top_k_1_sampling_equals_greedy(tiny_engine, monkeypatch, coupling) -> None:
     """temperature > 0 with top_k=1 (or a tiny top_p) makes p and q one-hot: both acceptance rules (the rejection-

@@ -342,11 +342,11 @@ def test_greedy_maps_to_top_k_1_temperature_0() -> None:
 
 
 def test_every_sampling_field_maps() -> None:
-    params = SamplingParams(max_tokens=5, temperature=0.7, top_k=40, top_p=0.9, seed=2**63 - 3, stop=("END", "\n\n"),
-                            stop_token_ids=(5, 6), bad_token_ids=(7, 8), ignore_eos=True)
+    params = SamplingParams(max_tokens=5, temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, seed=2**63 - 3,
+                            stop=("END", "\n\n"), stop_token_ids=(5, 6), bad_token_ids=(7, 8), ignore_eos=True)
     assert to_trtllm_sampling_kwargs(params, Tok()) == {
         "max_tokens": 5, "end_id": -1, "pad_id": 2, "temperature": 0.7, "top_p": 0.9, "top_k": 40,
-        "seed": 2**63 - 3, "stop_token_ids": [5, 6], "bad_token_ids": [7, 8], **COMMON}
+        "seed": 2**63 - 3, "min_p": 0.05, "stop_token_ids": [5, 6], "bad_token_ids": [7, 8], **COMMON}
     # top_k 0 (ours: off) is left to upstream's default (None: all logits); top_p is always given
     kw = to_trtllm_sampling_kwargs(SamplingParams(temperature=1.0, seed=np.int64(5)), Tok())
     assert "top_k" not in kw and kw["top_p"] == 1.0 and kw["seed"] == 5 and type(kw["seed"]) is int and kw["end_id"] == 1

@@ -100,9 +100,9 @@ class ModelRunner:
         """Rows j = first .. first + num_rows - 1 of each sequence: its output token num_output + j, decided after
         drafts[:, :j] ([B, >= first + num_rows - 1]; None when no row follows a draft)."""
         V, dev = self.model.cfg.vocab_size, self.device
-        values = torch.tensor([[s.params.temperature, min(s.params.top_k, V), s.params.top_p] for s in seqs],
-                              dtype=torch.float64).repeat_interleave(num_rows, dim=0).to(dev)
-        return SamplingTensors(values[:, 0].float(), values[:, 1].long(), values[:, 2].float(),
+        values = torch.tensor([[s.params.temperature, min(s.params.top_k, V), s.params.top_p, s.params.min_p]
+                               for s in seqs], dtype=torch.float64).repeat_interleave(num_rows, dim=0).to(dev)
+        return SamplingTensors(values[:, 0].float(), values[:, 1].long(), values[:, 2].float(), values[:, 3].float(),
                                self.adjustments(seqs, drafts, first, num_rows))
 
     def adjustments(self, seqs: list[Sequence], drafts: Tensor | None, first: int, num_rows: int) -> Adjustments | None:

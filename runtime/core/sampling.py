@@ -231,6 +231,7 @@ class SamplingTensors:
     temperature: Tensor  # [R] float; 0 marks a greedy row
     top_k: Tensor  # [R] long; 0 = off
     top_p: Tensor  # [R] float
+    min_p: Tensor | None = None  # [R] float; 0 or None = off
     adjustments: Adjustments | None = field(default=None)
 
 
@@ -240,13 +241,16 @@ def adjusted_logits(logits: Tensor, adjustments: Adjustments | None) -> Tensor:
 
 
 def _processed(logits: Tensor, st: SamplingTensors) -> Tensor:
-    """Adjusted logits scaled by temperature (1 for greedy rows) with top-k / top-p cuts at -inf."""
+    """Adjusted logits scaled by temperature (1 for greedy rows) with min-p, then top-k / top-p cuts at -inf (vLLM's
+    order)."""
     greedy = st.temperature == 0
     temp = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
     # shifted so the largest is 0: a tiny temperature then sends the rest to -inf (the argmax), not to inf / NaN;
     # a banned token stays -inf at any temperature (an infinite one, a float32 overflow, would make it NaN)
     shifted = logits - logits.amax(-1, keepdim=True)
     scaled = torch.where(shifted == float("-inf"), shifted, shifted / temp[:, None])
+    if st.min_p is not None and bool((st.min_p > 0).any()):  # p(v) < min_p * max p: scaled(v) < log(min_p) (max 0)
+        scaled = scaled.masked_fill(scaled < st.min_p.log()[:, None], float("-inf"))
     if bool(((st.top_k > 0) | (st.top_p < 1)).any()):
         order = shifted.sort(dim=-1, descending=True).indices  # the ranking of any temperature, without its ties
         sorted_logits = scaled.gather(-1, order)

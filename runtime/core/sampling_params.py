@@ -82,6 +82,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = all tokens
     top_p: float = 1.0
+    min_p: float = 0.0  # vLLM's and TensorRT-LLM's: tokens less likely than min_p x the most likely one are cut
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -122,6 +123,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if not is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < SEED_MODULUS):
             raise ValueError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
         if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s for s in self.stop):

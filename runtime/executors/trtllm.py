@@ -91,8 +91,8 @@ TRTLLM_MISSING_MESSAGE = (
 # re-applies what they ask for itself (or, for perf metrics, reports 0 draft tokens).
 _OPTIONAL_UPSTREAM_FIELDS = ("detokenize", "include_stop_str_in_output", "return_perf_metrics")
 # Fields newer than some supported releases, which may be left out when they ask for what the older
-# releases do anyway: logprobs_mode arrived after 1.0, whose PyTorch sampler returns raw logprobs.
-_DEFAULT_WHEN_MISSING = {"logprobs_mode": "raw_logprobs"}
+# releases do anyway: logprobs_mode arrived after 1.0, whose PyTorch sampler returns raw logprobs; min_p 0 is off.
+_DEFAULT_WHEN_MISSING = {"logprobs_mode": "raw_logprobs", "min_p": 0.0}
 
 
 class TensorRTLLMUnavailable(ImportError):
@@ -160,6 +160,8 @@ def to_trtllm_sampling_kwargs(params: SamplingParams, tokenizer: Any) -> dict[st
         kwargs.update(temperature=float(params.temperature), top_p=float(params.top_p))
         if 0 < params.top_k < 2**31:  # a top_k past int32 is past any vocabulary: all tokens
             kwargs["top_k"] = params.top_k
+        if params.min_p > 0:
+            kwargs["min_p"] = float(params.min_p)
         if params.seed is not None:
             kwargs["seed"] = int(params.seed)  # a numpy int, validation accepts, as the Python int
     if params.stop_token_ids:

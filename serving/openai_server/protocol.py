@@ -49,7 +49,6 @@ NEUTRAL: dict[str, tuple[Any, str]] = {
     "modalities": (lambda v: v == ["text"], "null or [\"text\"]"),
     **dict.fromkeys(("audio", "reasoning_effort", "verbosity", "web_search_options"), (lambda v: False, "null")),
     # vLLM's extras at their defaults
-    "min_p": (lambda v: v == 0, "null or 0"),
     "skip_special_tokens": (lambda v: v is True, "null or true (special tokens are never in the text)"),
     "spaces_between_special_tokens": (lambda v: v is True, "null or true"),
     "include_stop_str_in_output": (lambda v: v is False, "null or false (a stop string ends the text before it)"),
@@ -65,7 +64,7 @@ IGNORED = {"user", "metadata", "service_tier", "prompt_cache_key", "safety_ident
            "guided_decoding_backend"}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop",
           "stop_token_ids", "seed", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
-          "min_tokens", "logit_bias", "response_format", "structured_outputs", *GUIDE_KEYS, *IGNORED,
+          "min_tokens", "min_p", "logit_bias", "response_format", "structured_outputs", *GUIDE_KEYS, *IGNORED,
           *(set(NEUTRAL) - {"tools", "tool_choice", "functions", "function_call", "store", "modalities", "audio",
                             "reasoning_effort", "verbosity", "web_search_options", "continue_final_message"})}
 COMPLETION_KEYS = COMMON | {"prompt", "echo", "logprobs", "suffix", "best_of"}
@@ -283,6 +282,7 @@ def _sampling(body: dict, tokenizer: Tokenizer, max_tokens: int | None, logprobs
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 0.0, math.inf, 1.0),
         top_p=_number(body, "top_p", 0.0, 1.0, 1.0),
+        min_p=_number(body, "min_p", 0.0, 1.0, 0.0),
         top_k=0 if top_k == -1 else top_k,  # vLLM's -1 and OpenAI-style 0 both mean all tokens
         seed=seed_from_client(seed),
         stop=_stop(body),
