@@ -59,7 +59,7 @@ class Plan:
 def plan(cfg: ModelConfig, build: BuildConfig) -> Plan:
     weights = sum(math.prod(t.shape) * t.dtype.itemsize + (math.prod(t.scale_shape) * 4 if t.scale_shape else 0)
                   for t in rank_layout(cfg, build))
-    return Plan(weights, cfg.latent_dim * build.torch_dtype.itemsize * cfg.num_cache_layers)
+    return Plan(weights, cfg.kv_bytes_per_token(build.torch_dtype.itemsize))
 
 
 def machine_memory() -> int:

@@ -143,9 +143,7 @@ class KVCache:
 
     @staticmethod
     def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> int:
-        """(kv_lora_rank + qk_rope_head_dim) x element size x (target layers + MTP layers)."""
-        elem = torch.empty((), dtype=dtype).element_size()
-        return cfg.latent_dim * elem * cfg.num_cache_layers
+        return cfg.kv_bytes_per_token(dtype.itemsize)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

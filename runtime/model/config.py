@@ -145,6 +145,10 @@ class ModelConfig:
             scale *= m * m
         return scale
 
+    def kv_bytes_per_token(self, element_size: int) -> int:
+        """Latent KV cache bytes a token takes: kv_lora_rank + qk_rope_head_dim elements in every cache layer."""
+        return self.latent_dim * element_size * self.num_cache_layers
+
     @property
     def num_cache_layers(self) -> int:
         """Layers with a latent KV cache: the target's, then the MTP modules' (which attend over their own)."""
