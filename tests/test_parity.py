@@ -611,11 +611,12 @@ def test_config_corners_match_hf(change, tmp_path):
 
 
 @pytest.mark.parametrize("change", ["yarn_betas_swapped", "top_level_original_max_position_embeddings",
-                                    "original_max_position_embeddings_as_float", "rope_scaling_empty"])
+                                    "original_max_position_embeddings_as_float", "rope_scaling_empty", "mscale_zero"])
 def test_config_variants_read_as_transformers_reads_them(change, tmp_path):
     """config.json forms transformers loads, read as it reads them: YaRN's ramp over a negative span (beta_fast below
     beta_slow: we kept the span at least 1e-3, off by 5 in logits), the pre-YaRN length given only at the top level
-    (transformers 5's reading; we used the default), as a float, and an empty rope_scaling (plain RoPE)."""
+    (transformers 5's reading; we used the default), as a float, an empty rope_scaling (plain RoPE) and an mscale of
+    0 (no scale)."""
     cfg = parity_config(True)
     tensors = parity_tensors(cfg, 4)
     path = write_hf_checkpoint(tmp_path / "ckpt", cfg, tensors.items(), fp8=False)
@@ -627,6 +628,8 @@ def test_config_variants_read_as_transformers_reads_them(change, tmp_path):
         raw["original_max_position_embeddings"] = 2 * yarn.pop("original_max_position_embeddings")
     elif change == "original_max_position_embeddings_as_float":
         yarn["original_max_position_embeddings"] = float(yarn["original_max_position_embeddings"])
+    elif change == "mscale_zero":
+        yarn["mscale_all_dim"] = 0  # falsy: no softmax scale and plain YaRN's cos/sin factor (refused before)
     else:
         raw["rope_scaling"] = {}
     (path / "config.json").write_text(json.dumps(raw))

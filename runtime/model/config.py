@@ -305,12 +305,15 @@ class ModelConfig:
             raise bad("num_key_value_heads", "an integer >= 1 or null")
         rs = self.rope_scaling
         if rs is not None:
-            for name in ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+            for name in ("factor", "beta_fast", "beta_slow"):
+                if not _is_positive_number(getattr(rs, name)):
+                    raise ConfigError(f"{source}: field 'rope_scaling.{name}' must be a number > 0, got "
+                                      f"{getattr(rs, name)!r}")
+            for name in ("mscale", "mscale_all_dim"):  # 0, as null, leaves the scale alone (as transformers reads it)
                 value = getattr(rs, name)
-                if value is None and name.startswith("mscale"):
-                    continue
-                if not _is_positive_number(value):
-                    raise ConfigError(f"{source}: field 'rope_scaling.{name}' must be a number > 0, got {value!r}")
+                if value is not None and not (is_number(value) and 0 <= value < math.inf):
+                    raise ConfigError(f"{source}: field 'rope_scaling.{name}' must be a number >= 0 or null, got "
+                                      f"{value!r}")
             if not (is_int(rs.original_max_position_embeddings) and rs.original_max_position_embeddings > 0):
                 raise ConfigError(f"{source}: field 'rope_scaling.original_max_position_embeddings' must be an "
                                   f"integer >= 1, got {rs.original_max_position_embeddings!r}")
