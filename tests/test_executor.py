@@ -1295,3 +1295,23 @@ def test_a_stalled_server_is_killed_when_sigterm_does_not_stop_it(ignores_sigter
     stop_server(server.pid, "test: stalled", kill_after_s=1.0)
     assert server.wait(5) == (-signal.SIGKILL if ignores_sigterm else -signal.SIGTERM)
     assert not running(server.pid)
+
+
+def test_the_step_cost_profile_runs_without_autograd(engine, monkeypatch) -> None:
+    """Adaptive speculation's start-up profile times inference forwards (autograd's bookkeeping would price drafts
+    wrong, on CPU most); the output callbacks of the step loop run outside inference mode, as the caller's code."""
+    from runtime.core.model_runner import ModelRunner
+
+    modes, callback_modes = [], []
+    forward = ModelRunner.forward_target
+
+    def recording(self, *args, **kwargs):
+        modes.append(torch.is_inference_mode_enabled())
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "forward_target", recording)
+    with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="adaptive")) as ex:
+        assert modes and all(modes)
+        ex.submit([5, 6, 7], SamplingParams(max_tokens=2),
+                  on_output=lambda out: callback_modes.append(torch.is_inference_mode_enabled())).result(30)
+    assert callback_modes and not any(callback_modes)

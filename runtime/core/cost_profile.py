@@ -12,6 +12,7 @@ from runtime.core.draft_policy import StepCosts
 from runtime.core.model_runner import ModelRunner
 
 
+@torch.inference_mode()
 def profile_step_costs(runner: ModelRunner, max_batch_size: int, max_k: int, context: int = 64, repeats: int = 5,
                        warmup: int = 2) -> StepCosts:
     """Medians after `warmup` untimed calls (which take a fresh model's first-touch costs and start the kernels'

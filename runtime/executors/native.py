@@ -301,8 +301,6 @@ class Executor:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-    # ---- profiling for adaptive speculation ---------------------------------------------------
-    @torch.inference_mode()
     # ---- the step loop ------------------------------------------------------------------------
     def _loop(self) -> None:
         error = None
