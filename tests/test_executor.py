@@ -804,8 +804,8 @@ def test_max_queued_requests_sheds_load(engine, prompts, alone) -> None:
     """With max_queued_requests, a submit while that many requests wait to be scheduled (the batch is full; an n = 3
     request is one) is refused at once (dsv3-serve answers 503) instead of waiting behind them; the queued ones run
     as they would have, and submits are taken again once the queue drains. A burst on an idle server is admitted as
-    far as the batch takes it, plus the bound (requests the step loop has not yet taken in count). Without the setting
-    the queue has no bound (as vLLM)."""
+    far as the batch takes it (each request its n places), plus the bound (requests the step loop has not yet taken in
+    count). Without the setting the queue has no bound (as vLLM)."""
     with pytest.raises(ValueError, match=r"^max_queued_requests must be an integer >= 1, got 0$"):
         ExecutorConfig(max_queued_requests=0)
     with pytest.raises(ValueError, match=r"^max_queued_requests must be an integer >= 1, got True$"):
@@ -819,6 +819,17 @@ def test_max_queued_requests_sheds_load(engine, prompts, alone) -> None:
             ex.submit(prompts[3], params)
         go.set()
         assert [h.result(30).token_ids for h in burst] == [alone[3]] * 9
+        deadline = time.monotonic() + 30
+        while (ex._free_places, ex._waiting_requests) != (8, 0) and time.monotonic() < deadline:  # counted idle
+            time.sleep(0.01)
+        go = threading.Event()
+        hold_inbox_until(ex, go)
+        three = SamplingParams(max_tokens=4, temperature=1.0, n=3, ignore_eos=True)
+        taken = [ex.submit(prompts[3], three) for _ in range(3)]  # 3 + 3 places of 8, then one waits
+        with pytest.raises(RuntimeError, match="^the queue is full"):  # a request takes its n places
+            ex.submit(prompts[3], three)
+        go.set()
+        assert all(len(h.results(30)) == 3 for h in taken)
     config = ExecutorConfig(num_draft_tokens=0, speculation="off", max_batch_size=3, max_queued_requests=2)
     with Executor(engine, config) as ex:
         sampled = SamplingParams(max_tokens=200, temperature=1.0, n=3, ignore_eos=True)

@@ -131,10 +131,13 @@ class Executor:
         self._progress = time.monotonic()  # when the step loop last began a step (or an idle wait)
         self._submit_lock = threading.Lock()  # a submit either lands before shutdown or is refused
         # What max_queued_requests bounds: requests with sequences the scheduler left waiting (an n > 1 request is
-        # one) and the batch places it left free, counted by the step loop after each schedule, and the requests
-        # submitted since (in the inbox). A burst is admitted as far as the batch takes it, plus the bound.
+        # one) and the batch places it left free (none while any waits: blocks or the token budget hold them), as the
+        # step loop counted them after its last schedule; requests submitted since take free places (each its n
+        # sequences) or else count as waiting (overflow). A burst is admitted as far as the batch takes it, plus the
+        # bound. The step loop gives back what it takes out of the inbox at its next count.
         self._waiting_requests, self._free_places = 0, self.limits.max_batch_size
-        self._submitted, self._drained = 0, 0  # requests put in the inbox since the last count; taken out of it
+        self._inbox_places, self._overflow = 0, 0
+        self._drained_places, self._drained_overflow = 0, 0
 
     def _kv_capacity(self, bytes_per_token: int, k: int, block: int) -> int:
         """KV cache tokens: kv_cache_tokens, or room for max_batch_size sequences of max_seq_len, within
@@ -215,13 +218,16 @@ class Executor:
             if self._stopping:
                 self._ids.release(rid)
                 raise RuntimeError(f"executor is shut down{f' ({self._error})' if self._error else ''}")
+            places = params.num_sequences
+            fits = self._inbox_places + places <= self._free_places
             bound = self.config.max_queued_requests
-            if bound is not None and self._waiting_requests + self._submitted >= bound + self._free_places:
+            if bound is not None and not fits and self._waiting_requests + self._overflow >= bound:
                 self._ids.release(rid)
                 raise RuntimeError(f"the queue is full: {bound} requests wait to be scheduled (max_queued_requests); "
                                    "try again later")
-            self._submitted += 1
-            self._inbox.put(("add", group))
+            self._inbox_places += places if fits else 0
+            self._overflow += 0 if fits else 1
+            self._inbox.put(("add", (group, places if fits else 0, 0 if fits else 1)))
         self._wake.set()
         return handle
 
@@ -393,9 +399,11 @@ class Executor:
             except queue.Empty:
                 return
             if kind == "add":
-                self._drained += 1
-                self._groups[item[0][1].request_id] = [seq.request_id for seq, _ in item]
-                for seq, tracker in item:
+                group, places, overflow = item
+                self._drained_places += places
+                self._drained_overflow += overflow
+                self._groups[group[0][1].request_id] = [seq.request_id for seq, _ in group]
+                for seq, tracker in group:
                     self._requests[seq.request_id] = (seq, tracker)
                     self.scheduler.add(seq)
             else:
@@ -407,11 +415,12 @@ class Executor:
     def _count_waiting(self) -> None:
         """What load shedding reads (max_queued_requests), as the last schedule left it."""
         waiting = len({id(seq.leader or seq) for seq in self.scheduler.waiting})
-        free = max(0, self.limits.max_batch_size - len(self.scheduler.running))
+        free = 0 if waiting else max(0, self.limits.max_batch_size - len(self.scheduler.running))
         with self._submit_lock:
             self._waiting_requests, self._free_places = waiting, free
-            self._submitted -= self._drained
-            self._drained = 0
+            self._inbox_places -= self._drained_places
+            self._overflow -= self._drained_overflow
+            self._drained_places = self._drained_overflow = 0
 
     def _finish(self, request_id: str, reason: str, new: list[int] | None = None, delta: str = "",
                 error: str | None = None) -> None:
