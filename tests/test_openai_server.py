@@ -27,6 +27,7 @@ from runtime.io.tokenizer import Tokenizer  # noqa: E402
 from serving.openai_server.chat import ChatTemplateFault, render_chat  # noqa: E402
 from serving.openai_server.cli import parse_args  # noqa: E402
 from serving.openai_server.process import start_dsv3_serve  # noqa: E402
+from serving.request_validation import RequestError  # noqa: E402
 
 PROMPTS = ["In the beginning God created", "And the LORD spake unto Moses, saying,", "def fibonacci(n):"]
 TOKENS = 24
@@ -316,6 +317,9 @@ def test_what_openais_and_vllms_clients_send_is_taken(server: Server, plain: Ses
     named = "{% for m in messages %}{{ m.name }}:{{ m.content }}{% endfor %}{{ greeting }}"
     assert render_chat(named, [{"role": "user", "content": "hi", "name": "ann"}], tok,
                        variables={"greeting": "!"}) == "ann:hi!"
+    with pytest.raises(RequestError, match=r"^the model's chat template failed on these messages \(or "
+                       r"chat_template_kwargs\): TypeError: "):  # a value of the wrong kind is the request's fault
+        render_chat("{{ greeting + 1 }}", [{"role": "user", "content": "hi"}], tok, variables={"greeting": "!"})
 
 
 def test_continuous_usage_stats_and_http_errors_in_openais_shape(server: Server) -> None:
@@ -370,8 +374,9 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "store": True}, "store",
      "store True is not supported by this server; it takes null or false (nothing is stored)"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {
-        "messages": []}}, "chat_template_kwargs", "chat_template_kwargs must be an object of the template's own "
-     "variables (not add_generation_prompt, bos_token, eos_token, messages), got {'messages': []}"),
+        "namespace": 1}}, "chat_template_kwargs", "chat_template_kwargs must be an object of the template's own "
+     "variables (not add_generation_prompt, bos_token, cycler, dict, eos_token, joiner, lipsum, messages, namespace, "
+     "raise_exception, range, strftime_now), got {'namespace': 1}"),
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]},
      "messages", "messages[0].tool_calls must be null or empty: this server does no tool calling, audio or "
      "annotations"),

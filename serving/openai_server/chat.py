@@ -64,21 +64,27 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
         return super().call_binop(context, operator, left, right)
 
 
-@functools.lru_cache(maxsize=4)
-def _compile(template: str):
+def _environment() -> _BoundedSandbox:
     env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True)
     env.globals.update(raise_exception=_raise_exception, strftime_now=lambda f: datetime.now().strftime(f),
                        range=_bounded_range)
-    return env.from_string(template)
+    return env
 
 
-RENDER_NAMES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})  # what render_chat sets
+@functools.lru_cache(maxsize=4)
+def _compile(template: str):
+    return _environment().from_string(template)
+
+
+# what a render defines: render_chat's variables and the environment's functions (range, namespace, raise_exception,
+# ...), which a request's chat_template_kwargs may not replace
+RESERVED_NAMES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", *_environment().globals})
 
 
 def render_chat(template: str, messages: list[dict[str, str]], tokenizer: Tokenizer,
                 add_generation_prompt: bool = True, variables: Mapping[str, Any] | None = None) -> str:
     """The prompt text of `messages`, with the template's own `variables` (a request's chat_template_kwargs, e.g. a
-    thinking switch) beside RENDER_NAMES; RequestError when the template refuses them (its raise_exception or an
+    thinking switch) beside RESERVED_NAMES; RequestError when the template refuses them (its raise_exception or an
     error in rendering them), ChatTemplateFault when it cannot be rendered at all."""
     special = {name: tokenizer.decode([i], skip_special_tokens=False) if i is not None else ""
                for name, i in (("bos_token", tokenizer.bos_token_id), ("eos_token", tokenizer.eos_token_id))}
@@ -92,3 +98,6 @@ def render_chat(template: str, messages: list[dict[str, str]], tokenizer: Tokeni
         raise ChatTemplateFault(f"the model's chat template cannot be rendered: {type(e).__name__}: {e}") from None
     except TemplateError as e:
         raise RequestError(f"the model's chat template failed on these messages: {e}") from None
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:  # on the request's values
+        raise RequestError(f"the model's chat template failed on these messages (or chat_template_kwargs): "
+                           f"{type(e).__name__}: {e}") from None

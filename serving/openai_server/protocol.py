@@ -24,7 +24,7 @@ from runtime.core.sampling_params import (MAX_LOGPROBS, PENALTY_LIMIT, GuidedDec
                                           seed_from_client)
 from runtime.executors.requests import RequestStats
 from runtime.io.tokenizer import Tokenizer
-from serving.openai_server.chat import RENDER_NAMES, ChatTemplateFault, render_chat
+from serving.openai_server.chat import RESERVED_NAMES, ChatTemplateFault, render_chat
 from serving.request_validation import INT32_MAX, RequestError, bounds_text, refused_parameter
 
 MAX_N = 128  # choices per request, as OpenAI allows
@@ -416,9 +416,9 @@ def chat_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_byt
         raise APIError("this model has no chat template (chat_template in tokenizer_config.json or a "
                        "chat_template.jinja file); use /v1/completions", "messages")
     extra = body.get("chat_template_kwargs", {})
-    if not isinstance(extra, dict) or set(extra) & RENDER_NAMES:
+    if not isinstance(extra, dict) or set(extra) & RESERVED_NAMES:
         raise APIError("chat_template_kwargs must be an object of the template's own variables (not "
-                       f"{', '.join(sorted(RENDER_NAMES))}), got {str(extra)[:120]}", "chat_template_kwargs")
+                       f"{', '.join(sorted(RESERVED_NAMES))}), got {str(extra)[:120]}", "chat_template_kwargs")
     try:
         text = render_chat(tokenizer.chat_template, messages, tokenizer,
                            add_generation_prompt=_flag(body, "add_generation_prompt", True), variables=extra)
