@@ -197,7 +197,8 @@ def _speculative(spec: Any, engine_options: dict[str, Any], source: str,
         if k is not None and k != old:
             raise ModelYamlError(f"{source}: speculative_config: max_draft_len {k} and num_nextn_predict_layers {old} "
                                  "differ (num_nextn_predict_layers is the older name of max_draft_len); give one")
-        warnings.append("speculative_config.num_nextn_predict_layers is deprecated upstream: write max_draft_len")
+        if k is None:
+            warnings.append("speculative_config.num_nextn_predict_layers is deprecated upstream: write max_draft_len")
         k = old
     k = 1 if k is None else _int(k, "speculative_config.max_draft_len", source, low=0)
     relaxed = None
@@ -261,8 +262,8 @@ def model_yaml(engine_dir: Path, model: str, *, decoupled: bool, max_batch_size:
     if options:
         model = f"{model}/{HF_DIR}"  # what upstream's LLM loads; read_model_yaml takes the engine around it
         spec = dict(options.get("speculative_config") or {})
-        if "num_nextn_predict_layers" in spec and "max_draft_len" not in spec:  # upstream's llmapi model is
-            spec["max_draft_len"] = spec.pop("num_nextn_predict_layers")      # current: its current name
+        if "num_nextn_predict_layers" in spec and "max_draft_len" not in spec:  # both names at one value: 2026's
+            spec["max_draft_len"] = spec["num_nextn_predict_layers"]          # name, and what 1.0 / 1.1 read
             options["speculative_config"] = spec
     else:
         options = {"backend": "pytorch", "tensor_parallel_size": build.tp_size,

@@ -443,6 +443,7 @@ def test_error_fp8_weight_without_scale(make_ckpt):
     (dict(quantization_config={"quant_method": "fp8", "weight_block_size": [192, 192]}),
      "field 'quantization_config.weight_block_size' is [192, 192], expected [128, 128] (the release's FP8 block "
      "scales; TensorRT-LLM's FP8_BLOCK_SCALES)"),
+    (dict(eos_token_id=[[1]]), "field 'eos_token_id' must be a token id or a non-empty list of them"),
     (dict(num_mtp_layers=2),
      "fields 'num_nextn_predict_layers' (1) and 'num_mtp_layers' (2) disagree (num_mtp_layers is transformers' "
      "other name for num_nextn_predict_layers); give one"),
@@ -693,6 +694,9 @@ def test_transformers_other_field_names_are_read(tiny_cfg):
     cfg = ModelConfig.from_dict(raw)
     assert (cfg.num_nextn_predict_layers, cfg.n_routed_experts) == (1, tiny_cfg()["n_routed_experts"])
     assert cfg.extra == {} and cfg == ModelConfig.from_dict(tiny_cfg())
+    raw["num_mtp_layers"] = "x"  # refused by the name the file gives it
+    with pytest.raises(ConfigError, match=r"^c.json: field 'num_mtp_layers' must be an integer >= 0, got 'x'$"):
+        ModelConfig.from_dict(raw, source="c.json")
 
 
 def test_a_layers_routed_experts_share_one_dtype(make_ckpt):

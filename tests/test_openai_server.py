@@ -341,6 +341,8 @@ BAD = [
      "max_tokens must be at least 1 (0 returns the prompt alone: it needs echo: true)"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0, "echo": True, "stream": True}, "max_tokens",
      "max_tokens 0 (the prompt alone, as for scoring it) is not streamed; send stream: false"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0, "echo": True, "min_tokens": 2}, "min_tokens",
+     "min_tokens must be an integer in [0, max_tokens (0)], got 2"),
     ("/v1/completions", {"prompt": "x", "max_tokens": -1}, "max_tokens",
      "max_tokens must be an integer in [0, 2147483647], got -1"),
     ("/v1/completions", {"prompt": "x", "max_tokens": True}, "max_tokens", "max_tokens must be an integer, got True"),

@@ -560,8 +560,9 @@ def test_llm_kwargs_as_built_and_with_executor_config(engine: TrtllmEngine, capl
 
 def test_the_draft_length_under_either_name(engine: TrtllmEngine, engine_dir: Path, tmp_path: Path) -> None:
     """build_engine writes num_nextn_predict_layers (every release reads it); upstream's 2026 name is max_draft_len.
-    The adapter reads either, keeps a pair it was given at one value, and make_model_repo's llmapi model.yaml (for
-    upstream's current llmapi model) carries the current name, which read_model_yaml takes without a warning."""
+    The adapter reads either and keeps a pair it was given at one value; make_model_repo's llmapi model.yaml carries
+    both at one value (2026's name, and the one 1.0 / 1.1 read: max_draft_len alone would draft one token there),
+    which read_model_yaml takes without a deprecation warning."""
     from serving.llmapi_config import model_yaml, read_model_yaml
 
     m = engine.manifest
@@ -571,7 +572,7 @@ def test_the_draft_length_under_either_name(engine: TrtllmEngine, engine_dir: Pa
     both = llm_kwargs_for(renamed, m, ExecutorConfig(num_draft_tokens=1, speculation="fixed"))
     assert both["speculative_config"] == {"decoding_type": "MTP", "max_draft_len": 1, "num_nextn_predict_layers": 1}
     doc = model_yaml(engine_dir, "engine", decoupled=True)
-    assert doc["speculative_config"] == {"decoding_type": "MTP", "max_draft_len": 3}
+    assert doc["speculative_config"] == {"decoding_type": "MTP", "num_nextn_predict_layers": 3, "max_draft_len": 3}
     (tmp_path / "engine").symlink_to(engine_dir)
     (tmp_path / "model.yaml").write_text(yaml.safe_dump(doc))
     llm = read_model_yaml(tmp_path / "model.yaml", tmp_path)

@@ -4,6 +4,7 @@ and the choice between them (`create_executor`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -14,7 +15,7 @@ from runtime.core.sampling import RelaxedAcceptance
 from runtime.core.sampling_params import SamplingParams
 from runtime.core.scheduler import SchedulerConfig
 from runtime.executors.requests import ExecutorStats, RequestHandle, RequestOutput
-from runtime.io.engine_format import MAX_DRAFT_LEN, BuildConfig, engine_backend
+from runtime.io.engine_format import MAX_DRAFT_LEN, BuildConfig, check_model_limits, engine_backend
 from runtime.io.tokenizer import Tokenizer
 from runtime.model.config import ModelConfig
 
@@ -116,9 +117,8 @@ class ExecutorConfig:
                 raise ValueError(f"{name} {asked} exceeds the engine's {name} {most} ({source}); "
                                  f"rebuild the engine with --{name} {asked}")
             values[name] = most if asked is None else asked
-        if values["max_seq_len"] > model.max_position_embeddings:
-            raise ValueError(f"max_seq_len {values['max_seq_len']} exceeds max_position_embeddings "
-                             f"{model.max_position_embeddings} ({source}): positions past it were never trained")
+        if values["max_seq_len"] > build.max_seq_len:  # a plain checkpoint's (an engine's are checked at load)
+            check_model_limits(model, dataclasses.replace(build, max_seq_len=values["max_seq_len"]), source)
         return SchedulerConfig(**values)
 
 
@@ -152,10 +152,12 @@ class ExecutorProtocol(Protocol):
 
 def submit_all(executor: ExecutorProtocol, prompts: list[list[int]], params: SamplingParams,
                request_ids: list[str] | None = None) -> list[RequestHandle]:
-    """Submit several prompts as one call of a client's: every one is validated before any is submitted, and those
-    submitted are cancelled if a later submit is refused (a full queue), so a client's retry finds none running."""
-    for ids in prompts:
-        executor.validate(ids, params)
+    """Submit several prompts as one call of a client's: every one is validated before any is submitted (submit
+    validates one), and those submitted are cancelled if a later submit is refused (a full queue), so a client's
+    retry finds none running."""
+    if len(prompts) > 1:
+        for ids in prompts:
+            executor.validate(ids, params)
     handles: list[RequestHandle] = []
     try:
         for i, ids in enumerate(prompts):

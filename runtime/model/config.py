@@ -155,7 +155,7 @@ class ModelConfig:
         return self.num_hidden_layers + self.num_nextn_predict_layers
 
     def is_moe_layer(self, layer_idx: int) -> bool:
-        return layer_idx >= self.first_k_dense_replace and layer_idx % self.moe_layer_freq == 0
+        return layer_idx >= self.first_k_dense_replace  # moe_layer_freq is 1 (validate)
 
     # ---- JSON ---------------------------------------------------------------------------
     @classmethod
@@ -173,12 +173,14 @@ class ModelConfig:
         if missing:
             raise ConfigError(f"{source}: missing required field(s) {', '.join(missing)}")
         kwargs: dict[str, Any] = {k: raw[k] for k in known if k in raw}
+        given_as = {}  # field -> the alias the file names it by
         for alias, name in ALIASES.items():
             if alias in raw:
                 if name in raw and raw[name] != raw[alias]:
                     raise ConfigError(f"{source}: fields {name!r} ({raw[name]!r}) and {alias!r} ({raw[alias]!r}) "
                                       f"disagree ({alias} is transformers' other name for {name}); give one")
                 kwargs[name] = raw[alias]
+                given_as[name] = alias
         for name in ("rope_scaling", "rope_parameters", "quantization_config"):
             if raw.get(name) is not None and not isinstance(raw[name], dict):
                 raise ConfigError(f"{source}: field {name!r} must be an object or null, got {raw[name]!r}")
@@ -188,7 +190,8 @@ class ModelConfig:
         for name in POSITIVE_INTS + NON_NEGATIVE_INTS:
             low = 1 if name in POSITIVE_INTS else 0
             if name in kwargs and (not is_int(kwargs[name]) or kwargs[name] < low):
-                raise ConfigError(f"{source}: field {name!r} must be an integer >= {low}, got {kwargs[name]!r}")
+                raise ConfigError(f"{source}: field {given_as.get(name, name)!r} must be an integer >= {low}, got "
+                                  f"{kwargs[name]!r}")
         for name in POSITIVE_NUMBERS:
             value = kwargs.get(name, 1.0)
             if not _is_positive_number(value):
@@ -216,7 +219,7 @@ class ModelConfig:
                 raise ConfigError(f"{source}: field 'architectures' must be a list of strings, got {archs!r}")
             kwargs["architectures"] = tuple(archs)
         if isinstance(kwargs.get("eos_token_id"), list):
-            if not kwargs["eos_token_id"]:
+            if not kwargs["eos_token_id"] or not all(map(is_int, kwargs["eos_token_id"])):
                 raise ConfigError(f"{source}: field 'eos_token_id' must be a token id or a non-empty list of them")
             if len(set(kwargs["eos_token_id"])) > 1:  # transformers stops at any of them; this runtime has one eos
                 raise ConfigError(f"{source}: field 'eos_token_id' is {kwargs['eos_token_id']!r}, expected one token "

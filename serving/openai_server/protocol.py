@@ -54,7 +54,8 @@ NEUTRAL: dict[str, tuple[Any, str]] = {
     "include_stop_str_in_output": (lambda v: v is False, "null or false (a stop string ends the text before it)"),
     "continue_final_message": (lambda v: v is False, "null or false"),
     "bad_words": (lambda v: v == [], "null or []"),
-    "priority": (lambda v: v == 0, "null or 0 (requests are served first come, first served)"),
+    "priority": (lambda v: v == 0 and not isinstance(v, bool), "null or 0 (requests are served first come, "
+                 "first served)"),
     "return_tokens_as_token_ids": (lambda v: v is False, "null or false"),
     "use_beam_search": (lambda v: v is False, "null or false"),
 }
@@ -352,7 +353,9 @@ def completion_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_te
     if max_tokens == 0 and stream:
         raise APIError("max_tokens 0 (the prompt alone, as for scoring it) is not streamed; send stream: false",
                        "max_tokens")
-    params, guide_field = _sampling(body, tokenizer, max_tokens or 1, logprobs, stream)
+    if max_tokens == 0 and (min_tokens := _integer(body, "min_tokens", 0, INT32_MAX, 0)):  # said of the 0 sent,
+        raise APIError(f"min_tokens must be an integer in [0, max_tokens (0)], got {min_tokens}", "min_tokens")
+    params, guide_field = _sampling(body, tokenizer, max_tokens or 1, logprobs, stream)  # not the 1 run
     if echo and logprobs is not None:  # the prompt's tokens' logprobs too (as vLLM: scoring a text)
         params = replace(params, prompt_logprobs=logprobs)
     if len(prompts) * params.num_sequences > MAX_SEQUENCES:
@@ -478,7 +481,7 @@ def completion_object(g: Generation, model: str, choices: list[dict[str, Any]], 
     kind = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
     out = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{g.id}", "object": kind, "created": g.created, "model": model,
            "choices": choices}
-    if not chunk or g.include_usage or g.continuous_usage:
+    if not chunk or g.include_usage:
         out["usage"] = usage_  # streamed with include_usage: null in every chunk but the last, as OpenAI sends
     return out
 
