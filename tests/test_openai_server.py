@@ -322,6 +322,31 @@ def test_what_openais_and_vllms_clients_send_is_taken(server: Server, plain: Ses
         render_chat("{{ greeting + 1 }}", [{"role": "user", "content": "hi"}], tok, variables={"greeting": "!"})
 
 
+def test_bad_words_and_a_requests_own_draft_length(server: Server, plain: Session) -> None:
+    """vLLM's bad_words (each word's single token at the start of the text and after a space, banned) and the
+    request's num_draft_tokens (at most that many drafts a step; 0: plain decoding) keep the output plain decoding's
+    with those bans."""
+    tok = plain.tokenizer
+    ids = tok.encode(PROMPTS[2])
+    banned = tuple(t for w in ("of", "the") for t in (tok.encode(w, add_bos=False) + tok.encode(" " + w, add_bos=False)))
+    want = plain.executor.submit(ids, SamplingParams(max_tokens=TOKENS, bad_token_ids=banned)).result()
+    free = plain.executor.submit(ids, SamplingParams(max_tokens=TOKENS)).result()
+    assert set(free.token_ids) & set(banned)  # the bans change this output
+    for k in (None, 0, 1):
+        r = server.client.completions.create(model="deepseek-v3-mini", prompt=PROMPTS[2], max_tokens=TOKENS,
+                                             temperature=0, extra_body={"bad_words": ["of", "the"],
+                                                                        **({} if k is None else {"num_draft_tokens": k})})
+        assert r.choices[0].text == want.text, k
+        spec = r.usage.model_extra["speculative_decoding"]
+        if k is not None:
+            assert spec["total_draft_tokens"] <= k * spec["decode_steps"], (k, spec)
+    status, body = server.post("/v1/completions", {"prompt": "x", "bad_words": ["fibonacci"]})
+    assert (status, body["error"]["param"]) == (400, "bad_words") and "tokens; this server bans single-token words" \
+        in body["error"]["message"]
+    status, body = server.post("/v1/completions", {"prompt": "x", "num_draft_tokens": 9})
+    assert (status, body["error"]["param"]) == (400, "num_draft_tokens"), body
+
+
 def test_continuous_usage_stats_and_http_errors_in_openais_shape(server: Server) -> None:
     chunks = list(server.client.completions.create(
         model="deepseek-v3-mini", prompt=PROMPTS[0], max_tokens=TOKENS, temperature=0, stream=True,

@@ -53,7 +53,6 @@ NEUTRAL: dict[str, tuple[Any, str]] = {
     "spaces_between_special_tokens": (lambda v: v is True, "null or true"),
     "include_stop_str_in_output": (lambda v: v is False, "null or false (a stop string ends the text before it)"),
     "continue_final_message": (lambda v: v is False, "null or false"),
-    "bad_words": (lambda v: v == [], "null or []"),
     "priority": (lambda v: v == 0 and not isinstance(v, bool), "null or 0 (requests are served first come, "
                  "first served)"),
     "return_tokens_as_token_ids": (lambda v: v is False, "null or false"),
@@ -65,7 +64,8 @@ IGNORED = {"user", "metadata", "service_tier", "prompt_cache_key", "safety_ident
            "guided_decoding_backend"}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop",
           "stop_token_ids", "seed", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
-          "min_tokens", "min_p", "logit_bias", "response_format", "structured_outputs", *GUIDE_KEYS, *IGNORED,
+          "min_tokens", "min_p", "bad_words", "num_draft_tokens", "logit_bias", "response_format", "structured_outputs",
+          *GUIDE_KEYS, *IGNORED,
           *(set(NEUTRAL) - {"tools", "tool_choice", "functions", "function_call", "store", "modalities", "audio",
                             "reasoning_effort", "verbosity", "web_search_options", "continue_final_message"})}
 COMPLETION_KEYS = COMMON | {"prompt", "echo", "logprobs", "suffix", "best_of"}
@@ -172,6 +172,23 @@ def _text(value: Any, name: str, max_bytes: int) -> str:
         raise APIError(f"{name} is longer than the {max_bytes} bytes that can fit the model's context "
                        "(max_seq_len tokens of at most the tokenizer's longest token)", name)
     return value
+
+
+def _bad_words(body: dict, tokenizer: Tokenizer) -> tuple[int, ...]:
+    """vLLM's bad_words: each word's token, as it starts the text and after a space (vLLM bans both); a word of
+    several tokens is refused (this runtime bans single tokens)."""
+    words = body.get("bad_words", [])
+    if not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words):
+        raise APIError(f"bad_words must be a list of non-blank strings, got {str(words)[:120]}", "bad_words")
+    banned = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tokenizer.encode(text, add_bos=False)
+            if len(ids) != 1:
+                raise APIError(f"bad_words: {text!r} is {len(ids)} tokens; this server bans single-token words only",
+                               "bad_words")
+            banned += ids
+    return tuple(dict.fromkeys(banned))
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -288,6 +305,8 @@ def _sampling(body: dict, tokenizer: Tokenizer, max_tokens: int | None, logprobs
         seed=seed_from_client(seed),
         stop=_stop(body),
         stop_token_ids=tuple(_token_list(body.get("stop_token_ids") or [], "stop_token_ids", tokenizer.vocab_size)),
+        bad_token_ids=_bad_words(body, tokenizer),
+        num_draft_tokens=_integer(body, "num_draft_tokens", 0, INT32_MAX, None),
         ignore_eos=_flag(body, "ignore_eos"),
         logprobs=logprobs,
         presence_penalty=_number(body, "presence_penalty", -PENALTY_LIMIT, PENALTY_LIMIT, 0.0),
