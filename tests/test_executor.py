@@ -23,7 +23,7 @@ import torch
 
 from conftest import tiny_config_dict
 from runtime.io.loading import load_engine
-from runtime.executors.base import ExecutorConfig
+from runtime.executors.base import ExecutorConfig, submit_all
 from runtime.executors import native as native_executor
 from runtime.executors.native import Executor
 from runtime.executors.requests import RequestHandle, RequestOutput, RequestStats
@@ -829,6 +829,19 @@ def test_max_queued_requests_sheds_load(engine, prompts, alone) -> None:
             ex.submit(prompts[3], three)
         go.set()
         assert all(len(h.results(30)) == 3 for h in taken)
+        # a client's request of several prompts is taken or refused whole, by the queue its first prompt finds: 12
+        # prompts (past the batch's 8 and the bound's 1) on an idle executor all run; one submit_all behind a full
+        # queue submits nothing
+        deadline = time.monotonic() + 30
+        while (ex._free_places, ex._waiting_requests) != (8, 0) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        go = threading.Event()
+        hold_inbox_until(ex, go)
+        many = submit_all(ex, [prompts[3]] * 12, params)
+        with pytest.raises(RuntimeError, match="^the queue is full"):
+            submit_all(ex, [prompts[3]] * 2, params)
+        go.set()
+        assert [h.result(30).token_ids for h in many] == [alone[3]] * 12
     config = ExecutorConfig(num_draft_tokens=0, speculation="off", max_batch_size=3, max_queued_requests=2)
     with Executor(engine, config) as ex:
         sampled = SamplingParams(max_tokens=200, temperature=1.0, n=3, ignore_eos=True)

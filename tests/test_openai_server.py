@@ -354,6 +354,10 @@ def test_continuous_usage_stats_and_http_errors_in_openais_shape(server: Server)
     counts = [c.usage.completion_tokens for c in chunks]
     assert all(c.usage is not None for c in chunks) and counts == sorted(counts) and counts[-1] == TOKENS
     assert counts[0] > 0 and len(set(counts)) > 1
+    chat = list(server.client.chat.completions.create(
+        model="deepseek-v3-mini", messages=[{"role": "user", "content": "Who made the light?"}], max_tokens=8,
+        temperature=0, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert chat[0].usage.completion_tokens == 0 and all(c.usage is not None for c in chat)  # the role chunk too
     status, body = server.post("/v1/nowhere", {})
     assert (status, body) == (404, {"error": {"message": "Not Found", "type": "invalid_request_error", "param": None,
                                               "code": "404"}})
@@ -546,9 +550,9 @@ def test_a_grammar_that_fails_while_generating_is_a_400_naming_its_parameter() -
 
 
 def test_a_multi_prompt_request_refused_midway_leaves_nothing_running(shipped_engine) -> None:
-    """A completions request of several prompts submits one executor request per prompt; when a later one is refused
-    (here the third: a full queue, 503), those already submitted are cancelled, so neither the refused client nor its
-    retry pays for them."""
+    """A completions request of several prompts submits one executor request per prompt; when a later one fails
+    (here the third: the executor stopped, 503), those already submitted are cancelled, so neither the refused client
+    nor its retry pays for them."""
     import threading
 
     from executor_util import assert_all_free, hold_inbox_until
@@ -565,7 +569,7 @@ def test_a_multi_prompt_request_refused_midway_leaves_nothing_running(shipped_en
 
         def third_refused(*args, **kw):
             if len(outputs) == 2:  # two submitted
-                raise RuntimeError("the queue is full: 1 requests wait to be scheduled (max_queued_requests)")
+                raise RuntimeError("executor is shut down")
             outputs.append(None)
             return submit(*args, on_output=lambda o: outputs.append(o.finish_reason), **kw)
 
@@ -573,7 +577,7 @@ def test_a_multi_prompt_request_refused_midway_leaves_nothing_running(shipped_en
         g = Generation([[1, 2, 3]] * 3, SamplingParams(max_tokens=50, ignore_eos=True))
         with pytest.raises(APIError) as e:
             OpenAIServer(ex, "m")._submit(g, chat=False)
-        assert e.value.status == 503 and "the queue is full" in e.value.message
+        assert e.value.status == 503 and "executor is shut down" in e.value.message
         go.set()
         deadline = time.monotonic() + 30
         while len(outputs) < 4 and time.monotonic() < deadline:

@@ -135,7 +135,7 @@ class ExecutorProtocol(Protocol):
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams,
                on_output: Callable[[RequestOutput], None] | None = None,
-               request_id: str | None = None) -> RequestHandle: ...
+               request_id: str | None = None, bounded: bool = True) -> RequestHandle: ...
 
     def cancel(self, request_id: str, handle: RequestHandle | None = None) -> None: ...
 
@@ -153,15 +153,16 @@ class ExecutorProtocol(Protocol):
 def submit_all(executor: ExecutorProtocol, prompts: list[list[int]], params: SamplingParams,
                request_ids: list[str] | None = None) -> list[RequestHandle]:
     """Submit several prompts as one call of a client's: every one is validated before any is submitted (submit
-    validates one), and those submitted are cancelled if a later submit is refused (a full queue), so a client's
-    retry finds none running."""
+    validates one), and the queue bound (max_queued_requests) decides on the first alone: a request is taken or
+    refused whole (one of more prompts than the batch and the bound hold was refused by an idle server, forever)."""
     if len(prompts) > 1:
         for ids in prompts:
             executor.validate(ids, params)
     handles: list[RequestHandle] = []
-    try:
+    try:  # a later submit can still fail (the executor stopped): those submitted are cancelled
         for i, ids in enumerate(prompts):
-            handles.append(executor.submit(ids, params, request_id=None if request_ids is None else request_ids[i]))
+            handles.append(executor.submit(ids, params, request_id=None if request_ids is None else request_ids[i],
+                                           bounded=i == 0))
     except BaseException:
         for h in handles:
             h.cancel()

@@ -188,9 +188,11 @@ class Executor:
         return self._grammars
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams,
-               on_output: Callable[[RequestOutput], None] | None = None, request_id: str | None = None) -> RequestHandle:
+               on_output: Callable[[RequestOutput], None] | None = None, request_id: str | None = None,
+               bounded: bool = True) -> RequestHandle:
         """Queue a request; invalid parameters raise ValueError naming the parameter. With n / best_of > 1 it runs
-        one sequence per candidate, candidate i seeded with seed + i (mod 2^63), sharing the prompt's blocks."""
+        one sequence per candidate, candidate i seeded with seed + i (mod 2^63), sharing the prompt's blocks.
+        bounded False: taken whatever max_queued_requests says (a client request's later prompts, `submit_all`)."""
         self.validate(prompt_token_ids, params)
         rid = self._ids.claim(request_id)
         seed = int(params.seed) if params.seed is not None else int.from_bytes(os.urandom(6), "little")  # numpy ints too
@@ -221,7 +223,7 @@ class Executor:
             places = params.num_sequences
             fits = self._inbox_places + places <= self._free_places
             bound = self.config.max_queued_requests
-            if bound is not None and not fits and self._waiting_requests + self._overflow >= bound:
+            if bound is not None and bounded and not fits and self._waiting_requests + self._overflow >= bound:
                 self._ids.release(rid)
                 raise RuntimeError(f"the queue is full: {bound} requests wait to be scheduled (max_queued_requests); "
                                    "try again later")

@@ -154,7 +154,8 @@ class ProcessExecutor:
         self._call("validate", list(prompt_token_ids), params)
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams,
-               on_output: Callable[[RequestOutput], None] | None = None, request_id: str | None = None) -> RequestHandle:
+               on_output: Callable[[RequestOutput], None] | None = None, request_id: str | None = None,
+               bounded: bool = True) -> RequestHandle:
         """Queue a request; invalid parameters raise ValueError naming the parameter (from the engine's own
         validation). The handle is registered before the request leaves, so no output can arrive unclaimed."""
         rid = self._ids.claim(request_id)
@@ -162,7 +163,7 @@ class ProcessExecutor:
         with self._lock:
             self._streams[rid] = _Stream(handle, on_output, len(prompt_token_ids))
         try:
-            self._call("submit", list(prompt_token_ids), params, rid)
+            self._call("submit", list(prompt_token_ids), params, rid, bounded)
         except BaseException:
             with self._lock:
                 self._streams.pop(rid, None)
@@ -334,11 +335,11 @@ def _engine_main(conn: Connection) -> None:
             value = error = None
             try:
                 if name == "submit":
-                    ids, params, rid = args
+                    ids, params, rid, bounded = args
                     unanswered.add(rid)
                     try:
                         # read through `output` alone: the handle keeps nothing for an iteration that never comes
-                        executor.submit(ids, params, on_output=output, request_id=rid).callback_only()
+                        executor.submit(ids, params, on_output=output, request_id=rid, bounded=bounded).callback_only()
                     except BaseException:
                         unanswered.discard(rid)
                         raise

@@ -568,8 +568,10 @@ class TrtllmExecutor:
         adapt_to_upstream_fields(to_trtllm_sampling_kwargs(params, self.tokenizer), self._trtllm.SamplingParams)
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams,
-               on_output: Callable[[RequestOutput], None] | None = None, request_id: str | None = None) -> RequestHandle:
-        """Queue a request; invalid parameters raise ValueError naming the parameter."""
+               on_output: Callable[[RequestOutput], None] | None = None, request_id: str | None = None,
+               bounded: bool = True) -> RequestHandle:
+        """Queue a request; invalid parameters raise ValueError naming the parameter. (`bounded`: there is no queue
+        bound here, max_queued_requests is refused.)"""
         self.validate(prompt_token_ids, params)
         if self._stopping:
             raise RuntimeError("executor is shut down")

@@ -189,7 +189,7 @@ class OpenAIServer:
             if chat:  # the first chunk of each choice names the role, as OpenAI streams it
                 yield _sse(protocol.completion_object(
                     g, self.model, [protocol.choice(i, None, None, chat, True, role=True) for i in range(choices)],
-                    chat, chunk=True))
+                    chat, chunk=True, usage_=self._usage_so_far(g, {})))
             elif g.echo_texts is not None and not g.echo_logprobs:
                 yield _sse(protocol.completion_object(
                     g, self.model, [protocol.choice(i, g.echo_texts[i // g.n], None, chat, True)
