@@ -22,6 +22,7 @@ import pytest
 
 from runtime.io.loading import load_engine
 from runtime.executors.base import ExecutorConfig
+from runtime.executors import native
 from runtime.executors.native import Executor
 from runtime.executors.requests import RequestOutput
 from runtime.core.sampling_params import SamplingParams
@@ -86,7 +87,7 @@ def greedy(n: int, **kw) -> SamplingParams:
 
 
 
-def cheap_drafting(self, max_k: int) -> StepCosts:
+def cheap_drafting(runner, max_batch_size: int, max_k: int) -> StepCosts:
     """Profiled costs under which adaptive speculation drafts (the shipped model's real costs on a
     loaded 2-core machine may pick k = 0, which would test nothing)."""
     sizes = [1, 2, 4, 8]
@@ -233,7 +234,7 @@ def test_mixed_batch_with_chunked_prefill_and_preemption_equals_alone(shipped_en
     Adaptive runs with costs under which it drafts, and with this machine's profile (`profiled`: it may
     choose k = 0 and give sequences' MTP inputs up)."""
     if not profiled:
-        monkeypatch.setattr(Executor, "profile", cheap_drafting)
+        monkeypatch.setattr(native, "profile_step_costs", cheap_drafting)
         monkeypatch.setattr(Scheduler, "MTP_IDLE_LIMIT", 10**6)
     config = ExecutorConfig(num_draft_tokens=k, speculation=speculation, max_num_tokens=12, max_batch_size=4,
                             kv_cache_tokens=128, max_seq_len=MAX_SEQ_LEN)
@@ -310,7 +311,7 @@ def test_repeated_preemption_mid_prefill_and_mid_draft(shipped_engine, corpus, a
     """A cache of 5 blocks (80 tokens) holds any one of these requests but not two: they are preempted
     again and again, some halfway through a chunked prefill, some after drafting; none is lost, each
     output is its output alone, and every block comes back."""
-    monkeypatch.setattr(Executor, "profile", cheap_drafting)
+    monkeypatch.setattr(native, "profile_step_costs", cheap_drafting)
     monkeypatch.setattr(Scheduler, "MTP_IDLE_LIMIT", 10**6)
     config = ExecutorConfig(num_draft_tokens=k, speculation=speculation, kv_cache_tokens=64, max_num_tokens=budget,
                             max_seq_len=MAX_SEQ_LEN)
