@@ -95,7 +95,7 @@ def engine_request(inputs: Inputs, tokenizer: Tokenizer, vocab_size: int,
                                f"{len(word)} tokens; only single-token bad words are supported")
         bad_ids.append(word[0])
     scalar(inputs, "len_penalty")  # checked as declared (finite), then unused: it weighs beams, and a request has one
-    seed = _alias(inputs, "seed", "random_seed")
+    seed = _alias(inputs, "seed", "random_seed", seed_from_client)
     # more than max_tokens means all of them (genai-perf's fixed output length sends min_length = max_tokens)
     min_tokens = min(_alias(inputs, "min_tokens", "min_length") or 0, max_tokens)
     temperature, top_k, top_p = _sampling(inputs)
@@ -113,7 +113,7 @@ def engine_request(inputs: Inputs, tokenizer: Tokenizer, vocab_size: int,
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
-        seed=seed_from_client(seed),
+        seed=seed,
         stop=tuple(stop),
         stop_token_ids=tuple(stop_ids),
         bad_token_ids=tuple(bad_ids),
@@ -150,9 +150,10 @@ def check_engine_request(request: EngineRequest, tokenizer: Tokenizer, limits: E
         raise RequestError(named_for_client(str(e), INPUT_NAMES)) from None
 
 
-def _alias(inputs: Inputs, name: str, old_name: str) -> Any:
-    """An input that upstream's older templates name differently (random_seed, min_length)."""
+def _alias(inputs: Inputs, name: str, old_name: str, read: Any = lambda v: v) -> Any:
+    """An input that upstream's older templates name differently (random_seed, min_length), as `read` takes it."""
     value, old = scalar(inputs, name), scalar(inputs, old_name)
+    value, old = (None if v is None else read(v) for v in (value, old))
     if value is not None and old is not None and value != old:
         raise RequestError(f"{name}={value} and {old_name}={old} differ ({old_name} is the older name of "
                            f"{name}); give one of them")

@@ -22,7 +22,7 @@ import yaml
 from builder.validation import BuildError, build_output, check_not_replacing, os_error_text
 from runtime.io.atomic import atomic_write
 from runtime.io.engine_format import read_limits
-from serving.fill_template import fill, parse_substitutions
+from serving.fill_template import UPSTREAM_ONLY, fill, parse_substitutions, placeholders
 from serving.llmapi_config import MODEL_YAML, model_yaml
 from serving.triton_parameters import TritonConfig
 
@@ -74,8 +74,15 @@ def add_model(repo: Path, template: Path, values: dict[str, str], name: str | No
 
 
 def fill_model_repo(dst: Path, values: dict[str, str], src: Path = TEMPLATE_REPO) -> Path:
-    """Copy the template repository to `dst` and fill each config.pbtxt with the keys it has."""
-    for model in sorted(p.parent for p in src.glob("*/config.pbtxt")):
+    """Copy the template repository to `dst` and fill each config.pbtxt with the keys it has; a key no model has is
+    refused (a misspelt setting would be left out without a word)."""
+    models = sorted(p.parent for p in src.glob("*/config.pbtxt"))
+    known = set().union(*(placeholders((m / "config.pbtxt").read_text()) for m in models))
+    unknown = sorted(set(values) - known - UPSTREAM_ONLY)
+    if unknown:
+        raise ValueError(f"--set {', '.join(unknown)}: no model of the repository takes it (see triton_repo/README.md "
+                         "for the settings)")
+    for model in models:
         add_model(dst, model, values)
     return dst
 
@@ -108,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         subs = parse_substitutions(args.set)
+        if "engine_dir" in subs:
+            raise ValueError("--set engine_dir: the engine is --engine_dir")
         check_not_replacing(args.output_dir, "--output_dir", {
             "--engine_dir": args.engine_dir, "the current directory": Path.cwd(), "the templates": TEMPLATE_REPO,
             "the llmapi template": LLMAPI_TEMPLATE.parent,

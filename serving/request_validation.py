@@ -47,22 +47,27 @@ def integer(values: np.ndarray, name: str, low: int, high: int) -> int:
     return value
 
 
-def real(values: np.ndarray, name: str, low: float = -math.inf, high: float = math.inf) -> float:
-    """One finite real in [low, high] (NaN and infinities are refused: NaN compares false with every bound)."""
+def real(values: np.ndarray, name: str, low: float = -math.inf, high: float = math.inf, above: bool = False
+         ) -> float:
+    """One finite real in [low, high] ((low, high] when `above`; NaN and infinities are refused: NaN compares false
+    with every bound)."""
     value = one_value(values, name)
     if not (np.issubdtype(values.dtype, np.floating) or np.issubdtype(values.dtype, np.integer)):
         raise RequestError(f"{name}: expected a number, got {values.dtype} {value!r}")
     value = float(value)
-    if not (math.isfinite(value) and low <= value <= high):
-        raise RequestError(f"{name} must be a finite number{bounds_text(low, high)}, got {value}")
+    if not (math.isfinite(value) and (low < value if above else low <= value) and value <= high):
+        raise RequestError(f"{name} must be a finite number{bounds_text(low, high, above)}, got {value}")
     return value
 
 
-def bounds_text(low: float, high: float) -> str:
-    """' in [low, high]', ' >= low', ' <= high' or '' (no bound), as a refusal states a range."""
+def bounds_text(low: float, high: float, above: bool = False) -> str:
+    """' in [low, high]', ' >= low', ' <= high' or '' (no bound), as a refusal states a range (with `above`, low
+    itself excluded: ' > low', ' in (low, high]')."""
     if math.isinf(low) and math.isinf(high):
         return ""
-    return f" >= {low}" if math.isinf(high) else f" <= {high}" if math.isinf(low) else f" in [{low}, {high}]"
+    if math.isinf(high):
+        return f" > {low}" if above else f" >= {low}"
+    return f" <= {high}" if math.isinf(low) else f" in {'(' if above else '['}{low}, {high}]"
 
 
 def flag(values: np.ndarray, name: str) -> bool:
@@ -114,12 +119,13 @@ class Scalar:
     kind: str  # "flag" | "real" | "integer"
     low: float = -math.inf
     high: float = math.inf
+    above: bool = False  # a real must be above low, not equal to it
 
     def read(self, values: np.ndarray, name: str) -> Any:
         if self.kind == "flag":
             return flag(values, name)
         if self.kind == "real":
-            return real(values, name, self.low, self.high)
+            return real(values, name, self.low, self.high, self.above)
         return integer(values, name, int(self.low), int(self.high))
 
 
@@ -172,7 +178,7 @@ TENSORRT_LLM_SCALARS: dict[str, Scalar] = {
                      "return_generation_logits", "return_perf_metrics", "return_num_input_tokens",
                      "return_num_output_tokens", "use_draft_logits"), _FLAG),
     **dict.fromkeys(("temperature", "len_penalty"), _REAL),
-    "repetition_penalty": Scalar("real", 0.0),
+    "repetition_penalty": Scalar("real", 0.0, above=True),
     **dict.fromkeys(("presence_penalty", "frequency_penalty"), Scalar("real", -PENALTY_LIMIT, PENALTY_LIMIT)),
     "runtime_top_p": Scalar("real", 0.0, 1.0),
     "input_lengths": Scalar("integer", 0, INT32_MAX),

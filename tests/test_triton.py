@@ -564,6 +564,8 @@ def test_random_seed_is_the_seed(server: TritonServer) -> None:
     for model in ("ensemble", "tensorrt_llm_bls"):
         out = grpc_stream(server, model, seed=np.uint64(2**63 + 7), **sampled)
         assert out.error is None and out.text == want, (model, out.error)
+        out = grpc_stream(server, model, seed=np.uint64(7), random_seed=np.uint64(2**63 + 7), **sampled)
+        assert out.error is None and out.text == want, (model, out.error)  # one seed under both names
     assert http_generate(server, "ensemble", seed=2**64 - 1, **sampled)[0] == 200
 
 
@@ -1135,7 +1137,9 @@ def test_bad_request_names_the_parameter(server: TritonServer, case: str) -> Non
 ENGINE_REFUSALS = {  # requests only tensorrt_llm refused before -> its message, formatted with the tokenizer's values
     "temperature_negative": (dict(GOOD, temperature=-0.5), "temperature must be a finite number >= 0, got -0.5"),
     "repetition_penalty_zero": (dict(GOOD, repetition_penalty=0.0),
-                                "repetition_penalty must be a finite number > 0, got 0.0"),
+                                "repetition_penalty must be a finite number > 0.0, got 0.0"),
+    "repetition_penalty_negative": (dict(GOOD, repetition_penalty=-1.0),  # said ">= 0.0" while 0 was refused
+                                    "repetition_penalty must be a finite number > 0.0, got -1.0"),
     "seed_and_random_seed_differ": (dict(GOOD, seed=np.uint64(1), random_seed=np.uint64(2)),
                                     "seed=1 and random_seed=2 differ (random_seed is the older name of seed); "
                                     "give one of them"),

@@ -492,6 +492,9 @@ def test_max_queue_size_is_the_executors_queue_bound(tmp_path: Path, checkpoint:
     repo = fill_model_repo(tmp_path / "repo", repo_values(checkpoint))
     config = (repo / "tensorrt_llm" / "config.pbtxt").read_text()
     assert 'key: "max_queue_size"\n  value: {\n    string_value: "0"' in config
+    # the executor's count alone bounds the queue: Triton's queue in front of a model knows no free batch places (a
+    # bound there refused bursts the batch would take)
+    assert all("default_queue_policy" not in c.read_text() for c in repo.glob("*/config.pbtxt"))
     repo = fill_model_repo(tmp_path / "repo8", repo_values(checkpoint, max_queue_size="8"))
     assert 'string_value: "8"' in (repo / "tensorrt_llm" / "config.pbtxt").read_text()
     for value, expected in ((0, None), (3, 3)):
@@ -588,6 +591,13 @@ def test_make_model_repo_never_deletes_its_inputs_nor_leaves_half_a_repository(t
     bad = subprocess.run([script, "--engine_dir", checkpoint, "--output_dir", repo, "--force",
                           "--set", "decoupled_mode:0x0"], capture_output=True, text=True)
     assert bad.returncode == 2 and "decoupled_mode" in bad.stderr, bad.stderr
+    # a misspelt setting was left out without a word; engine_dir beside --engine_dir was a traceback
+    for setting, message in (("max_queue_sise:4", "make_model_repo: --set max_queue_sise: no model of the repository "
+                                                  "takes it (see triton_repo/README.md for the settings)\n"),
+                             ("engine_dir:/etc", "make_model_repo: --set engine_dir: the engine is --engine_dir\n")):
+        bad = subprocess.run([script, "--engine_dir", checkpoint, "--output_dir", repo, "--force", "--set", setting],
+                             capture_output=True, text=True)
+        assert (bad.returncode, bad.stderr) == (2, message)
     assert sorted(str(p.relative_to(repo)) for p in repo.rglob("*")) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["project", "repo"]
 

@@ -134,14 +134,15 @@ def _integer(body: dict, name: str, low: int, high: int, default: int | None) ->
     return value
 
 
-def _number(body: dict, name: str, low: float, high: float, default: float) -> float:
+def _number(body: dict, name: str, low: float, high: float, default: float, above: bool = False) -> float:
+    """A finite number in [low, high] ((low, high] when `above`)."""
     value = body.get(name)
     if value is None:
         return default
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
         raise APIError(f"{name} must be a finite number, got {value!r}", name)
-    if not low <= value <= high:
-        raise APIError(f"{name} must be{bounds_text(low, high)}, got {value}", name)
+    if not ((low < value) if above else (low <= value)) or value > high:
+        raise APIError(f"{name} must be{bounds_text(low, high, above)}, got {value}", name)
     return float(value)
 
 
@@ -299,7 +300,7 @@ def _sampling(body: dict, tokenizer: Tokenizer, max_tokens: int | None, logprobs
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 0.0, math.inf, 1.0),
-        top_p=_number(body, "top_p", 0.0, 1.0, 1.0),
+        top_p=_number(body, "top_p", 0.0, 1.0, 1.0, above=True),
         min_p=_number(body, "min_p", 0.0, 1.0, 0.0),
         top_k=0 if top_k == -1 else top_k,  # vLLM's -1 and OpenAI-style 0 both mean all tokens
         seed=seed_from_client(seed),
@@ -311,15 +312,11 @@ def _sampling(body: dict, tokenizer: Tokenizer, max_tokens: int | None, logprobs
         logprobs=logprobs,
         presence_penalty=_number(body, "presence_penalty", -PENALTY_LIMIT, PENALTY_LIMIT, 0.0),
         frequency_penalty=_number(body, "frequency_penalty", -PENALTY_LIMIT, PENALTY_LIMIT, 0.0),
-        repetition_penalty=_number(body, "repetition_penalty", 0.0, math.inf, 1.0),
+        repetition_penalty=_number(body, "repetition_penalty", 0.0, math.inf, 1.0, above=True),
         min_tokens=_integer(body, "min_tokens", 0, INT32_MAX, 0),
         guided_decoding=guide,
         n=n,
         best_of=best_of)
-    if params.repetition_penalty == 0:
-        raise APIError("repetition_penalty must be > 0, got 0", "repetition_penalty")
-    if params.top_p == 0:
-        raise APIError("top_p must be in (0, 1], got 0", "top_p")
     return params, guide_field
 
 
