@@ -128,7 +128,11 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
     cuda_graphs = True
     if "cuda_graph_config" in doc:
         cuda_graphs = doc.pop("cuda_graph_config") is not None  # the LLM API's null turns CUDA graphs off
-    triton = _mapping(doc.pop("triton_config", None) or {}, "triton_config", source)
+    triton_config = doc.pop("triton_config", None)
+    triton = {} if triton_config is None else _mapping(triton_config, "triton_config", source)
+    if triton.get("speculation") is False:
+        raise ModelYamlError(f"{source}: triton_config.speculation is false: YAML reads an unquoted off as false; "
+                             "write speculation: 'off'")
     unknown = sorted(map(str, set(triton) - set(TRITON_KEYS)))
     if unknown:
         raise ModelYamlError(f"{source}: triton_config: unknown key(s) {', '.join(unknown)} (supported: "
@@ -148,6 +152,7 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
                              "runtime (see serving/llmapi_config.py for the keys it reads)")
 
     device = triton.get("device")
+    queue_bound = _queue_bound(triton.get("max_queue_size"), source)
     try:
         executor = settings(
             ExecutorConfig, num_draft_tokens=draft_len,
@@ -156,7 +161,7 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
             max_num_tokens=limits.get("max_num_tokens"), kv_cache_tokens=kv.get("max_tokens"),
             free_memory_fraction=kv.get("free_gpu_memory_fraction"), device=None if device is None else str(device),
             relaxed_acceptance=relaxed, cuda_graphs=cuda_graphs, enable_block_reuse=kv.get("enable_block_reuse"),
-            max_queued_requests=_queue_bound(triton.get("max_queue_size"), source))
+            max_queued_requests=queue_bound)
     except ValueError as e:
         raise ModelYamlError(f"{source}: {e}") from None
     checks = {"max_batch_size": lambda v, key, src: _int(v, key, src, low=0), "decoupled": _bool,

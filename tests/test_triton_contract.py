@@ -449,11 +449,17 @@ def test_model_yaml_maps_llm_api_keys(tmp_path: Path, checkpoint: Path) -> None:
     (dict(triton_config={"torch_threads": 10**9}), "triton_config.torch_threads must be a number in [1, 1024]"),
     (dict(speculative_config={"decoding_type": "MTP", "max_draft_len": 1}, triton_config={"speculation": "always"}),
      "speculation must be 'off', 'fixed' or 'adaptive'"),
+    # read as an empty mapping, a YAML boolean, a path said twice, torch's words
+    (dict(triton_config=[]), "triton_config must be a mapping, got []"),
+    (dict(triton_config={"speculation": False}), "triton_config.speculation is false: YAML reads an unquoted off as "
+                                                 "false; write speculation: 'off'"),
+    (dict(triton_config={"device": "gpu"}), "device must be cpu or cuda[:index], got 'gpu'"),
 ])
 def test_model_yaml_refuses_what_changes_the_output_naming_the_key(tmp_path: Path, checkpoint: Path,
                                                                    keys: dict, message: str) -> None:
-    with pytest.raises(ModelYamlError, match=re.escape(message)):
+    with pytest.raises(ModelYamlError, match=re.escape(message)) as e:
         read_model_yaml(write_yaml(tmp_path, checkpoint, **keys), tmp_path)
+    assert str(e.value).count(str(tmp_path)) == 1  # the file named once
 
 
 BOMB = "xa: &a [x,x,x,x,x,x,x,x,x]\n" + "".join(  # nine levels of aliases: 9^9 items in ~300 bytes
@@ -503,7 +509,8 @@ def test_max_queue_size_is_the_executors_queue_bound(tmp_path: Path, checkpoint:
                               tmp_path / str(value))
         assert llm.executor.max_queued_requests == expected
     (tmp_path / "neg").mkdir()
-    with pytest.raises(ModelYamlError, match=r"triton_config.max_queue_size must be an integer >= 0, got -1"):
+    with pytest.raises(ModelYamlError, match=r"^[^:]*model.yaml: triton_config.max_queue_size must be an integer >= "
+                                             r"0, got -1$"):  # the file named once (it was twice)
         read_model_yaml(write_yaml(tmp_path / "neg", checkpoint, triton_config={"max_queue_size": -1}),
                         tmp_path / "neg")
 

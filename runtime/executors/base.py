@@ -73,6 +73,12 @@ class ExecutorConfig:
             raise ValueError(f"free_memory_fraction must be in (0, 1], got {self.free_memory_fraction!r}")
         if self.fp8_weights not in (None, True, False):
             raise ValueError(f"fp8_weights must be true, false or unset, got {self.fp8_weights!r}")
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            device = None
+        if device is None or device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda[:index], got {self.device!r}")
         if self.world_size is not None and (not isinstance(self.world_size, int) or self.world_size < 1):
             raise ValueError(f"world_size must be an integer >= 1, got {self.world_size!r}")
 
