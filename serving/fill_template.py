@@ -22,13 +22,15 @@ from string import Template
 
 from runtime.io.atomic import atomic_write
 
-# Upstream fills these two when not given, so dynamic_batching blocks stay valid.
+# Upstream fills these two when not given: max_queue_size is tensorrt_llm's load-shedding parameter (0: no bound),
+# max_queue_delay_microseconds a dynamic_batching block's delay.
 DEFAULTS = {"max_queue_size": "0", "max_queue_delay_microseconds": "0"}
 BOOLEANS = ("decoupled_mode",)  # bare booleans: true or false in any case (upstream writes False); protobuf text
 # would also read 0x0, 0 or f as false, so those are refused rather than guessed at
 BARE_VALUE = re.compile(r"[A-Za-z0-9_.,+-]+")  # numbers and lists of them: no space, quote, brace or colon
 
-# Placeholders of TensorRT-LLM backend's inflight_batcher_llm templates that ours do not have.
+# Keys of TensorRT-LLM backend's inflight_batcher_llm templates that upstream's documented commands pass and ours
+# need not have (some of our templates have a few of them): accepted and reported, never a refusal.
 UPSTREAM_ONLY = frozenset({
     "triton_backend", "batching_strategy", "max_beam_width", "max_attention_window_size", "sink_token_length",
     "batch_scheduler_policy", "cross_kv_cache_fraction",

@@ -153,11 +153,10 @@ def check_engine_request(request: EngineRequest, tokenizer: Tokenizer, limits: E
 def _alias(inputs: Inputs, name: str, old_name: str, read: Any = lambda v: v) -> Any:
     """An input that upstream's older templates name differently (random_seed, min_length), as `read` takes it."""
     value, old = scalar(inputs, name), scalar(inputs, old_name)
-    value, old = (None if v is None else read(v) for v in (value, old))
-    if value is not None and old is not None and value != old:
+    if value is not None and old is not None and read(value) != read(old):
         raise RequestError(f"{name}={value} and {old_name}={old} differ ({old_name} is the older name of "
                            f"{name}); give one of them")
-    return old if value is None else value
+    return None if value is None and old is None else read(old if value is None else value)
 
 
 def _sampling(inputs: Inputs) -> tuple[float, int, float]:

@@ -24,7 +24,7 @@ pytest.importorskip("fastapi")
 from runtime.core.sampling_params import SamplingParams  # noqa: E402
 from runtime.executors.session import Session  # noqa: E402
 from runtime.io.tokenizer import Tokenizer  # noqa: E402
-from serving.openai_server.chat import ChatTemplateFault, render_chat  # noqa: E402
+from serving.openai_server.chat import RESERVED_NAMES, ChatTemplateFault, render_chat  # noqa: E402
 from serving.openai_server.cli import parse_args  # noqa: E402
 from serving.openai_server.process import start_dsv3_serve  # noqa: E402
 from serving.request_validation import RequestError  # noqa: E402
@@ -317,9 +317,12 @@ def test_what_openais_and_vllms_clients_send_is_taken(server: Server, plain: Ses
     named = "{% for m in messages %}{{ m.name }}:{{ m.content }}{% endfor %}{{ greeting }}"
     assert render_chat(named, [{"role": "user", "content": "hi", "name": "ann"}], tok,
                        variables={"greeting": "!"}) == "ann:hi!"
-    with pytest.raises(RequestError, match=r"^the model's chat template failed on these messages \(or "
-                       r"chat_template_kwargs\): TypeError: "):  # a value of the wrong kind is the request's fault
-        render_chat("{{ greeting + 1 }}", [{"role": "user", "content": "hi"}], tok, variables={"greeting": "!"})
+    hi = [{"role": "user", "content": "hi"}]
+    with pytest.raises(RequestError, match=r"^chat_template_kwargs: the model's chat template fails on them: "
+                                           r"TypeError: "):  # a value of the wrong kind is the request's fault
+        render_chat("{% if greeting is defined %}{{ greeting + 1 }}{% endif %}", hi, tok, variables={"greeting": "!"})
+    with pytest.raises(ChatTemplateFault, match=r"^the model's chat template cannot be rendered: TypeError: "):
+        render_chat("{{ 1 + 'a' }}", hi, tok, variables={"greeting": "!"})  # the template's own: the model's (500)
 
 
 def test_bad_words_and_a_requests_own_draft_length(server: Server, plain: Session) -> None:
@@ -340,6 +343,8 @@ def test_bad_words_and_a_requests_own_draft_length(server: Server, plain: Sessio
         spec = r.usage.model_extra["speculative_decoding"]
         if k is not None:
             assert spec["total_draft_tokens"] <= k * spec["decode_steps"], (k, spec)
+    status, body = server.post("/v1/completions", {"prompt": "x", "max_tokens": 2, "bad_words": ["light"]})
+    assert status == 200, body  # one token bare, two after a space: vLLM bans the bare one alone, so does this
     status, body = server.post("/v1/completions", {"prompt": "x", "bad_words": ["fibonacci"]})
     assert (status, body["error"]["param"]) == (400, "bad_words") and "tokens; this server bans single-token words" \
         in body["error"]["message"]
@@ -406,8 +411,7 @@ BAD = [
      "store True is not supported by this server; it takes null or false (nothing is stored)"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {
         "namespace": 1}}, "chat_template_kwargs", "chat_template_kwargs must be an object of the template's own "
-     "variables (not add_generation_prompt, bos_token, cycler, dict, eos_token, joiner, lipsum, messages, namespace, "
-     "raise_exception, range, strftime_now), got {'namespace': 1}"),
+     f"variables (not {', '.join(sorted(RESERVED_NAMES))}), got {{'namespace': 1}}"),
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]},
      "messages", "messages[0].tool_calls must be null or empty: this server does no tool calling, audio or "
      "annotations"),

@@ -1055,6 +1055,12 @@ def test_min_p_cuts_what_is_less_likely_than_its_share_of_the_top_token() -> Non
                                                      torch.tensor([0.2])))
     p = (logits[0] / temperature[0]).softmax(-1)
     assert int((both > 0).sum()) == min(3, int((p >= 0.2 * p.max()).sum()))
+    # before top-p, whose nucleus is then taken of the min-p distribution (after it, the nucleus of the whole one)
+    nucleus = probabilities(logits[1:2], SamplingTensors(temperature[1:2], torch.tensor([0]), torch.tensor([0.6]),
+                                                        torch.tensor([0.3])))
+    cut = probs[1].sort(descending=True).values
+    kept = int(((cut.cumsum(0) - cut) < 0.6).sum())
+    assert int((nucleus > 0).sum()) == kept
 
 
 @pytest.mark.parametrize("coupling", ["race", "rejection"])

@@ -74,7 +74,7 @@ class ExecutorConfig:
         if self.fp8_weights not in (None, True, False):
             raise ValueError(f"fp8_weights must be true, false or unset, got {self.fp8_weights!r}")
         try:
-            device = torch.device(self.device)
+            device = torch.device(self.device) if isinstance(self.device, str) else None
         except (RuntimeError, TypeError):
             device = None
         if device is None or device.type not in ("cpu", "cuda"):

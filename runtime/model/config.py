@@ -155,7 +155,7 @@ class ModelConfig:
         return self.num_hidden_layers + self.num_nextn_predict_layers
 
     def is_moe_layer(self, layer_idx: int) -> bool:
-        return layer_idx >= self.first_k_dense_replace  # moe_layer_freq is 1 (validate)
+        return layer_idx >= self.first_k_dense_replace and layer_idx % self.moe_layer_freq == 0
 
     # ---- JSON ---------------------------------------------------------------------------
     @classmethod

@@ -78,7 +78,8 @@ def _compile(template: str):
 
 # what a render defines: render_chat's variables and the environment's functions (range, namespace, raise_exception,
 # ...), which a request's chat_template_kwargs may not replace
-RESERVED_NAMES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", *_environment().globals})
+RESERVED_NAMES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "self",
+                            *_environment().globals})
 
 
 def render_chat(template: str, messages: list[dict[str, str]], tokenizer: Tokenizer,
@@ -88,16 +89,29 @@ def render_chat(template: str, messages: list[dict[str, str]], tokenizer: Tokeni
     error in rendering them), ChatTemplateFault when it cannot be rendered at all."""
     special = {name: tokenizer.decode([i], skip_special_tokens=False) if i is not None else ""
                for name, i in (("bos_token", tokenizer.bos_token_id), ("eos_token", tokenizer.eos_token_id))}
-    _render.range_items_left = MAX_RANGE_ITEMS
+
+    def render(extra: Mapping[str, Any]) -> str:
+        _render.range_items_left = MAX_RANGE_ITEMS
+        return _compile(template).render(**extra, messages=messages, add_generation_prompt=add_generation_prompt,
+                                         **special)
+
     try:
-        return _compile(template).render(**(variables or {}), messages=messages,
-                                         add_generation_prompt=add_generation_prompt, **special)
+        return render(variables or {})
     except RequestError:
         raise
     except (TemplateSyntaxError, ArithmeticError, RecursionError, MemoryError) as e:
         raise ChatTemplateFault(f"the model's chat template cannot be rendered: {type(e).__name__}: {e}") from None
     except TemplateError as e:
         raise RequestError(f"the model's chat template failed on these messages: {e}") from None
-    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:  # on the request's values
-        raise RequestError(f"the model's chat template failed on these messages (or chat_template_kwargs): "
-                           f"{type(e).__name__}: {e}") from None
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+        # Python's errors in the template's code: the request's chat_template_kwargs (a value of a kind the template
+        # does not expect) when it renders without them, else the template's own fault (the messages are text)
+        fault = f"{type(e).__name__}: {e}"
+    if variables:
+        try:
+            render({})
+        except Exception:
+            pass
+        else:
+            raise RequestError(f"chat_template_kwargs: the model's chat template fails on them: {fault}")
+    raise ChatTemplateFault(f"the model's chat template cannot be rendered: {fault}")

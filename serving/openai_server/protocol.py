@@ -176,19 +176,19 @@ def _text(value: Any, name: str, max_bytes: int) -> str:
 
 
 def _bad_words(body: dict, tokenizer: Tokenizer) -> tuple[int, ...]:
-    """vLLM's bad_words: each word's token, as it starts the text and after a space (vLLM bans both); a word of
-    several tokens is refused (this runtime bans single tokens)."""
+    """vLLM's bad_words, read as vLLM reads them: each word as it starts the text, and after a space where that is as
+    many tokens and another first token; a word of several tokens is refused (this runtime bans single tokens)."""
     words = body.get("bad_words", [])
     if not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words):
         raise APIError(f"bad_words must be a list of non-blank strings, got {str(words)[:120]}", "bad_words")
     banned = []
     for word in words:
-        for text in (word.lstrip(), " " + word.lstrip()):
-            ids = tokenizer.encode(text, add_bos=False)
-            if len(ids) != 1:
-                raise APIError(f"bad_words: {text!r} is {len(ids)} tokens; this server bans single-token words only",
-                               "bad_words")
-            banned += ids
+        ids = tokenizer.encode(word.lstrip(), add_bos=False)
+        if len(ids) != 1:
+            raise APIError(f"bad_words: {word.lstrip()[:120]!r} is {len(ids)} tokens; this server bans single-token "
+                           "words only", "bad_words")
+        spaced = tokenizer.encode(" " + word.lstrip(), add_bos=False)
+        banned += ids + (spaced if len(spaced) == 1 and spaced != ids else [])
     return tuple(dict.fromkeys(banned))
 
 
@@ -442,7 +442,8 @@ def chat_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_byt
         text = render_chat(tokenizer.chat_template, messages, tokenizer,
                            add_generation_prompt=_flag(body, "add_generation_prompt", True), variables=extra)
     except RequestError as e:
-        raise APIError(str(e), "messages") from None
+        raise APIError(str(e), "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages") \
+            from None
     except ChatTemplateFault as e:
         raise APIError(str(e), status=500, type="server_error") from None
     ids = tokenizer.encode(_text(text, "messages", max_text_bytes), add_bos=False)  # the template places bos
