@@ -24,7 +24,7 @@ from runtime.io.atomic import atomic_write
 from runtime.io.engine_format import read_limits
 from serving.fill_template import UPSTREAM_ONLY, fill, parse_substitutions, placeholders
 from serving.llmapi_config import MODEL_YAML, model_yaml
-from serving.triton_parameters import TritonConfig
+from serving.triton_parameters import TritonConfig, queue_bound
 
 TEMPLATE_REPO = Path(__file__).resolve().parents[1] / "triton_repo"
 LLMAPI_TEMPLATE = Path(__file__).resolve().parents[1] / "triton_repo_llmapi" / "tensorrt_llm"
@@ -117,6 +117,11 @@ def main(argv: list[str] | None = None) -> int:
         subs = parse_substitutions(args.set)
         if "engine_dir" in subs:
             raise ValueError("--set engine_dir: the engine is --engine_dir")
+        if "max_queue_size" in subs:  # checked here, not first by a server that then cannot load the model
+            try:
+                queue_bound(subs["max_queue_size"])
+            except ValueError as e:
+                raise ValueError(f"--set max_queue_size: {e}") from None
         check_not_replacing(args.output_dir, "--output_dir", {
             "--engine_dir": args.engine_dir, "the current directory": Path.cwd(), "the templates": TEMPLATE_REPO,
             "the llmapi template": LLMAPI_TEMPLATE.parent,
