@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
                 queue_bound(subs["max_queue_size"])
             except ValueError as e:
                 raise ValueError(f"--set max_queue_size: {e}") from None
+        if subs.get("speculation", "adaptive") not in ("off", "fixed", "adaptive"):
+            raise ValueError(f"--set speculation:{subs['speculation']}: expected off, fixed or adaptive")
         check_not_replacing(args.output_dir, "--output_dir", {
             "--engine_dir": args.engine_dir, "the current directory": Path.cwd(), "the templates": TEMPLATE_REPO,
             "the llmapi template": LLMAPI_TEMPLATE.parent,

@@ -748,6 +748,11 @@ def test_bad_flags_are_refused_at_start_naming_them(shipped_model_dir: Path, cap
     with pytest.raises(SystemExit):
         main([str(shipped_model_dir), "--port", "70000"])
     assert "argument --port: expected a port in [0, 65535], got 70000" in capsys.readouterr().err
+    with socket.create_server(("127.0.0.1", 0)) as taken:  # a busy port: said before the model loads (it loaded,
+        port = taken.getsockname()[1]                        # logged 'serving at', then exited 3)
+        assert main([str(shipped_model_dir), "--port", str(port)]) == 2
+        assert capsys.readouterr().err == (f"dsv3-serve: --host 127.0.0.1 --port {port}: cannot listen there: "
+                                           "Address already in use\n")
 
 
 @pytest.mark.parametrize("key", ["", "two words", "cl\u00e9", "tab\tkey"])

@@ -603,7 +603,9 @@ def test_make_model_repo_never_deletes_its_inputs_nor_leaves_half_a_repository(t
                                                   "takes it (see triton_repo/README.md for the settings)\n"),
                              ("engine_dir:/etc", "make_model_repo: --set engine_dir: the engine is --engine_dir\n"),
                              ("max_queue_size:-1", "make_model_repo: --set max_queue_size: expected an integer >= 0 "
-                                                   "(0: no bound), got '-1'\n")):
+                                                   "(0: no bound), got '-1'\n"),
+                             ("speculation:sometimes", "make_model_repo: --set speculation:sometimes: expected off, "
+                                                       "fixed or adaptive\n")):
         bad = subprocess.run([script, "--engine_dir", checkpoint, "--output_dir", repo, "--force", "--set", setting],
                              capture_output=True, text=True)
         assert (bad.returncode, bad.stderr) == (2, message)

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 from typing import Iterator
@@ -84,6 +85,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def address_problem(host: str, port: int) -> str | None:
+    """Why the server could not listen on host:port (None: it can now), as uvicorn binds it (SO_REUSEADDR)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as e:  # socket.gaierror too
+        return f"cannot listen there: {e.strerror or e}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.api_key is not None and (problem := api_key_problem(args.api_key)):
@@ -110,6 +123,13 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
             kv_cache_tokens=args.kv_cache_tokens, free_memory_fraction=args.free_memory_fraction,
             max_queued_requests=args.max_queued_requests)
+    except ValueError as e:
+        print(f"dsv3-serve: {e}", file=sys.stderr)
+        return 2
+    if problem := address_problem(args.host, args.port):  # before the model loads (seconds to minutes), not after
+        print(f"dsv3-serve: --host {args.host} --port {args.port}: {problem}", file=sys.stderr)
+        return 2
+    try:
         executor = (ProcessExecutor(args.model, config, torch_threads=args.torch_threads)
                     if use_engine_process(args.engine_process, args.device) else create_executor(args.model, config))
     except (ValueError, FileNotFoundError, EngineProcessError, TensorRTLLMUnavailable) as e:
