@@ -102,7 +102,8 @@ class ModelRunner:
         V, dev = self.model.cfg.vocab_size, self.device
         values = torch.tensor([[s.params.temperature, min(s.params.top_k, V), s.params.top_p, s.params.min_p]
                                for s in seqs], dtype=torch.float64).repeat_interleave(num_rows, dim=0).to(dev)
-        return SamplingTensors(values[:, 0].float(), values[:, 1].long(), values[:, 2].float(), values[:, 3].float(),
+        min_p = values[:, 3].float() if any(s.params.min_p > 0 for s in seqs) else None  # known here: no device sync
+        return SamplingTensors(values[:, 0].float(), values[:, 1].long(), values[:, 2].float(), min_p,
                                self.adjustments(seqs, drafts, first, num_rows))
 
     def adjustments(self, seqs: list[Sequence], drafts: Tensor | None, first: int, num_rows: int) -> Adjustments | None:

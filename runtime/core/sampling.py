@@ -231,7 +231,7 @@ class SamplingTensors:
     temperature: Tensor  # [R] float; 0 marks a greedy row
     top_k: Tensor  # [R] long; 0 = off
     top_p: Tensor  # [R] float
-    min_p: Tensor | None = None  # [R] float; 0 or None = off
+    min_p: Tensor | None = None  # [R] float, 0 = off; None: no row has one
     adjustments: Adjustments | None = field(default=None)
 
 
@@ -249,7 +249,7 @@ def _processed(logits: Tensor, st: SamplingTensors) -> Tensor:
     # a banned token stays -inf at any temperature (an infinite one, a float32 overflow, would make it NaN)
     shifted = logits - logits.amax(-1, keepdim=True)
     scaled = torch.where(shifted == float("-inf"), shifted, shifted / temp[:, None])
-    if st.min_p is not None and bool((st.min_p > 0).any()):  # p(v) < min_p * max p: scaled(v) < log(min_p) (max 0)
+    if st.min_p is not None:  # p(v) < min_p * max p: scaled(v) < log(min_p) (the largest is 0); log(0) cuts nothing
         scaled = scaled.masked_fill(scaled < st.min_p.log()[:, None], float("-inf"))
     if bool(((st.top_k > 0) | (st.top_p < 1)).any()):
         order = shifted.sort(dim=-1, descending=True).indices  # the ranking of any temperature, without its ties

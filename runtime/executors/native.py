@@ -220,16 +220,19 @@ class Executor:
             if self._stopping:
                 self._ids.release(rid)
                 raise RuntimeError(f"executor is shut down{f' ({self._error})' if self._error else ''}")
-            places = params.num_sequences
-            fits = self._inbox_places + places <= self._free_places
+            places, overflow = 0, 0  # what this request adds to load shedding's count (nothing without a bound)
             bound = self.config.max_queued_requests
-            if bound is not None and bounded and not fits and self._waiting_requests + self._overflow >= bound:
-                self._ids.release(rid)
-                raise RuntimeError(f"the queue is full: {bound} requests wait to be scheduled (max_queued_requests); "
-                                   "try again later")
-            self._inbox_places += places if fits else 0
-            self._overflow += 0 if fits else 1
-            self._inbox.put(("add", (group, places if fits else 0, 0 if fits else 1)))
+            if bound is not None:
+                places = params.num_sequences
+                if self._inbox_places + places > self._free_places:
+                    if bounded and self._waiting_requests + self._overflow >= bound:
+                        self._ids.release(rid)
+                        raise RuntimeError(f"the queue is full: {bound} requests wait to be scheduled "
+                                           "(max_queued_requests); try again later")
+                    places, overflow = 0, 1
+                self._inbox_places += places
+                self._overflow += overflow
+            self._inbox.put(("add", (group, places, overflow)))
         self._wake.set()
         return handle
 
@@ -416,6 +419,8 @@ class Executor:
 
     def _count_waiting(self) -> None:
         """What load shedding reads (max_queued_requests), as the last schedule left it."""
+        if self.config.max_queued_requests is None:  # no bound: nothing reads it, a step need not count
+            return
         waiting = len({id(seq.leader or seq) for seq in self.scheduler.waiting})
         free = 0 if waiting else max(0, self.limits.max_batch_size - len(self.scheduler.running))
         with self._submit_lock:
