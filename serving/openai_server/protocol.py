@@ -62,17 +62,15 @@ NEUTRAL: dict[str, tuple[Any, str]] = {
 # `prediction` (a latency hint), vLLM's choice of structured-output backend (this server has one)
 IGNORED = {"user", "metadata", "service_tier", "prompt_cache_key", "safety_identifier", "prediction", "request_id",
            "guided_decoding_backend"}
+CHAT_ONLY_NEUTRAL = {"tools", "tool_choice", "functions", "function_call", "store", "modalities", "audio",
+                     "reasoning_effort", "verbosity", "web_search_options", "continue_final_message"}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop",
           "stop_token_ids", "seed", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
           "min_tokens", "min_p", "bad_words", "num_draft_tokens", "logit_bias", "response_format", "structured_outputs",
-          *GUIDE_KEYS, *IGNORED,
-          *(set(NEUTRAL) - {"tools", "tool_choice", "functions", "function_call", "store", "modalities", "audio",
-                            "reasoning_effort", "verbosity", "web_search_options", "continue_final_message"})}
+          *GUIDE_KEYS, *IGNORED, *(set(NEUTRAL) - CHAT_ONLY_NEUTRAL)}
 COMPLETION_KEYS = COMMON | {"prompt", "echo", "logprobs", "suffix", "best_of"}
-CHAT_KEYS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
-                      "parallel_tool_calls", "add_generation_prompt", "chat_template_kwargs", "functions",
-                      "function_call", "store", "modalities", "audio", "reasoning_effort", "verbosity",
-                      "web_search_options", "continue_final_message"}
+CHAT_KEYS = COMMON | CHAT_ONLY_NEUTRAL | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
+                                          "parallel_tool_calls", "add_generation_prompt", "chat_template_kwargs"}
 # What an assistant message OpenAI's client returned carries, sent back in the next turn: taken when null or empty
 MESSAGE_EXTRAS = {"refusal": (None,), "tool_calls": (None, []), "function_call": (None,), "audio": (None,),
                   "annotations": (None, [])}
