@@ -21,10 +21,11 @@ import yaml
 
 from builder.validation import BuildError, build_output, check_not_replacing, os_error_text
 from runtime.io.atomic import atomic_write
-from runtime.io.engine_format import read_limits
+from runtime.io.engine_format import ENGINE_JSON, read_limits
 from serving.fill_template import UPSTREAM_ONLY, fill, parse_substitutions, placeholders
 from serving.llmapi_config import MODEL_YAML, model_yaml
-from serving.triton_parameters import TritonConfig, queue_bound
+from serving.engine_parameters import engine_parameters
+from serving.triton_parameters import TritonConfig, read_model_config
 
 TEMPLATE_REPO = Path(__file__).resolve().parents[1] / "triton_repo"
 LLMAPI_TEMPLATE = Path(__file__).resolve().parents[1] / "triton_repo_llmapi" / "tensorrt_llm"
@@ -87,6 +88,20 @@ def fill_model_repo(dst: Path, values: dict[str, str], src: Path = TEMPLATE_REPO
     return dst
 
 
+def check_engine_model(repo: Path, engine_dir: Path, decoupled: bool) -> None:
+    """Read the filled tensorrt_llm model's settings as the model reads them when it loads, and check them against
+    the engine as its executor will: a repository whose model would fail to load is refused here, naming the
+    parameter, rather than by the server."""
+    settings = engine_parameters(read_model_config(repo / "tensorrt_llm"), decoupled).executor
+    cfg, build = read_limits(engine_dir)
+    built = (engine_dir / ENGINE_JSON).is_file()  # a plain checkpoint's limits are defaults, not build choices
+    try:
+        settings.limits(build, cfg, str(engine_dir), built)
+        settings.draft_len(build.max_draft_len, cfg.num_nextn_predict_layers, str(engine_dir), built)
+    except ValueError as e:
+        raise ValueError(f"model tensorrt_llm: {e}") from None
+
+
 def add_llmapi_model(repo: Path, engine_dir: Path, *, decoupled: bool = True, name: str = "tensorrt_llm") -> Path:
     """Copy the llmapi model into `repo` (as `name`), link the engine into it and write its 1/model.yaml (the
     engine's settings in LLM-API keys) and config.pbtxt (triton_config's max_batch_size and decoupled)."""
@@ -117,13 +132,6 @@ def main(argv: list[str] | None = None) -> int:
         subs = parse_substitutions(args.set)
         if "engine_dir" in subs:
             raise ValueError("--set engine_dir: the engine is --engine_dir")
-        if "max_queue_size" in subs:  # checked here, not first by a server that then cannot load the model
-            try:
-                queue_bound(subs["max_queue_size"])
-            except ValueError as e:
-                raise ValueError(f"--set max_queue_size: {e}") from None
-        if subs.get("speculation", "adaptive") not in ("off", "fixed", "adaptive"):
-            raise ValueError(f"--set speculation:{subs['speculation']}: expected off, fixed or adaptive")
         check_not_replacing(args.output_dir, "--output_dir", {
             "--engine_dir": args.engine_dir, "the current directory": Path.cwd(), "the templates": TEMPLATE_REPO,
             "the llmapi template": LLMAPI_TEMPLATE.parent,
@@ -140,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.flavour == "llmapi":
                 add_llmapi_model(repo, args.engine_dir, decoupled=decoupled == "true")
             else:
-                fill_model_repo(repo, default_values(args.engine_dir.resolve(), **subs))
+                values = default_values(args.engine_dir.resolve(), **subs)
+                fill_model_repo(repo, values)
+                check_engine_model(repo, args.engine_dir, values["decoupled_mode"].lower() == "true")
     except (ValueError, KeyError, BuildError) as e:
         print(f"make_model_repo: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         return 2

@@ -102,10 +102,16 @@ def model_path(model_config: dict, name: str, model_dir: str) -> Path:
     return Path(model_dir) / value
 
 
-def sibling_config(model_dir: str, model: str) -> tuple[dict, str]:
-    """The name and parameters of another model of the same repository, read from its config.pbtxt (in the shape
-    of `args["model_config"]`), and its directory: for a model that takes settings its sibling already has."""
-    directory = Path(model_dir).parent / model
+def read_model_config(directory: Path) -> dict:
+    """The name and parameters of the model in `directory`, read from its config.pbtxt in the shape of
+    `args["model_config"]`."""
     text = (directory / "config.pbtxt").read_text()
     pairs = re.findall(r'key:\s*"([^"]+)"\s*value:\s*\{\s*string_value:\s*"((?:[^"\\]|\\.)*)"', text)
-    return {"name": model, "parameters": {k: {"string_value": v} for k, v in pairs}}, str(directory)
+    return {"name": directory.name, "parameters": {k: {"string_value": v} for k, v in pairs}}
+
+
+def sibling_config(model_dir: str, model: str) -> tuple[dict, str]:
+    """Another model of the same repository's config (`read_model_config`) and its directory: for a model that takes
+    settings its sibling already has."""
+    directory = Path(model_dir).parent / model
+    return read_model_config(directory), str(directory)

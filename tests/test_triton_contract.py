@@ -602,16 +602,40 @@ def test_make_model_repo_never_deletes_its_inputs_nor_leaves_half_a_repository(t
     for setting, message in (("max_queue_sise:4", "make_model_repo: --set max_queue_sise: no model of the repository "
                                                   "takes it (see triton_repo/README.md for the settings)\n"),
                              ("engine_dir:/etc", "make_model_repo: --set engine_dir: the engine is --engine_dir\n"),
-                             ("max_queue_size:-1", "make_model_repo: --set max_queue_size: expected an integer >= 0 "
-                                                   "(0: no bound), got '-1'\n"),
-                             ("speculation:sometimes", "make_model_repo: --set speculation:sometimes: expected off, "
-                                                       "fixed or adaptive\n")):
+                             # values the tensorrt_llm model refuses when it loads: read as it reads them
+                             ("max_queue_size:-1", "make_model_repo: model tensorrt_llm: parameter max_queue_size: "
+                                                   "expected an integer >= 0 (0: no bound), got '-1'\n"),
+                             ("speculation:sometimes", "make_model_repo: model tensorrt_llm: parameter speculation: "
+                                                       "speculation must be 'off', 'fixed' or 'adaptive', got "
+                                                       "'sometimes'\n")):
         bad = subprocess.run([script, "--engine_dir", checkpoint, "--output_dir", repo, "--force", "--set", setting],
                              capture_output=True, text=True)
         assert (bad.returncode, bad.stderr) == (2, message)
     assert sorted(str(p.relative_to(repo)) for p in repo.rglob("*")) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["project", "repo"]
 
+
+@pytest.mark.parametrize("setting, message", [
+    ("num_draft_tokens:three", "parameter num_draft_tokens: expected an integer, got 'three'"),
+    ("kv_cache_free_gpu_mem_fraction:2",
+     "parameter kv_cache_free_gpu_mem_fraction: free_memory_fraction must be in (0, 1], got 2.0"),
+    ("watchdog_timeout_s:0", "parameter watchdog_timeout_s: watchdog_timeout_s must be a number in [0.001, 86400], "
+                             "got 0.0"),
+    ("device:tpu", "parameter device: device must be cpu or cuda[:index], got 'tpu'"),
+    # and against the engine, as its executor checks them
+    ("executor_max_seq_len:100000", "max_seq_len 100000 exceeds max_position_embeddings (1024) of {checkpoint}"),
+    ("num_draft_tokens:9", "num_draft_tokens 9 exceeds 8, the most the MTP module is re-run for ({checkpoint})")])
+def test_make_model_repo_reads_the_engine_model_as_it_loads(tmp_path: Path, checkpoint: Path, capsys, setting: str,
+                                                           message: str) -> None:
+    """Every value the legacy tensorrt_llm model would refuse when a server loads it (its parameters read by the
+    model's own reader, then checked against the engine) is refused when the repository is written, naming the
+    parameter; they were written, and the server then failed to load the model."""
+    import serving.model_repo as model_repo
+
+    assert model_repo.main(["--engine_dir", str(checkpoint), "--output_dir", str(tmp_path / "repo"),
+                            "--set", setting]) == 2
+    assert capsys.readouterr().err == f"make_model_repo: model tensorrt_llm: {message.format(checkpoint=checkpoint)}\n"
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_make_model_repo_on_a_full_disk_is_one_line(tmp_path: Path, checkpoint: Path, monkeypatch, capsys) -> None:

@@ -15,14 +15,13 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from runtime.executors.base import ExecutorConfig
 from runtime.executors.requests import RequestOutput
 from serving.engine_limits import EngineLimits, publish, withdraw
+from serving.engine_parameters import engine_parameters
 from serving.legacy_request import INPUT_NAMES, engine_request, scalar
 from serving.request_validation import RequestError, client_named, no_unknown_parameters
 from serving.triton_engine import Chunk, EngineModel, Stream
-from serving.triton_parameters import (TritonConfig, boolean, integer as integer_parameter, model_path, number,
-                                       parameter, queue_bound, settings)
+from serving.triton_parameters import model_path
 
 
 class TritonPythonModel(EngineModel):
@@ -32,25 +31,9 @@ class TritonPythonModel(EngineModel):
     def initialize(self, args: dict) -> None:
         faulthandler.enable()  # a crash of this stub is logged with its Python stacks, not lost
         config = json.loads(args["model_config"])
-        executor_config = settings(
-            ExecutorConfig, num_draft_tokens=parameter(config, "num_draft_tokens", integer_parameter),
-            speculation=parameter(config, "speculation"),
-            max_batch_size=parameter(config, "executor_max_batch_size", integer_parameter),
-            max_seq_len=parameter(config, "executor_max_seq_len", integer_parameter),
-            kv_cache_tokens=parameter(config, "max_tokens_in_paged_kv_cache", integer_parameter),
-            free_memory_fraction=parameter(config, "kv_cache_free_gpu_mem_fraction", number),
-            enable_block_reuse=parameter(config, "enable_kv_cache_reuse", boolean),  # TensorRT-LLM's legacy name
-            max_queued_requests=parameter(config, "max_queue_size", queue_bound),
-            device=parameter(config, "device"))
-        triton = settings(
-            TritonConfig, decoupled=pb_utils.using_decoupled_model_transaction_policy(config),
-            torch_threads=parameter(config, "torch_threads", integer_parameter),
-            engine_process=parameter(config, "engine_process", boolean),
-            cancellation_check_period_ms=parameter(config, "cancellation_check_period_ms", integer_parameter),
-            stats_check_period_ms=parameter(config, "stats_check_period_ms", integer_parameter),
-            watchdog_timeout_s=parameter(config, "watchdog_timeout_s", number))
-        self.exclude_input_default = parameter(config, "exclude_input_in_output", boolean, default=False)
-        self.start(model_path(config, "gpt_model_path", args["model_repository"]), executor_config, triton,
+        settings = engine_parameters(config, pb_utils.using_decoupled_model_transaction_policy(config))
+        self.exclude_input_default = settings.exclude_input_in_output
+        self.start(model_path(config, "gpt_model_path", args["model_repository"]), settings.executor, settings.triton,
                    model_name=args["model_name"], model_version=args["model_version"])
         stats = self.executor.stats()  # nothing runs yet: every block is free
         limits = EngineLimits(self.vocab_size, self.executor.limits.max_seq_len, self.executor.limits.max_batch_size,

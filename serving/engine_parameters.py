@@ -1,0 +1,53 @@
+"""The legacy tensorrt_llm model's settings, read from its config.pbtxt parameters in one place: by the model when it
+loads and by make_model_repo on the repository it writes, so a value the model would refuse is refused before a
+server tries to load it. (A module of its own: the executor's settings import torch, which the text models'
+stubs do without.)"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from runtime.executors.base import ExecutorConfig
+from serving.triton_parameters import TritonConfig, boolean, integer, number, parameter, queue_bound, settings
+
+
+@dataclass(frozen=True)
+class EngineParameters:
+    """What the legacy tensorrt_llm model's parameters set: its executor, its Triton settings and whether responses
+    leave out the prompt by default."""
+
+    executor: ExecutorConfig
+    triton: TritonConfig
+    exclude_input_in_output: bool
+
+
+# parameter: (field, cast), for the executor's settings and the Triton ones
+EXECUTOR_PARAMETERS = {
+    "num_draft_tokens": ("num_draft_tokens", integer), "speculation": ("speculation", str),
+    "executor_max_batch_size": ("max_batch_size", integer), "executor_max_seq_len": ("max_seq_len", integer),
+    "max_tokens_in_paged_kv_cache": ("kv_cache_tokens", integer),
+    "kv_cache_free_gpu_mem_fraction": ("free_memory_fraction", number),
+    "enable_kv_cache_reuse": ("enable_block_reuse", boolean),  # TensorRT-LLM's legacy name
+    "max_queue_size": ("max_queued_requests", queue_bound), "device": ("device", str)}
+TRITON_PARAMETERS = {
+    name: (name, cast) for name, cast in (
+        ("torch_threads", integer), ("engine_process", boolean), ("cancellation_check_period_ms", integer),
+        ("stats_check_period_ms", integer), ("watchdog_timeout_s", number))}
+
+
+def engine_parameters(model_config: dict, decoupled: bool) -> EngineParameters:
+    """The legacy tensorrt_llm model's settings from its config.pbtxt parameters, read once: by the model when it
+    loads and by make_model_repo on the repository it writes. ValueError naming the model and the parameter."""
+    def read(cls: Callable[..., Any], parameters: dict[str, tuple[str, Callable[[str], Any]]], **given: Any) -> Any:
+        values = {name: parameter(model_config, name, cast) for name, (_, cast) in parameters.items()}
+        for name, value in values.items():  # each value alone, so an out-of-range one is named by its parameter
+            try:
+                settings(cls, **{parameters[name][0]: value})
+            except ValueError as e:
+                raise ValueError(f"model {model_config.get('name', '?')}: parameter {name}: {e}") from None
+        return settings(cls, **given, **{parameters[name][0]: value for name, value in values.items()})
+
+    return EngineParameters(read(ExecutorConfig, EXECUTOR_PARAMETERS), read(TritonConfig, TRITON_PARAMETERS,
+                                                                              decoupled=decoupled),
+                            parameter(model_config, "exclude_input_in_output", boolean, default=False))
