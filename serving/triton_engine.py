@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
-from runtime.executors.base import ExecutorConfig, ExecutorProtocol, create_executor
+from runtime.executors.base import ExecutorConfig, ExecutorProtocol, QueueFull, create_executor
 from runtime.executors.process import ProcessExecutor, use_engine_process
 from runtime.executors.requests import RequestOutput, RequestStats
 from runtime.core.sampling_params import SamplingParams
@@ -371,9 +371,11 @@ class EngineModel:
         and reported as INTERNAL without its traceback or a server path."""
         if isinstance(error, ValueError):
             return pb_utils.TritonError(str(error), pb_utils.TritonError.INVALID_ARG)
-        if isinstance(error, RuntimeError):  # the queue bound by the name a Triton deployment sets it by
-            message = str(error).replace("(max_queued_requests)", "(max_queue_size)")
-            return pb_utils.TritonError(message, pb_utils.TritonError.UNAVAILABLE)
+        if isinstance(error, QueueFull):  # the bound by the name a Triton deployment sets it by
+            return pb_utils.TritonError(QueueFull.worded(error.bound, "max_queue_size"),
+                                        pb_utils.TritonError.UNAVAILABLE)
+        if isinstance(error, RuntimeError):
+            return pb_utils.TritonError(str(error), pb_utils.TritonError.UNAVAILABLE)
         pb_utils.Logger.log_error(f"{self.label}: request failed: {''.join(traceback.format_exception(error))}")
         return pb_utils.TritonError(f"internal error ({type(error).__name__}); see the server log")
 

@@ -23,7 +23,7 @@ import torch
 
 from conftest import tiny_config_dict
 from runtime.io.loading import load_engine
-from runtime.executors.base import ExecutorConfig, submit_all
+from runtime.executors.base import ExecutorConfig, QueueFull, submit_all
 from runtime.executors import native as native_executor
 from runtime.executors.native import Executor
 from runtime.executors.requests import RequestHandle, RequestOutput, RequestStats
@@ -858,6 +858,8 @@ def test_max_queued_requests_sheds_load(engine, prompts, alone) -> None:
             ex.submit(prompts[0], SamplingParams(max_tokens=4))
         assert str(e.value) == ("the queue is full: 2 requests wait to be scheduled (max_queued_requests); "
                                 "try again later")
+        copied = pickle.loads(pickle.dumps(e.value))  # as an engine process sends it
+        assert isinstance(copied, QueueFull) and (copied.bound, str(copied)) == (2, str(e.value))
         running.cancel()
         assert len(waiting[0].results(30)) == 3 and waiting[1].result(30).finish_reason == "length"
         assert ex.submit(prompts[3], SamplingParams(max_tokens=MAX_TOKENS[3], ignore_eos=True)).result(30).token_ids \

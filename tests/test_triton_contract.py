@@ -40,7 +40,7 @@ from serving.request_validation import (GUIDED_INPUTS, UNSUPPORTED_ENGINE_INPUTS
 from serving.triton_parameters import TritonConfig  # noqa: E402
 from runtime.executors.base import ExecutorConfig  # noqa: E402
 from test_triton import DTYPES, Streamed, grpc_inputs, http_generate  # noqa: E402
-from triton_util import TritonServer, fill_model_repo, make_tiny_checkpoint, repo_values, start_server  # noqa: E402
+from triton_util import TEMPLATE_REPO, TritonServer, add_model, fill_model_repo, make_tiny_checkpoint, repo_values, start_server  # noqa: E402
 
 UPSTREAM = json.loads((Path(__file__).parent / "data" / "upstream_triton_contract.json").read_text())
 TOKENS = 24
@@ -69,10 +69,14 @@ def expected(session: Session) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def unary(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
     """The legacy flavour, every model non-decoupled (upstream end_to_end_test.py's deployment), prefix caching off
-    (enable_kv_cache_reuse false)."""
+    (enable_kv_cache_reuse false); and tensorrt_llm_bounded."""
     work = tmp_path_factory.mktemp("contract_unary")
     repo = fill_model_repo(work / "repo", repo_values(checkpoint, decoupled_mode="false",
                                                       enable_kv_cache_reuse="false"))
+    # a batch of one and a queue bound of one, drafting nothing (a slow request): for load shedding end to end
+    add_model(repo, TEMPLATE_REPO / "tensorrt_llm", repo_values(checkpoint, decoupled_mode="false", max_queue_size="1",
+                                                               executor_max_batch_size="1", num_draft_tokens="0"),
+              name="tensorrt_llm_bounded")
     srv = start_server(repo, log_file=work / "server.log", ready_timeout_s=240, exit_timeout_s=3)
     try:
         yield srv
@@ -198,6 +202,39 @@ def test_unary_tensorrt_llm_shares_the_batch_and_takes_stop(unary: TritonServer,
     worker.join(timeout=60)
     assert int(result["r"].as_numpy("sequence_length")[0][0]) < len(ids) + 900, "the stop did not reach it"
     assert time.monotonic() - t0 < 60
+
+
+def test_a_full_queue_is_unavailable_naming_max_queue_size(unary: TritonServer, session: Session) -> None:
+    """Load shedding through Triton: with one request running (a batch of one) and one waiting (max_queue_size 1), a
+    third is refused with UNAVAILABLE naming the bound by its Triton name, for the client to retry; the server
+    serves the others and the next request."""
+    from tritonclient.utils import InferenceServerException
+
+    ids = session.tokenizer.encode(PROMPTS[0])
+    long = dict(input_ids=np.array([ids], np.int32), input_lengths=np.array([[len(ids)]], np.int32),
+                request_output_len=np.array([[900]], np.int32), end_id=np.array([[-1]], np.int32))
+    results: dict[str, Any] = {}
+    workers = [threading.Thread(target=lambda rid=rid: results.update(
+        {rid: infer_grpc(unary, "tensorrt_llm_bounded", rid, **long)})) for rid in ("running", "waiting")]
+    for worker in workers:
+        worker.start()
+        time.sleep(0.3)
+    try:
+        with pytest.raises(InferenceServerException) as e:
+            infer_grpc(unary, "tensorrt_llm_bounded", **long)
+        assert (e.value.status(), e.value.message()) == (
+            "StatusCode.UNAVAILABLE", "the queue is full: 1 requests wait to be scheduled (max_queue_size); try again "
+                                      "later")
+    finally:
+        for rid in ("running", "waiting"):
+            infer_grpc(unary, "tensorrt_llm_bounded", rid, input_ids=np.array([[0]], np.int32),
+                       input_lengths=np.array([[1]], np.int32), request_output_len=np.array([[1]], np.int32),
+                       stop=np.array([[True]]))
+        for worker in workers:
+            worker.join(timeout=60)
+    assert sorted(results) == ["running", "waiting"]
+    short = dict(long, request_output_len=np.array([[4]], np.int32))
+    assert int(infer_grpc(unary, "tensorrt_llm_bounded", **short).as_numpy("sequence_length")[0][0]) == len(ids) + 4
 
 
 def test_enable_kv_cache_reuse_false_turns_prefix_caching_off(unary: TritonServer, session: Session) -> None:

@@ -32,7 +32,7 @@ from runtime.core.draft_policy import DraftPolicy
 from runtime.core.grammar import GrammarCompiler
 from runtime.core.prefix_cache import PrefixCache
 from runtime.core.scheduler import Scheduler
-from runtime.executors.base import ExecutorConfig
+from runtime.executors.base import ExecutorConfig, QueueFull
 from runtime.executors.requests import (BestOf, ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestStats,
                                        RequestTracker)
 from runtime.core.sequence import PenaltyState, Sequence
@@ -227,8 +227,7 @@ class Executor:
                 if self._inbox_places + places > self._free_places:
                     if bounded and self._waiting_requests + self._overflow >= bound:
                         self._ids.release(rid)
-                        raise RuntimeError(f"the queue is full: {bound} requests wait to be scheduled "
-                                           "(max_queued_requests); try again later")
+                        raise QueueFull(bound)
                     places, overflow = 0, 1
                 self._inbox_places += places
                 self._overflow += overflow
