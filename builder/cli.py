@@ -17,10 +17,10 @@ from pathlib import Path
 from builder.convert import convert_checkpoint
 from builder.native_engine import TrtllmCheckpoint, build_engine, check_matches_checkpoint
 from builder.trtllm_engine import TrtllmOptions, build_trtllm_engine
-from builder.validation import (NO_QUANT, BuildError, check_not_replacing, check_output_dir, check_tokenizer,
-                                machine_memory, memory_notes, open_hf_checkpoint, os_error_text, plan_text,
-                                validate_build, validate_sharding)
-from runtime.io.atomic import owned_tempdir, remove_stale
+from builder.validation import (NO_QUANT, BuildError, check_tokenizer, machine_memory, memory_notes,
+                                open_hf_checkpoint, plan_text, validate_build, validate_sharding)
+from runtime.io.atomic import (OutputDirError, check_not_replacing, check_output_dir, os_error_text, owned_tempdir,
+                               remove_stale)
 from runtime.io.checkpoint import CheckpointError, HFCheckpoint
 from runtime.io.engine_format import DEFAULT_MAX_DRAFT_LEN, BuildConfig, EngineError, max_draft_len_allowed
 from runtime.model.config import ConfigError, ModelConfig
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _interrupt)
     try:
         run(args)
-    except (BuildError, EngineError, CheckpointError, ConfigError) as e:
+    except (BuildError, OutputDirError, EngineError, CheckpointError, ConfigError) as e:
         print(f"build_engine: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # the file system's own refusals: no space, no permission, a file in the way

@@ -25,12 +25,13 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
+from runtime.io.atomic import new_output_dir
 from runtime.io.checkpoint import FP8_CODE, SCALE_SUFFIX, HFCheckpoint
 from runtime.io.engine_format import BuildConfig, shard_index
 from runtime.io.weights import parameter_shapes, to_internal
 from runtime.model.config import ModelConfig
 from runtime.model.fp8 import BLOCK, dequantize_block_fp8, quantize_block_fp8, quantize_tensor_fp8
-from builder.validation import BuildError, build_output, copy_tokenizer, open_hf_checkpoint
+from builder.validation import BuildError, copy_tokenizer, open_hf_checkpoint
 from builder.trtllm_layout import FLOAT32, PartLayout, TensorLayout, is_quantized, rank_layout, trtllm_config
 from builder.rank_file import RankFileWriter
 
@@ -49,7 +50,7 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, build: Bui
         print(f"note: tp_size {build.tp_size} cuts through the 128x128 FP8 blocks of {len(split)} "
               f"tensors (e.g. {split[0]}); their rank pieces are quantized again on their own grid, so the "
               "engine is close to, not bit-identical with, the release (docs/engine-format.md)", file=sys.stderr)
-    with build_output(output_dir, force) as tmp:
+    with new_output_dir(output_dir, force) as tmp:
         (tmp / "config.json").write_text(json.dumps(trtllm_config(cfg, build), indent=2) + "\n")
         specs = {}
         for t in layout:

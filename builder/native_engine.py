@@ -20,9 +20,10 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from builder.validation import BuildError, build_output, copy_tokenizer, quant_algo_flag, validate_build
+from builder.validation import BuildError, copy_tokenizer, quant_algo_flag, validate_build
 from builder.rank_file import RankFileWriter
 from builder.trtllm_layout import TensorLayout, rank_layout
+from runtime.io.atomic import new_output_dir
 from runtime.io.checkpoint import SAFETENSORS_CODES, SCALE_SUFFIX, read_safetensors_header
 from runtime.model.config import ModelConfig, is_int
 from runtime.io.engine_format import BuildConfig, EngineError, EngineManifest
@@ -184,7 +185,7 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, build: Buil
     tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir is not None else ckpt.path
     layout = rank_layout(ckpt.model_config, build)
     cfg = ckpt.model_config
-    with build_output(Path(output_dir), force) as tmp:
+    with new_output_dir(Path(output_dir), force) as tmp:
         tokenizer_files = copy_tokenizer(tokenizer_dir, tmp)
         weights = []
         for rank, file in enumerate(tqdm(ckpt.rank_files, desc="build", unit="rank", disable=not progress)):

@@ -18,8 +18,9 @@ from typing import Any
 import yaml
 from tqdm import tqdm
 
-from builder.validation import BuildError, build_output, copy_tokenizer, open_hf_checkpoint, quant_algo_flag, validate_build
+from builder.validation import BuildError, copy_tokenizer, open_hf_checkpoint, quant_algo_flag, validate_build
 from builder.native_engine import BUILDER_VERSION
+from runtime.io.atomic import new_output_dir
 from runtime.io.checkpoint import FP8_CODE, INDEX_NAME
 from runtime.io.engine_format import HF_DIR, LLM_API_OPTIONS, BuildConfig, EngineManifest
 
@@ -89,7 +90,7 @@ def build_trtllm_engine(model_dir: str | Path, output_dir: str | Path, build: Bu
         raise BuildError(f"{source}: no 'quantization_config', but tensor {fp8!r} ({model_dir / ckpt.weight_map[fp8]}) "
                          "is float8_e4m3fn; add the release's quantization_config (fp8, e4m3, 128x128 blocks)")
     validate_build(cfg, build, source, use_mtp_vanilla=options.use_mtp_vanilla)
-    with build_output(Path(output_dir), force) as tmp:
+    with new_output_dir(Path(output_dir), force) as tmp:
         hf = tmp / HF_DIR
         hf.mkdir()
         shards = sorted({f.name for f in ckpt.shard_files})

@@ -1,20 +1,17 @@
-"""What a build checks before it does any work, and where its output goes: the options against the model
-(sharding, limits, memory), the output directory, the tokenizer files."""
+"""What a build checks before it does any work: the options against the model (sharding, limits, memory) and the
+tokenizer files. (Where its output goes: runtime.io.atomic.)"""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
-from runtime.io.atomic import atomic_dir
 from runtime.io.checkpoint import HFCheckpoint
 from runtime.io.engine_format import BuildConfig, EngineError, check_model_limits
 from runtime.io.tokenizer import TOKENIZER_FILES, Tokenizer
@@ -119,40 +116,6 @@ def validate_sharding(cfg: ModelConfig, build: BuildConfig, source: str) -> None
     for flag, value, field, total in divides:
         if total % value:
             raise BuildError(f"{flag} {value} does not divide {field} ({total}) of {source}")
-
-
-def check_output_dir(out_dir: Path, force: bool) -> None:
-    if (Path(out_dir).exists() or Path(out_dir).is_symlink()) and not force:  # a dangling link too
-        raise BuildError(f"{out_dir}: output directory already exists; pass --force to replace it")
-
-
-def check_not_replacing(out_dir: Path, flag: str, inputs: dict[str, Path | None]) -> None:
-    """Refuse an output directory that is or contains one of the inputs (flag -> path; files too): replacing it
-    would delete them."""
-    out = Path(out_dir).resolve()
-    for name, src in inputs.items():
-        if src is not None and (out == Path(src).resolve() or out in Path(src).resolve().parents):
-            raise BuildError(f"{flag} {out_dir} is or contains {name} ({src}); replacing it would delete that; "
-                             "choose another directory")
-
-
-@contextlib.contextmanager
-def build_output(out_dir: Path, force: bool) -> Iterator[Path]:
-    """A build's output, made atomically (runtime.io.atomic) once out_dir is known to be free or forced."""
-    check_output_dir(out_dir, force)
-    try:
-        with atomic_dir(out_dir, force) as tmp:
-            yield tmp
-    except FileExistsError as e:
-        raise BuildError(str(e)) from None
-
-
-def os_error_text(e: OSError) -> str:
-    """The file system's own refusal (no space, no permission, a file in the way) as one line naming the file (both,
-    for a rename)."""
-    what = e.strerror or next((a for a in e.args if isinstance(a, str)), type(e).__name__)
-    where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
-    return f"{where}: {what}" if where else what
 
 
 def check_tokenizer(src: Path) -> list[str]:

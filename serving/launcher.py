@@ -45,9 +45,7 @@ from typing import Iterator, Sequence
 
 from runtime.executors.lifetime import PID_NAMESPACE, remove_stale, terminate_with_parent
 from serving.engine_limits import SERVER_DIR_PREFIX, server_dir
-
-# the launcher's --world_size, for the engine models (serving.triton_engine): ExecutorConfig.world_size
-WORLD_SIZE_ENV = "DSV3_WORLD_SIZE"
+from serving.triton_parameters import WORLD_SIZE_ENV
 
 CONTAINER_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
 RESTRICTED_APIS = "shared-memory,model-repository,logging,trace"

@@ -19,8 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from builder.validation import BuildError, build_output, check_not_replacing, os_error_text
-from runtime.io.atomic import atomic_write
+from runtime.io.atomic import atomic_write, check_not_replacing, new_output_dir, os_error_text
 from runtime.io.engine_format import ENGINE_JSON, read_limits
 from serving.fill_template import UPSTREAM_ONLY, fill, parse_substitutions, placeholders
 from serving.llmapi_config import MODEL_YAML, model_yaml
@@ -144,14 +143,14 @@ def main(argv: list[str] | None = None) -> int:
             decoupled = subs.get("decoupled_mode", "true").lower()
             if decoupled not in ("true", "false"):
                 raise ValueError(f"--set decoupled_mode:{subs['decoupled_mode']}: expected true or false")
-        with build_output(args.output_dir, args.force) as repo:  # replaced only once the new one is whole
+        with new_output_dir(args.output_dir, args.force) as repo:  # replaced only once the new one is whole
             if args.flavour == "llmapi":
                 add_llmapi_model(repo, args.engine_dir, decoupled=decoupled == "true")
             else:
                 values = default_values(args.engine_dir.resolve(), **subs)
                 fill_model_repo(repo, values)
                 check_engine_model(repo, args.engine_dir, values["decoupled_mode"].lower() == "true")
-    except (ValueError, KeyError, BuildError) as e:
+    except (ValueError, KeyError) as e:
         print(f"make_model_repo: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         return 2
     except OSError as e:  # the file system's: no space, no permission (the repository is written whole or not at all)

@@ -36,10 +36,9 @@ from runtime.executors.base import ExecutorConfig, ExecutorProtocol, QueueFull, 
 from runtime.executors.process import ProcessExecutor, use_engine_process
 from runtime.executors.requests import RequestOutput, RequestStats
 from runtime.core.sampling_params import SamplingParams
-from serving.launcher import WORLD_SIZE_ENV
 from serving.perf_metrics import PERF_OUTPUTS, PerfMetrics
 from serving.request_validation import RequestError, named_for_client
-from serving.triton_parameters import TritonConfig
+from serving.triton_parameters import WORLD_SIZE_ENV, TritonConfig
 from serving.watchdog import Progress, Watchdog, stop_server
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL

@@ -13,6 +13,8 @@ from typing import Any, Callable, TypeVar
 from serving.watchdog import STALL_TIMEOUT_S
 
 T = TypeVar("T")
+# the launcher's --world_size, for the engine models (serving.triton_engine): ExecutorConfig.world_size
+WORLD_SIZE_ENV = "DSV3_WORLD_SIZE"
 MAX_TORCH_THREADS = 1024  # more cores than any host this runs on; 10^9 made OpenMP abort allocating their stacks
 
 TRUE_VALUES = ("1", "true", "yes", "t", "y", "on")

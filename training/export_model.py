@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from builder.hf_writer import write_hf_checkpoint
-from builder.validation import BuildError, check_not_replacing, os_error_text
+from runtime.io.atomic import OutputDirError, check_not_replacing, os_error_text
 from runtime.model.config import ModelConfig, QuantizationConfig
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM
 from runtime.io.weights import release_tensors
@@ -38,7 +38,7 @@ def main() -> None:
     try:
         check_not_replacing(args.out_dir, "--out_dir", {"--ckpt": args.ckpt, "--tokenizer_dir": args.tokenizer_dir,
                                                          "the current directory": Path.cwd()})
-    except BuildError as e:
+    except OutputDirError as e:
         p.error(str(e))
 
     try:

@@ -22,6 +22,11 @@ LOCK_SUFFIX = ".lock"
 OLD_SUFFIX = ".old"  # an output renamed aside while its replacement is moved in
 
 
+class OutputDirError(ValueError):
+    """An output directory a command may not write (it exists without --force, or holds the command's inputs); the
+    message names it."""
+
+
 @contextlib.contextmanager
 def _interrupts_held() -> Iterator[None]:
     """SIGINT and SIGTERM wait until the block ends (their handlers run in the main thread only)."""
@@ -147,3 +152,38 @@ def atomic_write(path: Path, data: bytes | str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def check_output_dir(out_dir: Path, force: bool) -> None:
+    """OutputDirError unless out_dir is free or `force` lets it be replaced."""
+    if (Path(out_dir).exists() or Path(out_dir).is_symlink()) and not force:  # a dangling link too
+        raise OutputDirError(f"{out_dir}: output directory already exists; pass --force to replace it")
+
+
+def check_not_replacing(out_dir: Path, flag: str, inputs: dict[str, Path | None]) -> None:
+    """Refuse an output directory that is or contains one of the inputs (flag -> path; files too): replacing it
+    would delete them."""
+    out = Path(out_dir).resolve()
+    for name, src in inputs.items():
+        if src is not None and (out == Path(src).resolve() or out in Path(src).resolve().parents):
+            raise OutputDirError(f"{flag} {out_dir} is or contains {name} ({src}); replacing it would delete that; "
+                                 "choose another directory")
+
+
+@contextlib.contextmanager
+def new_output_dir(out_dir: Path, force: bool) -> Iterator[Path]:
+    """A command's output directory, made atomically (`atomic_dir`) once out_dir is known to be free or forced."""
+    check_output_dir(out_dir, force)
+    try:
+        with atomic_dir(out_dir, force) as tmp:
+            yield tmp
+    except FileExistsError as e:
+        raise OutputDirError(str(e)) from None
+
+
+def os_error_text(e: OSError) -> str:
+    """The file system's own refusal (no space, no permission, a file in the way) as one line naming the file (both,
+    for a rename)."""
+    what = e.strerror or next((a for a in e.args if isinstance(a, str)), type(e).__name__)
+    where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
+    return f"{where}: {what}" if where else what
