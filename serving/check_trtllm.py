@@ -226,7 +226,7 @@ def summary(name: str, runs: list[Run]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from runtime.executors.trtllm import TensorRTLLMUnavailable, import_tensorrt_llm
+    from runtime.executors.trtllm_api import TensorRTLLMUnavailable, import_tensorrt_llm
 
     try:
         trtllm = import_tensorrt_llm()

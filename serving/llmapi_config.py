@@ -20,7 +20,7 @@ import yaml
 
 from runtime.core.sampling import RelaxedAcceptance
 from runtime.executors.base import DEFAULT_DRAFT_TOKENS, ExecutorConfig
-from runtime.executors.trtllm import read_llm_api_options
+from runtime.executors.trtllm_api import read_llm_api_options
 from runtime.io.engine_format import HF_DIR, engine_backend, read_limits
 from runtime.io.yaml_file import read_yaml
 from serving.triton_parameters import TritonConfig, settings

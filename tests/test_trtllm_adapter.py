@@ -49,17 +49,10 @@ from runtime.executors.requests import RequestOutput
 from runtime.core.sampling import RelaxedAcceptance
 from runtime.core.sampling_params import GuidedDecodingParams, SamplingParams
 from runtime.core.scheduler import SchedulerConfig
-from runtime.executors.trtllm import (
-    LLM_API_OPTIONS,
-    TensorRTLLMUnavailable,
-    TrtllmEngine,
-    TrtllmExecutor,
-    adapt_to_upstream_fields,
-    draft_len_of,
-    llm_kwargs_for,
-    read_llm_api_options,
-    to_trtllm_sampling_kwargs,
-)
+from runtime.executors.trtllm import TrtllmEngine, TrtllmExecutor
+from runtime.executors.trtllm_api import (TensorRTLLMUnavailable, adapt_to_upstream_fields, draft_len_of,
+                                          llm_kwargs_for, read_llm_api_options, to_trtllm_sampling_kwargs)
+from runtime.io.engine_format import LLM_API_OPTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 EXACT_MISSING_MESSAGE = (
@@ -447,7 +440,7 @@ def test_contract_n_outputs_stream_by_index_and_best_of_arrives_ranked(engine_di
 
 def test_logprobs_from_upstream() -> None:
     from runtime.core.sampling import TokenLogprob
-    from runtime.executors.trtllm import logprobs_from_upstream
+    from runtime.executors.trtllm_api import logprobs_from_upstream
 
     lp = lambda v, r: SimpleNamespace(logprob=v, rank=r)  # noqa: E731
     entries = [{5: lp(-1.0, 2), 9: lp(-0.5, 1), 3: lp(-2.0, 3)}, {7: lp(-0.1, 1)}, -0.75]
@@ -672,12 +665,15 @@ def test_missing_package_error_is_exact(engine_dir: Path, monkeypatch: pytest.Mo
 
 
 def test_tensorrt_llm_is_imported_only_inside_a_function() -> None:
-    tree = ast.parse((ROOT / "runtime" / "executors" / "trtllm.py").read_text())
-    top_level = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
-    names = {a.name for n in top_level for a in n.names} | {n.module for n in top_level if isinstance(n, ast.ImportFrom)}
-    assert not any(str(x).startswith("tensorrt_llm") for x in names)
-    inner = [(f.name, a.name) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
-             for n in ast.walk(f) if isinstance(n, ast.Import) for a in n.names if a.name.startswith("tensorrt_llm")]
+    inner = []
+    for module in ("trtllm.py", "trtllm_api.py"):
+        tree = ast.parse((ROOT / "runtime" / "executors" / module).read_text())
+        top_level = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        names = {a.name for n in top_level for a in n.names} | {n.module for n in top_level
+                                                                if isinstance(n, ast.ImportFrom)}
+        assert not any(str(x).startswith("tensorrt_llm") for x in names)
+        inner += [(f.name, a.name) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+                  for n in ast.walk(f) if isinstance(n, ast.Import) for a in n.names if a.name.startswith("tensorrt_llm")]
     assert inner == [("import_tensorrt_llm", "tensorrt_llm")]
 
 
@@ -872,7 +868,7 @@ def test_contract_submit_validation_and_shutdown(engine_dir: Path, trtllm: Modul
 def test_llm_kwargs_fit_the_installed_release() -> None:
     """Field names moved between releases: tokens_per_block is left out where KvCacheConfig lacks it
     (1.0), thinking-phase tokens are upper-case where MTPDecodingConfig spells them so (1.0/1.1)."""
-    from runtime.executors.trtllm import adapt_llm_kwargs
+    from runtime.executors.trtllm_api import adapt_llm_kwargs
 
     kwargs = {"kv_cache_config": {"dtype": "auto", "tokens_per_block": 16},
               "speculative_config": {"decoding_type": "MTP", "num_nextn_predict_layers": 3,
@@ -896,7 +892,7 @@ def test_zeroed_speculative_metrics_are_not_reported_counts() -> None:
     zero even when it drafted: that is "not reported", not "nothing drafted"."""
     from types import SimpleNamespace
 
-    from runtime.executors.trtllm import speculative_counts
+    from runtime.executors.trtllm_api import speculative_counts
 
     def result(drafted: int, accepted: int):
         spec = SimpleNamespace(total_draft_tokens=drafted, total_accepted_draft_tokens=accepted)
@@ -912,7 +908,7 @@ def test_kv_cache_metrics_are_read_as_upstream_names_them() -> None:
     read the same way by upstream's llmapi Triton model) become the request's stats; absent, None."""
     from types import SimpleNamespace
 
-    from runtime.executors.trtllm import kv_cache_counts
+    from runtime.executors.trtllm_api import kv_cache_counts
 
     kv = SimpleNamespace(num_total_allocated_blocks=5, num_new_allocated_blocks=2, num_reused_blocks=3,
                          num_missed_blocks=2, kv_cache_hit_rate=0.6)

@@ -24,7 +24,7 @@ import uvicorn
 
 from runtime.executors.base import ExecutorConfig, create_executor
 from runtime.executors.process import EngineProcessError, ProcessExecutor, use_engine_process
-from runtime.executors.trtllm import TensorRTLLMUnavailable
+from runtime.executors.trtllm_api import TensorRTLLMUnavailable
 from serving.openai_server.app import api_key_problem, create_app
 from serving.triton_parameters import MAX_TORCH_THREADS
 
