@@ -71,8 +71,9 @@ class Session:
     def __init__(self, path: str | Path, num_draft_tokens: int | None = None, speculation: str = "fixed",
                  device: str = "cpu", dtype: str | None = None, enable_block_reuse: bool = True,
                  **limits: int | None):
-        """`speculation` 'fixed' drafts num_draft_tokens every step; 'adaptive' picks up to that many
-        per step from the batch size and measured acceptance; num_draft_tokens=0 is plain decoding, None
+        """`speculation` 'fixed' drafts num_draft_tokens every step; 'adaptive' (the servers' default, for
+        load) picks up to that many per step from the batch size and measured acceptance, after profiling the step
+        costs at start; a script's few requests at a time draft best at a fixed k, so 'fixed' is the default here; num_draft_tokens=0 is plain decoding, None
         drafts 3 where the model has an MTP layer (at most the engine's max_draft_len) and none where not.
         `enable_block_reuse` False turns prefix caching off (every prompt is computed in full).
         `limits` are ExecutorConfig's (max_batch_size, kv_cache_tokens, free_memory_fraction, ...).
