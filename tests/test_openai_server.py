@@ -277,6 +277,69 @@ def test_echo_with_logprobs_scores_the_prompt(server: Server, plain: Session) ->
         lp.token_logprobs
 
 
+def test_vllms_prompt_logprobs_and_tokens_as_ids(server: Server, plain: Session) -> None:
+    """vLLM's prompt_logprobs extra: each prompt token's logprob (None for the first) under the target model, with
+    its rank and the N most likely, by token id, on each completions choice and once on a chat response; with echo,
+    the echoed top_logprobs keep their own N. return_tokens_as_token_ids names logprobs' tokens "token_id:<id>"."""
+    ids = plain.tokenizer.encode(PROMPTS[1])
+    want = plain.executor.submit(ids, SamplingParams(max_tokens=4, logprobs=2, prompt_logprobs=3)).result()
+    r = server.client.completions.create(model="deepseek-v3-mini", prompt=PROMPTS[1], max_tokens=4, temperature=1.0,
+                                         seed=1, n=2, logprobs=2, echo=True, extra_body={"prompt_logprobs": 3})
+    for c in r.choices:
+        got = c.model_extra["prompt_logprobs"]
+        assert len(got) == len(ids) and got[0] is None
+        for position, (token, entries, lp) in enumerate(zip(ids[1:], got[1:], want.prompt_logprobs[1:]), 1):
+            own = entries[str(token)]
+            assert abs(own["logprob"] - lp.logprob) < 1e-5 and own["rank"] == lp.rank, position
+            assert own["decoded_token"] == plain.tokenizer.decode([token]) or "\ufffd" in own["decoded_token"]
+            top = [i for i, _ in lp.top]
+            assert len(top) == 3 and len(entries) == 3 + (token not in top) and next(iter(entries)) == str(token)
+            assert all(entries[str(i)]["rank"] == rank and abs(entries[str(i)]["logprob"] - v) < 1e-5
+                       for rank, (i, v) in enumerate(lp.top, 1))
+        echoed = c.logprobs.top_logprobs[1:len(ids)]
+        assert all(len(top) <= 3 for top in echoed) and any(len(top) == 3 for top in echoed)  # logprobs 2 (+ own)
+    messages = [{"role": "user", "content": "Who made the light?"}]
+    chat = server.client.chat.completions.create(model="deepseek-v3-mini", messages=messages, max_tokens=4,
+                                                 temperature=0, extra_body={"prompt_logprobs": 0,
+                                                                            "return_tokens_as_token_ids": True})
+    got = chat.model_extra["prompt_logprobs"]
+    assert got[0] is None and len(got) == chat.usage.prompt_tokens and all(len(e) == 1 for e in got[1:])
+    assert not any(e["decoded_token"].startswith("token_id:") for entries in got[1:] for e in entries.values())
+    assert "prompt_logprobs" not in chat.choices[0].model_extra
+
+    r = server.client.completions.create(model="deepseek-v3-mini", prompt=PROMPTS[1], max_tokens=4, temperature=0,
+                                         logprobs=1, extra_body={"return_tokens_as_token_ids": True})
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [f"token_id:{t}" for t in want.token_ids]
+    assert all(tok in top and all(k.startswith("token_id:") for k in top) for tok, top in zip(lp.tokens,
+                                                                                             lp.top_logprobs))
+    assert lp.text_offset == server.client.completions.create(
+        model="deepseek-v3-mini", prompt=PROMPTS[1], max_tokens=4, temperature=0, logprobs=1).choices[0].logprobs.text_offset
+    chunks = list(server.client.chat.completions.create(
+        model="deepseek-v3-mini", messages=messages, max_tokens=4, temperature=0, logprobs=True, top_logprobs=1,
+        stream=True, extra_body={"return_tokens_as_token_ids": True}))
+    content = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert len(content) == 4 and all(c.token.startswith("token_id:") and c.top_logprobs[0].token.startswith("token_id:")
+                                     for c in content)
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert b"".join(bytes(c.bytes) for c in content).decode() == text  # bytes stay the token's own
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"prompt_logprobs": 1, "stream": True},
+     "prompt_logprobs are not streamed (they come with the whole response); send stream: false"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs -1 (every token of the vocabulary) is not served; at most 20"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs must be an integer in [0, 20], got 21"),
+    ({"prompt_logprobs": True}, "prompt_logprobs must be an integer, got True"),
+    ({"return_tokens_as_token_ids": "yes"}, "return_tokens_as_token_ids must be true or false, got 'yes'")])
+def test_vllm_logprob_extras_refused_naming_them(server: Server, body: dict, message: str) -> None:
+    for path, request in (("/v1/completions", {"prompt": "hi"}),
+                          ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        status, answer = server.post(path, {"model": "deepseek-v3-mini", "max_tokens": 2, **request, **body})
+        param = next(iter(body))
+        assert (status, answer["error"]["message"], answer["error"]["param"]) == (400, message, param), answer
+
+
 def test_completions_top_logprobs_always_hold_the_chosen_token(server: Server) -> None:
     """As OpenAI documents (up to logprobs + 1 entries): a sampled token outside the top alternatives is there too;
     logprobs 0 gives the chosen token's entry."""

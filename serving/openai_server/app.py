@@ -85,7 +85,7 @@ class OpenAIServer:
         self.max_text_bytes = self.max_seq_len * self.tokenizer.max_token_bytes
         self.max_body_bytes = 4 * self.max_text_bytes + 65536  # room for JSON escapes and the other fields
         self.created = int(time.time())
-        self.logprobs = protocol.LogprobsFormat(self.tokenizer)
+        self.formats = {as_ids: protocol.LogprobsFormat(self.tokenizer, as_ids) for as_ids in (False, True)}
 
     # ---- request plumbing --------------------------------------------------------------------------------------
     async def _body(self, request: Request) -> Any:
@@ -154,9 +154,19 @@ class OpenAIServer:
         choices = [protocol.choice(i, t, "length" if g.echo_only else o.finish_reason, chat, chunk=False,
                                    logprobs=self._choice_logprobs(g, i, o, chat))
                    for i, (t, o) in enumerate(zip(texts, outs))]
+        prompts = None  # vLLM's prompt_logprobs (decoded_token their text, as vLLM's: not token ids): on each
+        if g.prompt_logprobs is not None:  # completions choice, once on a chat response
+            prompts = [self.formats[False].prompt(outs[p * g.n].prompt_logprobs, g.prompt_logprobs)
+                       for p in range(len(g.prompts))]
+            if not chat:
+                for i, c in enumerate(choices):
+                    c["prompt_logprobs"] = prompts[i // g.n]
         usage = protocol.usage(g.prompts, [o.stats for o in outs], self.executor.kv_block_size, g.echo_only)
         self._log(g, outs, "ok", t0)
-        return protocol.completion_object(g, self.model, choices, chat, usage)
+        response = protocol.completion_object(g, self.model, choices, chat, usage)
+        if chat and prompts is not None:
+            response["prompt_logprobs"] = prompts[0]
+        return response
 
     async def _results(self, request: Request, handles: list[RequestHandle]) -> list[RequestOutput] | None:
         """The final output of each choice, or None if the client disconnects first."""
@@ -194,7 +204,8 @@ class OpenAIServer:
                 yield _sse(protocol.completion_object(
                     g, self.model, [protocol.choice(i, g.echo_texts[i // g.n], None, chat, True)
                                     for i in range(choices)], chat, chunk=True, usage_=self._usage_so_far(g, {})))
-            offsets = [protocol.TextOffsets(self.logprobs) for _ in range(choices)]  # completions' text_offset
+            fmt = self.formats[g.tokens_as_ids]
+            offsets = [protocol.TextOffsets(fmt) for _ in range(choices)]  # completions' text_offset
             produced: dict[int, int] = {}  # completion tokens so far, by choice (continuous usage)
             async for prompt, out in outputs:
                 index = prompt * g.n + out.index
@@ -203,7 +214,8 @@ class OpenAIServer:
                     yield _sse(_failure(g, out).body())
                     break
                 if g.echo_logprobs and index not in produced:  # the prompt's logprobs come with its first output
-                    lps = self.logprobs.prompt_completion(g.prompts[prompt], out.prompt_logprobs, offsets[index])
+                    lps = fmt.prompt_completion(g.prompts[prompt], out.prompt_logprobs, offsets[index],
+                                                g.params.logprobs)
                     c = protocol.choice(index, g.echo_texts[prompt], None, chat, chunk=True, logprobs=lps)
                     yield _sse(protocol.completion_object(g, self.model, [c], chat, chunk=True,
                                                           usage_=self._usage_so_far(g, produced)))
@@ -212,7 +224,7 @@ class OpenAIServer:
                     finals[index] = out
                 if out.text_delta or out.finished or out.new_logprobs:
                     c = protocol.choice(index, out.text_delta, out.finish_reason, chat, chunk=True,
-                                        logprobs=self._logprobs(out.new_logprobs, chat, offsets[index]))
+                                        logprobs=self._logprobs(g, out.new_logprobs, chat, offsets[index]))
                     yield _sse(protocol.completion_object(g, self.model, [c], chat, chunk=True,
                                                           usage_=self._usage_so_far(g, produced)))
             else:
@@ -239,21 +251,22 @@ class OpenAIServer:
     def _choice_logprobs(self, g: Generation, index: int, out: RequestOutput, chat: bool) -> dict[str, Any] | None:
         """A whole choice's logprobs; with echo, its prompt's before its output's (none of an echo_only output's)."""
         if not g.echo_logprobs:
-            return self._logprobs(out.logprobs, chat)
-        offsets = protocol.TextOffsets(self.logprobs)
-        echoed = self.logprobs.prompt_completion(g.prompts[index // g.n], out.prompt_logprobs, offsets)
+            return self._logprobs(g, out.logprobs, chat)
+        fmt = self.formats[g.tokens_as_ids]
+        offsets = protocol.TextOffsets(fmt)
+        echoed = fmt.prompt_completion(g.prompts[index // g.n], out.prompt_logprobs, offsets, g.params.logprobs)
         if g.echo_only:
             return echoed
-        generated = self.logprobs.completion(list(out.logprobs), offsets)
+        generated = fmt.completion(list(out.logprobs), offsets)
         return {key: echoed[key] + generated[key] for key in echoed}
 
-    def _logprobs(self, lps: list | None, chat: bool, offsets: protocol.TextOffsets | None = None
+    def _logprobs(self, g: Generation, lps: list | None, chat: bool, offsets: protocol.TextOffsets | None = None
                   ) -> dict[str, Any] | None:
         """`offsets`: the choice's so far (streaming); a whole output starts its own."""
         if lps is None:
             return None
-        return self.logprobs.chat(lps) if chat else \
-            self.logprobs.completion(lps, offsets or protocol.TextOffsets(self.logprobs))
+        fmt = self.formats[g.tokens_as_ids]
+        return fmt.chat(lps) if chat else fmt.completion(lps, offsets or protocol.TextOffsets(fmt))
 
     def _log(self, g: Generation, outs: list[RequestOutput] | None, outcome: str, t0: float) -> None:
         prompt = sum(map(len, g.prompts))

@@ -55,7 +55,6 @@ NEUTRAL: dict[str, tuple[Any, str]] = {
     "continue_final_message": (lambda v: v is False, "null or false"),
     "priority": (lambda v: v == 0 and not isinstance(v, bool), "null or 0 (requests are served first come, "
                  "first served)"),
-    "return_tokens_as_token_ids": (lambda v: v is False, "null or false"),
     "use_beam_search": (lambda v: v is False, "null or false"),
 }
 # Parameters that do not change what is generated, accepted and not used: OpenAI's bookkeeping and routing hints,
@@ -67,6 +66,7 @@ CHAT_ONLY_NEUTRAL = {"tools", "tool_choice", "functions", "function_call", "stor
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop",
           "stop_token_ids", "seed", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
           "min_tokens", "min_p", "bad_words", "num_draft_tokens", "logit_bias", "response_format", "structured_outputs",
+          "prompt_logprobs", "return_tokens_as_token_ids",
           *GUIDE_KEYS, *IGNORED, *(set(NEUTRAL) - CHAT_ONLY_NEUTRAL)}
 COMPLETION_KEYS = COMMON | {"prompt", "echo", "logprobs", "suffix", "best_of"}
 CHAT_KEYS = COMMON | CHAT_ONLY_NEUTRAL | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
@@ -104,6 +104,8 @@ class Generation:
     echo_logprobs: bool = False  # echo with logprobs: the prompt's tokens' logprobs before the output's
     echo_only: bool = False  # max_tokens 0 with echo (scoring a text): one token is generated and not returned
     continuous_usage: bool = False  # streamed: usage so far in every chunk (vLLM's continuous_usage_stats)
+    prompt_logprobs: int | None = None  # vLLM's extra: the prompt's logprobs with this many alternatives, returned
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -332,6 +334,19 @@ def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
     return include, include and _flag(options, "continuous_usage_stats")
 
 
+def _vllm_logprobs(body: dict, stream: bool) -> tuple[int | None, bool]:
+    """vLLM's prompt_logprobs (not streamed: they come with the whole response) and return_tokens_as_token_ids."""
+    prompt = body.get("prompt_logprobs")
+    if prompt == -1 and not isinstance(prompt, bool):  # vLLM's whole vocabulary, past its default --max-logprobs too
+        raise APIError(f"prompt_logprobs -1 (every token of the vocabulary) is not served; at most {MAX_LOGPROBS}",
+                       "prompt_logprobs")
+    prompt = _integer(body, "prompt_logprobs", 0, MAX_LOGPROBS, None)
+    if prompt is not None and stream:
+        raise APIError("prompt_logprobs are not streamed (they come with the whole response); send stream: false",
+                       "prompt_logprobs")
+    return prompt, _flag(body, "return_tokens_as_token_ids")
+
+
 def completion_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_bytes: int) -> Generation:
     """POST /v1/completions: prompt is a string, a list of strings, a list of token ids or a list of those."""
     body = _check_keys(body, COMPLETION_KEYS)
@@ -370,8 +385,10 @@ def completion_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_te
     if max_tokens == 0 and (min_tokens := _integer(body, "min_tokens", 0, INT32_MAX, 0)):  # said of the 0 sent,
         raise APIError(f"min_tokens must be an integer in [0, max_tokens (0)], got {min_tokens}", "min_tokens")
     params, guide_field = _sampling(body, tokenizer, max_tokens or 1, logprobs, stream)  # not the 1 run
-    if echo and logprobs is not None:  # the prompt's tokens' logprobs too (as vLLM: scoring a text)
-        params = replace(params, prompt_logprobs=logprobs)
+    prompt_logprobs, as_ids = _vllm_logprobs(body, stream)
+    if echo and logprobs is not None or prompt_logprobs is not None:  # echo's: the prompt's logprobs too (scoring)
+        asked = [n for n in (logprobs if echo else None, prompt_logprobs) if n is not None]
+        params = replace(params, prompt_logprobs=max(asked))
     if len(prompts) * params.num_sequences > MAX_SEQUENCES:
         name = params.num_sequences_name
         raise APIError(f"{len(prompts)} prompts x {name} {params.num_sequences} = "
@@ -379,7 +396,7 @@ def completion_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_te
     include_usage, continuous = _stream_options(body, stream)
     return Generation(prompts, params, stream, include_usage, texts if echo else None, guide_field,
                       echo_logprobs=echo and logprobs is not None, echo_only=max_tokens == 0,
-                      continuous_usage=continuous)
+                      continuous_usage=continuous, prompt_logprobs=prompt_logprobs, tokens_as_ids=as_ids)
 
 
 def _messages(body: dict, max_text_bytes: int) -> list[dict[str, str]]:
@@ -459,8 +476,12 @@ def chat_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_byt
         raise APIError(f"{name} {max_tokens} with messages of {len(ids)} tokens with the chat template exceeds "
                        f"max_seq_len {max_seq_len}; at most {max_seq_len - len(ids)}", name)
     params, guide_field = _sampling(body, tokenizer, max_tokens, logprobs, stream)
+    prompt_logprobs, as_ids = _vllm_logprobs(body, stream)
+    if prompt_logprobs is not None:
+        params = replace(params, prompt_logprobs=prompt_logprobs)
     include_usage, continuous = _stream_options(body, stream)
-    return Generation([ids], params, stream, include_usage, guide_field=guide_field, continuous_usage=continuous)
+    return Generation([ids], params, stream, include_usage, guide_field=guide_field, continuous_usage=continuous,
+                      prompt_logprobs=prompt_logprobs, tokens_as_ids=as_ids)
 
 
 def parameter_of(message: str, request_names: Mapping[str, str]) -> str | None:
@@ -537,21 +558,22 @@ class LogprobsFormat:
     """Token logprobs in OpenAI's shapes: completions' parallel lists (tokens, token_logprobs, top_logprobs,
     text_offset) or chat's content entries (token, logprob, bytes, top_logprobs)."""
 
-    def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer, as_ids: bool = False):
+        self.tokenizer, self.as_ids = tokenizer, as_ids  # as_ids: tokens named "token_id:<id>" (vLLM's option)
 
     def token_bytes(self, token_id: int) -> bytes:
         tok = self.tokenizer
         return tok.byte_table[token_id] if tok.is_byte_level else tok.decode([token_id], False).encode("utf-8")
 
     def token(self, token_id: int) -> str:
-        return self.token_bytes(token_id).decode("utf-8", "replace")
+        return f"token_id:{token_id}" if self.as_ids else self.token_bytes(token_id).decode("utf-8", "replace")
 
-    def top(self, lp: TokenLogprob) -> dict[str, float]:
-        """Completions' top_logprobs entry: the alternatives by their text, most likely first (two tokens of one text,
-        as partial characters' U+FFFD, keep the likelier), and the chosen token, always (OpenAI: up to logprobs + 1)."""
+    def top(self, lp: TokenLogprob, n: int | None = None) -> dict[str, float]:
+        """Completions' top_logprobs entry: the n (default: all) alternatives by their text, most likely first (two
+        tokens of one text, as partial characters' U+FFFD, keep the likelier), and the chosen token, always (OpenAI:
+        up to logprobs + 1)."""
         out: dict[str, float] = {}
-        for i, v in (*lp.top, (lp.token_id, lp.logprob)):
+        for i, v in (*lp.top[:n], (lp.token_id, lp.logprob)):
             out.setdefault(self.token(i), v)
         return out
 
@@ -560,17 +582,28 @@ class LogprobsFormat:
         return {"tokens": [self.token(lp.token_id) for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
                 "top_logprobs": [self.top(lp) for lp in lps], "text_offset": offsets.take([lp.token_id for lp in lps])}
 
-    def prompt_completion(self, prompt: list[int], lps: list[TokenLogprob | None], offsets: TextOffsets
+    def prompt_completion(self, prompt: list[int], lps: list[TokenLogprob | None], offsets: TextOffsets, n: int
                           ) -> dict[str, Any]:
-        """An echoed prompt's logprobs in completions' shape: None for its first token, which nothing predicts."""
+        """An echoed prompt's logprobs in completions' shape, n alternatives each: None for its first token, which
+        nothing predicts."""
         return {"tokens": [self.token(i) for i in prompt],
                 "token_logprobs": [None if lp is None else lp.logprob for lp in lps],
-                "top_logprobs": [None if lp is None else self.top(lp) for lp in lps], "text_offset": offsets.take(prompt)}
+                "top_logprobs": [None if lp is None else self.top(lp, n) for lp in lps],
+                "text_offset": offsets.take(prompt)}
+
+    def prompt(self, lps: list[TokenLogprob | None], n: int) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's prompt_logprobs: for each prompt token (None for the first) its entry and its n most likely
+        alternatives', by token id: logprob, rank (1: the most likely) and decoded_token."""
+        def entry(token_id: int, logprob: float, rank: int | None) -> tuple[str, dict[str, Any]]:
+            return str(token_id), {"logprob": logprob, "rank": rank, "decoded_token": self.token(token_id)}
+
+        return [None if lp is None else dict([entry(lp.token_id, lp.logprob, lp.rank),
+                                              *(entry(i, v, r) for r, (i, v) in enumerate(lp.top[:n], 1))])
+                for lp in lps]
 
     def chat(self, lps: list[TokenLogprob]) -> dict[str, Any]:
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
-            raw = self.token_bytes(token_id)
-            return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
+            return {"token": self.token(token_id), "logprob": logprob, "bytes": list(self.token_bytes(token_id))}
 
         return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
                             for lp in lps]}
