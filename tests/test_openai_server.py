@@ -325,13 +325,45 @@ def test_vllms_prompt_logprobs_and_tokens_as_ids(server: Server, plain: Session)
     assert b"".join(bytes(c.bytes) for c in content).decode() == text  # bytes stay the token's own
 
 
+def test_vllms_return_token_ids(server: Server, plain: Session) -> None:
+    """vLLM's return_token_ids: the prompt's ids (each completions choice's, the chat response's) and each choice's
+    output ids; streamed, the prompt's with a choice's first chunk (chat: the first chunk) and each chunk's new ids."""
+    ids = plain.tokenizer.encode(PROMPTS[0])
+    want = plain.executor.submit(ids, SamplingParams(max_tokens=TOKENS)).result().token_ids
+    extra = {"return_token_ids": True}
+    r = server.client.completions.create(model="deepseek-v3-mini", prompt=PROMPTS[0], max_tokens=TOKENS, temperature=0,
+                                         extra_body=extra)
+    assert (r.choices[0].model_extra["prompt_token_ids"], r.choices[0].model_extra["token_ids"]) == (ids, want)
+    chunks = [c.model_dump() for c in server.client.completions.create(
+        model="deepseek-v3-mini", prompt=PROMPTS[0], max_tokens=TOKENS, temperature=0, stream=True, extra_body=extra)]
+    assert [c["choices"][0].get("prompt_token_ids") for c in chunks] == [ids] + [None] * (len(chunks) - 1)
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == want
+    scored = server.client.completions.create(model="deepseek-v3-mini", prompt=PROMPTS[0], max_tokens=0, echo=True,
+                                              extra_body=extra)
+    assert (scored.choices[0].model_extra["prompt_token_ids"], scored.choices[0].model_extra["token_ids"]) == (ids, [])
+
+    messages = [{"role": "user", "content": "Who made the light?"}]
+    chat = server.client.chat.completions.create(model="deepseek-v3-mini", messages=messages, max_tokens=TOKENS,
+                                                 temperature=0, extra_body=extra)
+    prompt = chat.model_extra["prompt_token_ids"]
+    assert len(prompt) == chat.usage.prompt_tokens and "prompt_token_ids" not in chat.choices[0].model_extra
+    answer = chat.choices[0].model_extra["token_ids"]
+    assert plain.tokenizer.decode(answer) == chat.choices[0].message.content and len(answer) == \
+        chat.usage.completion_tokens
+    chunks = [c.model_dump() for c in server.client.chat.completions.create(
+        model="deepseek-v3-mini", messages=messages, max_tokens=TOKENS, temperature=0, stream=True, extra_body=extra)]
+    assert chunks[0]["prompt_token_ids"] == prompt and all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks[1:] for t in c["choices"][0]["token_ids"]] == answer
+
+
 @pytest.mark.parametrize("body, message", [
     ({"prompt_logprobs": 1, "stream": True},
      "prompt_logprobs are not streamed (they come with the whole response); send stream: false"),
     ({"prompt_logprobs": -1}, "prompt_logprobs -1 (every token of the vocabulary) is not served; at most 20"),
     ({"prompt_logprobs": 21}, "prompt_logprobs must be an integer in [0, 20], got 21"),
     ({"prompt_logprobs": True}, "prompt_logprobs must be an integer, got True"),
-    ({"return_tokens_as_token_ids": "yes"}, "return_tokens_as_token_ids must be true or false, got 'yes'")])
+    ({"return_tokens_as_token_ids": "yes"}, "return_tokens_as_token_ids must be true or false, got 'yes'"),
+    ({"return_token_ids": 1}, "return_token_ids must be true or false, got 1")])
 def test_vllm_logprob_extras_refused_naming_them(server: Server, body: dict, message: str) -> None:
     for path, request in (("/v1/completions", {"prompt": "hi"}),
                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):

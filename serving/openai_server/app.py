@@ -154,19 +154,22 @@ class OpenAIServer:
         choices = [protocol.choice(i, t, "length" if g.echo_only else o.finish_reason, chat, chunk=False,
                                    logprobs=self._choice_logprobs(g, i, o, chat))
                    for i, (t, o) in enumerate(zip(texts, outs))]
-        prompts = None  # vLLM's prompt_logprobs (decoded_token their text, as vLLM's: not token ids): on each
-        if g.prompt_logprobs is not None:  # completions choice, once on a chat response
-            prompts = [self.formats[False].prompt(outs[p * g.n].prompt_logprobs, g.prompt_logprobs)
-                       for p in range(len(g.prompts))]
+        # vLLM's extras about the prompt: on each completions choice, once on a chat response
+        prompt_extras: list[dict[str, Any]] = [{} for _ in g.prompts]
+        for p, extra in enumerate(prompt_extras):
+            if g.prompt_logprobs is not None:  # decoded_token their text, as vLLM's (not token ids)
+                extra["prompt_logprobs"] = self.formats[False].prompt(outs[p * g.n].prompt_logprobs, g.prompt_logprobs)
+            if g.token_ids:
+                extra["prompt_token_ids"] = g.prompts[p]
+        for i, (c, o) in enumerate(zip(choices, outs)):
+            if g.token_ids:
+                c["token_ids"] = [] if g.echo_only else list(o.token_ids)
             if not chat:
-                for i, c in enumerate(choices):
-                    c["prompt_logprobs"] = prompts[i // g.n]
+                c.update(prompt_extras[i // g.n])
         usage = protocol.usage(g.prompts, [o.stats for o in outs], self.executor.kv_block_size, g.echo_only)
         self._log(g, outs, "ok", t0)
         response = protocol.completion_object(g, self.model, choices, chat, usage)
-        if chat and prompts is not None:
-            response["prompt_logprobs"] = prompts[0]
-        return response
+        return {**response, **prompt_extras[0]} if chat else response
 
     async def _results(self, request: Request, handles: list[RequestHandle]) -> list[RequestOutput] | None:
         """The final output of each choice, or None if the client disconnects first."""
@@ -196,14 +199,24 @@ class OpenAIServer:
         outputs = _merged(handles)
         choices = len(g.prompts) * g.n
         try:
+            announced: set[int] = set()  # return_token_ids: the choices whose prompt's ids were sent (their first)
+
+            def chunk(cs: list[dict[str, Any]], usage_: dict[str, int] | None) -> str:
+                if g.token_ids and not chat:
+                    for c in cs:
+                        if c["index"] not in announced:
+                            c["prompt_token_ids"] = g.prompts[c["index"] // g.n]
+                            announced.add(c["index"])
+                return _sse(protocol.completion_object(g, self.model, cs, chat, chunk=True, usage_=usage_))
+
             if chat:  # the first chunk of each choice names the role, as OpenAI streams it
-                yield _sse(protocol.completion_object(
+                first = protocol.completion_object(
                     g, self.model, [protocol.choice(i, None, None, chat, True, role=True) for i in range(choices)],
-                    chat, chunk=True, usage_=self._usage_so_far(g, {})))
+                    chat, chunk=True, usage_=self._usage_so_far(g, {}))
+                yield _sse({**first, "prompt_token_ids": g.prompts[0]} if g.token_ids else first)
             elif g.echo_texts is not None and not g.echo_logprobs:
-                yield _sse(protocol.completion_object(
-                    g, self.model, [protocol.choice(i, g.echo_texts[i // g.n], None, chat, True)
-                                    for i in range(choices)], chat, chunk=True, usage_=self._usage_so_far(g, {})))
+                yield chunk([protocol.choice(i, g.echo_texts[i // g.n], None, chat, True) for i in range(choices)],
+                            self._usage_so_far(g, {}))
             fmt = self.formats[g.tokens_as_ids]
             offsets = [protocol.TextOffsets(fmt) for _ in range(choices)]  # completions' text_offset
             produced: dict[int, int] = {}  # completion tokens so far, by choice (continuous usage)
@@ -217,16 +230,16 @@ class OpenAIServer:
                     lps = fmt.prompt_completion(g.prompts[prompt], out.prompt_logprobs, offsets[index],
                                                 g.params.logprobs)
                     c = protocol.choice(index, g.echo_texts[prompt], None, chat, chunk=True, logprobs=lps)
-                    yield _sse(protocol.completion_object(g, self.model, [c], chat, chunk=True,
-                                                          usage_=self._usage_so_far(g, produced)))
+                    yield chunk([c], self._usage_so_far(g, produced))
                 produced[index] = out.stats.output_tokens
                 if out.finished:
                     finals[index] = out
-                if out.text_delta or out.finished or out.new_logprobs:
+                if out.text_delta or out.finished or out.new_logprobs or g.token_ids and out.new_token_ids:
                     c = protocol.choice(index, out.text_delta, out.finish_reason, chat, chunk=True,
                                         logprobs=self._logprobs(g, out.new_logprobs, chat, offsets[index]))
-                    yield _sse(protocol.completion_object(g, self.model, [c], chat, chunk=True,
-                                                          usage_=self._usage_so_far(g, produced)))
+                    if g.token_ids:
+                        c["token_ids"] = list(out.new_token_ids)
+                    yield chunk([c], self._usage_so_far(g, produced))
             else:
                 outcome = "ok"
                 if g.include_usage:

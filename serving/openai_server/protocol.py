@@ -66,7 +66,7 @@ CHAT_ONLY_NEUTRAL = {"tools", "tool_choice", "functions", "function_call", "stor
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop",
           "stop_token_ids", "seed", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
           "min_tokens", "min_p", "bad_words", "num_draft_tokens", "logit_bias", "response_format", "structured_outputs",
-          "prompt_logprobs", "return_tokens_as_token_ids",
+          "prompt_logprobs", "return_tokens_as_token_ids", "return_token_ids",
           *GUIDE_KEYS, *IGNORED, *(set(NEUTRAL) - CHAT_ONLY_NEUTRAL)}
 COMPLETION_KEYS = COMMON | {"prompt", "echo", "logprobs", "suffix", "best_of"}
 CHAT_KEYS = COMMON | CHAT_ONLY_NEUTRAL | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
@@ -106,6 +106,7 @@ class Generation:
     continuous_usage: bool = False  # streamed: usage so far in every chunk (vLLM's continuous_usage_stats)
     prompt_logprobs: int | None = None  # vLLM's extra: the prompt's logprobs with this many alternatives, returned
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
+    token_ids: bool = False  # vLLM's return_token_ids: the prompt's and each choice's token ids, streamed or not
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -334,8 +335,9 @@ def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
     return include, include and _flag(options, "continuous_usage_stats")
 
 
-def _vllm_logprobs(body: dict, stream: bool) -> tuple[int | None, bool]:
-    """vLLM's prompt_logprobs (not streamed: they come with the whole response) and return_tokens_as_token_ids."""
+def _vllm_extras(body: dict, stream: bool) -> dict[str, Any]:
+    """Generation's fields from vLLM's prompt_logprobs (not streamed: they come with the whole response),
+    return_tokens_as_token_ids and return_token_ids."""
     prompt = body.get("prompt_logprobs")
     if prompt == -1 and not isinstance(prompt, bool):  # vLLM's whole vocabulary, past its default --max-logprobs too
         raise APIError(f"prompt_logprobs -1 (every token of the vocabulary) is not served; at most {MAX_LOGPROBS}",
@@ -344,7 +346,8 @@ def _vllm_logprobs(body: dict, stream: bool) -> tuple[int | None, bool]:
     if prompt is not None and stream:
         raise APIError("prompt_logprobs are not streamed (they come with the whole response); send stream: false",
                        "prompt_logprobs")
-    return prompt, _flag(body, "return_tokens_as_token_ids")
+    return {"prompt_logprobs": prompt, "tokens_as_ids": _flag(body, "return_tokens_as_token_ids"),
+            "token_ids": _flag(body, "return_token_ids")}
 
 
 def completion_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_bytes: int) -> Generation:
@@ -385,9 +388,9 @@ def completion_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_te
     if max_tokens == 0 and (min_tokens := _integer(body, "min_tokens", 0, INT32_MAX, 0)):  # said of the 0 sent,
         raise APIError(f"min_tokens must be an integer in [0, max_tokens (0)], got {min_tokens}", "min_tokens")
     params, guide_field = _sampling(body, tokenizer, max_tokens or 1, logprobs, stream)  # not the 1 run
-    prompt_logprobs, as_ids = _vllm_logprobs(body, stream)
-    if echo and logprobs is not None or prompt_logprobs is not None:  # echo's: the prompt's logprobs too (scoring)
-        asked = [n for n in (logprobs if echo else None, prompt_logprobs) if n is not None]
+    extras = _vllm_extras(body, stream)
+    if echo and logprobs is not None or extras["prompt_logprobs"] is not None:  # echo's: the prompt's too (scoring)
+        asked = [n for n in (logprobs if echo else None, extras["prompt_logprobs"]) if n is not None]
         params = replace(params, prompt_logprobs=max(asked))
     if len(prompts) * params.num_sequences > MAX_SEQUENCES:
         name = params.num_sequences_name
@@ -396,7 +399,7 @@ def completion_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_te
     include_usage, continuous = _stream_options(body, stream)
     return Generation(prompts, params, stream, include_usage, texts if echo else None, guide_field,
                       echo_logprobs=echo and logprobs is not None, echo_only=max_tokens == 0,
-                      continuous_usage=continuous, prompt_logprobs=prompt_logprobs, tokens_as_ids=as_ids)
+                      continuous_usage=continuous, **extras)
 
 
 def _messages(body: dict, max_text_bytes: int) -> list[dict[str, str]]:
@@ -476,12 +479,12 @@ def chat_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_byt
         raise APIError(f"{name} {max_tokens} with messages of {len(ids)} tokens with the chat template exceeds "
                        f"max_seq_len {max_seq_len}; at most {max_seq_len - len(ids)}", name)
     params, guide_field = _sampling(body, tokenizer, max_tokens, logprobs, stream)
-    prompt_logprobs, as_ids = _vllm_logprobs(body, stream)
-    if prompt_logprobs is not None:
-        params = replace(params, prompt_logprobs=prompt_logprobs)
+    extras = _vllm_extras(body, stream)
+    if extras["prompt_logprobs"] is not None:
+        params = replace(params, prompt_logprobs=extras["prompt_logprobs"])
     include_usage, continuous = _stream_options(body, stream)
     return Generation([ids], params, stream, include_usage, guide_field=guide_field, continuous_usage=continuous,
-                      prompt_logprobs=prompt_logprobs, tokens_as_ids=as_ids)
+                      **extras)
 
 
 def parameter_of(message: str, request_names: Mapping[str, str]) -> str | None:
