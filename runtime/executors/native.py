@@ -212,7 +212,9 @@ class Executor:
             seq = Sequence(rid if size == 1 else f"{rid}#{i}", list(prompt_token_ids), len(prompt_token_ids), p,
                            (seed + i) % SEED_MODULUS, in_thinking=self._thinking_after(prompt_token_ids),
                            stop_ids=tracker.stop_ids, penalty=penalty,
-                           mtp_dropped=params.num_draft_tokens == 0,  # never drafts: keeps no MTP inputs
+                           # never drafts (a single token comes from the prefill): keeps no MTP inputs, and reuses
+                           # cached prompt blocks without their MTP rows (it recomputed the prompt for them)
+                           mtp_dropped=params.num_draft_tokens == 0 or params.max_tokens == 1,
                            grammar=self.grammars.matcher(params.guided_decoding) if params.guided_decoding else None,
                            leader=group[0][0] if i else None)
             group.append((seq, tracker))
