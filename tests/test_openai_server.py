@@ -338,6 +338,11 @@ def test_vllms_return_token_ids(server: Server, plain: Session) -> None:
         model="deepseek-v3-mini", prompt=PROMPTS[0], max_tokens=TOKENS, temperature=0, stream=True, extra_body=extra)]
     assert [c["choices"][0].get("prompt_token_ids") for c in chunks] == [ids] + [None] * (len(chunks) - 1)
     assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == want
+    echoed = [c.model_dump() for c in server.client.completions.create(
+        model="deepseek-v3-mini", prompt=PROMPTS[0], max_tokens=4, temperature=0, stream=True, echo=True,
+        extra_body={**extra, "prompt_logprobs": 0})]  # 0 streamed: taken, as vLLM takes it, and none sent
+    assert echoed[0]["choices"][0]["text"] == PROMPTS[0] and echoed[0]["choices"][0]["token_ids"] == []
+    assert all("token_ids" in c["choices"][0] and "prompt_logprobs" not in c["choices"][0] for c in echoed)
     scored = server.client.completions.create(model="deepseek-v3-mini", prompt=PROMPTS[0], max_tokens=0, echo=True,
                                               extra_body=extra)
     assert (scored.choices[0].model_extra["prompt_token_ids"], scored.choices[0].model_extra["token_ids"]) == (ids, [])
@@ -458,6 +463,27 @@ def test_continuous_usage_stats_and_http_errors_in_openais_shape(server: Server)
         model="deepseek-v3-mini", messages=[{"role": "user", "content": "Who made the light?"}], max_tokens=8,
         temperature=0, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}))
     assert chat[0].usage.completion_tokens == 0 and all(c.usage is not None for c in chat)  # the role chunk too
+    # as vLLM counts: each chunk its own choice's prompt and tokens so far (the sums over the request before)
+    prompts = [server.client.completions.create(model="deepseek-v3-mini", prompt=p, max_tokens=1,
+                                                extra_body={"return_token_ids": True})
+               .choices[0].model_extra["prompt_token_ids"] for p in PROMPTS[:2]]
+    chunks = list(server.client.completions.create(
+        model="deepseek-v3-mini", prompt=PROMPTS[:2], max_tokens=6, temperature=1.0, seed=2, n=2, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    by_choice: dict[int, list] = {}
+    for c in chunks[:-1]:
+        by_choice.setdefault(c.choices[0].index, []).append(c.usage)
+    assert sorted(by_choice) == [0, 1, 2, 3] and len(prompts[0]) != len(prompts[1])
+    for index, usages in by_choice.items():
+        assert {u.prompt_tokens for u in usages} == {len(prompts[index // 2])}
+        counts = [u.completion_tokens for u in usages]
+        assert counts == sorted(counts) and counts[-1] == 6
+    assert chunks[-1].usage.completion_tokens == 24 and not chunks[-1].choices
+    chat = list(server.client.chat.completions.create(
+        model="deepseek-v3-mini", messages=[{"role": "user", "content": "Who made the light?"}], max_tokens=4,
+        temperature=1.0, n=2, stream=True))
+    roles = [(c.choices[0].index, c.choices[0].delta.role) for c in chat if c.choices[0].delta.role]
+    assert roles == [(0, "assistant"), (1, "assistant")]  # a first chunk per choice, as vLLM and OpenAI send
     status, body = server.post("/v1/nowhere", {})
     assert (status, body) == (404, {"error": {"message": "Not Found", "type": "invalid_request_error", "param": None,
                                               "code": "404"}})

@@ -199,27 +199,31 @@ class OpenAIServer:
         outputs = _merged(handles)
         choices = len(g.prompts) * g.n
         try:
+            produced: dict[int, int] = {}  # completion tokens so far, by choice (continuous usage)
             announced: set[int] = set()  # return_token_ids: the choices whose prompt's ids were sent (their first)
 
-            def chunk(cs: list[dict[str, Any]], usage_: dict[str, int] | None) -> str:
-                if g.token_ids and not chat:
-                    for c in cs:
-                        if c["index"] not in announced:
-                            c["prompt_token_ids"] = g.prompts[c["index"] // g.n]
-                            announced.add(c["index"])
-                return _sse(protocol.completion_object(g, self.model, cs, chat, chunk=True, usage_=usage_))
+            def chunk(c: dict[str, Any], token_ids: list[int] | None = None) -> str:
+                """One choice's chunk, with vLLM's extras its request asked for (the prompt's ids with the first)."""
+                index = c["index"]
+                extra = {}
+                if g.token_ids:
+                    c["token_ids"] = token_ids or []
+                    if index not in announced:
+                        announced.add(index)
+                        extra = {"prompt_token_ids": g.prompts[index // g.n]}
+                if not chat:
+                    c.update(extra)
+                body = protocol.completion_object(g, self.model, [c], chat, chunk=True,
+                                                  usage_=self._usage_so_far(g, index, produced))
+                return _sse({**body, **extra} if chat else body)
 
-            if chat:  # the first chunk of each choice names the role, as OpenAI streams it
-                first = protocol.completion_object(
-                    g, self.model, [protocol.choice(i, None, None, chat, True, role=True) for i in range(choices)],
-                    chat, chunk=True, usage_=self._usage_so_far(g, {}))
-                yield _sse({**first, "prompt_token_ids": g.prompts[0]} if g.token_ids else first)
-            elif g.echo_texts is not None and not g.echo_logprobs:
-                yield chunk([protocol.choice(i, g.echo_texts[i // g.n], None, chat, True) for i in range(choices)],
-                            self._usage_so_far(g, {}))
+            for i in range(choices):  # as vLLM: the first chunk of each choice names the role (chat), or echoes
+                if chat:
+                    yield chunk(protocol.choice(i, None, None, chat, True, role=True))
+                elif g.echo_texts is not None and not g.echo_logprobs:
+                    yield chunk(protocol.choice(i, g.echo_texts[i // g.n], None, chat, True))
             fmt = self.formats[g.tokens_as_ids]
             offsets = [protocol.TextOffsets(fmt) for _ in range(choices)]  # completions' text_offset
-            produced: dict[int, int] = {}  # completion tokens so far, by choice (continuous usage)
             async for prompt, out in outputs:
                 index = prompt * g.n + out.index
                 if out.failed:
@@ -229,17 +233,14 @@ class OpenAIServer:
                 if g.echo_logprobs and index not in produced:  # the prompt's logprobs come with its first output
                     lps = fmt.prompt_completion(g.prompts[prompt], out.prompt_logprobs, offsets[index],
                                                 g.params.logprobs)
-                    c = protocol.choice(index, g.echo_texts[prompt], None, chat, chunk=True, logprobs=lps)
-                    yield chunk([c], self._usage_so_far(g, produced))
+                    yield chunk(protocol.choice(index, g.echo_texts[prompt], None, chat, chunk=True, logprobs=lps))
                 produced[index] = out.stats.output_tokens
                 if out.finished:
                     finals[index] = out
                 if out.text_delta or out.finished or out.new_logprobs or g.token_ids and out.new_token_ids:
                     c = protocol.choice(index, out.text_delta, out.finish_reason, chat, chunk=True,
                                         logprobs=self._logprobs(g, out.new_logprobs, chat, offsets[index]))
-                    if g.token_ids:
-                        c["token_ids"] = list(out.new_token_ids)
-                    yield chunk([c], self._usage_so_far(g, produced))
+                    yield chunk(c, list(out.new_token_ids))
             else:
                 outcome = "ok"
                 if g.include_usage:
@@ -254,11 +255,12 @@ class OpenAIServer:
                     h.cancel()
             self._log(g, [finals[i] for i in sorted(finals)], outcome, t0)
 
-    def _usage_so_far(self, g: Generation, produced: dict[int, int]) -> dict[str, int] | None:
-        """A streamed chunk's usage with continuous_usage_stats: the prompts and every choice's tokens so far."""
+    def _usage_so_far(self, g: Generation, index: int, produced: dict[int, int]) -> dict[str, int] | None:
+        """A streamed chunk's usage with continuous_usage_stats, as vLLM counts it: its choice's prompt and the
+        choice's tokens so far."""
         if not g.continuous_usage:
             return None
-        prompt, completion = sum(map(len, g.prompts)), sum(produced.values())
+        prompt, completion = len(g.prompts[index // g.n]), produced.get(index, 0)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def _choice_logprobs(self, g: Generation, index: int, out: RequestOutput, chat: bool) -> dict[str, Any] | None:

@@ -343,9 +343,11 @@ def _vllm_extras(body: dict, stream: bool) -> dict[str, Any]:
         raise APIError(f"prompt_logprobs -1 (every token of the vocabulary) is not served; at most {MAX_LOGPROBS}",
                        "prompt_logprobs")
     prompt = _integer(body, "prompt_logprobs", 0, MAX_LOGPROBS, None)
-    if prompt is not None and stream:
-        raise APIError("prompt_logprobs are not streamed (they come with the whole response); send stream: false",
-                       "prompt_logprobs")
+    if prompt is not None and stream:  # vLLM takes 0 streamed, and streams none
+        if prompt:
+            raise APIError("prompt_logprobs are not streamed (they come with the whole response); send stream: "
+                           "false", "prompt_logprobs")
+        prompt = None
     return {"prompt_logprobs": prompt, "tokens_as_ids": _flag(body, "return_tokens_as_token_ids"),
             "token_ids": _flag(body, "return_token_ids")}
 
