@@ -30,6 +30,7 @@ EXECUTOR_PARAMETERS = {
     "kv_cache_free_gpu_mem_fraction": ("free_memory_fraction", number),
     "enable_kv_cache_reuse": ("enable_block_reuse", boolean),  # TensorRT-LLM's legacy name
     "max_queue_size": ("max_queued_requests", queue_bound), "device": ("device", str)}
+PARAMETER_OF = {field: name for name, (field, _) in EXECUTOR_PARAMETERS.items()}  # an executor setting's parameter
 TRITON_PARAMETERS = {
     name: (name, cast) for name, cast in (
         ("torch_threads", integer), ("engine_process", boolean), ("cancellation_check_period_ms", integer),
@@ -44,8 +45,9 @@ def engine_parameters(model_config: dict, decoupled: bool) -> EngineParameters:
         for name, value in values.items():  # each value alone, so an out-of-range one is named by its parameter
             try:
                 settings(cls, **{parameters[name][0]: value})
-            except ValueError as e:
-                raise ValueError(f"model {model_config.get('name', '?')}: parameter {name}: {e}") from None
+            except ValueError as e:  # "<field> must be ...": said of the parameter
+                reason = str(e).removeprefix(f"{parameters[name][0]} ")
+                raise ValueError(f"model {model_config.get('name', '?')}: parameter {name}: {reason}") from None
         return settings(cls, **given, **{parameters[name][0]: value for name, value in values.items()})
 
     return EngineParameters(read(ExecutorConfig, EXECUTOR_PARAMETERS), read(TritonConfig, TRITON_PARAMETERS,

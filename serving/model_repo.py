@@ -20,10 +20,12 @@ from pathlib import Path
 import yaml
 
 from runtime.io.atomic import atomic_write, check_not_replacing, new_output_dir, os_error_text
-from runtime.io.engine_format import ENGINE_JSON, read_limits
+from runtime.executors.base import check_settings
+from runtime.io.engine_format import read_limits
 from serving.fill_template import UPSTREAM_ONLY, fill, parse_substitutions, placeholders
 from serving.llmapi_config import MODEL_YAML, model_yaml
-from serving.engine_parameters import engine_parameters
+from serving.request_validation import refused_parameter
+from serving.engine_parameters import PARAMETER_OF, engine_parameters
 from serving.triton_parameters import TritonConfig, read_model_config
 
 TEMPLATE_REPO = Path(__file__).resolve().parents[1] / "triton_repo"
@@ -88,17 +90,18 @@ def fill_model_repo(dst: Path, values: dict[str, str], src: Path = TEMPLATE_REPO
 
 
 def check_engine_model(repo: Path, engine_dir: Path, decoupled: bool) -> None:
-    """Read the filled tensorrt_llm model's settings as the model reads them when it loads, and check them against
-    the engine as its executor will: a repository whose model would fail to load is refused here, naming the
-    parameter, rather than by the server."""
+    """Read the filled tensorrt_llm model's settings as the model reads them when it loads, and check them as its
+    executor will on the engine: a repository whose model would fail to load is refused here, naming the parameter,
+    rather than by the server."""
     settings = engine_parameters(read_model_config(repo / "tensorrt_llm"), decoupled).executor
-    cfg, build = read_limits(engine_dir)
-    built = (engine_dir / ENGINE_JSON).is_file()  # a plain checkpoint's limits are defaults, not build choices
     try:
-        settings.limits(build, cfg, str(engine_dir), built)
-        settings.draft_len(build.max_draft_len, cfg.num_nextn_predict_layers, str(engine_dir), built)
+        check_settings(engine_dir, settings)
     except ValueError as e:
-        raise ValueError(f"model tensorrt_llm: {e}") from None
+        field = refused_parameter(str(e))
+        if field not in PARAMETER_OF:
+            raise ValueError(f"model tensorrt_llm: {e}") from None
+        reason = str(e).removeprefix(f"{field} ")
+        raise ValueError(f"model tensorrt_llm: parameter {PARAMETER_OF[field]}: {reason}") from None
 
 
 def add_llmapi_model(repo: Path, engine_dir: Path, *, decoupled: bool = True, name: str = "tensorrt_llm") -> Path:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from runtime.core.sampling_params import SamplingParams
-from runtime.executors.base import ExecutorConfig, create_executor
+from runtime.executors.base import ExecutorConfig, QueueFull, create_executor
 from runtime.executors.process import ProcessExecutor, _delta_of, _Stream
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -183,6 +183,21 @@ def test_bad_request_raises_in_the_caller(engine):
     h.cancel()
     assert h.result(30).finish_reason == "cancelled"
     assert engine.submit(PROMPTS[1], SamplingParams(max_tokens=4), request_id="same").result(30).finished
+
+
+def test_a_full_queue_is_queue_full_in_the_caller(spec_checkpoint):
+    """Load shedding's refusal crosses the pipe as QueueFull with its bound (each server words it by its own setting's
+    name): of a burst of 10 long requests on a batch of one with a bound of one, those past the bound are refused."""
+    config = ExecutorConfig(num_draft_tokens=0, max_seq_len=96, max_batch_size=1, max_queued_requests=1)
+    with ProcessExecutor(spec_checkpoint, config, torch_threads=1) as ex:
+        taken, refused = [], []
+        for _ in range(10):
+            try:
+                taken.append(ex.submit(PROMPTS[0], SamplingParams(max_tokens=80, ignore_eos=True)))
+            except QueueFull as e:
+                refused.append(e)
+        assert refused and all(e.bound == 1 and str(e) == QueueFull.worded(1) for e in refused)
+        assert all(len(h.result(60).token_ids) == 80 for h in taken)
 
 
 def test_cancel_frees_the_blocks(engine):

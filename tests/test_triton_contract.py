@@ -39,7 +39,7 @@ from serving.request_validation import (GUIDED_INPUTS, UNSUPPORTED_ENGINE_INPUTS
                                         refuse_unsupported)
 from serving.triton_parameters import TritonConfig  # noqa: E402
 from runtime.executors.base import ExecutorConfig  # noqa: E402
-from test_triton import DTYPES, Streamed, grpc_inputs, http_generate  # noqa: E402
+from test_triton import DTYPES, Streamed, grpc_inputs, http_generate, metric, metrics, wait_for  # noqa: E402
 from triton_util import TEMPLATE_REPO, TritonServer, add_model, fill_model_repo, make_tiny_checkpoint, repo_values, start_server  # noqa: E402
 
 UPSTREAM = json.loads((Path(__file__).parent / "data" / "upstream_triton_contract.json").read_text())
@@ -212,13 +212,17 @@ def test_a_full_queue_is_unavailable_naming_max_queue_size(unary: TritonServer, 
 
     ids = session.tokenizer.encode(PROMPTS[0])
     long = dict(input_ids=np.array([ids], np.int32), input_lengths=np.array([[len(ids)]], np.int32),
-                request_output_len=np.array([[900]], np.int32), end_id=np.array([[-1]], np.int32))
+                request_output_len=np.array([[1000 - len(ids)]], np.int32), end_id=np.array([[-1]], np.int32))
     results: dict[str, Any] = {}
     workers = [threading.Thread(target=lambda rid=rid: results.update(
         {rid: infer_grpc(unary, "tensorrt_llm_bounded", rid, **long)})) for rid in ("running", "waiting")]
-    for worker in workers:
+
+    def requests(kind: str) -> float:
+        return metric(metrics(unary), "nv_trt_llm_request_metrics", model="tensorrt_llm_bounded", request_type=kind)
+
+    for worker, kind in zip(workers, ("active", "waiting")):  # the second waits while the first runs
         worker.start()
-        time.sleep(0.3)
+        assert wait_for(lambda: requests(kind) >= 1), kind
     try:
         with pytest.raises(InferenceServerException) as e:
             infer_grpc(unary, "tensorrt_llm_bounded", **long)
@@ -643,8 +647,7 @@ def test_make_model_repo_never_deletes_its_inputs_nor_leaves_half_a_repository(t
                              ("max_queue_size:-1", "make_model_repo: model tensorrt_llm: parameter max_queue_size: "
                                                    "expected an integer >= 0 (0: no bound), got '-1'\n"),
                              ("speculation:sometimes", "make_model_repo: model tensorrt_llm: parameter speculation: "
-                                                       "speculation must be 'off', 'fixed' or 'adaptive', got "
-                                                       "'sometimes'\n")):
+                                                       "must be 'off', 'fixed' or 'adaptive', got 'sometimes'\n")):
         bad = subprocess.run([script, "--engine_dir", checkpoint, "--output_dir", repo, "--force", "--set", setting],
                              capture_output=True, text=True)
         assert (bad.returncode, bad.stderr) == (2, message)
@@ -655,13 +658,14 @@ def test_make_model_repo_never_deletes_its_inputs_nor_leaves_half_a_repository(t
 @pytest.mark.parametrize("setting, message", [
     ("num_draft_tokens:three", "parameter num_draft_tokens: expected an integer, got 'three'"),
     ("kv_cache_free_gpu_mem_fraction:2",
-     "parameter kv_cache_free_gpu_mem_fraction: free_memory_fraction must be in (0, 1], got 2.0"),
-    ("watchdog_timeout_s:0", "parameter watchdog_timeout_s: watchdog_timeout_s must be a number in [0.001, 86400], "
-                             "got 0.0"),
-    ("device:tpu", "parameter device: device must be cpu or cuda[:index], got 'tpu'"),
+     "parameter kv_cache_free_gpu_mem_fraction: must be in (0, 1], got 2.0"),
+    ("watchdog_timeout_s:0", "parameter watchdog_timeout_s: must be a number in [0.001, 86400], got 0.0"),
+    ("device:tpu", "parameter device: must be cpu or cuda[:index], got 'tpu'"),
     # and against the engine, as its executor checks them
-    ("executor_max_seq_len:100000", "max_seq_len 100000 exceeds max_position_embeddings (1024) of {checkpoint}"),
-    ("num_draft_tokens:9", "num_draft_tokens 9 exceeds 8, the most the MTP module is re-run for ({checkpoint})")])
+    ("executor_max_seq_len:100000",
+     "parameter executor_max_seq_len: 100000 exceeds max_position_embeddings (1024) of {checkpoint}"),
+    ("num_draft_tokens:9", "parameter num_draft_tokens: 9 exceeds 8, the most the MTP module is re-run for "
+                           "({checkpoint})")])
 def test_make_model_repo_reads_the_engine_model_as_it_loads(tmp_path: Path, checkpoint: Path, capsys, setting: str,
                                                            message: str) -> None:
     """Every value the legacy tensorrt_llm model would refuse when a server loads it (its parameters read by the

@@ -1,4 +1,4 @@
-"""The TensorRT-LLM adapter (runtime.executors.trtllm) and serving/check_trtllm.py, without TensorRT-LLM.
+"""The TensorRT-LLM adapter (runtime.executors.trtllm, trtllm_api) and serving/check_trtllm.py, without TensorRT-LLM.
 
 TensorRT-LLM cannot be installed here, so this file has three kinds of tests:
 - the pure mappings: our SamplingParams -> tensorrt_llm.SamplingParams keyword arguments (every
@@ -292,6 +292,23 @@ def engine(engine_dir: Path) -> TrtllmEngine:
     return TrtllmEngine.open(engine_dir)
 
 
+def test_make_model_repo_checks_the_settings_as_the_trtllm_executor_does(engine_dir: Path, tmp_path: Path,
+                                                                          capsys) -> None:
+    """The legacy tensorrt_llm model serves a --backend trtllm engine through TrtllmExecutor, whose LLM-API
+    arguments refuse a queue bound: make_model_repo refuses it too (it wrote the repository, and the server then
+    failed to load the model), and takes the engine's settings (no TensorRT-LLM needed for either)."""
+    import serving.model_repo as model_repo
+
+    assert model_repo.main(["--engine_dir", str(engine_dir), "--output_dir", str(tmp_path / "repo"),
+                            "--set", "max_queue_size:4"]) == 2
+    assert capsys.readouterr().err == (
+        "make_model_repo: model tensorrt_llm: parameter max_queue_size: 4: not available with a --backend trtllm "
+        "engine (TensorRT-LLM's LLM API takes no queue bound); leave it unset\n")
+    assert model_repo.main(["--engine_dir", str(engine_dir), "--output_dir", str(tmp_path / "repo"),
+                            "--set", "num_draft_tokens:2,speculation:fixed"]) == 0
+    assert (tmp_path / "repo" / "tensorrt_llm" / "config.pbtxt").is_file()
+
+
 def wait_until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -529,7 +546,7 @@ def test_llm_kwargs_as_built_and_with_executor_config(engine: TrtllmEngine, capl
     assert "speculative_config" not in llm_kwargs_for(opts, m, ExecutorConfig(num_draft_tokens=3, speculation="off"))
     two = llm_kwargs_for(opts, m, ExecutorConfig(num_draft_tokens=2, speculation="fixed"))
     assert two == {**opts, "speculative_config": {"decoding_type": "MTP", "num_nextn_predict_layers": 2}}
-    with caplog.at_level(logging.WARNING, "runtime.executors.trtllm"):
+    with caplog.at_level(logging.WARNING, "runtime.executors.trtllm_api"):
         assert llm_kwargs_for(opts, m, ExecutorConfig(num_draft_tokens=2, speculation="adaptive")) == two
     assert "'adaptive' is not available with TensorRT-LLM" in caplog.text
     limited = llm_kwargs_for(opts, m, ExecutorConfig(num_draft_tokens=1, speculation="fixed", max_batch_size=4,

@@ -15,7 +15,8 @@ from runtime.core.sampling import RelaxedAcceptance
 from runtime.core.sampling_params import SamplingParams
 from runtime.core.scheduler import SchedulerConfig
 from runtime.executors.requests import ExecutorStats, RequestHandle, RequestOutput
-from runtime.io.engine_format import MAX_DRAFT_LEN, BuildConfig, check_model_limits, engine_backend
+from runtime.io.engine_format import (ENGINE_JSON, MAX_DRAFT_LEN, BuildConfig, EngineManifest, check_model_limits,
+                                     engine_backend, read_limits)
 from runtime.io.tokenizer import Tokenizer
 from runtime.model.config import ModelConfig
 
@@ -36,7 +37,7 @@ class QueueFull(RuntimeError):
         return f"the queue is full: {bound} requests wait to be scheduled ({setting}); try again later"
 
     def __reduce__(self) -> tuple:  # across the engine process's pipe with its bound
-        return QueueFull, (self.bound,)
+        return type(self), (self.bound,)
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class ExecutorConfig:
     # the executor, runtime.executors.ranks); 1, its rank files joined in this process
     world_size: int | None = None
     # load shedding, as SGLang's --max-queued-requests: a submit while this many requests wait to be scheduled is
-    # refused (RuntimeError: a server's 503 / UNAVAILABLE, for the client to retry); None: no bound, as vLLM
+    # refused (QueueFull: a server's 503 / UNAVAILABLE, for the client to retry); None: no bound, as vLLM
     max_queued_requests: int | None = None
 
     def __post_init__(self) -> None:
@@ -190,6 +191,22 @@ def submit_all(executor: ExecutorProtocol, prompts: list[list[int]], params: Sam
             h.cancel()
         raise
     return handles
+
+
+def check_settings(path: str | Path, config: ExecutorConfig) -> None:
+    """What creating an executor on `path` with `config` refuses before it loads a weight (ValueError naming the
+    setting), for a deployment written before any server loads it (make_model_repo)."""
+    path, source = Path(path), str(path)
+    if engine_backend(path) == "trtllm":
+        from runtime.executors.trtllm_api import llm_kwargs_for, read_llm_api_options
+
+        llm_kwargs_for(read_llm_api_options(path), EngineManifest.read(path), config, source=source)
+        return
+    cfg, build = read_limits(path)
+    built = (path / ENGINE_JSON).is_file()  # a plain checkpoint's limits are defaults, not build choices
+    config.ranks(build, source)
+    config.limits(build, cfg, source, built)
+    config.draft_len(build.max_draft_len, cfg.num_nextn_predict_layers, source, built)
 
 
 def create_executor(path: str | Path, config: ExecutorConfig = ExecutorConfig(), **kwargs: Any) -> ExecutorProtocol:

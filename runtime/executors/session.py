@@ -73,8 +73,9 @@ class Session:
                  **limits: int | None):
         """`speculation` 'fixed' drafts num_draft_tokens every step; 'adaptive' (the servers' default, for
         load) picks up to that many per step from the batch size and measured acceptance, after profiling the step
-        costs at start; a script's few requests at a time draft best at a fixed k, so 'fixed' is the default here; num_draft_tokens=0 is plain decoding, None
-        drafts 3 where the model has an MTP layer (at most the engine's max_draft_len) and none where not.
+        costs at start; a script's few requests at a time draft best at a fixed k, so 'fixed' is the default here.
+        num_draft_tokens=0 is plain decoding, None drafts 3 where the model has an MTP layer (at most the engine's
+        max_draft_len) and none where not.
         `enable_block_reuse` False turns prefix caching off (every prompt is computed in full).
         `limits` are ExecutorConfig's (max_batch_size, kv_cache_tokens, free_memory_fraction, ...).
         An engine built with --backend trtllm runs on TensorRT-LLM (runtime.executors.trtllm)."""

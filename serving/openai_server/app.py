@@ -159,10 +159,10 @@ class OpenAIServer:
         for p, extra in enumerate(prompt_extras):
             if g.prompt_logprobs is not None:  # decoded_token their text, as vLLM's (not token ids)
                 extra["prompt_logprobs"] = self.formats[False].prompt(outs[p * g.n].prompt_logprobs, g.prompt_logprobs)
-            if g.token_ids:
+            if g.return_token_ids:
                 extra["prompt_token_ids"] = g.prompts[p]
         for i, (c, o) in enumerate(zip(choices, outs)):
-            if g.token_ids:
+            if g.return_token_ids:
                 c["token_ids"] = [] if g.echo_only else list(o.token_ids)
             if not chat:
                 c.update(prompt_extras[i // g.n])
@@ -206,7 +206,7 @@ class OpenAIServer:
                 """One choice's chunk, with vLLM's extras its request asked for (the prompt's ids with the first)."""
                 index = c["index"]
                 extra = {}
-                if g.token_ids:
+                if g.return_token_ids:
                     c["token_ids"] = token_ids or []
                     if index not in announced:
                         announced.add(index)
@@ -237,7 +237,7 @@ class OpenAIServer:
                 produced[index] = out.stats.output_tokens
                 if out.finished:
                     finals[index] = out
-                if out.text_delta or out.finished or out.new_logprobs or g.token_ids and out.new_token_ids:
+                if out.text_delta or out.finished or out.new_logprobs or g.return_token_ids and out.new_token_ids:
                     c = protocol.choice(index, out.text_delta, out.finish_reason, chat, chunk=True,
                                         logprobs=self._logprobs(g, out.new_logprobs, chat, offsets[index]))
                     yield chunk(c, list(out.new_token_ids))

@@ -106,7 +106,7 @@ class Generation:
     continuous_usage: bool = False  # streamed: usage so far in every chunk (vLLM's continuous_usage_stats)
     prompt_logprobs: int | None = None  # vLLM's extra: the prompt's logprobs with this many alternatives, returned
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
-    token_ids: bool = False  # vLLM's return_token_ids: the prompt's and each choice's token ids, streamed or not
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids, streamed or not
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -339,7 +339,7 @@ def _vllm_extras(body: dict, stream: bool) -> dict[str, Any]:
     """Generation's fields from vLLM's prompt_logprobs (not streamed: they come with the whole response),
     return_tokens_as_token_ids and return_token_ids."""
     prompt = body.get("prompt_logprobs")
-    if prompt == -1 and not isinstance(prompt, bool):  # vLLM's whole vocabulary, past its default --max-logprobs too
+    if prompt == -1:  # vLLM's whole vocabulary, past its default --max-logprobs too
         raise APIError(f"prompt_logprobs -1 (every token of the vocabulary) is not served; at most {MAX_LOGPROBS}",
                        "prompt_logprobs")
     prompt = _integer(body, "prompt_logprobs", 0, MAX_LOGPROBS, None)
@@ -349,7 +349,7 @@ def _vllm_extras(body: dict, stream: bool) -> dict[str, Any]:
                            "false", "prompt_logprobs")
         prompt = None
     return {"prompt_logprobs": prompt, "tokens_as_ids": _flag(body, "return_tokens_as_token_ids"),
-            "token_ids": _flag(body, "return_token_ids")}
+            "return_token_ids": _flag(body, "return_token_ids")}
 
 
 def completion_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_bytes: int) -> Generation:
