@@ -484,6 +484,17 @@ def test_continuous_usage_stats_and_http_errors_in_openais_shape(server: Server)
         temperature=1.0, n=2, stream=True))
     roles = [(c.choices[0].index, c.choices[0].delta.role) for c in chat if c.choices[0].delta.role]
     assert roles == [(0, "assistant"), (1, "assistant")]  # a first chunk per choice, as vLLM and OpenAI send
+    # without a generation prompt the model continues the last message: its role names the answer, as vLLM's
+    turns = [{"role": "user", "content": "Who made the light?"}, {"role": "assistant", "content": "In the"}]
+    answer = server.client.chat.completions.create(model="deepseek-v3-mini", messages=turns, max_tokens=2,
+                                                   extra_body={"add_generation_prompt": False})
+    assert answer.choices[0].message.role == "assistant"
+    turns[-1] = {"role": "user", "content": "And the"}
+    for stream in (False, True):
+        answer = server.client.chat.completions.create(model="deepseek-v3-mini", messages=turns, max_tokens=2,
+                                                       stream=stream, extra_body={"add_generation_prompt": False})
+        first = next(iter(answer)).choices[0].delta if stream else answer.choices[0].message
+        assert first.role == "user"
     status, body = server.post("/v1/nowhere", {})
     assert (status, body) == (404, {"error": {"message": "Not Found", "type": "invalid_request_error", "param": None,
                                               "code": "404"}})

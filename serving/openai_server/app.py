@@ -151,7 +151,7 @@ class OpenAIServer:
         texts = ["" if g.echo_only else o.text for o in outs]
         if g.echo_texts is not None:
             texts = [g.echo_texts[i // g.n] + t for i, t in enumerate(texts)]
-        choices = [protocol.choice(i, t, "length" if g.echo_only else o.finish_reason, chat, chunk=False,
+        choices = [protocol.choice(i, t, "length" if g.echo_only else o.finish_reason, chat, chunk=False, role=g.role,
                                    logprobs=self._choice_logprobs(g, i, o, chat))
                    for i, (t, o) in enumerate(zip(texts, outs))]
         # vLLM's extras about the prompt: on each completions choice, once on a chat response
@@ -219,7 +219,7 @@ class OpenAIServer:
 
             for i in range(choices):  # as vLLM: the first chunk of each choice names the role (chat), or echoes
                 if chat:
-                    yield chunk(protocol.choice(i, None, None, chat, True, role=True))
+                    yield chunk(protocol.choice(i, None, None, chat, True, role=g.role))
                 elif g.echo_texts is not None and not g.echo_logprobs:
                     yield chunk(protocol.choice(i, g.echo_texts[i // g.n], None, chat, True))
             fmt = self.formats[g.tokens_as_ids]

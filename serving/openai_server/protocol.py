@@ -107,6 +107,7 @@ class Generation:
     prompt_logprobs: int | None = None  # vLLM's extra: the prompt's logprobs with this many alternatives, returned
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids, streamed or not
+    role: str = "assistant"  # chat's answer: the last message's role where it continues it (vLLM's rule)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -458,9 +459,10 @@ def chat_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_byt
     if not isinstance(extra, dict) or set(extra) & RESERVED_NAMES:
         raise APIError("chat_template_kwargs must be an object of the template's own variables (not "
                        f"{', '.join(sorted(RESERVED_NAMES))}), got {str(extra)[:120]}", "chat_template_kwargs")
+    generation_prompt = _flag(body, "add_generation_prompt", True)
     try:
-        text = render_chat(tokenizer.chat_template, messages, tokenizer,
-                           add_generation_prompt=_flag(body, "add_generation_prompt", True), variables=extra)
+        text = render_chat(tokenizer.chat_template, messages, tokenizer, add_generation_prompt=generation_prompt,
+                           variables=extra)
     except RequestError as e:
         raise APIError(str(e), "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages") \
             from None
@@ -485,8 +487,9 @@ def chat_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_byt
     if extras["prompt_logprobs"] is not None:
         params = replace(params, prompt_logprobs=extras["prompt_logprobs"])
     include_usage, continuous = _stream_options(body, stream)
+    role = "assistant" if generation_prompt else body["messages"][-1]["role"]  # without it, the last one continues
     return Generation([ids], params, stream, include_usage, guide_field=guide_field, continuous_usage=continuous,
-                      **extras)
+                      role=role, **extras)
 
 
 def parameter_of(message: str, request_names: Mapping[str, str]) -> str | None:
@@ -528,13 +531,14 @@ def completion_object(g: Generation, model: str, choices: list[dict[str, Any]], 
 
 
 def choice(index: int, text: str | None, finish_reason: str | None, chat: bool, chunk: bool,
-           role: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+           role: str | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A choice of a response or chunk; chat's names `role` (a chunk only where given: the first of a choice)."""
     if not chat:
         return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
     if not chunk:
-        return {"index": index, "message": {"role": "assistant", "content": text or ""}, "logprobs": logprobs,
+        return {"index": index, "message": {"role": role or "assistant", "content": text or ""}, "logprobs": logprobs,
                 "finish_reason": finish_reason}
-    delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+    delta: dict[str, Any] = {"role": role, "content": ""} if role else {}
     if text:
         delta["content"] = text
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
