@@ -32,7 +32,8 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
-from runtime.executors.base import ExecutorConfig, ExecutorProtocol, QueueFull, create_executor
+from runtime.executors.base import ExecutorConfig, ExecutorProtocol, create_executor
+from runtime.executors.errors import QueueFull
 from runtime.executors.process import ProcessExecutor, use_engine_process
 from runtime.executors.requests import RequestOutput, RequestStats
 from runtime.core.sampling_params import SamplingParams

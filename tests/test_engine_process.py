@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from runtime.core.sampling_params import SamplingParams
-from runtime.executors.base import ExecutorConfig, QueueFull, create_executor
+from runtime.executors.base import ExecutorConfig, create_executor
+from runtime.executors.errors import QueueFull
 from runtime.executors.process import ProcessExecutor, _delta_of, _Stream
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")

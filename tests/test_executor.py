@@ -23,7 +23,8 @@ import torch
 
 from conftest import tiny_config_dict
 from runtime.io.loading import load_engine
-from runtime.executors.base import ExecutorConfig, QueueFull, submit_all
+from runtime.executors.base import ExecutorConfig, submit_all
+from runtime.executors.errors import QueueFull
 from runtime.executors import native as native_executor
 from runtime.executors.native import Executor
 from runtime.executors.requests import RequestHandle, RequestOutput, RequestStats

@@ -69,7 +69,7 @@ def expected(session: Session) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def unary(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
     """The legacy flavour, every model non-decoupled (upstream end_to_end_test.py's deployment), prefix caching off
-    (enable_kv_cache_reuse false); and tensorrt_llm_bounded."""
+    (enable_kv_cache_reuse false); and tensorrt_llm_bounded with a BLS of its own."""
     work = tmp_path_factory.mktemp("contract_unary")
     repo = fill_model_repo(work / "repo", repo_values(checkpoint, decoupled_mode="false",
                                                       enable_kv_cache_reuse="false"))
@@ -77,6 +77,9 @@ def unary(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     add_model(repo, TEMPLATE_REPO / "tensorrt_llm", repo_values(checkpoint, decoupled_mode="false", max_queue_size="1",
                                                                executor_max_batch_size="1", num_draft_tokens="0"),
               name="tensorrt_llm_bounded")
+    add_model(repo, TEMPLATE_REPO / "tensorrt_llm_bls", repo_values(
+        checkpoint, decoupled_mode="false", bls_instance_count="1", tensorrt_llm_model_name="tensorrt_llm_bounded"),
+        name="tensorrt_llm_bls_bounded")
     srv = start_server(repo, log_file=work / "server.log", ready_timeout_s=240, exit_timeout_s=3)
     try:
         yield srv
@@ -206,8 +209,8 @@ def test_unary_tensorrt_llm_shares_the_batch_and_takes_stop(unary: TritonServer,
 
 def test_a_full_queue_is_unavailable_naming_max_queue_size(unary: TritonServer, session: Session) -> None:
     """Load shedding through Triton: with one request running (a batch of one) and one waiting (max_queue_size 1), a
-    third is refused with UNAVAILABLE naming the bound by its Triton name, for the client to retry; the server
-    serves the others and the next request."""
+    third is refused with UNAVAILABLE naming the bound by its Triton name, for the client to retry, also through the
+    BLS (it answered INTERNAL / 500); the server serves the others and the next request."""
     from tritonclient.utils import InferenceServerException
 
     ids = session.tokenizer.encode(PROMPTS[0])
@@ -229,6 +232,10 @@ def test_a_full_queue_is_unavailable_naming_max_queue_size(unary: TritonServer, 
         assert (e.value.status(), e.value.message()) == (
             "StatusCode.UNAVAILABLE", "the queue is full: 1 requests wait to be scheduled (max_queue_size); try again "
                                       "later")
+        with pytest.raises(InferenceServerException) as e:  # relayed by the BLS (Triton made it INTERNAL there)
+            infer(unary, "tensorrt_llm_bls_bounded", ["text_output"], text_input=np.array([["hi"]], object),
+                  max_tokens=np.array([[4]], np.int32))
+        assert e.value.status() == "503" and "(max_queue_size); try again later" in e.value.message(), e.value
     finally:
         for rid in ("running", "waiting"):
             infer_grpc(unary, "tensorrt_llm_bounded", rid, input_ids=np.array([[0]], np.int32),

@@ -24,22 +24,6 @@ from runtime.model.config import ModelConfig
 DEFAULT_DRAFT_TOKENS = 3  # when num_draft_tokens is not given and the model can draft
 
 
-class QueueFull(RuntimeError):
-    """A request refused by load shedding while `bound` requests wait to be scheduled (a server's 503 / UNAVAILABLE,
-    for the client to retry). Each surface names the bound by the setting its users set (`worded`)."""
-
-    def __init__(self, bound: int) -> None:
-        super().__init__(self.worded(bound))
-        self.bound = bound
-
-    @staticmethod
-    def worded(bound: int, setting: str = "max_queued_requests") -> str:
-        return f"the queue is full: {bound} requests wait to be scheduled ({setting}); try again later"
-
-    def __reduce__(self) -> tuple:  # across the engine process's pipe with its bound
-        return type(self), (self.bound,)
-
-
 @dataclass(frozen=True)
 class ExecutorConfig:
     """Serving settings; limits left as None come from the engine and may not exceed it."""

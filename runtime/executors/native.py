@@ -32,7 +32,8 @@ from runtime.core.draft_policy import DraftPolicy
 from runtime.core.grammar import GrammarCompiler
 from runtime.core.prefix_cache import PrefixCache
 from runtime.core.scheduler import Scheduler
-from runtime.executors.base import ExecutorConfig, QueueFull
+from runtime.executors.base import ExecutorConfig
+from runtime.executors.errors import QueueFull
 from runtime.executors.requests import (BestOf, ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestStats,
                                        RequestTracker)
 from runtime.core.sequence import PenaltyState, Sequence

@@ -21,6 +21,7 @@ from typing import Any, Iterator
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from runtime.executors.errors import QueueFull
 from serving.engine_limits import PublishedLimits
 from serving.legacy_request import check_engine_request, engine_request
 from serving.perf_metrics import PERF_OUTPUTS
@@ -38,11 +39,12 @@ STATS = (*(name for name, *_ in PERF_OUTPUTS["legacy"]), "num_input_tokens", "nu
 
 
 class BLSError(Exception):
-    """An error response from a composing model, passed on to the client as it is (its code too)."""
+    """An error response from a composing model, passed on to the client as it is, its code too: Triton 2.51 hands
+    it over as INTERNAL, so a full queue is made UNAVAILABLE again (the code a client retries on)."""
 
     def __init__(self, error: Any) -> None:
         super().__init__(error.message())
-        self.code = error.code()
+        self.code = pb_utils.TritonError.UNAVAILABLE if QueueFull.is_worded(error.message()) else error.code()
 
 
 def renamed(request: Any, names: dict[str, str]) -> dict[str, np.ndarray]:
