@@ -27,6 +27,9 @@ from runtime.io.atomic import atomic_write
 DEFAULTS = {"max_queue_size": "0", "max_queue_delay_microseconds": "0"}
 BOOLEANS = ("decoupled_mode",)  # bare booleans: true or false in any case (upstream writes False); protobuf text
 # would also read 0x0, 0 or f as false, so those are refused rather than guessed at
+# bare integers of config.pbtxt's own fields (protobuf text would refuse anything else, and the server with it)
+INTEGERS = ("triton_max_batch_size", "max_queue_delay_microseconds", "preprocessing_instance_count",
+            "postprocessing_instance_count", "bls_instance_count")
 BARE_VALUE = re.compile(r"[A-Za-z0-9_.,+-]+")  # numbers and lists of them: no space, quote, brace or colon
 
 # Keys of TensorRT-LLM backend's inflight_batcher_llm templates that upstream's documented commands pass and ours
@@ -77,7 +80,10 @@ def parse_substitutions(text: str) -> dict[str, str]:
         parts = split_escaped(item, ":", maxsplit=1)
         if len(parts) != 2 or not parts[0].strip():
             raise ValueError(f"substitution {item!r}: expected key:value")
-        subs[parts[0].strip()] = parts[1]
+        key = parts[0].strip()
+        if key in subs:  # which one was meant?
+            raise ValueError(f"substitution {key!r} given twice")
+        subs[key] = parts[1]
     return subs
 
 
@@ -109,6 +115,9 @@ def check_value(key: str, value: str, quoted: bool, source: str) -> None:
     elif key in BOOLEANS:
         if value.lower() not in ("true", "false"):
             raise ValueError(f"{source}: {key}:{value!r}: expected true or false")
+    elif key in INTEGERS:
+        if not (value.isascii() and value.isdigit() and int(value) < 2**31):
+            raise ValueError(f"{source}: {key}:{value!r}: expected an integer in [0, {2**31 - 1}]")
     elif not BARE_VALUE.fullmatch(value):
         raise ValueError(f"{source}: {key}:{value!r}: expected a number or a list of them (letters, digits and "
                          "'.,_+-' only: a space, quote, brace or colon would add settings of its own)")

@@ -23,10 +23,12 @@ from runtime.io.atomic import atomic_write, check_not_replacing, new_output_dir,
 from runtime.executors.base import check_settings
 from runtime.io.engine_format import read_limits
 from serving.fill_template import UPSTREAM_ONLY, fill, parse_substitutions, placeholders
+from runtime.io.tokenizer import TOKENIZER_FILE
 from serving.llmapi_config import MODEL_YAML, model_yaml
 from serving.request_validation import refused_parameter
 from serving.engine_parameters import PARAMETER_OF, engine_parameters
-from serving.triton_parameters import TritonConfig, read_model_config
+from serving.text_processing import Postprocessor, Preprocessor
+from serving.triton_parameters import TritonConfig, boolean, parameter, read_model_config
 
 TEMPLATE_REPO = Path(__file__).resolve().parents[1] / "triton_repo"
 LLMAPI_TEMPLATE = Path(__file__).resolve().parents[1] / "triton_repo_llmapi" / "tensorrt_llm"
@@ -71,7 +73,8 @@ def add_model(repo: Path, template: Path, values: dict[str, str], name: str | No
             link = key.removesuffix("_dir")
             (dst / link).symlink_to(Path(values[key]).resolve(), target_is_directory=True)
             values[key] = link
-    config.write_text(fill(text, {k: v for k, v in values.items() if "${" + k + "}" in text}, str(config)))
+    config.write_text(fill(text, {k: v for k, v in values.items() if "${" + k + "}" in text},
+                           f"{dst.name}/config.pbtxt"))  # named in the repository: it is written in a temporary one
     return dst
 
 
@@ -87,6 +90,23 @@ def fill_model_repo(dst: Path, values: dict[str, str], src: Path = TEMPLATE_REPO
     for model in models:
         add_model(dst, model, values)
     return dst
+
+
+def check_repository(repo: Path, engine_dir: Path, values: dict[str, str]) -> None:
+    """Read each model's settings as the model reads them when it loads (`check_engine_model` for tensorrt_llm; the
+    text models load their tokenizer): a repository a server would fail to load is refused here, naming the model
+    and the parameter, rather than by the server."""
+    check_engine_model(repo, engine_dir, values["decoupled_mode"].lower() == "true")
+    for name, readers in (("preprocessing", (Preprocessor,)), ("postprocessing", (Postprocessor,)),
+                          ("tensorrt_llm_bls", (Preprocessor, Postprocessor))):
+        config = read_model_config(repo / name)
+        for reader in readers:
+            reader.from_config(config, str(repo / name))
+    parameter(read_model_config(repo / "tensorrt_llm_bls"), "accumulate_tokens", boolean)
+    engine_model = values["tensorrt_llm_model_name"]
+    if not (repo / engine_model / "config.pbtxt").is_file():
+        raise ValueError(f"--set tensorrt_llm_model_name:{engine_model}: no such model in the repository (the BLS "
+                         "calls it for every request); its engine model is tensorrt_llm")
 
 
 def check_engine_model(repo: Path, engine_dir: Path, decoupled: bool) -> None:
@@ -134,6 +154,16 @@ def main(argv: list[str] | None = None) -> int:
         subs = parse_substitutions(args.set)
         if "engine_dir" in subs:
             raise ValueError("--set engine_dir: the engine is --engine_dir")
+        for key, value in subs.items():
+            if "${" in value:  # a model reads a placeholder left in place as unset
+                raise ValueError(f"--set {key}:{value}: a template placeholder is not a value")
+        tokenizer = subs.get("tokenizer_dir")
+        if tokenizer is not None and not (Path(tokenizer) / TOKENIZER_FILE).is_file():
+            raise ValueError(f"--set tokenizer_dir:{tokenizer}: no {TOKENIZER_FILE} in that directory")
+        for flag, source in (("--engine_dir", args.engine_dir), ("--set tokenizer_dir", tokenizer)):
+            if source is not None and Path(source).resolve() in args.output_dir.resolve().parents:
+                raise ValueError(f"--output_dir {args.output_dir} is inside {flag} ({source}): the repository links "
+                                 "that directory, and Triton would walk the loop; choose a directory outside it")
         check_not_replacing(args.output_dir, "--output_dir", {
             "--engine_dir": args.engine_dir, "the current directory": Path.cwd(), "the templates": TEMPLATE_REPO,
             "the llmapi template": LLMAPI_TEMPLATE.parent,
@@ -152,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 values = default_values(args.engine_dir.resolve(), **subs)
                 fill_model_repo(repo, values)
-                check_engine_model(repo, args.engine_dir, values["decoupled_mode"].lower() == "true")
+                check_repository(repo, args.engine_dir, values)
     except (ValueError, KeyError) as e:
         print(f"make_model_repo: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         return 2

@@ -1313,8 +1313,7 @@ def test_finished_requests_count_each_returned_sequence(server: TritonServer) ->
     ("engine_dir", '/e" }\nbackend: "pytorch', "a quote, backslash or control character ('\"') cannot stand inside a "
                                                 "config.pbtxt string"),
     ("engine_dir", "/e\nx", "a quote, backslash or control character ('\\n') cannot stand inside a config.pbtxt string"),
-    ("triton_max_batch_size", '8 backend: "evil"', "expected a number or a list of them (letters, digits and '.,_+-' "
-                                                   "only: a space, quote, brace or colon would add settings of its own)"),
+    ("triton_max_batch_size", '8 backend: "evil"', "expected an integer in [0, 2147483647]"),
     ("decoupled_mode", "0x0", "expected true or false"),
 ])
 def test_fill_template_refuses_values_that_would_add_settings(key: str, value: str, message: str) -> None:
@@ -1324,6 +1323,10 @@ def test_fill_template_refuses_values_that_would_add_settings(key: str, value: s
     with pytest.raises(ValueError) as e:
         fill(template, {key: value}, "c.pbtxt")
     assert str(e.value) == f"c.pbtxt: {key}:{value!r}: {message}"
+    with pytest.raises(ValueError) as e:  # a bare value of another template (upstream's): a number or a list
+        fill("sizes: [ ${sizes} ]", {"sizes": '8 ] backend: "evil'}, "c.pbtxt")
+    assert str(e.value) == ("c.pbtxt: sizes:'8 ] backend: \"evil': expected a number or a list of them (letters, "
+                            "digits and '.,_+-' only: a space, quote, brace or colon would add settings of its own)")
 
 
 def test_make_model_repo_writes_no_absolute_path(tmp_path: Path, shipped_model_dir: Path) -> None:

@@ -686,6 +686,48 @@ def test_make_model_repo_reads_the_engine_model_as_it_loads(tmp_path: Path, chec
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("setting, message", [
+    ("add_special_tokens:maybe", "model preprocessing: parameter add_special_tokens: expected true or false, got "
+                                 "'maybe'"),
+    ("vocab_size:x", "model postprocessing: parameter vocab_size: expected an integer, got 'x'"),
+    ("accumulate_tokens:maybe", "model tensorrt_llm_bls: parameter accumulate_tokens: expected true or false, got "
+                                "'maybe'"),
+    ("tensorrt_llm_model_name:nope", "--set tensorrt_llm_model_name:nope: no such model in the repository (the BLS "
+                                     "calls it for every request); its engine model is tensorrt_llm"),
+    ("tokenizer_dir:/nonexistent", "--set tokenizer_dir:/nonexistent: no tokenizer.json in that directory"),
+    ("triton_max_batch_size:abc", "ensemble/config.pbtxt: triton_max_batch_size:'abc': expected an integer in "
+                                  "[0, 2147483647]"),
+    ("num_draft_tokens:${oops}", "--set num_draft_tokens:${oops}: a template placeholder is not a value"),
+    ("num_draft_tokens:1,num_draft_tokens:2", "substitution 'num_draft_tokens' given twice")])
+def test_make_model_repo_reads_every_model_as_it_loads(tmp_path: Path, checkpoint: Path, capsys, setting: str,
+                                                      message: str) -> None:
+    """The text models' and the BLS's settings too (each model's own reader, the tokenizers loaded), and Triton's own
+    numbers: each of these repositories was written, and then a server failed to load it or every BLS request
+    failed."""
+    import serving.model_repo as model_repo
+
+    assert model_repo.main(["--engine_dir", str(checkpoint), "--output_dir", str(tmp_path / "repo"),
+                            "--set", setting]) == 2
+    assert capsys.readouterr().err == f"make_model_repo: {message}\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_make_model_repo_refuses_an_output_inside_what_it_links(tmp_path: Path, checkpoint: Path, capsys) -> None:
+    """The repository links the engine (and a --set tokenizer_dir): inside either, Triton walked the loop and never
+    became ready (a 740 MB log in 2 minutes)."""
+    import serving.model_repo as model_repo
+
+    engine = tmp_path / "engine"
+    shutil.copytree(checkpoint, engine)
+    for flags, flag in (([], "--engine_dir"), (["--set", f"tokenizer_dir:{engine}"], "--set tokenizer_dir")):
+        assert model_repo.main(["--engine_dir", str(engine if not flags else checkpoint), "--output_dir",
+                                str(engine / "repo"), *flags]) == 2
+        assert capsys.readouterr().err == (
+            f"make_model_repo: --output_dir {engine / 'repo'} is inside {flag} ({engine}): the repository links that "
+            "directory, and Triton would walk the loop; choose a directory outside it\n")
+    assert not (engine / "repo").exists()
+
+
 def test_make_model_repo_on_a_full_disk_is_one_line(tmp_path: Path, checkpoint: Path, monkeypatch, capsys) -> None:
     """The file system's refusals while the repository is written (here no space, after a first file) are one line
     naming the file, exit status 2, and no half-written repository (shutil's traceback before)."""
