@@ -20,7 +20,7 @@ from builder.trtllm_engine import TrtllmOptions, build_trtllm_engine
 from builder.validation import (NO_QUANT, BuildError, check_tokenizer, machine_memory, memory_notes,
                                 open_hf_checkpoint, plan_text, validate_build, validate_sharding)
 from runtime.io.atomic import (OutputDirError, check_not_replacing, check_output_dir, os_error_text, owned_tempdir,
-                               remove_stale)
+                               release_owned, remove_stale)
 from runtime.io.checkpoint import CheckpointError, HFCheckpoint
 from runtime.io.engine_format import DEFAULT_MAX_DRAFT_LEN, BuildConfig, EngineError, max_draft_len_allowed
 from runtime.model.config import ConfigError, ModelConfig
@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"build_engine: error: {os_error_text(e)}; no output directory was written", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        release_owned()
         print("build_engine: interrupted; no output directory was written", file=sys.stderr)
         return 130
     if not args.dry_run:

@@ -9,7 +9,8 @@ are (string.Template.safe_substitute), so a template can be filled in several pa
 file does not contain is an error (a typo would otherwise be silently ignored), except the keys of
 upstream's templates that this repository has no use for (GPU memory, beam search, LoRA, logits
 outputs, ...): those are accepted and reported as ignored, so upstream's documented commands run
-unchanged.
+unchanged. A key given twice is refused (upstream's keeps the last), and so is a value a server would
+not load: one that leaves its string or number in config.pbtxt (`check_value`).
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def quoted_placeholders(template_text: str) -> set[str]:
     return quoted
 
 
-def check_value(key: str, value: str, quoted: bool, source: str) -> None:
+def check_value(key: str, value: str, quoted: bool, source: str, low: int = 0) -> None:
     """A value must stay inside its place in config.pbtxt: a quote or a line break would end the string and add
     settings of its own (a `backend:` line, parameters), so values are refused, never escaped into meaning."""
     if quoted:
@@ -116,8 +117,8 @@ def check_value(key: str, value: str, quoted: bool, source: str) -> None:
         if value.lower() not in ("true", "false"):
             raise ValueError(f"{source}: {key}:{value!r}: expected true or false")
     elif key in INTEGERS:
-        if not (value.isascii() and value.isdigit() and int(value) < 2**31):
-            raise ValueError(f"{source}: {key}:{value!r}: expected an integer in [0, {2**31 - 1}]")
+        if not (value.isascii() and value.isdigit() and low <= int(value) < 2**31):
+            raise ValueError(f"{source}: {key}:{value!r}: expected an integer in [{low}, {2**31 - 1}]")
     elif not BARE_VALUE.fullmatch(value):
         raise ValueError(f"{source}: {key}:{value!r}: expected a number or a list of them (letters, digits and "
                          "'.,_+-' only: a space, quote, brace or colon would add settings of its own)")
@@ -132,8 +133,9 @@ def fill(template_text: str, substitutions: dict[str, str], source: str = "templ
         raise KeyError(f"{source}: no placeholder ${{{missing[0]}}} (keys not found: {', '.join(missing)})")
     quoted = quoted_placeholders(template_text)
     for key, value in substitutions.items():
-        if key in present:
-            check_value(key, value, key in quoted, source)
+        if key in present:  # a dynamic batch's preferred size must be positive (Triton's rule)
+            low = 1 if re.search(r"preferred_batch_size:\s*\[\s*\$\{" + key + "}", template_text) else 0
+            check_value(key, value, key in quoted, source, low)
     return tmpl.safe_substitute({**DEFAULTS, **substitutions})
 
 

@@ -16,19 +16,20 @@ import argparse
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from runtime.io.atomic import atomic_write, check_not_replacing, new_output_dir, os_error_text
 from runtime.executors.base import check_settings
-from runtime.io.engine_format import read_limits
-from serving.fill_template import UPSTREAM_ONLY, fill, parse_substitutions, placeholders
+from runtime.io.engine_format import read_limits, tokenizer_dir
 from runtime.io.tokenizer import TOKENIZER_FILE
+from serving.fill_template import UPSTREAM_ONLY, fill, parse_substitutions, placeholders
 from serving.llmapi_config import MODEL_YAML, model_yaml
 from serving.request_validation import refused_parameter
 from serving.engine_parameters import PARAMETER_OF, engine_parameters
-from serving.text_processing import Postprocessor, Preprocessor
-from serving.triton_parameters import TritonConfig, boolean, parameter, read_model_config
+from serving.text_processing import Postprocessor, Preprocessor, bls_settings
+from serving.triton_parameters import TritonConfig, read_model_config
 
 TEMPLATE_REPO = Path(__file__).resolve().parents[1] / "triton_repo"
 LLMAPI_TEMPLATE = Path(__file__).resolve().parents[1] / "triton_repo_llmapi" / "tensorrt_llm"
@@ -44,7 +45,7 @@ def default_values(engine_dir: Path, **overrides: str) -> dict[str, str]:
         "triton_max_batch_size": "64",
         "decoupled_mode": "true",
         "engine_dir": str(engine_dir),
-        "tokenizer_dir": str(engine_dir),
+        "tokenizer_dir": str(tokenizer_dir(engine_dir)),
         "max_input_tokens": str(build.max_seq_len),
         "vocab_size": str(cfg.vocab_size),
         "speculation": "adaptive",
@@ -97,13 +98,15 @@ def check_repository(repo: Path, engine_dir: Path, values: dict[str, str]) -> No
     text models load their tokenizer): a repository a server would fail to load is refused here, naming the model
     and the parameter, rather than by the server."""
     check_engine_model(repo, engine_dir, values["decoupled_mode"].lower() == "true")
-    for name, readers in (("preprocessing", (Preprocessor,)), ("postprocessing", (Postprocessor,)),
-                          ("tensorrt_llm_bls", (Preprocessor, Postprocessor))):
-        config = read_model_config(repo / name)
-        for reader in readers:
-            reader.from_config(config, str(repo / name))
-    parameter(read_model_config(repo / "tensorrt_llm_bls"), "accumulate_tokens", boolean)
-    engine_model = values["tensorrt_llm_model_name"]
+    read: dict[str, Any] = {}
+    for name, reader in (("preprocessing", Preprocessor.from_config), ("postprocessing", Postprocessor.from_config),
+                         ("tensorrt_llm_bls", bls_settings)):
+        try:
+            read[name] = reader(read_model_config(repo / name), str(repo / name))
+        except FileNotFoundError:  # the tokenizer's: named as the user gave it, not in the temporary repository
+            raise ValueError(f"model {name}: parameter tokenizer_dir: no {TOKENIZER_FILE} in "
+                             f"{values['tokenizer_dir']}") from None
+    engine_model = read["tensorrt_llm_bls"].engine_model
     if not (repo / engine_model / "config.pbtxt").is_file():
         raise ValueError(f"--set tensorrt_llm_model_name:{engine_model}: no such model in the repository (the BLS "
                          "calls it for every request); its engine model is tensorrt_llm")
@@ -135,7 +138,7 @@ def add_llmapi_model(repo: Path, engine_dir: Path, *, decoupled: bool = True, na
     config = dst / "config.pbtxt"
     text = config.read_text().replace('name: "tensorrt_llm"', f'name: "{name}"', 1)
     config.write_text(fill(text, {"triton_max_batch_size": str(doc["triton_config"]["max_batch_size"]),
-                                  "decoupled_mode": str(decoupled).lower()}, str(config)))
+                                  "decoupled_mode": str(decoupled).lower()}, f"{dst.name}/config.pbtxt"))
     return dst
 
 
@@ -158,8 +161,6 @@ def main(argv: list[str] | None = None) -> int:
             if "${" in value:  # a model reads a placeholder left in place as unset
                 raise ValueError(f"--set {key}:{value}: a template placeholder is not a value")
         tokenizer = subs.get("tokenizer_dir")
-        if tokenizer is not None and not (Path(tokenizer) / TOKENIZER_FILE).is_file():
-            raise ValueError(f"--set tokenizer_dir:{tokenizer}: no {TOKENIZER_FILE} in that directory")
         for flag, source in (("--engine_dir", args.engine_dir), ("--set tokenizer_dir", tokenizer)):
             if source is not None and Path(source).resolve() in args.output_dir.resolve().parents:
                 raise ValueError(f"--output_dir {args.output_dir} is inside {flag} ({source}): the repository links "

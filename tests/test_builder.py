@@ -282,6 +282,22 @@ def test_sigterm_cleans_up_like_ctrl_c(hf, tmp_path):
     assert list(work.iterdir()) == []
 
 
+def test_an_interrupt_before_the_with_block_leaves_nothing(tmp_path):
+    """A SIGTERM landing after `with owned_tempdir(...)`'s entry returned but before its block started skipped the
+    exit that removes the temporary and its lock (a CI run of the test above left the lock): build_engine's interrupt
+    handler removes what this process still owns (`release_owned`)."""
+    from runtime.io.atomic import release_owned
+
+    context = owned_tempdir(tmp_path, ".out.ckpt-")
+    tmp = context.__enter__()  # and the interrupt: no __exit__
+    assert tmp.is_dir() and len(list(tmp_path.iterdir())) == 2
+    release_owned()
+    assert list(tmp_path.iterdir()) == []
+    with owned_tempdir(tmp_path, ".out.ckpt-") as tmp:  # a block that ends as usual is not released twice
+        release_owned()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_force_replaces_atomically_and_never_deletes_inputs(hf, tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
     assert cli("--model_dir", hf, "--output_dir", out, "--max_seq_len", 256) == 0

@@ -358,6 +358,7 @@ def test_vllms_return_token_ids(server: Server, plain: Session) -> None:
     chunks = [c.model_dump() for c in server.client.chat.completions.create(
         model="deepseek-v3-mini", messages=messages, max_tokens=TOKENS, temperature=0, stream=True, extra_body=extra)]
     assert chunks[0]["prompt_token_ids"] == prompt and all("prompt_token_ids" not in c for c in chunks[1:])
+    assert "token_ids" not in chunks[0]["choices"][0]  # the role chunk, as vLLM's
     assert [t for c in chunks[1:] for t in c["choices"][0]["token_ids"]] == answer
 
 
@@ -484,7 +485,15 @@ def test_continuous_usage_stats_and_http_errors_in_openais_shape(server: Server)
         temperature=1.0, n=2, stream=True))
     roles = [(c.choices[0].index, c.choices[0].delta.role) for c in chat if c.choices[0].delta.role]
     assert roles == [(0, "assistant"), (1, "assistant")]  # a first chunk per choice, as vLLM and OpenAI send
-    # without a generation prompt the model continues the last message: its role names the answer, as vLLM's
+    status, body = server.post("/v1/nowhere", {})
+    assert (status, body) == (404, {"error": {"message": "Not Found", "type": "invalid_request_error", "param": None,
+                                              "code": "404"}})
+    req = urllib.request.Request(server.base + "/health", method="HEAD")
+    assert urllib.request.urlopen(req, timeout=10).status == 200
+
+
+def test_without_a_generation_prompt_the_answer_carries_the_last_role(server: Server) -> None:
+    """As vLLM's: with add_generation_prompt false the answer follows the last message and carries its role."""
     turns = [{"role": "user", "content": "Who made the light?"}, {"role": "assistant", "content": "In the"}]
     answer = server.client.chat.completions.create(model="deepseek-v3-mini", messages=turns, max_tokens=2,
                                                    extra_body={"add_generation_prompt": False})
@@ -495,11 +504,6 @@ def test_continuous_usage_stats_and_http_errors_in_openais_shape(server: Server)
                                                        stream=stream, extra_body={"add_generation_prompt": False})
         first = next(iter(answer)).choices[0].delta if stream else answer.choices[0].message
         assert first.role == "user"
-    status, body = server.post("/v1/nowhere", {})
-    assert (status, body) == (404, {"error": {"message": "Not Found", "type": "invalid_request_error", "param": None,
-                                              "code": "404"}})
-    req = urllib.request.Request(server.base + "/health", method="HEAD")
-    assert urllib.request.urlopen(req, timeout=10).status == 200
 
 
 BAD = [

@@ -1313,7 +1313,7 @@ def test_finished_requests_count_each_returned_sequence(server: TritonServer) ->
     ("engine_dir", '/e" }\nbackend: "pytorch', "a quote, backslash or control character ('\"') cannot stand inside a "
                                                 "config.pbtxt string"),
     ("engine_dir", "/e\nx", "a quote, backslash or control character ('\\n') cannot stand inside a config.pbtxt string"),
-    ("triton_max_batch_size", '8 backend: "evil"', "expected an integer in [0, 2147483647]"),
+    ("triton_max_batch_size", '8 backend: "evil"', "expected an integer in [1, 2147483647]"),
     ("decoupled_mode", "0x0", "expected true or false"),
 ])
 def test_fill_template_refuses_values_that_would_add_settings(key: str, value: str, message: str) -> None:

@@ -694,9 +694,11 @@ def test_make_model_repo_reads_the_engine_model_as_it_loads(tmp_path: Path, chec
                                 "'maybe'"),
     ("tensorrt_llm_model_name:nope", "--set tensorrt_llm_model_name:nope: no such model in the repository (the BLS "
                                      "calls it for every request); its engine model is tensorrt_llm"),
-    ("tokenizer_dir:/nonexistent", "--set tokenizer_dir:/nonexistent: no tokenizer.json in that directory"),
+    ("tokenizer_dir:/nonexistent", "model preprocessing: parameter tokenizer_dir: no tokenizer.json in /nonexistent"),
     ("triton_max_batch_size:abc", "ensemble/config.pbtxt: triton_max_batch_size:'abc': expected an integer in "
                                   "[0, 2147483647]"),
+    ("triton_max_batch_size:0", "preprocessing/config.pbtxt: triton_max_batch_size:'0': expected an integer in "
+                                "[1, 2147483647]"),  # a dynamic batch's preferred size (the llmapi flavour takes 0)
     ("num_draft_tokens:${oops}", "--set num_draft_tokens:${oops}: a template placeholder is not a value"),
     ("num_draft_tokens:1,num_draft_tokens:2", "substitution 'num_draft_tokens' given twice")])
 def test_make_model_repo_reads_every_model_as_it_loads(tmp_path: Path, checkpoint: Path, capsys, setting: str,

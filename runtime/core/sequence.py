@@ -72,7 +72,7 @@ class Sequence:
     num_mtp: int = 0
     pending_hidden: list[Tensor] = field(default_factory=list)
     mtp_idle_steps: int = 0  # decode steps in a row for which adaptive speculation chose k = 0
-    mtp_dropped: bool = False  # adaptive speculation gave up drafting for it: no MTP inputs kept
+    mtp_dropped: bool = False  # it never drafts (again): no MTP inputs kept (k 0, one token, or given up adaptively)
     in_thinking: bool = False
     admitted_at: int = -1  # admission order of its last admission (preemption takes the latest)
     stop_ids: frozenset[int] = frozenset()  # eos and stop token ids: banned while min_tokens is not reached

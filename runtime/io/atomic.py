@@ -40,26 +40,44 @@ def _interrupts_held() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
+_owned: dict[str, int] = {}  # the lock files (and their descriptors) of this process's owned temporaries
+
+
 @contextlib.contextmanager
 def owned_tempdir(parent: Path, prefix: str) -> Iterator[Path]:
     """A new directory `parent/<prefix>XXXX`, locked by this process until the block ends, then removed
     (unless the block renamed it away)."""
     parent.mkdir(parents=True, exist_ok=True)
-    made: tuple[int, str] | None = None
-    tmp: Path | None = None
+    lock: str | None = None
     try:  # everything inside: an interrupt (SIGTERM, Ctrl-C) anywhere still cleans up what exists
         with _interrupts_held():  # between creating the lock file and recording it, an interrupt would leave it
-            made = tempfile.mkstemp(prefix=prefix, suffix=LOCK_SUFFIX, dir=parent)
-        fcntl.flock(made[0], fcntl.LOCK_EX)
-        tmp = Path(made[1][: -len(LOCK_SUFFIX)])
+            fd, lock = tempfile.mkstemp(prefix=prefix, suffix=LOCK_SUFFIX, dir=parent)
+            _owned[lock] = fd
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        tmp = Path(lock[: -len(LOCK_SUFFIX)])
         tmp.mkdir(0o755)
         yield tmp
     finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if made is not None:
-            os.unlink(made[1])
-            os.close(made[0])
+        if lock is not None:
+            _release(lock)
+
+
+def release_owned() -> None:
+    """Remove the temporaries an interrupt left behind: one that lands after a `with owned_tempdir(...)`'s entry has
+    returned but before its block starts skips the exit that would remove them (rarely: a SIGTERM in a test's CI
+    run). For a command's interrupt handler."""
+    for lock in list(_owned):
+        _release(lock)
+
+
+def _release(lock: str) -> None:
+    fd = _owned.pop(lock, None)
+    if fd is None:
+        return
+    shutil.rmtree(lock[: -len(LOCK_SUFFIX)], ignore_errors=True)  # gone already where the block renamed it away
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(lock)
+    os.close(fd)
 
 
 @contextlib.contextmanager

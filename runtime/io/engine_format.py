@@ -292,6 +292,11 @@ class EngineManifest:
                 )
 
 
+def tokenizer_dir(path: str | Path) -> Path:
+    """Where an engine directory (or a checkpoint) keeps its tokenizer: a --backend trtllm engine's is in its HF_DIR."""
+    return Path(path) / HF_DIR if engine_backend(path) == "trtllm" else Path(path)
+
+
 def engine_backend(path: str | Path) -> str | None:
     """The backend an engine directory was built for ("native" or "trtllm"); None for anything else (a plain
     checkpoint, an unreadable engine.json: loading it says what is wrong)."""

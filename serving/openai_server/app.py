@@ -207,7 +207,8 @@ class OpenAIServer:
                 index = c["index"]
                 extra = {}
                 if g.return_token_ids:
-                    c["token_ids"] = token_ids or []
+                    if not (chat and token_ids is None):  # not on chat's role chunks, as vLLM
+                        c["token_ids"] = token_ids or []
                     if index not in announced:
                         announced.add(index)
                         extra = {"prompt_token_ids": g.prompts[index // g.n]}

@@ -107,7 +107,7 @@ class Generation:
     prompt_logprobs: int | None = None  # vLLM's extra: the prompt's logprobs with this many alternatives, returned
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids, streamed or not
-    role: str = "assistant"  # chat's answer: the last message's role where it continues it (vLLM's rule)
+    role: str = "assistant"  # chat's answer: without a generation prompt, the last message's role (vLLM's rule)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -487,7 +487,7 @@ def chat_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_byt
     if extras["prompt_logprobs"] is not None:
         params = replace(params, prompt_logprobs=extras["prompt_logprobs"])
     include_usage, continuous = _stream_options(body, stream)
-    role = "assistant" if generation_prompt else body["messages"][-1]["role"]  # without it, the last one continues
+    role = "assistant" if generation_prompt else body["messages"][-1]["role"]
     return Generation([ids], params, stream, include_usage, guide_field=guide_field, continuous_usage=continuous,
                       role=role, **extras)
 
@@ -536,7 +536,7 @@ def choice(index: int, text: str | None, finish_reason: str | None, chat: bool, 
     if not chat:
         return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
     if not chunk:
-        return {"index": index, "message": {"role": role or "assistant", "content": text or ""}, "logprobs": logprobs,
+        return {"index": index, "message": {"role": role, "content": text or ""}, "logprobs": logprobs,
                 "finish_reason": finish_reason}
     delta: dict[str, Any] = {"role": role, "content": ""} if role else {}
     if text:

@@ -28,8 +28,7 @@ from serving.perf_metrics import PERF_OUTPUTS
 from serving.request_validation import (ENGINE_INPUTS, PREPROCESSED, PREPROCESSING_INPUTS, TENSORRT_LLM_SCALARS,
                                         UNSUPPORTED_BLS_INPUTS, RequestError, no_unknown_parameters,
                                         refuse_non_neutral, refuse_unsupported)
-from serving.text_processing import Postprocessor, Preprocessor
-from serving.triton_parameters import boolean, parameter, sibling_config
+from serving.text_processing import bls_settings
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # tensorrt_llm's optional outputs, passed on when it sends them (return_perf_metrics, return_num_*_tokens,
@@ -96,16 +95,10 @@ class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         faulthandler.enable()  # a crash of this stub is logged with its Python stacks, not lost
         config = json.loads(args["model_config"])
-        model_dir = args["model_repository"]
-        if parameter(config, "tokenizer_dir") is not None:
-            self.preprocess = Preprocessor.from_config(config, model_dir)
-            self.postprocess = Postprocessor.from_config(config, model_dir)
-        else:  # filled by upstream's commands, which give the BLS no tokenizer: take its siblings' settings
-            self.preprocess = Preprocessor.from_config(*sibling_config(model_dir, "preprocessing"))
-            self.postprocess = Postprocessor.from_config(*sibling_config(model_dir, "postprocessing"))
+        settings = bls_settings(config, args["model_repository"])
+        self.preprocess, self.postprocess = settings.preprocess, settings.postprocess
+        self.engine_model, self.accumulate = settings.engine_model, settings.accumulate
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
-        self.engine_model = parameter(config, "tensorrt_llm_model_name", default="tensorrt_llm")
-        self.accumulate = parameter(config, "accumulate_tokens", boolean, default=False)
         self.engine_limits = PublishedLimits(self.engine_model)
 
     def execute(self, requests: list) -> list | None:
