@@ -165,9 +165,15 @@ def test_stop_strings_and_echo(server: Server, plain: Session) -> None:
     r = server.client.completions.create(model="deepseek-v3-mini", prompt=PROMPTS[0], max_tokens=TOKENS,
                                          temperature=0, stop=[stop])
     assert r.choices[0].text == full[: full.index(stop)] and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].model_extra["stop_reason"] == stop  # vLLM's: what ended it
     r = server.client.completions.create(model="deepseek-v3-mini", prompt=PROMPTS[0], max_tokens=TOKENS,
                                          temperature=0, echo=True)
-    assert r.choices[0].text == PROMPTS[0] + full
+    assert r.choices[0].text == PROMPTS[0] + full and r.choices[0].model_extra["stop_reason"] is None
+    chunks = list(server.client.chat.completions.create(  # every token stops it: the first one
+        model="deepseek-v3-mini", messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=TOKENS, temperature=0,
+        stream=True, extra_body={"stop_token_ids": list(range(plain.tokenizer.vocab_size))}))
+    ends = [(c.choices[0].finish_reason, c.choices[0].model_extra.get("stop_reason", "absent")) for c in chunks]
+    assert ends[-1][0] == "stop" and isinstance(ends[-1][1], int) and all(e == (None, "absent") for e in ends[:-1])
 
 
 def test_n_choices_with_a_seed_repeat_and_differ(server: Server, plain: Session) -> None:

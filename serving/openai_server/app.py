@@ -152,7 +152,7 @@ class OpenAIServer:
         if g.echo_texts is not None:
             texts = [g.echo_texts[i // g.n] + t for i, t in enumerate(texts)]
         choices = [protocol.choice(i, t, "length" if g.echo_only else o.finish_reason, chat, chunk=False, role=g.role,
-                                   logprobs=self._choice_logprobs(g, i, o, chat))
+                                   logprobs=self._choice_logprobs(g, i, o, chat), stop_reason=o.stop_reason)
                    for i, (t, o) in enumerate(zip(texts, outs))]
         # vLLM's extras about the prompt: on each completions choice, once on a chat response
         prompt_extras: list[dict[str, Any]] = [{} for _ in g.prompts]
@@ -240,7 +240,8 @@ class OpenAIServer:
                     finals[index] = out
                 if out.text_delta or out.finished or out.new_logprobs or g.return_token_ids and out.new_token_ids:
                     c = protocol.choice(index, out.text_delta, out.finish_reason, chat, chunk=True,
-                                        logprobs=self._logprobs(g, out.new_logprobs, chat, offsets[index]))
+                                        logprobs=self._logprobs(g, out.new_logprobs, chat, offsets[index]),
+                                        stop_reason=out.stop_reason)
                     yield chunk(c, list(out.new_token_ids))
             else:
                 outcome = "ok"

@@ -531,17 +531,20 @@ def completion_object(g: Generation, model: str, choices: list[dict[str, Any]], 
 
 
 def choice(index: int, text: str | None, finish_reason: str | None, chat: bool, chunk: bool,
-           role: str | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A choice of a response or chunk; chat's names `role` (a chunk only where given: the first of a choice)."""
+           role: str | None = None, logprobs: dict[str, Any] | None = None,
+           stop_reason: str | int | None = None) -> dict[str, Any]:
+    """A choice of a response or chunk; chat's names `role` (a chunk only where given: the first of a choice).
+    vLLM's stop_reason (the stop string or stop token id that ended it; null for eos and every other ending) is on
+    a whole choice and on a choice's last chunk."""
+    ending = {"finish_reason": finish_reason, **({"stop_reason": stop_reason} if finish_reason or not chunk else {})}
     if not chat:
-        return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "text": text or "", "logprobs": logprobs, **ending}
     if not chunk:
-        return {"index": index, "message": {"role": role, "content": text or ""}, "logprobs": logprobs,
-                "finish_reason": finish_reason}
+        return {"index": index, "message": {"role": role, "content": text or ""}, "logprobs": logprobs, **ending}
     delta: dict[str, Any] = {"role": role, "content": ""} if role else {}
     if text:
         delta["content"] = text
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {"index": index, "delta": delta, "logprobs": logprobs, **ending}
 
 
 class TextOffsets:
