@@ -20,14 +20,14 @@ from typing import Any
 
 import yaml
 
-from runtime.io.atomic import atomic_write, check_not_replacing, new_output_dir, os_error_text
 from runtime.executors.base import check_settings
+from runtime.io.atomic import atomic_write, check_not_replacing, new_output_dir, os_error_text
 from runtime.io.engine_format import read_limits, tokenizer_dir
 from runtime.io.tokenizer import TOKENIZER_FILE
+from serving.engine_parameters import PARAMETER_OF, engine_parameters
 from serving.fill_template import UPSTREAM_ONLY, fill, parse_substitutions, placeholders
 from serving.llmapi_config import MODEL_YAML, model_yaml
 from serving.request_validation import refused_parameter
-from serving.engine_parameters import PARAMETER_OF, engine_parameters
 from serving.text_processing import Postprocessor, Preprocessor, bls_settings
 from serving.triton_parameters import TritonConfig, read_model_config
 
