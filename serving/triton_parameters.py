@@ -21,19 +21,24 @@ TRUE_VALUES = ("1", "true", "yes", "t", "y", "on")
 FALSE_VALUES = ("0", "false", "no", "f", "n", "off")
 
 
+def shown(value: str, limit: int = 40) -> str:
+    """A value as an error quotes it: a parameter may be any length (a 5000-digit number was echoed whole)."""
+    return repr(value) if len(value) <= limit else f"{value[:limit]!r}... ({len(value)} characters)"
+
+
 def boolean(value: str) -> bool:
     if value.strip().lower() in TRUE_VALUES:
         return True
     if value.strip().lower() in FALSE_VALUES:
         return False
-    raise ValueError(f"expected true or false, got {value!r}")
+    raise ValueError(f"expected true or false, got {shown(value)}")
 
 
 def integer(value: str) -> int:
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"expected an integer, got {value!r}") from None
+        raise ValueError(f"expected an integer, got {shown(value)}") from None
 
 
 def queue_bound(value: str) -> int | None:
@@ -41,7 +46,7 @@ def queue_bound(value: str) -> int | None:
     0 is no bound, as upstream's."""
     bound = integer(value)
     if bound < 0:
-        raise ValueError(f"expected an integer >= 0 (0: no bound), got {value!r}")
+        raise ValueError(f"expected an integer >= 0 (0: no bound), got {shown(value)}")
     return bound or None
 
 
@@ -49,7 +54,7 @@ def number(value: str) -> float:
     try:
         return float(value)
     except ValueError:
-        raise ValueError(f"expected a number, got {value!r}") from None
+        raise ValueError(f"expected a number, got {shown(value)}") from None
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,13 @@ def test_a_value_that_does_not_parse_names_the_model_and_parameter(name: str, ra
     assert str(e.value) == message
 
 
+def test_a_long_value_is_quoted_short() -> None:
+    with pytest.raises(ValueError) as e:
+        parameter(config(max_queue_size="1" + "0" * 5000), "max_queue_size", integer)
+    assert str(e.value) == ("model postprocessing: parameter max_queue_size: expected an integer, got "
+                            "'1000000000000000000000000000000000000000'... (5001 characters)")
+
+
 def test_sibling_config_reads_another_models_parameters(tmp_path) -> None:
     """The BLS filled by upstream's commands has no tokenizer_dir: it takes preprocessing's settings from that
     model's config.pbtxt, read in the shape Triton gives a model its own."""
