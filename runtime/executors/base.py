@@ -15,8 +15,8 @@ from runtime.core.sampling import RelaxedAcceptance
 from runtime.core.sampling_params import SamplingParams
 from runtime.core.scheduler import SchedulerConfig
 from runtime.executors.requests import ExecutorStats, RequestHandle, RequestOutput
-from runtime.io.engine_format import (ENGINE_JSON, MAX_DRAFT_LEN, BuildConfig, EngineManifest, check_model_limits,
-                                     engine_backend, read_limits)
+from runtime.io.engine_format import (MAX_DRAFT_LEN, BuildConfig, EngineManifest, check_model_limits, engine_backend,
+                                     read_limits)
 from runtime.io.tokenizer import Tokenizer
 from runtime.model.config import ModelConfig
 
@@ -180,14 +180,14 @@ def submit_all(executor: ExecutorProtocol, prompts: list[list[int]], params: Sam
 def check_settings(path: str | Path, config: ExecutorConfig) -> None:
     """What creating an executor on `path` with `config` refuses before it loads a weight (ValueError naming the
     setting), for a deployment written before any server loads it (make_model_repo)."""
-    path, source = Path(path), str(path)
-    if engine_backend(path) == "trtllm":
+    path, source, backend = Path(path), str(path), engine_backend(path)
+    if backend == "trtllm":
         from runtime.executors.trtllm_api import llm_kwargs_for, read_llm_api_options
 
         llm_kwargs_for(read_llm_api_options(path), EngineManifest.read(path), config, source=source)
         return
     cfg, build = read_limits(path)
-    built = (path / ENGINE_JSON).is_file()  # a plain checkpoint's limits are defaults, not build choices
+    built = backend is not None  # a plain checkpoint's limits are defaults, not build choices
     config.ranks(build, source)
     config.limits(build, cfg, source, built)
     config.draft_len(build.max_draft_len, cfg.num_nextn_predict_layers, source, built)

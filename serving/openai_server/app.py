@@ -223,7 +223,7 @@ class OpenAIServer:
                     yield chunk(protocol.choice(i, None, None, chat, True, role=g.role))
                 elif g.echo_texts is not None and not g.echo_logprobs:
                     yield chunk(protocol.choice(i, g.echo_texts[i // g.n], None, chat, True))
-            fmt = self.formats[g.tokens_as_ids]
+            fmt = self._format(g)
             offsets = [protocol.TextOffsets(fmt) for _ in range(choices)]  # completions' text_offset
             async for prompt, out in outputs:
                 index = prompt * g.n + out.index
@@ -257,6 +257,10 @@ class OpenAIServer:
                     h.cancel()
             self._log(g, [finals[i] for i in sorted(finals)], outcome, t0)
 
+    def _format(self, g: Generation) -> protocol.LogprobsFormat:
+        """The request's logprobs format: tokens by their text, or by id (return_tokens_as_token_ids)."""
+        return self.formats[g.tokens_as_ids]
+
     def _usage_so_far(self, g: Generation, index: int, produced: dict[int, int]) -> dict[str, int] | None:
         """A streamed chunk's usage with continuous_usage_stats, as vLLM counts it: its choice's prompt and the
         choice's tokens so far."""
@@ -269,7 +273,7 @@ class OpenAIServer:
         """A whole choice's logprobs; with echo, its prompt's before its output's (none of an echo_only output's)."""
         if not g.echo_logprobs:
             return self._logprobs(g, out.logprobs, chat)
-        fmt = self.formats[g.tokens_as_ids]
+        fmt = self._format(g)
         offsets = protocol.TextOffsets(fmt)
         echoed = fmt.prompt_completion(g.prompts[index // g.n], out.prompt_logprobs, offsets, g.params.logprobs)
         if g.echo_only:
@@ -282,7 +286,7 @@ class OpenAIServer:
         """`offsets`: the choice's so far (streaming); a whole output starts its own."""
         if lps is None:
             return None
-        fmt = self.formats[g.tokens_as_ids]
+        fmt = self._format(g)
         return fmt.chat(lps) if chat else fmt.completion(lps, offsets or protocol.TextOffsets(fmt))
 
     def _log(self, g: Generation, outs: list[RequestOutput] | None, outcome: str, t0: float) -> None:
