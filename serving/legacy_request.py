@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.core.sampling_params import SamplingParams, seed_from_client, validate_request
+from runtime.core.sampling_params import LOGIT_BIAS_LIMIT, SamplingParams, seed_from_client, validate_request
 from runtime.io.tokenizer import Tokenizer
 from serving.engine_limits import EngineLimits
 from serving.request_validation import (GUIDED_INPUTS, NEUTRAL, TENSORRT_LLM_SCALARS, UNSUPPORTED_ENGINE_INPUTS,
@@ -59,6 +59,25 @@ def word_list(inputs: Inputs, name: str, vocab_size: int) -> list[list[int]]:
     words = [ids[a:b] for a, b in zip([0] + offsets, offsets) if b > a]
     token_ids((t for word in words for t in word), name, vocab_size)
     return words
+
+
+def logit_bias(inputs: Inputs, vocab_size: int) -> dict[int, float] | None:
+    """TensorRT-LLM's embedding_bias (a float per vocabulary token, added to its logit; [V] or [1, V], empty for none)
+    as logit_bias: its nonzero entries."""
+    arr = inputs.get("embedding_bias")
+    if arr is None or arr.size == 0:
+        return None
+    name = client_named("embedding_bias")
+    values = arr.reshape(-1) if arr.ndim == 1 or (arr.ndim == 2 and arr.shape[0] == 1) else None
+    if values is None or values.size > vocab_size:
+        raise RequestError(f"{name} must hold one bias per vocabulary token, at most {vocab_size}; got shape "
+                           f"{list(arr.shape)}")
+    tokens = np.flatnonzero(values)
+    far = [t for t in tokens.tolist() if not abs(values[t]) <= LOGIT_BIAS_LIMIT]  # NaN too
+    if far:
+        raise RequestError(f"{name}: token {far[0]}'s bias is {values[far[0]]}; this runtime takes biases in "
+                           f"[{-LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
+    return {int(t): float(values[t]) for t in tokens}
 
 
 def engine_request(inputs: Inputs, tokenizer: Tokenizer, vocab_size: int,
@@ -124,7 +143,8 @@ def engine_request(inputs: Inputs, tokenizer: Tokenizer, vocab_size: int,
         presence_penalty=scalar(inputs, "presence_penalty", 0.0),
         frequency_penalty=scalar(inputs, "frequency_penalty", 0.0),
         guided_decoding=guided_decoding({name: inputs[name] for name in GUIDED_INPUTS if name in inputs}),
-        n=n)
+        n=n,
+        logit_bias=logit_bias(inputs, vocab_size))
     return EngineRequest(prompt, params, bool(scalar(inputs, "streaming", False)),
                          bool(scalar(inputs, "exclude_input_in_output", exclude_input_default)))
 
@@ -133,6 +153,7 @@ def engine_request(inputs: Inputs, tokenizer: Tokenizer, vocab_size: int,
 # parameters its refusals start with
 INPUT_NAMES = {"prompt": "input_ids (text_input)", "stop": "stop_words_list (stop_words)",
                "stop_token_ids": "stop_words_list (stop_words)", "bad_token_ids": "bad_words_list (bad_words)",
+               "logit_bias": client_named("embedding_bias"),
                **{param: client_named(name) for param, name in (
                    ("max_tokens", "request_output_len"), ("n", "num_return_sequences"), ("top_k", "runtime_top_k"),
                    ("top_p", "runtime_top_p"))}}

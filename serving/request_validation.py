@@ -139,7 +139,8 @@ PREPROCESSING_INPUTS = {"QUERY": "text_input", "REQUEST_OUTPUT_LEN": "max_tokens
 # preprocessing's outputs -> the tensorrt_llm inputs they feed
 PREPROCESSED = {"INPUT_ID": "input_ids", "REQUEST_INPUT_LEN": "input_lengths",
                 "REQUEST_OUTPUT_LEN": "request_output_len", "BAD_WORDS_IDS": "bad_words_list",
-                "STOP_WORDS_IDS": "stop_words_list", "OUT_END_ID": "end_id", "OUT_PAD_ID": "pad_id"}
+                "STOP_WORDS_IDS": "stop_words_list", "OUT_END_ID": "end_id", "OUT_PAD_ID": "pad_id",
+                "EMBEDDING_BIAS": "embedding_bias"}
 # the client's inputs passed straight to tensorrt_llm -> its names for them
 ENGINE_INPUTS = {name: name for name in (
     "exclude_input_in_output", "temperature", "repetition_penalty", "min_tokens", "presence_penalty",
@@ -150,7 +151,8 @@ ENGINE_INPUTS = {name: name for name in (
 # tensorrt_llm's inputs by the client's name where it differs: a refusal from tensorrt_llm names both, since behind
 # the ensemble the client only knows its own name
 CLIENT_NAMES = {engine: client for client, engine in ENGINE_INPUTS.items() if client != engine} | {
-    PREPROCESSED[name]: client for name, client in PREPROCESSING_INPUTS.items() if name in PREPROCESSED}
+    PREPROCESSED[name]: client for name, client in PREPROCESSING_INPUTS.items() if name in PREPROCESSED} | {
+    "embedding_bias": "embedding_bias_words, embedding_bias_weights"}
 
 
 def refused_parameter(message: str) -> str:
@@ -271,14 +273,12 @@ _DRAFTS = "drafts from a separate model; this runtime drafts with the model's ow
 _PROMPT_TABLE = "prompt tuning"
 _LORA = "LoRA adapters"
 _MULTIMODAL = "multimodal input; this is a text model"
-_BIAS = "embedding bias"
 # The legacy `tensorrt_llm` model's inputs this runtime does not implement (decoder_input_ids and
 # decoder_input_lengths are not among them: preprocessing pads them for every request and they are ignored).
 UNSUPPORTED_ENGINE_INPUTS: dict[str, str] = {
     **dict.fromkeys(("encoder_input_features", "encoder_output_lengths", "cross_attention_mask",
                      "skip_cross_attn_blocks"), _ENCODER),
     **dict.fromkeys(("draft_input_ids", "draft_logits", "draft_acceptance_threshold"), _DRAFTS),
-    "embedding_bias": _BIAS,
     **dict.fromkeys(("runtime_top_p_min", "runtime_top_p_decay", "runtime_top_p_reset_ids"), "top-p decay"),
     **dict.fromkeys(("prompt_embedding_table", "prompt_table_extra_ids", "prompt_vocab_size"), _PROMPT_TABLE),
     **dict.fromkeys(("mrope_rotary_cos_sin", "mrope_position_deltas"), "multimodal RoPE"),
@@ -295,7 +295,6 @@ UNSUPPORTED_ENGINE_INPUTS: dict[str, str] = {
 UNSUPPORTED_TEXT_INPUTS: dict[str, str] = {
     "DECODER_QUERY": _ENCODER,
     **dict.fromkeys(("IMAGE_BYTES", "IMAGE_URL", "VIDEO_BYTES"), _MULTIMODAL),
-    **dict.fromkeys(("EMBEDDING_BIAS_WORDS", "EMBEDDING_BIAS_WEIGHTS"), _BIAS),
     "PROMPT_TABLE_EXTRA_ID": _PROMPT_TABLE,
 }
 # the BLS's (those it does not pass on to tensorrt_llm, which refuses the others itself)
@@ -303,6 +302,5 @@ UNSUPPORTED_BLS_INPUTS: dict[str, str] = {
     "decoder_text_input": _ENCODER,
     **dict.fromkeys(("image_input", "image_bytes_input", "image_url_input", "video_bytes_input"), _MULTIMODAL),
     **dict.fromkeys(("prompt_embedding_table", "prompt_vocab_size", "prompt_table_extra_id"), _PROMPT_TABLE),
-    **dict.fromkeys(("embedding_bias_words", "embedding_bias_weights"), _BIAS),
     **dict.fromkeys(("lora_task_id", "lora_weights", "lora_config"), _LORA),
 }

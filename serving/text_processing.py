@@ -3,8 +3,9 @@ does in its own process (a BLS call per streamed chunk to postprocessing cost a 
 and concurrent calls from the BLS's request threads crashed Triton 2.51's Python backend stub).
 
 Stop and bad words become TensorRT-LLM's word lists ([2, W] per item: the words' ids concatenated, then their
-end offsets padded with -1), which tensorrt_llm turns back into words. Text longer than the context could hold
-is refused before it is tokenized.
+end offsets padded with -1), which tensorrt_llm turns back into words; embedding bias words and weights its
+embedding_bias (a float per vocabulary token). Text longer than the context could hold is refused before it is
+tokenized.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class Preprocessor:
     """preprocessing's inputs (QUERY, REQUEST_OUTPUT_LEN, BAD_WORDS_DICT, ...) -> its outputs (INPUT_ID,
     REQUEST_INPUT_LEN, ...), refusing bad values under the client's names (text_input, max_tokens, ...). The
     decoder inputs of encoder-decoder models come out padded, as upstream's for a decoder-only model (a pad id,
-    length 1), and tensorrt_llm ignores them; the embedding bias comes out empty."""
+    length 1), and tensorrt_llm ignores them."""
 
     tokenizer: Tokenizer
     add_bos: bool | None
@@ -111,8 +112,31 @@ class Preprocessor:
             "OUT_PAD_ID": per_item("PAD_ID", 0, self.pad_id),
             "DECODER_INPUT_ID": np.full((batch, 1), self.pad_id, np.int32),
             "REQUEST_DECODER_INPUT_LEN": np.ones((batch, 1), np.int32),
-            "EMBEDDING_BIAS": np.zeros((batch, 0), np.float32),
+            "EMBEDDING_BIAS": self.embedding_bias(get, batch),
         }
+
+    def embedding_bias(self, get: Inputs, batch: int) -> np.ndarray:
+        """EMBEDDING_BIAS_WORDS and EMBEDDING_BIAS_WEIGHTS ([batch, words] each) as upstream's preprocessing makes
+        them tensorrt_llm's embedding_bias: [batch, vocab] float32, each word's weight added to every token of the
+        word (tokenized without special tokens, which upstream's adds: its bos would be biased too); [batch, 0] when
+        no word is given."""
+        client = PREPROCESSING_INPUTS
+        words_in, weights_in = get("EMBEDDING_BIAS_WORDS"), get("EMBEDDING_BIAS_WEIGHTS")
+        if (words_in is None or words_in.size == 0) and (weights_in is None or weights_in.size == 0):
+            return np.zeros((batch, 0), np.float32)
+        words_name, weights_name = client["EMBEDDING_BIAS_WORDS"], client["EMBEDDING_BIAS_WEIGHTS"]
+        if words_in is None or weights_in is None or words_in.size != weights_in.size:
+            shapes = [None if t is None else list(t.shape) for t in (words_in, weights_in)]
+            raise RequestError(f"{words_name} and {weights_name} go together, one weight per word; got shapes "
+                               f"{shapes[0]} and {shapes[1]}")
+        weights = weights_in.reshape(batch, -1).astype(np.float32)
+        if not np.isfinite(weights).all():
+            raise RequestError(f"{weights_name} must be finite numbers, got {weights.reshape(-1)[:8].tolist()}")
+        bias = np.zeros((batch, self.tokenizer.vocab_size), np.float32)
+        for item, (row, row_weights) in enumerate(zip(words_in.reshape(batch, -1), weights)):
+            for word, weight in zip(texts(row, words_name, self.max_input_bytes), row_weights):
+                np.add.at(bias[item], self.tokenizer.encode(word, add_bos=False), weight)
+        return bias
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@
   min_tokens: greedy output is token for token the k = 0 output for k = 1..4, alone and in mixed batches,
   and equals a reference decoder written here from the definitions; sampled output follows the penalized
   target distribution (chi-square on a 64-token model, where the unpenalized distribution is rejected).
+- Logit biases (vLLM's / OpenAI's logit_bias), added before the penalties: the same three properties.
 """
 
 from __future__ import annotations
@@ -227,7 +228,8 @@ def test_penalties_follow_hf_and_openai_definitions(path) -> None:
     counts = torch.bincount(torch.tensor(output), minlength=V).float()
     in_prompt = torch.zeros(V, dtype=torch.bool)
     in_prompt[prompt] = True
-    adj = Adjustments(1, 0, None, [1], [counts], [in_prompt], [1.7, 0.5, 0.25], [[], []], [[], []], [0, 0])
+    adj = Adjustments(1, 0, None, [1], [counts], [in_prompt], [1.7, 0.5, 0.25], [[], []], [[], []], [0, 0], [[], []],
+                      [[], []])
     got = getattr(adj, path)(logits)
     assert torch.equal(got[0], logits[0]), "a row without penalties changed"
     hf = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([prompt + output]), logits[1:].clone())[0]
@@ -239,9 +241,10 @@ def test_penalties_follow_hf_and_openai_definitions(path) -> None:
 @pytest.mark.skipif(bool(cpu_missing_flags()), reason="CPU kernels need x86-64 with AVX-512")
 @pytest.mark.parametrize("first,num_rows", [(0, 1), (2, 1), (0, 5), (1, 4)])
 def test_adjustments_kernel_equals_the_torch_ops(first, num_rows) -> None:
-    """The one-call kernel gives the torch ops' bits on random rows: repeated drafts (counted per row on top of the
-    output's), negative logits, repetition penalties above and below 1, frequency / presence penalties of either sign,
-    bad tokens and min_tokens bans lifting at a row; the logits given are left as they were."""
+    """The one-call kernel gives the torch ops' bits on random rows: logit biases (on penalized, drafted and banned
+    tokens too), repeated drafts (counted per row on top of the output's), negative logits, repetition penalties above
+    and below 1, frequency / presence penalties of either sign, bad tokens and min_tokens bans lifting at a row; the
+    logits given are left as they were."""
     g = torch.Generator().manual_seed(first * 10 + num_rows)
     B, V = 4, 301  # V not a multiple of the kernel's 16 lanes
     for _ in range(20):
@@ -260,7 +263,10 @@ def test_adjustments_kernel_equals_the_torch_ops(first, num_rows) -> None:
         bad = [[], [5, 17], [], [300]]
         stops = [[1, 2], [], [], [4]]
         stop_rows = [max(2 - first, 0), 0, 0, 1]
-        adj = Adjustments(num_rows, first, drafts, penalized, counts, in_prompt, values, bad, stops, stop_rows)
+        bias_tokens = [[3, 5, 7, 299], [], [0, 1, 2, 4, 9, 11], [300, 6]]  # bad 5 and 300; drafts below 12
+        bias_values = [torch.empty(len(t)).uniform_(-100, 100, generator=g).tolist() for t in bias_tokens]
+        adj = Adjustments(num_rows, first, drafts, penalized, counts, in_prompt, values, bad, stops, stop_rows,
+                          bias_tokens, bias_values)
         got, want = adj.apply(logits), adj.apply_with_torch(logits)
         assert torch.equal(logits, given), "the kernel wrote into the logits it was given"
         assert torch.equal(got, want), (got - want).abs().max()
@@ -289,9 +295,10 @@ def test_grammar_bitmask_words_ban_what_they_refuse_in_the_kernel_as_with_torch(
         stop_rows = [max(2 - first, 0), 0, 0, num_rows]
         counts = [torch.randint(0, 3, (V,), generator=g).float()]
         args = (num_rows, first, drafts, [2], counts, [torch.rand(V, generator=g) < 0.1], [1.3, 0.4, 0.2])
-        adj = Adjustments(*args, bad, stops, stop_rows, allowed)
+        no_bias = [[]] * B, [[]] * B
+        adj = Adjustments(*args, bad, stops, stop_rows, *no_bias, allowed)
         got, with_torch = adj.apply(logits), adj.apply_with_torch(logits)
-        want = Adjustments(*args, [[]] * B, [[]] * B, [0] * B).apply_with_torch(logits)
+        want = Adjustments(*args, [[]] * B, [[]] * B, [0] * B, *no_bias).apply_with_torch(logits)
         for row in range(B * num_rows):
             b, r = divmod(row, num_rows)
             words = [w & 0xFFFFFFFF for w in allowed[row].tolist()]
@@ -573,3 +580,124 @@ def test_sampling_coupling_benchmark_smoke_run(tmp_path, monkeypatch) -> None:
     assert res["race"]["accepted_draft_tokens"] > 0 and res["rejection"]["accepted_draft_tokens"] > 0
     assert set(res["race_over_rejection"]) == {"acceptance", "tokens_per_step", "time_per_token"}
     assert "| temperature | k | coupling |" in (tmp_path / "sampling_coupling_quick.md").read_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# Logit bias
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bias, message", [
+    ([(1, 2.0)], "logit_bias must be a dict of token id -> bias, got [(1, 2.0)]"),
+    ({"5": 1.0}, "logit_bias keys must be integer token ids in [0, 129280), got ['5']"),
+    ({129280: 1.0, -1: 2.0}, "logit_bias keys must be integer token ids in [0, 129280), got [129280, -1]"),
+    ({True: 1.0}, "logit_bias keys must be integer token ids in [0, 129280), got [True]"),
+    ({5: 100.5}, "logit_bias[5] must be a number in [-100, 100], got 100.5"),
+    ({5: float("nan")}, "logit_bias[5] must be a number in [-100, 100], got nan"),
+    ({5: "1"}, "logit_bias[5] must be a number in [-100, 100], got '1'"),
+])
+def test_logit_bias_is_refused_naming_what_is_wrong(bias, message) -> None:
+    with pytest.raises(ValueError) as e:
+        SamplingParams(logit_bias=bias).validate(129280)
+    assert str(e.value) == message
+
+
+def test_logit_bias_is_copied_and_an_empty_one_is_none() -> None:
+    given = {5: 1.0}
+    params = SamplingParams(logit_bias=given)
+    given[6] = 2.0
+    assert params.logit_bias == {5: 1.0}
+    assert SamplingParams(logit_bias={}).logit_bias is None and SamplingParams(logit_bias={}).plain_argmax
+    assert not params.plain_argmax
+
+
+def bias_params(plain: list[list[int]]) -> list[SamplingParams]:
+    """A mixed batch over the unbiased greedy outputs `plain` of its prompts: biased greedy requests (one forcing a
+    token, one moving its output off its course, one with penalties and bans on top), a plain greedy one and a seeded
+    sampled biased one, with logprobs here and there (processed ones see the bias)."""
+    return [SamplingParams(max_tokens=24, ignore_eos=True, logit_bias={100: 100.0}),
+            SamplingParams(max_tokens=24, ignore_eos=True, logit_bias={plain[1][1]: -5.0, plain[1][4]: -2.5, 300: 3.0},
+                           logprobs=2, logprobs_mode="processed_logprobs"),
+            SamplingParams(max_tokens=24, ignore_eos=True, logit_bias={plain[2][0]: -8.0, plain[2][2]: -4.0, 300: 3.0},
+                           repetition_penalty=1.4, frequency_penalty=0.5, bad_token_ids=(plain[2][5],)),
+            SamplingParams(max_tokens=24, ignore_eos=True, logprobs=1),
+            SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.9, seed=7, logit_bias={plain[4][0]: 6.0})]
+
+
+@pytest.fixture(scope="module")
+def plain_biased(shipped_engine, prompts):
+    unbiased = run(shipped_engine, prompts[:5], SamplingParams(max_tokens=24, ignore_eos=True), 0)
+    params = bias_params([o.token_ids for o in unbiased])
+    return params, run(shipped_engine, prompts[:5], params, 0)
+
+
+@pytest.mark.parametrize("alone", [False, True], ids=["batched", "alone"])
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_logit_bias_under_speculation_equals_plain(shipped_engine, prompts, plain_biased, k, alone) -> None:
+    params, plain = plain_biased
+    outs = run(shipped_engine, prompts[:5], params, k, alone=alone)
+    for i, (o, ref) in enumerate(zip(outs, plain)):  # the seeded sampled one too: it races
+        assert o.token_ids == ref.token_ids, f"k={k}, request {i}: biased output differs from k = 0"
+        if ref.logprobs is not None:
+            assert_same_logprobs(o, ref, f"k={k}, request {i}")
+    assert sum(o.stats.num_accepted_draft_tokens for o in outs) > 0
+
+
+def test_logit_bias_greedy_output_is_the_biased_argmax(shipped_engine, prompts, plain_biased) -> None:
+    """Each biased greedy output is the argmax of dense logits + bias (then the penalties and bans) at every step,
+    and differs from the output without the bias; a +100 bias forces its token; processed logprobs see the bias."""
+    params, plain = plain_biased
+    assert plain[0].token_ids == [100] * 24
+    unbiased = run(shipped_engine, prompts[1:3], [replace(p, logit_bias=None) for p in params[1:3]], 0)
+    for i, ref in zip((1, 2), unbiased):
+        p, prompt, got = params[i], prompts[i], plain[i].token_ids
+        assert got != ref.token_ids, f"request {i}: the bias changed nothing"
+        out: list[int] = []
+        while len(out) < len(got):
+            x = dense_logits(shipped_engine, prompt + out)[-1].clone()
+            for t, v in p.logit_bias.items():
+                x[t] += v
+            x = penalized_reference(x, prompt, out, p, set())
+            x[list(p.bad_token_ids)] = float("-inf")
+            if i == 1:
+                lp = plain[i].logprobs[len(out)]
+                assert lp.logprob == pytest.approx(float(x.log_softmax(-1)[got[len(out)]]), abs=1e-4)
+            out.append(int(x.argmax()))
+        assert out == got, f"request {i}"
+
+
+BIAS = {8: -100.0, 35: 2.0, 12: 3.5, 40: 1.0}  # the likeliest next token out, three others up
+
+
+@pytest.mark.parametrize("k", [0, 2, REJECTION])
+def test_sampled_tokens_follow_the_biased_target(small_engine, k) -> None:
+    """Over 2000 seeds on the 64-token model: the (first, second) pair follows the biased target
+    softmax(logits + bias) (at k = 2 the second was decided by a verification row, drafted from the biased MTP
+    distribution), and the unbiased target is rejected on the same samples."""
+    prompt, n = [5, 35, 17, 8, 40, 9], 2000
+    kd = 2 if k == REJECTION else k
+    params = [SamplingParams(max_tokens=2, temperature=1.0, ignore_eos=True, seed=7000 + 100 * kd + s, logit_bias=BIAS)
+              for s in range(n)]
+    with pytest.MonkeyPatch.context() as mp:
+        if k == REJECTION:
+            seeded_requests_take_rejection_sampling(mp)
+        outs = run(small_engine, [prompt] * n, params, kd)
+    if kd:
+        assert sum(o.stats.num_accepted_draft_tokens for o in outs) > 0.1 * sum(o.stats.num_draft_tokens for o in outs)
+    pairs = Counter((o.token_ids[0], o.token_ids[1]) for o in outs)
+    assert not any(8 in pair for pair in pairs), "a -100 bias did not ban its token"
+    for biased, expect in ((True, "pass"), (False, "fail")):
+        def probs(output: list[int]) -> torch.Tensor:
+            x = dense_logits(small_engine, prompt + output)[-1].clone()
+            if biased:
+                x[list(BIAS)] += torch.tensor(list(BIAS.values()), dtype=x.dtype)
+            return x.softmax(-1)
+        p1 = probs([])
+        firsts = sorted({a for a, _ in pairs})
+        joint = torch.stack([p1[a] * probs([a]) for a in firsts]).flatten()
+        counts = torch.zeros_like(joint)
+        for (a, b), c in pairs.items():
+            counts[firsts.index(a) * SMALL_V + b] = c
+        pv = chi2_pvalue(counts, joint / joint.sum())
+        if expect == "pass":
+            assert pv > P_MIN, f"k={k}: (t1, t2) differs from the biased target (p={pv:.2e})"
+        else:
+            assert pv < 1e-6, f"k={k}: the test cannot tell the biased from the unbiased target (p={pv:.2e})"

@@ -231,6 +231,29 @@ def test_penalties_with_mtp_equal_plain_decoding(server: Server, plain: Session)
         assert expected.text != _plain_text(plain, plain.tokenizer.encode(prompt))  # the penalties changed the text
 
 
+def test_logit_bias_with_mtp_equals_plain_decoding(server: Server, plain: Session) -> None:
+    """OpenAI's logit_bias (string keys) through completions and chat (k = 3) gives the Session's plain (k = 0) output
+    with the same biases, which differs from the output without them; {} is no bias."""
+    ids = plain.tokenizer.encode(PROMPTS[1])
+    free = plain.executor.submit(ids, SamplingParams(max_tokens=TOKENS)).result()
+    bias = {free.token_ids[0]: -100.0, free.token_ids[2]: -3.5, 77: 2.0}
+    want = plain.executor.submit(ids, SamplingParams(max_tokens=TOKENS, logit_bias=bias)).result()
+    assert want.token_ids != free.token_ids and free.token_ids[0] not in want.token_ids
+    r = server.client.completions.create(model="deepseek-v3-mini", prompt=PROMPTS[1], max_tokens=TOKENS, temperature=0,
+                                         logit_bias={str(t): v for t, v in bias.items()})
+    assert r.choices[0].text == want.text
+    r = server.client.completions.create(model="deepseek-v3-mini", prompt=PROMPTS[1], max_tokens=TOKENS, temperature=0,
+                                         logit_bias={})
+    assert r.choices[0].text == free.text
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    chat_ids = plain.tokenizer.encode(render_chat(plain.tokenizer.chat_template, messages, plain.tokenizer), add_bos=False)
+    chat_bias = {plain.executor.submit(chat_ids, SamplingParams(max_tokens=1)).result().token_ids[0]: -100}
+    want = plain.executor.submit(chat_ids, SamplingParams(max_tokens=TOKENS, logit_bias=chat_bias)).result()
+    r = server.client.chat.completions.create(model="deepseek-v3-mini", messages=messages, max_tokens=TOKENS,
+                                              temperature=0, logit_bias={str(t): v for t, v in chat_bias.items()})
+    assert r.choices[0].message.content == want.text
+
+
 def test_logprobs_equal_plain_decodings(server: Server, plain: Session) -> None:
     """Completions' and chat's logprobs (k = 3, from the verification forward) are plain decoding's, within 1e-5,
     in OpenAI's shapes; streamed chunks carry the same values as the whole response."""
@@ -559,8 +582,16 @@ BAD = [
      "annotations"),
     ("/v1/chat/completions", {"model": 5, "messages": [{"role": "user", "content": "x"}]}, "model",
      "model must be a string, got int"),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias",
-     "logit_bias {'5': 1} is not supported by this server; it takes null or {}"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"x": 1}}, "logit_bias",
+     "logit_bias keys must be token ids (non-negative integers), got 'x'"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1, "4096": 1}}, "logit_bias",
+     "logit_bias keys must be integer token ids in [0, 4096), got [4096]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": -100.5}},
+     "logit_bias", "logit_bias[5] must be a number in [-100, 100], got -100.5"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": True}}, "logit_bias",
+     "logit_bias[5] must be a number in [-100, 100], got True"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": [[5, 1]]}, "logit_bias",
+     "logit_bias must be an object mapping token ids to numbers, got [[5, 1]]"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs",
      "top_logprobs needs logprobs: true"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options",

@@ -762,8 +762,6 @@ UPSTREAM_CLIENT_FLAGS = {  # end_to_end_grpc_client.py's flags: the inputs it se
     "--beam-width 2": (dict(beam_width=2), [], "beam_width=2", "supported: 1"),
     "--lora-task-id": (dict(lora_task_id=np.array([[3]], np.uint64)), [], "lora_task_id", "supported: not given"),
     "decoder_text_input": (dict(decoder_text_input=[[b"hi"]]), [], "decoder_text_input", "supported: not given"),
-    "embedding_bias": (dict(embedding_bias_words=[[b"fox"]], embedding_bias_weights=np.array([[1.5]], np.float32)),
-                       [], "embedding_bias_words", "supported: not given"),
 }
 
 
@@ -971,6 +969,39 @@ def test_stop_words_end_the_output(server: TritonServer, session: Session, expec
     assert out.text.index(stop) == start
 
 
+def test_embedding_bias_is_the_sessions_logit_bias(server: TritonServer, session: Session, expected: dict) -> None:
+    """Upstream's embedding bias: words and weights through the ensemble and the BLS (each word's weight added to
+    each of its tokens, as upstream's preprocessing does), and tensorrt_llm's embedding_bias tensor (a float per
+    vocabulary token), give the Session's output with that logit_bias; it differs from the output without one."""
+    tok = session.tokenizer
+    prompt = PROMPTS[0]
+    first, second = expected[prompt].token_ids[:2]
+    words = [tok.decode([first]), tok.decode([second]) + tok.decode([second])]
+    weights = [-100.0, 3.5]
+    bias: dict[int, float] = {}
+    for word, weight in zip(words, weights):
+        for t in tok.encode(word, add_bos=False):
+            bias[t] = bias.get(t, 0.0) + weight
+    want = session.generate([prompt], SamplingParams(max_tokens=TOKENS, logit_bias=bias))[0]
+    assert want.text != expected[prompt].text and first not in want.token_ids
+    for model in ("ensemble", "tensorrt_llm_bls"):
+        results = upstream_grpc_client(server, model, ["text_output"], text_input=[[prompt]], max_tokens=TOKENS,
+                                       stream=True, exclude_input_in_output=True, embedding_bias_words=[words],
+                                       embedding_bias_weights=[weights])
+        assert "".join(r.as_numpy("text_output")[0].decode() for r in results) == want.text, (model, results)
+    ids = tok.encode(prompt)
+    dense = np.zeros((1, tok.vocab_size), np.float32)
+    dense[0, list(bias)] = list(bias.values())
+    out = grpc_stream(server, "tensorrt_llm", input_ids=np.array([ids], np.int32),
+                      input_lengths=np.array([[len(ids)]], np.int32), request_output_len=np.array([[TOKENS]], np.int32),
+                      embedding_bias=dense, exclude_input_in_output=np.array([[True]]))
+    assert out.error is None and out.ids == want.token_ids
+    # empty words (what upstream's clients send for "none") are no bias
+    out = grpc_stream(server, "ensemble", text_input=prompt, max_tokens=TOKENS, embedding_bias_words=[[""]],
+                      embedding_bias_weights=[[0.0]], exclude_input_in_output=True)
+    assert out.error is None and out.text == expected[prompt].text
+
+
 def test_bad_words_are_never_generated(server: TritonServer, session: Session, expected: dict) -> None:
     tok = session.tokenizer
     for prompt in PROMPTS:
@@ -1103,6 +1134,11 @@ BAD_REQUESTS = {
     "seed_and_random_seed_differ": (dict(GOOD, seed=np.uint64(1), random_seed=np.uint64(2)),
                                     "seed=1 and random_seed=2 differ (random_seed is the older name of seed); "
                                     "give one of them"),
+    "embedding_bias_words_without_weights": (dict(GOOD, embedding_bias_words=[["fox"]]),
+                                             "embedding_bias_words and embedding_bias_weights go together, one weight "
+                                             "per word; got shapes [1, 1] and None"),
+    "embedding_bias_weight_too_large": (dict(GOOD, embedding_bias_words=[["fox"]], embedding_bias_weights=[[500.0]]),
+                                        "embedding_bias (embedding_bias_words, embedding_bias_weights): token "),
 }
 
 

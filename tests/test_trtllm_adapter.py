@@ -428,6 +428,27 @@ def test_n_and_best_of_map() -> None:
     assert not {"n", "best_of"} & set(to_trtllm_sampling_kwargs(SamplingParams(temperature=1.0), Tok()))
 
 
+def test_logit_bias_maps_to_embedding_bias() -> None:
+    """logit_bias under upstream's name (embedding_bias), as a dict the executor makes a tensor of; none when unset."""
+    kw = to_trtllm_sampling_kwargs(SamplingParams(logit_bias={np.int64(5): 2, 9: -100.0}), Tok())
+    assert kw["embedding_bias"] == {5: 2.0, 9: -100.0} and all(type(t) is int for t in kw["embedding_bias"])
+    assert "embedding_bias" not in to_trtllm_sampling_kwargs(SamplingParams(), Tok())
+
+
+def test_contract_logit_bias_reaches_upstream_as_a_vocabulary_tensor(engine_dir: Path, trtllm: ModuleType) -> None:
+    """What upstream's trtllm-serve passes for OpenAI's logit_bias: a float32 tensor [vocab], zero but at the ids."""
+    import torch
+
+    with TrtllmExecutor(engine_dir) as ex:
+        prompt = ex.tokenizer.encode("def fib(n):")
+        ex.submit(prompt, SamplingParams(max_tokens=4, logit_bias={5: 2.5, 7: -1.0})).result(10)
+        [req] = trtllm.llms[0].requests
+        bias = req.sampling_params.embedding_bias
+        want = torch.zeros(ex.model_config.vocab_size)
+        want[5], want[7] = 2.5, -1.0
+        assert bias.dtype == torch.float32 and torch.equal(bias, want)
+
+
 def test_contract_n_outputs_stream_by_index_and_best_of_arrives_ranked(engine_dir: Path, trtllm: ModuleType) -> None:
     with TrtllmExecutor(engine_dir) as ex:
         prompt = ex.tokenizer.encode("def fib(n):")

@@ -107,10 +107,10 @@ class ModelRunner:
                                self.adjustments(seqs, drafts, first, num_rows))
 
     def adjustments(self, seqs: list[Sequence], drafts: Tensor | None, first: int, num_rows: int) -> Adjustments | None:
-        """What changes the logits of those rows before temperature (all a greedy row needs): the banned tokens
-        (bad tokens, stop tokens while min_tokens is not reached by that row's index, and what a guided request's
-        grammar refuses after the drafts before the row, as the grammar's bitmasks) and the penalties, which count
-        the drafts before it; applied in one kernel call."""
+        """What changes the logits of those rows before temperature (all a greedy row needs): the logit biases, the
+        banned tokens (bad tokens, stop tokens while min_tokens is not reached by that row's index, and what a guided
+        request's grammar refuses after the drafts before the row, as the grammar's bitmasks) and the penalties, which
+        count the drafts before it; applied in one kernel call."""
         bad = [list(s.params.bad_token_ids) for s in seqs]
         stops = [list(s.stop_ids) if s.bans_stop_ids else [] for s in seqs]
         # rows before min_tokens is reached
@@ -122,12 +122,15 @@ class ModelRunner:
             rows = None if drafts is None or first + num_rows == 1 else drafts[:, : first + num_rows - 1].tolist()
             allowed = grammar_bitmasks(grammars, rows, first, num_rows)
         pen = [b for b, s in enumerate(seqs) if s.penalty is not None]
-        if not pen and not any(bad) and not any(stop_rows) and allowed is None:
+        biases = [s.params.logit_bias or {} for s in seqs]
+        if not pen and not any(bad) and not any(stop_rows) and allowed is None and not any(biases):
             return None
         values = [v for b in pen for v in (seqs[b].params.repetition_penalty, seqs[b].params.presence_penalty,
                                            seqs[b].params.frequency_penalty)]
         return Adjustments(num_rows, first, drafts, pen, [seqs[b].penalty.counts for b in pen],
-                           [seqs[b].penalty.in_prompt for b in pen], values, bad, stops, stop_rows, allowed)
+                           [seqs[b].penalty.in_prompt for b in pen], values, bad, stops, stop_rows,
+                           [list(map(int, bias)) for bias in biases], [list(map(float, bias.values())) for bias in biases],
+                           allowed)
 
     # ---- drafting -----------------------------------------------------------------------------
     @torch.inference_mode()

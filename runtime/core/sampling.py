@@ -131,10 +131,10 @@ def arrivals(hi: Tensor, lo: Tensor, vocab_size: int) -> Tensor:
 # ---- distributions ---------------------------------------------------------------------------
 @dataclass
 class Adjustments:
-    """Penalties and token bans of a batch's rows, per sequence: rows b * num_rows + r are sequence b's output tokens
-    num_output + first + r, each decided after the drafts before it (drafts[b, :first + r]), whose occurrences its
-    frequency / presence / repetition penalties count on top of the output's. Applied in one kernel call where the
-    CPU kernels run (a few small torch ops per step cost more than the work), else with torch ops."""
+    """Logit biases, penalties and token bans of a batch's rows, per sequence: rows b * num_rows + r are sequence b's
+    output tokens num_output + first + r, each decided after the drafts before it (drafts[b, :first + r]), whose
+    occurrences its frequency / presence / repetition penalties count on top of the output's. Applied in one kernel
+    call where the CPU kernels run (a few small torch ops per step cost more than the work), else with torch ops."""
 
     num_rows: int
     first: int
@@ -146,15 +146,17 @@ class Adjustments:
     bad: list[list[int]]  # per sequence: tokens banned in all its rows
     stops: list[list[int]]  # per sequence: stop tokens banned in its first stop_rows rows (min_tokens)
     stop_rows: list[int]
+    bias_tokens: list[list[int]]  # per sequence: the tokens its logit_bias names
+    bias_values: list[list[float]]  # and what it adds to each one's logit in all its rows
     # a guided batch's grammar bitmasks [B * num_rows, >= ceil(V / 32)] int32 on the host: bit t % 32 of word t // 32
     # set where the row's grammar allows token t (all set for a row without one); bad and stop bans that would leave
     # nothing it allows yield to it in that row
     allowed: Tensor | None = None
 
     def apply(self, logits: Tensor) -> Tensor:
-        """float32 logits [B * num_rows, V] adjusted (a new tensor): HF's repetition penalty over prompt and output (a
-        positive logit divided, a negative one multiplied), OpenAI's frequency and presence penalties over the output,
-        then the bans (-inf)."""
+        """float32 logits [B * num_rows, V] adjusted (a new tensor): the logit biases added (vLLM's and TensorRT-LLM's
+        order), HF's repetition penalty over prompt and output (a positive logit divided, a negative one multiplied),
+        OpenAI's frequency and presence penalties over the output, then the bans (-inf)."""
         logits = logits.float()
         if cpu_kernels_serve(logits.device, logits.dtype):
             drafts = torch.empty(0, 0, dtype=torch.long) if self.drafts is None else self.drafts.contiguous()
@@ -165,11 +167,14 @@ class Adjustments:
 
     def kernel_args(self) -> tuple:
         """The penalties and bans as the kernels take them (`adjust_logits`, `kernels.greedy_step`)."""
-        return self.penalized, self.counts, self.in_prompt, self.values, self.bad, self.stops, self.stop_rows
+        return (self.penalized, self.counts, self.in_prompt, self.values, self.bad, self.stops, self.stop_rows,
+                self.bias_tokens, self.bias_values)
 
     def apply_with_torch(self, logits: Tensor) -> Tensor:
         """`apply` with torch ops (where the CPU kernels do not run)."""
         logits = logits.float()
+        if any(self.bias_tokens):
+            logits = self._bias(logits)
         if self.penalized:
             logits = self._penalize(logits)
         V = logits.shape[-1]
@@ -181,6 +186,15 @@ class Adjustments:
                 refused = torch.where(empty[:, None], refused, bans | refused)
             bans = refused
         return logits if bans is None else logits.masked_fill(bans.to(logits.device), float("-inf"))
+
+    def _bias(self, logits: Tensor) -> Tensor:
+        logits = logits.clone()
+        n = self.num_rows
+        for b, (tokens, values) in enumerate(zip(self.bias_tokens, self.bias_values)):
+            if tokens:
+                rows = logits[b * n : (b + 1) * n]
+                rows[:, tokens] += torch.tensor(values, dtype=torch.float32, device=logits.device)
+        return logits
 
     def _penalize(self, logits: Tensor) -> Tensor:
         V, dev, n = logits.shape[-1], logits.device, self.num_rows

@@ -7,13 +7,14 @@ from __future__ import annotations
 import json as _json
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 from runtime.model.config import is_int, is_number
 
 MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (OpenAI's top_logprobs limit)
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # vLLM's names
 PENALTY_LIMIT = 2.0  # |presence_penalty| and |frequency_penalty| at most this (OpenAI's range)
+LOGIT_BIAS_LIMIT = 100.0  # |logit_bias| values at most this (OpenAI's range, trtllm-serve's)
 SEED_MODULUS = 2**63  # seeds are in [0, 2^63): they travel in int64 tensors
 
 
@@ -104,14 +105,20 @@ class SamplingParams:
     # + i, and the n with the highest cumulative logprob returned (all of them, in order, when best_of is n)
     n: int = 1
     best_of: int | None = None
+    # token id -> a number in [-100, 100] added to its logit before penalties, bans and temperature (vLLM's and
+    # OpenAI's logit_bias; TensorRT-LLM's embedding_bias as a dict)
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
-        """A single stop string is one stop string (not one per character); lists become tuples."""
+        """A single stop string is one stop string (not one per character); lists become tuples; an empty logit_bias
+        is none, and a given one is copied (the request must not change with the caller's dict)."""
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         for name in ("stop", "stop_token_ids", "bad_token_ids"):
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
+        if isinstance(self.logit_bias, Mapping):
+            object.__setattr__(self, "logit_bias", dict(self.logit_bias) or None)
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the parameter and what was expected."""
@@ -157,7 +164,7 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not is_number(v) or not -PENALTY_LIMIT <= v <= PENALTY_LIMIT:
-                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+                raise ValueError(f"{name} must be in [{-PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}], got {v!r}")
         if self.num_draft_tokens is not None and (not is_int(self.num_draft_tokens) or self.num_draft_tokens < 0):
             raise ValueError(f"num_draft_tokens must be None or an integer >= 0, got {self.num_draft_tokens!r}")
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
@@ -169,6 +176,7 @@ class SamplingParams:
         if self.greedy and self.num_sequences > 1:  # vLLM's rule: every greedy output would be the same
             name = self.num_sequences_name
             raise ValueError(f"{name} must be 1 when using greedy sampling (temperature 0), got {getattr(self, name)}")
+        self._validate_logit_bias(vocab_size)
         if self.guided_decoding is not None:
             if not isinstance(self.guided_decoding, GuidedDecodingParams):
                 raise ValueError(f"guided_decoding must be a GuidedDecodingParams, got {type(self.guided_decoding).__name__}")
@@ -177,6 +185,21 @@ class SamplingParams:
             if self.ignore_eos or self.min_tokens:
                 raise ValueError("guided_decoding cannot be combined with ignore_eos or min_tokens: the grammar "
                                  "decides where the output ends (with eos)")
+
+    def _validate_logit_bias(self, vocab_size: int | None) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r:.80}")
+        bad = [t for t in bias if not is_int(t) or (vocab_size is not None and not 0 <= t < vocab_size)]
+        if bad:
+            ids = "integer token ids" + (f" in [0, {vocab_size})" if vocab_size is not None else "")
+            raise ValueError(f"logit_bias keys must be {ids}, got {bad[:8]!r:.120}")
+        for t, v in bias.items():
+            if not is_number(v) or not -LOGIT_BIAS_LIMIT <= v <= LOGIT_BIAS_LIMIT:
+                raise ValueError(f"logit_bias[{t}] must be a number in [{-LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], "
+                                 f"got {v!r:.40}")
 
     @property
     def greedy(self) -> bool:
@@ -211,7 +234,8 @@ class SamplingParams:
     def plain_argmax(self) -> bool:
         """Greedy with nothing banned, penalized or guided: a token is the logits' plain argmax, drafts included
         (min_tokens aside: `Sequence.plain_argmax` knows whether it still bans)."""
-        return self.greedy and not self.bad_token_ids and not self.penalized and self.guided_decoding is None
+        return (self.greedy and not self.bad_token_ids and not self.penalized and self.guided_decoding is None
+                and not self.logit_bias)
 
 
 def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_seq_len: int,

@@ -281,7 +281,7 @@ class TrtllmExecutor:
         try:
             kwargs = adapt_to_upstream_fields(to_trtllm_sampling_kwargs(req.params, self.tokenizer),
                                               self._trtllm.SamplingParams)
-            sampling_params = upstream_sampling_params(self._trtllm, kwargs)
+            sampling_params = upstream_sampling_params(self._trtllm, kwargs, self.model_config.vocab_size)
             req.upstream = self.llm.generate_async({"prompt_token_ids": req.prompt},
                                                    sampling_params=sampling_params, streaming=True)
         except Exception as e:

@@ -44,6 +44,7 @@ import logging
 from pathlib import Path
 from typing import Any, Mapping
 
+import torch
 import yaml
 
 from runtime.core.sampling import TokenLogprob
@@ -124,6 +125,8 @@ def to_trtllm_sampling_kwargs(params: SamplingParams, tokenizer: Any) -> dict[st
     - `guided_decoding` as the fields of upstream's GuidedDecodingParams (`guided_decoding_fields`; the
       executor builds the upstream object, `upstream_sampling_params`). Upstream's MTP path may not apply penalties (its
       speculative decoders use a smaller sampler: docs/trtllm-backend.md).
+    - `logit_bias` as `embedding_bias`, here a dict {token id: bias}: `upstream_sampling_params` makes it the float32
+      tensor [vocab] upstream takes (trtllm-serve's `_logit_bias_to_embedding_bias`, serve/openai_protocol.py).
     """
     eos = tokenizer.eos_token_id
     end_id = -1 if params.ignore_eos or eos is None else eos
@@ -156,6 +159,8 @@ def to_trtllm_sampling_kwargs(params: SamplingParams, tokenizer: Any) -> dict[st
         kwargs["min_tokens"] = params.min_tokens
     if params.guided_decoding is not None:
         kwargs["guided_decoding"] = guided_decoding_fields(params.guided_decoding)
+    if params.logit_bias:
+        kwargs["embedding_bias"] = {int(t): float(v) for t, v in params.logit_bias.items()}
     if params.num_sequences > 1:
         kwargs["n"] = params.n
         if params.best_of is not None:
@@ -170,10 +175,15 @@ def guided_decoding_fields(guide: GuidedDecodingParams) -> dict[str, Any]:
     return {"json_object": True} if guide.kind == "json_object" else {guide.kind: guide.text}
 
 
-def upstream_sampling_params(trtllm: Any, kwargs: dict[str, Any]) -> Any:
-    """`tensorrt_llm.SamplingParams(**kwargs)`, a guided_decoding dict made upstream's GuidedDecodingParams."""
+def upstream_sampling_params(trtllm: Any, kwargs: dict[str, Any], vocab_size: int) -> Any:
+    """`tensorrt_llm.SamplingParams(**kwargs)`, a guided_decoding dict made upstream's GuidedDecodingParams and an
+    embedding_bias dict its float32 tensor [vocab_size]."""
     if "guided_decoding" in kwargs:
         kwargs = {**kwargs, "guided_decoding": trtllm.llmapi.GuidedDecodingParams(**kwargs["guided_decoding"])}
+    if "embedding_bias" in kwargs:
+        bias = torch.zeros(vocab_size, dtype=torch.float32)
+        bias[list(kwargs["embedding_bias"])] = torch.tensor(list(kwargs["embedding_bias"].values()))
+        kwargs = {**kwargs, "embedding_bias": bias}
     return trtllm.SamplingParams(**kwargs)
 
 

@@ -39,7 +39,6 @@ STRUCTURED_OUTPUTS_KEYS = {"json", "regex", "grammar", "json_object"}
 # Parameters taken at their neutral value only: name -> (is it neutral?, what this server takes). A parameter sent
 # as null is absent (OpenAI's clients and vLLM's send nulls for what they leave unset).
 NEUTRAL: dict[str, tuple[Any, str]] = {
-    "logit_bias": (lambda v: v == {}, "null or {}"),
     "suffix": (lambda v: False, "null"),
     "tools": (lambda v: v == [], "null or [] (no tool calling)"),
     "tool_choice": (lambda v: v == "none", "null or \"none\" (no tool calling)"),
@@ -194,6 +193,19 @@ def _bad_words(body: dict, tokenizer: Tokenizer) -> tuple[int, ...]:
     return tuple(dict.fromkeys(banned))
 
 
+def _logit_bias(body: dict) -> dict[int, Any] | None:
+    """OpenAI's logit_bias with its keys, which JSON makes strings, as token ids (SamplingParams checks the rest)."""
+    value = body.get("logit_bias")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise APIError(f"logit_bias must be an object mapping token ids to numbers, got {str(value)[:120]}", "logit_bias")
+    bad = [key for key in value if not re.fullmatch(r"[0-9]{1,10}", key)]
+    if bad:
+        raise APIError(f"logit_bias keys must be token ids (non-negative integers), got {bad[0][:40]!r}", "logit_bias")
+    return {int(key): v for key, v in value.items()}
+
+
 def _stop(body: dict) -> tuple[str, ...]:
     value = body.get("stop")
     if value is None:
@@ -318,7 +330,8 @@ def _sampling(body: dict, tokenizer: Tokenizer, max_tokens: int | None, logprobs
         min_tokens=_integer(body, "min_tokens", 0, INT32_MAX, 0),
         guided_decoding=guide,
         n=n,
-        best_of=best_of)
+        best_of=best_of,
+        logit_bias=_logit_bias(body))
     return params, guide_field
 
 

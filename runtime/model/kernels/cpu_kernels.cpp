@@ -952,8 +952,9 @@ void ban_refused(float* x, int64_t V, const int32_t* w, const std::vector<int64_
 
 }  // namespace
 
-// A float32 copy of logits [B * num_rows, V] with penalties and bans applied: rows b * num_rows + r are sequence b's
-// output tokens num_output + first + r, each decided after drafts[b, :first + r]. Penalized sequence penalized[i]
+// A float32 copy of logits [B * num_rows, V] with logit biases, penalties and bans applied: rows b * num_rows + r are
+// sequence b's output tokens num_output + first + r, each decided after drafts[b, :first + r]. First every row of
+// sequence b adds bias_values[b][i] to the logit of bias_tokens[b][i]. Penalized sequence penalized[i]
 // has output counts counts[i] [V] float32 (drafts not included), prompt flags in_prompt[i] [V] bool and
 // values[3i:3i+3] = (repetition, presence, frequency); a row counts the drafts before it on top. Then bad[b] is
 // banned (-inf) in every row of sequence b, stops[b] in its first stop_rows[b] rows. With grammar bitmask words
@@ -963,13 +964,16 @@ torch::Tensor adjust_logits(const torch::Tensor& logits, int64_t num_rows, int64
                             const std::vector<int64_t>& penalized, const std::vector<torch::Tensor>& counts,
                             const std::vector<torch::Tensor>& in_prompt, const std::vector<double>& values,
                             const std::vector<std::vector<int64_t>>& bad, const std::vector<std::vector<int64_t>>& stops,
-                            const std::vector<int64_t>& stop_rows, const torch::Tensor& allowed) {
+                            const std::vector<int64_t>& stop_rows, const std::vector<std::vector<int64_t>>& bias_tokens,
+                            const std::vector<std::vector<double>>& bias_values, const torch::Tensor& allowed) {
   check(logits.dim() == 2 && logits.scalar_type() == torch::kFloat && logits.is_contiguous(),
         "adjust_logits: logits must be contiguous float32 [rows, V]");
   const int64_t R = logits.size(0), V = logits.size(1), B = num_rows > 0 ? R / num_rows : 0;
   check(num_rows > 0 && first >= 0 && B * num_rows == R, "adjust_logits: rows must be B * num_rows");
   check(static_cast<int64_t>(bad.size()) == B && static_cast<int64_t>(stops.size()) == B &&
         static_cast<int64_t>(stop_rows.size()) == B, "adjust_logits: bad, stops and stop_rows need one entry per sequence");
+  check(static_cast<int64_t>(bias_tokens.size()) == B && static_cast<int64_t>(bias_values.size()) == B,
+        "adjust_logits: bias_tokens and bias_values need one entry per sequence");
   const size_t P = penalized.size();
   check(counts.size() == P && in_prompt.size() == P && values.size() == 3 * P,
         "adjust_logits: counts, in_prompt and 3 values per penalized sequence");
@@ -983,6 +987,15 @@ torch::Tensor adjust_logits(const torch::Tensor& logits, int64_t num_rows, int64
   const int64_t W = allowed.numel() ? allowed.size(1) : 0;
   torch::Tensor out = logits.clone();
   float* y = out.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    const auto& tokens = bias_tokens[b];
+    check(tokens.size() == bias_values[b].size(), "adjust_logits: one bias value per bias token");
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      check(tokens[i] >= 0 && tokens[i] < V, "adjust_logits: bias token out of range");
+      const float v = static_cast<float>(bias_values[b][i]);
+      for (int64_t r = 0; r < num_rows; ++r) y[(b * num_rows + r) * V + tokens[i]] += v;
+    }
+  }
   const int64_t* d = D ? drafts.data_ptr<int64_t>() : nullptr;
   std::vector<int64_t> tokens;
   std::vector<float> xs, cs;
@@ -1041,21 +1054,23 @@ torch::Tensor adjust_logits(const torch::Tensor& logits, int64_t num_rows, int64
   return out;
 }
 
-// A batch's penalties and bans in adjust_logits' layout, for the greedy chain and step to apply to their rows
-// (sampling.Adjustments.kernel_args): stop_rows counts the rows from the first draft's on.
+// A batch's logit biases, penalties and bans in adjust_logits' layout, for the greedy chain and step to apply to their
+// rows (sampling.Adjustments.kernel_args): stop_rows counts the rows from the first draft's on.
 struct Adjustments {
   std::vector<int64_t> penalized;
   std::vector<torch::Tensor> counts, in_prompt;
   std::vector<double> values;
   std::vector<std::vector<int64_t>> bad, stops;
   std::vector<int64_t> stop_rows;
+  std::vector<std::vector<int64_t>> bias_tokens;
+  std::vector<std::vector<double>> bias_values;
 
   // adjust_logits of rows first .. first + num_rows - 1 of each sequence (its stop bans shifted to them)
   torch::Tensor apply(const torch::Tensor& logits, int64_t num_rows, int64_t first, const torch::Tensor& drafts) const {
     std::vector<int64_t> rows(stop_rows.size());
     for (size_t b = 0; b < rows.size(); ++b) rows[b] = std::max<int64_t>(stop_rows[b] - first, 0);
     return adjust_logits(logits, num_rows, first, drafts, penalized, counts, in_prompt, values, bad, stops, rows,
-                         torch::empty({0, 0}, torch::kInt));  // no grammar: guided steps take the general path
+                         bias_tokens, bias_values, torch::empty({0, 0}, torch::kInt));  // guided steps: the general path
   }
 
   // those of sequences seqs[0], seqs[1], .. as a batch of their own (the drafting ones of a step)
@@ -1070,6 +1085,7 @@ struct Adjustments {
         a.values.insert(a.values.end(), values.begin() + 3 * p, values.begin() + 3 * p + 3);
       }
       a.bad.push_back(bad[b]), a.stops.push_back(stops[b]), a.stop_rows.push_back(stop_rows[b]);
+      a.bias_tokens.push_back(bias_tokens[b]), a.bias_values.push_back(bias_values[b]);
     }
     return a;
   }
@@ -1440,17 +1456,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         nogil);
   py::class_<Target>(m, "Target", "the target model's kernel weights around its layers (see make_target)");
   m.def("make_target", &make_target, "gather the embedding, rope, layers, final norm and lm_head for greedy_step");
-  py::class_<Adjustments>(m, "Adjustments", "a batch's penalties and bans in adjust_logits' layout, for greedy_step")
+  py::class_<Adjustments>(m, "Adjustments",
+                          "a batch's logit biases, penalties and bans in adjust_logits' layout, for greedy_step")
       .def(py::init([](std::vector<int64_t> penalized, std::vector<torch::Tensor> counts,
                        std::vector<torch::Tensor> in_prompt, std::vector<double> values,
                        std::vector<std::vector<int64_t>> bad, std::vector<std::vector<int64_t>> stops,
-                       std::vector<int64_t> stop_rows) {
+                       std::vector<int64_t> stop_rows, std::vector<std::vector<int64_t>> bias_tokens,
+                       std::vector<std::vector<double>> bias_values) {
         return Adjustments{std::move(penalized), std::move(counts), std::move(in_prompt), std::move(values),
-                           std::move(bad), std::move(stops), std::move(stop_rows)};
+                           std::move(bad), std::move(stops), std::move(stop_rows), std::move(bias_tokens),
+                           std::move(bias_values)};
       }));
   m.def("greedy_step", &greedy_step, "a greedy step: drafts, verification, acceptance (k = 0: plain decoding)",
         nogil);
-  m.def("adjust_logits", &adjust_logits, "penalties and bans of a batch's rows, drafts before each row counted", nogil);
+  m.def("adjust_logits", &adjust_logits, "logit biases, penalties and bans of a batch's rows, drafts before each row "
+        "counted", nogil);
   m.def("token_logprobs", &token_logprobs, "emitted tokens' logprobs, ranks and top-n alternatives", nogil);
   m.def("uniforms", &uniforms, "the counter-based U(0, 1) draws of (seed, position, purpose)", nogil);
   m.def("race", &race, "one token per row: the exponential race of runtime.core.sampling", nogil);
