@@ -35,7 +35,7 @@ LOAD = """
 import os
 import torch
 from benchmarks.common import weight_bytes_in_memory
-from runtime.executors.ranks import rss_bytes
+from runtime.executors.lifetime import rss_bytes
 from runtime.io.engine_format import EngineManifest
 from runtime.io.loading import load_engine
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM

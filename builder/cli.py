@@ -22,7 +22,8 @@ from builder.validation import (NO_QUANT, BuildError, check_tokenizer, machine_m
 from runtime.io.atomic import (OutputDirError, check_not_replacing, check_output_dir, os_error_text, owned_tempdir,
                                release_owned, remove_stale)
 from runtime.io.checkpoint import CheckpointError, HFCheckpoint
-from runtime.io.engine_format import DEFAULT_MAX_DRAFT_LEN, BuildConfig, EngineError, max_draft_len_allowed
+from runtime.io.engine_format import (DEFAULT_MAX_DRAFT_LEN, BuildConfig, EngineError, max_draft_len_allowed,
+                                     released_quant_algo)
 from runtime.model.config import ConfigError, ModelConfig
 
 
@@ -135,9 +136,8 @@ def dry_run(args: argparse.Namespace) -> None:
         raise BuildError("--dry_run plans from --model_dir's config.json; give --model_dir")
     source = args.model_dir / "config.json"
     cfg = ModelConfig.from_json(source)
-    build = build_config(args, cfg, dtype="bfloat16" if args.backend == "trtllm" else "float32", tp_size=1,
-                         ep_size=1, quant_algo="FP8_BLOCK_SCALES" if cfg.quantization_config is not None else None,
-                         notes=False)
+    build = build_config(args, cfg, dtype=default_dtype(args.backend), tp_size=1, ep_size=1,
+                         quant_algo=released_quant_algo(cfg.quantization_config is not None), notes=False)
     validate_sharding(cfg, build, str(source))
     memory = int(args.device_memory_gib * 2**30) if args.device_memory_gib else machine_memory()
     print(plan_text(cfg, build, str(source), memory, args.free_gpu_memory_fraction))
@@ -186,8 +186,8 @@ def run(args: argparse.Namespace) -> None:
         raise BuildError(f"--max_draft_len {args.max_draft_len}: {args.model_dir} stores no MTP weights although its "
                          "config.json declares MTP layers (as transformers' save_pretrained leaves a fine-tuned "
                          "model), so there is nothing to draft with; build with --max_draft_len 0")
-    build = build_config(args, cfg, dtype="bfloat16" if args.backend == "trtllm" else "float32", tp_size=1, ep_size=1,
-                         quant_algo="FP8_BLOCK_SCALES" if hf_ckpt.quantized else None)
+    build = build_config(args, cfg, dtype=default_dtype(args.backend), tp_size=1, ep_size=1,
+                         quant_algo=released_quant_algo(hf_ckpt.quantized))
     open_hf_checkpoint(args.model_dir, build)
     tokenizer_dir = args.tokenizer_dir or args.model_dir
     check_tokenizer(tokenizer_dir)
@@ -198,6 +198,11 @@ def run(args: argparse.Namespace) -> None:
     with owned_tempdir(args.output_dir.parent, f".{args.output_dir.name}.ckpt-") as tmp:
         convert_checkpoint(args.model_dir, tmp / "ckpt", build)
         build_engine(tmp / "ckpt", args.output_dir, build, tokenizer_dir=tokenizer_dir, force=args.force)
+
+
+def default_dtype(backend: str) -> str:
+    """The compute dtype a backend builds for without --dtype: TensorRT-LLM's GPUs bfloat16, the native CPU float32."""
+    return "bfloat16" if backend == "trtllm" else "float32"
 
 
 def build_config(args: argparse.Namespace, cfg: ModelConfig, *, dtype: str, tp_size: int, ep_size: int,

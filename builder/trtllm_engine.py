@@ -22,7 +22,7 @@ from builder.validation import BuildError, copy_tokenizer, open_hf_checkpoint, q
 from builder.native_engine import BUILDER_VERSION
 from runtime.io.atomic import new_output_dir
 from runtime.io.checkpoint import FP8_CODE, INDEX_NAME
-from runtime.io.engine_format import HF_DIR, LLM_API_OPTIONS, BuildConfig, EngineManifest
+from runtime.io.engine_format import HF_DIR, LLM_API_OPTIONS, BuildConfig, EngineManifest, released_quant_algo
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ def build_trtllm_engine(model_dir: str | Path, output_dir: str | Path, build: Bu
     model_dir = Path(model_dir)
     ckpt, cfg = open_hf_checkpoint(model_dir, build)
     source = str(model_dir / "config.json")
-    released = "FP8_BLOCK_SCALES" if ckpt.quantized else None
+    released = released_quant_algo(ckpt.quantized)
     if build.quant_algo != released:
         raise BuildError(
             f"--quant_algo {quant_algo_flag(build.quant_algo)} with --backend trtllm: TensorRT-LLM loads the weights "

@@ -1,27 +1,22 @@
 """Check the --backend trtllm path end to end on a GPU host with TensorRT-LLM.
 
-    check_trtllm                       # build models/deepseek-v3-mini, session + Triton
+    check_trtllm                       # build models/deepseek-v3-mini, executor + Triton
     check_trtllm --skip_triton --engine_dir /engines/dsv3-trt
 
 1. builds the shipped model with `build_engine --backend trtllm` (a subprocess; --engine_dir skips it);
-2. generates greedily with each draft length (default 0 and 3) through the session path
+2. generates greedily with each draft length (default 0 and 3) through the executor
    (runtime.executors.trtllm.TrtllmExecutor, one request at a time) and checks that every draft
    length gives the same tokens as the first;
-3. unless --skip_triton: fills a copy of triton_repo/ for the engine, starts tritonserver with
-   serving/launcher.py and sends the same prompts to `ensemble` over gRPC streaming
-   (tritonclient), checking that the text equals the session path's;
+3. unless --skip_triton: writes the legacy model repository for the engine as make_model_repo does,
+   starts tritonserver with serving/launcher.py and sends the same prompts to `ensemble` over gRPC
+   streaming (tritonclient), checking that the text equals the executor's;
 4. prints TPOT (mean time per output token after the first) and the draft acceptance rate.
 
 Exit status: 0 all outputs equal; 1 a mismatch or a failed step; 2 TensorRT-LLM (or tritonclient)
 is not installed here: run it inside NVIDIA's TensorRT-LLM container or the Triton TensorRT-LLM
 container (see docs/trtllm-backend.md).
 
-Assumptions for step 3 (the Triton model repository belongs to another part of the project): the
-`tensorrt_llm` model of triton_repo opens engines whose engine.json says backend "trtllm" with
-TrtllmExecutor, it takes the template keys filled here (engine_dir, tokenizer_dir,
-num_draft_tokens, speculation, ...), the ensemble has inputs text_input / max_tokens / stream /
-exclude_input_in_output / end_id and outputs text_output and the speculative-decoding counts, and
-the Python backend's environment can import tensorrt_llm and this repository.
+Step 3 needs the Python backend's environment to import tensorrt_llm and this repository.
 """
 
 from __future__ import annotations
@@ -74,7 +69,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--free_gpu_memory_fraction", type=float, default=0.5,
                    help="kv_cache_config override for both paths (one engine at a time holds the GPU)")
     p.add_argument("--skip_triton", action="store_true")
-    p.add_argument("--triton_repo", type=Path, default=ROOT / "triton_repo", help="model repository template")
     p.add_argument("--tritonserver", type=Path, help="tritonserver binary (default: the container's or pytriton's)")
     p.add_argument("--json_out", type=Path, help="write every output and timing here")
     args = p.parse_args(argv)
@@ -110,7 +104,7 @@ def build(args: argparse.Namespace, work: Path) -> Path:
     return out
 
 
-def session_runs(engine: Path, k: int, prompts: list[str], args: argparse.Namespace) -> list[Run]:
+def executor_runs(engine: Path, k: int, prompts: list[str], args: argparse.Namespace) -> list[Run]:
     """Greedy, one request at a time (TPOT at batch 1), after one warm-up request."""
     from runtime.executors.base import ExecutorConfig
     from runtime.core.sampling_params import SamplingParams
@@ -139,24 +133,16 @@ def triton_runs(engine: Path, k: int, prompts: list[str], n_tokens: list[int], w
     """The prompts through `ensemble` over gRPC streaming, one at a time."""
     import numpy as np
     import tritonclient.grpc as grpcclient
-    from serving.fill_template import fill
     from serving.launcher import start_server
-
-    from runtime.executors.trtllm import TrtllmEngine
+    from serving.model_repo import default_values, fill_model_repo
 
     repo = work / f"triton_repo_k{k}"
     if repo.exists():
         shutil.rmtree(repo)
-    shutil.copytree(args.triton_repo, repo, ignore=shutil.ignore_patterns("__pycache__"))
-    values = {"triton_max_batch_size": "8", "decoupled_mode": "true", "engine_dir": str(engine),
-              "tokenizer_dir": str(TrtllmEngine.open(engine).model_dir), "num_draft_tokens": str(k),
-              "speculation": "fixed", "preprocessing_instance_count": "1",
-              "postprocessing_instance_count": "1", "bls_instance_count": "1",
-              "tensorrt_llm_model_name": "tensorrt_llm", "cancellation_check_period_ms": "20",
-              "stats_check_period_ms": "100"}
-    for config in repo.glob("*/config.pbtxt"):
-        text = config.read_text()
-        config.write_text(fill(text, {key: v for key, v in values.items() if "${" + key + "}" in text}, str(config)))
+    repo.mkdir(parents=True)
+    fill_model_repo(repo, default_values(engine, triton_max_batch_size="8", num_draft_tokens=str(k),
+                                         speculation="fixed", bls_instance_count="1",
+                                         cancellation_check_period_ms="20", stats_check_period_ms="100"))
 
     def inputs(prompt: str) -> list:
         arrays = {"text_input": np.array([[prompt.encode()]], dtype=object),
@@ -269,45 +255,45 @@ def check(args: argparse.Namespace, work: Path) -> int:
 
     ok = True
     results: dict[str, Any] = {"engine": str(engine), "draft_lens": args.draft_lens, "paths": {}, "summary": []}
-    session: dict[int, list[Run]] = {}
+    executor: dict[int, list[Run]] = {}
     for k in args.draft_lens:
         try:
-            session[k] = session_runs(engine, k, prompts, args)
+            executor[k] = executor_runs(engine, k, prompts, args)
         except Exception as e:  # report and go on to what else can be checked
-            print(f"check_trtllm: session path with k={k} failed: {type(e).__name__}: {e}", file=sys.stderr)
+            print(f"check_trtllm: the executor with k={k} failed: {type(e).__name__}: {e}", file=sys.stderr)
             return 1
-        results["summary"].append(summary(f"session k={k}", session[k]))
-        results["paths"][f"session_k{k}"] = [r.__dict__ for r in session[k]]
-        ok &= not any(r.error for r in session[k])
+        results["summary"].append(summary(f"executor k={k}", executor[k]))
+        results["paths"][f"executor_k{k}"] = [r.__dict__ for r in executor[k]]
+        ok &= not any(r.error for r in executor[k])
 
     ref_k = args.draft_lens[0]
     ref_tpot = results["summary"][0]["tpot_ms"]
     for s in results["summary"][1:]:
         if ref_tpot and s["tpot_ms"]:
-            print(f"TPOT {s['path']} vs session k={ref_k}: {ref_tpot / s['tpot_ms']:.2f}x faster", flush=True)
+            print(f"TPOT {s['path']} vs executor k={ref_k}: {ref_tpot / s['tpot_ms']:.2f}x faster", flush=True)
     for k in args.draft_lens[1:]:
-        for ref, run in zip(session[ref_k], session[k]):
+        for ref, run in zip(executor[ref_k], executor[k]):
             if run.token_ids != ref.token_ids:
                 ok = False
                 i = first_difference(ref.token_ids, run.token_ids)
-                print(f"MISMATCH session k={k} vs k={ref_k} at output token {i} for prompt {run.prompt[:40]!r}")
+                print(f"MISMATCH executor k={k} vs k={ref_k} at output token {i} for prompt {run.prompt[:40]!r}")
     if len(args.draft_lens) > 1:
-        print(f"greedy equal across draft lengths (session): {ok}", flush=True)
+        print(f"greedy equal across draft lengths (executor): {ok}", flush=True)
 
     if not args.skip_triton:
         for k in args.draft_lens:
             try:
-                runs = triton_runs(engine, k, prompts, [len(r.token_ids) for r in session[k]], work, args)
+                runs = triton_runs(engine, k, prompts, [len(r.token_ids) for r in executor[k]], work, args)
             except Exception as e:
                 print(f"check_trtllm: Triton with k={k} failed: {type(e).__name__}: {e}", file=sys.stderr)
                 return 1
             results["summary"].append(summary(f"triton ensemble k={k}", runs))
             results["paths"][f"triton_k{k}"] = [r.__dict__ for r in runs]
-            for ref, run in zip(session[k], runs):
+            for ref, run in zip(executor[k], runs):
                 if run.error or run.text != ref.text:
                     ok = False
                     where = run.error or f"first differing character {first_difference(ref.text, run.text)}"
-                    print(f"MISMATCH triton k={k} vs session k={k} for prompt {run.prompt[:40]!r}: {where}")
+                    print(f"MISMATCH triton k={k} vs executor k={k} for prompt {run.prompt[:40]!r}: {where}")
     if args.json_out:
         args.json_out.write_text(json.dumps(results, indent=2, default=str) + "\n")
     print("PASS" if ok else "FAIL", flush=True)

@@ -10,18 +10,17 @@ from __future__ import annotations
 import argparse
 import queue
 import sys
-import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
 import tritonclient.grpc as grpcclient
 
+STREAM_TIMEOUT_S = 300.0  # the longest wait for a response of a stream
 
 @dataclass
 class StreamChunk:
     text: str  # this response's text delta
-    at: float  # perf_counter when it arrived
     stats: dict[str, float] = field(default_factory=dict)  # acceptance_rate, total_*_draft_tokens
 
 
@@ -66,17 +65,16 @@ def token_id_inputs(prompt_ids: list[int], max_tokens: int, end_id: int | None =
 
 
 def stream_generate(url: str, prompt: str, max_tokens: int, temperature: float = 0.0, seed: int | None = None,
-                    end_id: int | None = None, model: str = "tensorrt_llm_bls", timeout_s: float = 300.0,
-                    perf_metrics: bool = False) -> Iterator[StreamChunk]:
+                    model: str = "tensorrt_llm_bls", perf_metrics: bool = False) -> Iterator[StreamChunk]:
     """Yield the streamed responses of one request (`text_inputs`); raises RuntimeError with Triton's message."""
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
-    client.start_stream(callback=lambda result, error: responses.put((result, error, time.perf_counter())))
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
     try:
-        client.async_stream_infer(model, text_inputs(prompt, max_tokens, temperature, seed, end_id, perf_metrics),
+        client.async_stream_infer(model, text_inputs(prompt, max_tokens, temperature, seed, perf_metrics=perf_metrics),
                                   enable_empty_final_response=True)
         while True:
-            result, error, at = responses.get(timeout=timeout_s)
+            result, error = responses.get(timeout=STREAM_TIMEOUT_S)
             if error is not None:
                 raise RuntimeError(error.message())
             text = result.as_numpy("text_output")
@@ -85,12 +83,19 @@ def stream_generate(url: str, prompt: str, max_tokens: int, temperature: float =
                      if result.as_numpy(k) is not None}
             chunk = b"".join(text.reshape(-1)).decode() if text is not None else ""
             if chunk or stats:
-                yield StreamChunk(chunk, at, stats)
+                yield StreamChunk(chunk, stats)
             if result.get_response().parameters["triton_final_response"].bool_param:
                 return
     finally:
         client.stop_stream()
         client.close()
+
+
+def _seed(text: str) -> int:
+    value = int(text)
+    if not 0 <= value < 2**64:  # Triton's seed input is uint64
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2^64), got {value}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,10 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", default="127.0.0.1:8001")
     p.add_argument("--max_tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=_seed, default=None, help="the sampling seed, in [0, 2^64) (with --temperature above 0)")
     p.add_argument("--model", default="tensorrt_llm_bls", help="tensorrt_llm_bls (default) or ensemble")
     args = p.parse_args(argv)
     stats: dict[str, float] = {}
-    for chunk in stream_generate(args.url, args.prompt, args.max_tokens, args.temperature, model=args.model,
+    for chunk in stream_generate(args.url, args.prompt, args.max_tokens, args.temperature, args.seed, model=args.model,
                                  perf_metrics=True):
         print(chunk.text, end="", flush=True)
         stats = chunk.stats or stats

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from runtime.executors.lifetime import PID_NAMESPACE, remove_stale, terminate_with_parent
+from runtime.executors.lifetime import PID_NAMESPACE, remove_dead_pids_leftovers, terminate_with_parent
 from serving.engine_limits import SERVER_DIR_PREFIX, server_dir
 from serving.triton_parameters import WORLD_SIZE_ENV
 
@@ -182,8 +182,7 @@ def restricted_api_args(admin_api_key: str | None) -> list[str]:
 
 def build_command(install: TritonInstall, backends: Path, model_repo: Path, *,
                   host: str, http_port: int, grpc_port: int, metrics_port: int, log_verbose: int = 0,
-                  exit_timeout_s: int = 30, shm_prefix: str = "dsv3_", admin_api_key: str | None = None,
-                  extra_args: Sequence[str] = ()) -> list[str]:
+                  exit_timeout_s: int = 30, shm_prefix: str = "dsv3_", admin_api_key: str | None = None) -> list[str]:
     """The tritonserver command line."""
     cmd = [
         str(install.tritonserver),
@@ -204,7 +203,7 @@ def build_command(install: TritonInstall, backends: Path, model_repo: Path, *,
         cmd.append(f"--cache-directory={install.caches}")
     if log_verbose:
         cmd.append(f"--log-verbose={log_verbose}")
-    return cmd + list(extra_args)
+    return cmd
 
 
 @dataclass
@@ -329,13 +328,13 @@ def remove_stale_leftovers() -> list[Path]:
     /dev/shm (memory: a few MB per model instance), work directories (a copy of the backends) and limits
     directories."""
     return [p for directory, pattern in LEFTOVERS
-            for p in remove_stale(directory or Path(tempfile.gettempdir()), pattern)]
+            for p in remove_dead_pids_leftovers(directory or Path(tempfile.gettempdir()), pattern)]
 
 
 def start_server(model_repo: str | Path, *, http_port: int = 0, grpc_port: int = 0, metrics_port: int = 0,
                  host: str = "127.0.0.1", log_file: str | Path | None = None, log_verbose: int = 0,
                  world_size: int | None = None, tritonserver: str | Path | None = None, ready_timeout_s: float = 300.0,
-                 exit_timeout_s: int = 30, admin_api_key: str | None = None, extra_args: Sequence[str] = (),
+                 exit_timeout_s: int = 30, admin_api_key: str | None = None,
                  capture_output: bool = True, env: dict[str, str] | None = None) -> TritonServer:
     """Start tritonserver on `model_repo` and wait until it is ready; ports 0 pick free ones.
 
@@ -365,7 +364,7 @@ def start_server(model_repo: str | Path, *, http_port: int = 0, grpc_port: int =
         cmd = build_command(install, backends, model_repo, host=host, http_port=http_port,
                             grpc_port=grpc_port, metrics_port=metrics_port,
                             log_verbose=log_verbose, exit_timeout_s=exit_timeout_s,
-                            shm_prefix=shm_prefix, admin_api_key=admin_api_key, extra_args=extra_args)
+                            shm_prefix=shm_prefix, admin_api_key=admin_api_key)
         log_path = Path(log_file).resolve() if log_file else (workdir / "server.log" if capture_output else None)
         handle = open(log_path, "ab") if log_path else None
         # own session: Ctrl-C in a terminal reaches only us, and stop() can kill the whole group

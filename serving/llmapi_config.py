@@ -257,11 +257,11 @@ def _kv_cache(kv: Any, engine_options: dict[str, Any], source: str, warnings: li
     return out
 
 
-def model_yaml(engine_dir: Path, model: str, *, decoupled: bool, max_batch_size: int = 0) -> dict[str, Any]:
+def model_yaml(engine_dir: Path, model: str, *, decoupled: bool) -> dict[str, Any]:
     """The model.yaml make_model_repo writes for the engine at `engine_dir`, named `model` in it (the link in the model
     directory): a --backend trtllm engine's own LLM-API options with `model` its checkpoint directory (so upstream's
     llmapi model, given the same file, builds the same LLM), or the native engine's limits and MTP draft length in the
-    LLM API's keys."""
+    LLM API's keys. Triton batches nothing (triton_config.max_batch_size 0): the executor batches in flight."""
     cfg, build = read_limits(engine_dir)
     options = dict(_engine_options(engine_dir))
     if options:
@@ -277,4 +277,4 @@ def model_yaml(engine_dir: Path, model: str, *, decoupled: bool, max_batch_size:
         if build.max_draft_len and cfg.num_nextn_predict_layers:
             options["speculative_config"] = {"decoding_type": "MTP", "max_draft_len": min(DEFAULT_DRAFT_TOKENS, build.max_draft_len)}
         options["kv_cache_config"] = {"free_gpu_memory_fraction": ExecutorConfig.free_memory_fraction}
-    return {"model": model, **options, "triton_config": {"max_batch_size": max_batch_size, "decoupled": decoupled}}
+    return {"model": model, **options, "triton_config": {"max_batch_size": 0, "decoupled": decoupled}}

@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from runtime.executors.base import check_settings
+from runtime.executors.backends import check_settings
 from runtime.io.atomic import atomic_write, check_not_replacing, new_output_dir, os_error_text
 from runtime.io.engine_format import read_limits, tokenizer_dir
 from runtime.io.tokenizer import TOKENIZER_FILE
@@ -79,10 +79,10 @@ def add_model(repo: Path, template: Path, values: dict[str, str], name: str | No
     return dst
 
 
-def fill_model_repo(dst: Path, values: dict[str, str], src: Path = TEMPLATE_REPO) -> Path:
+def fill_model_repo(dst: Path, values: dict[str, str]) -> Path:
     """Copy the template repository to `dst` and fill each config.pbtxt with the keys it has; a key no model has is
     refused (a misspelt setting would be left out without a word)."""
-    models = sorted(p.parent for p in src.glob("*/config.pbtxt"))
+    models = sorted(p.parent for p in TEMPLATE_REPO.glob("*/config.pbtxt"))
     known = set().union(*(placeholders((m / "config.pbtxt").read_text()) for m in models))
     unknown = sorted(set(values) - known - UPSTREAM_ONLY)
     if unknown:

@@ -29,12 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 import triton_python_backend_utils as pb_utils
 
-from runtime.executors.base import ExecutorConfig, ExecutorProtocol, create_executor
+from runtime.executors.base import ExecutorConfig, ExecutorProtocol
 from runtime.executors.errors import QueueFull
-from runtime.executors.process import ProcessExecutor, use_engine_process
+from runtime.executors.process import open_server_executor
 from runtime.executors.requests import RequestOutput, RequestStats
 from runtime.core.sampling_params import SamplingParams
 from serving.perf_metrics import PERF_OUTPUTS, PerfMetrics
@@ -89,8 +88,7 @@ class EngineModel:
     # ---- set-up ---------------------------------------------------------------------------------
     def start(self, engine_dir: Path, executor_config: ExecutorConfig, triton: TritonConfig, *, model_name: str,
               model_version: str) -> None:
-        """Load the executor (in a process of its own where `use_engine_process` says: the responder then never
-        holds the GIL its step loop needs) and start the sender, metrics and watchdog threads."""
+        """Load the executor (`open_server_executor`) and start the sender, metrics and watchdog threads."""
         rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
         if rank:
             raise pb_utils.TritonModelException(
@@ -99,13 +97,8 @@ class EngineModel:
         if os.environ.get(WORLD_SIZE_ENV):
             executor_config = dataclasses.replace(executor_config, world_size=int(os.environ[WORLD_SIZE_ENV]))
         pb_utils.Logger.log_info(f"{self.label}: loading {engine_dir}")
-        if use_engine_process(triton.engine_process, executor_config.device):
-            self.executor: ExecutorProtocol = ProcessExecutor(engine_dir, executor_config,
-                                                              torch_threads=triton.torch_threads)
-        else:
-            if triton.torch_threads:  # small decode steps on a busy CPU run faster on fewer threads
-                torch.set_num_threads(triton.torch_threads)
-            self.executor = create_executor(engine_dir, executor_config)
+        self.executor: ExecutorProtocol = open_server_executor(engine_dir, executor_config, triton.engine_process,
+                                                               triton.torch_threads)
         self.tokenizer = self.executor.tokenizer
         self.vocab_size = self.executor.model_config.vocab_size
         self.decoupled = triton.decoupled

@@ -10,19 +10,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
+from runtime.executors.lifetime import MAX_TORCH_THREADS
 from serving.watchdog import STALL_TIMEOUT_S
 
 T = TypeVar("T")
 # the launcher's --world_size, for the engine models (serving.triton_engine): ExecutorConfig.world_size
 WORLD_SIZE_ENV = "DSV3_WORLD_SIZE"
-MAX_TORCH_THREADS = 1024  # more cores than any host this runs on; 10^9 made OpenMP abort allocating their stacks
 
 TRUE_VALUES = ("1", "true", "yes", "t", "y", "on")
 FALSE_VALUES = ("0", "false", "no", "f", "n", "off")
 
 
 def shown(value: str, limit: int = 40) -> str:
-    """A value as an error quotes it: a parameter may be any length (a 5000-digit number was echoed whole)."""
+    """A value as an error quotes it: at most `limit` characters, since a parameter may be of any length."""
     return repr(value) if len(value) <= limit else f"{value[:limit]!r}... ({len(value)} characters)"
 
 
@@ -72,8 +72,8 @@ class TritonConfig:
     engine_process: bool | None = None  # the executor in a process of its own (None: on CUDA devices only)
 
     def __post_init__(self) -> None:
-        """ValueError naming the setting whose value cannot work: a watchdog of 0 or less stopped the server at the
-        first request, a period of 10^20 ms killed the responder thread, 10^9 torch threads aborted the process."""
+        """ValueError naming the setting whose value cannot work: each is bounded by what the server's threads and
+        torch can take (a watchdog that cannot see a step finish, periods past an hour, more threads than cores)."""
         for name, low, high in (("cancellation_check_period_ms", 1, 3_600_000), ("stats_check_period_ms", 1, 3_600_000),
                                 ("watchdog_timeout_s", 0.001, 86_400), ("torch_threads", 1, MAX_TORCH_THREADS)):
             value = getattr(self, name)

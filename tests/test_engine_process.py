@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from runtime.core.sampling_params import SamplingParams
-from runtime.executors.base import ExecutorConfig, create_executor
+from runtime.executors.backends import create_executor
+from runtime.executors.base import ExecutorConfig
 from runtime.executors.errors import QueueFull
 from runtime.executors.process import ProcessExecutor, _delta_of, _Stream
 

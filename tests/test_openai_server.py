@@ -913,7 +913,8 @@ def test_bad_flags_are_refused_at_start_naming_them(shipped_model_dir: Path, cap
     for threads in ("0", "1000000000"):
         assert main(["models/none", "--torch_threads", threads]) == 2
         assert capsys.readouterr().err == f"dsv3-serve: --torch_threads must be in [1, 1024], got {threads}\n"
-    for flags, message in ((["--device", "tpu"], "--device tpu: expected cpu or cuda[:index]"),
+    for flags, message in ((["--device", "tpu"], "device must be cpu or cuda[:index], got 'tpu'"),
+                           (["--device", "meta"], "device must be cpu or cuda[:index], got 'meta'"),
                            (["--max_batch_size", "0"], "max_batch_size must be an integer >= 1, got 0"),
                            (["--free_memory_fraction", "nan"], "free_memory_fraction must be in (0, 1], got nan")):
         assert main([str(shipped_model_dir), *flags]) == 2

@@ -43,7 +43,8 @@ import yaml
 
 from builder.trtllm_engine import TrtllmOptions, build_trtllm_engine
 from runtime.io.engine_format import BuildConfig, EngineError, engine_backend
-from runtime.executors.base import ExecutorConfig, create_executor
+from runtime.executors.backends import create_executor
+from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
 from runtime.executors.requests import RequestOutput
 from runtime.core.sampling import RelaxedAcceptance
@@ -962,7 +963,7 @@ def test_create_executor_dispatches_on_the_backend(engine_dir: Path, spec_checkp
     with create_executor(engine_dir, config) as ex:
         assert isinstance(ex, TrtllmExecutor) and ex.num_draft_tokens == 0
     native_calls = []
-    monkeypatch.setattr("runtime.executors.native.Executor", lambda *a: native_calls.append(a) or "native")
+    monkeypatch.setattr("runtime.executors.backends.Executor", lambda *a: native_calls.append(a) or "native")
     assert create_executor(spec_checkpoint, config) == "native" and native_calls == [(spec_checkpoint, config)]
 
 
@@ -1034,8 +1035,8 @@ def test_contract_same_outputs_as_native(engine_dir: Path, trtllm: ModuleType, n
                 want[-1].stats.prompt_tokens, len(got[-1].token_ids))
 
 
-# ---- serving/check_trtllm.py on the session path, with the double -----------------------------------
-def test_check_script_session_path_with_the_double(engine_dir: Path, trtllm: ModuleType, tmp_path: Path,
+# ---- serving/check_trtllm.py on the executor, with the double -----------------------------------
+def test_check_script_executor_path_with_the_double(engine_dir: Path, trtllm: ModuleType, tmp_path: Path,
                                                    capsys, monkeypatch) -> None:
     check = _import_check()
     temp = tmp_path / "temp"
@@ -1047,18 +1048,18 @@ def test_check_script_session_path_with_the_double(engine_dir: Path, trtllm: Mod
             "--json_out", str(tmp_path / "out.json")]
     assert check.main(args) == 0
     out = capsys.readouterr().out
-    assert "session k=0" in out and "session k=3" in out and "TPOT" in out and "acceptance" in out
+    assert "executor k=0" in out and "executor k=3" in out and "TPOT" in out and "acceptance" in out
     assert out.rstrip().endswith("PASS")
     assert [llm.kwargs.get("speculative_config", {}).get("num_nextn_predict_layers", 0) for llm in trtllm.llms] == [0, 3]
     assert all(llm.kwargs["kv_cache_config"]["free_gpu_memory_fraction"] == 0.5 for llm in trtllm.llms)
     results = json.loads((tmp_path / "out.json").read_text())
-    assert len(results["paths"]["session_k3"]) == 2
+    assert len(results["paths"]["executor_k3"]) == 2
     assert list(temp.iterdir()) == []  # its work directory went with the pass
     # outputs that depend on the draft length fail the check; the work directory stays for inspection
     trtllm.plan = lambda prompt, sp: Plan(lambda i: 100 + i + trtllm.llms[-1].draft_len)
     assert check.main(args) == 1
     captured = capsys.readouterr()
-    assert "MISMATCH session k=3 vs k=0 at output token 0" in captured.out
+    assert "MISMATCH executor k=3 vs k=0 at output token 0" in captured.out
     [kept] = temp.iterdir()
     assert captured.err == f"check_trtllm: kept {kept} (engine, model repositories, server logs) for inspection\n"
 
@@ -1066,7 +1067,7 @@ def test_check_script_session_path_with_the_double(engine_dir: Path, trtllm: Mod
 def test_check_script_builds_the_shipped_model(shipped_model_dir: Path, trtllm: ModuleType, tmp_path: Path,
                                                capsys) -> None:
     """The default flow without --engine_dir: `build_engine --backend trtllm` as a subprocess, then
-    the session path (with the double); Triton skipped."""
+    the executor (with the double); Triton skipped."""
     check = _import_check()
     args = ["--model_dir", str(shipped_model_dir), "--work_dir", str(tmp_path), "--skip_triton", "--num_prompts", "2",
             "--max_tokens", "4"]

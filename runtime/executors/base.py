@@ -1,12 +1,11 @@
-"""What every executor is: the contract the native executor and the TensorRT-LLM adapter keep, the settings
-they share (`ExecutorConfig`, read once: limits, speculation mode and draft length resolved here for both),
-and the choice between them (`create_executor`)."""
+"""What every executor is: the contract the native executor and the TensorRT-LLM adapter keep and the settings
+they share (`ExecutorConfig`, read once: limits, speculation mode and draft length resolved here for both). The
+choice between them is runtime.executors.backends'."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Protocol
 
 import torch
@@ -15,8 +14,7 @@ from runtime.core.sampling import RelaxedAcceptance
 from runtime.core.sampling_params import SamplingParams
 from runtime.core.scheduler import SchedulerConfig
 from runtime.executors.requests import ExecutorStats, RequestHandle, RequestOutput
-from runtime.io.engine_format import (MAX_DRAFT_LEN, BuildConfig, EngineManifest, check_model_limits, engine_backend,
-                                     read_limits)
+from runtime.io.engine_format import MAX_DRAFT_LEN, BuildConfig, check_model_limits
 from runtime.io.tokenizer import Tokenizer
 from runtime.model.config import ModelConfig
 
@@ -175,30 +173,3 @@ def submit_all(executor: ExecutorProtocol, prompts: list[list[int]], params: Sam
             h.cancel()
         raise
     return handles
-
-
-def check_settings(path: str | Path, config: ExecutorConfig) -> None:
-    """What creating an executor on `path` with `config` refuses before it loads a weight (ValueError naming the
-    setting), for a deployment written before any server loads it (make_model_repo)."""
-    path, source, backend = Path(path), str(path), engine_backend(path)
-    if backend == "trtllm":
-        from runtime.executors.trtllm_api import llm_kwargs_for, read_llm_api_options
-
-        llm_kwargs_for(read_llm_api_options(path), EngineManifest.read(path), config, source=source)
-        return
-    cfg, build = read_limits(path)
-    built = backend is not None  # a plain checkpoint's limits are defaults, not build choices
-    config.ranks(build, source)
-    config.limits(build, cfg, source, built)
-    config.draft_len(build.max_draft_len, cfg.num_nextn_predict_layers, source, built)
-
-
-def create_executor(path: str | Path, config: ExecutorConfig = ExecutorConfig(), **kwargs: Any) -> ExecutorProtocol:
-    """TensorRT-LLM for an engine built with --backend trtllm, else the native executor."""
-    if engine_backend(path) == "trtllm":
-        from runtime.executors.trtllm import TrtllmExecutor
-
-        return TrtllmExecutor(path, config, **kwargs)
-    from runtime.executors.native import Executor
-
-    return Executor(path, config)

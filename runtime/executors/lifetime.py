@@ -1,6 +1,6 @@
 """Child processes of ours: the interpreter they run on, their ending with their parent (the engine process,
-tensor-parallel ranks, servers started by tests and benchmarks), and the removal of what killed ones left. Kept
-free of torch so the light command-line tools can use it."""
+tensor-parallel ranks, servers started by tests and benchmarks), their resident memory, and the removal of what
+killed ones left. Kept free of torch so the light command-line tools can use it."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ import sys
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
+# the most torch threads a server's process may be given: more cores than any host this runs on (OpenMP aborts
+# allocating the stacks of a huge count)
+MAX_TORCH_THREADS = 1024
 # A pid names a process only within its pid namespace; containers that share /dev/shm or /tmp (docker --ipc=host)
 # do not share pids, so names that carry a pid carry the namespace too.
 PID_NAMESPACE = os.stat("/proc/self/ns/pid").st_ino
@@ -48,7 +51,7 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale(directory: Path, pattern: re.Pattern[str]) -> list[Path]:
+def remove_dead_pids_leftovers(directory: Path, pattern: re.Pattern[str]) -> list[Path]:
     """Remove the files and directories in `directory` whose names `pattern` matches with the pid (group 1) of a
     process of this pid namespace that has ended: what a process killed before its cleanup left. A dead pid
     proves them stale; a reused pid keeps them. Returns what was removed (not other users' entries, which a
@@ -66,3 +69,15 @@ def remove_stale(directory: Path, pattern: re.Pattern[str]) -> list[Path]:
         if not path.exists():
             removed.append(path)
     return removed
+
+
+def rss_bytes(pid: int, peak: bool = False) -> int:
+    """A process's resident memory (VmRSS), or its peak (VmHWM), in bytes; 0 once it is gone."""
+    field = "VmHWM:" if peak else "VmRSS:"
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

@@ -22,7 +22,8 @@ from typing import Callable
 import torch
 
 from runtime.core.cuda_graphs import CudaGraphRunner
-from runtime.executors.ranks import RankFailure, RankGroup, RankOptions, drive, rss_bytes
+from runtime.executors.lifetime import rss_bytes
+from runtime.executors.ranks import RankFailure, RankGroup, RankOptions, drive
 from runtime.io.engine_format import ENGINE_JSON, EngineManifest
 from runtime.io.loading import LoadedEngine, load_engine
 from runtime.core.kv_cache import KVCache, free_memory_bytes

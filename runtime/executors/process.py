@@ -29,7 +29,8 @@ import torch
 
 from runtime.core.sampling import TokenLogprob
 from runtime.core.sampling_params import SamplingParams
-from runtime.executors.base import ExecutorConfig, create_executor
+from runtime.executors.backends import create_executor
+from runtime.executors.base import ExecutorConfig, ExecutorProtocol
 from runtime.executors.lifetime import python_executable, terminate_with_parent
 from runtime.executors.requests import (ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestStats,
                                         so_far)
@@ -45,6 +46,18 @@ def use_engine_process(choice: bool | None, device: str) -> bool:
     torch threads take every core, and a second process's work (pickling, the pipe, the reader) takes them
     from it (docs/openai-server.md measures it); on a GPU the host's cores are free while the device computes."""
     return device.startswith("cuda") if choice is None else choice
+
+
+def open_server_executor(path: str | Path, config: ExecutorConfig, engine_process: bool | None,
+                         torch_threads: int | None) -> ExecutorProtocol:
+    """A server's executor, in a process of its own where `use_engine_process` says (the server's threads then never
+    hold the GIL its step loop needs); torch_threads set where the forward runs (small decode steps on a busy CPU run
+    faster on fewer threads)."""
+    if use_engine_process(engine_process, config.device):
+        return ProcessExecutor(path, config, torch_threads=torch_threads)
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
+    return create_executor(path, config)
 
 
 class EngineProcessError(RuntimeError):

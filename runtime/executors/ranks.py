@@ -45,7 +45,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from runtime.executors.lifetime import PID_NAMESPACE, python_executable, remove_stale, terminate_with_parent
+from runtime.executors.lifetime import (PID_NAMESPACE, python_executable, remove_dead_pids_leftovers, rss_bytes,
+                                        terminate_with_parent)
 from runtime.io.engine_format import BuildConfig, EngineManifest
 from runtime.io.loading import load_engine
 from runtime.model.batch import PagedBatch
@@ -117,7 +118,7 @@ class RankGroup:
     @classmethod
     def start(cls, path: str | Path, build: BuildConfig, options: RankOptions) -> "RankGroup":
         """Start ranks 1..tp_size-1 loading their rank files."""
-        remove_stale(Path(tempfile.gettempdir()), RENDEZVOUS_LEFT)  # killed rank 0s' leftovers
+        remove_dead_pids_leftovers(Path(tempfile.gettempdir()), RENDEZVOUS_LEFT)  # killed rank 0s' leftovers
         rendezvous = Path(tempfile.mkdtemp(prefix=f"dsv3-ranks-{PID_NAMESPACE}-{os.getpid()}-"))  # mode 0700
         store_file = str(rendezvous / "store")
         store = _file_store(store_file, build.tp_size)
@@ -274,18 +275,6 @@ def drive(model: DeepseekV3ForCausalLM, ranks: RankGroup) -> DrivingModel:
     driving = swap_class(model, DrivingModel)
     driving.ranks = ranks
     return driving
-
-
-def rss_bytes(pid: int, peak: bool = False) -> int:
-    """A process's resident memory (VmRSS), or its peak (VmHWM), in bytes; 0 once it is gone."""
-    field = "VmHWM:" if peak else "VmRSS:"
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 # ---- plumbing ------------------------------------------------------------------------------------------------

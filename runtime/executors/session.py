@@ -16,7 +16,8 @@ from typing import Iterator
 
 from runtime.core.sampling import TokenLogprob
 from runtime.core.sampling_params import SamplingParams
-from runtime.executors.base import ExecutorConfig, create_executor, submit_all
+from runtime.executors.backends import create_executor
+from runtime.executors.base import ExecutorConfig, submit_all
 from runtime.executors.requests import RequestStats
 
 

@@ -117,7 +117,7 @@ def remove_stale(out_dir: Path) -> list[str]:
 
     A leftover whose lock nobody holds is stale: it is removed, except an output renamed aside while the
     build was killed and not yet replaced, which is put back. Leftovers of a build in progress are not
-    touched, and a leftover without a lock file (from an older version) is only reported.
+    touched, and a leftover without a lock file (nothing proves it stale) is only reported.
     """
     out_dir = Path(out_dir)
     notes = []

@@ -47,7 +47,7 @@ class BuildConfig:
     max_batch_size: int = 8
     max_seq_len: int = 1024
     max_num_tokens: int = 2048
-    max_draft_len: int = 4
+    max_draft_len: int = DEFAULT_MAX_DRAFT_LEN
     dtype: str = "float32"  # CPU has no fast bf16, so float32 is the native default
     kv_block_size: int = 16
     tp_size: int = 1
@@ -318,12 +318,17 @@ def file_sha256(path: Path) -> str:
 
 
 # ---- limits of a plain checkpoint -----------------------------------------------------------
+def released_quant_algo(quantized: bool) -> str | None:
+    """The quant_algo of a checkpoint as released: DeepSeek's FP8 releases are 128x128 block-scaled."""
+    return "FP8_BLOCK_SCALES" if quantized else None
+
+
 def checkpoint_limits(ckpt: HFCheckpoint) -> BuildConfig:
     """What a plain checkpoint is served with: default limits within what the model allows."""
     cfg = ckpt.config
     return BuildConfig(max_seq_len=min(cfg.max_position_embeddings, HF_MAX_SEQ_LEN),
                        max_draft_len=DEFAULT_MAX_DRAFT_LEN if cfg.num_nextn_predict_layers else 0,
-                       quant_algo="FP8_BLOCK_SCALES" if ckpt.quantized else None)
+                       quant_algo=released_quant_algo(ckpt.quantized))
 
 
 def read_limits(path: str | Path) -> tuple[ModelConfig, BuildConfig]:

@@ -19,14 +19,13 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
-import torch
 import uvicorn
 
-from runtime.executors.base import ExecutorConfig, create_executor
-from runtime.executors.process import EngineProcessError, ProcessExecutor, use_engine_process
+from runtime.executors.base import ExecutorConfig
+from runtime.executors.lifetime import MAX_TORCH_THREADS
+from runtime.executors.process import EngineProcessError, open_server_executor
 from runtime.executors.trtllm_api import TensorRTLLMUnavailable
 from serving.openai_server.app import api_key_problem, create_app
-from serving.triton_parameters import MAX_TORCH_THREADS
 
 log = logging.getLogger("serving.openai_server")
 
@@ -109,13 +108,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.log_level == "info":  # one line per request: the server's, not also the executor's
         logging.getLogger("runtime.executors.requests").setLevel(logging.WARNING)
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
-    try:
-        torch.device(args.device)
-    except RuntimeError:
-        print(f"dsv3-serve: --device {args.device}: expected cpu or cuda[:index]", file=sys.stderr)
-        return 2
     try:
         config = ExecutorConfig(
             num_draft_tokens=args.num_draft_tokens,
@@ -130,8 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dsv3-serve: --host {args.host} --port {args.port}: {problem}", file=sys.stderr)
         return 2
     try:
-        executor = (ProcessExecutor(args.model, config, torch_threads=args.torch_threads)
-                    if use_engine_process(args.engine_process, args.device) else create_executor(args.model, config))
+        executor = open_server_executor(args.model, config, args.engine_process, args.torch_threads)
     except (ValueError, FileNotFoundError, EngineProcessError, TensorRTLLMUnavailable) as e:
         print(f"dsv3-serve: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,34 @@
+"""Which executor serves a path: TensorRT-LLM's adapter for an engine built with --backend trtllm, else the native
+executor; and what creating it would refuse, checked before a weight loads (`check_settings`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from runtime.executors.base import ExecutorConfig, ExecutorProtocol
+from runtime.executors.native import Executor
+from runtime.executors.trtllm import TrtllmExecutor
+from runtime.executors.trtllm_api import llm_kwargs_for, read_llm_api_options
+from runtime.io.engine_format import EngineManifest, engine_backend, read_limits
+
+
+def check_settings(path: str | Path, config: ExecutorConfig) -> None:
+    """What creating an executor on `path` with `config` refuses before it loads a weight (ValueError naming the
+    setting), for a deployment written before any server loads it (make_model_repo)."""
+    path, source, backend = Path(path), str(path), engine_backend(path)
+    if backend == "trtllm":
+        llm_kwargs_for(read_llm_api_options(path), EngineManifest.read(path), config, source=source)
+        return
+    cfg, build = read_limits(path)
+    built = backend is not None  # a plain checkpoint's limits are defaults, not build choices
+    config.ranks(build, source)
+    config.limits(build, cfg, source, built)
+    config.draft_len(build.max_draft_len, cfg.num_nextn_predict_layers, source, built)
+
+
+def create_executor(path: str | Path, config: ExecutorConfig = ExecutorConfig(), **kwargs: Any) -> ExecutorProtocol:
+    """TensorRT-LLM for an engine built with --backend trtllm, else the native executor."""
+    if engine_backend(path) == "trtllm":
+        return TrtllmExecutor(path, config, **kwargs)
+    return Executor(path, config)
