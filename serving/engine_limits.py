@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.executors.lifetime import PID_NAMESPACE
+from runtime.io.atomic import atomic_write
 
 
 @dataclass(frozen=True)
@@ -53,9 +54,7 @@ def limits_dir(create: bool = False) -> Path:
 def publish(model_name: str, limits: EngineLimits) -> Path:
     """Write the limits of `model_name` for the BLS (atomically: a reader sees the old file or the new one)."""
     path = limits_dir(create=True) / f"{model_name}.json"
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False) as f:
-        json.dump(dataclasses.asdict(limits), f)
-    os.replace(f.name, path)
+    atomic_write(path, json.dumps(dataclasses.asdict(limits)))
     return path
 
 

@@ -1,6 +1,7 @@
 """The legacy `tensorrt_llm` model's request as the executor takes it: TensorRT-LLM's input tensors (input_ids,
 request_output_len, runtime_top_k, stop_words_list, ...) read and checked, then converted to prompt ids and
-SamplingParams (`engine_request`); and the executor's checks of such a request (`check_engine_request`).
+SamplingParams (`engine_request`); the executor's checks of such a request (`check_engine_request`); and the BLS's
+reading of its client's inputs (`bls_values`).
 
 Shared by `tensorrt_llm` and `tensorrt_llm_bls`, which runs it on the tensors it is about to send, so that a request
 tensorrt_llm would refuse is refused by the BLS itself, with the same message: Triton 2.51's BLS API reports a
@@ -18,9 +19,10 @@ import numpy as np
 from runtime.core.sampling_params import LOGIT_BIAS_LIMIT, SamplingParams, seed_from_client, validate_request
 from runtime.io.tokenizer import Tokenizer
 from serving.engine_limits import EngineLimits
-from serving.request_validation import (GUIDED_INPUTS, NEUTRAL, TENSORRT_LLM_SCALARS, UNSUPPORTED_ENGINE_INPUTS,
-                                        RequestError, client_named, guided_decoding, integer, named_for_client,
-                                        refuse_non_neutral, refuse_unsupported, token_ids)
+from serving.request_validation import (ENGINE_INPUTS, GUIDED_INPUTS, NEUTRAL, TENSORRT_LLM_SCALARS,
+                                        UNSUPPORTED_BLS_INPUTS, UNSUPPORTED_ENGINE_INPUTS, RequestError, client_named,
+                                        guided_decoding, integer, named_for_client, refuse_non_neutral,
+                                        refuse_unsupported, token_ids)
 
 Inputs = dict[str, np.ndarray]  # a request's input tensors by tensorrt_llm's names
 
@@ -157,6 +159,22 @@ INPUT_NAMES = {"prompt": "input_ids (text_input)", "stop": "stop_words_list (sto
                **{param: client_named(name) for param, name in (
                    ("max_tokens", "request_output_len"), ("n", "num_return_sequences"), ("top_k", "runtime_top_k"),
                    ("top_p", "runtime_top_p"))}}
+
+
+def bls_values(inputs: Inputs) -> dict[str, Any]:
+    """The BLS's inputs by the client's names (ensemble / BLS): refuse its values under those names rather than the
+    engine's (top_k, not runtime_top_k) and inputs of upstream's BLS this runtime does not implement. What the
+    request means (max_tokens against the context, ...) is checked next, on the tensors for tensorrt_llm, by
+    tensorrt_llm's own conversion (`engine_request`): Triton 2.51's BLS API reports a composing model's error code
+    differently by allocator (a refusal of tensorrt_llm's came back as HTTP 500 under jemalloc), so nothing the
+    client did wrong is left for tensorrt_llm to refuse. Returns the scalar values read, by tensorrt_llm's names."""
+    refuse_unsupported(inputs, UNSUPPORTED_BLS_INPUTS)
+    values = {}
+    for client, engine in {**ENGINE_INPUTS, **{n: n for n in ("num_draft_tokens", "use_draft_logits")}}.items():
+        if client in inputs and engine in TENSORRT_LLM_SCALARS:
+            values[engine] = TENSORRT_LLM_SCALARS[engine].read(inputs[client], client)
+    refuse_non_neutral(values)
+    return values
 
 
 def check_engine_request(request: EngineRequest, tokenizer: Tokenizer, limits: EngineLimits) -> None:

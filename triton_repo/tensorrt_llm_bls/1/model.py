@@ -23,11 +23,10 @@ import triton_python_backend_utils as pb_utils
 
 from runtime.executors.errors import QueueFull
 from serving.engine_limits import PublishedLimits
-from serving.legacy_request import check_engine_request, engine_request
+from serving.legacy_request import bls_values, check_engine_request, engine_request
 from serving.perf_metrics import PERF_OUTPUTS
-from serving.request_validation import (ENGINE_INPUTS, PREPROCESSED, PREPROCESSING_INPUTS, TENSORRT_LLM_SCALARS,
-                                        UNSUPPORTED_BLS_INPUTS, RequestError, no_unknown_parameters,
-                                        refuse_non_neutral, refuse_unsupported)
+from serving.request_validation import (ENGINE_INPUTS, PREPROCESSED, PREPROCESSING_INPUTS, RequestError,
+                                        no_unknown_parameters)
 from serving.text_processing import bls_settings
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -63,21 +62,9 @@ def outputs(response: Any) -> dict[str, np.ndarray]:
 
 
 def check_inputs(request: Any) -> dict[str, Any]:
-    """Refuse the client's values under the client's names rather than the engine's (top_k, not runtime_top_k),
-    parameters this model does not take and inputs of upstream's BLS this runtime does not implement. What the
-    request means (max_tokens against the context, ...) is checked next, on the tensors for tensorrt_llm, by
-    tensorrt_llm's own conversion (`engine_request`): Triton 2.51's BLS API reports a composing model's error code
-    differently by allocator (a refusal of tensorrt_llm's came back as HTTP 500 under jemalloc), so nothing the
-    client did wrong is left for tensorrt_llm to refuse. Returns the scalar values read, by tensorrt_llm's names."""
+    """Parameters this model does not take refused, then the client's inputs (`bls_values`)."""
     no_unknown_parameters(request.parameters(), "tensorrt_llm_bls")
-    inputs = {t.name(): t.as_numpy() for t in request.inputs()}
-    refuse_unsupported(inputs, UNSUPPORTED_BLS_INPUTS)
-    values = {}
-    for client, engine in {**ENGINE_INPUTS, **{n: n for n in ("num_draft_tokens", "use_draft_logits")}}.items():
-        if client in inputs and engine in TENSORRT_LLM_SCALARS:
-            values[engine] = TENSORRT_LLM_SCALARS[engine].read(inputs[client], client)
-    refuse_non_neutral(values)
-    return values
+    return bls_values({t.name(): t.as_numpy() for t in request.inputs()})
 
 
 def error_response(e: Exception) -> Any:

@@ -1,0 +1,96 @@
+"""The llmapi `tensorrt_llm` model's request as the executor takes it: `text_input` and the `sampling_param_*` inputs
+read and checked in their declared types, then converted to a prompt text and SamplingParams as TensorRT-LLM's LLM
+API reads them (`llmapi_request`). No torch, as the legacy flavour's (serving.legacy_request)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from runtime.core.sampling_params import PENALTY_LIMIT, SamplingParams, seed_from_client
+from serving.request_validation import (GUIDED_INPUTS, INT32_MAX, RequestError, Scalar, guided_decoding,
+                                        named_for_client, refuse_unsupported, texts)
+
+Inputs = dict[str, np.ndarray]  # a request's input tensors by name
+
+UNSUPPORTED = {"image_url": "multimodal input; this is a text model",
+               **dict.fromkeys(("lora_id", "lora_name", "lora_path", "lora_ckpt_source"), "LoRA adapters")}
+FLAG = Scalar("flag")
+SCALARS: dict[str, Scalar] = {
+    **dict.fromkeys(("streaming", "stop", "sampling_param_exclude_input_from_output",
+                     "sampling_param_return_perf_metrics", "return_finish_reason", "return_stop_reason",
+                     "return_cumulative_logprob"), FLAG),
+    "sampling_param_temperature": Scalar("real", 0.0),
+    **dict.fromkeys(("sampling_param_frequency_penalty", "sampling_param_presence_penalty"),
+                    Scalar("real", -PENALTY_LIMIT, PENALTY_LIMIT)),
+    "sampling_param_top_p": Scalar("real", 0.0, 1.0),
+    "sampling_param_top_k": Scalar("integer", 0, INT32_MAX),
+    "sampling_param_best_of": Scalar("integer", 1, INT32_MAX),
+    "sampling_param_max_tokens": Scalar("integer", 1, INT32_MAX),
+    "sampling_param_seed": Scalar("integer", 0, 2**64 - 1),
+}
+INPUTS = frozenset({"text_input", "sampling_param_stop", *SCALARS, *UNSUPPORTED, *GUIDED_INPUTS})  # all it reads
+DEFAULT_MAX_TOKENS = 32  # the LLM API's SamplingParams.max_tokens
+# the executor's parameters by this model's input names, for its refusals
+INPUT_NAMES = {"prompt": "text_input", "stop": "sampling_param_stop",
+               **{name.removeprefix("sampling_param_"): name for name in SCALARS if name.startswith("sampling_param_")}}
+OUTPUTS = ("finish_reason", "stop_reason", "cumulative_logprob")  # the optional outputs a request asks for
+
+
+@dataclass(frozen=True)
+class LlmApiRequest:
+    """A request, converted: what the executor is given (once the text is tokenized) and how its output is sent."""
+
+    text: str
+    params: SamplingParams
+    streaming: bool
+    perf_metrics: bool
+    outputs: frozenset[str]  # of OUTPUTS
+
+
+def scalar(inputs: Inputs, name: str) -> Any:
+    """One value of a scalar input, checked in its declared type; None when not given."""
+    return SCALARS[name].read(inputs[name], name) if name in inputs else None
+
+
+def llm_api_sampling(temperature: float | None, top_k: int | None, top_p: float | None) -> tuple[float, int, float]:
+    """(temperature, top_k, top_p) as the LLM API reads them (SamplingParams.params_imply_greedy_decoding): greedy when
+    none is given, or top_k 1, top_p 0 or temperature 0; otherwise sampling, an unset one taking its neutral value."""
+    if (temperature is None and top_k is None and top_p is None) or top_k == 1 or top_p == 0.0 or temperature == 0:
+        return 0.0, 0, 1.0
+    return 1.0 if temperature is None else temperature, top_k or 0, 1.0 if top_p is None else top_p
+
+
+def llmapi_request(inputs: Inputs, max_input_bytes: int) -> LlmApiRequest:
+    """The request's tensors (not a `stop` request's) as the executor's; RequestError naming the input where they
+    cannot be read, or where SamplingParams' own rules (n / best_of) refuse them."""
+    refuse_unsupported(inputs, UNSUPPORTED)
+    if "text_input" not in inputs:
+        raise RequestError("text_input is required")
+    prompts = texts(inputs["text_input"], "text_input", max_input_bytes)
+    if len(prompts) != 1:
+        raise RequestError(f"text_input: one prompt per request expected, got {len(prompts)} (requests are "
+                           "batched in flight; send them separately)")
+    stop = tuple(s for s in texts(inputs.get("sampling_param_stop", np.array([], object)), "sampling_param_stop",
+                                  max_input_bytes) if s)
+    temperature, top_k, top_p = llm_api_sampling(*(scalar(inputs, f"sampling_param_{n}")
+                                                   for n in ("temperature", "top_k", "top_p")))
+    max_tokens = scalar(inputs, "sampling_param_max_tokens")
+    outputs = frozenset(name for name in OUTPUTS if scalar(inputs, f"return_{name}"))
+    params = SamplingParams(max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+                            temperature=temperature, top_k=top_k, top_p=top_p,
+                            seed=seed_from_client(scalar(inputs, "sampling_param_seed")), stop=stop,
+                            frequency_penalty=scalar(inputs, "sampling_param_frequency_penalty") or 0.0,
+                            presence_penalty=scalar(inputs, "sampling_param_presence_penalty") or 0.0,
+                            logprobs=0 if "cumulative_logprob" in outputs else None,
+                            guided_decoding=guided_decoding(inputs),
+                            # as upstream's model: n 1, the most likely of best_of sampled candidates
+                            best_of=scalar(inputs, "sampling_param_best_of"))
+    try:  # the rules of SamplingParams alone (n / best_of), refused under this model's input names
+        params.validate()
+    except ValueError as e:
+        raise RequestError(named_for_client(str(e), INPUT_NAMES)) from None
+    return LlmApiRequest(prompts[0], params, bool(scalar(inputs, "streaming")),
+                         bool(scalar(inputs, "sampling_param_return_perf_metrics")), outputs)
