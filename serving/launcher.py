@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from runtime.executors.lifetime import PID_NAMESPACE, remove_dead_pids_leftovers, terminate_with_parent
+from runtime.executors.lifetime import PID_NAMESPACE, remove_dead_pids_leftovers, spawn
 from serving.engine_limits import SERVER_DIR_PREFIX, server_dir
 from serving.triton_parameters import WORLD_SIZE_ENV
 
@@ -340,8 +340,7 @@ def start_server(model_repo: str | Path, *, http_port: int = 0, grpc_port: int =
 
     Server output goes to `log_file`; without one, to a file in the private work directory when
     `capture_output` (removed at stop), else to this process's stdout/stderr. The server is
-    stopped at interpreter exit and gets SIGTERM if the calling thread dies, so call this from a
-    thread that outlives the server (normally the main thread).
+    stopped at interpreter exit and gets SIGTERM if this process dies (lifetime.spawn).
     """
     model_repo = Path(model_repo).resolve()
     if not model_repo.is_dir():
@@ -371,9 +370,8 @@ def start_server(model_repo: str | Path, *, http_port: int = 0, grpc_port: int =
         server_environ = server_env(install, env)
         if world_size is not None:
             server_environ[WORLD_SIZE_ENV] = str(world_size)
-        proc = subprocess.Popen(cmd, env=server_environ, stdin=subprocess.DEVNULL, stdout=handle,
-                                stderr=subprocess.STDOUT if handle else None, start_new_session=True,
-                                preexec_fn=terminate_with_parent)
+        proc = spawn(cmd, env=server_environ, stdin=subprocess.DEVNULL, stdout=handle,
+                     stderr=subprocess.STDOUT if handle else None, start_new_session=True)
     except BaseException:
         shutil.rmtree(workdir, ignore_errors=True)
         raise

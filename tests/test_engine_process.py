@@ -9,6 +9,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -235,18 +236,41 @@ def test_a_load_error_is_raised_in_the_caller(tmp_path, spec_checkpoint):
         ProcessExecutor(spec_checkpoint, ExecutorConfig(kv_cache_tokens=10**12))
 
 
+def test_an_executor_made_on_a_thread_that_ends_lives_on(spec_checkpoint):
+    """Its engine process was forked by the thread that made it, and the kernel's parent-death signal comes when
+    that thread ends: a worker thread that loaded the executor (asyncio.to_thread) took the engine with it."""
+    made = []
+    worker = threading.Thread(target=lambda: made.append(ProcessExecutor(spec_checkpoint, CONFIG, torch_threads=1)))
+    worker.start()
+    worker.join()
+    [ex] = made
+    try:
+        time.sleep(1)
+        assert ex._process.poll() is None, f"the engine process ended with its thread: {ex._process.poll()}"
+        assert ex.submit(PROMPTS[0], SamplingParams(max_tokens=4)).result(30).finish_reason == "length"
+    finally:
+        ex.shutdown()
+
+
 def test_no_engine_process_outlives_its_parent(spec_checkpoint, tmp_path):
-    """Shut down: the engine process has exited. Parent killed by SIGKILL: the engine gets SIGTERM and exits."""
-    script = (f"import sys; from runtime.executors.process import ProcessExecutor\n"
-              f"ex = ProcessExecutor({str(spec_checkpoint)!r}, torch_threads=1)\n"
+    """Shut down: the engine process has exited. Parent killed by SIGKILL (the executor made on the main thread, or
+    on a thread that has ended): the engine gets SIGTERM and exits."""
+    script = (f"import sys, threading; from runtime.executors.process import ProcessExecutor\n"
+              f"made = []\n"
+              f"make = lambda: made.append(ProcessExecutor({str(spec_checkpoint)!r}, torch_threads=1))\n"
+              f"if sys.argv[1] == 'thread':\n"
+              f"    t = threading.Thread(target=make); t.start(); t.join()\n"
+              f"else:\n    make()\n"
+              f"ex = made[0]\n"
               f"print(ex._process.pid, flush=True)\n"
               f"if sys.argv[1] == 'shutdown':\n    ex.shutdown(); print('down', flush=True)\n"
               f"else:\n    import time; time.sleep(600)\n")
-    for how in ("shutdown", "sigkill"):
+    for how in ("shutdown", "sigkill", "thread"):
         parent = subprocess.Popen([sys.executable, "-c", script, how], stdout=subprocess.PIPE, text=True)
         try:
             child = int(parent.stdout.readline())
-            if how == "sigkill":
+            if how != "shutdown":
+                time.sleep(0.5)
                 parent.kill()
             else:
                 assert parent.stdout.readline().strip() == "down"

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -119,6 +120,22 @@ def _gone(pid: int, within: float = 10.0) -> bool:
 @pytest.fixture(scope="module")
 def tp2(shipped_model_dir, tmp_path_factory) -> Path:
     return tp_engine(shipped_model_dir, tmp_path_factory.mktemp("tp2-life"), 2, 1)
+
+
+def test_ranks_started_on_a_thread_that_ends_live_on(tp2):
+    """The ranks were forked by the thread that made the executor and got the parent-death signal when it ended (a
+    worker thread that loads an executor): they live as long as the executor."""
+    made = []
+    worker = threading.Thread(target=lambda: made.append(executor(tp2, None)))
+    worker.start()
+    worker.join()
+    [ex] = made
+    try:
+        time.sleep(1)
+        assert [p.poll() for p in ex.ranks.procs] == [None]
+        assert ex.submit([5, 17, 42], SamplingParams(max_tokens=4)).result(60).finish_reason == "length"
+    finally:
+        ex.shutdown()
 
 
 def test_close_leaves_no_rank(tp2):

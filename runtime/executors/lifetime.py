@@ -9,9 +9,14 @@ import ctypes
 import os
 import re
 import shutil
+import queue
 import signal
+import subprocess
 import sys
+import threading
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any, Sequence
 
 PR_SET_PDEATHSIG = 1
 # the most torch threads a server's process may be given: more cores than any host this runs on (OpenMP aborts
@@ -35,10 +40,38 @@ def python_executable() -> str:
     return found
 
 
-def terminate_with_parent() -> None:
-    """In a child (as a Popen preexec_fn): get SIGTERM when the thread that started it ends, i.e. when its
-    parent dies, even by SIGKILL, so that nothing it started keeps running, holding memory or ports."""
+def _terminate_with_parent() -> None:
+    """In a child (as a Popen preexec_fn): get SIGTERM when the thread that forked it ends."""
     _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+_spawns: queue.SimpleQueue = queue.SimpleQueue()  # (args, Popen keyword arguments, future) for the spawner
+_spawner: threading.Thread | None = None
+_spawner_lock = threading.Lock()
+
+
+def _spawn_forever() -> None:
+    while True:
+        args, kwargs, future = _spawns.get()
+        try:
+            future.set_result(subprocess.Popen(args, preexec_fn=_terminate_with_parent, **kwargs))
+        except BaseException as e:
+            future.set_exception(e)
+
+
+def spawn(args: Sequence[str | Path], **kwargs: Any) -> subprocess.Popen:
+    """`subprocess.Popen(args, **kwargs)` for a child that gets SIGTERM when this process dies, even by SIGKILL, so
+    that nothing it started keeps running, holding memory or ports. The signal (PR_SET_PDEATHSIG) comes when the
+    thread that forked the child ends, not the process: every child is forked by one thread that lives as long as the
+    process, whatever thread asks (a worker thread that loads an executor, asyncio.to_thread, ends before it)."""
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None or not _spawner.is_alive():  # a fork()ed copy of this process has no such thread
+            _spawner = threading.Thread(target=_spawn_forever, name="child-process spawner", daemon=True)
+            _spawner.start()
+    future: Future = Future()
+    _spawns.put((list(args), kwargs, future))
+    return future.result()
 
 
 def pid_alive(pid: int) -> bool:

@@ -31,7 +31,7 @@ from runtime.core.sampling import TokenLogprob
 from runtime.core.sampling_params import SamplingParams
 from runtime.executors.backends import create_executor
 from runtime.executors.base import ExecutorConfig, ExecutorProtocol
-from runtime.executors.lifetime import python_executable, terminate_with_parent
+from runtime.executors.lifetime import python_executable, spawn
 from runtime.executors.requests import (ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestStats,
                                         so_far)
 
@@ -133,8 +133,8 @@ class ProcessExecutor:
         parent, child = socket.socketpair()
         # a fresh interpreter (not multiprocessing's spawn, which re-runs the caller's __main__), told its end
         # of the pair by descriptor; the settings follow as the first message
-        self._process = subprocess.Popen([python_executable(), "-m", "runtime.executors.process", str(child.fileno())],
-                                         pass_fds=[child.fileno()], preexec_fn=terminate_with_parent)
+        self._process = spawn([python_executable(), "-m", "runtime.executors.process", str(child.fileno())],
+                              pass_fds=[child.fileno()])
         child.close()
         self._conn = Connection(parent.detach())
         self._conn.send((str(path), config, torch_threads, kwargs, _logging_levels()))

@@ -45,8 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from runtime.executors.lifetime import (PID_NAMESPACE, python_executable, remove_dead_pids_leftovers, rss_bytes,
-                                        terminate_with_parent)
+from runtime.executors.lifetime import PID_NAMESPACE, python_executable, remove_dead_pids_leftovers, rss_bytes, spawn
 from runtime.io.engine_format import BuildConfig, EngineManifest
 from runtime.io.loading import load_engine
 from runtime.model.batch import PagedBatch
@@ -123,9 +122,8 @@ class RankGroup:
         store_file = str(rendezvous / "store")
         store = _file_store(store_file, build.tp_size)
         opts = json.dumps(asdict(options))
-        procs = [subprocess.Popen([python_executable(), "-m", "runtime.executors.ranks", str(path), str(r), str(build.tp_size),
-                                   store_file, opts], preexec_fn=terminate_with_parent)
-                 for r in range(1, build.tp_size)]
+        procs = [spawn([python_executable(), "-m", "runtime.executors.ranks", str(path), str(r), str(build.tp_size),
+                        store_file, opts]) for r in range(1, build.tp_size)]
         log.info("started ranks 1..%d of %s (pids %s)", build.tp_size - 1, path, [p.pid for p in procs])
         return cls(Path(path), build, store, procs, rendezvous)
 

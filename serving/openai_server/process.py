@@ -11,7 +11,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.executors.lifetime import terminate_with_parent
+from runtime.executors.lifetime import spawn
 from serving.launcher import free_ports
 
 
@@ -35,9 +35,8 @@ def start_dsv3_serve(model: str | Path, *flags: str, log: Path | None = None, ti
     the log's end, if it exits or is not healthy within timeout_s (it is stopped then)."""
     [port] = free_ports(1)
     with open(log, "w") if log is not None else contextlib.nullcontext() as out:
-        process = subprocess.Popen([Path(sys.executable).with_name("dsv3-serve"), str(model), "--port", str(port),
-                                    *flags], stdout=out, stderr=subprocess.STDOUT if out is not None else None,
-                                   preexec_fn=terminate_with_parent)  # a killed caller leaves no server behind
+        process = spawn([Path(sys.executable).with_name("dsv3-serve"), str(model), "--port", str(port), *flags],
+                        stdout=out, stderr=subprocess.STDOUT if out is not None else None)  # none left by a killed caller
     server = ServeProcess(process, port)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
