@@ -174,8 +174,46 @@ def test_a_grammar_that_fails_while_generating_ends_its_request_only(shipped_eng
     assert (failed.finish_reason, failed.error) == (
         "error", "guided_decoding.regex: the grammar failed while generating: lexer error: too many expressions "
                  "constructed")
+    assert failed.token_ids and failed.text  # drawn under its masks, they failed to advance it: kept, and streamed
     assert beside.finish_reason == after.finish_reason == "length"
     assert beside.token_ids == after.token_ids == reference
+
+
+class FailingMasks(FailingLexer):
+    """A matcher whose lexer gives out while the masks of a step are computed: they are not the grammar's."""
+
+    def consume_tokens(self, tokens):
+        return self._matcher.consume_tokens(tokens)
+
+    def is_error(self):
+        return True
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_a_grammar_that_fails_computing_masks_keeps_none_of_that_steps_tokens(shipped_engine, prompts, k,
+                                                                            monkeypatch) -> None:
+    """The step's rows were masked by a failed grammar, so none of its tokens is the guide's: the request ends with
+    the output before that step (here none, at every k), and what was streamed adds up to it (the final output
+    carried the failing step's unguided tokens, which differed with k and were never streamed)."""
+    real = GrammarCompiler.matcher
+
+    def failing(self, guide):
+        m = real(self, guide)
+        m.matcher = FailingMasks(m.matcher)
+        return m
+
+    monkeypatch.setattr(GrammarCompiler, "matcher", failing)
+    bad = SamplingParams(max_tokens=8, guided_decoding=GuidedDecodingParams(regex="[a-z]+"))
+    with Executor(shipped_engine, ExecutorConfig(num_draft_tokens=k, speculation="fixed")) as ex:
+        handle = ex.submit(prompts[0], bad)
+        streamed = list(handle)
+        final = handle.result(120)
+        assert_all_free(ex)
+    assert (final.finish_reason, final.error) == (
+        "error", "guided_decoding.regex: the grammar failed while generating: lexer error: too many expressions "
+                 "constructed")
+    assert final.token_ids == [] and final.text == ""
+    assert [t for o in streamed for t in o.new_token_ids] == [] and "".join(o.text_delta for o in streamed) == ""
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
