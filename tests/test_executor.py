@@ -343,6 +343,35 @@ def test_max_batch_size_respected(engine, prompts) -> None:
     assert ex.stats().requests_finished == 6
 
 
+def test_an_output_callback_that_waits_on_a_handle_is_refused(engine, prompts) -> None:
+    """A callback runs on the thread that delivers outputs: waiting there for a result or the next output would
+    wait forever, and stalled every request of the executor. It is refused at once (the callback's own error is
+    logged), and the requests go on."""
+    handles: dict[str, RequestHandle] = {}
+    errors: list[str] = []
+
+    def on_output(o: RequestOutput) -> None:
+        for wait in (lambda: handles["waiting"].result(30), lambda: next(iter(handles["waiting"]))):
+            try:
+                wait()
+            except RuntimeError as e:
+                errors.append(str(e))
+
+    with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed")) as ex:
+        submitted = threading.Event()
+        hold_inbox_until(ex, submitted)
+        handles["waiting"] = ex.submit(prompts[0], SamplingParams(max_tokens=6, ignore_eos=True), on_output=on_output)
+        other = ex.submit(prompts[1], SamplingParams(max_tokens=6, ignore_eos=True))
+        submitted.set()
+        assert other.result(30).finish_reason == handles["waiting"].result(30).finish_reason == "length"
+        rid = handles["waiting"].request_id
+        assert errors and set(errors) == {
+            f"results() of request {rid} cannot wait on the thread that delivers outputs (an output callback): it "
+            "would wait forever; wait from another thread",
+            f"iterating the outputs of request {rid} cannot wait on the thread that delivers outputs (an output "
+            "callback): it would wait forever; wait from another thread"}
+
+
 # ---------------------------------------------------------------------------------------------
 # Cancellation
 # ---------------------------------------------------------------------------------------------

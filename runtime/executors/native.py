@@ -199,7 +199,7 @@ class Executor:
         self.validate(prompt_token_ids, params)
         rid = self._ids.claim(request_id)
         seed = int(params.seed) if params.seed is not None else int.from_bytes(os.urandom(6), "little")  # numpy ints too
-        handle = RequestHandle(rid, self, params.n)
+        handle = RequestHandle(rid, self, params.n, delivered_by=self._thread)
         size = params.num_sequences
         best_of = BestOf(params.n, size, params.logprobs is not None) if size > params.n else None
         group: list[tuple[Sequence, RequestTracker]] = []

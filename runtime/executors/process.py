@@ -10,6 +10,7 @@ text and logprobs, so a long stream costs each output its own tokens on both sid
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import logging
@@ -124,9 +125,20 @@ def _delta_of(out: RequestOutput, first: bool) -> RequestOutput:
     return replace(out, token_ids=[], text="", logprobs=None, prompt_logprobs=out.prompt_logprobs if first else None)
 
 
+_live: set[ProcessExecutor] = set()  # started and not shut down
+
+
+@atexit.register
+def _shutdown_live() -> None:
+    """Stop the engine processes of executors left open while this process can still read what they send: their
+    requests end "cancelled" and the children exit with it, rather than after it, into a closed pipe."""
+    for executor in list(_live):
+        executor.shutdown()
+
+
 class ProcessExecutor:
     """An executor (native or TensorRT-LLM, as create_executor picks) run in a child process, behind the
-    same interface. The child ends with this object's shutdown, or with the parent's death."""
+    same interface. The child ends with this object's shutdown, at this process's exit, or with its death."""
 
     def __init__(self, path: str | Path, config: ExecutorConfig = ExecutorConfig(), torch_threads: int | None = None,
                  **kwargs: Any):
@@ -160,6 +172,7 @@ class ProcessExecutor:
         self._closed = False
         self._reader = threading.Thread(target=self._read, name="engine-outputs", daemon=True)
         self._reader.start()
+        _live.add(self)
 
     # -- the executor interface
 
@@ -172,7 +185,7 @@ class ProcessExecutor:
         """Queue a request; invalid parameters raise ValueError naming the parameter (from the engine's own
         validation). The handle is registered before the request leaves, so no output can arrive unclaimed."""
         rid = self._ids.claim(request_id)
-        handle = RequestHandle(rid, self, getattr(params, "n", 1))  # not a SamplingParams: refused below
+        handle = RequestHandle(rid, self, getattr(params, "n", 1), delivered_by=self._reader)  # n: refused below if bad
         with self._lock:
             self._streams[rid] = _Stream(handle, on_output, len(prompt_token_ids))
         try:
@@ -196,16 +209,17 @@ class ProcessExecutor:
     def health(self, timeout_s: float) -> str | None:
         if self._error is not None:
             return self._error
-        try:
-            return self._call("health", timeout_s)
+        try:  # the engine answers at once (its executor's health reads a clock): a wait is its own stall
+            return self._call("health", timeout_s, timeout=timeout_s)
         except TimeoutError:
-            return f"the engine process did not answer within {CALL_TIMEOUT_S:.0f} s"
+            return f"the engine process did not answer within {timeout_s:g} s"
 
     def shutdown(self, timeout: float | None = 30) -> None:
         """Stop the engine (it ends what is in flight as "cancelled") and wait for its process to exit."""
         if self._closed:
             return
         self._closed = True
+        _live.discard(self)
         with contextlib.suppress(RuntimeError):  # already gone
             self._post(("shutdown",))
         try:
@@ -331,7 +345,8 @@ def _engine_main(conn: Connection) -> None:
     def output(out: RequestOutput) -> None:  # on the step loop's thread, the only other sender
         first = out.request_id in unanswered
         unanswered.discard(out.request_id)
-        send(("out", _delta_of(out, first)))
+        with contextlib.suppress(OSError):  # the parent has gone: this process ends when its read sees it
+            send(("out", _delta_of(out, first)))
 
     try:
         while True:

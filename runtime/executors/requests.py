@@ -184,13 +184,16 @@ class RequestHandle:
     loses nothing and the same iterator carries on. Async consumers wait on a future of their own event loop,
     woken by the executor's thread, not on a worker thread each (a pool's threads would run out with many
     streams). Waiting for the result wakes when the request finishes, not at every output (a batch's waiters
-    would take turns at the GIL with the executor's thread).
+    would take turns at the GIL with the executor's thread). Waiting on the thread that delivers the outputs (an
+    output callback's) is refused: what it waits for would never come.
     """
 
-    def __init__(self, request_id: str, executor: Canceller, num_outputs: int = 1):
+    def __init__(self, request_id: str, executor: Canceller, num_outputs: int = 1,
+                 delivered_by: threading.Thread | None = None):
         self.request_id = request_id
         self.num_outputs = num_outputs
         self._executor = executor
+        self._delivered_by = delivered_by  # the thread that pushes the outputs (and runs output callbacks)
         self._last: dict[int, RequestOutput] = {}  # the newest output of each index
         self._pending: dict[int, _Unread] = {}  # not taken yet, per index: every output since
         self._finals_taken = 0
@@ -234,6 +237,13 @@ class RequestHandle:
         with self._arrived:
             self._buffered, self._pending = False, {}
 
+    def _check_can_wait(self, name: str) -> None:
+        """Refuse a wait on the thread that would end it: an output callback waiting on a handle stalled every
+        request of the executor."""
+        if threading.current_thread() is self._delivered_by:
+            raise RuntimeError(f"{name} of request {self.request_id} cannot wait on the thread that delivers "
+                               "outputs (an output callback): it would wait forever; wait from another thread")
+
     def _check_buffered(self) -> None:
         if not self._buffered:
             raise RuntimeError(f"request {self.request_id}'s outputs go to its on_output callback only "
@@ -261,6 +271,8 @@ class RequestHandle:
     def results(self, timeout: float | None = None) -> list[RequestOutput]:
         """The final output of each of the request's outputs, by index."""
         with self._finished:
+            if not self.finished:
+                self._check_can_wait("results()")
             if not self._finished.wait_for(lambda: self.finished, timeout):
                 raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
             return [self._last[i] for i in range(self.num_outputs)]
@@ -271,6 +283,8 @@ class RequestHandle:
                 self._check_buffered()
                 if self._delivered_final:
                     return
+                if not self._pending:
+                    self._check_can_wait("iterating the outputs")
                 self._arrived.wait_for(lambda: bool(self._pending) or self._delivered_final)
                 if not self._pending:
                     return

@@ -207,7 +207,7 @@ class TrtllmExecutor:
         rid = self._ids.claim(request_id)
         if not params.greedy and params.seed is None:  # as native: unseeded means a fresh random seed
             params = dataclasses.replace(params, seed=int.from_bytes(os.urandom(6), "little"))
-        handle = RequestHandle(rid, self, params.n)
+        handle = RequestHandle(rid, self, params.n, delivered_by=self._thread)
         group: list[_Request] = []
         for i in range(params.n):  # upstream returns n outputs of one request (the best of best_of)
             t = _Request.create(rid, len(prompt_token_ids), params, self.tokenizer, handle, on_output)
