@@ -19,7 +19,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from runtime.core.sampling_params import PENALTY_LIMIT, GuidedDecodingParams
+from runtime.core.sampling_params import PENALTY_LIMIT, REPETITION_PENALTY_RANGE, GuidedDecodingParams
 
 INT32_MAX = 2**31 - 1
 
@@ -180,7 +180,7 @@ TENSORRT_LLM_SCALARS: dict[str, Scalar] = {
                      "return_generation_logits", "return_perf_metrics", "return_num_input_tokens",
                      "return_num_output_tokens", "use_draft_logits"), _FLAG),
     **dict.fromkeys(("temperature", "len_penalty"), _REAL),
-    "repetition_penalty": Scalar("real", 0.0, above=True),
+    "repetition_penalty": Scalar("real", *REPETITION_PENALTY_RANGE),
     **dict.fromkeys(("presence_penalty", "frequency_penalty"), Scalar("real", -PENALTY_LIMIT, PENALTY_LIMIT)),
     "runtime_top_p": Scalar("real", 0.0, 1.0),
     "input_lengths": Scalar("integer", 0, INT32_MAX),

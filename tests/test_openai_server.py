@@ -567,7 +567,7 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, "presence_penalty",
      "presence_penalty must be in [-2.0, 2.0], got 3"),
     ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty",
-     "repetition_penalty must be > 0.0, got 0"),
+     "repetition_penalty must be in [0.01, 100.0], got 0"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens",
      "min_tokens must be an integer in [0, max_tokens (4)], got 5"),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs", "logprobs must be an integer in [0, 20], got 21"),

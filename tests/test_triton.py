@@ -1173,9 +1173,9 @@ def test_bad_request_names_the_parameter(server: TritonServer, case: str) -> Non
 ENGINE_REFUSALS = {  # requests only tensorrt_llm refused before -> its message, formatted with the tokenizer's values
     "temperature_negative": (dict(GOOD, temperature=-0.5), "temperature must be a finite number >= 0, got -0.5"),
     "repetition_penalty_zero": (dict(GOOD, repetition_penalty=0.0),
-                                "repetition_penalty must be a finite number > 0.0, got 0.0"),
+                                "repetition_penalty must be a finite number in [0.01, 100.0], got 0.0"),
     "repetition_penalty_negative": (dict(GOOD, repetition_penalty=-1.0),  # said ">= 0.0" while 0 was refused
-                                    "repetition_penalty must be a finite number > 0.0, got -1.0"),
+                                    "repetition_penalty must be a finite number in [0.01, 100.0], got -1.0"),
     "seed_and_random_seed_differ": (dict(GOOD, seed=np.uint64(1), random_seed=np.uint64(2)),
                                     "seed=1 and random_seed=2 differ (random_seed is the older name of seed); "
                                     "give one of them"),

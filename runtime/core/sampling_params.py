@@ -14,6 +14,9 @@ from runtime.model.config import is_int, is_number
 MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (OpenAI's top_logprobs limit)
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # vLLM's names
 PENALTY_LIMIT = 2.0  # |presence_penalty| and |frequency_penalty| at most this (OpenAI's range)
+# repetition_penalty's range: wide enough for any use (1.0-1.5 in practice), narrow enough that a logit divided or
+# multiplied by it stays a float32 number (1e-38 made logits inf, and sampling drew token 0 from NaN)
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 LOGIT_BIAS_LIMIT = 100.0  # |logit_bias| values at most this (OpenAI's range, trtllm-serve's)
 SEED_MODULUS = 2**63  # seeds are in [0, 2^63): they travel in int64 tensors
 
@@ -158,9 +161,9 @@ class SamplingParams:
                 raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {n!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be 'raw_logprobs' or 'processed_logprobs', got {self.logprobs_mode!r}")
-        r = self.repetition_penalty
-        if not is_number(r) or not 0 < r < math.inf:
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {r!r}")
+        r, (low, high) = self.repetition_penalty, REPETITION_PENALTY_RANGE
+        if not is_number(r) or not low <= r <= high:
+            raise ValueError(f"repetition_penalty must be a number in [{low:g}, {high:g}], got {r!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not is_number(v) or not -PENALTY_LIMIT <= v <= PENALTY_LIMIT:

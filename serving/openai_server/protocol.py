@@ -20,8 +20,8 @@ from typing import Any, Mapping
 
 from runtime.core.guide_check import check_guide
 from runtime.core.sampling import TokenLogprob
-from runtime.core.sampling_params import (MAX_LOGPROBS, PENALTY_LIMIT, GuidedDecodingParams, SamplingParams,
-                                          seed_from_client)
+from runtime.core.sampling_params import (MAX_LOGPROBS, PENALTY_LIMIT, REPETITION_PENALTY_RANGE, GuidedDecodingParams,
+                                          SamplingParams, seed_from_client)
 from runtime.executors.requests import RequestStats
 from runtime.io.tokenizer import Tokenizer
 from serving.openai_server.chat import RESERVED_NAMES, ChatTemplateFault, render_chat
@@ -326,7 +326,7 @@ def _sampling(body: dict, tokenizer: Tokenizer, max_tokens: int | None, logprobs
         logprobs=logprobs,
         presence_penalty=_number(body, "presence_penalty", -PENALTY_LIMIT, PENALTY_LIMIT, 0.0),
         frequency_penalty=_number(body, "frequency_penalty", -PENALTY_LIMIT, PENALTY_LIMIT, 0.0),
-        repetition_penalty=_number(body, "repetition_penalty", 0.0, math.inf, 1.0, above=True),
+        repetition_penalty=_number(body, "repetition_penalty", *REPETITION_PENALTY_RANGE, 1.0),
         min_tokens=_integer(body, "min_tokens", 0, INT32_MAX, 0),
         guided_decoding=guide,
         n=n,
