@@ -244,6 +244,24 @@ def test_an_executor_left_open_ends_with_its_process(spec_checkpoint):
     assert not Path(f"/proc/{int(done.stdout)}").exists(), "the engine process outlived its parent's exit"
 
 
+def test_a_request_is_checked_before_it_leaves(engine):
+    """What could not cross the pipe, or failed on the way (a generator's len(), an unpicklable stop), is refused
+    here as the in-process executor refuses it."""
+    import numpy as np
+
+    for ids, shown in (((t for t in [5, 6]), "<generator"), (5, "5"), (np.array([5, 6]), "array([5, 6])")):
+        with pytest.raises(ValueError) as e:
+            engine.submit(ids, SamplingParams(max_tokens=2))
+        assert str(e.value).startswith(f"prompt must be a list of integer token ids, got {shown}"), str(e.value)
+    with pytest.raises(ValueError) as e:
+        engine.submit([5, 6], SamplingParams(stop=(lambda: 0,)))
+    assert str(e.value).startswith("stop must be a list of non-empty strings, got [<function")
+    with pytest.raises(ValueError) as e:
+        engine.submit([5, 6], SamplingParams(max_tokens=2), on_output=5)
+    assert str(e.value) == "on_output must be a callable taking a RequestOutput, or None; got 5"
+    assert engine.health(5) is None
+
+
 def test_health_answers_within_its_timeout(engine):
     """A stopped engine process is reported in the time the watchdog asks for (it took the 60 s of every call)."""
     os.kill(engine._process.pid, signal.SIGSTOP)

@@ -16,8 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from runtime import SamplingParams, Session
+from runtime.executors.base import ExecutorConfig
 from runtime.executors.session import GenerationResult
 from runtime.io.tokenizer import Tokenizer
 
@@ -321,11 +323,31 @@ def test_invalid_params(session, params, message) -> None:
 
 
 def test_numpy_integers_are_accepted(session, reference) -> None:
-    """Parameters often come from numpy arrays (Triton tensors): numpy integers are integers."""
+    """Parameters often come from numpy arrays (Triton tensors): numpy integers are integers, numpy bools bools
+    (ignore_eos=np.bool_(True) was refused as "must be true or false, got True")."""
     import numpy as np
 
-    [r] = session.generate(PROMPT, SamplingParams(max_tokens=np.int64(5), top_k=np.int32(0), ignore_eos=True))
+    [r] = session.generate(PROMPT, SamplingParams(max_tokens=np.int64(5), top_k=np.int32(0), ignore_eos=np.bool_(True)))
     assert r.token_ids == reference[0].token_ids[:5]
+    assert ExecutorConfig(num_draft_tokens=np.int64(3), max_batch_size=np.int64(4), free_memory_fraction=np.float32(0.5),
+                          world_size=np.int64(1), enable_block_reuse=np.bool_(False)).max_batch_size == 4
+    for name in ("world_size", "free_memory_fraction"):  # bools are no numbers there (True ran as 1)
+        with pytest.raises(ValueError, match=f"^{name} must be .*, got True$"):
+            ExecutorConfig(**{name: True})
+
+
+def test_a_checkpoint_runs_in_one_process(spec_checkpoint) -> None:
+    """world_size 2 on a plain checkpoint (one rank) ran silently in one process."""
+    with pytest.raises(ValueError) as e:
+        Session(spec_checkpoint, world_size=2)
+    assert str(e.value) == f"world_size 2: {spec_checkpoint} has tp_size 1; it runs in one process (world_size 1)"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_a_cuda_device_without_cuda_is_refused_naming_it(spec_checkpoint) -> None:
+    with pytest.raises(ValueError) as e:  # torch's AssertionError "Torch not compiled with CUDA enabled"
+        Session(spec_checkpoint, device="cuda")
+    assert str(e.value) == "device cuda: torch here sees 0 CUDA device(s); use device cpu"
 
 
 def test_max_tokens_past_max_seq_len(session) -> None:
@@ -360,6 +382,12 @@ def test_prompts_of_the_wrong_type(session) -> None:
     with pytest.raises(ValueError) as e:
         session.executor.submit([5, 6], {"max_tokens": 4})
     assert str(e.value) == "params must be a SamplingParams, got dict"
+    with pytest.raises(ValueError) as e:  # tokenizers' own TypeError said "TextInputSequence must be str"
+        session.generate("abc\ud800def")
+    assert str(e.value) == "prompt must be Unicode text; it has a lone surrogate at character 3"
+    with pytest.raises(ValueError) as e:  # accepted, then a TypeError logged at every output
+        session.executor.submit([5, 6], SamplingParams(max_tokens=2), on_output=5)
+    assert str(e.value) == "on_output must be a callable taking a RequestOutput, or None; got 5"
 
 
 def test_empty_and_too_long_prompts(session) -> None:

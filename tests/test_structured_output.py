@@ -346,12 +346,26 @@ def test_verification_reuses_a_draft_mask_only_for_the_same_drafts_in_the_same_s
      "guided_decoding.grammar is invalid at line 2, column 17: Expected ')'"),
     (GuidedDecodingParams(regex="a", grammar='root ::= "a"'),
      "guided_decoding takes exactly one of json, regex, grammar, json_object; got regex, grammar"),
+    (GuidedDecodingParams(json="[" * 100_000), "guided_decoding.json is nested deeper than Python's JSON reader goes"),
 ])
 def test_invalid_guides_name_the_field_and_position(guide, message) -> None:
     with pytest.raises(ValueError) as e:
         SamplingParams(guided_decoding=guide).validate()
         check_guide(guide)
     assert str(e.value) == message
+
+
+def test_a_schema_that_is_no_json_is_refused_naming_the_field() -> None:
+    """A dict schema is written as JSON when the guide is made: a set in it, or nesting past Python's recursion limit,
+    raised TypeError / RecursionError from json.dumps."""
+    deep: dict = {}
+    for _ in range(5000):
+        deep = {"items": deep}
+    for schema, why in (({"enum": {1, 2}}, "Object of type set is not JSON serializable"),
+                        (deep, "it is nested too deeply")):
+        with pytest.raises(ValueError) as e:
+            GuidedDecodingParams(json=schema)
+        assert str(e.value) == f"guided_decoding.json: the schema cannot be written as JSON: {why}"
 
 
 def test_locating_a_schema_error_compiles_a_bounded_share_of_the_schema(monkeypatch) -> None:

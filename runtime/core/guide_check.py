@@ -130,6 +130,8 @@ def check_guide(guide: GuidedDecodingParams, field: str = "guided_decoding") -> 
         except json.JSONDecodeError as e:
             raise ValueError(f"{name} is not valid JSON: {e.msg.removesuffix(' at')} at line {e.lineno}, column "
                              f"{e.colno}") from None
+        except RecursionError:
+            raise ValueError(f"{name} is nested deeper than Python's JSON reader goes") from None
     try:
         grammar = _grammar_text(guide)
         error = llguidance.LLMatcher.validate_grammar(grammar)

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
-from runtime.model.config import is_int, is_number
+from runtime.model.config import is_bool, is_int, is_number
 
 MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (OpenAI's top_logprobs limit)
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # vLLM's names
@@ -52,7 +52,11 @@ class GuidedDecodingParams:
         if isinstance(value, type) and hasattr(value, "model_json_schema"):  # a pydantic model class
             value = value.model_json_schema()
         if isinstance(value, dict):
-            object.__setattr__(self, "json", _json.dumps(value))  # keeps property order: it is the output's
+            try:  # keeps property order: it is the output's
+                object.__setattr__(self, "json", _json.dumps(value))
+            except (TypeError, ValueError, RecursionError) as e:
+                raise ValueError(f"guided_decoding.json: the schema cannot be written as JSON: "
+                                 f"{'it is nested too deeply' if isinstance(e, RecursionError) else e}") from None
 
     def validate(self) -> None:
         """ValueError unless exactly one guide is given, of its type."""
@@ -120,6 +124,8 @@ class SamplingParams:
         for name in ("stop", "stop_token_ids", "bad_token_ids"):
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
+        if is_bool(self.ignore_eos):  # numpy's too, as numpy integers are taken
+            object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
         if isinstance(self.logit_bias, Mapping):
             object.__setattr__(self, "logit_bias", dict(self.logit_bias) or None)
 
@@ -241,14 +247,23 @@ class SamplingParams:
                 and not self.logit_bias)
 
 
+def check_request_form(prompt_token_ids: list[int], params: SamplingParams) -> None:
+    """What can be checked of a request without its executor: a SamplingParams whose own rules hold and a list of
+    integer ids; run before a request is sent to an engine process too, where it could fail to pickle instead."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+    params.validate()
+    if not isinstance(prompt_token_ids, (list, tuple)) or not all(map(is_int, prompt_token_ids)):
+        raise ValueError(f"prompt must be a list of integer token ids, got {prompt_token_ids!r:.80}")
+
+
 def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_seq_len: int,
                      max_batch_size: int, eos_token_id: int | None,
                      kv_cache: tuple[int, int] | None = None) -> None:
     """Raise ValueError naming the parameter and what was expected. `eos_token_id` is the executor's eos (None: the
     tokenizer has none): a guided request must be able to end with it. With `kv_cache`, its (tokens per block,
     blocks): the request must fit it alone."""
-    if not isinstance(params, SamplingParams):
-        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+    check_request_form(prompt_token_ids, params)
     params.validate(vocab_size)
     if params.guided_decoding is not None and eos_token_id is not None and eos_token_id in params.bad_token_ids:
         raise ValueError("guided_decoding ends the output with eos; bad_token_ids must not ban it")
@@ -258,8 +273,6 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_
     if params.num_sequences > max_batch_size:
         raise ValueError(f"{params.num_sequences_name} {params.num_sequences} exceeds this executor's max_batch_size "
                          f"{max_batch_size}: the request's sequences run in one batch")
-    if not isinstance(prompt_token_ids, (list, tuple)) or not all(map(is_int, prompt_token_ids)):
-        raise ValueError(f"prompt must be a list of integer token ids, got {prompt_token_ids!r:.80}")
     n = len(prompt_token_ids)
     if n == 0:
         raise ValueError("prompt must not be empty")

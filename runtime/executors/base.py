@@ -16,7 +16,7 @@ from runtime.core.scheduler import SchedulerConfig
 from runtime.executors.requests import ExecutorStats, RequestHandle, RequestOutput
 from runtime.io.engine_format import MAX_DRAFT_LEN, BuildConfig, check_model_limits
 from runtime.io.tokenizer import Tokenizer
-from runtime.model.config import ModelConfig
+from runtime.model.config import ModelConfig, is_bool, is_int, is_number
 
 
 DEFAULT_DRAFT_TOKENS = 3  # when num_draft_tokens is not given and the model can draft
@@ -56,7 +56,7 @@ class ExecutorConfig:
 
     def __post_init__(self) -> None:
         k = self.num_draft_tokens
-        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
+        if k is not None and (not is_int(k) or k < 0):
             raise ValueError(f"num_draft_tokens must be an integer >= 0, got {k!r}")
         if self.speculation not in ("off", "fixed", "adaptive"):
             raise ValueError(f"speculation must be 'off', 'fixed' or 'adaptive', got {self.speculation!r}")
@@ -64,11 +64,11 @@ class ExecutorConfig:
             object.__setattr__(self, "speculation", "off")
         for name in ("max_batch_size", "max_num_tokens", "max_seq_len", "kv_cache_tokens", "max_queued_requests"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            if value is not None and (not is_int(value) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if not isinstance(self.enable_block_reuse, bool):
+        if not is_bool(self.enable_block_reuse):
             raise ValueError(f"enable_block_reuse must be true or false, got {self.enable_block_reuse!r}")
-        if not (isinstance(self.free_memory_fraction, (int, float)) and 0 < self.free_memory_fraction <= 1):
+        if not (is_number(self.free_memory_fraction) and 0 < self.free_memory_fraction <= 1):
             raise ValueError(f"free_memory_fraction must be in (0, 1], got {self.free_memory_fraction!r}")
         if self.fp8_weights not in (None, True, False):
             raise ValueError(f"fp8_weights must be true, false or unset, got {self.fp8_weights!r}")
@@ -78,7 +78,7 @@ class ExecutorConfig:
             device = None
         if device is None or device.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda[:index], got {self.device!r}")
-        if self.world_size is not None and (not isinstance(self.world_size, int) or self.world_size < 1):
+        if self.world_size is not None and (not is_int(self.world_size) or self.world_size < 1):
             raise ValueError(f"world_size must be an integer >= 1, got {self.world_size!r}")
 
     def ranks(self, build: BuildConfig, source: str) -> int:
@@ -86,8 +86,9 @@ class ExecutorConfig:
         naming world_size where that cannot run it."""
         world = build.tp_size if self.world_size is None else self.world_size
         if world not in (1, build.tp_size):
-            raise ValueError(f"world_size {world}: {source} has tp_size {build.tp_size}; run it with world_size "
-                             f"{build.tp_size} (a process per rank) or 1 (its ranks joined in one process)")
+            raise ValueError(f"world_size {world}: {source} has tp_size {build.tp_size}; " + (
+                "it runs in one process (world_size 1)" if build.tp_size == 1 else
+                f"run it with world_size {build.tp_size} (a process per rank) or 1 (its ranks joined in one process)"))
         if world > 1 and torch.device(self.device).type != "cpu":
             raise ValueError(f"world_size {world} on {self.device}: ranks run on CPU (gloo) in this version; "
                              "use world_size=1 to join the ranks on one device")

@@ -24,7 +24,7 @@ import torch
 from runtime.core.cuda_graphs import CudaGraphRunner
 from runtime.executors.lifetime import rss_bytes
 from runtime.executors.ranks import RankFailure, RankGroup, RankOptions, drive
-from runtime.io.engine_format import ENGINE_JSON, EngineManifest
+from runtime.io.engine_format import ENGINE_JSON, BuildConfig, EngineManifest
 from runtime.io.loading import LoadedEngine, load_engine
 from runtime.core.kv_cache import KVCache, free_memory_bytes
 from runtime.core.sampling_params import SEED_MODULUS, SamplingParams, validate_request
@@ -37,7 +37,7 @@ from runtime.core.scheduler import Scheduler
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.errors import QueueFull
 from runtime.executors.requests import (BestOf, ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestStats,
-                                       RequestTracker)
+                                       RequestTracker, check_callback)
 from runtime.core.sequence import PenaltyState, Sequence
 from runtime.io.tokenizer import Tokenizer
 from runtime.core.model_runner import ModelRunner
@@ -78,9 +78,14 @@ class Executor:
     def _load(self, path: Path) -> LoadedEngine:
         """The engine in this process, or its rank 0 with the other ranks started alongside (runtime.executors.ranks)."""
         config = self.config
+        device = torch.device(config.device)
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"device {config.device}: torch here sees {torch.cuda.device_count()} CUDA device(s)"
+                             + ("; use device cpu" if not torch.cuda.device_count() else ""))
         options = dict(device=config.device, dtype=config.dtype, cpu_kernels=config.cpu_kernels,
                        fp8_weights=config.fp8_weights)
         if not (path / ENGINE_JSON).is_file():  # a plain checkpoint (or no model: load_engine says so)
+            config.ranks(BuildConfig(), str(path))  # one rank
             return load_engine(path, **options)
         build = EngineManifest.read(path).build
         world = config.ranks(build, str(path))
@@ -197,6 +202,7 @@ class Executor:
         one sequence per candidate, candidate i seeded with seed + i (mod 2^63), sharing the prompt's blocks.
         bounded False: taken whatever max_queued_requests says (a client request's later prompts, `submit_all`)."""
         self.validate(prompt_token_ids, params)
+        check_callback(on_output)
         rid = self._ids.claim(request_id)
         seed = int(params.seed) if params.seed is not None else int.from_bytes(os.urandom(6), "little")  # numpy ints too
         handle = RequestHandle(rid, self, params.n, delivered_by=self._thread)

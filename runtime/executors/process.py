@@ -29,12 +29,12 @@ from typing import Any, Callable
 import torch
 
 from runtime.core.sampling import TokenLogprob
-from runtime.core.sampling_params import SamplingParams
+from runtime.core.sampling_params import SamplingParams, check_request_form
 from runtime.executors.backends import create_executor
 from runtime.executors.base import ExecutorConfig, ExecutorProtocol
 from runtime.executors.lifetime import python_executable, spawn
 from runtime.executors.requests import (ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestStats,
-                                        so_far)
+                                        check_callback, so_far)
 
 log = logging.getLogger("runtime.executors.process")
 
@@ -177,6 +177,7 @@ class ProcessExecutor:
     # -- the executor interface
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        check_request_form(prompt_token_ids, params)
         self._call("validate", list(prompt_token_ids), params)
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -184,8 +185,10 @@ class ProcessExecutor:
                bounded: bool = True) -> RequestHandle:
         """Queue a request; invalid parameters raise ValueError naming the parameter (from the engine's own
         validation). The handle is registered before the request leaves, so no output can arrive unclaimed."""
+        check_request_form(prompt_token_ids, params)
+        check_callback(on_output)
         rid = self._ids.claim(request_id)
-        handle = RequestHandle(rid, self, getattr(params, "n", 1), delivered_by=self._reader)  # n: refused below if bad
+        handle = RequestHandle(rid, self, params.n, delivered_by=self._reader)
         with self._lock:
             self._streams[rid] = _Stream(handle, on_output, len(prompt_token_ids))
         try:

@@ -533,6 +533,12 @@ class RequestTracker:
                      s.num_draft_tokens)
 
 
+def check_callback(on_output: object) -> None:
+    """An output callback is a callable or None (else it failed at every output, on the executor's thread)."""
+    if on_output is not None and not callable(on_output):
+        raise ValueError(f"on_output must be a callable taking a RequestOutput, or None; got {on_output!r:.80}")
+
+
 def so_far(items: list[T], final: bool) -> Sequence[T]:
     """An output's view of a list that grows with its request: the list itself once it no longer grows (the final
     output), else a Prefix of what it holds now."""

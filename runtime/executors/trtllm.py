@@ -39,7 +39,8 @@ from runtime.executors.trtllm_api import (GUIDED_DECODING_BACKENDS, adapt_llm_kw
                                           draft_len_of, import_tensorrt_llm, kv_cache_counts, llm_kwargs_for,
                                           logprobs_from_upstream, model_fields, read_llm_api_options,
                                           speculative_counts, to_trtllm_sampling_kwargs, upstream_sampling_params)
-from runtime.executors.requests import ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestTracker
+from runtime.executors.requests import (ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestTracker,
+                                        check_callback)
 from runtime.core.guide_check import check_guide
 from runtime.core.sampling import TokenLogprob
 from runtime.core.sampling_params import SamplingParams, validate_request
@@ -202,6 +203,7 @@ class TrtllmExecutor:
         """Queue a request; invalid parameters raise ValueError naming the parameter. (`bounded`: there is no queue
         bound here, max_queued_requests is refused.)"""
         self.validate(prompt_token_ids, params)
+        check_callback(on_output)
         if self._stopping:
             raise RuntimeError("executor is shut down")
         rid = self._ids.claim(request_id)

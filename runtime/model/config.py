@@ -52,6 +52,11 @@ def is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def is_bool(value: Any) -> bool:
+    """Python and numpy bools."""
+    return isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ == "bool_")
+
+
 def is_number(value: Any) -> bool:
     """Python and numpy reals; not bools."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
