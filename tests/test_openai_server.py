@@ -166,6 +166,12 @@ def test_stop_strings_and_echo(server: Server, plain: Session) -> None:
                                          temperature=0, stop=[stop])
     assert r.choices[0].text == full[: full.index(stop)] and r.choices[0].finish_reason == "stop"
     assert r.choices[0].model_extra["stop_reason"] == stop  # vLLM's: what ended it
+    for stream in (False, True):  # vLLM's include_stop_str_in_output: the text ends with it
+        r = server.client.completions.create(model="deepseek-v3-mini", prompt=PROMPTS[0], max_tokens=TOKENS,
+                                             temperature=0, stop=[stop], stream=stream,
+                                             extra_body={"include_stop_str_in_output": True})
+        text = "".join(c.choices[0].text for c in r) if stream else r.choices[0].text
+        assert text == full[: full.index(stop) + len(stop)], stream
     r = server.client.completions.create(model="deepseek-v3-mini", prompt=PROMPTS[0], max_tokens=TOKENS,
                                          temperature=0, echo=True)
     assert r.choices[0].text == PROMPTS[0] + full and r.choices[0].model_extra["stop_reason"] is None

@@ -8,6 +8,7 @@ test and the exit tests (sessions left open) use the shipped model when it is pr
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import shutil
 import subprocess
 import sys
@@ -202,6 +203,24 @@ def test_stop_string_inside_a_multi_token_step(session, reference, stop_at) -> N
     assert run(1) == (ids[:n], prefix(n)[: prefix(n).index(stop)], "stop")
     for step in (2, 4, 5):
         assert run(step) == run(1), f"{step} tokens per step ended elsewhere than one token per step"
+    params = replace(params, include_stop_str_in_output=True)  # the text ends with the stop string instead
+    assert run(1) == (ids[:n], prefix(n)[: prefix(n).index(stop) + len(stop)], "stop")
+    for step in (2, 4, 5):
+        assert run(step) == run(1), f"{step} tokens per step ended elsewhere than one token per step"
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_include_stop_str_in_output_ends_the_text_with_it(spec_checkpoint, reference, k) -> None:
+    """vLLM's include_stop_str_in_output: the text runs to the end of the stop string (and no further, whatever the
+    token that completed it holds past it), streamed or not, at any draft length."""
+    full = reference[0].text
+    stop = full[14:17]
+    end = full.index(stop) + len(stop)
+    params = SamplingParams(max_tokens=40, ignore_eos=True, stop=(stop,), include_stop_str_in_output=True)
+    with Session(spec_checkpoint, num_draft_tokens=k, max_seq_len=MAX_SEQ_LEN) as s:
+        [r] = s.generate(PROMPT, params)
+        assert (r.finish_reason, r.stop_reason, r.text) == ("stop", stop, full[:end])
+        assert "".join(s.stream(PROMPT, params)) == full[:end]
 
 
 def test_tpot_is_the_time_after_the_first_token_over_the_tokens_after_it(session) -> None:

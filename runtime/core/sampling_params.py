@@ -115,6 +115,7 @@ class SamplingParams:
     # token id -> a number in [-100, 100] added to its logit before penalties, bans and temperature (vLLM's and
     # OpenAI's logit_bias; TensorRT-LLM's embedding_bias as a dict)
     logit_bias: dict[int, float] | None = None
+    include_stop_str_in_output: bool = False  # the stop string that ended the output is the end of its text (vLLM's)
 
     def __post_init__(self) -> None:
         """A single stop string is one stop string (not one per character); lists become tuples; an empty logit_bias
@@ -124,8 +125,9 @@ class SamplingParams:
         for name in ("stop", "stop_token_ids", "bad_token_ids"):
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
-        if is_bool(self.ignore_eos):  # numpy's too, as numpy integers are taken
-            object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
+        for name in ("ignore_eos", "include_stop_str_in_output"):  # numpy's bools too, as numpy integers are taken
+            if is_bool(getattr(self, name)):
+                object.__setattr__(self, name, bool(getattr(self, name)))
         if isinstance(self.logit_bias, Mapping):
             object.__setattr__(self, "logit_bias", dict(self.logit_bias) or None)
 
@@ -159,8 +161,9 @@ class SamplingParams:
                 raise ValueError(f"{name} must be token ids in [0, {vocab_size}), got {bad}")
         if vocab_size is not None and len(set(self.bad_token_ids)) == vocab_size:
             raise ValueError(f"bad_token_ids bans all {vocab_size} tokens; at least one must stay allowed")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(self, name)
             if n is not None and (not is_int(n) or not 0 <= n <= MAX_LOGPROBS):

@@ -448,10 +448,11 @@ class RequestTracker:
 
         Ids are taken one at a time, so a step that emitted several (speculation) ends exactly where
         plain decoding would: before a stop id, at the token that reaches max_tokens,
-        or at the token that completes a stop string (the text cut before it). With stop strings,
-        the last (longest stop - 1) characters are held back until they can no longer start one, so
-        a client never sees part of a stop string. Before min_tokens no stop string ends a request (as
-        vLLM): one counts only when it ends in the text of a later token.
+        or at the token that completes a stop string (the text cut before it, or after it with
+        include_stop_str_in_output). With stop strings, the last (longest stop - 1) characters are held back until
+        they can no longer start one, so a client never sees part of a stop string that ends the text before it.
+        Before min_tokens no stop string ends a request (as vLLM): one counts only when it ends in the text of a
+        later token.
         """
         p = self.params
         if new:
@@ -485,7 +486,7 @@ class RequestTracker:
                 self.logprobs.append(lp)
                 self.cumulative_logprob += lp.logprob
         if hit >= 0:
-            delta, reason = self.held[:hit], "stop"
+            delta, reason = self.held[: hit + (len(self.stop_reason) if p.include_stop_str_in_output else 0)], "stop"
         elif reason is None and p.stop:
             delta = self.held[: max(len(self.held) - (max(map(len, p.stop)) - 1), 0)]
         else:

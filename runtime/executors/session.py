@@ -32,6 +32,7 @@ class CompletionOutput:
     stats: RequestStats
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids (SamplingParams.logprobs)
     cumulative_logprob: float | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: eos or another end)
 
 
 @dataclass
@@ -62,6 +63,10 @@ class GenerationResult:
     @property
     def logprobs(self) -> list[TokenLogprob] | None:
         return self.outputs[0].logprobs
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        return self.outputs[0].stop_reason
 
     @property
     def cumulative_logprob(self) -> float | None:
@@ -106,7 +111,8 @@ class Session:
             for prompt, handle in zip(prompts, handles):
                 outs = handle.results()
                 results.append(GenerationResult(prompt, [CompletionOutput(o.index, o.text, o.token_ids, o.finish_reason,
-                                                                          o.stats, o.logprobs, o.cumulative_logprob)
+                                                                          o.stats, o.logprobs, o.cumulative_logprob,
+                                                                          o.stop_reason)
                                                          for o in outs], outs[0].prompt_logprobs))
         finally:  # interrupted (Ctrl-C): nobody will read the rest, so they stop and free their blocks
             for handle in handles:

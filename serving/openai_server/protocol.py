@@ -50,7 +50,6 @@ NEUTRAL: dict[str, tuple[Any, str]] = {
     # vLLM's extras at their defaults
     "skip_special_tokens": (lambda v: v is True, "null or true (special tokens are never in the text)"),
     "spaces_between_special_tokens": (lambda v: v is True, "null or true"),
-    "include_stop_str_in_output": (lambda v: v is False, "null or false (a stop string ends the text before it)"),
     "continue_final_message": (lambda v: v is False, "null or false"),
     "priority": (lambda v: v == 0 and not isinstance(v, bool), "null or 0 (requests are served first come, "
                  "first served)"),
@@ -65,7 +64,7 @@ CHAT_ONLY_NEUTRAL = {"tools", "tool_choice", "functions", "function_call", "stor
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop",
           "stop_token_ids", "seed", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
           "min_tokens", "min_p", "bad_words", "num_draft_tokens", "logit_bias", "response_format", "structured_outputs",
-          "prompt_logprobs", "return_tokens_as_token_ids", "return_token_ids",
+          "prompt_logprobs", "return_tokens_as_token_ids", "return_token_ids", "include_stop_str_in_output",
           *GUIDE_KEYS, *IGNORED, *(set(NEUTRAL) - CHAT_ONLY_NEUTRAL)}
 COMPLETION_KEYS = COMMON | {"prompt", "echo", "logprobs", "suffix", "best_of"}
 CHAT_KEYS = COMMON | CHAT_ONLY_NEUTRAL | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
@@ -331,7 +330,8 @@ def _sampling(body: dict, tokenizer: Tokenizer, max_tokens: int | None, logprobs
         guided_decoding=guide,
         n=n,
         best_of=best_of,
-        logit_bias=_logit_bias(body))
+        logit_bias=_logit_bias(body),
+        include_stop_str_in_output=_flag(body, "include_stop_str_in_output"))
     return params, guide_field
 
 
