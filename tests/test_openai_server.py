@@ -237,6 +237,39 @@ def test_penalties_with_mtp_equal_plain_decoding(server: Server, plain: Session)
         assert expected.text != _plain_text(plain, plain.tokenizer.encode(prompt))  # the penalties changed the text
 
 
+def test_tokenize_and_detokenize_as_vllm(server: Server, plain: Session) -> None:
+    """vLLM's /tokenize (a prompt, with or without the special tokens the tokenizer adds, or chat messages as
+    /v1/chat/completions renders them: its usage counts the same tokens) and /detokenize."""
+    tok = plain.tokenizer
+    status, body = server.post("/tokenize", {"prompt": PROMPTS[0], "return_token_strs": True})
+    ids = tok.encode(PROMPTS[0])
+    assert status == 200 and body == {"count": len(ids), "max_model_len": 2048, "tokens": ids,
+                                      "token_strs": tok.token_strings(ids)}
+    status, body = server.post("/tokenize", {"model": "deepseek-v3-mini", "prompt": PROMPTS[0],
+                                             "add_special_tokens": False})
+    assert body["tokens"] == tok.encode(PROMPTS[0], add_bos=False) != ids and body["token_strs"] is None
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    status, body = server.post("/tokenize", {"messages": messages})
+    chat = server.client.chat.completions.create(model="deepseek-v3-mini", messages=messages, max_tokens=1)
+    assert status == 200 and body["count"] == chat.usage.prompt_tokens
+    assert body["tokens"] == tok.encode(render_chat(tok.chat_template, messages, tok), add_bos=False)
+    status, body = server.post("/detokenize", {"tokens": ids})
+    assert (status, body) == (200, {"prompt": tok.decode(ids, skip_special_tokens=False)})
+    for path, request, param, message in (
+            ("/detokenize", {"tokens": [5000]}, "tokens", "tokens must hold token ids in [0, 4096), got [5000]"),
+            ("/detokenize", {}, "tokens", "tokens is required"),
+            ("/tokenize", {"prompt": "x", "max_tokens": 3}, "max_tokens",
+             "Unrecognized request argument supplied: max_tokens"),
+            ("/tokenize", {"messages": messages, "add_special_tokens": True}, "add_special_tokens",
+             "add_special_tokens true is not supported with messages; it takes null or false (the chat template places "
+             "the special tokens)"),
+            ("/tokenize", {"prompt": 5}, "prompt", "prompt must be a string, got int")):
+        status, body = server.post(path, request)
+        assert (status, body["error"]["param"], body["error"]["message"]) == (400, param, message)
+    status, body = server.post("/tokenize", {"model": "other", "prompt": "x"})
+    assert (status, body["error"]["code"]) == (404, "model_not_found")
+
+
 def test_logit_bias_with_mtp_equals_plain_decoding(server: Server, plain: Session) -> None:
     """OpenAI's logit_bias (string keys) through completions and chat (k = 3) gives the Session's plain (k = 0) output
     with the same biases, which differs from the output without them; {} is no bias."""
@@ -901,6 +934,8 @@ def test_an_api_key_guards_the_v1_routes(shipped_model_dir: Path, tmp_path: Path
         name = keyed.models.list().data[0].id
         out = keyed.completions.create(model=name, prompt="In the beginning", max_tokens=2)
         assert out.usage.completion_tokens == 2
+        assert server.post("/tokenize", {"prompt": "x"})[0] == 401  # vLLM leaves it open; the key guards it here
+        assert server.post("/tokenize", {"prompt": "x"}, {"Authorization": "Bearer s3cret"})[0] == 200
         assert urllib.request.urlopen(server.base + "/health", timeout=10).read() == b"ok"
         assert server.metrics()["requests_finished_total"] == 1  # the refused ones never reached the executor
         assert "refused (401)" in server.log.read_text()

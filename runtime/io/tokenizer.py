@@ -162,6 +162,10 @@ class Tokenizer:
                 ids.insert(0, self._bos_token_id)
         return ids
 
+    def token_strings(self, ids: Iterable[int]) -> list[str]:
+        """The vocabulary's strings of `ids` (HF's convert_ids_to_tokens: byte-level pieces, not text)."""
+        return [self.backend.id_to_token(i) for i in ids]
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; special_ids are dropped here (not by the backend) so that exactly the
         ids IncrementalDetokenizer skips are skipped, config-named ones included."""

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP server: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (SSE
-streaming), `/health` and `/metrics`, on the executor directly, as `trtllm-serve` and `vllm serve` run.
+streaming), vLLM's `/tokenize` and `/detokenize`, `/health` and `/metrics`, on the executor directly, as `trtllm-serve`
+and `vllm serve` run.
 
 Handlers only translate: each prompt of a request is submitted to the executor with its n choices (one
 executor request, the prompt computed once), whose thread runs every request in flight in one batch, and the handler waits on each `RequestHandle` asynchronously. A
@@ -297,6 +298,23 @@ class OpenAIServer:
                  time.perf_counter() - t0)
 
     # ---- other endpoints ---------------------------------------------------------------------------------------
+    async def tokenize(self, request: Request) -> dict[str, Any]:
+        """vLLM's /tokenize response: the ids, their count, the context length, and the tokens' strings if asked."""
+        body = await self._body(request)
+        self._check_model(body)
+        ids, strings = protocol.tokenize_request(body, self.tokenizer, self.max_text_bytes)
+        log.info("tokenize: %d tokens", len(ids))
+        return {"count": len(ids), "max_model_len": self.max_seq_len, "tokens": ids,
+                "token_strs": self.tokenizer.token_strings(ids) if strings else None}
+
+    async def detokenize(self, request: Request) -> dict[str, Any]:
+        """vLLM's /detokenize response: the ids' text, special tokens included."""
+        body = await self._body(request)
+        self._check_model(body)
+        ids = protocol.detokenize_request(body, self.tokenizer)
+        log.info("detokenize: %d tokens", len(ids))
+        return {"prompt": self.tokenizer.decode(ids, skip_special_tokens=False)}
+
     def model_card(self) -> dict[str, Any]:
         return {"id": self.model, "object": "model", "created": self.created, "owned_by": "dsv3-mtp",
                 "max_model_len": self.max_seq_len}
@@ -346,7 +364,7 @@ def create_app(executor: ExecutorProtocol, model_name: str, api_key: str | None 
     """The app; with `api_key` the /v1 routes need it (/health and /metrics stay open, as vLLM's)."""
     server = OpenAIServer(executor, model_name)
     app = FastAPI(title="dsv3-serve", docs_url=None, redoc_url=None, openapi_url=None)
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(key_check(api_key))])
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(key_check(api_key))])  # and /tokenize, /detokenize
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
@@ -383,6 +401,16 @@ def create_app(executor: ExecutorProtocol, model_name: str, api_key: str | None 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Any:
         return await server.generate(request, protocol.chat_request, chat=True)
+
+    guarded = [Depends(key_check(api_key))]
+
+    @app.post("/tokenize", dependencies=guarded)
+    async def tokenize(request: Request) -> dict[str, Any]:
+        return await server.tokenize(request)
+
+    @app.post("/detokenize", dependencies=guarded)
+    async def detokenize(request: Request) -> dict[str, Any]:
+        return await server.detokenize(request)
 
     health_thread = ThreadPoolExecutor(1, thread_name_prefix="health")  # not queued behind requests being parsed
 

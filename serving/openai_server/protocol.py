@@ -69,6 +69,11 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream",
 COMPLETION_KEYS = COMMON | {"prompt", "echo", "logprobs", "suffix", "best_of"}
 CHAT_KEYS = COMMON | CHAT_ONLY_NEUTRAL | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                                           "parallel_tool_calls", "add_generation_prompt", "chat_template_kwargs"}
+# vLLM's /tokenize (a text, or messages as chat renders them) and /detokenize
+TOKENIZE_KEYS = {"model", "prompt", "add_special_tokens", "return_token_strs"}
+TOKENIZE_CHAT_KEYS = {"model", "messages", "add_generation_prompt", "chat_template_kwargs", "return_token_strs",
+                      "add_special_tokens", "continue_final_message"}
+DETOKENIZE_KEYS = {"model", "tokens"}
 # What an assistant message OpenAI's client returned carries, sent back in the next turn: taken when null or empty
 MESSAGE_EXTRAS = {"refusal": (None,), "tool_calls": (None, []), "function_call": (None,), "audio": (None,),
                   "annotations": (None, [])}
@@ -457,13 +462,9 @@ def _messages(body: dict, max_text_bytes: int) -> list[dict[str, str]]:
     return out
 
 
-def chat_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_bytes: int) -> Generation:
-    """POST /v1/chat/completions: messages rendered with the model's chat template."""
-    body = _check_keys(body, CHAT_KEYS)
-    top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS, None)
-    if top is not None and not _flag(body, "logprobs"):
-        raise APIError("top_logprobs needs logprobs: true", "top_logprobs")
-    logprobs = (top or 0) if _flag(body, "logprobs") else None
+def _chat_prompt(body: dict, tokenizer: Tokenizer, max_text_bytes: int) -> list[int]:
+    """A chat request's messages rendered with the model's chat template (its generation prompt unless
+    add_generation_prompt is false), as token ids."""
     messages = _messages(body, max_text_bytes)
     if tokenizer.chat_template is None:
         raise APIError("this model has no chat template (chat_template in tokenizer_config.json or a "
@@ -472,16 +473,52 @@ def chat_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_byt
     if not isinstance(extra, dict) or set(extra) & RESERVED_NAMES:
         raise APIError("chat_template_kwargs must be an object of the template's own variables (not "
                        f"{', '.join(sorted(RESERVED_NAMES))}), got {str(extra)[:120]}", "chat_template_kwargs")
-    generation_prompt = _flag(body, "add_generation_prompt", True)
     try:
-        text = render_chat(tokenizer.chat_template, messages, tokenizer, add_generation_prompt=generation_prompt,
-                           variables=extra)
+        text = render_chat(tokenizer.chat_template, messages, tokenizer,
+                           add_generation_prompt=_flag(body, "add_generation_prompt", True), variables=extra)
     except RequestError as e:
         raise APIError(str(e), "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages") \
             from None
     except ChatTemplateFault as e:
         raise APIError(str(e), status=500, type="server_error") from None
-    ids = tokenizer.encode(_text(text, "messages", max_text_bytes), add_bos=False)  # the template places bos
+    return tokenizer.encode(_text(text, "messages", max_text_bytes), add_bos=False)  # the template places bos
+
+
+def tokenize_request(body: Any, tokenizer: Tokenizer, max_text_bytes: int) -> tuple[list[int], bool]:
+    """POST /tokenize (vLLM's): a prompt's token ids (with the special tokens the tokenizer adds, its
+    beginning-of-text token, unless add_special_tokens is false), or chat messages' as /v1/chat/completions renders
+    them; and whether the token strings are asked for."""
+    chat = isinstance(body, dict) and "messages" in body
+    body = _check_keys(body, TOKENIZE_CHAT_KEYS if chat else TOKENIZE_KEYS)
+    if chat:
+        if _flag(body, "add_special_tokens"):  # the template places them
+            raise APIError("add_special_tokens true is not supported with messages; it takes null or false (the chat "
+                           "template places the special tokens)", "add_special_tokens")
+        return _chat_prompt(body, tokenizer, max_text_bytes), _flag(body, "return_token_strs")
+    if body.get("prompt") is None:
+        raise APIError("prompt (or messages) is required", "prompt")
+    prompt = _text(body["prompt"], "prompt", max_text_bytes)
+    add_bos = None if _flag(body, "add_special_tokens", True) else False  # True: as the tokenizer adds them
+    return tokenizer.encode(prompt, add_bos=add_bos), _flag(body, "return_token_strs")
+
+
+def detokenize_request(body: Any, tokenizer: Tokenizer) -> list[int]:
+    """POST /detokenize (vLLM's): token ids, whose text the server returns."""
+    body = _check_keys(body, DETOKENIZE_KEYS)
+    if body.get("tokens") is None:
+        raise APIError("tokens is required", "tokens")
+    return _token_list(body["tokens"], "tokens", tokenizer.vocab_size)
+
+
+def chat_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_bytes: int) -> Generation:
+    """POST /v1/chat/completions: messages rendered with the model's chat template."""
+    body = _check_keys(body, CHAT_KEYS)
+    top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS, None)
+    if top is not None and not _flag(body, "logprobs"):
+        raise APIError("top_logprobs needs logprobs: true", "top_logprobs")
+    logprobs = (top or 0) if _flag(body, "logprobs") else None
+    ids = _chat_prompt(body, tokenizer, max_text_bytes)
+    generation_prompt = _flag(body, "add_generation_prompt", True)
     if len(ids) >= max_seq_len:  # said of the messages: the client never saw the rendered prompt
         raise APIError(f"messages come to {len(ids)} tokens with the chat template; max_seq_len is {max_seq_len}",
                        "messages")
