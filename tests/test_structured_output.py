@@ -150,19 +150,24 @@ class FailingLexer:
         return getattr(self._matcher, name)
 
 
+def matchers_fail_as(monkeypatch: pytest.MonkeyPatch, failing: type) -> None:
+    """Every grammar compiled from now on has its llguidance matcher wrapped in `failing`."""
+    real = GrammarCompiler.matcher
+
+    def wrapped(self, guide):
+        m = real(self, guide)
+        m.matcher = failing(m.matcher)
+        return m
+
+    monkeypatch.setattr(GrammarCompiler, "matcher", wrapped)
+
+
 @pytest.mark.parametrize("k", [0, 3])
 def test_a_grammar_that_fails_while_generating_ends_its_request_only(shipped_engine, prompts, k, monkeypatch) -> None:
     """A guide that fails while generating ends its own request with an error naming the guide; the request beside
     it, the executor and the blocks are fine (the failure stopped the executor's step loop: every request failed,
     every later one was refused)."""
-    real = GrammarCompiler.matcher
-
-    def failing(self, guide):
-        m = real(self, guide)
-        m.matcher = FailingLexer(m.matcher)
-        return m
-
-    monkeypatch.setattr(GrammarCompiler, "matcher", failing)
+    matchers_fail_as(monkeypatch, FailingLexer)
     bad = SamplingParams(max_tokens=8, guided_decoding=GuidedDecodingParams(regex="[a-z]+"))
     free = SamplingParams(max_tokens=24, ignore_eos=True)
     reference = run(shipped_engine, [prompts[1]], free, k, alone=True)[0].token_ids
@@ -195,14 +200,7 @@ def test_a_grammar_that_fails_computing_masks_keeps_none_of_that_steps_tokens(sh
     """The step's rows were masked by a failed grammar, so none of its tokens is the guide's: the request ends with
     the output before that step (here none, at every k), and what was streamed adds up to it (the final output
     carried the failing step's unguided tokens, which differed with k and were never streamed)."""
-    real = GrammarCompiler.matcher
-
-    def failing(self, guide):
-        m = real(self, guide)
-        m.matcher = FailingMasks(m.matcher)
-        return m
-
-    monkeypatch.setattr(GrammarCompiler, "matcher", failing)
+    matchers_fail_as(monkeypatch, FailingMasks)
     bad = SamplingParams(max_tokens=8, guided_decoding=GuidedDecodingParams(regex="[a-z]+"))
     with Executor(shipped_engine, ExecutorConfig(num_draft_tokens=k, speculation="fixed")) as ex:
         handle = ex.submit(prompts[0], bad)
