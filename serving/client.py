@@ -91,7 +91,7 @@ def stream_generate(url: str, prompt: str, max_tokens: int, temperature: float =
         client.close()
 
 
-def _seed(text: str) -> int:
+def seed(text: str) -> int:
     value = int(text)
     if not 0 <= value < 2**64:  # Triton's seed input is uint64
         raise argparse.ArgumentTypeError(f"must be an integer in [0, 2^64), got {value}")
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", default="127.0.0.1:8001")
     p.add_argument("--max_tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=_seed, default=None, help="the sampling seed, in [0, 2^64) (with --temperature above 0)")
+    p.add_argument("--seed", type=seed, default=None, help="the sampling seed, in [0, 2^64) (with --temperature above 0)")
     p.add_argument("--model", default="tensorrt_llm_bls", help="tensorrt_llm_bls (default) or ensemble")
     args = p.parse_args(argv)
     stats: dict[str, float] = {}

@@ -47,16 +47,14 @@ def integer(values: np.ndarray, name: str, low: int, high: int) -> int:
     return value
 
 
-def real(values: np.ndarray, name: str, low: float = -math.inf, high: float = math.inf, above: bool = False
-         ) -> float:
-    """One finite real in [low, high] ((low, high] when `above`; NaN and infinities are refused: NaN compares false
-    with every bound)."""
+def real(values: np.ndarray, name: str, low: float = -math.inf, high: float = math.inf) -> float:
+    """One finite real in [low, high] (NaN and infinities are refused: NaN compares false with every bound)."""
     value = one_value(values, name)
     if not (np.issubdtype(values.dtype, np.floating) or np.issubdtype(values.dtype, np.integer)):
         raise RequestError(f"{name}: expected a number, got {values.dtype} {value!r}")
     value = float(value)
-    if not (math.isfinite(value) and (low < value if above else low <= value) and value <= high):
-        raise RequestError(f"{name} must be a finite number{bounds_text(low, high, above)}, got {value}")
+    if not (math.isfinite(value) and low <= value <= high):
+        raise RequestError(f"{name} must be a finite number{bounds_text(low, high)}, got {value}")
     return value
 
 
@@ -119,13 +117,12 @@ class Scalar:
     kind: str  # "flag" | "real" | "integer"
     low: float = -math.inf
     high: float = math.inf
-    above: bool = False  # a real must be above low, not equal to it
 
     def read(self, values: np.ndarray, name: str) -> Any:
         if self.kind == "flag":
             return flag(values, name)
         if self.kind == "real":
-            return real(values, name, self.low, self.high, self.above)
+            return real(values, name, self.low, self.high)
         return integer(values, name, int(self.low), int(self.high))
 
 

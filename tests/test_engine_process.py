@@ -262,6 +262,19 @@ def test_a_request_is_checked_before_it_leaves(engine):
     assert engine.health(5) is None
 
 
+def test_a_forked_child_leaves_the_parents_engine_alone(engine):
+    """A fork()ed copy inherits the executors to stop at exit; its exit stopped the parent's engine down the
+    inherited pipe. The child here runs the exit functions as a normal exit would."""
+    pid = os.fork()
+    if pid == 0:
+        import atexit
+        atexit._run_exitfuncs()
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert engine.health(5) is None
+    assert engine.submit(PROMPTS[0], SamplingParams(max_tokens=3)).result(30).finish_reason == "length"
+
+
 def test_health_answers_within_its_timeout(engine):
     """A stopped engine process is reported in the time the watchdog asks for (it took the 60 s of every call)."""
     os.kill(engine._process.pid, signal.SIGSTOP)

@@ -26,6 +26,7 @@ from runtime.io.loading import load_engine
 from runtime.executors.base import ExecutorConfig, submit_all
 from runtime.executors.errors import QueueFull
 from runtime.executors import native as native_executor
+from runtime.executors import lifetime
 from runtime.executors.native import Executor
 from runtime.executors.requests import RequestHandle, RequestOutput, RequestStats
 from runtime.core.kv_cache import free_memory_bytes
@@ -824,7 +825,7 @@ def test_shutdown_from_an_output_callback(engine, prompts, caplog) -> None:
         assert other.result(30).finish_reason == "cancelled"
         ex._thread.join(30)
         assert not ex._thread.is_alive() and not caplog.records, [r.getMessage() for r in caplog.records]
-        assert ex not in native_executor._live  # nothing keeps the stopped executor (its engine, its cache) alive
+        assert id(ex) not in lifetime._at_exit  # nothing keeps the stopped executor (its engine, its cache) alive
         with pytest.raises(RuntimeError, match="executor is shut down"):
             ex.submit(prompts[0], SamplingParams(max_tokens=2))
 

@@ -228,8 +228,8 @@ def test_penalties_follow_hf_and_openai_definitions(path) -> None:
     counts = torch.bincount(torch.tensor(output), minlength=V).float()
     in_prompt = torch.zeros(V, dtype=torch.bool)
     in_prompt[prompt] = True
-    adj = Adjustments(1, 0, None, [1], [counts], [in_prompt], [1.7, 0.5, 0.25], [[], []], [[], []], [0, 0], [[], []],
-                      [[], []])
+    none = [torch.empty(0, dtype=torch.long)] * 2, [torch.empty(0)] * 2
+    adj = Adjustments(1, 0, None, [1], [counts], [in_prompt], [1.7, 0.5, 0.25], [[], []], [[], []], [0, 0], *none)
     got = getattr(adj, path)(logits)
     assert torch.equal(got[0], logits[0]), "a row without penalties changed"
     hf = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([prompt + output]), logits[1:].clone())[0]
@@ -263,8 +263,8 @@ def test_adjustments_kernel_equals_the_torch_ops(first, num_rows) -> None:
         bad = [[], [5, 17], [], [300]]
         stops = [[1, 2], [], [], [4]]
         stop_rows = [max(2 - first, 0), 0, 0, 1]
-        bias_tokens = [[3, 5, 7, 299], [], [0, 1, 2, 4, 9, 11], [300, 6]]  # bad 5 and 300; drafts below 12
-        bias_values = [torch.empty(len(t)).uniform_(-100, 100, generator=g).tolist() for t in bias_tokens]
+        bias_tokens = [torch.tensor(t, dtype=torch.long) for t in ([3, 5, 7, 299], [], [0, 1, 2, 4, 9, 11], [300, 6])]
+        bias_values = [torch.empty(len(t)).uniform_(-100, 100, generator=g) for t in bias_tokens]  # bad 5 and 300
         adj = Adjustments(num_rows, first, drafts, penalized, counts, in_prompt, values, bad, stops, stop_rows,
                           bias_tokens, bias_values)
         got, want = adj.apply(logits), adj.apply_with_torch(logits)
@@ -295,7 +295,7 @@ def test_grammar_bitmask_words_ban_what_they_refuse_in_the_kernel_as_with_torch(
         stop_rows = [max(2 - first, 0), 0, 0, num_rows]
         counts = [torch.randint(0, 3, (V,), generator=g).float()]
         args = (num_rows, first, drafts, [2], counts, [torch.rand(V, generator=g) < 0.1], [1.3, 0.4, 0.2])
-        no_bias = [[]] * B, [[]] * B
+        no_bias = [torch.empty(0, dtype=torch.long)] * B, [torch.empty(0)] * B
         adj = Adjustments(*args, bad, stops, stop_rows, *no_bias, allowed)
         got, with_torch = adj.apply(logits), adj.apply_with_torch(logits)
         want = Adjustments(*args, [[]] * B, [[]] * B, [0] * B, *no_bias).apply_with_torch(logits)

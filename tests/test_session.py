@@ -446,13 +446,13 @@ def test_invalid_prompt_in_a_batch_submits_nothing(session) -> None:
 
 def test_close_twice(spec_checkpoint) -> None:
     """close() is idempotent, and a closed session's executor is no longer stopped again at exit."""
-    from runtime.executors import native as executor
+    from runtime.executors import lifetime
 
     s = Session(spec_checkpoint, num_draft_tokens=0, max_seq_len=MAX_SEQ_LEN)
-    assert s.executor in executor._live
+    assert id(s.executor) in lifetime._at_exit
     s.close()
     s.close()
-    assert s.executor not in executor._live and not s.executor._thread.is_alive()
+    assert id(s.executor) not in lifetime._at_exit and not s.executor._thread.is_alive()
     with pytest.raises(RuntimeError, match="shut down"):
         s.generate("x", SamplingParams(max_tokens=2))
 

@@ -48,7 +48,7 @@ from runtime.core.sampling import (PURPOSE_DRAFT, Adjustments, RelaxedAcceptance
                                    accept_greedy, adjusted_logits, probabilities, processed_logprobs,
                                    race, read_token_logprobs, sample, token_logprobs, uniforms)
 from runtime.core.plan import Scheduled, StepResult
-from runtime.core.sequence import Sequence
+from runtime.core.sequence import LogitBias, Sequence
 
 
 class ModelRunner:
@@ -122,15 +122,15 @@ class ModelRunner:
             rows = None if drafts is None or first + num_rows == 1 else drafts[:, : first + num_rows - 1].tolist()
             allowed = grammar_bitmasks(grammars, rows, first, num_rows)
         pen = [b for b, s in enumerate(seqs) if s.penalty is not None]
-        biases = [s.params.logit_bias or {} for s in seqs]
-        if not pen and not any(bad) and not any(stop_rows) and allowed is None and not any(biases):
+        biased = any(s.logit_bias is not None for s in seqs)
+        if not pen and not any(bad) and not any(stop_rows) and allowed is None and not biased:
             return None
         values = [v for b in pen for v in (seqs[b].params.repetition_penalty, seqs[b].params.presence_penalty,
                                            seqs[b].params.frequency_penalty)]
         return Adjustments(num_rows, first, drafts, pen, [seqs[b].penalty.counts for b in pen],
                            [seqs[b].penalty.in_prompt for b in pen], values, bad, stops, stop_rows,
-                           [list(map(int, bias)) for bias in biases], [list(map(float, bias.values())) for bias in biases],
-                           allowed)
+                           [NO_BIAS.tokens if s.logit_bias is None else s.logit_bias.tokens for s in seqs],
+                           [NO_BIAS.values if s.logit_bias is None else s.logit_bias.values for s in seqs], allowed)
 
     # ---- drafting -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -409,6 +409,7 @@ class ModelRunner:
 
 
 _NO_CATCH_UP = torch.empty(0)  # the MTP catch-up's inputs of a step that drafts nothing
+NO_BIAS = LogitBias.create({}, "cpu")  # a sequence without a logit_bias, in Adjustments' per-sequence lists
 
 
 def _rows_log_softmax(logits: Tensor, rows: Tensor) -> Tensor:

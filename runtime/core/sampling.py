@@ -146,8 +146,8 @@ class Adjustments:
     bad: list[list[int]]  # per sequence: tokens banned in all its rows
     stops: list[list[int]]  # per sequence: stop tokens banned in its first stop_rows rows (min_tokens)
     stop_rows: list[int]
-    bias_tokens: list[list[int]]  # per sequence: the tokens its logit_bias names
-    bias_values: list[list[float]]  # and what it adds to each one's logit in all its rows
+    bias_tokens: list[Tensor]  # per sequence: the tokens its logit_bias names (int64, empty for none)
+    bias_values: list[Tensor]  # and what it adds to each one's logit in all its rows (float32)
     # a guided batch's grammar bitmasks [B * num_rows, >= ceil(V / 32)] int32 on the host: bit t % 32 of word t // 32
     # set where the row's grammar allows token t (all set for a row without one); bad and stop bans that would leave
     # nothing it allows yield to it in that row
@@ -173,7 +173,7 @@ class Adjustments:
     def apply_with_torch(self, logits: Tensor) -> Tensor:
         """`apply` with torch ops (where the CPU kernels do not run)."""
         logits = logits.float()
-        if any(self.bias_tokens):
+        if any(len(t) for t in self.bias_tokens):
             logits = self._bias(logits)
         if self.penalized:
             logits = self._penalize(logits)
@@ -191,9 +191,9 @@ class Adjustments:
         logits = logits.clone()
         n = self.num_rows
         for b, (tokens, values) in enumerate(zip(self.bias_tokens, self.bias_values)):
-            if tokens:
+            if len(tokens):
                 rows = logits[b * n : (b + 1) * n]
-                rows[:, tokens] += torch.tensor(values, dtype=torch.float32, device=logits.device)
+                rows[:, tokens] += values
         return logits
 
     def _penalize(self, logits: Tensor) -> Tensor:

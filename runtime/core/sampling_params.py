@@ -251,11 +251,9 @@ class SamplingParams:
 
 
 def check_request_form(prompt_token_ids: list[int], params: SamplingParams) -> None:
-    """What can be checked of a request without its executor: a SamplingParams whose own rules hold and a list of
-    integer ids; run before a request is sent to an engine process too, where it could fail to pickle instead."""
+    """A request's form: a SamplingParams (whose rules `validate` checks) and a list of integer ids."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-    params.validate()
     if not isinstance(prompt_token_ids, (list, tuple)) or not all(map(is_int, prompt_token_ids)):
         raise ValueError(f"prompt must be a list of integer token ids, got {prompt_token_ids!r:.80}")
 

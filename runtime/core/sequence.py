@@ -53,6 +53,19 @@ class PenaltyState:
             self.counts.index_put_((ids,), torch.ones(len(tokens), device=self.counts.device), accumulate=True)
 
 
+@dataclass(frozen=True)
+class LogitBias:
+    """A request's logit_bias as the adjustments read it at every step: its token ids and the biases, built once."""
+
+    tokens: Tensor  # int64 [n]
+    values: Tensor  # float32 [n]
+
+    @classmethod
+    def create(cls, bias: dict[int, float], device: torch.device | str) -> "LogitBias":
+        return cls(torch.tensor(list(map(int, bias)), dtype=torch.long, device=device),
+                   torch.tensor(list(map(float, bias.values())), dtype=torch.float32, device=device))
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -77,6 +90,7 @@ class Sequence:
     admitted_at: int = -1  # admission order of its last admission (preemption takes the latest)
     stop_ids: frozenset[int] = frozenset()  # eos and stop token ids: banned while min_tokens is not reached
     penalty: PenaltyState | None = None  # set for requests with penalties
+    logit_bias: LogitBias | None = None  # set for requests with a logit_bias
     grammar: GrammarMatcher | None = None  # set for guided requests: the grammar state after the output
     num_prompt_logprobs: int = 0  # prompt positions whose next-token logprobs were computed (prompt_logprobs)
     # prefix caching (runtime.core.prefix_cache): keys of its full blocks, how many of its blocks are registered

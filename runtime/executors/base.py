@@ -80,6 +80,13 @@ class ExecutorConfig:
             raise ValueError(f"device must be cpu or cuda[:index], got {self.device!r}")
         if self.world_size is not None and (not is_int(self.world_size) or self.world_size < 1):
             raise ValueError(f"world_size must be an integer >= 1, got {self.world_size!r}")
+        # numpy's values as Python's (a config is pickled to engine processes and compared)
+        for name in ("num_draft_tokens", "max_batch_size", "max_num_tokens", "max_seq_len", "kv_cache_tokens",
+                     "max_queued_requests", "world_size"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, int(getattr(self, name)))
+        object.__setattr__(self, "free_memory_fraction", float(self.free_memory_fraction))
+        object.__setattr__(self, "enable_block_reuse", bool(self.enable_block_reuse))
 
     def ranks(self, build: BuildConfig, source: str) -> int:
         """How many processes serve an engine of `build`: world_size, or its tp_size by default; ValueError

@@ -1,22 +1,24 @@
-"""Child processes of ours: the interpreter they run on, their ending with their parent (the engine process,
-tensor-parallel ranks, servers started by tests and benchmarks), their resident memory, and the removal of what
-killed ones left. Kept free of torch so the light command-line tools can use it."""
+"""Child processes and threads of ours: the interpreter children run on, their ending with their parent (the engine
+process, tensor-parallel ranks, servers started by tests and benchmarks), executors stopped at exit, resident
+memory, and the removal of what killed processes left. Kept free of torch so the light command-line tools can use
+it."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import os
+import queue
 import re
 import shutil
-import queue
 import signal
 import subprocess
 import sys
 import threading
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 PR_SET_PDEATHSIG = 1
 # the most torch threads a server's process may be given: more cores than any host this runs on (OpenMP aborts
@@ -50,13 +52,24 @@ _spawner: threading.Thread | None = None
 _spawner_lock = threading.Lock()
 
 
-def _spawn_forever() -> None:
+def _spawn_forever(spawns: queue.SimpleQueue) -> None:
     while True:
-        args, kwargs, future = _spawns.get()
+        args, kwargs, future = spawns.get()
         try:
             future.set_result(subprocess.Popen(args, preexec_fn=_terminate_with_parent, **kwargs))
         except BaseException as e:
             future.set_exception(e)
+
+
+def _kill_unowned(future: Future) -> None:
+    if future.exception() is None:
+        future.result().kill()
+
+
+def _new_spawner_state() -> None:
+    """A fork()ed copy of this process starts with no spawner: not the parent's requests, nor its lock held."""
+    global _spawns, _spawner, _spawner_lock
+    _spawns, _spawner, _spawner_lock = queue.SimpleQueue(), None, threading.Lock()
 
 
 def spawn(args: Sequence[str | Path], **kwargs: Any) -> subprocess.Popen:
@@ -66,12 +79,47 @@ def spawn(args: Sequence[str | Path], **kwargs: Any) -> subprocess.Popen:
     process, whatever thread asks (a worker thread that loads an executor, asyncio.to_thread, ends before it)."""
     global _spawner
     with _spawner_lock:
-        if _spawner is None or not _spawner.is_alive():  # a fork()ed copy of this process has no such thread
-            _spawner = threading.Thread(target=_spawn_forever, name="child-process spawner", daemon=True)
+        if _spawner is None:
+            _spawner = threading.Thread(target=_spawn_forever, args=(_spawns,), name="child-process spawner",
+                                        daemon=True)
             _spawner.start()
     future: Future = Future()
     _spawns.put((list(args), kwargs, future))
-    return future.result()
+    try:
+        return future.result()
+    except BaseException:  # interrupted while it started (Ctrl-C): nobody will own the child
+        future.add_done_callback(_kill_unowned)
+        raise
+
+
+_at_exit: dict[int, Callable[[], None]] = {}  # id(owner) -> how to stop it, for what is running at exit
+
+
+def stop_at_exit(owner: object, stop: Callable[[], None]) -> None:
+    """Run `stop` at interpreter exit unless `forget_at_exit(owner)` comes first: executors left open stop while this
+    process can still take their outputs (an engine process then exits with it, not after it into a closed pipe)
+    and before the interpreter finalizes (a step loop's daemon thread that takes the GIL back after a kernel is ended
+    by pthread_exit, whose unwinding through C++ frames aborts the process). Plain atexit, not
+    threading._register_atexit: that runs before non-daemon threads are joined, which may still be generating."""
+    _at_exit[id(owner)] = stop
+
+
+def forget_at_exit(owner: object) -> None:
+    _at_exit.pop(id(owner), None)
+
+
+@atexit.register
+def _stop_what_runs() -> None:
+    for stop in list(_at_exit.values()):
+        stop()
+
+
+def _forget_all() -> None:
+    """A fork()ed copy of this process owns none of its parent's executors: stopping them would end the parent's."""
+    _at_exit.clear()
+
+
+os.register_at_fork(after_in_child=lambda: (_new_spawner_state(), _forget_all()))
 
 
 def pid_alive(pid: int) -> bool:

@@ -8,7 +8,6 @@ iterators, and frees a cancelled request's blocks at once.
 
 from __future__ import annotations
 
-import atexit
 import functools
 import logging
 import os
@@ -22,7 +21,7 @@ from typing import Callable
 import torch
 
 from runtime.core.cuda_graphs import CudaGraphRunner
-from runtime.executors.lifetime import rss_bytes
+from runtime.executors.lifetime import forget_at_exit, rss_bytes, stop_at_exit
 from runtime.executors.ranks import RankFailure, RankGroup, RankOptions, drive
 from runtime.io.engine_format import ENGINE_JSON, BuildConfig, EngineManifest
 from runtime.io.loading import LoadedEngine, load_engine
@@ -38,27 +37,13 @@ from runtime.executors.base import ExecutorConfig
 from runtime.executors.errors import QueueFull
 from runtime.executors.requests import (BestOf, ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestStats,
                                        RequestTracker, check_callback)
-from runtime.core.sequence import PenaltyState, Sequence
+from runtime.core.sequence import LogitBias, PenaltyState, Sequence
 from runtime.io.tokenizer import Tokenizer
 from runtime.core.model_runner import ModelRunner
 
 __all__ = ["Executor", "ExecutorStats", "RequestHandle", "RequestOutput", "RequestStats"]
 
 log = logging.getLogger("runtime.executors.native")
-
-_live: set[Executor] = set()  # started and not shut down
-
-
-@atexit.register
-def _shutdown_live() -> None:
-    """Stop the step loops of executors left open, before the interpreter finalizes: a daemon thread that
-    then takes the GIL back (after a kernel or any torch op that released it) is ended by pthread_exit, whose
-    unwinding through C++ frames aborts the process ("terminate called without an active exception").
-    Plain atexit, not threading._register_atexit: that runs before non-daemon threads are joined, and
-    those may still be generating."""
-    for executor in list(_live):
-        executor.shutdown(timeout=None)
-
 
 class Executor:
     def __init__(self, engine: str | Path | LoadedEngine, config: ExecutorConfig = ExecutorConfig()):
@@ -73,7 +58,7 @@ class Executor:
             raise
         self._thread = threading.Thread(target=self._loop, name="executor", daemon=True)
         self._thread.start()
-        _live.add(self)
+        stop_at_exit(self, lambda: self.shutdown(timeout=None))  # left open: stopped before the interpreter ends
 
     def _load(self, path: Path) -> LoadedEngine:
         """The engine in this process, or its rank 0 with the other ranks started alongside (runtime.executors.ranks)."""
@@ -209,6 +194,7 @@ class Executor:
         size = params.num_sequences
         best_of = BestOf(params.n, size, params.logprobs is not None) if size > params.n else None
         group: list[tuple[Sequence, RequestTracker]] = []
+        bias = LogitBias.create(params.logit_bias, self.cache.tensor.device) if params.logit_bias else None
         for i in range(size):
             # best_of ranks by cumulative logprob; the leader alone computes prompt logprobs, which all report
             p = replace(params, logprobs=0) if best_of is not None and params.logprobs is None else params
@@ -220,7 +206,7 @@ class Executor:
                                           self.cache.tensor.device) if params.penalized else None
             seq = Sequence(rid if size == 1 else f"{rid}#{i}", list(prompt_token_ids), len(prompt_token_ids), p,
                            (seed + i) % SEED_MODULUS, in_thinking=self._thinking_after(prompt_token_ids),
-                           stop_ids=tracker.stop_ids, penalty=penalty,
+                           stop_ids=tracker.stop_ids, penalty=penalty, logit_bias=bias,
                            # never drafts (a single token comes from the prefill): keeps no MTP inputs, and reuses
                            # cached prompt blocks without their MTP rows (it recomputed the prompt for them)
                            mtp_dropped=params.num_draft_tokens == 0 or params.max_tokens == 1,
@@ -314,7 +300,7 @@ class Executor:
         if self.ranks is not None:  # a stop message only when no step is under way, else signals
             self.ranks.close(graceful=not self._thread.is_alive())
         if not self._thread.is_alive():
-            _live.discard(self)
+            forget_at_exit(self)
 
     def __enter__(self) -> "Executor":
         return self
@@ -341,7 +327,7 @@ class Executor:
             self._finish(rid, "error" if error else "cancelled", error=error)
         if self.ranks is not None:  # no call in flight now (shutdown closes them too, if the loop is slow to stop)
             self.ranks.close()
-        _live.discard(self)  # nothing left to stop at exit (also when shutdown() came from a callback)
+        forget_at_exit(self)  # nothing left to stop at exit (also when shutdown() came from a callback)
 
     def _step(self) -> None:
         if self.ranks is not None:

@@ -10,7 +10,6 @@ text and logprobs, so a long stream costs each output its own tokens on both sid
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import itertools
 import logging
@@ -32,7 +31,7 @@ from runtime.core.sampling import TokenLogprob
 from runtime.core.sampling_params import SamplingParams, check_request_form
 from runtime.executors.backends import create_executor
 from runtime.executors.base import ExecutorConfig, ExecutorProtocol
-from runtime.executors.lifetime import python_executable, spawn
+from runtime.executors.lifetime import forget_at_exit, python_executable, spawn, stop_at_exit
 from runtime.executors.requests import (ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestStats,
                                         check_callback, so_far)
 
@@ -125,17 +124,6 @@ def _delta_of(out: RequestOutput, first: bool) -> RequestOutput:
     return replace(out, token_ids=[], text="", logprobs=None, prompt_logprobs=out.prompt_logprobs if first else None)
 
 
-_live: set[ProcessExecutor] = set()  # started and not shut down
-
-
-@atexit.register
-def _shutdown_live() -> None:
-    """Stop the engine processes of executors left open while this process can still read what they send: their
-    requests end "cancelled" and the children exit with it, rather than after it, into a closed pipe."""
-    for executor in list(_live):
-        executor.shutdown()
-
-
 class ProcessExecutor:
     """An executor (native or TensorRT-LLM, as create_executor picks) run in a child process, behind the
     same interface. The child ends with this object's shutdown, at this process's exit, or with its death."""
@@ -172,20 +160,27 @@ class ProcessExecutor:
         self._closed = False
         self._reader = threading.Thread(target=self._read, name="engine-outputs", daemon=True)
         self._reader.start()
-        _live.add(self)
+        stop_at_exit(self, lambda: self.shutdown(timeout=5))  # left open: the engine stops while it can be read
 
     # -- the executor interface
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        check_request_form(prompt_token_ids, params)
+        self._check_here(prompt_token_ids, params)
         self._call("validate", list(prompt_token_ids), params)
+
+    @staticmethod
+    def _check_here(prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """What needs no engine, checked before the request is sent (it could fail to pickle instead, or be taken
+        there in a form the engine refuses in process); the engine checks the rest."""
+        check_request_form(prompt_token_ids, params)
+        params.validate()
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams,
                on_output: Callable[[RequestOutput], None] | None = None, request_id: str | None = None,
                bounded: bool = True) -> RequestHandle:
         """Queue a request; invalid parameters raise ValueError naming the parameter (from the engine's own
         validation). The handle is registered before the request leaves, so no output can arrive unclaimed."""
-        check_request_form(prompt_token_ids, params)
+        self._check_here(prompt_token_ids, params)
         check_callback(on_output)
         rid = self._ids.claim(request_id)
         handle = RequestHandle(rid, self, params.n, delivered_by=self._reader)
@@ -222,7 +217,7 @@ class ProcessExecutor:
         if self._closed:
             return
         self._closed = True
-        _live.discard(self)
+        forget_at_exit(self)
         with contextlib.suppress(RuntimeError):  # already gone
             self._post(("shutdown",))
         try:

@@ -141,7 +141,7 @@ class Session:
 
     def close(self) -> None:
         """Stop the executor (requests in flight end "cancelled"); a second call does nothing. A native
-        executor left open is stopped at interpreter exit (runtime.executors.native._shutdown_live)."""
+        executor left open is stopped at interpreter exit (runtime.executors.lifetime.stop_at_exit)."""
         self.executor.shutdown()
 
     def __enter__(self) -> "Session":

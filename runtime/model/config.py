@@ -54,7 +54,7 @@ def is_int(value: Any) -> bool:
 
 def is_bool(value: Any) -> bool:
     """Python and numpy bools."""
-    return isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ == "bool_")
+    return isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool_", "bool"))
 
 
 def is_number(value: Any) -> bool:

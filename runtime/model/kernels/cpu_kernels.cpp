@@ -954,7 +954,8 @@ void ban_refused(float* x, int64_t V, const int32_t* w, const std::vector<int64_
 
 // A float32 copy of logits [B * num_rows, V] with logit biases, penalties and bans applied: rows b * num_rows + r are
 // sequence b's output tokens num_output + first + r, each decided after drafts[b, :first + r]. First every row of
-// sequence b adds bias_values[b][i] to the logit of bias_tokens[b][i]. Penalized sequence penalized[i]
+// sequence b adds bias_values[b][i] (float32 [n]) to the logit of bias_tokens[b][i] (int64 [n]). Penalized sequence
+// penalized[i]
 // has output counts counts[i] [V] float32 (drafts not included), prompt flags in_prompt[i] [V] bool and
 // values[3i:3i+3] = (repetition, presence, frequency); a row counts the drafts before it on top. Then bad[b] is
 // banned (-inf) in every row of sequence b, stops[b] in its first stop_rows[b] rows. With grammar bitmask words
@@ -964,8 +965,8 @@ torch::Tensor adjust_logits(const torch::Tensor& logits, int64_t num_rows, int64
                             const std::vector<int64_t>& penalized, const std::vector<torch::Tensor>& counts,
                             const std::vector<torch::Tensor>& in_prompt, const std::vector<double>& values,
                             const std::vector<std::vector<int64_t>>& bad, const std::vector<std::vector<int64_t>>& stops,
-                            const std::vector<int64_t>& stop_rows, const std::vector<std::vector<int64_t>>& bias_tokens,
-                            const std::vector<std::vector<double>>& bias_values, const torch::Tensor& allowed) {
+                            const std::vector<int64_t>& stop_rows, const std::vector<torch::Tensor>& bias_tokens,
+                            const std::vector<torch::Tensor>& bias_values, const torch::Tensor& allowed) {
   check(logits.dim() == 2 && logits.scalar_type() == torch::kFloat && logits.is_contiguous(),
         "adjust_logits: logits must be contiguous float32 [rows, V]");
   const int64_t R = logits.size(0), V = logits.size(1), B = num_rows > 0 ? R / num_rows : 0;
@@ -988,12 +989,15 @@ torch::Tensor adjust_logits(const torch::Tensor& logits, int64_t num_rows, int64
   torch::Tensor out = logits.clone();
   float* y = out.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b) {
-    const auto& tokens = bias_tokens[b];
-    check(tokens.size() == bias_values[b].size(), "adjust_logits: one bias value per bias token");
-    for (size_t i = 0; i < tokens.size(); ++i) {
-      check(tokens[i] >= 0 && tokens[i] < V, "adjust_logits: bias token out of range");
-      const float v = static_cast<float>(bias_values[b][i]);
-      for (int64_t r = 0; r < num_rows; ++r) y[(b * num_rows + r) * V + tokens[i]] += v;
+    const torch::Tensor &tokens = bias_tokens[b], &biases = bias_values[b];
+    check(tokens.scalar_type() == torch::kLong && tokens.is_contiguous() && tokens.dim() == 1 &&
+              biases.scalar_type() == torch::kFloat && biases.is_contiguous() && biases.numel() == tokens.numel(),
+          "adjust_logits: bias tokens int64 [n] and one float32 bias each");
+    const int64_t* t = tokens.data_ptr<int64_t>();
+    const float* v = biases.data_ptr<float>();
+    for (int64_t i = 0; i < tokens.numel(); ++i) {
+      check(t[i] >= 0 && t[i] < V, "adjust_logits: bias token out of range");
+      for (int64_t r = 0; r < num_rows; ++r) y[(b * num_rows + r) * V + t[i]] += v[i];
     }
   }
   const int64_t* d = D ? drafts.data_ptr<int64_t>() : nullptr;
@@ -1062,8 +1066,7 @@ struct Adjustments {
   std::vector<double> values;
   std::vector<std::vector<int64_t>> bad, stops;
   std::vector<int64_t> stop_rows;
-  std::vector<std::vector<int64_t>> bias_tokens;
-  std::vector<std::vector<double>> bias_values;
+  std::vector<torch::Tensor> bias_tokens, bias_values;
 
   // adjust_logits of rows first .. first + num_rows - 1 of each sequence (its stop bans shifted to them)
   torch::Tensor apply(const torch::Tensor& logits, int64_t num_rows, int64_t first, const torch::Tensor& drafts) const {
@@ -1461,8 +1464,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init([](std::vector<int64_t> penalized, std::vector<torch::Tensor> counts,
                        std::vector<torch::Tensor> in_prompt, std::vector<double> values,
                        std::vector<std::vector<int64_t>> bad, std::vector<std::vector<int64_t>> stops,
-                       std::vector<int64_t> stop_rows, std::vector<std::vector<int64_t>> bias_tokens,
-                       std::vector<std::vector<double>> bias_values) {
+                       std::vector<int64_t> stop_rows, std::vector<torch::Tensor> bias_tokens,
+                       std::vector<torch::Tensor> bias_values) {
         return Adjustments{std::move(penalized), std::move(counts), std::move(in_prompt), std::move(values),
                            std::move(bad), std::move(stops), std::move(stop_rows), std::move(bias_tokens),
                            std::move(bias_values)};
