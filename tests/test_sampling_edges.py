@@ -395,7 +395,8 @@ def test_valid_edge_values_are_accepted(validation_executor) -> None:
     for kw in (dict(seed=0, temperature=1.0), dict(seed=2**63 - 1, temperature=1.0),
                dict(seed=np.uint64(2**63 - 1), temperature=1.0), dict(top_k=10**6, temperature=1.0, seed=1),
                dict(top_p=1.0, temperature=0.5, seed=2), dict(logprobs=0, prompt_logprobs=20),
-               dict(logprobs=20, logprobs_mode="processed_logprobs"), dict(repetition_penalty=0.01), dict(repetition_penalty=100),
+               dict(logprobs=20, logprobs_mode="processed_logprobs"), dict(repetition_penalty=0.01),
+               dict(repetition_penalty=100),
                dict(presence_penalty=-2, frequency_penalty=2), dict(min_tokens=3)):
         out = ex.submit(prompt, SamplingParams(max_tokens=3, ignore_eos=True, **kw)).result(30)
         assert out.finish_reason == "length" and len(out.token_ids) == 3
