@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 
 from runtime.core.sampling_params import PENALTY_LIMIT, SamplingParams, seed_from_client
-from serving.request_validation import (GUIDED_INPUTS, INT32_MAX, RequestError, Scalar, guided_decoding,
-                                        named_for_client, refuse_unsupported, texts)
+from serving.request_validation import INT32_MAX, RequestError, Scalar, named_for_client, refuse_unsupported, texts
+from serving.triton_contract import GUIDED_INPUTS, guided_decoding
 
 Inputs = dict[str, np.ndarray]  # a request's input tensors by name
 

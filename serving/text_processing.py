@@ -16,8 +16,8 @@ from typing import Callable
 import numpy as np
 
 from runtime.io.tokenizer import Tokenizer
-from serving.request_validation import (INT32_MAX, PREPROCESSING_INPUTS, UNSUPPORTED_TEXT_INPUTS, RequestError,
-                                        integer, refuse_unsupported, texts, token_ids)
+from serving.request_validation import INT32_MAX, RequestError, integer, refuse_unsupported, texts, token_ids
+from serving.triton_contract import PREPROCESSING_INPUTS, UNSUPPORTED_TEXT_INPUTS
 from serving.triton_parameters import boolean, integer as integer_parameter, model_path, parameter, sibling_config
 
 DEFAULT_MAX_INPUT_BYTES = 1 << 20  # when max_input_tokens is not set

@@ -486,7 +486,8 @@ def test_triton_guided_decoding_inputs() -> None:
     """TensorRT-LLM's guided_decoding_guide_type / guided_decoding_guide, read for both Triton flavours."""
     import numpy as np
 
-    from serving.request_validation import RequestError, guided_decoding
+    from serving.request_validation import RequestError
+    from serving.triton_contract import guided_decoding
 
     def read(kind: str | None, guide: str | None) -> GuidedDecodingParams | None:
         inputs = {name: np.array([value.encode()], object) for name, value in

@@ -35,8 +35,8 @@ from runtime.executors.session import Session  # noqa: E402
 from runtime.io.engine_format import read_limits  # noqa: E402
 from serving.llmapi_config import ModelYamlError, read_model_yaml  # noqa: E402
 from serving.model_repo import add_llmapi_model  # noqa: E402
-from serving.request_validation import (GUIDED_INPUTS, UNSUPPORTED_ENGINE_INPUTS, RequestError,  # noqa: E402
-                                        refuse_unsupported)
+from serving.request_validation import RequestError, refuse_unsupported  # noqa: E402
+from serving.triton_contract import GUIDED_INPUTS, UNSUPPORTED_ENGINE_INPUTS  # noqa: E402
 from serving.triton_parameters import TritonConfig  # noqa: E402
 from runtime.executors.base import ExecutorConfig  # noqa: E402
 from test_triton import DTYPES, Streamed, grpc_inputs, http_generate, metric, metrics, wait_for  # noqa: E402

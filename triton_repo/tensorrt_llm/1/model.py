@@ -19,7 +19,8 @@ from runtime.executors.requests import RequestOutput
 from serving.engine_limits import EngineLimits, publish, withdraw
 from serving.engine_parameters import engine_parameters
 from serving.legacy_request import INPUT_NAMES, engine_request, scalar
-from serving.request_validation import RequestError, client_named, no_unknown_parameters
+from serving.request_validation import RequestError, no_unknown_parameters
+from serving.triton_contract import client_named
 from serving.triton_engine import Chunk, EngineModel, Stream
 from serving.triton_parameters import model_path
 

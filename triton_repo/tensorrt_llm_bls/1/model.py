@@ -25,8 +25,8 @@ from runtime.executors.errors import QueueFull
 from serving.engine_limits import PublishedLimits
 from serving.legacy_request import bls_values, check_engine_request, engine_request
 from serving.perf_metrics import PERF_OUTPUTS
-from serving.request_validation import (ENGINE_INPUTS, PREPROCESSED, PREPROCESSING_INPUTS, RequestError,
-                                        no_unknown_parameters)
+from serving.request_validation import RequestError, no_unknown_parameters
+from serving.triton_contract import ENGINE_INPUTS, PREPROCESSED, PREPROCESSING_INPUTS
 from serving.text_processing import bls_settings
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
