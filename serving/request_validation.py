@@ -47,11 +47,13 @@ def integer(values: np.ndarray, name: str, low: int, high: int) -> int:
 
 
 def real(values: np.ndarray, name: str, low: float = -math.inf, high: float = math.inf) -> float:
-    """One finite real in [low, high] (NaN and infinities are refused: NaN compares false with every bound)."""
+    """One finite real in [low, high] (NaN and infinities are refused: NaN compares false with every bound). A FP32
+    value is read as the shortest decimal that is that float32 (0.01, not 0.009999999776482582): the number the client
+    wrote, so a bound it meets in decimal is met here too."""
     value = one_value(values, name)
     if not (np.issubdtype(values.dtype, np.floating) or np.issubdtype(values.dtype, np.integer)):
         raise RequestError(f"{name}: expected a number, got {values.dtype} {value!r}")
-    value = float(value)
+    value = float(str(value)) if values.dtype in (np.float32, np.float16) else float(value)
     if not (math.isfinite(value) and low <= value <= high):
         raise RequestError(f"{name} must be a finite number{bounds_text(low, high)}, got {value}")
     return value

@@ -783,3 +783,19 @@ def test_kv_cache_retention_inputs_are_refused_for_what_they_ask() -> None:
         refuse_unsupported({"retention_decode_priority": np.array([[50]], np.int32)}, UNSUPPORTED_ENGINE_INPUTS)
     assert str(e.value) == ("retention_decode_priority is not supported by this runtime (KV cache retention "
                             "priorities: its prefix cache evicts the least recently used blocks); supported: not given")
+
+
+def test_fp32_inputs_are_read_as_the_decimal_the_client_wrote() -> None:
+    """A FP32 input is the shortest decimal that float32 is: 0.01 as 0.01, which repetition_penalty's documented
+    range [0.01, 100] takes (it was read as 0.009999999776482582 and refused, on every legacy model)."""
+    import numpy as np
+
+    from serving.triton_contract import TENSORRT_LLM_SCALARS
+
+    read = TENSORRT_LLM_SCALARS["repetition_penalty"].read
+    assert read(np.array([[0.01]], np.float32), "repetition_penalty") == 0.01
+    assert read(np.array([[100]], np.float32), "repetition_penalty") == 100
+    with pytest.raises(RequestError) as e:
+        read(np.array([[0.0099]], np.float32), "repetition_penalty")
+    assert str(e.value) == "repetition_penalty must be a finite number in [0.01, 100.0], got 0.0099"
+    assert TENSORRT_LLM_SCALARS["temperature"].read(np.array([[0.7]], np.float32), "temperature") == 0.7
