@@ -355,6 +355,12 @@ def test_numpy_integers_are_accepted(session, reference) -> None:
             ExecutorConfig(**{name: True})
 
 
+def test_a_path_that_is_no_path_is_refused() -> None:
+    with pytest.raises(ValueError) as e:  # TypeError: expected str, bytes or os.PathLike object
+        Session(None)
+    assert str(e.value) == "path must be a checkpoint or engine directory, got None"
+
+
 def test_a_checkpoint_runs_in_one_process(spec_checkpoint) -> None:
     """world_size 2 on a plain checkpoint (one rank) ran silently in one process."""
     with pytest.raises(ValueError) as e:

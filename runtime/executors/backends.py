@@ -3,6 +3,7 @@ executor; and what creating it would refuse, checked before a weight loads (`che
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,8 @@ def check_settings(path: str | Path, config: ExecutorConfig) -> None:
 
 def create_executor(path: str | Path, config: ExecutorConfig = ExecutorConfig(), **kwargs: Any) -> ExecutorProtocol:
     """TensorRT-LLM for an engine built with --backend trtllm, else the native executor."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"path must be a checkpoint or engine directory, got {path!r:.80}")
     if engine_backend(path) == "trtllm":
         return TrtllmExecutor(path, config, **kwargs)
     return Executor(path, config)
