@@ -546,9 +546,13 @@ def test_cost_benchmark_smoke_run(tmp_path, monkeypatch) -> None:
     assert set(res) == {"k0_c2", "k2_c2"}
     for r in res.values():
         assert r["logprobs_keep_tokens"] and r["off"]["tpot_over_off"] == 1.0
-        assert set(r) >= {"off", "logprobs", "penalties", "both"}
+        assert set(r) >= {"off", "logprobs", "penalties", "both", "logit_bias"}
     assert res["k2_c2"]["off"]["acceptance_rate"] > 0
     assert "| k | concurrency | setting |" in (tmp_path / "sampling_features_quick.md").read_text()
+    monkeypatch.setattr("sys.argv", ["sampling_features", "--quick", "--ks", "0", "--concurrency", "1", "--settings",
+                                     "off,logit_bias", "--name", "bias", "--out_dir", str(tmp_path)])
+    bench.main()
+    assert set(json.loads((tmp_path / "bias_quick.json").read_text())["results"]["k0_c1"]) == {"off", "logit_bias"}
 
 
 def test_penalized_drafts_benchmark_smoke_run(tmp_path, monkeypatch) -> None:
