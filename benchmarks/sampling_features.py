@@ -35,6 +35,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "both": dict(logprobs=5, repetition_penalty=1.1, presence_penalty=0.3, frequency_penalty=0.3),
     "logit_bias": dict(logit_bias=dict.fromkeys(range(100, 164), -2.0)),
 }
+SETTING_TEXT = {"logprobs": "top-5", "penalties": str(SETTINGS["penalties"]), "both": "logprobs and penalties",
+                "logit_bias": "-2 on tokens 100..163"}
 TARGET_RATIO = 1.10  # the cost target: TPOT with a feature on at most 1.10x off
 
 
@@ -107,8 +109,9 @@ def main() -> None:
     md = [f"# Cost of {', '.join(n for n in settings if n != 'off')} under MTP"
           f"{' (quick smoke run)' if args.quick else ''}", "",
           f"Shipped model, greedy, {args.max_tokens} new tokens, prompts cut at 64 tokens, {args.rounds} rounds per "
-          f"setting (order reversed every other round). `penalties`: {SETTINGS['penalties']}; `logprobs`: top-5; "
-          f"`logit_bias`: -2 on tokens 100..163. Target: TPOT with a feature on <= {TARGET_RATIO}x off.", "",
+          f"setting (order reversed every other round). "
+          + "; ".join(f"`{n}`: {SETTING_TEXT[n]}" for n in settings if n != "off")
+          + f". Target: TPOT with a feature on <= {TARGET_RATIO}x off.", "",
           "Penalties and a bias change the text, and with it the acceptance: 'step x off' (TPOT x tokens per step, "
           "over off's) is the cost of a step alone.", "",
           md_table(["k", "concurrency", "setting", "TPOT ms", "x off", "acceptance", "tokens/step", "step x off"], rows, 3),
