@@ -851,12 +851,14 @@ def test_slow_chat_templates_do_not_hold_health(shipped_model_dir: Path, tmp_pat
     try:
         done: list[float] = []
 
-        def chat() -> None:
-            server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        def chat(i: int) -> None:  # chat completions, and /tokenize, which renders messages the same way
+            messages = [{"role": "user", "content": "hi"}]
+            server.post("/v1/chat/completions", {"messages": messages, "max_tokens": 2}) if i % 2 else \
+                server.post("/tokenize", {"messages": messages})
             done.append(time.monotonic())
 
         with ThreadPoolExecutor(renders) as pool:
-            pending = [pool.submit(chat) for _ in range(renders)]
+            pending = [pool.submit(chat, i) for i in range(renders)]
             time.sleep(0.5)
             assert urllib.request.urlopen(server.base + "/health", timeout=120).status == 200
             health = time.monotonic()

@@ -348,8 +348,11 @@ def test_numpy_integers_are_accepted(session, reference) -> None:
 
     [r] = session.generate(PROMPT, SamplingParams(max_tokens=np.int64(5), top_k=np.int32(0), ignore_eos=np.bool_(True)))
     assert r.token_ids == reference[0].token_ids[:5]
-    assert ExecutorConfig(num_draft_tokens=np.int64(3), max_batch_size=np.int64(4), free_memory_fraction=np.float32(0.5),
-                          world_size=np.int64(1), enable_block_reuse=np.bool_(False)).max_batch_size == 4
+    config = ExecutorConfig(num_draft_tokens=np.int64(3), max_batch_size=np.int64(4),
+                            free_memory_fraction=np.float32(0.5), world_size=np.int64(1),
+                            enable_block_reuse=np.bool_(False))
+    assert (type(config.max_batch_size), type(config.free_memory_fraction), type(config.enable_block_reuse)) == \
+        (int, float, bool) and config.max_batch_size == 4  # Python's: a config is pickled and compared
     for name in ("world_size", "free_memory_fraction"):  # bools are no numbers there (True ran as 1)
         with pytest.raises(ValueError, match=f"^{name} must be .*, got True$"):
             ExecutorConfig(**{name: True})

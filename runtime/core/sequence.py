@@ -102,6 +102,10 @@ class Sequence:
     # n / best_of: the first sequence of the request, for the others (they wait for its prompt blocks, Scheduler)
     leader: Sequence | None = None
 
+    def __post_init__(self) -> None:
+        if (self.logit_bias is None) != (self.params.logit_bias is None):  # plain_argmax reads the params'
+            raise ValueError("a sequence's logit_bias is its params' (LogitBias.create of params.logit_bias)")
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)

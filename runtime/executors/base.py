@@ -66,11 +66,12 @@ class ExecutorConfig:
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if not is_bool(self.enable_block_reuse):
-            raise ValueError(f"enable_block_reuse must be true or false, got {self.enable_block_reuse!r}")
+        for name in ("enable_block_reuse", "cpu_kernels", "cuda_graphs"):
+            if not is_bool(getattr(self, name)):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not (is_number(self.free_memory_fraction) and 0 < self.free_memory_fraction <= 1):
             raise ValueError(f"free_memory_fraction must be in (0, 1], got {self.free_memory_fraction!r}")
-        if self.fp8_weights not in (None, True, False):
+        if self.fp8_weights is not None and not is_bool(self.fp8_weights):
             raise ValueError(f"fp8_weights must be true, false or unset, got {self.fp8_weights!r}")
         try:
             device = torch.device(self.device) if isinstance(self.device, str) else None
@@ -86,7 +87,9 @@ class ExecutorConfig:
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))
         object.__setattr__(self, "free_memory_fraction", float(self.free_memory_fraction))
-        object.__setattr__(self, "enable_block_reuse", bool(self.enable_block_reuse))
+        for name in ("enable_block_reuse", "cpu_kernels", "cuda_graphs", "fp8_weights"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, bool(getattr(self, name)))
 
     def ranks(self, build: BuildConfig, source: str) -> int:
         """How many processes serve an engine of `build`: world_size, or its tp_size by default; ValueError

@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import logging
 import os
 import queue
 import re
@@ -19,6 +20,8 @@ import threading
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable, Sequence
+
+log = logging.getLogger("runtime.executors.lifetime")
 
 PR_SET_PDEATHSIG = 1
 # the most torch threads a server's process may be given: more cores than any host this runs on (OpenMP aborts
@@ -92,7 +95,7 @@ def spawn(args: Sequence[str | Path], **kwargs: Any) -> subprocess.Popen:
         raise
 
 
-_at_exit: dict[int, Callable[[], None]] = {}  # id(owner) -> how to stop it, for what is running at exit
+_at_exit: dict[int, tuple[object, Callable[[], None]]] = {}  # id(owner) -> (owner, how to stop it), kept till exit
 
 
 def stop_at_exit(owner: object, stop: Callable[[], None]) -> None:
@@ -101,7 +104,7 @@ def stop_at_exit(owner: object, stop: Callable[[], None]) -> None:
     and before the interpreter finalizes (a step loop's daemon thread that takes the GIL back after a kernel is ended
     by pthread_exit, whose unwinding through C++ frames aborts the process). Plain atexit, not
     threading._register_atexit: that runs before non-daemon threads are joined, which may still be generating."""
-    _at_exit[id(owner)] = stop
+    _at_exit[id(owner)] = owner, stop
 
 
 def forget_at_exit(owner: object) -> None:
@@ -110,8 +113,11 @@ def forget_at_exit(owner: object) -> None:
 
 @atexit.register
 def _stop_what_runs() -> None:
-    for stop in list(_at_exit.values()):
-        stop()
+    for _, stop in list(_at_exit.values()):
+        try:
+            stop()
+        except Exception:  # one that fails to stop must not leave the others running into finalization
+            log.exception("stopping %r at exit failed", stop)
 
 
 def _forget_all() -> None:

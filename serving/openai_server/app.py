@@ -302,8 +302,12 @@ class OpenAIServer:
         """vLLM's /tokenize response: the ids, their count, the context length, and the tokens' strings if asked."""
         body = await self._body(request)
         self._check_model(body)
+        answer = await asyncio.to_thread(self._tokenized, body)  # templates and tokenizing: off the event loop
+        log.info("tokenize: %d tokens", answer["count"])
+        return answer
+
+    def _tokenized(self, body: Any) -> dict[str, Any]:
         ids, strings = protocol.tokenize_request(body, self.tokenizer, self.max_text_bytes)
-        log.info("tokenize: %d tokens", len(ids))
         return {"count": len(ids), "max_model_len": self.max_seq_len, "tokens": ids,
                 "token_strs": self.tokenizer.token_strings(ids) if strings else None}
 
@@ -313,7 +317,7 @@ class OpenAIServer:
         self._check_model(body)
         ids = protocol.detokenize_request(body, self.tokenizer)
         log.info("detokenize: %d tokens", len(ids))
-        return {"prompt": self.tokenizer.decode(ids, skip_special_tokens=False)}
+        return {"prompt": await asyncio.to_thread(self.tokenizer.decode, ids, skip_special_tokens=False)}
 
     def model_card(self) -> dict[str, Any]:
         return {"id": self.model, "object": "model", "created": self.created, "owned_by": "dsv3-mtp",
@@ -348,7 +352,7 @@ def api_key_problem(api_key: str) -> str | None:
 
 def key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
     """A dependency refusing requests without `Authorization: Bearer <api_key>` (OpenAI's 401), as `vllm serve
-    --api-key` guards /v1; None lets every request in."""
+    --api-key` guards /v1 (here /tokenize and /detokenize too); None lets every request in."""
     expected = f"Bearer {api_key}".encode("latin-1") if api_key else None
 
     async def check(request: Request) -> None:
@@ -361,7 +365,8 @@ def key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
 
 
 def create_app(executor: ExecutorProtocol, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The app; with `api_key` the /v1 routes need it (/health and /metrics stay open, as vLLM's)."""
+    """The app; with `api_key` the /v1 routes, /tokenize and /detokenize need it (/health and /metrics stay open, as
+    vLLM's)."""
     server = OpenAIServer(executor, model_name)
     app = FastAPI(title="dsv3-serve", docs_url=None, redoc_url=None, openapi_url=None)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(key_check(api_key))])  # and /tokenize, /detokenize

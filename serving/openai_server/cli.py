@@ -57,8 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--api_key", default=os.environ.get("DSV3_API_KEY"),
-                   help="require `Authorization: Bearer API_KEY` on /v1 (default: $DSV3_API_KEY, which keeps the key "
-                        "off the process list; neither: no key)")
+                   help="require `Authorization: Bearer API_KEY` on /v1, /tokenize and /detokenize (default: "
+                        "$DSV3_API_KEY, which keeps the key off the process list; neither: no key)")
     p.add_argument("--served_model_name", help="the model's name in the API (default: the directory's name)")
     p.add_argument("--num_draft_tokens", type=int, help="MTP draft length (default: 3 where the model has an "
                    "MTP layer, at most the engine's max_draft_len; 0: plain decoding)")

@@ -36,7 +36,7 @@ def start_dsv3_serve(model: str | Path, *flags: str, log: Path | None = None, ti
     [port] = free_ports(1)
     with open(log, "w") if log is not None else contextlib.nullcontext() as out:
         process = spawn([Path(sys.executable).with_name("dsv3-serve"), str(model), "--port", str(port), *flags],
-                        stdout=out, stderr=subprocess.STDOUT if out is not None else None)  # none left by a killed caller
+                        stdout=out, stderr=subprocess.STDOUT if out is not None else None)  # a killed caller leaves none
     server = ServeProcess(process, port)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -203,7 +203,8 @@ def _logit_bias(body: dict) -> dict[int, Any] | None:
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise APIError(f"logit_bias must be an object mapping token ids to numbers, got {str(value)[:120]}", "logit_bias")
+        raise APIError(f"logit_bias must be an object mapping token ids to numbers, got {str(value)[:120]}",
+                       "logit_bias")
     bad = [key for key in value if not re.fullmatch(r"[0-9]{1,10}", key)]
     if bad:
         raise APIError(f"logit_bias keys must be token ids (non-negative integers), got {bad[0][:40]!r}", "logit_bias")

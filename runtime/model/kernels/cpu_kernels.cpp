@@ -990,9 +990,10 @@ torch::Tensor adjust_logits(const torch::Tensor& logits, int64_t num_rows, int64
   float* y = out.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b) {
     const torch::Tensor &tokens = bias_tokens[b], &biases = bias_values[b];
-    check(tokens.scalar_type() == torch::kLong && tokens.is_contiguous() && tokens.dim() == 1 &&
-              biases.scalar_type() == torch::kFloat && biases.is_contiguous() && biases.numel() == tokens.numel(),
-          "adjust_logits: bias tokens int64 [n] and one float32 bias each");
+    check(tokens.device().is_cpu() && biases.device().is_cpu() && tokens.scalar_type() == torch::kLong &&
+              tokens.is_contiguous() && tokens.dim() == 1 && biases.scalar_type() == torch::kFloat &&
+              biases.is_contiguous() && biases.numel() == tokens.numel(),
+          "adjust_logits: bias tokens int64 [n] and one float32 bias each, on the CPU");
     const int64_t* t = tokens.data_ptr<int64_t>();
     const float* v = biases.data_ptr<float>();
     for (int64_t i = 0; i < tokens.numel(); ++i) {
