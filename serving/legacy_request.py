@@ -75,11 +75,11 @@ def logit_bias(inputs: Inputs, vocab_size: int) -> dict[int, float] | None:
         raise RequestError(f"{name} must hold one bias per vocabulary token, at most {vocab_size}; got shape "
                            f"{list(arr.shape)}")
     tokens = np.flatnonzero(values)
-    far = [t for t in tokens.tolist() if not abs(values[t]) <= LOGIT_BIAS_LIMIT]  # NaN too
-    if far:
+    far = tokens[~(np.abs(values[tokens]) <= LOGIT_BIAS_LIMIT)]  # NaN too
+    if far.size:
         raise RequestError(f"{name}: token {far[0]}'s bias is {values[far[0]]}; this runtime takes biases in "
                            f"[{-LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
-    return {int(t): float(values[t]) for t in tokens}
+    return dict(zip(tokens.tolist(), values[tokens].astype(float).tolist()))
 
 
 def engine_request(inputs: Inputs, tokenizer: Tokenizer, vocab_size: int,

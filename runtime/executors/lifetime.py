@@ -69,12 +69,6 @@ def _kill_unowned(future: Future) -> None:
         future.result().kill()
 
 
-def _new_spawner_state() -> None:
-    """A fork()ed copy of this process starts with no spawner: not the parent's requests, nor its lock held."""
-    global _spawns, _spawner, _spawner_lock
-    _spawns, _spawner, _spawner_lock = queue.SimpleQueue(), None, threading.Lock()
-
-
 def spawn(args: Sequence[str | Path], **kwargs: Any) -> subprocess.Popen:
     """`subprocess.Popen(args, **kwargs)` for a child that gets SIGTERM when this process dies, even by SIGKILL, so
     that nothing it started keeps running, holding memory or ports. The signal (PR_SET_PDEATHSIG) comes when the
@@ -120,12 +114,15 @@ def _stop_what_runs() -> None:
             log.exception("stopping %r at exit failed", stop)
 
 
-def _forget_all() -> None:
-    """A fork()ed copy of this process owns none of its parent's executors: stopping them would end the parent's."""
+def _after_fork_in_child() -> None:
+    """A fork()ed copy of this process starts with no spawner (not the parent's requests, nor its lock held) and owns
+    none of its parent's executors (stopping them at its exit would end the parent's)."""
+    global _spawns, _spawner, _spawner_lock
+    _spawns, _spawner, _spawner_lock = queue.SimpleQueue(), None, threading.Lock()
     _at_exit.clear()
 
 
-os.register_at_fork(after_in_child=lambda: (_new_spawner_state(), _forget_all()))
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def pid_alive(pid: int) -> bool:

@@ -369,7 +369,8 @@ def create_app(executor: ExecutorProtocol, model_name: str, api_key: str | None 
     vLLM's)."""
     server = OpenAIServer(executor, model_name)
     app = FastAPI(title="dsv3-serve", docs_url=None, redoc_url=None, openapi_url=None)
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(key_check(api_key))])  # and /tokenize, /detokenize
+    guarded = [Depends(key_check(api_key))]  # /v1, /tokenize and /detokenize
+    v1 = APIRouter(prefix="/v1", dependencies=guarded)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
@@ -406,8 +407,6 @@ def create_app(executor: ExecutorProtocol, model_name: str, api_key: str | None 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Any:
         return await server.generate(request, protocol.chat_request, chat=True)
-
-    guarded = [Depends(key_check(api_key))]
 
     @app.post("/tokenize", dependencies=guarded)
     async def tokenize(request: Request) -> dict[str, Any]:

@@ -287,11 +287,11 @@ def greedy_step(target: object, mtp: object | None, ids: Tensor, hidden: Tensor,
     at positions num_cached[b] .., greedy acceptance. A sequence with no drafts is plain decoding; where none drafts,
     no MTP module is needed (`mtp` may be None; ids, hidden and num_mtp are not read). With `adjustments` (logit
     biases, penalties and bans in `adjust_logits`' layout: sampling.Adjustments.kernel_args, stop bans counted from the
-    first draft's row) every draft and verified row is the argmax of its adjusted logits. With `logprobs` (per sequence: top-n, -1
-    for none; whether processed, i.e. of the adjusted logits), the emitted tokens' logprobs too, as `token_logprobs`
-    of the rows that decided them. Returns the emitted tokens of each sequence, the target's hidden states after the
-    final norm (num_drafts[b] + 1 rows per sequence, in order) and the logprob rows (`sampling.read_token_logprobs`;
-    [0, 3] without `logprobs`)."""
+    first draft's row) every draft and verified row is the argmax of its adjusted logits. With `logprobs` (per
+    sequence: top-n, -1 for none; whether processed, i.e. of the adjusted logits), the emitted tokens' logprobs too, as
+    `token_logprobs` of the rows that decided them. Returns the emitted tokens of each sequence, the target's hidden
+    states after the final norm (num_drafts[b] + 1 rows per sequence, in order) and the logprob rows
+    (`sampling.read_token_logprobs`; [0, 3] without `logprobs`)."""
     ext = cpu_kernels()
     adjust = None if adjustments is None else ext.Adjustments(*adjustments)
     top_n, processed = logprobs if logprobs is not None else ([], [])

@@ -955,8 +955,7 @@ void ban_refused(float* x, int64_t V, const int32_t* w, const std::vector<int64_
 // A float32 copy of logits [B * num_rows, V] with logit biases, penalties and bans applied: rows b * num_rows + r are
 // sequence b's output tokens num_output + first + r, each decided after drafts[b, :first + r]. First every row of
 // sequence b adds bias_values[b][i] (float32 [n]) to the logit of bias_tokens[b][i] (int64 [n]). Penalized sequence
-// penalized[i]
-// has output counts counts[i] [V] float32 (drafts not included), prompt flags in_prompt[i] [V] bool and
+// penalized[i] has output counts counts[i] [V] float32 (drafts not included), prompt flags in_prompt[i] [V] bool and
 // values[3i:3i+3] = (repetition, presence, frequency); a row counts the drafts before it on top. Then bad[b] is
 // banned (-inf) in every row of sequence b, stops[b] in its first stop_rows[b] rows. With grammar bitmask words
 // allowed [rows, >= ceil(V / 32)] int32 (empty: none), a row also bans what its words refuse (bit t % 32 of word
