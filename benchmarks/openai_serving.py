@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import importlib.metadata
 import json
 import sys
 import time
@@ -55,6 +56,18 @@ def server_request(port: int, model: str, prompt: str, max_tokens: int) -> tuple
     finally:
         conn.close()
     return request_ttft_tpot(sent, first, last, max_tokens)
+
+
+def uvicorn_stack() -> str:
+    """What the server's uvicorn runs on ("auto": uvloop and httptools where installed, else asyncio and h11)."""
+    def version(name: str) -> str | None:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+    loop = f"uvloop {version('uvloop')}" if version("uvloop") else "asyncio"
+    http = f"httptools {version('httptools')}" if version("httptools") else "h11"
+    return f"uvicorn {version('uvicorn')}, {loop}, {http}"
 
 
 def main() -> int:
@@ -115,7 +128,7 @@ def main() -> int:
         targets.append(target_line(f"{mode}: Session TPOT / server TPOT at concurrency 1 (server <= {GOAL}x Session)",
                                    ratio(s["session"]["tpot_s"], s["server"]["tpot_s"]), round(1 / GOAL, 3)))
     plot(summary, args.out_dir / f"{args.name}.png")
-    info = machine_info()
+    info = {**machine_info(), "uvicorn": uvicorn_stack()}
     md = "\n\n".join([
         "# OpenAI server (dsv3-serve) vs Session at concurrency 1",
         f"{args.max_tokens} tokens per request (eos ignored), {args.requests} requests x {args.rounds} rounds per "
