@@ -187,8 +187,14 @@ def run(args: argparse.Namespace) -> None:
                          "config.json declares MTP layers (as transformers' save_pretrained leaves a fine-tuned "
                          "model), so there is nothing to draft with; build with --max_draft_len 0")
     build = build_config(args, cfg, dtype=default_dtype(args.backend), tp_size=1, ep_size=1,
-                         quant_algo=released_quant_algo(hf_ckpt.quantized))
+                         quant_algo=released_quant_algo(hf_ckpt.stored_fp8))
     open_hf_checkpoint(args.model_dir, build)
+    if args.quant_algo is None and build.quant_algo is not None and args.backend == "native" and hf_ckpt.wide_weights:
+        wide = hf_ckpt.wide_weights
+        print(f"build_engine: {len(wide)} weight(s) of {args.model_dir} stored wider than FP8 ({', '.join(wide[:3])}"
+              f"{', ...' if len(wide) > 3 else ''}) are quantized to FP8 blocks, as an FP8 engine stores every linear "
+              f"weight (the session on the checkpoint reads them as stored); --quant_algo {NO_QUANT} keeps every "
+              "weight unquantized", file=sys.stderr)
     tokenizer_dir = args.tokenizer_dir or args.model_dir
     check_tokenizer(tokenizer_dir)
     if args.backend == "trtllm":

@@ -5,6 +5,7 @@ and the files of --backend trtllm."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -16,6 +17,7 @@ import pytest
 import torch
 import yaml
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from safetensors.torch import load_file, save_file
 
 import builder.convert as convert
@@ -31,7 +33,7 @@ from builder.native_engine import TrtllmCheckpoint, build_engine, model_config_f
 from conftest import tiny_config_dict, write_tiny_checkpoint
 from runtime.io.checkpoint import HFCheckpoint
 from runtime.model.config import ModelConfig
-from runtime.io.engine_format import BuildConfig, EngineError
+from runtime.io.engine_format import BuildConfig, EngineError, checkpoint_limits
 from runtime.io.loading import load_engine
 from runtime.model.fp8 import FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8
 
@@ -742,3 +744,50 @@ def test_limits_the_memory_cannot_hold_are_named_at_build(hf, tmp_path, capsys):
     assert notes[0].endswith("GiB; the engine will not load here")
     weights = float(notes[0].split("weights (")[1].split(" GiB")[0])
     assert 600 < weights < 700  # DeepSeek-V3's 671B parameters, mostly FP8, plus its MTP layer
+
+
+RELEASE_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                        "weight_block_size": [128, 128]}
+
+
+def test_a_bf16_copy_with_the_releases_fp8_config_is_built_as_stored(hf, tmp_path, caplog):
+    """A BF16 copy of an FP8 release that kept the release's config.json (DeepSeek's fp8_cast_bf16.py output): the
+    session read the weights as stored and build_engine quantized them to FP8 without a word. Both read them as
+    stored now, and say why."""
+    src = tmp_path / "bf16"
+    shutil.copytree(hf, src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "quantization_config": RELEASE_QUANTIZATION}))
+    with caplog.at_level(logging.WARNING, logger="runtime.io.checkpoint"):
+        assert checkpoint_limits(HFCheckpoint(src)).quant_algo is None  # what a session on the directory serves
+    assert f"{src / 'config.json'}: field 'quantization_config' declares FP8 weights but the files store none" in (
+        caplog.text)
+    assert cli("--model_dir", src, "--output_dir", tmp_path / "engine", "--max_seq_len", 256) == 0
+    assert load_engine(tmp_path / "engine").build.quant_algo is None
+    (want, want_mtp), (got, got_mtp) = outputs(hf), outputs(tmp_path / "engine")
+    assert (got - want).abs().max() <= 1e-5 and (got_mtp - want_mtp).abs().max() <= 1e-5
+
+
+def test_wide_weights_of_an_fp8_checkpoint_are_named_when_the_engine_quantizes_them(hf_fp8, tmp_path, capsys):
+    """An FP8 checkpoint keeping one linear weight wide (as `modules_to_not_convert` lists it): an FP8 engine stores
+    every linear weight in FP8 blocks, so build_engine says which ones it quantized."""
+    src = tmp_path / "mixed"
+    shutil.copytree(hf_fp8, src)
+    ckpt = HFCheckpoint(src)
+    name = "model.layers.0.self_attn.q_a_proj.weight"
+    wide = ckpt.get(name)
+    shard = src / ckpt.weight_map[name]
+    tensors = load_file(shard)
+    tensors[name] = wide
+    del tensors[name + "_scale_inv"]
+    save_file(tensors, shard)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    del index["weight_map"][name + "_scale_inv"]
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert HFCheckpoint(src).wide_weights == [name]
+    capsys.readouterr()
+    assert cli("--model_dir", src, "--output_dir", tmp_path / "engine", "--max_seq_len", 256) == 0
+    assert (f"build_engine: 1 weight(s) of {src} stored wider than FP8 ({name}) are quantized to FP8 blocks, as an "
+            "FP8 engine stores every linear weight (the session on the checkpoint reads them as stored); --quant_algo "
+            "NO_QUANT keeps every weight unquantized") in capsys.readouterr().err
+    assert load_engine(tmp_path / "engine").build.quant_algo == "FP8_BLOCK_SCALES"

@@ -575,6 +575,28 @@ def test_configs_as_transformers_saves_them(saved_by):
     assert saved.rope_scaling is not None and saved.rope_scaling.factor == 4.0
 
 
+def test_a_field_left_out_means_what_it_means_to_transformers():
+    """A config.json without a field is the model transformers (and vLLM, which reads configs through it) makes of
+    it: routed_scaling_factor left out was read as 1.0 here and 2.5 there, and the logits differed with no error."""
+    from transformers import DeepseekV3Config
+    full = json.loads((HF_CONFIGS / "source.json").read_text())
+    skip = {"rope_scaling", "architectures", "torch_dtype", "quantization_config", "extra",  # tested apart
+            "model_type",  # required here (test_error_model_type)
+            "num_key_value_heads"}  # MLA has no KV heads: the math never reads it
+    checked, differ = [], {}
+    for f in dataclasses.fields(ModelConfig):
+        raw = {k: v for k, v in full.items() if k != f.name}
+        reference = DeepseekV3Config(**raw)
+        if f.default is dataclasses.MISSING or f.name in skip or not hasattr(reference, f.name):
+            continue
+        checked.append(f.name)
+        ours = getattr(ModelConfig.from_dict(raw), f.name)
+        if ours != getattr(reference, f.name):
+            differ[f.name] = (ours, getattr(reference, f.name))
+    assert "routed_scaling_factor" in checked and "first_k_dense_replace" in checked
+    assert differ == {}
+
+
 def test_transformers_5_yarn_without_rope_scaling_key(tiny_cfg):
     """transformers 5 may write `rope_scaling: null` next to `rope_parameters`: YaRN still applies."""
     raw = tiny_cfg(rope_scaling=None, rope_parameters={**TINY_ROPE, "rope_type": "yarn", "rope_theta": 10000.0})
@@ -588,6 +610,23 @@ def test_unknown_config_field_is_named_in_a_warning(tiny_cfg, caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "c.json: field(s) sliding_window not read by this runtime; if they change the model's math, its output "
         "will be wrong"]
+
+
+def test_quantization_config_keys_not_read_are_named_in_a_warning(tiny_cfg, caplog):
+    """Inside quantization_config too (they were dropped without a word); DeepSeek-V3.1's `scale_fmt: ue8m0` and
+    `modules_to_not_convert` change nothing here and pass quietly, another scale_fmt is refused."""
+    release = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    with caplog.at_level(logging.WARNING, logger="runtime.model.config"):
+        ModelConfig.from_dict(tiny_cfg(quantization_config={**release, "scale_fmt": "ue8m0",
+                                                            "modules_to_not_convert": ["lm_head"]}), source="c.json")
+        assert caplog.records == []
+        ModelConfig.from_dict(tiny_cfg(quantization_config={**release, "ignored_layers": ["x"]}), source="c.json")
+    assert [r.getMessage() for r in caplog.records] == [
+        "c.json: field(s) quantization_config.ignored_layers not read by this runtime; if they change the model's "
+        "math, its output will be wrong"]
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.from_dict(tiny_cfg(quantization_config={**release, "scale_fmt": "e8m0fnu"}), source="c.json")
+    assert str(e.value) == "c.json: field 'quantization_config.scale_fmt' is 'e8m0fnu', expected 'ue8m0' or null"
 
 
 def _restore(path: Path, name: str, tensor: torch.Tensor, beside: str | None = None) -> Path:
@@ -621,6 +660,18 @@ def test_scale_next_to_a_weight_that_is_not_fp8_is_refused(make_ckpt):
     with pytest.raises(EngineError) as e:
         load_engine(path)
     assert str(e.value) == want
+
+
+def test_fp8_codes_on_a_tensor_that_is_not_2d_are_refused(make_ckpt):
+    """A norm weight stored as FP8 with a scale beside it raised a bare IndexError (no file, no tensor named)."""
+    path, _, originals = make_ckpt(fp8=False)
+    name = "model.layers.0.input_layernorm.weight"
+    shard = _restore(path, name, originals[name].to(torch.float8_e4m3fn))
+    _restore(path, name + "_scale_inv", torch.ones(1))
+    with pytest.raises(CheckpointError) as e:
+        HFCheckpoint(path).validate()
+    assert str(e.value) == (f"{shard}: tensor {name!r} is F8_E4M3 with shape [{originals[name].numel()}], expected one "
+                            "of BF16, F16, F32 (FP8 block scales are for 2-D weights)")
 
 
 def test_unexpected_tensor_is_refused(make_ckpt):

@@ -251,10 +251,27 @@ class HFCheckpoint:
             self.mtp_missing = True
         else:
             self.mtp_missing = False
+        if self.quantized and not self.stored_fp8:
+            log.warning("%s: field 'quantization_config' declares FP8 weights but the files store none (a BF16 copy of "
+                        "an FP8 release with the release's config.json?): the weights are read as stored; remove "
+                        "quantization_config from config.json to say so", self.path / "config.json")
 
     @property
     def quantized(self) -> bool:
         return self.config.quantization_config is not None
+
+    @property
+    def wide_weights(self) -> list[str]:
+        """Weights an FP8 release stores as FP8 (`is_fp8_quantized`) that these files store in a wider float type:
+        in a quantized checkpoint, those its `modules_to_not_convert` keeps, or all of them in a BF16 copy of a
+        release that kept the release's config.json."""
+        return [n for n in self._weight_map if is_fp8_quantized(n) and self.tensor_info(n).dtype != FP8_CODE]
+
+    @property
+    def stored_fp8(self) -> bool:
+        """Whether the weights are FP8 as stored: a config declaring FP8 over files holding none is read as stored."""
+        return self.quantized and any(is_fp8_quantized(n) and self.tensor_info(n).dtype == FP8_CODE
+                                      for n in self._weight_map)
 
     @property
     def weight_map(self) -> Mapping[str, str]:
@@ -318,6 +335,10 @@ class HFCheckpoint:
                 raise CheckpointError(f"{self.path / self._shard_of(name)}: tensor {name!r} is {dtype}, "
                                       f"expected one of {', '.join(FLOAT_CODES)}")
             if dtype == FP8_CODE:
+                if len(shape) != 2:
+                    raise CheckpointError(f"{self.path / self._shard_of(name)}: tensor {name!r} is {dtype} with shape "
+                                          f"{list(shape)}, expected one of BF16, F16, F32 (FP8 block scales are for "
+                                          "2-D weights)")
                 scale = self._scale_of(name)
                 self._check_shape(scale, scale_shape(shape, self.block))
                 if self.tensor_info(scale).dtype != "F32":

@@ -328,7 +328,7 @@ def checkpoint_limits(ckpt: HFCheckpoint) -> BuildConfig:
     cfg = ckpt.config
     return BuildConfig(max_seq_len=min(cfg.max_position_embeddings, HF_MAX_SEQ_LEN),
                        max_draft_len=DEFAULT_MAX_DRAFT_LEN if cfg.num_nextn_predict_layers else 0,
-                       quant_algo=released_quant_algo(ckpt.quantized))
+                       quant_algo=released_quant_algo(ckpt.stored_fp8))
 
 
 def read_limits(path: str | Path) -> tuple[ModelConfig, BuildConfig]:

@@ -36,6 +36,11 @@ POSITIVE_NUMBERS = ("routed_scaling_factor", "rms_norm_eps", "rope_theta")
 NO_EFFECT = frozenset({"transformers_version", "_name_or_path", "auto_map", "use_cache", "initializer_range",
                        "attention_dropout", "pretraining_tp", "output_router_logits", "router_aux_loss_coef",
                        "aux_loss_alpha", "seq_aux", "pad_token_id", "dtype", "ep_size"})
+# quantization_config keys that change nothing here: the weights' stored dtypes say which are FP8
+# (modules_to_not_convert lists the wide ones), and `scale_fmt: ue8m0` (DeepSeek-V3.1) rounds the activations' FP8
+# scales to powers of two in DeepSeek's kernels, where the CPU kernels keep activations unquantized and the GPU path
+# scales them by their own maximum (docs/gpu.md)
+QUANTIZATION_NO_EFFECT = frozenset({"modules_to_not_convert", "scale_fmt"})
 # read into, or checked against, fields
 DERIVED = ("rope_parameters", "head_dim", "qk_head_dim", "rope_interleave", "original_max_position_embeddings",
            "partial_rotary_factor")
@@ -105,14 +110,16 @@ class ModelConfig:
     num_experts_per_tok: int
     n_group: int
     topk_group: int
-    q_lora_rank: int | None = None
-    num_nextn_predict_layers: int = 0
+    # A field config.json leaves out means what transformers' DeepseekV3Config makes of it (its defaults are
+    # DeepSeek-V3's): the same file is the same model here, in transformers and in vLLM
+    q_lora_rank: int | None = 1536
+    num_nextn_predict_layers: int = 1
     n_shared_experts: int = 1
-    routed_scaling_factor: float = 1.0
+    routed_scaling_factor: float = 2.5
     norm_topk_prob: bool = True
     scoring_func: str = "sigmoid"
     topk_method: str = "noaux_tc"
-    first_k_dense_replace: int = 0
+    first_k_dense_replace: int = 3
     moe_layer_freq: int = 1
     num_key_value_heads: int | None = None
     hidden_act: str = "silu"
@@ -215,6 +222,13 @@ class ModelConfig:
                 raise ConfigError(f"{source}: field 'quantization_config.weight_block_size' must be two integers "
                                   f">= 1, got {block!r}")
             q["weight_block_size"] = tuple(block)
+            if q.get("scale_fmt") not in (None, "ue8m0"):
+                raise ConfigError(f"{source}: field 'quantization_config.scale_fmt' is {q['scale_fmt']!r}, expected "
+                                  "'ue8m0' or null")
+            unknown_q = sorted(set(q) - set(QuantizationConfig.__dataclass_fields__) - QUANTIZATION_NO_EFFECT)
+            if unknown_q:
+                log.warning("%s: field(s) %s not read by this runtime; if they change the model's math, its output "
+                            "will be wrong", source, ", ".join(f"quantization_config.{k}" for k in unknown_q))
             kwargs["quantization_config"] = QuantizationConfig(
                 **{k: v for k, v in q.items() if k in QuantizationConfig.__dataclass_fields__}
             )
