@@ -674,6 +674,19 @@ def test_fp8_codes_on_a_tensor_that_is_not_2d_are_refused(make_ckpt):
                             "of BF16, F16, F32 (FP8 block scales are for 2-D weights)")
 
 
+def test_transformers_5_fused_experts_are_named(make_ckpt):
+    """transformers 5 can save a layer's experts as one gate_up_proj / down_proj: refused saying so (the error named
+    the first per-expert tensor as missing)."""
+    path, _, _ = make_ckpt()
+    name = "model.layers.1.mlp.experts.down_proj"
+    shard = _restore(path, name, torch.zeros(8, 32, 16), beside="model.layers.1.mlp.gate.weight")
+    with pytest.raises(CheckpointError) as e:
+        HFCheckpoint(path).validate()
+    assert str(e.value) == (f"{shard}: tensor {name!r} holds a layer's routed experts fused, as transformers 5 saves "
+                            "them with save_original_format=False; expected one tensor per expert as DeepSeek "
+                            "releases them (save_pretrained's default)")
+
+
 def test_unexpected_tensor_is_refused(make_ckpt):
     path, _, _ = make_ckpt()
     shard = _restore(path, "model.layers.1.self_attn.rotary_emb.inv_freq", torch.ones(4),

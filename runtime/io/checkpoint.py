@@ -147,6 +147,9 @@ def _mlp_shapes(prefix: str, hidden: int, inter: int) -> dict[str, tuple[int, ..
     }
 
 
+_FUSED_EXPERTS_RE = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)(_scale_inv)?$")
+
+
 def is_fp8_quantized(name: str) -> bool:
     """True for the tensors the FP8 release stores as float8_e4m3fn plus `<name>_scale_inv`:
     the 2-D Linear weights of attention and of every MLP/expert (MTP block included). Embeddings,
@@ -326,6 +329,11 @@ class HFCheckpoint:
         with float32 block scales, no scale without an FP8 weight and no tensor the model does not have.
         build_engine and the runtime both open a checkpoint through this check."""
         expected = expected_tensor_shapes(self.config)
+        fused = next((n for n in self._weight_map if _FUSED_EXPERTS_RE.search(n)), None)
+        if fused is not None:
+            raise CheckpointError(f"{self.path / self._weight_map[fused]}: tensor {fused!r} holds a layer's routed "
+                                  "experts fused, as transformers 5 saves them with save_original_format=False; "
+                                  "expected one tensor per expert as DeepSeek releases them (save_pretrained's default)")
         for name, shape in expected.items():
             if name not in self._weight_map:
                 raise CheckpointError(f"{self._source}: tensor {name!r} is missing, expected shape {list(shape)}")
