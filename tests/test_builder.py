@@ -18,7 +18,6 @@ import torch
 import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from safetensors.torch import load_file, save_file
 
 import builder.convert as convert
 import builder.trtllm_layout as trtllm_layout

@@ -880,3 +880,22 @@ def test_new_requests_wait_while_an_admitted_prefill_waits_for_blocks(shipped_en
     for rid, (s, n, m) in reqs.items():
         assert outs[rid].token_ids == alone(prompt(corpus, s, n), m)
     assert events == [], f"new requests were admitted while an admitted request's prefill waited for blocks: {events}"
+
+
+def test_drafts_count_as_accepted_only_where_the_output_keeps_them(shipped_engine, corpus) -> None:
+    """A stop (eos, a stop id, a guide's end) inside a step's accepted drafts ends the output there: the drafts after
+    it were counted as accepted (2 output tokens, 4 accepted in 1 step), so the stats did not add up. Each step
+    keeps its accepted drafts and its one token more as far as the output goes."""
+    from runtime.core.sampling_params import GuidedDecodingParams
+
+    cases = [SamplingParams(max_tokens=8, guided_decoding=GuidedDecodingParams(regex="(return|yield|pass|raise)")),
+             SamplingParams(max_tokens=60, stop_token_ids=[16])]
+    with Executor(shipped_engine, ExecutorConfig(num_draft_tokens=4, speculation="fixed")) as ex:
+        outs = [ex.submit(prompt(corpus, s, 40), p).result(120) for p in cases for s in range(4)]
+        stats = ex.stats()
+        assert_all_free(ex)
+    assert any(o.stats.num_accepted_draft_tokens for o in outs)
+    for o in outs:
+        st = o.stats
+        assert st.num_accepted_draft_tokens <= st.output_tokens <= st.num_steps + st.num_accepted_draft_tokens, st
+    assert stats.accepted_draft_tokens == sum(o.stats.num_accepted_draft_tokens for o in outs)

@@ -59,9 +59,23 @@ def test_each_output_is_the_single_request_with_its_seed_and_the_prompt_is_share
         assert [(o.stats.num_draft_tokens, o.stats.num_accepted_draft_tokens) for o in outs] == \
                [(r.stats.num_draft_tokens, r.stats.num_accepted_draft_tokens) for r in refs]
         assert all(o.stats.num_draft_tokens for o in outs)
-    # the prompt was prefilled once: the others took its 3 full blocks (with their MTP rows) from the leader
-    assert [o.stats.num_reused_blocks for o in outs] == [0] + [3] * (n - 1)
+    # the prompt was prefilled once: the others took its 3 full blocks (with their MTP rows) from the leader; each
+    # output reports what its request found in the prefix cache (nothing: the prompt is new), as vLLM's
+    # num_cached_tokens (an output other than the first reported the leader's blocks as cached)
+    assert [o.stats.num_reused_blocks for o in outs] == [0] * n
     assert stats.kv_reused_blocks == 3 * (n - 1) and stats.requests_finished == 1
+
+
+def test_best_of_reports_what_its_request_found_in_the_prefix_cache(engine) -> None:
+    """best_of returns candidates other than the first sequence, which reported the blocks they took from it as found
+    in the cache: `cached_tokens` of a prompt never seen was 16."""
+    with executor(engine, 0) as ex:
+        for seed in range(4):
+            outs = ex.submit([seed + 4] + PROMPT, replace(SAMPLED, n=1, best_of=3, seed=seed)).results(120)
+            assert [o.stats.num_reused_blocks for o in outs] == [0]
+        again = ex.submit([4] + PROMPT, replace(SAMPLED, n=2, best_of=3, seed=0)).results(120)
+        assert_all_free(ex)
+    assert [o.stats.num_reused_blocks for o in again] == [3, 3]  # the first request's blocks, found by this one
 
 
 def test_without_block_reuse_each_sequence_prefills_the_prompt(engine) -> None:
@@ -113,10 +127,11 @@ def test_prompt_logprobs_are_computed_once_and_reported_on_every_output(engine) 
     params = replace(SAMPLED, n=2, prompt_logprobs=1)
     with executor(engine, 2) as ex:
         outs = ex.submit(PROMPT, params).results(120)
+        reused = ex.stats().kv_reused_blocks
         assert_all_free(ex)
     [ref] = run_fresh(engine, [PROMPT], replace(params, n=1), 2)
     assert outs[0].prompt_logprobs == outs[1].prompt_logprobs == ref.prompt_logprobs
-    assert [o.stats.num_reused_blocks for o in outs] == [0, 3]
+    assert reused == 3  # the second output took the prompt's blocks from the first
 
 
 @pytest.mark.parametrize("params, message", [

@@ -223,10 +223,12 @@ def test_single_token_requests_reuse_the_prompt_under_drafting(engine) -> None:
     params = SamplingParams(max_tokens=1, temperature=1.0, seed=5, n=4)
     with executor(engine, 3) as ex:
         outs = ex.submit(PROMPTS[2], params).results(60)
+        shared = ex.stats().kv_reused_blocks
         again = ex.submit(PROMPTS[2], SamplingParams(max_tokens=1)).result(60)
         assert_all_free(ex)
     full = (len(PROMPTS[2]) - 1) // BLOCK
-    assert reused(outs) == [0] + [full] * 3 and again.stats.num_reused_blocks == full
+    # the three others took the leader's blocks; each output reports what its request found in the cache (none)
+    assert shared == 3 * full and reused(outs) == [0] * 4 and again.stats.num_reused_blocks == full
     with executor(engine, 3, reuse=False) as ex:
         base = ex.submit(PROMPTS[2], params).results(60)
         alone = ex.submit(PROMPTS[2], SamplingParams(max_tokens=1)).result(60)

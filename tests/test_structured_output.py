@@ -214,6 +214,49 @@ def test_a_grammar_that_fails_computing_masks_keeps_none_of_that_steps_tokens(sh
     assert [t for o in streamed for t in o.new_token_ids] == [] and "".join(o.text_delta for o in streamed) == ""
 
 
+class RefusesPastTwoTokens(FailingLexer):
+    """A matcher whose lexer gives out at the third token although its masks allow one (llguidance's lazy lexer
+    past its limits does so): try_consume_tokens takes two tokens at most, consuming more fails."""
+
+    LIMIT = 2
+
+    def __init__(self, matcher):
+        super().__init__(matcher)
+        self.taken = 0
+
+    def try_consume_tokens(self, tokens):
+        taken = self._matcher.try_consume_tokens(tokens[: max(self.LIMIT - self.taken, 0)])
+        self.taken += taken
+        return taken
+
+    def rollback(self, n):
+        self.taken -= n
+        return self._matcher.rollback(n)
+
+    def consume_tokens(self, tokens):
+        if self.taken + len(tokens) > self.LIMIT:
+            return False
+        self.taken += len(tokens)
+        return self._matcher.consume_tokens(tokens)
+
+
+def test_a_token_the_grammar_refuses_after_its_mask_allowed_it_ends_the_output_at_every_k(shipped_engine, prompts,
+                                                                                         monkeypatch) -> None:
+    """Plain decoding emits the token its mask allowed and fails consuming it. With drafts, the rows after a draft
+    the matcher refused were never masked, and an accepted draft there let an unguided token in (k = 3: 'aabbb\n'
+    from a{1,100000}b{50000}). The request keeps what plain decoding keeps, and fails the same way, at every k."""
+    matchers_fail_as(monkeypatch, RefusesPastTwoTokens)
+    guided = SamplingParams(max_tokens=8, guided_decoding=GuidedDecodingParams(regex="[a-z ]+"))
+    outputs = {}
+    for k in range(5):
+        with Executor(shipped_engine, ExecutorConfig(num_draft_tokens=k, speculation="fixed")) as ex:
+            handles = [ex.submit(p, guided) for p in prompts[:4]]
+            outputs[k] = [(h.result(120).token_ids, h.result(120).finish_reason) for h in handles]
+            assert_all_free(ex)
+    assert all(len(ids) == 3 and reason == "error" for ids, reason in outputs[0])
+    assert all(outputs[k] == outputs[0] for k in range(1, 5)), outputs
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_every_draft_is_drawn_within_the_grammar(shipped_engine, shipped_tokenizer, prompts, temperature) -> None:
     """Drafts come from the MTP distribution masked by the state each would be drawn in (the output so far plus the

@@ -57,6 +57,19 @@ class GrammarMatcher:
             if not self.matcher.consume_tokens(tokens):
                 self.error = f"the grammar failed while generating: {first_line(self.matcher.get_error())}"
 
+    def keepable(self, tokens: list[int]) -> int:
+        """How many of a step's emitted tokens the request may keep: those the grammar takes, and the one it refuses
+        first, if any. Token j was drawn under row j's mask, computed after tokens[:j]; llguidance can still refuse a
+        token its mask allowed (a lexer past its limits), and the rows after it were never masked. Plain decoding
+        would emit that token and fail consuming it, so the request keeps it, fails, and never keeps a token of an
+        unmasked row."""
+        if self.error is not None or len(tokens) < 2:
+            return len(tokens)
+        taken = self.matcher.try_consume_tokens(tokens)
+        if taken:
+            self.matcher.rollback(taken)
+        return len(tokens) if taken == len(tokens) else taken + 1
+
     def fill_masks(self, words: np.ndarray, drafts: list[int], first: int) -> None:
         """Write the bitmasks of rows first .. first + len(words) - 1 into words [rows, W] (int32, all bits set on
         entry): row r is decided after drafts[:first + r]. Rows after a draft the grammar refuses, or after the eos

@@ -349,10 +349,14 @@ class Executor:
             tracker = self._requests[item.seq.request_id][1]
             if tracker.first_scheduled_time is None:
                 tracker.first_scheduled_time = t0
-                tracker.num_reused_blocks = item.seq.num_reused_blocks
-                tracker.num_missed_blocks = self.cache.blocks_for(tracker.num_prompt_tokens) - tracker.num_reused_blocks
-                self._counts["reused_blocks"] += tracker.num_reused_blocks
-                self._counts["missed_blocks"] += tracker.num_missed_blocks
+                prompt_blocks = self.cache.blocks_for(tracker.num_prompt_tokens)
+                self._counts["reused_blocks"] += item.seq.num_reused_blocks
+                self._counts["missed_blocks"] += prompt_blocks - item.seq.num_reused_blocks
+                # an output of n / best_of reports what its request found in the prefix cache: what the first
+                # sequence found (the others share the blocks it computed)
+                first = item.seq.leader or item.seq
+                tracker.num_reused_blocks = first.num_reused_blocks
+                tracker.num_missed_blocks = prompt_blocks - first.num_reused_blocks
         try:
             results = self.runner.step(plan)
         except RankFailure:  # the ranks are gone or out of step: nothing can run any more
@@ -375,12 +379,17 @@ class Executor:
                 finished.add(r.seq)
             elif r.new_token_ids:
                 tracker = self._requests[r.seq.request_id][1]
-                new, delta, reason = tracker.consume(r.new_token_ids, now, r.logprobs)
+                tokens, logprobs = r.new_token_ids, r.logprobs
+                if r.seq.grammar is not None:
+                    keep = r.seq.grammar.keepable(tokens)
+                    tokens, logprobs = tokens[:keep], logprobs[:keep] if logprobs is not None else None
+                new, delta, reason = tracker.consume(tokens, now, logprobs)
+                accepted = min(r.num_accepted, len(new))  # drafts the output keeps (a stop can cut the rest)
                 tracker.num_steps += 1
                 tracker.num_draft_tokens += r.num_drafts
-                tracker.num_accepted_draft_tokens += r.num_accepted
+                tracker.num_accepted_draft_tokens += accepted
                 self._counts["drafted"] += r.num_drafts
-                self._counts["accepted"] += r.num_accepted
+                self._counts["accepted"] += accepted
                 self._counts["generated"] += len(new)
                 kept[r.seq] = len(new)
                 if reason is not None:

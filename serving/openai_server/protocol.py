@@ -555,11 +555,11 @@ def parameter_of(message: str, request_names: Mapping[str, str]) -> str | None:
 def usage(prompts: list[list[int]], stats: list[RequestStats], kv_block_size: int, echo_only: bool = False
           ) -> dict[str, Any]:
     """OpenAI's token counts (each prompt once, every choice's output; the prompt tokens found in the prefix cache
-    as `prompt_tokens_details.cached_tokens`: each prompt's fewest over its choices, those its first sequence found,
-    as the others reuse what that one computed), and the requests' MTP drafting."""
+    as `prompt_tokens_details.cached_tokens`: what each prompt's request found, which its every output reports), and
+    the requests' MTP drafting."""
     prompt_tokens = sum(map(len, prompts))
     n = len(stats) // len(prompts)  # choice i of prompt p at p * n + i
-    cached = sum(min(s.num_reused_blocks for s in stats[p * n:(p + 1) * n]) for p in range(len(prompts)))
+    cached = sum(stats[p * n].num_reused_blocks for p in range(len(prompts)))
     completion = 0 if echo_only else sum(s.output_tokens for s in stats)  # echo_only: its one token not returned
     drafted = sum(s.num_draft_tokens for s in stats)
     accepted = sum(s.num_accepted_draft_tokens for s in stats)
