@@ -827,6 +827,7 @@ def test_a_chat_template_that_cannot_render_is_the_models_fault(shipped_model_di
      "loops over more than 1000000 range() items"),
     ("{{ 'x' * 1000000000 }}", "makes a sequence of more than 1000000 items with *"),
     ("{{ 2 ** 100000000 }}", "raises to a power above 1024 with **"),
+    ("{{ messages | tojson(indent=100000000) }}", "indents JSON by more than 64 with tojson"),
 ])
 def test_a_chat_templates_work_is_bounded(shipped_model_dir: Path, template: str, what: str) -> None:
     """Jinja's sandbox bounds each range() but not loops in loops, nor what `*` and `**` make: a model's template
