@@ -617,8 +617,11 @@ BAD = [
         "namespace": 1}}, "chat_template_kwargs", "chat_template_kwargs must be an object of the template's own "
      f"variables (not {', '.join(sorted(RESERVED_NAMES))}), got {{'namespace': 1}}"),
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]},
-     "messages", "messages[0].tool_calls must be null or empty: this server does no tool calling, audio or "
-     "annotations"),
+     "messages", "messages[0].tool_calls must be a list of {\"id\", \"type\": \"function\", \"function\": {\"name\", "
+     "\"arguments\"}}, got {'id': '1'}"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "x", "audio": {"id": "1"}}]},
+     "messages", "messages[0].audio must be null or empty: this server does no audio, annotations or deprecated "
+     "function calling"),
     ("/v1/chat/completions", {"model": 5, "messages": [{"role": "user", "content": "x"}]}, "model",
      "model must be a string, got int"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"x": 1}}, "logit_bias",
@@ -637,16 +640,18 @@ BAD = [
      "stream_options is only allowed when stream is true"),
     ("/v1/chat/completions", {"messages": []}, "messages", "messages must be a non-empty list of {role, content}"),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages",
-     "messages[0].role 'tool': this server does no tool or function calling"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-     "tools", "tools [{'type': 'function'}] is not supported by this server; it takes null or [] (no tool calling)"),
+     "messages[0].tool_call_id (the id of the call it answers) is required on a tool message, and only there"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f"}}]}, "tools",  # the shipped model's template has no tools
+     "tools cannot reach this model: its chat template does not use them (it would drop them without a word); "
+     "serve a checkpoint whose chat template renders `tools`"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
                               "max_completion_tokens": 4}, "max_completion_tokens",
      "max_completion_tokens and max_tokens differ; send one"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": True,
                               "max_completion_tokens": 1}, "max_tokens", "max_tokens must be an integer, got True"),
     ("/v1/chat/completions", {"messages": [{"role": ["user"], "content": "x"}]}, "messages",
-     "messages[0].role must be one of system, developer, user, assistant, got ['user']"),
+     "messages[0].role must be one of system, developer, user, assistant, tool, got ['user']"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]},
      "messages", "messages[0].content parts must be {\"type\": \"text\", \"text\": ...}; this server takes text only"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello world " * 1100}]}, "messages",
@@ -822,6 +827,7 @@ def test_a_chat_template_that_cannot_render_is_the_models_fault(shipped_model_di
      "loops over more than 1000000 range() items"),
     ("{{ 'x' * 1000000000 }}", "makes a sequence of more than 1000000 items with *"),
     ("{{ 2 ** 100000000 }}", "raises to a power above 1024 with **"),
+    ("{{ messages | tojson(indent=100000000) }}", "indents JSON by more than 64 with tojson"),
 ])
 def test_a_chat_templates_work_is_bounded(shipped_model_dir: Path, template: str, what: str) -> None:
     """Jinja's sandbox bounds each range() but not loops in loops, nor what `*` and `**` make: a model's template

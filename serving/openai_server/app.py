@@ -11,6 +11,7 @@ client that disconnects, streaming or not, has its requests cancelled, which fre
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -27,6 +28,7 @@ from runtime.executors.base import ExecutorProtocol, submit_all
 from runtime.executors.requests import RequestHandle, RequestOutput
 from serving.openai_server import protocol
 from serving.openai_server.protocol import APIError, Generation
+from serving.openai_server.tool_calls import TOOL_CALL_PARSERS, ToolCallReader, read_tool_calls
 from serving.watchdog import STALL_TIMEOUT_S
 
 log = logging.getLogger("serving.openai_server")
@@ -78,9 +80,12 @@ def _failure(g: Generation, out: RequestOutput) -> APIError:
 class OpenAIServer:
     """The routes over one executor."""
 
-    def __init__(self, executor: ExecutorProtocol, model_name: str):
+    def __init__(self, executor: ExecutorProtocol, model_name: str, tool_call_parser: str | None = None):
         self.executor = executor
         self.model = model_name
+        # chat requests read with the server's tool-call format
+        self.chat_request = functools.partial(
+            protocol.chat_request, tool_syntax=TOOL_CALL_PARSERS[tool_call_parser] if tool_call_parser else None)
         self.tokenizer = executor.tokenizer
         self.max_seq_len = executor.limits.max_seq_len
         self.max_text_bytes = self.max_seq_len * self.tokenizer.max_token_bytes
@@ -152,9 +157,15 @@ class OpenAIServer:
         texts = ["" if g.echo_only else o.text for o in outs]
         if g.echo_texts is not None:
             texts = [g.echo_texts[i // g.n] + t for i, t in enumerate(texts)]
-        choices = [protocol.choice(i, t, "length" if g.echo_only else o.finish_reason, chat, chunk=False, role=g.role,
-                                   logprobs=self._choice_logprobs(g, i, o, chat), stop_reason=o.stop_reason)
-                   for i, (t, o) in enumerate(zip(texts, outs))]
+        finishes = ["length" if g.echo_only else o.finish_reason for o in outs]
+        calls: list[list[dict[str, Any]] | None] = [None] * len(outs)
+        if g.tool_syntax is not None:  # the text before the calls is the content
+            for i, t in enumerate(texts):
+                texts[i], calls[i] = read_tool_calls(g.tool_syntax, t, g.parallel_tool_calls)
+                finishes[i] = "tool_calls" if calls[i] and finishes[i] == "stop" else finishes[i]
+        choices = [protocol.choice(i, t, f, chat, chunk=False, role=g.role, stop_reason=o.stop_reason, tool_calls=c,
+                                   logprobs=self._choice_logprobs(g, i, o, chat))
+                   for i, (t, f, c, o) in enumerate(zip(texts, finishes, calls, outs))]
         # vLLM's extras about the prompt: on each completions choice, once on a chat response
         prompt_extras: list[dict[str, Any]] = [{} for _ in g.prompts]
         for p, extra in enumerate(prompt_extras):
@@ -226,6 +237,8 @@ class OpenAIServer:
                     yield chunk(protocol.choice(i, g.echo_texts[i // g.n], None, chat, True))
             fmt = self._format(g)
             offsets = [protocol.TextOffsets(fmt) for _ in range(choices)]  # completions' text_offset
+            readers = [ToolCallReader(g.tool_syntax, g.parallel_tool_calls) for _ in range(choices)] \
+                if g.tool_syntax is not None else None
             async for prompt, out in outputs:
                 index = prompt * g.n + out.index
                 if out.failed:
@@ -239,10 +252,14 @@ class OpenAIServer:
                 produced[index] = out.stats.output_tokens
                 if out.finished:
                     finals[index] = out
-                if out.text_delta or out.finished or out.new_logprobs or g.return_token_ids and out.new_token_ids:
-                    c = protocol.choice(index, out.text_delta, out.finish_reason, chat, chunk=True,
+                text, calls, finish = out.text_delta, None, out.finish_reason
+                if readers is not None:  # what the new text decides: content, tool-call deltas
+                    text, calls = readers[index].read(text, out.finished)
+                    finish = readers[index].finish_reason(finish)
+                if text or calls or out.finished or out.new_logprobs or g.return_token_ids and out.new_token_ids:
+                    c = protocol.choice(index, text, finish, chat, chunk=True,
                                         logprobs=self._logprobs(g, out.new_logprobs, chat, offsets[index]),
-                                        stop_reason=out.stop_reason)
+                                        stop_reason=out.stop_reason, tool_calls=calls)
                     yield chunk(c, list(out.new_token_ids))
             else:
                 outcome = "ok"
@@ -364,10 +381,11 @@ def key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
     return check
 
 
-def create_app(executor: ExecutorProtocol, model_name: str, api_key: str | None = None) -> FastAPI:
+def create_app(executor: ExecutorProtocol, model_name: str, api_key: str | None = None,
+               tool_call_parser: str | None = None) -> FastAPI:
     """The app; with `api_key` the /v1 routes, /tokenize and /detokenize need it (/health and /metrics stay open, as
-    vLLM's)."""
-    server = OpenAIServer(executor, model_name)
+    vLLM's); `tool_call_parser` (a TOOL_CALL_PARSERS name) reads tool calls from chat output."""
+    server = OpenAIServer(executor, model_name, tool_call_parser)
     app = FastAPI(title="dsv3-serve", docs_url=None, redoc_url=None, openapi_url=None)
     guarded = [Depends(key_check(api_key))]  # /v1, /tokenize and /detokenize
     v1 = APIRouter(prefix="/v1", dependencies=guarded)
@@ -406,7 +424,7 @@ def create_app(executor: ExecutorProtocol, model_name: str, api_key: str | None 
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        return await server.generate(request, protocol.chat_request, chat=True)
+        return await server.generate(request, server.chat_request, chat=True)
 
     @app.post("/tokenize", dependencies=guarded)
     async def tokenize(request: Request) -> dict[str, Any]:

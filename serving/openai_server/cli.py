@@ -26,6 +26,7 @@ from runtime.executors.lifetime import MAX_TORCH_THREADS
 from runtime.executors.process import EngineProcessError, open_server_executor
 from runtime.executors.trtllm_api import TensorRTLLMUnavailable
 from serving.openai_server.app import api_key_problem, create_app
+from serving.openai_server.tool_calls import TOOL_CALL_PARSERS
 
 log = logging.getLogger("serving.openai_server")
 
@@ -60,6 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="require `Authorization: Bearer API_KEY` on /v1, /tokenize and /detokenize (default: "
                         "$DSV3_API_KEY, which keeps the key off the process list; neither: no key)")
     p.add_argument("--served_model_name", help="the model's name in the API (default: the directory's name)")
+    p.add_argument("--tool_call_parser", choices=sorted(TOOL_CALL_PARSERS),
+                   help="read tool calls in chat output in this format (vLLM's --tool-call-parser names: DeepSeek-V3's "
+                        "or V3.1's); without it, requests with tools are refused unless tool_choice is \"none\"")
     p.add_argument("--num_draft_tokens", type=int, help="MTP draft length (default: 3 where the model has an "
                    "MTP layer, at most the engine's max_draft_len; 0: plain decoding)")
     p.add_argument("--speculation", choices=("fixed", "adaptive"), default="adaptive",
@@ -130,8 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         log.info("serving %s as %r at http://%s:%d/v1%s", args.model, name, args.host, args.port,
                  " (API key required)" if args.api_key else "")
-        Server(uvicorn.Config(create_app(executor, name, args.api_key), host=args.host, port=args.port,
-                              log_level=args.log_level, access_log=False)).run()  # the app logs each request itself
+        app = create_app(executor, name, args.api_key, args.tool_call_parser)
+        Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                              access_log=False)).run()  # the app logs each request itself
     finally:
         executor.shutdown()
     return 0

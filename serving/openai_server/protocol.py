@@ -24,7 +24,8 @@ from runtime.core.sampling_params import (MAX_LOGPROBS, PENALTY_LIMIT, REPETITIO
                                           SamplingParams, seed_from_client)
 from runtime.executors.requests import RequestStats
 from runtime.io.tokenizer import Tokenizer
-from serving.openai_server.chat import RESERVED_NAMES, ChatTemplateFault, render_chat
+from serving.openai_server.chat import RESERVED_NAMES, ChatTemplateFault, render_chat, template_uses_tools
+from serving.openai_server.tool_calls import ToolSyntax, tool_call_grammar
 from serving.request_validation import INT32_MAX, RequestError, bounds_text, refused_parameter
 
 MAX_N = 128  # choices per request, as OpenAI allows
@@ -40,10 +41,9 @@ STRUCTURED_OUTPUTS_KEYS = {"json", "regex", "grammar", "json_object"}
 # as null is absent (OpenAI's clients and vLLM's send nulls for what they leave unset).
 NEUTRAL: dict[str, tuple[Any, str]] = {
     "suffix": (lambda v: False, "null"),
-    "tools": (lambda v: v == [], "null or [] (no tool calling)"),
-    "tool_choice": (lambda v: v == "none", "null or \"none\" (no tool calling)"),
-    "functions": (lambda v: v == [], "null or [] (no function calling)"),
-    "function_call": (lambda v: v == "none", "null or \"none\" (no function calling)"),
+    # the deprecated function calling: tools and tool_choice do it
+    "functions": (lambda v: v == [], "null or [] (send tools)"),
+    "function_call": (lambda v: v == "none", "null or \"none\" (send tool_choice)"),
     "store": (lambda v: v is False, "null or false (nothing is stored)"),
     "modalities": (lambda v: v == ["text"], "null or [\"text\"]"),
     **dict.fromkeys(("audio", "reasoning_effort", "verbosity", "web_search_options"), (lambda v: False, "null")),
@@ -59,7 +59,7 @@ NEUTRAL: dict[str, tuple[Any, str]] = {
 # `prediction` (a latency hint), vLLM's choice of structured-output backend (this server has one)
 IGNORED = {"user", "metadata", "service_tier", "prompt_cache_key", "safety_identifier", "prediction", "request_id",
            "guided_decoding_backend"}
-CHAT_ONLY_NEUTRAL = {"tools", "tool_choice", "functions", "function_call", "store", "modalities", "audio",
+CHAT_ONLY_NEUTRAL = {"functions", "function_call", "store", "modalities", "audio",
                      "reasoning_effort", "verbosity", "web_search_options", "continue_final_message"}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop",
           "stop_token_ids", "seed", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
@@ -67,18 +67,20 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream",
           "prompt_logprobs", "return_tokens_as_token_ids", "return_token_ids", "include_stop_str_in_output",
           *GUIDE_KEYS, *IGNORED, *(set(NEUTRAL) - CHAT_ONLY_NEUTRAL)}
 COMPLETION_KEYS = COMMON | {"prompt", "echo", "logprobs", "suffix", "best_of"}
-CHAT_KEYS = COMMON | CHAT_ONLY_NEUTRAL | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
-                                          "parallel_tool_calls", "add_generation_prompt", "chat_template_kwargs"}
+CHAT_KEYS = COMMON | CHAT_ONLY_NEUTRAL | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
+                                          "tool_choice", "parallel_tool_calls", "add_generation_prompt",
+                                          "chat_template_kwargs"}
 # vLLM's /tokenize (a text, or messages as chat renders them) and /detokenize
 TOKENIZE_KEYS = {"model", "prompt", "add_special_tokens", "return_token_strs"}
-TOKENIZE_CHAT_KEYS = {"model", "messages", "add_generation_prompt", "chat_template_kwargs", "return_token_strs",
-                      "add_special_tokens", "continue_final_message"}
+TOKENIZE_CHAT_KEYS = {"model", "messages", "tools", "add_generation_prompt", "chat_template_kwargs",
+                      "return_token_strs", "add_special_tokens", "continue_final_message"}
 DETOKENIZE_KEYS = {"model", "tokens"}
 # What an assistant message OpenAI's client returned carries, sent back in the next turn: taken when null or empty
-MESSAGE_EXTRAS = {"refusal": (None,), "tool_calls": (None, []), "function_call": (None,), "audio": (None,),
-                  "annotations": (None, [])}
-MESSAGE_KEYS = {"role", "content", "name", *MESSAGE_EXTRAS}
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+MESSAGE_EXTRAS = {"refusal": (None,), "function_call": (None,), "audio": (None,), "annotations": (None, [])}
+MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", *MESSAGE_EXTRAS}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
+TOOL_CHOICES = ("none", "auto", "required")
 
 
 class APIError(Exception):
@@ -111,6 +113,8 @@ class Generation:
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids, streamed or not
     role: str = "assistant"  # chat's answer: without a generation prompt, the last message's role (vLLM's rule)
+    tool_syntax: ToolSyntax | None = None  # chat with tools (tool_choice not "none"): read tool calls in this format
+    parallel_tool_calls: bool = True  # false: the first tool call only
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -304,10 +308,11 @@ def _guide(body: dict) -> tuple[GuidedDecodingParams | None, str | None]:
     return guide, field
 
 
-def _sampling(body: dict, tokenizer: Tokenizer, max_tokens: int | None, logprobs: int | None, stream: bool
-              ) -> tuple[SamplingParams, str | None]:
+def _sampling(body: dict, tokenizer: Tokenizer, max_tokens: int | None, logprobs: int | None, stream: bool,
+              guide: tuple[GuidedDecodingParams, str] | None = None) -> tuple[SamplingParams, str | None]:
     """The request's sampling parameters: its n choices (of best_of candidates) run as one executor request each
-    prompt, choice i seeded with seed + i (the executor's rule), so they repeat across calls."""
+    prompt, choice i seeded with seed + i (the executor's rule), so they repeat across calls. `guide`: the grammar
+    and its parameter where the request's tool_choice makes one (else its structured-output parameter's)."""
     n = _integer(body, "n", 1, MAX_N, 1)
     best_of = _integer(body, "best_of", 1, MAX_N, None)
     if best_of is not None and best_of > n and stream:  # OpenAI's rule: they are chosen once all have finished
@@ -315,7 +320,7 @@ def _sampling(body: dict, tokenizer: Tokenizer, max_tokens: int | None, logprobs
                        "send stream: false or best_of = n", "best_of")
     top_k = _integer(body, "top_k", -1, INT32_MAX, 0)
     seed = _integer(body, "seed", -(2**63), 2**63 - 1, None)
-    guide, guide_field = _guide(body)
+    guide, guide_field = guide or _guide(body)
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 0.0, math.inf, 1.0),
@@ -424,7 +429,37 @@ def completion_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_te
                       continuous_usage=continuous, **extras)
 
 
-def _messages(body: dict, max_text_bytes: int) -> list[dict[str, str]]:
+def _text_bytes(value: Any) -> int:
+    """The UTF-8 bytes of the strings in a message (_text refused lone surrogates)."""
+    if isinstance(value, str):
+        return len(value.encode("utf-8"))
+    if isinstance(value, (dict, list)):
+        return sum(map(_text_bytes, value.values() if isinstance(value, dict) else value))
+    return 0
+
+
+def _message_tool_calls(value: Any, where: str, max_text_bytes: int) -> list[dict[str, Any]]:
+    """An assistant message's tool calls as OpenAI's client returns them, for the template as transformers passes them:
+    `arguments` the JSON text the call carried (DeepSeek's templates write it as it is; vLLM parses it into an object
+    first)."""
+    calls = []
+    for j, call in enumerate(value if isinstance(value, list) else [value]):
+        at = f"{where}.tool_calls[{j}]"
+        f = call.get("function") if isinstance(call, dict) else None
+        if (not isinstance(value, list) or not isinstance(f, dict) or set(f) != {"name", "arguments"}
+                or not {"id", "function"} <= set(call) <= {"id", "type", "function"}
+                or call.get("type", "function") != "function"):
+            raise APIError(f"{where}.tool_calls must be a list of {{\"id\", \"type\": \"function\", \"function\": "
+                           f"{{\"name\", \"arguments\"}}}}, got {str(call)[:120]}", "messages")
+        calls.append({"id": _text(call["id"], f"{at}.id", 256), "type": "function",
+                      "function": {"name": _text(f["name"], f"{at}.function.name", 256),
+                                   "arguments": _text(f["arguments"], f"{at}.function.arguments", max_text_bytes)}})
+    return calls
+
+
+def _messages(body: dict, max_text_bytes: int) -> list[dict[str, Any]]:
+    """The messages as the chat template gets them: role, content and name; an assistant's tool calls; a tool
+    message's tool_call_id."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError("messages must be a non-empty list of {role, content}", "messages")
@@ -432,30 +467,41 @@ def _messages(body: dict, max_text_bytes: int) -> list[dict[str, str]]:
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict) or set(m) - MESSAGE_KEYS or "role" not in m:
-            raise APIError(f"{where} must be an object with role and content (and name), got {str(m)[:80]}",
-                           "messages")
-        if m["role"] in ("tool", "function"):
-            raise APIError(f"{where}.role {m['role']!r}: this server does no tool or function calling", "messages")
+            raise APIError(f"{where} must be an object with role and content (and name, tool_calls, tool_call_id), "
+                           f"got {str(m)[:80]}", "messages")
+        if m["role"] == "function":
+            raise APIError(f"{where}.role 'function' (the deprecated function calling) is not supported; send tool "
+                           "messages", "messages")
         if not isinstance(m["role"], str) or m["role"] not in ROLES:
             raise APIError(f"{where}.role must be one of {', '.join(ROLES)}, got {m['role']!r}", "messages")
         for key, empty in MESSAGE_EXTRAS.items():  # what the client's last answer carried, sent back
             if m.get(key) not in empty:
-                raise APIError(f"{where}.{key} must be null or empty: this server does no tool calling, audio or "
-                               "annotations", "messages")
+                raise APIError(f"{where}.{key} must be null or empty: this server does no audio, annotations or "
+                               "deprecated function calling", "messages")
+        tool_calls = m.get("tool_calls") or None  # null and [] are none, as vLLM drops an empty list
+        if tool_calls is not None and m["role"] != "assistant":
+            raise APIError(f"{where}.tool_calls: only assistant messages make tool calls", "messages")
+        if (m["role"] == "tool") != (m.get("tool_call_id") is not None):
+            raise APIError(f"{where}.tool_call_id (the id of the call it answers) is required on a tool message, and "
+                           "only there", "messages")
         content = m.get("content")
         if content is None and m["role"] == "assistant":  # OpenAI's assistant turns may have no content
-            content = ""
+            content = None if tool_calls else ""  # beside tool calls, as sent: DeepSeek's templates test for none
         if isinstance(content, list):  # content parts: text only, joined by lines as vLLM and trtllm-serve join them
             if not all(isinstance(p, dict) and p.get("type") == "text" and set(p) == {"type", "text"} and
                        isinstance(p["text"], str) for p in content):
                 raise APIError(f"{where}.content parts must be {{\"type\": \"text\", \"text\": ...}}; this server "
                                "takes text only", "messages")
             content = "\n".join(p["text"] for p in content)
-        content = _text(content, f"{where}.content", max_text_bytes)
-        message = {"role": ROLES[m["role"]], "content": content}
+        message = {"role": ROLES[m["role"]],
+                   "content": None if content is None else _text(content, f"{where}.content", max_text_bytes)}
         if m.get("name") is not None:  # the template may use it, as vLLM passes it on
             message["name"] = _text(m["name"], f"{where}.name", 256)
-        total += sum(len(v.encode("utf-8")) for v in message.values())  # _text refused lone surrogates
+        if tool_calls is not None:
+            message["tool_calls"] = _message_tool_calls(tool_calls, where, max_text_bytes)
+        if m["role"] == "tool":
+            message["tool_call_id"] = _text(m["tool_call_id"], f"{where}.tool_call_id", 256)
+        total += _text_bytes(message)
         if total > max_text_bytes:
             raise APIError(f"messages are longer than the {max_text_bytes} bytes that can fit the model's context",
                            "messages")
@@ -463,20 +509,106 @@ def _messages(body: dict, max_text_bytes: int) -> list[dict[str, str]]:
     return out
 
 
-def _chat_prompt(body: dict, tokenizer: Tokenizer, max_text_bytes: int) -> list[int]:
-    """A chat request's messages rendered with the model's chat template (its generation prompt unless
+def _tools(body: dict) -> list[dict[str, Any]] | None:
+    """OpenAI's tools (functions), checked, for the chat template as sent; None for none (null or [])."""
+    tools = body.get("tools")
+    if not tools:
+        return None
+    if not isinstance(tools, list):
+        raise APIError(f"tools must be a list of {{\"type\": \"function\", \"function\": {{...}}}}, got "
+                       f"{str(tools)[:120]}", "tools")
+    names: set[str] = set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function" or set(tool) != {"type", "function"}:
+            raise APIError(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\", \"description\", "
+                           f"\"parameters\"}}}} (function tools only), got {str(tool)[:120]}", where)
+        f = tool["function"]
+        if not isinstance(f, dict) or set(f) - {"name", "description", "parameters", "strict"}:
+            raise APIError(f"{where}.function must be an object of name, description, parameters and strict, got "
+                           f"{str(f)[:120]}", f"{where}.function")
+        name = f.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise APIError(f"{where}.function.name must be 1 to 64 letters, digits, underscores or dashes, got "
+                           f"{str(name)[:80]!r}", f"{where}.function.name")
+        if name in names:
+            raise APIError(f"{where}.function.name {name!r} is given twice; the functions' names must differ",
+                           f"{where}.function.name")
+        names.add(name)
+        for key, kind, what in (("description", str, "a string"), ("parameters", dict, "a JSON schema (an object)"),
+                                ("strict", bool, "true or false")):
+            if f.get(key) is not None and not isinstance(f[key], kind):
+                raise APIError(f"{where}.function.{key} must be {what}, got {str(f[key])[:80]}",
+                               f"{where}.function.{key}")
+    return tools
+
+
+def _tool_choice(body: dict, tools: list[dict[str, Any]] | None) -> str | dict[str, Any]:
+    """"none", "auto", "required", or the named function (its object in tools); by default "auto" with tools and
+    "none" without, as OpenAI."""
+    value = body.get("tool_choice", "auto" if tools else "none")
+    named = value.get("function") if isinstance(value, dict) else None
+    if value not in TOOL_CHOICES and not (
+            isinstance(named, dict) and set(value) == {"type", "function"} and value["type"] == "function"
+            and set(named) == {"name"} and isinstance(named["name"], str)):
+        raise APIError("tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                       f"\"function\": {{\"name\": ...}}}}, got {str(value)[:120]}", "tool_choice")
+    if value in ("none", "auto"):
+        return value
+    if not tools:
+        raise APIError(f"tool_choice {str(value)[:120]} needs tools to call", "tool_choice")
+    if value == "required":
+        return value
+    function = next((t["function"] for t in tools if t["function"]["name"] == named["name"]), None)
+    if function is None:
+        raise APIError(f"tool_choice names the function {named['name'][:80]!r}, which is not among tools ("
+                       f"{', '.join(t['function']['name'] for t in tools)})", "tool_choice")
+    return function
+
+
+def _tool_guide(syntax: ToolSyntax, tools: list[dict[str, Any]], choice: dict[str, Any] | str, parallel: bool
+                ) -> tuple[GuidedDecodingParams, str]:
+    """The grammar of tool_choice "required" (one call or more, to any of the tools; one without parallel tool
+    calls) or of a named function (one call to it), each call's arguments valid under its parameters schema."""
+    functions = [t["function"] for t in tools] if choice == "required" else [choice]
+    for f in functions:  # each schema checked alone: a refusal names its function and where in its schema
+        if f.get("parameters") is not None:
+            field = f"tools[{next(i for i, t in enumerate(tools) if t['function'] is f)}].function.parameters"
+            try:
+                check_guide(GuidedDecodingParams(json=f["parameters"]), field)
+            except ValueError as e:
+                raise APIError(str(e).replace("guided_decoding.json", field), field) from None
+    guide = GuidedDecodingParams(grammar=tool_call_grammar(syntax, functions, parallel and choice == "required"))
+    try:
+        check_guide(guide, "tool_choice")
+    except ValueError as e:
+        raise APIError(str(e), "tool_choice") from None
+    return guide, "tool_choice"
+
+
+def _chat_prompt(body: dict, tokenizer: Tokenizer, max_text_bytes: int, tools: list[dict[str, Any]] | None
+                 ) -> list[int]:
+    """A chat request's messages and tools rendered with the model's chat template (its generation prompt unless
     add_generation_prompt is false), as token ids."""
     messages = _messages(body, max_text_bytes)
     if tokenizer.chat_template is None:
         raise APIError("this model has no chat template (chat_template in tokenizer_config.json or a "
                        "chat_template.jinja file); use /v1/completions", "messages")
+    try:
+        dropped = tools is not None and not template_uses_tools(tokenizer.chat_template)
+    except ChatTemplateFault as e:
+        raise APIError(str(e), status=500, type="server_error") from None
+    if dropped:
+        raise APIError("tools cannot reach this model: its chat template does not use them (it would drop them "
+                       "without a word); serve a checkpoint whose chat template renders `tools`", "tools")
     extra = body.get("chat_template_kwargs", {})
     if not isinstance(extra, dict) or set(extra) & RESERVED_NAMES:
         raise APIError("chat_template_kwargs must be an object of the template's own variables (not "
                        f"{', '.join(sorted(RESERVED_NAMES))}), got {str(extra)[:120]}", "chat_template_kwargs")
     try:
         text = render_chat(tokenizer.chat_template, messages, tokenizer,
-                           add_generation_prompt=_flag(body, "add_generation_prompt", True), variables=extra)
+                           add_generation_prompt=_flag(body, "add_generation_prompt", True), variables=extra,
+                           tools=tools)
     except RequestError as e:
         raise APIError(str(e), "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages") \
             from None
@@ -495,7 +627,7 @@ def tokenize_request(body: Any, tokenizer: Tokenizer, max_text_bytes: int) -> tu
         if _flag(body, "add_special_tokens"):  # the template places them
             raise APIError("add_special_tokens true is not supported with messages; it takes null or false (the chat "
                            "template places the special tokens)", "add_special_tokens")
-        return _chat_prompt(body, tokenizer, max_text_bytes), _flag(body, "return_token_strs")
+        return _chat_prompt(body, tokenizer, max_text_bytes, _tools(body)), _flag(body, "return_token_strs")
     if body.get("prompt") is None:
         raise APIError("prompt (or messages) is required", "prompt")
     prompt = _text(body["prompt"], "prompt", max_text_bytes)
@@ -511,14 +643,28 @@ def detokenize_request(body: Any, tokenizer: Tokenizer) -> list[int]:
     return _token_list(body["tokens"], "tokens", tokenizer.vocab_size)
 
 
-def chat_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_bytes: int) -> Generation:
-    """POST /v1/chat/completions: messages rendered with the model's chat template."""
+def chat_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_bytes: int,
+                 tool_syntax: ToolSyntax | None = None) -> Generation:
+    """POST /v1/chat/completions: messages (and tools) rendered with the model's chat template; tool calls read from
+    the output in `tool_syntax` (the server's --tool_call_parser), which tools need unless tool_choice is "none"."""
     body = _check_keys(body, CHAT_KEYS)
     top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS, None)
     if top is not None and not _flag(body, "logprobs"):
         raise APIError("top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (top or 0) if _flag(body, "logprobs") else None
-    ids = _chat_prompt(body, tokenizer, max_text_bytes)
+    tools = _tools(body)
+    tool_choice = _tool_choice(body, tools)
+    parallel = _flag(body, "parallel_tool_calls", True)
+    ids = _chat_prompt(body, tokenizer, max_text_bytes, tools)
+    calls = tools is not None and tool_choice != "none"  # "none": the tools are rendered, the output is not read
+    if calls and tool_syntax is None:
+        raise APIError("tools need a tool-call parser to read the calls in the output: start dsv3-serve with "
+                       "--tool_call_parser deepseek_v3 or deepseek_v31 (vLLM's --tool-call-parser), or send "
+                       "tool_choice \"none\"", "tools")
+    guide = _tool_guide(tool_syntax, tools, tool_choice, parallel) if calls and tool_choice != "auto" else None
+    if guide is not None and _guide_parameters(body):
+        raise APIError(f"tool_choice and {_guide_parameters(body)[0]} both constrain the output; send one",
+                       "tool_choice")
     generation_prompt = _flag(body, "add_generation_prompt", True)
     if len(ids) >= max_seq_len:  # said of the messages: the client never saw the rendered prompt
         raise APIError(f"messages come to {len(ids)} tokens with the chat template; max_seq_len is {max_seq_len}",
@@ -533,14 +679,14 @@ def chat_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_byt
         name = next(iter(asked))
         raise APIError(f"{name} {max_tokens} with messages of {len(ids)} tokens with the chat template exceeds "
                        f"max_seq_len {max_seq_len}; at most {max_seq_len - len(ids)}", name)
-    params, guide_field = _sampling(body, tokenizer, max_tokens, logprobs, stream)
+    params, guide_field = _sampling(body, tokenizer, max_tokens, logprobs, stream, guide)
     extras = _vllm_extras(body, stream)
     if extras["prompt_logprobs"] is not None:
         params = replace(params, prompt_logprobs=extras["prompt_logprobs"])
     include_usage, continuous = _stream_options(body, stream)
     role = "assistant" if generation_prompt else body["messages"][-1]["role"]
     return Generation([ids], params, stream, include_usage, guide_field=guide_field, continuous_usage=continuous,
-                      role=role, **extras)
+                      role=role, tool_syntax=tool_syntax if calls else None, parallel_tool_calls=parallel, **extras)
 
 
 def parameter_of(message: str, request_names: Mapping[str, str]) -> str | None:
@@ -583,19 +729,22 @@ def completion_object(g: Generation, model: str, choices: list[dict[str, Any]], 
 
 def choice(index: int, text: str | None, finish_reason: str | None, chat: bool, chunk: bool,
            role: str | None = None, logprobs: dict[str, Any] | None = None,
-           stop_reason: str | int | None = None) -> dict[str, Any]:
-    """A choice of a response or chunk; chat's names `role` (a chunk only where given: the first of a choice).
+           stop_reason: str | int | None = None, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A choice of a response or chunk; chat's names `role` (a chunk only where given: the first of a choice) and
+    its tool calls (a message's content is null beside them when empty, as OpenAI's; a chunk's are deltas).
     vLLM's stop_reason (the stop string or stop token id that ended it; null for eos and every other ending) is on
     a whole choice and on a choice's last chunk."""
     ending = {"finish_reason": finish_reason, **({"stop_reason": stop_reason} if finish_reason or not chunk else {})}
     if not chat:
         return {"index": index, "text": text or "", "logprobs": logprobs, **ending}
+    calls = {"tool_calls": tool_calls} if tool_calls else {}
     if not chunk:
-        return {"index": index, "message": {"role": role, "content": text or ""}, "logprobs": logprobs, **ending}
+        message = {"role": role, "content": (text or None) if tool_calls else text or "", **calls}
+        return {"index": index, "message": message, "logprobs": logprobs, **ending}
     delta: dict[str, Any] = {"role": role, "content": ""} if role else {}
     if text:
         delta["content"] = text
-    return {"index": index, "delta": delta, "logprobs": logprobs, **ending}
+    return {"index": index, "delta": {**delta, **calls}, "logprobs": logprobs, **ending}
 
 
 class TextOffsets:
