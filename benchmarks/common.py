@@ -406,7 +406,7 @@ def target_line(name: str, value: float | None, goal: float, unit: str = "x") ->
 
 def machine_md(info: dict[str, Any]) -> str:
     keys = ("date_utc", "cpu_model", "cpu_count", "gpu", "torch_threads", "torch_version", "transformers_version",
-            "load_average_1m_5m_15m", "git_commit", "git_dirty_files", "command")
+            "load_average_1m_5m_15m", "uvicorn", "git_commit", "git_dirty_files", "command")
     return "\n".join(f"- {k}: `{info[k]}`" for k in keys if info.get(k) is not None)
 
 

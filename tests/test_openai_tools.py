@@ -412,3 +412,31 @@ def test_tools_a_template_would_drop_or_no_parser_reads_are_refused(shipped_mode
     g = chat_request({**body, "tool_choice": "none"}, Tokenizer.from_dir(tool_model), 2048, 1 << 20)
     assert g.tool_syntax is None and g.params.guided_decoding is None
     assert chat_request({"messages": MESSAGE, "tools": []}, plain, 2048, 1 << 20).tool_syntax is None
+
+
+def test_a_chat_template_given_at_start_replaces_the_checkpoints(shipped_model_dir: Path, tmp_path: Path) -> None:
+    """`--chat_template FILE` (vLLM's --chat-template): the shipped model's own template does not read tools, so a
+    request with tools is refused; with a template that does, given at start, it is served. A file that is missing or
+    does not compile stops the server before the model loads, naming the flag."""
+    import subprocess
+    import sys
+
+    template = tmp_path / "tools.jinja"
+    template.write_text(V3_TOOLS_TEMPLATE, encoding="utf-8")
+    srv = Server(shipped_model_dir, tmp_path / "server.log", "--num_draft_tokens", "0", "--chat_template",
+                 str(template), "--tool_call_parser", "deepseek_v3")
+    try:
+        r = srv.client.chat.completions.create(messages=ASK, tool_choice="required", parallel_tool_calls=False,
+                                               **{**KW, "model": shipped_model_dir.name})
+        [call] = r.choices[0].message.tool_calls
+        assert _valid(call.function.arguments, SCHEMAS[call.function.name])
+    finally:
+        assert srv.serve.stop() == 0
+    dsv3_serve = str(Path(sys.executable).with_name("dsv3-serve"))
+    (tmp_path / "bad.jinja").write_text("{% for m in messages %}", encoding="utf-8")
+    for path, message in [(tmp_path / "none.jinja", "No such file or directory"),
+                          (tmp_path / "bad.jinja", "TemplateSyntaxError: Unexpected end of template.")]:
+        run = subprocess.run([dsv3_serve, str(shipped_model_dir), "--chat_template", str(path)], capture_output=True,
+                             text=True, timeout=60)
+        assert run.returncode == 2 and run.stderr.startswith(f"dsv3-serve: --chat_template {path}: "), run.stderr
+        assert message in run.stderr and "Traceback" not in run.stderr

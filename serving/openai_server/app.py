@@ -382,9 +382,12 @@ def key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
 
 
 def create_app(executor: ExecutorProtocol, model_name: str, api_key: str | None = None,
-               tool_call_parser: str | None = None) -> FastAPI:
+               tool_call_parser: str | None = None, chat_template: str | None = None) -> FastAPI:
     """The app; with `api_key` the /v1 routes, /tokenize and /detokenize need it (/health and /metrics stay open, as
-    vLLM's); `tool_call_parser` (a TOOL_CALL_PARSERS name) reads tool calls from chat output."""
+    vLLM's); `tool_call_parser` (a TOOL_CALL_PARSERS name) reads tool calls from chat output; `chat_template`
+    replaces the checkpoint's."""
+    if chat_template is not None:  # the executor's tokenizer serves this server alone
+        executor.tokenizer.chat_template = chat_template
     server = OpenAIServer(executor, model_name, tool_call_parser)
     app = FastAPI(title="dsv3-serve", docs_url=None, redoc_url=None, openapi_url=None)
     guarded = [Depends(key_check(api_key))]  # /v1, /tokenize and /detokenize

@@ -90,6 +90,14 @@ def _compile(template: str):
     return _environment().from_string(template)
 
 
+def check_template(template: str) -> None:
+    """ChatTemplateFault when the template does not compile: a template given to the server is checked at start."""
+    try:
+        _compile(template)
+    except TemplateSyntaxError as e:
+        raise ChatTemplateFault(f"{type(e).__name__}: {e}") from None
+
+
 # what a render defines: render_chat's variables and the environment's functions (range, namespace, raise_exception,
 # ...), which a request's chat_template_kwargs may not replace
 RESERVED_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "self",

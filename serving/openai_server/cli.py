@@ -26,6 +26,7 @@ from runtime.executors.lifetime import MAX_TORCH_THREADS
 from runtime.executors.process import EngineProcessError, open_server_executor
 from runtime.executors.trtllm_api import TensorRTLLMUnavailable
 from serving.openai_server.app import api_key_problem, create_app
+from serving.openai_server.chat import ChatTemplateFault, check_template
 from serving.openai_server.tool_calls import TOOL_CALL_PARSERS
 
 log = logging.getLogger("serving.openai_server")
@@ -61,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="require `Authorization: Bearer API_KEY` on /v1, /tokenize and /detokenize (default: "
                         "$DSV3_API_KEY, which keeps the key off the process list; neither: no key)")
     p.add_argument("--served_model_name", help="the model's name in the API (default: the directory's name)")
+    p.add_argument("--chat_template", type=Path,
+                   help="a Jinja chat template file to render chat messages with, instead of the checkpoint's "
+                        "(vLLM's --chat-template; e.g. one that renders tools)")
     p.add_argument("--tool_call_parser", choices=sorted(TOOL_CALL_PARSERS),
                    help="read tool calls in chat output in this format (vLLM's --tool-call-parser names: DeepSeek-V3's "
                         "or V3.1's); without it, requests with tools are refused unless tool_choice is \"none\"")
@@ -122,6 +126,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"dsv3-serve: {e}", file=sys.stderr)
         return 2
+    chat_template = None
+    if args.chat_template is not None:  # before the model loads
+        try:
+            chat_template = args.chat_template.read_text(encoding="utf-8")
+            check_template(chat_template)
+        except (OSError, UnicodeDecodeError, ChatTemplateFault) as e:
+            print(f"dsv3-serve: --chat_template {args.chat_template}: {e}", file=sys.stderr)
+            return 2
     if problem := address_problem(args.host, args.port):  # before the model loads (seconds to minutes), not after
         print(f"dsv3-serve: --host {args.host} --port {args.port}: {problem}", file=sys.stderr)
         return 2
@@ -134,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         log.info("serving %s as %r at http://%s:%d/v1%s", args.model, name, args.host, args.port,
                  " (API key required)" if args.api_key else "")
-        app = create_app(executor, name, args.api_key, args.tool_call_parser)
+        app = create_app(executor, name, args.api_key, args.tool_call_parser, chat_template)
         Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                               access_log=False)).run()  # the app logs each request itself
     finally:
