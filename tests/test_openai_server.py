@@ -644,7 +644,7 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
         {"type": "function", "function": {"name": "f"}}]}, "tools",  # the shipped model's template has no tools
      "tools cannot reach this model: its chat template does not use them (it would drop them without a word); "
-     "serve a checkpoint whose chat template renders `tools`"),
+     "give dsv3-serve a --chat_template that renders `tools`"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
                               "max_completion_tokens": 4}, "max_completion_tokens",
      "max_completion_tokens and max_tokens differ; send one"),

@@ -402,16 +402,17 @@ def test_tools_a_template_would_drop_or_no_parser_reads_are_refused(shipped_mode
     assert not template_uses_tools(plain.chat_template)
     for tokenizer, syntax, message in (
             (plain, V3, "tools cannot reach this model: its chat template does not use them (it would drop them "
-                        "without a word); serve a checkpoint whose chat template renders `tools`"),
+                        "without a word); give dsv3-serve a --chat_template that renders `tools`"),
             (Tokenizer.from_dir(tool_model), None,
              "tools need a tool-call parser to read the calls in the output: start dsv3-serve with --tool_call_parser "
              "deepseek_v3 or deepseek_v31 (vLLM's --tool-call-parser), or send tool_choice \"none\"")):
         with pytest.raises(APIError) as e:
-            chat_request(body, tokenizer, 2048, 1 << 20, syntax)
+            chat_request(body, tokenizer, 2048, 1 << 20, tokenizer.chat_template, syntax)
         assert (e.value.status, e.value.param, e.value.message) == (400, "tools", message)
-    g = chat_request({**body, "tool_choice": "none"}, Tokenizer.from_dir(tool_model), 2048, 1 << 20)
+    tools_tokenizer = Tokenizer.from_dir(tool_model)
+    g = chat_request({**body, "tool_choice": "none"}, tools_tokenizer, 2048, 1 << 20, tools_tokenizer.chat_template)
     assert g.tool_syntax is None and g.params.guided_decoding is None
-    assert chat_request({"messages": MESSAGE, "tools": []}, plain, 2048, 1 << 20).tool_syntax is None
+    assert chat_request({"messages": MESSAGE, "tools": []}, plain, 2048, 1 << 20, plain.chat_template).tool_syntax is None
 
 
 def test_a_chat_template_given_at_start_replaces_the_checkpoints(shipped_model_dir: Path, tmp_path: Path) -> None:
@@ -440,3 +441,24 @@ def test_a_chat_template_given_at_start_replaces_the_checkpoints(shipped_model_d
                              text=True, timeout=60)
         assert run.returncode == 2 and run.stderr.startswith(f"dsv3-serve: --chat_template {path}: "), run.stderr
         assert message in run.stderr and "Traceback" not in run.stderr
+
+
+def test_the_servers_template_is_its_own_and_a_parser_without_tools_in_it_is_warned_about(
+        shipped_model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """--chat_template is the server's: the executor's tokenizer keeps the checkpoint's (a second app on the same
+    executor got the first one's template). A parser beside a template that never renders tools is said at start."""
+    import logging
+    from types import SimpleNamespace
+
+    from serving.openai_server.app import OpenAIServer
+
+    tokenizer = Tokenizer.from_dir(shipped_model_dir)
+    own = tokenizer.chat_template
+    executor = SimpleNamespace(tokenizer=tokenizer, limits=SimpleNamespace(max_seq_len=256))
+    with caplog.at_level(logging.WARNING, logger="serving.openai_server"):
+        given = OpenAIServer(executor, "m", "deepseek_v3", V3_TOOLS_TEMPLATE)
+        plain = OpenAIServer(executor, "m", "deepseek_v3")
+    assert (given.chat_template, plain.chat_template, tokenizer.chat_template) == (V3_TOOLS_TEMPLATE, own, own)
+    assert [r.getMessage() for r in caplog.records] == [
+        "--tool_call_parser deepseek_v3: the chat template does not render tools, so requests with tools are refused; "
+        "give one that does with --chat_template"]

@@ -27,8 +27,10 @@ from starlette.requests import ClientDisconnect
 from runtime.executors.base import ExecutorProtocol, submit_all
 from runtime.executors.requests import RequestHandle, RequestOutput
 from serving.openai_server import protocol
+from serving.openai_server.chat import ChatTemplateFault, template_uses_tools
 from serving.openai_server.protocol import APIError, Generation
 from serving.openai_server.tool_calls import TOOL_CALL_PARSERS, ToolCallReader, read_tool_calls
+from serving.openai_server.tool_calls import finish_reason as tool_finish_reason
 from serving.watchdog import STALL_TIMEOUT_S
 
 log = logging.getLogger("serving.openai_server")
@@ -80,18 +82,30 @@ def _failure(g: Generation, out: RequestOutput) -> APIError:
 class OpenAIServer:
     """The routes over one executor."""
 
-    def __init__(self, executor: ExecutorProtocol, model_name: str, tool_call_parser: str | None = None):
+    def __init__(self, executor: ExecutorProtocol, model_name: str, tool_call_parser: str | None = None,
+                 chat_template: str | None = None):
         self.executor = executor
         self.model = model_name
-        # chat requests read with the server's tool-call format
-        self.chat_request = functools.partial(
-            protocol.chat_request, tool_syntax=TOOL_CALL_PARSERS[tool_call_parser] if tool_call_parser else None)
         self.tokenizer = executor.tokenizer
+        self.chat_template = chat_template if chat_template is not None else self.tokenizer.chat_template
+        if tool_call_parser is not None and not self._template_reads_tools():
+            log.warning("--tool_call_parser %s: the chat template does not render tools, so requests with tools are "
+                        "refused; give one that does with --chat_template", tool_call_parser)
+        # chat requests read with the server's template and tool-call format
+        self.chat_request = functools.partial(
+            protocol.chat_request, chat_template=self.chat_template,
+            tool_syntax=TOOL_CALL_PARSERS[tool_call_parser] if tool_call_parser else None)
         self.max_seq_len = executor.limits.max_seq_len
         self.max_text_bytes = self.max_seq_len * self.tokenizer.max_token_bytes
         self.max_body_bytes = 4 * self.max_text_bytes + 65536  # room for JSON escapes and the other fields
         self.created = int(time.time())
         self.formats = {as_ids: protocol.LogprobsFormat(self.tokenizer, as_ids) for as_ids in (False, True)}
+
+    def _template_reads_tools(self) -> bool:
+        try:
+            return self.chat_template is not None and template_uses_tools(self.chat_template)
+        except ChatTemplateFault:  # said to each chat request
+            return False
 
     # ---- request plumbing --------------------------------------------------------------------------------------
     async def _body(self, request: Request) -> Any:
@@ -162,7 +176,7 @@ class OpenAIServer:
         if g.tool_syntax is not None:  # the text before the calls is the content
             for i, t in enumerate(texts):
                 texts[i], calls[i] = read_tool_calls(g.tool_syntax, t, g.parallel_tool_calls)
-                finishes[i] = "tool_calls" if calls[i] and finishes[i] == "stop" else finishes[i]
+                finishes[i] = tool_finish_reason(bool(calls[i]), finishes[i])
         choices = [protocol.choice(i, t, f, chat, chunk=False, role=g.role, stop_reason=o.stop_reason, tool_calls=c,
                                    logprobs=self._choice_logprobs(g, i, o, chat))
                    for i, (t, f, c, o) in enumerate(zip(texts, finishes, calls, outs))]
@@ -324,7 +338,7 @@ class OpenAIServer:
         return answer
 
     def _tokenized(self, body: Any) -> dict[str, Any]:
-        ids, strings = protocol.tokenize_request(body, self.tokenizer, self.max_text_bytes)
+        ids, strings = protocol.tokenize_request(body, self.tokenizer, self.max_text_bytes, self.chat_template)
         return {"count": len(ids), "max_model_len": self.max_seq_len, "tokens": ids,
                 "token_strs": self.tokenizer.token_strings(ids) if strings else None}
 
@@ -386,9 +400,7 @@ def create_app(executor: ExecutorProtocol, model_name: str, api_key: str | None 
     """The app; with `api_key` the /v1 routes, /tokenize and /detokenize need it (/health and /metrics stay open, as
     vLLM's); `tool_call_parser` (a TOOL_CALL_PARSERS name) reads tool calls from chat output; `chat_template`
     replaces the checkpoint's."""
-    if chat_template is not None:  # the executor's tokenizer serves this server alone
-        executor.tokenizer.chat_template = chat_template
-    server = OpenAIServer(executor, model_name, tool_call_parser)
+    server = OpenAIServer(executor, model_name, tool_call_parser, chat_template)
     app = FastAPI(title="dsv3-serve", docs_url=None, redoc_url=None, openapi_url=None)
     guarded = [Depends(key_check(api_key))]  # /v1, /tokenize and /detokenize
     v1 = APIRouter(prefix="/v1", dependencies=guarded)

@@ -586,27 +586,27 @@ def _tool_guide(syntax: ToolSyntax, tools: list[dict[str, Any]], choice: dict[st
     return guide, "tool_choice"
 
 
-def _chat_prompt(body: dict, tokenizer: Tokenizer, max_text_bytes: int, tools: list[dict[str, Any]] | None
-                 ) -> list[int]:
-    """A chat request's messages and tools rendered with the model's chat template (its generation prompt unless
+def _chat_prompt(body: dict, tokenizer: Tokenizer, max_text_bytes: int, tools: list[dict[str, Any]] | None,
+                 template: str | None) -> list[int]:
+    """A chat request's messages and tools rendered with the server's chat template (its generation prompt unless
     add_generation_prompt is false), as token ids."""
     messages = _messages(body, max_text_bytes)
-    if tokenizer.chat_template is None:
+    if template is None:
         raise APIError("this model has no chat template (chat_template in tokenizer_config.json or a "
                        "chat_template.jinja file); use /v1/completions", "messages")
     try:
-        dropped = tools is not None and not template_uses_tools(tokenizer.chat_template)
+        dropped = tools is not None and not template_uses_tools(template)
     except ChatTemplateFault as e:
         raise APIError(str(e), status=500, type="server_error") from None
     if dropped:
         raise APIError("tools cannot reach this model: its chat template does not use them (it would drop them "
-                       "without a word); serve a checkpoint whose chat template renders `tools`", "tools")
+                       "without a word); give dsv3-serve a --chat_template that renders `tools`", "tools")
     extra = body.get("chat_template_kwargs", {})
     if not isinstance(extra, dict) or set(extra) & RESERVED_NAMES:
         raise APIError("chat_template_kwargs must be an object of the template's own variables (not "
                        f"{', '.join(sorted(RESERVED_NAMES))}), got {str(extra)[:120]}", "chat_template_kwargs")
     try:
-        text = render_chat(tokenizer.chat_template, messages, tokenizer,
+        text = render_chat(template, messages, tokenizer,
                            add_generation_prompt=_flag(body, "add_generation_prompt", True), variables=extra,
                            tools=tools)
     except RequestError as e:
@@ -617,17 +617,19 @@ def _chat_prompt(body: dict, tokenizer: Tokenizer, max_text_bytes: int, tools: l
     return tokenizer.encode(_text(text, "messages", max_text_bytes), add_bos=False)  # the template places bos
 
 
-def tokenize_request(body: Any, tokenizer: Tokenizer, max_text_bytes: int) -> tuple[list[int], bool]:
+def tokenize_request(body: Any, tokenizer: Tokenizer, max_text_bytes: int, chat_template: str | None
+                     ) -> tuple[list[int], bool]:
     """POST /tokenize (vLLM's): a prompt's token ids (with the special tokens the tokenizer adds, its
     beginning-of-text token, unless add_special_tokens is false), or chat messages' as /v1/chat/completions renders
-    them; and whether the token strings are asked for."""
+    them with `chat_template`; and whether the token strings are asked for."""
     chat = isinstance(body, dict) and "messages" in body
     body = _check_keys(body, TOKENIZE_CHAT_KEYS if chat else TOKENIZE_KEYS)
     if chat:
         if _flag(body, "add_special_tokens"):  # the template places them
             raise APIError("add_special_tokens true is not supported with messages; it takes null or false (the chat "
                            "template places the special tokens)", "add_special_tokens")
-        return _chat_prompt(body, tokenizer, max_text_bytes, _tools(body)), _flag(body, "return_token_strs")
+        return (_chat_prompt(body, tokenizer, max_text_bytes, _tools(body), chat_template),
+                _flag(body, "return_token_strs"))
     if body.get("prompt") is None:
         raise APIError("prompt (or messages) is required", "prompt")
     prompt = _text(body["prompt"], "prompt", max_text_bytes)
@@ -643,10 +645,11 @@ def detokenize_request(body: Any, tokenizer: Tokenizer) -> list[int]:
     return _token_list(body["tokens"], "tokens", tokenizer.vocab_size)
 
 
-def chat_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_bytes: int,
+def chat_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_bytes: int, chat_template: str | None,
                  tool_syntax: ToolSyntax | None = None) -> Generation:
-    """POST /v1/chat/completions: messages (and tools) rendered with the model's chat template; tool calls read from
-    the output in `tool_syntax` (the server's --tool_call_parser), which tools need unless tool_choice is "none"."""
+    """POST /v1/chat/completions: messages (and tools) rendered with `chat_template` (the checkpoint's, or the
+    server's --chat_template); tool calls read from the output in `tool_syntax` (the server's --tool_call_parser),
+    which tools need unless tool_choice is "none"."""
     body = _check_keys(body, CHAT_KEYS)
     top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS, None)
     if top is not None and not _flag(body, "logprobs"):
@@ -655,7 +658,7 @@ def chat_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_byt
     tools = _tools(body)
     tool_choice = _tool_choice(body, tools)
     parallel = _flag(body, "parallel_tool_calls", True)
-    ids = _chat_prompt(body, tokenizer, max_text_bytes, tools)
+    ids = _chat_prompt(body, tokenizer, max_text_bytes, tools, chat_template)
     calls = tools is not None and tool_choice != "none"  # "none": the tools are rendered, the output is not read
     if calls and tool_syntax is None:
         raise APIError("tools need a tool-call parser to read the calls in the output: start dsv3-serve with "

@@ -190,8 +190,12 @@ class ToolCallReader:
             self._deltas.append({"index": index, "function": {"arguments": text}})
 
     def finish_reason(self, reason: str | None) -> str | None:
-        """OpenAI's "tool_calls" for an output that made calls and ended by itself."""
-        return "tool_calls" if self.calls and reason == "stop" else reason
+        return finish_reason(bool(self.calls), reason)
+
+
+def finish_reason(made_calls: bool, reason: str | None) -> str | None:
+    """OpenAI's "tool_calls" for an output that made calls and ended by itself."""
+    return "tool_calls" if made_calls and reason == "stop" else reason
 
 
 def read_tool_calls(syntax: ToolSyntax, text: str, parallel: bool = True) -> tuple[str | None, list[dict[str, Any]]]:
