@@ -17,6 +17,7 @@ from pathlib import Path
 from builder.convert import convert_checkpoint
 from builder.native_engine import TrtllmCheckpoint, build_engine, check_matches_checkpoint
 from builder.trtllm_engine import TrtllmOptions, build_trtllm_engine
+from builder.trtllm_layout import QUANTIZED
 from builder.validation import (NO_QUANT, BuildError, check_tokenizer, machine_memory, memory_notes,
                                 open_hf_checkpoint, plan_text, validate_build, validate_sharding)
 from runtime.io.atomic import (OutputDirError, check_not_replacing, check_output_dir, os_error_text, owned_tempdir,
@@ -189,12 +190,12 @@ def run(args: argparse.Namespace) -> None:
     build = build_config(args, cfg, dtype=default_dtype(args.backend), tp_size=1, ep_size=1,
                          quant_algo=released_quant_algo(hf_ckpt.stored_fp8))
     open_hf_checkpoint(args.model_dir, build)
-    if args.quant_algo is None and build.quant_algo is not None and args.backend == "native" and hf_ckpt.wide_weights:
-        wide = hf_ckpt.wide_weights
+    wide = [n for n in hf_ckpt.wide_weights if n.endswith(QUANTIZED)]  # the weights an FP8 engine stores as FP8
+    if args.quant_algo is None and build.quant_algo is not None and args.backend == "native" and wide:
         print(f"build_engine: {len(wide)} weight(s) of {args.model_dir} stored wider than FP8 ({', '.join(wide[:3])}"
-              f"{', ...' if len(wide) > 3 else ''}) are quantized to FP8 blocks, as an FP8 engine stores every linear "
-              f"weight (the session on the checkpoint reads them as stored); --quant_algo {NO_QUANT} keeps every "
-              "weight unquantized", file=sys.stderr)
+              f"{', ...' if len(wide) > 3 else ''}) are quantized to FP8 blocks, as an FP8 engine stores them (the "
+              f"session on the checkpoint reads them as stored); --quant_algo {NO_QUANT} keeps every weight "
+              "unquantized", file=sys.stderr)
     tokenizer_dir = args.tokenizer_dir or args.model_dir
     check_tokenizer(tokenizer_dir)
     if args.backend == "trtllm":

@@ -79,7 +79,10 @@ def build_trtllm_engine(model_dir: str | Path, output_dir: str | Path, build: Bu
     model_dir = Path(model_dir)
     ckpt, cfg = open_hf_checkpoint(model_dir, build)
     source = str(model_dir / "config.json")
-    released = released_quant_algo(ckpt.quantized)
+    if ckpt.quantized and not ckpt.stored_fp8:  # TensorRT-LLM reads config.json's quantization_config
+        raise BuildError(f"{source}: field 'quantization_config' declares FP8 weights but the files store none; remove "
+                         "it from config.json (TensorRT-LLM would load the weights as FP8)")
+    released = released_quant_algo(ckpt.stored_fp8)
     if build.quant_algo != released:
         raise BuildError(
             f"--quant_algo {quant_algo_flag(build.quant_algo)} with --backend trtllm: TensorRT-LLM loads the weights "

@@ -749,7 +749,7 @@ RELEASE_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme
                         "weight_block_size": [128, 128]}
 
 
-def test_a_bf16_copy_with_the_releases_fp8_config_is_built_as_stored(hf, tmp_path, caplog):
+def test_a_bf16_copy_with_the_releases_fp8_config_is_built_as_stored(hf, tmp_path, caplog, capsys):
     """A BF16 copy of an FP8 release that kept the release's config.json (DeepSeek's fp8_cast_bf16.py output): the
     session read the weights as stored and build_engine quantized them to FP8 without a word. Both read them as
     stored now, and say why."""
@@ -765,6 +765,12 @@ def test_a_bf16_copy_with_the_releases_fp8_config_is_built_as_stored(hf, tmp_pat
     assert load_engine(tmp_path / "engine").build.quant_algo is None
     (want, want_mtp), (got, got_mtp) = outputs(hf), outputs(tmp_path / "engine")
     assert (got - want).abs().max() <= 1e-5 and (got_mtp - want_mtp).abs().max() <= 1e-5
+    # TensorRT-LLM reads config.json's quantization_config itself: refused, naming it
+    capsys.readouterr()
+    assert cli("--model_dir", src, "--output_dir", tmp_path / "trt", "--max_seq_len", 256, "--backend", "trtllm") == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"build_engine: error: {src / 'config.json'}: field 'quantization_config' declares FP8 weights but the files "
+        "store none; remove it from config.json (TensorRT-LLM would load the weights as FP8)")
 
 
 def test_wide_weights_of_an_fp8_checkpoint_are_named_when_the_engine_quantizes_them(hf_fp8, tmp_path, capsys):
@@ -773,20 +779,21 @@ def test_wide_weights_of_an_fp8_checkpoint_are_named_when_the_engine_quantizes_t
     src = tmp_path / "mixed"
     shutil.copytree(hf_fp8, src)
     ckpt = HFCheckpoint(src)
-    name = "model.layers.0.self_attn.q_a_proj.weight"
-    wide = ckpt.get(name)
-    shard = src / ckpt.weight_map[name]
-    tensors = load_file(shard)
-    tensors[name] = wide
-    del tensors[name + "_scale_inv"]
-    save_file(tensors, shard)
+    name, kept = "model.layers.0.self_attn.q_a_proj.weight", "model.layers.0.self_attn.kv_b_proj.weight"
     index = json.loads((src / "model.safetensors.index.json").read_text())
-    del index["weight_map"][name + "_scale_inv"]
+    dequantized = {wide: ckpt.get(wide) for wide in (name, kept)}  # an FP8 engine keeps kv_b_proj wide: not named
+    for wide, tensor in dequantized.items():
+        shard = src / ckpt.weight_map[wide]
+        tensors = load_file(shard)
+        tensors[wide] = tensor
+        del tensors[wide + "_scale_inv"]
+        save_file(tensors, shard)
+        del index["weight_map"][wide + "_scale_inv"]
     (src / "model.safetensors.index.json").write_text(json.dumps(index))
-    assert HFCheckpoint(src).wide_weights == [name]
+    assert sorted(HFCheckpoint(src).wide_weights) == [kept, name]
     capsys.readouterr()
     assert cli("--model_dir", src, "--output_dir", tmp_path / "engine", "--max_seq_len", 256) == 0
     assert (f"build_engine: 1 weight(s) of {src} stored wider than FP8 ({name}) are quantized to FP8 blocks, as an "
-            "FP8 engine stores every linear weight (the session on the checkpoint reads them as stored); --quant_algo "
-            "NO_QUANT keeps every weight unquantized") in capsys.readouterr().err
+            "FP8 engine stores them (the session on the checkpoint reads them as stored); --quant_algo NO_QUANT keeps "
+            "every weight unquantized") in capsys.readouterr().err
     assert load_engine(tmp_path / "engine").build.quant_algo == "FP8_BLOCK_SCALES"

@@ -146,6 +146,9 @@ class FailingLexer:
     def get_error(self):
         return "lexer error: too many expressions constructed"
 
+    def deep_copy(self):
+        return type(self)(self._matcher.deep_copy())
+
     def __getattr__(self, name):
         return getattr(self._matcher, name)
 
@@ -216,28 +219,37 @@ def test_a_grammar_that_fails_computing_masks_keeps_none_of_that_steps_tokens(sh
 
 class RefusesPastTwoTokens(FailingLexer):
     """A matcher whose lexer gives out at the third token although its masks allow one (llguidance's lazy lexer
-    past its limits does so): try_consume_tokens takes two tokens at most, consuming more fails."""
+    past its limits does so), as llguidance's binding reports it: the tokens before are consumed, the matcher is in
+    its error state, and try_consume_tokens says 0 (`unwrap_or(0)`)."""
 
     LIMIT = 2
 
-    def __init__(self, matcher):
+    def __init__(self, matcher, taken=0, failed=False):
         super().__init__(matcher)
-        self.taken = 0
+        self.taken, self.failed = taken, failed
+
+    def _consume(self, tokens):
+        room = max(self.LIMIT - self.taken, 0)
+        ok = self._matcher.consume_tokens(tokens[:room]) if room and tokens else True
+        self.taken += min(room, len(tokens))
+        self.failed = self.failed or not ok or len(tokens) > room
+        return not self.failed
 
     def try_consume_tokens(self, tokens):
-        taken = self._matcher.try_consume_tokens(tokens[: max(self.LIMIT - self.taken, 0)])
-        self.taken += taken
-        return taken
+        return len(tokens) if self._consume(tokens) else 0
+
+    def consume_tokens(self, tokens):
+        return self._consume(tokens)
+
+    def is_error(self):
+        return self.failed or self._matcher.is_error()
 
     def rollback(self, n):
         self.taken -= n
         return self._matcher.rollback(n)
 
-    def consume_tokens(self, tokens):
-        if self.taken + len(tokens) > self.LIMIT:
-            return False
-        self.taken += len(tokens)
-        return self._matcher.consume_tokens(tokens)
+    def deep_copy(self):
+        return RefusesPastTwoTokens(self._matcher.deep_copy(), self.taken, self.failed)
 
 
 def test_a_token_the_grammar_refuses_after_its_mask_allowed_it_ends_the_output_at_every_k(shipped_engine, prompts,

@@ -464,6 +464,10 @@ def test_contract_n_outputs_stream_by_index_and_best_of_arrives_ranked(engine_di
         assert [o.index for o in outs] == [0, 1] and {o.index for o in streamed} == {0, 1}
         assert all("".join(o.text_delta for o in streamed if o.index == k) == outs[k].text for k in (0, 1))
         assert outs[1].stats.output_tokens == 10 and outs[1].stats.num_steps == outs[0].stats.num_steps
+        # upstream counts drafts per request: the first output carries them, or summed over outputs they doubled
+        stats = ex.stats()
+        assert stats.draft_tokens > 0 and sum(o.stats.num_draft_tokens for o in outs) == stats.draft_tokens
+        assert sum(o.stats.num_accepted_draft_tokens for o in outs) == stats.accepted_draft_tokens
         # best_of 3, n 1: nothing until upstream has chosen; then its best (the double ranks candidate 2 first)
         handle = ex.submit(prompt, SamplingParams(max_tokens=10, temperature=1.0, seed=3, ignore_eos=True, best_of=3))
         streamed = list(handle)

@@ -57,7 +57,7 @@ class GrammarMatcher:
             if not self.matcher.consume_tokens(tokens):
                 self.error = f"the grammar failed while generating: {first_line(self.matcher.get_error())}"
 
-    def keepable(self, tokens: list[int]) -> int:
+    def num_keepable(self, tokens: list[int]) -> int:
         """How many of a step's emitted tokens the request may keep: those the grammar takes, and the one it refuses
         first, if any. Token j was drawn under row j's mask, computed after tokens[:j]; llguidance can still refuse a
         token its mask allowed (a lexer past its limits), and the rows after it were never masked. Plain decoding
@@ -65,38 +65,40 @@ class GrammarMatcher:
         unmasked row."""
         if self.error is not None or len(tokens) < 2:
             return len(tokens)
-        taken = self.matcher.try_consume_tokens(tokens)
-        if taken:
-            self.matcher.rollback(taken)
-        return len(tokens) if taken == len(tokens) else taken + 1
+        probe = self.matcher.deep_copy()  # a lexer error leaves a matcher in its error state, past rolling back
+        for j, token in enumerate(tokens):
+            if probe.try_consume_tokens([token]) != 1 or probe.is_error():
+                return j + 1
+        return len(tokens)
 
     def fill_masks(self, words: np.ndarray, drafts: list[int], first: int) -> None:
         """Write the bitmasks of rows first .. first + len(words) - 1 into words [rows, W] (int32, all bits set on
-        entry): row r is decided after drafts[:first + r]. Rows after a draft the grammar refuses, or after the eos
-        that completes it, keep every bit: that draft is rejected (its own row bans it) or ends the request, so no
-        later row is ever used. The matcher's state is restored."""
-        m, consumed = self.matcher, 0  # the matcher is in the state after drafts[:consumed]
+        entry): row r is decided after drafts[:first + r], explored on a copy of the matcher (a lexer error leaves a
+        matcher in its error state, past rolling back). Rows after a draft the grammar refuses, or after the eos that
+        completes it, keep every bit: that draft is rejected (its own row bans it), ends the request, or is the last
+        token the request keeps (`num_keepable`), so no later row's token is ever kept."""
         if self.error is not None:
             return
+        probe, consumed = None, 0  # the probe is in the state after drafts[:consumed]
         for r in range(len(words)):
             before = tuple(drafts[: first + r])
             if len(before) < first + r:  # no drafts given for the row: it is never used
                 break
             known = self._masks.get(before)
-            if known is None:
-                want = len(before) - consumed
-                got = m.try_consume_tokens(list(before[consumed:])) if want else 0
-                consumed += got
-                if got != want:
-                    break
-                m.unsafe_compute_mask_ptr(words[r].ctypes.data, words[r].nbytes)
-                self._masks[before] = words[r].copy()
-            else:
+            if known is not None:
                 words[r] = known
-        if m.is_error():  # the rows' tokens are never kept: the executor ends the sequence after this step
-            self.error = f"the grammar failed while generating: {first_line(m.get_error())}"
-        elif consumed:
-            m.rollback(consumed)
+                continue
+            if probe is None:
+                probe = self.matcher.deep_copy()
+            want = len(before) - consumed
+            if want and (probe.try_consume_tokens(list(before[consumed:])) != want or probe.is_error()):
+                break
+            consumed = len(before)
+            probe.unsafe_compute_mask_ptr(words[r].ctypes.data, words[r].nbytes)
+            if probe.is_error():  # the rows' tokens are never kept: the executor ends the sequence after this step
+                self.error = f"the grammar failed while generating: {first_line(probe.get_error())}"
+                return
+            self._masks[before] = words[r].copy()
 
 
 def grammar_bitmasks(matchers: list[GrammarMatcher | None], drafts: list[list[int]] | None, first: int, num_rows: int

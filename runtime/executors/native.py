@@ -381,7 +381,7 @@ class Executor:
                 tracker = self._requests[r.seq.request_id][1]
                 tokens, logprobs = r.new_token_ids, r.logprobs
                 if r.seq.grammar is not None:
-                    keep = r.seq.grammar.keepable(tokens)
+                    keep = r.seq.grammar.num_keepable(tokens)
                     tokens, logprobs = tokens[:keep], logprobs[:keep] if logprobs is not None else None
                 new, delta, reason = tracker.consume(tokens, now, logprobs)
                 accepted = min(r.num_accepted, len(new))  # drafts the output keeps (a stop can cut the rest)

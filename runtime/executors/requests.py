@@ -160,7 +160,8 @@ class ExecutorStats:
     kv_blocks_cached: int = 0  # blocks holding reusable prefix content, held by a request or free
     world_size: int = 1  # processes running the model (tensor/expert-parallel ranks)
     rank_memory_bytes: list[int] = field(default_factory=list)  # resident memory of each, rank 0 first
-    kv_reused_blocks: int = 0  # prompt blocks found in the prefix cache, over every request admitted
+    kv_reused_blocks: int = 0  # prompt blocks found in the prefix cache, over every sequence admitted (n / best_of's
+    # outputs count the blocks they share with their first; each output's stats count what its request found)
     kv_missed_blocks: int = 0  # and those not found
 
     @property

@@ -329,9 +329,8 @@ class TrtllmExecutor:
             self.reports_draft_stats = True
         if out.finished or req.params.num_sequences == req.params.n:
             for t, completion in zip(req.group, out.outputs):
-                if t is not req:  # the request's statistics are every output's
-                    t.num_steps, t.num_draft_tokens, t.num_accepted_draft_tokens = \
-                        req.num_steps, req.num_draft_tokens, req.num_accepted_draft_tokens
+                if t is not req:  # the request's steps and cache hits are every output's; its drafts the first's
+                    t.num_steps = req.num_steps  # (upstream counts them per request: summed over outputs, n times)
                     t.num_reused_blocks, t.num_missed_blocks = req.num_reused_blocks, req.num_missed_blocks
                 if not t.finished:
                     self._on_output(t, completion, now, bool(out.finished))

@@ -41,6 +41,7 @@ _FP8_RE = re.compile(
 
 
 _EXPERT_RE = re.compile(rf"^model\.layers\.(\d+)\.mlp\.experts\.\d+\.{_PROJ}\.weight$")
+_FUSED_EXPERTS_RE = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)(_scale_inv)?$")  # transformers 5's
 
 
 class CheckpointError(ValueError):
@@ -147,7 +148,15 @@ def _mlp_shapes(prefix: str, hidden: int, inter: int) -> dict[str, tuple[int, ..
     }
 
 
-_FUSED_EXPERTS_RE = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)(_scale_inv)?$")
+_warned: set[str] = set()
+
+
+def _warn_once(message: str, *args: object) -> None:
+    """A checkpoint's warning, once per process: a build opens the same checkpoint several times."""
+    text = message % args
+    if text not in _warned:
+        _warned.add(text)
+        log.warning(text)
 
 
 def is_fp8_quantized(name: str) -> bool:
@@ -247,17 +256,18 @@ class HFCheckpoint:
         if cfg.num_nextn_predict_layers and not any(is_mtp_tensor(n, cfg) for n in weight_map):
             # What transformers' save_pretrained writes for a fine-tuned model: the config keeps the MTP layer,
             # the files do not. The target model is whole, so it loads, without drafting.
-            log.warning("%s: field 'num_nextn_predict_layers' is %d but no MTP tensor (model.layers.%d.*) is stored; "
-                        "loading the model without MTP (no speculative drafting)", self.path / "config.json",
-                        cfg.num_nextn_predict_layers, cfg.num_hidden_layers)
+            _warn_once("%s: the config declares %d MTP layer(s) ('num_nextn_predict_layers', 1 where the file leaves "
+                       "it out, as transformers reads it) but no MTP tensor (model.layers.%d.*) is stored; loading the "
+                       "model without MTP (no speculative drafting)", self.path / "config.json",
+                       cfg.num_nextn_predict_layers, cfg.num_hidden_layers)
             self.config = dataclasses.replace(cfg, num_nextn_predict_layers=0)
             self.mtp_missing = True
         else:
             self.mtp_missing = False
         if self.quantized and not self.stored_fp8:
-            log.warning("%s: field 'quantization_config' declares FP8 weights but the files store none (a BF16 copy of "
-                        "an FP8 release with the release's config.json?): the weights are read as stored; remove "
-                        "quantization_config from config.json to say so", self.path / "config.json")
+            _warn_once("%s: field 'quantization_config' declares FP8 weights but the files store none (a BF16 copy of "
+                       "an FP8 release with the release's config.json?): the weights are read as stored; remove "
+                       "quantization_config from config.json to say so", self.path / "config.json")
 
     @property
     def quantized(self) -> bool:
@@ -265,9 +275,8 @@ class HFCheckpoint:
 
     @property
     def wide_weights(self) -> list[str]:
-        """Weights an FP8 release stores as FP8 (`is_fp8_quantized`) that these files store in a wider float type:
-        in a quantized checkpoint, those its `modules_to_not_convert` keeps, or all of them in a BF16 copy of a
-        release that kept the release's config.json."""
+        """Weights an FP8 release stores as FP8 (`is_fp8_quantized`) that these files store in a wider float type
+        (all of them in a BF16 checkpoint; in an FP8 one, those its `modules_to_not_convert` keeps)."""
         return [n for n in self._weight_map if is_fp8_quantized(n) and self.tensor_info(n).dtype != FP8_CODE]
 
     @property
@@ -344,9 +353,10 @@ class HFCheckpoint:
                                       f"expected one of {', '.join(FLOAT_CODES)}")
             if dtype == FP8_CODE:
                 if len(shape) != 2:
+                    wider = ", ".join(c for c in FLOAT_CODES if c != FP8_CODE)
                     raise CheckpointError(f"{self.path / self._shard_of(name)}: tensor {name!r} is {dtype} with shape "
-                                          f"{list(shape)}, expected one of BF16, F16, F32 (FP8 block scales are for "
-                                          "2-D weights)")
+                                          f"{list(shape)}, expected one of {wider} (FP8 block scales are for 2-D "
+                                          "weights)")
                 scale = self._scale_of(name)
                 self._check_shape(scale, scale_shape(shape, self.block))
                 if self.tensor_info(scale).dtype != "F32":

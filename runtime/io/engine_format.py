@@ -318,9 +318,9 @@ def file_sha256(path: Path) -> str:
 
 
 # ---- limits of a plain checkpoint -----------------------------------------------------------
-def released_quant_algo(quantized: bool) -> str | None:
-    """The quant_algo of a checkpoint as released: DeepSeek's FP8 releases are 128x128 block-scaled."""
-    return "FP8_BLOCK_SCALES" if quantized else None
+def released_quant_algo(fp8_weights: bool) -> str | None:
+    """The quant_algo of weights as DeepSeek releases them: FP8 ones are 128x128 block-scaled; None for wider ones."""
+    return "FP8_BLOCK_SCALES" if fp8_weights else None
 
 
 def checkpoint_limits(ckpt: HFCheckpoint) -> BuildConfig:
