@@ -17,6 +17,13 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
+def _warn_unread(source: str, fields: list[str]) -> None:
+    """Fields the reader does not know: they may change the math, so they are named."""
+    if fields:
+        log.warning("%s: field(s) %s not read by this runtime; if they change the model's math, its output will be "
+                    "wrong", source, ", ".join(fields))
+
+
 class ConfigError(ValueError):
     """A config.json that is missing, unreadable or describes a model we cannot run."""
 
@@ -225,10 +232,8 @@ class ModelConfig:
             if q.get("scale_fmt") not in (None, "ue8m0"):
                 raise ConfigError(f"{source}: field 'quantization_config.scale_fmt' is {q['scale_fmt']!r}, expected "
                                   "'ue8m0' or null")
-            unknown_q = sorted(set(q) - set(QuantizationConfig.__dataclass_fields__) - QUANTIZATION_NO_EFFECT)
-            if unknown_q:
-                log.warning("%s: field(s) %s not read by this runtime; if they change the model's math, its output "
-                            "will be wrong", source, ", ".join(f"quantization_config.{k}" for k in unknown_q))
+            _warn_unread(source, [f"quantization_config.{k}" for k in sorted(
+                set(q) - set(QuantizationConfig.__dataclass_fields__) - QUANTIZATION_NO_EFFECT)])
             kwargs["quantization_config"] = QuantizationConfig(
                 **{k: v for k, v in q.items() if k in QuantizationConfig.__dataclass_fields__}
             )
@@ -246,10 +251,7 @@ class ModelConfig:
             kwargs["eos_token_id"] = kwargs["eos_token_id"][0]
         _check_derived(raw, source)
         kwargs["extra"] = {k: v for k, v in raw.items() if k not in known and k not in DERIVED and k not in ALIASES}
-        unknown = sorted(set(kwargs["extra"]) - NO_EFFECT)
-        if unknown:
-            log.warning("%s: field(s) %s not read by this runtime; if they change the model's math, its output "
-                        "will be wrong", source, ", ".join(unknown))
+        _warn_unread(source, sorted(set(kwargs["extra"]) - NO_EFFECT))
         cfg = cls(**kwargs)
         cfg.validate(source)
         return cfg

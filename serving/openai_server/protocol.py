@@ -665,8 +665,8 @@ def chat_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_byt
                        "--tool_call_parser deepseek_v3 or deepseek_v31 (vLLM's --tool-call-parser), or send "
                        "tool_choice \"none\"", "tools")
     guide = _tool_guide(tool_syntax, tools, tool_choice, parallel) if calls and tool_choice != "auto" else None
-    if guide is not None and _guide_parameters(body):
-        raise APIError(f"tool_choice and {_guide_parameters(body)[0]} both constrain the output; send one",
+    if guide is not None and (given := _guide_parameters(body)):
+        raise APIError(f"tool_choice and {given[0]} both constrain the output; send one",
                        "tool_choice")
     generation_prompt = _flag(body, "add_generation_prompt", True)
     if len(ids) >= max_seq_len:  # said of the messages: the client never saw the rendered prompt
