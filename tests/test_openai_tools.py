@@ -117,8 +117,17 @@ OUTPUTS = [  # (syntax, model output, content, [(name, arguments)])
     # cut in a second call's header, or in the closing marker: the calls before it (the cut markup is no content)
     (V31, BEGIN + _v31_call("get_time", "{}") + "<｜tool▁call▁begin｜>get_wea", None, [("get_time", "{}")]),
     (V3, BEGIN + _v3_call("get_time", "{}") + "\n<｜tool▁call", None, [("get_time", "{}")]),
-    # text after the calls is content
+    # text after the calls is content; calls after it are calls (vLLM reads every call block)
     (V31, BEGIN + _v31_call("get_time", "{}") + END + " Done.", " Done.", [("get_time", "{}")]),
+    (V3, BEGIN + _v3_call("get_time", "{}") + END + " and " + BEGIN + _v3_call("get_time", '{"zone": "PST"}') + END,
+     " and ", [("get_time", "{}"), ("get_time", '{"zone": "PST"}')]),
+    # a marker inside a JSON string is the arguments' text (V3.1's end marker cut them short)
+    (V31, BEGIN + _v31_call("echo", '{"text": "see <｜tool▁call▁end｜> \\"here\\""}') + END, None,
+     [("echo", '{"text": "see <｜tool▁call▁end｜> \\"here\\""}')]),
+    # cut inside the closing marker, or inside the next marker's last character (decoded as U+FFFD): no markup kept
+    (V3, BEGIN + _v3_call("get_time", '{"zone": "--in-"}')[:-len("call▁end｜>")], None,
+     [("get_time", '{"zone": "--in-"}')]),
+    (V3, BEGIN + _v3_call("get_time", "{}") + "\n<｜tool\ufffd", None, [("get_time", "{}")]),
 ]
 
 
@@ -131,14 +140,27 @@ def test_deepseek_outputs_are_read_as_vllm_reads_them(syntax, text: str, content
                                                        calls: list[tuple[str, str]]) -> None:
     """The text before the calls is the content (None when empty), each call's name and arguments as written, with
     vLLM's ids; what breaks the format stays content, as written."""
-    got_content, got_calls = read_tool_calls(syntax, text)
+    got_content, got_calls, _ = read_tool_calls(syntax, text)
     assert (got_content, _calls(got_calls)) == (content, calls)
     assert all(c["type"] == "function" and c["id"].startswith("chatcmpl-tool-") for c in got_calls)
     assert len({c["id"] for c in got_calls}) == len(got_calls)
-    reader = ToolCallReader(syntax)
-    reader.read(text, finished=True)
-    assert reader.finish_reason("stop") == ("tool_calls" if calls else "stop")
-    assert reader.finish_reason("length") == "length"
+    assert read_tool_calls(syntax, text, reason="length")[2] == "length"
+
+
+@pytest.mark.parametrize("text, reason, stop_reason, finish", [
+    (BEGIN + _v3_call("get_time", "{}") + END, "stop", None, "tool_calls"),  # whole calls, ended by itself (eos)
+    (BEGIN + _v3_call("get_time", "{}"), "stop", None, "tool_calls"),  # the calls' end marker not written: whole
+    (BEGIN + _v3_call("get_time", '{"zone": "C')[:-20], "stop", None, "stop"),  # eos inside the arguments
+    (BEGIN + _v3_call("get_time", '{"zone": "C')[:-20], "stop", '"days"', "stop"),  # a stop string cut the call
+    (BEGIN + _v3_call("get_time", "{}") + END, "stop", 7, "stop"),  # a stop token id ended it
+    (BEGIN + _v3_call("get_time", "{}") + END, "length", None, "length"),
+    ("no calls", "stop", None, "stop"),
+])
+def test_tool_calls_is_the_finish_of_whole_calls_ended_by_the_model(text: str, reason: str,
+                                                                     stop_reason: str | int | None, finish: str) -> None:
+    """OpenAI never answers "tool_calls" with a call cut short: a stop string inside the arguments gave it, and the
+    openai client's parse() failed on the arguments."""
+    assert read_tool_calls(V3, text, reason=reason, stop_reason=stop_reason)[2] == finish
 
 
 def _assemble(pieces: list[tuple[str, list[dict[str, Any]]]]) -> tuple[str, list[tuple[str, str]]]:
@@ -171,7 +193,7 @@ def test_streamed_reading_in_any_pieces_equals_the_whole(syntax, text: str, cont
 
 def test_without_parallel_tool_calls_only_the_first_call_is_kept() -> None:
     """vLLM's reading of parallel_tool_calls false; the first call's markers and the dropped calls are no content."""
-    content, calls = read_tool_calls(V3, OUTPUTS[0][1], parallel=False)
+    content, calls, _ = read_tool_calls(V3, OUTPUTS[0][1], parallel=False)
     assert (content, _calls(calls)) == (None, [("get_weather", '{"city": "Paris", "days": 3}')])
 
 
@@ -192,7 +214,7 @@ def test_the_grammar_writes_calls_the_reader_reads(session: Session, syntax, par
                                                            guided_decoding=GuidedDecodingParams(grammar=grammar))
                                        ).result() for k in (3, 0)}
     assert outs[3].token_ids == outs[0].token_ids
-    content, calls = read_tool_calls(syntax, outs[3].text)
+    content, calls, _ = read_tool_calls(syntax, outs[3].text)
     assert content is None and calls and (parallel or len(calls) == 1)
     cut = outs[3].finish_reason == "length"  # parallel calls: the tiny model may call on until max_tokens
     assert outs[3].finish_reason == "stop" or (cut and parallel)
@@ -364,6 +386,13 @@ BAD = [  # (body beside messages, param, message)
      "parallel_tool_calls must be true or false, got 1"),
     ({"functions": [{"name": "f"}]}, "functions",
      "functions [{'name': 'f'}] is not supported by this server; it takes null or [] (send tools)"),
+    # a call's arguments are an object (a string schema gave '"--example"'); the grammar's JSON options are its own
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools[0].function.parameters", "tools[0].function.parameters must be a JSON schema of \"type\": \"object\" "
+     "(a call's arguments are an object), got type string"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "x-guidance": None}}}],
+      "tool_choice": "required"}, "tools[0].function.parameters",
+     "tools[0].function.parameters: x-guidance is not taken in a tool's schema"),  # was a 500
 ]
 BAD_MESSAGES = [  # (messages, message)
     ([*MESSAGE, {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}],
@@ -375,6 +404,10 @@ BAD_MESSAGES = [  # (messages, message)
      "messages[0].tool_calls: only assistant messages make tool calls"),
     ([*MESSAGE, {"role": "function", "name": "f", "content": "1"}],
      "messages[1].role 'function' (the deprecated function calling) is not supported; send tool messages"),
+    # a null content was rendered as the text "None"
+    ([{"role": "user", "content": None}], "messages[0].content is required on a user message"),
+    ([*CONVERSATION[:3], {"role": "tool", "tool_call_id": "call_1", "content": None}],
+     "messages[3].content is required on a tool message"),
 ]
 
 

@@ -30,7 +30,6 @@ from serving.openai_server import protocol
 from serving.openai_server.chat import ChatTemplateFault, template_uses_tools
 from serving.openai_server.protocol import APIError, Generation
 from serving.openai_server.tool_calls import TOOL_CALL_PARSERS, ToolCallReader, read_tool_calls
-from serving.openai_server.tool_calls import finish_reason as tool_finish_reason
 from serving.watchdog import STALL_TIMEOUT_S
 
 log = logging.getLogger("serving.openai_server")
@@ -174,9 +173,9 @@ class OpenAIServer:
         finishes = ["length" if g.echo_only else o.finish_reason for o in outs]
         calls: list[list[dict[str, Any]] | None] = [None] * len(outs)
         if g.tool_syntax is not None:  # the text before the calls is the content
-            for i, t in enumerate(texts):
-                texts[i], calls[i] = read_tool_calls(g.tool_syntax, t, g.parallel_tool_calls)
-                finishes[i] = tool_finish_reason(bool(calls[i]), finishes[i])
+            for i, (t, o) in enumerate(zip(texts, outs)):
+                texts[i], calls[i], finishes[i] = read_tool_calls(g.tool_syntax, t, g.parallel_tool_calls,
+                                                                  finishes[i], o.stop_reason)
         choices = [protocol.choice(i, t, f, chat, chunk=False, role=g.role, stop_reason=o.stop_reason, tool_calls=c,
                                    logprobs=self._choice_logprobs(g, i, o, chat))
                    for i, (t, f, c, o) in enumerate(zip(texts, finishes, calls, outs))]
@@ -269,7 +268,7 @@ class OpenAIServer:
                 text, calls, finish = out.text_delta, None, out.finish_reason
                 if readers is not None:  # what the new text decides: content, tool-call deltas
                     text, calls = readers[index].read(text, out.finished)
-                    finish = readers[index].finish_reason(finish)
+                    finish = readers[index].finish_reason(finish, out.stop_reason)
                 if text or calls or out.finished or out.new_logprobs or g.return_token_ids and out.new_token_ids:
                     c = protocol.choice(index, text, finish, chat, chunk=True,
                                         logprobs=self._logprobs(g, out.new_logprobs, chat, offsets[index]),

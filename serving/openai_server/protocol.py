@@ -487,6 +487,8 @@ def _messages(body: dict, max_text_bytes: int) -> list[dict[str, Any]]:
         content = m.get("content")
         if content is None and m["role"] == "assistant":  # OpenAI's assistant turns may have no content
             content = None if tool_calls else ""  # beside tool calls, as sent: DeepSeek's templates test for none
+        elif content is None:  # a template would write it as the text "None"
+            raise APIError(f"{where}.content is required on a {m['role']} message", "messages")
         if isinstance(content, list):  # content parts: text only, joined by lines as vLLM and trtllm-serve join them
             if not all(isinstance(p, dict) and p.get("type") == "text" and set(p) == {"type", "text"} and
                        isinstance(p["text"], str) for p in content):
@@ -540,6 +542,14 @@ def _tools(body: dict) -> list[dict[str, Any]] | None:
             if f.get(key) is not None and not isinstance(f[key], kind):
                 raise APIError(f"{where}.function.{key} must be {what}, got {str(f[key])[:80]}",
                                f"{where}.function.{key}")
+        parameters = f.get("parameters") or {}
+        if parameters and parameters.get("type") != "object":  # a call's arguments are a JSON object (OpenAI's rule)
+            raise APIError(f"{where}.function.parameters must be a JSON schema of \"type\": \"object\" (a call's "
+                           f"arguments are an object), got type {str(parameters.get('type'))[:40]}",
+                           f"{where}.function.parameters")
+        if "x-guidance" in parameters:  # the tool-call grammar sets how the arguments are written
+            raise APIError(f"{where}.function.parameters: x-guidance is not taken in a tool's schema",
+                           f"{where}.function.parameters")
     return tools
 
 
@@ -670,8 +680,8 @@ def chat_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_byt
                        "tool_choice")
     generation_prompt = _flag(body, "add_generation_prompt", True)
     if len(ids) >= max_seq_len:  # said of the messages: the client never saw the rendered prompt
-        raise APIError(f"messages come to {len(ids)} tokens with the chat template; max_seq_len is {max_seq_len}",
-                       "messages")
+        raise APIError(f"messages{' and tools' if tools else ''} come to {len(ids)} tokens with the chat template; "
+                       f"max_seq_len is {max_seq_len}", "messages")
     stream = _flag(body, "stream")
     asked = {k: _integer(body, k, 1, INT32_MAX, None) for k in ("max_completion_tokens", "max_tokens")
              if body.get(k) is not None}  # each checked as an integer before they are compared

@@ -76,7 +76,7 @@ TOOL_CALL_PARSERS = {
 }
 
 
-def _held(text: str, marker: str) -> int:
+def _marker_start(text: str, marker: str) -> int:
     """The length of text's longest suffix that begins `marker` (text that may still become it)."""
     for k in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-k:]):
@@ -96,6 +96,7 @@ class ToolCallReader:
         self.pending = ""  # text not decided yet
         self.held = ""  # markers read since the last call began: content if no call follows after all
         self.calls = 0  # calls begun
+        self.in_string = self.escaped = False  # where the arguments read so far leave a JSON string
         self._content: list[str] = []
         self._deltas: list[dict[str, Any]] = []
 
@@ -108,10 +109,8 @@ class ToolCallReader:
             pass
         if finished:
             rest = self.held + self.pending
-            if self.state == "args":
-                self._arguments(rest)
-            elif self.state in ("open", "header") and self.calls:
-                pass  # the calls' markup, cut short
+            if self.state in ("args", "open", "header") and self.calls:
+                pass  # the calls' markup, cut short (in the arguments: the start of their end marker, held back)
             else:
                 self._content.append(rest)
             self.held = self.pending = ""
@@ -125,7 +124,7 @@ class ToolCallReader:
         if self.state == "text":
             at = text.find(CALLS_BEGIN)
             if at < 0:
-                keep = _held(text, CALLS_BEGIN)
+                keep = _marker_start(text, CALLS_BEGIN)
                 self._content.append(text[:len(text) - keep])
                 self.pending = text[len(text) - keep:]
                 return False
@@ -135,15 +134,16 @@ class ToolCallReader:
         if self.state == "open":
             rest = text.lstrip()
             skipped = text[:len(text) - len(rest)]
-            for marker, state in ((CALL_BEGIN, "header"), (CALLS_END, "rest")):
+            for marker, state in ((CALL_BEGIN, "header"), (CALLS_END, "text")):
                 if rest.startswith(marker):
                     self.held += skipped + marker
                     self.pending, self.state = rest[len(marker):], state
-                    if state == "rest":  # the calls' end: its markers are no content, unless no call came
+                    if state == "text":  # the calls' end: its markers are no content, unless no call came
                         self._content.append("" if self.calls else self.held)
                         self.held = ""
                     return True
-            if CALL_BEGIN.startswith(rest) or CALLS_END.startswith(rest):
+            begun = rest.rstrip("\ufffd")  # the last character, cut by max_tokens mid-way, decodes as U+FFFD
+            if CALL_BEGIN.startswith(begun) or CALLS_END.startswith(begun):
                 return False
             return self._malformed()
         if self.state == "header":
@@ -160,9 +160,8 @@ class ToolCallReader:
             self.held, self.pending, self.state = "", text[end:], "args"
             return True
         if self.state == "args":
-            at = text.find(s.args_end)
+            at, keep = self._arguments_end(text)
             if at < 0:
-                keep = _held(text, s.args_end)
                 self._arguments(text[:len(text) - keep])
                 self.pending = text[len(text) - keep:]
                 return False
@@ -172,6 +171,27 @@ class ToolCallReader:
         self._content.append(text)  # rest
         self.pending = ""
         return False
+
+    def _arguments_end(self, text: str) -> tuple[int, int]:
+        """Where the arguments' end marker starts in text (-1: not there), and how much of text's end may still
+        begin it (held back); a marker inside a JSON string is the arguments' text (a string may hold anything, the
+        markers too, where a tokenizer does not make them special tokens). Keeps the string state at what it
+        decides."""
+        end, in_string, escaped = self.syntax.args_end, self.in_string, self.escaped
+        for i, ch in enumerate(text):
+            if not in_string:
+                if text.startswith(end, i) or end.startswith(text[i:]):
+                    self.in_string, self.escaped = False, False
+                    return (i, 0) if text.startswith(end, i) else (-1, len(text) - i)
+                in_string = ch == '"'
+            elif escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch in '"\n':  # a raw newline ends no JSON string: the output is not JSON, its markers count
+                in_string = False
+        self.in_string, self.escaped = in_string, escaped
+        return -1, 0
 
     def _malformed(self) -> bool:
         """Text that breaks the format: it and everything after it are content."""
@@ -189,20 +209,21 @@ class ToolCallReader:
         else:
             self._deltas.append({"index": index, "function": {"arguments": text}})
 
-    def finish_reason(self, reason: str | None) -> str | None:
-        return finish_reason(bool(self.calls), reason)
+    def finish_reason(self, reason: str | None, stop_reason: int | str | None) -> str | None:
+        """OpenAI's "tool_calls" for an output that made calls, each whole, and ended by itself (not at a stop
+        string or stop token id, which may cut a call short)."""
+        whole = self.state not in ("header", "args")
+        return "tool_calls" if self.calls and whole and reason == "stop" and stop_reason is None else reason
 
 
-def finish_reason(made_calls: bool, reason: str | None) -> str | None:
-    """OpenAI's "tool_calls" for an output that made calls and ended by itself."""
-    return "tool_calls" if made_calls and reason == "stop" else reason
-
-
-def read_tool_calls(syntax: ToolSyntax, text: str, parallel: bool = True) -> tuple[str | None, list[dict[str, Any]]]:
-    """A whole output's content (None when empty, as OpenAI answers beside tool calls) and tool calls in a message's
-    shape ({id, type, function: {name, arguments}})."""
-    content, deltas = ToolCallReader(syntax, parallel).read(text, finished=True)
-    return content or None, [{key: d[key] for key in ("id", "type", "function")} for d in deltas]
+def read_tool_calls(syntax: ToolSyntax, text: str, parallel: bool = True, reason: str | None = "stop",
+                    stop_reason: int | str | None = None) -> tuple[str | None, list[dict[str, Any]], str | None]:
+    """A whole output's content (None when empty, as OpenAI answers beside tool calls), tool calls in a message's
+    shape ({id, type, function: {name, arguments}}) and finish reason (`ToolCallReader.finish_reason`)."""
+    reader = ToolCallReader(syntax, parallel)
+    content, deltas = reader.read(text, finished=True)
+    calls = [{key: d[key] for key in ("id", "type", "function")} for d in deltas]
+    return content or None, calls, reader.finish_reason(reason, stop_reason)
 
 
 def tool_call_grammar(syntax: ToolSyntax, functions: list[dict[str, Any]], parallel: bool) -> str:
