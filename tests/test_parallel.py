@@ -240,6 +240,17 @@ def test_a_killed_rank_stops_the_executor_with_a_clear_error(tp2, shipped_model_
     ex.shutdown()
 
 
+def test_ctrl_c_reaches_the_ranks_and_rank_0_decides(tp2, shipped_model_dir):
+    """Ctrl-C in a terminal (or a notebook's interrupt) sends SIGINT to the whole process group: a rank died of it,
+    and the next request of the session failed naming it; the process that owns the executor decides."""
+    ex = executor(tp2, None)
+    [worker] = ex.ranks.procs
+    worker.send_signal(signal.SIGINT)
+    out = ex.submit(prompts(shipped_model_dir)[0], SamplingParams(max_tokens=8, ignore_eos=True)).result(60)
+    assert out.finish_reason == "length" and worker.poll() is None and ex.health(60) is None
+    ex.shutdown()
+
+
 def test_a_rank_killed_while_idle_is_found_before_the_next_request(tp2):
     ex = executor(tp2, None)
     [worker] = ex.ranks.procs
@@ -355,3 +366,24 @@ def test_triton_world_size_serves_the_engine_from_its_ranks(tp2, tmp_path):
     with pytest.raises(RuntimeError, match="world_size 3: .* has tp_size 2"):
         start_server(tmp_path / "repo", world_size=3, log_file=tmp_path / "bad.log", ready_timeout_s=240,
                      exit_timeout_s=5)
+
+
+def test_dsv3_serve_stops_when_a_rank_dies(tp2, tmp_path):
+    """A server whose executor has stopped serving answered 503 for ever (its /health said why); as vLLM's, it now
+    takes itself down, exit status 1 and the reason on stderr, for a supervisor to restart it."""
+    from serving.launcher import live_descendants
+    from serving.openai_server.process import start_dsv3_serve
+
+    log = tmp_path / "serve.log"
+    server = start_dsv3_serve(tp2, "--num_draft_tokens", "2", "--kv_cache_tokens", "1024", log=log)
+    try:
+        [pid] = [p for p, argv in live_descendants(server.process.pid).items()
+                 if b"runtime.executors.ranks" in b" ".join(argv)]
+        os.kill(pid, signal.SIGKILL)
+        assert server.process.wait(timeout=60) == 1
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
+    text = log.read_text()
+    assert (f"dsv3-serve: stopped: engine: executor stopped: RankFailure: rank 1 (pid {pid}) exited with code -9"
+            in text), text[-2000:]

@@ -371,6 +371,7 @@ def main() -> int:
     p.add_argument("store", help="the file store rank 0 made")
     p.add_argument("options")
     args = p.parse_args()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0's process decides
     logging.basicConfig(level=logging.WARNING, format=f"rank {args.rank}: %(levelname)s %(message)s")
     return _worker(args.path, args.rank, args.world, _file_store(args.store, args.world),
                    RankOptions(**json.loads(args.options)), loopback=True)

@@ -69,19 +69,20 @@ class Scratch:
     leaves no freed buffers behind for the allocator to keep resident. A tensor read into it lives until the next."""
 
     def __init__(self) -> None:
-        self.buffer = torch.empty(0, dtype=torch.uint8)
+        self.buffer = torch.empty(0, dtype=torch.uint8, device="cpu")
 
     def take(self, nbytes: int) -> torch.Tensor:
         if self.buffer.numel() < nbytes:
-            self.buffer = torch.empty(0, dtype=torch.uint8)  # the old one goes before the new one comes
-            self.buffer = torch.empty(nbytes, dtype=torch.uint8)
+            self.buffer = torch.empty(0, dtype=torch.uint8, device="cpu")  # the old one goes before the new one comes
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
         return self.buffer[:nbytes]
 
 
 def read_tensor(file: Path, info: TensorInfo, scratch: Scratch | None = None) -> torch.Tensor:
     """One tensor's bytes read into memory of its own, or into `scratch` (no memory map: a mapped shard's pages
     stay resident while anything of it is in use, which would double the memory of loading)."""
-    out = torch.empty(info.nbytes, dtype=torch.uint8) if scratch is None else scratch.take(info.nbytes)
+    # on the CPU whatever device is the default (a model is built under torch.device("meta"))
+    out = torch.empty(info.nbytes, dtype=torch.uint8, device="cpu") if scratch is None else scratch.take(info.nbytes)
     with open(file, "rb", buffering=0) as f:
         f.seek(info.offset)
         if f.readinto(out.numpy()) != info.nbytes:

@@ -300,7 +300,10 @@ class _EngineSource:
         if info is None:
             return None
         dtype = TORCH_DTYPES[info.dtype]
-        return torch.float32 if dtype == FP8_DTYPE and self._whole_scale(name) is None else dtype
+        if dtype != FP8_DTYPE:
+            return dtype
+        with torch.device("cpu"):  # asked while the model is built on the meta device: the scales are real
+            return torch.float32 if self._whole_scale(name) is None else dtype
 
     def _full_shape(self, name: str) -> tuple[int, ...]:
         full = self.shapes[name]

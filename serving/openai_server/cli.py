@@ -27,6 +27,7 @@ from runtime.executors.process import EngineProcessError, open_server_executor
 from runtime.executors.trtllm_api import TensorRTLLMUnavailable
 from serving.openai_server.app import api_key_problem, create_app
 from serving.openai_server.chat import ChatTemplateFault, check_template
+from serving.watchdog import STALL_TIMEOUT_S, Watchdog, stop_server
 from serving.openai_server.tool_calls import TOOL_CALL_PARSERS
 
 log = logging.getLogger("serving.openai_server")
@@ -147,10 +148,20 @@ def main(argv: list[str] | None = None) -> int:
         log.info("serving %s as %r at http://%s:%d/v1%s", args.model, name, args.host, args.port,
                  " (API key required)" if args.api_key else "")
         app = create_app(executor, name, args.api_key, args.tool_call_parser, chat_template)
-        Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                              access_log=False)).run()  # the app logs each request itself
+        # an executor that stopped serving (a rank died, its step loop stalled) takes the server down, as vLLM's
+        # engine does: a supervisor restarts it, where a server answering 503 for ever would not be
+        watchdog = Watchdog({"engine": lambda: executor.health(STALL_TIMEOUT_S)},
+                            lambda reason: stop_server(os.getpid(), reason))
+        try:
+            Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                  access_log=False)).run()  # the app logs each request itself
+        finally:
+            watchdog.stop()
     finally:
         executor.shutdown()
+    if watchdog.failure is not None:
+        print(f"dsv3-serve: stopped: {watchdog.failure}", file=sys.stderr)
+        return 1
     return 0
 
 
