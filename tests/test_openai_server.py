@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import socket
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -987,3 +988,29 @@ def test_an_api_key_a_header_cannot_carry_is_refused_at_start(key: str, capsys: 
     assert main(["models/none", "--api_key", key]) == 2
     assert capsys.readouterr().err == ("dsv3-serve: --api_key (or DSV3_API_KEY) must be a non-empty string of "
                                        "printable ASCII without spaces\n")
+
+
+def test_load_shedding_is_a_503_logged_as_a_warning(shipped_model_dir: Path, tmp_path: Path) -> None:
+    """--max_queued_requests: a request past the bound is a 503 the client may retry; normal overload, so the server
+    logs it as a warning (each one was an ERROR line: 48 in one second in a burst, tripping alerts on errors)."""
+    srv = Server(shipped_model_dir, tmp_path / "server.log", "--num_draft_tokens", "0", "--max_batch_size", "1",
+                 "--max_queued_requests", "1")
+    try:
+        running = srv.client.completions.create(model=shipped_model_dir.name, prompt="def f(x):", max_tokens=400,
+                                                stream=True, extra_body={"ignore_eos": True})
+        next(iter(running))  # generating: the one batch slot is taken
+        waiting = threading.Thread(target=srv.post, args=("/v1/completions", {
+            "prompt": "def g(y):", "max_tokens": 2}))
+        waiting.start()
+        deadline = time.monotonic() + 30
+        while srv.metrics()["requests_waiting"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        status, body = srv.post("/v1/completions", {"prompt": "def h(z):", "max_tokens": 2})
+        running.close()
+        waiting.join(60)
+    finally:
+        assert srv.stop() == 0
+    assert status == 503 and body["error"]["message"].startswith("the queue is full: 1 requests wait to be scheduled")
+    log = srv.log.read_text()
+    assert "WARNING serving.openai_server: POST /v1/completions refused (503): the queue is full" in log
+    assert " ERROR " not in log

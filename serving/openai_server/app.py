@@ -406,7 +406,9 @@ def create_app(executor: ExecutorProtocol, model_name: str, api_key: str | None 
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
-        if e.status >= 500:
+        if e.status == 503:  # load shed, or an executor that stopped (the watchdog says that once, at ERROR)
+            log.warning("%s %s refused (503): %s", request.method, request.url.path, e.message)
+        elif e.status >= 500:
             log.error("%s %s: %s", request.method, request.url.path, e.message)
         else:
             log.info("%s %s refused (%d): %s", request.method, request.url.path, e.status, e.message)
