@@ -495,3 +495,11 @@ def test_the_servers_template_is_its_own_and_a_parser_without_tools_in_it_is_war
     assert [r.getMessage() for r in caplog.records] == [
         "--tool_call_parser deepseek_v3: the chat template does not render tools, so requests with tools are refused; "
         "give one that does with --chat_template"]
+
+
+def test_arguments_are_an_object_even_where_the_schema_leaves_its_type_out() -> None:
+    """OpenAI's parameters are an object schema; one that leaves "type" out is taken as an object's (JSON Schema
+    would let a string or a number through), and another type is refused (test_bad_tools_and_tool_choice_...)."""
+    grammar = tool_call_grammar(V3, [{"name": "f", "parameters": {"properties": {"a": {"type": "integer"}}}}], False)
+    [schema] = [json.loads(line.split("%json ", 1)[1]) for line in grammar.splitlines() if "%json" in line]
+    assert schema["type"] == "object" and schema["properties"] == {"a": {"type": "integer"}}

@@ -543,7 +543,7 @@ def _tools(body: dict) -> list[dict[str, Any]] | None:
                 raise APIError(f"{where}.function.{key} must be {what}, got {str(f[key])[:80]}",
                                f"{where}.function.{key}")
         parameters = f.get("parameters") or {}
-        if parameters and parameters.get("type") != "object":  # a call's arguments are a JSON object (OpenAI's rule)
+        if parameters.get("type", "object") != "object":  # a call's arguments are a JSON object (OpenAI's rule)
             raise APIError(f"{where}.function.parameters must be a JSON schema of \"type\": \"object\" (a call's "
                            f"arguments are an object), got type {str(parameters.get('type'))[:40]}",
                            f"{where}.function.parameters")

@@ -237,7 +237,7 @@ def tool_call_grammar(syntax: ToolSyntax, functions: list[dict[str, Any]], paral
     lines = [f"start: {literal(CALLS_BEGIN)} call{more} {literal(CALLS_END)}",
              "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
     for i, f in enumerate(functions):
-        schema = f.get("parameters") or EMPTY_PARAMETERS
+        schema = {"type": "object", **(f.get("parameters") or EMPTY_PARAMETERS)}  # arguments are an object
         schema = {**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}}
         lines += [f"call_{i}: {literal(syntax.call_prefix(f['name']))} args_{i} {literal(syntax.args_end)}",
                   f"args_{i}: %json {json.dumps(schema)}"]
