@@ -9,6 +9,7 @@ shapes, FP8 weights without scales), with messages that name the file and the te
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import re
@@ -69,20 +70,19 @@ class Scratch:
     leaves no freed buffers behind for the allocator to keep resident. A tensor read into it lives until the next."""
 
     def __init__(self) -> None:
-        self.buffer = torch.empty(0, dtype=torch.uint8, device="cpu")
+        self.buffer = torch.empty(0, dtype=torch.uint8)
 
     def take(self, nbytes: int) -> torch.Tensor:
         if self.buffer.numel() < nbytes:
-            self.buffer = torch.empty(0, dtype=torch.uint8, device="cpu")  # the old one goes before the new one comes
-            self.buffer = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
+            self.buffer = torch.empty(0, dtype=torch.uint8)  # the old one goes before the new one comes
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8)
         return self.buffer[:nbytes]
 
 
 def read_tensor(file: Path, info: TensorInfo, scratch: Scratch | None = None) -> torch.Tensor:
     """One tensor's bytes read into memory of its own, or into `scratch` (no memory map: a mapped shard's pages
     stay resident while anything of it is in use, which would double the memory of loading)."""
-    # on the CPU whatever device is the default (a model is built under torch.device("meta"))
-    out = torch.empty(info.nbytes, dtype=torch.uint8, device="cpu") if scratch is None else scratch.take(info.nbytes)
+    out = torch.empty(info.nbytes, dtype=torch.uint8) if scratch is None else scratch.take(info.nbytes)
     with open(file, "rb", buffering=0) as f:
         f.seek(info.offset)
         if f.readinto(out.numpy()) != info.nbytes:
@@ -280,7 +280,7 @@ class HFCheckpoint:
         (all of them in a BF16 checkpoint; in an FP8 one, those its `modules_to_not_convert` keeps)."""
         return [n for n in self._weight_map if is_fp8_quantized(n) and self.tensor_info(n).dtype != FP8_CODE]
 
-    @property
+    @functools.cached_property
     def stored_fp8(self) -> bool:
         """Whether the weights are FP8 as stored: a config declaring FP8 over files holding none is read as stored."""
         return self.quantized and any(is_fp8_quantized(n) and self.tensor_info(n).dtype == FP8_CODE

@@ -237,8 +237,8 @@ def tool_call_grammar(syntax: ToolSyntax, functions: list[dict[str, Any]], paral
     lines = [f"start: {literal(CALLS_BEGIN)} call{more} {literal(CALLS_END)}",
              "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
     for i, f in enumerate(functions):
-        schema = {"type": "object", **(f.get("parameters") or EMPTY_PARAMETERS)}  # arguments are an object
-        schema = {**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}}
+        # arguments are an object, written as json.dumps writes it (a tool's own x-guidance is refused)
+        schema = {"type": "object", **(f.get("parameters") or EMPTY_PARAMETERS), "x-guidance": JSON_OPTIONS}
         lines += [f"call_{i}: {literal(syntax.call_prefix(f['name']))} args_{i} {literal(syntax.args_end)}",
                   f"args_{i}: %json {json.dumps(schema)}"]
     return "\n".join(lines) + "\n"
