@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from builder.validation import BuildError, copy_tokenizer, open_hf_checkpoint, quant_algo_flag, validate_build
 from builder.native_engine import BUILDER_VERSION
+from runtime.core.sampling_params import RelaxedAcceptance
 from runtime.io.atomic import new_output_dir
 from runtime.io.checkpoint import FP8_CODE, INDEX_NAME
 from runtime.io.engine_format import HF_DIR, LLM_API_OPTIONS, BuildConfig, EngineManifest, released_quant_algo
@@ -36,8 +37,8 @@ class TrtllmOptions:
     cuda_graph_padding: bool = True
     use_mtp_vanilla: bool = False
     use_relaxed_acceptance_for_thinking: bool = False
-    relaxed_topk: int = 1
-    relaxed_delta: float = 0.0
+    relaxed_topk: int = RelaxedAcceptance.top_n
+    relaxed_delta: float = RelaxedAcceptance.delta
     guided_decoding_backend: str | None = None  # "xgrammar" | "llguidance": structured output (None: off)
 
 

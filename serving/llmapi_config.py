@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from runtime.core.sampling import RelaxedAcceptance
+from runtime.core.sampling_params import RelaxedAcceptance
 from runtime.executors.base import DEFAULT_DRAFT_TOKENS, ExecutorConfig
 from runtime.executors.trtllm_api import read_llm_api_options
 from runtime.io.engine_format import HF_DIR, engine_backend, read_limits
@@ -29,8 +29,9 @@ MODEL_YAML = "model.yaml"
 SPECULATION_WARNED = ("use_mtp_vanilla", "mtp_eagle_one_model", "max_concurrency", "draft_len_schedule",
                       "acceptance_rate_window_size", "acceptance_rate_threshold", "use_rejection_sampling",
                       "max_total_draft_tokens")
-RELAXED = ("use_relaxed_acceptance_for_thinking", "relaxed_topk", "relaxed_delta", "begin_thinking_phase_token",
-           "end_thinking_phase_token")
+RELAXED_FIELDS = {"relaxed_topk": "top_n", "relaxed_delta": "delta", "begin_thinking_phase_token": "begin_thinking_token",
+                  "end_thinking_phase_token": "end_thinking_token"}  # upstream's name -> RelaxedAcceptance's
+RELAXED = ("use_relaxed_acceptance_for_thinking", *RELAXED_FIELDS)
 KV_CACHE_WARNED = ("tokens_per_block", "host_cache_size", "onboard_blocks",
                    "event_buffer_max_size", "enable_partial_reuse", "copy_on_partial_reuse", "use_uvm",
                    "cross_kv_cache_fraction")
@@ -210,9 +211,7 @@ def _speculative(spec: Any, engine_options: dict[str, Any], source: str,
     values = {name: spec.pop(name) for name in RELAXED if name in spec}
     if values.pop("use_relaxed_acceptance_for_thinking", False):
         try:
-            relaxed = RelaxedAcceptance(top_n=values.get("relaxed_topk", 1), delta=values.get("relaxed_delta", 0.0),
-                                        begin_thinking_token=values.get("begin_thinking_phase_token", -1),
-                                        end_thinking_token=values.get("end_thinking_phase_token", -1))
+            relaxed = RelaxedAcceptance(**{RELAXED_FIELDS[name]: value for name, value in values.items()})
         except ValueError as e:
             raise ModelYamlError(f"{source}: speculative_config: {e}") from None
     for name in [n for n in SPECULATION_WARNED if n in spec]:

@@ -28,8 +28,8 @@ from runtime.executors.native import Executor
 from runtime.core.kv_cache import BlockAllocator, KVCache, OutOfBlocks
 from runtime.model.batch import PagedBatch
 from runtime.core import sampling
-from runtime.core.sampling import RelaxedAcceptance, SamplingTensors, accept, probabilities, race
-from runtime.core.sampling_params import SamplingParams
+from runtime.core.sampling import SamplingTensors, accept, probabilities, race
+from runtime.core.sampling_params import RelaxedAcceptance, SamplingParams
 from runtime.core.draft_policy import DraftPolicy, StepCosts
 from runtime.core.scheduler import Scheduler, SchedulerConfig
 from runtime.core.sequence import Sequence, Status

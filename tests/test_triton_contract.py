@@ -30,7 +30,7 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 httpclient = pytest.importorskip("tritonclient.http")
 
 from builder.trtllm_engine import TrtllmOptions, llm_api_options  # noqa: E402
-from runtime.core.sampling_params import GuidedDecodingParams, SamplingParams  # noqa: E402
+from runtime.core.sampling_params import GuidedDecodingParams, RelaxedAcceptance, SamplingParams  # noqa: E402
 from runtime.executors.session import Session  # noqa: E402
 from runtime.io.engine_format import read_limits  # noqa: E402
 from serving.llmapi_config import ModelYamlError, read_model_yaml  # noqa: E402
@@ -475,6 +475,16 @@ def test_model_yaml_maps_llm_api_keys(tmp_path: Path, checkpoint: Path) -> None:
     assert bare.executor.enable_block_reuse  # prefix caching on by default, as the LLM API
     # what the file leaves out keeps the settings' own defaults, read from the dataclasses, not repeated
     assert bare.triton == TritonConfig() and bare.executor == ExecutorConfig(speculation="off", num_draft_tokens=0)
+
+
+def test_relaxed_acceptance_keeps_upstreams_defaults(tmp_path: Path, checkpoint: Path) -> None:
+    """What a model.yaml leaves out of relaxed acceptance means what MTPDecodingConfig's defaults say (top 1, delta 0),
+    as the builder's --backend trtllm options do: one set of defaults, RelaxedAcceptance's."""
+    spec = {"decoding_type": "MTP", "max_draft_len": 2, "use_relaxed_acceptance_for_thinking": True,
+            "end_thinking_phase_token": 7}
+    relaxed = read_model_yaml(write_yaml(tmp_path, checkpoint, speculative_config=spec), tmp_path).executor
+    assert relaxed.relaxed_acceptance == RelaxedAcceptance(top_n=1, delta=0.0, end_thinking_token=7)
+    assert (TrtllmOptions.relaxed_topk, TrtllmOptions.relaxed_delta) == (1, 0.0)
 
 
 @pytest.mark.parametrize("keys, message", [

@@ -44,10 +44,11 @@ from runtime.core.kv_cache import KVCache
 from runtime.model.batch import SHORT_QUERY, PagedBatch
 from runtime.model.kernels.modules import FusedMTPLayer, GreedyStep, attends_in_kernels
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM
-from runtime.core.sampling import (PURPOSE_DRAFT, Adjustments, RelaxedAcceptance, SamplingTensors, TokenLogprob, accept,
+from runtime.core.sampling import (PURPOSE_DRAFT, Adjustments, SamplingTensors, TokenLogprob, accept,
                                    accept_greedy, adjusted_logits, probabilities, processed_logprobs,
                                    race, read_token_logprobs, sample, token_logprobs, uniforms)
 from runtime.core.plan import Scheduled, StepResult
+from runtime.core.sampling_params import RelaxedAcceptance
 from runtime.core.sequence import LogitBias, Sequence
 
 

@@ -1,4 +1,4 @@
-"""Sampling parameters, target/draft distributions and the acceptance rules of speculative decoding.
+"""Target/draft distributions and the acceptance rules of speculative decoding.
 
 Randomness is counter-based: every draw is a hash of (request seed, token position, purpose, and for the
 race below the token), so a request draws the same numbers whatever else shares its batch, and the draws are
@@ -42,29 +42,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from runtime.model.config import is_int, is_number
+from runtime.core.sampling_params import RelaxedAcceptance
 from runtime.model.kernels import cpu_kernels
 from runtime.model.kernels.modules import cpu_kernels_serve
-
-
-@dataclass(frozen=True)
-class RelaxedAcceptance:
-    """TensorRT-LLM's relaxed acceptance for reasoning models; off unless configured."""
-
-    top_n: int = 10
-    delta: float = 0.6
-    begin_thinking_token: int = -1
-    end_thinking_token: int = -1
-
-    def __post_init__(self) -> None:
-        if not is_int(self.top_n) or self.top_n < 1:
-            raise ValueError(f"relaxed acceptance top_n must be an integer >= 1, got {self.top_n!r}")
-        if not is_number(self.delta) or not 0 <= self.delta <= 1:
-            raise ValueError(f"relaxed acceptance delta must be in [0, 1], got {self.delta!r}")
-
-    def advance(self, thinking: bool, token: int) -> bool:
-        """Whether a thinking span is open after `token`, given whether one was open before it."""
-        return True if token == self.begin_thinking_token else False if token == self.end_thinking_token else thinking
 
 
 # ---- counter-based draws -----------------------------------------------------------------------

@@ -36,6 +36,27 @@ def _as_given(value: object) -> object:
 
 
 @dataclass(frozen=True)
+class RelaxedAcceptance:
+    """TensorRT-LLM's relaxed acceptance for reasoning models (its MTPDecodingConfig's fields and defaults); off unless
+    configured."""
+
+    top_n: int = 1
+    delta: float = 0.0
+    begin_thinking_token: int = -1
+    end_thinking_token: int = -1
+
+    def __post_init__(self) -> None:
+        if not is_int(self.top_n) or self.top_n < 1:
+            raise ValueError(f"relaxed acceptance top_n must be an integer >= 1, got {self.top_n!r}")
+        if not is_number(self.delta) or not 0 <= self.delta <= 1:
+            raise ValueError(f"relaxed acceptance delta must be in [0, 1], got {self.delta!r}")
+
+    def advance(self, thinking: bool, token: int) -> bool:
+        """Whether a thinking span is open after `token`, given whether one was open before it."""
+        return True if token == self.begin_thinking_token else False if token == self.end_thinking_token else thinking
+
+
+@dataclass(frozen=True)
 class GuidedDecodingParams:
     """Structured output (TensorRT-LLM's names): exactly one of a JSON schema (`json`: a string, a dict or a
     pydantic model class), a regular expression, an EBNF grammar (GBNF `root ::= ...`, or Lark), or

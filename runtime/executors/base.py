@@ -10,8 +10,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from runtime.core.sampling import RelaxedAcceptance
-from runtime.core.sampling_params import SamplingParams
+from runtime.core.sampling_params import RelaxedAcceptance, SamplingParams
 from runtime.core.scheduler import SchedulerConfig
 from runtime.executors.requests import ExecutorStats, RequestHandle, RequestOutput
 from runtime.io.engine_format import MAX_DRAFT_LEN, BuildConfig, check_model_limits
