@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from runtime.core.sampling_params import RelaxedAcceptance
-from runtime.executors.base import DEFAULT_DRAFT_TOKENS, ExecutorConfig
+from runtime.executors.base import ExecutorConfig
 from runtime.executors.trtllm_api import read_llm_api_options
 from runtime.io.engine_format import HF_DIR, engine_backend, read_limits
 from runtime.io.yaml_file import read_yaml
@@ -273,7 +273,8 @@ def model_yaml(engine_dir: Path, model: str, *, decoupled: bool) -> dict[str, An
         options = {"backend": "pytorch", "tensor_parallel_size": build.tp_size,
                    "moe_expert_parallel_size": build.ep_size, "max_batch_size": build.max_batch_size,
                    "max_seq_len": build.max_seq_len, "max_num_tokens": build.max_num_tokens}
-        if build.max_draft_len and cfg.num_nextn_predict_layers:
-            options["speculative_config"] = {"decoding_type": "MTP", "max_draft_len": min(DEFAULT_DRAFT_TOKENS, build.max_draft_len)}
+        k = ExecutorConfig().draft_len(build.max_draft_len, cfg.num_nextn_predict_layers, str(engine_dir))
+        if k:
+            options["speculative_config"] = {"decoding_type": "MTP", "max_draft_len": k}
         options["kv_cache_config"] = {"free_gpu_memory_fraction": ExecutorConfig.free_memory_fraction}
     return {"model": model, **options, "triton_config": {"max_batch_size": 0, "decoupled": decoupled}}

@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from runtime.executors.backends import check_settings
+from runtime.executors.base import ExecutorConfig
 from runtime.io.atomic import atomic_write, check_not_replacing, new_output_dir, os_error_text
 from runtime.io.engine_format import read_limits, tokenizer_dir
 from runtime.io.tokenizer import TOKENIZER_FILE
@@ -48,7 +49,7 @@ def default_values(engine_dir: Path, **overrides: str) -> dict[str, str]:
         "tokenizer_dir": str(tokenizer_dir(engine_dir)),
         "max_input_tokens": str(build.max_seq_len),
         "vocab_size": str(cfg.vocab_size),
-        "speculation": "adaptive",
+        "speculation": ExecutorConfig.speculation,
         "preprocessing_instance_count": "1",
         "postprocessing_instance_count": "1",
         "bls_instance_count": "8",  # requests the BLS serves at once (one per instance, docs/reliability.md)

@@ -17,6 +17,12 @@ from runtime.core.sampling_params import SamplingParams
 # different rates, so the policy learns each apart: sampled traffic must not price drafts for greedy requests.
 GREEDY, SEEDED, SAMPLED = "greedy", "seeded", "sampled"
 KINDS = (GREEDY, SEEDED, SAMPLED)
+SPECULATION_MODES = ("off", "fixed", "adaptive")
+
+
+def check_speculation(mode: object) -> None:
+    if mode not in SPECULATION_MODES:
+        raise ValueError(f"speculation must be 'off', 'fixed' or 'adaptive', got {mode!r}")
 
 
 def draft_kind(params: SamplingParams) -> str:
@@ -81,8 +87,7 @@ class DraftPolicy:
 
     def __init__(self, mode: str, max_k: int, costs: StepCosts | None = None, prior_acceptance: float = 0.7,
                  smoothing: float = 0.05, cost_smoothing: float = 0.1):
-        if mode not in ("off", "fixed", "adaptive"):
-            raise ValueError(f"speculation must be 'off', 'fixed' or 'adaptive', got {mode!r}")
+        check_speculation(mode)
         if mode == "adaptive" and costs is None:
             raise ValueError("adaptive speculation needs measured step costs")
         self.mode, self.max_k, self.costs = mode, max_k if mode != "off" else 0, costs

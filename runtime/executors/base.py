@@ -10,6 +10,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from runtime.core.draft_policy import check_speculation
 from runtime.core.sampling_params import RelaxedAcceptance, SamplingParams
 from runtime.core.scheduler import SchedulerConfig
 from runtime.executors.requests import ExecutorStats, RequestHandle, RequestOutput
@@ -57,8 +58,7 @@ class ExecutorConfig:
         k = self.num_draft_tokens
         if k is not None and (not is_int(k) or k < 0):
             raise ValueError(f"num_draft_tokens must be an integer >= 0, got {k!r}")
-        if self.speculation not in ("off", "fixed", "adaptive"):
-            raise ValueError(f"speculation must be 'off', 'fixed' or 'adaptive', got {self.speculation!r}")
+        check_speculation(self.speculation)
         if k == 0:  # drafting nothing is plain decoding, whatever the mode
             object.__setattr__(self, "speculation", "off")
         for name in ("max_batch_size", "max_num_tokens", "max_seq_len", "kv_cache_tokens", "max_queued_requests"):

@@ -71,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "or V3.1's); without it, requests with tools are refused unless tool_choice is \"none\"")
     p.add_argument("--num_draft_tokens", type=int, help="MTP draft length (default: 3 where the model has an "
                    "MTP layer, at most the engine's max_draft_len; 0: plain decoding)")
-    p.add_argument("--speculation", choices=("fixed", "adaptive"), default="adaptive",
+    p.add_argument("--speculation", choices=("fixed", "adaptive"), default=ExecutorConfig.speculation,
                    help="fixed: num_draft_tokens every step; adaptive (the default): up to that many, by batch size and "
                         "acceptance")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
