@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json as _json
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
@@ -19,6 +20,11 @@ PENALTY_LIMIT = 2.0  # |presence_penalty| and |frequency_penalty| at most this (
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 LOGIT_BIAS_LIMIT = 100.0  # |logit_bias| values at most this (OpenAI's range, trtllm-serve's)
 SEED_MODULUS = 2**63  # seeds are in [0, 2^63): they travel in int64 tensors
+
+
+def fresh_seed() -> int:
+    """The seed of a sampled request that gave none: random, so that two unseeded requests never share their draws."""
+    return int.from_bytes(os.urandom(6), "little")
 
 
 def seed_from_client(seed: int | None) -> int | None:

@@ -26,7 +26,7 @@ from runtime.executors.ranks import RankFailure, RankGroup, RankOptions, drive
 from runtime.io.engine_format import ENGINE_JSON, BuildConfig, EngineManifest
 from runtime.io.loading import LoadedEngine, load_engine
 from runtime.core.kv_cache import KVCache, free_memory_bytes
-from runtime.core.sampling_params import SEED_MODULUS, SamplingParams, validate_request
+from runtime.core.sampling_params import SEED_MODULUS, SamplingParams, fresh_seed, validate_request
 from runtime.core.cost_profile import profile_step_costs
 from runtime.core.draft_policy import DraftPolicy
 from runtime.core.grammar import GrammarCompiler
@@ -189,7 +189,7 @@ class Executor:
         self.validate(prompt_token_ids, params)
         check_callback(on_output)
         rid = self._ids.claim(request_id)
-        seed = int(params.seed) if params.seed is not None else int.from_bytes(os.urandom(6), "little")  # numpy ints too
+        seed = int(params.seed) if params.seed is not None else fresh_seed()  # numpy ints too
         handle = RequestHandle(rid, self, params.n, delivered_by=self._thread)
         size = params.num_sequences
         best_of = BestOf(params.n, size, params.logprobs is not None) if size > params.n else None

@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -43,7 +42,7 @@ from runtime.executors.requests import (ExecutorStats, RequestHandle, RequestIds
                                         check_callback)
 from runtime.core.guide_check import check_guide
 from runtime.core.sampling import TokenLogprob
-from runtime.core.sampling_params import SamplingParams, validate_request
+from runtime.core.sampling_params import SamplingParams, fresh_seed, validate_request
 from runtime.core.scheduler import SchedulerConfig
 from runtime.io.tokenizer import Tokenizer
 
@@ -208,7 +207,7 @@ class TrtllmExecutor:
             raise RuntimeError("executor is shut down")
         rid = self._ids.claim(request_id)
         if not params.greedy and params.seed is None:  # as native: unseeded means a fresh random seed
-            params = dataclasses.replace(params, seed=int.from_bytes(os.urandom(6), "little"))
+            params = dataclasses.replace(params, seed=fresh_seed())
         handle = RequestHandle(rid, self, params.n, delivered_by=self._thread)
         group: list[_Request] = []
         for i in range(params.n):  # upstream returns n outputs of one request (the best of best_of)
