@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from runtime.core.sampling import TokenLogprob
 from runtime.core.sampling_params import SamplingParams
@@ -74,20 +74,15 @@ class GenerationResult:
 
 
 class Session:
-    def __init__(self, path: str | Path, num_draft_tokens: int | None = None, speculation: str = "fixed",
-                 device: str = "cpu", dtype: str | None = None, enable_block_reuse: bool = True,
-                 **limits: int | None):
-        """`speculation` 'fixed' drafts num_draft_tokens every step; 'adaptive' (the servers' default, for
-        load) picks up to that many per step from the batch size and measured acceptance, after profiling the step
-        costs at start; a script's few requests at a time draft best at a fixed k, so 'fixed' is the default here.
-        num_draft_tokens=0 is plain decoding, None drafts 3 where the model has an MTP layer (at most the engine's
-        max_draft_len) and none where not.
-        `enable_block_reuse` False turns prefix caching off (every prompt is computed in full).
-        `limits` are ExecutorConfig's (max_batch_size, kv_cache_tokens, free_memory_fraction, ...).
+    def __init__(self, path: str | Path, speculation: str = "fixed", **config: Any):
+        """`config` is ExecutorConfig's fields (num_draft_tokens, device, dtype, enable_block_reuse, max_batch_size,
+        kv_cache_tokens, ...) with their defaults, but for `speculation`: 'fixed' drafts num_draft_tokens every step;
+        'adaptive' (the servers' default, for load) picks up to that many per step from the batch size and measured
+        acceptance, after profiling the step costs at start; a script's few requests at a time draft best at a fixed
+        k, so 'fixed' is the default here. num_draft_tokens=0 is plain decoding, None (the default) drafts 3 where the
+        model has an MTP layer (at most the engine's max_draft_len) and none where not.
         An engine built with --backend trtllm runs on TensorRT-LLM (runtime.executors.trtllm)."""
-        self.executor = create_executor(path, ExecutorConfig(num_draft_tokens=num_draft_tokens, speculation=speculation,
-                                                             device=device, dtype=dtype,
-                                                             enable_block_reuse=enable_block_reuse, **limits))
+        self.executor = create_executor(path, ExecutorConfig(speculation=speculation, **config))
         self.tokenizer = self.executor.tokenizer
 
     def _encode(self, prompt: str) -> list[int]:
