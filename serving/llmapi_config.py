@@ -20,6 +20,7 @@ import yaml
 
 from runtime.core.sampling_params import RelaxedAcceptance
 from runtime.executors.base import ExecutorConfig
+from runtime.model.config import is_int
 from runtime.executors.trtllm_api import read_llm_api_options
 from runtime.io.engine_format import HF_DIR, engine_backend, read_limits
 from runtime.io.yaml_file import read_yaml
@@ -126,9 +127,7 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
 
     draft_len, relaxed = _speculative(doc.pop("speculative_config", None), engine_options, source, warnings)
     kv = _kv_cache(doc.pop("kv_cache_config", None), engine_options, source, warnings)
-    cuda_graphs = True
-    if "cuda_graph_config" in doc:
-        cuda_graphs = doc.pop("cuda_graph_config") is not None  # the LLM API's null turns CUDA graphs off
+    cuda_graphs = _cuda_graphs(doc.pop("cuda_graph_config", {}), source, warnings)
     triton_config = doc.pop("triton_config", None)
     triton = {} if triton_config is None else _mapping(triton_config, "triton_config", source)
     if triton.get("speculation") is False:
@@ -142,6 +141,7 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
     for key in [k for k in WARNED if k in doc]:
         value = doc.pop(key)
         if key in ("tensor_parallel_size", "moe_expert_parallel_size"):
+            value = _int(value, key, source)
             built = build.tp_size if key == "tensor_parallel_size" else build.ep_size
             if value != built:
                 warnings.append(f"{key} {value}: not applied (the engine was built for {built}; build_engine "
@@ -174,6 +174,30 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
         return LlmApiModel(model, executor, settings(TritonConfig, **given), warnings)
     except ValueError as e:  # a value out of its range
         raise ModelYamlError(f"{source}: triton_config.{e}") from None
+
+
+def _cuda_graphs(value: Any, source: str, warnings: list[str]) -> bool:
+    """cuda_graph_config: null turns CUDA graphs off, as the LLM API; a mapping (upstream's CudaGraphConfig, whose
+    fields only choose the batch sizes captured) leaves them on, its fields named in a warning."""
+    if value is None:
+        return False
+    config = _mapping(value, "cuda_graph_config", source)
+    unknown = sorted(map(str, set(config) - {"batch_sizes", "max_batch_size", "enable_padding"}))
+    if unknown:
+        raise ModelYamlError(f"{source}: cuda_graph_config: unknown key(s) {', '.join(unknown)} (upstream's "
+                             "CudaGraphConfig has batch_sizes, max_batch_size, enable_padding)")
+    sizes = config.get("batch_sizes")
+    if sizes is not None and not (isinstance(sizes, list) and all(is_int(s) and s >= 1 for s in sizes)):
+        raise ModelYamlError(f"{source}: cuda_graph_config.batch_sizes must be a list of integers >= 1, got "
+                             f"{_shown(sizes)}")
+    if "max_batch_size" in config:
+        _int(config["max_batch_size"], "cuda_graph_config.max_batch_size", source, low=0)
+    if "enable_padding" in config:
+        _bool(config["enable_padding"], "cuda_graph_config.enable_padding", source)
+    if config:
+        warnings.append(f"cuda_graph_config.{', cuda_graph_config.'.join(sorted(config))}: not applied (the "
+                        "batch sizes CUDA graphs are captured for change how the work is done, not what is generated)")
+    return True
 
 
 def _queue_bound(value: Any, source: str) -> int | None:
@@ -209,7 +233,8 @@ def _speculative(spec: Any, engine_options: dict[str, Any], source: str,
     k = 1 if k is None else _int(k, "speculative_config.max_draft_len", source, low=0)
     relaxed = None
     values = {name: spec.pop(name) for name in RELAXED if name in spec}
-    if values.pop("use_relaxed_acceptance_for_thinking", False):
+    if _bool(values.pop("use_relaxed_acceptance_for_thinking", False),
+             "speculative_config.use_relaxed_acceptance_for_thinking", source):
         try:
             relaxed = RelaxedAcceptance(**{RELAXED_FIELDS[name]: value for name, value in values.items()})
         except ValueError as e:

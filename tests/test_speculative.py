@@ -16,6 +16,7 @@ import dataclasses
 import itertools
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -919,6 +920,17 @@ def test_relaxed_acceptance_never_emits_bad_tokens() -> None:
     out = seq.token_ids[len(prompt):]
     assert not banned & set(out), f"banned tokens emitted: {sorted(banned & set(out))}"
     assert 0 < accepted < drafted
+
+
+def test_relaxed_acceptance_refuses_thinking_tokens_the_model_lacks(tiny_engine) -> None:
+    """Upstream's default thinking span is DeepSeek-R1's ids, beyond a smaller vocabulary: a span that never opens
+    relaxed nothing, without a word."""
+    with pytest.raises(ValueError, match=re.escape(
+            f"relaxed acceptance begin_thinking_token 128798 is not a token of this model (its vocabulary has "
+            f"{tiny_engine.model_config.vocab_size}); set the model's thinking-span tokens (begin_thinking_phase_token, "
+            "end_thinking_phase_token)")):
+        run_executor(tiny_engine, [[5, 6]], SamplingParams(max_tokens=2), num_draft_tokens=1, speculation="fixed",
+                     relaxed_acceptance=RelaxedAcceptance(top_n=2))
 
 
 def test_relaxed_acceptance_settings_are_checked() -> None:

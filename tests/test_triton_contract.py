@@ -483,8 +483,21 @@ def test_relaxed_acceptance_keeps_upstreams_defaults(tmp_path: Path, checkpoint:
     spec = {"decoding_type": "MTP", "max_draft_len": 2, "use_relaxed_acceptance_for_thinking": True,
             "end_thinking_phase_token": 7}
     relaxed = read_model_yaml(write_yaml(tmp_path, checkpoint, speculative_config=spec), tmp_path).executor
-    assert relaxed.relaxed_acceptance == RelaxedAcceptance(top_n=1, delta=0.0, end_thinking_token=7)
+    # the thinking span left out is DeepSeek-R1's <think> ... </think>, as upstream's
+    assert relaxed.relaxed_acceptance == RelaxedAcceptance(top_n=1, delta=0.0, begin_thinking_token=128798,
+                                                           end_thinking_token=7)
     assert (TrtllmOptions.relaxed_topk, TrtllmOptions.relaxed_delta) == (1, 0.0)
+    # null turns CUDA graphs off; upstream's CudaGraphConfig leaves them on, its batch sizes not applied
+    for name in ("off", "on"):
+        (tmp_path / name).mkdir()
+    graphs = read_model_yaml(write_yaml(tmp_path / "off", checkpoint, cuda_graph_config=None), tmp_path / "off")
+    assert not graphs.executor.cuda_graphs and not graphs.warnings
+    graphs = read_model_yaml(write_yaml(tmp_path / "on", checkpoint, cuda_graph_config={"enable_padding": True,
+                                                                                        "batch_sizes": [1, 2]}),
+                             tmp_path / "on")
+    assert graphs.executor.cuda_graphs and graphs.warnings == [
+        "cuda_graph_config.batch_sizes, cuda_graph_config.enable_padding: not applied (the batch sizes CUDA graphs are "
+        "captured for change how the work is done, not what is generated)"]
 
 
 @pytest.mark.parametrize("keys, message", [
@@ -494,6 +507,20 @@ def test_relaxed_acceptance_keeps_upstreams_defaults(tmp_path: Path, checkpoint:
     (dict(kv_cache_config={"enable_block_reuse": "no"}), "kv_cache_config.enable_block_reuse must be true or false, "
                                                          "got 'no'"),
     (dict(max_beam_width=4), "max_beam_width 4"),
+    # upstream's pydantic reads a quoted "false" as false; read as truthy it turned lossy relaxed acceptance on
+    (dict(speculative_config={"decoding_type": "MTP", "max_draft_len": 2, "use_relaxed_acceptance_for_thinking": "false"}),
+     "speculative_config.use_relaxed_acceptance_for_thinking must be true or false, got 'false'"),
+    (dict(speculative_config={"decoding_type": "MTP", "use_relaxed_acceptance_for_thinking": True, "relaxed_topk": 0}),
+     "speculative_config: relaxed acceptance top_n must be an integer >= 1, got 0"),
+    (dict(speculative_config={"decoding_type": "MTP", "use_relaxed_acceptance_for_thinking": True,
+                              "end_thinking_phase_token": "</think>"}),
+     "relaxed acceptance end_thinking_token must be a token id (an integer >= 0), got '</think>'"),
+    # false for null kept CUDA graphs on; keys of upstream's CudaGraphConfig only, typed
+    (dict(cuda_graph_config=False), "cuda_graph_config must be a mapping, got False"),
+    (dict(cuda_graph_config={"max_batch_sze": 8}), "cuda_graph_config: unknown key(s) max_batch_sze"),
+    (dict(cuda_graph_config={"enable_padding": "yes"}), "cuda_graph_config.enable_padding must be true or false"),
+    (dict(cuda_graph_config={"batch_sizes": [1, 0]}), "cuda_graph_config.batch_sizes must be a list of integers >= 1"),
+    (dict(tensor_parallel_size="eight"), "tensor_parallel_size must be an integer >= 1, got 'eight'"),
     (dict(enable_lora=True), "unknown key(s) enable_lora"),
     (dict(speculative_config={"decoding_type": "MTP", "max_draft_len": 2, "num_nextn_predict_layers": 3}),
      "max_draft_len 2 and num_nextn_predict_layers 3 differ"),

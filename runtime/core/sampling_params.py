@@ -43,19 +43,32 @@ def _as_given(value: object) -> object:
 
 @dataclass(frozen=True)
 class RelaxedAcceptance:
-    """TensorRT-LLM's relaxed acceptance for reasoning models (its MTPDecodingConfig's fields and defaults); off unless
-    configured."""
+    """TensorRT-LLM's relaxed acceptance for reasoning models (its MTPDecodingConfig's fields and defaults: the
+    thinking span is DeepSeek-R1's <think> ... </think>); off unless configured."""
 
     top_n: int = 1
     delta: float = 0.0
-    begin_thinking_token: int = -1
-    end_thinking_token: int = -1
+    begin_thinking_token: int = 128798
+    end_thinking_token: int = 128799
 
     def __post_init__(self) -> None:
         if not is_int(self.top_n) or self.top_n < 1:
             raise ValueError(f"relaxed acceptance top_n must be an integer >= 1, got {self.top_n!r}")
         if not is_number(self.delta) or not 0 <= self.delta <= 1:
             raise ValueError(f"relaxed acceptance delta must be in [0, 1], got {self.delta!r}")
+        for name in ("begin_thinking_token", "end_thinking_token"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 0:
+                raise ValueError(f"relaxed acceptance {name} must be a token id (an integer >= 0), got "
+                                 f"{getattr(self, name)!r}")
+
+    def check_tokens(self, vocab_size: int) -> None:
+        """ValueError unless both thinking tokens are the model's: a span that can never open relaxes nothing (the
+        defaults are DeepSeek-R1's ids, outside a smaller vocabulary)."""
+        for name in ("begin_thinking_token", "end_thinking_token"):
+            if getattr(self, name) >= vocab_size:
+                raise ValueError(f"relaxed acceptance {name} {getattr(self, name)} is not a token of this model (its "
+                                 f"vocabulary has {vocab_size}); set the model's thinking-span tokens "
+                                 "(begin_thinking_phase_token, end_thinking_phase_token)")
 
     def advance(self, thinking: bool, token: int) -> bool:
         """Whether a thinking span is open after `token`, given whether one was open before it."""

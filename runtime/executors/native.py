@@ -90,6 +90,8 @@ class Executor:
         build, cfg, config = self.engine.build, self.engine.model_config, self.config
         self.limits = config.limits(build, cfg, str(self.engine.path), self.engine.built)
         k = config.draft_len(build.max_draft_len, cfg.num_nextn_predict_layers, str(self.engine.path), self.engine.built)
+        if config.relaxed_acceptance is not None:
+            config.relaxed_acceptance.check_tokens(cfg.vocab_size)
         self.model_config = cfg
         self.tokenizer = Tokenizer.from_dir(self.engine.tokenizer_dir)
         if note := self.tokenizer.adopt_eos(cfg.eos_token_id):

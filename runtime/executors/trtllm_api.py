@@ -319,11 +319,8 @@ def llm_kwargs_for(options: Mapping[str, Any], manifest: EngineManifest, config:
             relaxed = config.relaxed_acceptance
             if relaxed is not None:
                 spec.update(use_relaxed_acceptance_for_thinking=True, relaxed_topk=relaxed.top_n,
-                            relaxed_delta=relaxed.delta)
-                if relaxed.begin_thinking_token >= 0:
-                    spec["begin_thinking_phase_token"] = relaxed.begin_thinking_token
-                if relaxed.end_thinking_token >= 0:
-                    spec["end_thinking_phase_token"] = relaxed.end_thinking_token
+                            relaxed_delta=relaxed.delta, begin_thinking_phase_token=relaxed.begin_thinking_token,
+                            end_thinking_phase_token=relaxed.end_thinking_token)
             kwargs["speculative_config"] = spec
     return _deep_merge(kwargs, overrides or {})
 
