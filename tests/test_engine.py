@@ -198,6 +198,14 @@ def test_build_config_rules():
         assert str(e.value) == msg
     with pytest.raises(EngineError, match="engine.json: unknown build field"):
         BuildConfig.from_dict({"max_beam_width": 2}, "engine.json")
+    # a field left out was its default (a bfloat16 engine loaded in float32), a boolean an integer
+    whole = BuildConfig(dtype="bfloat16").to_dict()
+    with pytest.raises(EngineError, match=r"^engine.json: missing build field\(s\) dtype; rebuild the engine$"):
+        BuildConfig.from_dict({k: v for k, v in whole.items() if k != "dtype"}, "engine.json")
+    with pytest.raises(EngineError, match=r"^engine.json: max_batch_size is True, expected a positive integer$"):
+        BuildConfig.from_dict({**whole, "max_batch_size": True}, "engine.json")
+    with pytest.raises(EngineError, match=r"^engine.json: max_draft_len is True, expected an integer >= 0$"):
+        BuildConfig.from_dict({**whole, "max_draft_len": True}, "engine.json")
     b = BuildConfig(tp_size=8, ep_size=4)
     assert b.moe_tp_size == 2 and (b.layout(5).moe_ep_rank, b.layout(5).moe_tp_rank) == (1, 1)
 

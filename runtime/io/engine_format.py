@@ -58,12 +58,12 @@ class BuildConfig:
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_seq_len", "max_num_tokens", "kv_block_size", "tp_size", "ep_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise EngineError(f"{name} is {value!r}, expected a positive integer")
         if self.kv_block_size & (self.kv_block_size - 1) or self.kv_block_size > self.max_seq_len:
             raise EngineError(f"kv_block_size is {self.kv_block_size}, expected a power of two (as TensorRT-LLM's "
                               f"tokens_per_block) at most max_seq_len ({self.max_seq_len})")
-        if not isinstance(self.max_draft_len, int) or self.max_draft_len < 0:
+        if not is_int(self.max_draft_len) or self.max_draft_len < 0:
             raise EngineError(f"max_draft_len is {self.max_draft_len!r}, expected an integer >= 0")
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise EngineError(f"dtype is {self.dtype!r}, expected one of {', '.join(DTYPES)}")
@@ -94,6 +94,9 @@ class BuildConfig:
         unknown = sorted(set(raw) - set(cls.__dataclass_fields__))
         if unknown:
             raise EngineError(f"{source}: unknown build field(s) {', '.join(unknown)}")
+        missing = [name for name in cls.__dataclass_fields__ if name not in raw]  # build_engine writes every one
+        if missing:
+            raise EngineError(f"{source}: missing build field(s) {', '.join(missing)}; rebuild the engine")
         try:
             return cls(**raw)
         except EngineError as e:
