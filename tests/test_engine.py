@@ -204,6 +204,8 @@ def test_build_config_rules():
         BuildConfig.from_dict({k: v for k, v in whole.items() if k != "dtype"}, "engine.json")
     with pytest.raises(EngineError, match=r"^engine.json: max_batch_size is True, expected a positive integer$"):
         BuildConfig.from_dict({**whole, "max_batch_size": True}, "engine.json")
+    with pytest.raises(EngineError, match=r"^max_num_tokens is 4, expected at least max_draft_len \+ 1 \(5: "):
+        BuildConfig(max_num_tokens=4, max_draft_len=4)
     with pytest.raises(EngineError, match=r"^engine.json: max_draft_len is True, expected an integer >= 0$"):
         BuildConfig.from_dict({**whole, "max_draft_len": True}, "engine.json")
     b = BuildConfig(tp_size=8, ep_size=4)

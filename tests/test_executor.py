@@ -8,6 +8,7 @@ token for token with the same prompt decoded alone without speculation.
 
 from __future__ import annotations
 
+import re
 import dataclasses
 import logging
 from types import SimpleNamespace
@@ -268,6 +269,12 @@ def test_limits_above_the_engine_are_refused(engine) -> None:
         Executor(engine, ExecutorConfig(num_draft_tokens=5, speculation="fixed"))
     with pytest.raises(ValueError, match="speculation must be 'off', 'fixed' or 'adaptive', got 'always'"):
         Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="always"))
+    # a step verifies k drafts and one more token of a sequence at once: a budget below that drafted less, silently
+    with pytest.raises(ValueError, match=re.escape("num_draft_tokens 3 needs max_num_tokens >= 4 (a verification step "
+                                                   "runs the drafts and one more token), got 2")):
+        Executor(engine, ExecutorConfig(num_draft_tokens=3, max_num_tokens=2, speculation="fixed"))
+    with Executor(engine, ExecutorConfig(max_num_tokens=2, speculation="fixed")) as ex:  # the default k fits it
+        assert ex.policy.max_k == 1
     # drafting nothing is plain decoding whatever the mode (every caller used to spell this out)
     assert [ExecutorConfig(num_draft_tokens=0, speculation=mode).speculation for mode in ("fixed", "adaptive")] == [
         "off", "off"]

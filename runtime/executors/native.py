@@ -90,6 +90,11 @@ class Executor:
         build, cfg, config = self.engine.build, self.engine.model_config, self.config
         self.limits = config.limits(build, cfg, str(self.engine.path), self.engine.built)
         k = config.draft_len(build.max_draft_len, cfg.num_nextn_predict_layers, str(self.engine.path), self.engine.built)
+        if k + 1 > self.limits.max_num_tokens:  # a step verifies a sequence's k drafts and one more token at once
+            if config.num_draft_tokens is not None:
+                raise ValueError(f"num_draft_tokens {k} needs max_num_tokens >= {k + 1} (a verification step runs the "
+                                 f"drafts and one more token), got {self.limits.max_num_tokens}")
+            k = self.limits.max_num_tokens - 1
         if config.relaxed_acceptance is not None:
             config.relaxed_acceptance.check_tokens(cfg.vocab_size)
         self.model_config = cfg

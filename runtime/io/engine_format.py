@@ -65,6 +65,9 @@ class BuildConfig:
                               f"tokens_per_block) at most max_seq_len ({self.max_seq_len})")
         if not is_int(self.max_draft_len) or self.max_draft_len < 0:
             raise EngineError(f"max_draft_len is {self.max_draft_len!r}, expected an integer >= 0")
+        if self.max_num_tokens < self.max_draft_len + 1:
+            raise EngineError(f"max_num_tokens is {self.max_num_tokens}, expected at least max_draft_len + 1 "
+                              f"({self.max_draft_len + 1}: a sequence's verification step runs its drafts and one more)")
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise EngineError(f"dtype is {self.dtype!r}, expected one of {', '.join(DTYPES)}")
         if not isinstance(self.quant_algo, (str, type(None))) or self.quant_algo not in QUANT_ALGOS:
