@@ -224,10 +224,16 @@ def test_preemption_with_tiny_kv_cache(engine, prompts, alone, k) -> None:
     assert outs["sampled"].token_ids == sampled_alone, "a seeded sampled request changed with preemption"
 
 
-def test_request_larger_than_kv_cache_does_not_hang(engine, prompts) -> None:
+def test_request_larger_than_kv_cache_does_not_hang(engine, prompts, caplog) -> None:
     """A request that can never fit in the KV cache (3 blocks of 16; prompt + max_tokens = 70)
-    must be refused at submit or finish with an error; it must not spin forever."""
-    with Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed", kv_cache_tokens=32)) as ex:
+    must be refused at submit or finish with an error; it must not spin forever. A cache that small is said at start
+    (it loaded silently while the servers advertised max_seq_len)."""
+    with caplog.at_level(logging.WARNING, logger="runtime.executors.native"), \
+            Executor(engine, ExecutorConfig(num_draft_tokens=2, speculation="fixed", kv_cache_tokens=32)) as ex:
+        assert [r.getMessage() for r in caplog.records if "kv_cache_tokens" in r.getMessage()] == [
+            f"kv_cache_tokens 32 holds less than one sequence of max_seq_len {ex.limits.max_seq_len} "
+            f"({ex.limits.max_seq_len + 2 + 16} tokens with the drafts and a block): a request that needs more is "
+            "refused; lower max_seq_len to match"]
         try:
             h = ex.submit(prompts[2], SamplingParams(max_tokens=70 - len(prompts[2]), ignore_eos=True))
         except ValueError:

@@ -150,11 +150,15 @@ class Executor:
         budget = None if free is None else int(free * config.free_memory_fraction) // bytes_per_token
         where = (f"{budget} tokens of {bytes_per_token} bytes fit in free_memory_fraction {config.free_memory_fraction} "
                  f"of the {free / 2**30:.1f} GiB free on {config.device}")
+        one = limits.max_seq_len + k + block
         if config.kv_cache_tokens is not None:
             if budget is not None and config.kv_cache_tokens > budget:
                 raise ValueError(f"kv_cache_tokens {config.kv_cache_tokens} does not fit: {where}")
+            if config.kv_cache_tokens < one:
+                log.warning("kv_cache_tokens %d holds less than one sequence of max_seq_len %d (%d tokens with the "
+                            "drafts and a block): a request that needs more is refused; lower max_seq_len to match",
+                            config.kv_cache_tokens, limits.max_seq_len, one)
             return config.kv_cache_tokens
-        one = limits.max_seq_len + k + block
         if budget is not None and budget < one:
             raise ValueError(f"max_seq_len {limits.max_seq_len} does not fit: one sequence needs {one} tokens of KV "
                              f"cache and {where}; lower max_seq_len (or rebuild with a smaller --max_seq_len)")
