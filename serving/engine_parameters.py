@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from runtime.executors.base import ExecutorConfig
+from serving.fill_template import UPSTREAM_ONLY
 from serving.triton_parameters import TritonConfig, boolean, integer, number, parameter, queue_bound, settings
 
 
@@ -37,9 +38,21 @@ TRITON_PARAMETERS = {
         ("stats_check_period_ms", integer), ("watchdog_timeout_s", number))}
 
 
+OTHER_PARAMETERS = ("gpt_model_path", "exclude_input_in_output")  # where the engine is, the response's content
+PYTHON_BACKEND_PARAMETERS = frozenset({"EXECUTION_ENV_PATH", "FORCE_CPU_ONLY_INPUT_TENSORS"})  # Triton's own
+
+
 def engine_parameters(model_config: dict, decoupled: bool) -> EngineParameters:
     """The legacy tensorrt_llm model's settings from its config.pbtxt parameters, read once: by the model when it
-    loads and by make_model_repo on the repository it writes. ValueError naming the model and the parameter."""
+    loads and by make_model_repo on the repository it writes. ValueError naming the model and the parameter; a
+    parameter neither read here nor one of upstream's (UPSTREAM_ONLY, taken and not used) is refused, since a misspelt
+    one would leave its setting at the default without a word."""
+    known = {*EXECUTOR_PARAMETERS, *TRITON_PARAMETERS, *OTHER_PARAMETERS}
+    unknown = sorted(map(str, set(model_config.get("parameters") or {}) - known - UPSTREAM_ONLY
+                         - PYTHON_BACKEND_PARAMETERS))
+    if unknown:
+        raise ValueError(f"model {model_config.get('name', '?')}: unknown parameter(s) {', '.join(unknown)} (its "
+                         f"parameters: {', '.join(sorted(known))}; see triton_repo/README.md)")
     def read(cls: Callable[..., Any], parameters: dict[str, tuple[str, Callable[[str], Any]]], **given: Any) -> Any:
         values = {name: parameter(model_config, name, cast) for name, (_, cast) in parameters.items()}
         for name, value in values.items():  # each value alone, so an out-of-range one is named by its parameter

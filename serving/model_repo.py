@@ -80,12 +80,16 @@ def add_model(repo: Path, template: Path, values: dict[str, str], name: str | No
     return dst
 
 
+def template_keys() -> set[str]:
+    """The keys some model of the template repository takes."""
+    return set().union(*(placeholders(p.read_text()) for p in TEMPLATE_REPO.glob("*/config.pbtxt")))
+
+
 def fill_model_repo(dst: Path, values: dict[str, str]) -> Path:
     """Copy the template repository to `dst` and fill each config.pbtxt with the keys it has; a key no model has is
     refused (a misspelt setting would be left out without a word)."""
     models = sorted(p.parent for p in TEMPLATE_REPO.glob("*/config.pbtxt"))
-    known = set().union(*(placeholders((m / "config.pbtxt").read_text()) for m in models))
-    unknown = sorted(set(values) - known - UPSTREAM_ONLY)
+    unknown = sorted(set(values) - template_keys() - UPSTREAM_ONLY)
     if unknown:
         raise ValueError(f"--set {', '.join(unknown)}: no model of the repository takes it (see triton_repo/README.md "
                          "for the settings)")
@@ -185,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
                 values = default_values(args.engine_dir.resolve(), **subs)
                 fill_model_repo(repo, values)
                 check_repository(repo, args.engine_dir, values)
+                ignored = sorted(set(subs) & UPSTREAM_ONLY - template_keys())
+                if ignored:  # upstream's settings, taken as fill_template takes them
+                    print(f"make_model_repo: --set {', '.join(ignored)}: ignored (upstream's settings, not used by "
+                          "this repository)", file=sys.stderr)
     except (ValueError, KeyError) as e:
         print(f"make_model_repo: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         return 2

@@ -751,6 +751,17 @@ def test_make_model_repo_reads_every_model_as_it_loads(tmp_path: Path, checkpoin
     assert list(tmp_path.iterdir()) == []
 
 
+def test_make_model_repo_says_which_upstream_settings_it_ignores(tmp_path: Path, checkpoint: Path, capsys) -> None:
+    """Upstream's settings this repository does not use are taken, and said to be ignored (as fill_template says;
+    they were dropped without a word)."""
+    import serving.model_repo as model_repo
+
+    assert model_repo.main(["--engine_dir", str(checkpoint), "--output_dir", str(tmp_path / "repo"), "--set",
+                            "batch_scheduler_policy:max_utilization,max_attention_window_size:64"]) == 0
+    assert capsys.readouterr().err == ("make_model_repo: --set batch_scheduler_policy, max_attention_window_size: "
+                                       "ignored (upstream's settings, not used by this repository)\n")
+
+
 def test_make_model_repo_refuses_an_output_inside_what_it_links(tmp_path: Path, checkpoint: Path, capsys) -> None:
     """The repository links the engine (and a --set tokenizer_dir): inside either, Triton walked the loop and never
     became ready (a 740 MB log in 2 minutes)."""

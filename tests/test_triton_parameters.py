@@ -68,3 +68,19 @@ def test_sibling_config_reads_another_models_parameters(tmp_path) -> None:
     assert directory == str(tmp_path / "preprocessing")
     assert parameter(cfg, "tokenizer_dir") == "tok" and parameter(cfg, "max_input_tokens", integer) == 512
     assert parameter(cfg, "add_special_tokens", boolean) is None  # left unfilled: unset
+
+
+def test_the_engine_models_unknown_parameters_are_refused() -> None:
+    """A misspelt parameter of the legacy tensorrt_llm model left its setting at the default without a word
+    (speculaton: off drafted adaptively); upstream's own parameters are taken (and not used), as fill_template takes
+    them."""
+    from serving.engine_parameters import engine_parameters
+
+    given = {"name": "tensorrt_llm", "parameters": {k: {"string_value": v} for k, v in (
+        ("speculaton", "off"), ("num_draft_token", "1"), ("batch_scheduler_policy", "guaranteed_no_evict"))}}
+    with pytest.raises(ValueError) as e:
+        engine_parameters(given, decoupled=True)
+    assert str(e.value).startswith("model tensorrt_llm: unknown parameter(s) num_draft_token, speculaton (its "
+                                   "parameters: cancellation_check_period_ms, device, ")
+    del given["parameters"]["speculaton"], given["parameters"]["num_draft_token"]
+    assert engine_parameters(given, decoupled=True).executor.speculation == "adaptive"
