@@ -141,10 +141,6 @@ class KVCache:
                                   device=device)
         self.allocator = BlockAllocator(num_blocks)
 
-    @staticmethod
-    def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> int:
-        return cfg.kv_bytes_per_token(dtype.itemsize)
-
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -105,7 +105,7 @@ class Executor:
         block = build.kv_block_size
         dtype = next(self.engine.model.parameters()).dtype
         # every rank on this host keeps a whole latent cache (runtime.model.deepseek_v3)
-        capacity = self._kv_capacity(KVCache.bytes_per_token(cfg, dtype) * self.world_size, k, block)
+        capacity = self._kv_capacity(cfg.kv_bytes_per_token(dtype.itemsize) * self.world_size, k, block)
         self.cache = KVCache(cfg, num_blocks=-(-capacity // block) + 1, block_size=block, dtype=dtype,
                              device=config.device)
         if self.ranks is not None:
