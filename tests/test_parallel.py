@@ -319,7 +319,7 @@ def test_dry_run_plans_what_the_ranks_hold(tp2, shipped_model_dir, capsys):
     data = {(tp2 / f).stat().st_size - 8 - int.from_bytes((tp2 / f).read_bytes()[:8], "little")
             for f in ("rank0.safetensors", "rank1.safetensors")}
     assert data == {int(out.split("weights per rank: ")[1].split("(")[1].split(" bytes")[0])}
-    per_token = KVCache.bytes_per_token(ModelConfig.from_json(shipped_model_dir / "config.json"))
+    per_token = ModelConfig.from_json(shipped_model_dir / "config.json").kv_bytes_per_token(4)
     assert f"KV cache per token, on every rank (the latent is replicated): {per_token} bytes" in out
     fit = (int(0.9 * 2**30) - data.pop()) // per_token
     assert f"{fit} tokens of KV cache ({fit // 256} sequences" in out

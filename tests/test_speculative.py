@@ -112,7 +112,7 @@ def run_executor(engine, prompts: list[list[int]], params: SamplingParams | list
 def test_kv_bytes_per_token(overrides, dtype, elem) -> None:
     cfg = ModelConfig.from_dict(tiny_config_dict(**overrides))
     expected = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * elem * (cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
-    assert KVCache.bytes_per_token(cfg, dtype) == expected
+    assert cfg.kv_bytes_per_token(dtype.itemsize) == expected
     num_blocks, block_size = 3, 4
     cache = KVCache(cfg, num_blocks=num_blocks, block_size=block_size, dtype=dtype)
     t = cache.tensor
