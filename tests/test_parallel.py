@@ -310,7 +310,6 @@ def test_dry_run_plans_what_the_ranks_hold(tp2, shipped_model_dir, capsys):
     """build_engine --dry_run, from config.json alone: each rank file's tensor bytes and the KV bytes per token
     that the tp-2 engine and its executor actually have."""
     from builder.cli import main
-    from runtime.core.kv_cache import KVCache
     from runtime.model.config import ModelConfig
 
     assert main(["--model_dir", str(shipped_model_dir), "--dry_run", "--tp_size", "2", "--max_seq_len", "256",
