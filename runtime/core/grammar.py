@@ -1,7 +1,7 @@
 """Structured output: guides compiled to grammars, one matcher per sequence, token masks per decided row.
 
 The engine is llguidance (guidance-ai): a Rust wheel with no Python dependencies (xgrammar 0.2 pulls in
-triton and transformers), masks computed lazily per step in tens of microseconds without a per-grammar
+triton and transformers), masks computed lazily per step without a per-grammar
 token-table precompilation, exact rollback of consumed tokens (what speculation needs), and grammar
 errors reported as text with a position rather than raised from C++. TensorRT-LLM offers it as its
 `guided_decoding_backend="llguidance"`.

@@ -72,7 +72,7 @@ def _hashes(seeds: Tensor, positions: Tensor, purpose: int) -> tuple[Tensor, Ten
 
 def uniforms(seeds: Tensor, positions: Tensor, purpose: int) -> Tensor:
     """U(0,1) float64 draws, one per (seed, position) pair; same inputs give the same numbers. In one kernel call
-    where the CPU kernels are (bit for bit the torch ops', which take a few hundred microseconds of small ops)."""
+    where the CPU kernels are (bit for bit the torch ops', which are many small ops)."""
     if seeds.device.type == "cpu" and (kernels := cpu_kernels()) is not None:
         seeds, positions = torch.broadcast_tensors(seeds, positions)
         draws = kernels.uniforms(seeds.flatten().contiguous(), positions.flatten().contiguous(), purpose)
