@@ -7,8 +7,8 @@ decode tokens/s (1 / TPOT), end-to-end tokens/s, TPOT, TTFT, acceptance, tokens 
 whether the greedy tokens equal those of plain decoding. TTFT and TPOT are timed the same way for both
 (vLLM's definitions, on the client's clock): TTFT = first token - send, TPOT = (last token - first token) /
 (output tokens - 1). The draft cost c (one MTP step over one
-target decode step) is measured directly on the paged path at batch 1, and from the runner's
-own draft/target timers; the ideal speed-up is E(k) / (1 + k c), E(k) = (1 - a^(k+1)) / (1 - a).
+target decode step) is measured directly on the paged path at batch 1, and from timers around the
+runner's methods (RunnerClock); the ideal speed-up is E(k) / (1 + k c), E(k) = (1 - a^(k+1)) / (1 - a).
 
   python -m benchmarks.speculative                     # full run (8 prompts x 256 tokens)
   python -m benchmarks.speculative --quick             # smoke run
@@ -275,10 +275,39 @@ def hf_generate(model, prompt_ids: list[int], max_new_tokens: int, use_mtp: bool
 
 
 # ---- our runtime --------------------------------------------------------------------------------
-def run_ours(ex: Executor, prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:
+class RunnerClock:
+    """Seconds an executor's runner spends drafting, in the rest of its general step, and in its step in one kernel
+    call: its methods wrapped on the instance, so the runtime itself carries no timers. Each part ends waiting for
+    the device (the steps end in host reads of their tokens; the drafts are synchronized here), so on CUDA they time
+    its work, not the launches."""
+
+    def __init__(self, runner: ModelRunner):
+        self.seconds = {"draft": 0.0, "step": 0.0, "one_call": 0.0}
+        self.sync = runner.device.type == "cuda"
+        for method, part in (("draft", "draft"), ("step", "step"), ("_step_in_one_call", "one_call")):
+            setattr(runner, method, self._timed(getattr(runner, method), part))
+
+    def _timed(self, method: Any, part: str) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                out = method(*args, **kwargs)
+                if part == "draft" and self.sync:
+                    torch.cuda.synchronize()
+                return out
+            finally:
+                self.seconds[part] += time.perf_counter() - t0
+        return timed
+
+    def parts(self) -> dict[str, float]:
+        s = self.seconds
+        return {"draft": s["draft"], "target": s["step"] - s["draft"] - s["one_call"], "one_call": s["one_call"]}
+
+
+def run_ours(ex: Executor, clock: RunnerClock, prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:
     """One request; TTFT and TPOT from the times its first and last outputs with tokens reached the callback,
     on the same clock as hf_generate times HF's streamer."""
-    before = dict(ex.runner.timings)
+    before = clock.parts()
     out, t0, first, last = timed_request(ex, prompt_ids, params)
     latency = time.perf_counter() - t0
     s = out.stats
@@ -287,9 +316,7 @@ def run_ours(ex: Executor, prompt_ids: list[int], params: SamplingParams) -> dic
             "ttft_s": ttft, "tpot_s": tpot, "num_steps": s.num_steps,
             "num_draft_tokens": s.num_draft_tokens, "num_accepted_draft_tokens": s.num_accepted_draft_tokens,
             "finish_reason": out.finish_reason,
-            "draft_s": ex.runner.timings["draft"] - before["draft"],
-            "target_s": ex.runner.timings["target"] - before["target"],
-            "one_call_s": ex.runner.timings["one_call"] - before["one_call"]}
+            **{f"{part}_s": seconds - before[part] for part, seconds in clock.parts().items()}}
 
 
 def summarize(runs: list[dict[str, Any]], reference: list[list[int]] | None) -> dict[str, Any]:
@@ -369,9 +396,11 @@ def main() -> None:
           f"{eng_info['parameters_mtp'] / 1e6:.2f}M MTP params; torch threads {info['torch_threads']}")
 
     executors: dict[int, Executor] = {}
+    clocks: dict[int, RunnerClock] = {}
     for k in ks:
         executors[k] = Executor(engine, ExecutorConfig(num_draft_tokens=k, speculation="fixed",
                                                        max_batch_size=1, device=args.device))
+        clocks[k] = RunnerClock(executors[k].runner)
     tok = executors[0].tokenizer
     prompt_ids = [tok.encode(x["text"]) for x in prompts]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
@@ -420,7 +449,7 @@ def main() -> None:
     bar = tqdm(total=len(prompts) * len(settings), desc="speculative", dynamic_ncols=True)
     for i, ids in enumerate(prompt_ids):
         for k in ks:
-            runs[f"k{k}"].append(run_ours(executors[k], ids, params))
+            runs[f"k{k}"].append(run_ours(executors[k], clocks[k], ids, params))
             bar.update(1)
         for name, use_mtp in hf_modes:
             runs[name].append(hf_generate(hf, ids, args.max_tokens, use_mtp))
@@ -514,7 +543,7 @@ def main() -> None:
            md_table(["new target tokens q"] + [str(q) for q in costs["target_s"]],
                     [["target forward ms"] + [v * 1e3 for v in costs["target_s"].values()],
                      ["relative to q=1"] + list(costs["verify_cost_ratio"].values())]), "",
-           "In the runner (its own timers per token-emitting step, including MTP catch-up, sampling and "
+           "In the runner (timers around its methods, per token-emitting step, including MTP catch-up, sampling and "
            "acceptance; the prompt's prefill step is included in 'target'; greedy steps that ran in one kernel call "
            "count in 'one call' alone, as the call does not split them):", "",
            md_table(["k", "draft ms/step", "target+verify ms/step", "draft / target", "one call ms/step"],

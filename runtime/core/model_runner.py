@@ -30,7 +30,6 @@ to the target rows and to the drafts alike.
 
 from __future__ import annotations
 
-import time
 from functools import partial
 from itertools import accumulate
 from typing import Callable
@@ -61,9 +60,6 @@ class ModelRunner:
         self.graphs = graphs
         self.relaxed = relaxed
         self.keep_mtp_inputs = keep_mtp_inputs and model.cfg.num_nextn_predict_layers > 0
-        # seconds (benchmarks read them); one_call: steps run in one call. Each part ends in a host read of its
-        # tokens (drafts, accepted tokens), which waits for the device: on CUDA they time its work, not the launches
-        self.timings = {"draft": 0.0, "target": 0.0, "one_call": 0.0}
         self.for_kernels = attends_in_kernels(model)  # paged batches in the per-token form the kernels read
         # greedy steps in one kernel call where the whole target is on the kernels (None: the general path only)
         self.greedy_step = GreedyStep.of(model) if graphs is None else None
@@ -227,12 +223,10 @@ class ModelRunner:
         items = sorted(items, key=lambda it: (it.num_new > SHORT_QUERY, it.seq.num_cached + it.num_new))
         if self.greedy_step is not None and self._in_one_call(items):
             return self._step_in_one_call(items)
-        t0 = time.perf_counter()
         drafting = [it for it in items if it.num_drafts > 0]
         drafts, draft_probs = self.draft(drafting) if drafting else (None, None)
         rows = drafts.tolist() if drafting else []
         draft_of = {id(it.seq): row[: it.num_drafts] for row, it in zip(rows, drafting)}
-        t1 = time.perf_counter()
 
         seqs = [it.seq for it in items]
         decoding = [i for i, s in enumerate(seqs) if not s.in_prefill]
@@ -261,8 +255,6 @@ class ModelRunner:
                     thinking = self.relaxed.advance(thinking, t)
             out.append(StepResult(s, emitted, it.num_drafts, accepted, trusted, kept, it.num_drafts > 0, thinking,
                                   logprobs, prompt_logprobs.get(i)))
-        self.timings["draft"] += t1 - t0
-        self.timings["target"] += time.perf_counter() - t1
         return out
 
     def _in_one_call(self, items: list[Scheduled]) -> bool:
@@ -275,7 +267,6 @@ class ModelRunner:
 
     def _step_in_one_call(self, items: list[Scheduled]) -> list[StepResult]:
         """The step as `step` runs it for these items, drafts (if any) to acceptance in one kernel call (`GreedyStep`)."""
-        t0 = time.perf_counter()
         seqs, ks = [it.seq for it in items], [it.num_drafts for it in items]
         next_ids = hidden = _NO_CATCH_UP  # plain decoding has no MTP catch-up
         if max(ks):
@@ -298,7 +289,6 @@ class ModelRunner:
             start += k + 1
             token_lps = None if n < 0 else [next(found) for _ in tokens]
             out.append(StepResult(s, tokens, k, len(tokens) - 1, len(tokens), kept, k > 0, s.in_thinking, token_lps))
-        self.timings["one_call"] += time.perf_counter() - t0
         return out
 
     def _verify(self, items: list[Scheduled], decoding: list[int], hidden: Tensor, drafts: list[list[int]],
