@@ -100,6 +100,7 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
     except (OSError, ValueError, yaml.YAMLError) as e:  # ValueError: an integer of more digits than Python converts
         raise ModelYamlError(f"{source}: cannot read it: {e}") from None
     doc = dict(_mapping(doc, "the file", source))
+    written = dict(doc)
     warnings: list[str] = []
     if "model" not in doc:
         raise ModelYamlError(f"{source}: model (the engine directory or Hugging Face checkpoint) is not set")
@@ -125,9 +126,14 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
         raise ModelYamlError(f"{source}: max_beam_width {_shown(max_beam_width)}: supported: 1 (no beam search)")
     limits = {k: _int(doc.pop(k), k, source) for k in ("max_batch_size", "max_seq_len", "max_num_tokens") if k in doc}
 
-    draft_len, relaxed = _speculative(doc.pop("speculative_config", None), engine_options, source, warnings)
-    kv = _kv_cache(doc.pop("kv_cache_config", None), engine_options, source, warnings)
-    cuda_graphs = _cuda_graphs(doc.pop("cuda_graph_config", {}), source, warnings)
+    # a --backend trtllm engine runs on TensorRT-LLM with the file's LLM-API keys as written (as upstream's llmapi
+    # model passes them to LLM()): what the native runtime does not apply, TensorRT-LLM does
+    llm_api_options = None if not engine_options else {  # LLM() is given its model and backend apart
+        key: value for key, value in written.items() if key not in ("model", "tokenizer", "backend", "triton_config")}
+    unapplied: list[str] = []  # keys the native runtime does not apply, named in a warning
+    draft_len, relaxed = _speculative(doc.pop("speculative_config", None), source, warnings, unapplied)
+    kv = _kv_cache(doc.pop("kv_cache_config", None), engine_options, source, unapplied)
+    cuda_graphs = _cuda_graphs(doc.pop("cuda_graph_config", {}), source, unapplied)
     triton_config = doc.pop("triton_config", None)
     triton = {} if triton_config is None else _mapping(triton_config, "triton_config", source)
     if triton.get("speculation") is False:
@@ -144,10 +150,10 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
             value = _int(value, key, source)
             built = build.tp_size if key == "tensor_parallel_size" else build.ep_size
             if value != built:
-                warnings.append(f"{key} {value}: not applied (the engine was built for {built}; build_engine "
+                unapplied.append(f"{key} {value}: not applied (the engine was built for {built}; build_engine "
                                 f"--{'tp_size' if key == 'tensor_parallel_size' else 'ep_size'} sets it)")
         else:
-            warnings.append(f"{key}: not applied (it changes how the work is done, not what is generated)")
+            unapplied.append(f"{key}: not applied (it changes how the work is done, not what is generated)")
     if doc:
         raise ModelYamlError(f"{source}: unknown key(s) {', '.join(sorted(map(str, doc)))}: not implemented by this "
                              "runtime (see serving/llmapi_config.py for the keys it reads)")
@@ -162,7 +168,7 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
             max_num_tokens=limits.get("max_num_tokens"), kv_cache_tokens=kv.get("max_tokens"),
             free_memory_fraction=kv.get("free_gpu_memory_fraction"), device=None if device is None else str(device),
             relaxed_acceptance=relaxed, cuda_graphs=cuda_graphs, enable_block_reuse=kv.get("enable_block_reuse"),
-            max_queued_requests=queue_bound)
+            max_queued_requests=queue_bound, llm_api_options=llm_api_options)
     except ValueError as e:
         raise ModelYamlError(f"{source}: {e}") from None
     checks = {"max_batch_size": lambda v, key, src: _int(v, key, src, low=0), "decoupled": _bool,
@@ -171,12 +177,13 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
     given = {key: None if triton.get(key) is None else check(triton[key], f"triton_config.{key}", source)
              for key, check in checks.items()}
     try:
-        return LlmApiModel(model, executor, settings(TritonConfig, **given), warnings)
+        return LlmApiModel(model, executor, settings(TritonConfig, **given),
+                           warnings + ([] if engine_options else unapplied))
     except ValueError as e:  # a value out of its range
         raise ModelYamlError(f"{source}: triton_config.{e}") from None
 
 
-def _cuda_graphs(value: Any, source: str, warnings: list[str]) -> bool:
+def _cuda_graphs(value: Any, source: str, unapplied: list[str]) -> bool:
     """cuda_graph_config: null turns CUDA graphs off, as the LLM API; a mapping (upstream's CudaGraphConfig, whose
     fields only choose the batch sizes captured) leaves them on, its fields named in a warning."""
     if value is None:
@@ -195,7 +202,7 @@ def _cuda_graphs(value: Any, source: str, warnings: list[str]) -> bool:
     if "enable_padding" in config:
         _bool(config["enable_padding"], "cuda_graph_config.enable_padding", source)
     if config:
-        warnings.append(f"cuda_graph_config.{', cuda_graph_config.'.join(sorted(config))}: not applied (the "
+        unapplied.append(f"cuda_graph_config.{', cuda_graph_config.'.join(sorted(config))}: not applied (the "
                         "batch sizes CUDA graphs are captured for change how the work is done, not what is generated)")
     return True
 
@@ -210,8 +217,8 @@ def _engine_options(model: Path) -> dict[str, Any]:
     return read_llm_api_options(model) if engine_backend(model) == "trtllm" else {}
 
 
-def _speculative(spec: Any, engine_options: dict[str, Any], source: str,
-                 warnings: list[str]) -> tuple[int, RelaxedAcceptance | None]:
+def _speculative(spec: Any, source: str, warnings: list[str], unapplied: list[str]
+                 ) -> tuple[int, RelaxedAcceptance | None]:
     """speculative_config -> (draft length, relaxed acceptance); no speculative_config drafts nothing (as the LLM
     API)."""
     if spec is None:
@@ -240,17 +247,15 @@ def _speculative(spec: Any, engine_options: dict[str, Any], source: str,
         except ValueError as e:
             raise ModelYamlError(f"{source}: speculative_config: {e}") from None
     for name in [n for n in SPECULATION_WARNED if n in spec]:
-        value = spec.pop(name)
-        if name == "use_mtp_vanilla" and engine_options.get("speculative_config", {}).get(name, False) == value:
-            continue  # the engine's own setting, which TensorRT-LLM applies
-        warnings.append(f"speculative_config.{name}: not applied (it changes how drafts are made or scheduled; "
+        spec.pop(name)
+        unapplied.append(f"speculative_config.{name}: not applied (it changes how drafts are made or scheduled; "
                         "speculation never changes the output here)")
     if spec:
         raise ModelYamlError(f"{source}: speculative_config: unknown key(s) {', '.join(sorted(spec))}")
     return k, relaxed
 
 
-def _kv_cache(kv: Any, engine_options: dict[str, Any], source: str, warnings: list[str]) -> dict[str, Any]:
+def _kv_cache(kv: Any, engine_options: dict[str, Any], source: str, unapplied: list[str]) -> dict[str, Any]:
     """kv_cache_config -> {free_gpu_memory_fraction, max_tokens, enable_block_reuse} (as read); the cache dtype must
     be the engine's."""
     if kv is None:
@@ -270,10 +275,8 @@ def _kv_cache(kv: Any, engine_options: dict[str, Any], source: str, warnings: li
         raise ModelYamlError(f"{source}: kv_cache_config.dtype {_shown(dtype)}: supported: auto (the model's dtype) or the "
                              f"engine's ({built!r}; build_engine --kv_cache_dtype sets it for a --backend trtllm engine)")
     for name in [n for n in KV_CACHE_WARNED if n in kv]:
-        value = kv.pop(name)
-        if engine_options.get("kv_cache_config", {}).get(name) == value:
-            continue  # the engine's own setting
-        warnings.append(f"kv_cache_config.{name}: not applied (it changes how the cache is kept, not what is "
+        kv.pop(name)
+        unapplied.append(f"kv_cache_config.{name}: not applied (it changes how the cache is kept, not what is "
                         "generated)")
     if kv:
         raise ModelYamlError(f"{source}: kv_cache_config: unknown key(s) {', '.join(sorted(kv))}: not implemented "

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import dataclasses
+import re
 import importlib
 import json
 import logging
@@ -82,15 +83,15 @@ UPSTREAM_SAMPLING_FIELDS = (
 _SAMPLING_DEFAULTS = {"max_tokens": 32, "include_stop_str_in_output": False, "n": 1, "use_beam_search": False,
                       "return_perf_metrics": False, "ignore_eos": False, "detokenize": True}
 # LLM-API arguments (tensorrt_llm/llmapi/llm_args.py: TorchLlmArgs, KvCacheConfig, CudaGraphConfig,
-# MTPDecodingConfig) that the engine's YAML and the executor's overrides may use.
+# MTPDecodingConfig and its DecodingBaseConfig) that the engine's YAML and the executor's overrides may use.
 UPSTREAM_LLM_ARGS = {
     "backend": None, "dtype": None, "tensor_parallel_size": None, "moe_expert_parallel_size": None,
     "enable_attention_dp": None, "max_batch_size": None, "max_num_tokens": None, "max_seq_len": None,
     "guided_decoding_backend": None,
     "kv_cache_config": {"dtype", "free_gpu_memory_fraction", "enable_block_reuse", "tokens_per_block", "max_tokens"},
     "cuda_graph_config": {"enable_padding", "max_batch_size", "batch_sizes"},
-    "speculative_config": {"decoding_type", "num_nextn_predict_layers", "use_relaxed_acceptance_for_thinking",
-                           "relaxed_topk", "relaxed_delta", "use_mtp_vanilla", "mtp_eagle_one_model",
+    "speculative_config": {"decoding_type", "max_draft_len", "num_nextn_predict_layers",
+                           "use_relaxed_acceptance_for_thinking", "relaxed_topk", "relaxed_delta", "use_mtp_vanilla", "mtp_eagle_one_model",
                            "begin_thinking_phase_token", "end_thinking_phase_token"},
 }
 
@@ -241,7 +242,7 @@ def make_tensorrt_llm_double() -> ModuleType:
                 if key not in UPSTREAM_LLM_ARGS:
                     raise TypeError(f"test double: LLM got an unexpected argument {key!r}")
                 sub = UPSTREAM_LLM_ARGS[key]
-                if sub is not None and not set(value) <= sub:
+                if sub is not None and value is not None and not set(value) <= sub:  # None: off (cuda_graph_config)
                     raise TypeError(f"test double: {key} has unexpected keys {sorted(set(value) - sub)}")
             self.model, self.kwargs = model, kwargs
             self.requests: list[RequestOutput] = []
@@ -613,6 +614,44 @@ def test_the_draft_length_under_either_name(engine: TrtllmEngine, engine_dir: Pa
     (tmp_path / "model.yaml").write_text(yaml.safe_dump(doc))
     llm = read_model_yaml(tmp_path / "model.yaml", tmp_path)
     assert llm.executor.num_draft_tokens == 3 and not [w for w in llm.warnings if "deprecated" in w], llm.warnings
+
+
+def test_the_llmapi_model_yaml_is_what_tensorrt_llm_runs(engine_dir: Path, tmp_path: Path, trtllm: ModuleType) -> None:
+    """Upstream's llmapi model passes model.yaml's LLM-API keys to LLM(): edited, they reach TensorRT-LLM (relaxed
+    acceptance turned on or off, the memory fraction, CUDA graphs, block reuse), none of them called 'not applied'.
+    They were dropped for the engine's own options without a word."""
+    from serving.llmapi_config import model_yaml, read_model_yaml
+
+    doc = model_yaml(engine_dir, "engine", decoupled=True)
+    assert doc["cuda_graph_config"] and doc["kv_cache_config"]["free_gpu_memory_fraction"] == 0.9
+    doc["speculative_config"] |= {"use_relaxed_acceptance_for_thinking": True, "relaxed_topk": 5, "relaxed_delta": 0.5}
+    doc["kv_cache_config"] |= {"free_gpu_memory_fraction": 0.5, "enable_block_reuse": False}
+    doc["cuda_graph_config"] = None
+    doc["enable_attention_dp"] = True
+    (tmp_path / "engine").symlink_to(engine_dir)
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump(doc))
+    llm = read_model_yaml(tmp_path / "model.yaml", tmp_path)
+    assert not llm.warnings
+    with TrtllmExecutor(engine_dir, llm.executor) as ex:
+        kwargs = ex.llm_kwargs
+    assert kwargs["speculative_config"] == {
+        "decoding_type": "MTP", "num_nextn_predict_layers": 3, "max_draft_len": 3,
+        "use_relaxed_acceptance_for_thinking": True, "relaxed_topk": 5, "relaxed_delta": 0.5,
+        "begin_thinking_phase_token": 128798, "end_thinking_phase_token": 128799}
+    assert kwargs["kv_cache_config"]["free_gpu_memory_fraction"] == 0.5
+    assert kwargs["kv_cache_config"]["enable_block_reuse"] is False
+    assert kwargs["cuda_graph_config"] is None and kwargs["enable_attention_dp"] is True
+    assert "model" not in kwargs and "backend" not in kwargs  # LLM() is given them apart
+    # and without the relaxed keys, relaxed acceptance is off (the engine's own options do not come back)
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump(model_yaml(engine_dir, "engine", decoupled=True)))
+    with TrtllmExecutor(engine_dir, read_model_yaml(tmp_path / "model.yaml", tmp_path).executor) as ex:
+        assert "use_relaxed_acceptance_for_thinking" not in ex.llm_kwargs["speculative_config"]
+
+
+def test_a_native_engine_refuses_llm_api_options(spec_checkpoint: Path) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"llm_api_options: {spec_checkpoint} is a native engine (LLM-API "
+                                                   "options run a --backend trtllm engine on TensorRT-LLM)")):
+        Executor(spec_checkpoint, ExecutorConfig(llm_api_options={"max_batch_size": 2}))
 
 
 @pytest.mark.parametrize("config, message", [

@@ -53,6 +53,9 @@ class ExecutorConfig:
     # load shedding, as SGLang's --max-queued-requests: a submit while this many requests wait to be scheduled is
     # refused (QueueFull: a server's 503 / UNAVAILABLE, for the client to retry); None: no bound, as vLLM
     max_queued_requests: int | None = None
+    # a --backend trtllm engine: the LLM-API options to run it with instead of its own (an llmapi model.yaml's, as
+    # upstream's llmapi model passes them to LLM()); refused for a native engine
+    llm_api_options: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         k = self.num_draft_tokens
@@ -78,6 +81,8 @@ class ExecutorConfig:
             device = None
         if device is None or device.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda[:index], got {self.device!r}")
+        if self.llm_api_options is not None and not isinstance(self.llm_api_options, dict):
+            raise ValueError(f"llm_api_options must be a mapping of LLM-API options, got {self.llm_api_options!r:.80}")
         if self.world_size is not None and (not is_int(self.world_size) or self.world_size < 1):
             raise ValueError(f"world_size must be an integer >= 1, got {self.world_size!r}")
         # numpy's values as Python's (a config is pickled to engine processes and compared)

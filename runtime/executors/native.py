@@ -88,6 +88,9 @@ class Executor:
 
     def _setup(self) -> None:
         build, cfg, config = self.engine.build, self.engine.model_config, self.config
+        if config.llm_api_options is not None:
+            raise ValueError(f"llm_api_options: {self.engine.path} is a native engine (LLM-API options run a --backend "
+                             "trtllm engine on TensorRT-LLM); leave them unset")
         self.limits = config.limits(build, cfg, str(self.engine.path), self.engine.built)
         k = config.draft_len(build.max_draft_len, cfg.num_nextn_predict_layers, str(self.engine.path), self.engine.built)
         if k + 1 > self.limits.max_num_tokens:  # a step verifies a sequence's k drafts and one more token at once

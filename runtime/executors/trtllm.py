@@ -130,7 +130,8 @@ class TrtllmExecutor:
         self.engine = engine if isinstance(engine, TrtllmEngine) else TrtllmEngine.open(engine, verify_weights)
         self.model_config = self.engine.manifest.model_config
         self.config = config
-        self.llm_kwargs = llm_kwargs_for(self.engine.options, self.engine.manifest, config, llm_overrides,
+        options = self.engine.options if config is None or config.llm_api_options is None else config.llm_api_options
+        self.llm_kwargs = llm_kwargs_for(options, self.engine.manifest, config, llm_overrides,
                                          source=str(self.engine.path / LLM_API_OPTIONS))
         self.num_draft_tokens = draft_len_of(self.llm_kwargs)
         build = self.engine.build
