@@ -280,6 +280,35 @@ def test_ranks_die_with_a_killed_executor_process(tp2):
         proc.kill()
 
 
+FORK_SCRIPT = """
+import gc, os, signal, sys
+from runtime.core.sampling_params import SamplingParams
+from runtime.executors.base import ExecutorConfig
+from runtime.executors.native import Executor
+ex = Executor(sys.argv[1], ExecutorConfig(kv_cache_tokens=512, num_draft_tokens=0))
+for close in (True, False):
+    if os.fork() == 0:  # the child ends its copy of the executor, then exits as a script does
+        signal.alarm(30)  # one that hangs dies
+        if close:
+            ex.shutdown()
+            del ex
+            gc.collect()
+        sys.exit(0)
+    print("child", os.wait()[1], flush=True)
+print(ex.submit([5, 17, 42], SamplingParams(max_tokens=4)).result(60).finish_reason, flush=True)
+ex.shutdown()
+"""
+
+
+def test_a_forked_child_leaves_the_ranks_to_its_parent(tp2):
+    """A process forked after the executor started (os.fork, multiprocessing's 'fork') holds a copy of rank 0's
+    group but none of its threads: closing or collecting it there hung (gloo's destructor joins threads the child
+    does not have), and exiting with it aborted the child. The child must leave its parent's ranks alone."""
+    run = subprocess.run([sys.executable, "-c", FORK_SCRIPT, str(tp2)], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert (run.returncode, run.stdout.split()) == (0, ["child", "0", "child", "0", "length"]), run.stderr[-2000:]
+
+
 TORCHRUN_SCRIPT = """
 import sys
 from runtime.core.sampling_params import SamplingParams

@@ -23,6 +23,7 @@ ranks out of step (some wait in a collective the others never reach), so it ends
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import datetime
 import json
@@ -37,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -89,6 +91,8 @@ class RankGroup:
         self.rendezvous = rendezvous  # the file store's directory, for ranks started here
         self.par = Parallel(build.layout(0))  # its group once `connect` has formed it
         self.closed = False
+        self.owner = os.getpid()  # a fork()ed copy of this process must leave the ranks alone
+        _groups.add(self)
         self.sent_bytes = 0  # calls broadcast to each other rank
 
     @property
@@ -214,8 +218,9 @@ class RankGroup:
         return [rss_bytes(pid) for pid in [os.getpid(), *(p.pid for p in self.procs)]]
 
     def close(self, graceful: bool = True) -> None:
-        """Stop the ranks: a stop message when `graceful` (no call may be in flight), then SIGTERM, then SIGKILL."""
-        if self.closed:
+        """Stop the ranks: a stop message when `graceful` (no call may be in flight), then SIGTERM, then SIGKILL.
+        Nothing in a fork()ed child: the ranks are its parent's."""
+        if self.closed or os.getpid() != self.owner:
             return
         self.closed = True
         self._remove_rendezvous()
@@ -237,6 +242,22 @@ class RankGroup:
                 except subprocess.TimeoutExpired:
                     pass
         self.par.group = None
+
+
+_groups: weakref.WeakSet[RankGroup] = weakref.WeakSet()
+
+
+def _keep_in_child() -> None:
+    """A fork()ed child has copies of the groups' gloo state and stores but not their threads: destroying them there
+    (a close, the garbage collector, the interpreter's exit) hangs joining those threads or aborts. It keeps them,
+    one reference more each, until it exits."""
+    for group in list(_groups):
+        for kept in (group.store, group.par.group):
+            if kept is not None:
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(kept))
+
+
+os.register_at_fork(after_in_child=_keep_in_child)
 
 
 class DrivingModel(DeepseekV3ForCausalLM):
