@@ -240,6 +240,28 @@ def test_a_killed_rank_stops_the_executor_with_a_clear_error(tp2, shipped_model_
     ex.shutdown()
 
 
+def test_a_rank_that_fails_after_loading_names_its_error_at_the_call(tp2, monkeypatch):
+    """A rank that cannot allocate its KV cache (a host whose ranks' memory differs): the executor was made and
+    failed at its first step, "rank 1 exited with code 1", the reason in rank 1's stderr alone. It fails to be
+    made, with rank 1's exception."""
+    from runtime.executors.ranks import RankFailure, RankGroup
+
+    send = RankGroup.send
+
+    def huge_cache(self, call):  # more bytes than the address space: rank 1's allocation fails
+        send(self, ("cache", {**call[1], "shape": (1 << 50,)}) if call and call[0] == "cache" else call)
+
+    monkeypatch.setattr(RankGroup, "send", huge_cache)
+    started = []
+    monkeypatch.setattr(RankGroup, "connect", lambda self, connect=RankGroup.connect: (started.append(self),
+                                                                                       connect(self)))
+    with pytest.raises(RankFailure) as failure:
+        executor(tp2, None)
+    [worker] = started[0].procs
+    assert str(failure.value).startswith(f"rank 1 (pid {worker.pid}) failed: RuntimeError: "), failure.value
+    assert "can't allocate memory: you tried to allocate" in str(failure.value)
+
+
 def test_ctrl_c_reaches_the_ranks_and_rank_0_decides(tp2, shipped_model_dir):
     """Ctrl-C in a terminal (or a notebook's interrupt) sends SIGINT to the whole process group: a rank died of it,
     and the next request of the session failed naming it; the process that owns the executor decides."""
