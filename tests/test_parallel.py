@@ -285,6 +285,19 @@ def test_a_rank_killed_while_idle_is_found_before_the_next_request(tp2):
     ex.shutdown()
 
 
+def test_shutdown_shorter_than_a_step_cancels_as_one_process_does(tp2):
+    """shutdown(timeout) that ends before the step under way stops the ranks under it: the requests in flight ended
+    "error" (RankFailure: the ranks have stopped) where one process ends them "cancelled", and it returned 5 s later."""
+    ex = executor(tp2, None)
+    handles = [ex.submit([5, 6, 7 + i], SamplingParams(max_tokens=200, ignore_eos=True)) for i in range(4)]
+    next(iter(handles[0]))  # generating
+    start = time.monotonic()
+    ex.shutdown(timeout=0.01)
+    took = time.monotonic() - start
+    assert {(out.finish_reason, out.error) for out in (h.result(60) for h in handles)} == {("cancelled", None)}
+    assert took < 4, f"shutdown(timeout=0.01) took {took:.1f} s"  # it waited 5 s for ranks never told to stop
+
+
 def test_ranks_die_with_a_killed_executor_process(tp2):
     script = (f"import sys; from runtime.executors.native import Executor; from runtime.executors.base import ExecutorConfig\n"
               f"ex = Executor({str(tp2)!r}, ExecutorConfig(kv_cache_tokens=512, num_draft_tokens=0))\n"

@@ -247,18 +247,20 @@ class RankGroup:
         return [rss_bytes(pid) for pid in [os.getpid(), *(p.pid for p in self.procs)]]
 
     def close(self, graceful: bool = True) -> None:
-        """Stop the ranks: a stop message when `graceful` (no call may be in flight), then SIGTERM, then SIGKILL.
-        Nothing in a fork()ed child: the ranks are its parent's."""
+        """Stop the ranks: a stop message when `graceful` (no call may be in flight) and a wait for them to exit, then
+        SIGTERM, then SIGKILL. Nothing in a fork()ed child: the ranks are its parent's."""
         if self.closed or os.getpid() != self.owner:
             return
         self.closed = True
         self._remove_rendezvous()
+        steps: tuple[tuple[signal.Signals | None, float | None], ...] = ((signal.SIGTERM, 5.0), (signal.SIGKILL, None))
         if graceful and self.par.group is not None and all(p.poll() is None for p in self.procs):
             try:
                 self.send(None)
+                steps = ((None, 5.0), *steps)
             except RuntimeError:
                 pass
-        for sig, wait in ((None, 5.0), (signal.SIGTERM, 5.0), (signal.SIGKILL, None)):
+        for sig, wait in steps:
             alive = [p for p in self.procs if p.poll() is None]
             if not alive:
                 break
