@@ -94,7 +94,7 @@ class RankGroup:
         self.rendezvous = rendezvous  # the file store's directory, for ranks started here
         # for ranks started here, a pipe from each: why it stops after loading (the store is gone by then)
         self.reports = reports or []
-        self.reasons: dict[int, str] = {}  # rank -> what it reported, read once it has exited
+        self.reasons: dict[int, str] = {}  # rank -> what it reported as it stopped
         self.par = Parallel(build.layout(0))  # its group once `connect` has formed it
         self.closed = False
         self.owner = os.getpid()  # a fork()ed copy of this process must leave the ranks alone
@@ -210,7 +210,7 @@ class RankGroup:
         return self.reasons.get(rank, "")
 
     def check(self) -> None:
-        """RankFailure if a rank has exited."""
+        """RankFailure if a rank has failed (said why) or exited."""
         for r in range(1, self.world_size):
             self._check(r)
 
@@ -229,7 +229,7 @@ class RankGroup:
             raise self.failed(e) from e
 
     def failed(self, error: BaseException) -> RankFailure:
-        """The failure to raise after `error` inside a driven call: which rank exited, if one did (waiting a moment
+        """The failure to raise after `error` inside a driven call: which rank failed or exited, if one did (waiting a moment
         for its exit to show), else the error itself. The group is closed: its ranks are out of step."""
         for _ in range(50):
             try:
@@ -404,7 +404,7 @@ def _torchrun_store(rank: int, world: int) -> dist.Store:
 def _worker(path: str, rank: int, world: int, store: dist.Store, options: RankOptions, loopback: bool,
             report: int | None = None) -> int:
     """Load this rank's file and serve rank 0's calls. A load failure goes to the store (rank 0 waits there); a later
-    one, to `report` (a pipe rank 0 reads when it sees this process exit), or under torchrun to the log alone."""
+    one, to `report` (a pipe rank 0 reads at its checks), or under torchrun to the log alone."""
     torch.set_num_threads(options.threads)
     try:
         par = Parallel(EngineManifest.read(Path(path)).build.layout(rank))
