@@ -46,6 +46,7 @@ from typing import Iterator, Sequence
 from runtime.executors.lifetime import PID_NAMESPACE, remove_dead_pids_leftovers, spawn
 from serving.engine_limits import SERVER_DIR_PREFIX, server_dir
 from serving.triton_parameters import WORLD_SIZE_ENV
+from serving.watchdog import STOP_REASON_ENV
 
 CONTAINER_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
 RESTRICTED_APIS = "shared-memory,model-repository,logging,trace"
@@ -58,6 +59,7 @@ LEFTOVERS = ((SHM_DIR, re.compile(rf"dsv3_{PID_NAMESPACE}_(\d+)_\d+_")),  # dsv3
              (None, re.compile(rf"{re.escape(SERVER_DIR_PREFIX)}(\d+)$")))  # server_dir: None is the temporary dir
 STUB_BINARY = "triton_python_backend_stub"
 SUPERVISE_PERIOD_S = 1.0
+STOP_REASON_FILE = "stop_reason"  # in the work directory, named to the models by serving.watchdog.STOP_REASON_ENV
 # Each Python backend stub's shared-memory region starts this large (Triton's default is 1 MiB), so that request
 # bodies up to a few MB (refused ones included) fit without growing it: Triton 2.51 maps a grown region again and
 # keeps the old mapping, so every growth adds to the resident memory of the stub and of tritonserver for good.
@@ -227,6 +229,13 @@ class TritonServer:
         alive = python_stubs(self.process.pid)
         return {pid: name for pid, name in self.stubs.items() if pid not in alive}
 
+    def stop_reason(self) -> str | None:
+        """Why a model's watchdog stopped the server (serving.watchdog.stop_server), if one did."""
+        try:
+            return (self.workdir / STOP_REASON_FILE).read_text()
+        except OSError:
+            return None
+
     @property
     def client_host(self) -> str:
         """Address a client on this machine connects to."""
@@ -370,6 +379,7 @@ def start_server(model_repo: str | Path, *, http_port: int = 0, grpc_port: int =
         server_environ = server_env(install, env)
         if world_size is not None:
             server_environ[WORLD_SIZE_ENV] = str(world_size)
+        server_environ[STOP_REASON_ENV] = str(workdir / STOP_REASON_FILE)
         proc = spawn(cmd, env=server_environ, stdin=subprocess.DEVNULL, stdout=handle,
                      stderr=subprocess.STDOUT if handle else None, start_new_session=True)
     except BaseException:
@@ -482,21 +492,27 @@ def _stop_on_signals() -> Iterator[None]:
 def supervise(server: TritonServer) -> int:
     """Wait for tritonserver to exit; if a Python backend stub dies first (its model would fail every request
     while the server reports ready), stop the server so that a supervisor restarts it. Returns the exit status
-    to report: the server's, or 1 for a dead stub."""
+    to report: the server's, or 1 for a dead stub or a server a model's watchdog stopped (it says why)."""
     while server.process.poll() is None:
         time.sleep(SUPERVISE_PERIOD_S)
         server.make_regions_private()
         dead = server.dead_stubs()
-        if dead:
+        if dead and server.stop_reason() is None:
             time.sleep(2 * SUPERVISE_PERIOD_S)  # stubs also exit when the server shuts down by itself
-            if server.process.poll() is not None:
-                break
+            if server.process.poll() is not None or server.stop_reason() is not None:
+                continue  # its own shutdown, which may take as long as its models take to unload
             names = ", ".join(f"{name} (pid {pid})" for pid, name in sorted(dead.items()))
             print(f"launch_triton_server: the Python backend stub of {names} died; Triton does not restart it, so "
                   f"its model would fail every request: stopping tritonserver", file=sys.stderr, flush=True)
             server.stop(signal.SIGTERM)
             return 1
     status = server.process.returncode
+    reason = server.stop_reason()
+    if reason is not None:
+        print(f"launch_triton_server: a model's watchdog stopped tritonserver (exit status {status}): {reason}",
+              file=sys.stderr, flush=True)
+        server.stop()
+        return 1
     print(f"tritonserver exited with status {status}", file=sys.stderr)
     frames = server.crash_frames()
     if frames:

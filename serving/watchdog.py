@@ -9,6 +9,7 @@ fails and a supervisor can restart them.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 import os
@@ -19,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from runtime.io.atomic import atomic_write
+
 log = logging.getLogger(__name__)
 
 # how long a step loop (or a response sender) with work may go without progress before it counts as stalled, by
@@ -27,6 +30,10 @@ STALL_TIMEOUT_S = 120.0
 
 # how long a server stopped by its watchdog gets to exit on SIGTERM before it is killed
 KILL_AFTER_S = 60.0
+
+# a file (launch_triton_server's, for its tritonserver) where stop_server writes why it stopped the server: the
+# launcher names that reason, not the other models' stubs that exit as the server unloads
+STOP_REASON_ENV = "DSV3_STOP_REASON_FILE"
 
 Probe = Callable[[], "str | None"]
 
@@ -84,6 +91,9 @@ def stop_server(pid: int, reason: str, kill_after_s: float = KILL_AFTER_S) -> No
     deadlocked in its abort handler after a heap corruption). Said on stderr, not through the server's logger,
     which may be what is stuck."""
     print(f"watchdog: {reason}; stopping the server (pid {pid})", file=sys.stderr, flush=True)
+    if os.environ.get(STOP_REASON_ENV):
+        with contextlib.suppress(OSError):
+            atomic_write(Path(os.environ[STOP_REASON_ENV]), reason)
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + kill_after_s
     while time.monotonic() < deadline:

@@ -240,6 +240,28 @@ def test_a_killed_rank_stops_the_executor_with_a_clear_error(tp2, shipped_model_
     ex.shutdown()
 
 
+def test_a_rank_that_fails_after_loading_names_its_error_at_the_call(tp2, monkeypatch):
+    """A rank that cannot allocate its KV cache (a host whose ranks' memory differs): the executor was made and
+    failed at its first step, "rank 1 exited with code 1", the reason in rank 1's stderr alone. It fails to be
+    made, with rank 1's exception."""
+    from runtime.executors.ranks import RankFailure, RankGroup
+
+    send = RankGroup.send
+
+    def huge_cache(self, call):  # more bytes than the address space: rank 1's allocation fails
+        send(self, ("cache", {**call[1], "shape": (1 << 50,)}) if call and call[0] == "cache" else call)
+
+    monkeypatch.setattr(RankGroup, "send", huge_cache)
+    started = []
+    monkeypatch.setattr(RankGroup, "connect", lambda self, connect=RankGroup.connect: (started.append(self),
+                                                                                       connect(self)))
+    with pytest.raises(RankFailure) as failure:
+        executor(tp2, None)
+    [worker] = started[0].procs
+    assert str(failure.value).startswith(f"rank 1 (pid {worker.pid}) failed: RuntimeError: "), failure.value
+    assert "can't allocate memory: you tried to allocate" in str(failure.value)
+
+
 def test_ctrl_c_reaches_the_ranks_and_rank_0_decides(tp2, shipped_model_dir):
     """Ctrl-C in a terminal (or a notebook's interrupt) sends SIGINT to the whole process group: a rank died of it,
     and the next request of the session failed naming it; the process that owns the executor decides."""
@@ -263,6 +285,19 @@ def test_a_rank_killed_while_idle_is_found_before_the_next_request(tp2):
     ex.shutdown()
 
 
+def test_shutdown_shorter_than_a_step_cancels_as_one_process_does(tp2):
+    """shutdown(timeout) that ends before the step under way stops the ranks under it: the requests in flight ended
+    "error" (RankFailure: the ranks have stopped) where one process ends them "cancelled", and it returned 5 s later."""
+    ex = executor(tp2, None)
+    handles = [ex.submit([5, 6, 7 + i], SamplingParams(max_tokens=200, ignore_eos=True)) for i in range(4)]
+    next(iter(handles[0]))  # generating
+    start = time.monotonic()
+    ex.shutdown(timeout=0.01)
+    took = time.monotonic() - start
+    assert {(out.finish_reason, out.error) for out in (h.result(60) for h in handles)} == {("cancelled", None)}
+    assert took < 4, f"shutdown(timeout=0.01) took {took:.1f} s"  # it waited 5 s for ranks never told to stop
+
+
 def test_ranks_die_with_a_killed_executor_process(tp2):
     script = (f"import sys; from runtime.executors.native import Executor; from runtime.executors.base import ExecutorConfig\n"
               f"ex = Executor({str(tp2)!r}, ExecutorConfig(kv_cache_tokens=512, num_draft_tokens=0))\n"
@@ -278,6 +313,35 @@ def test_ranks_die_with_a_killed_executor_process(tp2):
         assert all(_gone(pid) for pid in pids)
     finally:
         proc.kill()
+
+
+FORK_SCRIPT = """
+import gc, os, signal, sys
+from runtime.core.sampling_params import SamplingParams
+from runtime.executors.base import ExecutorConfig
+from runtime.executors.native import Executor
+ex = Executor(sys.argv[1], ExecutorConfig(kv_cache_tokens=512, num_draft_tokens=0))
+for close in (True, False):
+    if os.fork() == 0:  # the child ends its copy of the executor, then exits as a script does
+        signal.alarm(30)  # one that hangs dies
+        if close:
+            ex.shutdown()
+            del ex
+            gc.collect()
+        sys.exit(0)
+    print("child", os.wait()[1], flush=True)
+print(ex.submit([5, 17, 42], SamplingParams(max_tokens=4)).result(60).finish_reason, flush=True)
+ex.shutdown()
+"""
+
+
+def test_a_forked_child_leaves_the_ranks_to_its_parent(tp2):
+    """A process forked after the executor started (os.fork, multiprocessing's 'fork') holds a copy of rank 0's
+    group but none of its threads: closing or collecting it there hung (gloo's destructor joins threads the child
+    does not have), and exiting with it aborted the child. The child must leave its parent's ranks alone."""
+    run = subprocess.run([sys.executable, "-c", FORK_SCRIPT, str(tp2)], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert (run.returncode, run.stdout.split()) == (0, ["child", "0", "child", "0", "length"]), run.stderr[-2000:]
 
 
 TORCHRUN_SCRIPT = """

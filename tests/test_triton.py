@@ -372,6 +372,39 @@ def test_launcher_stops_the_server_when_a_stub_dies(tmp_path: Path) -> None:
             proc.wait()
 
 
+WATCHED_MODEL = ECHO_MODEL.replace("class TritonPythonModel:", """import os, threading, time
+from serving.watchdog import stop_server
+class TritonPythonModel:
+    def finalize(self):
+        time.sleep(5)  # as an engine's executor and ranks stop
+""").replace("    def execute(self, requests):\n", """    def execute(self, requests):
+        threading.Thread(target=stop_server, args=(os.getppid(), "watched: executor: rank 1 exited"), daemon=True).start()
+""")
+
+
+def test_launcher_names_the_model_whose_watchdog_stopped_the_server(tmp_path: Path) -> None:
+    """A model's watchdog (the engine's, when one of its ranks died) stops tritonserver; the other models' stubs exit
+    while it unloads, and the launcher, 2 s after seeing them gone, blamed them ("the Python backend stub of echo_0_0
+    (pid ...) died"). It names the watchdog's reason, and exits 1."""
+    (tmp_path / "repo" / "watched" / "1").mkdir(parents=True)
+    (tmp_path / "repo" / "watched" / "config.pbtxt").write_text(ECHO_CONFIG.replace('"echo"', '"watched"'))
+    (tmp_path / "repo" / "watched" / "1" / "model.py").write_text(WATCHED_MODEL)
+    proc, http = launch_echo_server(tmp_path)
+    try:
+        with urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{http}/v2/models/watched/generate",
+                                                           json.dumps({"IN": "hi"}).encode()), timeout=10) as r:
+            assert json.loads(r.read())["OUT"] == "hi"
+        assert proc.wait(timeout=60) == 1
+        errors = proc.stderr.read()
+        assert ("launch_triton_server: a model's watchdog stopped tritonserver (exit status 0): watched: executor: "
+                "rank 1 exited\n") in errors, errors
+        assert "stub" not in errors, errors
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_leftovers_of_a_killed_launcher_are_removed_by_the_next(tmp_path: Path) -> None:
     """A launcher killed before its stop() leaves its Python backend regions in /dev/shm (memory) and its work
     directory; the next launcher removes them, since their launcher pid has no process, and keeps a live one's and

@@ -329,13 +329,16 @@ class Executor:
             while not self._stopping:
                 self._progress = time.monotonic()
                 self._step()
-        except Exception as e:  # a bug of ours outside a model step: end every request, never leave one hanging
-            log.exception("executor loop failed; no new requests are accepted")
-            error = self._error = f"executor stopped: {type(e).__name__}: {e}"
-            with self._submit_lock:
-                self._stopping = True
-            if self.ranks is not None:
-                self.ranks.close(graceful=False)
+        except Exception as e:
+            if self._stopping and isinstance(e, RankFailure):
+                pass  # shutdown stopped the ranks under this step: its requests end cancelled, as in one process
+            else:  # a bug of ours outside a model step: end every request, never leave one hanging
+                log.exception("executor loop failed; no new requests are accepted")
+                error = self._error = f"executor stopped: {type(e).__name__}: {e}"
+                with self._submit_lock:
+                    self._stopping = True
+                if self.ranks is not None:
+                    self.ranks.close(graceful=False)
         self._drain_inbox()  # submitted but never scheduled: ended too, never lost
         for rid in list(self._requests):
             self._finish(rid, "error" if error else "cancelled", error=error)

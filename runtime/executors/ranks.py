@@ -17,12 +17,15 @@ the ranks' calls are pickles. Ranks torchrun started meet at its store and conne
 Lifetime: a worker dies with rank 0's process (runtime.executors.lifetime) or when the group's connections
 close; `RankGroup.close` sends a stop, then SIGTERM, then SIGKILL. Any failure inside a driven forward leaves the
 ranks out of step (some wait in a collective the others never reach), so it ends the group and raises
-`RankFailure`, naming the rank that exited and its exit code when one did: the executor stops with it.
+`RankFailure`, naming the rank that failed and why (a rank started here writes its exception to a pipe before it
+exits) or its exit code: the executor stops with it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import dataclasses
 import datetime
 import json
@@ -37,9 +40,10 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 import torch.distributed as dist
@@ -63,6 +67,7 @@ CONNECT_TIMEOUT = datetime.timedelta(seconds=120)  # a worker's loading and the 
 COLLECTIVE_TIMEOUT = datetime.timedelta(days=365)
 RENDEZVOUS_LEFT = re.compile(rf"dsv3-ranks-{PID_NAMESPACE}-(\d+)-")  # a rank 0 killed while its ranks met
 _CACHE = "<kv_cache>"  # stands for the rank's own KV cache in a broadcast call
+REPORT_BYTES = 4096  # of a rank's last words (its exception) to rank 0: within a pipe's buffer
 
 
 class RankFailure(RuntimeError):
@@ -84,11 +89,16 @@ class RankGroup:
     """Rank 0's handle on ranks 1..world-1: their processes, the store they met at and the process group."""
 
     def __init__(self, path: Path, build: BuildConfig, store: dist.Store, procs: list[subprocess.Popen],
-                 rendezvous: Path | None = None):
+                 rendezvous: Path | None = None, reports: list[BinaryIO] | None = None):
         self.path, self.build, self.store, self.procs = path, build, store, procs
         self.rendezvous = rendezvous  # the file store's directory, for ranks started here
+        # for ranks started here, a pipe from each: why it stops after loading (the store is gone by then)
+        self.reports = reports or []
+        self.reasons: dict[int, str] = {}  # rank -> what it reported as it stopped
         self.par = Parallel(build.layout(0))  # its group once `connect` has formed it
         self.closed = False
+        self.owner = os.getpid()  # a fork()ed copy of this process must leave the ranks alone
+        _groups.add(self)
         self.sent_bytes = 0  # calls broadcast to each other rank
 
     @property
@@ -122,10 +132,18 @@ class RankGroup:
         store_file = str(rendezvous / "store")
         store = _file_store(store_file, build.tp_size)
         opts = json.dumps(asdict(options))
-        procs = [spawn([python_executable(), "-m", "runtime.executors.ranks", str(path), str(r), str(build.tp_size),
-                        store_file, opts]) for r in range(1, build.tp_size)]
+        procs, reports = [], []
+        for r in range(1, build.tp_size):
+            read, write = os.pipe()
+            os.set_blocking(read, False)
+            reports.append(os.fdopen(read, "rb", buffering=0))
+            try:
+                procs.append(spawn([python_executable(), "-m", "runtime.executors.ranks", str(path), str(r),
+                                    str(build.tp_size), store_file, opts, str(write)], pass_fds=(write,)))
+            finally:
+                os.close(write)
         log.info("started ranks 1..%d of %s (pids %s)", build.tp_size - 1, path, [p.pid for p in procs])
-        return cls(Path(path), build, store, procs, rendezvous)
+        return cls(Path(path), build, store, procs, rendezvous, reports)
 
     def connect(self) -> None:
         """Wait for every rank to have loaded its weights (or fail, naming why), then form the process group."""
@@ -177,12 +195,22 @@ class RankGroup:
     def _check(self, rank: int) -> None:
         if not self.procs:  # torchrun's: it ends every rank when one fails
             return
-        code = self.procs[rank - 1].poll()
+        proc = self.procs[rank - 1]
+        reason = self._reason(rank)
+        if reason:  # it is exiting (a rank that reports stops)
+            raise RankFailure(f"rank {rank} (pid {proc.pid}) failed: {reason}")
+        code = proc.poll()
         if code is not None:
-            raise RankFailure(f"rank {rank} (pid {self.procs[rank - 1].pid}) exited with code {code}")
+            raise RankFailure(f"rank {rank} (pid {proc.pid}) exited with code {code}")
+
+    def _reason(self, rank: int) -> str:
+        """What a rank reported as it stopped (its exception, one write: whole or not yet there); '' if nothing."""
+        if not self.reasons.get(rank) and self.reports and not self.reports[rank - 1].closed:
+            self.reasons[rank] = (self.reports[rank - 1].read(REPORT_BYTES) or b"").decode(errors="replace")
+        return self.reasons.get(rank, "")
 
     def check(self) -> None:
-        """RankFailure if a rank has exited."""
+        """RankFailure if a rank has failed (said why) or exited."""
         for r in range(1, self.world_size):
             self._check(r)
 
@@ -192,11 +220,16 @@ class RankGroup:
         self.sent_bytes += _broadcast(self.par, torch.tensor([data.numel()])) + _broadcast(self.par, data)
 
     def attach_cache(self, cache: Tensor) -> None:
-        """Every rank allocates a KV cache of rank 0's shape and dtype."""
-        self.send(("cache", {"shape": tuple(cache.shape), "dtype": cache.dtype}))
+        """Every rank allocates a KV cache of rank 0's shape and dtype; a rank that cannot fails this call, naming why,
+        not a later step."""
+        try:
+            self.send(("cache", {"shape": tuple(cache.shape), "dtype": cache.dtype}))
+            self.par.group.barrier().wait()
+        except Exception as e:
+            raise self.failed(e) from e
 
     def failed(self, error: BaseException) -> RankFailure:
-        """The failure to raise after `error` inside a driven call: which rank exited, if one did (waiting a moment
+        """The failure to raise after `error` inside a driven call: which rank failed or exited, if one did (waiting a moment
         for its exit to show), else the error itself. The group is closed: its ranks are out of step."""
         for _ in range(50):
             try:
@@ -214,17 +247,20 @@ class RankGroup:
         return [rss_bytes(pid) for pid in [os.getpid(), *(p.pid for p in self.procs)]]
 
     def close(self, graceful: bool = True) -> None:
-        """Stop the ranks: a stop message when `graceful` (no call may be in flight), then SIGTERM, then SIGKILL."""
-        if self.closed:
+        """Stop the ranks: a stop message when `graceful` (no call may be in flight) and a wait for them to exit, then
+        SIGTERM, then SIGKILL. Nothing in a fork()ed child: the ranks are its parent's."""
+        if self.closed or os.getpid() != self.owner:
             return
         self.closed = True
         self._remove_rendezvous()
+        steps: tuple[tuple[signal.Signals | None, float | None], ...] = ((signal.SIGTERM, 5.0), (signal.SIGKILL, None))
         if graceful and self.par.group is not None and all(p.poll() is None for p in self.procs):
             try:
                 self.send(None)
+                steps = ((None, 5.0), *steps)
             except RuntimeError:
                 pass
-        for sig, wait in ((None, 5.0), (signal.SIGTERM, 5.0), (signal.SIGKILL, None)):
+        for sig, wait in steps:
             alive = [p for p in self.procs if p.poll() is None]
             if not alive:
                 break
@@ -236,7 +272,27 @@ class RankGroup:
                     p.wait(wait)
                 except subprocess.TimeoutExpired:
                     pass
+        for r in range(1, len(self.reports) + 1):  # what they reported, before the pipes close
+            self._reason(r)
+        for report in self.reports:
+            report.close()
         self.par.group = None
+
+
+_groups: weakref.WeakSet[RankGroup] = weakref.WeakSet()
+
+
+def _keep_in_child() -> None:
+    """A fork()ed child has copies of the groups' gloo state and stores but not their threads: destroying them there
+    (a close, the garbage collector, the interpreter's exit) hangs joining those threads or aborts. It keeps them,
+    one reference more each, until it exits."""
+    for group in list(_groups):
+        for kept in (group.store, group.par.group):
+            if kept is not None:
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(kept))
+
+
+os.register_at_fork(after_in_child=_keep_in_child)
 
 
 class DrivingModel(DeepseekV3ForCausalLM):
@@ -322,6 +378,7 @@ def _serve(model: DeepseekV3ForCausalLM, par: Parallel) -> None:
         name, kwargs = call
         if name == "cache":
             cache = torch.zeros(kwargs["shape"], dtype=kwargs["dtype"])
+            par.group.barrier().wait()  # rank 0 waits for every rank's cache
             continue
         if kwargs.get("kv_cache") == _CACHE:
             kwargs["kv_cache"] = cache
@@ -344,7 +401,10 @@ def _torchrun_store(rank: int, world: int) -> dist.Store:
     return dist.PrefixStore("dsv3", store)
 
 
-def _worker(path: str, rank: int, world: int, store: dist.Store, options: RankOptions, loopback: bool) -> int:
+def _worker(path: str, rank: int, world: int, store: dist.Store, options: RankOptions, loopback: bool,
+            report: int | None = None) -> int:
+    """Load this rank's file and serve rank 0's calls. A load failure goes to the store (rank 0 waits there); a later
+    one, to `report` (a pipe rank 0 reads at its checks), or under torchrun to the log alone."""
     torch.set_num_threads(options.threads)
     try:
         par = Parallel(EngineManifest.read(Path(path)).build.layout(rank))
@@ -357,8 +417,11 @@ def _worker(path: str, rank: int, world: int, store: dist.Store, options: RankOp
     par.group = _group(store, rank, world, loopback)
     try:
         _serve(engine.model, par)
-    except RuntimeError as e:  # rank 0 has gone (its connection closed) or a collective failed
+    except Exception as e:  # rank 0 has gone (its connection closed), a collective failed, or this rank's own part
         log.error("rank %d of %d stops: %s", rank, world, e)
+        if report is not None:
+            with contextlib.suppress(OSError):  # rank 0 has gone
+                os.write(report, f"{type(e).__name__}: {e}".encode()[:REPORT_BYTES])
         return 1
     return 0
 
@@ -370,11 +433,12 @@ def main() -> int:
     p.add_argument("world", type=int)
     p.add_argument("store", help="the file store rank 0 made")
     p.add_argument("options")
+    p.add_argument("report", type=int, help="a pipe to rank 0: why this rank stops")
     args = p.parse_args()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0's process decides
     logging.basicConfig(level=logging.WARNING, format=f"rank {args.rank}: %(levelname)s %(message)s")
     return _worker(args.path, args.rank, args.world, _file_store(args.store, args.world),
-                   RankOptions(**json.loads(args.options)), loopback=True)
+                   RankOptions(**json.loads(args.options)), loopback=True, report=args.report)
 
 
 if __name__ == "__main__":
