@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from runtime.executors.base import ExecutorConfig
-from serving.triton_parameters import TritonConfig, boolean, integer, number, parameter, queue_bound, settings
+from serving.triton_parameters import QUEUE_SIZE, TritonConfig, boolean, integer, number, parameter, queue_bound, settings
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ EXECUTOR_PARAMETERS = {
     "max_tokens_in_paged_kv_cache": ("kv_cache_tokens", integer),
     "kv_cache_free_gpu_mem_fraction": ("free_memory_fraction", number),
     "enable_kv_cache_reuse": ("enable_block_reuse", boolean),  # TensorRT-LLM's legacy name
-    "max_queue_size": ("max_queued_requests", queue_bound), "device": ("device", str)}
+    QUEUE_SIZE: ("max_queued_requests", lambda value: queue_bound(integer(value))), "device": ("device", str)}
 PARAMETER_OF = {field: name for name, (field, _) in EXECUTOR_PARAMETERS.items()}  # an executor setting's parameter
 TRITON_PARAMETERS = {
     name: (name, cast) for name, cast in (
@@ -50,6 +50,6 @@ def engine_parameters(model_config: dict, decoupled: bool) -> EngineParameters:
                 raise ValueError(f"model {model_config.get('name', '?')}: parameter {name}: {reason}") from None
         return settings(cls, **given, **{parameters[name][0]: value for name, value in values.items()})
 
-    return EngineParameters(read(ExecutorConfig, EXECUTOR_PARAMETERS), read(TritonConfig, TRITON_PARAMETERS,
-                                                                              decoupled=decoupled),
+    return EngineParameters(read(ExecutorConfig, EXECUTOR_PARAMETERS),
+                            read(TritonConfig, TRITON_PARAMETERS, decoupled=decoupled),
                             parameter(model_config, "exclude_input_in_output", boolean, default=False))

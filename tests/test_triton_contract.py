@@ -540,9 +540,9 @@ def test_max_queue_size_is_the_executors_queue_bound(tmp_path: Path, checkpoint:
     max_queued_requests in both flavours; a negative one is refused naming it."""
     from serving.triton_parameters import queue_bound
 
-    assert (queue_bound("0"), queue_bound("8")) == (None, 8)
-    with pytest.raises(ValueError, match=r"expected an integer >= 0 \(0: no bound\), got '-1'"):
-        queue_bound("-1")
+    assert (queue_bound(0), queue_bound(8)) == (None, 8)
+    with pytest.raises(ValueError, match=r"^must be an integer >= 0 \(0: no bound\), got -1$"):
+        queue_bound(-1)
     repo = fill_model_repo(tmp_path / "repo", repo_values(checkpoint))
     config = (repo / "tensorrt_llm" / "config.pbtxt").read_text()
     assert 'key: "max_queue_size"\n  value: {\n    string_value: "0"' in config
@@ -558,9 +558,19 @@ def test_max_queue_size_is_the_executors_queue_bound(tmp_path: Path, checkpoint:
         assert llm.executor.max_queued_requests == expected
     (tmp_path / "neg").mkdir()
     with pytest.raises(ModelYamlError, match=r"^[^:]*model.yaml: triton_config.max_queue_size must be an integer >= "
-                                             r"0, got -1$"):  # the file named once (it was twice)
+                                             r"0 \(0: no bound\), got -1$"):  # the file named once (it was twice)
         read_model_yaml(write_yaml(tmp_path / "neg", checkpoint, triton_config={"max_queue_size": -1}),
                         tmp_path / "neg")
+
+
+def test_a_long_refused_value_is_quoted_short_with_its_length(tmp_path: Path, checkpoint: Path) -> None:
+    """model.yaml's refusals quote a value as config.pbtxt's do (serving.triton_parameters.shown): a long string is
+    cut, its length said."""
+    with pytest.raises(ModelYamlError) as e:
+        read_model_yaml(write_yaml(tmp_path, checkpoint, backend="x" * 5000), tmp_path)
+    assert str(e.value).startswith(f"{tmp_path / 'model.yaml'}: backend {'x' * 40!r}... (5000 characters): supported: "
+                                   "pytorch")
+
 
 def test_yaml_merge_keys_override_without_being_duplicates(tmp_path: Path) -> None:
     """`<<` merges bring in keys a mapping may override, also in a mapping that is itself a merge source (which
@@ -652,7 +662,7 @@ def test_make_model_repo_never_deletes_its_inputs_nor_leaves_half_a_repository(t
                              ("engine_dir:/etc", "make_model_repo: --set engine_dir: the engine is --engine_dir\n"),
                              # values the tensorrt_llm model refuses when it loads: read as it reads them
                              ("max_queue_size:-1", "make_model_repo: model tensorrt_llm: parameter max_queue_size: "
-                                                   "expected an integer >= 0 (0: no bound), got '-1'\n"),
+                                                   "must be an integer >= 0 (0: no bound), got -1\n"),
                              ("speculation:sometimes", "make_model_repo: model tensorrt_llm: parameter speculation: "
                                                        "must be 'off', 'fixed' or 'adaptive', got 'sometimes'\n")):
         bad = subprocess.run([script, "--engine_dir", checkpoint, "--output_dir", repo, "--force", "--set", setting],
