@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from runtime.executors.base import ExecutorConfig
-from serving.triton_parameters import QUEUE_SIZE, TritonConfig, boolean, integer, number, parameter, queue_bound, settings
+from serving.triton_parameters import (QUEUE_SIZE, TritonConfig, boolean, integer, launcher_world_size, number,
+                                       parameter, queue_bound, settings)
 
 
 @dataclass(frozen=True)
@@ -38,8 +39,9 @@ TRITON_PARAMETERS = {
 
 
 def engine_parameters(model_config: dict, decoupled: bool) -> EngineParameters:
-    """The legacy tensorrt_llm model's settings from its config.pbtxt parameters, read once: by the model when it
-    loads and by make_model_repo on the repository it writes. ValueError naming the model and the parameter."""
+    """The legacy tensorrt_llm model's settings from its config.pbtxt parameters and the launcher's --world_size, read
+    once: by the model when it loads and by make_model_repo on the repository it writes. ValueError naming the model
+    and the parameter."""
     def read(cls: Callable[..., Any], parameters: dict[str, tuple[str, Callable[[str], Any]]], **given: Any) -> Any:
         values = {name: parameter(model_config, name, cast) for name, (_, cast) in parameters.items()}
         for name, value in values.items():  # each value alone, so an out-of-range one is named by its parameter
@@ -50,6 +52,6 @@ def engine_parameters(model_config: dict, decoupled: bool) -> EngineParameters:
                 raise ValueError(f"model {model_config.get('name', '?')}: parameter {name}: {reason}") from None
         return settings(cls, **given, **{parameters[name][0]: value for name, value in values.items()})
 
-    return EngineParameters(read(ExecutorConfig, EXECUTOR_PARAMETERS),
+    return EngineParameters(read(ExecutorConfig, EXECUTOR_PARAMETERS, world_size=launcher_world_size()),
                             read(TritonConfig, TRITON_PARAMETERS, decoupled=decoupled),
                             parameter(model_config, "exclude_input_in_output", boolean, default=False))

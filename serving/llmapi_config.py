@@ -22,7 +22,7 @@ from runtime.executors.base import DEFAULT_DRAFT_TOKENS, ExecutorConfig
 from runtime.executors.trtllm_api import read_llm_api_options
 from runtime.io.engine_format import HF_DIR, engine_backend, read_limits
 from runtime.io.yaml_file import read_yaml
-from serving.triton_parameters import QUEUE_SIZE, TritonConfig, queue_bound, settings, shown
+from serving.triton_parameters import QUEUE_SIZE, TritonConfig, launcher_world_size, queue_bound, settings, shown
 
 MODEL_YAML = "model.yaml"
 SPECULATION_WARNED = ("use_mtp_vanilla", "mtp_eagle_one_model", "max_concurrency", "draft_len_schedule",
@@ -81,8 +81,9 @@ def _mapping(value: Any, key: str, source: str) -> dict[str, Any]:
 
 
 def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
-    """model.yaml at `path` -> what to serve and how; `model` relative to `model_dir` (the Triton model's directory,
-    where make_model_repo links the engine). Refusals raise ModelYamlError naming the key."""
+    """model.yaml at `path` -> what to serve and how (with the launcher's --world_size); `model` relative to
+    `model_dir` (the Triton model's directory, where make_model_repo links the engine). Refusals raise ModelYamlError
+    naming the key."""
     source = str(path)
     try:
         doc = read_yaml(path)
@@ -142,7 +143,7 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
         raise ModelYamlError(f"{source}: unknown key(s) {', '.join(sorted(map(str, doc)))}: not implemented by this "
                              "runtime (see serving/llmapi_config.py for the keys it reads)")
 
-    device = triton.get("device")
+    device, world_size = triton.get("device"), launcher_world_size()
     try:
         queued = None if triton.get(QUEUE_SIZE) is None else queue_bound(triton[QUEUE_SIZE])
     except ValueError as e:
@@ -155,7 +156,7 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
             max_num_tokens=limits.get("max_num_tokens"), kv_cache_tokens=kv.get("max_tokens"),
             free_memory_fraction=kv.get("free_gpu_memory_fraction"), device=None if device is None else str(device),
             relaxed_acceptance=relaxed, cuda_graphs=cuda_graphs, enable_block_reuse=kv.get("enable_block_reuse"),
-            max_queued_requests=queued)
+            max_queued_requests=queued, world_size=world_size)
     except ValueError as e:
         raise ModelYamlError(f"{source}: {e}") from None
     checks = {"max_batch_size": lambda v, key, src: _int(v, key, src, low=0), "decoupled": _bool,

@@ -17,7 +17,6 @@ Streamed chunks end on whole characters: ids whose text ends inside a character 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import queue
 import threading
@@ -38,7 +37,7 @@ from runtime.executors.requests import RequestOutput, RequestStats
 from runtime.core.sampling_params import SamplingParams
 from serving.perf_metrics import PERF_OUTPUTS, PerfMetrics
 from serving.request_validation import RequestError, named_for_client
-from serving.triton_parameters import WORLD_SIZE_ENV, TritonConfig
+from serving.triton_parameters import TritonConfig
 from serving.watchdog import Progress, Watchdog, stop_server
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -94,8 +93,6 @@ class EngineModel:
             raise pb_utils.TritonModelException(
                 f"rank {rank}: one tritonserver serves every rank of an engine (its engine model starts them); "
                 "run one, with launch_triton_server --world_size N, not one per rank under mpirun")
-        if os.environ.get(WORLD_SIZE_ENV):
-            executor_config = dataclasses.replace(executor_config, world_size=int(os.environ[WORLD_SIZE_ENV]))
         pb_utils.Logger.log_info(f"{self.label}: loading {engine_dir}")
         self.executor: ExecutorProtocol = open_server_executor(engine_dir, executor_config, triton.engine_process,
                                                                triton.torch_threads)

@@ -5,6 +5,7 @@ with that message rather than running on a silently wrong setting."""
 
 from __future__ import annotations
 
+import os
 import re
 import reprlib
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from runtime.executors.lifetime import MAX_TORCH_THREADS
 from serving.watchdog import STALL_TIMEOUT_S
 
 T = TypeVar("T")
-# the launcher's --world_size, for the engine models (serving.triton_engine): ExecutorConfig.world_size
+# the launcher's --world_size, for the engine models' executors (ExecutorConfig.world_size): `launcher_world_size`
 WORLD_SIZE_ENV = "DSV3_WORLD_SIZE"
 # TensorRT-LLM's name, in both flavours, for the executor's max_queued_requests (`queue_bound`)
 QUEUE_SIZE = "max_queue_size"
@@ -55,6 +56,15 @@ def queue_bound(value: Any) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"must be an integer >= 0 (0: no bound), got {shown(value)}")
     return value or None
+
+
+def launcher_world_size() -> int | None:
+    """The launcher's --world_size (None when not given), for an engine model's ExecutorConfig.world_size."""
+    value = os.environ.get(WORLD_SIZE_ENV, "")
+    try:
+        return integer(value) if value else None
+    except ValueError as e:
+        raise ValueError(f"{WORLD_SIZE_ENV}: {e}") from None
 
 
 def number(value: str) -> float:

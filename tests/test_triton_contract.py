@@ -563,6 +563,28 @@ def test_max_queue_size_is_the_executors_queue_bound(tmp_path: Path, checkpoint:
                         tmp_path / "neg")
 
 
+def test_the_launchers_world_size_is_read_with_the_executor_config(tmp_path: Path, checkpoint: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """launch_triton_server --world_size reaches the engine models as DSV3_WORLD_SIZE, read where each flavour builds
+    its ExecutorConfig (engine_parameters, read_model_yaml), so make_model_repo's checks and the model read one
+    config; a value that is not an integer is refused naming the variable."""
+    from serving.engine_parameters import engine_parameters
+    from serving.triton_parameters import WORLD_SIZE_ENV, read_model_config
+
+    config = read_model_config(fill_model_repo(tmp_path / "repo", repo_values(checkpoint)) / "tensorrt_llm")
+    (tmp_path / "llmapi").mkdir()
+    path = write_yaml(tmp_path / "llmapi", checkpoint)
+    for value, expected in (("2", 2), ("", None)):
+        monkeypatch.setenv(WORLD_SIZE_ENV, value)
+        assert engine_parameters(config, True).executor.world_size == expected
+        assert read_model_yaml(path, tmp_path / "llmapi").executor.world_size == expected
+    monkeypatch.setenv(WORLD_SIZE_ENV, "two")
+    for read in (lambda: engine_parameters(config, True), lambda: read_model_yaml(path, tmp_path / "llmapi")):
+        with pytest.raises(ValueError) as e:
+            read()
+        assert str(e.value) == "DSV3_WORLD_SIZE: expected an integer, got 'two'"
+
+
 def test_a_long_refused_value_is_quoted_short_with_its_length(tmp_path: Path, checkpoint: Path) -> None:
     """model.yaml's refusals quote a value as config.pbtxt's do (serving.triton_parameters.shown): a long string is
     cut, its length said."""
