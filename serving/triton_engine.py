@@ -31,16 +31,14 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from runtime.executors.base import ExecutorConfig, ExecutorProtocol
-from runtime.executors.errors import QueueFull
 from runtime.executors.process import open_server_executor
 from runtime.executors.requests import RequestOutput, RequestStats
 from runtime.core.sampling_params import SamplingParams
 from serving.perf_metrics import PERF_OUTPUTS, PerfMetrics
-from serving.request_validation import RequestError, named_for_client
+from serving.request_validation import RequestError, check_response_count, named_for_client
 from serving.triton_parameters import TritonConfig
+from serving.triton_responses import FINAL, error_response
 from serving.watchdog import Progress, Watchdog, stop_server
-
-FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
 @dataclass(eq=False)
@@ -130,12 +128,10 @@ class EngineModel:
                 if converted is None:  # answered already (a stop request)
                     continue
                 stream, prompt = converted
-                if stream.streaming and not self.decoupled:
-                    raise RequestError(f"{self.streaming_input} true needs a decoupled model (this one is deployed "
-                                       "with decoupled false: one response per request)")
+                check_response_count(self.decoupled, stream.streaming, stream.params.n, self.streaming_input)
                 self._submit(stream, prompt)
             except Exception as e:
-                sender.send(pb_utils.InferenceResponse(error=self.client_error(e)), flags=FINAL)
+                sender.send(error_response(e, self.label), flags=FINAL)
         return None
 
     streaming_input = "streaming"  # the request input that asks for streaming, for the refusal above
@@ -354,20 +350,6 @@ class EngineModel:
         # deleting them crashed the stub.
         self.metrics.clear()
         self._families = ()
-
-    def client_error(self, error: Exception) -> Any:
-        """What a client is told of a failed request: a refusal (ValueError: its message names the input) is
-        INVALID_ARG, a server that stopped serving (RuntimeError) UNAVAILABLE; anything else is logged here in full
-        and reported as INTERNAL without its traceback or a server path."""
-        if isinstance(error, ValueError):
-            return pb_utils.TritonError(str(error), pb_utils.TritonError.INVALID_ARG)
-        if isinstance(error, QueueFull):  # the bound by the name a Triton deployment sets it by
-            return pb_utils.TritonError(QueueFull.worded(error.bound, "max_queue_size"),
-                                        pb_utils.TritonError.UNAVAILABLE)
-        if isinstance(error, RuntimeError):
-            return pb_utils.TritonError(str(error), pb_utils.TritonError.UNAVAILABLE)
-        pb_utils.Logger.log_error(f"{self.label}: request failed: {''.join(traceback.format_exception(error))}")
-        return pb_utils.TritonError(f"internal error ({type(error).__name__}); see the server log")
 
 
 def given(request: Any, names: Any) -> dict[str, Any]:

@@ -264,29 +264,29 @@ def infer_grpc(server: TritonServer, model: str, request_id: str = "", **values:
     return grpcclient.InferenceServerClient(server.grpc_url).infer(model, grpc_inputs(**values), request_id=request_id)
 
 
-def test_unary_tensorrt_llm_refuses_streaming_naming_the_input(unary: TritonServer) -> None:
+@pytest.mark.parametrize("model, name", [("ensemble", "streaming (stream)"), ("tensorrt_llm_bls", "stream")])
+def test_unary_models_refuse_streaming_naming_the_input(unary: TritonServer, model: str, name: str) -> None:
     from tritonclient.utils import InferenceServerException
 
     with pytest.raises(InferenceServerException) as e:
-        infer(unary, "ensemble", ["text_output"], text_input=np.array([["hi"]], object),
+        infer(unary, model, ["text_output"], text_input=np.array([["hi"]], object),
               max_tokens=np.array([[4]], np.int32), stream=np.array([[True]]))
-    assert e.value.status() == "400" and "streaming (stream) true needs a decoupled model" in str(e.value), e.value
+    assert e.value.status() == "400" and (f"{name} true needs a decoupled model (this one is deployed with decoupled "
+                                          "false: one response per request)") in str(e.value), e.value
 
 
-@pytest.mark.parametrize("model, message", [
-    ("ensemble", "num_return_sequences 2 needs a decoupled model (a response per sequence; this one is deployed with "
-                 "decoupled false)"),
-    ("tensorrt_llm_bls", "num_return_sequences 2 needs tensorrt_llm_bls to be decoupled (decoupled_mode:true): a "
-                         "response per sequence")])
-def test_unary_models_refuse_several_sequences_naming_the_input(unary: TritonServer, model: str, message: str) -> None:
-    """A unary model sends one response per request; upstream's sends one per sequence."""
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_unary_models_refuse_several_sequences_naming_the_input(unary: TritonServer, model: str) -> None:
+    """A unary model sends one response per request; upstream's sends one per sequence. The BLS refuses it as
+    tensorrt_llm does (serving.request_validation.check_response_count)."""
     from tritonclient.utils import InferenceServerException
 
     with pytest.raises(InferenceServerException) as e:
         infer(unary, model, ["text_output"], text_input=np.array([["hi"]], object),
               max_tokens=np.array([[4]], np.int32), top_k=np.array([[40]], np.int32),
               num_return_sequences=np.array([[2]], np.int32))
-    assert e.value.status() == "400" and message in str(e.value), e.value
+    assert e.value.status() == "400" and ("num_return_sequences 2 needs a decoupled model (a response per sequence; "
+                                          "this one is deployed with decoupled false)") in str(e.value), e.value
 
 
 # ---- the llmapi flavour -----------------------------------------------------------------------
