@@ -1,6 +1,6 @@
 """Text <-> TensorRT-LLM's tensors: what the `preprocessing` and `postprocessing` models do, and what the BLS
-does in its own process (a BLS call per streamed chunk to postprocessing cost a round trip through the server,
-and concurrent calls from the BLS's request threads crashed Triton 2.51's Python backend stub).
+does in its own process (a call to them per streamed chunk would cost a round trip through the server; see
+docs/reliability.md, "The BLS serves one request per instance").
 
 Stop and bad words become TensorRT-LLM's word lists ([2, W] per item: the words' ids concatenated, then their
 end offsets padded with -1), which tensorrt_llm turns back into words; embedding bias words and weights its

@@ -261,10 +261,10 @@ class EngineModel:
     def _cancel_abandoned(self) -> None:
         """Cancel requests whose client cancelled or disconnected (frees their KV blocks now).
 
-        Asked under the lock, of streams still active: a stream leaves `_active` under it before its final
-        response is sent, by this thread or by `execute` (a refused submit). Triton 2.51 frees a request's
-        response factory with its final response, and asking `is_cancelled` of it after that crashed
-        tritonserver (SIGSEGV in TRITONBACKEND_ResponseFactoryIsCancelled) under a stream of refused requests."""
+        Asked under the lock, of streams still active only (a stream leaves `_active` under it before its final
+        response is sent): Triton frees a request's response factory with its final response, and asking
+        `is_cancelled` after that crashes it (docs/reliability.md, "Refused requests and Triton's response
+        factory")."""
         with self._lock:
             cancelled = [s.executor_id for s in self._active if s.sender.is_cancelled()]
         for executor_id in cancelled:
