@@ -10,7 +10,8 @@ from typing import Any, Callable
 
 from runtime.executors.base import ExecutorConfig
 from serving.fill_template import UPSTREAM_ONLY
-from serving.triton_parameters import TritonConfig, boolean, integer, number, parameter, queue_bound, settings
+from serving.triton_parameters import (QUEUE_SIZE, TritonConfig, boolean, integer, launcher_world_size, number,
+                                       parameter, queue_bound, settings)
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ EXECUTOR_PARAMETERS = {
     "max_tokens_in_paged_kv_cache": ("kv_cache_tokens", integer),
     "kv_cache_free_gpu_mem_fraction": ("free_memory_fraction", number),
     "enable_kv_cache_reuse": ("enable_block_reuse", boolean),  # TensorRT-LLM's legacy name
-    "max_queue_size": ("max_queued_requests", queue_bound), "device": ("device", str)}
+    QUEUE_SIZE: ("max_queued_requests", lambda value: queue_bound(integer(value))), "device": ("device", str)}
 PARAMETER_OF = {field: name for name, (field, _) in EXECUTOR_PARAMETERS.items()}  # an executor setting's parameter
 TRITON_PARAMETERS = {
     name: (name, cast) for name, cast in (
@@ -43,16 +44,17 @@ PYTHON_BACKEND_PARAMETERS = frozenset({"EXECUTION_ENV_PATH", "FORCE_CPU_ONLY_INP
 
 
 def engine_parameters(model_config: dict, decoupled: bool) -> EngineParameters:
-    """The legacy tensorrt_llm model's settings from its config.pbtxt parameters, read once: by the model when it
-    loads and by make_model_repo on the repository it writes. ValueError naming the model and the parameter; a
-    parameter neither read here nor one of upstream's (UPSTREAM_ONLY, taken and not used) is refused, since a misspelt
-    one would leave its setting at the default without a word."""
+    """The legacy tensorrt_llm model's settings from its config.pbtxt parameters and the launcher's --world_size, read
+    once: by the model when it loads and by make_model_repo on the repository it writes. ValueError naming the model
+    and the parameter; a parameter neither read here nor one of upstream's (UPSTREAM_ONLY, taken and not used) is
+    refused, since a misspelt one would leave its setting at the default without a word."""
     known = {*EXECUTOR_PARAMETERS, *TRITON_PARAMETERS, *OTHER_PARAMETERS}
     unknown = sorted(map(str, set(model_config.get("parameters") or {}) - known - UPSTREAM_ONLY
                          - PYTHON_BACKEND_PARAMETERS))
     if unknown:
         raise ValueError(f"model {model_config.get('name', '?')}: unknown parameter(s) {', '.join(unknown)} (its "
                          f"parameters: {', '.join(sorted(known))}; see triton_repo/README.md)")
+
     def read(cls: Callable[..., Any], parameters: dict[str, tuple[str, Callable[[str], Any]]], **given: Any) -> Any:
         values = {name: parameter(model_config, name, cast) for name, (_, cast) in parameters.items()}
         for name, value in values.items():  # each value alone, so an out-of-range one is named by its parameter
@@ -63,6 +65,6 @@ def engine_parameters(model_config: dict, decoupled: bool) -> EngineParameters:
                 raise ValueError(f"model {model_config.get('name', '?')}: parameter {name}: {reason}") from None
         return settings(cls, **given, **{parameters[name][0]: value for name, value in values.items()})
 
-    return EngineParameters(read(ExecutorConfig, EXECUTOR_PARAMETERS), read(TritonConfig, TRITON_PARAMETERS,
-                                                                              decoupled=decoupled),
+    return EngineParameters(read(ExecutorConfig, EXECUTOR_PARAMETERS, world_size=launcher_world_size()),
+                            read(TritonConfig, TRITON_PARAMETERS, decoupled=decoupled),
                             parameter(model_config, "exclude_input_in_output", boolean, default=False))

@@ -11,7 +11,6 @@ speculation never changes the output here) is named in a warning and not applied
 
 from __future__ import annotations
 
-import reprlib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from runtime.model.config import is_int
 from runtime.executors.trtllm_api import read_llm_api_options
 from runtime.io.engine_format import HF_DIR, engine_backend, read_limits
 from runtime.io.yaml_file import read_yaml
-from serving.triton_parameters import TritonConfig, settings
+from serving.triton_parameters import QUEUE_SIZE, TritonConfig, launcher_world_size, queue_bound, settings, shown
 
 MODEL_YAML = "model.yaml"
 SPECULATION_WARNED = ("use_mtp_vanilla", "mtp_eagle_one_model", "max_concurrency", "draft_len_schedule",
@@ -44,7 +43,7 @@ WARNED = ("tensor_parallel_size", "pipeline_parallel_size", "moe_expert_parallel
           "num_postprocess_workers", "postprocess_tokenizer_dir", "return_perf_metrics", "perf_metrics_max_requests",
           "enable_layerwise_nvtx_marker", "garbage_collection_gen0_threshold", "pytorch_backend_config",
           "load_format", "checkpoint_format", "batch_wait_timeout_ms", "enable_autotuner")
-TRITON_KEYS = (*(f.name for f in fields(TritonConfig)), "speculation", "device", "max_queue_size")
+TRITON_KEYS = (*(f.name for f in fields(TritonConfig)), "speculation", "device", QUEUE_SIZE)
 
 
 class ModelYamlError(ValueError):
@@ -59,41 +58,34 @@ class LlmApiModel:
     warnings: list[str] = field(default_factory=list)
 
 
-def _shown(value: Any) -> str:
-    """A refused value for a message, cut short: YAML aliases can make a few bytes of file a structure of
-    billions of items, which repr would expand."""
-    shown = reprlib.Repr()
-    shown.maxlevel, shown.maxlist, shown.maxdict, shown.maxstring, shown.maxother = 1, 4, 4, 60, 60
-    return shown.repr(value)
-
-
 def _int(value: Any, key: str, source: str, low: int = 1) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ModelYamlError(f"{source}: {key} must be an integer >= {low}, got {_shown(value)}")
+        raise ModelYamlError(f"{source}: {key} must be an integer >= {low}, got {shown(value)}")
     return value
 
 
 def _number(value: Any, key: str, source: str) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ModelYamlError(f"{source}: {key} must be a number, got {_shown(value)}")
+        raise ModelYamlError(f"{source}: {key} must be a number, got {shown(value)}")
     return float(value)
 
 
 def _bool(value: Any, key: str, source: str) -> bool:
     if not isinstance(value, bool):
-        raise ModelYamlError(f"{source}: {key} must be true or false, got {_shown(value)}")
+        raise ModelYamlError(f"{source}: {key} must be true or false, got {shown(value)}")
     return value
 
 
 def _mapping(value: Any, key: str, source: str) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise ModelYamlError(f"{source}: {key} must be a mapping, got {_shown(value)}")
+        raise ModelYamlError(f"{source}: {key} must be a mapping, got {shown(value)}")
     return value
 
 
 def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
-    """model.yaml at `path` -> what to serve and how; `model` relative to `model_dir` (the Triton model's directory,
-    where make_model_repo links the engine). Refusals raise ModelYamlError naming the key."""
+    """model.yaml at `path` -> what to serve and how (with the launcher's --world_size); `model` relative to
+    `model_dir` (the Triton model's directory, where make_model_repo links the engine). Refusals raise ModelYamlError
+    naming the key."""
     source = str(path)
     try:
         doc = read_yaml(path)
@@ -111,19 +103,19 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
     engine_options = _engine_options(model)
     tokenizer = doc.pop("tokenizer", None)
     if tokenizer is not None and (model_dir / str(tokenizer)).resolve() != model.resolve():
-        raise ModelYamlError(f"{source}: tokenizer {_shown(tokenizer)}: this runtime uses the model's own tokenizer; "
+        raise ModelYamlError(f"{source}: tokenizer {shown(tokenizer)}: this runtime uses the model's own tokenizer; "
                              "leave tokenizer out")
     backend = doc.pop("backend", None)
     if backend not in (None, "pytorch"):
-        raise ModelYamlError(f"{source}: backend {_shown(backend)}: supported: pytorch (TensorRT-LLM's; this runtime runs "
+        raise ModelYamlError(f"{source}: backend {shown(backend)}: supported: pytorch (TensorRT-LLM's; this runtime runs "
                              "a native engine natively and a --backend trtllm engine on TensorRT-LLM's PyTorch backend)")
     dtype = doc.pop("dtype", None)
     if dtype not in (None, "auto", build.dtype):
-        raise ModelYamlError(f"{source}: dtype {_shown(dtype)}: the engine's is {build.dtype!r}; rebuild it with --dtype "
+        raise ModelYamlError(f"{source}: dtype {shown(dtype)}: the engine's is {build.dtype!r}; rebuild it with --dtype "
                              f"or set dtype auto")
     max_beam_width = doc.pop("max_beam_width", 1)
     if max_beam_width != 1:
-        raise ModelYamlError(f"{source}: max_beam_width {_shown(max_beam_width)}: supported: 1 (no beam search)")
+        raise ModelYamlError(f"{source}: max_beam_width {shown(max_beam_width)}: supported: 1 (no beam search)")
     limits = {k: _int(doc.pop(k), k, source) for k in ("max_batch_size", "max_seq_len", "max_num_tokens") if k in doc}
 
     # a --backend trtllm engine runs on TensorRT-LLM with the file's LLM-API keys as written (as upstream's llmapi
@@ -158,8 +150,11 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
         raise ModelYamlError(f"{source}: unknown key(s) {', '.join(sorted(map(str, doc)))}: not implemented by this "
                              "runtime (see serving/llmapi_config.py for the keys it reads)")
 
-    device = triton.get("device")
-    queue_bound = _queue_bound(triton.get("max_queue_size"), source)
+    device, world_size = triton.get("device"), launcher_world_size()
+    try:
+        queued = None if triton.get(QUEUE_SIZE) is None else queue_bound(triton[QUEUE_SIZE])
+    except ValueError as e:
+        raise ModelYamlError(f"{source}: triton_config.{QUEUE_SIZE} {e}") from None
     try:
         executor = settings(
             ExecutorConfig, num_draft_tokens=draft_len,
@@ -168,7 +163,7 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
             max_num_tokens=limits.get("max_num_tokens"), kv_cache_tokens=kv.get("max_tokens"),
             free_memory_fraction=kv.get("free_gpu_memory_fraction"), device=None if device is None else str(device),
             relaxed_acceptance=relaxed, cuda_graphs=cuda_graphs, enable_block_reuse=kv.get("enable_block_reuse"),
-            max_queued_requests=queue_bound, llm_api_options=llm_api_options)
+            max_queued_requests=queued, world_size=world_size, llm_api_options=llm_api_options)
     except ValueError as e:
         raise ModelYamlError(f"{source}: {e}") from None
     checks = {"max_batch_size": lambda v, key, src: _int(v, key, src, low=0), "decoupled": _bool,
@@ -196,7 +191,7 @@ def _cuda_graphs(value: Any, source: str, unapplied: list[str]) -> bool:
     sizes = config.get("batch_sizes")
     if sizes is not None and not (isinstance(sizes, list) and all(is_int(s) and s >= 1 for s in sizes)):
         raise ModelYamlError(f"{source}: cuda_graph_config.batch_sizes must be a list of integers >= 1, got "
-                             f"{_shown(sizes)}")
+                             f"{shown(sizes)}")
     if "max_batch_size" in config:
         _int(config["max_batch_size"], "cuda_graph_config.max_batch_size", source, low=0)
     if "enable_padding" in config:
@@ -205,11 +200,6 @@ def _cuda_graphs(value: Any, source: str, unapplied: list[str]) -> bool:
         unapplied.append(f"cuda_graph_config.{', cuda_graph_config.'.join(sorted(config))}: not applied (the "
                         "batch sizes CUDA graphs are captured for change how the work is done, not what is generated)")
     return True
-
-
-def _queue_bound(value: Any, source: str) -> int | None:
-    """triton_config.max_queue_size, as the legacy flavour's parameter: 0 or unset is no bound."""
-    return None if value is None else _int(value, "triton_config.max_queue_size", source, low=0) or None
 
 
 def _engine_options(model: Path) -> dict[str, Any]:
@@ -226,7 +216,7 @@ def _speculative(spec: Any, source: str, warnings: list[str], unapplied: list[st
     spec = dict(_mapping(spec, "speculative_config", source))
     kind = spec.pop("decoding_type", None)
     if kind != "MTP":
-        raise ModelYamlError(f"{source}: speculative_config.decoding_type {_shown(kind)}: supported: MTP (this runtime "
+        raise ModelYamlError(f"{source}: speculative_config.decoding_type {shown(kind)}: supported: MTP (this runtime "
                              "drafts with the model's own MTP layer)")
     k = spec.pop("max_draft_len", None)
     old = spec.pop("num_nextn_predict_layers", None)
@@ -272,7 +262,7 @@ def _kv_cache(kv: Any, engine_options: dict[str, Any], source: str, unapplied: l
     dtype = kv.pop("dtype", None)
     built = engine_options.get("kv_cache_config", {}).get("dtype", "auto")
     if dtype not in (None, "auto", built):
-        raise ModelYamlError(f"{source}: kv_cache_config.dtype {_shown(dtype)}: supported: auto (the model's dtype) or the "
+        raise ModelYamlError(f"{source}: kv_cache_config.dtype {shown(dtype)}: supported: auto (the model's dtype) or the "
                              f"engine's ({built!r}; build_engine --kv_cache_dtype sets it for a --backend trtllm engine)")
     for name in [n for n in KV_CACHE_WARNED if n in kv]:
         kv.pop(name)

@@ -25,11 +25,12 @@ from runtime.executors.base import ExecutorConfig
 from runtime.io.atomic import atomic_write, check_not_replacing, new_output_dir, os_error_text
 from runtime.io.engine_format import read_limits, tokenizer_dir
 from runtime.io.tokenizer import TOKENIZER_FILE
+from serving.bls import bls_settings
 from serving.engine_parameters import PARAMETER_OF, engine_parameters
 from serving.fill_template import UPSTREAM_ONLY, fill, parse_substitutions, placeholders
 from serving.llmapi_config import MODEL_YAML, model_yaml
 from serving.request_validation import refused_parameter
-from serving.text_processing import Postprocessor, Preprocessor, bls_settings
+from serving.text_processing import Postprocessor, Preprocessor
 from serving.triton_parameters import TritonConfig, read_model_config
 
 TEMPLATE_REPO = Path(__file__).resolve().parents[1] / "triton_repo"

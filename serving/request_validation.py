@@ -101,6 +101,19 @@ def token_ids(values: Iterable[int], name: str, vocab_size: int) -> list[int]:
     return ids
 
 
+def check_response_count(decoupled: bool, streaming: bool, n: int, streaming_input: str) -> None:
+    """Refuse what needs more than one response (a stream, several sequences) on a model deployed non-decoupled,
+    which sends exactly one per request."""
+    if decoupled:
+        return
+    if n > 1:
+        raise RequestError(f"num_return_sequences {n} needs a decoupled model (a response per sequence; this one is "
+                           "deployed with decoupled false)")
+    if streaming:
+        raise RequestError(f"{streaming_input} true needs a decoupled model (this one is deployed with decoupled "
+                           "false: one response per request)")
+
+
 def no_unknown_parameters(parameters_json: str, surface: str) -> None:
     """Refuse request parameters a surface does not take. Triton's HTTP generate endpoint turns every JSON key
     that is not an input name into such a parameter, so a misspelt input (`max_token`) arrives here rather than

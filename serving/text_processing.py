@@ -1,6 +1,6 @@
 """Text <-> TensorRT-LLM's tensors: what the `preprocessing` and `postprocessing` models do, and what the BLS
-does in its own process (a BLS call per streamed chunk to postprocessing cost a round trip through the server,
-and concurrent calls from the BLS's request threads crashed Triton 2.51's Python backend stub).
+does in its own process (a call to them per streamed chunk would cost a round trip through the server; see
+docs/reliability.md, "The BLS serves one request per instance").
 
 Stop and bad words become TensorRT-LLM's word lists ([2, W] per item: the words' ids concatenated, then their
 end offsets padded with -1), which tensorrt_llm turns back into words; embedding bias words and weights its
@@ -18,7 +18,7 @@ import numpy as np
 from runtime.io.tokenizer import Tokenizer
 from serving.request_validation import INT32_MAX, RequestError, integer, refuse_unsupported, texts, token_ids
 from serving.triton_contract import PREPROCESSING_INPUTS, UNSUPPORTED_TEXT_INPUTS
-from serving.triton_parameters import boolean, integer as integer_parameter, model_path, parameter, sibling_config
+from serving.triton_parameters import boolean, integer as integer_parameter, model_path, parameter
 
 DEFAULT_MAX_INPUT_BYTES = 1 << 20  # when max_input_tokens is not set
 Inputs = Callable[[str], "np.ndarray | None"]  # an input tensor by name, None when the request has none
@@ -169,25 +169,3 @@ class Postprocessor:
                 ids = token_ids(beam[:n], "TOKENS_BATCH", self.vocab_size)
                 out.append(self.tokenizer.decode(ids, self.skip_special_tokens).encode("utf-8"))
         return np.array(out, dtype=object)
-
-
-@dataclass(frozen=True)
-class BlsSettings:
-    """What the BLS reads from its parameters: its text models, the engine model it calls, accumulate_tokens."""
-
-    preprocess: Preprocessor
-    postprocess: Postprocessor
-    engine_model: str
-    accumulate: bool
-
-
-def bls_settings(config: dict, model_dir: str) -> BlsSettings:
-    """The BLS's settings, read by the BLS when it loads and by make_model_repo; filled by upstream's commands, which
-    give the BLS no tokenizer, it takes its siblings' text settings."""
-    if parameter(config, "tokenizer_dir") is not None:
-        text = Preprocessor.from_config(config, model_dir), Postprocessor.from_config(config, model_dir)
-    else:
-        text = (Preprocessor.from_config(*sibling_config(model_dir, "preprocessing")),
-                Postprocessor.from_config(*sibling_config(model_dir, "postprocessing")))
-    return BlsSettings(*text, parameter(config, "tensorrt_llm_model_name", default="tensorrt_llm"),
-                       parameter(config, "accumulate_tokens", boolean, default=False))

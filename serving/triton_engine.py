@@ -17,7 +17,6 @@ Streamed chunks end on whole characters: ids whose text ends inside a character 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import queue
 import threading
@@ -32,16 +31,14 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from runtime.executors.base import ExecutorConfig, ExecutorProtocol
-from runtime.executors.errors import QueueFull
 from runtime.executors.process import open_server_executor
 from runtime.executors.requests import RequestOutput, RequestStats
 from runtime.core.sampling_params import SamplingParams
 from serving.perf_metrics import PERF_OUTPUTS, PerfMetrics
-from serving.request_validation import RequestError, named_for_client
-from serving.triton_parameters import WORLD_SIZE_ENV, TritonConfig
+from serving.request_validation import RequestError, check_response_count, named_for_client
+from serving.triton_parameters import TritonConfig
+from serving.triton_responses import FINAL, error_response
 from serving.watchdog import Progress, Watchdog, stop_server
-
-FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
 @dataclass(eq=False)
@@ -94,8 +91,6 @@ class EngineModel:
             raise pb_utils.TritonModelException(
                 f"rank {rank}: one tritonserver serves every rank of an engine (its engine model starts them); "
                 "run one, with launch_triton_server --world_size N, not one per rank under mpirun")
-        if os.environ.get(WORLD_SIZE_ENV):
-            executor_config = dataclasses.replace(executor_config, world_size=int(os.environ[WORLD_SIZE_ENV]))
         pb_utils.Logger.log_info(f"{self.label}: loading {engine_dir}")
         self.executor: ExecutorProtocol = open_server_executor(engine_dir, executor_config, triton.engine_process,
                                                                triton.torch_threads)
@@ -133,12 +128,10 @@ class EngineModel:
                 if converted is None:  # answered already (a stop request)
                     continue
                 stream, prompt = converted
-                if stream.streaming and not self.decoupled:
-                    raise RequestError(f"{self.streaming_input} true needs a decoupled model (this one is deployed "
-                                       "with decoupled false: one response per request)")
+                check_response_count(self.decoupled, stream.streaming, stream.params.n, self.streaming_input)
                 self._submit(stream, prompt)
             except Exception as e:
-                sender.send(pb_utils.InferenceResponse(error=self.client_error(e)), flags=FINAL)
+                sender.send(error_response(e, self.label), flags=FINAL)
         return None
 
     streaming_input = "streaming"  # the request input that asks for streaming, for the refusal above
@@ -268,10 +261,10 @@ class EngineModel:
     def _cancel_abandoned(self) -> None:
         """Cancel requests whose client cancelled or disconnected (frees their KV blocks now).
 
-        Asked under the lock, of streams still active: a stream leaves `_active` under it before its final
-        response is sent, by this thread or by `execute` (a refused submit). Triton 2.51 frees a request's
-        response factory with its final response, and asking `is_cancelled` of it after that crashed
-        tritonserver (SIGSEGV in TRITONBACKEND_ResponseFactoryIsCancelled) under a stream of refused requests."""
+        Asked under the lock, of streams still active only (a stream leaves `_active` under it before its final
+        response is sent): Triton frees a request's response factory with its final response, and asking
+        `is_cancelled` after that crashes it (docs/reliability.md, "Refused requests and Triton's response
+        factory")."""
         with self._lock:
             cancelled = [s.executor_id for s in self._active if s.sender.is_cancelled()]
         for executor_id in cancelled:
@@ -357,20 +350,6 @@ class EngineModel:
         # deleting them crashed the stub.
         self.metrics.clear()
         self._families = ()
-
-    def client_error(self, error: Exception) -> Any:
-        """What a client is told of a failed request: a refusal (ValueError: its message names the input) is
-        INVALID_ARG, a server that stopped serving (RuntimeError) UNAVAILABLE; anything else is logged here in full
-        and reported as INTERNAL without its traceback or a server path."""
-        if isinstance(error, ValueError):
-            return pb_utils.TritonError(str(error), pb_utils.TritonError.INVALID_ARG)
-        if isinstance(error, QueueFull):  # the bound by the name a Triton deployment sets it by
-            return pb_utils.TritonError(QueueFull.worded(error.bound, "max_queue_size"),
-                                        pb_utils.TritonError.UNAVAILABLE)
-        if isinstance(error, RuntimeError):
-            return pb_utils.TritonError(str(error), pb_utils.TritonError.UNAVAILABLE)
-        pb_utils.Logger.log_error(f"{self.label}: request failed: {''.join(traceback.format_exception(error))}")
-        return pb_utils.TritonError(f"internal error ({type(error).__name__}); see the server log")
 
 
 def given(request: Any, names: Any) -> dict[str, Any]:

@@ -5,7 +5,9 @@ with that message rather than running on a silently wrong setting."""
 
 from __future__ import annotations
 
+import os
 import re
+import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, TypeVar
@@ -14,16 +16,23 @@ from runtime.executors.lifetime import MAX_TORCH_THREADS
 from serving.watchdog import STALL_TIMEOUT_S
 
 T = TypeVar("T")
-# the launcher's --world_size, for the engine models (serving.triton_engine): ExecutorConfig.world_size
+# the launcher's --world_size, for the engine models' executors (ExecutorConfig.world_size): `launcher_world_size`
 WORLD_SIZE_ENV = "DSV3_WORLD_SIZE"
+# TensorRT-LLM's name, in both flavours, for the executor's max_queued_requests (`queue_bound`)
+QUEUE_SIZE = "max_queue_size"
 
 TRUE_VALUES = ("1", "true", "yes", "t", "y", "on")
 FALSE_VALUES = ("0", "false", "no", "f", "n", "off")
 
 
-def shown(value: str, limit: int = 40) -> str:
-    """A value as an error quotes it: at most `limit` characters, since a parameter may be of any length."""
-    return repr(value) if len(value) <= limit else f"{value[:limit]!r}... ({len(value)} characters)"
+def shown(value: Any, limit: int = 40) -> str:
+    """A refused setting's value as an error quotes it, cut short: a string may be of any length, and YAML aliases
+    make a few bytes of file a structure of billions of items, which repr would expand."""
+    if isinstance(value, str):
+        return repr(value) if len(value) <= limit else f"{value[:limit]!r}... ({len(value)} characters)"
+    cut = reprlib.Repr()
+    cut.maxlevel, cut.maxlist, cut.maxdict, cut.maxstring, cut.maxother, cut.maxlong = 1, 4, 4, limit, limit, limit
+    return cut.repr(value)
 
 
 def boolean(value: str) -> bool:
@@ -41,13 +50,21 @@ def integer(value: str) -> int:
         raise ValueError(f"expected an integer, got {shown(value)}") from None
 
 
-def queue_bound(value: str) -> int | None:
-    """TensorRT-LLM's max_queue_size: requests allowed to wait for a batch place (the executor's max_queued_requests);
-    0 is no bound, as upstream's."""
-    bound = integer(value)
-    if bound < 0:
-        raise ValueError(f"expected an integer >= 0 (0: no bound), got {shown(value)}")
-    return bound or None
+def queue_bound(value: Any) -> int | None:
+    """max_queue_size as the executor's max_queued_requests (requests allowed to wait for a batch place); 0 is no
+    bound, as upstream's."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"must be an integer >= 0 (0: no bound), got {shown(value)}")
+    return value or None
+
+
+def launcher_world_size() -> int | None:
+    """The launcher's --world_size (None when not given), for an engine model's ExecutorConfig.world_size."""
+    value = os.environ.get(WORLD_SIZE_ENV, "")
+    try:
+        return integer(value) if value else None
+    except ValueError as e:
+        raise ValueError(f"{WORLD_SIZE_ENV}: {e}") from None
 
 
 def number(value: str) -> float:

@@ -1620,7 +1620,7 @@ def test_text_models_do_not_import_torch() -> None:
     from about 49 MB to 243 MB resident (2 GB over the default repository); only tensorrt_llm needs torch. The BLS
     runs tensorrt_llm's request conversion and checks (serving.legacy_request), without it."""
     code = ("import sys, serving.request_validation, serving.text_processing, serving.triton_parameters, "
-            "serving.legacy_request, serving.engine_limits; "
+            "serving.legacy_request, serving.engine_limits, serving.bls; "
             "print(sorted(m for m in ('torch', 'llguidance', 'runtime.core.sampling') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
                          text=True, timeout=120)

@@ -264,29 +264,29 @@ def infer_grpc(server: TritonServer, model: str, request_id: str = "", **values:
     return grpcclient.InferenceServerClient(server.grpc_url).infer(model, grpc_inputs(**values), request_id=request_id)
 
 
-def test_unary_tensorrt_llm_refuses_streaming_naming_the_input(unary: TritonServer) -> None:
+@pytest.mark.parametrize("model, name", [("ensemble", "streaming (stream)"), ("tensorrt_llm_bls", "stream")])
+def test_unary_models_refuse_streaming_naming_the_input(unary: TritonServer, model: str, name: str) -> None:
     from tritonclient.utils import InferenceServerException
 
     with pytest.raises(InferenceServerException) as e:
-        infer(unary, "ensemble", ["text_output"], text_input=np.array([["hi"]], object),
+        infer(unary, model, ["text_output"], text_input=np.array([["hi"]], object),
               max_tokens=np.array([[4]], np.int32), stream=np.array([[True]]))
-    assert e.value.status() == "400" and "streaming (stream) true needs a decoupled model" in str(e.value), e.value
+    assert e.value.status() == "400" and (f"{name} true needs a decoupled model (this one is deployed with decoupled "
+                                          "false: one response per request)") in str(e.value), e.value
 
 
-@pytest.mark.parametrize("model, message", [
-    ("ensemble", "num_return_sequences 2 needs a decoupled model (a response per sequence; this one is deployed with "
-                 "decoupled false)"),
-    ("tensorrt_llm_bls", "num_return_sequences 2 needs tensorrt_llm_bls to be decoupled (decoupled_mode:true): a "
-                         "response per sequence")])
-def test_unary_models_refuse_several_sequences_naming_the_input(unary: TritonServer, model: str, message: str) -> None:
-    """A unary model sends one response per request; upstream's sends one per sequence."""
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_unary_models_refuse_several_sequences_naming_the_input(unary: TritonServer, model: str) -> None:
+    """A unary model sends one response per request; upstream's sends one per sequence. The BLS refuses it as
+    tensorrt_llm does (serving.request_validation.check_response_count)."""
     from tritonclient.utils import InferenceServerException
 
     with pytest.raises(InferenceServerException) as e:
         infer(unary, model, ["text_output"], text_input=np.array([["hi"]], object),
               max_tokens=np.array([[4]], np.int32), top_k=np.array([[40]], np.int32),
               num_return_sequences=np.array([[2]], np.int32))
-    assert e.value.status() == "400" and message in str(e.value), e.value
+    assert e.value.status() == "400" and ("num_return_sequences 2 needs a decoupled model (a response per sequence; "
+                                          "this one is deployed with decoupled false)") in str(e.value), e.value
 
 
 # ---- the llmapi flavour -----------------------------------------------------------------------
@@ -577,9 +577,9 @@ def test_max_queue_size_is_the_executors_queue_bound(tmp_path: Path, checkpoint:
     max_queued_requests in both flavours; a negative one is refused naming it."""
     from serving.triton_parameters import queue_bound
 
-    assert (queue_bound("0"), queue_bound("8")) == (None, 8)
-    with pytest.raises(ValueError, match=r"expected an integer >= 0 \(0: no bound\), got '-1'"):
-        queue_bound("-1")
+    assert (queue_bound(0), queue_bound(8)) == (None, 8)
+    with pytest.raises(ValueError, match=r"^must be an integer >= 0 \(0: no bound\), got -1$"):
+        queue_bound(-1)
     repo = fill_model_repo(tmp_path / "repo", repo_values(checkpoint))
     config = (repo / "tensorrt_llm" / "config.pbtxt").read_text()
     assert 'key: "max_queue_size"\n  value: {\n    string_value: "0"' in config
@@ -595,9 +595,41 @@ def test_max_queue_size_is_the_executors_queue_bound(tmp_path: Path, checkpoint:
         assert llm.executor.max_queued_requests == expected
     (tmp_path / "neg").mkdir()
     with pytest.raises(ModelYamlError, match=r"^[^:]*model.yaml: triton_config.max_queue_size must be an integer >= "
-                                             r"0, got -1$"):  # the file named once (it was twice)
+                                             r"0 \(0: no bound\), got -1$"):  # the file named once (it was twice)
         read_model_yaml(write_yaml(tmp_path / "neg", checkpoint, triton_config={"max_queue_size": -1}),
                         tmp_path / "neg")
+
+
+def test_the_launchers_world_size_is_read_with_the_executor_config(tmp_path: Path, checkpoint: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """launch_triton_server --world_size reaches the engine models as DSV3_WORLD_SIZE, read where each flavour builds
+    its ExecutorConfig (engine_parameters, read_model_yaml), so make_model_repo's checks and the model read one
+    config; a value that is not an integer is refused naming the variable."""
+    from serving.engine_parameters import engine_parameters
+    from serving.triton_parameters import WORLD_SIZE_ENV, read_model_config
+
+    config = read_model_config(fill_model_repo(tmp_path / "repo", repo_values(checkpoint)) / "tensorrt_llm")
+    (tmp_path / "llmapi").mkdir()
+    path = write_yaml(tmp_path / "llmapi", checkpoint)
+    for value, expected in (("2", 2), ("", None)):
+        monkeypatch.setenv(WORLD_SIZE_ENV, value)
+        assert engine_parameters(config, True).executor.world_size == expected
+        assert read_model_yaml(path, tmp_path / "llmapi").executor.world_size == expected
+    monkeypatch.setenv(WORLD_SIZE_ENV, "two")
+    for read in (lambda: engine_parameters(config, True), lambda: read_model_yaml(path, tmp_path / "llmapi")):
+        with pytest.raises(ValueError) as e:
+            read()
+        assert str(e.value) == "DSV3_WORLD_SIZE: expected an integer, got 'two'"
+
+
+def test_a_long_refused_value_is_quoted_short_with_its_length(tmp_path: Path, checkpoint: Path) -> None:
+    """model.yaml's refusals quote a value as config.pbtxt's do (serving.triton_parameters.shown): a long string is
+    cut, its length said."""
+    with pytest.raises(ModelYamlError) as e:
+        read_model_yaml(write_yaml(tmp_path, checkpoint, backend="x" * 5000), tmp_path)
+    assert str(e.value).startswith(f"{tmp_path / 'model.yaml'}: backend {'x' * 40!r}... (5000 characters): supported: "
+                                   "pytorch")
+
 
 def test_yaml_merge_keys_override_without_being_duplicates(tmp_path: Path) -> None:
     """`<<` merges bring in keys a mapping may override, also in a mapping that is itself a merge source (which
@@ -689,7 +721,7 @@ def test_make_model_repo_never_deletes_its_inputs_nor_leaves_half_a_repository(t
                              ("engine_dir:/etc", "make_model_repo: --set engine_dir: the engine is --engine_dir\n"),
                              # values the tensorrt_llm model refuses when it loads: read as it reads them
                              ("max_queue_size:-1", "make_model_repo: model tensorrt_llm: parameter max_queue_size: "
-                                                   "expected an integer >= 0 (0: no bound), got '-1'\n"),
+                                                   "must be an integer >= 0 (0: no bound), got -1\n"),
                              ("speculation:sometimes", "make_model_repo: model tensorrt_llm: parameter speculation: "
                                                        "must be 'off', 'fixed' or 'adaptive', got 'sometimes'\n")):
         bad = subprocess.run([script, "--engine_dir", checkpoint, "--output_dir", repo, "--force", "--set", setting],

@@ -8,8 +8,9 @@ import json
 
 import triton_python_backend_utils as pb_utils
 
-from serving.request_validation import RequestError, no_unknown_parameters
+from serving.request_validation import no_unknown_parameters
 from serving.text_processing import Postprocessor
+from serving.triton_responses import error_response
 
 
 class TritonPythonModel:
@@ -25,7 +26,6 @@ class TritonPythonModel:
                 text = self.postprocess(pb_utils.get_input_tensor_by_name(request, "TOKENS_BATCH").as_numpy(),
                                         pb_utils.get_input_tensor_by_name(request, "SEQUENCE_LENGTH").as_numpy())
                 responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT", text)]))
-            except RequestError as e:
-                responses.append(pb_utils.InferenceResponse(
-                    error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)))
+            except Exception as e:
+                responses.append(error_response(e, "postprocessing"))
         return responses

@@ -7,9 +7,10 @@ import json
 
 import triton_python_backend_utils as pb_utils
 
-from serving.request_validation import RequestError, no_unknown_parameters
+from serving.request_validation import no_unknown_parameters
 from serving.text_processing import DEFAULT_MAX_INPUT_BYTES, Preprocessor
 from serving.triton_parameters import parameter
+from serving.triton_responses import error_response
 
 
 class TritonPythonModel:
@@ -33,7 +34,6 @@ class TritonPythonModel:
 
                 responses.append(pb_utils.InferenceResponse(
                     [pb_utils.Tensor(name, value) for name, value in self.preprocess(get).items()]))
-            except RequestError as e:
-                responses.append(pb_utils.InferenceResponse(
-                    error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)))
+            except Exception as e:
+                responses.append(error_response(e, "preprocessing"))
         return responses

@@ -19,7 +19,7 @@ from runtime.executors.requests import RequestOutput
 from serving.engine_limits import EngineLimits, publish, withdraw
 from serving.engine_parameters import engine_parameters
 from serving.legacy_request import INPUT_NAMES, engine_request, scalar
-from serving.request_validation import RequestError, no_unknown_parameters
+from serving.request_validation import no_unknown_parameters
 from serving.triton_contract import client_named
 from serving.triton_engine import Chunk, EngineModel, Stream
 from serving.triton_parameters import model_path
@@ -56,9 +56,6 @@ class TritonPythonModel(EngineModel):
             self.stop(request.request_id(), sender)
             return None
         converted = engine_request(inputs, self.tokenizer, self.vocab_size, self.exclude_input_default)
-        if converted.params.n > 1 and not self.decoupled:
-            raise RequestError(f"num_return_sequences {converted.params.n} needs a decoupled model (a response per "
-                               "sequence; this one is deployed with decoupled false)")
         outputs = frozenset(name for name in ("num_input_tokens", "num_output_tokens", "log_probs")
                             if scalar(inputs, f"return_{name}", False))
         return Stream(sender, request.request_id(), converted.streaming,
