@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 import torch
 
 from runtime.core.sampling_params import SamplingParams
+from runtime.executors.lifetime import proc_stat
 from runtime.executors.session import Session
 from runtime.io.atomic import atomic_write
 from runtime.io.checkpoint import expected_tensor_shapes, is_mtp_tensor
@@ -315,11 +316,9 @@ def cpu_seconds(pids: dict[str, list[int]]) -> dict[str, float]:
     for name, group in pids.items():
         used[name] = 0.0
         for pid in group:
-            try:  # fields after the command name: utime and stime are the 12th and 13th
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            used[name] += (int(fields[11]) + int(fields[12])) / tick
+            fields = proc_stat(pid)
+            if fields is not None:
+                used[name] += (int(fields[11]) + int(fields[12])) / tick
     mine = os.times()
     used["this process"] = mine.user + mine.system
     return used

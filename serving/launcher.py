@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from runtime.executors.lifetime import PID_NAMESPACE, remove_dead_pids_leftovers, spawn
+from runtime.executors.lifetime import PID_NAMESPACE, proc_stat, remove_dead_pids_leftovers, spawn
 from serving.engine_limits import SERVER_DIR_PREFIX, server_dir
 from serving.triton_parameters import WORLD_SIZE_ENV
 from serving.watchdog import STOP_REASON_ENV
@@ -401,11 +401,10 @@ def live_descendants(root_pid: int) -> dict[int, list[bytes]]:
     children: dict[int, list[int]] = {}
     state: dict[int, str] = {}
     for stat_file in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat_file.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
-        except (OSError, IndexError):
-            continue
         pid = int(stat_file.parent.name)
+        fields = proc_stat(pid)
+        if fields is None:
+            continue
         state[pid] = fields[0]
         children.setdefault(int(fields[1]), []).append(pid)
     found, todo = {}, [root_pid]

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from runtime.executors.lifetime import running
 from runtime.io.atomic import atomic_write
 
 log = logging.getLogger(__name__)
@@ -74,15 +75,6 @@ class Watchdog:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-
-
-def running(pid: int) -> bool:
-    """Whether process `pid` exists and has not exited (a zombie has)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 def stop_server(pid: int, reason: str, kill_after_s: float = KILL_AFTER_S) -> None:

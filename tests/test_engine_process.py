@@ -19,6 +19,7 @@ from runtime.core.sampling_params import SamplingParams
 from runtime.executors.backends import create_executor
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.errors import QueueFull
+from runtime.executors.lifetime import running
 from runtime.executors.process import ProcessExecutor, _delta_of, _Stream
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -36,11 +37,7 @@ def engine(spec_checkpoint):
 def wait_gone(pid: int, timeout_s: float = 20.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            return True
-        if state == "Z":  # exited, not reaped yet
+        if not running(pid):  # gone, or exited and not reaped yet
             return True
         time.sleep(0.1)
     return False

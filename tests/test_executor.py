@@ -1355,7 +1355,8 @@ def test_a_stalled_server_is_killed_when_sigterm_does_not_stop_it(ignores_sigter
     import subprocess
     import sys
 
-    from serving.watchdog import running, stop_server
+    from runtime.executors.lifetime import running
+    from serving.watchdog import stop_server
 
     handler = "signal.SIG_IGN" if ignores_sigterm else "signal.SIG_DFL"
     code = f"import signal, time; signal.signal(signal.SIGTERM, {handler}); print('up', flush=True); time.sleep(60)"

@@ -125,14 +125,19 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def pid_alive(pid: int) -> bool:
+def proc_stat(pid: int | str) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after its "pid (comm)" (state, ppid, ...; utime and stime at 11 and 12), None
+    once the process is gone."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        pass
-    return True
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie has), whoever's it is."""
+    fields = proc_stat(pid)
+    return fields is not None and fields[0] not in ("Z", "X")
 
 
 def remove_dead_pids_leftovers(directory: Path, pattern: re.Pattern[str]) -> list[Path]:
@@ -143,7 +148,7 @@ def remove_dead_pids_leftovers(directory: Path, pattern: re.Pattern[str]) -> lis
     removed = []
     for path in directory.iterdir():
         m = pattern.match(path.name)
-        if not m or pid_alive(int(m.group(1))):
+        if not m or running(int(m.group(1))):
             continue
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
