@@ -41,9 +41,9 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
-from runtime.executors.lifetime import PID_NAMESPACE, proc_stat, remove_dead_pids_leftovers, spawn
+from runtime.executors.lifetime import PID_NAMESPACE, proc_stat, remove_dead_pids_leftovers, spawn, stop_signals_to
 from serving.engine_limits import SERVER_DIR_PREFIX, server_dir
 from serving.triton_parameters import WORLD_SIZE_ENV
 from serving.watchdog import STOP_REASON_ENV
@@ -478,16 +478,6 @@ def _raise_stop(signum: int, _frame: object) -> None:
     raise _Stop(signum)
 
 
-@contextlib.contextmanager
-def _stop_on_signals() -> Iterator[None]:
-    previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
 def supervise(server: TritonServer) -> int:
     """Wait for tritonserver to exit; if a Python backend stub dies first (its model would fail every request
     while the server reports ready), stop the server so that a supervisor restarts it. Returns the exit status
@@ -573,7 +563,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     server = None
     status = 0
-    with _stop_on_signals():
+    with stop_signals_to(_raise_stop):
         try:
             t0 = time.monotonic()
             server = start_server(args.model_repo, http_port=args.http_port, grpc_port=args.grpc_port,

@@ -19,7 +19,7 @@ import sys
 import threading
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 log = logging.getLogger("runtime.executors.lifetime")
 
@@ -123,6 +123,18 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+@contextlib.contextmanager
+def stop_signals_to(handler: Callable[[int, Any], Any]) -> Iterator[None]:
+    """SIGINT and SIGTERM go to `handler` inside the block (the main thread's); the previous handlers come back after
+    it."""
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
 
 
 def proc_stat(pid: int | str) -> list[str] | None:

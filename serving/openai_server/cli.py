@@ -13,16 +13,14 @@ import argparse
 import contextlib
 import logging
 import os
-import signal
 import socket
 import sys
 from pathlib import Path
-from typing import Iterator
 
 import uvicorn
 
 from runtime.executors.base import ExecutorConfig
-from runtime.executors.lifetime import MAX_TORCH_THREADS
+from runtime.executors.lifetime import MAX_TORCH_THREADS, stop_signals_to
 from runtime.executors.process import EngineProcessError, open_server_executor
 from runtime.executors.trtllm_api import TensorRTLLMUnavailable
 from serving.openai_server.app import api_key_problem, create_app
@@ -37,14 +35,8 @@ class Server(uvicorn.Server):
     """Stops on SIGINT / SIGTERM without re-raising them afterwards (uvicorn does, to exit by the signal, which
     would end the process before the executor is shut down): a graceful stop exits 0."""
 
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        original = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for s, handler in original.items():
-                signal.signal(s, handler)
+    def capture_signals(self) -> contextlib.AbstractContextManager[None]:
+        return stop_signals_to(self.handle_exit)
 
 
 def _port(text: str) -> int:
