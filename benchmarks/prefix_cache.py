@@ -30,7 +30,7 @@ from benchmarks.common import (add_common_args, check_minimums, load_prompts, ma
 from runtime.core.sampling_params import SamplingParams
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
-from runtime.executors.requests import RequestOutput
+from runtime.executors.outputs import RequestOutput
 from runtime.io.loading import load_engine
 
 TTFT_TARGET = 5.0  # the issue's: a cached 1,500-token prefix at least 5x faster to the first token

@@ -37,7 +37,7 @@ from tqdm import tqdm
 from runtime.io.loading import load_engine
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
-from runtime.executors.requests import FAILED_REASONS, RequestOutput
+from runtime.executors.outputs import FAILED_REASONS, RequestOutput
 from runtime.core.sampling_params import SamplingParams
 
 MODE_ORDER = ("plain", "fixed", "adaptive")

@@ -32,7 +32,7 @@ import triton_python_backend_utils as pb_utils
 
 from runtime.executors.base import ExecutorConfig, ExecutorProtocol
 from runtime.executors.process import open_server_executor
-from runtime.executors.requests import RequestOutput, RequestStats
+from runtime.executors.outputs import RequestOutput, RequestStats
 from runtime.core.sampling_params import SamplingParams
 from serving.perf_metrics import PERF_OUTPUTS, PerfMetrics
 from serving.request_validation import RequestError, check_response_count, named_for_client

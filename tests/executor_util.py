@@ -11,7 +11,7 @@ from runtime.core.model_runner import ModelRunner
 from runtime.core.sampling_params import SamplingParams
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
-from runtime.executors.requests import RequestOutput
+from runtime.executors.outputs import RequestOutput
 
 
 def seeded_requests_take_rejection_sampling(mp: pytest.MonkeyPatch) -> None:

@@ -24,7 +24,7 @@ from runtime.io.loading import load_engine
 from runtime.executors.base import ExecutorConfig
 from runtime.executors import native
 from runtime.executors.native import Executor
-from runtime.executors.requests import RequestOutput
+from runtime.executors.outputs import RequestOutput
 from runtime.core.sampling_params import SamplingParams
 from runtime.core.draft_policy import StepCosts
 from runtime.core.scheduler import Scheduler

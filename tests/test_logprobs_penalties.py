@@ -25,7 +25,7 @@ from runtime.core.sampling import Adjustments, SamplingTensors, probabilities, t
 from runtime.core.sampling_params import SamplingParams
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
-from runtime.executors.requests import RequestOutput
+from runtime.executors.outputs import RequestOutput
 from runtime.io.loading import load_engine
 from runtime.model.kernels import cpu_missing_flags
 

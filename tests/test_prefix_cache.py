@@ -21,7 +21,7 @@ from runtime.core.prefix_cache import block_key
 from runtime.core.sampling_params import SamplingParams
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
-from runtime.executors.requests import RequestOutput
+from runtime.executors.outputs import RequestOutput
 from runtime.io.loading import load_engine
 
 from executor_util import assert_all_free, hold_inbox_until  # noqa: E402

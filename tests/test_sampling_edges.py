@@ -22,7 +22,7 @@ import torch
 from runtime import SamplingParams, Session
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
-from runtime.executors.requests import RequestOutput
+from runtime.executors.outputs import RequestOutput
 from runtime.executors.requests import RequestTracker
 from runtime.core.sampling import SamplingTensors, probabilities
 from runtime.io.tokenizer import IncrementalDetokenizer

@@ -57,7 +57,7 @@ def wait_idle(session: Session, timeout: float = 10) -> None:
 def hold_after_first_text(monkeypatch) -> threading.Event:
     """Make the step loop wait, after it delivered the first output with text (not the final one), until
     the returned event is set: the test's thread, however slow, takes that output before any other."""
-    from runtime.executors.requests import RequestHandle
+    from runtime.executors.handles import RequestHandle
 
     go_on = threading.Event()
     push = RequestHandle._push
@@ -513,7 +513,7 @@ def test_sessions_left_open_exit_cleanly(shipped_model_dir, left, runs) -> None:
 def test_an_interrupted_generate_cancels_its_requests(session, monkeypatch) -> None:
     """Ctrl-C while generate() waits (here: as it starts waiting for the first result): nobody will read its
     results, so its requests are cancelled and their blocks freed (they ran to max_tokens)."""
-    from runtime.executors.requests import RequestHandle
+    from runtime.executors.handles import RequestHandle
 
     wait_idle(session)
     before = session.executor.stats()

@@ -25,7 +25,7 @@ from runtime.core.sampling import refused_tokens
 from runtime.core.sampling_params import GuidedDecodingParams, SamplingParams
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
-from runtime.executors.requests import RequestOutput
+from runtime.executors.outputs import RequestOutput
 from runtime.executors.session import Session
 
 from conftest import chi2_pvalue

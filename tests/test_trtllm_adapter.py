@@ -47,7 +47,7 @@ from runtime.io.engine_format import BuildConfig, EngineError, engine_backend
 from runtime.executors.backends import create_executor
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
-from runtime.executors.requests import RequestOutput
+from runtime.executors.outputs import RequestOutput
 from runtime.core.sampling_params import RelaxedAcceptance
 from runtime.core.sampling_params import GuidedDecodingParams, SamplingParams
 from runtime.core.scheduler import SchedulerConfig

@@ -5,7 +5,7 @@ choice between them is runtime.executors.backends'."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import torch
@@ -13,13 +13,45 @@ import torch
 from runtime.core.draft_policy import check_speculation
 from runtime.core.sampling_params import RelaxedAcceptance, SamplingParams
 from runtime.core.scheduler import SchedulerConfig
-from runtime.executors.requests import ExecutorStats, RequestHandle, RequestOutput
+from runtime.executors.handles import RequestHandle
+from runtime.executors.outputs import RequestOutput
 from runtime.io.engine_format import MAX_DRAFT_LEN, BuildConfig, check_model_limits
 from runtime.io.tokenizer import Tokenizer
 from runtime.model.config import ModelConfig, is_bool, is_int, is_number
 
 
 DEFAULT_DRAFT_TOKENS = 3  # when num_draft_tokens is not given and the model can draft
+
+
+@dataclass
+class ExecutorStats:
+    """What an executor reports of its load, cache and speculation (`stats()`)."""
+
+    running: int
+    queued: int
+    kv_blocks_used: int
+    kv_blocks_free: int  # cached blocks no request holds included (evicted when new content needs them)
+    requests_finished: int
+    generated_tokens: int
+    draft_tokens: int
+    accepted_draft_tokens: int
+    current_draft_len: int
+    acceptance_estimate: float
+    kv_blocks_cached: int = 0  # blocks holding reusable prefix content, held by a request or free
+    world_size: int = 1  # processes running the model (tensor/expert-parallel ranks)
+    rank_memory_bytes: list[int] = field(default_factory=list)  # resident memory of each, rank 0 first
+    kv_reused_blocks: int = 0  # prompt blocks found in the prefix cache, over every sequence admitted (n / best_of's
+    # outputs count the blocks they share with their first; each output's stats count what its request found)
+    kv_missed_blocks: int = 0  # and those not found
+
+    @property
+    def kv_cache_hit_rate(self) -> float:
+        blocks = self.kv_reused_blocks + self.kv_missed_blocks
+        return self.kv_reused_blocks / blocks if blocks else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
 
 @dataclass(frozen=True)

@@ -33,10 +33,11 @@ from runtime.core.grammar import GrammarCompiler
 from runtime.core.prefix_cache import PrefixCache
 from runtime.core.plan import StepResult
 from runtime.core.scheduler import Scheduler
-from runtime.executors.base import ExecutorConfig
+from runtime.executors.base import ExecutorConfig, ExecutorStats
 from runtime.executors.errors import QueueFull
-from runtime.executors.requests import (BestOf, ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestStats,
-                                       RequestTracker, check_callback)
+from runtime.executors.handles import RequestHandle, check_callback
+from runtime.executors.outputs import RequestOutput, RequestStats
+from runtime.executors.requests import BestOf, RequestIds, RequestTracker
 from runtime.core.sequence import LogitBias, PenaltyState, Sequence
 from runtime.io.tokenizer import Tokenizer
 from runtime.core.model_runner import ModelRunner

@@ -30,10 +30,11 @@ import torch
 from runtime.core.sampling import TokenLogprob
 from runtime.core.sampling_params import SamplingParams, check_request_form
 from runtime.executors.backends import create_executor
-from runtime.executors.base import ExecutorConfig, ExecutorProtocol
+from runtime.executors.base import ExecutorConfig, ExecutorProtocol, ExecutorStats
 from runtime.executors.lifetime import forget_at_exit, python_executable, spawn, stop_at_exit
-from runtime.executors.requests import (ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestStats,
-                                        check_callback, so_far)
+from runtime.executors.handles import RequestHandle, check_callback
+from runtime.executors.outputs import RequestOutput, RequestStats, so_far
+from runtime.executors.requests import RequestIds
 
 log = logging.getLogger("runtime.executors.process")
 

@@ -18,7 +18,7 @@ from runtime.core.sampling import TokenLogprob
 from runtime.core.sampling_params import SamplingParams
 from runtime.executors.backends import create_executor
 from runtime.executors.base import ExecutorConfig, submit_all
-from runtime.executors.requests import RequestStats
+from runtime.executors.outputs import RequestStats
 
 
 @dataclass

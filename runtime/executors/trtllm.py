@@ -33,13 +33,14 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from runtime.io.engine_format import ENGINE_JSON, LLM_API_OPTIONS, BuildConfig, EngineError, EngineManifest, file_sha256
-from runtime.executors.base import ExecutorConfig
+from runtime.executors.base import ExecutorConfig, ExecutorStats
 from runtime.executors.trtllm_api import (GUIDED_DECODING_BACKENDS, adapt_llm_kwargs, adapt_to_upstream_fields,
                                           draft_len_of, import_tensorrt_llm, kv_cache_counts, llm_kwargs_for,
                                           logprobs_from_upstream, model_fields, read_llm_api_options,
                                           speculative_counts, to_trtllm_sampling_kwargs, upstream_sampling_params)
-from runtime.executors.requests import (ExecutorStats, RequestHandle, RequestIds, RequestOutput, RequestTracker,
-                                        check_callback)
+from runtime.executors.handles import RequestHandle, check_callback
+from runtime.executors.outputs import RequestOutput
+from runtime.executors.requests import RequestIds, RequestTracker
 from runtime.core.guide_check import check_guide
 from runtime.core.sampling import TokenLogprob
 from runtime.core.sampling_params import SamplingParams, fresh_seed, validate_request

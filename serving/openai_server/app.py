@@ -25,7 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from runtime.executors.base import ExecutorProtocol, submit_all
-from runtime.executors.requests import RequestHandle, RequestOutput
+from runtime.executors.handles import RequestHandle
+from runtime.executors.outputs import RequestOutput
 from serving.openai_server import protocol
 from serving.openai_server.chat import ChatTemplateFault, template_uses_tools
 from serving.openai_server.protocol import APIError, Generation

@@ -22,7 +22,7 @@ from runtime.core.guide_check import check_guide
 from runtime.core.sampling import TokenLogprob
 from runtime.core.sampling_params import (MAX_LOGPROBS, PENALTY_LIMIT, REPETITION_PENALTY_RANGE, GuidedDecodingParams,
                                           SamplingParams, seed_from_client)
-from runtime.executors.requests import RequestStats
+from runtime.executors.outputs import RequestStats
 from runtime.io.tokenizer import Tokenizer
 from serving.openai_server.chat import RESERVED_NAMES, ChatTemplateFault, render_chat, template_uses_tools
 from serving.openai_server.tool_calls import ToolSyntax, tool_call_grammar

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from runtime.executors.requests import RequestOutput
+from runtime.executors.outputs import RequestOutput
 from serving.engine_limits import EngineLimits, publish, withdraw
 from serving.engine_parameters import engine_parameters
 from serving.legacy_request import INPUT_NAMES, engine_request, scalar

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from runtime.executors.requests import RequestOutput
+from runtime.executors.outputs import RequestOutput
 from serving.llmapi_config import MODEL_YAML, read_model_yaml
 from serving.llmapi_request import INPUT_NAMES, INPUTS, llmapi_request, scalar
 from serving.request_validation import no_unknown_parameters
