@@ -59,15 +59,14 @@ def server_request(port: int, model: str, prompt: str, max_tokens: int) -> tuple
 
 
 def uvicorn_stack() -> str:
-    """What the server's uvicorn runs on ("auto": uvloop and httptools where installed, else asyncio and h11)."""
+    """What the server's uvicorn runs on (uvloop where installed, else asyncio; h11, which dsv3-serve sets)."""
     def version(name: str) -> str | None:
         try:
             return importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             return None
     loop = f"uvloop {version('uvloop')}" if version("uvloop") else "asyncio"
-    http = f"httptools {version('httptools')}" if version("httptools") else "h11"
-    return f"uvicorn {version('uvicorn')}, {loop}, {http}"
+    return f"uvicorn {version('uvicorn')}, {loop}, h11 {version('h11')}"
 
 
 def main() -> int:

@@ -5,6 +5,7 @@ cancellation when a client disconnects (KV blocks back in the pool)."""
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import os
@@ -12,6 +13,7 @@ import shutil
 import socket
 import threading
 import time
+import types
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -722,6 +724,75 @@ def test_a_client_that_leaves_mid_body_costs_one_log_line(server: Server) -> Non
     new = server.log.read_text().splitlines()[before:]
     assert "Traceback" not in "\n".join(new), new
     assert sum("the client disconnected before sending the whole body" in line for line in new) == 3, new
+
+
+def test_a_deep_guide_is_served_not_a_crash(server: Server) -> None:
+    """A JSON schema nested 3000 objects deep (about 100 KB of request) overflowed the thread stack llguidance compiled
+    it on: the engine and the server died (SIGSEGV), nothing logged. Compiled on a deep stack, it is served; a GBNF
+    grammar of more rules than are taken is refused (its conversion's time grows with their square)."""
+    depth = 3000
+    defs = {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}, "required": ["a"]}
+            for i in range(depth)} | {f"d{depth}": {"type": "string"}}
+    schema = {"name": "deep", "schema": {"$defs": defs, "$ref": "#/$defs/d0"}}
+    status, answer = server.post("/v1/completions", {"prompt": "x", "max_tokens": 12, "temperature": 0,
+                                                     "response_format": {"type": "json_schema", "json_schema": schema}})
+    assert status == 200 and answer["choices"][0]["text"] == '{"a": {"a": {"a":', answer
+    rules = "root ::= r0\n" + "".join(f"r{i} ::= \"x\" r{i + 1} | \"y\"\n" for i in range(1001)) + "r1001 ::= \"z\"\n"
+    status, answer = server.post("/v1/completions", {"prompt": "x", "max_tokens": 4, "guided_grammar": rules})
+    assert (status, answer["error"]["message"]) == (400, "guided_grammar has 1003 rules; at most 1000 are taken")
+    assert urllib.request.urlopen(server.base + "/health", timeout=10).status == 200
+
+
+def test_a_request_head_is_bounded(server: Server) -> None:
+    """A header line that never ended grew without bound (httptools), the event loop parsing it again and again:
+    every other client waited tens of seconds. h11 refuses a head past its bound."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: " + b"a" * 200_000)
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        assert response.status == 400
+    assert urllib.request.urlopen(server.base + "/health", timeout=10).status == 200
+
+
+def test_a_body_that_never_arrives_times_out(monkeypatch) -> None:
+    """A body trickled in for ever held its connection (and what it had sent) for ever."""
+    import serving.openai_server.app as app
+    from serving.openai_server.protocol import APIError
+
+    class Trickle:
+        headers = {"content-length": "100"}
+
+        async def stream(self):
+            yield b"{"
+            await asyncio.sleep(3600)
+
+    monkeypatch.setattr(app, "BODY_TIMEOUT_S", 0.2)
+    with pytest.raises(APIError) as e:
+        asyncio.run(app.OpenAIServer._body(types.SimpleNamespace(max_body_bytes=1000), Trickle()))
+    assert (e.value.status, e.value.message) == (408, "the request body did not arrive within 0.2 s")
+
+
+def test_a_guided_request_is_submitted_off_the_event_loop() -> None:
+    """Submitting a guided request compiles its grammar (seconds of a large schema), which held every other request
+    on the event loop; a request without a guide is submitted on it (no thread hand-off)."""
+    import serving.openai_server.app as app
+    from runtime.core.sampling_params import GuidedDecodingParams
+
+    class Submits:
+        threads: list[threading.Thread] = []
+
+        def _submit(self, g, chat):
+            self.threads.append(threading.current_thread())
+            return []
+
+    async def submit(params: SamplingParams) -> threading.Thread:
+        await app.OpenAIServer._submitted(Submits(), types.SimpleNamespace(params=params), False)
+        return threading.current_thread()
+
+    loop_thread = asyncio.run(submit(SamplingParams(guided_decoding=GuidedDecodingParams(regex="a+"))))
+    assert Submits.threads[-1] is not loop_thread
+    loop_thread = asyncio.run(submit(SamplingParams()))
+    assert Submits.threads[-1] is loop_thread
 
 
 def _streamed_events(server: Server, body: dict) -> list[dict]:

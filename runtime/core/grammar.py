@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from runtime.core.guide_check import check_guide
+from runtime.core.guide_check import check_guide, on_compile_stack
 from runtime.core.sampling_params import GuidedDecodingParams
 
 CACHE_SIZE = 64  # compiled guides kept per executor
@@ -129,6 +129,14 @@ class GrammarCompiler:
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
+        matcher = on_compile_stack(lambda: self._compile(guide))
+        self._cache[key] = matcher
+        if len(self._cache) > CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return matcher
+
+    def _compile(self, guide: GuidedDecodingParams) -> llguidance.LLMatcher:
+        """A guide's matcher, checked to begin some output (on a compile stack: llguidance recurses)."""
         matcher = llguidance.LLMatcher(self.tokenizer, check_guide(guide), log_level=0)
         if matcher.is_error():  # valid grammar the tokenizer cannot serve
             raise ValueError(f"guided_decoding.{guide.kind} cannot be served: {first_line(matcher.get_error())}")
@@ -139,9 +147,6 @@ class GrammarCompiler:
             raise ValueError(f"guided_decoding.{guide.kind} allows no output: no token can begin it ({error})"
                              if error == "NoExtensionBias" else
                              f"guided_decoding.{guide.kind} cannot be served: {error}")
-        self._cache[key] = matcher
-        if len(self._cache) > CACHE_SIZE:
-            self._cache.popitem(last=False)
         return matcher
 
     def check(self, guide: GuidedDecodingParams) -> None:

@@ -5,9 +5,11 @@ the engine model sees them (runtime.core.grammar compiles and runs the grammars)
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import re
-from typing import Any
+import threading
+from typing import Any, Callable, TypeVar
 
 import llguidance
 
@@ -22,12 +24,49 @@ _SUBSCHEMA_DICTS = ("properties", "patternProperties", "$defs", "definitions", "
 _SUBSCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
                   "unevaluatedProperties", "unevaluatedItems", "additionalItems")
 _SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+# llguidance compiles a guide recursively, a few KB of stack a level of a $ref or rule chain: on a default 8 MB
+# thread stack a chain of a few thousand (about 100 KB of request) overflowed it and the process died (SIGSEGV).
+# Compiling runs on a thread of this stack (reserved, touched only as deep as it goes), past any guide a server's
+# request bodies can carry.
+COMPILE_STACK_BYTES = 512 * 2**20
+# GBNF reaches llguidance as Lark through a conversion whose time grows with the square of the rules (4000 rules
+# took seconds of a core), so a grammar of more rules than any real one is refused first
+MAX_GBNF_RULES = 1000
+COMPILE_THREAD = "guide-compile"
+T = TypeVar("T")
+_stack_size_lock = threading.Lock()
 
 
-def _grammar_text(guide: GuidedDecodingParams) -> str:
-    """llguidance's grammar for a guide (parsed, not yet validated); the grammar field takes GBNF/EBNF
+def on_compile_stack(compile_: Callable[[], T]) -> T:
+    """compile_() on a thread of its own with COMPILE_STACK_BYTES of stack (directly on one already); its exception is
+    raised here."""
+    if threading.current_thread().name == COMPILE_THREAD:
+        return compile_()
+    result: list[Any] = []
+
+    def run() -> None:
+        try:
+            result.append((True, compile_()))
+        except BaseException as e:  # re-raised in the caller
+            result.append((False, e))
+
+    with _stack_size_lock:  # the size applies to threads started while it is set
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name=COMPILE_THREAD, daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    ok, value = result[0]
+    if not ok:
+        raise value
+    return value
+
+
+def _grammar_text(kind: str, text: str) -> str:
+    """llguidance's grammar for a guide's kind and text (parsed, not yet validated); the grammar field takes GBNF/EBNF
     (`root ::= ...`, as xgrammar and TensorRT-LLM) or Lark."""
-    kind, text = guide.kind, guide.text
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_OPTIONS)
     if kind == "json":
@@ -58,7 +97,7 @@ def _schema_children(node: dict) -> list[tuple[str, Any]]:
 
 
 def _schema_error(schema: dict) -> str:
-    return llguidance.LLMatcher.validate_grammar(_grammar_text(GuidedDecodingParams(json=schema)))
+    return llguidance.LLMatcher.validate_grammar(_grammar_text("json", json.dumps(schema)))
 
 
 def _schema_location(schema: dict, error: str, budget: int) -> str:
@@ -123,6 +162,10 @@ def _problem(error: str) -> str:
 
 def check_guide(guide: GuidedDecodingParams, field: str = "guided_decoding") -> str:
     """The guide's grammar; ValueError naming `field` and the position of the problem when the guide is invalid."""
+    return on_compile_stack(lambda: _check_guide(guide, field))
+
+
+def _check_guide(guide: GuidedDecodingParams, field: str) -> str:
     name = f"{field}.{guide.kind}" if field == "guided_decoding" else field
     if guide.kind == "json":
         try:
@@ -132,11 +175,19 @@ def check_guide(guide: GuidedDecodingParams, field: str = "guided_decoding") -> 
                              f"{e.colno}") from None
         except RecursionError:
             raise ValueError(f"{name} is nested deeper than Python's JSON reader goes") from None
-    try:
-        grammar = _grammar_text(guide)
-        error = llguidance.LLMatcher.validate_grammar(grammar)
-    except ValueError as e:  # the GBNF-to-Lark conversion raises
-        grammar, error = "", str(e)
+    if guide.kind == "grammar" and "::=" in guide.text and guide.text.count("::=") > MAX_GBNF_RULES:
+        raise ValueError(f"{name} has {guide.text.count('::=')} rules; at most {MAX_GBNF_RULES} are taken")
+    grammar, error = _validated(guide.kind, guide.text)
     if error:
         raise ValueError(f"{name} is invalid at {_position(guide.kind, guide.text, error)}: {_problem(error)}")
     return grammar
+
+
+@functools.lru_cache(maxsize=16)  # a server checks a request's guide, then its executor compiles the same one
+def _validated(kind: str, text: str) -> tuple[str, str]:
+    """(llguidance's grammar, its error or '')."""
+    try:
+        grammar = _grammar_text(kind, text)
+        return grammar, llguidance.LLMatcher.validate_grammar(grammar)
+    except ValueError as e:  # the GBNF-to-Lark conversion raises
+        return "", str(e)

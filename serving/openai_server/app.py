@@ -34,6 +34,7 @@ from serving.openai_server.tool_calls import TOOL_CALL_PARSERS, ToolCallReader, 
 from serving.watchdog import STALL_TIMEOUT_S
 
 log = logging.getLogger("serving.openai_server")
+BODY_TIMEOUT_S = 60  # for a request's whole body (nginx's client_body_timeout is 60 s between reads)
 
 
 
@@ -115,13 +116,16 @@ class OpenAIServer:
         size = 0
         chunks = []
         try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > self.max_body_bytes:
-                    raise APIError(f"the request body is larger than {self.max_body_bytes} bytes", status=413)
-                chunks.append(chunk)
+            async with asyncio.timeout(BODY_TIMEOUT_S):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > self.max_body_bytes:
+                        raise APIError(f"the request body is larger than {self.max_body_bytes} bytes", status=413)
+                    chunks.append(chunk)
         except ClientDisconnect:  # one log line, not two tracebacks: a client can send half bodies for free
             raise APIError("the client disconnected before sending the whole body") from None
+        except TimeoutError:  # a body trickled in for ever held its connection and its memory
+            raise APIError(f"the request body did not arrive within {BODY_TIMEOUT_S} s", status=408) from None
         try:
             return json.loads(b"".join(chunks))
         except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep to parse
@@ -146,13 +150,27 @@ class OpenAIServer:
         except RuntimeError as e:  # the executor stopped serving (its error says why); /health says 503 too
             raise APIError(str(e), status=503, type="server_error") from None
 
+    async def _submitted(self, g: Generation, chat: bool) -> list[RequestHandle]:
+        """`_submit`; a guided request's on a worker thread, since submitting compiles its grammar (seconds of a large
+        schema, which held every other request on the event loop). A client gone meanwhile has its requests
+        cancelled once submitted."""
+        if g.params.guided_decoding is None:
+            return self._submit(g, chat)
+        submitting = asyncio.get_running_loop().run_in_executor(None, self._submit, g, chat)
+        try:
+            return await asyncio.shield(submitting)
+        except asyncio.CancelledError:
+            submitting.add_done_callback(
+                lambda f: None if f.cancelled() or f.exception() else [h.cancel() for h in f.result()])
+            raise
+
     async def generate(self, request: Request, parse: Callable[..., Generation], chat: bool) -> Any:
         t0 = time.perf_counter()
         body = await self._body(request)
         self._check_model(body)
         # on a worker thread: rendering the model's chat template and tokenizing must not hold the event loop
         g = await asyncio.to_thread(parse, body, self.tokenizer, self.max_seq_len, self.max_text_bytes)
-        handles = self._submit(g, chat)
+        handles = await self._submitted(g, chat)
         if g.stream:
             return StreamingResponse(self._stream(g, handles, chat, t0), media_type="text/event-stream")
         try:
@@ -168,6 +186,11 @@ class OpenAIServer:
         if failed is not None:
             self._log(g, outs, f"failed: {failed.error or failed.finish_reason}", t0)
             raise _failure(g, failed)
+        # on a worker thread: a response with logprobs of many prompts is megabytes of objects and JSON
+        return await asyncio.to_thread(self._response, g, outs, chat, t0)
+
+    def _response(self, g: Generation, outs: list[RequestOutput], chat: bool, t0: float) -> JSONResponse:
+        """The finished request's response, rendered."""
         texts = ["" if g.echo_only else o.text for o in outs]
         if g.echo_texts is not None:
             texts = [g.echo_texts[i // g.n] + t for i, t in enumerate(texts)]
@@ -195,7 +218,7 @@ class OpenAIServer:
         usage = protocol.usage(g.prompts, [o.stats for o in outs], self.executor.kv_block_size, g.echo_only)
         self._log(g, outs, "ok", t0)
         response = protocol.completion_object(g, self.model, choices, chat, usage)
-        return {**response, **prompt_extras[0]} if chat else response
+        return JSONResponse({**response, **prompt_extras[0]} if chat else response)
 
     async def _results(self, request: Request, handles: list[RequestHandle]) -> list[RequestOutput] | None:
         """The final output of each choice, or None if the client disconnects first."""

@@ -145,8 +145,11 @@ def main(argv: list[str] | None = None) -> int:
         watchdog = Watchdog({"engine": lambda: executor.health(STALL_TIMEOUT_S)},
                             lambda reason: stop_server(os.getpid(), reason))
         try:
-            Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                  access_log=False)).run()  # the app logs each request itself
+            # h11 parses HTTP: it bounds a request's head (h11_max_incomplete_event_size), where httptools let a
+            # header line that never ended grow without bound, burning the event loop's CPU; the app logs each
+            # request itself
+            Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, http="h11",
+                                  access_log=False)).run()
         finally:
             watchdog.stop()
     finally:
