@@ -21,6 +21,7 @@ from tqdm import tqdm
 from builder.validation import BuildError, copy_tokenizer, open_hf_checkpoint, quant_algo_flag, validate_build
 from builder.native_engine import BUILDER_VERSION
 from runtime.core.sampling_params import RelaxedAcceptance
+from runtime.executors.base import ExecutorConfig
 from runtime.io.atomic import new_output_dir
 from runtime.io.checkpoint import FP8_CODE, INDEX_NAME
 from runtime.io.engine_format import HF_DIR, LLM_API_OPTIONS, BuildConfig, EngineManifest, released_quant_algo
@@ -32,7 +33,7 @@ class TrtllmOptions:
 
     enable_attention_dp: bool = False
     kv_cache_dtype: str = "auto"  # or "fp8"
-    free_gpu_memory_fraction: float = 0.9
+    free_gpu_memory_fraction: float = ExecutorConfig.free_memory_fraction
     enable_block_reuse: bool = True
     cuda_graph_padding: bool = True
     use_mtp_vanilla: bool = False

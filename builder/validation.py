@@ -48,7 +48,7 @@ class Plan:
     rank_weight_bytes: int  # one rank file's tensors as stored (FP8 codes and scales, BF16, float32)
     kv_bytes_per_token: int  # on every rank: the latent cache is replicated (runtime.model.deepseek_v3)
 
-    def tokens_fit(self, memory_bytes: int, fraction: float = 0.9) -> int:
+    def tokens_fit(self, memory_bytes: int, fraction: float) -> int:
         """KV cache tokens a rank holds in `fraction` of `memory_bytes` of device memory, after its weights."""
         return max(0, int(memory_bytes * fraction) - self.rank_weight_bytes) // self.kv_bytes_per_token
 
