@@ -23,7 +23,7 @@ def check_settings(path: str | Path, config: ExecutorConfig) -> None:
         return
     cfg, build = read_limits(path)
     built = backend is not None  # a plain checkpoint's limits are defaults, not build choices
-    config.ranks(build, source)
+    config.world_size_for(build, source)
     config.limits(build, cfg, source, built)
     config.draft_len(build.max_draft_len, cfg.num_nextn_predict_layers, source, built)
 

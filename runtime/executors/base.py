@@ -127,7 +127,7 @@ class ExecutorConfig:
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, bool(getattr(self, name)))
 
-    def ranks(self, build: BuildConfig, source: str) -> int:
+    def world_size_for(self, build: BuildConfig, source: str) -> int:
         """How many processes serve an engine of `build`: world_size, or its tp_size by default; ValueError
         naming world_size where that cannot run it."""
         world = build.tp_size if self.world_size is None else self.world_size

@@ -71,10 +71,10 @@ class Executor:
         options = dict(device=config.device, dtype=config.dtype, cpu_kernels=config.cpu_kernels,
                        fp8_weights=config.fp8_weights)
         if not (path / ENGINE_JSON).is_file():  # a plain checkpoint (or no model: load_engine says so)
-            config.ranks(BuildConfig(), str(path))  # one rank
+            config.world_size_for(BuildConfig(), str(path))  # one rank
             return load_engine(path, **options)
         build = EngineManifest.read(path).build
-        world = config.ranks(build, str(path))
+        world = config.world_size_for(build, str(path))
         if world == 1:
             return load_engine(path, **options)
         self.ranks = RankGroup.open(path, build, RankOptions(config.dtype, config.cpu_kernels, fp8_weights=config.fp8_weights))
