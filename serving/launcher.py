@@ -46,7 +46,7 @@ from typing import Sequence
 from runtime.executors.lifetime import PID_NAMESPACE, proc_stat, remove_dead_pids_leftovers, spawn, stop_signals_to
 from serving.engine_limits import SERVER_DIR_PREFIX, server_dir
 from serving.triton_parameters import WORLD_SIZE_ENV
-from serving.watchdog import STOP_REASON_ENV
+from serving.watchdog import KILL_AFTER_S, STOP_REASON_ENV
 
 CONTAINER_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
 RESTRICTED_APIS = "shared-memory,model-repository,logging,trace"
@@ -481,12 +481,19 @@ def _raise_stop(signum: int, _frame: object) -> None:
 def supervise(server: TritonServer) -> int:
     """Wait for tritonserver to exit; if a Python backend stub dies first (its model would fail every request
     while the server reports ready), stop the server so that a supervisor restarts it. Returns the exit status
-    to report: the server's, or 1 for a dead stub or a server a model's watchdog stopped (it says why)."""
+    to report: the server's, or 1 for a dead stub or a server a model's watchdog stopped (it says why; a server still
+    in its shutdown KILL_AFTER_S later is stopped here, since the watchdog that would kill it lives in a stub)."""
+    stopping_since: float | None = None  # when a model's watchdog stopped the server
     while server.process.poll() is None:
         time.sleep(SUPERVISE_PERIOD_S)
         server.make_regions_private()
+        if server.stop_reason() is not None:
+            stopping_since = stopping_since or time.monotonic()
+            if time.monotonic() - stopping_since > KILL_AFTER_S:
+                break
+            continue
         dead = server.dead_stubs()
-        if dead and server.stop_reason() is None:
+        if dead:
             time.sleep(2 * SUPERVISE_PERIOD_S)  # stubs also exit when the server shuts down by itself
             if server.process.poll() is not None or server.stop_reason() is not None:
                 continue  # its own shutdown, which may take as long as its models take to unload
@@ -498,7 +505,8 @@ def supervise(server: TritonServer) -> int:
     status = server.process.returncode
     reason = server.stop_reason()
     if reason is not None:
-        print(f"launch_triton_server: a model's watchdog stopped tritonserver (exit status {status}): {reason}",
+        how = f"exit status {status}" if status is not None else f"still running {KILL_AFTER_S:g} s later: killed"
+        print(f"launch_triton_server: a model's watchdog stopped tritonserver ({how}): {reason}",
               file=sys.stderr, flush=True)
         server.stop()
         return 1

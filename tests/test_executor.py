@@ -33,7 +33,7 @@ from runtime.executors.handles import RequestHandle
 from runtime.executors.outputs import RequestOutput, RequestStats
 from runtime.core.kv_cache import free_memory_bytes
 from runtime.core.sampling import TokenLogprob
-from runtime.core.sampling_params import SamplingParams
+from runtime.core.sampling_params import RelaxedAcceptance, SamplingParams
 from runtime.core.draft_policy import DraftPolicy, StepCosts
 from runtime.core.plan import StepResult
 from runtime.core.scheduler import Scheduler
@@ -287,6 +287,23 @@ def test_limits_above_the_engine_are_refused(engine) -> None:
     assert [ExecutorConfig(num_draft_tokens=0, speculation=mode).speculation for mode in ("fixed", "adaptive")] == [
         "off", "off"]
     assert ExecutorConfig(num_draft_tokens=None).speculation == "adaptive"
+
+
+@pytest.mark.parametrize("config", [ExecutorConfig(num_draft_tokens=3, max_num_tokens=2),
+                                    ExecutorConfig(llm_api_options={"max_batch_size": 2}),
+                                    ExecutorConfig(relaxed_acceptance=RelaxedAcceptance())])
+def test_settings_are_refused_before_a_weight_loads(shipped_model_dir, monkeypatch, config) -> None:
+    """Refusals that need only config.json / engine.json come before loading (minutes on a full-size model) and are
+    those make_model_repo's check_settings makes."""
+    import runtime.executors.native as native
+    from runtime.executors.backends import check_settings
+
+    monkeypatch.setattr(native, "load_engine", lambda *a, **k: pytest.fail("weights loaded before the refusal"))
+    with pytest.raises(ValueError) as refused:
+        Executor(shipped_model_dir, config)
+    with pytest.raises(ValueError) as checked:
+        check_settings(shipped_model_dir, config)
+    assert str(refused.value) == str(checked.value)
 
 
 @pytest.mark.parametrize("speculation", ["fixed", "adaptive"])

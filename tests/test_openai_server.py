@@ -778,21 +778,48 @@ def test_a_guided_request_is_submitted_off_the_event_loop() -> None:
     import serving.openai_server.app as app
     from runtime.core.sampling_params import GuidedDecodingParams
 
+    class Handle:
+        cancelled = False
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
     class Submits:
         threads: list[threading.Thread] = []
+        guided_submitter = ThreadPoolExecutor(max_workers=1)
+        handles = [Handle(), Handle()]
+        slow = threading.Event()
 
         def _submit(self, g, chat):
             self.threads.append(threading.current_thread())
-            return []
+            self.slow.wait(10)
+            return self.handles
 
-    async def submit(params: SamplingParams) -> threading.Thread:
-        await app.OpenAIServer._submitted(Submits(), types.SimpleNamespace(params=params), False)
+    guided = types.SimpleNamespace(params=SamplingParams(guided_decoding=GuidedDecodingParams(regex="a+")))
+
+    async def submit(g) -> threading.Thread:
+        await app.OpenAIServer._submitted(Submits(), g, False)
         return threading.current_thread()
 
-    loop_thread = asyncio.run(submit(SamplingParams(guided_decoding=GuidedDecodingParams(regex="a+"))))
+    Submits.slow.set()
+    loop_thread = asyncio.run(submit(guided))
     assert Submits.threads[-1] is not loop_thread
-    loop_thread = asyncio.run(submit(SamplingParams()))
+    loop_thread = asyncio.run(submit(types.SimpleNamespace(params=SamplingParams())))
     assert Submits.threads[-1] is loop_thread
+
+    async def client_leaves_while_compiling() -> None:  # its requests are cancelled once submitted
+        Submits.slow.clear()
+        task = asyncio.ensure_future(submit(guided))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not any(h.cancelled for h in Submits.handles)
+        Submits.slow.set()
+        await asyncio.sleep(0.2)
+
+    asyncio.run(client_leaves_while_compiling())
+    assert all(h.cancelled for h in Submits.handles)
 
 
 def _streamed_events(server: Server, body: dict) -> list[dict]:

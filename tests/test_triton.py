@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import types
 import time
 import urllib.error
 import urllib.request
@@ -403,6 +404,36 @@ def test_launcher_names_the_model_whose_watchdog_stopped_the_server(tmp_path: Pa
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_launcher_kills_a_server_stuck_after_its_watchdog_stopped_it(monkeypatch, capsys) -> None:
+    """The watchdog's SIGKILL escalation lives in a stub, which exits as the server shuts down: a tritonserver stuck in
+    its own shutdown was waited on for ever. The launcher stops it KILL_AFTER_S after the watchdog did."""
+    import serving.launcher as launcher
+
+    class Stuck:
+        def __init__(self) -> None:
+            self.process = types.SimpleNamespace(poll=lambda: None, returncode=None)
+            self.stopped = False
+
+        def make_regions_private(self) -> None:
+            pass
+
+        def stop_reason(self) -> str:
+            return "engine: executor: rank 1 exited"
+
+        def dead_stubs(self) -> dict:
+            return {}
+
+        def stop(self, *args) -> None:
+            self.stopped = True
+
+    monkeypatch.setattr(launcher, "SUPERVISE_PERIOD_S", 0.01)
+    monkeypatch.setattr(launcher, "KILL_AFTER_S", 0.2)
+    server = Stuck()
+    assert launcher.supervise(server) == 1 and server.stopped
+    assert capsys.readouterr().err == ("launch_triton_server: a model's watchdog stopped tritonserver (still running 0.2 s "
+                                       "later: killed): engine: executor: rank 1 exited\n")
 
 
 def test_leftovers_of_a_killed_launcher_are_removed_by_the_next(tmp_path: Path) -> None:

@@ -624,7 +624,8 @@ def test_the_llmapi_model_yaml_is_what_tensorrt_llm_runs(engine_dir: Path, tmp_p
 
     doc = model_yaml(engine_dir, "engine", decoupled=True)
     assert doc["cuda_graph_config"] and doc["kv_cache_config"]["free_gpu_memory_fraction"] == 0.9
-    doc["speculative_config"] |= {"use_relaxed_acceptance_for_thinking": True, "relaxed_topk": 5, "relaxed_delta": 0.5}
+    doc["speculative_config"] |= {"use_relaxed_acceptance_for_thinking": True, "relaxed_topk": 5, "relaxed_delta": 0.5,
+                                  "begin_thinking_phase_token": 7, "end_thinking_phase_token": 8}
     doc["kv_cache_config"] |= {"free_gpu_memory_fraction": 0.5, "enable_block_reuse": False}
     doc["cuda_graph_config"] = None
     doc["enable_attention_dp"] = True
@@ -637,11 +638,23 @@ def test_the_llmapi_model_yaml_is_what_tensorrt_llm_runs(engine_dir: Path, tmp_p
     assert kwargs["speculative_config"] == {
         "decoding_type": "MTP", "num_nextn_predict_layers": 3, "max_draft_len": 3,
         "use_relaxed_acceptance_for_thinking": True, "relaxed_topk": 5, "relaxed_delta": 0.5,
-        "begin_thinking_phase_token": 128798, "end_thinking_phase_token": 128799}
+        "begin_thinking_phase_token": 7, "end_thinking_phase_token": 8}
     assert kwargs["kv_cache_config"]["free_gpu_memory_fraction"] == 0.5
     assert kwargs["kv_cache_config"]["enable_block_reuse"] is False
     assert kwargs["cuda_graph_config"] is None and kwargs["enable_attention_dp"] is True
     assert "model" not in kwargs and "backend" not in kwargs  # LLM() is given them apart
+    # upstream's default thinking span (R1's ids) is refused on a model without those tokens, as the native executor does
+    del doc["speculative_config"]["begin_thinking_phase_token"]
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump(doc))
+    with pytest.raises(ValueError, match="relaxed acceptance begin_thinking_token 128798 is not a token of this model"):
+        TrtllmExecutor(engine_dir, read_model_yaml(tmp_path / "model.yaml", tmp_path).executor)
+    # model.yaml's options pass the checks the engine's own do
+    for key, value, message in (("trust_remote_code", True, "trust_remote_code must be false or absent"),
+                                ("load_format", "dummy", "load_format 'dummy': only auto")):
+        (tmp_path / "model.yaml").write_text(yaml.safe_dump({**model_yaml(engine_dir, "engine", decoupled=True),
+                                                             key: value}))
+        with pytest.raises(ValueError, match=re.escape(message)):
+            TrtllmExecutor(engine_dir, read_model_yaml(tmp_path / "model.yaml", tmp_path).executor)
     # and without the relaxed keys, relaxed acceptance is off (the engine's own options do not come back)
     (tmp_path / "model.yaml").write_text(yaml.safe_dump(model_yaml(engine_dir, "engine", decoupled=True)))
     with TrtllmExecutor(engine_dir, read_model_yaml(tmp_path / "model.yaml", tmp_path).executor) as ex:

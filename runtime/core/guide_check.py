@@ -29,9 +29,10 @@ _SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 # Compiling runs on a thread of this stack (reserved, touched only as deep as it goes), past any guide a server's
 # request bodies can carry.
 COMPILE_STACK_BYTES = 512 * 2**20
-# GBNF reaches llguidance as Lark through a conversion whose time grows with the square of the rules (4000 rules
-# took seconds of a core), so a grammar of more rules than any real one is refused first
+# GBNF reaches llguidance as Lark through a conversion whose time grows with the square of the rules, so a grammar
+# of more rules than any real one is refused first
 MAX_GBNF_RULES = 1000
+CACHED_GUIDE_BYTES = 65536  # guides kept checked for the executor's compile, at most this long (a process holds 16)
 COMPILE_THREAD = "guide-compile"
 T = TypeVar("T")
 _stack_size_lock = threading.Lock()
@@ -177,7 +178,8 @@ def _check_guide(guide: GuidedDecodingParams, field: str) -> str:
             raise ValueError(f"{name} is nested deeper than Python's JSON reader goes") from None
     if guide.kind == "grammar" and "::=" in guide.text and guide.text.count("::=") > MAX_GBNF_RULES:
         raise ValueError(f"{name} has {guide.text.count('::=')} rules; at most {MAX_GBNF_RULES} are taken")
-    grammar, error = _validated(guide.kind, guide.text)
+    grammar, error = (_validated if len(guide.text) <= CACHED_GUIDE_BYTES else _validated.__wrapped__)(
+        guide.kind, guide.text)
     if error:
         raise ValueError(f"{name} is invalid at {_position(guide.kind, guide.text, error)}: {_problem(error)}")
     return grammar

@@ -10,7 +10,7 @@ from typing import Any
 from runtime.executors.base import ExecutorConfig, ExecutorProtocol
 from runtime.executors.native import Executor
 from runtime.executors.trtllm import TrtllmExecutor
-from runtime.executors.trtllm_api import llm_kwargs_for, read_llm_api_options
+from runtime.executors.trtllm_api import chosen_options, llm_kwargs_for, read_llm_api_options
 from runtime.io.engine_format import EngineManifest, engine_backend, read_limits
 
 
@@ -19,13 +19,12 @@ def check_settings(path: str | Path, config: ExecutorConfig) -> None:
     setting), for a deployment written before any server loads it (make_model_repo)."""
     path, source, backend = Path(path), str(path), engine_backend(path)
     if backend == "trtllm":
-        llm_kwargs_for(read_llm_api_options(path), EngineManifest.read(path), config, source=source)
+        llm_kwargs_for(chosen_options(read_llm_api_options(path), config), EngineManifest.read(path), config,
+                       source=source)
         return
     cfg, build = read_limits(path)
-    built = backend is not None  # a plain checkpoint's limits are defaults, not build choices
     config.world_size_for(build, source)
-    config.limits(build, cfg, source, built)
-    config.draft_len(build.max_draft_len, cfg.num_nextn_predict_layers, source, built)
+    config.serving(build, cfg, source, built=backend is not None)  # a checkpoint's limits are defaults, not choices
 
 
 def create_executor(path: str | Path, config: ExecutorConfig = ExecutorConfig(), **kwargs: Any) -> ExecutorProtocol:

@@ -140,6 +140,24 @@ class ExecutorConfig:
                              "use world_size=1 to join the ranks on one device")
         return world
 
+    def serving(self, build: BuildConfig, model: ModelConfig, source: str, built: bool = True
+                ) -> tuple[SchedulerConfig, int]:
+        """The native executor's limits and draft length (0: plain decoding), from engine.json / config.json alone, so
+        a setting it refuses is refused before a weight loads (ValueError naming it)."""
+        if self.llm_api_options is not None:
+            raise ValueError(f"llm_api_options: {source} is a native engine (LLM-API options run a --backend trtllm "
+                             "engine on TensorRT-LLM); leave them unset")
+        limits = self.limits(build, model, source, built)
+        k = self.draft_len(build.max_draft_len, model.num_nextn_predict_layers, source, built)
+        if k + 1 > limits.max_num_tokens:  # a step verifies a sequence's k drafts and one more token at once
+            if self.num_draft_tokens is not None:
+                raise ValueError(f"num_draft_tokens {k} needs max_num_tokens >= {k + 1} (a verification step runs the "
+                                 f"drafts and one more token), got {limits.max_num_tokens}")
+            k = limits.max_num_tokens - 1
+        if self.relaxed_acceptance is not None:
+            self.relaxed_acceptance.check_tokens(model.vocab_size)
+        return limits, k
+
     def draft_len(self, max_draft_len: int, mtp_layers: int, source: str, built: bool = True) -> int:
         """The draft length to serve with (0: plain decoding): num_draft_tokens, or by default as many as the
         engine allows up to DEFAULT_DRAFT_TOKENS; ValueError naming num_draft_tokens where the model cannot."""

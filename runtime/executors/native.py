@@ -23,7 +23,7 @@ import torch
 from runtime.core.cuda_graphs import CudaGraphRunner
 from runtime.executors.lifetime import forget_at_exit, rss_bytes, stop_at_exit
 from runtime.executors.ranks import RankFailure, RankGroup, RankOptions, drive
-from runtime.io.engine_format import ENGINE_JSON, BuildConfig, EngineManifest
+from runtime.io.engine_format import ENGINE_JSON, BuildConfig, EngineManifest, read_limits
 from runtime.io.loading import LoadedEngine, load_engine
 from runtime.core.kv_cache import KVCache, free_memory_bytes
 from runtime.core.sampling_params import SEED_MODULUS, SamplingParams, fresh_seed, validate_request
@@ -50,6 +50,8 @@ class Executor:
     def __init__(self, engine: str | Path | LoadedEngine, config: ExecutorConfig = ExecutorConfig()):
         self.config = config
         self.ranks: RankGroup | None = None  # ranks 1.. of a tensor-parallel engine, in processes of their own
+        if not isinstance(engine, LoadedEngine):
+            self._check_settings(Path(engine))
         try:
             self.engine = engine if isinstance(engine, LoadedEngine) else self._load(Path(engine))
             self._setup()
@@ -60,6 +62,15 @@ class Executor:
         self._thread = threading.Thread(target=self._loop, name="executor", daemon=True)
         self._thread.start()
         stop_at_exit(self, lambda: self.shutdown(timeout=None))  # left open: stopped before the interpreter ends
+
+    def _check_settings(self, path: Path) -> None:
+        """What the settings refuse, refused from engine.json / config.json before a weight loads (or a rank starts);
+        a directory without either is left to the loader to refuse."""
+        built = (path / ENGINE_JSON).is_file()
+        if built or (path / "config.json").is_file():
+            cfg, build = read_limits(path)
+            self.config.world_size_for(build, str(path))
+            self.config.serving(build, cfg, str(path), built)
 
     def _load(self, path: Path) -> LoadedEngine:
         """The engine in this process, or its rank 0 with the other ranks started alongside (runtime.executors.ranks)."""
@@ -89,18 +100,7 @@ class Executor:
 
     def _setup(self) -> None:
         build, cfg, config = self.engine.build, self.engine.model_config, self.config
-        if config.llm_api_options is not None:
-            raise ValueError(f"llm_api_options: {self.engine.path} is a native engine (LLM-API options run a --backend "
-                             "trtllm engine on TensorRT-LLM); leave them unset")
-        self.limits = config.limits(build, cfg, str(self.engine.path), self.engine.built)
-        k = config.draft_len(build.max_draft_len, cfg.num_nextn_predict_layers, str(self.engine.path), self.engine.built)
-        if k + 1 > self.limits.max_num_tokens:  # a step verifies a sequence's k drafts and one more token at once
-            if config.num_draft_tokens is not None:
-                raise ValueError(f"num_draft_tokens {k} needs max_num_tokens >= {k + 1} (a verification step runs the "
-                                 f"drafts and one more token), got {self.limits.max_num_tokens}")
-            k = self.limits.max_num_tokens - 1
-        if config.relaxed_acceptance is not None:
-            config.relaxed_acceptance.check_tokens(cfg.vocab_size)
+        self.limits, k = config.serving(build, cfg, str(self.engine.path), self.engine.built)
         self.model_config = cfg
         self.tokenizer = Tokenizer.from_dir(self.engine.tokenizer_dir)
         if note := self.tokenizer.adopt_eos(cfg.eos_token_id):

@@ -67,7 +67,7 @@ CONNECT_TIMEOUT = datetime.timedelta(seconds=120)  # a worker's loading and the 
 COLLECTIVE_TIMEOUT = datetime.timedelta(days=365)
 RENDEZVOUS_LEFT = re.compile(rf"dsv3-ranks-{PID_NAMESPACE}-(\d+)-")  # a rank 0 killed while its ranks met
 _CACHE = "<kv_cache>"  # stands for the rank's own KV cache in a broadcast call
-REPORT_BYTES = 4096  # of a rank's last words (its exception) to rank 0: within a pipe's buffer
+REPORT_BYTES = 4096  # of a rank's last words (its exception) to rank 0: PIPE_BUF, so its one write arrives whole
 
 
 class RankFailure(RuntimeError):
@@ -206,7 +206,8 @@ class RankGroup:
     def _reason(self, rank: int) -> str:
         """What a rank reported as it stopped (its exception, one write: whole or not yet there); '' if nothing."""
         if not self.reasons.get(rank) and self.reports and not self.reports[rank - 1].closed:
-            self.reasons[rank] = (self.reports[rank - 1].read(REPORT_BYTES) or b"").decode(errors="replace")
+            with contextlib.suppress(ValueError):  # closed meanwhile by a shutdown's close(), on another thread
+                self.reasons[rank] = (self.reports[rank - 1].read(REPORT_BYTES) or b"").decode(errors="replace")
         return self.reasons.get(rank, "")
 
     def check(self) -> None:

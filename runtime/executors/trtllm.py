@@ -35,7 +35,7 @@ from typing import Any, Callable, Mapping
 from runtime.io.engine_format import ENGINE_JSON, LLM_API_OPTIONS, BuildConfig, EngineError, EngineManifest, file_sha256
 from runtime.executors.base import ExecutorConfig, ExecutorStats
 from runtime.executors.trtllm_api import (GUIDED_DECODING_BACKENDS, adapt_llm_kwargs, adapt_to_upstream_fields,
-                                          draft_len_of, import_tensorrt_llm, kv_cache_counts, llm_kwargs_for,
+                                          chosen_options, draft_len_of, import_tensorrt_llm, kv_cache_counts, llm_kwargs_for,
                                           logprobs_from_upstream, model_fields, read_llm_api_options,
                                           speculative_counts, to_trtllm_sampling_kwargs, upstream_sampling_params)
 from runtime.executors.handles import RequestHandle, check_callback
@@ -131,8 +131,8 @@ class TrtllmExecutor:
         self.engine = engine if isinstance(engine, TrtllmEngine) else TrtllmEngine.open(engine, verify_weights)
         self.model_config = self.engine.manifest.model_config
         self.config = config
-        options = self.engine.options if config is None or config.llm_api_options is None else config.llm_api_options
-        self.llm_kwargs = llm_kwargs_for(options, self.engine.manifest, config, llm_overrides,
+        self.llm_kwargs = llm_kwargs_for(chosen_options(self.engine.options, config), self.engine.manifest, config,
+                                         llm_overrides,
                                          source=str(self.engine.path / LLM_API_OPTIONS))
         self.num_draft_tokens = draft_len_of(self.llm_kwargs)
         build = self.engine.build

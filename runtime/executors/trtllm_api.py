@@ -257,10 +257,25 @@ def read_llm_api_options(engine_dir: Path) -> dict[str, Any]:
     for section in ("kv_cache_config", "speculative_config", "cuda_graph_config"):
         if options.get(section) is not None and not isinstance(options[section], dict):
             raise EngineError(f"{options_file}: {section} must be a mapping, got {type(options[section]).__name__}")
-    if options.get("trust_remote_code"):
-        raise EngineError(f"{options_file}: trust_remote_code must be false or absent: DeepSeek-V3 needs no code from "
-                          "its checkpoint, and an engine directory must not run any")
+    refuse_unsafe_options(options, str(options_file))
     return options
+
+
+def refuse_unsafe_options(options: Mapping[str, Any], source: str) -> None:
+    """EngineError for LLM-API options that would run code or serve other weights than the engine's, wherever they
+    come from (the engine's file, an llmapi model.yaml)."""
+    if options.get("trust_remote_code"):
+        raise EngineError(f"{source}: trust_remote_code must be false or absent: DeepSeek-V3 needs no code from "
+                          "its checkpoint, and an engine directory must not run any")
+    if options.get("load_format", "auto") != "auto":
+        raise EngineError(f"{source}: load_format {options['load_format']!r}: only auto (the engine's checkpoint; "
+                          "dummy would serve random weights)")
+
+
+def chosen_options(own: Mapping[str, Any], config: ExecutorConfig | None) -> Mapping[str, Any]:
+    """The LLM-API options an executor runs an engine with: config.llm_api_options (an llmapi model.yaml's) where
+    given, else the engine's own."""
+    return own if config is None or config.llm_api_options is None else config.llm_api_options
 
 
 def llm_kwargs_for(options: Mapping[str, Any], manifest: EngineManifest, config: ExecutorConfig | None = None,
@@ -281,6 +296,7 @@ def llm_kwargs_for(options: Mapping[str, Any], manifest: EngineManifest, config:
     """
     if not isinstance(options, Mapping):
         raise EngineError(f"{source}: expected a mapping of LLM-API options, got {type(options).__name__}")
+    refuse_unsafe_options(options, source)
     kwargs = copy.deepcopy(dict(options))
     build, cfg = manifest.build, manifest.model_config
     if config is not None:
@@ -318,6 +334,7 @@ def llm_kwargs_for(options: Mapping[str, Any], manifest: EngineManifest, config:
                 log.warning("speculation 'adaptive' is not available with TensorRT-LLM; drafting a fixed %d", k)
             relaxed = config.relaxed_acceptance
             if relaxed is not None:
+                relaxed.check_tokens(cfg.vocab_size)
                 spec.update(use_relaxed_acceptance_for_thinking=True, relaxed_topk=relaxed.top_n,
                             relaxed_delta=relaxed.delta, begin_thinking_phase_token=relaxed.begin_thinking_token,
                             end_thinking_phase_token=relaxed.end_thinking_token)

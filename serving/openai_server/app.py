@@ -101,6 +101,9 @@ class OpenAIServer:
         self.max_body_bytes = 4 * self.max_text_bytes + 65536  # room for JSON escapes and the other fields
         self.created = int(time.time())
         self.formats = {as_ids: protocol.LogprobsFormat(self.tokenizer, as_ids) for as_ids in (False, True)}
+        # guided requests are submitted here, one at a time (the executor compiles one grammar at a time): they never
+        # take the threads every request parses and renders on
+        self.guided_submitter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="guided-submit")
 
     def _template_reads_tools(self) -> bool:
         try:
@@ -113,18 +116,21 @@ class OpenAIServer:
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body_bytes:  # refused before a byte of it is read
             raise APIError(f"the request body is larger than {self.max_body_bytes} bytes", status=413)
-        size = 0
-        chunks = []
+        chunks: list[bytes] = []
+
+        async def read() -> None:
+            size = 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    raise APIError(f"the request body is larger than {self.max_body_bytes} bytes", status=413)
+                chunks.append(chunk)
+
         try:
-            async with asyncio.timeout(BODY_TIMEOUT_S):
-                async for chunk in request.stream():
-                    size += len(chunk)
-                    if size > self.max_body_bytes:
-                        raise APIError(f"the request body is larger than {self.max_body_bytes} bytes", status=413)
-                    chunks.append(chunk)
+            await asyncio.wait_for(read(), BODY_TIMEOUT_S)
         except ClientDisconnect:  # one log line, not two tracebacks: a client can send half bodies for free
             raise APIError("the client disconnected before sending the whole body") from None
-        except TimeoutError:  # a body trickled in for ever held its connection and its memory
+        except asyncio.TimeoutError:  # a body trickled in for ever held its connection and its memory
             raise APIError(f"the request body did not arrive within {BODY_TIMEOUT_S} s", status=408) from None
         try:
             return json.loads(b"".join(chunks))
@@ -151,12 +157,12 @@ class OpenAIServer:
             raise APIError(str(e), status=503, type="server_error") from None
 
     async def _submitted(self, g: Generation, chat: bool) -> list[RequestHandle]:
-        """`_submit`; a guided request's on a worker thread, since submitting compiles its grammar (seconds of a large
-        schema, which held every other request on the event loop). A client gone meanwhile has its requests
+        """`_submit`; a guided request's on the guided submitter's thread, since submitting compiles its grammar (a
+        large schema's compile held every other request on the event loop). A client gone meanwhile has its requests
         cancelled once submitted."""
         if g.params.guided_decoding is None:
             return self._submit(g, chat)
-        submitting = asyncio.get_running_loop().run_in_executor(None, self._submit, g, chat)
+        submitting = asyncio.get_running_loop().run_in_executor(self.guided_submitter, self._submit, g, chat)
         try:
             return await asyncio.shield(submitting)
         except asyncio.CancelledError:
