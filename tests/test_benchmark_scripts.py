@@ -538,8 +538,7 @@ def test_soak_rss_checks_tell_a_plateau_from_a_leak():
     """A process that reaches a high-water mark after the baseline fails the start-to-end bound but not the
     second-half rate; one that starts climbing late fails the rate while its start-to-end growth is under 10%;
     noise fails neither; a short run fits no rate."""
-    pytest.importorskip("tritonclient.grpc")
-    import benchmarks.soak_test as st
+    import benchmarks.soak_common as st
 
     load_s, every = 1800.0, 60.0
     curves = {1: lambda t: 160_000 if t >= 300 else 100_000 + 250 * t,  # kB: its peak 5 minutes in, then flat
