@@ -62,13 +62,14 @@ class Record:
     message: str | None
 
 
-def add_soak_args(p: argparse.ArgumentParser, minutes: float, concurrency: int) -> None:
-    """The flags both soaks take (their defaults: a full run's)."""
+def add_soak_args(p: argparse.ArgumentParser, minutes: float, concurrency: int, sample_every_s: float) -> None:
+    """The flags both soaks take (their defaults: a full run's; samples often enough for the second half's rate to
+    rest on several, not on one transient peak)."""
     p.add_argument("--minutes", type=float, default=minutes)
     p.add_argument("--concurrency", type=int, default=concurrency)
     p.add_argument("--warmup_s", type=float, default=120.0, help="load before the 'start' memory sample "
                    "(at most a quarter of the run)")
-    p.add_argument("--sample_every_s", type=float, default=60.0)
+    p.add_argument("--sample_every_s", type=float, default=sample_every_s)
     p.add_argument("--prime_rounds", type=int, default=1, help="before the timed load, every kind is sent this many "
                    "times by each client, all clients at once (0: no priming)")
     p.add_argument("--request_timeout_s", type=float, default=120.0)

@@ -2,7 +2,7 @@
 must leave it as it found it (no unexpected error, the same probe answers under load, every KV block free,
 resident memory grown by at most 10% after warm-up, healthy at the end, a clean shutdown with no child left).
 
-  python -m benchmarks.soak_openai                      # 30 minutes at concurrency 16, executor in-process
+  python -m benchmarks.soak_openai                      # 10 minutes at concurrency 16, executor in-process
   python -m benchmarks.soak_openai --engine_process     # the executor in a process of its own
   python -m benchmarks.soak_openai --quick              # smoke run: 2 minutes at concurrency 8
 
@@ -57,7 +57,8 @@ TOOLS_TEMPLATE = ROOT / "serving" / "openai_server" / "templates" / "deepseek_v3
 MAX_BATCH_SIZE = 8  # dsv3-serve --max_batch_size: n past it is a bad request
 DRAIN_S = 90.0
 SDK_SHARE = 0.25  # of the requests the openai client can send; its per-chunk objects cost the clients' CPU
-QUICK = dict(minutes=2.0, concurrency=8, sample_every_s=30.0)
+QUICK = dict(minutes=2.0, concurrency=8)
+FFFD = "U+FFFD in the text"
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
            "properties": {"city": {"type": "string", "enum": ["Paris", "Lyon", "Nice"]},
@@ -236,15 +237,15 @@ def text_of(choice: dict[str, Any], chat: bool) -> str:
 
 
 def served(r: Reply, chat: bool, n: int, max_tokens: int, usage: bool = True) -> list[dict[str, Any]]:
-    """n choices, each finished, whole UTF-8 once finished by stop; usage (where sent) within n * max_tokens."""
+    """n choices, each finished; usage (where sent) within n * max_tokens. A U+FFFD in the text is not judged: the
+    model can sample byte tokens that are no UTF-8 in sequence (141 of the shipped model's 4096 tokens decode to
+    U+FFFD alone); streaming's detokenization is judged by the probes (streamed answers equal to whole ones)."""
     choices = r.data.get("choices")
     if not isinstance(choices, list) or sorted(c["index"] for c in choices) != list(range(n)):
         raise Unexpected(f"expected {n} choices, got {json.dumps(choices)[:300]}")
     for c in choices:
         if c.get("finish_reason") not in ("stop", "length", "tool_calls"):
             raise Unexpected(f"finish_reason {c.get('finish_reason')!r}")
-        if "\ufffd" in text_of(c, chat) and c["finish_reason"] != "length":
-            raise Unexpected(f"a replacement character in a finished text: {text_of(c, chat)[-60:]!r}")
     u = r.data.get("usage")
     if usage and (not u or u["completion_tokens"] > n * max_tokens or u["prompt_tokens"] <= 0
                   or u["total_tokens"] != u["prompt_tokens"] + u["completion_tokens"]):
@@ -253,7 +254,9 @@ def served(r: Reply, chat: bool, n: int, max_tokens: int, usage: bool = True) ->
 
 
 def ok(r: Reply, sent: float) -> Result:
-    return Result("ok", None if r.first_at is None else r.first_at - sent)
+    """Served; its message notes a U+FFFD in a choice's text (counted in the report)."""
+    fffd = any("\ufffd" in (c.get("text") or (c.get("message") or {}).get("content") or "") for c in r.data["choices"])
+    return Result("ok", None if r.first_at is None else r.first_at - sent, FFFD if fffd else None)
 
 
 def schema_problem(text: str, schema: dict[str, Any]) -> str | None:
@@ -755,7 +758,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "process of its own")
     p.add_argument("--out", type=Path, help="results go to <out>.json and <out>.md (default docs/benchmarks/"
                    "soak_openai, soak_openai_engine_process with --engine_process, and _quick after it with --quick)")
-    add_soak_args(p, minutes=30.0, concurrency=16)
+    add_soak_args(p, minutes=10.0, concurrency=16, sample_every_s=15.0)
     p.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK}; explicit flags still win")
     args = p.parse_args(argv)
     if args.quick:
@@ -834,7 +837,8 @@ def main(argv: list[str] | None = None) -> int:
                     "kinds_sent": dict(Counter(r.kind for r in load["primed"]))},
         "load_wall_s": load["wall_s"], "hung_clients": load["hung_clients"],
         "requests": {"total": len(records), "served": by_outcome["ok"], "by_outcome": dict(by_outcome),
-                     "per_s": len(records) / load["wall_s"], "openai_client": dict(ctx.sdk_requests)},
+                     "per_s": len(records) / load["wall_s"], "openai_client": dict(ctx.sdk_requests),
+                     "served_with_u_fffd": sum(r.message == FFFD for r in everything)},
         "latency": {"all": latency_stats(records), "served": latency_stats([r for r in records if r.outcome == "ok"])},
         "kinds": summarize_kinds(KINDS, records),
         "unexpected_errors": unexpected, "mismatches": mismatches,
@@ -869,7 +873,8 @@ def markdown(r: dict[str, Any]) -> str:
         f"dsv3-serve {' '.join(s['server_flags'])}; {s['concurrency']} closed-loop clients for {s['minutes']:g} min "
         f"({r['load_wall_s']:.0f} s with the last requests) on {s['host']}: {req['total']} requests "
         f"({req['per_s']:.1f}/s), {req['served']} served, outcomes {req['by_outcome']}; through the openai client "
-        f"{req['openai_client']}. Latency all requests p50 {fmt(ms(lat['all']['latency_p50_s']))} ms, p99 "
+        f"{req['openai_client']}; served with a U+FFFD in the text (not judged) {req['served_with_u_fffd']}. "
+        f"Latency all requests p50 {fmt(ms(lat['all']['latency_p50_s']))} ms, p99 "
         f"{fmt(ms(lat['all']['latency_p99_s']))} ms; served p50 {fmt(ms(lat['served']['latency_p50_s']))} ms, p99 "
         f"{fmt(ms(lat['served']['latency_p99_s']))} ms. max_seq_len {s['max_seq_len']}, long prompts "
         f"{s['long_prompt_tokens']} tokens, adaptive MTP speculation.",

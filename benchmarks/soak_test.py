@@ -497,7 +497,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine_dir", type=Path, help="serve this engine (or HF directory) instead of building one")
     p.add_argument("--out", type=Path, help="results go to <out>.json and <out>.md "
                    "(default docs/benchmarks/soak, with --quick docs/benchmarks/soak_quick)")
-    add_soak_args(p, minutes=30.0, concurrency=32)
+    add_soak_args(p, minutes=30.0, concurrency=32, sample_every_s=60.0)
     p.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK}; explicit flags still win")
     args = p.parse_args(argv)
     if args.quick:
