@@ -38,7 +38,6 @@ import shutil
 import socket
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -47,8 +46,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from benchmarks.common import (DEFAULT_MODEL, ROOT, fmt, load_prompts, machine_info, machine_md, md_table, ms,
-                               percentile, round_robin_by_source, run_tool, write_results)
+from benchmarks.common import DEFAULT_MODEL, ROOT, fmt, machine_info, machine_md, ms, run_tool, write_results
+from benchmarks.soak_common import (CANCEL_TOKENS, PROBE_TOKENS, Kinds, Record, Result, Unexpected, Watched,
+                                    add_soak_args, check_soak_args, checks_md, errors_by_kind, errors_md, kinds_md,
+                                    latency_stats, make_prompts, metric, read_metrics, rss_checks, rss_kb, rss_md,
+                                    rss_results, rss_table, run_load, summarize_kinds, wait_drained)
 from serving.launcher import TritonServer, python_stubs, start_server
 from serving.model_repo import default_values, fill_model_repo
 
@@ -59,10 +61,6 @@ import tritonclient.http as httpclient
 from runtime.io.engine_format import read_limits
 from runtime.io.tokenizer import Tokenizer
 
-RSS_GROWTH_LIMIT = 0.10  # of a process's resident memory, from the warm-up sample to the end
-MIN_SLOPE_SAMPLES = 3  # samples in the second half of the load needed to fit a growth rate
-CANCEL_TOKENS = 512  # a cancelled or disconnected request asks for this many (eos ignored): it is still running
-PROBE_TOKENS = 48
 DRAIN_S = 60.0  # after the load, how long the server may take to report no active request and no used KV block
 QUICK = dict(minutes=2.0, concurrency=8, sample_every_s=30.0)
 GRPC_TYPES = {"i": ("INT32", np.int32), "u": ("UINT64", np.uint64), "f": ("FP32", np.float32), "b": ("BOOL", bool),
@@ -70,10 +68,6 @@ GRPC_TYPES = {"i": ("INT32", np.int32), "u": ("UINT64", np.uint64), "f": ("FP32"
 
 
 # ---- clients --------------------------------------------------------------------------------------
-class Unexpected(Exception):
-    """The server answered, but not as it should have (wrong refusal, broken text, a hang)."""
-
-
 @dataclass
 class Ctx:
     """What every request needs: the server, the tokenizer, the engine's limits, the prompts."""
@@ -235,11 +229,6 @@ def postprocess(ctx: Ctx, tokens: list[int]) -> str:
 
 
 # ---- request kinds ---------------------------------------------------------------------------------
-@dataclass
-class Result:
-    outcome: str  # ok | expected_refusal | cancelled | disconnected | mismatch
-    ttft_s: float | None = None
-    message: str | None = None
 
 
 def served(reply: Reply, sent: float, what: str) -> Result:
@@ -438,8 +427,7 @@ def bad(case: str) -> Callable[[Ctx, random.Random], Result]:
     return run
 
 
-# name -> (weight, request); weights are relative (about percentages)
-KINDS: dict[str, tuple[int, Callable[[Ctx, random.Random], Result]]] = {
+KINDS: Kinds = {
     "grpc_stream_ensemble_greedy": (7, grpc_text("ensemble")),
     "grpc_stream_ensemble_sampled": (5, grpc_text("ensemble", sampled=True)),
     "grpc_stream_bls_greedy": (7, grpc_text("tensorrt_llm_bls")),
@@ -466,237 +454,18 @@ def server_processes(server: TritonServer) -> dict[int, str]:
         server.process.pid).items()}}
 
 
-def rss_kb(pids: dict[int, str], field: str = "VmRSS") -> dict[int, int | None]:
-    """VmRSS (or another /proc/<pid>/status field in kB: RssShmem, the shared memory in it) of each pid in kB
-    (None: the process is gone)."""
-    out: dict[int, int | None] = {}
-    for pid in pids:
-        try:
-            line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith(f"{field}:"))
-            out[pid] = int(line.split()[1])
-        except (OSError, StopIteration):
-            out[pid] = None
-    return out
-
-
-def read_metrics(url: str) -> dict[str, float]:
-    """The server's metrics; none when it does not answer (it crashed: the checks then fail, results are kept)."""
-    try:
-        text = urllib.request.urlopen(url, timeout=10).read().decode()
-    except OSError:
-        return {}
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines() if line and not line.startswith("#")}
-
-
-def metric(values: dict[str, float], name: str, **labels: str) -> float:
-    """Sum of the samples of `name` whose labels include `labels`."""
-    return sum(v for key, v in values.items() if key.split("{")[0] == name
-               and all(f'{k}="{val}"' in key for k, val in labels.items()))
-
-
 def kv_blocks(values: dict[str, float]) -> dict[str, float]:
     return {t: metric(values, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type=t)
             for t in ("used", "free", "max")}
 
 
+def gauges(server: TritonServer) -> dict[str, float]:
+    m = read_metrics(server.metrics_url)
+    return {"kv_used": kv_blocks(m)["used"], "active": metric(m, "nv_trt_llm_request_metrics", request_type="active")}
+
+
 def cancelled_total(server: TritonServer) -> float:
     return metric(read_metrics(server.metrics_url), "nv_trt_llm_requests_total", finish_reason="cancelled")
-
-
-def drained(server: TritonServer, timeout_s: float) -> bool:
-    """Wait until the engine has no active request and no used KV block."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        m = read_metrics(server.metrics_url)
-        if metric(m, "nv_trt_llm_request_metrics", request_type="active") == 0 and kv_blocks(m)["used"] == 0:
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.5)
-
-
-# ---- the soak -------------------------------------------------------------------------------------
-@dataclass(slots=True)
-class Record:
-    kind: str
-    outcome: str  # ok | expected_refusal | cancelled | disconnected | mismatch | unexpected_error
-    latency_s: float
-    ttft_s: float | None
-    message: str | None
-
-
-def run_one(ctx: Ctx, kind: str, rng: random.Random) -> Record:
-    sent = time.perf_counter()
-    try:
-        r = KINDS[kind][1](ctx, rng)
-        outcome, ttft, message = r.outcome, r.ttft_s, r.message
-    except Exception as e:  # Unexpected, or a client-side failure (connection refused, timeout, bad JSON)
-        outcome, ttft, message = "unexpected_error", None, f"{type(e).__name__}: {e}"[:500]
-    return Record(kind, outcome, time.perf_counter() - sent, ttft, message)
-
-
-def prime(ctx: Ctx, names: list[str], args: argparse.Namespace) -> list[Record]:
-    """Every kind, in turn, sent by all clients at once, --prime_rounds times: each kind's peak of concurrent
-    requests (and of memory they hold at once) is reached before the memory baseline is taken."""
-    records: list[Record] = []
-    lock = threading.Lock()
-
-    def client(kind: str, seed: int) -> None:
-        rng = random.Random(seed)
-        for _ in range(args.prime_rounds):
-            rec = run_one(ctx, kind, rng)
-            with lock:
-                records.append(rec)
-
-    for n, kind in enumerate(names):
-        threads = [threading.Thread(target=client, args=(kind, -(args.seed * 1000 + n * args.concurrency + i) - 1),
-                                    daemon=True) for i in range(args.concurrency)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(args.prime_rounds * (ctx.timeout + 30))
-        if ctx.server.process.poll() is not None:
-            break
-    return records
-
-
-def run_load(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
-    """Priming, then the closed loop, with the main thread sampling memory and KV blocks; returns records
-    (priming's apart) and samples."""
-    names = args.kinds or list(KINDS)
-    weights = [KINDS[k][0] for k in names]
-    pids = server_processes(ctx.server)
-    idle = {"phase": "idle", "rss_kb": rss_kb(pids), "kv_used": kv_blocks(read_metrics(ctx.server.metrics_url))["used"]}
-    t_prime = time.perf_counter()
-    primed = prime(ctx, names, args) if args.prime_rounds else []
-    prime_s = time.perf_counter() - t_prime
-    records: list[Record] = []
-    lock = threading.Lock()
-    t0 = time.perf_counter()
-    end = t0 + args.minutes * 60
-
-    def client(seed: int) -> None:
-        rng = random.Random(seed)
-        while time.perf_counter() < end and ctx.server.process.poll() is None:  # a dead server fails fast
-            rec = run_one(ctx, rng.choices(names, weights)[0], rng)
-            with lock:
-                records.append(rec)
-
-    samples = [{**idle, "at_s": round(-prime_s, 1)}, {"phase": "primed", "at_s": 0.0, "rss_kb": rss_kb(pids),
-                                                       "kv_used": kv_blocks(read_metrics(ctx.server.metrics_url))["used"]}]
-    threads = [threading.Thread(target=client, args=(args.seed * 1000 + i,), daemon=True)
-               for i in range(args.concurrency)]
-    for t in threads:
-        t.start()
-    warmup = min(args.warmup_s, args.minutes * 60 / 4)
-    marks = sorted({warmup, *np.arange(args.sample_every_s, args.minutes * 60, args.sample_every_s).tolist()})
-    start_index = None
-    for mark in marks:
-        time.sleep(max(0.0, t0 + mark - time.perf_counter()))
-        m, rss = read_metrics(ctx.server.metrics_url), rss_kb(pids)
-        samples.append({"phase": "load", "at_s": round(time.perf_counter() - t0, 1), "rss_kb": rss,
-                        "shmem_kb": rss_kb(pids, "RssShmem"), "kv_used": kv_blocks(m)["used"],
-                        "active": metric(m, "nv_trt_llm_request_metrics", request_type="active")})
-        start_index = len(samples) - 1 if mark == warmup else start_index
-        with lock:
-            counts = Counter(r.outcome for r in records)
-        gone = [pids[pid] for pid, kb in rss.items() if kb is None]
-        print(f"[{samples[-1]['at_s']:7.1f} s] {sum(counts.values())} requests {dict(counts)}; KV blocks used "
-              f"{samples[-1]['kv_used']:.0f}; server RSS {sum(kb or 0 for kb in rss.values()) / 1024:.0f} MB"
-              + (f"; GONE: {', '.join(gone)}" if gone else ""), flush=True)
-        if ctx.server.process.poll() is not None:
-            print(f"tritonserver exited with status {ctx.server.process.returncode}", flush=True)
-            break
-    load_end = time.perf_counter() + ctx.timeout + 30
-    for t in threads:
-        t.join(max(0.0, load_end - time.perf_counter()))
-    hung = sum(t.is_alive() for t in threads)
-    wall = time.perf_counter() - t0
-    with lock:
-        records = list(records)
-    return {"records": records, "primed": primed, "prime_s": prime_s, "samples": samples, "pids": pids,
-            "hung_clients": hung, "wall_s": wall,
-            "start_index": len(samples) - 1 if start_index is None else start_index}  # None: the server died first
-
-
-def summarize_kinds(records: list[Record]) -> dict[str, Any]:
-    by_kind: dict[str, list[Record]] = {}
-    for r in records:
-        by_kind.setdefault(r.kind, []).append(r)
-    out = {}
-    for kind in KINDS:
-        rs = by_kind.get(kind, [])
-        out[kind] = {"weight": KINDS[kind][0], "requests": len(rs), "outcomes": dict(Counter(r.outcome for r in rs)),
-                     **latency_stats(rs)}
-    return out
-
-
-def latency_stats(rs: list[Record]) -> dict[str, float | None]:
-    lat, ttft = [r.latency_s for r in rs], [r.ttft_s for r in rs]
-    return {"latency_p50_s": percentile(lat, 50), "latency_p99_s": percentile(lat, 99),
-            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99)}
-
-
-def errors_by_kind(records: list[Record], outcome: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for r in records:
-        if r.outcome == outcome:
-            e = out.setdefault(r.kind, {"count": 0, "examples": []})
-            e["count"] += 1
-            if len(e["examples"]) < 3 and r.message not in e["examples"]:
-                e["examples"].append(r.message)
-    return out
-
-
-def growth_rate_kb_h(samples: list[dict[str, Any]], pid: int, from_s: float) -> float | None:
-    """Least-squares slope (kB per hour) of a process's VmRSS over the load's samples from `from_s` on; None
-    with fewer than MIN_SLOPE_SAMPLES (or the process gone): a rate needs points to stand on."""
-    points = [(x["at_s"] / 3600, x["rss_kb"].get(pid)) for x in samples if x["phase"] == "load" and x["at_s"] >= from_s]
-    points = [(t, kb) for t, kb in points if kb is not None]
-    if len(points) < MIN_SLOPE_SAMPLES:
-        return None
-    return float(np.polyfit([t for t, _ in points], [kb for _, kb in points], 1)[0])
-
-
-def rss_table(pids: dict[int, str], samples: list[dict[str, Any]], start_index: int, end: dict[int, int | None],
-              end_shmem: dict[int, int | None], load_s: float) -> list[dict[str, Any]]:
-    """Per process: VmRSS idle, after priming, at the start (after the warm-up), at the end; growth from start
-    to end; the rate fitted over the load's second half, and the growth that rate gives over start to end. Also
-    the shared memory within VmRSS at the start and the end (RssShmem: a Python backend stub's region, which
-    Triton maps again, keeping the old mapping, when a large request body does not fit it)."""
-    idle, primed, start = (samples[0]["rss_kb"], samples[1]["rss_kb"], samples[start_index]["rss_kb"])
-    window_h = max(0.0, load_s - samples[start_index]["at_s"]) / 3600
-    rows = []
-    for pid, name in sorted(pids.items(), key=lambda x: x[1]):
-        s, e = start.get(pid), end.get(pid)
-        growth = None if not s or e is None else (e - s) / s
-        rate = growth_rate_kb_h(samples, pid, load_s / 2)
-        rate_growth = None if not s or rate is None or e is None else rate * window_h / s
-        rows.append({"pid": pid, "process": name, "idle_kb": idle.get(pid), "primed_kb": primed.get(pid),
-                     "start_kb": s, "end_kb": e, "start_shmem_kb": samples[start_index]["shmem_kb"].get(pid),
-                     "end_shmem_kb": end_shmem.get(pid), "growth": growth, "second_half_kb_per_h": rate,
-                     "second_half_rate_growth": rate_growth, "alive": e is not None,
-                     "over_limit": growth is not None and growth > RSS_GROWTH_LIMIT,
-                     "still_growing": rate_growth is not None and rate_growth > RSS_GROWTH_LIMIT})
-    return rows
-
-
-def make_prompts(model: str, tok: Tokenizer, max_seq_len: int) -> tuple[list[str], list[str], list[str]]:
-    """Short prompts (held-out texts cut to 300 characters), 4 probe prompts, and 4 long prompts: held-out
-    texts joined to max_seq_len - 136 tokens (room for 64 new tokens and re-tokenizing at the cut)."""
-    texts = [x["text"] for x in round_robin_by_source(load_prompts(model), 64)]
-    short = [t[:300] for t in texts]
-    target = max(16, max_seq_len - 136)
-    long = []
-    for i in range(4):
-        ids: list[int] = []
-        j = i
-        while len(ids) < target:
-            ids += tok.encode(texts[j % len(texts)] + "\n\n", add_bos=False)
-            j += 1
-        long.append(tok.decode(ids[:target]))
-    return short, short[:4], long
 
 
 def record_probes(ctx: Ctx, prompts: list[str]) -> None:
@@ -709,7 +478,7 @@ def record_probes(ctx: Ctx, prompts: list[str]) -> None:
 
 def end_checks(ctx: Ctx) -> dict[str, Any]:
     """After the load: drained, KV blocks all free, ready, and a probe still gives its recorded text."""
-    drain_ok = drained(ctx.server, DRAIN_S)
+    drain_ok = wait_drained(lambda: gauges(ctx.server), DRAIN_S)
     kv = kv_blocks(read_metrics(ctx.server.metrics_url))
     prompt = next(iter(ctx.probes))
     try:
@@ -728,18 +497,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine_dir", type=Path, help="serve this engine (or HF directory) instead of building one")
     p.add_argument("--out", type=Path, help="results go to <out>.json and <out>.md "
                    "(default docs/benchmarks/soak, with --quick docs/benchmarks/soak_quick)")
-    p.add_argument("--minutes", type=float, default=30.0)
-    p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--warmup_s", type=float, default=120.0, help="load before the 'start' memory sample "
-                   "(at most a quarter of the run)")
-    p.add_argument("--sample_every_s", type=float, default=60.0)
-    p.add_argument("--prime_rounds", type=int, default=1, help="before the timed load, every kind is sent this many "
-                   "times by each client, all clients at once (0: no priming)")
-    p.add_argument("--request_timeout_s", type=float, default=120.0)
-    p.add_argument("--threads", type=int, default=0, help="torch threads of the runtime (0: its default)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kinds", type=lambda v: v.split(","), help="comma-separated subset of the request kinds to send "
-                   "(default: all, by their weights), to find which traffic a failed check comes from")
+    add_soak_args(p, minutes=30.0, concurrency=32, sample_every_s=60.0)
     p.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK}; explicit flags still win")
     args = p.parse_args(argv)
     if args.quick:
@@ -747,16 +505,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args = p.parse_args(argv)
     if args.out is None:
         args.out = ROOT / "docs" / "benchmarks" / ("soak_quick" if args.quick else "soak")
-    for flag in ("minutes", "warmup_s", "sample_every_s", "request_timeout_s"):
-        if not getattr(args, flag) > 0:
-            p.error(f"--{flag}: must be > 0, got {getattr(args, flag)}")
-    unknown = [k for k in args.kinds or [] if k not in KINDS]
-    if unknown:
-        p.error(f"--kinds: unknown kind(s) {', '.join(unknown)}; expected some of {', '.join(KINDS)}")
-    if args.concurrency < 1:
-        p.error(f"--concurrency: must be >= 1, got {args.concurrency}")
-    if args.prime_rounds < 0:
-        p.error(f"--prime_rounds: must be >= 0, got {args.prime_rounds}")
+    check_soak_args(p, args, KINDS)
     return args
 
 
@@ -784,7 +533,9 @@ def main(argv: list[str] | None = None) -> int:
         ctx = Ctx(server, tok, build.max_seq_len, short, long, ids, timeout=args.request_timeout_s)
         record_probes(ctx, probe_prompts)
         cancelled_before = cancelled_total(server)
-        load = run_load(ctx, args)
+        watched = Watched("tritonserver", server_processes(server), lambda: server.process.poll() is None,
+                          lambda: gauges(server))
+        load = run_load(KINDS, ctx, args, watched)
         end = end_checks(ctx)
         end_rss, end_shmem = rss_kb(load["pids"]), rss_kb(load["pids"], "RssShmem")
         cancelled = cancelled_total(server) - cancelled_before
@@ -796,7 +547,6 @@ def main(argv: list[str] | None = None) -> int:
     records: list[Record] = load["records"]
     samples = load["samples"]
     rss = rss_table(load["pids"], samples, load["start_index"], end_rss, end_shmem, args.minutes * 60)
-    rates_known = all(r["second_half_rate_growth"] is not None for r in rss if r["alive"])
     by_outcome = Counter(r.outcome for r in records)
     unexpected = errors_by_kind(load["primed"] + records, "unexpected_error")
     mismatches = errors_by_kind(load["primed"] + records, "mismatch")
@@ -808,10 +558,7 @@ def main(argv: list[str] | None = None) -> int:
         "no_probe_mismatches": not mismatches,
         "clients_stopped": load["hung_clients"] == 0,
         "server_processes_alive": all(r["alive"] for r in rss),  # a crashed stub is left <defunct>, no VmRSS
-        f"rss_growth_within_{RSS_GROWTH_LIMIT:.0%}": not any(r["over_limit"] for r in rss),
-        # None: too few samples in the second half to fit a rate (a short run); reported, neither passed nor failed
-        f"rss_second_half_rate_within_{RSS_GROWTH_LIMIT:.0%}": not any(r["still_growing"] for r in rss)
-        if rates_known else None,
+        **rss_checks(rss),
         "kv_blocks_all_free": end["kv_all_free"],
         "cancels_reached_the_executor": int(cancelled) == cancels_sent,
         "healthy_at_end": end["ready"] and end["server_alive"] and end["request"] == "ok",
@@ -835,12 +582,10 @@ def main(argv: list[str] | None = None) -> int:
         "requests": {"total": len(records), "served": by_outcome["ok"], "by_outcome": dict(by_outcome),
                      "per_s": len(records) / load["wall_s"]},
         "latency": {"all": latency_stats(records), "served": latency_stats([r for r in records if r.outcome == "ok"])},
-        "kinds": summarize_kinds(records),
+        "kinds": summarize_kinds(KINDS, records),
         "unexpected_errors": unexpected, "mismatches": mismatches,
         "cancellation": {"cancels_and_disconnects": cancels_sent, "executor_cancelled": cancelled},
-        "rss": {"processes": rss, "limit": RSS_GROWTH_LIMIT, "start_at_s": samples[load["start_index"]]["at_s"],
-                "samples": [{**s, "rss_kb": {f"{load['pids'][pid]} ({pid})": kb for pid, kb in s["rss_kb"].items()}}
-                            for s in samples]},
+        "rss": rss_results(load, rss),
         "kv_used_peak_sampled": max(s["kv_used"] for s in samples),
         "end": end, "server_exit_status": exit_status, "server_stop_s": stop_s,
         "server_log": {"tracebacks": log_text.count("Traceback"), "lines": len(log_text.splitlines()),
@@ -864,18 +609,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def markdown(r: dict[str, Any]) -> str:
     s, req, end = r["settings"], r["requests"], r["end"]
-    kinds = [[k, v["weight"], v["requests"], v["outcomes"].get("ok", 0), v["outcomes"].get("expected_refusal", 0),
-              v["outcomes"].get("cancelled", 0) + v["outcomes"].get("disconnected", 0),
-              v["outcomes"].get("unexpected_error", 0) + v["outcomes"].get("mismatch", 0),
-              ms(v["latency_p50_s"]), ms(v["latency_p99_s"]), ms(v["ttft_p50_s"]), ms(v["ttft_p99_s"])]
-             for k, v in r["kinds"].items()]
-    rss = [[p["process"], p["pid"], kb_mb(p["idle_kb"]), kb_mb(p["primed_kb"]), kb_mb(p["start_kb"]),
-            kb_mb(p["end_kb"]), f"{fmt(kb_mb(p['start_shmem_kb']), 1)} -> {fmt(kb_mb(p['end_shmem_kb']), 1)}", pct(p["growth"]), kb_mb(p["second_half_kb_per_h"]), pct(p["second_half_rate_growth"]),
-            "GONE" if not p["alive"] else ", ".join(["OVER"] * p["over_limit"] + ["STILL GROWING"] * p["still_growing"])
-            or "ok"] for p in r["rss"]["processes"]]
     pr = r["priming"]
-    errors = [f"- {k}: {v['count']} x, e.g. `{v['examples'][0]}`"
-              for k, v in {**r["unexpected_errors"], **r["mismatches"]}.items()]
     lat = r["latency"]
     return "\n\n".join([
         f"# Soak test{' (quick smoke run)' if r['quick'] else ''}: {'PASSED' if r['passed'] else 'FAILED'}",
@@ -888,18 +622,10 @@ def markdown(r: dict[str, Any]) -> str:
         f"Before it, priming: every kind sent {s['prime_rounds']} time(s) by each of the {s['concurrency']} clients "
         f"at once, kind after kind: {pr['requests']} requests in {pr['wall_s']:.0f} s, outcomes {pr['by_outcome']}."
         if s["prime_rounds"] else "No priming (--prime_rounds 0).",
-        "## Checks", "\n".join(f"- {c}: {'not measured' if ok is None else 'ok' if ok else 'FAILED'}"
-                                for c, ok in r["checks"].items()),
-        "## Requests by kind (latency and TTFT in ms)",
-        md_table(["kind", "weight", "requests", "ok", "refused as expected", "cancelled/disconnected",
-                  "errors/mismatches", "p50", "p99", "TTFT p50", "TTFT p99"], kinds, digits=1),
-        "## Errors by kind", "\n".join(errors) or "none",
-        f"## Resident memory (MB; start = after priming and {r['rss']['start_at_s']:.0f} s of load, end = drained; "
-        f"limit +{r['rss']['limit']:.0%} from start to end, and for the second half's fitted rate over the same "
-        f"window)",
-        md_table(["process", "pid", "idle", "primed", "start", "end", "of which shared (start -> end)", "growth",
-                  "2nd half MB/h",
-                  "2nd-half rate over start-end", ""], rss, digits=1),
+        "## Checks", checks_md(r["checks"]),
+        "## Requests by kind (latency and TTFT in ms)", kinds_md(r["kinds"]),
+        "## Errors by kind", errors_md(r),
+        rss_md(r["rss"]),
         f"## End\n\nKV blocks {end['kv_blocks']} (all free: {fmt(end['kv_all_free'])}; peak used in samples "
         f"{r['kv_used_peak_sampled']:.0f}); ready {fmt(end['ready'])}; a probe after the load: {end['request']}; "
         f"cancels and disconnects {r['cancellation']['cancels_and_disconnects']}, cancelled in the executor "
@@ -909,14 +635,6 @@ def markdown(r: dict[str, Any]) -> str:
         *(["tritonserver crashed; its backtrace, its own frames named:\n\n```\n"
            + "\n".join(r["server_log"]["crash_frames"]) + "\n```"] if r["server_log"]["crash_frames"] else []),
         "## Machine", machine_md(r["machine"])])
-
-
-def kb_mb(kb: float | None) -> float | None:
-    return None if kb is None else kb / 1024
-
-
-def pct(x: float | None) -> str | None:
-    return None if x is None else f"{x:+.1%}"
 
 
 if __name__ == "__main__":

@@ -538,8 +538,7 @@ def test_soak_rss_checks_tell_a_plateau_from_a_leak():
     """A process that reaches a high-water mark after the baseline fails the start-to-end bound but not the
     second-half rate; one that starts climbing late fails the rate while its start-to-end growth is under 10%;
     noise fails neither; a short run fits no rate."""
-    pytest.importorskip("tritonclient.grpc")
-    import benchmarks.soak_test as st
+    import benchmarks.soak_common as st
 
     load_s, every = 1800.0, 60.0
     curves = {1: lambda t: 160_000 if t >= 300 else 100_000 + 250 * t,  # kB: its peak 5 minutes in, then flat
@@ -602,6 +601,38 @@ def test_soak_test_smoke(shipped_model_dir, tmp_path):
     assert res["cancellation"]["executor_cancelled"] == res["cancellation"]["cancels_and_disconnects"]
     assert res["machine"]["git_commit"]
     assert res["machine"]["command"].startswith("python -m benchmarks.soak_test --engine_dir ")
+
+
+def test_soak_openai_smoke(shipped_model_dir, tmp_path):
+    """A few seconds of the OpenAI soak's mixed load on dsv3-serve with its executor in a process of its own: every
+    kind is sent, every bad request gets its exact refusal, probes match, every KV block is free, each disconnect
+    reaches the server, and SIGTERM leaves no process behind (memory growth is not judged this short)."""
+    pytest.importorskip("openai")
+    r = _run_benchmark("soak_openai", ["--model", str(shipped_model_dir), "--out", str(tmp_path / "soak"),
+                                       "--minutes", "0.2", "--concurrency", "4", "--engine_process"], timeout=300)
+    res = json.loads((tmp_path / "soak.json").read_text())
+    assert r.returncode == (0 if res["passed"] else 1), r.stderr[-3000:]
+    assert (tmp_path / "soak.md").read_text().startswith("# OpenAI server soak test, engine process: ")
+    _no_temporaries(tmp_path)
+    checks = res["checks"]
+    for c in ("no_unexpected_errors", "no_probe_mismatches", "clients_stopped", "server_processes_alive",
+              "kv_blocks_all_free", "disconnects_reached_the_server", "healthy_at_end", "no_error_in_log",
+              "clean_shutdown"):
+        assert checks[c], (c, res["unexpected_errors"], res["mismatches"], res["end"], res["shutdown"])
+    assert checks["rss_second_half_rate_within_10%"] is None  # a 12 s run has too few samples to fit a rate
+    assert res["priming"]["kinds_sent"] == {k: 4 for k in res["kinds"]}  # every kind, by every client, before the load
+    assert res["priming"]["by_outcome"]["expected_refusal"] == 4 * sum(k.startswith("bad_") for k in res["kinds"])
+    req = res["requests"]
+    assert req["total"] == sum(k["requests"] for k in res["kinds"].values()) > 0 and req["served"] > 0
+    assert req["by_outcome"].get("unexpected_error", 0) == 0 and req["openai_client"]
+    assert res["cancellation"]["logged_client_disconnected"] == res["cancellation"]["cancels_and_disconnects"] > 0
+    assert set(res["end"]["probes"].values()) == {"ok"} and len(res["end"]["probes"]) == 12
+    server, engine = sorted(p["process"] for p in res["rss"]["processes"])
+    assert server == "dsv3-serve" and engine.startswith("under dsv3-serve: -m runtime.executors.process")
+    assert all(p["alive"] and p["start_kb"] > 0 for p in res["rss"]["processes"])
+    assert res["shutdown"]["exit_status"] == 0 and res["shutdown"]["children_left"] == []
+    assert res["end"]["gauges"]["kv_used"] == 0 and res["end"]["gauges"]["kv_free"] > 0
+    assert res["machine"]["command"].startswith("python -m benchmarks.soak_openai --model ")
 
 
 def test_prefix_cache_smoke(shipped_model_dir, tmp_path):

@@ -32,30 +32,10 @@ from serving.openai_server.tool_calls import (TOOL_CALL_PARSERS, ToolCallReader,
 
 V3, V31 = TOOL_CALL_PARSERS["deepseek_v3"], TOOL_CALL_PARSERS["deepseek_v31"]
 
-# DeepSeek-V3's conversation format (its own template's turns, tool calls and tool outputs) with the tools written
-# into the system prompt, as vLLM's examples/tool_chat_template_deepseekv3.jinja writes them
-V3_TOOLS_TEMPLATE = (
-    "{% set ns = namespace(system='', is_tool=false) %}"
-    "{%- for m in messages if m['role'] == 'system' %}{% set ns.system = ns.system + m['content'] %}{% endfor %}"
-    "{{ bos_token }}{{ ns.system }}"
-    "{%- if tools %}{{ '\\n\\n## Tools\\nYou may call these functions:' }}"
-    "{% for tool in tools %}{{ '\\n' + tool | tojson }}{% endfor %}"
-    "{{ '\\nA call is written <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n"
-    "ARGUMENTS\\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>' }}{% endif %}"
-    "{%- for m in messages %}"
-    "{%- if m['role'] == 'user' %}{% set ns.is_tool = false %}<｜User｜>{{ m['content'] }}"
-    "{%- elif m['role'] == 'assistant' and m['tool_calls'] is defined %}{% set ns.is_tool = false %}"
-    "<｜Assistant｜>{{ m['content'] or '' }}<｜tool▁calls▁begin｜>"
-    "{%- for call in m['tool_calls'] %}{{ '' if loop.first else '\\n' }}<｜tool▁call▁begin｜>{{ call['type'] }}"
-    "<｜tool▁sep｜>{{ call['function']['name'] + '\\n```json\\n' + call['function']['arguments'] + '\\n```' }}"
-    "<｜tool▁call▁end｜>{% endfor %}<｜tool▁calls▁end｜><｜end▁of▁sentence｜>"
-    "{%- elif m['role'] == 'assistant' %}"
-    "{{ '<｜tool▁outputs▁end｜>' if ns.is_tool else '<｜Assistant｜>' }}{% set ns.is_tool = false %}"
-    "{{ m['content'] }}<｜end▁of▁sentence｜>"
-    "{%- elif m['role'] == 'tool' %}{{ '' if ns.is_tool else '<｜tool▁outputs▁begin｜>' }}{% set ns.is_tool = true %}"
-    "<｜tool▁output▁begin｜>{{ m['content'] }}<｜tool▁output▁end｜>"
-    "{%- endif %}{%- endfor %}"
-    "{{ '<｜tool▁outputs▁end｜>' if ns.is_tool }}{{ '<｜Assistant｜>' if add_generation_prompt and not ns.is_tool }}")
+# the shipped template: DeepSeek-V3's conversation format (its own template's turns, tool calls and tool outputs) with
+# the tools written into the system prompt, as vLLM's examples/tool_chat_template_deepseekv3.jinja writes them
+V3_TOOLS_TEMPLATE = (Path(__file__).resolve().parents[1] / "serving" / "openai_server" / "templates" /
+                     "deepseek_v3_tools.jinja").read_text(encoding="utf-8")
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
            "properties": {"city": {"type": "string", "enum": ["Paris", "Lyon", "Nice"]},
