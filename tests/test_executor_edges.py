@@ -456,9 +456,10 @@ def test_drafts_never_take_a_later_decodes_token(shipped_engine, corpus, alone) 
 
 @pytest.mark.parametrize("budget", [1, 2, 3])
 def test_token_budget_below_one_plus_k(shipped_engine, corpus, alone, budget) -> None:
-    """max_num_tokens < 1 + k: each step stays within the budget (drafts cut to budget - 1), prompts are
-    prefilled budget tokens at a time, and nothing waits forever."""
-    with Executor(shipped_engine, ExecutorConfig(num_draft_tokens=4, speculation="fixed", max_num_tokens=budget,
+    """max_num_tokens < 1 + the default k (3): each step stays within the budget (the default drafts budget - 1; a k
+    given is refused, test_executor's test_limits_above_the_engine_are_refused), prompts are prefilled budget tokens
+    at a time, and nothing waits forever."""
+    with Executor(shipped_engine, ExecutorConfig(speculation="fixed", max_num_tokens=budget,
                                                  max_seq_len=MAX_SEQ_LEN)) as ex:
         watch = Watch(ex)
         go = threading.Event()
