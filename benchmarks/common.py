@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-ROOT = Path(__file__).resolve().parents[1]
 import torch
 
+from benchmarks import ROOT
 from runtime.core.sampling_params import SamplingParams
 from runtime.executors.lifetime import proc_stat
 from runtime.executors.session import Session

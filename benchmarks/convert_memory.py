@@ -18,7 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import ROOT
+from benchmarks.synthetic import write_synthetic_checkpoint
 
 CONFIG = {
     "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
@@ -42,19 +43,6 @@ if {convert!r}:
 print("maxrss_kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 
-WRITE = """
-import torch
-from builder.hf_writer import write_hf_checkpoint
-from runtime.io.checkpoint import expected_tensor_shapes
-from runtime.model.config import ModelConfig
-cfg = ModelConfig.from_dict({config!r})
-g = torch.Generator().manual_seed(0)
-tensors = ((n, torch.ones(s) if len(s) == 1 else 0.02 * torch.randn(s, generator=g))
-           for n, s in expected_tensor_shapes(cfg).items())
-write_hf_checkpoint({src!r}, cfg, tensors, fp8={fp8!r}, max_shard_bytes={shard_bytes!r})
-"""
-
-
 def child(code: str) -> dict[str, float]:
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     return {k: float(v) for k, v in (line.split() for line in out.splitlines())}
@@ -75,7 +63,7 @@ def main() -> None:
              "quant_algo": "FP8_BLOCK_SCALES" if args.fp8 else None, "max_seq_len": 4096}
     with tempfile.TemporaryDirectory(dir=ROOT) as work:
         src, dst = Path(work) / "hf", Path(work) / "trtllm"
-        child(WRITE.format(config=CONFIG, src=str(src), fp8=args.fp8, shard_bytes=args.shard_mb * 2**20))
+        write_synthetic_checkpoint(src, CONFIG, fp8=args.fp8, shard_bytes=args.shard_mb * 2**20)
         shards = sorted(src.glob("model-*.safetensors"))
         largest = max(f.stat().st_size for f in shards)
         measure = dict(src=str(src), dst=str(dst), build=build)

@@ -17,7 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import ROOT
+from benchmarks.synthetic import write_synthetic_checkpoint
 
 CONFIG = {  # about 500 MB as an FP8 release: 4 MoE layers (the MTP one included) of 64 experts
     "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
@@ -51,20 +52,6 @@ print("peak_kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 print("kept_bytes", weight_bytes_in_memory(engine.model))
 """
 
-WRITE = """
-import torch
-from builder.hf_writer import write_hf_checkpoint
-from runtime.io.checkpoint import expected_tensor_shapes
-from runtime.model.config import ModelConfig
-cfg = ModelConfig.from_dict({config!r})
-g = torch.Generator().manual_seed(0)
-tensors = ((n, torch.ones(s) if len(s) == 1 else 0.02 * torch.randn(s, generator=g))
-           for n, s in expected_tensor_shapes(cfg).items())
-write_hf_checkpoint({src!r}, cfg, tensors, fp8=True, max_shard_bytes=100_000_000,
-                    tokenizer_dir={tokenizer!r})
-"""
-
-
 def child(code: str) -> dict[str, float]:
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     return {k: float(v) for k, v in (line.split() for line in out.splitlines() if len(line.split()) == 2)}
@@ -84,8 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     shipped = ROOT / "models" / "deepseek-v3-mini"
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)
-        subprocess.run([sys.executable, "-c", WRITE.format(config=CONFIG, src=str(work / "synthetic"),
-                                                           tokenizer=str(shipped))], check=True)
+        write_synthetic_checkpoint(work / "synthetic", CONFIG, tokenizer=shipped)
         for src, name in ((shipped, "shipped"), (work / "synthetic", "synthetic")):
             subprocess.run([Path(sys.executable).with_name("build_engine"), "--model_dir", src, "--output_dir",
                             work / f"{name}-engine", "--max_seq_len", "1024"], check=True, capture_output=True)

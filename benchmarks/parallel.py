@@ -24,9 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import load_memory
+from benchmarks import ROOT, load_memory
+from benchmarks.synthetic import write_synthetic_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "models" / "deepseek-v3-mini"
 
 CONFIG = {**load_memory.CONFIG, "num_hidden_layers": 8}  # about 1 GB as an FP8 release: 8 MoE layers of 64 experts
@@ -59,7 +59,7 @@ def memory(work: Path, config: dict) -> dict:
     src, engine = work / "synthetic", work / "synthetic-tp2"
     from benchmarks.common import run_tool
 
-    run_tool([sys.executable, "-c", load_memory.WRITE.format(config=config, src=str(src), tokenizer=str(SHIPPED))])
+    write_synthetic_checkpoint(src, config, tokenizer=SHIPPED)
     run_tool([Path(sys.executable).with_name("build_engine"), "--model_dir", src, "--output_dir", engine,
               "--max_seq_len", "1024", "--tp_size", "2"])
     weights = json.loads((engine / "engine.json").read_text())["weights"]

@@ -46,7 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from benchmarks.common import DEFAULT_MODEL, ROOT, fmt, machine_info, machine_md, ms, run_tool, write_results
+from benchmarks import ROOT
+from benchmarks.common import DEFAULT_MODEL, fmt, machine_info, machine_md, ms, run_tool, write_results
 from benchmarks.soak_common import (CANCEL_TOKENS, PROBE_TOKENS, Kinds, Record, Result, Unexpected, Watched,
                                     add_soak_args, check_soak_args, checks_md, errors_by_kind, errors_md, kinds_md,
                                     latency_stats, make_prompts, metric, read_metrics, rss_checks, rss_kb, rss_md,
