@@ -19,7 +19,8 @@ import numpy as np
 from runtime.core.sampling_params import LOGIT_BIAS_LIMIT, SamplingParams, seed_from_client, validate_request
 from runtime.io.tokenizer import Tokenizer
 from serving.engine_limits import EngineLimits
-from serving.request_validation import RequestError, integer, named_for_client, refuse_unsupported, token_ids
+from serving.request_validation import (RequestError, integer, max_stop_words, named_for_client, refuse_unsupported,
+                                       token_ids)
 from serving.triton_contract import (ENGINE_INPUTS, GUIDED_INPUTS, NEUTRAL, TENSORRT_LLM_SCALARS,
                                      UNSUPPORTED_BLS_INPUTS, UNSUPPORTED_ENGINE_INPUTS, client_named, guided_decoding,
                                      refuse_non_neutral)
@@ -43,8 +44,9 @@ def scalar(inputs: Inputs, name: str, default: Any = None) -> Any:
     return default if values is None else TENSORRT_LLM_SCALARS[name].read(values, client_named(name))
 
 
-def word_list(inputs: Inputs, name: str, vocab_size: int) -> list[list[int]]:
-    """TensorRT-LLM's [1, 2, W] word list (ids, end offsets padded with -1) -> words as id lists."""
+def word_list(inputs: Inputs, name: str, vocab_size: int, max_words: int) -> list[list[int]]:
+    """TensorRT-LLM's [1, 2, W] word list (ids, end offsets padded with -1) -> words as id lists; more than
+    `max_words` are refused before any is converted."""
     arr = inputs.get(name)
     if arr is None:
         return []
@@ -55,6 +57,9 @@ def word_list(inputs: Inputs, name: str, vocab_size: int) -> list[list[int]]:
         arr = arr[0]
     if arr.ndim != 2 or arr.shape[0] != 2:
         raise RequestError(f"{name} must have shape [2, W] (ids, offsets), got {list(given.shape)}")
+    words = int(np.count_nonzero(arr[1] >= 0))
+    if words > max_words:
+        raise RequestError(f"{name} holds {words} words; at most {max_words}")
     ids, offsets = arr[0].tolist(), [o for o in arr[1].tolist() if o >= 0]
     if offsets != sorted(offsets) or (offsets and offsets[-1] > len(ids)):
         raise RequestError(f"{name}: offsets {offsets} are not increasing ends within {len(ids)} ids")
@@ -104,13 +109,13 @@ def engine_request(inputs: Inputs, tokenizer: Tokenizer, vocab_size: int,
         raise RequestError("request_output_len (max_tokens) is required")
 
     stop, stop_ids = [], []
-    for word in word_list(inputs, "stop_words_list", vocab_size):
+    for word in word_list(inputs, "stop_words_list", vocab_size, max_stop_words(tokenizer)):
         if len(word) == 1 and word[0] in tokenizer.special_ids:
             stop_ids.append(word[0])  # special tokens never show in the text a stop string is matched in
         else:
             stop.append(tokenizer.decode(word, skip_special_tokens=False))
     bad_ids = []
-    for word in word_list(inputs, "bad_words_list", vocab_size):
+    for word in word_list(inputs, "bad_words_list", vocab_size, vocab_size):
         if len(word) != 1:
             raise RequestError(f"bad_words: {tokenizer.decode(word, skip_special_tokens=False)!r} is "
                                f"{len(word)} tokens; only single-token bad words are supported")

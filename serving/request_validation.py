@@ -20,6 +20,9 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
+from runtime.core.sampling_params import MAX_STOP_STRINGS
+from runtime.io.tokenizer import Tokenizer
+
 INT32_MAX = 2**31 - 1
 
 
@@ -76,15 +79,17 @@ def flag(values: np.ndarray, name: str) -> bool:
     return bool(value)
 
 
-def texts(values: np.ndarray, name: str, max_bytes: int | None = None) -> list[str]:
+CONTEXT_BYTES = "that can fit the model's context (max_seq_len tokens of at most the tokenizer's longest token)"
+
+
+def texts(values: np.ndarray, name: str, max_bytes: int | None = None, bound: str = CONTEXT_BYTES) -> list[str]:
     """Each item of a string input as text: at most max_bytes bytes (checked before decoding, so an oversized
-    request costs nothing more), valid UTF-8."""
+    request costs nothing more; `bound` says what the bound is), valid UTF-8."""
     out = []
     for v in values.reshape(-1):
         raw = v if isinstance(v, bytes) else str(v).encode("utf-8")
         if max_bytes is not None and len(raw) > max_bytes:
-            raise RequestError(f"{name} is {len(raw)} bytes, more than the {max_bytes} that can fit the model's "
-                               f"context (max_seq_len tokens of at most the tokenizer's longest token)")
+            raise RequestError(f"{name} is {len(raw)} bytes, more than the {max_bytes} {bound}")
         try:
             out.append(raw.decode("utf-8"))
         except UnicodeDecodeError as e:
@@ -167,3 +172,8 @@ def refuse_unsupported(present: dict[str, np.ndarray], unsupported: dict[str, st
         if values is not None and not is_empty(values):
             shown = f"{client_names[name]} ({name})" if client_names and name in client_names else name
             raise RequestError(f"{shown} is not supported by this runtime ({feature}); supported: not given")
+
+
+def max_stop_words(tokenizer: Tokenizer) -> int:
+    """A stop word list's bound: each word becomes a stop string (at most MAX_STOP_STRINGS) or a special token's stop."""
+    return MAX_STOP_STRINGS + len(tokenizer.special_ids)

@@ -16,7 +16,8 @@ from typing import Callable
 import numpy as np
 
 from runtime.io.tokenizer import Tokenizer
-from serving.request_validation import INT32_MAX, RequestError, integer, refuse_unsupported, texts, token_ids
+from serving.request_validation import (INT32_MAX, RequestError, integer, max_stop_words, refuse_unsupported, texts,
+                                       token_ids)
 from serving.triton_contract import PREPROCESSING_INPUTS, UNSUPPORTED_TEXT_INPUTS
 from serving.triton_parameters import boolean, integer as integer_parameter, model_path, parameter
 
@@ -87,8 +88,10 @@ class Preprocessor:
         for i, x in enumerate(ids):
             input_ids[i, : len(x)] = x
 
-        def words(tensor_name: str) -> np.ndarray:
+        def words(tensor_name: str, max_words: int) -> np.ndarray:
             t = get(tensor_name)
+            if t is not None and t.size > batch * max_words:  # counted before any is tokenized
+                raise RequestError(f"{client[tensor_name]} holds {t.size // batch} words; at most {max_words}")
             items = [[]] * batch if t is None else [texts(row, client[tensor_name], self.max_input_bytes)
                                                     for row in t.reshape(batch, -1)]
             return word_lists(self.tokenizer, items)
@@ -106,8 +109,8 @@ class Preprocessor:
             "INPUT_ID": input_ids,
             "REQUEST_INPUT_LEN": lengths,
             "REQUEST_OUTPUT_LEN": per_item("REQUEST_OUTPUT_LEN", 1),
-            "BAD_WORDS_IDS": words("BAD_WORDS_DICT"),
-            "STOP_WORDS_IDS": words("STOP_WORDS_DICT"),
+            "BAD_WORDS_IDS": words("BAD_WORDS_DICT", self.tokenizer.vocab_size),
+            "STOP_WORDS_IDS": words("STOP_WORDS_DICT", max_stop_words(self.tokenizer)),
             "OUT_END_ID": per_item("END_ID", -1, self.end_id),
             "OUT_PAD_ID": per_item("PAD_ID", 0, self.pad_id),
             "DECODER_INPUT_ID": np.full((batch, 1), self.pad_id, np.int32),

@@ -111,7 +111,7 @@ def guided_decoding(inputs: dict[str, np.ndarray]) -> GuidedDecodingParams | Non
     guide = ""
     if guide_values is not None and not is_empty(guide_values):
         value = np.array([one_value(guide_values, "guided_decoding_guide")], object)
-        [guide] = texts(value, "guided_decoding_guide", MAX_GUIDE_BYTES)
+        [guide] = texts(value, "guided_decoding_guide", MAX_GUIDE_BYTES, "a guide may be")
     if kind == "json":
         return GuidedDecodingParams(json_object=True)
     if not guide:

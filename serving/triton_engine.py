@@ -23,6 +23,7 @@ import threading
 import time
 import traceback
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from runtime.executors.outputs import RequestOutput, RequestStats
 from runtime.core.sampling_params import SamplingParams
 from serving.perf_metrics import PERF_OUTPUTS, PerfMetrics
 from serving.request_validation import RequestError, check_response_count, named_for_client
+from serving.triton_contract import GUIDED_INPUTS
 from serving.triton_parameters import TritonConfig
 from serving.triton_responses import FINAL, error_response
 from serving.watchdog import Progress, Watchdog, stop_server
@@ -74,8 +76,11 @@ class Chunk:
     text: str
 
 
+GUIDE_TYPE = GUIDED_INPUTS[0]  # the input that makes a request guided, in both flavours
+
+
 class EngineModel:
-    """The Triton python model over one executor; subclasses read requests (`convert`) and shape responses
+    """The Triton python model over one executor; subclasses read requests (`read`, `build`) and shape responses
     (`response`)."""
 
     label = "tensorrt_llm"  # how the model names itself in the server log
@@ -108,6 +113,7 @@ class EngineModel:
         self._lock = threading.Lock()
         self._running = True
         self._sender = Progress()
+        self._guided = ThreadPoolExecutor(max_workers=1, thread_name_prefix="guided-admitter")  # one compile at a time
         self._threads = [threading.Thread(target=self._send_loop, name="responder", daemon=True),
                          threading.Thread(target=self._metrics_loop, name="metrics", daemon=True)]
         for t in self._threads:
@@ -119,25 +125,41 @@ class EngineModel:
 
     # ---- requests -------------------------------------------------------------------------------
     def execute(self, requests: list) -> None:
+        """Admit each request; a guided one on the guided admitter's thread, since checking and compiling its guide
+        (seconds of a large one) on this thread held every other client's admission."""
         for request in requests:
             sender = request.get_response_sender()
             try:
                 if self.watchdog.failure:
                     raise RuntimeError(f"{self.label} is not serving: {self.watchdog.failure}")
-                converted = self.convert(request, sender)
-                if converted is None:  # answered already (a stop request)
+                inputs = self.read(request, sender)
+                if inputs is None:  # answered already (a stop request)
                     continue
-                stream, prompt = converted
-                check_response_count(self.decoupled, stream.streaming, stream.params.n, self.streaming_input)
-                self._submit(stream, prompt)
+                if GUIDE_TYPE in inputs:  # its own copies: the request's tensors are Triton's, read here
+                    self._guided.submit(self._admit, {name: np.array(value) for name, value in inputs.items()},
+                                        request.request_id(), sender)
+                else:
+                    self._admit(inputs, request.request_id(), sender)
             except Exception as e:
                 sender.send(error_response(e, self.label), flags=FINAL)
         return None
 
+    def _admit(self, inputs: dict[str, np.ndarray], request_id: str, sender: Any) -> None:
+        try:
+            stream, prompt = self.build(inputs, request_id, sender)
+            check_response_count(self.decoupled, stream.streaming, stream.params.n, self.streaming_input)
+            self._submit(stream, prompt)
+        except Exception as e:
+            sender.send(error_response(e, self.label), flags=FINAL)
+
     streaming_input = "streaming"  # the request input that asks for streaming, for the refusal above
 
-    def convert(self, request: Any, sender: Any) -> tuple[Stream, list[int]] | None:
-        """The request as a Stream and its prompt ids; None when it has been answered here."""
+    def read(self, request: Any, sender: Any) -> dict[str, np.ndarray] | None:
+        """The request's inputs; None when it has been answered here (a stop request)."""
+        raise NotImplementedError
+
+    def build(self, inputs: dict[str, np.ndarray], request_id: str, sender: Any) -> tuple[Stream, list[int]]:
+        """The request as a Stream and its prompt ids."""
         raise NotImplementedError
 
     def response(self, stream: Stream, chunk: Chunk, out: RequestOutput) -> Any:
@@ -342,6 +364,7 @@ class EngineModel:
         responses, then stop the threads."""
         self.watchdog.stop()
         self._running = False
+        self._guided.shutdown(cancel_futures=True)
         self.executor.shutdown()
         self._outbox.put(None)
         for t in self._threads:

@@ -332,6 +332,21 @@ def test_sampled_first_token_follows_the_masked_target(shipped_engine, prompts, 
     assert sum(o.stats.num_draft_tokens for o in outs) > 0
 
 
+def test_compiled_guides_kept_are_bounded_in_size(shipped_tokenizer, monkeypatch) -> None:
+    """A compiled guide takes memory in its size: 64 large ones kept made an engine process over a GB larger. The cache
+    keeps at most CACHE_GUIDE_BYTES of guide text (and always the newest)."""
+    import runtime.core.grammar as grammar
+
+    monkeypatch.setattr(grammar, "CACHE_GUIDE_BYTES", 100)
+    compiler = GrammarCompiler(shipped_tokenizer.backend.to_str(), 4096, shipped_tokenizer.eos_token_id)
+    guides = [GuidedDecodingParams(regex=f"{c}{'x' * 40}") for c in "abcd"]
+    for guide in guides:
+        compiler.check(guide)
+    assert [text[0] for _, text in compiler._cache] == ["c", "d"]
+    compiler.check(GuidedDecodingParams(regex="y" * 200))  # larger than the bound alone: kept, alone
+    assert [text[0] for _, text in compiler._cache] == ["y"]
+
+
 def test_masks_restore_the_matcher_and_free_rows_after_a_refused_draft(shipped_tokenizer) -> None:
     tok = shipped_tokenizer
     compiler = GrammarCompiler(tok.backend.to_str(), 4096, tok.eos_token_id)

@@ -962,6 +962,28 @@ def test_upstream_client_guided_decoding(server: TritonServer, model: str) -> No
     assert_healthy(server)
 
 
+def test_a_large_guide_compiles_while_other_requests_are_admitted(server: TritonServer) -> None:
+    """Checking and compiling a guide takes seconds for a large schema; done on the engine model's execute thread, it
+    held every other client's admission. A plain request sent while a large guide compiles is now served first."""
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(5000)},
+              "required": [f"p{i}" for i in range(5000)]}
+    done: dict[str, float] = {}
+
+    def guided() -> None:
+        http_generate(server, "ensemble", text_input="x", max_tokens=1, guided_decoding_guide_type="json_schema",
+                      guided_decoding_guide=json.dumps(schema))
+        done["guided"] = time.monotonic()
+
+    thread = threading.Thread(target=guided)
+    thread.start()
+    time.sleep(0.3)  # the guide is being checked and compiled
+    status, _ = http_generate(server, "ensemble", text_input="hello", max_tokens=4)
+    done["plain"] = time.monotonic()
+    thread.join(120)
+    assert status == 200 and done["plain"] < done["guided"], done
+    assert_healthy(server)
+
+
 def test_upstream_batch_inputs_are_refused_naming_the_input(server: TritonServer) -> None:
     """--batch-inputs: two prompts in one request (asking for batch_index) get our error, not Triton's."""
     from tritonclient.utils import InferenceServerException
@@ -1708,3 +1730,33 @@ def test_streaming_without_a_required_input_is_refused(server: TritonServer, mod
     out = grpc_stream(server, model, **body)
     assert out.error is not None and f"{missing} is required" in out.error, out.error
     assert_healthy(server)
+
+
+def test_word_lists_are_counted_before_they_are_converted(shipped_model_dir: Path) -> None:
+    """600,000 stop words were tokenized (preprocessing) or decoded (tensorrt_llm) one by one, ~10 s on the one
+    thread admitting requests, before the 64-string bound refused them; counted first now."""
+    from serving.legacy_request import word_list
+    from serving.request_validation import RequestError, max_stop_words
+    from serving.text_processing import Preprocessor
+    from runtime.io.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(shipped_model_dir)
+    limit = max_stop_words(tokenizer)
+    words = np.stack([np.full(600_000, 5), np.arange(1, 600_001)])[None]  # 600,000 one-token words
+    with pytest.raises(RequestError, match=rf"^stop_words_list holds 600000 words; at most {limit}$"):
+        word_list({"stop_words_list": words}, "stop_words_list", tokenizer.vocab_size, limit)
+    inputs = {"QUERY": np.array([[b"hi"]], object), "REQUEST_OUTPUT_LEN": np.array([[4]], np.int32),
+              "STOP_WORDS_DICT": np.array([[b"x"] * 600_000], object)}
+    with pytest.raises(RequestError, match=rf"^stop_words holds 600000 words; at most {limit}$"):
+        Preprocessor(tokenizer, None, 1 << 20)(inputs.get)
+
+
+def test_a_guide_too_large_is_refused_for_its_own_bound() -> None:
+    """A guide's bound is its own, not the context's (the refusal said it could not fit the model's context)."""
+    from serving.request_validation import RequestError
+    from serving.triton_contract import MAX_GUIDE_BYTES, guided_decoding
+
+    guide = np.array([[b"a" * (MAX_GUIDE_BYTES + 1)]], object)
+    with pytest.raises(RequestError, match=rf"^guided_decoding_guide is {MAX_GUIDE_BYTES + 1} bytes, more than the "
+                                           rf"{MAX_GUIDE_BYTES} a guide may be$"):
+        guided_decoding({"guided_decoding_guide_type": np.array([[b"regex"]], object), "guided_decoding_guide": guide})

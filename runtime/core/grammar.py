@@ -30,6 +30,9 @@ from runtime.core.guide_check import check_guide, on_compile_stack
 from runtime.core.sampling_params import GuidedDecodingParams
 
 CACHE_SIZE = 64  # compiled guides kept per executor
+# and at most this much guide text between them: a compiled guide takes memory in its size (tens of MB for a guide
+# of a MB), so 64 large ones made an engine process over a GB larger
+CACHE_GUIDE_BYTES = 4 * 2**20
 
 
 def first_line(error: str) -> str:
@@ -131,7 +134,8 @@ class GrammarCompiler:
             return self._cache[key]
         matcher = on_compile_stack(lambda: self._compile(guide))
         self._cache[key] = matcher
-        if len(self._cache) > CACHE_SIZE:
+        while len(self._cache) > 1 and (len(self._cache) > CACHE_SIZE or
+                                        sum(len(text) for _, text in self._cache) > CACHE_GUIDE_BYTES):
             self._cache.popitem(last=False)
         return matcher
 

@@ -49,16 +49,19 @@ class TritonPythonModel(EngineModel):
         withdraw(self.model_name)
         super().finalize()
 
-    def convert(self, request: Any, sender: Any) -> tuple[Stream, list[int]] | None:
+    def read(self, request: Any, sender: Any) -> dict[str, np.ndarray] | None:
         no_unknown_parameters(request.parameters(), "tensorrt_llm")
         inputs = {t.name(): t.as_numpy() for t in request.inputs()}
         if scalar(inputs, "stop", False):
             self.stop(request.request_id(), sender)
             return None
+        return inputs
+
+    def build(self, inputs: dict[str, np.ndarray], request_id: str, sender: Any) -> tuple[Stream, list[int]]:
         converted = engine_request(inputs, self.tokenizer, self.vocab_size, self.exclude_input_default)
         outputs = frozenset(name for name in ("num_input_tokens", "num_output_tokens", "log_probs")
                             if scalar(inputs, f"return_{name}", False))
-        return Stream(sender, request.request_id(), converted.streaming,
+        return Stream(sender, request_id, converted.streaming,
                       [] if converted.exclude_input else converted.prompt,
                       bool(scalar(inputs, "return_perf_metrics", False)), outputs, converted.params), converted.prompt
 

@@ -55,14 +55,17 @@ class TritonPythonModel(EngineModel):
                    model_version=args["model_version"])
         self.max_input_bytes = self.executor.limits.max_seq_len * self.tokenizer.max_token_bytes
 
-    def convert(self, request: Any, sender: Any) -> tuple[Stream, list[int]] | None:
+    def read(self, request: Any, sender: Any) -> dict[str, np.ndarray] | None:
         no_unknown_parameters(request.parameters(), "tensorrt_llm")
         inputs = given(request, INPUTS)
         if scalar(inputs, "stop"):
             self.stop(request.request_id(), sender)
             return None
+        return inputs
+
+    def build(self, inputs: dict[str, np.ndarray], request_id: str, sender: Any) -> tuple[Stream, list[int]]:
         req = llmapi_request(inputs, self.max_input_bytes)
-        return (Stream(sender, request.request_id(), req.streaming, [], req.perf_metrics, req.outputs, req.params),
+        return (Stream(sender, request_id, req.streaming, [], req.perf_metrics, req.outputs, req.params),
                 self.tokenizer.encode(req.text))
 
     def response(self, stream: Stream, chunk: Chunk, out: RequestOutput) -> Any:
