@@ -354,6 +354,10 @@ def start_server(model_repo: str | Path, *, http_port: int = 0, grpc_port: int =
     model_repo = Path(model_repo).resolve()
     if not model_repo.is_dir():
         raise FileNotFoundError(f"--model_repo {model_repo}: not a directory")
+    if not any(model_repo.glob("*/config.pbtxt")):  # tritonserver serves none and says it is ready
+        raise FileNotFoundError(f"--model_repo {model_repo}: no model in it (no <model>/config.pbtxt); make one with "
+                                "make_model_repo" + (" from this engine" if (model_repo / "engine.json").is_file()
+                                                     else ""))
     install = find_install(tritonserver)
     stale = remove_stale_leftovers()
     if stale:

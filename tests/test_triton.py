@@ -406,6 +406,19 @@ def test_launcher_names_the_model_whose_watchdog_stopped_the_server(tmp_path: Pa
             proc.wait()
 
 
+def test_launcher_refuses_a_repository_without_models(tmp_path: Path, shipped_model_dir: Path) -> None:
+    """Given the engine directory by mistake, or an empty one, tritonserver served nothing and said it was ready (a
+    load balancer would send it traffic): refused, naming the flag."""
+    from serving.launcher import start_server
+
+    with pytest.raises(FileNotFoundError, match=re.escape(f"--model_repo {shipped_model_dir}: no model in it (no "
+                                                          "<model>/config.pbtxt); make one with make_model_repo")):
+        start_server(shipped_model_dir)
+    (tmp_path / "engine.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="make one with make_model_repo from this engine$"):
+        start_server(tmp_path)
+
+
 def test_launcher_kills_a_server_stuck_after_its_watchdog_stopped_it(monkeypatch, capsys) -> None:
     """The watchdog's SIGKILL escalation lives in a stub, which exits as the server shuts down: a tritonserver stuck in
     its own shutdown was waited on for ever. The launcher stops it KILL_AFTER_S after the watchdog did."""
