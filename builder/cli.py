@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> None:
         build = build_config(args, ckpt.model_config, dtype=b.dtype, tp_size=b.tp_size, ep_size=b.ep_size,
                              quant_algo=b.quant_algo)
         tokenizer_dir = args.tokenizer_dir or args.checkpoint_dir
-        check_tokenizer(tokenizer_dir)
+        check_tokenizer(tokenizer_dir, ckpt.model_config.vocab_size)
         build_engine(args.checkpoint_dir, args.output_dir, build, tokenizer_dir=tokenizer_dir, force=args.force)
         return
     hf_ckpt = HFCheckpoint(args.model_dir)
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> None:
               f"session on the checkpoint reads them as stored); --quant_algo {NO_QUANT} keeps every weight "
               "unquantized", file=sys.stderr)
     tokenizer_dir = args.tokenizer_dir or args.model_dir
-    check_tokenizer(tokenizer_dir)
+    check_tokenizer(tokenizer_dir, cfg.vocab_size)
     if args.backend == "trtllm":
         build_trtllm_engine(args.model_dir, args.output_dir, build, options, tokenizer_dir=tokenizer_dir, force=args.force)
         return

@@ -118,8 +118,9 @@ def validate_sharding(cfg: ModelConfig, build: BuildConfig, source: str) -> None
             raise BuildError(f"{flag} {value} does not divide {field} ({total}) of {source}")
 
 
-def check_tokenizer(src: Path) -> list[str]:
-    """The tokenizer files present in src; tokenizer.json is required, and the JSON ones must be JSON."""
+def check_tokenizer(src: Path, vocab_size: int | None = None) -> list[str]:
+    """The tokenizer files present in src; tokenizer.json is required, the JSON ones must be JSON, and (given the
+    model's vocab_size) no token id may be past the model's vocabulary: every request using one would be refused."""
     tok = Path(src) / "tokenizer.json"
     if tok.exists() and not tok.is_file():
         raise BuildError(f"{tok}: not a file, expected the tokenizer's tokenizer.json")
@@ -132,9 +133,12 @@ def check_tokenizer(src: Path) -> list[str]:
         except (ValueError, RecursionError) as e:
             raise BuildError(f"{Path(src) / name}: not valid JSON ({e})") from None
     try:  # as the runtime loads it, so that no engine is built that the runtime refuses to load
-        Tokenizer.from_dir(src)
+        tokenizer = Tokenizer.from_dir(src)
     except (OSError, ValueError) as e:
         raise BuildError(str(e)) from None
+    if vocab_size is not None and tokenizer.vocab_size > vocab_size:
+        raise BuildError(f"{tok}: its token ids reach {tokenizer.vocab_size - 1}, past the model's vocab_size "
+                         f"{vocab_size}; use the model's own tokenizer")
     return present
 
 

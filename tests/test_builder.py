@@ -419,6 +419,12 @@ def test_error_missing_and_corrupt_inputs(hf, tmp_path, capsys):
     assert error(capsys, "--model_dir", tmp_path / "notok", "--output_dir", out, "--max_seq_len", 256) == (
         f"build_engine: error: {tmp_path / 'notok' / 'tokenizer.json'}: not a file, expected the tokenizer's "
         "tokenizer.json")
+    # a tokenizer with ids past the model's vocabulary: every request using one would be refused (it built)
+    vocab, shipped = json.loads((hf / "config.json").read_text())["vocab_size"], ROOT / "models" / "deepseek-v3-mini"
+    assert vocab < 4096 and error(capsys, "--model_dir", hf, "--output_dir", out, "--max_seq_len", 256,
+                                  "--tokenizer_dir", shipped) == (
+        f"build_engine: error: {shipped / 'tokenizer.json'}: its token ids reach 4095, past the model's vocab_size "
+        f"{vocab}; use the model's own tokenizer")
     # a tokenizer the runtime would refuse to load is refused at build, as it loads it
     (tmp_path / "notok" / "tokenizer.json").rmdir()
     (tmp_path / "notok" / "tokenizer.json").write_text("{}")
