@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         subs = parse_substitutions(args.substitutions)
         text = fill(template, subs, str(args.file_path))
         if args.in_place:
-            atomic_write(args.file_path, text)
+            atomic_write(args.file_path.resolve(), text)  # through a link, as upstream writes it
     except (KeyError, ValueError, OSError) as e:
         print(f"fill_template: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         return 2

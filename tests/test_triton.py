@@ -254,6 +254,12 @@ def test_fill_template_escapes_and_leaves_other_placeholders(tmp_path: Path) -> 
     assert config.read_text() == "x: 2\n"
     assert upstream.stderr == (f"fill_template: {config}: ignored (not used by this repository): batching_strategy, "
                                "logits_datatype, max_queue_size\n")
+    # -i on a link fills the file it points to, as upstream's (it replaced the link with a file of its own)
+    config.write_text("x: ${a}\n")
+    link = tmp_path / "link.pbtxt"
+    link.symlink_to(config)
+    subprocess.run([script, "-i", link, "a:3"], check=True)
+    assert link.is_symlink() and config.read_text() == "x: 3\n"
 
 
 def test_fill_template_fills_non_decoupled_models(tmp_path: Path) -> None:
