@@ -26,6 +26,7 @@ from runtime.io.checkpoint import CheckpointError, HFCheckpoint
 from runtime.io.engine_format import (DEFAULT_MAX_DRAFT_LEN, BuildConfig, EngineError, max_draft_len_allowed,
                                      released_quant_algo)
 from runtime.model.config import ConfigError, ModelConfig
+from runtime.cli import show_defaults
 
 
 
@@ -111,7 +112,7 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    args = show_defaults(parser()).parse_args(argv)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)
     try:

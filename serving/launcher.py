@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Sequence
 
 from runtime.executors.lifetime import PID_NAMESPACE, proc_stat, remove_dead_pids_leftovers, spawn, stop_signals_to
+from runtime.cli import show_defaults
 from serving.engine_limits import SERVER_DIR_PREFIX, server_dir
 from serving.triton_parameters import WORLD_SIZE_ENV
 from serving.watchdog import KILL_AFTER_S, STOP_REASON_ENV
@@ -567,7 +568,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              f"header '{ADMIN_HEADER}: <this value>' (default: $DSV3_TRITON_ADMIN_KEY, which keeps it "
                              "off this launcher's process list; tritonserver's own command line shows it to local "
                              "users); neither: off")
-    args = parser.parse_args(argv)
+    args = show_defaults(parser).parse_args(argv)
     problem = check_args(args)
     if problem:
         print(f"launch_triton_server: {problem}", file=sys.stderr)

@@ -25,6 +25,7 @@ from runtime.executors.base import ExecutorConfig
 from runtime.io.atomic import atomic_write, check_not_replacing, new_output_dir, os_error_text
 from runtime.io.engine_format import read_limits, tokenizer_dir
 from runtime.io.tokenizer import TOKENIZER_FILE
+from runtime.cli import show_defaults
 from serving.bls import bls_settings
 from serving.engine_parameters import PARAMETER_OF, engine_parameters
 from serving.fill_template import UPSTREAM_ONLY, fill, parse_substitutions, placeholders
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", default="", help="extra key:value substitutions, comma-separated (llmapi: "
                                              "decoupled_mode only; its other settings are in tensorrt_llm/1/model.yaml)")
     p.add_argument("--force", action="store_true")
-    args = p.parse_args(argv)
+    args = show_defaults(p).parse_args(argv)
     try:
         subs = parse_substitutions(args.set)
         if "engine_dir" in subs:

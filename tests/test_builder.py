@@ -803,3 +803,16 @@ def test_wide_weights_of_an_fp8_checkpoint_are_named_when_the_engine_quantizes_t
             "FP8 engine stores them (the session on the checkpoint reads them as stored); --quant_algo NO_QUANT keeps "
             "every weight unquantized") in capsys.readouterr().err
     assert load_engine(tmp_path / "engine").build.quant_algo == "FP8_BLOCK_SCALES"
+
+
+def test_every_option_says_its_default_in_help() -> None:
+    """As vLLM's and trtllm-serve's --help: an option with a default shows it (build_engine's limits showed none)."""
+    import argparse
+
+    from builder.cli import parser
+    from runtime.cli import show_defaults
+
+    p = show_defaults(parser())
+    shown = [a for a in p._actions if a.option_strings and a.default not in (None, False, argparse.SUPPRESS, "")]
+    assert shown and all("default" in (a.help or "") for a in shown), [a.dest for a in shown if "default" not in a.help]
+    assert "default: 2048" in p.format_help()  # --max_num_tokens

@@ -23,6 +23,7 @@ from runtime.executors.base import ExecutorConfig
 from runtime.executors.lifetime import MAX_TORCH_THREADS, stop_signals_to
 from runtime.executors.process import EngineProcessError, open_server_executor
 from runtime.executors.trtllm_api import TensorRTLLMUnavailable
+from runtime.cli import show_defaults
 from serving.openai_server.app import api_key_problem, create_app
 from serving.openai_server.chat import ChatTemplateFault, check_template
 from serving.watchdog import STALL_TIMEOUT_S, Watchdog, stop_server
@@ -82,7 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the GIL its step loop needs (default: on for CUDA devices, off on CPU, where the second "
                         "process takes cores from the forward)")
     p.add_argument("--log_level", default="info", choices=("debug", "info", "warning", "error"))
-    return p.parse_args(argv)
+    return show_defaults(p).parse_args(argv)
 
 
 def address_problem(host: str, port: int) -> str | None:
