@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
-import signal
 import sys
-import threading
 from pathlib import Path
 
 from builder.convert import convert_checkpoint
@@ -26,7 +24,7 @@ from runtime.io.checkpoint import CheckpointError, HFCheckpoint
 from runtime.io.engine_format import (DEFAULT_MAX_DRAFT_LEN, BuildConfig, EngineError, max_draft_len_allowed,
                                      released_quant_algo)
 from runtime.model.config import ConfigError, ModelConfig
-from runtime.cli import show_defaults
+from runtime.cli import interrupt_on_sigterm, show_defaults
 
 
 
@@ -107,14 +105,9 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # SIGTERM (kill, docker stop, a scheduler's time limit) cleans up like Ctrl-C
-
-
 def main(argv: list[str] | None = None) -> int:
     args = show_defaults(parser()).parse_args(argv)
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _interrupt)
+    interrupt_on_sigterm()
     try:
         run(args)
     except (BuildError, OutputDirError, EngineError, CheckpointError, ConfigError) as e:

@@ -22,10 +22,11 @@ import yaml
 
 from runtime.executors.backends import check_settings
 from runtime.executors.base import ExecutorConfig
-from runtime.io.atomic import atomic_write, check_not_replacing, new_output_dir, os_error_text
+from runtime.io.atomic import (atomic_write, check_not_replacing, new_output_dir, os_error_text, release_owned,
+                               remove_stale)
 from runtime.io.engine_format import read_limits, tokenizer_dir
 from runtime.io.tokenizer import TOKENIZER_FILE
-from runtime.cli import show_defaults
+from runtime.cli import interrupt_on_sigterm, show_defaults
 from serving.bls import bls_settings
 from serving.engine_parameters import PARAMETER_OF, engine_parameters
 from serving.fill_template import UPSTREAM_ONLY, fill, parse_substitutions, placeholders
@@ -160,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                                              "decoupled_mode only; its other settings are in tensorrt_llm/1/model.yaml)")
     p.add_argument("--force", action="store_true")
     args = show_defaults(p).parse_args(argv)
+    interrupt_on_sigterm()
     try:
         subs = parse_substitutions(args.set)
         if "engine_dir" in subs:
@@ -184,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
             decoupled = subs.get("decoupled_mode", "true").lower()
             if decoupled not in ("true", "false"):
                 raise ValueError(f"--set decoupled_mode:{subs['decoupled_mode']}: expected true or false")
+        for note in remove_stale(args.output_dir):  # what a killed run left beside it
+            print(f"make_model_repo: {note}", file=sys.stderr)
         with new_output_dir(args.output_dir, args.force) as repo:  # replaced only once the new one is whole
             if args.flavour == "llmapi":
                 add_llmapi_model(repo, args.engine_dir, decoupled=decoupled == "true")
@@ -201,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # the file system's: no space, no permission (the repository is written whole or not at all)
         print(f"make_model_repo: {os_error_text(e)}; no model repository was written", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        release_owned()
+        print("make_model_repo: interrupted; no model repository was written", file=sys.stderr)
+        return 130
     print(args.output_dir)
     return 0
 

@@ -783,6 +783,27 @@ def test_make_model_repo_reads_every_model_as_it_loads(tmp_path: Path, checkpoin
     assert list(tmp_path.iterdir()) == []
 
 
+def test_make_model_repo_interrupted_leaves_nothing_and_clears_what_a_killed_run_left(
+        tmp_path: Path, checkpoint: Path, capsys, monkeypatch) -> None:
+    """SIGTERM / Ctrl-C while writing left its temporary repository and lock, which a rerun (even --force) left too;
+    as build_engine: nothing left, exit 130, and a killed run's leftovers removed by the next."""
+    import serving.model_repo as model_repo
+
+    def interrupted(dst: Path, values: dict) -> None:
+        (dst / "half").mkdir()
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(model_repo, "fill_model_repo", interrupted)
+        assert model_repo.main(["--engine_dir", str(checkpoint), "--output_dir", str(tmp_path / "repo")]) == 130
+    assert capsys.readouterr().err == "make_model_repo: interrupted; no model repository was written\n"
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / ".repo.tmp-killed").mkdir()  # what a SIGKILLed run leaves: its temporary and a lock nobody holds
+    (tmp_path / ".repo.tmp-killed.lock").touch()
+    assert model_repo.main(["--engine_dir", str(checkpoint), "--output_dir", str(tmp_path / "repo")]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["repo"]
+
+
 def test_make_model_repo_says_which_upstream_settings_it_ignores(tmp_path: Path, checkpoint: Path, capsys) -> None:
     """Upstream's settings this repository does not use are taken, and said to be ignored (as fill_template says;
     they were dropped without a word)."""
