@@ -4,11 +4,20 @@ an interrupted command leaves nothing behind."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import pytest
+import torch
 
+import training.distill_mtp as distill
 import training.prepare_data as prepare
+from runtime.model.config import ModelConfig
+from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def error(capsys: pytest.CaptureFixture, main: Callable[[list[str]], object], *argv: object) -> tuple[int, str]:
@@ -74,3 +83,61 @@ def test_prepare_data_interrupted_leaves_nothing(tmp_path, tiny_sources, monkeyp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
     assert {"tokenizer.json", "train.bin", "val.bin", "meta.json"} <= {p.name for p in out.iterdir()}
     assert not (out / "old.txt").exists()
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Path:
+    """A tiny model's training checkpoint (run/ckpt.pt, the keys training.train_model saves) and a token corpus."""
+    cfg = json.loads((ROOT / "models" / "deepseek-v3-mini" / "config.json").read_text())
+    cfg.pop("quantization_config")
+    cfg.update(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+               q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    np.random.default_rng(0).integers(2, 64, size=2000).astype(np.uint16).tofile(tmp_path / "train.bin")
+    (tmp_path / "val.bin").write_bytes((tmp_path / "train.bin").read_bytes())
+    config = ModelConfig.from_dict(cfg)
+    model = DeepseekV3ForCausalLM(config)
+    model.init_weights(seed=0)
+    opt = torch.optim.AdamW(model.parameters())
+    (tmp_path / "run").mkdir()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": 3, "rng": {}, "elapsed_s": 1.0,
+                "config": config.to_dict(), "args": {}}, tmp_path / "run" / "ckpt.pt")
+    return tmp_path / "run"
+
+
+def distill_args(run: Path, out: Path, *extra: object) -> list[str]:
+    return [str(a) for a in ("--ckpt", run / "ckpt.pt", "--out", out, "--data_dir", run.parent, "--batch_size", 1,
+                             "--seq_len", 16, "--eval_batches", 1, "--eval_depth", 2, "--threads", 1, *extra)]
+
+
+def test_distill_refuses_an_out_it_cannot_or_must_not_write(run, capsys):
+    """--out equal to --ckpt overwrote the training checkpoint (train_model --resume then failed with KeyError
+    'opt'); an --out that is a directory, or below a file, failed only after the whole time budget."""
+    before = (run / "ckpt.pt").read_bytes()
+    (run / "notes").write_text("a file")
+    prog = "python -m training.distill_mtp: error:"
+    for out, message in (
+            (run / "ckpt.pt", f"--out {run / 'ckpt.pt'} is --ckpt; writing it would replace the training checkpoint "
+                              "(train_model --resume needs it); choose another path"),
+            (run, f"--out {run}: is a directory, expected a file path"),
+            (run / "notes" / "ckpt.pt", f"--out {run / 'notes' / 'ckpt.pt'}: {run / 'notes'} is not a directory")):
+        assert error(capsys, distill.main, *distill_args(run, out, "--time_budget_min", 30)) == (2, f"{prog} {message}")
+    assert error(capsys, distill.main, *distill_args(run, run.parent / "d.pt", "--seq_len", 0)) == (
+        2, f"{prog} --seq_len must be >= 1, got 0")
+    assert (run / "ckpt.pt").read_bytes() == before
+    assert sorted(p.name for p in run.iterdir()) == ["ckpt.pt", "notes"]
+
+
+def test_distill_interrupted_writes_what_it_has(run, monkeypatch, capsys):
+    """Ctrl-C (or SIGTERM) during distillation was a traceback and nothing written: it stops and writes the
+    checkpoint it has, whole (through atomic_write: nothing else is left beside it)."""
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", interrupted)
+    out = run.parent / "distilled" / "ckpt.pt"
+    distill.main(distill_args(run, out, "--time_budget_min", 30))
+    assert "interrupted at step 0" in capsys.readouterr().out
+    assert sorted(p.name for p in out.parent.iterdir()) == ["ckpt.pt"]
+    state = torch.load(out, weights_only=True)
+    assert state["step"] == 3 and state["distill"]["steps"] == 0

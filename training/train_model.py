@@ -13,9 +13,9 @@ gate's e_score_correction_bias moves by gamma * sign(mean load - expert load).
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
-import os
 import time
 from pathlib import Path
 
@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from runtime.io.atomic import atomic_write
 from runtime.model.config import ModelConfig
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM, Gate
 
@@ -91,9 +92,11 @@ def lr_at(step: int, done: float, args: argparse.Namespace) -> float:
 
 
 def save(path: Path, state: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    """torch.save through runtime/io/atomic's atomic_write: a crash or a full disk leaves the previous checkpoint,
+    never a partial one, and the new one is on disk (fsync) before it replaces the old."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    atomic_write(path, buf.getvalue())
 
 
 def main() -> None:
