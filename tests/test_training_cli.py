@@ -14,6 +14,7 @@ import torch
 
 import training.distill_mtp as distill
 import training.prepare_data as prepare
+import training.train_model as train_model
 from runtime.model.config import ModelConfig
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM
 
@@ -141,3 +142,38 @@ def test_distill_interrupted_writes_what_it_has(run, monkeypatch, capsys):
     assert sorted(p.name for p in out.parent.iterdir()) == ["ckpt.pt"]
     state = torch.load(out, weights_only=True)
     assert state["step"] == 3 and state["distill"]["steps"] == 0
+
+
+def test_train_model_keeps_a_run_it_was_not_told_to_replace(run, capsys):
+    """A rerun without --resume overwrote the run's checkpoint (and appended to its log); --resume without a
+    checkpoint quietly started over; a missing --data_dir, a bad --config or --batch_size 0 failed only after
+    config.json was written into a new --out_dir. Each is now one line before anything is written."""
+    (run / "log.jsonl").write_text("{}\n")
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    data, prog = run.parent, "python -m training.train_model: error:"
+    (data / "bad.json").write_text("{not json")
+    fresh = data / "fresh"
+    for argv, message in (
+            (("--out_dir", run), f"--out_dir {run} holds a checkpoint ({run / 'ckpt.pt'}); pass --resume to continue "
+                                 "it or --force to start over"),
+            (("--out_dir", fresh, "--resume"), f"--resume: no checkpoint to continue at {fresh / 'ckpt.pt'}"),
+            (("--out_dir", fresh, "--data_dir", data / "nowhere"),
+             f"--data_dir {data / 'nowhere'}: no train.bin (training.prepare_data writes train.bin and val.bin)"),
+            (("--out_dir", fresh, "--batch_size", 0), "--batch_size must be >= 1, got 0"),
+            (("--out_dir", fresh, "--seq_len", 5000),
+             f"--data_dir {data}: train.bin holds 2000 tokens, fewer than a window of --seq_len 5000 + 2"),
+            (("--out_dir", fresh, "--config", data / "bad.json"), f"--config {data / 'bad.json'}: not valid JSON (")):
+        status, err = error(capsys, train_model.main, "--data_dir", data, "--config", data / "config.json", *argv)
+        assert status == 2 and err.startswith(f"{prog} {message}"), err
+    assert not fresh.exists()
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+
+
+def test_train_model_resume_names_what_is_not_its_checkpoint(run, capsys):
+    """distill_mtp's output has no optimizer state: --resume from it was a KeyError traceback."""
+    state = torch.load(run / "ckpt.pt", weights_only=True)
+    del state["opt"]
+    torch.save(state, run / "ckpt.pt")
+    assert error(capsys, train_model.main, "--data_dir", run.parent, "--out_dir", run, "--resume") == (
+        2, f"python -m training.train_model: error: --resume {run / 'ckpt.pt'}: not a checkpoint of "
+           "training.train_model (no opt)")

@@ -56,9 +56,10 @@ def token_file(p: Parser, data_dir: Path, name: str) -> Path:
     return path
 
 
-def load_checkpoint(p: Parser, flag: str, path: Path, keys: tuple[str, ...], device: str = "cpu") -> dict:
-    """The training checkpoint at path, or a parser error naming flag and path: missing, unreadable by torch.load, or
-    without one of `keys`."""
+def load_checkpoint(p: Parser, flag: str, path: Path, keys: tuple[str, ...], device: str = "cpu",
+                    made_by: str = "training.train_model or training.distill_mtp") -> dict:
+    """The checkpoint at path, or a parser error naming flag and path: missing, unreadable by torch.load, or without
+    one of `keys` (those `made_by` writes)."""
     if not path.is_file():
         p.error(f"{flag} {path}: file not found")
     try:
@@ -68,8 +69,7 @@ def load_checkpoint(p: Parser, flag: str, path: Path, keys: tuple[str, ...], dev
                 f"{str(e).splitlines()[0] if str(e) else 'no detail'})")
     missing = [key for key in keys if not isinstance(state, dict) or key not in state]
     if missing:
-        p.error(f"{flag} {path}: not a checkpoint of training.train_model or training.distill_mtp "
-                f"(no {', '.join(missing)})")
+        p.error(f"{flag} {path}: not a checkpoint of {made_by} (no {', '.join(missing)})")
     return state
 
 
