@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import training.distill_mtp as distill
+import training.export_model as export
 import training.prepare_data as prepare
 import training.train_model as train_model
 from runtime.model.config import ModelConfig
@@ -177,3 +178,15 @@ def test_train_model_resume_names_what_is_not_its_checkpoint(run, capsys):
     assert error(capsys, train_model.main, "--data_dir", run.parent, "--out_dir", run, "--resume") == (
         2, f"python -m training.train_model: error: --resume {run / 'ckpt.pt'}: not a checkpoint of "
            "training.train_model (no opt)")
+
+
+def test_export_model_errors_name_its_flags(run, capsys):
+    """An existing --out_dir was refused with writer's "(or force=True)", and a --tokenizer_dir without
+    tokenizer.json with a message naming neither the flag nor the directory."""
+    (run / "out").mkdir()
+    prog = "python -m training.export_model: error:"
+    assert error(capsys, export.main, "--ckpt", run / "ckpt.pt", "--tokenizer_dir", run, "--out_dir", run / "out") == (
+        2, f"{prog} {run / 'out'}: output directory already exists; pass --force to replace it")
+    assert error(capsys, export.main, "--ckpt", run / "ckpt.pt", "--tokenizer_dir", run, "--out_dir",
+                 run.parent / "new") == (2, f"{prog} --tokenizer_dir {run}: no tokenizer.json")
+    assert not (run.parent / "new").exists()
