@@ -342,7 +342,7 @@ def test_export_model_refuses_to_replace_its_training_run(tmp_path, monkeypatch,
         export.main()
     assert e.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1] == (
-        f"export_model: error: --out_dir {run} is or contains --ckpt ({run / 'ckpt.pt'}); replacing it would delete "
+        f"python -m training.export_model: error: --out_dir {run} is or contains --ckpt ({run / 'ckpt.pt'}); replacing it would delete "
         "that; choose another directory")
     assert sorted(p.name for p in run.iterdir()) == ["ckpt.pt", "notes.txt", "tokenizer.json"]
 
@@ -364,7 +364,7 @@ def test_export_model_refuses_what_is_not_a_training_checkpoint(tmp_path, monkey
             export.main()
         assert e.value.code == 2
         assert capsys.readouterr().err.splitlines()[-1].startswith(
-            f"export_model: error: --ckpt {tmp_path / name}: {message}")
+            f"python -m training.export_model: error: --ckpt {tmp_path / name}: {message}")
     assert not (tmp_path / "out").exists()
 
 def test_output_that_appears_during_the_build_is_not_replaced(hf, tmp_path, capsys, monkeypatch):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -31,10 +32,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from training.train_model import batches, save
-
+from runtime.io.atomic import os_error_text
 from runtime.model.config import ModelConfig
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM, Gate
+from training.cli import (Parser, at_least_one, check_writable_file, interrupt_on_sigterm, load_checkpoint,
+                          token_file)
+from training.train_model import batches, save
 
 
 def draft_rows(ids: torch.Tensor, hidden: torch.Tensor, owns: list[torch.Tensor]
@@ -96,32 +99,48 @@ def evaluate(model: DeepseekV3ForCausalLM, val: np.ndarray, args: argparse.Names
     return {f"val_{k}": v / args.eval_batches for k, v in sums.items() if k != "loss"}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    p = Parser("distill_mtp", __doc__)
     p.add_argument("--ckpt", type=Path, required=True, help="training checkpoint (training.train_model)")
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--data_dir", type=Path, default=Path("data"))
-    p.add_argument("--time_budget_min", type=float, default=30.0)
-    p.add_argument("--batch_size", type=int, default=16)
-    p.add_argument("--seq_len", type=int, default=256)
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--min_lr_ratio", type=float, default=0.1)
-    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--out", type=Path, required=True, help="checkpoint to write (not --ckpt)")
+    p.add_argument("--data_dir", type=Path, default=Path("data"), help="train.bin and val.bin of training.prepare_data")
+    p.add_argument("--time_budget_min", type=float, default=30.0, help="minutes of distillation")
+    p.add_argument("--batch_size", type=int, default=16, help="windows a step")
+    p.add_argument("--seq_len", type=int, default=256, help="tokens a window")
+    p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate")
+    p.add_argument("--min_lr_ratio", type=float, default=0.1, help="final learning rate / --lr")
+    p.add_argument("--warmup", type=int, default=20, help="warm-up steps")
     p.add_argument("--chain_depth", type=int, default=2, help="train drafts 1..D, each chained on the one before")
     p.add_argument("--eval_depth", type=int, default=4, help="report drafts 1..D on validation windows")
-    p.add_argument("--bias_gamma", type=float, default=1e-3)
-    p.add_argument("--eval_every", type=int, default=100)
-    p.add_argument("--eval_batches", type=int, default=8)
-    p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
-    for name in ("warmup", "eval_every", "chain_depth", "eval_depth"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    p.add_argument("--bias_gamma", type=float, default=1e-3, help="step of the experts' load-balancing bias")
+    p.add_argument("--eval_every", type=int, default=100, help="steps between evaluations")
+    p.add_argument("--eval_batches", type=int, default=8, help="batches an evaluation")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the training windows")
+    args = p.parse_args(argv)
+    at_least_one(p, args, ("batch_size", "seq_len", "warmup", "eval_every", "eval_batches", "chain_depth",
+                           "eval_depth"))
+    if args.out.resolve() == args.ckpt.resolve():
+        p.error(f"--out {args.out} is --ckpt; writing it would replace the training checkpoint (train_model "
+                "--resume needs it); choose another path")
+    check_writable_file(p, "--out", args.out)
+    train = np.memmap(token_file(p, args.data_dir, "train.bin"), dtype=np.uint16, mode="r")
+    val = np.memmap(token_file(p, args.data_dir, "val.bin"), dtype=np.uint16, mode="r")
+    state = load_checkpoint(p, "--ckpt", args.ckpt, ("config", "model", "step", "args"))
     if args.threads:
         torch.set_num_threads(args.threads)
+    interrupt_on_sigterm()
+    try:
+        distill(args, state, train, val)
+    except KeyboardInterrupt:
+        print(f"{p.prog}: interrupted; --out {args.out} was not written", file=sys.stderr)
+        sys.exit(130)
+    except OSError as e:  # no space, no permission: atomic_write leaves no partial file
+        p.error(f"{os_error_text(e)}; --out {args.out} was not written")
 
-    state = torch.load(args.ckpt, map_location="cpu", weights_only=True)
+
+def distill(args: argparse.Namespace, state: dict, train: np.ndarray, val: np.ndarray) -> None:
+    """Train the MTP layer of state's model for --time_budget_min (less if interrupted) and write --out."""
     cfg = ModelConfig.from_dict(state["config"])
     model = DeepseekV3ForCausalLM(cfg)
     model.load_state_dict(state["model"])
@@ -139,36 +158,36 @@ def main() -> None:
     gate.register_forward_hook(lambda mod, inp, out: load.__setitem__(
         "v", torch.bincount(out[1].flatten(), minlength=cfg.n_routed_experts).float()))
 
-    train = np.memmap(args.data_dir / "train.bin", dtype=np.uint16, mode="r")
-    val = np.memmap(args.data_dir / "val.bin", dtype=np.uint16, mode="r")
     gen = np.random.default_rng(args.seed)
     log = [{"step": 0} | evaluate(model, val, args)]
     tqdm.write(json.dumps(log[-1]))
     budget, t0, step = 60 * args.time_budget_min, time.time(), 0
     bar = tqdm(total=round(budget), desc="distill (s)", dynamic_ncols=True)
-    while (elapsed := time.time() - t0) < budget:
-        done = elapsed / budget
-        cos = 0.5 * (1 + math.cos(math.pi * done))
-        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (args.min_lr_ratio + (1 - args.min_lr_ratio) * cos)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        losses = distill_loss(model, batches(train, args.batch_size, args.seq_len, gen), args.chain_depth)
-        opt.zero_grad(set_to_none=True)
-        losses["loss"].backward()
-        torch.nn.utils.clip_grad_norm_(trained, 1.0)
-        opt.step()
-        with torch.no_grad():  # auxiliary-loss-free balancing of the MTP layer's experts
-            gate.e_score_correction_bias += args.bias_gamma * torch.sign(load["v"].mean() - load["v"])
-        step += 1
-        bar.update(round(time.time() - t0) - bar.n)
-        bar.set_postfix(step=step, **{k: f"{v.item():.3f}" for k, v in losses.items() if k != "loss"})
-        if step % args.eval_every == 0:
-            log.append({"step": step, "lr": lr} | evaluate(model, val, args))
-            tqdm.write(json.dumps(log[-1]))
+    try:  # Ctrl-C or SIGTERM ends the distillation early: what it has is written
+        while (elapsed := time.time() - t0) < budget:
+            done = elapsed / budget
+            cos = 0.5 * (1 + math.cos(math.pi * done))
+            lr = args.lr * min(1.0, (step + 1) / args.warmup) * (args.min_lr_ratio + (1 - args.min_lr_ratio) * cos)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            losses = distill_loss(model, batches(train, args.batch_size, args.seq_len, gen), args.chain_depth)
+            opt.zero_grad(set_to_none=True)
+            losses["loss"].backward()
+            torch.nn.utils.clip_grad_norm_(trained, 1.0)
+            opt.step()
+            with torch.no_grad():  # auxiliary-loss-free balancing of the MTP layer's experts
+                gate.e_score_correction_bias += args.bias_gamma * torch.sign(load["v"].mean() - load["v"])
+            step += 1
+            bar.update(round(time.time() - t0) - bar.n)
+            bar.set_postfix(step=step, **{k: f"{v.item():.3f}" for k, v in losses.items() if k != "loss"})
+            if step % args.eval_every == 0:
+                log.append({"step": step, "lr": lr} | evaluate(model, val, args))
+                tqdm.write(json.dumps(log[-1]))
+    except KeyboardInterrupt:
+        tqdm.write(f"interrupted at step {step}; writing {args.out} (a second interrupt stops without writing)")
     bar.close()
     log.append({"step": step} | evaluate(model, val, args))
     tqdm.write(json.dumps(log[-1]))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     save(args.out, {"model": model.state_dict(), "step": state["step"], "config": state["config"],
                     "args": state["args"], "distill": {"args": vars(args) | {"ckpt": str(args.ckpt), "out": str(args.out),
                                                                            "data_dir": str(args.data_dir)},

@@ -6,15 +6,15 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-import torch
-
 from builder.hf_writer import write_hf_checkpoint
-from runtime.io.atomic import OutputDirError, check_not_replacing, os_error_text
+from runtime.io.atomic import OutputDirError, check_not_replacing, check_output_dir, os_error_text, release_owned
 from runtime.model.config import ModelConfig, QuantizationConfig
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM
 from runtime.io.weights import release_tensors
+from training.cli import Parser, interrupt_on_sigterm, load_checkpoint
 
 
 def _positive_float(text: str) -> float:
@@ -24,45 +24,40 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", type=Path, required=True)
-    p.add_argument("--tokenizer_dir", type=Path, required=True)
-    p.add_argument("--out_dir", type=Path, required=True)
+def main(argv: list[str] | None = None) -> None:
+    p = Parser("export_model", __doc__)
+    p.add_argument("--ckpt", type=Path, required=True, help="checkpoint of training.train_model or distill_mtp")
+    p.add_argument("--tokenizer_dir", type=Path, required=True, help="directory of the tokenizer.json to ship")
+    p.add_argument("--out_dir", type=Path, required=True, help="release directory to write")
     p.add_argument("--max_shard_mb", type=_positive_float, default=12.0, help="shard size (the release has several shards)")
     p.add_argument("--bf16", action="store_true", help="write bf16 Linear weights instead of FP8 blocks")
-    p.add_argument("--force", action="store_true")
-    args = p.parse_args()
-    if not args.ckpt.is_file():
-        p.error(f"--ckpt {args.ckpt}: file not found")
+    p.add_argument("--force", action="store_true", help="replace an existing --out_dir")
+    args = p.parse_args(argv)
     try:
+        check_output_dir(args.out_dir, args.force)
         check_not_replacing(args.out_dir, "--out_dir", {"--ckpt": args.ckpt, "--tokenizer_dir": args.tokenizer_dir,
                                                          "the current directory": Path.cwd()})
     except OutputDirError as e:
         p.error(str(e))
-
-    try:
-        state = torch.load(args.ckpt, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch.load raises what its unpickler or zip reader does: no narrower base class
-        p.error(f"--ckpt {args.ckpt}: not a checkpoint torch.load can read ({type(e).__name__}: "
-                f"{str(e).splitlines()[0] if str(e) else 'no detail'})")
-    missing = [key for key in ("config", "model", "step") if not isinstance(state, dict) or key not in state]
-    if missing:
-        p.error(f"--ckpt {args.ckpt}: not a checkpoint of training.train_model or training.distill_mtp "
-                f"(no {', '.join(missing)})")
+    state = load_checkpoint(p, "--ckpt", args.ckpt, ("config", "model", "step"))
+    if not (args.tokenizer_dir / "tokenizer.json").is_file():
+        p.error(f"--tokenizer_dir {args.tokenizer_dir}: no tokenizer.json")
     cfg = ModelConfig.from_dict({**state["config"], "torch_dtype": "bfloat16"})
     if not args.bf16:
         cfg = ModelConfig.from_dict({**cfg.to_dict(), "quantization_config": vars(QuantizationConfig()) | {
             "weight_block_size": [128, 128]}})
     model = DeepseekV3ForCausalLM(cfg)
     model.load_state_dict(state["model"])
-    try:  # the writer checks the output directory and the tokenizer before it reads a tensor
+    interrupt_on_sigterm()
+    try:
         write_hf_checkpoint(args.out_dir, cfg, release_tensors(model), fp8=not args.bf16,
                             max_shard_bytes=int(args.max_shard_mb * 2**20), tokenizer_dir=args.tokenizer_dir,
                             force=args.force)
-    except (FileExistsError, FileNotFoundError) as e:
-        p.error(str(e))
-    except OSError as e:  # no space, no permission: the output is written whole or not at all
+    except KeyboardInterrupt:
+        release_owned()
+        print(f"{p.prog}: interrupted; no output directory was written", file=sys.stderr)
+        sys.exit(130)
+    except OSError as e:  # no space, no permission, an --out_dir made meanwhile: written whole or not at all
         p.error(f"{os_error_text(e)}; no checkpoint was written")
     print(f"step {state['step']} -> {args.out_dir}")
 

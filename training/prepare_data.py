@@ -20,7 +20,7 @@ Outputs (in --out_dir, written to a temp dir and renamed into place):
   heldout_prompts.json                    40 prompts cut from validation documents only
   meta.json                               per-source stats, licences, arguments
 
-Usage: python -m training.prepare_data --out_dir data --vocab_size 4096 [--max_bytes_per_source N]
+Usage: python -m training.prepare_data --out_dir data --vocab_size 4096 [--max_bytes_per_source N] [--force]
 """
 from __future__ import annotations
 
@@ -36,7 +36,6 @@ import hashlib
 import importlib.metadata
 import json
 import random
-import shutil
 import sqlite3
 import sys
 import sysconfig
@@ -48,6 +47,10 @@ from typing import Callable, Iterator
 import numpy as np
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from tqdm import tqdm
+
+from runtime.io.atomic import (OutputDirError, check_not_replacing, check_output_dir, new_output_dir, os_error_text,
+                               release_owned, remove_stale)
+from training.cli import Parser, interrupt_on_sigterm
 
 BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"
 THINK, END_THINK = "<think>", "</think>"
@@ -284,19 +287,42 @@ def tokenizer_config(model_max_length: int) -> dict:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out_dir", type=Path, default=Path("data"))
-    ap.add_argument("--vocab_size", type=int, default=4096)
+def main(argv: list[str] | None = None) -> None:
+    ap = Parser("prepare_data", __doc__.split("\n\n")[0])
+    ap.add_argument("--out_dir", type=Path, default=Path("data"), help="output directory (written whole or not at all)")
+    ap.add_argument("--force", action="store_true", help="replace an existing --out_dir")
+    ap.add_argument("--vocab_size", type=int, default=4096, help="BPE vocabulary, special tokens included")
     ap.add_argument("--max_bytes_per_source", type=int, default=None, help="extra cap on every source")
-    ap.add_argument("--val_frac", type=float, default=0.03)
-    ap.add_argument("--n_prompts", type=int, default=40)
-    ap.add_argument("--model_max_length", type=int, default=4096)
-    ap.add_argument("--seed", type=int, default=1337)
-    args = ap.parse_args()
-    assert len(SPECIAL_TOKENS) < args.vocab_size <= 2**16, "token ids are stored as uint16"
-    t0 = time.time()
+    ap.add_argument("--val_frac", type=float, default=0.03, help="share of each source's documents for validation")
+    ap.add_argument("--n_prompts", type=int, default=40, help="held-out prompts cut from validation documents")
+    ap.add_argument("--model_max_length", type=int, default=4096, help="tokenizer_config.json's model_max_length")
+    ap.add_argument("--seed", type=int, default=1337, help="seed of the caps, the split and the prompts")
+    args = ap.parse_args(argv)
+    if not len(SPECIAL_TOKENS) < args.vocab_size <= 2**16:
+        ap.error(f"--vocab_size must be in {len(SPECIAL_TOKENS) + 1}..{2**16} (ids are stored as uint16 and "
+                 f"{len(SPECIAL_TOKENS)} are special tokens), got {args.vocab_size}")
+    interrupt_on_sigterm()
+    try:
+        check_output_dir(args.out_dir, args.force)
+        check_not_replacing(args.out_dir, "--out_dir", {
+            "the current directory": Path.cwd(), "the Python standard library": Path(sysconfig.get_paths()["stdlib"]),
+            "the package sources": Path(sysconfig.get_paths()["purelib"]), "/usr/share/doc": Path("/usr/share/doc")})
+        for note in remove_stale(args.out_dir):
+            print(f"{ap.prog}: {note}", file=sys.stderr)
+        build(args)
+    except OutputDirError as e:
+        ap.error(str(e))
+    except OSError as e:  # no space, no permission, a file in the way
+        ap.error(f"{os_error_text(e)}; no output directory was written")
+    except KeyboardInterrupt:
+        release_owned()
+        print(f"{ap.prog}: interrupted; no output directory was written", file=sys.stderr)
+        sys.exit(130)
 
+
+def build(args: argparse.Namespace) -> None:
+    """Load the sources, train the tokenizer on the train split, and write --out_dir whole or not at all."""
+    t0 = time.time()
     default_caps = {"python_stdlib": None, "usr_share_doc": 8_000_000, "kjv": None, "site_packages": 6_000_000}
     sources = []
     for load in tqdm([load_stdlib, load_usr_share_doc, load_kjv, load_site_packages], desc="sources"):
@@ -313,62 +339,53 @@ def main() -> None:
 
     tok = train_tokenizer(lambda: (t for _, t in train_docs), len(train_docs), args.vocab_size)
 
-    final = args.out_dir.resolve()
-    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    tok.save(str(tmp / "tokenizer.json"))
-    (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(args.model_max_length), indent=2,
-                                                          ensure_ascii=False) + "\n")
+    with new_output_dir(args.out_dir, args.force) as tmp:
+        tok.save(str(tmp / "tokenizer.json"))
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(args.model_max_length), indent=2,
+                                                              ensure_ascii=False) + "\n")
 
-    source_of = {d: s.name for s in sources for d, _ in s.docs}
-    train_arrs = tokenize(tok, train_docs, "tokenize train")
-    train_ids = np.concatenate(train_arrs)
-    train_ids.tofile(tmp / "train.bin")
-    stats, vals = [], []
-    for s in sources:
-        tr, va = splits[s.name]
-        val_ids = np.concatenate(tokenize(tok, va, f"tokenize val {s.name}"))
-        val_ids.tofile(tmp / f"val_{s.name}.bin")
-        vals.append(val_ids)
-        n_tok_train = sum(len(a) for (d, _), a in zip(train_docs, train_arrs) if source_of[d] == s.name)
-        stats.append({"name": s.name, "licence": s.licence, **s.info,
-                      "n_docs": {"train": len(tr), "val": len(va)},
-                      "bytes": {k: sum(len(t.encode()) for _, t in d) for k, d in (("train", tr), ("val", va))},
-                      "tokens": {"train": n_tok_train, "val": int(len(val_ids))},
-                      "val_docs": [d for d, _ in va]})
-    val_all = np.concatenate(vals)
-    val_all.tofile(tmp / "val.bin")
+        source_of = {d: s.name for s in sources for d, _ in s.docs}
+        train_arrs = tokenize(tok, train_docs, "tokenize train")
+        train_ids = np.concatenate(train_arrs)
+        train_ids.tofile(tmp / "train.bin")
+        stats, vals = [], []
+        for s in sources:
+            tr, va = splits[s.name]
+            val_ids = np.concatenate(tokenize(tok, va, f"tokenize val {s.name}"))
+            val_ids.tofile(tmp / f"val_{s.name}.bin")
+            vals.append(val_ids)
+            n_tok_train = sum(len(a) for (d, _), a in zip(train_docs, train_arrs) if source_of[d] == s.name)
+            stats.append({"name": s.name, "licence": s.licence, **s.info,
+                          "n_docs": {"train": len(tr), "val": len(va)},
+                          "bytes": {k: sum(len(t.encode()) for _, t in d) for k, d in (("train", tr), ("val", va))},
+                          "tokens": {"train": n_tok_train, "val": int(len(val_ids))},
+                          "val_docs": [d for d, _ in va]})
+        val_all = np.concatenate(vals)
+        val_all.tofile(tmp / "val.bin")
 
-    prompts = make_prompts(tok, {s.name: splits[s.name][1] for s in sources}, args.n_prompts, args.seed)
-    (tmp / "heldout_prompts.json").write_text(json.dumps(prompts, indent=1, ensure_ascii=False) + "\n")
+        prompts = make_prompts(tok, {s.name: splits[s.name][1] for s in sources}, args.n_prompts, args.seed)
+        (tmp / "heldout_prompts.json").write_text(json.dumps(prompts, indent=1, ensure_ascii=False) + "\n")
 
-    total_bytes = sum(st["bytes"]["train"] + st["bytes"]["val"] for st in stats)
-    total_tokens = len(train_ids) + len(val_all)
-    meta = {
-        "sources": stats, "vocab_size": tok.get_vocab_size(), "dtype": "uint16",
-        "special_tokens": {t: i for i, t in enumerate(SPECIAL_TOKENS)}, "eos_id": EOS_ID,
-        "doc_format": "[bos] + tokens(doc) + [eos], concatenated; train docs shuffled, val in sorted order",
-        "train_tokens": int(len(train_ids)), "val_tokens": int(len(val_all)),
-        "bytes_per_token": round(total_bytes / total_tokens, 4),  # eos counted as a token
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "tokenizers_version": importlib.metadata.version("tokenizers"),
-        "seconds": round(time.time() - t0, 1),
-    }
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
-
-    old = final.parent / f".{final.name}.old-{os.getpid()}"
-    if final.exists():
-        final.rename(old)
-    tmp.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
+        total_bytes = sum(st["bytes"]["train"] + st["bytes"]["val"] for st in stats)
+        total_tokens = len(train_ids) + len(val_all)
+        meta = {
+            "sources": stats, "vocab_size": tok.get_vocab_size(), "dtype": "uint16",
+            "special_tokens": {t: i for i, t in enumerate(SPECIAL_TOKENS)}, "eos_id": EOS_ID,
+            "doc_format": "[bos] + tokens(doc) + [eos], concatenated; train docs shuffled, val in sorted order",
+            "train_tokens": int(len(train_ids)), "val_tokens": int(len(val_all)),
+            "bytes_per_token": round(total_bytes / total_tokens, 4),  # eos counted as a token
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "tokenizers_version": importlib.metadata.version("tokenizers"),
+            "seconds": round(time.time() - t0, 1),
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
 
     for st in stats:
         print(f"{st['name']:>14}: docs {st['n_docs']['train']:>5}/{st['n_docs']['val']:<4} "
               f"bytes {st['bytes']['train']:>11,}/{st['bytes']['val']:<9,} "
               f"tokens {st['tokens']['train']:>10,}/{st['tokens']['val']:,}  (train/val)")
     print(f"train {len(train_ids):,} tokens, val {len(val_all):,} tokens, "
-          f"{meta['bytes_per_token']} bytes/token, {meta['seconds']}s -> {final}")
+          f"{meta['bytes_per_token']} bytes/token, {meta['seconds']}s -> {args.out_dir}")
 
 
 if __name__ == "__main__":

@@ -13,9 +13,9 @@ gate's e_score_correction_bias moves by gamma * sign(mean load - expert load).
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
-import os
 import time
 from pathlib import Path
 
@@ -24,8 +24,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from runtime.model.config import ModelConfig
+from runtime.io.atomic import atomic_write
+from runtime.model.config import ConfigError, ModelConfig
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM, Gate
+from training.cli import Parser, at_least_one, load_checkpoint, token_file
 
 # Every DeepSeek-V3 feature on, proportioned so one MTP step is cheap next to the 21-layer target.
 # Head dims keep V3's proportions (nope 2 x rope, v = nope); every FP8 matrix dimension is below 128
@@ -91,46 +93,68 @@ def lr_at(step: int, done: float, args: argparse.Namespace) -> float:
 
 
 def save(path: Path, state: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    """torch.save through runtime/io/atomic's atomic_write: a crash or a full disk leaves the previous checkpoint,
+    never a partial one, and the new one is on disk (fsync) before it replaces the old."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    atomic_write(path, buf.getvalue())
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data_dir", type=Path, default=Path("data"))
-    p.add_argument("--out_dir", type=Path, default=Path("runs/mini"))
+def main(argv: list[str] | None = None) -> None:
+    p = Parser("train_model", __doc__)
+    p.add_argument("--data_dir", type=Path, default=Path("data"), help="train.bin and val.bin of training.prepare_data")
+    p.add_argument("--out_dir", type=Path, default=Path("runs/mini"), help="run directory: config.json, ckpt.pt, log.jsonl")
     p.add_argument("--config", type=Path, help="config.json to train (default: the built-in mini config)")
-    p.add_argument("--steps", type=int, default=3000)
-    p.add_argument("--batch_size", type=int, default=16)
-    p.add_argument("--seq_len", type=int, default=256)
+    p.add_argument("--steps", type=int, default=3000, help="optimizer steps of the schedule")
+    p.add_argument("--batch_size", type=int, default=16, help="windows a step")
+    p.add_argument("--seq_len", type=int, default=256, help="tokens a window")
     p.add_argument("--time_budget_min", type=float, default=0.0,
-                   help="finish the schedule after this many minutes of training (resumes included) even if steps remain")
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--min_lr_ratio", type=float, default=0.1)
-    p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--weight_decay", type=float, default=0.1)
-    p.add_argument("--mtp_weight", type=float, default=0.3)
-    p.add_argument("--bias_gamma", type=float, default=1e-3)
-    p.add_argument("--eval_every", type=int, default=200)
-    p.add_argument("--eval_batches", type=int, default=4)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+                   help="finish the schedule after this many minutes of training (resumes included) even if steps "
+                        "remain; 0: no budget")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
+    p.add_argument("--min_lr_ratio", type=float, default=0.1, help="final learning rate / --lr")
+    p.add_argument("--warmup", type=int, default=100, help="warm-up steps")
+    p.add_argument("--weight_decay", type=float, default=0.1, help="AdamW weight decay of the matrices")
+    p.add_argument("--mtp_weight", type=float, default=0.3, help="weight of the MTP loss")
+    p.add_argument("--bias_gamma", type=float, default=1e-3, help="step of the experts' load-balancing bias")
+    p.add_argument("--eval_every", type=int, default=200, help="steps between evaluations (and checkpoints)")
+    p.add_argument("--eval_batches", type=int, default=4, help="batches an evaluation")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    p.add_argument("--resume", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
-    for name in ("steps", "warmup", "eval_every"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    p.add_argument("--resume", action="store_true", help="continue from --out_dir's ckpt.pt")
+    p.add_argument("--force", action="store_true", help="start over in an --out_dir that holds a checkpoint")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the training windows")
+    args = p.parse_args(argv)
+    at_least_one(p, args, ("steps", "batch_size", "seq_len", "warmup", "eval_every", "eval_batches"))
+    if args.resume and args.force:
+        p.error("--resume continues --out_dir's checkpoint and --force starts over; give one of them")
+    train = np.memmap(token_file(p, args.data_dir, "train.bin"), dtype=np.uint16, mode="r")
+    val = np.memmap(token_file(p, args.data_dir, "val.bin"), dtype=np.uint16, mode="r")
+    for name, tokens in (("train.bin", train), ("val.bin", val)):
+        if len(tokens) <= args.seq_len + 2:
+            p.error(f"--data_dir {args.data_dir}: {name} holds {len(tokens)} tokens, fewer than a window of --seq_len "
+                    f"{args.seq_len} + 2")
+    try:
+        cfg = ModelConfig.from_json(args.config) if args.config else ModelConfig.from_dict(MINI_CONFIG)
+    except ConfigError as e:
+        p.error(f"--config {e}")
+    if args.out_dir.exists() and not args.out_dir.is_dir():
+        p.error(f"--out_dir {args.out_dir}: not a directory")
+    ckpt_path = args.out_dir / "ckpt.pt"
+    state = None
+    if args.resume:
+        if not ckpt_path.exists():
+            p.error(f"--resume: no checkpoint to continue at {ckpt_path}")
+        state = load_checkpoint(p, "--resume", ckpt_path, ("model", "opt", "step", "elapsed_s", "rng"), args.device,
+                                made_by="training.train_model")
+    elif ckpt_path.exists() and not args.force:
+        p.error(f"--out_dir {args.out_dir} holds a checkpoint ({ckpt_path}); pass --resume to continue it or --force "
+                "to start over")
     if args.threads:
         torch.set_num_threads(args.threads)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    raw = json.loads(args.config.read_text()) if args.config else MINI_CONFIG
-    cfg = ModelConfig.from_dict(raw)
-    (args.out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    atomic_write(args.out_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
 
-    train = np.memmap(args.data_dir / "train.bin", dtype=np.uint16, mode="r")
-    val = np.memmap(args.data_dir / "val.bin", dtype=np.uint16, mode="r")
     torch.manual_seed(args.seed)
     model = DeepseekV3ForCausalLM(cfg).to(args.device)
     model.init_weights(seed=args.seed)
@@ -142,9 +166,7 @@ def main() -> None:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
     step, gen, elapsed_before = 0, np.random.default_rng(args.seed), 0.0
-    ckpt_path = args.out_dir / "ckpt.pt"
-    if args.resume and ckpt_path.exists():
-        state = torch.load(ckpt_path, map_location=args.device, weights_only=True)
+    if state is not None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         step, elapsed_before = state["step"], state["elapsed_s"]
@@ -156,7 +178,7 @@ def main() -> None:
     hooks = [g.register_forward_hook(lambda mod, inp, out: loads.__setitem__(
         mod, torch.bincount(out[1].flatten(), minlength=cfg.n_routed_experts).float())) for g in gates]
 
-    log = (args.out_dir / "log.jsonl").open("a")
+    log = (args.out_dir / "log.jsonl").open("a" if args.resume else "w")
     model.train()
     t0, tokens_seen = time.time(), 0
     bar = tqdm(total=args.steps, initial=step, desc="train", dynamic_ncols=True)

@@ -1,0 +1,192 @@
+"""The training commands (training.prepare_data, train_model, distill_mtp, export_model) as a careless user meets
+them: existing outputs are kept unless --force, inputs are never replaced, bad input is one line naming the flag, and
+an interrupted command leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+import torch
+
+import training.distill_mtp as distill
+import training.export_model as export
+import training.prepare_data as prepare
+import training.train_model as train_model
+from runtime.model.config import ModelConfig
+from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def error(capsys: pytest.CaptureFixture, main: Callable[[list[str]], object], *argv: object) -> tuple[int, str]:
+    """(exit status, stderr) of a command that exits; stderr must be one line."""
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1, err
+    return e.value.code, err.strip()
+
+
+@pytest.fixture
+def tiny_sources(monkeypatch: pytest.MonkeyPatch) -> None:
+    """prepare_data's sources replaced by a few documents (the real ones take minutes to read)."""
+    docs = [(f"doc/{i}", f"def f{i}(x):\n    return x + {i}  # the quick brown fox\n" * 20) for i in range(40)]
+    monkeypatch.setattr(prepare, "load_stdlib", lambda: prepare.Source("python_stdlib", "PSF-2.0", docs))
+    for name in ("load_usr_share_doc", "load_kjv", "load_site_packages"):
+        monkeypatch.setattr(prepare, name, lambda: None)
+
+
+def test_prepare_data_keeps_an_existing_out_dir(tmp_path, monkeypatch, capsys):
+    """The default --out_dir (./data) or `--out_dir .` was renamed aside and deleted without asking: an existing
+    output is refused without --force, and the current directory or one holding the inputs even with it."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "mine.txt").write_text("kept")
+    assert error(capsys, prepare.main) == (
+        2, "python -m training.prepare_data: error: data: output directory already exists; pass --force to replace it")
+    assert error(capsys, prepare.main, "--out_dir", ".", "--force") == (
+        2, f"python -m training.prepare_data: error: --out_dir . is or contains the current directory ({tmp_path}); "
+           "replacing it would delete that; choose another directory")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["data", "mine.txt"]
+
+
+def test_prepare_data_vocab_size_is_an_error(capsys):
+    """An out-of-range --vocab_size was an AssertionError traceback (and skipped under python -O)."""
+    assert error(capsys, prepare.main, "--vocab_size", "5") == (
+        2, "python -m training.prepare_data: error: --vocab_size must be in 6..65536 (ids are stored as uint16 and 5 "
+           "are special tokens), got 5")
+
+
+def test_prepare_data_interrupted_leaves_nothing(tmp_path, tiny_sources, monkeypatch, capsys):
+    """Ctrl-C or SIGTERM while writing left .data.tmp-<pid> beside the output: now the temporary is removed and the
+    old output stays whole; a finished run with --force replaces it."""
+    out = tmp_path / "data"
+    out.mkdir()
+    (out / "old.txt").write_text("kept")
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    make_prompts = prepare.make_prompts
+    monkeypatch.setattr(prepare, "make_prompts", interrupted)
+    with pytest.raises(SystemExit) as e:
+        prepare.main(["--out_dir", str(out), "--force", "--vocab_size", "300", "--n_prompts", "2"])
+    assert e.value.code == 130
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "python -m training.prepare_data: interrupted; no output directory was written")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"] and (out / "old.txt").read_text() == "kept"
+
+    monkeypatch.setattr(prepare, "make_prompts", make_prompts)
+    prepare.main(["--out_dir", str(out), "--force", "--vocab_size", "300", "--n_prompts", "2"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+    assert {"tokenizer.json", "train.bin", "val.bin", "meta.json"} <= {p.name for p in out.iterdir()}
+    assert not (out / "old.txt").exists()
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Path:
+    """A tiny model's training checkpoint (run/ckpt.pt, the keys training.train_model saves) and a token corpus."""
+    cfg = json.loads((ROOT / "models" / "deepseek-v3-mini" / "config.json").read_text())
+    cfg.pop("quantization_config")
+    cfg.update(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+               q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    np.random.default_rng(0).integers(2, 64, size=2000).astype(np.uint16).tofile(tmp_path / "train.bin")
+    (tmp_path / "val.bin").write_bytes((tmp_path / "train.bin").read_bytes())
+    config = ModelConfig.from_dict(cfg)
+    model = DeepseekV3ForCausalLM(config)
+    model.init_weights(seed=0)
+    opt = torch.optim.AdamW(model.parameters())
+    (tmp_path / "run").mkdir()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": 3, "rng": {}, "elapsed_s": 1.0,
+                "config": config.to_dict(), "args": {}}, tmp_path / "run" / "ckpt.pt")
+    return tmp_path / "run"
+
+
+def distill_args(run: Path, out: Path, *extra: object) -> list[str]:
+    return [str(a) for a in ("--ckpt", run / "ckpt.pt", "--out", out, "--data_dir", run.parent, "--batch_size", 1,
+                             "--seq_len", 16, "--eval_batches", 1, "--eval_depth", 2, "--threads", 1, *extra)]
+
+
+def test_distill_refuses_an_out_it_cannot_or_must_not_write(run, capsys):
+    """--out equal to --ckpt overwrote the training checkpoint (train_model --resume then failed with KeyError
+    'opt'); an --out that is a directory, or below a file, failed only after the whole time budget."""
+    before = (run / "ckpt.pt").read_bytes()
+    (run / "notes").write_text("a file")
+    prog = "python -m training.distill_mtp: error:"
+    for out, message in (
+            (run / "ckpt.pt", f"--out {run / 'ckpt.pt'} is --ckpt; writing it would replace the training checkpoint "
+                              "(train_model --resume needs it); choose another path"),
+            (run, f"--out {run}: is a directory, expected a file path"),
+            (run / "notes" / "ckpt.pt", f"--out {run / 'notes' / 'ckpt.pt'}: {run / 'notes'} is not a directory")):
+        assert error(capsys, distill.main, *distill_args(run, out, "--time_budget_min", 30)) == (2, f"{prog} {message}")
+    assert error(capsys, distill.main, *distill_args(run, run.parent / "d.pt", "--seq_len", 0)) == (
+        2, f"{prog} --seq_len must be >= 1, got 0")
+    assert (run / "ckpt.pt").read_bytes() == before
+    assert sorted(p.name for p in run.iterdir()) == ["ckpt.pt", "notes"]
+
+
+def test_distill_interrupted_writes_what_it_has(run, monkeypatch, capsys):
+    """Ctrl-C (or SIGTERM) during distillation was a traceback and nothing written: it stops and writes the
+    checkpoint it has, whole (through atomic_write: nothing else is left beside it)."""
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", interrupted)
+    out = run.parent / "distilled" / "ckpt.pt"
+    distill.main(distill_args(run, out, "--time_budget_min", 30))
+    assert "interrupted at step 0" in capsys.readouterr().out
+    assert sorted(p.name for p in out.parent.iterdir()) == ["ckpt.pt"]
+    state = torch.load(out, weights_only=True)
+    assert state["step"] == 3 and state["distill"]["steps"] == 0
+
+
+def test_train_model_keeps_a_run_it_was_not_told_to_replace(run, capsys):
+    """A rerun without --resume overwrote the run's checkpoint (and appended to its log); --resume without a
+    checkpoint quietly started over; a missing --data_dir, a bad --config or --batch_size 0 failed only after
+    config.json was written into a new --out_dir. Each is now one line before anything is written."""
+    (run / "log.jsonl").write_text("{}\n")
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    data, prog = run.parent, "python -m training.train_model: error:"
+    (data / "bad.json").write_text("{not json")
+    fresh = data / "fresh"
+    for argv, message in (
+            (("--out_dir", run), f"--out_dir {run} holds a checkpoint ({run / 'ckpt.pt'}); pass --resume to continue "
+                                 "it or --force to start over"),
+            (("--out_dir", fresh, "--resume"), f"--resume: no checkpoint to continue at {fresh / 'ckpt.pt'}"),
+            (("--out_dir", fresh, "--data_dir", data / "nowhere"),
+             f"--data_dir {data / 'nowhere'}: no train.bin (training.prepare_data writes train.bin and val.bin)"),
+            (("--out_dir", fresh, "--batch_size", 0), "--batch_size must be >= 1, got 0"),
+            (("--out_dir", fresh, "--seq_len", 5000),
+             f"--data_dir {data}: train.bin holds 2000 tokens, fewer than a window of --seq_len 5000 + 2"),
+            (("--out_dir", fresh, "--config", data / "bad.json"), f"--config {data / 'bad.json'}: not valid JSON (")):
+        status, err = error(capsys, train_model.main, "--data_dir", data, "--config", data / "config.json", *argv)
+        assert status == 2 and err.startswith(f"{prog} {message}"), err
+    assert not fresh.exists()
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+
+
+def test_train_model_resume_names_what_is_not_its_checkpoint(run, capsys):
+    """distill_mtp's output has no optimizer state: --resume from it was a KeyError traceback."""
+    state = torch.load(run / "ckpt.pt", weights_only=True)
+    del state["opt"]
+    torch.save(state, run / "ckpt.pt")
+    assert error(capsys, train_model.main, "--data_dir", run.parent, "--out_dir", run, "--resume") == (
+        2, f"python -m training.train_model: error: --resume {run / 'ckpt.pt'}: not a checkpoint of "
+           "training.train_model (no opt)")
+
+
+def test_export_model_errors_name_its_flags(run, capsys):
+    """An existing --out_dir was refused with writer's "(or force=True)", and a --tokenizer_dir without
+    tokenizer.json with a message naming neither the flag nor the directory."""
+    (run / "out").mkdir()
+    prog = "python -m training.export_model: error:"
+    assert error(capsys, export.main, "--ckpt", run / "ckpt.pt", "--tokenizer_dir", run, "--out_dir", run / "out") == (
+        2, f"{prog} {run / 'out'}: output directory already exists; pass --force to replace it")
+    assert error(capsys, export.main, "--ckpt", run / "ckpt.pt", "--tokenizer_dir", run, "--out_dir",
+                 run.parent / "new") == (2, f"{prog} --tokenizer_dir {run}: no tokenizer.json")
+    assert not (run.parent / "new").exists()

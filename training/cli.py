@@ -1,0 +1,96 @@
+"""What the training commands share: their argument parser (one-line errors, defaults in --help), a signal handler
+that lets SIGTERM clean up like Ctrl-C, and the checks of the files they read and write."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import NoReturn
+
+import torch
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """The module docstring as written, and each flag's default (none for switches and flags without one)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, `python -m training.<name>: error: <message>`, exit status 2 (as
+    build_engine's), not the usage text followed by the message."""
+
+    def __init__(self, name: str, description: str | None) -> None:
+        super().__init__(prog=f"python -m training.{name}", description=description, formatter_class=_HelpFormatter)
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM (kill, a scheduler's time limit) cleans up like Ctrl-C
+
+
+def interrupt_on_sigterm() -> None:
+    """Let SIGTERM raise KeyboardInterrupt, so a command's cleanup and its one-line exit run for both."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
+
+
+def at_least_one(p: Parser, args: argparse.Namespace, names: tuple[str, ...]) -> None:
+    """A parser error for the first of `names` (integer flags) below 1."""
+    for name in names:
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+
+
+def token_file(p: Parser, data_dir: Path, name: str) -> Path:
+    """data_dir/name, or a parser error naming it and --data_dir (the files training.prepare_data writes)."""
+    path = data_dir / name
+    if not path.is_file():
+        p.error(f"--data_dir {data_dir}: no {name} (training.prepare_data writes train.bin and val.bin)")
+    return path
+
+
+def load_checkpoint(p: Parser, flag: str, path: Path, keys: tuple[str, ...], device: str = "cpu",
+                    made_by: str = "training.train_model or training.distill_mtp") -> dict:
+    """The checkpoint at path, or a parser error naming flag and path: missing, unreadable by torch.load, or without
+    one of `keys` (those `made_by` writes)."""
+    if not path.is_file():
+        p.error(f"{flag} {path}: file not found")
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:  # torch.load raises what its unpickler or zip reader does: no narrower base class
+        p.error(f"{flag} {path}: not a checkpoint torch.load can read ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else 'no detail'})")
+    missing = [key for key in keys if not isinstance(state, dict) or key not in state]
+    if missing:
+        p.error(f"{flag} {path}: not a checkpoint of {made_by} (no {', '.join(missing)})")
+    return state
+
+
+def check_writable_file(p: Parser, flag: str, path: Path) -> None:
+    """A parser error unless a file can be written at path: not a directory, and its nearest existing ancestor a
+    directory this process can create files in (checked by making one, which also holds for root)."""
+    if path.is_dir():
+        p.error(f"{flag} {path}: is a directory, expected a file path")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        p.error(f"{flag} {path}: {parent} is not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=parent)
+    except OSError as e:
+        p.error(f"{flag} {path}: cannot write in {parent} ({e.strerror})")
+    os.close(fd)
+    os.unlink(probe)
