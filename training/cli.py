@@ -5,23 +5,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import tempfile
-import threading
 from pathlib import Path
 from typing import NoReturn
 
 import torch
 
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """The module docstring as written, and each flag's default (none for switches and flags without one)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False:
-            return action.help
-        return super()._get_help_string(action)
+from runtime.cli import show_defaults
 
 
 class Parser(argparse.ArgumentParser):
@@ -29,21 +20,16 @@ class Parser(argparse.ArgumentParser):
     build_engine's), not the usage text followed by the message."""
 
     def __init__(self, name: str, description: str | None) -> None:
-        super().__init__(prog=f"python -m training.{name}", description=description, formatter_class=_HelpFormatter)
+        super().__init__(prog=f"python -m training.{name}", description=description,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def parse_args(self, *args, **kwargs):  # type: ignore[override]
+        show_defaults(self)
+        return super().parse_args(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         sys.exit(2)
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # SIGTERM (kill, a scheduler's time limit) cleans up like Ctrl-C
-
-
-def interrupt_on_sigterm() -> None:
-    """Let SIGTERM raise KeyboardInterrupt, so a command's cleanup and its one-line exit run for both."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _interrupt)
 
 
 def at_least_one(p: Parser, args: argparse.Namespace, names: tuple[str, ...]) -> None:

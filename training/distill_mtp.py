@@ -35,8 +35,8 @@ from tqdm import tqdm
 from runtime.io.atomic import os_error_text
 from runtime.model.config import ModelConfig
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM, Gate
-from training.cli import (Parser, at_least_one, check_writable_file, interrupt_on_sigterm, load_checkpoint,
-                          token_file)
+from runtime.cli import interrupt_on_sigterm
+from training.cli import Parser, at_least_one, check_writable_file, load_checkpoint, token_file
 from training.train_model import batches, save
 
 

@@ -14,7 +14,8 @@ from runtime.io.atomic import OutputDirError, check_not_replacing, check_output_
 from runtime.model.config import ModelConfig, QuantizationConfig
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM
 from runtime.io.weights import release_tensors
-from training.cli import Parser, interrupt_on_sigterm, load_checkpoint
+from runtime.cli import interrupt_on_sigterm
+from training.cli import Parser, load_checkpoint
 
 
 def _positive_float(text: str) -> float:

@@ -50,7 +50,8 @@ from tqdm import tqdm
 
 from runtime.io.atomic import (OutputDirError, check_not_replacing, check_output_dir, new_output_dir, os_error_text,
                                release_owned, remove_stale)
-from training.cli import Parser, interrupt_on_sigterm
+from runtime.cli import interrupt_on_sigterm
+from training.cli import Parser
 
 BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"
 THINK, END_THINK = "<think>", "</think>"
