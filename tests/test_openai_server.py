@@ -1112,3 +1112,17 @@ def test_load_shedding_is_a_503_logged_as_a_warning(shipped_model_dir: Path, tmp
     log = srv.log.read_text()
     assert "WARNING serving.openai_server: POST /v1/completions refused (503): the queue is full" in log
     assert " ERROR " not in log
+
+
+def test_interrupted_while_loading_is_one_line(shipped_model_dir: Path, monkeypatch, capsys) -> None:
+    """Ctrl-C (or SIGTERM, routed the same way until the server takes the signals over) while the model loads printed
+    a traceback; one line and exit 130 now."""
+    import serving.openai_server.cli as cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "open_server_executor", interrupted)
+    monkeypatch.setattr(cli, "interrupt_on_sigterm", lambda: None)  # this process's own handler stays
+    assert cli.main([str(shipped_model_dir), "--port", "0"]) == 130
+    assert capsys.readouterr().err == "dsv3-serve: interrupted while loading the model\n"

@@ -23,7 +23,7 @@ from runtime.executors.base import ExecutorConfig
 from runtime.executors.lifetime import MAX_TORCH_THREADS, stop_signals_to
 from runtime.executors.process import EngineProcessError, open_server_executor
 from runtime.executors.trtllm_api import TensorRTLLMUnavailable
-from runtime.cli import show_defaults
+from runtime.cli import interrupt_on_sigterm, show_defaults
 from serving.openai_server.app import api_key_problem, create_app
 from serving.openai_server.chat import ChatTemplateFault, check_template
 from serving.watchdog import STALL_TIMEOUT_S, Watchdog, stop_server
@@ -131,11 +131,15 @@ def main(argv: list[str] | None = None) -> int:
     if problem := address_problem(args.host, args.port):  # before the model loads (seconds to minutes), not after
         print(f"dsv3-serve: --host {args.host} --port {args.port}: {problem}", file=sys.stderr)
         return 2
+    interrupt_on_sigterm()  # until the server takes the signals over: loading takes seconds to minutes
     try:
         executor = open_server_executor(args.model, config, args.engine_process, args.torch_threads)
     except (ValueError, FileNotFoundError, EngineProcessError, TensorRTLLMUnavailable) as e:
         print(f"dsv3-serve: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("dsv3-serve: interrupted while loading the model", file=sys.stderr)
+        return 130
     name = args.served_model_name or args.model.resolve().name
     try:
         log.info("serving %s as %r at http://%s:%d/v1%s", args.model, name, args.host, args.port,
