@@ -144,6 +144,8 @@ def run(args: argparse.Namespace) -> None:
         return
     if args.output_dir is None:
         raise BuildError("--output_dir is required (or --dry_run)")
+    if args.device_memory_gib is not None:
+        raise BuildError("--device_memory_gib sizes --dry_run's plan; a build reads no device memory (leave it out)")
     check_output_dir(args.output_dir, args.force)
     for note in remove_stale(args.output_dir):
         print(f"build_engine: {note}", file=sys.stderr)
@@ -160,6 +162,9 @@ def run(args: argparse.Namespace) -> None:
     )
     if args.backend == "native" and options != TrtllmOptions():
         raise BuildError("the LLM API options (--enable_attention_dp, --kv_cache_dtype, ...) apply to --backend trtllm only")
+    if args.max_draft_len == 0 and (args.use_relaxed_acceptance_for_thinking or args.use_mtp_vanilla):
+        raise BuildError("--use_relaxed_acceptance_for_thinking and --use_mtp_vanilla change how drafts are made or "
+                         "accepted; --max_draft_len 0 drafts none")
     if args.checkpoint_dir is not None:
         if args.backend == "trtllm":
             raise BuildError("--backend trtllm needs --model_dir: TensorRT-LLM's PyTorch backend loads the HF layout")

@@ -419,6 +419,13 @@ def test_error_missing_and_corrupt_inputs(hf, tmp_path, capsys):
     assert error(capsys, "--model_dir", tmp_path / "notok", "--output_dir", out, "--max_seq_len", 256) == (
         f"build_engine: error: {tmp_path / 'notok' / 'tokenizer.json'}: not a file, expected the tokenizer's "
         "tokenizer.json")
+    # flags that would change nothing were taken without a word
+    assert error(capsys, "--model_dir", hf, "--output_dir", out, "--device_memory_gib", 80) == (
+        "build_engine: error: --device_memory_gib sizes --dry_run's plan; a build reads no device memory (leave it out)")
+    assert error(capsys, "--model_dir", hf, "--output_dir", out, "--backend", "trtllm", "--max_draft_len", 0,
+                 "--use_relaxed_acceptance_for_thinking") == (
+        "build_engine: error: --use_relaxed_acceptance_for_thinking and --use_mtp_vanilla change how drafts are made "
+        "or accepted; --max_draft_len 0 drafts none")
     # a tokenizer with ids past the model's vocabulary: every request using one would be refused (it built)
     vocab, shipped = json.loads((hf / "config.json").read_text())["vocab_size"], ROOT / "models" / "deepseek-v3-mini"
     assert vocab < 4096 and error(capsys, "--model_dir", hf, "--output_dir", out, "--max_seq_len", 256,
