@@ -535,6 +535,10 @@ def check_args(args: argparse.Namespace) -> str | None:
         seen[port] = flag
     if not args.ready_timeout >= 0:  # also refuses NaN
         return f"--ready_timeout {args.ready_timeout}: must be >= 0 seconds"
+    if args.exit_timeout < 0:
+        return f"--exit_timeout {args.exit_timeout}: must be >= 0 seconds"
+    if args.world_size is not None and args.world_size < 1:
+        return f"--world_size {args.world_size}: must be an integer >= 1"
     if args.log_file is not None:
         if args.log_file.is_dir():
             return f"--log_file {args.log_file}: is a directory; give a file path"

@@ -312,6 +312,8 @@ LAUNCHER_ERRORS = {
     "duplicate_ports": (["--http_port", "9000", "--grpc_port", "9000"],
                         "--grpc_port 9000 is also the --http_port; the three ports must differ"),
     "negative_ready_timeout": (["--ready_timeout", "-1"], "--ready_timeout -1.0: must be >= 0 seconds"),
+    "negative_exit_timeout": (["--exit_timeout", "-5"], "--exit_timeout -5: must be >= 0 seconds"),
+    "world_size_zero": (["--world_size", "0"], "--world_size 0: must be an integer >= 1"),
     "log_file_is_a_directory": (["--log_file", "{tmp}"], "--log_file {tmp}: is a directory; give a file path"),
     "log_file_not_writable": (["--log_file", "{tmp}/no/such/dir/server.log"],
                               "--log_file {tmp}/no/such/dir/server.log: cannot write to it (No such file or directory)"),
