@@ -114,6 +114,8 @@ def check_repository(repo: Path, engine_dir: Path, values: dict[str, str]) -> No
         except FileNotFoundError:  # the tokenizer's: named as the user gave it, not in the temporary repository
             raise ValueError(f"model {name}: parameter tokenizer_dir: no {TOKENIZER_FILE} in "
                              f"{values['tokenizer_dir']}") from None
+        except ValueError as e:  # a file the linked tokenizer directory holds: named where the user keeps it
+            raise ValueError(str(e).replace(str(repo / name / "tokenizer"), str(values["tokenizer_dir"]))) from None
     engine_model = read["tensorrt_llm_bls"].engine_model
     if not (repo / engine_model / "config.pbtxt").is_file():
         raise ValueError(f"--set tensorrt_llm_model_name:{engine_model}: no such model in the repository (the BLS "

@@ -306,6 +306,20 @@ def test_settings_are_refused_before_a_weight_loads(shipped_model_dir, monkeypat
     assert str(refused.value) == str(checked.value)
 
 
+def test_a_bad_tokenizer_is_refused_before_a_weight_loads(shipped_model_dir, tmp_path, monkeypatch) -> None:
+    """The tokenizer was read after the weights (minutes on a full-size model) had loaded."""
+    import shutil
+
+    import runtime.executors.native as native
+
+    model = tmp_path / "model"
+    shutil.copytree(shipped_model_dir, model)
+    (model / "tokenizer.json").write_text("{")
+    monkeypatch.setattr(native, "load_engine", lambda *a, **k: pytest.fail("weights loaded before the refusal"))
+    with pytest.raises(ValueError, match=re.escape(f"cannot read tokenizer file {model / 'tokenizer.json'}")):
+        Executor(model, ExecutorConfig(speculation="off"))
+
+
 @pytest.mark.parametrize("speculation", ["fixed", "adaptive"])
 def test_a_checkpoints_draft_length_is_bounded(shipped_model_dir, speculation) -> None:
     """A checkpoint has no max_draft_len of its own: num_draft_tokens 100000 was taken (adaptive speculation then

@@ -804,6 +804,19 @@ def test_make_model_repo_interrupted_leaves_nothing_and_clears_what_a_killed_run
     assert sorted(p.name for p in tmp_path.iterdir()) == ["repo"]
 
 
+def test_make_model_repo_names_a_bad_tokenizer_where_it_is(tmp_path: Path, checkpoint: Path, capsys) -> None:
+    """A tokenizer.json that does not read was named inside the temporary repository being written (deleted since)."""
+    import serving.model_repo as model_repo
+
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text("{")
+    assert model_repo.main(["--engine_dir", str(checkpoint), "--output_dir", str(tmp_path / "repo"), "--set",
+                            f"tokenizer_dir:{tok}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"make_model_repo: cannot read tokenizer file {tok / 'tokenizer.json'}"), err
+
+
 def test_make_model_repo_says_which_upstream_settings_it_ignores(tmp_path: Path, checkpoint: Path, capsys) -> None:
     """Upstream's settings this repository does not use are taken, and said to be ignored (as fill_template says;
     they were dropped without a word)."""

@@ -50,6 +50,7 @@ class Executor:
     def __init__(self, engine: str | Path | LoadedEngine, config: ExecutorConfig = ExecutorConfig()):
         self.config = config
         self.ranks: RankGroup | None = None  # ranks 1.. of a tensor-parallel engine, in processes of their own
+        self.tokenizer: Tokenizer | None = None
         if not isinstance(engine, LoadedEngine):
             self._check_settings(Path(engine))
         try:
@@ -64,13 +65,15 @@ class Executor:
         stop_at_exit(self, lambda: self.shutdown(timeout=None))  # left open: stopped before the interpreter ends
 
     def _check_settings(self, path: Path) -> None:
-        """What the settings refuse, refused from engine.json / config.json before a weight loads (or a rank starts);
-        a directory without either is left to the loader to refuse."""
+        """What the settings refuse, refused from engine.json / config.json before a weight loads (or a rank starts),
+        and the tokenizer read (a bad one is said before the weights load, not after); a directory without either is
+        left to the loader to refuse."""
         built = (path / ENGINE_JSON).is_file()
         if built or (path / "config.json").is_file():
             cfg, build = read_limits(path)
             self.config.world_size_for(build, str(path))
             self.config.serving(build, cfg, str(path), built)
+            self.tokenizer = Tokenizer.from_dir(path)
 
     def _load(self, path: Path) -> LoadedEngine:
         """The engine in this process, or its rank 0 with the other ranks started alongside (runtime.executors.ranks)."""
@@ -102,7 +105,8 @@ class Executor:
         build, cfg, config = self.engine.build, self.engine.model_config, self.config
         self.limits, k = config.serving(build, cfg, str(self.engine.path), self.engine.built)
         self.model_config = cfg
-        self.tokenizer = Tokenizer.from_dir(self.engine.tokenizer_dir)
+        if self.tokenizer is None:  # a loaded engine given
+            self.tokenizer = Tokenizer.from_dir(self.engine.tokenizer_dir)
         if note := self.tokenizer.adopt_eos(cfg.eos_token_id):
             log.warning(note)
         self._grammars: GrammarCompiler | None = None  # built at the first guided request
