@@ -192,14 +192,16 @@ class RankGroup:
         if self.rendezvous is not None:
             shutil.rmtree(self.rendezvous, ignore_errors=True)
 
-    def _check(self, rank: int) -> None:
+    def _check(self, rank: int, read_report: bool = False) -> None:
+        """RankFailure if the rank exited, with what it reported; `read_report` also reads a report of a rank still
+        exiting (after a failed call; each step's check only polls: a read a step and a rank is a system call)."""
         if not self.procs:  # torchrun's: it ends every rank when one fails
             return
         proc = self.procs[rank - 1]
-        reason = self._reason(rank)
-        if reason:  # it is exiting (a rank that reports stops)
-            raise RankFailure(f"rank {rank} (pid {proc.pid}) failed: {reason}")
         code = proc.poll()
+        reason = self._reason(rank) if code is not None or read_report else ""
+        if reason:  # a rank that reports stops
+            raise RankFailure(f"rank {rank} (pid {proc.pid}) failed: {reason}")
         if code is not None:
             raise RankFailure(f"rank {rank} (pid {proc.pid}) exited with code {code}")
 
@@ -210,10 +212,10 @@ class RankGroup:
                 self.reasons[rank] = (self.reports[rank - 1].read(REPORT_BYTES) or b"").decode(errors="replace")
         return self.reasons.get(rank, "")
 
-    def check(self) -> None:
-        """RankFailure if a rank has failed (said why) or exited."""
+    def check(self, read_reports: bool = False) -> None:
+        """RankFailure if a rank has exited (saying why, if it reported), or with `read_reports` has reported."""
         for r in range(1, self.world_size):
-            self._check(r)
+            self._check(r, read_reports)
 
     def send(self, call: tuple[str, dict[str, Any]] | None) -> None:
         """Broadcast a call (method name, keyword arguments) to ranks 1..; None stops them."""
@@ -230,11 +232,11 @@ class RankGroup:
             raise self.failed(e) from e
 
     def failed(self, error: BaseException) -> RankFailure:
-        """The failure to raise after `error` inside a driven call: which rank failed or exited, if one did (waiting a moment
-        for its exit to show), else the error itself. The group is closed: its ranks are out of step."""
+        """The failure to raise after `error` inside a driven call: which rank failed or exited, if one did (waiting a
+        moment for it to show), else the error itself. The group is closed: its ranks are out of step."""
         for _ in range(50):
             try:
-                self.check()
+                self.check(read_reports=True)
             except RankFailure as e:
                 self.close(graceful=False)
                 return e
