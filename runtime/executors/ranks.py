@@ -188,7 +188,8 @@ class RankGroup:
                 if self.store.check([f"error/{r}"]):
                     raise RankFailure(f"rank {r} could not load {self.path}: {self.store.get(f'error/{r}').decode()}")
                 if self.store.check([f"loaded/{r}"]):
-                    self.pids.setdefault(r, int(self.store.get(f"loaded/{r}")))
+                    if r not in self.pids:  # torchrun's
+                        self.pids[r] = int(self.store.get(f"loaded/{r}"))
                     waiting.discard(r)
             self.check()
             if time.monotonic() > deadline:
