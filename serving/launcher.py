@@ -261,6 +261,15 @@ class TritonServer:
         except (urllib.error.URLError, OSError):
             return False
 
+    def listening(self) -> bool:
+        """Whether its HTTP port takes connections: tritonserver closes its endpoints as a signal's stop begins, long
+        before it has unloaded its models; a busy server still takes them (the kernel's backlog does)."""
+        try:
+            with socket.create_connection((self.client_host, self.http_port), timeout=2):
+                return True
+        except OSError:
+            return False
+
     def make_regions_private(self) -> None:
         """Mode 0600 for this server's Python-backend shared-memory regions: Triton 2.51 makes them 0644 whatever
         the umask, and they carry every request's prompt and output. Done as they appear, while the server
@@ -487,8 +496,10 @@ def supervise(server: TritonServer) -> int:
     """Wait for tritonserver to exit; if a Python backend stub dies first (its model would fail every request
     while the server reports ready), stop the server so that a supervisor restarts it. Returns the exit status
     to report: the server's, or 1 for a dead stub or a server a model's watchdog stopped (it says why; a server still
-    in its shutdown KILL_AFTER_S later is stopped here, since the watchdog that would kill it lives in a stub)."""
+    in its shutdown KILL_AFTER_S later is stopped here, since the watchdog that would kill it lives in a stub). A server
+    asked to stop by a signal sent to it (not through this launcher) is waited for: its stubs exit as it unloads."""
     stopping_since: float | None = None  # when a model's watchdog stopped the server
+    asked_to_stop = False
     while server.process.poll() is None:
         time.sleep(SUPERVISE_PERIOD_S)
         server.make_regions_private()
@@ -502,6 +513,12 @@ def supervise(server: TritonServer) -> int:
             time.sleep(2 * SUPERVISE_PERIOD_S)  # stubs also exit when the server shuts down by itself
             if server.process.poll() is not None or server.stop_reason() is not None:
                 continue  # its own shutdown, which may take as long as its models take to unload
+            if not server.listening():  # a SIGTERM or SIGINT sent to it: it closed its endpoints and unloads
+                if not asked_to_stop:
+                    print("launch_triton_server: tritonserver is stopping (its endpoints closed, as on a SIGTERM or "
+                          "SIGINT sent to it); waiting for it to unload its models", file=sys.stderr, flush=True)
+                    asked_to_stop = True
+                continue
             names = ", ".join(f"{name} (pid {pid})" for pid, name in sorted(dead.items()))
             print(f"launch_triton_server: the Python backend stub of {names} died; Triton does not restart it, so "
                   f"its model would fail every request: stopping tritonserver", file=sys.stderr, flush=True)

@@ -26,6 +26,7 @@ from builder.native_engine import build_engine
 from runtime.core.sampling_params import SamplingParams
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
+from runtime.executors.ranks import RankFailure, RankGroup, _file_store
 from runtime.io.engine_format import BuildConfig
 from runtime.io.tokenizer import Tokenizer
 
@@ -201,10 +202,6 @@ def test_ranks_listen_on_loopback_only_and_leave_no_rendezvous(tp2):
 def test_a_rank_that_exits_after_loading_fails_the_group_at_once(tmp_path):
     """A rank that reports its weights loaded and then exits: rank 0, forming the group, names it at once (gloo
     waits for every member as long as a collective may take, a year, and held rank 0 there)."""
-    import threading
-
-    from runtime.executors.ranks import RankFailure, RankGroup, _file_store
-
     store_file = str(tmp_path / "store")
     worker = subprocess.Popen([sys.executable, "-c", "import sys, time, torch.distributed as dist; "
                                "dist.FileStore(sys.argv[1], 2).set('loaded/1', '1'); time.sleep(1)", store_file])
@@ -222,6 +219,61 @@ def test_a_rank_that_exits_after_loading_fails_the_group_at_once(tmp_path):
     thread.join(60)
     assert not thread.is_alive(), "rank 0 is still waiting for a rank that has exited"
     assert [str(e) for e in failure] == [f"rank 1 (pid {worker.pid}) exited with code 0"]
+
+
+LOST_PEER = ("RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+             "[127.0.0.1]:4242")
+
+
+def fake_ranks(tmp_path: Path, ranks: list[tuple[str, float]]) -> RankGroup:
+    """Rank 0's group of processes that each write a report (ranks[i][0], nothing if empty) to their pipe, then exit
+    after ranks[i][1] seconds."""
+    procs, reports = [], []
+    for report, lives in ranks:
+        read, write = os.pipe()
+        os.set_blocking(read, False)
+        reports.append(os.fdopen(read, "rb", buffering=0))
+        procs.append(subprocess.Popen([sys.executable, "-c", "import os, sys, time; os.write(int(sys.argv[1]), "
+                                       "sys.argv[2].encode()); time.sleep(float(sys.argv[3])); sys.exit(1)",
+                                       str(write), report, str(lives)], pass_fds=(write,)))
+        os.close(write)
+    store = _file_store(str(tmp_path / "store"), len(ranks) + 1)
+    return RankGroup(tmp_path, BuildConfig(tp_size=len(ranks) + 1), store, procs, None, reports)
+
+
+def test_the_rank_that_failed_is_named_not_those_that_lost_it(tmp_path):
+    """At tp > 2, when a rank dies the others lose their connections to it and report gloo's "Connection closed by
+    peer": rank 0 named the lowest rank that had stopped, often one of those. It names the rank that failed on its
+    own: killed by a signal, or with its own exception, whatever ranks below it lost it."""
+    group = fake_ranks(tmp_path, [(LOST_PEER, 0), ("", 60), (LOST_PEER, 0)])  # rank 2 is killed
+    try:
+        group.procs[1].kill()
+        for p in group.procs:
+            p.wait()
+        with pytest.raises(RankFailure) as failure:
+            group.check()
+        assert str(failure.value) == f"rank 2 (pid {group.procs[1].pid}) exited with code -9"
+    finally:
+        group.close(graceful=False)
+    # a call failed: the reports of ranks still exiting are read, and rank 3's own exception named
+    group = fake_ranks(tmp_path, [(LOST_PEER, 60), (LOST_PEER, 60), ("RuntimeError: out of memory", 60)])
+    try:
+        time.sleep(0.5)  # they have written their reports
+        with pytest.raises(RankFailure) as failure:
+            group.check(read_reports=True)
+        assert str(failure.value) == f"rank 3 (pid {group.procs[2].pid}) failed: RuntimeError: out of memory"
+    finally:
+        group.close(graceful=False)
+    # when every rank that stopped only lost another (one torchrun's store never heard from), the lowest is named
+    group = fake_ranks(tmp_path, [("", 60), (LOST_PEER, 0), (LOST_PEER, 0)])
+    try:
+        for p in group.procs[1:]:
+            p.wait()
+        with pytest.raises(RankFailure) as failure:
+            group.check()
+        assert str(failure.value) == f"rank 2 (pid {group.procs[1].pid}) failed: {LOST_PEER}"
+    finally:
+        group.close(graceful=False)
 
 
 def test_a_killed_rank_stops_the_executor_with_a_clear_error(tp2, shipped_model_dir):
@@ -244,8 +296,6 @@ def test_a_rank_that_fails_after_loading_names_its_error_at_the_call(tp2, monkey
     """A rank that cannot allocate its KV cache (a host whose ranks' memory differs): the executor was made and
     failed at its first step, "rank 1 exited with code 1", the reason in rank 1's stderr alone. It fails to be
     made, with rank 1's exception."""
-    from runtime.executors.ranks import RankFailure, RankGroup
-
     send = RankGroup.send
 
     def huge_cache(self, call):  # more bytes than the address space: rank 1's allocation fails
@@ -368,6 +418,38 @@ def test_torchrun_starts_the_ranks(tp2, tmp_path):
                                       world_size=1)) as ex:
         want = ex.submit([5, 17, 300, 42, 7], SamplingParams(max_tokens=12, temperature=0.0)).result().token_ids
     assert line.split()[1:] == ["2", *map(str, want)]
+
+
+TORCHRUN_FAILING_SCRIPT = """
+import os, sys
+from runtime.executors.base import ExecutorConfig
+from runtime.executors.native import Executor
+from runtime.executors.ranks import RankFailure, RankGroup
+print("pid", os.environ["RANK"], os.getpid(), flush=True)
+send = RankGroup.send
+def huge_cache(self, call):  # more bytes than the address space: rank 1's allocation fails
+    send(self, ("cache", {**call[1], "shape": (1 << 50,)}) if call and call[0] == "cache" else call)
+RankGroup.send = huge_cache
+try:
+    Executor(sys.argv[1], ExecutorConfig(num_draft_tokens=0, kv_cache_tokens=1024))
+except RankFailure as e:
+    print("error", e, flush=True)
+"""
+
+
+def test_a_rank_torchrun_started_names_its_error_on_rank_0(tp2, tmp_path):
+    """A rank torchrun started whose own part fails (its KV cache here) logged its exception alone, and rank 0 raised
+    "a forward failed on rank 0 of 2 (RuntimeError: ... Connection closed by peer ...)". It writes its exception to
+    torchrun's store, and rank 0 names the rank, its pid and its error, as for ranks the executor starts."""
+    script = tmp_path / "fail.py"
+    script.write_text(TORCHRUN_FAILING_SCRIPT)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(script), str(tp2)], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[1])
+    pids = dict(x.split()[1:] for x in run.stdout.splitlines() if x.startswith("pid"))
+    [error] = [x for x in run.stdout.splitlines() if x.startswith("error")] or [run.stderr[-2000:]]
+    assert error.startswith(f"error rank 1 (pid {pids['1']}) failed: RuntimeError: "), error
+    assert "can't allocate memory: you tried to allocate 4503599627370496 bytes" in error
 
 
 def test_dry_run_plans_what_the_ranks_hold(tp2, shipped_model_dir, capsys):

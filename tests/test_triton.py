@@ -414,6 +414,33 @@ def test_launcher_names_the_model_whose_watchdog_stopped_the_server(tmp_path: Pa
             proc.wait()
 
 
+def test_launcher_waits_for_a_server_a_signal_asked_to_stop(tmp_path: Path) -> None:
+    """A SIGTERM sent to tritonserver itself (not through the launcher) whose models take more than 2 s to unload: the
+    echo model's stub exited first, and the launcher blamed it ("the Python backend stub of echo_0_0 (pid ...) died")
+    and exited 1. Its endpoints closed, the server is stopping as asked: the launcher waits for it and exits with its
+    status."""
+    (tmp_path / "repo" / "slow" / "1").mkdir(parents=True)
+    (tmp_path / "repo" / "slow" / "config.pbtxt").write_text(ECHO_CONFIG.replace('"echo"', '"slow"'))
+    (tmp_path / "repo" / "slow" / "1" / "model.py").write_text(ECHO_MODEL.replace("class TritonPythonModel:", """import time
+class TritonPythonModel:
+    def finalize(self):
+        time.sleep(6)  # as an engine's executor and ranks stop
+"""))
+    proc, _ = launch_echo_server(tmp_path)
+    try:
+        stubs = python_stubs(proc.pid)
+        [server_pid] = [p for p in live_descendants(proc.pid) if p not in stubs]
+        os.kill(server_pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert proc.stderr.read() == ("launch_triton_server: tritonserver is stopping (its endpoints closed, as on a "
+                                      "SIGTERM or SIGINT sent to it); waiting for it to unload its models\n"
+                                      "tritonserver exited with status 0\n")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_launcher_refuses_a_repository_without_models(tmp_path: Path, shipped_model_dir: Path) -> None:
     """Given the engine directory by mistake, or an empty one, tritonserver served nothing and said it was ready (a
     load balancer would send it traffic): refused, naming the flag."""

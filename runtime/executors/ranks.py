@@ -17,8 +17,9 @@ the ranks' calls are pickles. Ranks torchrun started meet at its store and conne
 Lifetime: a worker dies with rank 0's process (runtime.executors.lifetime) or when the group's connections
 close; `RankGroup.close` sends a stop, then SIGTERM, then SIGKILL. Any failure inside a driven forward leaves the
 ranks out of step (some wait in a collective the others never reach), so it ends the group and raises
-`RankFailure`, naming the rank that failed and why (a rank started here writes its exception to a pipe before it
-exits) or its exit code: the executor stops with it.
+`RankFailure`, naming the rank that failed and why (a rank writes its exception before it exits: to a pipe if started
+here, else to torchrun's store) or its exit code: the executor stops with it. When one rank dies, the others lose their
+connections to it and report that too; the rank named is the one that failed on its own (`culprit`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import time
 import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable
 
 import torch
 import torch.distributed as dist
@@ -68,10 +69,39 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(days=365)
 RENDEZVOUS_LEFT = re.compile(rf"dsv3-ranks-{PID_NAMESPACE}-(\d+)-")  # a rank 0 killed while its ranks met
 _CACHE = "<kv_cache>"  # stands for the rank's own KV cache in a broadcast call
 REPORT_BYTES = 4096  # of a rank's last words (its exception) to rank 0: PIPE_BUF, so its one write arrives whole
+# gloo's error when a peer's connection closes or breaks (its transport's file names it): a rank that reports it lost
+# a peer, the one that failed
+LOST_PEER = "gloo/transport/"
 
 
 class RankFailure(RuntimeError):
     """A rank exited, or a forward failed on one, so the ranks are out of step: the executor must stop."""
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """A rank that exited (`code`; None: not seen exiting, as torchrun's are not) or reported why it stops (`reason`)."""
+
+    rank: int
+    pid: int | None
+    code: int | None
+    reason: str
+
+    @property
+    def lost_peer(self) -> bool:
+        """It stopped because another rank's connection closed: that rank is the one to name."""
+        return LOST_PEER in self.reason
+
+    def __str__(self) -> str:
+        who = f"rank {self.rank} (pid {self.pid})"
+        return f"{who} failed: {self.reason}" if self.reason else f"{who} exited with code {self.code}"
+
+
+def culprit(stopped: list[Stopped]) -> Stopped:
+    """The rank to name among those that stopped: one that failed on its own (its exception, a signal, an exit with
+    nothing reported) before one that reports a lost connection (at tp > 2 the others' follow-on when one dies);
+    the lowest rank among equals."""
+    return min(stopped, key=lambda s: (s.lost_peer, s.rank))
 
 
 @dataclass(frozen=True)
@@ -91,8 +121,10 @@ class RankGroup:
     def __init__(self, path: Path, build: BuildConfig, store: dist.Store, procs: list[subprocess.Popen],
                  rendezvous: Path | None = None, reports: list[BinaryIO] | None = None):
         self.path, self.build, self.store, self.procs = path, build, store, procs
+        self.pids = {r: p.pid for r, p in enumerate(procs, 1)}  # torchrun's ranks say theirs once loaded
         self.rendezvous = rendezvous  # the file store's directory, for ranks started here
-        # for ranks started here, a pipe from each: why it stops after loading (the store is gone by then)
+        # for ranks started here, a pipe from each: why it stops after loading (the store is gone by then); torchrun's
+        # say it in torchrun's store, which lives as long as they do
         self.reports = reports or []
         self.reasons: dict[int, str] = {}  # rank -> what it reported as it stopped
         self.par = Parallel(build.layout(0))  # its group once `connect` has formed it
@@ -118,7 +150,9 @@ class RankGroup:
                 raise ValueError(f"torchrun started {size} ranks; {path} has tp_size {world}")
             if rank:
                 options = dataclasses.replace(options, threads=torch.get_num_threads())
-                raise SystemExit(_worker(str(path), rank, world, _torchrun_store(rank, world), options, loopback=False))
+                store = _torchrun_store(rank, world)
+                raise SystemExit(_worker(str(path), rank, world, store, options, loopback=False,
+                                         report=lambda reason: store.set(f"failed/{rank}", reason)))
             return cls(Path(path), build, _torchrun_store(0, world), [])  # torchrun watches and ends the ranks
         threads = max(1, torch.get_num_threads() // world)
         torch.set_num_threads(threads)
@@ -153,9 +187,11 @@ class RankGroup:
             for r in sorted(waiting):
                 if self.store.check([f"error/{r}"]):
                     raise RankFailure(f"rank {r} could not load {self.path}: {self.store.get(f'error/{r}').decode()}")
-                self._check(r)
                 if self.store.check([f"loaded/{r}"]):
+                    if r not in self.pids:  # torchrun's
+                        self.pids[r] = int(self.store.get(f"loaded/{r}"))
                     waiting.discard(r)
+            self.check()
             if time.monotonic() > deadline:
                 raise RankFailure(f"ranks {sorted(waiting)} did not load {self.path} within "
                                   f"{CONNECT_TIMEOUT.total_seconds():.0f} s")
@@ -192,30 +228,38 @@ class RankGroup:
         if self.rendezvous is not None:
             shutil.rmtree(self.rendezvous, ignore_errors=True)
 
-    def _check(self, rank: int, read_report: bool = False) -> None:
-        """RankFailure if the rank exited, with what it reported; `read_report` also reads a report of a rank still
-        exiting (after a failed call; each step's check only polls: a read a step and a rank is a system call)."""
-        if not self.procs:  # torchrun's: it ends every rank when one fails
-            return
-        proc = self.procs[rank - 1]
-        code = proc.poll()
+    def _stopped(self, rank: int, read_report: bool) -> Stopped | None:
+        """The rank if it exited, with what it reported; `read_report` also reads a report of a rank still exiting
+        (after a failed call; each step's check only polls: a read a step and a rank is a system call, a round trip to
+        torchrun's store)."""
+        code = self.procs[rank - 1].poll() if self.procs else None  # torchrun's are not ours to poll
         reason = self._reason(rank) if code is not None or read_report else ""
-        if reason:  # a rank that reports stops
-            raise RankFailure(f"rank {rank} (pid {proc.pid}) failed: {reason}")
-        if code is not None:
-            raise RankFailure(f"rank {rank} (pid {proc.pid}) exited with code {code}")
+        return Stopped(rank, self.pids.get(rank), code, reason) if code is not None or reason else None
 
     def _reason(self, rank: int) -> str:
         """What a rank reported as it stopped (its exception, one write: whole or not yet there); '' if nothing."""
-        if not self.reasons.get(rank) and self.reports and not self.reports[rank - 1].closed:
-            with contextlib.suppress(ValueError):  # closed meanwhile by a shutdown's close(), on another thread
-                self.reasons[rank] = (self.reports[rank - 1].read(REPORT_BYTES) or b"").decode(errors="replace")
-        return self.reasons.get(rank, "")
+        if not self.reasons.get(rank):
+            self.reasons[rank] = self._read_report(rank)
+        return self.reasons[rank]
+
+    def _read_report(self, rank: int) -> str:
+        if not self.reports:  # torchrun's ranks: its store
+            with contextlib.suppress(RuntimeError):  # gone: torchrun is ending the ranks
+                if self.store.check([f"failed/{rank}"]):
+                    return self.store.get(f"failed/{rank}").decode(errors="replace")
+            return ""
+        with contextlib.suppress(ValueError):  # closed by a shutdown's close(), maybe meanwhile on another thread
+            return (self.reports[rank - 1].read(REPORT_BYTES) or b"").decode(errors="replace")
+        return ""
 
     def check(self, read_reports: bool = False) -> None:
-        """RankFailure if a rank has exited (saying why, if it reported), or with `read_reports` has reported."""
-        for r in range(1, self.world_size):
-            self._check(r, read_reports)
+        """RankFailure if a rank has exited, or with `read_reports` has reported, naming the `culprit` and why (every
+        rank's report is read first: the one to name may still be exiting)."""
+        ranks = range(1, self.world_size)
+        if read_reports or any(self._stopped(r, False) for r in ranks):
+            stopped = [s for r in ranks if (s := self._stopped(r, True))]
+            if stopped:
+                raise RankFailure(str(culprit(stopped)))
 
     def send(self, call: tuple[str, dict[str, Any]] | None) -> None:
         """Broadcast a call (method name, keyword arguments) to ranks 1..; None stops them."""
@@ -405,9 +449,9 @@ def _torchrun_store(rank: int, world: int) -> dist.Store:
 
 
 def _worker(path: str, rank: int, world: int, store: dist.Store, options: RankOptions, loopback: bool,
-            report: int | None = None) -> int:
+            report: Callable[[str], object]) -> int:
     """Load this rank's file and serve rank 0's calls. A load failure goes to the store (rank 0 waits there); a later
-    one, to `report` (a pipe rank 0 reads at its checks), or under torchrun to the log alone."""
+    one, to `report`, where rank 0 reads it when a call fails or the rank has exited."""
     torch.set_num_threads(options.threads)
     try:
         par = Parallel(EngineManifest.read(Path(path)).build.layout(rank))
@@ -416,15 +460,14 @@ def _worker(path: str, rank: int, world: int, store: dist.Store, options: RankOp
     except Exception as e:  # rank 0 reports it
         store.set(f"error/{rank}", f"{type(e).__name__}: {e}")
         return 1
-    store.set(f"loaded/{rank}", "1")
+    store.set(f"loaded/{rank}", str(os.getpid()))
     par.group = _group(store, rank, world, loopback)
     try:
         _serve(engine.model, par)
     except Exception as e:  # rank 0 has gone (its connection closed), a collective failed, or this rank's own part
         log.error("rank %d of %d stops: %s", rank, world, e)
-        if report is not None:
-            with contextlib.suppress(OSError):  # rank 0 has gone
-                os.write(report, f"{type(e).__name__}: {e}".encode()[:REPORT_BYTES])
+        with contextlib.suppress(OSError, RuntimeError):  # rank 0 (or torchrun's store) has gone
+            report(f"{type(e).__name__}: {e}")
         return 1
     return 0
 
@@ -441,7 +484,8 @@ def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0's process decides
     logging.basicConfig(level=logging.WARNING, format=f"rank {args.rank}: %(levelname)s %(message)s")
     return _worker(args.path, args.rank, args.world, _file_store(args.store, args.world),
-                   RankOptions(**json.loads(args.options)), loopback=True, report=args.report)
+                   RankOptions(**json.loads(args.options)), loopback=True,
+                   report=lambda reason: os.write(args.report, reason.encode()[:REPORT_BYTES]))
 
 
 if __name__ == "__main__":
