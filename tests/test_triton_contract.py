@@ -524,6 +524,8 @@ def test_relaxed_acceptance_keeps_upstreams_defaults(tmp_path: Path, checkpoint:
     (dict(enable_lora=True), "unknown key(s) enable_lora"),
     (dict(speculative_config={"decoding_type": "MTP", "max_draft_len": 2, "num_nextn_predict_layers": 3}),
      "max_draft_len 2 and num_nextn_predict_layers 3 differ"),
+    (dict(speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": "two"}),
+     "speculative_config.num_nextn_predict_layers must be an integer >= 0, got 'two'"),
     (dict(triton_config={"decoupled": "yes"}), "triton_config.decoupled must be true or false"),
     (dict(triton_config={"max_batch_sizes": 4}), "triton_config: unknown key(s) max_batch_sizes"),
     (dict(triton_config={"watchdog_timeout_s": "long"}), "triton_config.watchdog_timeout_s must be a number"),
@@ -623,7 +625,7 @@ def test_the_launchers_world_size_is_read_with_the_executor_config(tmp_path: Pat
 
 
 def test_a_long_refused_value_is_quoted_short_with_its_length(tmp_path: Path, checkpoint: Path) -> None:
-    """model.yaml's refusals quote a value as config.pbtxt's do (serving.triton_parameters.shown): a long string is
+    """model.yaml's refusals quote a value as config.pbtxt's do (runtime.io.yaml_file.shown): a long string is
     cut, its length said."""
     with pytest.raises(ModelYamlError) as e:
         read_model_yaml(write_yaml(tmp_path, checkpoint, backend="x" * 5000), tmp_path)

@@ -131,10 +131,10 @@ class TrtllmExecutor:
         self.engine = engine if isinstance(engine, TrtllmEngine) else TrtllmEngine.open(engine, verify_weights)
         self.model_config = self.engine.manifest.model_config
         self.config = config
+        source = str(self.engine.path / LLM_API_OPTIONS)
         self.llm_kwargs = llm_kwargs_for(chosen_options(self.engine.options, config), self.engine.manifest, config,
-                                         llm_overrides,
-                                         source=str(self.engine.path / LLM_API_OPTIONS))
-        self.num_draft_tokens = draft_len_of(self.llm_kwargs)
+                                         llm_overrides, source=source)
+        self.num_draft_tokens = draft_len_of(self.llm_kwargs.get("speculative_config"), source)
         build = self.engine.build
         self.limits = SchedulerConfig(
             max_batch_size=int(self.llm_kwargs.get("max_batch_size", build.max_batch_size)),
