@@ -66,9 +66,11 @@ WEATHER = {"type": "object", "additionalProperties": False, "required": ["city",
                           "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
 TIME = {"type": "object", "additionalProperties": False, "required": ["zone"],
         "properties": {"zone": {"type": "string", "maxLength": 8}}}
+# tools with flat schemas that schema_problem checks (tests/test_openai_tools.py calls them too; a description with
+# characters a template must write as they are)
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The forecast for a city",
                                            "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time", "description": "The time in a zone",
+         {"type": "function", "function": {"name": "get_time", "description": "The time in a zone (<tz> & 'dst')",
                                            "parameters": TIME}}]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],

@@ -20,10 +20,10 @@ import yaml
 from runtime.core.sampling_params import RelaxedAcceptance
 from runtime.executors.base import ExecutorConfig
 from runtime.model.config import is_int
-from runtime.executors.trtllm_api import read_llm_api_options
-from runtime.io.engine_format import HF_DIR, engine_backend, read_limits
-from runtime.io.yaml_file import read_yaml
-from serving.triton_parameters import QUEUE_SIZE, TritonConfig, launcher_world_size, queue_bound, settings, shown
+from runtime.executors.trtllm_api import draft_len_of, read_llm_api_options, with_draft_len
+from runtime.io.engine_format import HF_DIR, LLM_API_OPTIONS, engine_backend, read_limits
+from runtime.io.yaml_file import read_yaml, shown
+from serving.triton_parameters import QUEUE_SIZE, TritonConfig, launcher_world_size, queue_bound, settings
 
 MODEL_YAML = "model.yaml"
 SPECULATION_WARNED = ("use_mtp_vanilla", "mtp_eagle_one_model", "max_concurrency", "draft_len_schedule",
@@ -218,16 +218,13 @@ def _speculative(spec: Any, source: str, warnings: list[str], unapplied: list[st
     if kind != "MTP":
         raise ModelYamlError(f"{source}: speculative_config.decoding_type {shown(kind)}: supported: MTP (this runtime "
                              "drafts with the model's own MTP layer)")
-    k = spec.pop("max_draft_len", None)
-    old = spec.pop("num_nextn_predict_layers", None)
-    if old is not None:
-        if k is not None and k != old:
-            raise ModelYamlError(f"{source}: speculative_config: max_draft_len {k} and num_nextn_predict_layers {old} "
-                                 "differ (num_nextn_predict_layers is the older name of max_draft_len); give one")
-        if k is None:
-            warnings.append("speculative_config.num_nextn_predict_layers is deprecated upstream: write max_draft_len")
-        k = old
-    k = 1 if k is None else _int(k, "speculative_config.max_draft_len", source, low=0)
+    try:
+        k = draft_len_of(spec, source)
+    except ValueError as e:
+        raise ModelYamlError(str(e)) from None
+    if spec.pop("max_draft_len", None) is None and spec.get("num_nextn_predict_layers") is not None:
+        warnings.append("speculative_config.num_nextn_predict_layers is deprecated upstream: write max_draft_len")
+    spec.pop("num_nextn_predict_layers", None)
     relaxed = None
     values = {name: spec.pop(name) for name in RELAXED if name in spec}
     if _bool(values.pop("use_relaxed_acceptance_for_thinking", False),
@@ -283,10 +280,9 @@ def model_yaml(engine_dir: Path, model: str, *, decoupled: bool) -> dict[str, An
     options = dict(_engine_options(engine_dir))
     if options:
         model = f"{model}/{HF_DIR}"  # what upstream's LLM loads; read_model_yaml takes the engine around it
-        spec = dict(options.get("speculative_config") or {})
-        if "num_nextn_predict_layers" in spec and "max_draft_len" not in spec:  # both names at one value: 2026's
-            spec["max_draft_len"] = spec["num_nextn_predict_layers"]          # name, and what 1.0 / 1.1 read
-            options["speculative_config"] = spec
+        spec = options.get("speculative_config")
+        if spec is not None:
+            options["speculative_config"] = with_draft_len(spec, draft_len_of(spec, str(engine_dir / LLM_API_OPTIONS)))
     else:
         options = {"backend": "pytorch", "tensor_parallel_size": build.tp_size,
                    "moe_expert_parallel_size": build.ep_size, "max_batch_size": build.max_batch_size,

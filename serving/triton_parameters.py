@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import os
 import re
-import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from runtime.executors.lifetime import MAX_TORCH_THREADS
+from runtime.io.yaml_file import shown
 from serving.watchdog import STALL_TIMEOUT_S
 
 T = TypeVar("T")
@@ -23,16 +23,6 @@ QUEUE_SIZE = "max_queue_size"
 
 TRUE_VALUES = ("1", "true", "yes", "t", "y", "on")
 FALSE_VALUES = ("0", "false", "no", "f", "n", "off")
-
-
-def shown(value: Any, limit: int = 40) -> str:
-    """A refused setting's value as an error quotes it, cut short: a string may be of any length, and YAML aliases
-    make a few bytes of file a structure of billions of items, which repr would expand."""
-    if isinstance(value, str):
-        return repr(value) if len(value) <= limit else f"{value[:limit]!r}... ({len(value)} characters)"
-    cut = reprlib.Repr()
-    cut.maxlevel, cut.maxlist, cut.maxdict, cut.maxstring, cut.maxother, cut.maxlong = 1, 4, 4, limit, limit, limit
-    return cut.repr(value)
 
 
 def boolean(value: str) -> bool:

@@ -1,4 +1,4 @@
-"""Shared test helpers: a tiny DeepSeek-V3 config and random weights for it.
+"""Shared test helpers: a tiny DeepSeek-V3 config and random weights for it, and the Triton tests' fixtures.
 
 The config keeps every feature of the real one (q LoRA, yarn, grouped routing with a bias,
 a dense first layer, a shared expert, one MTP layer, FP8 quantization config) at toy sizes.
@@ -7,6 +7,7 @@ a dense first layer, a shared expert, one MTP layer, FP8 quantization config) at
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -136,7 +137,6 @@ def tiny_checkpoint(tmp_path) -> Callable[..., Any]:
 
 # ---- runtime tests (test_speculative / test_executor / test_session) ------------------------------
 import os  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # DSV3_TEST_MODEL points the shipped-model tests at another checkpoint (e.g. a partial export)
@@ -246,3 +246,30 @@ def torch_one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# ---- the Triton tests' model (test_triton*.py; their helpers are tests/triton_util.py) -------------------------------
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random DeepSeek-V3 + MTP checkpoint whose tokenizer splits characters across tokens."""
+    from triton_util import make_tiny_checkpoint  # it imports this module
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("triton") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def session(checkpoint: Path) -> Iterator[Any]:
+    """An in-process Session on `checkpoint`, what the Triton models' outputs are compared with."""
+    from runtime.executors.session import Session
+
+    with Session(checkpoint, num_draft_tokens=3, speculation="fixed") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def expected(session: Any) -> dict[str, Any]:
+    """The session's greedy result of TOKENS tokens for every prompt of PROMPTS (tests/triton_util.py)."""
+    from runtime.core.sampling_params import SamplingParams
+    from triton_util import PROMPTS, TOKENS
+
+    return dict(zip(PROMPTS, session.generate(PROMPTS, SamplingParams(max_tokens=TOKENS))))

@@ -21,6 +21,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
+from benchmarks.soak_openai import SCHEMAS, TOOLS, schema_problem  # noqa: E402
 from runtime.core.sampling_params import GuidedDecodingParams, SamplingParams  # noqa: E402
 from runtime.executors.session import Session  # noqa: E402
 from runtime.io.tokenizer import Tokenizer  # noqa: E402
@@ -37,33 +38,7 @@ V3, V31 = TOOL_CALL_PARSERS["deepseek_v3"], TOOL_CALL_PARSERS["deepseek_v31"]
 V3_TOOLS_TEMPLATE = (Path(__file__).resolve().parents[1] / "serving" / "openai_server" / "templates" /
                      "deepseek_v3_tools.jinja").read_text(encoding="utf-8")
 
-WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
-           "properties": {"city": {"type": "string", "enum": ["Paris", "Lyon", "Nice"]},
-                          "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
-TIME = {"type": "object", "additionalProperties": False, "required": ["zone"],
-        "properties": {"zone": {"type": "string", "maxLength": 8}}}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The forecast for a city",
-                                           "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time", "description": "The time in a zone (<tz> & 'dst')",
-                                           "parameters": TIME}}]
-SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 ASK = [{"role": "user", "content": "What is the weather in Paris this week?"}]
-
-
-def _valid(arguments: str, schema: dict) -> bool:
-    """Whether JSON arguments follow these tests' schemas (required keys, no others, enum, integer bounds,
-    maxLength), checked here rather than by the grammar engine that produced them."""
-    args = json.loads(arguments)
-    if not isinstance(args, dict) or set(args) - set(schema["properties"]) or set(schema["required"]) - set(args):
-        return False
-    for key, value in args.items():
-        rule = schema["properties"][key]
-        if rule["type"] == "integer" and not (isinstance(value, int) and rule["minimum"] <= value <= rule["maximum"]):
-            return False
-        if rule["type"] == "string" and not (isinstance(value, str) and value in rule.get("enum", [value])
-                                             and len(value) <= rule.get("maxLength", len(value))):
-            return False
-    return True
 
 
 def _v3_call(name: str, args: str) -> str:
@@ -198,7 +173,8 @@ def test_the_grammar_writes_calls_the_reader_reads(session: Session, syntax, par
     assert content is None and calls and (parallel or len(calls) == 1)
     cut = outs[3].finish_reason == "length"  # parallel calls: the tiny model may call on until max_tokens
     assert outs[3].finish_reason == "stop" or (cut and parallel)
-    assert all(_valid(c["function"]["arguments"], SCHEMAS[c["function"]["name"]]) for c in calls[:-1 if cut else None])
+    assert all(schema_problem(c["function"]["arguments"], SCHEMAS[c["function"]["name"]]) is None
+               for c in calls[:-1 if cut else None])
 
 
 # ---- through dsv3-serve ------------------------------------------------------------------------------------------
@@ -249,7 +225,7 @@ def test_required_and_named_tool_choice_make_valid_calls(server: Server, tool_ch
     [call] = c.message.tool_calls
     assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
     assert call.function.name == (name or call.function.name) and call.function.name in SCHEMAS
-    assert _valid(call.function.arguments, SCHEMAS[call.function.name]), call.function.arguments
+    assert schema_problem(call.function.arguments, SCHEMAS[call.function.name]) is None
 
 
 def _streamed(server: Server, **kw: Any) -> tuple[str | None, list[tuple[str, str]], str, list[int]]:
@@ -297,15 +273,16 @@ def test_streaming_equals_whole_and_mtp_equals_plain(server: Server, tool_choice
         assert not calls and content and finish in ("stop", "length")
     else:
         assert calls and finish == "tool_calls" and content is None
-    assert all(_valid(a, SCHEMAS[n]) for n, a in calls)
+    assert all(schema_problem(a, SCHEMAS[n]) is None for n, a in calls)
 
 
 def test_parallel_required_calls_all_follow_their_schemas(server: Server) -> None:
     [c] = server.client.chat.completions.create(messages=ASK, tool_choice="required", **{**KW, "max_tokens": 400}
                                                 ).choices
     calls = c.message.tool_calls
-    assert calls and all(_valid(t.function.arguments, SCHEMAS[t.function.name]) for t in calls[:-1])
-    assert c.finish_reason == "length" or _valid(calls[-1].function.arguments, SCHEMAS[calls[-1].function.name])
+    assert calls and all(schema_problem(t.function.arguments, SCHEMAS[t.function.name]) is None for t in calls[:-1])
+    assert c.finish_reason == "length" or schema_problem(calls[-1].function.arguments,
+                                                        SCHEMAS[calls[-1].function.name]) is None
 
 
 CONVERSATION = [
@@ -443,7 +420,7 @@ def test_a_chat_template_given_at_start_replaces_the_checkpoints(shipped_model_d
         r = srv.client.chat.completions.create(messages=ASK, tool_choice="required", parallel_tool_calls=False,
                                                **{**KW, "model": shipped_model_dir.name})
         [call] = r.choices[0].message.tool_calls
-        assert _valid(call.function.arguments, SCHEMAS[call.function.name])
+        assert schema_problem(call.function.arguments, SCHEMAS[call.function.name]) is None
     finally:
         assert srv.serve.stop() == 0
     dsv3_serve = str(Path(sys.executable).with_name("dsv3-serve"))

@@ -436,6 +436,23 @@ def test_a_schema_that_is_no_json_is_refused_naming_the_field() -> None:
         assert str(e.value) == f"guided_decoding.json: the schema cannot be written as JSON: {why}"
 
 
+def test_a_guide_checked_lately_is_looked_up_without_a_compile_thread(monkeypatch) -> None:
+    """A server checks a request's guide, then its executor compiles the same one: the second check is a look-up (it
+    started a thread of COMPILE_STACK_BYTES of stack to find the guide cached). An invalid guide is refused each
+    time."""
+    from runtime.core import guide_check
+
+    grammar = check_guide(GuidedDecodingParams(regex="[ab]{3}-looked-up"))
+    compiles = []
+    real = guide_check.on_compile_stack
+    monkeypatch.setattr(guide_check, "on_compile_stack", lambda compile_: compiles.append(1) or real(compile_))
+    assert check_guide(GuidedDecodingParams(regex="[ab]{3}-looked-up")) == grammar and not compiles
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"^guided_decoding.regex is invalid at position 0: unclosed character class$"):
+            check_guide(GuidedDecodingParams(regex="[ab"))
+    assert len(compiles) == 2
+
+
 def test_locating_a_schema_error_compiles_a_bounded_share_of_the_schema(monkeypatch) -> None:
     """An invalid schema's error is located by compiling its subschemas level by level: with a large valid sibling
     at every level that cost grew with the square of the schema (a 196 KB body took 2.4 s of CPU to refuse, and

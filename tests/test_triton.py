@@ -44,14 +44,10 @@ from serving.fill_template import fill, parse_substitutions  # noqa: E402
 from serving.launcher import (PYTHON_SHM_REGION_BYTES, SHM_DIR, build_command, find_install,  # noqa: E402
                               free_ports, live_descendants, named_crash_frames, python_stubs,
                               remove_stale_leftovers)
-from triton_util import (EOS, TEMPLATE_REPO, TritonServer, add_model, fill_model_repo,  # noqa: E402
-                         make_tiny_checkpoint, repo_values, start_server)
+from triton_util import (EOS, PROMPTS, TEMPLATE_REPO, TOKENS, TritonServer, add_model,  # noqa: E402
+                         fill_model_repo, repo_values, start_server)
 
 MAX_SEQ_LEN = 1024  # the tiny checkpoint's max_position_embeddings (make_tiny_checkpoint)
-TOKENS = 24  # generated per request in the comparisons with the session
-PROMPTS = ["hello world", "日本語のテキスト", "def f(x):", "emoji 😀 and 東京", "the quick brown fox", "中文的文本",
-           "naïve café", "return x * 2", "한국어", "北京是中国的首都", "lazy dog", "fox jumps", "東京は日本の首都です",
-           "hello 日本", "quick", "🇯🇵 flag"]
 PERF_METRICS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "kv_cache_alloc_new_blocks",
                 "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks", "arrival_time_ns", "first_scheduled_time_ns",
                 "first_token_time_ns", "last_token_time_ns")
@@ -61,11 +57,6 @@ DTYPES = {np.dtype(object): "BYTES", np.dtype(np.int32): "INT32", np.dtype(np.fl
 
 
 # ---- fixtures ---------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("triton") / "tiny")
-
-
 @pytest.fixture(scope="module")
 def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
     work = tmp_path_factory.mktemp("triton_server")
@@ -87,18 +78,6 @@ def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         yield srv
     finally:
         srv.stop()
-
-
-@pytest.fixture(scope="module")
-def session(checkpoint: Path) -> Iterator[Session]:
-    with Session(checkpoint, num_draft_tokens=3, speculation="fixed") as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def expected(session: Session) -> dict[str, Any]:
-    """The session's greedy result of TOKENS tokens for every prompt."""
-    return dict(zip(PROMPTS, session.generate(PROMPTS, SamplingParams(max_tokens=TOKENS))))
 
 
 # ---- clients ----------------------------------------------------------------------------------

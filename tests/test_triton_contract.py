@@ -40,32 +40,16 @@ from serving.triton_contract import GUIDED_INPUTS, UNSUPPORTED_ENGINE_INPUTS  # 
 from serving.triton_parameters import TritonConfig  # noqa: E402
 from runtime.executors.base import ExecutorConfig  # noqa: E402
 from test_triton import DTYPES, Streamed, grpc_inputs, http_generate, metric, metrics, wait_for  # noqa: E402
-from triton_util import TEMPLATE_REPO, TritonServer, add_model, fill_model_repo, make_tiny_checkpoint, repo_values, start_server  # noqa: E402
+from triton_util import (PROMPTS as ALL_PROMPTS, TEMPLATE_REPO, TOKENS, TritonServer, add_model,  # noqa: E402
+                         fill_model_repo, repo_values, start_server)
 
 UPSTREAM = json.loads((Path(__file__).parent / "data" / "upstream_triton_contract.json").read_text())
-TOKENS = 24
-PROMPTS = ["hello world", "日本語のテキスト", "def f(x):", "emoji 😀 and 東京"]
+PROMPTS = ALL_PROMPTS[:4]  # the legacy and llmapi models are compared on these
 CONFIG_DTYPES = {"TYPE_STRING": "STRING", "TYPE_BOOL": "BOOL", "TYPE_INT32": "INT32", "TYPE_INT64": "INT64",
                  "TYPE_UINT8": "UINT8", "TYPE_UINT64": "UINT64", "TYPE_FP16": "FP16", "TYPE_FP32": "FP32"}
 
 
 # ---- fixtures ---------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("contract") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def session(checkpoint: Path) -> Iterator[Session]:
-    with Session(checkpoint, num_draft_tokens=3, speculation="fixed") as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def expected(session: Session) -> dict[str, Any]:
-    return dict(zip(PROMPTS, session.generate(PROMPTS, SamplingParams(max_tokens=TOKENS))))
-
-
 @pytest.fixture(scope="module")
 def unary(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
     """The legacy flavour, every model non-decoupled (upstream end_to_end_test.py's deployment), prefix caching off
@@ -524,6 +508,8 @@ def test_relaxed_acceptance_keeps_upstreams_defaults(tmp_path: Path, checkpoint:
     (dict(enable_lora=True), "unknown key(s) enable_lora"),
     (dict(speculative_config={"decoding_type": "MTP", "max_draft_len": 2, "num_nextn_predict_layers": 3}),
      "max_draft_len 2 and num_nextn_predict_layers 3 differ"),
+    (dict(speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": "two"}),
+     "speculative_config.num_nextn_predict_layers must be an integer >= 0, got 'two'"),
     (dict(triton_config={"decoupled": "yes"}), "triton_config.decoupled must be true or false"),
     (dict(triton_config={"max_batch_sizes": 4}), "triton_config: unknown key(s) max_batch_sizes"),
     (dict(triton_config={"watchdog_timeout_s": "long"}), "triton_config.watchdog_timeout_s must be a number"),
@@ -623,7 +609,7 @@ def test_the_launchers_world_size_is_read_with_the_executor_config(tmp_path: Pat
 
 
 def test_a_long_refused_value_is_quoted_short_with_its_length(tmp_path: Path, checkpoint: Path) -> None:
-    """model.yaml's refusals quote a value as config.pbtxt's do (serving.triton_parameters.shown): a long string is
+    """model.yaml's refusals quote a value as config.pbtxt's do (runtime.io.yaml_file.shown): a long string is
     cut, its length said."""
     with pytest.raises(ModelYamlError) as e:
         read_model_yaml(write_yaml(tmp_path, checkpoint, backend="x" * 5000), tmp_path)

@@ -572,7 +572,8 @@ def test_llm_kwargs_as_built_and_with_executor_config(engine: TrtllmEngine, capl
         llm_kwargs_for(opts, m, ExecutorConfig(max_queued_requests=4))
     assert "speculative_config" not in llm_kwargs_for(opts, m, ExecutorConfig(num_draft_tokens=3, speculation="off"))
     two = llm_kwargs_for(opts, m, ExecutorConfig(num_draft_tokens=2, speculation="fixed"))
-    assert two == {**opts, "speculative_config": {"decoding_type": "MTP", "num_nextn_predict_layers": 2}}
+    assert two == {**opts, "speculative_config": {"decoding_type": "MTP", "num_nextn_predict_layers": 2,
+                                                  "max_draft_len": 2}}
     with caplog.at_level(logging.WARNING, "runtime.executors.trtllm_api"):
         assert llm_kwargs_for(opts, m, ExecutorConfig(num_draft_tokens=2, speculation="adaptive")) == two
     assert "'adaptive' is not available with TensorRT-LLM" in caplog.text
@@ -586,26 +587,27 @@ def test_llm_kwargs_as_built_and_with_executor_config(engine: TrtllmEngine, capl
         "enable_attention_dp": True, "cuda_graph_config": {"enable_padding": True, "max_batch_size": 4},
         "kv_cache_config": {**opts["kv_cache_config"], "max_tokens": 4096, "free_gpu_memory_fraction": 0.5,
                             "enable_block_reuse": False},
-        "speculative_config": {"decoding_type": "MTP", "num_nextn_predict_layers": 1,
+        "speculative_config": {"decoding_type": "MTP", "num_nextn_predict_layers": 1, "max_draft_len": 1,
                                "use_relaxed_acceptance_for_thinking": True, "relaxed_topk": 10, "relaxed_delta": 0.6,
                                "begin_thinking_phase_token": 3, "end_thinking_phase_token": 4}}
     assert opts == yaml.safe_load((engine.path / LLM_API_OPTIONS).read_text())  # not modified in place
     # enable_block_reuse True (the default) keeps the engine's own setting, as built
     assert llm_kwargs_for({**opts, "kv_cache_config": {"enable_block_reuse": False}}, m, ExecutorConfig()) == {
-        **opts, "kv_cache_config": {"enable_block_reuse": False}}
+        **opts, "kv_cache_config": {"enable_block_reuse": False},
+        "speculative_config": {"decoding_type": "MTP", "num_nextn_predict_layers": 3, "max_draft_len": 3}}
 
 
 def test_the_draft_length_under_either_name(engine: TrtllmEngine, engine_dir: Path, tmp_path: Path) -> None:
     """build_engine writes num_nextn_predict_layers (every release reads it); upstream's 2026 name is max_draft_len.
-    The adapter reads either and keeps a pair it was given at one value; make_model_repo's llmapi model.yaml carries
-    both at one value (2026's name, and the one 1.0 / 1.1 read: max_draft_len alone would draft one token there),
-    which read_model_yaml takes without a deprecation warning."""
+    The adapter reads either and writes both at one value; so does make_model_repo's llmapi model.yaml (2026's name,
+    and the one 1.0 / 1.1 read: max_draft_len alone would draft one token there), which read_model_yaml takes without
+    a deprecation warning."""
     from serving.llmapi_config import model_yaml, read_model_yaml
 
     m = engine.manifest
     renamed = {**engine.options, "speculative_config": {"decoding_type": "MTP", "max_draft_len": 2}}
-    assert draft_len_of(llm_kwargs_for(renamed, m)) == 2 == draft_len_of(llm_kwargs_for(engine.options, m, ExecutorConfig(
-        num_draft_tokens=2, speculation="fixed")))
+    assert draft_len_of(llm_kwargs_for(renamed, m)["speculative_config"], "x") == 2 == draft_len_of(llm_kwargs_for(
+        engine.options, m, ExecutorConfig(num_draft_tokens=2, speculation="fixed"))["speculative_config"], "x")
     both = llm_kwargs_for(renamed, m, ExecutorConfig(num_draft_tokens=1, speculation="fixed"))
     assert both["speculative_config"] == {"decoding_type": "MTP", "max_draft_len": 1, "num_nextn_predict_layers": 1}
     doc = model_yaml(engine_dir, "engine", decoupled=True)
@@ -614,6 +616,42 @@ def test_the_draft_length_under_either_name(engine: TrtllmEngine, engine_dir: Pa
     (tmp_path / "model.yaml").write_text(yaml.safe_dump(doc))
     llm = read_model_yaml(tmp_path / "model.yaml", tmp_path)
     assert llm.executor.num_draft_tokens == 3 and not [w for w in llm.warnings if "deprecated" in w], llm.warnings
+
+
+def test_an_engine_with_max_draft_len_alone_gets_both_names_in_its_model_yaml(engine_dir: Path, tmp_path: Path) -> None:
+    """An engine whose options name the draft length max_draft_len alone (edited to 2026's name): the llmapi
+    model.yaml carries num_nextn_predict_layers too, which 1.0 / 1.1 read (it was copied as is: one draft there)."""
+    from serving.llmapi_config import model_yaml
+
+    engine = tmp_path / "engine"
+    shutil.copytree(engine_dir, engine, symlinks=True)
+    options = yaml.safe_load((engine / LLM_API_OPTIONS).read_text())
+    options["speculative_config"] = {"decoding_type": "MTP", "max_draft_len": 2}
+    (engine / LLM_API_OPTIONS).write_text(yaml.safe_dump(options))
+    doc = model_yaml(engine, "engine", decoupled=True)
+    assert doc["speculative_config"] == {"decoding_type": "MTP", "max_draft_len": 2, "num_nextn_predict_layers": 2}
+
+
+@pytest.mark.parametrize("spec, expected", [
+    (None, 0),
+    ({"decoding_type": "MTP"}, 1),  # upstream's default num_nextn_predict_layers
+    ({"decoding_type": "MTP", "num_nextn_predict_layers": 3}, 3),
+    ({"decoding_type": "MTP", "max_draft_len": 0, "num_nextn_predict_layers": None}, 0),
+    ({"decoding_type": "MTP", "max_draft_len": 2, "num_nextn_predict_layers": 3},
+     "opts.yaml: speculative_config: max_draft_len 2 and num_nextn_predict_layers 3 differ (num_nextn_predict_layers "
+     "is the older name of max_draft_len); give one"),
+    ({"decoding_type": "MTP", "num_nextn_predict_layers": "3"},
+     "opts.yaml: speculative_config.num_nextn_predict_layers must be an integer >= 0, got '3'"),
+    ({"decoding_type": "MTP", "max_draft_len": -1}, "opts.yaml: speculative_config.max_draft_len must be an integer "
+     ">= 0, got -1"),
+])
+def test_draft_len_of(spec: dict | None, expected: int | str) -> None:
+    if isinstance(expected, int):
+        assert draft_len_of(spec, "opts.yaml") == expected
+    else:
+        with pytest.raises(ValueError) as e:
+            draft_len_of(spec, "opts.yaml")
+        assert str(e.value) == expected
 
 
 def test_the_llmapi_model_yaml_is_what_tensorrt_llm_runs(engine_dir: Path, tmp_path: Path, trtllm: ModuleType) -> None:

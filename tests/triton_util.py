@@ -1,5 +1,6 @@
-"""Helpers for tests that run the real tritonserver: a tiny model, a filled model repository,
-and the server itself (serving/launcher.py as a library).
+"""Helpers for tests that run the real tritonserver: a tiny model (its fixtures, `checkpoint`, `session` and
+`expected`, are tests/conftest.py's), the prompts compared, a filled model repository, and the server itself
+(serving/launcher.py as a library).
 
 The tiny checkpoint has a byte-level BPE trained here on mixed ASCII/CJK/emoji text, so many
 tokens are pieces of a multi-byte character: random weights then generate split characters,
@@ -28,6 +29,12 @@ CORPUS = [
     "東京は日本の首都です。北京是中国的首都。",
     "emoji 😀👍🏽 🇯🇵 naïve café",
 ]
+
+
+TOKENS = 24  # generated per request in the comparisons with the session
+PROMPTS = ["hello world", "日本語のテキスト", "def f(x):", "emoji 😀 and 東京", "the quick brown fox", "中文的文本",
+           "naïve café", "return x * 2", "한국어", "北京是中国的首都", "lazy dog", "fox jumps", "東京は日本の首都です",
+           "hello 日本", "quick", "🇯🇵 flag"]
 
 
 def build_tokenizer(out_dir: Path, vocab_size: int = 512) -> int:
@@ -64,5 +71,5 @@ def repo_values(engine_dir: Path, **overrides: str) -> dict[str, str]:
                                          **overrides})
 
 
-__all__ = ["TEMPLATE_REPO", "TritonServer", "add_model", "fill_model_repo", "make_tiny_checkpoint", "repo_values",
+__all__ = ["PROMPTS", "TEMPLATE_REPO", "TOKENS", "TritonServer", "add_model", "fill_model_repo", "make_tiny_checkpoint", "repo_values",
            "start_server"]

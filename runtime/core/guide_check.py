@@ -5,10 +5,10 @@ the engine model sees them (runtime.core.grammar compiles and runs the grammars)
 from __future__ import annotations
 
 import ast
-import functools
 import json
 import re
 import threading
+from collections import OrderedDict
 from typing import Any, Callable, TypeVar
 
 import llguidance
@@ -32,10 +32,13 @@ COMPILE_STACK_BYTES = 512 * 2**20
 # GBNF reaches llguidance as Lark through a conversion whose time grows with the square of the rules, so a grammar
 # of more rules than any real one is refused first
 MAX_GBNF_RULES = 1000
-CACHED_GUIDE_BYTES = 65536  # guides kept checked for the executor's compile, at most this long (a process holds 16)
+CACHED_GUIDE_BYTES = 65536  # valid guides kept checked for the executor's compile, at most this long
+CACHED_GUIDES = 16  # and at most this many, the latest
 COMPILE_THREAD = "guide-compile"
 T = TypeVar("T")
 _stack_size_lock = threading.Lock()
+_checked: OrderedDict[tuple[str, str], str] = OrderedDict()  # (kind, text) -> grammar of the latest valid guides
+_checked_lock = threading.Lock()  # servers check guides on several threads
 
 
 def on_compile_stack(compile_: Callable[[], T]) -> T:
@@ -162,8 +165,21 @@ def _problem(error: str) -> str:
 
 
 def check_guide(guide: GuidedDecodingParams, field: str = "guided_decoding") -> str:
-    """The guide's grammar; ValueError naming `field` and the position of the problem when the guide is invalid."""
-    return on_compile_stack(lambda: _check_guide(guide, field))
+    """The guide's grammar; ValueError naming `field` and the position of the problem when the guide is invalid. A
+    valid guide checked lately is looked up first, with no compile thread (a server checks a request's guide, then
+    its executor compiles the same one)."""
+    key = (guide.kind, guide.text)
+    with _checked_lock:
+        if key in _checked:
+            _checked.move_to_end(key)
+            return _checked[key]
+    grammar = on_compile_stack(lambda: _check_guide(guide, field))
+    if len(guide.text) <= CACHED_GUIDE_BYTES:
+        with _checked_lock:
+            _checked[key] = grammar
+            while len(_checked) > CACHED_GUIDES:
+                _checked.popitem(last=False)
+    return grammar
 
 
 def _check_guide(guide: GuidedDecodingParams, field: str) -> str:
@@ -178,18 +194,11 @@ def _check_guide(guide: GuidedDecodingParams, field: str) -> str:
             raise ValueError(f"{name} is nested deeper than Python's JSON reader goes") from None
     if guide.kind == "grammar" and "::=" in guide.text and guide.text.count("::=") > MAX_GBNF_RULES:
         raise ValueError(f"{name} has {guide.text.count('::=')} rules; at most {MAX_GBNF_RULES} are taken")
-    grammar, error = (_validated if len(guide.text) <= CACHED_GUIDE_BYTES else _validated.__wrapped__)(
-        guide.kind, guide.text)
+    try:
+        grammar = _grammar_text(guide.kind, guide.text)
+        error = llguidance.LLMatcher.validate_grammar(grammar)
+    except ValueError as e:  # the GBNF-to-Lark conversion raises
+        error = str(e)
     if error:
         raise ValueError(f"{name} is invalid at {_position(guide.kind, guide.text, error)}: {_problem(error)}")
     return grammar
-
-
-@functools.lru_cache(maxsize=16)  # a server checks a request's guide, then its executor compiles the same one
-def _validated(kind: str, text: str) -> tuple[str, str]:
-    """(llguidance's grammar, its error or '')."""
-    try:
-        grammar = _grammar_text(kind, text)
-        return grammar, llguidance.LLMatcher.validate_grammar(grammar)
-    except ValueError as e:  # the GBNF-to-Lark conversion raises
-        return "", str(e)

@@ -132,7 +132,7 @@ class Executor:
         self._groups: dict[str, list[str]] = {}  # request id -> its sequences' ids in flight (several: n / best_of)
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._wake = threading.Event()
-        self._counts = dict(finished=0, generated=0, drafted=0, accepted=0, reused_blocks=0, missed_blocks=0)
+        self._counts = dict(generated=0, drafted=0, accepted=0, reused_blocks=0, missed_blocks=0)
         self._ids = RequestIds()
         self._stopping = False
         self._error: str | None = None  # why the step loop stopped, if it failed
@@ -275,7 +275,7 @@ class Executor:
             kv_blocks_used=self.cache.allocator.num_used, kv_blocks_free=self.cache.allocator.num_free,
             kv_blocks_cached=self.cache.allocator.num_cached, kv_reused_blocks=c["reused_blocks"],
             kv_missed_blocks=c["missed_blocks"],
-            requests_finished=c["finished"], generated_tokens=c["generated"], draft_tokens=c["drafted"],
+            requests_finished=self._ids.finished, generated_tokens=c["generated"], draft_tokens=c["drafted"],
             accepted_draft_tokens=c["accepted"], current_draft_len=self.scheduler.last_k,
             acceptance_estimate=self.policy.acceptance, world_size=self.world_size,
             rank_memory_bytes=self.ranks.memory() if self.ranks is not None else [rss_bytes(os.getpid())])
@@ -480,9 +480,5 @@ class Executor:
         group.remove(request_id)
         if not group:  # its last sequence
             del self._groups[tracker.request_id]
-            self._ids.release(tracker.request_id)
-            self._counts["finished"] += 1
         self.scheduler.remove(seq)
-        if error:
-            log.error("request %s failed: %s", request_id, error)
-        tracker.report(new or [], delta, reason, error)
+        self._ids.end(tracker, not group, reason, new, delta, error)

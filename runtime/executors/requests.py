@@ -23,12 +23,14 @@ log = logging.getLogger("runtime.executors.requests")
 
 
 class RequestIds:
-    """Ids of the requests in flight; submit runs on callers' threads, so access is locked."""
+    """Ids of the requests in flight, and how many have finished; submit runs on callers' threads, so access is
+    locked."""
 
     def __init__(self) -> None:
         self._live: set[str] = set()
         self._lock = threading.Lock()
         self._counter = itertools.count()
+        self.finished = 0  # requests whose last output has ended (ExecutorStats.requests_finished)
 
     def claim(self, request_id: str | None) -> str:
         """A fresh id when None; a given one must not be in flight already."""
@@ -44,6 +46,18 @@ class RequestIds:
     def release(self, request_id: str) -> None:
         with self._lock:
             self._live.discard(request_id)
+
+    def end(self, tracker: "RequestTracker", last: bool, reason: str, new: list[int] | None = None, delta: str = "",
+            error: str | None = None) -> None:
+        """End one output of a request (finished by its stop rules, cancelled or failed), the same way in every
+        backend: the request's last output frees its id and counts it finished before the final output goes out, so a
+        callback's stats() sees it finished."""
+        if last:
+            self.release(tracker.request_id)
+            self.finished += 1
+        if error:
+            log.error("request %s[%d] failed: %s", tracker.request_id, tracker.index, error)
+        tracker.report(new or [], delta, reason, error)
 
 
 @dataclass(eq=False)

@@ -131,10 +131,10 @@ class TrtllmExecutor:
         self.engine = engine if isinstance(engine, TrtllmEngine) else TrtllmEngine.open(engine, verify_weights)
         self.model_config = self.engine.manifest.model_config
         self.config = config
+        source = str(self.engine.path / LLM_API_OPTIONS)
         self.llm_kwargs = llm_kwargs_for(chosen_options(self.engine.options, config), self.engine.manifest, config,
-                                         llm_overrides,
-                                         source=str(self.engine.path / LLM_API_OPTIONS))
-        self.num_draft_tokens = draft_len_of(self.llm_kwargs)
+                                         llm_overrides, source=source)
+        self.num_draft_tokens = draft_len_of(self.llm_kwargs.get("speculative_config"), source)
         build = self.engine.build
         self.limits = SchedulerConfig(
             max_batch_size=int(self.llm_kwargs.get("max_batch_size", build.max_batch_size)),
@@ -158,7 +158,7 @@ class TrtllmExecutor:
 
         self._requests: dict[str, _Request] = {}  # in flight; touched on the loop thread only
         self._tasks: set[asyncio.Task] = set()
-        self._counts = dict(finished=0, generated=0, drafted=0, accepted=0)
+        self._counts = dict(generated=0, drafted=0, accepted=0)
         self._ids = RequestIds()
         self._stopping = False
         self._closed = False
@@ -239,7 +239,7 @@ class TrtllmExecutor:
         c = self._counts
         return ExecutorStats(
             running=sum(1 for r in reqs if r.upstream is not None), queued=sum(1 for r in reqs if r.upstream is None),
-            kv_blocks_used=0, kv_blocks_free=0, requests_finished=c["finished"], generated_tokens=c["generated"],
+            kv_blocks_used=0, kv_blocks_free=0, requests_finished=self._ids.finished, generated_tokens=c["generated"],
             draft_tokens=c["drafted"], accepted_draft_tokens=c["accepted"], current_draft_len=self.num_draft_tokens,
             acceptance_estimate=c["accepted"] / c["drafted"] if c["drafted"] else 0.0)
 
@@ -386,16 +386,12 @@ class TrtllmExecutor:
         req.finished = True
         if req.done:
             self._requests.pop(req.request_id, None)
-            self._ids.release(req.request_id)
-            self._counts["finished"] += 1
         first = req.group[0]
         if first.upstream_done and self.reports_draft_stats is None and speculative_counts(first.upstream) is None:
             self.reports_draft_stats = False
             log.warning("TensorRT-LLM reported no speculative-decoding metrics (request_perf_metrics); "
                         "draft and accepted token counts are reported as 0")
-        if error:
-            log.error("request %s failed: %s", req.request_id, error)
-        req.report(new or [], delta, reason, error)
+        self._ids.end(req, req.done, reason, new, delta, error)
 
     def _finish_all(self, req: _Request, reason: str, error: str | None = None) -> None:
         for t in req.group:

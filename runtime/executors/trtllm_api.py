@@ -51,7 +51,8 @@ from runtime.core.sampling import TokenLogprob
 from runtime.core.sampling_params import GuidedDecodingParams, SamplingParams
 from runtime.executors.base import ExecutorConfig
 from runtime.io.engine_format import LLM_API_OPTIONS, EngineError, EngineManifest
-from runtime.io.yaml_file import read_yaml
+from runtime.io.yaml_file import read_yaml, shown
+from runtime.model.config import is_int
 
 log = logging.getLogger("runtime.executors.trtllm_api")
 
@@ -284,7 +285,7 @@ def llm_kwargs_for(options: Mapping[str, Any], manifest: EngineManifest, config:
     settings of `config` applied (None: as built) and then `overrides` merged in (dicts deeply).
 
     From ExecutorConfig: num_draft_tokens / speculation -> speculative_config (0 or "off" removes
-    it; otherwise num_nextn_predict_layers = k, at most the built max_draft_len; "adaptive" runs
+    it; otherwise the draft length k (`with_draft_len`), at most the built max_draft_len; "adaptive" runs
     as "fixed", TensorRT-LLM's MTP drafts a fixed length); max_batch_size, max_num_tokens,
     max_seq_len -> the same keys, at most the built values (cuda_graph_config.max_batch_size is
     lowered with max_batch_size); kv_cache_tokens -> kv_cache_config.max_tokens; enable_block_reuse False ->
@@ -327,9 +328,7 @@ def llm_kwargs_for(options: Mapping[str, Any], manifest: EngineManifest, config:
             # tensorrt_llm/llmapi/llm_args.py, MTPDecodingConfig: a validator sets max_draft_len (and
             # max_total_draft_tokens) to num_nextn_predict_layers; with a one-layer checkpoint and
             # use_mtp_vanilla False that layer is re-run (MTP Eagle), so k may exceed the layer count.
-            spec["num_nextn_predict_layers"] = k
-            if "max_draft_len" in spec:  # both names given (an llmapi model.yaml's): one value
-                spec["max_draft_len"] = k
+            spec = with_draft_len(spec, k)
             if config.speculation == "adaptive":
                 log.warning("speculation 'adaptive' is not available with TensorRT-LLM; drafting a fixed %d", k)
             relaxed = config.relaxed_acceptance
@@ -380,13 +379,27 @@ def model_fields(cls: Any) -> set[str] | None:
     return set(fields) if isinstance(fields, Mapping) else None
 
 
-def draft_len_of(llm_kwargs: Mapping[str, Any]) -> int:
-    """The MTP draft length the LLM arguments ask for: `max_draft_len` (upstream's name since 2026) or its older
-    name `num_nextn_predict_layers`, which build_engine writes (every release reads it)."""
-    spec = llm_kwargs.get("speculative_config") or {}
-    if not isinstance(spec, Mapping):
+def draft_len_of(spec: Mapping[str, Any] | None, source: str) -> int:
+    """The MTP draft length a speculative_config asks for: `max_draft_len` (upstream's name since 2026) or its older
+    name `num_nextn_predict_layers` (every release reads it), one value where both are given; upstream's default 1
+    where neither is, and 0 without a speculative_config. ValueError naming `source` and the key otherwise."""
+    if spec is None:
         return 0
-    return int(spec.get("max_draft_len", spec.get("num_nextn_predict_layers", 0)))
+    given = {name: spec[name] for name in ("max_draft_len", "num_nextn_predict_layers") if spec.get(name) is not None}
+    for name, value in given.items():
+        if not is_int(value) or value < 0:
+            raise ValueError(f"{source}: speculative_config.{name} must be an integer >= 0, got {shown(value)}")
+    if len(set(given.values())) > 1:
+        raise ValueError(f"{source}: speculative_config: max_draft_len {given['max_draft_len']} and "
+                         f"num_nextn_predict_layers {given['num_nextn_predict_layers']} differ "
+                         "(num_nextn_predict_layers is the older name of max_draft_len); give one")
+    return next(iter(given.values()), 1)
+
+
+def with_draft_len(spec: Mapping[str, Any], k: int) -> dict[str, Any]:
+    """`spec` drafting k, under both names at one value: 2026's name, and the one 1.0 / 1.1 read (max_draft_len alone
+    would draft one token there)."""
+    return {**spec, "max_draft_len": k, "num_nextn_predict_layers": k}
 
 
 def speculative_counts(result: Any) -> tuple[int, int] | None:

@@ -1,5 +1,6 @@
 """YAML configuration files read strictly: a key given twice in one mapping is refused, because PyYAML keeps the
-last value without a word and a user who edits the first one would run with a setting they did not choose."""
+last value without a word and a user who edits the first one would run with a setting they did not choose; a value
+they refuse is quoted cut short (`shown`)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,13 @@ def read_yaml(path: Path) -> Any:
     key in a mapping (the message has the key and its line), ValueError for an integer of more digits than Python
     converts."""
     return yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader)  # _UniqueKeyLoader is a SafeLoader
+
+
+def shown(value: Any, limit: int = 40) -> str:
+    """A refused setting's value as an error quotes it, cut short: a string may be of any length, and YAML aliases
+    make a few bytes of file a structure of billions of items, which repr would expand."""
+    if isinstance(value, str):
+        return repr(value) if len(value) <= limit else f"{value[:limit]!r}... ({len(value)} characters)"
+    cut = reprlib.Repr()
+    cut.maxlevel, cut.maxlist, cut.maxdict, cut.maxstring, cut.maxother, cut.maxlong = 1, 4, 4, limit, limit, limit
+    return cut.repr(value)
