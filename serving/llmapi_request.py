@@ -77,6 +77,10 @@ def llmapi_request(inputs: Inputs, max_input_bytes: int) -> LlmApiRequest:
                                   max_input_bytes) if s)
     temperature, top_k, top_p = llm_api_sampling(*(scalar(inputs, f"sampling_param_{n}")
                                                    for n in ("temperature", "top_k", "top_p")))
+    best_of = scalar(inputs, "sampling_param_best_of")
+    if temperature == 0 and best_of is not None and best_of > 1:  # SamplingParams would name a temperature not sent
+        raise RequestError(f"sampling_param_best_of must be 1 when decoding greedily (no sampling_param_temperature, "
+                           f"top_k or top_p given, or temperature 0, top_k 1 or top_p 0), got {best_of}")
     max_tokens = scalar(inputs, "sampling_param_max_tokens")
     outputs = frozenset(name for name in OUTPUTS if scalar(inputs, f"return_{name}"))
     params = SamplingParams(max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
@@ -87,7 +91,7 @@ def llmapi_request(inputs: Inputs, max_input_bytes: int) -> LlmApiRequest:
                             logprobs=0 if "cumulative_logprob" in outputs else None,
                             guided_decoding=guided_decoding(inputs),
                             # as upstream's model: n 1, the most likely of best_of sampled candidates
-                            best_of=scalar(inputs, "sampling_param_best_of"))
+                            best_of=best_of)
     try:  # the rules of SamplingParams alone (n / best_of), refused under this model's input names
         params.validate()
     except ValueError as e:

@@ -404,7 +404,10 @@ def test_llmapi_best_of_returns_the_most_likely_candidate(llmapi: TritonServer, 
 LLMAPI_BAD_REQUESTS = {
     "max_tokens_zero": (dict(sampling_param_max_tokens=0), "sampling_param_max_tokens"),
     "top_p_above_one": (dict(sampling_param_top_p=1.5), "sampling_param_top_p"),
-    "best_of_greedy": (dict(sampling_param_best_of=2), "sampling_param_best_of must be 1 when using greedy sampling"),
+    "best_of_greedy": (dict(sampling_param_best_of=2), "sampling_param_best_of must be 1 when decoding greedily (no "
+                       "sampling_param_temperature, top_k or top_p given, or temperature 0, top_k 1 or top_p 0), got 2"),
+    "best_of_top_k_1": (dict(sampling_param_best_of=3, sampling_param_top_k=1, sampling_param_temperature=1.0),
+                        "sampling_param_best_of must be 1 when decoding greedily"),
     "best_of_above_max_batch": (dict(sampling_param_best_of=1000, sampling_param_temperature=1.0),
                                 "sampling_param_best_of 1000 exceeds this executor's max_batch_size"),
     "max_tokens_past_context": (dict(sampling_param_max_tokens=5000), "sampling_param_max_tokens 5000 with a "),

@@ -82,9 +82,10 @@ class BestOf:
         finals = [self.finals[i] for i in range(self.best_of)]
         if not any(o.failed for o in finals):
             finals.sort(key=lambda o: o.cumulative_logprob, reverse=True)
-        shown = (lambda lps: lps) if self.show_logprobs else (lambda lps: None)
+        shown = (lambda lps: lps) if self.show_logprobs else (lambda lps: None)  # computed to rank, not asked for
         return [replace(o, index=i, new_token_ids=o.token_ids, text_delta=o.text, mid_character=False,
-                        new_logprobs=shown(o.logprobs), logprobs=shown(o.logprobs))
+                        new_logprobs=shown(o.logprobs), logprobs=shown(o.logprobs),
+                        cumulative_logprob=shown(o.cumulative_logprob))
                 for i, o in enumerate(finals[: self.n])]
 
 
