@@ -83,6 +83,9 @@ OUTPUTS = [  # (syntax, model output, content, [(name, arguments)])
     (V3, BEGIN + _v3_call("get_time", '{"zone": "--in-"}')[:-len("call▁end｜>")], None,
      [("get_time", '{"zone": "--in-"}')]),
     (V3, BEGIN + _v3_call("get_time", "{}") + "\n<｜tool\ufffd", None, [("get_time", "{}")]),
+    (V3, BEGIN + _v3_call("get_time", '{"zone": "-"}')[:-len("call▁end｜>")] + "\ufffd", None,
+     [("get_time", '{"zone": "-"}')]),
+    (V31, BEGIN + _v31_call("get_time", "{}")[:-len("call▁end｜>")] + "\ufffd", None, [("get_time", "{}")]),
 ]
 
 

@@ -180,7 +180,8 @@ class ToolCallReader:
         end, in_string, escaped = self.syntax.args_end, self.in_string, self.escaped
         for i, ch in enumerate(text):
             if not in_string:
-                if text.startswith(end, i) or end.startswith(text[i:]):
+                # the last character, cut by max_tokens mid-way, decodes as U+FFFD: it may still begin the marker
+                if text.startswith(end, i) or end.startswith(text[i:].rstrip("\ufffd")):
                     self.in_string, self.escaped = False, False
                     return (i, 0) if text.startswith(end, i) else (-1, len(text) - i)
                 in_string = ch == '"'
