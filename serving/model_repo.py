@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"make_model_repo: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         return 2
     except OSError as e:  # the file system's: no space, no permission (the repository is written whole or not at all)
-        print(f"make_model_repo: {os_error_text(e)}; no model repository was written", file=sys.stderr)
+        print(f"make_model_repo: {os_error_text(e, args.output_dir)}; no model repository was written", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         release_owned()

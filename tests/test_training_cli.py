@@ -87,6 +87,25 @@ def test_prepare_data_interrupted_leaves_nothing(tmp_path, tiny_sources, monkeyp
     assert not (out / "old.txt").exists()
 
 
+def test_a_full_disk_names_the_out_dir(tmp_path, tiny_sources, monkeypatch, capsys):
+    """A write that fails for want of space names no file, and prepare_data and export_model then named nothing: the
+    message names --out_dir."""
+    import errno
+    import os
+
+    def full_disk(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(prepare, "make_prompts", full_disk)
+    out = tmp_path / "data"
+    with pytest.raises(SystemExit) as e:
+        prepare.main(["--out_dir", str(out), "--vocab_size", "300", "--n_prompts", "2"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (  # after the progress bars
+        f"python -m training.prepare_data: error: {out}: No space left on device; no output directory was written")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.fixture
 def run(tmp_path: Path) -> Path:
     """A tiny model's training checkpoint (run/ckpt.pt, the keys training.train_model saves) and a token corpus."""
@@ -178,6 +197,21 @@ def test_train_model_resume_names_what_is_not_its_checkpoint(run, capsys):
     assert error(capsys, train_model.main, "--data_dir", run.parent, "--out_dir", run, "--resume") == (
         2, f"python -m training.train_model: error: --resume {run / 'ckpt.pt'}: not a checkpoint of "
            "training.train_model (no opt)")
+
+
+def test_export_model_on_a_full_disk_names_the_out_dir(run, monkeypatch, capsys):
+    """As prepare_data's: a write that names no file named nothing."""
+    import errno
+    import os
+
+    def full_disk(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    (run / "tokenizer.json").write_text("{}")
+    monkeypatch.setattr(export, "write_hf_checkpoint", full_disk)
+    out = run.parent / "release"
+    assert error(capsys, export.main, "--ckpt", run / "ckpt.pt", "--tokenizer_dir", run, "--out_dir", out) == (
+        2, f"python -m training.export_model: error: {out}: No space left on device; no checkpoint was written")
 
 
 def test_export_model_errors_name_its_flags(run, capsys):

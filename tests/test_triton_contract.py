@@ -873,7 +873,8 @@ def test_make_model_repo_refuses_a_truncated_or_missing_rank_file(tmp_path: Path
 
 def test_make_model_repo_on_a_full_disk_is_one_line(tmp_path: Path, checkpoint: Path, monkeypatch, capsys) -> None:
     """The file system's refusals while the repository is written (here no space, after a first file) are one line
-    naming the file, exit status 2, and no half-written repository (shutil's traceback before)."""
+    naming the file where the repository was to be (not in its temporary directory, deleted since), exit status 2,
+    and no half-written repository (shutil's traceback before)."""
     import errno
     import os
 
@@ -885,9 +886,8 @@ def test_make_model_repo_on_a_full_disk_is_one_line(tmp_path: Path, checkpoint: 
 
     monkeypatch.setattr(model_repo, "fill_model_repo", full_disk)
     assert model_repo.main(["--engine_dir", str(checkpoint), "--output_dir", str(tmp_path / "repo")]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("make_model_repo: ") and err.endswith(
-        "/ensemble/config.pbtxt: No space left on device; no model repository was written\n"), err
+    assert capsys.readouterr().err == (f"make_model_repo: {tmp_path / 'repo' / 'ensemble' / 'config.pbtxt'}: No space "
+                                       "left on device; no model repository was written\n")
     assert list(tmp_path.iterdir()) == []
 
 def test_the_default_admin_key_cannot_be_sent(unary: TritonServer) -> None:

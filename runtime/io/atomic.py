@@ -20,6 +20,7 @@ from typing import Iterator
 
 LOCK_SUFFIX = ".lock"
 OLD_SUFFIX = ".old"  # an output renamed aside while its replacement is moved in
+TMP_TAG = ".tmp-"  # `.<output name>.tmp-XXXX`: the temporary sibling an output is written in
 
 
 class OutputDirError(ValueError):
@@ -90,7 +91,7 @@ def atomic_dir(out_dir: Path, force: bool = False) -> Iterator[Path]:
     half-deleted output; without force it is an error and nothing is replaced.
     """
     out_dir = Path(out_dir)
-    with owned_tempdir(out_dir.parent, f".{out_dir.name}.tmp-") as tmp:
+    with owned_tempdir(out_dir.parent, f".{out_dir.name}{TMP_TAG}") as tmp:
         yield tmp
         old = None
         if out_dir.exists() or out_dir.is_symlink():
@@ -199,9 +200,27 @@ def new_output_dir(out_dir: Path, force: bool) -> Iterator[Path]:
         raise OutputDirError(str(e)) from None
 
 
-def os_error_text(e: OSError) -> str:
+def os_error_text(e: OSError, out_dir: Path | None = None) -> str:
     """The file system's own refusal (no space, no permission, a file in the way) as one line naming the file (both,
-    for a rename)."""
+    for a rename). With the `out_dir` being written, names the user gave: a file of its temporary sibling is named
+    inside out_dir and one of its other temporaries (a lock, an intermediate checkpoint) as out_dir, which a write
+    that names no file (a full disk) names too."""
     what = e.strerror or next((a for a in e.args if isinstance(a, str)), type(e).__name__)
-    where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
+    files = [str(f) for f in (e.filename, e.filename2) if f is not None]
+    if out_dir is not None:
+        files = list(dict.fromkeys(_as_output(f, Path(out_dir)) for f in files)) or [str(out_dir)]
+    where = " -> ".join(files)
     return f"{where}: {what}" if where else what
+
+
+def _as_output(file: str, out_dir: Path) -> str:
+    """`file` as the user knows it: inside out_dir where it lies in out_dir's temporary sibling, out_dir where it is
+    another of its temporaries (`.<name>.<kind>-XXXX`, as `remove_stale` finds them), else as it is."""
+    path, out = Path(os.path.abspath(file)), Path(os.path.abspath(out_dir))
+    for temporary in (path, *path.parents):
+        if temporary.parent == out.parent and temporary.name.startswith(f".{out.name}."):
+            if temporary.name.startswith(f".{out.name}{TMP_TAG}") and not temporary.name.endswith(
+                    (LOCK_SUFFIX, OLD_SUFFIX)):
+                return str(out_dir / path.relative_to(temporary))
+            return str(out_dir)
+    return file
