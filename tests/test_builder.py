@@ -229,6 +229,8 @@ def test_cli_model_dir_and_checkpoint_dir(hf, tmp_path, capsys):
 
 @pytest.mark.parametrize("exc", [RuntimeError("disk full"), KeyboardInterrupt()])
 def test_failed_build_leaves_nothing(hf, tmp_path, monkeypatch, exc):
+    """No output, no temporary engine or checkpoint, and none of the directories the build made above --output_dir
+    (`keep/a/b/out` left `keep/a/b`); the directory that was there stays."""
     calls = []
 
     def failing(*args):
@@ -237,7 +239,8 @@ def test_failed_build_leaves_nothing(hf, tmp_path, monkeypatch, exc):
             raise exc
 
     monkeypatch.setattr(engine_builder, "_build_rank", failing)
-    out = tmp_path / "out"
+    (tmp_path / "keep").mkdir()
+    out = tmp_path / "keep" / "a" / "b" / "out"
     args = ["--model_dir", hf, "--output_dir", out, "--max_seq_len", 256, "--tp_size", 2]
     if isinstance(exc, KeyboardInterrupt):
         assert cli(*args) == 130
@@ -245,7 +248,7 @@ def test_failed_build_leaves_nothing(hf, tmp_path, monkeypatch, exc):
         with pytest.raises(RuntimeError, match="disk full"):
             cli(*args)
     assert len(calls) == 2
-    assert list(tmp_path.iterdir()) == []  # no output, no temporary engine or checkpoint
+    assert list(tmp_path.rglob("*")) == [tmp_path / "keep"]
 
 
 def test_a_full_disk_or_a_read_only_location_names_the_output_dir(hf, tmp_path, monkeypatch, capsys):

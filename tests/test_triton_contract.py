@@ -885,9 +885,10 @@ def test_make_model_repo_on_a_full_disk_is_one_line(tmp_path: Path, checkpoint: 
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(repo / "ensemble" / "config.pbtxt"))
 
     monkeypatch.setattr(model_repo, "fill_model_repo", full_disk)
-    assert model_repo.main(["--engine_dir", str(checkpoint), "--output_dir", str(tmp_path / "repo")]) == 2
-    assert capsys.readouterr().err == (f"make_model_repo: {tmp_path / 'repo' / 'ensemble' / 'config.pbtxt'}: No space "
-                                       "left on device; no model repository was written\n")
+    repo = tmp_path / "new" / "repo"  # and the directory made for it is removed
+    assert model_repo.main(["--engine_dir", str(checkpoint), "--output_dir", str(repo)]) == 2
+    assert capsys.readouterr().err == (f"make_model_repo: {repo / 'ensemble' / 'config.pbtxt'}: No space left on "
+                                       "device; no model repository was written\n")
     assert list(tmp_path.iterdir()) == []
 
 def test_the_default_admin_key_cannot_be_sent(unary: TritonServer) -> None:

@@ -41,19 +41,21 @@ def _interrupts_held() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
-_owned: dict[str, int] = {}  # the lock files (and their descriptors) of this process's owned temporaries
+# the lock files of this process's owned temporaries: their descriptors and the directories made for them
+_owned: dict[str, tuple[int, list[Path]]] = {}
 
 
 @contextlib.contextmanager
 def owned_tempdir(parent: Path, prefix: str) -> Iterator[Path]:
     """A new directory `parent/<prefix>XXXX`, locked by this process until the block ends, then removed
-    (unless the block renamed it away)."""
-    parent.mkdir(parents=True, exist_ok=True)
+    (unless the block renamed it away), with the directories above it that it made and the block left empty."""
     lock: str | None = None
+    made: list[Path] = []  # deepest first
     try:  # everything inside: an interrupt (SIGTERM, Ctrl-C) anywhere still cleans up what exists
         with _interrupts_held():  # between creating the lock file and recording it, an interrupt would leave it
+            _make_dirs(parent, made)
             fd, lock = tempfile.mkstemp(prefix=prefix, suffix=LOCK_SUFFIX, dir=parent)
-            _owned[lock] = fd
+            _owned[lock] = fd, made
         fcntl.flock(fd, fcntl.LOCK_EX)
         tmp = Path(lock[: -len(LOCK_SUFFIX)])
         tmp.mkdir(0o755)
@@ -61,6 +63,32 @@ def owned_tempdir(parent: Path, prefix: str) -> Iterator[Path]:
     finally:
         if lock is not None:
             _release(lock)
+        else:
+            _remove_empty(made)
+
+
+def _make_dirs(path: Path, made: list[Path]) -> None:
+    """mkdir -p, recording in `made` (deepest first) each directory this call made, so that a failed command removes
+    those and nothing the user had."""
+    for d in reversed([path, *path.parents]):
+        if d.is_dir():
+            continue
+        try:
+            d.mkdir()
+        except FileExistsError:
+            if d.is_dir():  # made meanwhile by someone else: theirs
+                continue
+            raise  # a file in the way, named
+        made.insert(0, d)
+
+
+def _remove_empty(dirs: list[Path]) -> None:
+    """Remove `dirs` (deepest first) while they are empty: one holding an output (or anything else) stays."""
+    for d in dirs:
+        try:
+            d.rmdir()
+        except OSError:
+            return
 
 
 def release_owned() -> None:
@@ -72,13 +100,15 @@ def release_owned() -> None:
 
 
 def _release(lock: str) -> None:
-    fd = _owned.pop(lock, None)
-    if fd is None:
+    owned = _owned.pop(lock, None)
+    if owned is None:
         return
+    fd, made = owned
     shutil.rmtree(lock[: -len(LOCK_SUFFIX)], ignore_errors=True)  # gone already where the block renamed it away
     with contextlib.suppress(FileNotFoundError):
         os.unlink(lock)
     os.close(fd)
+    _remove_empty(made)
 
 
 @contextlib.contextmanager
