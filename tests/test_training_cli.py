@@ -199,6 +199,47 @@ def test_train_model_resume_names_what_is_not_its_checkpoint(run, capsys):
            "training.train_model (no opt)")
 
 
+def test_train_model_sigterm_saves_the_steps_done(run, monkeypatch, capsys):
+    """SIGTERM (a scheduler's time limit, docker stop) killed the run and lost every step since the last checkpoint
+    (Ctrl-C: a traceback, the same loss): it saves the steps done, says so in one line, exits 130, and --resume
+    continues to the weights of a run never interrupted."""
+    import signal
+
+    data = run.parent
+    argv = ["--data_dir", data, "--config", data / "config.json", "--steps", 6, "--batch_size", 1, "--seq_len", 16,
+            "--eval_every", 100, "--eval_batches", 1, "--threads", 1]
+    train_model.main([str(a) for a in ["--out_dir", data / "whole", *argv]])
+    calls = []
+    losses = train_model.losses
+
+    def terminated_in_step_4(*args: object) -> object:
+        calls.append(args)
+        if len(calls) == 4:  # in the middle of the step: its window drawn, the weights not yet updated
+            signal.raise_signal(signal.SIGTERM)
+        return losses(*args)
+
+    def unhandled(signum: int, frame: object) -> None:  # what the process would do: die (here, fail the test)
+        raise AssertionError("SIGTERM was not handled")
+
+    handler = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(train_model, "losses", terminated_in_step_4)
+            with pytest.raises(SystemExit) as e:
+                train_model.main([str(a) for a in ["--out_dir", data / "cut", *argv]])
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert e.value.code == 130
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"python -m training.train_model: interrupted at step 3; saved it to {data / 'cut' / 'ckpt.pt'} (--resume "
+        "continues it)")
+    assert torch.load(data / "cut" / "ckpt.pt", weights_only=True)["step"] == 3
+    train_model.main([str(a) for a in ["--out_dir", data / "cut", "--resume", *argv]])
+    whole, cut = (torch.load(data / d / "ckpt.pt", weights_only=True) for d in ("whole", "cut"))
+    assert cut["step"] == whole["step"] == 6
+    assert all(torch.equal(cut["model"][k], v) for k, v in whole["model"].items())
+
+
 def test_export_model_on_a_full_disk_names_the_out_dir(run, monkeypatch, capsys):
     """As prepare_data's: a write that names no file named nothing."""
     import errno

@@ -29,7 +29,7 @@ class OutputDirError(ValueError):
 
 
 @contextlib.contextmanager
-def _interrupts_held() -> Iterator[None]:
+def interrupts_held() -> Iterator[None]:
     """SIGINT and SIGTERM wait until the block ends (their handlers run in the main thread only)."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -52,7 +52,7 @@ def owned_tempdir(parent: Path, prefix: str) -> Iterator[Path]:
     lock: str | None = None
     made: list[Path] = []  # deepest first
     try:  # everything inside: an interrupt (SIGTERM, Ctrl-C) anywhere still cleans up what exists
-        with _interrupts_held():  # between creating the lock file and recording it, an interrupt would leave it
+        with interrupts_held():  # between creating the lock file and recording it, an interrupt would leave it
             _make_dirs(parent, made)
             fd, lock = tempfile.mkstemp(prefix=prefix, suffix=LOCK_SUFFIX, dir=parent)
             _owned[lock] = fd, made
