@@ -197,6 +197,35 @@ def test_train_model_resume_names_what_is_not_its_checkpoint(run, capsys):
     assert error(capsys, train_model.main, "--data_dir", run.parent, "--out_dir", run, "--resume") == (
         2, f"python -m training.train_model: error: --resume {run / 'ckpt.pt'}: not a checkpoint of "
            "training.train_model (no opt)")
+    state["opt"], state["config"]["hidden_size"] = {}, 0  # the config it resumes is read as --config is
+    torch.save(state, run / "ckpt.pt")
+    assert error(capsys, train_model.main, "--data_dir", run.parent, "--out_dir", run, "--resume") == (
+        2, f"python -m training.train_model: error: --resume {run / 'ckpt.pt'}: its config: field 'hidden_size' must "
+           "be an integer >= 1, got 0")
+
+
+def test_train_model_resume_takes_the_checkpoints_config(run, capsys):
+    """--resume trained on with --config's model whatever the checkpoint's was: another rope_theta was taken (and
+    config.json replaced), another size was a load_state_dict traceback, and so was leaving --config out for a
+    checkpoint not of the built-in mini config. A --config that differs is refused naming the fields; without one the
+    checkpoint's config is resumed."""
+    data, run = run.parent, run.parent / "tiny"
+    cfg = json.loads((data / "config.json").read_text())
+    (data / "other.json").write_text(json.dumps(cfg | {"rope_theta": 5000.0, "hidden_size": 64}))
+    argv = ("--data_dir", data, "--out_dir", run, "--batch_size", 1, "--seq_len", 16, "--eval_batches", 1,
+            "--threads", 1)
+    train_model.main([str(a) for a in (*argv, "--config", data / "config.json", "--steps", 2)])
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    argv = (*argv, "--resume", "--steps", 4)
+    capsys.readouterr()
+    assert error(capsys, train_model.main, *argv, "--config", data / "other.json") == (
+        2, f"python -m training.train_model: error: --config {data / 'other.json'} differs from the config of --resume "
+           f"{run / 'ckpt.pt'} in hidden_size (64, the checkpoint's 32), rope_theta (5000.0, the checkpoint's 10000.0); "
+           "leave --config out to continue with the checkpoint's")
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+    train_model.main([str(a) for a in argv])
+    state = torch.load(run / "ckpt.pt", weights_only=True)
+    assert state["step"] == 4 and state["config"] == ModelConfig.from_dict(cfg).to_dict()
 
 
 def test_train_model_sigterm_saves_the_steps_done(run, monkeypatch, capsys):

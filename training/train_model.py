@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     p = Parser("train_model", __doc__)
     p.add_argument("--data_dir", type=Path, default=Path("data"), help="train.bin and val.bin of training.prepare_data")
     p.add_argument("--out_dir", type=Path, default=Path("runs/mini"), help="run directory: config.json, ckpt.pt, log.jsonl")
-    p.add_argument("--config", type=Path, help="config.json to train (default: the built-in mini config)")
+    p.add_argument("--config", type=Path, help="config.json to train (default: the built-in mini config; with "
+                                               "--resume, the checkpoint's)")
     p.add_argument("--steps", type=int, default=3000, help="optimizer steps of the schedule")
     p.add_argument("--batch_size", type=int, default=16, help="windows a step")
     p.add_argument("--seq_len", type=int, default=256, help="tokens a window")
@@ -147,8 +148,20 @@ def main(argv: list[str] | None = None) -> None:
     if args.resume:
         if not ckpt_path.exists():
             p.error(f"--resume: no checkpoint to continue at {ckpt_path}")
-        state = load_checkpoint(p, "--resume", ckpt_path, ("model", "opt", "step", "elapsed_s", "rng"), args.device,
-                                made_by="training.train_model")
+        state = load_checkpoint(p, "--resume", ckpt_path, ("model", "opt", "step", "elapsed_s", "rng", "config"),
+                                args.device, made_by="training.train_model")
+        try:
+            trained = ModelConfig.from_dict(state["config"], source=f"--resume {ckpt_path}: its config")
+        except ConfigError as e:
+            p.error(str(e))
+        if args.config is not None:  # the model resumed is the one trained: another config would not hold its weights
+            given, saved = cfg.to_dict(), trained.to_dict()
+            differ = [f"{k} ({given.get(k)!r}, the checkpoint's {saved.get(k)!r})"
+                      for k in sorted(given.keys() | saved.keys()) if given.get(k) != saved.get(k)]
+            if differ:
+                p.error(f"--config {args.config} differs from the config of --resume {ckpt_path} in "
+                        f"{', '.join(differ)}; leave --config out to continue with the checkpoint's")
+        cfg = trained
     elif ckpt_path.exists() and not args.force:
         p.error(f"--out_dir {args.out_dir} holds a checkpoint ({ckpt_path}); pass --resume to continue it or --force "
                 "to start over")
