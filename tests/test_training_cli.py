@@ -268,6 +268,19 @@ def test_train_model_sigterm_saves_the_steps_done(run, monkeypatch, capsys):
     assert cut["step"] == whole["step"] == 6
     assert all(torch.equal(cut["model"][k], v) for k, v in whole["model"].items())
 
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_model, "DeepseekV3ForCausalLM", interrupted)  # while the model is made: nothing to save
+    with pytest.raises(SystemExit) as e:
+        train_model.main([str(a) for a in ["--out_dir", data / "cut", "--resume", "--data_dir", data, "--steps", 8,
+                                           *argv[6:]]])
+    assert e.value.code == 130
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"python -m training.train_model: interrupted before the first step; {data / 'cut' / 'ckpt.pt'} was not "
+        "written")
+    assert torch.load(data / "cut" / "ckpt.pt", weights_only=True)["step"] == 6
+
 
 def test_export_model_on_a_full_disk_names_the_out_dir(run, monkeypatch, capsys):
     """As prepare_data's: a write that names no file named nothing."""
