@@ -891,6 +891,20 @@ def test_make_model_repo_on_a_full_disk_is_one_line(tmp_path: Path, checkpoint: 
                                        "device; no model repository was written\n")
     assert list(tmp_path.iterdir()) == []
 
+    def no_space(src: str, dst: str, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def copytree(src: str, dst: str, *args: object, **kwargs: object) -> object:  # its own recursion passes args
+        return real_copytree(src, dst, *args, **(kwargs if args else {**kwargs, "copy_function": no_space}))
+
+    real_copytree = shutil.copytree  # which keeps only its failed copies' messages: it said "Error"
+    monkeypatch.undo()
+    monkeypatch.setattr(shutil, "copytree", copytree)
+    assert model_repo.main(["--engine_dir", str(checkpoint), "--output_dir", str(repo)]) == 2
+    assert capsys.readouterr().err in {f"make_model_repo: {repo / 'ensemble' / name}: No space left on device; no model "
+                                       "repository was written\n" for name in ("config.pbtxt", "1/.gitkeep")}
+    assert list(tmp_path.iterdir()) == []
+
 def test_the_default_admin_key_cannot_be_sent(unary: TritonServer) -> None:
     """Without --admin_api_key the admin APIs are keyed to a value with a line break, because tritonserver's command
     line shows the key to every local user: a client that read it there cannot present it, over HTTP (its halves,

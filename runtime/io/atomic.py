@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import shutil
 import signal
 import stat
@@ -234,9 +235,14 @@ def os_error_text(e: OSError, out_dir: Path | None = None) -> str:
     """The file system's own refusal (no space, no permission, a file in the way) as one line naming the file (both,
     for a rename). With the `out_dir` being written, names the user gave: a file of its temporary sibling is named
     inside out_dir and one of its other temporaries (a lock, an intermediate checkpoint) as out_dir, which a write
-    that names no file (a full disk) names too."""
+    that names no file (a full disk) names too. shutil.copytree's error, which keeps only its copies' messages, is
+    named by its first failed copy."""
     what = e.strerror or next((a for a in e.args if isinstance(a, str)), type(e).__name__)
     files = [str(f) for f in (e.filename, e.filename2) if f is not None]
+    if isinstance(e, shutil.Error) and e.args and isinstance(e.args[0], list) and e.args[0]:
+        _, dst, why = e.args[0][0]  # (source, destination, str(the OSError)) for each file it could not copy
+        code = re.match(r"\[Errno (\d+)\] ", why)
+        what, files = os.strerror(int(code.group(1))) if code else why, [dst]
     if out_dir is not None:
         files = list(dict.fromkeys(_as_output(f, Path(out_dir)) for f in files)) or [str(out_dir)]
     where = " -> ".join(files)
