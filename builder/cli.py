@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"build_engine: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # the file system's own refusals: no space, no permission, a file in the way
-        print(f"build_engine: error: {os_error_text(e)}; no output directory was written", file=sys.stderr)
+        print(f"build_engine: error: {os_error_text(e, args.output_dir)}; no output directory was written", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         release_owned()

@@ -24,7 +24,7 @@ from runtime.executors.backends import check_settings
 from runtime.executors.base import ExecutorConfig
 from runtime.io.atomic import (atomic_write, check_not_replacing, new_output_dir, os_error_text, release_owned,
                                remove_stale)
-from runtime.io.engine_format import read_limits, tokenizer_dir
+from runtime.io.engine_format import ENGINE_JSON, EngineManifest, read_limits, tokenizer_dir
 from runtime.io.tokenizer import TOKENIZER_FILE
 from runtime.cli import interrupt_on_sigterm, show_defaults
 from serving.bls import bls_settings
@@ -188,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             decoupled = subs.get("decoupled_mode", "true").lower()
             if decoupled not in ("true", "false"):
                 raise ValueError(f"--set decoupled_mode:{subs['decoupled_mode']}: expected true or false")
+        if (args.engine_dir / ENGINE_JSON).is_file():  # whole weight files, from their headers: hashes read it all
+            EngineManifest.read(args.engine_dir).verify_files(args.engine_dir, hashes=False)
         for note in remove_stale(args.output_dir):  # what a killed run left beside it
             print(f"make_model_repo: {note}", file=sys.stderr)
         with new_output_dir(args.output_dir, args.force) as repo:  # replaced only once the new one is whole
@@ -205,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"make_model_repo: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         return 2
     except OSError as e:  # the file system's: no space, no permission (the repository is written whole or not at all)
-        print(f"make_model_repo: {os_error_text(e)}; no model repository was written", file=sys.stderr)
+        print(f"make_model_repo: {os_error_text(e, args.output_dir)}; no model repository was written", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         release_owned()

@@ -229,6 +229,8 @@ def test_cli_model_dir_and_checkpoint_dir(hf, tmp_path, capsys):
 
 @pytest.mark.parametrize("exc", [RuntimeError("disk full"), KeyboardInterrupt()])
 def test_failed_build_leaves_nothing(hf, tmp_path, monkeypatch, exc):
+    """No output, no temporary engine or checkpoint, and none of the directories the build made above --output_dir
+    (`keep/a/b/out` left `keep/a/b`); the directory that was there stays."""
     calls = []
 
     def failing(*args):
@@ -237,7 +239,8 @@ def test_failed_build_leaves_nothing(hf, tmp_path, monkeypatch, exc):
             raise exc
 
     monkeypatch.setattr(engine_builder, "_build_rank", failing)
-    out = tmp_path / "out"
+    (tmp_path / "keep").mkdir()
+    out = tmp_path / "keep" / "a" / "b" / "out"
     args = ["--model_dir", hf, "--output_dir", out, "--max_seq_len", 256, "--tp_size", 2]
     if isinstance(exc, KeyboardInterrupt):
         assert cli(*args) == 130
@@ -245,7 +248,38 @@ def test_failed_build_leaves_nothing(hf, tmp_path, monkeypatch, exc):
         with pytest.raises(RuntimeError, match="disk full"):
             cli(*args)
     assert len(calls) == 2
-    assert list(tmp_path.iterdir()) == []  # no output, no temporary engine or checkpoint
+    assert list(tmp_path.rglob("*")) == [tmp_path / "keep"]
+
+
+def test_a_full_disk_or_a_read_only_location_names_the_output_dir(hf, tmp_path, monkeypatch, capsys):
+    """The file system's refusals name --output_dir, as the user gave it: a full disk while the conversion wrote named
+    no file at all (a write names none), a read-only location named the build's internal lock file, and a file of the
+    engine was named in its temporary directory (deleted since). Exit status 2 and nothing left."""
+    import errno
+
+    import builder.rank_file as rank_file
+    import runtime.io.atomic as atomic
+
+    out, flags = tmp_path / "out", ("--max_seq_len", 256)
+
+    def full_disk(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def full_disk_at_tokenizer(src: Path, dst: Path) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dst / "tokenizer.json"))
+
+    def read_only(prefix: str = "", suffix: str = "", dir: str = "") -> None:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.path.join(dir, f"{prefix}k2x9{suffix}"))
+
+    for target, name, fake, shown, reason in (
+            (rank_file.RankFileWriter, "write", full_disk, out, "No space left on device"),
+            (engine_builder, "copy_tokenizer", full_disk_at_tokenizer, out / "tokenizer.json", "No space left on device"),
+            (atomic.tempfile, "mkstemp", read_only, out, "Read-only file system")):
+        with monkeypatch.context() as m:
+            m.setattr(target, name, fake)
+            assert error(capsys, "--model_dir", hf, "--output_dir", out, *flags) == (
+                f"build_engine: error: {shown}: {reason}; no output directory was written")
+        assert list(tmp_path.iterdir()) == []
 
 
 def test_interrupted_conversion_leaves_nothing(hf, tmp_path, monkeypatch):

@@ -87,6 +87,25 @@ def test_prepare_data_interrupted_leaves_nothing(tmp_path, tiny_sources, monkeyp
     assert not (out / "old.txt").exists()
 
 
+def test_a_full_disk_names_the_out_dir(tmp_path, tiny_sources, monkeypatch, capsys):
+    """A write that fails for want of space names no file, and prepare_data and export_model then named nothing: the
+    message names --out_dir."""
+    import errno
+    import os
+
+    def full_disk(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(prepare, "make_prompts", full_disk)
+    out = tmp_path / "data"
+    with pytest.raises(SystemExit) as e:
+        prepare.main(["--out_dir", str(out), "--vocab_size", "300", "--n_prompts", "2"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (  # after the progress bars
+        f"python -m training.prepare_data: error: {out}: No space left on device; no output directory was written")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.fixture
 def run(tmp_path: Path) -> Path:
     """A tiny model's training checkpoint (run/ckpt.pt, the keys training.train_model saves) and a token corpus."""
@@ -178,6 +197,104 @@ def test_train_model_resume_names_what_is_not_its_checkpoint(run, capsys):
     assert error(capsys, train_model.main, "--data_dir", run.parent, "--out_dir", run, "--resume") == (
         2, f"python -m training.train_model: error: --resume {run / 'ckpt.pt'}: not a checkpoint of "
            "training.train_model (no opt)")
+    state["opt"], state["config"]["hidden_size"] = {}, 0  # the config it resumes is read as --config is
+    torch.save(state, run / "ckpt.pt")
+    assert error(capsys, train_model.main, "--data_dir", run.parent, "--out_dir", run, "--resume") == (
+        2, f"python -m training.train_model: error: --resume {run / 'ckpt.pt'}: its config: field 'hidden_size' must "
+           "be an integer >= 1, got 0")
+
+
+def test_train_model_resume_takes_the_checkpoints_config(run, capsys):
+    """--resume trained on with --config's model whatever the checkpoint's was: another rope_theta was taken (and
+    config.json replaced), another size was a load_state_dict traceback, and so was leaving --config out for a
+    checkpoint not of the built-in mini config. A --config that differs is refused naming the fields; without one the
+    checkpoint's config is resumed."""
+    data, run = run.parent, run.parent / "tiny"
+    cfg = json.loads((data / "config.json").read_text())
+    (data / "other.json").write_text(json.dumps(cfg | {"rope_theta": 5000.0, "hidden_size": 64}))
+    argv = ("--data_dir", data, "--out_dir", run, "--batch_size", 1, "--seq_len", 16, "--eval_batches", 1,
+            "--threads", 1)
+    train_model.main([str(a) for a in (*argv, "--config", data / "config.json", "--steps", 2)])
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    argv = (*argv, "--resume", "--steps", 4)
+    capsys.readouterr()
+    assert error(capsys, train_model.main, *argv, "--config", data / "other.json") == (
+        2, f"python -m training.train_model: error: --config {data / 'other.json'} differs from the config of --resume "
+           f"{run / 'ckpt.pt'} in hidden_size (64, the checkpoint's 32), rope_theta (5000.0, the checkpoint's 10000.0); "
+           "leave --config out to continue with the checkpoint's")
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+    train_model.main([str(a) for a in argv])
+    state = torch.load(run / "ckpt.pt", weights_only=True)
+    assert state["step"] == 4 and state["config"] == ModelConfig.from_dict(cfg).to_dict()
+
+
+def test_train_model_sigterm_saves_the_steps_done(run, monkeypatch, capsys):
+    """SIGTERM (a scheduler's time limit, docker stop) killed the run and lost every step since the last checkpoint
+    (Ctrl-C: a traceback, the same loss): it saves the steps done, says so in one line, exits 130, and --resume
+    continues to the weights of a run never interrupted."""
+    import signal
+
+    data = run.parent
+    argv = ["--data_dir", data, "--config", data / "config.json", "--steps", 6, "--batch_size", 1, "--seq_len", 16,
+            "--eval_every", 100, "--eval_batches", 1, "--threads", 1]
+    train_model.main([str(a) for a in ["--out_dir", data / "whole", *argv]])
+    calls = []
+    losses = train_model.losses
+
+    def terminated_in_step_4(*args: object) -> object:
+        calls.append(args)
+        if len(calls) == 4:  # in the middle of the step: its window drawn, the weights not yet updated
+            signal.raise_signal(signal.SIGTERM)
+        return losses(*args)
+
+    def unhandled(signum: int, frame: object) -> None:  # what the process would do: die (here, fail the test)
+        raise AssertionError("SIGTERM was not handled")
+
+    handler = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(train_model, "losses", terminated_in_step_4)
+            with pytest.raises(SystemExit) as e:
+                train_model.main([str(a) for a in ["--out_dir", data / "cut", *argv]])
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert e.value.code == 130
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"python -m training.train_model: interrupted at step 3; saved it to {data / 'cut' / 'ckpt.pt'} (--resume "
+        "continues it)")
+    assert torch.load(data / "cut" / "ckpt.pt", weights_only=True)["step"] == 3
+    train_model.main([str(a) for a in ["--out_dir", data / "cut", "--resume", *argv]])
+    whole, cut = (torch.load(data / d / "ckpt.pt", weights_only=True) for d in ("whole", "cut"))
+    assert cut["step"] == whole["step"] == 6
+    assert all(torch.equal(cut["model"][k], v) for k, v in whole["model"].items())
+
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_model, "DeepseekV3ForCausalLM", interrupted)  # while the model is made: nothing to save
+    with pytest.raises(SystemExit) as e:
+        train_model.main([str(a) for a in ["--out_dir", data / "cut", "--resume", "--data_dir", data, "--steps", 8,
+                                           *argv[6:]]])
+    assert e.value.code == 130
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"python -m training.train_model: interrupted before the first step; {data / 'cut' / 'ckpt.pt'} was not "
+        "written")
+    assert torch.load(data / "cut" / "ckpt.pt", weights_only=True)["step"] == 6
+
+
+def test_export_model_on_a_full_disk_names_the_out_dir(run, monkeypatch, capsys):
+    """As prepare_data's: a write that names no file named nothing."""
+    import errno
+    import os
+
+    def full_disk(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    (run / "tokenizer.json").write_text("{}")
+    monkeypatch.setattr(export, "write_hf_checkpoint", full_disk)
+    out = run.parent / "release"
+    assert error(capsys, export.main, "--ckpt", run / "ckpt.pt", "--tokenizer_dir", run, "--out_dir", out) == (
+        2, f"python -m training.export_model: error: {out}: No space left on device; no checkpoint was written")
 
 
 def test_export_model_errors_name_its_flags(run, capsys):

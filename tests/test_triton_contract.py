@@ -833,9 +833,37 @@ def test_make_model_repo_refuses_an_output_inside_what_it_links(tmp_path: Path, 
     assert not (engine / "repo").exists()
 
 
+@pytest.mark.parametrize("flavour", ["legacy", "llmapi"])
+def test_make_model_repo_refuses_a_truncated_or_missing_rank_file(tmp_path: Path, checkpoint: Path, capsys,
+                                                                  flavour: str) -> None:
+    """A rank file cut short (a copy that ran out of space) or missing was taken, and the server then refused the
+    engine on its hash; hashing reads every weight, too slow for a full-size engine, so the file's size is checked
+    against what its safetensors header declares: one line naming it, exit status 2, nothing written."""
+    import serving.model_repo as model_repo
+    from builder.cli import main as build_main
+
+    engine = tmp_path / "engine"
+    assert build_main(["--model_dir", str(checkpoint), "--output_dir", str(engine), "--max_seq_len", "256"]) == 0
+    rank = engine / "rank0.safetensors"
+    size, header = rank.stat().st_size, int.from_bytes(rank.read_bytes()[:8], "little")
+    rank.write_bytes(rank.read_bytes()[:-100])
+    argv = ["--engine_dir", str(engine), "--output_dir", str(tmp_path / "repo"), "--flavour", flavour]
+    capsys.readouterr()
+    assert model_repo.main(argv) == 2
+    assert capsys.readouterr().err == (
+        f"make_model_repo: {rank}: file is truncated: {size - 100} bytes, expected {size} (8 + {header}-byte header + "
+        f"{size - 8 - header} bytes of data); rebuild the engine or copy the file again\n")
+    rank.unlink()
+    assert model_repo.main(argv) == 2
+    assert capsys.readouterr().err == (
+        f"make_model_repo: {rank}: weight file missing, expected 1 (rank0.safetensors) for tp_size 1\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["engine"]
+
+
 def test_make_model_repo_on_a_full_disk_is_one_line(tmp_path: Path, checkpoint: Path, monkeypatch, capsys) -> None:
     """The file system's refusals while the repository is written (here no space, after a first file) are one line
-    naming the file, exit status 2, and no half-written repository (shutil's traceback before)."""
+    naming the file where the repository was to be (not in its temporary directory, deleted since), exit status 2,
+    and no half-written repository (shutil's traceback before)."""
     import errno
     import os
 
@@ -846,10 +874,24 @@ def test_make_model_repo_on_a_full_disk_is_one_line(tmp_path: Path, checkpoint: 
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(repo / "ensemble" / "config.pbtxt"))
 
     monkeypatch.setattr(model_repo, "fill_model_repo", full_disk)
-    assert model_repo.main(["--engine_dir", str(checkpoint), "--output_dir", str(tmp_path / "repo")]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("make_model_repo: ") and err.endswith(
-        "/ensemble/config.pbtxt: No space left on device; no model repository was written\n"), err
+    repo = tmp_path / "new" / "repo"  # and the directory made for it is removed
+    assert model_repo.main(["--engine_dir", str(checkpoint), "--output_dir", str(repo)]) == 2
+    assert capsys.readouterr().err == (f"make_model_repo: {repo / 'ensemble' / 'config.pbtxt'}: No space left on "
+                                       "device; no model repository was written\n")
+    assert list(tmp_path.iterdir()) == []
+
+    def no_space(src: str, dst: str, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def copytree(src: str, dst: str, *args: object, **kwargs: object) -> object:  # its own recursion passes args
+        return real_copytree(src, dst, *args, **(kwargs if args else {**kwargs, "copy_function": no_space}))
+
+    real_copytree = shutil.copytree  # which keeps only its failed copies' messages: it said "Error"
+    monkeypatch.undo()
+    monkeypatch.setattr(shutil, "copytree", copytree)
+    assert model_repo.main(["--engine_dir", str(checkpoint), "--output_dir", str(repo)]) == 2
+    assert capsys.readouterr().err in {f"make_model_repo: {repo / 'ensemble' / name}: No space left on device; no model "
+                                       "repository was written\n" for name in ("config.pbtxt", "1/.gitkeep")}
     assert list(tmp_path.iterdir()) == []
 
 def test_the_default_admin_key_cannot_be_sent(unary: TritonServer) -> None:

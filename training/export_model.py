@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{p.prog}: interrupted; no output directory was written", file=sys.stderr)
         sys.exit(130)
     except OSError as e:  # no space, no permission, an --out_dir made meanwhile: written whole or not at all
-        p.error(f"{os_error_text(e)}; no checkpoint was written")
+        p.error(f"{os_error_text(e, args.out_dir)}; no checkpoint was written")
     print(f"step {state['step']} -> {args.out_dir}")
 
 

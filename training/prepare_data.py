@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
     except OutputDirError as e:
         ap.error(str(e))
     except OSError as e:  # no space, no permission, a file in the way
-        ap.error(f"{os_error_text(e)}; no output directory was written")
+        ap.error(f"{os_error_text(e, args.out_dir)}; no output directory was written")
     except KeyboardInterrupt:
         release_owned()
         print(f"{ap.prog}: interrupted; no output directory was written", file=sys.stderr)

@@ -16,6 +16,7 @@ import argparse
 import io
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -24,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from runtime.io.atomic import atomic_write
+from runtime.cli import interrupt_on_sigterm
+from runtime.io.atomic import atomic_write, interrupts_held
 from runtime.model.config import ConfigError, ModelConfig
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM, Gate
 from training.cli import Parser, at_least_one, load_checkpoint, token_file
@@ -104,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     p = Parser("train_model", __doc__)
     p.add_argument("--data_dir", type=Path, default=Path("data"), help="train.bin and val.bin of training.prepare_data")
     p.add_argument("--out_dir", type=Path, default=Path("runs/mini"), help="run directory: config.json, ckpt.pt, log.jsonl")
-    p.add_argument("--config", type=Path, help="config.json to train (default: the built-in mini config)")
+    p.add_argument("--config", type=Path, help="config.json to train (default: the built-in mini config; with "
+                                               "--resume, the checkpoint's)")
     p.add_argument("--steps", type=int, default=3000, help="optimizer steps of the schedule")
     p.add_argument("--batch_size", type=int, default=16, help="windows a step")
     p.add_argument("--seq_len", type=int, default=256, help="tokens a window")
@@ -128,9 +131,9 @@ def main(argv: list[str] | None = None) -> None:
     at_least_one(p, args, ("steps", "batch_size", "seq_len", "warmup", "eval_every", "eval_batches"))
     if args.resume and args.force:
         p.error("--resume continues --out_dir's checkpoint and --force starts over; give one of them")
-    train = np.memmap(token_file(p, args.data_dir, "train.bin"), dtype=np.uint16, mode="r")
+    train_tokens = np.memmap(token_file(p, args.data_dir, "train.bin"), dtype=np.uint16, mode="r")
     val = np.memmap(token_file(p, args.data_dir, "val.bin"), dtype=np.uint16, mode="r")
-    for name, tokens in (("train.bin", train), ("val.bin", val)):
+    for name, tokens in (("train.bin", train_tokens), ("val.bin", val)):
         if len(tokens) <= args.seq_len + 2:
             p.error(f"--data_dir {args.data_dir}: {name} holds {len(tokens)} tokens, fewer than a window of --seq_len "
                     f"{args.seq_len} + 2")
@@ -145,8 +148,20 @@ def main(argv: list[str] | None = None) -> None:
     if args.resume:
         if not ckpt_path.exists():
             p.error(f"--resume: no checkpoint to continue at {ckpt_path}")
-        state = load_checkpoint(p, "--resume", ckpt_path, ("model", "opt", "step", "elapsed_s", "rng"), args.device,
-                                made_by="training.train_model")
+        state = load_checkpoint(p, "--resume", ckpt_path, ("model", "opt", "step", "elapsed_s", "rng", "config"),
+                                args.device, made_by="training.train_model")
+        try:
+            trained = ModelConfig.from_dict(state["config"], source=f"--resume {ckpt_path}: its config")
+        except ConfigError as e:
+            p.error(str(e))
+        if args.config is not None:  # the model resumed is the one trained: another config would not hold its weights
+            given, saved = cfg.to_dict(), trained.to_dict()
+            differ = [f"{k} ({given.get(k)!r}, the checkpoint's {saved.get(k)!r})"
+                      for k in sorted(given.keys() | saved.keys()) if given.get(k) != saved.get(k)]
+            if differ:
+                p.error(f"--config {args.config} differs from the config of --resume {ckpt_path} in "
+                        f"{', '.join(differ)}; leave --config out to continue with the checkpoint's")
+        cfg = trained
     elif ckpt_path.exists() and not args.force:
         p.error(f"--out_dir {args.out_dir} holds a checkpoint ({ckpt_path}); pass --resume to continue it or --force "
                 "to start over")
@@ -154,7 +169,23 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(args.out_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
+    interrupt_on_sigterm()
+    try:
+        step = train(args, cfg, state, train_tokens, val)
+    except KeyboardInterrupt:  # before the first step: nothing to save
+        print(f"{p.prog}: interrupted before the first step; {ckpt_path} was not written", file=sys.stderr)
+        sys.exit(130)
+    if step is not None:
+        print(f"{p.prog}: interrupted at step {step}; saved it to {ckpt_path} (--resume continues it)",
+              file=sys.stderr)
+        sys.exit(130)
 
+
+def train(args: argparse.Namespace, cfg: ModelConfig, state: dict | None, train_tokens: np.ndarray,
+          val: np.ndarray) -> int | None:
+    """Train (from `state`, a checkpoint, if given) until the schedule is done, saving every --eval_every steps; on
+    Ctrl-C or SIGTERM save the steps done and return their number (None when the schedule finished)."""
+    ckpt_path = args.out_dir / "ckpt.pt"
     torch.manual_seed(args.seed)
     model = DeepseekV3ForCausalLM(cfg).to(args.device)
     model.init_weights(seed=args.seed)
@@ -172,6 +203,12 @@ def main(argv: list[str] | None = None) -> None:
         step, elapsed_before = state["step"], state["elapsed_s"]
         gen.bit_generator.state = state["rng"]
         print(f"resumed at step {step}")
+    rng = gen.bit_generator.state  # the windows' generator after the steps done: what a checkpoint resumes from
+
+    def checkpoint(elapsed: float) -> dict:
+        return {"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "rng": rng, "elapsed_s": elapsed,
+                "config": cfg.to_dict(), "args": vars(args) | {"data_dir": str(args.data_dir),
+                                                              "out_dir": str(args.out_dir), "config": str(args.config)}}
 
     gates = [m for m in model.modules() if isinstance(m, Gate)]
     loads: dict[Gate, torch.Tensor] = {}
@@ -182,43 +219,49 @@ def main(argv: list[str] | None = None) -> None:
     model.train()
     t0, tokens_seen = time.time(), 0
     bar = tqdm(total=args.steps, initial=step, desc="train", dynamic_ncols=True)
-    while (done := progress(step, elapsed_before + time.time() - t0, args)) < 1.0:  # a finished run resumes to nothing
-        lr = lr_at(step, done, args)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        chunk = batches(train, args.batch_size, args.seq_len + 2, gen).to(args.device)
-        main_loss, mtp_loss, _ = losses(model, chunk)
-        loss = main_loss + args.mtp_weight * mtp_loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        with torch.no_grad():  # auxiliary-loss-free balancing
-            for g, load in loads.items():
-                g.e_score_correction_bias += args.bias_gamma * torch.sign(load.mean() - load)
-        step += 1
-        tokens_seen += chunk.numel()
-        bar.update(1)
-        bar.set_postfix(loss=f"{main_loss.item():.3f}", mtp=f"{mtp_loss.item():.3f}",
-                        tok_s=f"{tokens_seen / (time.time() - t0):.0f}")
-        elapsed = elapsed_before + time.time() - t0
-        done = progress(step, elapsed, args)
-        record = {"step": step, "loss": main_loss.item(), "mtp_loss": mtp_loss.item(), "lr": lr, "elapsed_s": elapsed}
-        if step % args.eval_every == 0 or done >= 1.0:
-            record |= evaluate(model, val, args)
-            tqdm.write(json.dumps(record))
-            save(ckpt_path, {"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                             "rng": gen.bit_generator.state,
-                             "elapsed_s": elapsed,
-                             "config": cfg.to_dict(), "args": vars(args) | {"data_dir": str(args.data_dir),
-                                                                          "out_dir": str(args.out_dir),
-                                                                          "config": str(args.config)}})
-        log.write(json.dumps(record) + "\n")
-        log.flush()
-    for h in hooks:
-        h.remove()
-    bar.close()
-
+    try:
+        # a finished run resumes to nothing
+        while (done := progress(step, elapsed_before + time.time() - t0, args)) < 1.0:
+            lr = lr_at(step, done, args)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            chunk = batches(train_tokens, args.batch_size, args.seq_len + 2, gen).to(args.device)
+            main_loss, mtp_loss, _ = losses(model, chunk)
+            loss = main_loss + args.mtp_weight * mtp_loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            with interrupts_held():  # a step is applied whole or not at all: an interrupt saves the steps done
+                opt.step()
+                with torch.no_grad():  # auxiliary-loss-free balancing
+                    for g, load in loads.items():
+                        g.e_score_correction_bias += args.bias_gamma * torch.sign(load.mean() - load)
+                step += 1
+                rng = gen.bit_generator.state
+            tokens_seen += chunk.numel()
+            bar.update(1)
+            bar.set_postfix(loss=f"{main_loss.item():.3f}", mtp=f"{mtp_loss.item():.3f}",
+                            tok_s=f"{tokens_seen / (time.time() - t0):.0f}")
+            elapsed = elapsed_before + time.time() - t0
+            done = progress(step, elapsed, args)
+            record = {"step": step, "loss": main_loss.item(), "mtp_loss": mtp_loss.item(), "lr": lr,
+                      "elapsed_s": elapsed}
+            if step % args.eval_every == 0 or done >= 1.0:
+                record |= evaluate(model, val, args)
+                tqdm.write(json.dumps(record))
+                save(ckpt_path, checkpoint(elapsed))
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+    except KeyboardInterrupt:
+        with interrupts_held():  # a second interrupt waits for the checkpoint
+            save(ckpt_path, checkpoint(elapsed_before + time.time() - t0))
+        return step
+    finally:
+        bar.close()
+        log.close()
+        for h in hooks:
+            h.remove()
+    return None
 
 if __name__ == "__main__":
     main()

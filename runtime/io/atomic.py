@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import shutil
 import signal
 import stat
@@ -20,6 +21,7 @@ from typing import Iterator
 
 LOCK_SUFFIX = ".lock"
 OLD_SUFFIX = ".old"  # an output renamed aside while its replacement is moved in
+TMP_TAG = ".tmp-"  # `.<output name>.tmp-XXXX`: the temporary sibling an output is written in
 
 
 class OutputDirError(ValueError):
@@ -28,7 +30,7 @@ class OutputDirError(ValueError):
 
 
 @contextlib.contextmanager
-def _interrupts_held() -> Iterator[None]:
+def interrupts_held() -> Iterator[None]:
     """SIGINT and SIGTERM wait until the block ends (their handlers run in the main thread only)."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -40,19 +42,21 @@ def _interrupts_held() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
-_owned: dict[str, int] = {}  # the lock files (and their descriptors) of this process's owned temporaries
+# the lock files of this process's owned temporaries: their descriptors and the directories made for them
+_owned: dict[str, tuple[int, list[Path]]] = {}
 
 
 @contextlib.contextmanager
 def owned_tempdir(parent: Path, prefix: str) -> Iterator[Path]:
     """A new directory `parent/<prefix>XXXX`, locked by this process until the block ends, then removed
-    (unless the block renamed it away)."""
-    parent.mkdir(parents=True, exist_ok=True)
+    (unless the block renamed it away), with the directories above it that it made and the block left empty."""
     lock: str | None = None
+    made: list[Path] = []  # deepest first
     try:  # everything inside: an interrupt (SIGTERM, Ctrl-C) anywhere still cleans up what exists
-        with _interrupts_held():  # between creating the lock file and recording it, an interrupt would leave it
+        with interrupts_held():  # between creating the lock file and recording it, an interrupt would leave it
+            _make_dirs(parent, made)
             fd, lock = tempfile.mkstemp(prefix=prefix, suffix=LOCK_SUFFIX, dir=parent)
-            _owned[lock] = fd
+            _owned[lock] = fd, made
         fcntl.flock(fd, fcntl.LOCK_EX)
         tmp = Path(lock[: -len(LOCK_SUFFIX)])
         tmp.mkdir(0o755)
@@ -60,6 +64,32 @@ def owned_tempdir(parent: Path, prefix: str) -> Iterator[Path]:
     finally:
         if lock is not None:
             _release(lock)
+        else:
+            _remove_empty(made)
+
+
+def _make_dirs(path: Path, made: list[Path]) -> None:
+    """mkdir -p, recording in `made` (deepest first) each directory this call made, so that a failed command removes
+    those and nothing the user had."""
+    for d in reversed([path, *path.parents]):
+        if d.is_dir():
+            continue
+        try:
+            d.mkdir()
+        except FileExistsError:
+            if d.is_dir():  # made meanwhile by someone else: theirs
+                continue
+            raise  # a file in the way, named
+        made.insert(0, d)
+
+
+def _remove_empty(dirs: list[Path]) -> None:
+    """Remove `dirs` (deepest first) while they are empty: one holding an output (or anything else) stays."""
+    for d in dirs:
+        try:
+            d.rmdir()
+        except OSError:
+            return
 
 
 def release_owned() -> None:
@@ -71,13 +101,15 @@ def release_owned() -> None:
 
 
 def _release(lock: str) -> None:
-    fd = _owned.pop(lock, None)
-    if fd is None:
+    owned = _owned.pop(lock, None)
+    if owned is None:
         return
+    fd, made = owned
     shutil.rmtree(lock[: -len(LOCK_SUFFIX)], ignore_errors=True)  # gone already where the block renamed it away
     with contextlib.suppress(FileNotFoundError):
         os.unlink(lock)
     os.close(fd)
+    _remove_empty(made)
 
 
 @contextlib.contextmanager
@@ -90,7 +122,7 @@ def atomic_dir(out_dir: Path, force: bool = False) -> Iterator[Path]:
     half-deleted output; without force it is an error and nothing is replaced.
     """
     out_dir = Path(out_dir)
-    with owned_tempdir(out_dir.parent, f".{out_dir.name}.tmp-") as tmp:
+    with owned_tempdir(out_dir.parent, f".{out_dir.name}{TMP_TAG}") as tmp:
         yield tmp
         old = None
         if out_dir.exists() or out_dir.is_symlink():
@@ -199,9 +231,32 @@ def new_output_dir(out_dir: Path, force: bool) -> Iterator[Path]:
         raise OutputDirError(str(e)) from None
 
 
-def os_error_text(e: OSError) -> str:
+def os_error_text(e: OSError, out_dir: Path | None = None) -> str:
     """The file system's own refusal (no space, no permission, a file in the way) as one line naming the file (both,
-    for a rename)."""
+    for a rename). With the `out_dir` being written, names the user gave: a file of its temporary sibling is named
+    inside out_dir and one of its other temporaries (a lock, an intermediate checkpoint) as out_dir, which a write
+    that names no file (a full disk) names too. shutil.copytree's error, which keeps only its copies' messages, is
+    named by its first failed copy."""
     what = e.strerror or next((a for a in e.args if isinstance(a, str)), type(e).__name__)
-    where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
+    files = [str(f) for f in (e.filename, e.filename2) if f is not None]
+    if isinstance(e, shutil.Error) and e.args and isinstance(e.args[0], list) and e.args[0]:
+        _, dst, why = e.args[0][0]  # (source, destination, str(the OSError)) for each file it could not copy
+        code = re.match(r"\[Errno (\d+)\] ", why)
+        what, files = os.strerror(int(code.group(1))) if code else why, [dst]
+    if out_dir is not None:
+        files = list(dict.fromkeys(_as_output(f, Path(out_dir)) for f in files)) or [str(out_dir)]
+    where = " -> ".join(files)
     return f"{where}: {what}" if where else what
+
+
+def _as_output(file: str, out_dir: Path) -> str:
+    """`file` as the user knows it: inside out_dir where it lies in out_dir's temporary sibling, out_dir where it is
+    another of its temporaries (`.<name>.<kind>-XXXX`, as `remove_stale` finds them), else as it is."""
+    path, out = Path(os.path.abspath(file)), Path(os.path.abspath(out_dir))
+    for temporary in (path, *path.parents):
+        if temporary.parent == out.parent and temporary.name.startswith(f".{out.name}."):
+            if temporary.name.startswith(f".{out.name}{TMP_TAG}") and not temporary.name.endswith(
+                    (LOCK_SUFFIX, OLD_SUFFIX)):
+                return str(out_dir / path.relative_to(temporary))
+            return str(out_dir)
+    return file

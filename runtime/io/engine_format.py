@@ -20,7 +20,8 @@ from typing import Any, Sequence
 
 import torch
 
-from runtime.io.checkpoint import CheckpointError, HFCheckpoint, is_local_name
+from runtime.io.checkpoint import (CheckpointError, HFCheckpoint, TensorInfo, is_local_name,
+                                   read_safetensors_header)
 from runtime.model.config import ConfigError, ModelConfig, is_int
 from runtime.model.parallel import Layout, chunk
 
@@ -273,17 +274,26 @@ class EngineManifest:
         check_model_limits(model_config, build, f"{path}: field 'model_config'")
         return manifest
 
-    def verify_files(self, engine_dir: Path, hashes: bool = True, skip: set[str] = frozenset()) -> None:
-        """Every weight file present; with `hashes`, every listed file with its recorded sha256; files in `skip`
-        are left to another rank."""
+    def verify_files(self, engine_dir: Path, hashes: bool = True,
+                     skip: set[str] = frozenset()) -> dict[str, dict[str, TensorInfo]]:
+        """Every weight file present and holding every byte its safetensors header declares (a truncated copy is
+        refused from its header, without reading the weights); with `hashes`, every listed file with its recorded
+        sha256; files in `skip` are left to another rank. Returns each checked weight file's header."""
+        headers = {}
         for name in self.weights:
-            if name not in skip and not (engine_dir / name).is_file():
+            if name in skip:
+                continue
+            if not (engine_dir / name).is_file():
                 raise EngineError(
                     f"{engine_dir / name}: weight file missing, expected {len(self.weights)} "
                     f"({', '.join(self.weights)}) for tp_size {self.build.tp_size}"
                 )
+            try:
+                headers[name] = read_safetensors_header(engine_dir / name)
+            except CheckpointError as e:
+                raise EngineError(f"{e}; rebuild the engine or copy the file again") from None
         if not hashes:
-            return
+            return headers
         for name, digest in self.files.items():
             if name in skip:
                 continue
@@ -296,6 +306,7 @@ class EngineManifest:
                     f"{file}: content hash mismatch (sha256 {got[:16]}..., expected {digest[:16]}... "
                     f"from {ENGINE_JSON}); the file changed or is corrupt, rebuild the engine"
                 )
+        return headers
 
 
 def tokenizer_dir(path: str | Path) -> Path:

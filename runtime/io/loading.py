@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from runtime.io.checkpoint import (SCALE_SUFFIX, TORCH_DTYPES, CheckpointError, HFCheckpoint, Scratch, check_finite,
-                                check_stored_dtypes, read_safetensors_header, read_tensor)
+                                check_stored_dtypes, read_tensor)
 from runtime.model.config import ConfigError, ModelConfig
 from runtime.io.engine_format import (DTYPES, ENGINE_JSON, BuildConfig, EngineError, EngineManifest, checkpoint_limits,
                             shard_index, shard_shape, split_dim)
@@ -241,11 +241,10 @@ class _RankSource:
         name = manifest.weights[rank]
         # rank 0 vouches for the files every rank shares (tokenizer); each rank for its own weights
         others = set(manifest.weights) - {name}
-        manifest.verify_files(path, hashes=verify, skip=others if rank == 0 else set(manifest.files) - {name})
-        self.file = path / name
+        headers = manifest.verify_files(path, hashes=verify, skip=others if rank == 0 else set(manifest.files) - {name})
+        self.file, self.header = path / name, headers[name]
         self._scratch = Scratch()
         try:
-            self.header = read_safetensors_header(self.file)
             check_stored_dtypes(self.header, self.file)
         except CheckpointError as e:
             raise EngineError(str(e)) from None
@@ -280,13 +279,13 @@ class _EngineSource:
 
     def __init__(self, path: Path, verify: bool):
         manifest = _native_manifest(path)
-        manifest.verify_files(path, hashes=verify)
+        headers = manifest.verify_files(path, hashes=verify)
         self.cfg, self.build = manifest.model_config, manifest.build
         self.files = [path / f for f in manifest.weights]
+        self.headers = [headers[f] for f in manifest.weights]
         self._scales: dict[str, Tensor | None] = {}  # the whole tensors' FP8 scales, once joined
         self._scratch = Scratch()  # each rank piece is read into it, then joined or consumed
         try:
-            self.headers = [read_safetensors_header(f) for f in self.files]
             for header, file in zip(self.headers, self.files):
                 check_stored_dtypes(header, file)
         except CheckpointError as e:
