@@ -228,6 +228,32 @@ def test_train_model_resume_takes_the_checkpoints_config(run, capsys):
     assert state["step"] == 4 and state["config"] == ModelConfig.from_dict(cfg).to_dict()
 
 
+def test_train_model_on_a_full_disk_is_one_line(run, monkeypatch, capsys):
+    """A checkpoint that could not be written (no space) ended training in a traceback: one line naming --out_dir,
+    exit 2, the last checkpoint written whole left as it was."""
+    import errno
+    import os
+
+    data = run.parent
+    argv = [str(a) for a in ("--data_dir", data, "--config", data / "config.json", "--batch_size", 1, "--seq_len", 16,
+                             "--eval_every", 2, "--eval_batches", 1, "--threads", 1, "--out_dir", data / "full")]
+    train_model.main([*argv, "--steps", "2"])
+    saved = (data / "full" / "ckpt.pt").read_bytes()
+
+    def full_disk(*args: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(train_model, "save", full_disk)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train_model.main([*argv, "--steps", "4", "--resume"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (  # after the progress bar
+        f"python -m training.train_model: error: {data / 'full'}: No space left on device; "
+        f"{data / 'full' / 'ckpt.pt'} keeps the last checkpoint written whole")
+    assert (data / "full" / "ckpt.pt").read_bytes() == saved
+
+
 def test_train_model_sigterm_saves_the_steps_done(run, monkeypatch, capsys):
     """SIGTERM (a scheduler's time limit, docker stop) killed the run and lost every step since the last checkpoint
     (Ctrl-C: a traceback, the same loss): it saves the steps done, says so in one line, exits 130, and --resume

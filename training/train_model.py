@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from runtime.cli import interrupt_on_sigterm
-from runtime.io.atomic import atomic_write, interrupts_held
+from runtime.io.atomic import atomic_write, interrupts_held, os_error_text
 from runtime.model.config import ConfigError, ModelConfig
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM, Gate
 from training.cli import Parser, at_least_one, load_checkpoint, token_file
@@ -168,13 +168,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write(args.out_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
     interrupt_on_sigterm()
     try:
+        atomic_write(args.out_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
         step = train(args, cfg, state, train_tokens, val)
     except KeyboardInterrupt:  # before the first step: nothing to save
         print(f"{p.prog}: interrupted before the first step; {ckpt_path} was not written", file=sys.stderr)
         sys.exit(130)
+    except OSError as e:  # no space, no permission: save() leaves the last whole checkpoint, or none
+        kept = "keeps the last checkpoint written whole" if ckpt_path.exists() else "was not written"
+        p.error(f"{os_error_text(e, args.out_dir)}; {ckpt_path} {kept}")
     if step is not None:
         print(f"{p.prog}: interrupted at step {step}; saved it to {ckpt_path} (--resume continues it)",
               file=sys.stderr)
