@@ -8,7 +8,8 @@ nothing else enters the key. A cryptographic hash because a collision would sile
 The MTP layer's latent rows live in the same blocks (its own cache layer, the same slots) but lag the target's:
 the catch-up computes them only when a sequence next drafts, and the row at position p reads token p + 1, one
 past the end of the block that holds p. So a block's MTP part is valid only once its owner's catch-up has
-passed the block, and only for the next token it read (`BlockAllocator.mark_mtp`). A drafting sequence reuses a
+passed the block, and only for the next token it read (`BlockAllocator.mark_mtp`: the cache keeps one such block
+per next token, for branches that split right after the block). A drafting sequence reuses a
 block only with an MTP part valid for its own next token: the catch-up could not rebuild those rows, as it needs
 the target's hidden states at those positions, which reuse skips computing. It recomputes them instead, unless
 adaptive speculation would not draft now: it then takes the whole chain and stops drafting (`Scheduler`). A
@@ -51,10 +52,11 @@ class PrefixCache:
         blocks: list[int] = []
         with_mtp = 0
         for i in range(limit):
-            block = self.allocator.lookup(keys[i])
+            next_token = seq.token_ids[(i + 1) * B]
+            block = self.allocator.lookup(keys[i], next_token)
             if block is None:
                 break
-            if with_mtp == i and self.allocator.mtp_next(block) == seq.token_ids[(i + 1) * B]:
+            if with_mtp == i and self.allocator.mtp_next(block) == next_token:
                 with_mtp += 1
             blocks.append(block)
         return blocks, with_mtp if self.drafts(seq) else len(blocks)
