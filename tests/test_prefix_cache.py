@@ -271,6 +271,23 @@ def test_a_branch_split_at_a_block_boundary_is_reused_like_the_first(engine) -> 
     assert [o.token_ids for o in outs] == [o.token_ids for o in base] and drafts(outs) == drafts(base)
 
 
+@pytest.mark.parametrize("k", [0, 3])
+def test_a_drafting_request_computes_the_token_before_its_last(engine, k: int) -> None:
+    """A prompt of two blocks and one token, served twice. Its first decode step drafts from the MTP layer's output
+    at the token before the last, which reads the target's hidden state there: a drafting request recomputes the
+    block holding it rather than start on its last token and skip that step's drafts. The drafts, acceptance and
+    steps are those without reuse."""
+    prompt = tokens(6, 2 * BLOCK + 1)
+    with executor(engine, k) as ex:
+        outs = serve(ex, [prompt, prompt])
+        assert_all_free(ex)
+    with executor(engine, k, reuse=False) as ex:
+        base = serve(ex, [prompt, prompt])
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base] and drafts(outs) == drafts(base)
+    assert [o.stats.num_steps for o in outs] == [o.stats.num_steps for o in base]
+    assert reused(outs) == [0, 1 if k else 2]
+
+
 def test_single_token_requests_reuse_the_prompt_under_drafting(engine) -> None:
     """A request of one token never drafts (its token comes from the prefill), so it needs no MTP rows: the n
     outputs of one share the prompt their leader computed, and a repeated one reuses the first's blocks (with

@@ -43,7 +43,9 @@ class PrefixCache:
     def match(self, seq: Sequence) -> tuple[list[int], int]:
         """The longest chain of cached blocks `seq` can start from, and how many of them, from the first, have MTP
         rows it can use (all of them where it does not draft). At least its last token is left to compute (it must
-        produce logits), and prompt logprobs not computed yet are not skipped."""
+        produce logits), and prompt logprobs not computed yet are not skipped. A drafting sequence also computes
+        the token before its last: its first decode step drafts from the MTP layer's output there, which reads the
+        target's hidden state there (skipped, that step could not draft)."""
         B = self.block_size
         limit = (seq.num_tokens - 1) // B
         if seq.params.prompt_logprobs is not None:
@@ -56,7 +58,7 @@ class PrefixCache:
             block = self.allocator.lookup(keys[i], next_token)
             if block is None:
                 break
-            if with_mtp == i and self.allocator.mtp_next(block) == next_token:
+            if with_mtp == i and (i + 1) * B <= seq.num_tokens - 2 and self.allocator.mtp_next(block) == next_token:
                 with_mtp += 1
             blocks.append(block)
         return blocks, with_mtp if self.drafts(seq) else len(blocks)
