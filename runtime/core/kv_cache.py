@@ -36,6 +36,7 @@ class BlockAllocator:
         # prefix hash -> {its block's mtp_next: the block}: one block without valid MTP rows (None), or blocks
         # whose MTP rows read different next tokens (branches that split right after the block)
         self._cached: dict[bytes, dict[int | None, int]] = {}
+        self._num_cached = 0  # kept rather than counted: stats() reads it from other threads
 
     @property
     def num_free(self) -> int:
@@ -49,7 +50,7 @@ class BlockAllocator:
     @property
     def num_cached(self) -> int:
         """Blocks holding registered prefix content, held or free."""
-        return sum(h is not None for h in self._hash)
+        return self._num_cached
 
     def allocate(self, n: int) -> list[int]:
         """n blocks for new content, evicting cached ones (least recently freed first) where needed."""
@@ -122,6 +123,7 @@ class BlockAllocator:
     def _index(self, block: int, key: bytes, next_token: int | None) -> None:
         self._cached.setdefault(key, {})[next_token] = block
         self._hash[block], self._mtp_next[block] = key, next_token
+        self._num_cached += 1
 
     def _evict(self, block: int) -> None:
         key = self._hash[block]
@@ -131,6 +133,7 @@ class BlockAllocator:
             if not blocks:
                 del self._cached[key]
             self._hash[block] = self._mtp_next[block] = None
+            self._num_cached -= 1
 
     def all_free(self) -> bool:
         """Every block is back in the pool, free or cached (no leak), and the cache's index is consistent."""
@@ -138,7 +141,7 @@ class BlockAllocator:
         return (len(self._free) == self.num_blocks and not any(self._refs)
                 and all(blocks and (None not in blocks or len(blocks) == 1) for blocks in self._cached.values())
                 and all(self._hash[b] == key and self._mtp_next[b] == t for key, t, b in indexed)
-                and self.num_cached == len(indexed))
+                and sum(h is not None for h in self._hash) == self._num_cached == len(indexed))
 
 
 class KVCache:
