@@ -103,6 +103,33 @@ def test_freed_registered_blocks_stay_cached_until_evicted_least_recently_used()
         a.free([x[0]])
 
 
+def test_one_content_is_cached_once_per_next_token_its_mtp_rows_read() -> None:
+    """Branches that split right after a block compute it each with MTP rows for their own next token: the cache
+    keeps one block per next token, a lookup prefers the one for the sequence's own, and a block without valid MTP
+    rows gives way to one with them."""
+    a = BlockAllocator(6)
+    key = block_key(b"", [1, 2])
+    x, y, z, w = a.allocate(4)
+    a.register(x, key)
+    assert a.lookup(key, 7) == x and a.mtp_next(x) is None
+    a.register(y, key)  # the same content computed again: one target-only copy is enough
+    a.mark_mtp(y, key, 7)  # y has MTP rows: it replaces x, target-only
+    assert a.lookup(key) == a.lookup(key, 7) == y and a.num_cached == 1
+    a.register(z, key)
+    a.mark_mtp(z, key, 8)  # another branch: both stay
+    a.mark_mtp(w, key, 7)  # a copy for a next token already cached stays out
+    assert (a.lookup(key, 7), a.lookup(key, 8), a.lookup(key, 9) in (y, z)) == (y, z, True) and a.num_cached == 2
+    assert (a.mtp_next(y), a.mtp_next(z), a.mtp_next(w)) == (7, 8, None)
+    a.free([x, w, y, z])
+    assert a.all_free() and a.num_cached == 2
+    held = a.allocate(4)
+    assert set(held) == {x, w, 4, 5}, "x and w cache nothing: handed out first"
+    held += a.allocate(1)
+    assert held[-1] == z and a.lookup(key, 7) == a.lookup(key, 8) == y and a.num_cached == 1
+    a.free(held)
+    assert a.all_free()
+
+
 def test_block_keys_chain_over_the_prefix() -> None:
     root = block_key(b"", [1, 2])
     assert block_key(b"", [1, 2]) == root and block_key(b"", [2, 1]) != root
@@ -213,6 +240,52 @@ def test_a_drafting_request_reuses_only_blocks_whose_mtp_rows_it_can_use(engine)
         base = serve(ex, [other, first])
     assert [drafting.token_ids, again.token_ids] == [o.token_ids for o in base]
     assert drafts([drafting, again]) == drafts(base)
+
+
+def test_a_branch_split_at_a_block_boundary_is_reused_like_the_first(engine) -> None:
+    """Two conversations share a prefix that ends right at a block boundary. The second's blocks carry MTP rows
+    read with its own next token, so its identical repeat and its next turn reuse as many blocks while drafting
+    as they do where the first conversation never ran; the output, drafts and acceptance are those served without
+    reuse."""
+    shared = tokens(2, 2 * BLOCK)
+    a, b = shared + tokens(3, 5), shared + tokens(4, 5)
+
+    def conversation(ex: Executor, other_first: bool) -> list[RequestOutput]:
+        """b, b again, its next turn, that turn again."""
+        if other_first:
+            ex.submit(a, GREEDY).result(60)
+        first = ex.submit(b, GREEDY).result(60)
+        turn = b + first.token_ids + tokens(5, 7)
+        outs = [first] + serve(ex, [b, turn, turn])
+        assert_all_free(ex)
+        return outs
+
+    with executor(engine, 3) as ex:
+        outs = conversation(ex, other_first=True)
+    with executor(engine, 3) as ex:
+        alone = conversation(ex, other_first=False)
+    with executor(engine, 3, reuse=False) as ex:
+        base = conversation(ex, other_first=False)
+    full = (len(b) + GREEDY.max_tokens + 7 - 1) // BLOCK
+    assert reused(alone) == [0, 2, 2, full] and reused(outs) == [1, 2, 2, full], "the first block serves both"
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base] and drafts(outs) == drafts(base)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_a_drafting_request_computes_the_token_before_its_last(engine, k: int) -> None:
+    """A prompt of two blocks and one token, served twice. Its first decode step drafts from the MTP layer's output
+    at the token before the last, which reads the target's hidden state there: a drafting request recomputes the
+    block holding it rather than start on its last token and skip that step's drafts. The drafts, acceptance and
+    steps are those without reuse."""
+    prompt = tokens(6, 2 * BLOCK + 1)
+    with executor(engine, k) as ex:
+        outs = serve(ex, [prompt, prompt])
+        assert_all_free(ex)
+    with executor(engine, k, reuse=False) as ex:
+        base = serve(ex, [prompt, prompt])
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base] and drafts(outs) == drafts(base)
+    assert [o.stats.num_steps for o in outs] == [o.stats.num_steps for o in base]
+    assert reused(outs) == [0, 1 if k else 2]
 
 
 def test_single_token_requests_reuse_the_prompt_under_drafting(engine) -> None:

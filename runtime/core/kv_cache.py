@@ -32,8 +32,11 @@ class BlockAllocator:
         self._refs = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # first: handed out first
         self._hash: list[bytes | None] = [None] * num_blocks
-        self._cached: dict[bytes, int] = {}  # prefix hash -> the block holding that content
         self._mtp_next: list[int | None] = [None] * num_blocks  # see mark_mtp
+        # prefix hash -> {its block's mtp_next: the block}: one block without valid MTP rows (None), or blocks
+        # whose MTP rows read different next tokens (branches that split right after the block)
+        self._cached: dict[bytes, dict[int | None, int]] = {}
+        self._num_cached = 0  # kept rather than counted: stats() reads it from other threads
 
     @property
     def num_free(self) -> int:
@@ -47,7 +50,7 @@ class BlockAllocator:
     @property
     def num_cached(self) -> int:
         """Blocks holding registered prefix content, held or free."""
-        return len(self._cached)
+        return self._num_cached
 
     def allocate(self, n: int) -> list[int]:
         """n blocks for new content, evicting cached ones (least recently freed first) where needed."""
@@ -86,45 +89,59 @@ class BlockAllocator:
 
     def register(self, block: int, key: bytes) -> None:
         """Record that `block` holds the content hashed to `key`; a second block with the same content (two
-        sequences computed it at once) stays unregistered, and is handed out again once freed."""
+        sequences computed it at once) stays unregistered, and is handed out again once freed, unless mark_mtp
+        registers it."""
         if key not in self._cached and self._hash[block] is None:
-            self._cached[key] = block
-            self._hash[block] = key
+            self._index(block, key, None)
 
-    def lookup(self, key: bytes) -> int | None:
-        return self._cached.get(key)
+    def lookup(self, key: bytes, next_token: int | None = None) -> int | None:
+        """A block caching the content hashed to `key`: the one whose MTP rows read `next_token` where one does."""
+        blocks = self._cached.get(key)
+        if not blocks:
+            return None
+        return blocks.get(next_token, next(iter(blocks.values())))
 
     def mark_mtp(self, block: int, key: bytes, next_token: int) -> None:
         """The MTP layer's rows of `block`, which holds the content hashed to `key`, are all computed; its last one
         read `next_token`, the token after the block (the MTP input at position p is the target's hidden state at
-        p and token p + 1). Where another block caches that content without valid MTP rows, this one replaces it,
-        so a prefix first cached by a request that never drafted still becomes reusable by drafting ones."""
-        cached = self._cached.get(key)
-        if cached is not None and cached != block and self._mtp_next[cached] is None:
-            self._evict(cached)
-            if self._refs[cached] == 0:
-                self._free.move_to_end(cached, last=False)
-            cached = None
-        if cached is None:
-            self.register(block, key)
-        if self._hash[block] == key and self._mtp_next[block] is None:
-            self._mtp_next[block] = next_token
+        p and token p + 1). The block is cached for that next token beside the blocks whose MTP rows read others
+        (where none caches it already), so each branch splitting right after it is reused with its MTP rows; it
+        replaces a block caching that content without valid MTP rows, so a prefix first cached by a request that
+        never drafted still becomes reusable by drafting ones."""
+        target_only = self._cached.get(key, {}).get(None)
+        if target_only is not None:
+            self._evict(target_only)
+            if self._refs[target_only] == 0:
+                self._free.move_to_end(target_only, last=False)
+        if self._hash[block] is None and next_token not in self._cached.get(key, {}):
+            self._index(block, key, next_token)
 
     def mtp_next(self, block: int) -> int | None:
         """The token after the block its MTP rows were computed with; None: its MTP rows are not valid."""
         return self._mtp_next[block]
 
+    def _index(self, block: int, key: bytes, next_token: int | None) -> None:
+        self._cached.setdefault(key, {})[next_token] = block
+        self._hash[block], self._mtp_next[block] = key, next_token
+        self._num_cached += 1
+
     def _evict(self, block: int) -> None:
         key = self._hash[block]
         if key is not None:
-            del self._cached[key]
+            blocks = self._cached[key]
+            del blocks[self._mtp_next[block]]
+            if not blocks:
+                del self._cached[key]
             self._hash[block] = self._mtp_next[block] = None
+            self._num_cached -= 1
 
     def all_free(self) -> bool:
         """Every block is back in the pool, free or cached (no leak), and the cache's index is consistent."""
+        indexed = [(key, t, b) for key, blocks in self._cached.items() for t, b in blocks.items()]
         return (len(self._free) == self.num_blocks and not any(self._refs)
-                and all(self._hash[b] == key for key, b in self._cached.items())
-                and sum(h is not None for h in self._hash) == len(self._cached))
+                and all(blocks and (None not in blocks or len(blocks) == 1) for blocks in self._cached.values())
+                and all(self._hash[b] == key and self._mtp_next[b] == t for key, t, b in indexed)
+                and sum(h is not None for h in self._hash) == self._num_cached == len(indexed))
 
 
 class KVCache:

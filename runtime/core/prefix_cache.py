@@ -8,7 +8,8 @@ nothing else enters the key. A cryptographic hash because a collision would sile
 The MTP layer's latent rows live in the same blocks (its own cache layer, the same slots) but lag the target's:
 the catch-up computes them only when a sequence next drafts, and the row at position p reads token p + 1, one
 past the end of the block that holds p. So a block's MTP part is valid only once its owner's catch-up has
-passed the block, and only for the next token it read (`BlockAllocator.mark_mtp`). A drafting sequence reuses a
+passed the block, and only for the next token it read (`BlockAllocator.mark_mtp`: the cache keeps one such block
+per next token, for branches that split right after the block). A drafting sequence reuses a
 block only with an MTP part valid for its own next token: the catch-up could not rebuild those rows, as it needs
 the target's hidden states at those positions, which reuse skips computing. It recomputes them instead, unless
 adaptive speculation would not draft now: it then takes the whole chain and stops drafting (`Scheduler`). A
@@ -42,7 +43,9 @@ class PrefixCache:
     def match(self, seq: Sequence) -> tuple[list[int], int]:
         """The longest chain of cached blocks `seq` can start from, and how many of them, from the first, have MTP
         rows it can use (all of them where it does not draft). At least its last token is left to compute (it must
-        produce logits), and prompt logprobs not computed yet are not skipped."""
+        produce logits), and prompt logprobs not computed yet are not skipped. A drafting sequence also computes
+        the token before its last: its first decode step drafts from the MTP layer's output there, which reads the
+        target's hidden state there (skipped, that step could not draft)."""
         B = self.block_size
         limit = (seq.num_tokens - 1) // B
         if seq.params.prompt_logprobs is not None:
@@ -51,10 +54,11 @@ class PrefixCache:
         blocks: list[int] = []
         with_mtp = 0
         for i in range(limit):
-            block = self.allocator.lookup(keys[i])
+            next_token = seq.token_ids[(i + 1) * B]
+            block = self.allocator.lookup(keys[i], next_token)
             if block is None:
                 break
-            if with_mtp == i and self.allocator.mtp_next(block) == seq.token_ids[(i + 1) * B]:
+            if with_mtp == i and (i + 1) * B <= seq.num_tokens - 2 and self.allocator.mtp_next(block) == next_token:
                 with_mtp += 1
             blocks.append(block)
         return blocks, with_mtp if self.drafts(seq) else len(blocks)

@@ -12,7 +12,7 @@ shares with others (runtime.core.prefix_cache); nothing ever writes below those 
 
 The sequences of one request with several outputs (n / best_of) share its prompt's full blocks: the first
 (their `leader`) prefills the prompt, the others are admitted once those blocks are cached, with their MTP
-rows where they draft, and compute only the partial last block.
+rows where they draft, and compute only the partial last block (PrefixCache.match says when one more).
 
 A guided request keeps its grammar matcher (`GrammarMatcher`), advanced by the step's one writer; a penalized
 request keeps its token counts as tensors (`PenaltyState`), updated by the step's one writer
