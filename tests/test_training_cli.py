@@ -254,10 +254,37 @@ def test_train_model_on_a_full_disk_is_one_line(run, monkeypatch, capsys):
     assert (data / "full" / "ckpt.pt").read_bytes() == saved
 
 
-def test_train_model_sigterm_saves_the_steps_done(run, monkeypatch, capsys):
+def test_train_model_names_the_out_dir_it_cannot_write(run, monkeypatch, capsys):
+    """An --out_dir that cannot be made was a traceback (exit 1), and a file that cannot be written in it was named by
+    atomic_write's temporary (deleted since): one line naming what the user gave, exit 2."""
+    import errno
+    import os
+    import tempfile
+
+    data = run.parent
+    (data / "afile").write_text("")
+    argv = ["--data_dir", data, "--config", data / "config.json", "--steps", 2, "--batch_size", 1, "--seq_len", 16]
+    out = data / "afile" / "run"
+    assert error(capsys, train_model.main, *argv, "--out_dir", out) == (
+        2, f"python -m training.train_model: error: {out}: Not a directory; {out / 'ckpt.pt'} was not written")
+
+    def read_only(prefix: str = "", suffix: str = "", dir: str = "") -> tuple[int, str]:  # as a read-only mount
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.path.join(dir, f"{prefix}k2x9{suffix}"))
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    out = data / "fresh"
+    assert error(capsys, train_model.main, *argv, "--out_dir", out) == (
+        2, f"python -m training.train_model: error: {out / 'config.json'}: Read-only file system; {out / 'ckpt.pt'} "
+           "was not written")
+
+
+@pytest.mark.parametrize("where", ["forward", "optimizer step"])
+def test_train_model_sigterm_saves_the_steps_done(run, monkeypatch, capsys, where):
     """SIGTERM (a scheduler's time limit, docker stop) killed the run and lost every step since the last checkpoint
     (Ctrl-C: a traceback, the same loss): it saves the steps done, says so in one line, exits 130, and --resume
-    continues to the weights of a run never interrupted."""
+    continues to the weights of a run never interrupted, whether the signal came in a step's forward or while the
+    optimizer moved the weights (a step is applied whole). A second SIGTERM while it saves waits for the checkpoint
+    and changes nothing (it reached the top level as an interrupt 'before the first step')."""
     import signal
 
     data = run.parent
@@ -265,13 +292,23 @@ def test_train_model_sigterm_saves_the_steps_done(run, monkeypatch, capsys):
             "--eval_every", 100, "--eval_batches", 1, "--threads", 1]
     train_model.main([str(a) for a in ["--out_dir", data / "whole", *argv]])
     calls = []
-    losses = train_model.losses
+    losses, optimizer_step, save = train_model.losses, torch.optim.AdamW.step, train_model.save
 
-    def terminated_in_step_4(*args: object) -> object:
+    def forward(*args: object) -> object:
         calls.append(args)
-        if len(calls) == 4:  # in the middle of the step: its window drawn, the weights not yet updated
+        if len(calls) == 4 and where == "forward":  # its window drawn, the weights not yet updated
             signal.raise_signal(signal.SIGTERM)
         return losses(*args)
+
+    def step(*args: object, **kwargs: object) -> object:
+        out = optimizer_step(*args, **kwargs)
+        if len(calls) == 4 and where == "optimizer step":  # the weights moved, the step not yet counted
+            signal.raise_signal(signal.SIGTERM)
+        return out
+
+    def saved_under_a_second_sigterm(*args: object) -> None:
+        signal.raise_signal(signal.SIGTERM)
+        save(*args)
 
     def unhandled(signum: int, frame: object) -> None:  # what the process would do: die (here, fail the test)
         raise AssertionError("SIGTERM was not handled")
@@ -279,16 +316,19 @@ def test_train_model_sigterm_saves_the_steps_done(run, monkeypatch, capsys):
     handler = signal.signal(signal.SIGTERM, unhandled)
     try:
         with monkeypatch.context() as m:
-            m.setattr(train_model, "losses", terminated_in_step_4)
+            m.setattr(train_model, "losses", forward)
+            m.setattr(torch.optim.AdamW, "step", step)
+            m.setattr(train_model, "save", saved_under_a_second_sigterm)
             with pytest.raises(SystemExit) as e:
                 train_model.main([str(a) for a in ["--out_dir", data / "cut", *argv]])
     finally:
         signal.signal(signal.SIGTERM, handler)
     assert e.value.code == 130
+    done = 3 if where == "forward" else 4
     assert capsys.readouterr().err.splitlines()[-1] == (
-        f"python -m training.train_model: interrupted at step 3; saved it to {data / 'cut' / 'ckpt.pt'} (--resume "
-        "continues it)")
-    assert torch.load(data / "cut" / "ckpt.pt", weights_only=True)["step"] == 3
+        f"python -m training.train_model: interrupted at step {done}; saved it to {data / 'cut' / 'ckpt.pt'} "
+        "(--resume continues it)")
+    assert torch.load(data / "cut" / "ckpt.pt", weights_only=True)["step"] == done
     train_model.main([str(a) for a in ["--out_dir", data / "cut", "--resume", *argv]])
     whole, cut = (torch.load(data / d / "ckpt.pt", weights_only=True) for d in ("whole", "cut"))
     assert cut["step"] == whole["step"] == 6

@@ -16,6 +16,7 @@ import argparse
 import io
 import json
 import math
+import signal
 import sys
 import time
 from pathlib import Path
@@ -167,9 +168,9 @@ def main(argv: list[str] | None = None) -> None:
                 "to start over")
     if args.threads:
         torch.set_num_threads(args.threads)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     interrupt_on_sigterm()
     try:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
         atomic_write(args.out_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
         step = train(args, cfg, state, train_tokens, val)
     except KeyboardInterrupt:  # before the first step: nothing to save
@@ -256,8 +257,10 @@ def train(args: argparse.Namespace, cfg: ModelConfig, state: dict | None, train_
             log.write(json.dumps(record) + "\n")
             log.flush()
     except KeyboardInterrupt:
-        with interrupts_held():  # a second interrupt waits for the checkpoint
+        with interrupts_held():  # a second interrupt waits for the checkpoint, then is dropped: this one is handled
             save(ckpt_path, checkpoint(elapsed_before + time.time() - t0))
+            while signal.sigtimedwait((signal.SIGINT, signal.SIGTERM), 0):  # taken off the pending set, unhandled
+                pass
         return step
     finally:
         bar.close()

@@ -189,8 +189,10 @@ def atomic_write(path: Path, data: bytes | str) -> None:
     one: a temporary file beside it, flushed to disk, then renamed; an existing file keeps its mode."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    prefix, suffix = f".{path.name}.", ".tmp"
+    tmp = ""
     try:
+        fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=path.parent)
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
@@ -198,9 +200,13 @@ def atomic_write(path: Path, data: bytes | str) -> None:
         if path.exists():
             os.chmod(tmp, stat.S_IMODE(path.stat().st_mode))
         os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+    except BaseException as e:
+        if tmp:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        named = [Path(f).name for f in (getattr(e, "filename", None), getattr(e, "filename2", None)) if f]
+        if isinstance(e, OSError) and any(n.startswith(prefix) and n.endswith(suffix) for n in named):
+            raise OSError(e.errno, e.strerror, str(path)) from e  # the temporary, gone, is no name for the user
         raise
 
 
