@@ -12,7 +12,8 @@
   the row).
 - Every decimal number and measured integer in a section of docs/*.md (a heading to the next) is one of the
   numbers of the result files the section links or names, or a setting that page's short list (SETTINGS) names;
-  a section with such numbers and no result file fails. A measured integer is one written with thousands
+  a section with such numbers and no result file fails. A paragraph (or list item) that links or names result files
+  itself is held to those files alone, so a number quoted beside one file's link cannot come from another's. A measured integer is one written with thousands
   separators (28,029 requests) or one of 4+ digits next to a unit or a measured noun (1419 tok/s, 27034 served)
   or in a table row; it must be a file's number exactly, or to its last non-zero digit where the page marks it
   approximate (about 1,900, ~1,700). Smaller integers, years, dates, commits, versions, ids and ports are left
@@ -355,9 +356,10 @@ def file_values(paths: list[Path]) -> list[float]:
 
 
 def is_among(number: str, values: list[float]) -> bool:
-    """`number` as printed is one of `values`, rounded to the number's decimals."""
+    """`number` as printed is one of `values`, rounded to the number's decimals (a page prints a negative value's
+    sign apart: -0.6%)."""
     tolerance = 0.5 * 10 ** -len(number.split(".")[1]) + 1e-9
-    return any(abs(v - float(number)) <= tolerance for v in values)
+    return any(abs(abs(v) - float(number)) <= tolerance for v in values)
 
 
 def row_problems(row: str) -> list[str]:
@@ -414,6 +416,23 @@ def sections(text: str) -> list[tuple[str, str]]:
     return [(heading, "\n".join(lines)) for heading, lines in found]
 
 
+def paragraphs(text: str) -> list[str]:
+    """The paragraphs of a piece of Markdown: split at blank lines and at each list item; a fenced block stays
+    whole, inside the paragraph it is in."""
+    found: list[list[str]] = [[]]
+    fence: str | None = None
+    for line in text.splitlines():
+        m = re.match(r"^\s*(```|~~~)", line)
+        if m:
+            fence = None if fence == m.group(1) else fence or m.group(1)
+        elif not fence and (not line.strip() or re.match(r"^\s{0,3}(?:[-*+]|\d+\.)\s", line)):
+            found.append([])
+            if not line.strip():
+                continue
+        found[-1].append(line)
+    return ["\n".join(lines) for lines in found if lines]
+
+
 def result_files(text: str) -> list[Path]:
     """The result files a piece of Markdown links or names, in code or not: `benchmarks/X.md`, `.json` or `.png` for
     docs/benchmarks/X.json (`benchmarks/soak_kinds/X.md` for docs/benchmarks/soak_kinds/X.json), and every result
@@ -441,10 +460,14 @@ def section_problems(page: str, text: str, allowed: dict[str, str] | None = None
         if not files:
             problems.append(f"{where}: {', '.join(numbers)} quote no result file (link one)")
             continue
-        missing = numbers_missing(body, files, allowed)
-        if missing:
-            names = ", ".join(str(f.relative_to(BENCHMARKS)) for f in files)
-            problems.append(f"{where}: {', '.join(missing)} not among the numbers of {names}")
+        # a paragraph that links result files is held to them; the others to the section's
+        own = [(para, result_files(para)) for para in paragraphs(body)]
+        rest = "\n\n".join(para for para, para_files in own if not para_files)
+        for text, text_files in [(rest, files), *((para, f) for para, f in own if f)]:
+            missing = numbers_missing(text, text_files, allowed)
+            if missing:
+                names = ", ".join(str(f.relative_to(BENCHMARKS)) for f in text_files)
+                problems.append(f"{where}: {', '.join(missing)} not among the numbers of {names}")
     return problems
 
 
@@ -613,6 +636,13 @@ def test_section_check_finds_numbers_not_in_the_sections_files() -> None:
     assert section_problems("p.md", good) == []
     assert section_problems("p.md", good.replace("39.711", "39.987")) == \
         ["p.md, section 'Measured': 39.987 not among the numbers of speculative.json"]
+    # a paragraph (or list item) linking a file is held to it, not to another file the section links
+    two = ("## M\n\n[soak.md](benchmarks/soak.md) 27,034 requests.\n\n"
+           "- k = 0: 39.711 ms ([speculative.md](benchmarks/speculative.md)).\n- 39.711 ms again.\n")
+    assert section_problems("p.md", two) == []
+    assert section_problems("p.md", two.replace("k = 0: 39.711", "k = 0: 39.711, 27,034 requests")) == \
+        ["p.md, section 'M': 27,034 not among the numbers of speculative.json"]
+    assert [p[:3] for p in paragraphs("a\nb\n\n- c\n- d\n```\n- e\n\nf\n```\n")] == ["a\nb", "- c", "- d"]
     # a file linked in another section does not count; a section with no file names its numbers
     apart = "## Files\n\n[speculative.md](benchmarks/speculative.md)\n\n## Numbers\n\n39.711 ms, 1.57x.\n"
     assert section_problems("p.md", apart) == ["p.md, section 'Numbers': 39.711, 1.57 quote no result file (link one)"]
