@@ -1,6 +1,6 @@
 """Held-out perplexity and MTP acceptance of the FP8 engine vs the unquantized BF16 export, on the shipped model.
 
-  python -m training.export_model --ckpt runs/mini/ckpt.pt --tokenizer_dir data --out_dir /tmp/mini-bf16 --bf16
+  python -m training.export_model --ckpt runs/mini-chain4/ckpt.pt --tokenizer_dir data --out_dir /tmp/mini-bf16 --bf16
   python -m benchmarks.fp8 --bf16_model /tmp/mini-bf16 [--val_bin data/val.bin]
 
 Both engines come from build_engine (FP8_BLOCK_SCALES as shipped; NO_QUANT from the BF16 export of
