@@ -261,12 +261,15 @@ class TritonServer:
         except (urllib.error.URLError, OSError):
             return False
 
-    def listening(self) -> bool:
-        """Whether its HTTP port takes connections: tritonserver closes its endpoints as a signal's stop begins, long
-        before it has unloaded its models; a busy server still takes them (the kernel's backlog does)."""
+    def endpoints_closed(self) -> bool:
+        """Whether its HTTP port refuses connections: tritonserver closes its endpoints as a signal's stop begins, long
+        before it has unloaded its models. A connection not taken within 2 s (a busy server whose backlog is full) or
+        failing otherwise says nothing of a stop."""
         try:
             with socket.create_connection((self.client_host, self.http_port), timeout=2):
-                return True
+                return False
+        except ConnectionRefusedError:
+            return True
         except OSError:
             return False
 
@@ -513,7 +516,7 @@ def supervise(server: TritonServer) -> int:
             time.sleep(2 * SUPERVISE_PERIOD_S)  # stubs also exit when the server shuts down by itself
             if server.process.poll() is not None or server.stop_reason() is not None:
                 continue  # its own shutdown, which may take as long as its models take to unload
-            if not server.listening():  # a SIGTERM or SIGINT sent to it: it closed its endpoints and unloads
+            if server.endpoints_closed():  # a SIGTERM or SIGINT sent to it: it closed its endpoints and unloads
                 if not asked_to_stop:
                     print("launch_triton_server: tritonserver is stopping (its endpoints closed, as on a SIGTERM or "
                           "SIGINT sent to it); waiting for it to unload its models", file=sys.stderr, flush=True)

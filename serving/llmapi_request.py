@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 
 from runtime.core.sampling_params import PENALTY_LIMIT, SamplingParams, seed_from_client
-from serving.request_validation import INT32_MAX, RequestError, Scalar, named_for_client, refuse_unsupported, texts
+from serving.request_validation import (INT32_MAX, RequestError, Scalar, named_for_client, refused_parameter,
+                                        refuse_unsupported, texts)
 from serving.triton_contract import GUIDED_INPUTS, guided_decoding
 
 Inputs = dict[str, np.ndarray]  # a request's input tensors by name
@@ -55,10 +56,21 @@ def scalar(inputs: Inputs, name: str) -> Any:
     return SCALARS[name].read(inputs[name], name) if name in inputs else None
 
 
+def greedy_because(temperature: float | None, top_k: int | None, top_p: float | None) -> str | None:
+    """What makes the LLM API decode greedily (SamplingParams.params_imply_greedy_decoding), under this model's input
+    names: none of them given, or top_k 1, top_p 0 or temperature 0; None where it samples."""
+    if temperature is None and top_k is None and top_p is None:
+        return "no sampling_param_temperature, top_k or top_p given"
+    for name, value, greedy in (("top_k", top_k, 1), ("top_p", top_p, 0.0), ("temperature", temperature, 0)):
+        if value == greedy:
+            return f"sampling_param_{name} {value:g}"
+    return None
+
+
 def llm_api_sampling(temperature: float | None, top_k: int | None, top_p: float | None) -> tuple[float, int, float]:
-    """(temperature, top_k, top_p) as the LLM API reads them (SamplingParams.params_imply_greedy_decoding): greedy when
-    none is given, or top_k 1, top_p 0 or temperature 0; otherwise sampling, an unset one taking its neutral value."""
-    if (temperature is None and top_k is None and top_p is None) or top_k == 1 or top_p == 0.0 or temperature == 0:
+    """(temperature, top_k, top_p) as the LLM API reads them: greedy (`greedy_because`), otherwise sampling, an unset
+    one taking its neutral value."""
+    if greedy_because(temperature, top_k, top_p) is not None:
         return 0.0, 0, 1.0
     return 1.0 if temperature is None else temperature, top_k or 0, 1.0 if top_p is None else top_p
 
@@ -75,12 +87,9 @@ def llmapi_request(inputs: Inputs, max_input_bytes: int) -> LlmApiRequest:
                            "batched in flight; send them separately)")
     stop = tuple(s for s in texts(inputs.get("sampling_param_stop", np.array([], object)), "sampling_param_stop",
                                   max_input_bytes) if s)
-    temperature, top_k, top_p = llm_api_sampling(*(scalar(inputs, f"sampling_param_{n}")
-                                                   for n in ("temperature", "top_k", "top_p")))
+    sampling = [scalar(inputs, f"sampling_param_{n}") for n in ("temperature", "top_k", "top_p")]
+    temperature, top_k, top_p = llm_api_sampling(*sampling)
     best_of = scalar(inputs, "sampling_param_best_of")
-    if temperature == 0 and best_of is not None and best_of > 1:  # SamplingParams would name a temperature not sent
-        raise RequestError(f"sampling_param_best_of must be 1 when decoding greedily (no sampling_param_temperature, "
-                           f"top_k or top_p given, or temperature 0, top_k 1 or top_p 0), got {best_of}")
     max_tokens = scalar(inputs, "sampling_param_max_tokens")
     outputs = frozenset(name for name in OUTPUTS if scalar(inputs, f"return_{name}"))
     params = SamplingParams(max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
@@ -95,6 +104,11 @@ def llmapi_request(inputs: Inputs, max_input_bytes: int) -> LlmApiRequest:
     try:  # the rules of SamplingParams alone (n / best_of), refused under this model's input names
         params.validate()
     except ValueError as e:
-        raise RequestError(named_for_client(str(e), INPUT_NAMES)) from None
+        message = str(e)
+        # best_of > 1 greedy (n is 1, best_of >= 1 as read): SamplingParams names a temperature 0 the client may not
+        # have sent; the client hears what made the request greedy
+        if params.greedy and refused_parameter(message) == "best_of":
+            message = f"best_of must be 1 when decoding greedily ({greedy_because(*sampling)}), got {best_of}"
+        raise RequestError(named_for_client(message, INPUT_NAMES)) from None
     return LlmApiRequest(prompts[0], params, bool(scalar(inputs, "streaming")),
                          bool(scalar(inputs, "sampling_param_return_perf_metrics")), outputs)

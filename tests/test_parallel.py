@@ -244,7 +244,8 @@ def fake_ranks(tmp_path: Path, ranks: list[tuple[str, float]]) -> RankGroup:
 def test_the_rank_that_failed_is_named_not_those_that_lost_it(tmp_path):
     """At tp > 2, when a rank dies the others lose their connections to it and report gloo's "Connection closed by
     peer": rank 0 named the lowest rank that had stopped, often one of those. It names the rank that failed on its
-    own: killed by a signal, or with its own exception, whatever ranks below it lost it."""
+    own: killed by a signal, with its own exception, or silent while the others lost it, whatever ranks below it
+    lost it."""
     group = fake_ranks(tmp_path, [(LOST_PEER, 0), ("", 60), (LOST_PEER, 0)])  # rank 2 is killed
     try:
         group.procs[1].kill()
@@ -264,16 +265,21 @@ def test_the_rank_that_failed_is_named_not_those_that_lost_it(tmp_path):
         assert str(failure.value) == f"rank 3 (pid {group.procs[2].pid}) failed: RuntimeError: out of memory"
     finally:
         group.close(graceful=False)
-    # when every rank that stopped only lost another (one torchrun's store never heard from), the lowest is named
-    group = fake_ranks(tmp_path, [("", 60), (LOST_PEER, 0), (LOST_PEER, 0)])
-    try:
-        for p in group.procs[1:]:
-            p.wait()
-        with pytest.raises(RankFailure) as failure:
-            group.check()
-        assert str(failure.value) == f"rank 2 (pid {group.procs[1].pid}) failed: {LOST_PEER}"
-    finally:
-        group.close(graceful=False)
+    # torchrun's ranks are not seen exiting, and one it killed reports nothing: rank 0 named a rank that only lost it
+    # ("rank 1 failed: ... Connection closed by peer"). Where every rank that stopped only lost a peer, those that sent
+    # no report are named
+    store = _file_store(str(tmp_path / "torchrun_store"), 4)
+    group = RankGroup(tmp_path, BuildConfig(tp_size=4), store, [])  # torchrun's: no processes, reports in its store
+    group.pids.update({1: 101, 2: 102, 3: 103})  # as each said once loaded
+    store.set("failed/1", LOST_PEER)
+    with pytest.raises(RankFailure) as failure:
+        group.check(read_reports=True)
+    assert str(failure.value) == ("one of rank 2 (pid 102), rank 3 (pid 103) stopped without a report; rank 1 lost its "
+                                  "connection to it")
+    # a failed call waits for the other ranks' reports before it settles on such a rank: rank 3's, later, tells which
+    threading.Timer(0.3, store.set, ("failed/3", LOST_PEER)).start()
+    assert str(group.failed(RuntimeError("Connection closed by peer"))) == (
+        "rank 2 (pid 102) stopped without a report; ranks 1, 3 lost their connections to it")
 
 
 def test_a_killed_rank_stops_the_executor_with_a_clear_error(tp2, shipped_model_dir):

@@ -420,6 +420,28 @@ class TritonPythonModel:
             proc.wait()
 
 
+def test_a_server_slow_to_take_a_connection_is_not_taken_for_stopping() -> None:
+    """With a stub dead, the launcher judges the server stopping on a signal sent to it when its HTTP port is closed: a
+    connect that timed out (a busy server, its backlog full) counted as closed, and the launcher said "tritonserver is
+    stopping (its endpoints closed, as on a SIGTERM or SIGINT sent to it)" though no signal was sent and waited. Only a
+    refused connection counts."""
+    import serving.launcher as launcher
+
+    with socket.socket() as busy, contextlib.ExitStack() as queued:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(0)  # never accepted: its backlog fills at once
+        server = launcher.TritonServer(None, "127.0.0.1", busy.getsockname()[1], 0, 0, None, Path(), "")
+        for _ in range(16):
+            try:
+                queued.enter_context(socket.create_connection(("127.0.0.1", server.http_port), timeout=0.2))
+            except TimeoutError:  # full: the next connect is not taken either
+                break
+        else:
+            pytest.fail("the backlog did not fill")
+        assert not server.endpoints_closed()
+    assert server.endpoints_closed()  # the port closed: refused
+
+
 def test_launcher_refuses_a_repository_without_models(tmp_path: Path, shipped_model_dir: Path) -> None:
     """Given the engine directory by mistake, or an empty one, tritonserver served nothing and said it was ready (a
     load balancer would send it traffic): refused, naming the flag."""

@@ -405,9 +405,9 @@ LLMAPI_BAD_REQUESTS = {
     "max_tokens_zero": (dict(sampling_param_max_tokens=0), "sampling_param_max_tokens"),
     "top_p_above_one": (dict(sampling_param_top_p=1.5), "sampling_param_top_p"),
     "best_of_greedy": (dict(sampling_param_best_of=2), "sampling_param_best_of must be 1 when decoding greedily (no "
-                       "sampling_param_temperature, top_k or top_p given, or temperature 0, top_k 1 or top_p 0), got 2"),
+                       "sampling_param_temperature, top_k or top_p given), got 2"),
     "best_of_top_k_1": (dict(sampling_param_best_of=3, sampling_param_top_k=1, sampling_param_temperature=1.0),
-                        "sampling_param_best_of must be 1 when decoding greedily"),
+                        "sampling_param_best_of must be 1 when decoding greedily (sampling_param_top_k 1), got 3"),
     "best_of_above_max_batch": (dict(sampling_param_best_of=1000, sampling_param_temperature=1.0),
                                 "sampling_param_best_of 1000 exceeds this executor's max_batch_size"),
     "max_tokens_past_context": (dict(sampling_param_max_tokens=5000), "sampling_param_max_tokens 5000 with a "),
@@ -433,6 +433,27 @@ def test_llmapi_bad_requests_are_400_naming_the_input(llmapi: TritonServer, case
                         sampling_param_max_tokens=np.array([4], np.int32))
     assert out.error is None and out.text
     assert llmapi.is_ready()
+
+
+@pytest.mark.parametrize("sampling, because", [
+    ({}, "no sampling_param_temperature, top_k or top_p given"),
+    (dict(sampling_param_top_k=np.array([1], np.int32), sampling_param_temperature=np.array([1.0], np.float32)),
+     "sampling_param_top_k 1"),
+    (dict(sampling_param_top_p=np.array([0.0], np.float32)), "sampling_param_top_p 0"),
+    (dict(sampling_param_temperature=np.array([0.0], np.float32)), "sampling_param_temperature 0"),
+])
+def test_llmapi_best_of_greedy_names_what_made_it_greedy(sampling: dict[str, np.ndarray], because: str) -> None:
+    """The llmapi model decodes greedily by the LLM API's rule (llm_api_sampling); best_of > 1 is refused then by
+    SamplingParams' one check, naming what made the request greedy (it was checked twice, with a list of causes here
+    and "temperature 0", which the client may not have sent, there). Sampling, it is taken."""
+    from serving.llmapi_request import llmapi_request
+
+    inputs = {"text_input": np.array([b"hello"], object), "sampling_param_best_of": np.array([3], np.int32)}
+    with pytest.raises(RequestError) as e:
+        llmapi_request({**inputs, **sampling}, 1000)
+    assert str(e.value) == f"sampling_param_best_of must be 1 when decoding greedily ({because}), got 3"
+    sampled = llmapi_request({**inputs, "sampling_param_temperature": np.array([0.5], np.float32)}, 1000).params
+    assert (sampled.temperature, sampled.best_of) == (0.5, 3)
 
 
 # ---- model.yaml and make_model_repo --flavour llmapi (no server) --------------------------------

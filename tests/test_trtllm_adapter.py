@@ -565,8 +565,10 @@ def test_contract_logprobs_stream_through(engine_dir: Path, trtllm: ModuleType) 
 def test_llm_kwargs_as_built_and_with_executor_config(engine: TrtllmEngine, caplog) -> None:
     opts = yaml.safe_load((engine.path / LLM_API_OPTIONS).read_text())
     m = engine.manifest
-    assert llm_kwargs_for(engine.options, m) == opts == engine.options
+    assert opts == engine.options
     assert opts["speculative_config"] == {"decoding_type": "MTP", "num_nextn_predict_layers": 3}
+    assert llm_kwargs_for(engine.options, m) == {
+        **opts, "speculative_config": {"decoding_type": "MTP", "num_nextn_predict_layers": 3, "max_draft_len": 3}}
     assert "speculative_config" not in llm_kwargs_for(opts, m, ExecutorConfig(num_draft_tokens=0))
     with pytest.raises(ValueError, match=r"^max_queued_requests 4: not available with a --backend trtllm engine "):
         llm_kwargs_for(opts, m, ExecutorConfig(max_queued_requests=4))
@@ -605,11 +607,27 @@ def test_the_draft_length_under_either_name(engine: TrtllmEngine, engine_dir: Pa
     from serving.llmapi_config import model_yaml, read_model_yaml
 
     m = engine.manifest
+    two = {"decoding_type": "MTP", "max_draft_len": 2, "num_nextn_predict_layers": 2}
     renamed = {**engine.options, "speculative_config": {"decoding_type": "MTP", "max_draft_len": 2}}
-    assert draft_len_of(llm_kwargs_for(renamed, m)["speculative_config"], "x") == 2 == draft_len_of(llm_kwargs_for(
-        engine.options, m, ExecutorConfig(num_draft_tokens=2, speculation="fixed"))["speculative_config"], "x")
+    # served as built (no ExecutorConfig), max_draft_len alone reached LLM() as is: one draft on 1.0 / 1.1
+    assert llm_kwargs_for(renamed, m)["speculative_config"] == two == llm_kwargs_for(
+        engine.options, m, ExecutorConfig(num_draft_tokens=2, speculation="fixed"))["speculative_config"]
     both = llm_kwargs_for(renamed, m, ExecutorConfig(num_draft_tokens=1, speculation="fixed"))
     assert both["speculative_config"] == {"decoding_type": "MTP", "max_draft_len": 1, "num_nextn_predict_layers": 1}
+    # an override naming the draft length either way replaces both names (it was refused, naming the engine's file,
+    # as differing from the other name), and its bad value is refused naming llm_overrides
+    for config in (None, ExecutorConfig(num_draft_tokens=3, speculation="fixed")):
+        for name in ("max_draft_len", "num_nextn_predict_layers"):
+            assert llm_kwargs_for(engine.options, m, config, {"speculative_config": {name: 2}}
+                                  )["speculative_config"] == two
+    for spec, error in [({"max_draft_len": -1}, "speculative_config.max_draft_len must be an integer >= 0, got -1"),
+                        ({"max_draft_len": 1, "num_nextn_predict_layers": 2}, "speculative_config: max_draft_len 1 "
+                         "and num_nextn_predict_layers 2 differ (num_nextn_predict_layers is the older name of "
+                         "max_draft_len); give one"),
+                        (["MTP"], "speculative_config must be a mapping, got list")]:
+        with pytest.raises(ValueError) as e:
+            llm_kwargs_for(engine.options, m, None, {"speculative_config": spec})
+        assert str(e.value) == f"llm_overrides: {error}"
     doc = model_yaml(engine_dir, "engine", decoupled=True)
     assert doc["speculative_config"] == {"decoding_type": "MTP", "num_nextn_predict_layers": 3, "max_draft_len": 3}
     (tmp_path / "engine").symlink_to(engine_dir)
@@ -826,7 +844,9 @@ def test_contract_llm_built_from_the_yaml(engine_dir: Path, trtllm: ModuleType) 
     with TrtllmExecutor(engine_dir) as ex:
         [llm] = trtllm.llms
         assert llm.model == str(engine_dir / "hf")
-        assert llm.kwargs == {"backend": "pytorch", **yaml.safe_load((engine_dir / LLM_API_OPTIONS).read_text())}
+        options = yaml.safe_load((engine_dir / LLM_API_OPTIONS).read_text())
+        assert llm.kwargs == {"backend": "pytorch", **options, "speculative_config": {
+            **options["speculative_config"], "max_draft_len": 3}}  # under both names
         assert ex.num_draft_tokens == 3
         assert ex.limits == SchedulerConfig(max_batch_size=8, max_num_tokens=512, max_seq_len=256)
         assert ex.tokenizer.eos_token_id == 1

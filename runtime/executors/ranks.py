@@ -19,7 +19,8 @@ close; `RankGroup.close` sends a stop, then SIGTERM, then SIGKILL. Any failure i
 ranks out of step (some wait in a collective the others never reach), so it ends the group and raises
 `RankFailure`, naming the rank that failed and why (a rank writes its exception before it exits: to a pipe if started
 here, else to torchrun's store) or its exit code: the executor stops with it. When one rank dies, the others lose their
-connections to it and report that too; the rank named is the one that failed on its own (`culprit`).
+connections to it and report that too; the rank named is the one that failed on its own, or where each that stopped
+only lost a peer, the one that sent no report (`culprit`).
 """
 
 from __future__ import annotations
@@ -97,11 +98,20 @@ class Stopped:
         return f"{who} failed: {self.reason}" if self.reason else f"{who} exited with code {self.code}"
 
 
-def culprit(stopped: list[Stopped]) -> Stopped:
-    """The rank to name among those that stopped: one that failed on its own (its exception, a signal, an exit with
-    nothing reported) before one that reports a lost connection (at tp > 2 the others' follow-on when one dies);
-    the lowest rank among equals."""
-    return min(stopped, key=lambda s: (s.lost_peer, s.rank))
+def culprit(stopped: list[Stopped], pids: dict[int, int | None]) -> str:
+    """What to say of the ranks that stopped (`pids`: every rank but 0's): one that failed on its own (its exception, a
+    signal, an exit with nothing reported) before one that reports a lost connection (at tp > 2 the others' follow-on
+    when one dies), the lowest rank among equals. When each only lost a peer, those lost are the ranks that sent no
+    report: torchrun's ranks are not seen exiting, so one it killed says nothing."""
+    first = min(stopped, key=lambda s: (s.lost_peer, s.rank))
+    lost = sorted(s.rank for s in stopped)
+    silent = [f"rank {r} (pid {pid})" for r, pid in sorted(pids.items()) if r not in lost]
+    if not first.lost_peer or not silent:
+        return str(first)
+    who = silent[0] if len(silent) == 1 else f"one of {', '.join(silent)}"
+    ranks = f"rank {lost[0]} lost its connection" if len(lost) == 1 else \
+        f"ranks {', '.join(map(str, lost))} lost their connections"
+    return f"{who} stopped without a report; {ranks} to it"
 
 
 @dataclass(frozen=True)
@@ -255,11 +265,15 @@ class RankGroup:
     def check(self, read_reports: bool = False) -> None:
         """RankFailure if a rank has exited, or with `read_reports` has reported, naming the `culprit` and why (every
         rank's report is read first: the one to name may still be exiting)."""
-        ranks = range(1, self.world_size)
-        if read_reports or any(self._stopped(r, False) for r in ranks):
-            stopped = [s for r in ranks if (s := self._stopped(r, True))]
-            if stopped:
-                raise RankFailure(str(culprit(stopped)))
+        if read_reports or any(self._stopped(r, False) for r in range(1, self.world_size)):
+            if stopped := self._all_stopped():
+                raise RankFailure(self._culprit(stopped))
+
+    def _all_stopped(self) -> list[Stopped]:
+        return [s for r in range(1, self.world_size) if (s := self._stopped(r, True))]
+
+    def _culprit(self, stopped: list[Stopped]) -> str:
+        return culprit(stopped, {r: self.pids.get(r) for r in range(1, self.world_size)})
 
     def send(self, call: tuple[str, dict[str, Any]] | None) -> None:
         """Broadcast a call (method name, keyword arguments) to ranks 1..; None stops them."""
@@ -277,15 +291,17 @@ class RankGroup:
 
     def failed(self, error: BaseException) -> RankFailure:
         """The failure to raise after `error` inside a driven call: which rank failed or exited, if one did (waiting a
-        moment for it to show), else the error itself. The group is closed: its ranks are out of step."""
+        moment for it to show; the whole moment while those stopped only lost a peer, for the others' reports, which
+        tell the one lost), else the error itself. The group is closed: its ranks are out of step."""
+        stopped: list[Stopped] = []
         for _ in range(50):
-            try:
-                self.check(read_reports=True)
-            except RankFailure as e:
-                self.close(graceful=False)
-                return e
+            stopped = self._all_stopped()
+            if stopped and not all(s.lost_peer for s in stopped):
+                break
             time.sleep(0.02)
         self.close(graceful=False)
+        if stopped:
+            return RankFailure(self._culprit(stopped))
         return RankFailure(f"a forward failed on rank 0 of {self.world_size} ({type(error).__name__}: {error}); "
                            "the ranks are out of step")
 

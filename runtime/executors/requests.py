@@ -23,8 +23,9 @@ log = logging.getLogger("runtime.executors.requests")
 
 
 class RequestIds:
-    """Ids of the requests in flight, and how many have finished; submit runs on callers' threads, so access is
-    locked."""
+    """Ids of the requests in flight, and how many have finished. Ids are claimed and released on callers' threads
+    (submit) and on the executor's loop thread, so the set of ids is locked; `finished` is written by the loop thread
+    alone (`end`) and read as it stands by stats()."""
 
     def __init__(self) -> None:
         self._live: set[str] = set()

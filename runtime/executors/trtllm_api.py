@@ -72,6 +72,8 @@ _OPTIONAL_UPSTREAM_FIELDS = ("detokenize", "include_stop_str_in_output", "return
 # Fields newer than some supported releases, which may be left out when they ask for what the older
 # releases do anyway: logprobs_mode arrived after 1.0, whose PyTorch sampler returns raw logprobs; min_p 0 is off.
 _DEFAULT_WHEN_MISSING = {"logprobs_mode": "raw_logprobs", "min_p": 0.0}
+# speculative_config's draft length: upstream's name since 2026, and the older one every release reads
+DRAFT_LEN_NAMES = ("max_draft_len", "num_nextn_predict_layers")
 
 
 class TensorRTLLMUnavailable(ImportError):
@@ -282,7 +284,8 @@ def chosen_options(own: Mapping[str, Any], config: ExecutorConfig | None) -> Map
 def llm_kwargs_for(options: Mapping[str, Any], manifest: EngineManifest, config: ExecutorConfig | None = None,
                    overrides: Mapping[str, Any] | None = None, source: str = LLM_API_OPTIONS) -> dict[str, Any]:
     """The `LLM(...)` keyword arguments: the engine's LLM-API options (the YAML), with the serving
-    settings of `config` applied (None: as built) and then `overrides` merged in (dicts deeply).
+    settings of `config` applied (None: as built) and then `overrides` merged in (dicts deeply); the draft length
+    under both of its names at one value, whichever set it (`_with_overrides`).
 
     From ExecutorConfig: num_draft_tokens / speculation -> speculative_config (0 or "off" removes
     it; otherwise the draft length k (`with_draft_len`), at most the built max_draft_len; "adaptive" runs
@@ -338,7 +341,25 @@ def llm_kwargs_for(options: Mapping[str, Any], manifest: EngineManifest, config:
                             relaxed_delta=relaxed.delta, begin_thinking_phase_token=relaxed.begin_thinking_token,
                             end_thinking_phase_token=relaxed.end_thinking_token)
             kwargs["speculative_config"] = spec
-    return _deep_merge(kwargs, overrides or {})
+    return _with_overrides(kwargs, overrides or {}, source)
+
+
+def _with_overrides(kwargs: dict[str, Any], overrides: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """`kwargs` with `overrides` merged in and the draft length under both names (`with_draft_len`), whichever gave it:
+    an override naming it replaces both (its other name in `kwargs` would conflict), and its bad value is refused
+    naming llm_overrides."""
+    given = overrides.get("speculative_config")
+    if given is not None and not isinstance(given, Mapping):
+        raise ValueError(f"llm_overrides: speculative_config must be a mapping, got {type(given).__name__}")
+    renamed = given is not None and any(name in given for name in DRAFT_LEN_NAMES)
+    if renamed and isinstance(kwargs.get("speculative_config"), dict):
+        kwargs["speculative_config"] = {k: v for k, v in kwargs["speculative_config"].items()
+                                        if k not in DRAFT_LEN_NAMES}
+    kwargs = _deep_merge(kwargs, overrides)
+    spec = kwargs.get("speculative_config")
+    if spec is not None:
+        kwargs["speculative_config"] = with_draft_len(spec, draft_len_of(spec, "llm_overrides" if renamed else source))
+    return kwargs
 
 
 def _deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
@@ -385,7 +406,7 @@ def draft_len_of(spec: Mapping[str, Any] | None, source: str) -> int:
     where neither is, and 0 without a speculative_config. ValueError naming `source` and the key otherwise."""
     if spec is None:
         return 0
-    given = {name: spec[name] for name in ("max_draft_len", "num_nextn_predict_layers") if spec.get(name) is not None}
+    given = {name: spec[name] for name in DRAFT_LEN_NAMES if spec.get(name) is not None}
     for name, value in given.items():
         if not is_int(value) or value < 0:
             raise ValueError(f"{source}: speculative_config.{name} must be an integer >= 0, got {shown(value)}")
