@@ -848,6 +848,25 @@ def test_text_offsets_are_where_tokens_start_streamed_or_not(server: Server, bod
         assert text == "😀🎉a" and offsets[-1] == 2 and offsets.count(0) > 1
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_a_text_chunk_is_the_whole_chunk_encoded(chat: bool, include_usage: bool) -> None:
+    """A stream's chunks of new text alone are encoded from a template made once per choice: byte for byte what
+    encoding the whole chunk gives, whatever the text (escapes, non-ASCII, the template's own mark) or the model's
+    name (which comes before the text in the chunk)."""
+    from serving.openai_server import protocol
+    from serving.openai_server.app import _sse, _TextChunks
+
+    g = protocol.Generation([[1, 2]], SamplingParams(n=2), stream=True, include_usage=include_usage)
+    for model in ("deepseek-v3-mini", "m\0text\0", 'a "quoted" é model'):
+        chunks = _TextChunks(g, model, chat)
+        for index in (1, 0):
+            for text in (" the", 'é\n"\\\u2028😀', "\0text\0", "\0"):
+                whole = protocol.completion_object(g, model, [protocol.choice(index, text, None, chat, chunk=True)],
+                                                   chat, chunk=True)
+                assert chunks(index, text) == _sse(whole)
+
+
 def test_a_grammar_that_fails_while_generating_is_a_400_naming_its_parameter() -> None:
     """The executor ends a request whose grammar fails while generating (tests/test_structured_output.py); the server
     answers that as the request's fault, naming the parameter its guide came from (and the field in the message, as

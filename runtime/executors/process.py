@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import operator
 import pickle
 import signal
 import socket
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Callable
@@ -87,23 +88,26 @@ class _Stream:
     outputs: dict[int, _Output] = field(default_factory=dict)
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
-    def rebuild(self, delta: RequestOutput) -> RequestOutput:
+    def rebuild(self, delta: Delta) -> RequestOutput:
         """The output as the executor reported it, from what _delta_of sent of it."""
-        o = self.outputs.setdefault(delta.index, _Output())
-        o.token_ids += delta.new_token_ids
-        o.text += delta.text_delta
-        if delta.new_logprobs is not None:
+        sent, stats, prompt_logprobs = delta
+        fields_of = dict(zip(_SENT, sent))
+        o = self.outputs.setdefault(fields_of["index"], _Output())
+        o.token_ids += fields_of["new_token_ids"]
+        o.text += fields_of["text_delta"]
+        if fields_of["new_logprobs"] is not None:
             if o.logprobs is None:
                 o.logprobs = []
-            o.logprobs += delta.new_logprobs
-        if delta.prompt_logprobs is not None:
-            self.prompt_logprobs = delta.prompt_logprobs
-        o.last = replace(delta, token_ids=so_far(o.token_ids, delta.finished), text=o.text,
-                         logprobs=None if o.logprobs is None else so_far(o.logprobs, delta.finished),
-                         prompt_logprobs=self.prompt_logprobs)
+            o.logprobs += fields_of["new_logprobs"]
+        if prompt_logprobs is not None:
+            self.prompt_logprobs = prompt_logprobs
+        finished = fields_of["finished"]
+        o.last = RequestOutput(**fields_of, stats=RequestStats(*stats), token_ids=so_far(o.token_ids, finished),
+                               text=o.text, logprobs=None if o.logprobs is None else so_far(o.logprobs, finished),
+                               prompt_logprobs=self.prompt_logprobs)
         return o.last
 
-    def ended(self, request_id: str, error: str) -> list[RequestOutput]:
+    def ended(self, request_id: str, error: str) -> list[Delta]:
         """The deltas that end each of this request's outputs still open with `error` here (the engine process is
         gone)."""
         ends = []
@@ -113,16 +117,27 @@ class _Stream:
                 continue
             last = o.last or RequestOutput(request_id, [], [], "", "", False, None,
                                            RequestStats(self.prompt_tokens, 0, 0, 0, 0, None, None), index=index)
-            ends.append(replace(last, new_token_ids=[], token_ids=[], text_delta="", text="",
-                                new_logprobs=None if o.logprobs is None else [], logprobs=None, prompt_logprobs=None,
-                                finished=True, finish_reason="error", error=error))
+            ends.append(_delta_of(replace(last, new_token_ids=[], text_delta="",
+                                          new_logprobs=None if o.logprobs is None else [], finished=True,
+                                          finish_reason="error", error=error), first=False))
         return ends
 
 
-def _delta_of(out: RequestOutput, first: bool) -> RequestOutput:
-    """What the pipe carries of an output: its cumulative fields emptied (the parent's _Stream rebuilds them),
-    the prompt's logprobs with the request's first output only (later ones repeat them)."""
-    return replace(out, token_ids=[], text="", logprobs=None, prompt_logprobs=out.prompt_logprobs if first else None)
+# What the pipe carries of an output: its fields but the cumulative ones (token_ids, text, logprobs: the parent's
+# _Stream rebuilds them), its stats and the prompt's logprobs, as tuples of plain values: they pickle and unpickle
+# several times faster than the dataclasses, on the step loop's thread and the reader's, at every output
+_SENT = tuple(f.name for f in fields(RequestOutput)
+              if f.name not in ("token_ids", "text", "logprobs", "stats", "prompt_logprobs"))
+_REQUEST_ID = _SENT.index("request_id")
+_sent_of = operator.attrgetter(*_SENT)
+_stats_of = operator.attrgetter(*(f.name for f in fields(RequestStats)))
+Delta = tuple[tuple, tuple, "list[TokenLogprob | None] | None"]
+
+
+def _delta_of(out: RequestOutput, first: bool) -> Delta:
+    """What the pipe carries of an output; the prompt's logprobs with the request's first output only (later ones
+    repeat them)."""
+    return _sent_of(out), _stats_of(out.stats), out.prompt_logprobs if first else None
 
 
 class ProcessExecutor:
@@ -291,10 +306,10 @@ class ProcessExecutor:
             for end in stream.ended(rid, self._error or "shut down"):
                 self._deliver(end)
 
-    def _deliver(self, delta: RequestOutput) -> None:
+    def _deliver(self, delta: Delta) -> None:
         """Rebuild an output from the child's delta and hand it to its request's callback and handle."""
         with self._lock:
-            stream = self._streams.get(delta.request_id)
+            stream = self._streams.get(delta[0][_REQUEST_ID])
             if stream is None:  # ended here already (the engine process died first)
                 return
             out = stream.rebuild(delta)
@@ -329,8 +344,9 @@ def _engine_main(conn: Connection) -> None:
     send_lock = threading.Lock()
 
     def send(message: tuple) -> None:
+        data = pickle.dumps(message)  # not conn.send's ForkingPickler: it builds a pickler per call (each output's)
         with send_lock:
-            conn.send(message)
+            conn.send_bytes(data)
 
     try:
         executor = create_executor(path, config, **kwargs)

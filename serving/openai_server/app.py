@@ -35,11 +35,32 @@ from serving.watchdog import STALL_TIMEOUT_S
 
 log = logging.getLogger("serving.openai_server")
 BODY_TIMEOUT_S = 60  # for a request's whole body (nginx's client_body_timeout is 60 s between reads)
-
+_JSON = json.JSONEncoder(ensure_ascii=False)  # json.dumps(ensure_ascii=False)'s, made once rather than per call
 
 
 def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {_JSON.encode(obj)}\n\n"
+
+
+class _TextChunks:
+    """A stream's chunks that carry one choice's new text and nothing else (nearly all of them), exactly as `_sse`
+    encodes them, at less CPU per token than encoding the chunk whole (the CPU a forward on a small machine shares):
+    each choice's chunk is encoded once with a mark for its text, and each chunk then encodes its text alone."""
+
+    _MARK = "\0text\0"
+
+    def __init__(self, g: Generation, model: str, chat: bool):
+        self.g, self.model, self.chat = g, model, chat
+        self.around: dict[int, tuple[str, str]] = {}  # by choice index: the encoded chunk before and after the text
+
+    def __call__(self, index: int, text: str) -> str:
+        around = self.around.get(index)
+        if around is None:
+            c = protocol.choice(index, self._MARK, None, self.chat, chunk=True)
+            encoded = _sse(protocol.completion_object(self.g, self.model, [c], self.chat, chunk=True))
+            before, _, after = encoded.rpartition(_JSON.encode(self._MARK))  # the last: the model's name comes first
+            around = self.around[index] = before, after
+        return around[0] + _JSON.encode(text) + around[1]
 
 
 async def _disconnected(request: Request) -> None:
@@ -279,6 +300,7 @@ class OpenAIServer:
                 elif g.echo_texts is not None and not g.echo_logprobs:
                     yield chunk(protocol.choice(i, g.echo_texts[i // g.n], None, chat, True))
             fmt = self._format(g)
+            text_chunk = _TextChunks(g, self.model, chat)
             offsets = [protocol.TextOffsets(fmt) for _ in range(choices)]  # completions' text_offset
             readers = [ToolCallReader(g.tool_syntax, g.parallel_tool_calls) for _ in range(choices)] \
                 if g.tool_syntax is not None else None
@@ -299,7 +321,10 @@ class OpenAIServer:
                 if readers is not None:  # what the new text decides: content, tool-call deltas
                     text, calls = readers[index].read(text, out.finished)
                     finish = readers[index].finish_reason(finish, out.stop_reason)
-                if text or calls or out.finished or out.new_logprobs or g.return_token_ids and out.new_token_ids:
+                if text and not (calls or finish or out.new_logprobs is not None or g.return_token_ids
+                                 or g.continuous_usage):
+                    yield text_chunk(index, text)
+                elif text or calls or out.finished or out.new_logprobs or g.return_token_ids and out.new_token_ids:
                     c = protocol.choice(index, text, finish, chat, chunk=True,
                                         logprobs=self._logprobs(g, out.new_logprobs, chat, offsets[index]),
                                         stop_reason=out.stop_reason, tool_calls=calls)
