@@ -32,6 +32,22 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def add_training_flags(p: Parser, lr: float, warmup: int, eval_every: int, eval_batches: int,
+                       at_evaluations: str = "") -> None:
+    """The flags train_model and distill_mtp share (data, windows, schedule, load balancing, evaluation, threads),
+    each command with its own defaults where they differ, and what else it does at an evaluation."""
+    p.add_argument("--data_dir", type=Path, default=Path("data"), help="train.bin and val.bin of training.prepare_data")
+    p.add_argument("--batch_size", type=int, default=16, help="windows a step")
+    p.add_argument("--seq_len", type=int, default=256, help="tokens a window")
+    p.add_argument("--lr", type=float, default=lr, help="peak learning rate")
+    p.add_argument("--min_lr_ratio", type=float, default=0.1, help="final learning rate / --lr")
+    p.add_argument("--warmup", type=int, default=warmup, help="warm-up steps")
+    p.add_argument("--bias_gamma", type=float, default=1e-3, help="step of the experts' load-balancing bias")
+    p.add_argument("--eval_every", type=int, default=eval_every, help=f"steps between evaluations{at_evaluations}")
+    p.add_argument("--eval_batches", type=int, default=eval_batches, help="batches an evaluation")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+
+
 def at_least_one(p: Parser, args: argparse.Namespace, names: tuple[str, ...]) -> None:
     """A parser error for the first of `names` (integer flags) below 1."""
     for name in names:

@@ -36,7 +36,7 @@ from runtime.io.atomic import os_error_text
 from runtime.model.config import ModelConfig
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM, Gate
 from runtime.cli import interrupt_on_sigterm
-from training.cli import Parser, at_least_one, check_writable_file, load_checkpoint, token_file
+from training.cli import Parser, add_training_flags, at_least_one, check_writable_file, load_checkpoint, token_file
 from training.train_model import batches, save
 
 
@@ -103,19 +103,10 @@ def main(argv: list[str] | None = None) -> None:
     p = Parser("distill_mtp", __doc__)
     p.add_argument("--ckpt", type=Path, required=True, help="training checkpoint (training.train_model)")
     p.add_argument("--out", type=Path, required=True, help="checkpoint to write (not --ckpt)")
-    p.add_argument("--data_dir", type=Path, default=Path("data"), help="train.bin and val.bin of training.prepare_data")
+    add_training_flags(p, lr=5e-4, warmup=20, eval_every=100, eval_batches=8)
     p.add_argument("--time_budget_min", type=float, default=30.0, help="minutes of distillation")
-    p.add_argument("--batch_size", type=int, default=16, help="windows a step")
-    p.add_argument("--seq_len", type=int, default=256, help="tokens a window")
-    p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate")
-    p.add_argument("--min_lr_ratio", type=float, default=0.1, help="final learning rate / --lr")
-    p.add_argument("--warmup", type=int, default=20, help="warm-up steps")
     p.add_argument("--chain_depth", type=int, default=2, help="train drafts 1..D, each chained on the one before")
     p.add_argument("--eval_depth", type=int, default=4, help="report drafts 1..D on validation windows")
-    p.add_argument("--bias_gamma", type=float, default=1e-3, help="step of the experts' load-balancing bias")
-    p.add_argument("--eval_every", type=int, default=100, help="steps between evaluations")
-    p.add_argument("--eval_batches", type=int, default=8, help="batches an evaluation")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0, help="seed of the training windows")
     args = p.parse_args(argv)
     at_least_one(p, args, ("batch_size", "seq_len", "warmup", "eval_every", "eval_batches", "chain_depth",

@@ -30,7 +30,7 @@ from runtime.cli import interrupt_on_sigterm
 from runtime.io.atomic import atomic_write, interrupts_held, os_error_text
 from runtime.model.config import ConfigError, ModelConfig
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM, Gate
-from training.cli import Parser, at_least_one, load_checkpoint, token_file
+from training.cli import Parser, add_training_flags, at_least_one, load_checkpoint, token_file
 
 # Every DeepSeek-V3 feature on, proportioned so one MTP step is cheap next to the 21-layer target.
 # Head dims keep V3's proportions (nope 2 x rope, v = nope); every FP8 matrix dimension is below 128
@@ -105,26 +105,17 @@ def save(path: Path, state: dict) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = Parser("train_model", __doc__)
-    p.add_argument("--data_dir", type=Path, default=Path("data"), help="train.bin and val.bin of training.prepare_data")
+    add_training_flags(p, lr=2e-3, warmup=100, eval_every=200, eval_batches=4, at_evaluations=" (and checkpoints)")
     p.add_argument("--out_dir", type=Path, default=Path("runs/mini"), help="run directory: config.json, ckpt.pt, log.jsonl")
     p.add_argument("--config", type=Path, help="config.json to train (default: the built-in mini config; with "
                                                "--resume, the checkpoint's)")
     p.add_argument("--steps", type=int, default=3000, help="optimizer steps of the schedule")
-    p.add_argument("--batch_size", type=int, default=16, help="windows a step")
-    p.add_argument("--seq_len", type=int, default=256, help="tokens a window")
     p.add_argument("--time_budget_min", type=float, default=0.0,
                    help="finish the schedule after this many minutes of training (resumes included) even if steps "
                         "remain; 0: no budget")
-    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
-    p.add_argument("--min_lr_ratio", type=float, default=0.1, help="final learning rate / --lr")
-    p.add_argument("--warmup", type=int, default=100, help="warm-up steps")
     p.add_argument("--weight_decay", type=float, default=0.1, help="AdamW weight decay of the matrices")
     p.add_argument("--mtp_weight", type=float, default=0.3, help="weight of the MTP loss")
-    p.add_argument("--bias_gamma", type=float, default=1e-3, help="step of the experts' load-balancing bias")
-    p.add_argument("--eval_every", type=int, default=200, help="steps between evaluations (and checkpoints)")
-    p.add_argument("--eval_batches", type=int, default=4, help="batches an evaluation")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--resume", action="store_true", help="continue from --out_dir's ckpt.pt")
     p.add_argument("--force", action="store_true", help="start over in an --out_dir that holds a checkpoint")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the training windows")
