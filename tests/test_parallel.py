@@ -280,6 +280,13 @@ def test_the_rank_that_failed_is_named_not_those_that_lost_it(tmp_path):
     threading.Timer(0.3, store.set, ("failed/3", LOST_PEER)).start()
     assert str(group.failed(RuntimeError("Connection closed by peer"))) == (
         "rank 2 (pid 102) stopped without a report; ranks 1, 3 lost their connections to it")
+    # at tp 2 rank 0 is the only one left to lose the killed rank: its own error tells which ("a forward failed on
+    # rank 0 of 2 (RuntimeError: ...)" before)
+    store = _file_store(str(tmp_path / "torchrun_store_2"), 2)
+    group = RankGroup(tmp_path, BuildConfig(tp_size=2), store, [])
+    group.pids[1] = 101
+    error = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+    assert str(group.failed(error)) == "rank 1 (pid 101) stopped without a report; rank 0 lost its connection to it"
 
 
 def test_a_killed_rank_stops_the_executor_with_a_clear_error(tp2, shipped_model_dir):

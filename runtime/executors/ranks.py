@@ -300,6 +300,8 @@ class RankGroup:
                 break
             time.sleep(0.02)
         self.close(graceful=False)
+        if LOST_PEER in str(error):  # rank 0 lost a peer too: at tp 2 under torchrun, the only word of a killed rank 1
+            stopped.append(Stopped(0, os.getpid(), None, f"{type(error).__name__}: {error}"))
         if stopped:
             return RankFailure(self._culprit(stopped))
         return RankFailure(f"a forward failed on rank 0 of {self.world_size} ({type(error).__name__}: {error}); "
