@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from runtime.core.grammar import GrammarCompiler, GrammarMatcher, grammar_bitmasks
-from runtime.core.guide_check import check_guide
+from runtime.core.guide_check import MAX_SCHEMA_DEPTH, check_guide
 from runtime.core.sampling import refused_tokens
 from runtime.core.sampling_params import GuidedDecodingParams, SamplingParams
 from runtime.executors.base import ExecutorConfig
@@ -421,6 +421,21 @@ def test_invalid_guides_name_the_field_and_position(guide, message) -> None:
         SamplingParams(guided_decoding=guide).validate()
         check_guide(guide)
     assert str(e.value) == message
+
+
+def test_a_schema_nested_past_the_grammar_engines_reader_is_refused_with_the_bound() -> None:
+    """llguidance's JSON reader stops at ~124 levels: such a schema was "invalid at / of the schema: recursion limit
+    exceeded at line 1 column 3430", and a server's docs said schemas thousands of levels deep were served."""
+    schema: dict = {"type": "string"}
+    for _ in range(MAX_SCHEMA_DEPTH - 1):
+        schema = {"type": "array", "items": schema}
+    check_guide(GuidedDecodingParams(json=schema))  # MAX_SCHEMA_DEPTH levels: served
+    for deeper in ({"type": "array", "items": schema}, {"type": "array", "items": [1, {"a": [schema]}]}):
+        with pytest.raises(ValueError) as e:
+            check_guide(GuidedDecodingParams(json=deeper), "response_format.json_schema.schema")
+        depth = MAX_SCHEMA_DEPTH + (1 if "type" in deeper["items"] else 4)
+        assert str(e.value) == (f"response_format.json_schema.schema is nested {depth} levels deep (objects and "
+                                f"arrays); at most {MAX_SCHEMA_DEPTH} are taken")
 
 
 def test_a_schema_that_is_no_json_is_refused_naming_the_field() -> None:

@@ -32,6 +32,9 @@ COMPILE_STACK_BYTES = 512 * 2**20
 # GBNF reaches llguidance as Lark through a conversion whose time grows with the square of the rules, so a grammar
 # of more rules than any real one is refused first
 MAX_GBNF_RULES = 1000
+# llguidance reads a schema with serde_json, whose recursion limit (128) stops a schema nested ~124 levels deep with
+# "recursion limit exceeded"; a deeper one is refused first, with the bound
+MAX_SCHEMA_DEPTH = 120
 CACHED_GUIDE_BYTES = 65536  # valid guides kept checked for the executor's compile, at most this long
 CACHED_GUIDES = 16  # and at most this many, the latest
 COMPILE_THREAD = "guide-compile"
@@ -164,6 +167,18 @@ def _problem(error: str) -> str:
     return first
 
 
+def _json_depth(value: Any) -> int:
+    """How deep objects and arrays nest in a JSON value (iterative: a value Python's reader took may nest past the
+    recursion limit)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
+
+
 def check_guide(guide: GuidedDecodingParams, field: str = "guided_decoding") -> str:
     """The guide's grammar; ValueError naming `field` and the position of the problem when the guide is invalid. A
     valid guide checked lately is looked up first, with no compile thread (a server checks a request's guide, then
@@ -186,12 +201,15 @@ def _check_guide(guide: GuidedDecodingParams, field: str) -> str:
     name = f"{field}.{guide.kind}" if field == "guided_decoding" else field
     if guide.kind == "json":
         try:
-            json.loads(guide.text)
+            schema = json.loads(guide.text)
         except json.JSONDecodeError as e:
             raise ValueError(f"{name} is not valid JSON: {e.msg.removesuffix(' at')} at line {e.lineno}, column "
                              f"{e.colno}") from None
         except RecursionError:
             raise ValueError(f"{name} is nested deeper than Python's JSON reader goes") from None
+        if (depth := _json_depth(schema)) > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"{name} is nested {depth} levels deep (objects and arrays); at most {MAX_SCHEMA_DEPTH} "
+                             "are taken")
     if guide.kind == "grammar" and "::=" in guide.text and guide.text.count("::=") > MAX_GBNF_RULES:
         raise ValueError(f"{name} has {guide.text.count('::=')} rules; at most {MAX_GBNF_RULES} are taken")
     try:
