@@ -1065,6 +1065,15 @@ def test_an_api_key_guards_the_v1_routes(shipped_model_dir: Path, tmp_path: Path
         assert out.usage.completion_tokens == 2
         assert server.post("/tokenize", {"prompt": "x"})[0] == 401  # vLLM leaves it open; the key guards it here
         assert server.post("/tokenize", {"prompt": "x"}, {"Authorization": "Bearer s3cret"})[0] == 200
+        # a path that does not exist answered 404 without the key, telling which do
+        for headers, status in (({}, 401), ({"Authorization": "Bearer s3cret"}, 404)):
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(urllib.request.Request(server.base + "/v1/nothing", headers=headers), timeout=10)
+            assert e.value.code == status
+        with pytest.raises(urllib.error.HTTPError) as e:  # a route's other methods: 405 with the key, as without one
+            urllib.request.urlopen(urllib.request.Request(server.base + "/v1/completions",
+                                                          headers={"Authorization": "Bearer s3cret"}), timeout=10)
+        assert e.value.code == 405
         assert urllib.request.urlopen(server.base + "/health", timeout=10).read() == b"ok"
         assert server.metrics()["requests_finished_total"] == 1  # the refused ones never reached the executor
         assert "refused (401)" in server.log.read_text()

@@ -17,12 +17,13 @@ import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Callable
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from runtime.executors.base import ExecutorProtocol, submit_all
 from runtime.executors.handles import RequestHandle
@@ -435,18 +436,39 @@ def api_key_problem(api_key: str) -> str | None:
     return None
 
 
-def key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
-    """A dependency refusing requests without `Authorization: Bearer <api_key>` (OpenAI's 401), as `vllm serve
-    --api-key` guards /v1 (here /tokenize and /detokenize too); None lets every request in."""
-    expected = f"Bearer {api_key}".encode("latin-1") if api_key else None
+GUARDED_PATHS = ("/v1", "/tokenize", "/detokenize")  # with an API key; /health and /metrics stay open, as vLLM's
 
-    async def check(request: Request) -> None:
-        # the server decodes headers as latin-1: encoded so, they are the bytes the client sent
-        if expected is not None and not hmac.compare_digest(
-                request.headers.get("authorization", "").encode("latin-1"), expected):
-            raise APIError("Incorrect or missing API key: send the header `Authorization: Bearer <key>` with the "
-                           "key the server was started with", status=401, code="invalid_api_key")
-    return check
+
+class KeyCheck:
+    """ASGI middleware refusing requests to GUARDED_PATHS (and any path under them) without `Authorization: Bearer
+    <api_key>` with OpenAI's 401, as `vllm serve --api-key` guards /v1: before routing, so a path that does not
+    exist is refused alike, not a 404 telling which do. Pure ASGI, so streamed responses pass through untouched."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode("latin-1")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and any(scope["path"] == p or scope["path"].startswith(p + "/")
+                                           for p in GUARDED_PATHS):
+            sent = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+            if not hmac.compare_digest(sent, self.expected):
+                error = APIError("Incorrect or missing API key: send the header `Authorization: Bearer <key>` with "
+                                 "the key the server was started with", status=401, code="invalid_api_key")
+                await refusal(scope["method"], scope["path"], error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def refusal(method: str, path: str, e: APIError) -> JSONResponse:
+    """An APIError's response in OpenAI's shape, logged: one line per request."""
+    if e.status == 503:  # load shed, or an executor that stopped (the watchdog says that once, at ERROR)
+        log.warning("%s %s refused (503): %s", method, path, e.message)
+    elif e.status >= 500:
+        log.error("%s %s: %s", method, path, e.message)
+    else:
+        log.info("%s %s refused (%d): %s", method, path, e.status, e.message)
+    return JSONResponse(e.body(), status_code=e.status)
 
 
 def create_app(executor: ExecutorProtocol, model_name: str, api_key: str | None = None,
@@ -456,18 +478,13 @@ def create_app(executor: ExecutorProtocol, model_name: str, api_key: str | None 
     replaces the checkpoint's."""
     server = OpenAIServer(executor, model_name, tool_call_parser, chat_template)
     app = FastAPI(title="dsv3-serve", docs_url=None, redoc_url=None, openapi_url=None)
-    guarded = [Depends(key_check(api_key))]  # /v1, /tokenize and /detokenize
-    v1 = APIRouter(prefix="/v1", dependencies=guarded)
+    if api_key:
+        app.add_middleware(KeyCheck, api_key=api_key)
+    v1 = APIRouter(prefix="/v1")
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
-        if e.status == 503:  # load shed, or an executor that stopped (the watchdog says that once, at ERROR)
-            log.warning("%s %s refused (503): %s", request.method, request.url.path, e.message)
-        elif e.status >= 500:
-            log.error("%s %s: %s", request.method, request.url.path, e.message)
-        else:
-            log.info("%s %s refused (%d): %s", request.method, request.url.path, e.status, e.message)
-        return JSONResponse(e.body(), status_code=e.status)
+        return refusal(request.method, request.url.path, e)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:  # unknown route, method
@@ -497,11 +514,11 @@ def create_app(executor: ExecutorProtocol, model_name: str, api_key: str | None 
     async def chat_completions(request: Request) -> Any:
         return await server.generate(request, server.chat_request, chat=True)
 
-    @app.post("/tokenize", dependencies=guarded)
+    @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         return await server.tokenize(request)
 
-    @app.post("/detokenize", dependencies=guarded)
+    @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
         return await server.detokenize(request)
 
