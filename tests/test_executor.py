@@ -1201,15 +1201,19 @@ def test_draft_policy_prefers_short_drafts_when_deep_drafts_fail() -> None:
 def test_draft_policy_learns_whole_step_costs() -> None:
     """The profiled forwards predict k=1 at 1.23x plain; whole steps show drafting costs 40% more than
     profiled (the runner's own work) while plain steps cost what was profiled: drafting stops. A ratio
-    starts from k=0's (1 for k=0 itself) and moves by smoothing, a single sample clipped to 2x, so one
-    very slow step moves it little; ratios are kept per profiled batch size."""
+    starts from k=0's (1 for k=0 itself); over a k's first MIN_COST_SAMPLES steps it is their median, each
+    sample clipped to 2x, so one very slow step among them does not count; then it moves by smoothing. Ratios
+    are kept per profiled batch size."""
     policy = DraftPolicy("adaptive", 1, costs(target_per_token=0.2, target_fixed=0.8, mtp=0.1), prior_acceptance=0.6)
     assert policy.choose(1) == 1
     policy.observe_step(1, 0, 1.0 * policy.costs.step_seconds(1, 0))
     assert policy.cost_ratio[(1, 0)] == pytest.approx(1.0)
     assert policy.step_seconds(1, 1) == pytest.approx(policy.costs.step_seconds(1, 1))  # borrowed ratio 1.0
     policy.observe_step(1, 1, 10.0 * policy.costs.step_seconds(1, 1))  # one very slow step: clipped to 2x
-    assert policy.cost_ratio[(1, 1)] == pytest.approx(1.1) and policy.choose(1) == 1
+    assert policy.cost_ratio[(1, 1)] == pytest.approx(2.0) and policy.choose(1) == 0
+    for _ in range(DraftPolicy.MIN_COST_SAMPLES - 1):
+        policy.observe_step(1, 1, 1.0 * policy.costs.step_seconds(1, 1))
+    assert policy.cost_ratio[(1, 1)] == pytest.approx(1.0) and policy.choose(1) == 1  # the median
     for _ in range(60):
         policy.observe_step(1, 1, 1.4 * policy.costs.step_seconds(1, 1))
     assert policy.cost_ratio[(1, 1)] == pytest.approx(1.4, abs=0.01)
@@ -1218,6 +1222,24 @@ def test_draft_policy_learns_whole_step_costs() -> None:
     for _ in range(60):  # 3 belongs to the profiled size 4
         policy.observe_step(3, 0, 2.0 * policy.costs.step_seconds(3, 0))
     assert policy.cost_ratio[(4, 0)] == pytest.approx(2.0, abs=0.01) and policy.choose(4) == 1  # k=1 borrows it
+
+
+def test_draft_policy_recovers_from_a_profile_that_over_priced_drafting() -> None:
+    """A start-up profile taken on a busy machine timed the 2-token forward at 1.7-2x the 1-token one (1.15x on a
+    quiet one): k = 1 was predicted to lose even with every draft accepted, so it was never tried, never measured,
+    and a Triton server never drafted for its whole life. A k run fewer than MIN_COST_SAMPLES times is explored
+    whatever its price, and the steps it runs price it; where drafting really loses, it costs those few steps."""
+    for profiled, real, drafting in ((2.0, 1.15, True), (2.0, 2.5, False)):
+        policy = DraftPolicy("adaptive", 3, StepCosts([1], {q: [1.0 + (profiled - 1) * (q > 1) * (1 + 0.05 * (q - 2))]
+                                                           for q in (1, 2, 3, 4)}, [0.2]))
+        policy.acceptance_by_depth = {kind: [0.75, 0.7, 0.65] for kind in policy.acceptance_by_depth}
+        picks = []
+        for _ in range(20 * DraftPolicy.EXPLORE_EVERY):
+            picks.append(k := policy.choose(1))
+            policy.observe_step(1, k, (1.0 + (real - 1) * (k > 0)) * 1.0 + 0.2 * k)
+        tail = picks[-4 * DraftPolicy.EXPLORE_EVERY:]
+        assert (tail.count(0) <= 4) if drafting else (sum(k > 0 for k in picks) <= 2 * DraftPolicy.MIN_COST_SAMPLES), \
+            (profiled, real, picks.count(0))
 
 
 def scheduler_with_one_decode(engine, policy: DraftPolicy, max_num_tokens: int = 64):

@@ -70,20 +70,22 @@ class DraftPolicy:
     runner's Python, drafting's catch-up over positions verified since the last draft, the
     outputs) to the profiled forwards is learned; a k not yet run there borrows k = 0's ratio.
     Steps that catch the MTP cache up over a prompt are left out (a one-off per request, they
-    would price every later step), and so are steps in which not every sequence drafted k. A ratio
-    starts from k = 0's (from 1, the profile, for k = 0 itself) and moves by smoothing, one step's
-    sample clipped to within 2x of it: an optimistic start that a single slow step cannot turn into
-    a k priced out for good. Drafting needs a predicted gain of at least MIN_GAIN, for what stays
+    would price every later step), and so are steps in which not every sequence drafted k. Over a k's
+    first MIN_COST_SAMPLES steps its ratio is their median (a profile taken on a busy start-up can be
+    off by more than smoothing would mend soon, and one slow step among them does not count), then
+    each step moves it by smoothing; every sample is clipped to within 2x of the ratio. Drafting needs a predicted gain of at least MIN_GAIN, for what stays
     unmodelled (those prompt catch-ups, the prefill work drafts delay). Every EXPLORE_EVERY-th step
     at a batch size runs a neighbour of the chosen k instead (one more draft and one fewer in turn; one
-    more only where it would win if that draft were always accepted), so the costs and acceptance next
-    to the choice are measured again; the gain is one-peaked in k
+    more only where it would win if that draft were always accepted, or where it has run fewer than
+    MIN_COST_SAMPLES steps there, so that a profile that over-priced it cannot rule it out for good),
+    so the costs and acceptance next to the choice are measured again; the gain is one-peaked in k
     (each extra draft costs more than the last and is accepted less often), so a far k never beats a
     near one that loses, and trying it, at a large batch size, costs a step several times plain's.
     """
 
     MIN_GAIN = 1.1
     EXPLORE_EVERY = 64
+    MIN_COST_SAMPLES = 4
 
     def __init__(self, mode: str, max_k: int, costs: StepCosts | None = None, prior_acceptance: float = 0.7,
                  smoothing: float = 0.05, cost_smoothing: float = 0.1):
@@ -96,6 +98,7 @@ class DraftPolicy:
         self.drafted = dict.fromkeys(KINDS, 0)  # drafting steps observed per kind
         self.smoothing, self.cost_smoothing = smoothing, cost_smoothing
         self.cost_ratio: dict[tuple[int, int], float] = {}  # (profiled batch size, k) -> whole step / profiled
+        self.first_ratios: dict[tuple[int, int], list[float]] = {}  # (profiled batch size, k) -> first samples
         self.decisions: dict[int, int] = {}  # profiled batch size -> steps decided there
 
     @property
@@ -125,10 +128,15 @@ class DraftPolicy:
         """A whole decode step (no prefill in it) of batch_size sequences at draft length k took `seconds`."""
         if self.mode != "adaptive" or batch_size == 0:
             return
-        bucket = self.costs.bucket(batch_size)
-        old = self._ratio(bucket, k)
+        key = (self.costs.bucket(batch_size), k)
+        old = self._ratio(*key)
         ratio = min(max(seconds / self.costs.step_seconds(batch_size, k), old / 2), old * 2)
-        self.cost_ratio[(bucket, k)] = old + self.cost_smoothing * (ratio - old)
+        first = self.first_ratios.setdefault(key, [])
+        if len(first) < self.MIN_COST_SAMPLES:
+            first.append(ratio)
+            self.cost_ratio[key] = sorted(first)[(len(first) - 1) // 2]
+        else:
+            self.cost_ratio[key] = old + self.cost_smoothing * (ratio - old)
 
     def _ratio(self, bucket: int, k: int) -> float:
         """Whole step / profiled forwards at a profiled batch size: learned, else k = 0's, else 1."""
@@ -186,6 +194,7 @@ class DraftPolicy:
             # step (with a catch-up over every prompt not yet drafted from) to learn nothing.
             always = {kind: self.expected_tokens(choice, kind) + math.prod(self.acceptance_by_depth[kind][:choice])
                       for kind in drafters}
-            if self._rate(batch_size, drafters, choice + 1, always) >= max(rate[choice], self.MIN_GAIN * rate[0]):
+            if self._rate(batch_size, drafters, choice + 1, always) >= max(rate[choice], self.MIN_GAIN * rate[0]) \
+                    or len(self.first_ratios.get((bucket, choice + 1), ())) < self.MIN_COST_SAMPLES:
                 return choice + 1
         return choice
