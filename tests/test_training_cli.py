@@ -189,6 +189,46 @@ def test_train_model_keeps_a_run_it_was_not_told_to_replace(run, capsys):
     assert {p.name: p.read_bytes() for p in run.iterdir()} == before
 
 
+@pytest.mark.parametrize("flags, message", [
+    (("--lr", "nan"), "--lr must be a finite number > 0, got nan"),
+    (("--lr", "-1"), "--lr must be a finite number > 0, got -1.0"),
+    (("--min_lr_ratio", "-5"), "--min_lr_ratio must be a finite number >= 0 and <= 1, got -5.0"),
+    (("--mtp_weight", "nan"), "--mtp_weight must be a finite number >= 0, got nan"),
+    (("--weight_decay", "inf"), "--weight_decay must be a finite number >= 0, got inf"),
+    (("--threads", "-3"), "--threads must be >= 0 (0: torch's default), got -3"),
+    (("--device", "bogus"), "--device 'bogus' is not a torch device (cpu, cuda or cuda:N)"),
+    (("--device", "meta"), "--device meta: training runs on cpu or cuda"),
+])
+def test_train_model_refuses_numbers_that_train_nothing_sensible(run, capsys, flags, message):
+    """NaN weights trained to a checkpoint of NaN tensors (exit 0), a negative --min_lr_ratio ascended the loss late
+    in the schedule, and --lr nan, --threads -3, --device bogus were tracebacks after config.json was written."""
+    out = run.parent / "fresh"
+    assert error(capsys, train_model.main, "--data_dir", run.parent, "--out_dir", out, "--config",
+                 run.parent / "config.json", "--steps", 2, "--seq_len", 16, "--batch_size", 1, *flags) == (
+        2, f"python -m training.train_model: error: {message}")
+    assert not out.exists()
+
+
+def test_token_ids_past_the_vocabulary_are_refused_before_anything_is_written(run, capsys):
+    """A corpus of ids up to 4095 and a --config of vocab_size 64 was an IndexError traceback from the embedding
+    after config.json and log.jsonl were written; distill_mtp likewise against its checkpoint's vocabulary."""
+    data = run.parent / "big"
+    data.mkdir()
+    np.arange(4096, dtype=np.uint16).tofile(data / "train.bin")
+    np.arange(100, dtype=np.uint16).tofile(data / "val.bin")
+    out = run.parent / "fresh"
+    assert error(capsys, train_model.main, "--data_dir", data, "--out_dir", out, "--config", run.parent / "config.json",
+                 "--seq_len", 16) == (
+        2, f"python -m training.train_model: error: --data_dir {data}: train.bin holds token id 4095, outside the "
+           f"vocabulary of --config {run.parent / 'config.json'} (vocab_size 64)")
+    assert not out.exists()
+    argv = distill_args(run, run.parent / "d.pt")
+    argv[argv.index("--data_dir") + 1] = str(data)
+    assert error(capsys, distill.main, *argv) == (
+        2, f"python -m training.distill_mtp: error: --data_dir {data}: train.bin holds token id 4095, outside the "
+           f"vocabulary of --ckpt {run / 'ckpt.pt'} (vocab_size 64)")
+
+
 def test_train_model_resume_names_what_is_not_its_checkpoint(run, capsys):
     """distill_mtp's output has no optimizer state: --resume from it was a KeyError traceback."""
     state = torch.load(run / "ckpt.pt", weights_only=True)

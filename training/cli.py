@@ -4,12 +4,14 @@ that lets SIGTERM clean up like Ctrl-C, and the checks of the files they read an
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import tempfile
 from pathlib import Path
 from typing import NoReturn
 
+import numpy as np
 import torch
 
 from runtime.cli import show_defaults
@@ -53,6 +55,43 @@ def at_least_one(p: Parser, args: argparse.Namespace, names: tuple[str, ...]) ->
     for name in names:
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+
+
+def check_training_numbers(p: Parser, args: argparse.Namespace, at_least_zero: tuple[str, ...] = ()) -> None:
+    """A parser error for the first of the shared flags (`add_training_flags`) or of `at_least_zero` (float flags) out
+    of range, NaN or infinite: a NaN weight trained to a NaN checkpoint, a negative learning rate ascended the loss,
+    and torch's own refusals were tracebacks."""
+    bounds = {"lr": (0.0, False, math.inf), "min_lr_ratio": (0.0, True, 1.0), "bias_gamma": (0.0, True, math.inf),
+              **{name: (0.0, True, math.inf) for name in at_least_zero}}
+    for name, (low, low_allowed, high) in bounds.items():
+        value = getattr(args, name)
+        if not (math.isfinite(value) and (value > low or low_allowed and value == low) and value <= high):
+            p.error(f"--{name} must be a finite number {'>=' if low_allowed else '>'} {low:g}"
+                    f"{f' and <= {high:g}' if high < math.inf else ''}, got {value}")
+    if args.threads < 0:
+        p.error(f"--threads must be >= 0 (0: torch's default), got {args.threads}")
+
+
+def check_device(p: Parser, device: str) -> None:
+    """A parser error unless torch can compute on `device` here."""
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        p.error(f"--device {device!r} is not a torch device (cpu, cuda or cuda:N)")
+    if kind == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {device}: this torch sees no CUDA device (use --device cpu)")
+    if kind not in ("cpu", "cuda"):
+        p.error(f"--device {device}: training runs on cpu or cuda")
+
+
+def check_token_ids(p: Parser, data_dir: Path, tokens: dict[str, np.ndarray], vocab_size: int, source: str) -> None:
+    """A parser error when a token file holds an id outside the model's vocabulary (an embedding lookup's IndexError
+    after the run directory was written, otherwise)."""
+    for name, ids in tokens.items():
+        top = int(ids.max())
+        if top >= vocab_size:
+            p.error(f"--data_dir {data_dir}: {name} holds token id {top}, outside the vocabulary of {source} "
+                    f"(vocab_size {vocab_size})")
 
 
 def token_file(p: Parser, data_dir: Path, name: str) -> Path:

@@ -36,7 +36,8 @@ from runtime.io.atomic import os_error_text
 from runtime.model.config import ModelConfig
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM, Gate
 from runtime.cli import interrupt_on_sigterm
-from training.cli import Parser, add_training_flags, at_least_one, check_writable_file, load_checkpoint, token_file
+from training.cli import (Parser, add_training_flags, at_least_one, check_token_ids, check_training_numbers,
+                          check_writable_file, load_checkpoint, token_file)
 from training.train_model import batches, save
 
 
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     at_least_one(p, args, ("batch_size", "seq_len", "warmup", "eval_every", "eval_batches", "chain_depth",
                            "eval_depth"))
+    check_training_numbers(p, args, ("time_budget_min",))
     if args.out.resolve() == args.ckpt.resolve():
         p.error(f"--out {args.out} is --ckpt; writing it would replace the training checkpoint (train_model "
                 "--resume needs it); choose another path")
@@ -118,6 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     train = np.memmap(token_file(p, args.data_dir, "train.bin"), dtype=np.uint16, mode="r")
     val = np.memmap(token_file(p, args.data_dir, "val.bin"), dtype=np.uint16, mode="r")
     state = load_checkpoint(p, "--ckpt", args.ckpt, ("config", "model", "step", "args"))
+    check_token_ids(p, args.data_dir, {"train.bin": train, "val.bin": val}, state["config"]["vocab_size"],
+                    f"--ckpt {args.ckpt}")
     if args.threads:
         torch.set_num_threads(args.threads)
     interrupt_on_sigterm()

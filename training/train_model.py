@@ -30,7 +30,8 @@ from runtime.cli import interrupt_on_sigterm
 from runtime.io.atomic import atomic_write, interrupts_held, os_error_text
 from runtime.model.config import ConfigError, ModelConfig
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM, Gate
-from training.cli import Parser, add_training_flags, at_least_one, load_checkpoint, token_file
+from training.cli import (Parser, add_training_flags, at_least_one, check_device, check_token_ids,
+                          check_training_numbers, load_checkpoint, token_file)
 
 # Every DeepSeek-V3 feature on, proportioned so one MTP step is cheap next to the 21-layer target.
 # Head dims keep V3's proportions (nope 2 x rope, v = nope); every FP8 matrix dimension is below 128
@@ -121,6 +122,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the training windows")
     args = p.parse_args(argv)
     at_least_one(p, args, ("steps", "batch_size", "seq_len", "warmup", "eval_every", "eval_batches"))
+    check_training_numbers(p, args, ("time_budget_min", "weight_decay", "mtp_weight"))
+    check_device(p, args.device)
     if args.resume and args.force:
         p.error("--resume continues --out_dir's checkpoint and --force starts over; give one of them")
     train_tokens = np.memmap(token_file(p, args.data_dir, "train.bin"), dtype=np.uint16, mode="r")
@@ -157,6 +160,9 @@ def main(argv: list[str] | None = None) -> None:
     elif ckpt_path.exists() and not args.force:
         p.error(f"--out_dir {args.out_dir} holds a checkpoint ({ckpt_path}); pass --resume to continue it or --force "
                 "to start over")
+    check_token_ids(p, args.data_dir, {"train.bin": train_tokens, "val.bin": val}, cfg.vocab_size,
+                    f"--resume {ckpt_path}" if args.resume else f"--config {args.config}" if args.config else
+                    "the built-in mini config")
     if args.threads:
         torch.set_num_threads(args.threads)
     interrupt_on_sigterm()
