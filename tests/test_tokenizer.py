@@ -190,12 +190,21 @@ def test_config_variants(tmp_path: Path, tiny_dir: Path) -> None:
     cfg.write_text(json.dumps({**CONFIG, "bos_token": "<s>"}))
     with pytest.raises(ValueError, match="tokenizer_config.json.*<s>"):
         Tokenizer.from_dir(tmp_path)
+    # No tokenizer_config.json: every prompt was refused ("cannot add bos: no bos_token"), an engine built from the
+    # checkpoint served no text. As transformers, bos is what tokenizer.json's post-processor adds, if anything
+    from transformers import PreTrainedTokenizerFast
+
     cfg.unlink()
-    tok = Tokenizer.from_dir(tmp_path)  # no config: no bos known, so none can be added
-    assert tok.bos_token_id is None and tok.special_ids == {0, 1, 2}
-    with pytest.raises(ValueError, match="bos"):
-        tok.encode("hi")
-    assert tok.encode("hi", add_bos=False) == tok.backend.encode("hi", add_special_tokens=False).ids
+    tok = Tokenizer.from_dir(tmp_path)
+    reference = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    assert tok.bos_token_id == 0 and tok.special_ids == {0, 1, 2}
+    assert tok.encode("hi") == reference.encode("hi") == [0, *tok.encode("hi", add_bos=False)]
+    backend = Backend.from_file(str(tmp_path / "tokenizer.json"))
+    backend.post_processor = None  # one that adds nothing: no bos
+    backend.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer.from_dir(tmp_path)
+    reference = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    assert tok.bos_token_id is None and tok.encode("hi") == reference.encode("hi") == tok.encode("hi", add_bos=False)
 
 
 def test_missing_or_bad_tokenizer_file(tmp_path: Path) -> None:

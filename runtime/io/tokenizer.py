@@ -59,6 +59,13 @@ def _chat_template(value: Any, where: Path) -> str | None:
                      f"got {str(value)[:80]!r}")
 
 
+def _post_processor_bos(backend: tokenizers.Tokenizer) -> int | None:
+    """The one token tokenizer.json's post-processor puts before a text (None: none, or several)."""
+    plain = backend.encode("a", add_special_tokens=False).ids
+    special = backend.encode("a", add_special_tokens=True).ids
+    return special[0] if len(special) == len(plain) + 1 and special[1:] == plain else None
+
+
 class Tokenizer:
     """A `tokenizers.Tokenizer` plus the bos/eos/pad conventions of its tokenizer_config.json.
 
@@ -73,8 +80,10 @@ class Tokenizer:
         self.backend = backend
         self.path = path
         where = path / CONFIG_FILE if path is not None else Path(CONFIG_FILE)
-        self._add_bos = bool(config.get("add_bos_token", True))
         self._bos_token_id = self._config_token_id(config, "bos_token", where)
+        if "bos_token" not in config:  # as transformers, bos is then what tokenizer.json's post-processor adds
+            self._bos_token_id = _post_processor_bos(backend)
+        self._add_bos = bool(config.get("add_bos_token", self._bos_token_id is not None))
         self._eos_token_id = self._config_token_id(config, "eos_token", where)
         self._pad_token_id = self._config_token_id(config, "pad_token", where)
         marked = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
