@@ -767,6 +767,35 @@ def test_trtllm_backend_defaults(hf, tmp_path):
     assert (opts["tensor_parallel_size"], opts["moe_expert_parallel_size"], opts["enable_attention_dp"]) == (1, 1, False)
 
 
+def test_trtllm_backend_links_what_symlinks_point_at(hf, tmp_path):
+    """A Hugging Face hub cache's snapshot holds relative symlinks (snapshots/rev/<file> -> ../../blobs/<sha>);
+    hard-linking the symlink itself left hf/ with links that point nowhere. An index naming shards in a
+    subdirectory keeps it (the loaders read sub/<shard>); trtllm dropped the directory."""
+    snapshot = tmp_path / "hub" / "snapshots" / "rev"
+    snapshot.mkdir(parents=True)
+    (tmp_path / "hub" / "blobs").mkdir()
+    for i, f in enumerate(sorted(hf.iterdir())):
+        shutil.copy(f, tmp_path / "hub" / "blobs" / str(i))
+        (snapshot / f.name).symlink_to(Path("..", "..", "blobs", str(i)))
+    out = tmp_path / "from_hub"
+    assert cli("--model_dir", snapshot, "--output_dir", out, "--backend", "trtllm", "--max_seq_len", 256) == 0
+    for name in ["config.json", "model.safetensors.index.json"] + sorted(p.name for p in hf.glob("*.safetensors")):
+        assert not (out / "hf" / name).is_symlink() and (out / "hf" / name).read_bytes() == (hf / name).read_bytes()
+    nested = tmp_path / "nested"
+    shutil.copytree(hf, nested)
+    (nested / "sub").mkdir()
+    index = json.loads((nested / "model.safetensors.index.json").read_text())
+    for shard in set(index["weight_map"].values()):
+        (nested / shard).rename(nested / "sub" / shard)
+    index["weight_map"] = {name: f"sub/{shard}" for name, shard in index["weight_map"].items()}
+    (nested / "model.safetensors.index.json").write_text(json.dumps(index))
+    out = tmp_path / "from_nested"
+    assert cli("--model_dir", nested, "--output_dir", out, "--backend", "trtllm", "--max_seq_len", 256) == 0
+    shards = sorted(set(index["weight_map"].values()))
+    assert json.loads((out / "engine.json").read_text())["weights"] == [f"hf/{s}" for s in shards]
+    assert HFCheckpoint(out / "hf").weight_map == index["weight_map"]
+
+
 def test_trtllm_checkpoint_reads_back(hf, tmp_path):
     b = BuildConfig(**LIMITS, tp_size=2, ep_size=2, quant_algo="FP8", dtype="bfloat16", max_draft_len=2)
     ckpt = TrtllmCheckpoint.read(convert_checkpoint(hf, tmp_path / "ckpt", b, progress=False))
