@@ -17,7 +17,7 @@ from builder.native_engine import TrtllmCheckpoint, build_engine, check_matches_
 from builder.trtllm_engine import TrtllmOptions, build_trtllm_engine
 from builder.trtllm_layout import QUANTIZED
 from builder.validation import (NO_QUANT, BuildError, check_tokenizer, machine_memory, memory_notes,
-                                open_hf_checkpoint, plan_text, validate_build, validate_sharding)
+                                open_hf_checkpoint, plan_text, validate_build)
 from runtime.io.atomic import (OutputDirError, check_not_replacing, check_output_dir, os_error_text, owned_tempdir,
                                release_owned, remove_stale)
 from runtime.io.checkpoint import CheckpointError, HFCheckpoint
@@ -68,7 +68,7 @@ def parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint_dir", type=Path, help="TensorRT-LLM checkpoint (from builder.convert)")
     src.add_argument("--model_dir", type=Path, help="HF DeepSeek-V3 checkpoint (converted on the fly)")
-    p.add_argument("--output_dir", type=Path, help="required unless --dry_run")
+    p.add_argument("--output_dir", type=Path, help="required unless --dry_run (which writes nothing there)")
     p.add_argument("--tokenizer_dir", type=Path, help="default: the input directory")
     p.add_argument("--dtype", choices=["float32", "bfloat16"],
                    help="default: the checkpoint's; from --model_dir float32 (native) or bfloat16 (trtllm)")
@@ -133,25 +133,20 @@ def dry_run(args: argparse.Namespace) -> None:
     cfg = ModelConfig.from_json(source)
     build = build_config(args, cfg, dtype=default_dtype(args.backend), tp_size=1, ep_size=1,
                          quant_algo=released_quant_algo(cfg.quantization_config is not None), notes=False)
-    validate_sharding(cfg, build, str(source))
+    validate_build(cfg, build, str(source), use_mtp_vanilla=args.use_mtp_vanilla)
     memory = int(args.device_memory_gib * 2**30) if args.device_memory_gib else machine_memory()
     print(plan_text(cfg, build, str(source), memory, args.free_gpu_memory_fraction))
 
 
-def run(args: argparse.Namespace) -> None:
-    if args.dry_run:
-        dry_run(args)
-        return
-    if args.output_dir is None:
+def check_flags(args: argparse.Namespace) -> TrtllmOptions:
+    """The flags against each other, before any file is read; the same for a build and a --dry_run, so that a
+    plan is never made for a build that would be refused. Returns the LLM-API options."""
+    if args.dry_run and args.force:
+        raise BuildError("--force replaces an existing --output_dir; --dry_run writes nothing (leave it out)")
+    if not args.dry_run and args.output_dir is None:
         raise BuildError("--output_dir is required (or --dry_run)")
-    if args.device_memory_gib is not None:
+    if not args.dry_run and args.device_memory_gib is not None:
         raise BuildError("--device_memory_gib sizes --dry_run's plan; a build reads no device memory (leave it out)")
-    check_output_dir(args.output_dir, args.force)
-    for note in remove_stale(args.output_dir):
-        print(f"build_engine: {note}", file=sys.stderr)
-    check_not_replacing(args.output_dir, "--output_dir", {
-        "--model_dir": args.model_dir, "--checkpoint_dir": args.checkpoint_dir, "--tokenizer_dir": args.tokenizer_dir,
-        "the current directory": Path.cwd()})
     options = TrtllmOptions(
         enable_attention_dp=args.enable_attention_dp, kv_cache_dtype=args.kv_cache_dtype,
         free_gpu_memory_fraction=args.free_gpu_memory_fraction, enable_block_reuse=args.enable_block_reuse,
@@ -165,9 +160,23 @@ def run(args: argparse.Namespace) -> None:
     if args.max_draft_len == 0 and (args.use_relaxed_acceptance_for_thinking or args.use_mtp_vanilla):
         raise BuildError("--use_relaxed_acceptance_for_thinking and --use_mtp_vanilla change how drafts are made or "
                          "accepted; --max_draft_len 0 drafts none")
+    if args.checkpoint_dir is not None and args.backend == "trtllm":
+        raise BuildError("--backend trtllm needs --model_dir: TensorRT-LLM's PyTorch backend loads the HF layout")
+    return options
+
+
+def run(args: argparse.Namespace) -> None:
+    options = check_flags(args)
+    if args.dry_run:
+        dry_run(args)
+        return
+    check_output_dir(args.output_dir, args.force)
+    for note in remove_stale(args.output_dir):
+        print(f"build_engine: {note}", file=sys.stderr)
+    check_not_replacing(args.output_dir, "--output_dir", {
+        "--model_dir": args.model_dir, "--checkpoint_dir": args.checkpoint_dir, "--tokenizer_dir": args.tokenizer_dir,
+        "the current directory": Path.cwd()})
     if args.checkpoint_dir is not None:
-        if args.backend == "trtllm":
-            raise BuildError("--backend trtllm needs --model_dir: TensorRT-LLM's PyTorch backend loads the HF layout")
         ckpt = TrtllmCheckpoint.read(args.checkpoint_dir)
         given = {name: getattr(args, name) for name in ("dtype", "tp_size", "ep_size") if getattr(args, name)}
         if args.quant_algo is not None:

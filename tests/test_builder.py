@@ -558,6 +558,34 @@ def test_error_parallelism(tiny_checkpoint, hf, tmp_path, capsys):
     assert not out.exists()
 
 
+def test_dry_run_refuses_what_the_build_refuses(hf, tmp_path, capsys):
+    """--dry_run ran only the sharding check: it planned (exit 0) a --max_seq_len past max_position_embeddings, a
+    draft length past the rule and LLM-API options on the native backend, all of which the build refuses. Each
+    is now refused in the same words; --force, which replaces an output a dry run never writes, is refused."""
+    cfg = hf / "config.json"
+    refused = {
+        ("--max_seq_len", 100000): f"--max_seq_len 100000 exceeds max_position_embeddings (256) of {cfg}",
+        ("--max_seq_len", 256, "--max_draft_len", 99): f"--max_draft_len 99 exceeds 8, the most {cfg} allows: the MTP "
+                                                       "module is re-run per draft token, up to a cap of 8",
+        ("--max_seq_len", 256, "--backend", "trtllm", "--use_mtp_vanilla", "--max_draft_len", 2):
+            f"--max_draft_len 2 exceeds 1, the most {cfg} allows: TensorRT-LLM's vanilla MTP drafts one token per MTP "
+            "layer (num_nextn_predict_layers 1)",
+        ("--max_seq_len", 256, "--enable_attention_dp"): "the LLM API options (--enable_attention_dp, "
+                                                         "--kv_cache_dtype, ...) apply to --backend trtllm only",
+        ("--max_seq_len", 256, "--max_draft_len", 0, "--backend", "trtllm", "--use_mtp_vanilla"):
+            "--use_relaxed_acceptance_for_thinking and --use_mtp_vanilla change how drafts are made or accepted; "
+            "--max_draft_len 0 drafts none",
+    }
+    for flags, message in refused.items():
+        assert error(capsys, "--model_dir", hf, "--output_dir", tmp_path / "out", *flags) == f"build_engine: error: {message}"
+        assert error(capsys, "--model_dir", hf, "--dry_run", *flags) == f"build_engine: error: {message}"
+    assert error(capsys, "--model_dir", hf, "--dry_run", "--force") == (
+        "build_engine: error: --force replaces an existing --output_dir; --dry_run writes nothing (leave it out)")
+    assert cli("--model_dir", hf, "--dry_run", "--output_dir", tmp_path / "out", "--max_seq_len", 256,
+               "--device_memory_gib", 1) == 0
+    assert not (tmp_path / "out").exists()
+
+
 def test_error_existing_output(hf, tmp_path, capsys):
     (tmp_path / "out").mkdir()
     assert error(capsys, "--model_dir", hf, "--output_dir", tmp_path / "out") == (
