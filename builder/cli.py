@@ -21,8 +21,8 @@ from builder.validation import (NO_QUANT, BuildError, check_tokenizer, machine_m
 from runtime.io.atomic import (OutputDirError, check_not_replacing, check_output_dir, os_error_text, owned_tempdir,
                                release_owned, remove_stale)
 from runtime.io.checkpoint import CheckpointError, HFCheckpoint
-from runtime.io.engine_format import (DEFAULT_MAX_DRAFT_LEN, BuildConfig, EngineError, max_draft_len_allowed,
-                                     released_quant_algo)
+from runtime.io.engine_format import (DEFAULT_MAX_DRAFT_LEN, HF_MAX_SEQ_LEN, BuildConfig, EngineError,
+                                     default_max_seq_len, max_draft_len_allowed, released_quant_algo)
 from runtime.model.config import ConfigError, ModelConfig
 from runtime.cli import interrupt_on_sigterm, show_defaults
 
@@ -73,7 +73,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16"],
                    help="default: the checkpoint's; from --model_dir float32 (native) or bfloat16 (trtllm)")
     p.add_argument("--max_batch_size", type=_positive, default=BuildConfig.max_batch_size)
-    p.add_argument("--max_seq_len", type=_positive, default=BuildConfig.max_seq_len)
+    p.add_argument("--max_seq_len", type=_positive,
+                   help=f"default: the model's max_position_embeddings, at most {HF_MAX_SEQ_LEN} (as a checkpoint "
+                        "directory is served)")
     p.add_argument("--max_num_tokens", type=_positive, default=BuildConfig.max_num_tokens)
     p.add_argument("--max_draft_len", type=_non_negative,
                    help=f"default: {DEFAULT_MAX_DRAFT_LEN}, or less where the MTP layers allow less")
@@ -223,7 +225,8 @@ def default_dtype(backend: str) -> str:
 def build_config(args: argparse.Namespace, cfg: ModelConfig, *, dtype: str, tp_size: int, ep_size: int,
                  quant_algo: str | None, notes: bool = True) -> BuildConfig:
     """The flags over the source's own dtype, tp_size, ep_size and quant_algo (given as keywords);
-    the draft length defaults to DEFAULT_MAX_DRAFT_LEN capped by what the checkpoint allows; with `notes`,
+    the draft length defaults to DEFAULT_MAX_DRAFT_LEN capped by what the checkpoint allows, max_seq_len to
+    default_max_seq_len (an explicit value above the model's is refused later, naming the flag); with `notes`,
     what the limits ask of this machine's memory is printed."""
     if args.quant_algo is not None:
         quant_algo = None if args.quant_algo == NO_QUANT else args.quant_algo
@@ -231,7 +234,8 @@ def build_config(args: argparse.Namespace, cfg: ModelConfig, *, dtype: str, tp_s
     if max_draft_len is None:
         max_draft_len = min(DEFAULT_MAX_DRAFT_LEN, max_draft_len_allowed(cfg, args.backend, args.use_mtp_vanilla)[0])
     build = BuildConfig(
-        max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, max_num_tokens=args.max_num_tokens,
+        max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len or default_max_seq_len(cfg),
+        max_num_tokens=args.max_num_tokens,
         max_draft_len=max_draft_len, dtype=args.dtype or dtype, kv_block_size=args.kv_block_size,
         tp_size=args.tp_size or tp_size, ep_size=args.ep_size or ep_size, quant_algo=quant_algo, backend=args.backend,
     )

@@ -32,7 +32,7 @@ from builder.native_engine import TrtllmCheckpoint, build_engine, model_config_f
 from conftest import tiny_config_dict, write_tiny_checkpoint
 from runtime.io.checkpoint import HFCheckpoint
 from runtime.model.config import ModelConfig
-from runtime.io.engine_format import BuildConfig, EngineError, checkpoint_limits
+from runtime.io.engine_format import BuildConfig, EngineError, checkpoint_limits, default_max_seq_len
 from runtime.io.loading import load_engine
 from runtime.model.fp8 import FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8
 
@@ -609,6 +609,25 @@ def test_error_draft_len(tiny_checkpoint, hf, tmp_path, capsys):
         f"build_engine: error: --max_seq_len 512 exceeds max_position_embeddings (256) of {cfg}")
     assert cli("--model_dir", src, "--output_dir", out, "--max_seq_len", 256) == 0  # default k is 0 without MTP
     assert load_engine(out).build.max_draft_len == 0
+
+
+def test_default_max_seq_len_is_what_the_checkpoint_is_served_with(hf, tmp_path, capsys):
+    """Without --max_seq_len the build took 1024 and refused every model with max_position_embeddings below it
+    ("--max_seq_len 1024 exceeds max_position_embeddings (256)") for a flag the user never gave. The default is now
+    the one a plain checkpoint is served with: min(max_position_embeddings, 4096)."""
+    assert cli("--model_dir", hf, "--output_dir", tmp_path / "native") == 0
+    assert load_engine(tmp_path / "native").build.max_seq_len == 256 == checkpoint_limits(HFCheckpoint(hf)).max_seq_len
+    assert cli("--model_dir", hf, "--output_dir", tmp_path / "trt", "--backend", "trtllm") == 0
+    assert yaml.safe_load((tmp_path / "trt" / "extra_llm_api_options.yaml").read_text())["max_seq_len"] == 256
+    b = BuildConfig(**LIMITS, quant_algo="FP8")
+    convert_checkpoint(hf, tmp_path / "ckpt", b, progress=False)
+    assert cli("--checkpoint_dir", tmp_path / "ckpt", "--output_dir", tmp_path / "e", "--tokenizer_dir", hf) == 0
+    assert load_engine(tmp_path / "e").build.max_seq_len == 256
+    capsys.readouterr()
+    assert cli("--model_dir", hf, "--dry_run", "--device_memory_gib", 1) == 0
+    assert "sequences of --max_seq_len 256)" in capsys.readouterr().out
+    v3 = ModelConfig.from_json(ROOT / "tests" / "data" / "hf_configs" / "deepseek-v3.json")
+    assert default_max_seq_len(v3) == 4096  # max_position_embeddings 163840, capped as a served checkpoint is
 
 
 def test_checkpoint_declaring_mtp_without_its_weights(tiny_checkpoint, tmp_path, capsys):
