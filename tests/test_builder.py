@@ -703,6 +703,53 @@ def test_error_malformed_trtllm_checkpoint_config(hf, tmp_path, capsys, edit, me
         f"build_engine: error: {ckpt / 'config.json'}: {message}")
 
 
+def _set(raw: dict, field: str, value) -> dict:
+    """raw with one (dotted) field set."""
+    *outer, name = field.split(".")
+    (raw[outer[0]] if outer else raw)[name] = value
+    return raw
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("moe.normalization_mode", 3, "4 (TensorRT-LLM's DEVICE_LIMITED_RENORM: the top-k weights renormalized, as "
+                                  "moe.norm_topk_prob true says)"),
+    ("moe.normalization_mode", 1, "4 (TensorRT-LLM's DEVICE_LIMITED_RENORM: the top-k weights renormalized, as "
+                                  "moe.norm_topk_prob true says)"),
+    ("topk_method", "greedy", "'noaux_tc' (moe.topk_method)"),
+    ("scoring_func", "softmax", "'sigmoid' (moe.scoring_func)"),
+    ("hidden_act", "gelu", "'swiglu' (DeepSeek-V3's SiLU-gated MLP)"),
+    ("position_embedding_type", "rope_gptj", "'rope_gpt_neox' (DeepSeek-V3's rotary embedding)"),
+    ("head_size", 64, "20 (kv_lora_rank + qk_rope_head_dim)"),
+    ("logits_dtype", "float16", "'float32' (the logits computed in float32)"),
+    ("use_parallel_embedding", False, "True (the embedding split across ranks)"),
+    ("embedding_sharding_dim", 1, "0 (the embedding split by vocabulary rows)"),
+    ("quantization.kv_cache_quant_algo", "FP8", "None (the KV cache stored unquantized)"),
+    ("speculative_decoding.decoding_type", None, "'MTP' (num_nextn_predict_layers 1)"),
+])
+def test_error_trtllm_checkpoint_field_contradicting_the_model(hf, tmp_path, capsys, field, value, expected):
+    """A field that changes the math but that the build does not read was ignored: a checkpoint whose
+    moe.normalization_mode contradicts moe.norm_topk_prob, or whose hidden_act is not DeepSeek-V3's, built the
+    DeepSeek-V3 math without a word. Each must be what the converter writes for the model, or is refused."""
+    ckpt = convert_checkpoint(hf, tmp_path / "ckpt", BuildConfig(**LIMITS), progress=False)
+    raw = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps(_set(raw, field, value)))
+    assert error(capsys, "--checkpoint_dir", ckpt, "--output_dir", tmp_path / "out", "--tokenizer_dir", hf) == (
+        f"build_engine: error: {ckpt / 'config.json'}: field {field!r} is {value!r}, expected {expected}")
+
+
+def test_trtllm_checkpoint_normalization_mode_follows_norm_topk_prob(tiny_checkpoint, tmp_path, capsys):
+    """norm_topk_prob false: DEVICE_LIMITED (3) is what the converter writes and builds; 4 is refused."""
+    src = tiny_checkpoint("nonorm", tiny_config_dict(norm_topk_prob=False))
+    ckpt = convert_checkpoint(src, tmp_path / "ckpt", BuildConfig(**LIMITS), progress=False)
+    raw = json.loads((ckpt / "config.json").read_text())
+    assert raw["moe"]["normalization_mode"] == 3
+    assert cli("--checkpoint_dir", ckpt, "--output_dir", tmp_path / "out", "--tokenizer_dir", src) == 0
+    (ckpt / "config.json").write_text(json.dumps(_set(raw, "moe.normalization_mode", 4)))
+    assert error(capsys, "--checkpoint_dir", ckpt, "--output_dir", tmp_path / "out2", "--tokenizer_dir", src) == (
+        f"build_engine: error: {ckpt / 'config.json'}: field 'moe.normalization_mode' is 4, expected 3 (TensorRT-LLM's "
+        "DEVICE_LIMITED: the top-k weights as scored, as moe.norm_topk_prob false says)")
+
+
 def test_error_file_system_refusals(hf, tmp_path, capsys):
     """The file system's own errors (a file in the way, no permission, no space) are one clear line."""
     (tmp_path / "afile").write_text("x")
