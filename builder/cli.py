@@ -17,12 +17,12 @@ from builder.native_engine import TrtllmCheckpoint, build_engine, check_matches_
 from builder.trtllm_engine import TrtllmOptions, build_trtllm_engine
 from builder.trtllm_layout import QUANTIZED
 from builder.validation import (NO_QUANT, BuildError, check_tokenizer, machine_memory, memory_notes,
-                                open_hf_checkpoint, plan_text, validate_build, validate_sharding)
+                                open_hf_checkpoint, plan_text, validate_build)
 from runtime.io.atomic import (OutputDirError, check_not_replacing, check_output_dir, os_error_text, owned_tempdir,
                                release_owned, remove_stale)
 from runtime.io.checkpoint import CheckpointError, HFCheckpoint
-from runtime.io.engine_format import (DEFAULT_MAX_DRAFT_LEN, BuildConfig, EngineError, max_draft_len_allowed,
-                                     released_quant_algo)
+from runtime.io.engine_format import (DEFAULT_MAX_DRAFT_LEN, HF_MAX_SEQ_LEN, BuildConfig, EngineError,
+                                     default_max_seq_len, max_draft_len_allowed, released_quant_algo)
 from runtime.model.config import ConfigError, ModelConfig
 from runtime.cli import interrupt_on_sigterm, show_defaults
 
@@ -68,12 +68,14 @@ def parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint_dir", type=Path, help="TensorRT-LLM checkpoint (from builder.convert)")
     src.add_argument("--model_dir", type=Path, help="HF DeepSeek-V3 checkpoint (converted on the fly)")
-    p.add_argument("--output_dir", type=Path, help="required unless --dry_run")
+    p.add_argument("--output_dir", type=Path, help="required unless --dry_run (which writes nothing there)")
     p.add_argument("--tokenizer_dir", type=Path, help="default: the input directory")
     p.add_argument("--dtype", choices=["float32", "bfloat16"],
                    help="default: the checkpoint's; from --model_dir float32 (native) or bfloat16 (trtllm)")
     p.add_argument("--max_batch_size", type=_positive, default=BuildConfig.max_batch_size)
-    p.add_argument("--max_seq_len", type=_positive, default=BuildConfig.max_seq_len)
+    p.add_argument("--max_seq_len", type=_positive,
+                   help=f"default: the model's max_position_embeddings, at most {HF_MAX_SEQ_LEN} (as a checkpoint "
+                        "directory is served)")
     p.add_argument("--max_num_tokens", type=_positive, default=BuildConfig.max_num_tokens)
     p.add_argument("--max_draft_len", type=_non_negative,
                    help=f"default: {DEFAULT_MAX_DRAFT_LEN}, or less where the MTP layers allow less")
@@ -133,25 +135,20 @@ def dry_run(args: argparse.Namespace) -> None:
     cfg = ModelConfig.from_json(source)
     build = build_config(args, cfg, dtype=default_dtype(args.backend), tp_size=1, ep_size=1,
                          quant_algo=released_quant_algo(cfg.quantization_config is not None), notes=False)
-    validate_sharding(cfg, build, str(source))
+    validate_build(cfg, build, str(source), use_mtp_vanilla=args.use_mtp_vanilla)
     memory = int(args.device_memory_gib * 2**30) if args.device_memory_gib else machine_memory()
     print(plan_text(cfg, build, str(source), memory, args.free_gpu_memory_fraction))
 
 
-def run(args: argparse.Namespace) -> None:
-    if args.dry_run:
-        dry_run(args)
-        return
-    if args.output_dir is None:
+def check_flags(args: argparse.Namespace) -> TrtllmOptions:
+    """The flags against each other, before any file is read; the same for a build and a --dry_run, so that a
+    plan is never made for a build that would be refused. Returns the LLM-API options."""
+    if args.dry_run and args.force:
+        raise BuildError("--force replaces an existing --output_dir; --dry_run writes nothing (leave it out)")
+    if not args.dry_run and args.output_dir is None:
         raise BuildError("--output_dir is required (or --dry_run)")
-    if args.device_memory_gib is not None:
+    if not args.dry_run and args.device_memory_gib is not None:
         raise BuildError("--device_memory_gib sizes --dry_run's plan; a build reads no device memory (leave it out)")
-    check_output_dir(args.output_dir, args.force)
-    for note in remove_stale(args.output_dir):
-        print(f"build_engine: {note}", file=sys.stderr)
-    check_not_replacing(args.output_dir, "--output_dir", {
-        "--model_dir": args.model_dir, "--checkpoint_dir": args.checkpoint_dir, "--tokenizer_dir": args.tokenizer_dir,
-        "the current directory": Path.cwd()})
     options = TrtllmOptions(
         enable_attention_dp=args.enable_attention_dp, kv_cache_dtype=args.kv_cache_dtype,
         free_gpu_memory_fraction=args.free_gpu_memory_fraction, enable_block_reuse=args.enable_block_reuse,
@@ -165,9 +162,23 @@ def run(args: argparse.Namespace) -> None:
     if args.max_draft_len == 0 and (args.use_relaxed_acceptance_for_thinking or args.use_mtp_vanilla):
         raise BuildError("--use_relaxed_acceptance_for_thinking and --use_mtp_vanilla change how drafts are made or "
                          "accepted; --max_draft_len 0 drafts none")
+    if args.checkpoint_dir is not None and args.backend == "trtllm":
+        raise BuildError("--backend trtllm needs --model_dir: TensorRT-LLM's PyTorch backend loads the HF layout")
+    return options
+
+
+def run(args: argparse.Namespace) -> None:
+    options = check_flags(args)
+    if args.dry_run:
+        dry_run(args)
+        return
+    check_output_dir(args.output_dir, args.force)
+    for note in remove_stale(args.output_dir):
+        print(f"build_engine: {note}", file=sys.stderr)
+    check_not_replacing(args.output_dir, "--output_dir", {
+        "--model_dir": args.model_dir, "--checkpoint_dir": args.checkpoint_dir, "--tokenizer_dir": args.tokenizer_dir,
+        "the current directory": Path.cwd()})
     if args.checkpoint_dir is not None:
-        if args.backend == "trtllm":
-            raise BuildError("--backend trtllm needs --model_dir: TensorRT-LLM's PyTorch backend loads the HF layout")
         ckpt = TrtllmCheckpoint.read(args.checkpoint_dir)
         given = {name: getattr(args, name) for name in ("dtype", "tp_size", "ep_size") if getattr(args, name)}
         if args.quant_algo is not None:
@@ -214,7 +225,8 @@ def default_dtype(backend: str) -> str:
 def build_config(args: argparse.Namespace, cfg: ModelConfig, *, dtype: str, tp_size: int, ep_size: int,
                  quant_algo: str | None, notes: bool = True) -> BuildConfig:
     """The flags over the source's own dtype, tp_size, ep_size and quant_algo (given as keywords);
-    the draft length defaults to DEFAULT_MAX_DRAFT_LEN capped by what the checkpoint allows; with `notes`,
+    the draft length defaults to DEFAULT_MAX_DRAFT_LEN capped by what the checkpoint allows, max_seq_len to
+    default_max_seq_len (an explicit value above the model's is refused later, naming the flag); with `notes`,
     what the limits ask of this machine's memory is printed."""
     if args.quant_algo is not None:
         quant_algo = None if args.quant_algo == NO_QUANT else args.quant_algo
@@ -222,7 +234,8 @@ def build_config(args: argparse.Namespace, cfg: ModelConfig, *, dtype: str, tp_s
     if max_draft_len is None:
         max_draft_len = min(DEFAULT_MAX_DRAFT_LEN, max_draft_len_allowed(cfg, args.backend, args.use_mtp_vanilla)[0])
     build = BuildConfig(
-        max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, max_num_tokens=args.max_num_tokens,
+        max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len or default_max_seq_len(cfg),
+        max_num_tokens=args.max_num_tokens,
         max_draft_len=max_draft_len, dtype=args.dtype or dtype, kv_block_size=args.kv_block_size,
         tp_size=args.tp_size or tp_size, ep_size=args.ep_size or ep_size, quant_algo=quant_algo, backend=args.backend,
     )

@@ -14,7 +14,7 @@ import importlib.metadata
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors import safe_open
@@ -22,7 +22,8 @@ from tqdm import tqdm
 
 from builder.validation import BuildError, copy_tokenizer, quant_algo_flag, validate_build
 from builder.rank_file import RankFileWriter
-from builder.trtllm_layout import TensorLayout, rank_layout
+from builder.trtllm_layout import (DEVICE_LIMITED, DEVICE_LIMITED_RENORM, NORMALIZATION_MODES, TensorLayout,
+                                   rank_layout, trtllm_config)
 from runtime.io.atomic import new_output_dir
 from runtime.io.checkpoint import SAFETENSORS_CODES, SCALE_SUFFIX, read_safetensors_header
 from runtime.model.config import ModelConfig, is_int
@@ -82,6 +83,7 @@ class TrtllmCheckpoint:
             raise BuildError(f"{source}: missing field {e}") from None
         except EngineError as e:
             raise BuildError(f"{source}: {e}") from None
+        check_unread_fields(raw, cfg, build, str(source))
         ckpt = cls(path, cfg, build)
         ckpt.check_rank_files()
         return ckpt
@@ -148,6 +150,42 @@ def model_config_from_trtllm(raw: dict[str, Any], source: str) -> ModelConfig:
     except TypeError as e:
         raise BuildError(f"{source}: malformed field ({e}), expected a DeepSeek-V3 TensorRT-LLM checkpoint config") from None
     return ModelConfig.from_dict(fields, source=source)
+
+
+# Fields of the converter's config.json that the build does not read back but that say what the math (or the
+# rank layout) is, with why the converter writes what it does; the value is checked, not ignored.
+_UNREAD_FIELDS: dict[str, Callable[[ModelConfig], str]] = {
+    "moe.normalization_mode": lambda c: (f"TensorRT-LLM's {NORMALIZATION_MODES[DEVICE_LIMITED_RENORM]}: the top-k "
+                                         "weights renormalized, as moe.norm_topk_prob true says" if c.norm_topk_prob
+                                         else f"TensorRT-LLM's {NORMALIZATION_MODES[DEVICE_LIMITED]}: the top-k "
+                                         "weights as scored, as moe.norm_topk_prob false says"),
+    "topk_method": lambda c: "moe.topk_method",
+    "scoring_func": lambda c: "moe.scoring_func",
+    "hidden_act": lambda c: "DeepSeek-V3's SiLU-gated MLP",
+    "position_embedding_type": lambda c: "DeepSeek-V3's rotary embedding",
+    "head_size": lambda c: "kv_lora_rank + qk_rope_head_dim",
+    "logits_dtype": lambda c: "the logits computed in float32",
+    "use_parallel_embedding": lambda c: "the embedding split across ranks",
+    "embedding_sharding_dim": lambda c: "the embedding split by vocabulary rows",
+    "quantization.kv_cache_quant_algo": lambda c: "the KV cache stored unquantized",
+    "quantization.group_size": lambda c: "FP8 blocks of 128x128",
+    "quantization.exclude_modules": lambda c: "the modules kept unquantized",
+    "speculative_decoding.decoding_type": lambda c: f"num_nextn_predict_layers {c.num_nextn_predict_layers}",
+    "speculative_decoding.draft_layer_prefix": lambda c: "the MTP layers' tensor names",
+}
+
+
+def check_unread_fields(raw: dict[str, Any], cfg: ModelConfig, build: BuildConfig, source: str) -> None:
+    """Each field in `_UNREAD_FIELDS` that config.json holds must be what `trtllm_config` writes for the model and
+    build read from it: a contradiction (moe.normalization_mode against moe.norm_topk_prob, a hidden_act other than
+    DeepSeek-V3's) is refused rather than built as DeepSeek-V3's math without a word."""
+    written = trtllm_config(cfg, build)
+    for field, why in _UNREAD_FIELDS.items():
+        *outer, name = field.split(".")
+        got = (raw.get(outer[0]) or {}) if outer else raw  # a field left out contradicts nothing
+        want = written[outer[0]] if outer else written
+        if name in got and got[name] != want[name]:
+            raise BuildError(f"{source}: field {field!r} is {got[name]!r}, expected {want[name]!r} ({why(cfg)})")
 
 
 def shared_experts(shared_intermediate_size: Any, moe_inter_size: Any, source: str) -> int:

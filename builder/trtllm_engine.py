@@ -98,7 +98,7 @@ def build_trtllm_engine(model_dir: str | Path, output_dir: str | Path, build: Bu
     with new_output_dir(Path(output_dir), force) as tmp:
         hf = tmp / HF_DIR
         hf.mkdir()
-        shards = sorted({f.name for f in ckpt.shard_files})
+        shards = sorted(f.relative_to(ckpt.path).as_posix() for f in ckpt.shard_files)  # "sub/model-..." kept
         released_files = shards + [n for n in ("config.json", INDEX_NAME) if (model_dir / n).is_file()]
         for name in tqdm(released_files, desc="link", unit="file", disable=not progress):
             _link_or_copy(model_dir / name, hf / name)
@@ -110,7 +110,12 @@ def build_trtllm_engine(model_dir: str | Path, output_dir: str | Path, build: Bu
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
-    """Hard link (no copy of hundreds of GB; shares the bytes with the source) or copy across devices."""
+    """Hard link (no copy of hundreds of GB; shares the bytes with the source) or copy across devices.
+
+    The link is to the file a symlink names: a hub cache's snapshot files are relative symlinks
+    (../../blobs/<sha>), and os.link on Linux links the symlink itself, which points nowhere from dst."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    src = Path(os.path.realpath(src))
     try:
         os.link(src, dst)
     except OSError:

@@ -28,6 +28,11 @@ QUANTIZED = ("q_a_proj.weight", "q_b_proj.weight", "q_proj.weight", "kv_a_proj_w
              "experts.gate_proj", "experts.up_proj", "experts.down_proj")
 
 
+# TensorRT-LLM's MoeConfig.ExpertScaleNormalizationMode (tensorrt_llm/layers/moe.py) for the group-limited routing
+# DeepSeek uses: DEVICE_LIMITED takes the top-k weights as scored, DEVICE_LIMITED_RENORM renormalizes them to sum 1
+# (DeepSeek's norm_topk_prob); its other modes (0 NONE, 1 RENORMALIZE, 2 SPARSE_MIXER) route without groups.
+NORMALIZATION_MODES = {3: "DEVICE_LIMITED", 4: "DEVICE_LIMITED_RENORM"}
+DEVICE_LIMITED, DEVICE_LIMITED_RENORM = NORMALIZATION_MODES
 EXCLUDE_MODULES = ["*kv_b_proj*", "*eh_proj*", "*router*", "*shared_head*", "lm_head"]
 
 
@@ -194,7 +199,7 @@ def trtllm_config(cfg: ModelConfig, build: BuildConfig) -> dict[str, Any]:
             "num_experts": cfg.n_routed_experts,
             "top_k": cfg.num_experts_per_tok,
             "shared_expert_intermediate_size": cfg.n_shared_experts * cfg.moe_intermediate_size,
-            "normalization_mode": 4 if cfg.norm_topk_prob else 3,  # DEVICE_LIMITED_RENORM / DEVICE_LIMITED
+            "normalization_mode": DEVICE_LIMITED_RENORM if cfg.norm_topk_prob else DEVICE_LIMITED,
             "norm_topk_prob": cfg.norm_topk_prob,
             "device_limited_n_group": cfg.n_group,
             "device_limited_topk_group": cfg.topk_group,

@@ -32,7 +32,7 @@ from builder.native_engine import TrtllmCheckpoint, build_engine, model_config_f
 from conftest import tiny_config_dict, write_tiny_checkpoint
 from runtime.io.checkpoint import HFCheckpoint
 from runtime.model.config import ModelConfig
-from runtime.io.engine_format import BuildConfig, EngineError, checkpoint_limits
+from runtime.io.engine_format import BuildConfig, EngineError, checkpoint_limits, default_max_seq_len
 from runtime.io.loading import load_engine
 from runtime.model.fp8 import FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8
 
@@ -558,6 +558,34 @@ def test_error_parallelism(tiny_checkpoint, hf, tmp_path, capsys):
     assert not out.exists()
 
 
+def test_dry_run_refuses_what_the_build_refuses(hf, tmp_path, capsys):
+    """--dry_run ran only the sharding check: it planned (exit 0) a --max_seq_len past max_position_embeddings, a
+    draft length past the rule and LLM-API options on the native backend, all of which the build refuses. Each
+    is now refused in the same words; --force, which replaces an output a dry run never writes, is refused."""
+    cfg = hf / "config.json"
+    refused = {
+        ("--max_seq_len", 100000): f"--max_seq_len 100000 exceeds max_position_embeddings (256) of {cfg}",
+        ("--max_seq_len", 256, "--max_draft_len", 99): f"--max_draft_len 99 exceeds 8, the most {cfg} allows: the MTP "
+                                                       "module is re-run per draft token, up to a cap of 8",
+        ("--max_seq_len", 256, "--backend", "trtllm", "--use_mtp_vanilla", "--max_draft_len", 2):
+            f"--max_draft_len 2 exceeds 1, the most {cfg} allows: TensorRT-LLM's vanilla MTP drafts one token per MTP "
+            "layer (num_nextn_predict_layers 1)",
+        ("--max_seq_len", 256, "--enable_attention_dp"): "the LLM API options (--enable_attention_dp, "
+                                                         "--kv_cache_dtype, ...) apply to --backend trtllm only",
+        ("--max_seq_len", 256, "--max_draft_len", 0, "--backend", "trtllm", "--use_mtp_vanilla"):
+            "--use_relaxed_acceptance_for_thinking and --use_mtp_vanilla change how drafts are made or accepted; "
+            "--max_draft_len 0 drafts none",
+    }
+    for flags, message in refused.items():
+        assert error(capsys, "--model_dir", hf, "--output_dir", tmp_path / "out", *flags) == f"build_engine: error: {message}"
+        assert error(capsys, "--model_dir", hf, "--dry_run", *flags) == f"build_engine: error: {message}"
+    assert error(capsys, "--model_dir", hf, "--dry_run", "--force") == (
+        "build_engine: error: --force replaces an existing --output_dir; --dry_run writes nothing (leave it out)")
+    assert cli("--model_dir", hf, "--dry_run", "--output_dir", tmp_path / "out", "--max_seq_len", 256,
+               "--device_memory_gib", 1) == 0
+    assert not (tmp_path / "out").exists()
+
+
 def test_error_existing_output(hf, tmp_path, capsys):
     (tmp_path / "out").mkdir()
     assert error(capsys, "--model_dir", hf, "--output_dir", tmp_path / "out") == (
@@ -581,6 +609,25 @@ def test_error_draft_len(tiny_checkpoint, hf, tmp_path, capsys):
         f"build_engine: error: --max_seq_len 512 exceeds max_position_embeddings (256) of {cfg}")
     assert cli("--model_dir", src, "--output_dir", out, "--max_seq_len", 256) == 0  # default k is 0 without MTP
     assert load_engine(out).build.max_draft_len == 0
+
+
+def test_default_max_seq_len_is_what_the_checkpoint_is_served_with(hf, tmp_path, capsys):
+    """Without --max_seq_len the build took 1024 and refused every model with max_position_embeddings below it
+    ("--max_seq_len 1024 exceeds max_position_embeddings (256)") for a flag the user never gave. The default is now
+    the one a plain checkpoint is served with: min(max_position_embeddings, 4096)."""
+    assert cli("--model_dir", hf, "--output_dir", tmp_path / "native") == 0
+    assert load_engine(tmp_path / "native").build.max_seq_len == 256 == checkpoint_limits(HFCheckpoint(hf)).max_seq_len
+    assert cli("--model_dir", hf, "--output_dir", tmp_path / "trt", "--backend", "trtllm") == 0
+    assert yaml.safe_load((tmp_path / "trt" / "extra_llm_api_options.yaml").read_text())["max_seq_len"] == 256
+    b = BuildConfig(**LIMITS, quant_algo="FP8")
+    convert_checkpoint(hf, tmp_path / "ckpt", b, progress=False)
+    assert cli("--checkpoint_dir", tmp_path / "ckpt", "--output_dir", tmp_path / "e", "--tokenizer_dir", hf) == 0
+    assert load_engine(tmp_path / "e").build.max_seq_len == 256
+    capsys.readouterr()
+    assert cli("--model_dir", hf, "--dry_run", "--device_memory_gib", 1) == 0
+    assert "sequences of --max_seq_len 256)" in capsys.readouterr().out
+    v3 = ModelConfig.from_json(ROOT / "tests" / "data" / "hf_configs" / "deepseek-v3.json")
+    assert default_max_seq_len(v3) == 4096  # max_position_embeddings 163840, capped as a served checkpoint is
 
 
 def test_checkpoint_declaring_mtp_without_its_weights(tiny_checkpoint, tmp_path, capsys):
@@ -654,6 +701,53 @@ def test_error_malformed_trtllm_checkpoint_config(hf, tmp_path, capsys, edit, me
     (ckpt / "config.json").write_text(json.dumps(edited))
     assert error(capsys, "--checkpoint_dir", ckpt, "--output_dir", tmp_path / "out", "--tokenizer_dir", hf) == (
         f"build_engine: error: {ckpt / 'config.json'}: {message}")
+
+
+def _set(raw: dict, field: str, value) -> dict:
+    """raw with one (dotted) field set."""
+    *outer, name = field.split(".")
+    (raw[outer[0]] if outer else raw)[name] = value
+    return raw
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("moe.normalization_mode", 3, "4 (TensorRT-LLM's DEVICE_LIMITED_RENORM: the top-k weights renormalized, as "
+                                  "moe.norm_topk_prob true says)"),
+    ("moe.normalization_mode", 1, "4 (TensorRT-LLM's DEVICE_LIMITED_RENORM: the top-k weights renormalized, as "
+                                  "moe.norm_topk_prob true says)"),
+    ("topk_method", "greedy", "'noaux_tc' (moe.topk_method)"),
+    ("scoring_func", "softmax", "'sigmoid' (moe.scoring_func)"),
+    ("hidden_act", "gelu", "'swiglu' (DeepSeek-V3's SiLU-gated MLP)"),
+    ("position_embedding_type", "rope_gptj", "'rope_gpt_neox' (DeepSeek-V3's rotary embedding)"),
+    ("head_size", 64, "20 (kv_lora_rank + qk_rope_head_dim)"),
+    ("logits_dtype", "float16", "'float32' (the logits computed in float32)"),
+    ("use_parallel_embedding", False, "True (the embedding split across ranks)"),
+    ("embedding_sharding_dim", 1, "0 (the embedding split by vocabulary rows)"),
+    ("quantization.kv_cache_quant_algo", "FP8", "None (the KV cache stored unquantized)"),
+    ("speculative_decoding.decoding_type", None, "'MTP' (num_nextn_predict_layers 1)"),
+])
+def test_error_trtllm_checkpoint_field_contradicting_the_model(hf, tmp_path, capsys, field, value, expected):
+    """A field that changes the math but that the build does not read was ignored: a checkpoint whose
+    moe.normalization_mode contradicts moe.norm_topk_prob, or whose hidden_act is not DeepSeek-V3's, built the
+    DeepSeek-V3 math without a word. Each must be what the converter writes for the model, or is refused."""
+    ckpt = convert_checkpoint(hf, tmp_path / "ckpt", BuildConfig(**LIMITS), progress=False)
+    raw = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps(_set(raw, field, value)))
+    assert error(capsys, "--checkpoint_dir", ckpt, "--output_dir", tmp_path / "out", "--tokenizer_dir", hf) == (
+        f"build_engine: error: {ckpt / 'config.json'}: field {field!r} is {value!r}, expected {expected}")
+
+
+def test_trtllm_checkpoint_normalization_mode_follows_norm_topk_prob(tiny_checkpoint, tmp_path, capsys):
+    """norm_topk_prob false: DEVICE_LIMITED (3) is what the converter writes and builds; 4 is refused."""
+    src = tiny_checkpoint("nonorm", tiny_config_dict(norm_topk_prob=False))
+    ckpt = convert_checkpoint(src, tmp_path / "ckpt", BuildConfig(**LIMITS), progress=False)
+    raw = json.loads((ckpt / "config.json").read_text())
+    assert raw["moe"]["normalization_mode"] == 3
+    assert cli("--checkpoint_dir", ckpt, "--output_dir", tmp_path / "out", "--tokenizer_dir", src) == 0
+    (ckpt / "config.json").write_text(json.dumps(_set(raw, "moe.normalization_mode", 4)))
+    assert error(capsys, "--checkpoint_dir", ckpt, "--output_dir", tmp_path / "out2", "--tokenizer_dir", src) == (
+        f"build_engine: error: {ckpt / 'config.json'}: field 'moe.normalization_mode' is 4, expected 3 (TensorRT-LLM's "
+        "DEVICE_LIMITED: the top-k weights as scored, as moe.norm_topk_prob false says)")
 
 
 def test_error_file_system_refusals(hf, tmp_path, capsys):
@@ -765,6 +859,35 @@ def test_trtllm_backend_defaults(hf, tmp_path):
     assert opts["kv_cache_config"] == {"dtype": "auto", "free_gpu_memory_fraction": 0.9, "enable_block_reuse": True,
                                        "tokens_per_block": 16}
     assert (opts["tensor_parallel_size"], opts["moe_expert_parallel_size"], opts["enable_attention_dp"]) == (1, 1, False)
+
+
+def test_trtllm_backend_links_what_symlinks_point_at(hf, tmp_path):
+    """A Hugging Face hub cache's snapshot holds relative symlinks (snapshots/rev/<file> -> ../../blobs/<sha>);
+    hard-linking the symlink itself left hf/ with links that point nowhere. An index naming shards in a
+    subdirectory keeps it (the loaders read sub/<shard>); trtllm dropped the directory."""
+    snapshot = tmp_path / "hub" / "snapshots" / "rev"
+    snapshot.mkdir(parents=True)
+    (tmp_path / "hub" / "blobs").mkdir()
+    for i, f in enumerate(sorted(hf.iterdir())):
+        shutil.copy(f, tmp_path / "hub" / "blobs" / str(i))
+        (snapshot / f.name).symlink_to(Path("..", "..", "blobs", str(i)))
+    out = tmp_path / "from_hub"
+    assert cli("--model_dir", snapshot, "--output_dir", out, "--backend", "trtllm", "--max_seq_len", 256) == 0
+    for name in ["config.json", "model.safetensors.index.json"] + sorted(p.name for p in hf.glob("*.safetensors")):
+        assert not (out / "hf" / name).is_symlink() and (out / "hf" / name).read_bytes() == (hf / name).read_bytes()
+    nested = tmp_path / "nested"
+    shutil.copytree(hf, nested)
+    (nested / "sub").mkdir()
+    index = json.loads((nested / "model.safetensors.index.json").read_text())
+    for shard in set(index["weight_map"].values()):
+        (nested / shard).rename(nested / "sub" / shard)
+    index["weight_map"] = {name: f"sub/{shard}" for name, shard in index["weight_map"].items()}
+    (nested / "model.safetensors.index.json").write_text(json.dumps(index))
+    out = tmp_path / "from_nested"
+    assert cli("--model_dir", nested, "--output_dir", out, "--backend", "trtllm", "--max_seq_len", 256) == 0
+    shards = sorted(set(index["weight_map"].values()))
+    assert json.loads((out / "engine.json").read_text())["weights"] == [f"hf/{s}" for s in shards]
+    assert HFCheckpoint(out / "hf").weight_map == index["weight_map"]
 
 
 def test_trtllm_checkpoint_reads_back(hf, tmp_path):

@@ -548,6 +548,20 @@ def test_error_corrupt_header(make_ckpt, garbage: bytes, detail: str):
     assert str(e.value).startswith(f"{shard}: invalid safetensors header: {detail}")
 
 
+def test_error_header_length_past_safetensors_limit(make_ckpt):
+    """A corrupt header length within the file's size was read and decoded whole (a 4 GB shard's worth) before the
+    refusal; safetensors itself refuses a header over 100,000,000 bytes, and so does this, before reading it."""
+    path, _, _ = make_ckpt()
+    shard = path / "model-00001-of-00005.safetensors"
+    with open(shard, "r+b") as f:
+        f.truncate(200_000_016)  # sparse: no disk used
+        f.write(struct.pack("<Q", 200_000_000))
+    with pytest.raises(CheckpointError) as e:
+        HFCheckpoint(path)
+    assert str(e.value) == (f"{shard}: invalid safetensors header: declares 200000000 header bytes, expected at most "
+                            "100000000 (safetensors' limit)")
+
+
 def test_error_config_not_json(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "deepseek_v3",')
     with pytest.raises(ConfigError) as e:

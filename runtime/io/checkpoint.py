@@ -180,6 +180,9 @@ def is_mtp_tensor(name: str, cfg: ModelConfig) -> bool:
 
 
 # ---- safetensors headers ----------------------------------------------------------------------
+# safetensors' own bound on a header (safetensors/src/tensor.rs: `const MAX_HEADER_SIZE: usize = 100_000_000;`,
+# read_metadata refuses a larger one with HeaderTooLarge), so no file safetensors wrote or reads is refused here.
+MAX_HEADER_BYTES = 100_000_000
 def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
     """Tensors of one safetensors file in data order, from its header only.
 
@@ -196,6 +199,9 @@ def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
             raise CheckpointError(
                 f"{file}: invalid safetensors header: declares {n} header bytes, expected at most {size - 8} (the file size less 8)"
             )
+        if n > MAX_HEADER_BYTES:  # refused before reading: a corrupt length would read up to the whole shard
+            raise CheckpointError(f"{file}: invalid safetensors header: declares {n} header bytes, expected at most "
+                                  f"{MAX_HEADER_BYTES} (safetensors' limit)")
         try:
             header = json.loads(fh.read(n))
         except ValueError as e:  # JSONDecodeError and UnicodeDecodeError

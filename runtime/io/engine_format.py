@@ -30,7 +30,7 @@ ENGINE_JSON = "engine.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 QUANT_ALGOS = (None, "FP8_BLOCK_SCALES", "FP8")
 BACKENDS = ("native", "trtllm")
-HF_MAX_SEQ_LEN = 4096  # cap on max_seq_len when a plain HF checkpoint is loaded
+HF_MAX_SEQ_LEN = 4096  # cap on the default max_seq_len (a plain HF checkpoint, a build without the flag)
 DEFAULT_MAX_DRAFT_LEN = 4  # an engine built without --max_draft_len, and a plain checkpoint with an MTP layer
 LLM_API_OPTIONS = "extra_llm_api_options.yaml"  # a --backend trtllm engine's LLM-API options
 HF_DIR = "hf"  # a --backend trtllm engine's checkpoint, in the layout TensorRT-LLM loads
@@ -340,10 +340,16 @@ def released_quant_algo(fp8_weights: bool) -> str | None:
     return "FP8_BLOCK_SCALES" if fp8_weights else None
 
 
+def default_max_seq_len(cfg: ModelConfig) -> int:
+    """max_seq_len without a flag, for a plain checkpoint and a build alike: what the model allows, capped so that
+    the KV cache of the default batch stays small."""
+    return min(cfg.max_position_embeddings, HF_MAX_SEQ_LEN)
+
+
 def checkpoint_limits(ckpt: HFCheckpoint) -> BuildConfig:
     """What a plain checkpoint is served with: default limits within what the model allows."""
     cfg = ckpt.config
-    return BuildConfig(max_seq_len=min(cfg.max_position_embeddings, HF_MAX_SEQ_LEN),
+    return BuildConfig(max_seq_len=default_max_seq_len(cfg),
                        max_draft_len=DEFAULT_MAX_DRAFT_LEN if cfg.num_nextn_predict_layers else 0,
                        quant_algo=released_quant_algo(ckpt.stored_fp8))
 
