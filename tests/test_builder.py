@@ -857,3 +857,19 @@ def test_every_option_says_its_default_in_help() -> None:
     shown = [a for a in p._actions if a.option_strings and a.default not in (None, False, argparse.SUPPRESS, "")]
     assert shown and all("default" in (a.help or "") for a in shown), [a.dest for a in shown if "default" not in a.help]
     assert "default: 2048" in p.format_help()  # --max_num_tokens
+
+
+def test_the_trtllm_builder_imports_no_executor_or_model_core() -> None:
+    """builder/ imports runtime's format and I/O, never its executors or core (torch's scheduler, the draft policy):
+    TrtllmOptions' defaults come from runtime.io.engine_format, and are the executor's and relaxed acceptance's own."""
+    from builder.trtllm_engine import TrtllmOptions
+    from runtime.core.sampling_params import RelaxedAcceptance
+    from runtime.executors.base import ExecutorConfig
+
+    code = ("import sys, builder.trtllm_engine\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('runtime.executors', 'runtime.core'))))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+    options = TrtllmOptions()
+    assert options.free_gpu_memory_fraction == ExecutorConfig.free_memory_fraction
+    assert (options.relaxed_topk, options.relaxed_delta) == (RelaxedAcceptance.top_n, RelaxedAcceptance.delta)

@@ -35,6 +35,11 @@ DEFAULT_MAX_DRAFT_LEN = 4  # an engine built without --max_draft_len, and a plai
 LLM_API_OPTIONS = "extra_llm_api_options.yaml"  # a --backend trtllm engine's LLM-API options
 HF_DIR = "hf"  # a --backend trtllm engine's checkpoint, in the layout TensorRT-LLM loads
 MAX_DRAFT_LEN = 8  # cap when one MTP module is re-run per draft token (native runtime, TRT-LLM MTP Eagle)
+# Defaults an engine's LLM-API options and the executor share (ExecutorConfig, RelaxedAcceptance), kept here so
+# that the builder writes them without importing the executors
+FREE_MEMORY_FRACTION = 0.9  # share of the memory free after loading that the KV cache may take
+RELAXED_TOP_N = 1  # relaxed acceptance's candidates (upstream MTPDecodingConfig.relaxed_topk's default)
+RELAXED_DELTA = 0.0  # relaxed acceptance's probability margin (upstream relaxed_delta's default)
 
 
 class EngineError(ValueError):
