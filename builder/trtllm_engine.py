@@ -23,7 +23,7 @@ from builder.native_engine import BUILDER_VERSION
 from runtime.io.atomic import new_output_dir
 from runtime.io.checkpoint import FP8_CODE, INDEX_NAME
 from runtime.io.engine_format import (FREE_MEMORY_FRACTION, HF_DIR, LLM_API_OPTIONS, RELAXED_DELTA, RELAXED_TOP_N,
-                                     BuildConfig, EngineManifest, released_quant_algo)
+                                     BuildConfig, EngineManifest, released_quant_algo, with_draft_len)
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def llm_api_options(build: BuildConfig, options: TrtllmOptions) -> dict[str, Any
         "cuda_graph_config": {"enable_padding": options.cuda_graph_padding, "max_batch_size": build.max_batch_size},
     }
     if build.max_draft_len:
-        spec: dict[str, Any] = {"decoding_type": "MTP", "num_nextn_predict_layers": build.max_draft_len}
+        spec = with_draft_len({"decoding_type": "MTP"}, build.max_draft_len)
         if options.use_mtp_vanilla:
             spec["use_mtp_vanilla"] = True
         if options.use_relaxed_acceptance_for_thinking:
