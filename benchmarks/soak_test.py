@@ -419,7 +419,7 @@ def bad(case: str) -> Callable[[Ctx, random.Random], Result]:
     def run(ctx: Ctx, rng: random.Random) -> Result:
         message = send(ctx, rng)
         want = [e.format(vocab=ctx.vocab, max_seq_len=ctx.max_seq_len,
-                         max_bytes=ctx.max_seq_len * ctx.tok.max_token_bytes) for e in expected]
+                         max_bytes=ctx.tok.max_text_bytes(ctx.max_seq_len)) for e in expected]
         if message is None:
             raise Unexpected(f"served; expected a refusal with {want}")
         if not all(w in message for w in want) or "Traceback" in message:

@@ -118,7 +118,7 @@ class OpenAIServer:
             protocol.chat_request, chat_template=self.chat_template,
             tool_syntax=TOOL_CALL_PARSERS[tool_call_parser] if tool_call_parser else None)
         self.max_seq_len = executor.limits.max_seq_len
-        self.max_text_bytes = self.max_seq_len * self.tokenizer.max_token_bytes
+        self.max_text_bytes = self.tokenizer.max_text_bytes(self.max_seq_len)
         self.max_body_bytes = 4 * self.max_text_bytes + 65536  # room for JSON escapes and the other fields
         self.created = int(time.time())
         self.formats = {as_ids: protocol.LogprobsFormat(self.tokenizer, as_ids) for as_ids in (False, True)}
