@@ -376,7 +376,7 @@ def _vllm_extras(body: dict, stream: bool) -> dict[str, Any]:
             "return_token_ids": _flag(body, "return_token_ids")}
 
 
-def completion_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_bytes: int) -> Generation:
+def completion_request(body: Any, tokenizer: Tokenizer, max_text_bytes: int) -> Generation:
     """POST /v1/completions: prompt is a string, a list of strings, a list of token ids or a list of those."""
     body = _check_keys(body, COMPLETION_KEYS)
     logprobs = _integer(body, "logprobs", 0, MAX_LOGPROBS, None)
@@ -654,8 +654,8 @@ def detokenize_request(body: Any, tokenizer: Tokenizer) -> list[int]:
     return _token_list(body["tokens"], "tokens", tokenizer.vocab_size)
 
 
-def chat_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_bytes: int, chat_template: str | None,
-                 tool_syntax: ToolSyntax | None = None) -> Generation:
+def chat_request(body: Any, tokenizer: Tokenizer, max_text_bytes: int, *, max_seq_len: int,
+                 chat_template: str | None, tool_syntax: ToolSyntax | None = None) -> Generation:
     """POST /v1/chat/completions: messages (and tools) rendered with `chat_template` (the checkpoint's, or the
     server's --chat_template); tool calls read from the output in `tool_syntax` (the server's --tool_call_parser),
     which tools need unless tool_choice is "none"."""
