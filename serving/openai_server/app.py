@@ -178,9 +178,9 @@ class OpenAIServer:
             raise APIError(str(e), status=503, type="server_error") from None
 
     async def _submitted(self, g: Generation, chat: bool) -> list[RequestHandle]:
-        """`_submit`; a guided request's on the guided submitter's thread, since submitting compiles its grammar (a
-        large schema's compile held every other request on the event loop). A client gone meanwhile has its requests
-        cancelled once submitted."""
+        """`_submit`; a guided request's on the guided submitter's thread: submitting compiles its grammar, which for
+        a large schema takes long enough to stall every request the event loop serves. A client gone meanwhile has its
+        requests cancelled once submitted."""
         if g.params.guided_decoding is None:
             return self._submit(g, chat)
         submitting = asyncio.get_running_loop().run_in_executor(self.guided_submitter, self._submit, g, chat)
