@@ -742,7 +742,7 @@ def test_trtllm_backend_files(hf_fp8, tmp_path):
         "kv_cache_config": {"dtype": "fp8", "free_gpu_memory_fraction": 0.8, "enable_block_reuse": False,
                             "tokens_per_block": 32},
         "cuda_graph_config": {"enable_padding": True, "max_batch_size": 16},
-        "speculative_config": {"decoding_type": "MTP", "num_nextn_predict_layers": 3,
+        "speculative_config": {"decoding_type": "MTP", "max_draft_len": 3, "num_nextn_predict_layers": 3,
                                "use_relaxed_acceptance_for_thinking": True, "relaxed_topk": 10, "relaxed_delta": 0.6},
     }
     manifest = json.loads((out / "engine.json").read_text())
@@ -761,7 +761,7 @@ def test_trtllm_backend_files(hf_fp8, tmp_path):
 def test_trtllm_backend_defaults(hf, tmp_path):
     assert cli("--model_dir", hf, "--output_dir", tmp_path / "t", "--backend", "trtllm", "--max_seq_len", 256) == 0
     opts = yaml.safe_load((tmp_path / "t" / "extra_llm_api_options.yaml").read_text())
-    assert opts["speculative_config"] == {"decoding_type": "MTP", "num_nextn_predict_layers": 4}
+    assert opts["speculative_config"] == {"decoding_type": "MTP", "max_draft_len": 4, "num_nextn_predict_layers": 4}
     assert opts["kv_cache_config"] == {"dtype": "auto", "free_gpu_memory_fraction": 0.9, "enable_block_reuse": True,
                                        "tokens_per_block": 16}
     assert (opts["tensor_parallel_size"], opts["moe_expert_parallel_size"], opts["enable_attention_dp"]) == (1, 1, False)
