@@ -27,6 +27,7 @@ from typing import Any
 
 from benchmarks.common import (add_common_args, check_minimums, load_prompts, machine_info, machine_md, md_table, mean,
                                ms, parse_with_quick, ratio, set_threads, target_line, write_results)
+from runtime.core.draft_policy import SPECULATION_MODES
 from runtime.core.sampling_params import SamplingParams
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
@@ -117,7 +118,7 @@ def main() -> None:
     add_common_args(p)
     p.add_argument("--prompts", help="prompts JSON (default: <model>/heldout_prompts.json)")
     p.add_argument("--num_draft_tokens", type=int, default=3, help="MTP draft length")
-    p.add_argument("--speculation", choices=["fixed", "adaptive"], default="fixed")
+    p.add_argument("--speculation", choices=[m for m in SPECULATION_MODES if m != "off"], default="fixed")
     p.add_argument("--prefix_tokens", type=int, default=1500, help="cached prefix of the TTFT measurement")
     p.add_argument("--conversations", type=int, default=8, help="chat clients served at once (the concurrency)")
     p.add_argument("--turns", type=int, default=4)

@@ -20,12 +20,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from benchmarks.common import (add_common_args, check_minimums, comma_list, load_prompts, machine_info, machine_md,
-                               md_table, mean, ms, parse_with_quick, ratio, round_robin_by_source, set_threads,
-                               write_results)
+from benchmarks.common import (add_common_args, check_minimums, comma_list, drafting_summary, load_prompts,
+                               machine_info, machine_md, md_table, mean, ms, parse_with_quick, ratio,
+                               round_robin_by_source, set_threads, write_results)
 from runtime.core.sampling_params import SamplingParams
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
+from runtime.executors.outputs import RequestOutput
 from runtime.io.loading import load_engine
 
 SETTINGS: dict[str, dict[str, Any]] = {
@@ -40,18 +41,8 @@ SETTING_TEXT = {"logprobs": "top-5", "penalties": str(SETTINGS["penalties"]), "b
 TARGET_RATIO = 1.10  # the issue's cost target: TPOT with a feature on at most 1.10x off
 
 
-def run_round(ex: Executor, prompts: list[list[int]], params: SamplingParams) -> list[dict[str, Any]]:
-    outs = [h.result() for h in [ex.submit(p, params) for p in prompts]]
-    return [{"tpot_s": o.stats.tpot_s, "output_tokens": o.stats.output_tokens, "num_steps": o.stats.num_steps,
-             "draft": o.stats.num_draft_tokens, "accepted": o.stats.num_accepted_draft_tokens,
-             "token_ids": o.token_ids} for o in outs]
-
-
-def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    drafted, accepted = sum(r["draft"] for r in runs), sum(r["accepted"] for r in runs)
-    return {"requests": len(runs), "tpot_mean_s": mean(r["tpot_s"] for r in runs),
-            "acceptance_rate": accepted / drafted if drafted else None,
-            "tokens_per_step": sum(r["output_tokens"] for r in runs) / sum(r["num_steps"] for r in runs)}
+def summarize(outs: list[RequestOutput]) -> dict[str, Any]:
+    return {**drafting_summary(outs), "tpot_mean_s": mean(o.stats.tpot_s for o in outs)}
 
 
 def main() -> None:
@@ -83,14 +74,14 @@ def main() -> None:
             ids = [ex.tokenizer.encode(t)[:64] for t in texts]
             ex.submit(ids[0], SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)).result()  # warm-up
             for c in levels:
-                runs: dict[str, list[dict[str, Any]]] = {name: [] for name in settings}
+                runs: dict[str, list[RequestOutput]] = {name: [] for name in settings}
                 for r in range(args.rounds):
                     # each round its own prompts (the same for every setting): at concurrency 1 one prompt's
                     # acceptance would otherwise stand for all
                     prompts = [ids[(r * c + i) % len(ids)] for i in range(c)]
                     for name in (list(settings) if r % 2 == 0 else list(reversed(settings))):
                         params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, **settings[name])
-                        runs[name] += run_round(ex, prompts, params)
+                        runs[name] += [h.result() for h in [ex.submit(p, params) for p in prompts]]
                 summary = {name: summarize(v) for name, v in runs.items()}
                 base = summary["off"]["tpot_mean_s"]
                 for name, s in summary.items():
@@ -100,8 +91,8 @@ def main() -> None:
                     rows.append([k, c, name, ms(s["tpot_mean_s"]), s["tpot_over_off"], s["acceptance_rate"],
                                  s["tokens_per_step"], s["step_over_off"]])
                 if "logprobs" in runs:  # logprobs never change tokens: the same greedy outputs with and without them
-                    summary["logprobs_keep_tokens"] = ([x["token_ids"] for x in runs["logprobs"]] ==
-                                                       [x["token_ids"] for x in runs["off"]])
+                    summary["logprobs_keep_tokens"] = ([x.token_ids for x in runs["logprobs"]] ==
+                                                       [x.token_ids for x in runs["off"]])
                 results[f"k{k}_c{c}"] = summary
                 print(f"k={k} c={c}: " + ", ".join(f"{n} {ms(s['tpot_mean_s']):.2f} ms ({s['tpot_over_off']:.3f}x)"
                                                    for n, s in summary.items() if isinstance(s, dict)))

@@ -18,7 +18,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from benchmarks.common import fmt, load_prompts, md_table, ms, percentile, round_robin_by_source
+from benchmarks.common import fmt, load_prompts, machine_md, md_table, ms, percentile, round_robin_by_source
+from runtime.executors.lifetime import status_kb
 from runtime.io.tokenizer import Tokenizer
 
 RSS_GROWTH_LIMIT = 0.10  # of a process's resident memory, from the warm-up sample to the end
@@ -97,14 +98,7 @@ def check_soak_args(p: argparse.ArgumentParser, args: argparse.Namespace, kinds:
 def rss_kb(pids: dict[int, str], field: str = "VmRSS") -> dict[int, int | None]:
     """VmRSS (or another /proc/<pid>/status field in kB: RssShmem, the shared memory in it) of each pid in kB
     (None: the process is gone)."""
-    out: dict[int, int | None] = {}
-    for pid in pids:
-        try:
-            line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith(f"{field}:"))
-            out[pid] = int(line.split()[1])
-        except (OSError, StopIteration):
-            out[pid] = None
-    return out
+    return {pid: status_kb(pid, field) for pid in pids}
 
 
 def read_metrics(url: str) -> dict[str, float]:
@@ -328,6 +322,31 @@ def make_prompts(model: str | Path, tok: Tokenizer, max_seq_len: int) -> tuple[l
 
 
 # ---- report -----------------------------------------------------------------------------------------
+def report_md(r: dict[str, Any], title: str, *, max_seq_len: str, end: list[str], title_more: str = "",
+              served_by: str = "", requests_more: str = "") -> str:
+    """A soak's report from its results `r`: `title` (then quick, `title_more` and the verdict), the load (`served_by`
+    before the clients, `requests_more` after the outcomes, `max_seq_len` where the context was set), the priming,
+    checks, kinds, errors and memory, the `end` sections (each soak's own), the machine."""
+    s, req, lat, pr = r["settings"], r["requests"], r["latency"], r["priming"]
+    return "\n\n".join([
+        f"# {title}{' (quick smoke run)' if r['quick'] else ''}{title_more}: {'PASSED' if r['passed'] else 'FAILED'}",
+        f"{served_by}{s['concurrency']} closed-loop clients for {s['minutes']:g} min ({r['load_wall_s']:.0f} s with the "
+        f"last requests) on {s['host']}: {req['total']} requests ({req['per_s']:.1f}/s), {req['served']} served, "
+        f"outcomes {req['by_outcome']}{requests_more}. Latency all requests p50 {fmt(ms(lat['all']['latency_p50_s']))} "
+        f"ms, p99 {fmt(ms(lat['all']['latency_p99_s']))} ms; served p50 {fmt(ms(lat['served']['latency_p50_s']))} ms, "
+        f"p99 {fmt(ms(lat['served']['latency_p99_s']))} ms. {max_seq_len}, long prompts {s['long_prompt_tokens']} "
+        "tokens, adaptive MTP speculation.",
+        f"Before it, priming: every kind sent {s['prime_rounds']} time(s) by each of the {s['concurrency']} clients "
+        f"at once, kind after kind: {pr['requests']} requests in {pr['wall_s']:.0f} s, outcomes {pr['by_outcome']}."
+        if s["prime_rounds"] else "No priming (--prime_rounds 0).",
+        "## Checks", checks_md(r["checks"]),
+        "## Requests by kind (latency and TTFT in ms)", kinds_md(r["kinds"]),
+        "## Errors by kind", errors_md(r),
+        rss_md(r["rss"]),
+        *end,
+        "## Machine", machine_md(r["machine"])])
+
+
 def kinds_md(kinds: dict[str, Any]) -> str:
     rows = [[k, v["weight"], v["requests"], v["outcomes"].get("ok", 0), v["outcomes"].get("expected_refusal", 0),
              v["outcomes"].get("cancelled", 0) + v["outcomes"].get("disconnected", 0),

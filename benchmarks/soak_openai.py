@@ -45,11 +45,12 @@ from typing import Any, Callable
 import openai
 
 from benchmarks import ROOT
-from benchmarks.common import DEFAULT_MODEL, fmt, machine_info, machine_md, ms, write_results
+from benchmarks.common import DEFAULT_MODEL, fmt, machine_info, write_results
 from benchmarks.soak_common import (CANCEL_TOKENS, PROBE_TOKENS, Kinds, Record, Result, Unexpected, Watched,
-                                    add_soak_args, check_soak_args, checks_md, errors_by_kind, errors_md, kinds_md,
-                                    latency_stats, make_prompts, metric, read_metrics, rss_checks, rss_kb, rss_md,
-                                    rss_results, rss_table, run_load, summarize_kinds, wait_drained)
+                                    add_soak_args, check_soak_args, errors_by_kind, latency_stats, make_prompts,
+                                    metric, read_metrics, report_md, rss_checks, rss_kb, rss_results, rss_table,
+                                    run_load, summarize_kinds, wait_drained)
+from runtime.executors.lifetime import running
 from runtime.io.tokenizer import Tokenizer
 from serving.launcher import live_descendants
 from serving.openai_server.process import ServeProcess, start_dsv3_serve
@@ -742,13 +743,7 @@ def stop(server: ServeProcess, children: list[int]) -> dict[str, Any]:
         status = f"{type(e).__name__}: {e}"
     stop_s = time.perf_counter() - t0
     time.sleep(1.0)
-    left = []
-    for pid in children:
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                left.append(pid)
-        except OSError:
-            pass
+    left = [pid for pid in children if running(pid)]
     return {"exit_status": status, "stop_s": stop_s, "children_left": left}
 
 
@@ -869,25 +864,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def markdown(r: dict[str, Any]) -> str:
-    s, req, end, lat, pr, sd = r["settings"], r["requests"], r["end"], r["latency"], r["priming"], r["shutdown"]
-    return "\n\n".join([
-        f"# OpenAI server soak test{' (quick smoke run)' if r['quick'] else ''}"
-        f"{', engine process' if s['engine_process'] else ''}: {'PASSED' if r['passed'] else 'FAILED'}",
-        f"dsv3-serve {' '.join(s['server_flags'])}; {s['concurrency']} closed-loop clients for {s['minutes']:g} min "
-        f"({r['load_wall_s']:.0f} s with the last requests) on {s['host']}: {req['total']} requests "
-        f"({req['per_s']:.1f}/s), {req['served']} served, outcomes {req['by_outcome']}; through the openai client "
-        f"{req['openai_client']}; served with a U+FFFD in the text (not judged) {req['served_with_u_fffd']}. "
-        f"Latency all requests p50 {fmt(ms(lat['all']['latency_p50_s']))} ms, p99 "
-        f"{fmt(ms(lat['all']['latency_p99_s']))} ms; served p50 {fmt(ms(lat['served']['latency_p50_s']))} ms, p99 "
-        f"{fmt(ms(lat['served']['latency_p99_s']))} ms. max_seq_len {s['max_seq_len']}, long prompts "
-        f"{s['long_prompt_tokens']} tokens, adaptive MTP speculation.",
-        f"Before it, priming: every kind sent {s['prime_rounds']} time(s) by each of the {s['concurrency']} clients "
-        f"at once, kind after kind: {pr['requests']} requests in {pr['wall_s']:.0f} s, outcomes {pr['by_outcome']}."
-        if s["prime_rounds"] else "No priming (--prime_rounds 0).",
-        "## Checks", checks_md(r["checks"]),
-        "## Requests by kind (latency and TTFT in ms)", kinds_md(r["kinds"]),
-        "## Errors by kind", errors_md(r),
-        rss_md(r["rss"]),
+    s, req, end, sd = r["settings"], r["requests"], r["end"], r["shutdown"]
+    end_md = (
         f"## End\n\nGauges {end['gauges']} (KV blocks all free: {fmt(end['kv_all_free'])}; peak used in samples "
         f"{r['kv_used_peak_sampled']:.0f}); /health {end['health']}; probes after the load "
         f"{dict(Counter(end['probes'].values()))}; cancels and disconnects "
@@ -895,8 +873,12 @@ def markdown(r: dict[str, Any]) -> str:
         f"logged as client disconnected {r['cancellation']['logged_client_disconnected']}; server exit status "
         f"{sd['exit_status']} after {sd['stop_s']:.1f} s (SIGTERM), processes left {sd['children_left'] or 'none'}; "
         f"server log: {r['server_log']['tracebacks']} tracebacks, {len(r['server_log']['errors'])} errors, "
-        f"{r['server_log']['warnings']} warnings.",
-        "## Machine", machine_md(r["machine"])])
+        f"{r['server_log']['warnings']} warnings.")
+    return report_md(r, "OpenAI server soak test", title_more=", engine process" if s["engine_process"] else "",
+                     served_by=f"dsv3-serve {' '.join(s['server_flags'])}; ",
+                     requests_more=f"; through the openai client {req['openai_client']}; served with a U+FFFD in the "
+                     f"text (not judged) {req['served_with_u_fffd']}", max_seq_len=f"max_seq_len {s['max_seq_len']}",
+                     end=[end_md])
 
 
 if __name__ == "__main__":

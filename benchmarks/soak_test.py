@@ -47,11 +47,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from benchmarks import ROOT
-from benchmarks.common import DEFAULT_MODEL, fmt, machine_info, machine_md, ms, run_tool, write_results
+from benchmarks.common import DEFAULT_MODEL, fmt, machine_info, run_tool, write_results
 from benchmarks.soak_common import (CANCEL_TOKENS, PROBE_TOKENS, Kinds, Record, Result, Unexpected, Watched,
-                                    add_soak_args, check_soak_args, checks_md, errors_by_kind, errors_md, kinds_md,
-                                    latency_stats, make_prompts, metric, read_metrics, rss_checks, rss_kb, rss_md,
-                                    rss_results, rss_table, run_load, summarize_kinds, wait_drained)
+                                    add_soak_args, check_soak_args, errors_by_kind, latency_stats, make_prompts,
+                                    metric, read_metrics, report_md, rss_checks, rss_kb, rss_results, rss_table,
+                                    run_load, summarize_kinds, wait_drained)
 from serving.launcher import TritonServer, python_stubs, start_server
 from serving.model_repo import default_values, fill_model_repo
 
@@ -419,7 +419,7 @@ def bad(case: str) -> Callable[[Ctx, random.Random], Result]:
     def run(ctx: Ctx, rng: random.Random) -> Result:
         message = send(ctx, rng)
         want = [e.format(vocab=ctx.vocab, max_seq_len=ctx.max_seq_len,
-                         max_bytes=ctx.max_seq_len * ctx.tok.max_token_bytes) for e in expected]
+                         max_bytes=ctx.tok.max_text_bytes(ctx.max_seq_len)) for e in expected]
         if message is None:
             raise Unexpected(f"served; expected a refusal with {want}")
         if not all(w in message for w in want) or "Traceback" in message:
@@ -609,33 +609,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def markdown(r: dict[str, Any]) -> str:
-    s, req, end = r["settings"], r["requests"], r["end"]
-    pr = r["priming"]
-    lat = r["latency"]
-    return "\n\n".join([
-        f"# Soak test{' (quick smoke run)' if r['quick'] else ''}: {'PASSED' if r['passed'] else 'FAILED'}",
-        f"{s['concurrency']} closed-loop clients for {s['minutes']:g} min ({r['load_wall_s']:.0f} s with the last "
-        f"requests) on {s['host']}: {req['total']} requests ({req['per_s']:.1f}/s), {req['served']} served, "
-        f"outcomes {req['by_outcome']}. Latency all requests p50 {fmt(ms(lat['all']['latency_p50_s']))} ms, "
-        f"p99 {fmt(ms(lat['all']['latency_p99_s']))} ms; served p50 {fmt(ms(lat['served']['latency_p50_s']))} ms, "
-        f"p99 {fmt(ms(lat['served']['latency_p99_s']))} ms. Engine max_seq_len {s['engine_build']['max_seq_len']}, "
-        f"long prompts {s['long_prompt_tokens']} tokens, adaptive MTP speculation.",
-        f"Before it, priming: every kind sent {s['prime_rounds']} time(s) by each of the {s['concurrency']} clients "
-        f"at once, kind after kind: {pr['requests']} requests in {pr['wall_s']:.0f} s, outcomes {pr['by_outcome']}."
-        if s["prime_rounds"] else "No priming (--prime_rounds 0).",
-        "## Checks", checks_md(r["checks"]),
-        "## Requests by kind (latency and TTFT in ms)", kinds_md(r["kinds"]),
-        "## Errors by kind", errors_md(r),
-        rss_md(r["rss"]),
+    end, crash = r["end"], r["server_log"]["crash_frames"]
+    end_md = (
         f"## End\n\nKV blocks {end['kv_blocks']} (all free: {fmt(end['kv_all_free'])}; peak used in samples "
         f"{r['kv_used_peak_sampled']:.0f}); ready {fmt(end['ready'])}; a probe after the load: {end['request']}; "
         f"cancels and disconnects {r['cancellation']['cancels_and_disconnects']}, cancelled in the executor "
         f"{r['cancellation']['executor_cancelled']:.0f}; server exit status {r['server_exit_status']} after "
         f"{r['server_stop_s']:.1f} s; tracebacks in the server log {r['server_log']['tracebacks']}; models that did "
-        f"not unload at shutdown: {', '.join(r['server_log']['models_not_unloaded']) or 'none'}.",
-        *(["tritonserver crashed; its backtrace, its own frames named:\n\n```\n"
-           + "\n".join(r["server_log"]["crash_frames"]) + "\n```"] if r["server_log"]["crash_frames"] else []),
-        "## Machine", machine_md(r["machine"])])
+        f"not unload at shutdown: {', '.join(r['server_log']['models_not_unloaded']) or 'none'}.")
+    crash_md = ["tritonserver crashed; its backtrace, its own frames named:\n\n```\n" + "\n".join(crash) + "\n```"]
+    return report_md(r, "Soak test", max_seq_len=f"Engine max_seq_len {r['settings']['engine_build']['max_seq_len']}",
+                     end=[end_md, *(crash_md if crash else [])])
 
 
 if __name__ == "__main__":

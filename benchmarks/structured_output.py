@@ -23,12 +23,13 @@ import json
 import time
 from typing import Any
 
-from benchmarks.common import (add_common_args, check_minimums, comma_list, load_prompts, machine_info, machine_md,
-                               md_table, mean, ms, parse_with_quick, ratio, round_robin_by_source, set_threads,
-                               write_results)
+from benchmarks.common import (add_common_args, check_minimums, comma_list, drafting_summary, load_prompts,
+                               machine_info, machine_md, md_table, mean, ms, parse_with_quick, ratio,
+                               round_robin_by_source, set_threads, write_results)
 from runtime.core.sampling_params import GuidedDecodingParams, SamplingParams
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
+from runtime.executors.outputs import RequestOutput
 from runtime.io.loading import load_engine
 
 # a record with three verses: long enough (~100 tokens) to measure, bounded so that every output ends
@@ -45,13 +46,6 @@ def settings(max_tokens: int, never_drawn: int) -> dict[str, SamplingParams]:
     return {"free": SamplingParams(max_tokens=max_tokens, ignore_eos=True),
             "free_banned": SamplingParams(max_tokens=max_tokens, ignore_eos=True, bad_token_ids=(never_drawn,)),
             "json_schema": SamplingParams(max_tokens=max_tokens, guided_decoding=GuidedDecodingParams(json=SCHEMA))}
-
-
-def run_round(ex: Executor, prompts: list[list[int]], params: SamplingParams) -> list[dict[str, Any]]:
-    outs = [h.result() for h in [ex.submit(p, params) for p in prompts]]
-    return [{"tpot_s": o.stats.tpot_s, "output_tokens": o.stats.output_tokens, "num_steps": o.stats.num_steps,
-             "draft": o.stats.num_draft_tokens, "accepted": o.stats.num_accepted_draft_tokens,
-             "token_ids": o.token_ids, "parses": _parses(o.text), "finish_reason": o.finish_reason} for o in outs]
 
 
 def _parses(text: str) -> bool:
@@ -76,13 +70,10 @@ def mask_cost(ex: Executor, output: list[int], k: int) -> dict[str, float]:
     return {"masks_us_per_step": masks / len(output) * 1e6, "advance_us_per_token": advance / len(output) * 1e6}
 
 
-def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    drafted, accepted = sum(r["draft"] for r in runs), sum(r["accepted"] for r in runs)
-    return {"requests": len(runs), "tpot_mean_s": mean(r["tpot_s"] for r in runs),
-            "acceptance_rate": accepted / drafted if drafted else None,
-            "tokens_per_step": sum(r["output_tokens"] for r in runs) / sum(r["num_steps"] for r in runs),
-            "output_tokens_mean": mean(r["output_tokens"] for r in runs),
-            "parsed": sum(r["parses"] for r in runs) / len(runs)}
+def summarize(outs: list[RequestOutput]) -> dict[str, Any]:
+    return {**drafting_summary(outs), "tpot_mean_s": mean(o.stats.tpot_s for o in outs),
+            "output_tokens_mean": mean(o.stats.output_tokens for o in outs),
+            "parsed": sum(_parses(o.text) for o in outs) / len(outs)}
 
 
 def main() -> None:
@@ -113,12 +104,12 @@ def main() -> None:
                 ex.submit(ids[0], params).result()
             for c in levels:
                 prompts = [ids[i % len(ids)] for i in range(c)]
-                runs: dict[str, list[dict[str, Any]]] = {name: [] for name in setting_params}
+                runs: dict[str, list[RequestOutput]] = {name: [] for name in setting_params}
                 for r in range(args.rounds):
                     for name in (setting_params if r % 2 == 0 else reversed(setting_params)):
-                        runs[name] += run_round(ex, prompts, setting_params[name])
+                        runs[name] += [h.result() for h in [ex.submit(p, setting_params[name]) for p in prompts]]
                 summary = {name: summarize(v) for name, v in runs.items()}
-                schema_ids = [x["token_ids"] for x in runs["json_schema"]]
+                schema_ids = [x.token_ids for x in runs["json_schema"]]
                 summary["json_schema"]["same_as_first_k"] = schema_ids == outputs.setdefault(c, schema_ids)
                 summary["json_schema"].update(mask_cost(ex, schema_ids[0], k))
                 results[f"k{k}_c{c}"] = summary

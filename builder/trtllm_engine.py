@@ -20,11 +20,10 @@ from tqdm import tqdm
 
 from builder.validation import BuildError, copy_tokenizer, open_hf_checkpoint, quant_algo_flag, validate_build
 from builder.native_engine import BUILDER_VERSION
-from runtime.core.sampling_params import RelaxedAcceptance
-from runtime.executors.base import ExecutorConfig
 from runtime.io.atomic import new_output_dir
 from runtime.io.checkpoint import FP8_CODE, INDEX_NAME
-from runtime.io.engine_format import HF_DIR, LLM_API_OPTIONS, BuildConfig, EngineManifest, released_quant_algo
+from runtime.io.engine_format import (FREE_MEMORY_FRACTION, HF_DIR, LLM_API_OPTIONS, RELAXED_DELTA, RELAXED_TOP_N,
+                                     BuildConfig, EngineManifest, released_quant_algo, with_draft_len)
 
 
 @dataclass(frozen=True)
@@ -33,13 +32,13 @@ class TrtllmOptions:
 
     enable_attention_dp: bool = False
     kv_cache_dtype: str = "auto"  # or "fp8"
-    free_gpu_memory_fraction: float = ExecutorConfig.free_memory_fraction
+    free_gpu_memory_fraction: float = FREE_MEMORY_FRACTION
     enable_block_reuse: bool = True
     cuda_graph_padding: bool = True
     use_mtp_vanilla: bool = False
     use_relaxed_acceptance_for_thinking: bool = False
-    relaxed_topk: int = RelaxedAcceptance.top_n
-    relaxed_delta: float = RelaxedAcceptance.delta
+    relaxed_topk: int = RELAXED_TOP_N
+    relaxed_delta: float = RELAXED_DELTA
     guided_decoding_backend: str | None = None  # "xgrammar" | "llguidance": structured output (None: off)
 
 
@@ -62,7 +61,7 @@ def llm_api_options(build: BuildConfig, options: TrtllmOptions) -> dict[str, Any
         "cuda_graph_config": {"enable_padding": options.cuda_graph_padding, "max_batch_size": build.max_batch_size},
     }
     if build.max_draft_len:
-        spec: dict[str, Any] = {"decoding_type": "MTP", "num_nextn_predict_layers": build.max_draft_len}
+        spec = with_draft_len({"decoding_type": "MTP"}, build.max_draft_len)
         if options.use_mtp_vanilla:
             spec["use_mtp_vanilla"] = True
         if options.use_relaxed_acceptance_for_thinking:

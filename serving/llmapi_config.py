@@ -20,8 +20,8 @@ import yaml
 from runtime.core.sampling_params import RelaxedAcceptance
 from runtime.executors.base import ExecutorConfig
 from runtime.model.config import is_int
-from runtime.executors.trtllm_api import draft_len_of, read_llm_api_options, with_draft_len
-from runtime.io.engine_format import HF_DIR, LLM_API_OPTIONS, engine_backend, read_limits
+from runtime.executors.trtllm_api import draft_len_of, read_llm_api_options
+from runtime.io.engine_format import HF_DIR, LLM_API_OPTIONS, engine_backend, read_limits, with_draft_len
 from runtime.io.yaml_file import read_yaml, shown
 from serving.triton_parameters import QUEUE_SIZE, TritonConfig, launcher_world_size, queue_bound, settings
 
@@ -289,6 +289,6 @@ def model_yaml(engine_dir: Path, model: str, *, decoupled: bool) -> dict[str, An
                    "max_seq_len": build.max_seq_len, "max_num_tokens": build.max_num_tokens}
         k = ExecutorConfig().draft_len(build.max_draft_len, cfg.num_nextn_predict_layers, str(engine_dir))
         if k:
-            options["speculative_config"] = {"decoding_type": "MTP", "max_draft_len": k}
+            options["speculative_config"] = with_draft_len({"decoding_type": "MTP"}, k)
         options["kv_cache_config"] = {"free_gpu_memory_fraction": ExecutorConfig.free_memory_fraction}
     return {"model": model, **options, "triton_config": {"max_batch_size": 0, "decoupled": decoupled}}

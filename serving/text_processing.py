@@ -62,7 +62,7 @@ class Preprocessor:
         """From a Triton model's parameters tokenizer_dir, add_special_tokens and max_input_tokens."""
         tokenizer = Tokenizer.from_dir(model_path(config, "tokenizer_dir", model_dir))
         max_tokens = parameter(config, "max_input_tokens", integer_parameter)
-        max_bytes = DEFAULT_MAX_INPUT_BYTES if max_tokens is None else max_tokens * tokenizer.max_token_bytes
+        max_bytes = DEFAULT_MAX_INPUT_BYTES if max_tokens is None else tokenizer.max_text_bytes(max_tokens)
         return cls(tokenizer, parameter(config, "add_special_tokens", boolean), max_bytes)
 
     @property

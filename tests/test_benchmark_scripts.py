@@ -567,6 +567,30 @@ def test_soak_rss_checks_tell_a_plateau_from_a_leak():
     assert row["second_half_kb_per_h"] is None and not row["still_growing"]
 
 
+def test_soak_rss_reads_proc_status_as_the_runtime_does():
+    """The soaks' memory samples and the executor's rss_bytes read /proc/<pid>/status through one function
+    (lifetime.status_kb): kB, None for a process gone."""
+    import benchmarks.soak_common as st
+    from runtime.executors.lifetime import rss_bytes, status_kb
+
+    gone = subprocess.Popen([sys.executable, "-c", ""])
+    gone.wait()
+    kb = st.rss_kb({os.getpid(): "me", gone.pid: "gone"})
+    assert kb[gone.pid] is None and status_kb(gone.pid, "VmRSS") is None and rss_bytes(gone.pid) == 0
+    assert abs(kb[os.getpid()] * 1024 - rss_bytes(os.getpid())) < 64 << 20  # read a moment apart
+    assert st.rss_kb({os.getpid(): "me"}, "RssShmem")[os.getpid()] == status_kb(os.getpid(), "RssShmem")
+
+
+@pytest.mark.parametrize("name", ["soak_openai", "soak_openai_engine_process"])
+def test_soak_report_is_the_one_written_with_its_results(name):
+    """The report the OpenAI soak writes, from the results it wrote with it (docs/benchmarks): the soaks' shared
+    report (soak_common.report_md) gives it byte for byte."""
+    from benchmarks.soak_openai import markdown
+
+    docs = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
+    assert markdown(json.loads((docs / f"{name}.json").read_text())) + "\n" == (docs / f"{name}.md").read_text()
+
+
 def test_soak_test_smoke(shipped_model_dir, tmp_path):
     """A few seconds of the soak's mixed load on the real tritonserver: every kind is sent, nothing unexpected
     comes back, and the results hold the figures the soak reports (memory growth is not judged this short)."""

@@ -836,7 +836,7 @@ def test_trtllm_backend_files(hf_fp8, tmp_path):
         "kv_cache_config": {"dtype": "fp8", "free_gpu_memory_fraction": 0.8, "enable_block_reuse": False,
                             "tokens_per_block": 32},
         "cuda_graph_config": {"enable_padding": True, "max_batch_size": 16},
-        "speculative_config": {"decoding_type": "MTP", "num_nextn_predict_layers": 3,
+        "speculative_config": {"decoding_type": "MTP", "max_draft_len": 3, "num_nextn_predict_layers": 3,
                                "use_relaxed_acceptance_for_thinking": True, "relaxed_topk": 10, "relaxed_delta": 0.6},
     }
     manifest = json.loads((out / "engine.json").read_text())
@@ -855,7 +855,7 @@ def test_trtllm_backend_files(hf_fp8, tmp_path):
 def test_trtllm_backend_defaults(hf, tmp_path):
     assert cli("--model_dir", hf, "--output_dir", tmp_path / "t", "--backend", "trtllm", "--max_seq_len", 256) == 0
     opts = yaml.safe_load((tmp_path / "t" / "extra_llm_api_options.yaml").read_text())
-    assert opts["speculative_config"] == {"decoding_type": "MTP", "num_nextn_predict_layers": 4}
+    assert opts["speculative_config"] == {"decoding_type": "MTP", "max_draft_len": 4, "num_nextn_predict_layers": 4}
     assert opts["kv_cache_config"] == {"dtype": "auto", "free_gpu_memory_fraction": 0.9, "enable_block_reuse": True,
                                        "tokens_per_block": 16}
     assert (opts["tensor_parallel_size"], opts["moe_expert_parallel_size"], opts["enable_attention_dp"]) == (1, 1, False)
@@ -980,3 +980,19 @@ def test_every_option_says_its_default_in_help() -> None:
     shown = [a for a in p._actions if a.option_strings and a.default not in (None, False, argparse.SUPPRESS, "")]
     assert shown and all("default" in (a.help or "") for a in shown), [a.dest for a in shown if "default" not in a.help]
     assert "default: 2048" in p.format_help()  # --max_num_tokens
+
+
+def test_the_trtllm_builder_imports_no_executor_or_model_core() -> None:
+    """builder/ imports runtime's format and I/O, never its executors or core (torch's scheduler, the draft policy):
+    TrtllmOptions' defaults come from runtime.io.engine_format, and are the executor's and relaxed acceptance's own."""
+    from builder.trtllm_engine import TrtllmOptions
+    from runtime.core.sampling_params import RelaxedAcceptance
+    from runtime.executors.base import ExecutorConfig
+
+    code = ("import sys, builder.trtllm_engine\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('runtime.executors', 'runtime.core'))))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+    options = TrtllmOptions()
+    assert options.free_gpu_memory_fraction == ExecutorConfig.free_memory_fraction
+    assert (options.relaxed_topk, options.relaxed_delta) == (RelaxedAcceptance.top_n, RelaxedAcceptance.delta)

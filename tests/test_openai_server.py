@@ -848,6 +848,19 @@ def test_text_offsets_are_where_tokens_start_streamed_or_not(server: Server, bod
         assert text == "😀🎉a" and offsets[-1] == 2 and offsets.count(0) > 1
 
 
+def test_request_readers_take_what_they_read(shipped_model_dir: Path) -> None:
+    """Both readers take the tokenizer and the bound on text; only chat_request takes max_seq_len (it refuses
+    messages whose rendered prompt does not fit), bound by name as the server binds its template."""
+    from serving.openai_server import protocol
+
+    tokenizer = Tokenizer.from_dir(shipped_model_dir)
+    assert protocol.completion_request({"prompt": "hi"}, tokenizer, 1 << 20).prompts == [tokenizer.encode("hi")]
+    with pytest.raises(protocol.APIError) as e:
+        protocol.chat_request({"messages": [{"role": "user", "content": "hi " * 20}]}, tokenizer, 1 << 20,
+                              max_seq_len=8, chat_template=tokenizer.chat_template)
+    assert e.value.param == "messages" and e.value.message.endswith("with the chat template; max_seq_len is 8")
+
+
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 @pytest.mark.parametrize("include_usage", [False, True])
 def test_a_text_chunk_is_the_whole_chunk_encoded(chat: bool, include_usage: bool) -> None:

@@ -400,12 +400,15 @@ def test_tools_a_template_would_drop_or_no_parser_reads_are_refused(shipped_mode
              "tools need a tool-call parser to read the calls in the output: start dsv3-serve with --tool_call_parser "
              "deepseek_v3 or deepseek_v31 (vLLM's --tool-call-parser), or send tool_choice \"none\"")):
         with pytest.raises(APIError) as e:
-            chat_request(body, tokenizer, 2048, 1 << 20, tokenizer.chat_template, syntax)
+            chat_request(body, tokenizer, 1 << 20, max_seq_len=2048, chat_template=tokenizer.chat_template,
+                         tool_syntax=syntax)
         assert (e.value.status, e.value.param, e.value.message) == (400, "tools", message)
     tools_tokenizer = Tokenizer.from_dir(tool_model)
-    g = chat_request({**body, "tool_choice": "none"}, tools_tokenizer, 2048, 1 << 20, tools_tokenizer.chat_template)
+    g = chat_request({**body, "tool_choice": "none"}, tools_tokenizer, 1 << 20, max_seq_len=2048,
+                     chat_template=tools_tokenizer.chat_template)
     assert g.tool_syntax is None and g.params.guided_decoding is None
-    assert chat_request({"messages": MESSAGE, "tools": []}, plain, 2048, 1 << 20, plain.chat_template).tool_syntax is None
+    assert chat_request({"messages": MESSAGE, "tools": []}, plain, 1 << 20, max_seq_len=2048,
+                        chat_template=plain.chat_template).tool_syntax is None
 
 
 def test_a_chat_template_given_at_start_replaces_the_checkpoints(shipped_model_dir: Path, tmp_path: Path) -> None:

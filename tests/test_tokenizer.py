@@ -16,7 +16,7 @@ import pytest
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as Backend
 
-from runtime.io.tokenizer import IncrementalDetokenizer, Tokenizer
+from runtime.io.tokenizer import IncrementalDetokenizer, Tokenizer, utf8_size
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "models" / "deepseek-v3-mini"
 BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"
@@ -136,6 +136,22 @@ def test_stream_matches_decode(tok: Tokenizer) -> None:
                 held_back += out[:-1].count("")
         assert tok.decode(ids) == text
     assert held_back > 0  # some character did span tokens and was held back
+
+
+def test_text_bounds_for_a_context(tok: Tokenizer) -> None:
+    """The one bound every surface puts on text before tokenizing it (OpenAI server, Triton models): no text of
+    more bytes than max_text_bytes(n) tokenizes to n tokens or fewer, and each sample within it does."""
+    assert tok.max_text_bytes(7) == 7 * tok.max_token_bytes
+    for text in SAMPLES:
+        assert utf8_size(text, "prompt") <= tok.max_text_bytes(len(tok.encode(text, add_bos=False)))
+
+
+def test_a_lone_surrogate_is_no_text() -> None:
+    """The one refusal of a lone surrogate (JSON's \\ud800), for Session and the OpenAI server alike."""
+    assert utf8_size("日本", "prompt") == 6
+    with pytest.raises(ValueError) as e:
+        utf8_size("ab\ud800c", "stop[1]")
+    assert str(e.value) == "stop[1] must be Unicode text; it has a lone surrogate at character 2"
 
 
 def test_multibyte_char_held_back_until_complete(tiny_dir: Path) -> None:

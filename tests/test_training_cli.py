@@ -413,3 +413,30 @@ def test_export_model_errors_name_its_flags(run, capsys):
     assert error(capsys, export.main, "--ckpt", run / "ckpt.pt", "--tokenizer_dir", run, "--out_dir",
                  run.parent / "new") == (2, f"{prog} --tokenizer_dir {run}: no tokenizer.json")
     assert not (run.parent / "new").exists()
+
+
+def test_expert_balancer_moves_each_gate_towards_its_underloaded_experts(run):
+    """train_model's and distill_mtp's one auxiliary-loss-free balancing: after a forward, step() moves each gate's
+    bias by gamma up for the experts that took fewer tokens than the mean and down for the others; removed, it counts
+    no more."""
+    from runtime.model.deepseek_v3 import Gate
+    from training.balance import ExpertBalancer
+
+    state = torch.load(run / "ckpt.pt", weights_only=False)
+    model = DeepseekV3ForCausalLM(ModelConfig.from_dict(state["config"]))
+    model.load_state_dict(state["model"])
+    gates = [m for m in model.modules() if isinstance(m, Gate)]
+    balancer = ExpertBalancer(gates, 0.5)
+    with torch.no_grad():
+        train_model.losses(model, torch.randint(2, 64, (1, 18)))  # the main model's and the MTP layer's forwards
+    assert set(balancer.loads) == set(gates) and len(gates) >= 2
+    before = {g: g.e_score_correction_bias.clone() for g in gates}
+    balancer.step()
+    for g, load in balancer.loads.items():
+        assert int(load.sum()) == 16 * model.cfg.num_experts_per_tok
+        assert torch.equal(g.e_score_correction_bias - before[g], 0.5 * torch.sign(load.mean() - load))
+    balancer.remove()
+    balancer.loads.clear()
+    with torch.no_grad():
+        train_model.losses(model, torch.randint(2, 64, (1, 18)))
+    assert not balancer.loads

@@ -687,7 +687,8 @@ def test_make_model_repo_writes_the_llmapi_flavour(tmp_path: Path, checkpoint: P
     assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == ["tensorrt_llm"]
     doc = yaml.safe_load((model / "1" / "model.yaml").read_text())
     assert doc["model"] == "engine" and (model / "engine").resolve() == checkpoint.resolve()
-    assert doc["speculative_config"] == {"decoding_type": "MTP", "max_draft_len": 3}
+    # both names (max_draft_len alone drafts one token on 1.0 / 1.1)
+    assert doc["speculative_config"] == {"decoding_type": "MTP", "max_draft_len": 3, "num_nextn_predict_layers": 3}
     assert doc["triton_config"] == {"max_batch_size": 0, "decoupled": False}
     config = (model / "config.pbtxt").read_text()
     assert "max_batch_size: 0" in config and "decoupled: false" in config and "${" not in config

@@ -566,9 +566,9 @@ def test_llm_kwargs_as_built_and_with_executor_config(engine: TrtllmEngine, capl
     opts = yaml.safe_load((engine.path / LLM_API_OPTIONS).read_text())
     m = engine.manifest
     assert opts == engine.options
-    assert opts["speculative_config"] == {"decoding_type": "MTP", "num_nextn_predict_layers": 3}
-    assert llm_kwargs_for(engine.options, m) == {
-        **opts, "speculative_config": {"decoding_type": "MTP", "num_nextn_predict_layers": 3, "max_draft_len": 3}}
+    # both names at one value (with_draft_len): 1.0 / 1.1 read num_nextn_predict_layers, 2026's main max_draft_len
+    assert opts["speculative_config"] == {"decoding_type": "MTP", "max_draft_len": 3, "num_nextn_predict_layers": 3}
+    assert llm_kwargs_for(engine.options, m) == opts
     assert "speculative_config" not in llm_kwargs_for(opts, m, ExecutorConfig(num_draft_tokens=0))
     with pytest.raises(ValueError, match=r"^max_queued_requests 4: not available with a --backend trtllm engine "):
         llm_kwargs_for(opts, m, ExecutorConfig(max_queued_requests=4))
@@ -600,10 +600,10 @@ def test_llm_kwargs_as_built_and_with_executor_config(engine: TrtllmEngine, capl
 
 
 def test_the_draft_length_under_either_name(engine: TrtllmEngine, engine_dir: Path, tmp_path: Path) -> None:
-    """build_engine writes num_nextn_predict_layers (every release reads it); upstream's 2026 name is max_draft_len.
-    The adapter reads either and writes both at one value; so does make_model_repo's llmapi model.yaml (2026's name,
-    and the one 1.0 / 1.1 read: max_draft_len alone would draft one token there), which read_model_yaml takes without
-    a deprecation warning."""
+    """build_engine writes both names of the draft length at one value: num_nextn_predict_layers (every release reads
+    it) and max_draft_len (upstream's 2026 name). The adapter reads either and writes both at one value; so does
+    make_model_repo's llmapi model.yaml (max_draft_len alone would draft one token on 1.0 / 1.1), which
+    read_model_yaml takes without a deprecation warning."""
     from serving.llmapi_config import model_yaml, read_model_yaml
 
     m = engine.manifest

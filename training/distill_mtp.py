@@ -36,6 +36,7 @@ from runtime.io.atomic import os_error_text
 from runtime.model.config import ModelConfig
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM, Gate
 from runtime.cli import interrupt_on_sigterm
+from training.balance import ExpertBalancer
 from training.cli import (Parser, add_training_flags, at_least_one, check_token_ids, check_training_numbers,
                           check_writable_file, load_checkpoint, token_file)
 from training.train_model import batches, save
@@ -148,10 +149,7 @@ def distill(args: argparse.Namespace, state: dict, train: np.ndarray, val: np.nd
     for q in trained:
         q.requires_grad_(True)
     opt = torch.optim.AdamW(trained, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    gate = next(m for m in mtp.modules() if isinstance(m, Gate))
-    load = {}
-    gate.register_forward_hook(lambda mod, inp, out: load.__setitem__(
-        "v", torch.bincount(out[1].flatten(), minlength=cfg.n_routed_experts).float()))
+    balancer = ExpertBalancer([next(m for m in mtp.modules() if isinstance(m, Gate))], args.bias_gamma)
 
     gen = np.random.default_rng(args.seed)
     log = [{"step": 0} | evaluate(model, val, args)]
@@ -170,8 +168,7 @@ def distill(args: argparse.Namespace, state: dict, train: np.ndarray, val: np.nd
             losses["loss"].backward()
             torch.nn.utils.clip_grad_norm_(trained, 1.0)
             opt.step()
-            with torch.no_grad():  # auxiliary-loss-free balancing of the MTP layer's experts
-                gate.e_score_correction_bias += args.bias_gamma * torch.sign(load["v"].mean() - load["v"])
+            balancer.step()  # the MTP layer's experts
             step += 1
             bar.update(round(time.time() - t0) - bar.n)
             bar.set_postfix(step=step, **{k: f"{v.item():.3f}" for k, v in losses.items() if k != "loss"})

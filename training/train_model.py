@@ -30,6 +30,7 @@ from runtime.cli import interrupt_on_sigterm
 from runtime.io.atomic import atomic_write, interrupts_held, os_error_text
 from runtime.model.config import ConfigError, ModelConfig
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM, Gate
+from training.balance import ExpertBalancer
 from training.cli import (Parser, add_training_flags, at_least_one, check_device, check_token_ids,
                           check_training_numbers, load_checkpoint, token_file)
 
@@ -211,10 +212,7 @@ def train(args: argparse.Namespace, cfg: ModelConfig, state: dict | None, train_
                 "config": cfg.to_dict(), "args": vars(args) | {"data_dir": str(args.data_dir),
                                                               "out_dir": str(args.out_dir), "config": str(args.config)}}
 
-    gates = [m for m in model.modules() if isinstance(m, Gate)]
-    loads: dict[Gate, torch.Tensor] = {}
-    hooks = [g.register_forward_hook(lambda mod, inp, out: loads.__setitem__(
-        mod, torch.bincount(out[1].flatten(), minlength=cfg.n_routed_experts).float())) for g in gates]
+    balancer = ExpertBalancer([m for m in model.modules() if isinstance(m, Gate)], args.bias_gamma)
 
     log = (args.out_dir / "log.jsonl").open("a" if args.resume else "w")
     model.train()
@@ -234,9 +232,7 @@ def train(args: argparse.Namespace, cfg: ModelConfig, state: dict | None, train_
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             with interrupts_held():  # a step is applied whole or not at all: an interrupt saves the steps done
                 opt.step()
-                with torch.no_grad():  # auxiliary-loss-free balancing
-                    for g, load in loads.items():
-                        g.e_score_correction_bias += args.bias_gamma * torch.sign(load.mean() - load)
+                balancer.step()
                 step += 1
                 rng = gen.bit_generator.state
             tokens_seen += chunk.numel()
@@ -262,8 +258,7 @@ def train(args: argparse.Namespace, cfg: ModelConfig, state: dict | None, train_
     finally:
         bar.close()
         log.close()
-        for h in hooks:
-            h.remove()
+        balancer.remove()
     return None
 
 if __name__ == "__main__":

@@ -172,13 +172,18 @@ def remove_dead_pids_leftovers(directory: Path, pattern: re.Pattern[str]) -> lis
     return removed
 
 
-def rss_bytes(pid: int, peak: bool = False) -> int:
-    """A process's resident memory (VmRSS), or its peak (VmHWM), in bytes; 0 once it is gone."""
-    field = "VmHWM:" if peak else "VmRSS:"
+def status_kb(pid: int, field: str) -> int | None:
+    """A /proc/<pid>/status field in kB (VmRSS, VmHWM, RssShmem, ...); None once the process is gone, or where it
+    has no such field."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1])
     except OSError:
         pass
-    return 0
+    return None
+
+
+def rss_bytes(pid: int, peak: bool = False) -> int:
+    """A process's resident memory (VmRSS), or its peak (VmHWM), in bytes; 0 once it is gone."""
+    return (status_kb(pid, "VmHWM" if peak else "VmRSS") or 0) * 1024

@@ -19,6 +19,7 @@ from runtime.core.sampling_params import SamplingParams
 from runtime.executors.backends import create_executor
 from runtime.executors.base import ExecutorConfig, submit_all
 from runtime.executors.outputs import RequestStats
+from runtime.io.tokenizer import utf8_size
 
 
 @dataclass
@@ -88,10 +89,7 @@ class Session:
     def _encode(self, prompt: str) -> list[int]:
         if not isinstance(prompt, str) or not prompt:
             raise ValueError("prompt must be a non-empty string")
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError as e:  # a lone surrogate: no UTF-8 text to tokenize
-            raise ValueError(f"prompt must be Unicode text; it has a lone surrogate at character {e.start}") from None
+        utf8_size(prompt, "prompt")
         return self.tokenizer.encode(prompt)
 
     def generate(self, prompts: str | list[str], params: SamplingParams | None = None) -> list[GenerationResult]:

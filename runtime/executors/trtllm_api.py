@@ -50,7 +50,7 @@ import yaml
 from runtime.core.sampling import TokenLogprob
 from runtime.core.sampling_params import GuidedDecodingParams, SamplingParams
 from runtime.executors.base import ExecutorConfig
-from runtime.io.engine_format import LLM_API_OPTIONS, EngineError, EngineManifest
+from runtime.io.engine_format import DRAFT_LEN_NAMES, LLM_API_OPTIONS, EngineError, EngineManifest, with_draft_len
 from runtime.io.yaml_file import read_yaml, shown
 from runtime.model.config import is_int
 
@@ -72,8 +72,6 @@ _OPTIONAL_UPSTREAM_FIELDS = ("detokenize", "include_stop_str_in_output", "return
 # Fields newer than some supported releases, which may be left out when they ask for what the older
 # releases do anyway: logprobs_mode arrived after 1.0, whose PyTorch sampler returns raw logprobs; min_p 0 is off.
 _DEFAULT_WHEN_MISSING = {"logprobs_mode": "raw_logprobs", "min_p": 0.0}
-# speculative_config's draft length: upstream's name since 2026, and the older one every release reads
-DRAFT_LEN_NAMES = ("max_draft_len", "num_nextn_predict_layers")
 
 
 class TensorRTLLMUnavailable(ImportError):
@@ -415,12 +413,6 @@ def draft_len_of(spec: Mapping[str, Any] | None, source: str) -> int:
                          f"num_nextn_predict_layers {given['num_nextn_predict_layers']} differ "
                          "(num_nextn_predict_layers is the older name of max_draft_len); give one")
     return next(iter(given.values()), 1)
-
-
-def with_draft_len(spec: Mapping[str, Any], k: int) -> dict[str, Any]:
-    """`spec` drafting k, under both names at one value: 2026's name, and the one 1.0 / 1.1 read (max_draft_len alone
-    would draft one token there)."""
-    return {**spec, "max_draft_len": k, "num_nextn_predict_layers": k}
 
 
 def speculative_counts(result: Any) -> tuple[int, int] | None:

@@ -16,7 +16,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -35,6 +35,13 @@ DEFAULT_MAX_DRAFT_LEN = 4  # an engine built without --max_draft_len, and a plai
 LLM_API_OPTIONS = "extra_llm_api_options.yaml"  # a --backend trtllm engine's LLM-API options
 HF_DIR = "hf"  # a --backend trtllm engine's checkpoint, in the layout TensorRT-LLM loads
 MAX_DRAFT_LEN = 8  # cap when one MTP module is re-run per draft token (native runtime, TRT-LLM MTP Eagle)
+# Defaults an engine's LLM-API options and the executor share (ExecutorConfig, RelaxedAcceptance), kept here so
+# that the builder writes them without importing the executors
+FREE_MEMORY_FRACTION = 0.9  # share of the memory free after loading that the KV cache may take
+RELAXED_TOP_N = 1  # relaxed acceptance's candidates (upstream MTPDecodingConfig.relaxed_topk's default)
+RELAXED_DELTA = 0.0  # relaxed acceptance's probability margin (upstream relaxed_delta's default)
+# speculative_config's draft length: upstream's name since 2026, and the older one every release reads
+DRAFT_LEN_NAMES = ("max_draft_len", "num_nextn_predict_layers")
 
 
 class EngineError(ValueError):
@@ -366,3 +373,9 @@ def read_limits(path: str | Path) -> tuple[ModelConfig, BuildConfig]:
     except (CheckpointError, ConfigError) as e:
         raise EngineError(str(e)) from e
     return ckpt.config, checkpoint_limits(ckpt)
+
+
+def with_draft_len(spec: Mapping[str, Any], k: int) -> dict[str, Any]:
+    """`spec` drafting k, under both names at one value: 2026's name, and the one 1.0 / 1.1 read (max_draft_len alone
+    would draft one token there)."""
+    return {**spec, **dict.fromkeys(DRAFT_LEN_NAMES, k)}

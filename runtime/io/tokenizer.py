@@ -25,6 +25,15 @@ TOKENIZER_FILES = (TOKENIZER_FILE, CONFIG_FILE, CHAT_TEMPLATE_FILE)  # what a ch
 _REPLACEMENT = "\ufffd"
 
 
+def utf8_size(text: str, name: str) -> int:
+    """Its UTF-8 bytes. ValueError naming `name` for a lone surrogate (JSON's \\ud800): that is no UTF-8 text, nothing
+    to tokenize or to match."""
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} must be Unicode text; it has a lone surrogate at character {e.start}") from None
+
+
 def _byte_decoder() -> dict[str, int]:
     """Inverse of GPT-2's bytes_to_unicode, the alphabet ByteLevel writes tokens in: printable
     Latin-1 bytes stand for themselves, the other bytes are shifted to code points 256+."""
@@ -189,12 +198,16 @@ class Tokenizer:
 
     @cached_property
     def max_token_bytes(self) -> int:
-        """Bytes of text the longest token stands for: n tokens never cover more than n times this, so text
-        longer than max_seq_len times this cannot fit the context, and is refused before it is tokenized."""
+        """Bytes of text the longest token stands for: n tokens never cover more than n times this."""
         if self.is_byte_level:
             return max(map(len, self.byte_table))
         return max(len(self.backend.decode([i], skip_special_tokens=False).encode("utf-8"))
                    for i in range(self.vocab_size))
+
+    def max_text_bytes(self, tokens: int) -> int:
+        """The most UTF-8 bytes `tokens` tokens can stand for: longer text cannot fit a context of `tokens` (a
+        model's max_seq_len), and is refused before it is tokenized (request_validation.CONTEXT_BYTES says so)."""
+        return tokens * self.max_token_bytes
 
     @cached_property
     def byte_table(self) -> tuple[bytes, ...]:

@@ -114,12 +114,12 @@ class OpenAIServer:
         if tool_call_parser is not None and not self._template_reads_tools():
             log.warning("--tool_call_parser %s: the chat template does not render tools, so requests with tools are "
                         "refused; give one that does with --chat_template", tool_call_parser)
-        # chat requests read with the server's template and tool-call format
-        self.chat_request = functools.partial(
-            protocol.chat_request, chat_template=self.chat_template,
-            tool_syntax=TOOL_CALL_PARSERS[tool_call_parser] if tool_call_parser else None)
         self.max_seq_len = executor.limits.max_seq_len
-        self.max_text_bytes = self.max_seq_len * self.tokenizer.max_token_bytes
+        # chat requests read with the model's context, the server's template and tool-call format
+        self.chat_request = functools.partial(
+            protocol.chat_request, max_seq_len=self.max_seq_len, chat_template=self.chat_template,
+            tool_syntax=TOOL_CALL_PARSERS[tool_call_parser] if tool_call_parser else None)
+        self.max_text_bytes = self.tokenizer.max_text_bytes(self.max_seq_len)
         self.max_body_bytes = 4 * self.max_text_bytes + 65536  # room for JSON escapes and the other fields
         self.created = int(time.time())
         self.formats = {as_ids: protocol.LogprobsFormat(self.tokenizer, as_ids) for as_ids in (False, True)}
@@ -179,9 +179,9 @@ class OpenAIServer:
             raise APIError(str(e), status=503, type="server_error") from None
 
     async def _submitted(self, g: Generation, chat: bool) -> list[RequestHandle]:
-        """`_submit`; a guided request's on the guided submitter's thread, since submitting compiles its grammar (a
-        large schema's compile held every other request on the event loop). A client gone meanwhile has its requests
-        cancelled once submitted."""
+        """`_submit`; a guided request's on the guided submitter's thread: submitting compiles its grammar, which for
+        a large schema takes long enough to stall every request the event loop serves. A client gone meanwhile has its
+        requests cancelled once submitted."""
         if g.params.guided_decoding is None:
             return self._submit(g, chat)
         submitting = asyncio.get_running_loop().run_in_executor(self.guided_submitter, self._submit, g, chat)
@@ -197,7 +197,7 @@ class OpenAIServer:
         body = await self._body(request)
         self._check_model(body)
         # on a worker thread: rendering the model's chat template and tokenizing must not hold the event loop
-        g = await asyncio.to_thread(parse, body, self.tokenizer, self.max_seq_len, self.max_text_bytes)
+        g = await asyncio.to_thread(parse, body, self.tokenizer, self.max_text_bytes)
         handles = await self._submitted(g, chat)
         if g.stream:
             return StreamingResponse(self._stream(g, handles, chat, t0), media_type="text/event-stream")

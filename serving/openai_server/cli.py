@@ -19,6 +19,7 @@ from pathlib import Path
 
 import uvicorn
 
+from runtime.core.draft_policy import SPECULATION_MODES
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.lifetime import MAX_TORCH_THREADS, stop_signals_to
 from runtime.executors.process import EngineProcessError, open_server_executor
@@ -64,7 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "or V3.1's); without it, requests with tools are refused unless tool_choice is \"none\"")
     p.add_argument("--num_draft_tokens", type=int, help="MTP draft length (default: 3 where the model has an "
                    "MTP layer, at most the engine's max_draft_len; 0: plain decoding)")
-    p.add_argument("--speculation", choices=("fixed", "adaptive"), default=ExecutorConfig.speculation,
+    p.add_argument("--speculation", choices=[m for m in SPECULATION_MODES if m != "off"],  # off: --num_draft_tokens 0
+                   default=ExecutorConfig.speculation,
                    help="fixed: num_draft_tokens every step; adaptive (the default): up to that many, by batch size and "
                         "acceptance")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")

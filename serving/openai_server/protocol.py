@@ -23,10 +23,10 @@ from runtime.core.sampling import TokenLogprob
 from runtime.core.sampling_params import (MAX_LOGPROBS, PENALTY_LIMIT, REPETITION_PENALTY_RANGE, GuidedDecodingParams,
                                           SamplingParams, seed_from_client)
 from runtime.executors.outputs import RequestStats
-from runtime.io.tokenizer import Tokenizer
+from runtime.io.tokenizer import Tokenizer, utf8_size
 from serving.openai_server.chat import RESERVED_NAMES, ChatTemplateFault, render_chat, template_uses_tools
 from serving.openai_server.tool_calls import ToolSyntax, tool_call_grammar
-from serving.request_validation import INT32_MAX, RequestError, bounds_text, refused_parameter
+from serving.request_validation import CONTEXT_BYTES, INT32_MAX, RequestError, bounds_text, refused_parameter
 
 MAX_N = 128  # choices per request, as OpenAI allows
 MAX_SEQUENCES = 2048  # prompts x (best_of or n) a completions request runs: one small body could queue 10^5
@@ -165,11 +165,11 @@ def _flag(body: dict, name: str, default: bool = False) -> bool:
 
 
 def _utf8_size(text: str, name: str, param: str) -> int:
-    """Its UTF-8 bytes; a lone surrogate (JSON's \\ud800) is no UTF-8 text: nothing to tokenize or to match."""
+    """`utf8_size`, its refusal an APIError naming `param`."""
     try:
-        return len(text.encode("utf-8"))
-    except UnicodeEncodeError as e:
-        raise APIError(f"{name} must be Unicode text; it has a lone surrogate at character {e.start}", param) from None
+        return utf8_size(text, name)
+    except ValueError as e:
+        raise APIError(str(e), param) from None
 
 
 def _text(value: Any, name: str, max_bytes: int) -> str:
@@ -179,8 +179,7 @@ def _text(value: Any, name: str, max_bytes: int) -> str:
     # at least one byte a character: a longer string is refused before it is encoded
     size = len(value) if len(value) > max_bytes else _utf8_size(value, name, name)
     if size > max_bytes:
-        raise APIError(f"{name} is longer than the {max_bytes} bytes that can fit the model's context "
-                       "(max_seq_len tokens of at most the tokenizer's longest token)", name)
+        raise APIError(f"{name} is longer than the {max_bytes} bytes {CONTEXT_BYTES}", name)
     return value
 
 
@@ -377,7 +376,7 @@ def _vllm_extras(body: dict, stream: bool) -> dict[str, Any]:
             "return_token_ids": _flag(body, "return_token_ids")}
 
 
-def completion_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_bytes: int) -> Generation:
+def completion_request(body: Any, tokenizer: Tokenizer, max_text_bytes: int) -> Generation:
     """POST /v1/completions: prompt is a string, a list of strings, a list of token ids or a list of those."""
     body = _check_keys(body, COMPLETION_KEYS)
     logprobs = _integer(body, "logprobs", 0, MAX_LOGPROBS, None)
@@ -655,8 +654,8 @@ def detokenize_request(body: Any, tokenizer: Tokenizer) -> list[int]:
     return _token_list(body["tokens"], "tokens", tokenizer.vocab_size)
 
 
-def chat_request(body: Any, tokenizer: Tokenizer, max_seq_len: int, max_text_bytes: int, chat_template: str | None,
-                 tool_syntax: ToolSyntax | None = None) -> Generation:
+def chat_request(body: Any, tokenizer: Tokenizer, max_text_bytes: int, *, max_seq_len: int,
+                 chat_template: str | None, tool_syntax: ToolSyntax | None = None) -> Generation:
     """POST /v1/chat/completions: messages (and tools) rendered with `chat_template` (the checkpoint's, or the
     server's --chat_template); tool calls read from the output in `tool_syntax` (the server's --tool_call_parser),
     which tools need unless tool_choice is "none"."""

@@ -53,7 +53,7 @@ class TritonPythonModel(EngineModel):
                 "make them agree (make_model_repo --flavour llmapi writes both)")
         self.start(llm.model, llm.executor, llm.triton, model_name=args["model_name"],
                    model_version=args["model_version"])
-        self.max_input_bytes = self.executor.limits.max_seq_len * self.tokenizer.max_token_bytes
+        self.max_input_bytes = self.tokenizer.max_text_bytes(self.executor.limits.max_seq_len)
 
     def read(self, request: Any, sender: Any) -> dict[str, np.ndarray] | None:
         no_unknown_parameters(request.parameters(), "tensorrt_llm")
