@@ -348,6 +348,24 @@ def test_echo_with_logprobs_scores_the_prompt(server: Server, plain: Session) ->
         lp.token_logprobs
 
 
+def test_prompt_logprobs_a_request_may_ask_are_bounded(server: Server) -> None:
+    """40 prompts of 1000 ids with prompt_logprobs 20 (a 165 KB body) made a 57 MB response and took the server from
+    476 to 1267 MB resident: the prompt's log-probabilities cost no generation, so they are bounded per request."""
+    from serving.openai_server.protocol import MAX_PROMPT_LOGPROBS
+
+    prompts = [[5 + i % 50] * 1000 for i in range(13)]  # 13000 tokens
+    for extra, field, per, asked in (({"prompt_logprobs": 20}, "prompt_logprobs", "", 273000),
+                                     ({"echo": True, "logprobs": 9, "n": 3}, "logprobs", " x 3 choices each", 390000),
+                                     ({"prompt_logprobs": 2, "n": 7}, "prompt_logprobs", " x 7 choices each", 273000)):
+        assert asked > MAX_PROMPT_LOGPROBS
+        status, answer = server.post("/v1/completions", {"prompt": prompts, "max_tokens": 1, **extra})
+        alternatives = extra.get("prompt_logprobs", extra.get("logprobs"))
+        assert (status, answer["error"]["param"], answer["error"]["message"]) == (400, field, (
+            f"{field} {alternatives} over 13000 prompt tokens{per} asks {asked} log-probabilities (each token's and "
+            f"its alternatives'); at most {MAX_PROMPT_LOGPROBS} a request: send fewer or shorter prompts a request, "
+            "or fewer alternatives")), answer
+
+
 def test_vllms_prompt_logprobs_and_tokens_as_ids(server: Server, plain: Session) -> None:
     """vLLM's prompt_logprobs extra: each prompt token's logprob (None for the first) under the target model, with
     its rank and the N most likely, by token id, on each completions choice and once on a chat response; with echo,

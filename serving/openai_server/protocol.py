@@ -31,6 +31,9 @@ from serving.request_validation import CONTEXT_BYTES, INT32_MAX, RequestError, b
 MAX_N = 128  # choices per request, as OpenAI allows
 MAX_SEQUENCES = 2048  # prompts x (best_of or n) a completions request runs: one small body could queue 10^5
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# Log-probabilities of prompt tokens a response carries (prompt_logprobs, or echo with logprobs; each alternative
+# one): they cost the server no generation, so a small body of many prompts could ask a response of gigabytes
+MAX_PROMPT_LOGPROBS = 2**18
 
 # Structured output besides OpenAI's response_format: vLLM's guided_* extras (also SGLang's and TGI clients' habit)
 # and vLLM's current structured_outputs object, by GuidedDecodingParams field
@@ -376,6 +379,18 @@ def _vllm_extras(body: dict, stream: bool) -> dict[str, Any]:
             "return_token_ids": _flag(body, "return_token_ids")}
 
 
+def _check_prompt_logprobs(prompts: list[list[int]], copies: int, alternatives: int, field: str) -> None:
+    """Refuse a response of more than MAX_PROMPT_LOGPROBS prompt log-probabilities: `copies` of each prompt's (one a
+    choice), each token's with its `alternatives`."""
+    tokens = sum(map(len, prompts))
+    asked = tokens * copies * (1 + alternatives)
+    if asked > MAX_PROMPT_LOGPROBS:
+        per = f" x {copies} choices each" if copies > 1 else ""
+        raise APIError(f"{field} {alternatives} over {tokens} prompt tokens{per} asks {asked} log-probabilities "
+                       f"(each token's and its alternatives'); at most {MAX_PROMPT_LOGPROBS} a request: send fewer or "
+                       f"shorter prompts a request, or fewer alternatives", field)
+
+
 def completion_request(body: Any, tokenizer: Tokenizer, max_text_bytes: int) -> Generation:
     """POST /v1/completions: prompt is a string, a list of strings, a list of token ids or a list of those."""
     body = _check_keys(body, COMPLETION_KEYS)
@@ -418,6 +433,8 @@ def completion_request(body: Any, tokenizer: Tokenizer, max_text_bytes: int) -> 
     if echo and logprobs is not None or extras["prompt_logprobs"] is not None:  # echo's: the prompt's too (scoring)
         asked = [n for n in (logprobs if echo else None, extras["prompt_logprobs"]) if n is not None]
         params = replace(params, prompt_logprobs=max(asked))
+        _check_prompt_logprobs(prompts, params.n, params.prompt_logprobs,
+                               "prompt_logprobs" if extras["prompt_logprobs"] == max(asked) else "logprobs")
     if len(prompts) * params.num_sequences > MAX_SEQUENCES:
         name = params.num_sequences_name
         raise APIError(f"{len(prompts)} prompts x {name} {params.num_sequences} = "
@@ -695,6 +712,7 @@ def chat_request(body: Any, tokenizer: Tokenizer, max_text_bytes: int, *, max_se
     extras = _vllm_extras(body, stream)
     if extras["prompt_logprobs"] is not None:
         params = replace(params, prompt_logprobs=extras["prompt_logprobs"])
+        _check_prompt_logprobs([ids], 1, params.prompt_logprobs, "prompt_logprobs")
     include_usage, continuous = _stream_options(body, stream)
     role = "assistant" if generation_prompt else body["messages"][-1]["role"]
     return Generation([ids], params, stream, include_usage, guide_field=guide_field, continuous_usage=continuous,
