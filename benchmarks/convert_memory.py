@@ -61,7 +61,7 @@ def main() -> None:
 
     build = {"tp_size": args.tp_size, "ep_size": args.ep_size, "dtype": args.dtype,
              "quant_algo": "FP8_BLOCK_SCALES" if args.fp8 else None, "max_seq_len": 4096}
-    with tempfile.TemporaryDirectory(dir=ROOT) as work:
+    with tempfile.TemporaryDirectory() as work:
         src, dst = Path(work) / "hf", Path(work) / "trtllm"
         write_synthetic_checkpoint(src, CONFIG, fp8=args.fp8, shard_bytes=args.shard_mb * 2**20)
         shards = sorted(src.glob("model-*.safetensors"))

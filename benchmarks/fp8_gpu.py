@@ -152,6 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--name", default="fp8_gpu")
     args = parse_with_quick(p, argv, dict(num_prompts=2, max_tokens=16, rounds=1))
+    if args.dtype is not None:
+        p.error(f"--dtype: each mode sets its own (--modes), got {args.dtype!r}")
     modes = comma_list(p, "--modes", args.modes, str, "mode names")
     if "fp32" not in modes or any(m not in MODES for m in modes):
         p.error(f"--modes: names of {', '.join(MODES)} including fp32 (the reference), got {args.modes!r}")

@@ -80,12 +80,15 @@ def main(argv: list[str] | None = None) -> int:
                  "synthetic ~500 MB, FP8 engine": work / "synthetic-engine"}
         results = {name: {"files_mib": sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2**20,
                           **measure(path)} for name, path in cases.items()}
-    from benchmarks.common import machine_info, md_table, write_json, write_text  # imports torch: after the children
+    # imports torch: after the children
+    from benchmarks.common import machine_info, machine_md, md_table, write_json, write_text
 
-    write_json(args.out.with_suffix(".json"), {"machine": machine_info(), "cases": results})
+    info = machine_info()
+    write_json(args.out.with_suffix(".json"), {"machine": info, "cases": results})
     rows = [(name, r["files_mib"], r["kept_mib"], r["load_mib"], r["load_over_kept"], r["baseline_mib"], r["seconds"])
             for name, r in results.items()]
-    write_text(args.out.with_suffix(".md"), "# Peak memory of loading, against the weights' kept bytes\n\n" + md_table(
+    write_text(args.out.with_suffix(".md"), "# Peak memory of loading, against the weights' kept bytes\n\n"
+               + machine_md(info) + "\n\n" + md_table(
         ["case", "weight files MiB", "kept MiB", "peak over baseline MiB", "over kept", "baseline MiB", "seconds"],
         rows) + "\n")
     print(md_table(["case", "files MiB", "kept MiB", "peak - baseline MiB", "/ kept", "baseline MiB", "s"], rows))

@@ -138,13 +138,14 @@ def main(argv: list[str] | None = None) -> int:
         mem = memory(work, config)
         from benchmarks.common import machine_info, machine_md, md_table, run_tool, write_results
 
+        info = machine_info()  # before the cases, which leave this process at one torch thread
+
         engine = work / "shipped-tp2"
         run_tool([Path(sys.executable).with_name("build_engine"), "--model_dir", SHIPPED, "--output_dir", engine,
                   "--max_seq_len", "512", "--max_batch_size", "16", "--tp_size", "2"])
         cases = {"HF checkpoint, 1 process": tpot(SHIPPED, None, args.threads, [1, 16], args.max_tokens),
                  "tp-2 engine joined, 1 process": tpot(engine, 1, args.threads, [1, 16], args.max_tokens),
                  "tp-2 engine, 2 ranks": tpot(engine, None, args.threads, [1, 16], args.max_tokens)}
-    info = machine_info()
     rows = [(name, c["world_size"], c["threads_per_rank"], b, r["tpot_ms"], r["tokens_per_s"],
              r["gathered_bytes_per_step_per_rank"] / 1024, r["call_bytes_per_step"] / 1024)
             for name, c in cases.items() for b, r in c["batches"].items()]

@@ -181,6 +181,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--name", default="verify_cost")
     args = parse_with_quick(p, argv, {"num_prompts": 1, "context": 12, "positions": 1, "max_q": 2, "reps": 2})
     check_minimums(p, args, {"num_prompts": 1, "context": 6, "positions": 1, "max_q": 2, "reps": 1})
+    if args.device != "cpu" or args.dtype is not None:
+        p.error(f"--device / --dtype: this benchmark times the CPU kernels on the engine's own weights, got "
+                f"--device {args.device!r} --dtype {args.dtype!r}")
     torch.set_num_threads(args.threads or 1)
     if kernels.cpu_kernels() is None:
         p.error("the CPU kernels do not run on this machine; nothing to measure")

@@ -688,3 +688,20 @@ def test_fp8_gpu_modes_must_name_known_modes_and_the_fp32_reference(capsys):
         assert e.value.code == 2
         assert (f"--modes: names of fp32, bf16, fp8, fp8_dequantize including fp32 (the reference), got {modes!r}"
                 in capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("module, argv, message", [
+    ("fp8_gpu", ["--dtype", "float16"], "--dtype: each mode sets its own (--modes), got 'float16'"),
+    ("verify_cost", ["--device", "cuda"], "--device / --dtype: this benchmark times the CPU kernels on the engine's "
+                                          "own weights, got --device 'cuda' --dtype None"),
+    ("verify_cost", ["--dtype", "bfloat16"], "--device / --dtype: this benchmark times the CPU kernels on the "
+                                             "engine's own weights, got --device 'cpu' --dtype 'bfloat16'"),
+])
+def test_benchmarks_refuse_device_and_dtype_flags_they_would_ignore(capsys, module, argv, message):
+    """verify_cost ran on the CPU at the engine's dtype whatever --device / --dtype said, and fp8_gpu's modes set the
+    dtype whatever --dtype said: the result files claimed settings that were not used."""
+    import importlib
+
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(f"benchmarks.{module}").main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
