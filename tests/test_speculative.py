@@ -32,7 +32,7 @@ from runtime.core import sampling
 from runtime.core.sampling import SamplingTensors, accept, probabilities, race
 from runtime.core.sampling_params import RelaxedAcceptance, SamplingParams
 from runtime.core.draft_policy import DraftPolicy, StepCosts
-from runtime.core.scheduler import Scheduler, SchedulerConfig
+from runtime.core.scheduler import Scheduler, ServingLimits
 from runtime.core.sequence import Sequence, Status
 from runtime.io.tokenizer import Tokenizer
 from runtime.core.model_runner import ModelRunner
@@ -908,7 +908,7 @@ def test_relaxed_acceptance_never_emits_bad_tokens() -> None:
     relaxed = RelaxedAcceptance(top_n=10, delta=0.6, begin_thinking_token=V - 1, end_thinking_token=V - 3)
     cache = KVCache(cfg, num_blocks=200, block_size=4)
     runner = ModelRunner(model, cache, relaxed=relaxed)
-    sched = Scheduler(SchedulerConfig(max_batch_size=1, max_num_tokens=64, max_seq_len=128), cache,
+    sched = Scheduler(ServingLimits(max_batch_size=1, max_num_tokens=64, max_seq_len=128), cache,
                       DraftPolicy("fixed", 3))
     prompt = [11, 23, 7, 91, V - 1]  # ends with <think>
     seq = Sequence("r", list(prompt), len(prompt), SamplingParams(max_tokens=60, bad_token_ids=tuple(banned)),
@@ -1170,7 +1170,7 @@ def run_stack(engine, prompts: list[list[int]], k: int, max_tokens: int, block_s
     cfg = engine.model_config
     cache = KVCache(cfg, num_blocks=num_blocks, block_size=block_size)
     runner = ModelRunner(engine.model, cache)
-    sched = Scheduler(SchedulerConfig(max_batch_size=8, max_num_tokens=256, max_seq_len=256), cache,
+    sched = Scheduler(ServingLimits(max_batch_size=8, max_num_tokens=256, max_seq_len=256), cache,
                       DraftPolicy("fixed" if k else "off", k))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     seqs = [Sequence(f"r{i}", list(p), len(p), params, seed=i) for i, p in enumerate(prompts)]

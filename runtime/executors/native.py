@@ -23,7 +23,7 @@ import torch
 from runtime.core.cuda_graphs import CudaGraphRunner
 from runtime.executors.lifetime import forget_at_exit, rss_bytes, stop_at_exit
 from runtime.executors.ranks import RankFailure, RankGroup, RankOptions, drive
-from runtime.io.engine_format import ENGINE_JSON, BuildConfig, EngineManifest, read_limits
+from runtime.io.engine_format import BuildConfig, EngineManifest, read_limits, read_manifest
 from runtime.io.loading import LoadedEngine, load_engine
 from runtime.core.kv_cache import KVCache, free_memory_bytes
 from runtime.core.sampling_params import SEED_MODULUS, SamplingParams, fresh_seed, validate_request
@@ -33,7 +33,7 @@ from runtime.core.grammar import GrammarCompiler
 from runtime.core.prefix_cache import PrefixCache
 from runtime.core.plan import StepResult
 from runtime.core.scheduler import Scheduler
-from runtime.executors.base import ExecutorConfig, ExecutorStats
+from runtime.executors.base import ExecutorConfig, ExecutorStats, ServingPlan
 from runtime.executors.errors import QueueFull
 from runtime.executors.handles import RequestHandle, check_callback
 from runtime.executors.outputs import RequestOutput, RequestStats
@@ -47,15 +47,23 @@ __all__ = ["Executor", "ExecutorStats", "RequestHandle", "RequestOutput", "Reque
 log = logging.getLogger("runtime.executors.native")
 
 class Executor:
-    def __init__(self, engine: str | Path | LoadedEngine, config: ExecutorConfig = ExecutorConfig()):
+    def __init__(self, engine: str | Path | LoadedEngine, config: ExecutorConfig = ExecutorConfig(),
+                 manifest: EngineManifest | None = None):
+        """`manifest`: the engine directory's engine.json as the caller read it (read here when None)."""
         self.config = config
         self.ranks: RankGroup | None = None  # ranks 1.. of a tensor-parallel engine, in processes of their own
         self.tokenizer: Tokenizer | None = None
+        plan = None
         if not isinstance(engine, LoadedEngine):
-            self._check_settings(Path(engine))
+            path = Path(engine)
+            manifest = manifest or read_manifest(path)
+            plan = self._check_settings(path, manifest)
         try:
-            self.engine = engine if isinstance(engine, LoadedEngine) else self._load(Path(engine))
-            self._setup()
+            self.engine = engine if isinstance(engine, LoadedEngine) else self._load(path, manifest, plan)
+            if plan is None:  # a loaded engine given: it runs in this process
+                e = self.engine
+                plan = config.resolve(e.build, e.model_config, str(e.path), e.built, loaded=True)
+            self._setup(plan)
         except BaseException:
             if self.ranks is not None:
                 self.ranks.close(graceful=False)
@@ -64,18 +72,18 @@ class Executor:
         self._thread.start()
         stop_at_exit(self, lambda: self.shutdown(timeout=None))  # left open: stopped before the interpreter ends
 
-    def _check_settings(self, path: Path) -> None:
-        """What the settings refuse, refused from engine.json / config.json before a weight loads (or a rank starts),
-        and the tokenizer read (a bad one is said before the weights load, not after); a directory without either is
-        left to the loader to refuse."""
-        built = (path / ENGINE_JSON).is_file()
-        if built or (path / "config.json").is_file():
-            cfg, build = read_limits(path)
-            self.config.world_size_for(build, str(path))
-            self.config.serving(build, cfg, str(path), built)
-            self.tokenizer = Tokenizer.from_dir(path)
+    def _check_settings(self, path: Path, manifest: EngineManifest | None) -> ServingPlan | None:
+        """The settings resolved against engine.json / config.json, so what they refuse is refused before a weight
+        loads (or a rank starts), and the tokenizer read (a bad one is said before the weights load, not after); a
+        directory without either is left to the loader to refuse (None)."""
+        if manifest is None and not (path / "config.json").is_file():
+            return None
+        cfg, build = read_limits(path, manifest)
+        plan = self.config.resolve(build, cfg, str(path), built=manifest is not None)
+        self.tokenizer = Tokenizer.from_dir(path)
+        return plan
 
-    def _load(self, path: Path) -> LoadedEngine:
+    def _load(self, path: Path, manifest: EngineManifest | None, plan: ServingPlan | None) -> LoadedEngine:
         """The engine in this process, or its rank 0 with the other ranks started alongside (runtime.executors.ranks)."""
         config = self.config
         device = torch.device(config.device)
@@ -83,15 +91,14 @@ class Executor:
             raise ValueError(f"device {config.device}: torch here sees {torch.cuda.device_count()} CUDA device(s)"
                              + ("; use device cpu" if not torch.cuda.device_count() else ""))
         options = dict(device=config.device, dtype=config.dtype, cpu_kernels=config.cpu_kernels,
-                       fp8_weights=config.fp8_weights)
-        if not (path / ENGINE_JSON).is_file():  # a plain checkpoint (or no model: load_engine says so)
-            config.world_size_for(BuildConfig(), str(path))  # one rank
+                       fp8_weights=config.fp8_weights, manifest=manifest)
+        if plan is None:  # no model here: load_engine says so (after a world_size that no model can take)
+            config.world_size_for(BuildConfig(), str(path))
             return load_engine(path, **options)
-        build = EngineManifest.read(path).build
-        world = config.world_size_for(build, str(path))
-        if world == 1:
+        if plan.world_size == 1:
             return load_engine(path, **options)
-        self.ranks = RankGroup.open(path, build, RankOptions(config.dtype, config.cpu_kernels, fp8_weights=config.fp8_weights))
+        self.ranks = RankGroup.open(path, manifest.build, RankOptions(config.dtype, config.cpu_kernels,
+                                                                      fp8_weights=config.fp8_weights))
         engine = load_engine(path, **options, par=self.ranks.par)
         self.ranks.connect()
         engine.model = drive(engine.model, self.ranks)
@@ -101,9 +108,9 @@ class Executor:
     def world_size(self) -> int:
         return 1 if self.ranks is None else self.ranks.world_size
 
-    def _setup(self) -> None:
+    def _setup(self, plan: ServingPlan) -> None:
         build, cfg, config = self.engine.build, self.engine.model_config, self.config
-        self.limits, k = config.serving(build, cfg, str(self.engine.path), self.engine.built)
+        self.limits, k = plan.limits, plan.draft_len
         self.model_config = cfg
         if self.tokenizer is None:  # a loaded engine given
             self.tokenizer = Tokenizer.from_dir(self.engine.tokenizer_dir)

@@ -44,7 +44,7 @@ from runtime.executors.requests import RequestIds, RequestTracker
 from runtime.core.guide_check import check_guide
 from runtime.core.sampling import TokenLogprob
 from runtime.core.sampling_params import SamplingParams, fresh_seed, validate_request
-from runtime.core.scheduler import SchedulerConfig
+from runtime.core.scheduler import ServingLimits
 from runtime.io.tokenizer import Tokenizer
 
 log = logging.getLogger("runtime.executors.trtllm")
@@ -63,14 +63,15 @@ class TrtllmEngine:
     options: dict[str, Any]  # extra_llm_api_options.yaml
 
     @classmethod
-    def open(cls, path: str | Path, verify_weights: bool = False) -> "TrtllmEngine":
-        """Read engine.json (refusing a native engine), check that every listed file is there, hash
-        the small ones (options, config, tokenizer) and, with verify_weights, the weights too."""
+    def open(cls, path: str | Path, verify_weights: bool = False,
+             manifest: EngineManifest | None = None) -> "TrtllmEngine":
+        """Read engine.json (`manifest`, where the caller read it; refusing a native engine), check that every listed
+        file is there, hash the small ones (options, config, tokenizer) and, with verify_weights, the weights too."""
         path = Path(path)
         if not (path / ENGINE_JSON).is_file():
             raise EngineError(f"{path}: no {ENGINE_JSON}; expected an engine directory built with "
                               "build_engine --backend trtllm")
-        manifest = EngineManifest.read(path)
+        manifest = manifest or EngineManifest.read(path)
         if manifest.build.backend != "trtllm":
             raise EngineError(f"{path}: built with --backend {manifest.build.backend}; run it with "
                               "runtime.executors.native.Executor, or rebuild with --backend trtllm")
@@ -136,7 +137,7 @@ class TrtllmExecutor:
                                          llm_overrides, source=source)
         self.num_draft_tokens = draft_len_of(self.llm_kwargs.get("speculative_config"), source)
         build = self.engine.build
-        self.limits = SchedulerConfig(
+        self.limits = ServingLimits(
             max_batch_size=int(self.llm_kwargs.get("max_batch_size", build.max_batch_size)),
             max_num_tokens=int(self.llm_kwargs.get("max_num_tokens", build.max_num_tokens)),
             max_seq_len=int(self.llm_kwargs.get("max_seq_len", build.max_seq_len)))
