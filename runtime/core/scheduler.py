@@ -20,9 +20,9 @@ The draft length comes from a `DraftPolicy` (runtime.core.draft_policy), and no 
 budget to prompts waiting to be prefilled.
 
 After the step, `update_from_output` applies what the runner computed, the one writer of a step's
-results: tokens (as many as the stop rules keep), the penalties' counts and the grammar state of them, cache
-lengths, MTP inputs, prompt logprobs done, blocks filled (registered for reuse), finished sequences, blocks
-given back, and what the draft policy learns.
+results: tokens (as many as the stop rules keep), the penalties' counts and the grammar state of them (or the
+grammar's failure the runner reported), cache lengths, MTP inputs, prompt logprobs done, blocks filled (registered
+for reuse), finished sequences, blocks given back, and what the draft policy learns.
 """
 
 from __future__ import annotations
@@ -229,6 +229,8 @@ class Scheduler:
             if seq.penalty is not None:
                 seq.penalty.add(new)
             if seq.grammar is not None:
+                if r.grammar_error is not None:  # its masks failed: it keeps none of the step's tokens
+                    seq.grammar.error = r.grammar_error
                 seq.grammar.advance(new)
             if r.prompt_logprobs:
                 seq.num_prompt_logprobs += len(r.prompt_logprobs)

@@ -31,7 +31,6 @@ from runtime.core.cost_profile import profile_step_costs
 from runtime.core.draft_policy import DraftPolicy
 from runtime.core.grammar import GrammarCompiler
 from runtime.core.prefix_cache import PrefixCache
-from runtime.core.plan import StepResult
 from runtime.core.scheduler import Scheduler
 from runtime.executors.base import ExecutorConfig, ExecutorStats, ServingPlan
 from runtime.executors.errors import QueueFull
@@ -396,16 +395,17 @@ class Executor:
                 self._finish(item.seq.request_id, "error", error=str(e))
             return
         now = time.perf_counter()
-        # a grammar that failed while this step's masks were computed: the rows it masked are not its guide's, so
-        # the request keeps none of this step's tokens and ends (its grammar, not the engine: the others go on)
-        failed = self._failed_grammars(results)
-        reports, kept, finished = [], {}, set()
+        reports, failed, kept, finished = [], [], {}, set()
         for r in results:  # the stop rules decide how many emitted tokens each request keeps
             if r.prompt_logprobs:
                 self._requests[r.seq.request_id][1].prompt_logprobs += r.prompt_logprobs
-            if r.seq.request_id in failed:
+            if r.grammar_error is not None:
+                # a grammar that failed while this step's masks were computed: the rows it masked are not its guide's,
+                # so the request keeps none of this step's tokens and ends (its grammar, not the engine: the others
+                # go on)
                 kept[r.seq] = 0
                 finished.add(r.seq)
+                failed.append((r.seq.request_id, [], "", None))
             elif r.new_token_ids:
                 tracker = self._requests[r.seq.request_id][1]
                 tokens, logprobs = r.new_token_ids, r.logprobs
@@ -425,23 +425,17 @@ class Executor:
                     finished.add(r.seq)
                 reports.append((r.seq.request_id, new, delta, reason))
         self.scheduler.update_from_output(plan, results, kept, finished, time.perf_counter() - t0)
-        # one that failed consuming the tokens it kept (drawn under its masks): it ends with them
-        refused = {rid: error for rid, error in self._failed_grammars(results).items() if rid not in failed}
-        for rid, new, delta, reason in reports:
-            if rid in refused:
-                self._finish(rid, "error", new, delta, error=refused[rid])
+        for rid, new, delta, reason in reports + failed:
+            # a grammar failed: computing this step's masks, or consuming the tokens kept (drawn under its masks,
+            # the request ends with them)
+            seq = self._requests[rid][0]
+            if seq.grammar is not None and seq.grammar.error is not None:
+                error = f"guided_decoding.{seq.params.guided_decoding.kind}: {seq.grammar.error}"
+                self._finish(rid, "error", new, delta, error=error)
             elif reason is None:
                 self._requests[rid][1].report(new, delta, None)
             else:
                 self._finish(rid, reason, new, delta)
-        for rid, error in failed.items():
-            self._finish(rid, "error", error=error)
-
-    @staticmethod
-    def _failed_grammars(results: list[StepResult]) -> dict[str, str]:
-        """The step's sequences whose grammar has failed, with the error they end with."""
-        return {r.seq.request_id: f"guided_decoding.{r.seq.params.guided_decoding.kind}: {r.seq.grammar.error}"
-                for r in results if r.seq.grammar is not None and r.seq.grammar.error is not None}
 
     def _drain_inbox(self) -> None:
         while True:
