@@ -1,9 +1,9 @@
 """In-flight batching executor: a request queue and a step loop on its own thread.
 
-Requests join the running batch at any step and leave when done; each step is planned by the
-scheduler and run by the model runner. The executor owns time and threads: it turns emitted
-tokens into text deltas (valid UTF-8), applies stop conditions, streams outputs to callbacks and
-iterators, and frees a cancelled request's blocks at once.
+Requests join the running batch at any step and leave when done. A step: the scheduler plans it, the model runner
+runs it, the output processor (runtime.executors.requests) applies each request's stop conditions to the emitted
+tokens, the scheduler applies what they keep to its sequences, and the output processor streams text deltas (valid
+UTF-8) to callbacks and iterators. The executor owns time and threads, and frees a cancelled request's blocks at once.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from runtime.executors.base import ExecutorConfig, ExecutorStats, ServingPlan
 from runtime.executors.errors import QueueFull
 from runtime.executors.handles import RequestHandle, check_callback
 from runtime.executors.outputs import RequestOutput, RequestStats
-from runtime.executors.requests import BestOf, RequestIds, RequestTracker
+from runtime.executors.requests import BestOf, OutputProcessor, RequestIds, RequestTracker
 from runtime.core.sequence import LogitBias, PenaltyState, Sequence
 from runtime.io.tokenizer import Tokenizer
 from runtime.core.model_runner import ModelRunner
@@ -138,7 +138,7 @@ class Executor:
         self._groups: dict[str, list[str]] = {}  # request id -> its sequences' ids in flight (several: n / best_of)
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._wake = threading.Event()
-        self._counts = dict(generated=0, drafted=0, accepted=0, reused_blocks=0, missed_blocks=0)
+        self.outputs = OutputProcessor(self._requests, self.cache.blocks_for, self._finish)
         self._ids = RequestIds()
         self._stopping = False
         self._error: str | None = None  # why the step loop stopped, if it failed
@@ -275,7 +275,7 @@ class Executor:
         return self.cache.block_size
 
     def stats(self) -> ExecutorStats:
-        c = self._counts
+        c = self.outputs.counts
         return ExecutorStats(
             running=len(self.scheduler.running), queued=self._queued(),
             kv_blocks_used=self.cache.allocator.num_used, kv_blocks_free=self.cache.allocator.num_free,
@@ -373,18 +373,7 @@ class Executor:
             self._wake.wait(0.01)
             self._wake.clear()
             return
-        for item in plan:
-            tracker = self._requests[item.seq.request_id][1]
-            if tracker.first_scheduled_time is None:
-                tracker.first_scheduled_time = t0
-                prompt_blocks = self.cache.blocks_for(tracker.num_prompt_tokens)
-                self._counts["reused_blocks"] += item.seq.num_reused_blocks
-                self._counts["missed_blocks"] += prompt_blocks - item.seq.num_reused_blocks
-                # an output of n / best_of reports what its request found in the prefix cache: what the first
-                # sequence found (the others share the blocks it computed)
-                first = item.seq.leader or item.seq
-                tracker.num_reused_blocks = first.num_reused_blocks
-                tracker.num_missed_blocks = prompt_blocks - first.num_reused_blocks
+        self.outputs.scheduled(plan, t0)
         try:
             results = self.runner.step(plan)
         except RankFailure:  # the ranks are gone or out of step: nothing can run any more
@@ -394,48 +383,9 @@ class Executor:
             for item in plan:
                 self._finish(item.seq.request_id, "error", error=str(e))
             return
-        now = time.perf_counter()
-        reports, failed, kept, finished = [], [], {}, set()
-        for r in results:  # the stop rules decide how many emitted tokens each request keeps
-            if r.prompt_logprobs:
-                self._requests[r.seq.request_id][1].prompt_logprobs += r.prompt_logprobs
-            if r.grammar_error is not None:
-                # a grammar that failed while this step's masks were computed: the rows it masked are not its guide's,
-                # so the request keeps none of this step's tokens and ends (its grammar, not the engine: the others
-                # go on)
-                kept[r.seq] = 0
-                finished.add(r.seq)
-                failed.append((r.seq.request_id, [], "", None))
-            elif r.new_token_ids:
-                tracker = self._requests[r.seq.request_id][1]
-                tokens, logprobs = r.new_token_ids, r.logprobs
-                if r.seq.grammar is not None:
-                    keep = r.seq.grammar.num_keepable(tokens)
-                    tokens, logprobs = tokens[:keep], logprobs[:keep] if logprobs is not None else None
-                new, delta, reason = tracker.consume(tokens, now, logprobs)
-                accepted = min(r.num_accepted, len(new))  # drafts the output keeps (a stop can cut the rest)
-                tracker.num_steps += 1
-                tracker.num_draft_tokens += r.num_drafts
-                tracker.num_accepted_draft_tokens += accepted
-                self._counts["drafted"] += r.num_drafts
-                self._counts["accepted"] += accepted
-                self._counts["generated"] += len(new)
-                kept[r.seq] = len(new)
-                if reason is not None:
-                    finished.add(r.seq)
-                reports.append((r.seq.request_id, new, delta, reason))
+        kept, finished, reports = self.outputs.process(results, time.perf_counter())
         self.scheduler.update_from_output(plan, results, kept, finished, time.perf_counter() - t0)
-        for rid, new, delta, reason in reports + failed:
-            # a grammar failed: computing this step's masks, or consuming the tokens kept (drawn under its masks,
-            # the request ends with them)
-            seq = self._requests[rid][0]
-            if seq.grammar is not None and seq.grammar.error is not None:
-                error = f"guided_decoding.{seq.params.guided_decoding.kind}: {seq.grammar.error}"
-                self._finish(rid, "error", new, delta, error=error)
-            elif reason is None:
-                self._requests[rid][1].report(new, delta, None)
-            else:
-                self._finish(rid, reason, new, delta)
+        self.outputs.deliver(reports)
 
     def _drain_inbox(self) -> None:
         while True:
