@@ -32,7 +32,9 @@ def create_executor(path: str | Path, config: ExecutorConfig = ExecutorConfig(),
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"path must be a checkpoint or engine directory, got {path!r:.80}")
     manifest = read_manifest(path)
-    if manifest is not None and manifest.build.backend == "trtllm":
+    if manifest is None:  # a checkpoint (or no model: the executor says so)
+        return Executor(path, config)
+    if manifest.build.backend == "trtllm":
         engine = TrtllmEngine.open(path, kwargs.pop("verify_weights", False), manifest)
         return TrtllmExecutor(engine, config, **kwargs)
     return Executor(path, config, manifest)
