@@ -36,7 +36,7 @@ from runtime.executors.base import ExecutorConfig, ExecutorStats, ServingPlan
 from runtime.executors.errors import QueueFull
 from runtime.executors.handles import RequestHandle, check_callback
 from runtime.executors.outputs import RequestOutput, RequestStats
-from runtime.executors.requests import BestOf, OutputProcessor, RequestIds, RequestTracker
+from runtime.executors.requests import OutputProcessor, RequestIds, RequestTracker
 from runtime.core.sequence import LogitBias, PenaltyState, Sequence
 from runtime.io.tokenizer import Tokenizer
 from runtime.core.model_runner import ModelRunner
@@ -217,16 +217,13 @@ class Executor:
         seed = int(params.seed) if params.seed is not None else fresh_seed()  # numpy ints too
         handle = RequestHandle(rid, self, params.n, delivered_by=self._thread)
         size = params.num_sequences
-        best_of = BestOf(params.n, size, params.logprobs is not None) if size > params.n else None
+        trackers = RequestTracker.create_group(rid, len(prompt_token_ids), params, size, self.tokenizer, handle,
+                                               on_output)
         group: list[tuple[Sequence, RequestTracker]] = []
         bias = LogitBias.create(params.logit_bias, self.cache.tensor.device) if params.logit_bias else None
-        for i in range(size):
-            # best_of ranks by cumulative logprob; the leader alone computes prompt logprobs, which all report
-            p = replace(params, logprobs=0) if best_of is not None and params.logprobs is None else params
-            tracker = RequestTracker.create(rid, len(prompt_token_ids), p, self.tokenizer, handle, on_output)
-            tracker.index, tracker.best_of = i, best_of
-            if i:
-                tracker.prompt_logprobs, p = group[0][1].prompt_logprobs, replace(p, prompt_logprobs=None)
+        for i, tracker in enumerate(trackers):
+            # the leader alone computes prompt logprobs, which all report
+            p = replace(tracker.params, prompt_logprobs=None) if i else tracker.params
             penalty = PenaltyState.create(list(prompt_token_ids), self.model_config.vocab_size,
                                           self.cache.tensor.device) if params.penalized else None
             seq = Sequence(rid if size == 1 else f"{rid}#{i}", list(prompt_token_ids), len(prompt_token_ids), p,

@@ -12,7 +12,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Any, Callable, TypeVar
 
 from runtime.core.plan import Scheduled, StepResult
 from runtime.core.sampling import TokenLogprob
@@ -93,6 +93,9 @@ class BestOf:
                 for i, o in enumerate(finals[: self.n])]
 
 
+T = TypeVar("T", bound="RequestTracker")
+
+
 @dataclass(eq=False)
 class RequestTracker:
     """What a request has reported so far, and the rules for what it reports next."""
@@ -121,22 +124,41 @@ class RequestTracker:
     logprobs: list[TokenLogprob] | None = None  # of the output tokens reported, when asked for
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[TokenLogprob | None] | None = None  # filled by the prefill steps, when asked for
-    index: int = 0  # which of the request's sequences (n / best_of) it follows
+    index: int = 0  # which of the request's outputs (n / best_of) it follows
     best_of: BestOf | None = None  # best_of > n: where its outputs wait for the ranking
     stop_reason: str | int | None = None  # RequestOutput.stop_reason, once consume() finds it
+    # the trackers of the request's outputs, one list shared by all (`create_group`; empty for one made alone)
+    group: list[RequestTracker] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
             self.logprobs = []
-        if self.params.prompt_logprobs is not None:
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None]
 
     @classmethod
-    def create(cls, request_id: str, num_prompt_tokens: int, params: SamplingParams, tokenizer: Tokenizer,
-               handle: RequestHandle,
-               callback: Callable[[RequestOutput], None] | None = None) -> "RequestTracker":
+    def create(cls: type[T], request_id: str, num_prompt_tokens: int, params: SamplingParams, tokenizer: Tokenizer,
+               handle: RequestHandle, callback: Callable[[RequestOutput], None] | None = None, **fields: Any) -> T:
         return cls(request_id, num_prompt_tokens, params, handle, IncrementalDetokenizer(tokenizer),
-                   params.stop_ids(tokenizer.eos_token_id), callback)
+                   params.stop_ids(tokenizer.eos_token_id), callback, **fields)
+
+    @classmethod
+    def create_group(cls: type[T], request_id: str, num_prompt_tokens: int, params: SamplingParams, size: int,
+                     tokenizer: Tokenizer, handle: RequestHandle,
+                     callback: Callable[[RequestOutput], None] | None = None, **fields: Any) -> list[T]:
+        """The trackers of a request's `size` outputs, output i at `index` i: its n outputs, or (size > n) best_of's
+        candidates, whose outputs wait for their ranking (`BestOf`; each computes logprobs to be ranked by). The
+        prompt logprobs, computed once, are every output's: the first's list is theirs. `fields`: a subclass's own,
+        the same for every output."""
+        best_of = BestOf(params.n, size, params.logprobs is not None) if size > params.n else None
+        if best_of is not None and params.logprobs is None:
+            params = replace(params, logprobs=0)
+        group: list[T] = []
+        for i in range(size):
+            group.append(cls.create(request_id, num_prompt_tokens, params, tokenizer, handle, callback, index=i,
+                                    best_of=best_of, group=group,
+                                    prompt_logprobs=group[0].prompt_logprobs if i else None, **fields))
+        return group
 
     def consume(self, new: list[int], now: float, logprobs: list[TokenLogprob] | None = None
                 ) -> tuple[list[int], str, str | None]:

@@ -103,8 +103,6 @@ class _Request(RequestTracker):
     seen: int = 0  # upstream output tokens consumed
     upstream: Any = None  # tensorrt_llm's RequestOutput once submitted (on the group's first)
     upstream_done: bool = False
-    # the trackers of the request's n outputs (SamplingParams.n), one list shared by all; the first streams upstream
-    group: list["_Request"] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
@@ -212,14 +210,10 @@ class TrtllmExecutor:
         if not params.greedy and params.seed is None:  # as native: unseeded means a fresh random seed
             params = dataclasses.replace(params, seed=fresh_seed())
         handle = RequestHandle(rid, self, params.n, delivered_by=self._thread)
-        group: list[_Request] = []
-        for i in range(params.n):  # upstream returns n outputs of one request (the best of best_of)
-            t = _Request.create(rid, len(prompt_token_ids), params, self.tokenizer, handle, on_output)
-            t.index, t.prompt, t.group = i, list(prompt_token_ids), group
-            if i:  # upstream's prompt logprobs, read once (by the first), are every output's
-                t.prompt_logprobs = group[0].prompt_logprobs
-            group.append(t)
-        req = group[0]
+        # upstream returns n outputs of one request (the best of best_of); its prompt logprobs, read once (by the
+        # first), are every output's
+        req = _Request.create_group(rid, len(prompt_token_ids), params, params.n, self.tokenizer, handle, on_output,
+                                    prompt=list(prompt_token_ids))[0]
         try:
             self._loop.call_soon_threadsafe(self._start, req)
         except RuntimeError:  # the loop closed since the check above
