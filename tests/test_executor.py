@@ -65,7 +65,7 @@ def engine(spec_checkpoint):
 def tokenizer(engine):
     from runtime.io.tokenizer import Tokenizer
 
-    return Tokenizer.from_dir(engine.tokenizer_dir)
+    return Tokenizer.from_dir(engine.path)
 
 
 @pytest.fixture(scope="module")

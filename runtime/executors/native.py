@@ -112,7 +112,7 @@ class Executor:
         self.limits, k = plan.limits, plan.draft_len
         self.model_config = cfg
         if self.tokenizer is None:  # a loaded engine given
-            self.tokenizer = Tokenizer.from_dir(self.engine.tokenizer_dir)
+            self.tokenizer = Tokenizer.from_dir(self.engine.path)
         if note := self.tokenizer.adopt_eos(cfg.eos_token_id):
             log.warning(note)
         self._grammars: GrammarCompiler | None = None  # built at the first guided request

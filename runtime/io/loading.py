@@ -43,8 +43,7 @@ class LoadedEngine:
     model: DeepseekV3ForCausalLM  # eval mode, on its device, in build.dtype, requires_grad False
     model_config: ModelConfig
     build: BuildConfig  # as built, with dtype the one loaded
-    tokenizer_dir: Path
-    path: Path
+    path: Path  # the engine or checkpoint directory, its tokenizer's too
     built: bool = True  # False for a plain HF checkpoint: its limits are defaults, not build choices
 
 
@@ -91,7 +90,7 @@ def load_engine(path: str | Path, device: str | torch.device = "cpu", dtype: str
         kernel_modules.finish(model)
     if fp8_here:
         fp8_linear.finish(model, keep_all=fp8_weights is True)
-    return LoadedEngine(model, source.cfg, build, path, path, built=source.built)
+    return LoadedEngine(model, source.cfg, build, path, built=source.built)
 
 
 def _as_loaded(build: BuildConfig, dtype: str | torch.dtype | None) -> BuildConfig:
