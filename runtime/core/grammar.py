@@ -33,7 +33,7 @@ from runtime.core.sampling_params import GuidedDecodingParams
 
 CACHE_SIZE = 64  # compiled guides kept per executor
 # and at most this much guide text between them: a compiled guide takes memory in its size (tens of MB for a guide
-# of a MB), so 64 large ones made an engine process over a GB larger
+# of a MB), so a count alone would let 64 large ones add over a GB to an engine process
 CACHE_GUIDE_BYTES = 4 * 2**20
 
 

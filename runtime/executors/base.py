@@ -237,7 +237,8 @@ def submit_all(executor: ExecutorProtocol, prompts: list[list[int]], params: Sam
                request_ids: list[str] | None = None) -> list[RequestHandle]:
     """Submit several prompts as one call of a client's: every one is validated before any is submitted (submit
     validates one), and the queue bound (max_queued_requests) decides on the first alone: a request is taken or
-    refused whole (one of more prompts than the batch and the bound hold was refused by an idle server, forever)."""
+    refused whole (bounding each prompt would refuse a request of more prompts than the batch and the bound hold
+    even from an idle server, every time it is sent)."""
     if len(prompts) > 1:
         for ids in prompts:
             executor.validate(ids, params)
