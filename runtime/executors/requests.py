@@ -127,8 +127,6 @@ class RequestTracker:
     index: int = 0  # which of the request's outputs (n / best_of) it follows
     best_of: BestOf | None = None  # best_of > n: where its outputs wait for the ranking
     stop_reason: str | int | None = None  # RequestOutput.stop_reason, once consume() finds it
-    # the trackers of the request's outputs, one list shared by all (`create_group`; empty for one made alone)
-    group: list[RequestTracker] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
@@ -149,14 +147,15 @@ class RequestTracker:
         """The trackers of a request's `size` outputs, output i at `index` i: its n outputs, or (size > n) best_of's
         candidates, whose outputs wait for their ranking (`BestOf`; each computes logprobs to be ranked by). The
         prompt logprobs, computed once, are every output's: the first's list is theirs. `fields`: a subclass's own,
-        the same for every output."""
+        the same for every output. The trackers hold no reference to each other: a request's are freed as its
+        sequences end, not left to the cycle collector (which may run where what their callbacks hold is gone)."""
         best_of = BestOf(params.n, size, params.logprobs is not None) if size > params.n else None
         if best_of is not None and params.logprobs is None:
             params = replace(params, logprobs=0)
         group: list[T] = []
         for i in range(size):
             group.append(cls.create(request_id, num_prompt_tokens, params, tokenizer, handle, callback, index=i,
-                                    best_of=best_of, group=group,
+                                    best_of=best_of,
                                     prompt_logprobs=group[0].prompt_logprobs if i else None, **fields))
         return group
 

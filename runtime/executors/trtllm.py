@@ -103,6 +103,16 @@ class _Request(RequestTracker):
     seen: int = 0  # upstream output tokens consumed
     upstream: Any = None  # tensorrt_llm's RequestOutput once submitted (on the group's first)
     upstream_done: bool = False
+    # the trackers of the request's n outputs (SamplingParams.n), one list shared by all; the first streams upstream
+    group: list["_Request"] = field(default_factory=list)
+
+    @classmethod
+    def create_group(cls, *args: Any, **kwargs: Any) -> list["_Request"]:
+        """RequestTracker.create_group's, each knowing the group."""
+        group = super().create_group(*args, **kwargs)
+        for t in group:
+            t.group = group
+        return group
 
     @property
     def done(self) -> bool:
