@@ -327,6 +327,24 @@ def test_one_executor_start_reads_engine_json_once(spec_checkpoint, tmp_path, mo
     assert reads == [path] and len(resolves) == 1
 
 
+def test_a_shut_down_executor_is_freed_by_reference_counting(engine) -> None:
+    """No reference cycle holds an executor (its output processor kept the executor's own _finish): one left to the
+    cycle collector is freed wherever that runs, a Triton python model's stub at shutdown included."""
+    import gc
+    import weakref
+
+    ex = Executor(engine, ExecutorConfig(speculation="off"))
+    ex.submit([1, 2, 3], SamplingParams(max_tokens=3, n=2, temperature=1.0)).results(60)
+    ex.shutdown()
+    freed = weakref.ref(ex)
+    gc.disable()
+    try:
+        del ex
+        assert freed() is None
+    finally:
+        gc.enable()
+
+
 def test_a_bad_tokenizer_is_refused_before_a_weight_loads(shipped_model_dir, tmp_path, monkeypatch) -> None:
     """The tokenizer was read after the weights (minutes on a full-size model) had loaded."""
     import shutil

@@ -138,7 +138,7 @@ class Executor:
         self._groups: dict[str, list[str]] = {}  # request id -> its sequences' ids in flight (several: n / best_of)
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._wake = threading.Event()
-        self.outputs = OutputProcessor(self._requests, self.cache.blocks_for, self._finish)
+        self.outputs = OutputProcessor(self._requests, self.cache.blocks_for)
         self._ids = RequestIds()
         self._stopping = False
         self._error: str | None = None  # why the step loop stopped, if it failed
@@ -382,7 +382,7 @@ class Executor:
             return
         kept, finished, reports = self.outputs.process(results, time.perf_counter())
         self.scheduler.update_from_output(plan, results, kept, finished, time.perf_counter() - t0)
-        self.outputs.deliver(reports)
+        self.outputs.deliver(reports, self._finish)
 
     def _drain_inbox(self) -> None:
         while True:

@@ -262,11 +262,9 @@ class OutputProcessor:
     processor: the scheduler plans, the runner computes, `process` decides what each request keeps and how it ends,
     the scheduler applies that to its sequences, `deliver` reports it."""
 
-    def __init__(self, requests: dict[str, tuple[Sequence, RequestTracker]], blocks_for: Callable[[int], int],
-                 finish: Callable[..., None]):
+    def __init__(self, requests: dict[str, tuple[Sequence, RequestTracker]], blocks_for: Callable[[int], int]):
         self.requests = requests  # the executor's requests in flight, by Sequence.request_id (read here)
         self.blocks_for = blocks_for  # KV blocks that hold a number of tokens
-        self.finish = finish  # the executor's end of a sequence: (its id, reason, new, delta, error=...)
         # ExecutorStats' totals: output tokens, drafts run and kept, prompt blocks found in the prefix cache and not
         self.counts = dict(generated=0, drafted=0, accepted=0, reused_blocks=0, missed_blocks=0)
 
@@ -321,16 +319,17 @@ class OutputProcessor:
                 reports.append((r.seq.request_id, new, delta, reason))
         return kept, finished, reports + failed
 
-    def deliver(self, reports: list[Report]) -> None:
+    def deliver(self, reports: list[Report], finish: Callable[..., None]) -> None:
         """Report a step's outputs, in order, once the scheduler has applied it: a request whose grammar failed
         (computing this step's masks, or consuming the tokens it kept, drawn under its masks: it ends with them)
-        ends with that error, a finished one with its reason."""
+        ends with that error, a finished one with its reason, through `finish` (the executor's end of a sequence:
+        its id, reason, new tokens, delta, error=...; passed, not kept, so that no cycle holds the executor)."""
         for rid, new, delta, reason in reports:
             seq, tracker = self.requests[rid]
             if seq.grammar is not None and seq.grammar.error is not None:
                 error = f"guided_decoding.{seq.params.guided_decoding.kind}: {seq.grammar.error}"
-                self.finish(rid, "error", new, delta, error=error)
+                finish(rid, "error", new, delta, error=error)
             elif reason is None:
                 tracker.report(new, delta, None)
             else:
-                self.finish(rid, reason, new, delta)
+                finish(rid, reason, new, delta)
