@@ -164,7 +164,7 @@ def main() -> None:
             for k in ks}
 
     from runtime.io.tokenizer import Tokenizer
-    tok = Tokenizer.from_dir(engine.tokenizer_dir)
+    tok = Tokenizer.from_dir(engine.path)
     text_windows = [torch.tensor([tok.encode(x["text"])]) for x in prompts]
     heldout = teacher_forced(model, [w for w in text_windows if w.shape[1] >= 4], "held-out prompt texts")
 

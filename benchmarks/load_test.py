@@ -196,7 +196,7 @@ def main() -> int:
     engine = load_engine(args.model, device=args.device, dtype=args.dtype)
     texts = load_prompts(args.model, args.prompts)
     from runtime.io.tokenizer import Tokenizer
-    tok = Tokenizer.from_dir(engine.tokenizer_dir)
+    tok = Tokenizer.from_dir(engine.path)
     reqs = make_requests(texts, tok, args.num_requests, args.max_prompt_tokens, args.max_output_tokens, args.seed)
     info = machine_info()
     failures: list[str] = []

@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     if kernels.cpu_kernels() is None:
         p.error("the CPU kernels do not run on this machine; nothing to measure")
     engine = load_engine(args.model)
-    model, tokenizer = engine.model, Tokenizer.from_dir(engine.tokenizer_dir)
+    model, tokenizer = engine.model, Tokenizer.from_dir(engine.path)
     qs = list(range(1, args.max_q + 1))
     samples = []
     with torch.inference_mode():

@@ -213,7 +213,7 @@ def shipped_engine(shipped_model_dir):
 def shipped_tokenizer(shipped_engine):
     from runtime.io.tokenizer import Tokenizer
 
-    return Tokenizer.from_dir(shipped_engine.tokenizer_dir)
+    return Tokenizer.from_dir(shipped_engine.path)
 
 
 def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:

@@ -41,7 +41,7 @@ def engine(built, tmp_path) -> Path:
 
 def test_load_engine_directory(built, hf):
     e = load_engine(built)
-    assert isinstance(e, LoadedEngine) and e.path == built and e.tokenizer_dir == built
+    assert isinstance(e, LoadedEngine) and e.path == built
     assert e.build == BuildConfig(max_seq_len=256, tp_size=2, ep_size=2)
     assert e.model_config.num_nextn_predict_layers == 1 and e.model_config.quantization_config is None
     assert not e.model.training and not any(p.requires_grad for p in e.model.parameters())
@@ -60,7 +60,7 @@ def test_load_engine_directory(built, hf):
 
 def test_load_hf_checkpoint_defaults(hf, tiny_checkpoint):
     e = load_engine(hf, dtype=torch.bfloat16)
-    assert e.path == hf and e.tokenizer_dir == hf
+    assert e.path == hf
     assert e.build == BuildConfig(max_seq_len=256, max_draft_len=4, dtype="bfloat16")
     assert e.model.lm_head.weight.dtype == torch.bfloat16 and e.model.inv_freq.dtype == torch.float32
     no_mtp = load_engine(tiny_checkpoint("nomtp", tiny_config_dict(num_nextn_predict_layers=0, max_position_embeddings=8192)))

@@ -65,7 +65,7 @@ def engine(spec_checkpoint):
 def tokenizer(engine):
     from runtime.io.tokenizer import Tokenizer
 
-    return Tokenizer.from_dir(engine.tokenizer_dir)
+    return Tokenizer.from_dir(engine.path)
 
 
 @pytest.fixture(scope="module")
@@ -304,6 +304,45 @@ def test_settings_are_refused_before_a_weight_loads(shipped_model_dir, monkeypat
     with pytest.raises(ValueError) as checked:
         check_settings(shipped_model_dir, config)
     assert str(refused.value) == str(checked.value)
+
+
+def test_one_executor_start_reads_engine_json_once(spec_checkpoint, tmp_path, monkeypatch) -> None:
+    """create_executor read an engine's engine.json four times (its backend, the settings' check, the rank count, the
+    load) and resolved the settings twice; it reads it once, resolves once and hands both on."""
+    from builder.convert import convert_checkpoint
+    from builder.native_engine import build_engine
+    from runtime.executors.backends import create_executor
+    from runtime.io.engine_format import BuildConfig, EngineManifest
+
+    build = BuildConfig(max_seq_len=256)
+    convert_checkpoint(spec_checkpoint, tmp_path / "ckpt", build, progress=False)
+    path = build_engine(tmp_path / "ckpt", tmp_path / "engine", build, progress=False)
+    reads, resolves = [], []
+    read, resolve = EngineManifest.read.__func__, ExecutorConfig.resolve
+    monkeypatch.setattr(EngineManifest, "read", classmethod(lambda cls, d: reads.append(d) or read(cls, d)))
+    monkeypatch.setattr(ExecutorConfig, "resolve", lambda self, *a, **k: resolves.append(a) or resolve(self, *a, **k))
+    with create_executor(path, ExecutorConfig(num_draft_tokens=2, speculation="fixed")) as ex:
+        out = ex.submit([1, 2, 3], SamplingParams(max_tokens=4)).result()
+    assert len(out.token_ids) == 4 and ex.policy.max_k == 2
+    assert reads == [path] and len(resolves) == 1
+
+
+def test_a_shut_down_executor_is_freed_by_reference_counting(engine) -> None:
+    """No reference cycle holds an executor (its output processor kept the executor's own _finish): one left to the
+    cycle collector is freed wherever that runs, a Triton python model's stub at shutdown included."""
+    import gc
+    import weakref
+
+    ex = Executor(engine, ExecutorConfig(speculation="off"))
+    ex.submit([1, 2, 3], SamplingParams(max_tokens=3, n=2, temperature=1.0)).results(60)
+    ex.shutdown()
+    freed = weakref.ref(ex)
+    gc.disable()
+    try:
+        del ex
+        assert freed() is None
+    finally:
+        gc.enable()
 
 
 def test_a_bad_tokenizer_is_refused_before_a_weight_loads(shipped_model_dir, tmp_path, monkeypatch) -> None:
@@ -1021,11 +1060,11 @@ def test_drafts_are_dropped_before_anyone_is_preempted(engine) -> None:
     import torch
 
     from runtime.core.kv_cache import KVCache
-    from runtime.core.scheduler import Scheduler, SchedulerConfig
+    from runtime.core.scheduler import Scheduler, ServingLimits
     from runtime.core.sequence import Sequence, Status
 
     cache = KVCache(engine.model_config, num_blocks=4, block_size=4)
-    sched = Scheduler(SchedulerConfig(max_batch_size=8, max_num_tokens=64, max_seq_len=64), cache,
+    sched = Scheduler(ServingLimits(max_batch_size=8, max_num_tokens=64, max_seq_len=64), cache,
                       DraftPolicy("fixed", 3))
     for i in range(2):  # two decoding sequences of 8 tokens fill the 4 blocks
         seq = Sequence(f"r{i}", list(range(8)), 4, SamplingParams(max_tokens=32), seed=i, status=Status.RUNNING,
@@ -1043,7 +1082,7 @@ def test_admission_reads_only_the_head_of_a_long_queue(engine) -> None:
     from collections import deque
 
     from runtime.core.kv_cache import KVCache
-    from runtime.core.scheduler import Scheduler, SchedulerConfig
+    from runtime.core.scheduler import Scheduler, ServingLimits
     from runtime.core.sequence import Sequence
 
     class CountingQueue(deque):
@@ -1055,7 +1094,7 @@ def test_admission_reads_only_the_head_of_a_long_queue(engine) -> None:
                 yield seq
 
     cache = KVCache(engine.model_config, num_blocks=64, block_size=4)
-    sched = Scheduler(SchedulerConfig(max_batch_size=4, max_num_tokens=64, max_seq_len=64), cache,
+    sched = Scheduler(ServingLimits(max_batch_size=4, max_num_tokens=64, max_seq_len=64), cache,
                       DraftPolicy("adaptive", 2, costs(target_per_token=0.001, target_fixed=1.0, mtp=0.01),
                                   prior_acceptance=0.9))
     sched.waiting = CountingQueue()
@@ -1101,13 +1140,13 @@ def test_adaptive_drafts_leave_the_budget_to_waiting_prefill(engine) -> None:
     import torch
 
     from runtime.core.kv_cache import KVCache
-    from runtime.core.scheduler import Scheduler, SchedulerConfig
+    from runtime.core.scheduler import Scheduler, ServingLimits
     from runtime.core.sequence import Sequence, Status
 
     def plan(mode: str, waiting_prompt: int | None) -> list[int]:
         policy = DraftPolicy(mode, 4, costs(target_per_token=0.001, target_fixed=1.0, mtp=0.01), prior_acceptance=0.9)
         cache = KVCache(engine.model_config, num_blocks=64, block_size=4)
-        sched = Scheduler(SchedulerConfig(max_batch_size=8, max_num_tokens=24, max_seq_len=64), cache, policy)
+        sched = Scheduler(ServingLimits(max_batch_size=8, max_num_tokens=24, max_seq_len=64), cache, policy)
         for i in range(4):
             seq = Sequence(f"r{i}", list(range(8)), 4, SamplingParams(max_tokens=32), seed=i, status=Status.RUNNING,
                            block_table=cache.allocator.allocate(2), num_cached=7, num_mtp=6,
@@ -1247,11 +1286,11 @@ def scheduler_with_one_decode(engine, policy: DraftPolicy, max_num_tokens: int =
     import torch
 
     from runtime.core.kv_cache import KVCache
-    from runtime.core.scheduler import SchedulerConfig
+    from runtime.core.scheduler import ServingLimits
     from runtime.core.sequence import Sequence, Status
 
     cache = KVCache(engine.model_config, num_blocks=16, block_size=4)
-    sched = Scheduler(SchedulerConfig(max_batch_size=8, max_num_tokens=max_num_tokens, max_seq_len=64), cache, policy)
+    sched = Scheduler(ServingLimits(max_batch_size=8, max_num_tokens=max_num_tokens, max_seq_len=64), cache, policy)
     seq = Sequence("r", list(range(8)), 4, SamplingParams(max_tokens=32), seed=0, status=Status.RUNNING,
                    block_table=cache.allocator.allocate(2), num_cached=7, num_mtp=6,
                    pending_hidden=[torch.zeros(1, engine.model_config.hidden_size)], admitted_at=1)

@@ -824,7 +824,7 @@ def test_eos_inside_accepted_drafts(shipped_engine, corpus, alone, shipped_model
         if f.name != "tokenizer_config.json":
             os.symlink(f, model / f.name)
     cfg = json.loads((shipped_model_dir / "tokenizer_config.json").read_text())
-    cfg["eos_token"] = Tokenizer.from_dir(shipped_engine.tokenizer_dir).backend.id_to_token(ref[i])
+    cfg["eos_token"] = Tokenizer.from_dir(shipped_engine.path).backend.id_to_token(ref[i])
     (model / "tokenizer_config.json").write_text(json.dumps(cfg))
     eos_engine = load_engine(model, dtype="float32")
     with Executor(eos_engine, ExecutorConfig(num_draft_tokens=k, speculation="fixed", max_seq_len=MAX_SEQ_LEN)) as ex:

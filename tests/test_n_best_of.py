@@ -198,3 +198,35 @@ def test_adaptive_speculation_serves_every_output_and_frees_every_block(engine) 
         outs = ex.submit(PROMPT, replace(SAMPLED, n=3, max_tokens=16)).results(120)
         assert_all_free(ex)
     assert [len(o.token_ids) for o in outs] == [16] * 3 and len({tuple(o.token_ids) for o in outs}) == 3
+
+
+def test_one_factory_makes_a_requests_trackers_for_every_backend(engine) -> None:
+    """Both executors built a request's trackers by patching each one's index, best_of, group and prompt logprobs
+    from outside; RequestTracker.create_group makes them: output i at index i, best_of's candidates ranked together
+    and computing logprobs to be ranked by, one prompt-logprobs list for all, and no reference cycle (with one, a
+    Triton python model's stub crashed collecting a request's trackers at shutdown: tests/test_triton.py
+    test_shutdown_after_serving_is_clean)."""
+    import gc
+    import weakref
+
+    from runtime.executors.requests import RequestTracker
+    from runtime.executors.trtllm import _Request
+    from runtime.io.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(engine.path)
+    params = SamplingParams(n=2, best_of=3, temperature=1.0, prompt_logprobs=1)
+    group = RequestTracker.create_group("r", 4, params, params.num_sequences, tokenizer, handle=None)
+    assert [t.index for t in group] == [0, 1, 2]
+    assert group[0].best_of is not None and all(t.best_of is group[0].best_of for t in group)
+    assert all(t.params == replace(params, logprobs=0) and t.logprobs == [] for t in group)
+    assert group[0].prompt_logprobs == [None] and all(t.prompt_logprobs is group[0].prompt_logprobs for t in group)
+    freed = weakref.ref(group[1])
+    gc.disable()
+    try:
+        del group
+        assert freed() is None  # by reference counting alone
+    finally:
+        gc.enable()
+    n_only = _Request.create_group("r", 4, params, params.n, tokenizer, handle=None)  # upstream ranks best_of
+    assert len(n_only) == 2 and n_only[0].best_of is None and n_only[0].params == params
+    assert all(t.group is n_only for t in n_only) and n_only[1].prompt_logprobs is n_only[0].prompt_logprobs

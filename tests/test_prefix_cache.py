@@ -144,7 +144,7 @@ def test_admission_recomputes_a_tail_without_mtp_rows_unless_the_policy_would_no
     from runtime.core.draft_policy import DraftPolicy
     from runtime.core.kv_cache import KVCache
     from runtime.core.prefix_cache import PrefixCache
-    from runtime.core.scheduler import Scheduler, SchedulerConfig
+    from runtime.core.scheduler import Scheduler, ServingLimits
     from runtime.core.sequence import Sequence
 
     class Policy(DraftPolicy):
@@ -153,7 +153,7 @@ def test_admission_recomputes_a_tail_without_mtp_rows_unless_the_policy_would_no
 
     cache = KVCache(engine.model_config, num_blocks=16, block_size=4)
     prefix = PrefixCache(cache.allocator, 4, mtp=True)
-    sched = Scheduler(SchedulerConfig(max_batch_size=8, max_num_tokens=64, max_seq_len=64), cache,
+    sched = Scheduler(ServingLimits(max_batch_size=8, max_num_tokens=64, max_seq_len=64), cache,
                       Policy("fixed", 3), prefix)
     prompt = list(range(10, 24))
     owner = Sequence("owner", prompt, len(prompt), SamplingParams(max_tokens=8), seed=0,

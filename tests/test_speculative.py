@@ -32,7 +32,7 @@ from runtime.core import sampling
 from runtime.core.sampling import SamplingTensors, accept, probabilities, race
 from runtime.core.sampling_params import RelaxedAcceptance, SamplingParams
 from runtime.core.draft_policy import DraftPolicy, StepCosts
-from runtime.core.scheduler import Scheduler, SchedulerConfig
+from runtime.core.scheduler import Scheduler, ServingLimits
 from runtime.core.sequence import Sequence, Status
 from runtime.io.tokenizer import Tokenizer
 from runtime.core.model_runner import ModelRunner
@@ -213,7 +213,7 @@ def shipped(shipped_model_dir):
                 texts.append(src.pop(0))
     assert len(texts) >= NUM_PROMPTS, f"only {len(texts)} held-out prompts"
     engine = load_engine(shipped_model_dir, dtype="float32")
-    tok = Tokenizer.from_dir(engine.tokenizer_dir)
+    tok = Tokenizer.from_dir(engine.path)
     return engine, [tok.encode(t) for t in texts]
 
 
@@ -862,7 +862,7 @@ def tiny_engine(spec_checkpoint):
 def test_relaxed_acceptance_end_to_end(tiny_engine) -> None:
     """Executor with relaxed acceptance: off outside thinking (output = plain greedy); inside a
     thinking span opened by a generated token, with delta=1 and N=vocab, every draft passes."""
-    tok = Tokenizer.from_dir(tiny_engine.tokenizer_dir)
+    tok = Tokenizer.from_dir(tiny_engine.path)
     prompt = tok.encode("def main():\n    return")
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     [plain], _ = run_executor(tiny_engine, [prompt], params, num_draft_tokens=0, speculation="off")
@@ -908,7 +908,7 @@ def test_relaxed_acceptance_never_emits_bad_tokens() -> None:
     relaxed = RelaxedAcceptance(top_n=10, delta=0.6, begin_thinking_token=V - 1, end_thinking_token=V - 3)
     cache = KVCache(cfg, num_blocks=200, block_size=4)
     runner = ModelRunner(model, cache, relaxed=relaxed)
-    sched = Scheduler(SchedulerConfig(max_batch_size=1, max_num_tokens=64, max_seq_len=128), cache,
+    sched = Scheduler(ServingLimits(max_batch_size=1, max_num_tokens=64, max_seq_len=128), cache,
                       DraftPolicy("fixed", 3))
     prompt = [11, 23, 7, 91, V - 1]  # ends with <think>
     seq = Sequence("r", list(prompt), len(prompt), SamplingParams(max_tokens=60, bad_token_ids=tuple(banned)),
@@ -953,7 +953,7 @@ def test_relaxed_thinking_opened_in_prompt(tiny_engine) -> None:
     must start relaxed acceptance at the first draft, as TensorRT-LLM does (it counts the begin
     token in the context tokens). With delta=1 and N=vocab every draft is then accepted. A span
     opened and closed inside the prompt leaves it off."""
-    tok = Tokenizer.from_dir(tiny_engine.tokenizer_dir)
+    tok = Tokenizer.from_dir(tiny_engine.path)
     prompt = tok.encode("def main():\n    return")
     opener = prompt[-2]
     closer = next(i for i in range(4000, 4096) if i not in prompt)
@@ -994,7 +994,7 @@ def test_distribution_of_a_row_does_not_depend_on_its_batch() -> None:
 # End-to-end sampling through the executor
 # ---------------------------------------------------------------------------------------------
 def test_sampling_seed_reproducible(tiny_engine) -> None:
-    tok = Tokenizer.from_dir(tiny_engine.tokenizer_dir)
+    tok = Tokenizer.from_dir(tiny_engine.path)
     prompts = [tok.encode("import os"), tok.encode("In the beginning"), tok.encode("import os")]
     sp = lambda seed: SamplingParams(max_tokens=20, temperature=1.0, top_p=0.95, seed=seed, ignore_eos=True)  # noqa: E731
     # same seed twice in one batch (beside another request), and once alone in a new executor
@@ -1089,7 +1089,7 @@ def test_top_k_1_sampling_equals_greedy(tiny_engine, monkeypatch, coupling) -> N
     sampling path with draft probs and residual max(0, p - q) too) must then reproduce greedy exactly."""
     if coupling == "rejection":
         seeded_requests_take_rejection_sampling(monkeypatch)
-    tok = Tokenizer.from_dir(tiny_engine.tokenizer_dir)
+    tok = Tokenizer.from_dir(tiny_engine.path)
     prompts = [tok.encode("import os"), tok.encode("And God said"), tok.encode("x")]
     greedy = SamplingParams(max_tokens=30, ignore_eos=True)
     [*ref], _ = run_executor(tiny_engine, prompts, greedy, num_draft_tokens=0, speculation="off")
@@ -1108,7 +1108,7 @@ def test_first_token_distribution_matches_target(tiny_engine, monkeypatch, coupl
     position, and the second token the target's marginal over the first."""
     if coupling == "rejection":
         seeded_requests_take_rejection_sampling(monkeypatch)
-    tok = Tokenizer.from_dir(tiny_engine.tokenizer_dir)
+    tok = Tokenizer.from_dir(tiny_engine.path)
     prompt = tok.encode("for i in")
     n = 1500
     params = [SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
@@ -1170,7 +1170,7 @@ def run_stack(engine, prompts: list[list[int]], k: int, max_tokens: int, block_s
     cfg = engine.model_config
     cache = KVCache(cfg, num_blocks=num_blocks, block_size=block_size)
     runner = ModelRunner(engine.model, cache)
-    sched = Scheduler(SchedulerConfig(max_batch_size=8, max_num_tokens=256, max_seq_len=256), cache,
+    sched = Scheduler(ServingLimits(max_batch_size=8, max_num_tokens=256, max_seq_len=256), cache,
                       DraftPolicy("fixed" if k else "off", k))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     seqs = [Sequence(f"r{i}", list(p), len(p), params, seed=i) for i, p in enumerate(prompts)]
@@ -1195,7 +1195,7 @@ def run_stack(engine, prompts: list[list[int]], k: int, max_tokens: int, block_s
 
 
 def test_rollback_after_rejected_drafts(tiny_engine) -> None:
-    tok = Tokenizer.from_dir(tiny_engine.tokenizer_dir)
+    tok = Tokenizer.from_dir(tiny_engine.path)
     prompts = [tok.encode("class Foo:\n    def"), tok.encode("And God said"), tok.encode("x = 1\ny")]
     seen = {"rejected": 0, "freed": 0}
     snapshots = []
@@ -1248,7 +1248,7 @@ def test_rollback_after_rejected_drafts(tiny_engine) -> None:
 
 def test_rollback_output_equals_plain_greedy(tiny_engine) -> None:
     """Same prompts through the hand-driven stack with k=3 and k=0 (small blocks, many shrinks)."""
-    tok = Tokenizer.from_dir(tiny_engine.tokenizer_dir)
+    tok = Tokenizer.from_dir(tiny_engine.path)
     prompts = [tok.encode("class Foo:\n    def"), tok.encode("And God said"), tok.encode("x")]
     accepted = []
     spec, _ = run_stack(tiny_engine, prompts, k=3, max_tokens=24,
@@ -1266,7 +1266,7 @@ def test_rollback_output_equals_plain_greedy(tiny_engine) -> None:
 def test_per_request_draft_length(tiny_engine, speculation) -> None:
     """SamplingParams.num_draft_tokens caps a request's drafts per step (0: plain decoding, no MTP inputs
     kept) beside requests that draft the executor's k; greedy output stays plain decoding's."""
-    tok = Tokenizer.from_dir(tiny_engine.tokenizer_dir)
+    tok = Tokenizer.from_dir(tiny_engine.path)
     prompt = tok.encode("def main():\n    return")
     caps = [0, 1, 2, None]
     params = [SamplingParams(max_tokens=24, ignore_eos=True, num_draft_tokens=c) for c in caps]

@@ -36,7 +36,7 @@ pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 def masks(m: GrammarMatcher, drafts: list[int], first: int, num_rows: int) -> torch.Tensor:
     """[num_rows, V] bool, True where m's grammar bans a token (`fill_masks`'s rows, of one sequence)."""
-    return refused_tokens(grammar_bitmasks([m], [drafts], first, num_rows), m.vocab_size)
+    return refused_tokens(grammar_bitmasks([m], [drafts], first, num_rows)[0], m.vocab_size)
 
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
@@ -215,6 +215,31 @@ def test_a_grammar_that_fails_computing_masks_keeps_none_of_that_steps_tokens(sh
                  "constructed")
     assert final.token_ids == [] and final.text == ""
     assert [t for o in streamed for t in o.new_token_ids] == [] and "".join(o.text_delta for o in streamed) == ""
+
+
+def test_a_mask_that_fails_is_reported_by_the_runner_and_recorded_by_the_update(shipped_engine, prompts,
+                                                                               monkeypatch) -> None:
+    """The runner writes no sequence state: a grammar that fails computing a step's masks comes back in the step's
+    results (`StepResult.grammar_error`), its matcher untouched, and the step's one writer records it (the runner set
+    it on the matcher mid-step)."""
+    from runtime.core.model_runner import ModelRunner
+
+    matchers_fail_as(monkeypatch, FailingMasks)
+    seen = []
+    step = ModelRunner.step
+
+    def watched(self, items):
+        results = step(self, items)
+        seen.extend((r.grammar_error, r.seq.grammar.error) for r in results)
+        return results
+
+    monkeypatch.setattr(ModelRunner, "step", watched)
+    bad = SamplingParams(max_tokens=8, guided_decoding=GuidedDecodingParams(regex="[a-z]+"))
+    with Executor(shipped_engine, ExecutorConfig(num_draft_tokens=3, speculation="fixed")) as ex:
+        final = ex.submit(prompts[0], bad).result(120)
+    error = "the grammar failed while generating: lexer error: too many expressions constructed"
+    assert final.error == f"guided_decoding.regex: {error}"
+    assert seen[-1] == (error, None) and all(recorded is None for _, recorded in seen)
 
 
 class RefusesPastTwoTokens(FailingLexer):

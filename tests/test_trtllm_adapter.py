@@ -50,7 +50,7 @@ from runtime.executors.native import Executor
 from runtime.executors.outputs import RequestOutput
 from runtime.core.sampling_params import RelaxedAcceptance
 from runtime.core.sampling_params import GuidedDecodingParams, SamplingParams
-from runtime.core.scheduler import SchedulerConfig
+from runtime.core.scheduler import ServingLimits
 from runtime.executors.trtllm import TrtllmEngine, TrtllmExecutor
 from runtime.executors.trtllm_api import (TensorRTLLMUnavailable, adapt_to_upstream_fields, draft_len_of,
                                           llm_kwargs_for, read_llm_api_options, to_trtllm_sampling_kwargs)
@@ -848,7 +848,7 @@ def test_contract_llm_built_from_the_yaml(engine_dir: Path, trtllm: ModuleType) 
         assert llm.kwargs == {"backend": "pytorch", **options, "speculative_config": {
             **options["speculative_config"], "max_draft_len": 3}}  # under both names
         assert ex.num_draft_tokens == 3
-        assert ex.limits == SchedulerConfig(max_batch_size=8, max_num_tokens=512, max_seq_len=256)
+        assert ex.limits == ServingLimits(max_batch_size=8, max_num_tokens=512, max_seq_len=256)
         assert ex.tokenizer.eos_token_id == 1
     assert llm.shutdown_calls == 1
     with TrtllmExecutor(engine_dir, ExecutorConfig(num_draft_tokens=0, speculation="off")):

@@ -210,8 +210,8 @@ class CudaGraphRunner:
         """Run once on a side stream (allocator and library warm-up), then record, both with the BLAS
         library that suits the graph's token count (CUBLASLT_MAX_TOKENS). The warm-up computes this very
         call, so its cache writes are the ones the replay makes again. Python's garbage collector stays
-        off while recording: a collection that freed another runner's graphs in the middle of a capture
-        invalidated it (seen on an H100); vLLM freezes it the same way."""
+        off while recording: a collection that frees another runner's graphs in the middle of a capture
+        invalidates it; vLLM freezes it the same way."""
         with _CAPTURING:  # one capture at a time in the process, so that the switches below are not raced
             enabled, blas = gc.isenabled(), torch.backends.cuda.preferred_blas_library()
             torch.backends.cuda.preferred_blas_library(

@@ -10,8 +10,9 @@ A guide is compiled once per distinct guide (an LRU of pristine matchers, keyed 
 sequence gets a deep copy. The matcher holds the grammar state after the sequence's kept output tokens:
 `GrammarMatcher.advance` is called by the step's one writer (`Scheduler.update_from_output`). The model
 runner asks for the bitmasks of rows that follow drafts (`grammar_bitmasks`): each matcher consumes the drafts,
-writes one bitmask per row and rolls them back, leaving the state as it found it; the bitmasks reach the logits
-as llguidance writes them (`Adjustments.allowed`). Once the grammar is complete the mask allows EOS only, so the
+writes one bitmask per row and rolls them back, leaving the state as it found it, and a grammar that fails doing so
+says why (the runner reports it, the step's one writer records it); the bitmasks reach the logits as llguidance
+writes them (`Adjustments.allowed`). Once the grammar is complete the mask allows EOS only, so the
 request ends the way any request ends (a stop token), at the same token for every draft length: greedy output
 under a grammar does not depend on k.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from typing import Container
 
 import llguidance
 import numpy as np
@@ -31,7 +33,7 @@ from runtime.core.sampling_params import GuidedDecodingParams
 
 CACHE_SIZE = 64  # compiled guides kept per executor
 # and at most this much guide text between them: a compiled guide takes memory in its size (tens of MB for a guide
-# of a MB), so 64 large ones made an engine process over a GB larger
+# of a MB), so a count alone would let 64 large ones add over a GB to an engine process
 CACHE_GUIDE_BYTES = 4 * 2**20
 
 
@@ -49,8 +51,9 @@ class GrammarMatcher:
         self.matcher, self.vocab_size, self.mask_words = matcher, vocab_size, mask_words
         self._masks: dict[tuple[int, ...], np.ndarray] = {}  # drafts before a row -> its bitmask, in this state
         # Why the grammar stopped working, if it did: llguidance builds its lexer lazily, so a guide that compiled
-        # can still exceed its limits while generating (a regex of huge repeats). The executor ends this sequence
-        # with the error; the others go on.
+        # can still exceed its limits while generating (a regex of huge repeats). Set by the step's one writer (a
+        # kept token it refuses, or the runner's report that a mask failed); the executor ends this sequence with
+        # the error, the others go on.
         self.error: str | None = None
 
     def advance(self, tokens: list[int]) -> None:
@@ -74,14 +77,15 @@ class GrammarMatcher:
                 return j + 1
         return len(tokens)
 
-    def fill_masks(self, words: np.ndarray, drafts: list[int], first: int) -> None:
+    def fill_masks(self, words: np.ndarray, drafts: list[int], first: int) -> str | None:
         """Write the bitmasks of rows first .. first + len(words) - 1 into words [rows, W] (int32, all bits set on
         entry): row r is decided after drafts[:first + r], explored on a copy of the matcher (a lexer error leaves a
         matcher in its error state, past rolling back). Rows after a draft the grammar refuses, or after the eos that
         completes it, keep every bit: that draft is rejected (its own row bans it), ends the request, or is the last
-        token the request keeps (`num_keepable`), so no later row's token is ever kept."""
+        token the request keeps (`num_keepable`), so no later row's token is ever kept. Returns the error where the
+        grammar fails computing a mask (the rows are then not its guide's: none of their tokens may be kept)."""
         if self.error is not None:
-            return
+            return None
         probe, consumed = None, 0  # the probe is in the state after drafts[:consumed]
         for r in range(len(words)):
             before = tuple(drafts[: first + r])
@@ -98,22 +102,26 @@ class GrammarMatcher:
                 break
             consumed = len(before)
             probe.unsafe_compute_mask_ptr(words[r].ctypes.data, words[r].nbytes)
-            if probe.is_error():  # the rows' tokens are never kept: the executor ends the sequence after this step
-                self.error = f"the grammar failed while generating: {first_line(probe.get_error())}"
-                return
+            if probe.is_error():
+                return f"the grammar failed while generating: {first_line(probe.get_error())}"
             self._masks[before] = words[r].copy()
+        return None
 
 
-def grammar_bitmasks(matchers: list[GrammarMatcher | None], drafts: list[list[int]] | None, first: int, num_rows: int
-                     ) -> Tensor:
+def grammar_bitmasks(matchers: list[GrammarMatcher | None], drafts: list[list[int]] | None, first: int, num_rows: int,
+                     failed: Container[int] = ()) -> tuple[Tensor, dict[int, str]]:
     """[B * num_rows, W] int32 bitmask words (`Adjustments.allowed`) of what each sequence's grammar allows at those
-    rows (every bit set for a sequence without one)."""
+    rows (every bit set for a sequence without one, or whose grammar failed earlier in the step: its index in
+    `failed`), and the errors of the grammars that failed computing them, by index."""
     some = next(m for m in matchers if m is not None)
     words = np.full((len(matchers), num_rows, some.mask_words), -1, dtype=np.int32)
+    errors = {}
     for b, m in enumerate(matchers):
-        if m is not None:
-            m.fill_masks(words[b], drafts[b] if drafts else [], first)
-    return torch.from_numpy(words.reshape(-1, some.mask_words))
+        if m is not None and b not in failed:
+            error = m.fill_masks(words[b], drafts[b] if drafts else [], first)
+            if error is not None:
+                errors[b] = error
+    return torch.from_numpy(words.reshape(-1, some.mask_words)), errors
 
 
 class GrammarCompiler:

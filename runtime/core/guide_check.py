@@ -24,8 +24,8 @@ _SUBSCHEMA_DICTS = ("properties", "patternProperties", "$defs", "definitions", "
 _SUBSCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
                   "unevaluatedProperties", "unevaluatedItems", "additionalItems")
 _SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
-# llguidance compiles a guide recursively, a few KB of stack a level of a $ref or rule chain: on a default 8 MB
-# thread stack a chain of a few thousand (about 100 KB of request) overflowed it and the process died (SIGSEGV).
+# llguidance compiles a guide recursively, a few KB of stack a level of a $ref or rule chain: a chain of a few
+# thousand (about 100 KB of request) overflows a default 8 MB thread stack, which kills the process (SIGSEGV).
 # Compiling runs on a thread of this stack (reserved, touched only as deep as it goes), past any guide a server's
 # request bodies can carry.
 COMPILE_STACK_BYTES = 512 * 2**20

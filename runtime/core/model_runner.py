@@ -15,8 +15,8 @@ each with its own k (no grammar; penalties, bans and logprobs computed in the ca
 (`GreedyStep`; a sequence with k = 0: the target forward and argmax alone; a step where none drafts also for a model
 without an MTP layer): only the emitted tokens, their logprobs and the verified hidden states come back. The
 runner reads sequences and writes none: what a step computed comes back as `StepResult`s, which
-`Scheduler.update_from_output` applies (a grammar that fails while its masks are computed records that on its own
-matcher, which the executor reads after the step and ends the request).
+`Scheduler.update_from_output` applies (a grammar that fails while its masks are computed is reported there too,
+`StepResult.grammar_error`, and the executor ends the request).
 
 A guided request's grammar is one more ban per row: draft j is drawn from the MTP distribution masked by
 the grammar state after drafts 1..j-1, and each verified row is masked by its own state (a bitmask per
@@ -63,6 +63,8 @@ class ModelRunner:
         self.for_kernels = attends_in_kernels(model)  # paged batches in the per-token form the kernels read
         # greedy steps in one kernel call where the whole target is on the kernels (None: the general path only)
         self.greedy_step = GreedyStep.of(model) if graphs is None else None
+        # the step's grammars that failed computing masks, with why: their later rows in the step are left unmasked
+        self._grammar_errors: dict[Sequence, str] = {}
 
     # ---- batch plumbing -----------------------------------------------------------------------
     def _paged_batch(self, tables: list[list[int]], starts: list[int], lens: list[int]) -> PagedBatch:
@@ -117,7 +119,9 @@ class ModelRunner:
         if any(g is not None for g in grammars):
             # row j: what the grammar allows after the drafts before it
             rows = None if drafts is None or first + num_rows == 1 else drafts[:, : first + num_rows - 1].tolist()
-            allowed = grammar_bitmasks(grammars, rows, first, num_rows)
+            failed = {b for b, s in enumerate(seqs) if s in self._grammar_errors}
+            allowed, errors = grammar_bitmasks(grammars, rows, first, num_rows, failed)
+            self._grammar_errors.update((seqs[b], error) for b, error in errors.items())
         pen = [b for b, s in enumerate(seqs) if s.penalty is not None]
         biased = any(s.logit_bias is not None for s in seqs)
         if not pen and not any(bad) and not any(stop_rows) and allowed is None and not biased:
@@ -221,6 +225,7 @@ class ModelRunner:
         decode items feed [last token, drafts...] and emit 1..k+1 tokens. Items run shortest context
         first, long chunks last, so sequences of similar length share attention groups."""
         items = sorted(items, key=lambda it: (it.num_new > SHORT_QUERY, it.seq.num_cached + it.num_new))
+        self._grammar_errors.clear()
         if self.greedy_step is not None and self._in_one_call(items):
             return self._step_in_one_call(items)
         drafting = [it for it in items if it.num_drafts > 0]
@@ -254,7 +259,7 @@ class ModelRunner:
                 for t in emitted:
                     thinking = self.relaxed.advance(thinking, t)
             out.append(StepResult(s, emitted, it.num_drafts, accepted, trusted, kept, it.num_drafts > 0, thinking,
-                                  logprobs, prompt_logprobs.get(i)))
+                                  logprobs, prompt_logprobs.get(i), self._grammar_errors.get(s)))
         return out
 
     def _in_one_call(self, items: list[Scheduled]) -> bool:

@@ -38,3 +38,6 @@ class StepResult:
     in_thinking: bool = False  # relaxed acceptance: a thinking span is open after the emitted tokens
     logprobs: list[TokenLogprob] | None = None  # one per emitted token, when the request asks for logprobs
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens this prefill chunk predicted (prompt_logprobs)
+    # why the sequence's grammar failed computing this step's masks: its rows were not its guide's, so it keeps none of
+    # the step's tokens and ends with the error
+    grammar_error: str | None = None

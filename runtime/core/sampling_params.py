@@ -16,7 +16,8 @@ MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (OpenAI's
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # vLLM's names
 PENALTY_LIMIT = 2.0  # |presence_penalty| and |frequency_penalty| at most this (OpenAI's range)
 # repetition_penalty's range: wide enough for any use (1.0-1.5 in practice), narrow enough that a logit divided or
-# multiplied by it stays a float32 number (1e-38 made logits inf, and sampling drew token 0 from NaN)
+# multiplied by it stays a float32 number (a logit divided by 1e-38 is inf, and sampling from the NaN that follows
+# draws token 0)
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 LOGIT_BIAS_LIMIT = 100.0  # |logit_bias| values at most this (OpenAI's range, trtllm-serve's)
 SEED_MODULUS = 2**63  # seeds are in [0, 2^63): they travel in int64 tensors

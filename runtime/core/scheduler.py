@@ -20,9 +20,9 @@ The draft length comes from a `DraftPolicy` (runtime.core.draft_policy), and no 
 budget to prompts waiting to be prefilled.
 
 After the step, `update_from_output` applies what the runner computed, the one writer of a step's
-results: tokens (as many as the stop rules keep), the penalties' counts and the grammar state of them, cache
-lengths, MTP inputs, prompt logprobs done, blocks filled (registered for reuse), finished sequences, blocks
-given back, and what the draft policy learns.
+results: tokens (as many as the stop rules keep), the penalties' counts and the grammar state of them (or the
+grammar's failure the runner reported), cache lengths, MTP inputs, prompt logprobs done, blocks filled (registered
+for reuse), finished sequences, blocks given back, and what the draft policy learns.
 """
 
 from __future__ import annotations
@@ -39,7 +39,10 @@ from runtime.core.sequence import Sequence, Status
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
+class ServingLimits:
+    """The bounds a step is planned within and a request is validated against: sequences in a step, tokens in a
+    step, and tokens in a sequence (prompt and output)."""
+
     max_batch_size: int
     max_num_tokens: int
     max_seq_len: int
@@ -48,9 +51,9 @@ class SchedulerConfig:
 class Scheduler:
     MTP_IDLE_LIMIT = 8  # decode steps in a row for which adaptive speculation chose k = 0 before it drops a sequence
 
-    def __init__(self, config: SchedulerConfig, cache: KVCache, policy: DraftPolicy,
+    def __init__(self, limits: ServingLimits, cache: KVCache, policy: DraftPolicy,
                  prefix_cache: PrefixCache | None = None):
-        self.config, self.cache, self.policy, self.prefix_cache = config, cache, policy, prefix_cache
+        self.limits, self.cache, self.policy, self.prefix_cache = limits, cache, policy, prefix_cache
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.admissions = 0  # admission counter: preemption takes the latest admitted
@@ -99,7 +102,7 @@ class Scheduler:
         """Drafts per decode that still leave the step's token budget to the prefill work waiting for
         it: a draft that delays admitting a request costs more throughput than it brings (adaptive
         speculation only; a fixed k is the user's choice)."""
-        seats = max(self.config.max_batch_size - len(self.running), 0)
+        seats = max(self.limits.max_batch_size - len(self.running), 0)
         waiting = [s for s in self.running if s.in_prefill] + list(islice(self.waiting, seats))
         prefill = sum(s.num_to_prefill for s in waiting)
         return max(0, (budget - num_decodes - prefill) // num_decodes)
@@ -108,13 +111,13 @@ class Scheduler:
         """The step's k within what the request allows (its num_draft_tokens) and what is left of it."""
         if not seq.can_draft:
             return 0
-        room = min(self.config.max_seq_len - seq.num_tokens, seq.params.max_tokens - seq.num_output_tokens - 1)
+        room = min(self.limits.max_seq_len - seq.num_tokens, seq.params.max_tokens - seq.num_output_tokens - 1)
         if seq.params.num_draft_tokens is not None:
             room = min(room, seq.params.num_draft_tokens)
         return max(0, min(k, room))
 
     def schedule(self) -> list[Scheduled]:
-        budget = self.config.max_num_tokens
+        budget = self.limits.max_num_tokens
         preemptions = self.preemptions
         decodes = [s for s in self.running if not s.in_prefill]
         drafters = Counter(draft_kind(s.params) for s in decodes if s.can_draft)
@@ -153,11 +156,11 @@ class Scheduler:
                 stalled = True
                 continue
             plan.append(Scheduled(seq, chunk))
-            budget = self.config.max_num_tokens - sum(it.num_new for it in plan)
+            budget = self.limits.max_num_tokens - sum(it.num_new for it in plan)
         admit = not stalled and self.preemptions == preemptions
         admitted: list[Sequence] = []  # taken off the queue after the walk: the walk reads only its head
         for seq in self.waiting if admit else ():
-            if budget <= 0 or len(self.running) >= self.config.max_batch_size:
+            if budget <= 0 or len(self.running) >= self.limits.max_batch_size:
                 break
             if self._held(seq):
                 continue
@@ -226,6 +229,8 @@ class Scheduler:
             if seq.penalty is not None:
                 seq.penalty.add(new)
             if seq.grammar is not None:
+                if r.grammar_error is not None:  # its masks failed: it keeps none of the step's tokens
+                    seq.grammar.error = r.grammar_error
                 seq.grammar.advance(new)
             if r.prompt_logprobs:
                 seq.num_prompt_logprobs += len(r.prompt_logprobs)

@@ -9,28 +9,32 @@ from typing import Any
 
 from runtime.executors.base import ExecutorConfig, ExecutorProtocol
 from runtime.executors.native import Executor
-from runtime.executors.trtllm import TrtllmExecutor
+from runtime.executors.trtllm import TrtllmEngine, TrtllmExecutor
 from runtime.executors.trtllm_api import chosen_options, llm_kwargs_for, read_llm_api_options
-from runtime.io.engine_format import EngineManifest, engine_backend, read_limits
+from runtime.io.engine_format import read_limits, read_manifest
 
 
 def check_settings(path: str | Path, config: ExecutorConfig) -> None:
     """What creating an executor on `path` with `config` refuses before it loads a weight (ValueError naming the
     setting), for a deployment written before any server loads it (make_model_repo)."""
-    path, source, backend = Path(path), str(path), engine_backend(path)
-    if backend == "trtllm":
-        llm_kwargs_for(chosen_options(read_llm_api_options(path), config), EngineManifest.read(path), config,
-                       source=source)
+    path, source = Path(path), str(path)
+    manifest = read_manifest(path)
+    if manifest is not None and manifest.build.backend == "trtllm":
+        llm_kwargs_for(chosen_options(read_llm_api_options(path), config), manifest, config, source=source)
         return
-    cfg, build = read_limits(path)
-    config.world_size_for(build, source)
-    config.serving(build, cfg, source, built=backend is not None)  # a checkpoint's limits are defaults, not choices
+    cfg, build = read_limits(path, manifest)
+    config.resolve(build, cfg, source, built=manifest is not None)  # a checkpoint's limits are defaults, not choices
 
 
 def create_executor(path: str | Path, config: ExecutorConfig = ExecutorConfig(), **kwargs: Any) -> ExecutorProtocol:
-    """TensorRT-LLM for an engine built with --backend trtllm, else the native executor."""
+    """TensorRT-LLM for an engine built with --backend trtllm, else the native executor; engine.json is read here
+    once and handed on."""
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"path must be a checkpoint or engine directory, got {path!r:.80}")
-    if engine_backend(path) == "trtllm":
-        return TrtllmExecutor(path, config, **kwargs)
-    return Executor(path, config)
+    manifest = read_manifest(path)
+    if manifest is None:  # a checkpoint (or no model: the executor says so)
+        return Executor(path, config)
+    if manifest.build.backend == "trtllm":
+        engine = TrtllmEngine.open(path, kwargs.pop("verify_weights", False), manifest)
+        return TrtllmExecutor(engine, config, **kwargs)
+    return Executor(path, config, manifest)

@@ -1,6 +1,6 @@
 """What every executor is: the contract the native executor and the TensorRT-LLM adapter keep and the settings
-they share (`ExecutorConfig`, read once: limits, speculation mode and draft length resolved here for both). The
-choice between them is runtime.executors.backends'."""
+they share (`ExecutorConfig`: its limits and draft length rules are here for both; the native executor resolves it
+against an engine once, into a `ServingPlan`). The choice between them is runtime.executors.backends'."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from runtime.core.draft_policy import check_speculation
 from runtime.core.sampling_params import RelaxedAcceptance, SamplingParams
-from runtime.core.scheduler import SchedulerConfig
+from runtime.core.scheduler import ServingLimits
 from runtime.executors.handles import RequestHandle
 from runtime.executors.outputs import RequestOutput
 from runtime.io.engine_format import MAX_DRAFT_LEN, BuildConfig, check_model_limits
@@ -52,6 +52,16 @@ class ExecutorStats:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class ServingPlan:
+    """What the native executor serves an engine with: its ExecutorConfig resolved against the engine once
+    (`ExecutorConfig.resolve`)."""
+
+    limits: ServingLimits
+    draft_len: int  # drafts per sequence and step at most (0: plain decoding)
+    world_size: int  # processes running the model (one per tensor-parallel rank, or 1)
 
 
 @dataclass(frozen=True)
@@ -140,14 +150,17 @@ class ExecutorConfig:
                              "use world_size=1 to join the ranks on one device")
         return world
 
-    def serving(self, build: BuildConfig, model: ModelConfig, source: str, built: bool = True
-                ) -> tuple[SchedulerConfig, int]:
-        """The native executor's limits and draft length (0: plain decoding), from engine.json / config.json alone, so
-        a setting it refuses is refused before a weight loads (ValueError naming it)."""
+    def resolve(self, build: BuildConfig, model: ModelConfig, source: str, built: bool = True, loaded: bool = False
+                ) -> ServingPlan:
+        """What the native executor serves an engine with (limits, draft length, processes), from engine.json /
+        config.json alone, so a setting it refuses is refused before a weight loads (ValueError naming it). built
+        False: a plain checkpoint, whose limits are defaults; loaded: the engine is loaded in this process already
+        (one process, whatever its tp_size)."""
+        world = 1 if loaded else self.world_size_for(build, source)
         if self.llm_api_options is not None:
             raise ValueError(f"llm_api_options: {source} is a native engine (LLM-API options run a --backend trtllm "
                              "engine on TensorRT-LLM); leave them unset")
-        limits = self.limits(build, model, source, built)
+        limits = self.limits_for(build, model, source, built)
         k = self.draft_len(build.max_draft_len, model.num_nextn_predict_layers, source, built)
         if k + 1 > limits.max_num_tokens:  # a step verifies a sequence's k drafts and one more token at once
             if self.num_draft_tokens is not None:
@@ -156,7 +169,7 @@ class ExecutorConfig:
             k = limits.max_num_tokens - 1
         if self.relaxed_acceptance is not None:
             self.relaxed_acceptance.check_tokens(model.vocab_size)
-        return limits, k
+        return ServingPlan(limits, k, world)
 
     def draft_len(self, max_draft_len: int, mtp_layers: int, source: str, built: bool = True) -> int:
         """The draft length to serve with (0: plain decoding): num_draft_tokens, or by default as many as the
@@ -176,7 +189,7 @@ class ExecutorConfig:
                              f"({source})")
         return k
 
-    def limits(self, build: BuildConfig, model: ModelConfig, source: str, built: bool = True) -> SchedulerConfig:
+    def limits_for(self, build: BuildConfig, model: ModelConfig, source: str, built: bool = True) -> ServingLimits:
         """max_batch_size, max_num_tokens and max_seq_len to serve with: as asked, else as built; more than an
         engine was built for is refused naming the flag to rebuild with (a plain checkpoint's are defaults), and a
         max_seq_len past the model's max_position_embeddings is refused for both."""
@@ -189,7 +202,7 @@ class ExecutorConfig:
             values[name] = most if asked is None else asked
         if values["max_seq_len"] > build.max_seq_len:  # a plain checkpoint's (an engine's are checked at load)
             check_model_limits(model, dataclasses.replace(build, max_seq_len=values["max_seq_len"]), source)
-        return SchedulerConfig(**values)
+        return ServingLimits(**values)
 
 
 class ExecutorProtocol(Protocol):
@@ -197,7 +210,7 @@ class ExecutorProtocol(Protocol):
 
     config: ExecutorConfig | None
     model_config: ModelConfig
-    limits: SchedulerConfig
+    limits: ServingLimits
     tokenizer: Tokenizer
     kv_block_size: int  # tokens per KV block (0: the backend does not say)
 
@@ -224,7 +237,8 @@ def submit_all(executor: ExecutorProtocol, prompts: list[list[int]], params: Sam
                request_ids: list[str] | None = None) -> list[RequestHandle]:
     """Submit several prompts as one call of a client's: every one is validated before any is submitted (submit
     validates one), and the queue bound (max_queued_requests) decides on the first alone: a request is taken or
-    refused whole (one of more prompts than the batch and the bound hold was refused by an idle server, forever)."""
+    refused whole (bounding each prompt would refuse a request of more prompts than the batch and the bound hold
+    even from an idle server, every time it is sent)."""
     if len(prompts) > 1:
         for ids in prompts:
             executor.validate(ids, params)

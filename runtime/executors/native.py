@@ -1,9 +1,9 @@
 """In-flight batching executor: a request queue and a step loop on its own thread.
 
-Requests join the running batch at any step and leave when done; each step is planned by the
-scheduler and run by the model runner. The executor owns time and threads: it turns emitted
-tokens into text deltas (valid UTF-8), applies stop conditions, streams outputs to callbacks and
-iterators, and frees a cancelled request's blocks at once.
+Requests join the running batch at any step and leave when done. A step: the scheduler plans it, the model runner
+runs it, the output processor (runtime.executors.requests) applies each request's stop conditions to the emitted
+tokens, the scheduler applies what they keep to its sequences, and the output processor streams text deltas (valid
+UTF-8) to callbacks and iterators. The executor owns time and threads, and frees a cancelled request's blocks at once.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from runtime.core.cuda_graphs import CudaGraphRunner
 from runtime.executors.lifetime import forget_at_exit, rss_bytes, stop_at_exit
 from runtime.executors.ranks import RankFailure, RankGroup, RankOptions, drive
-from runtime.io.engine_format import ENGINE_JSON, BuildConfig, EngineManifest, read_limits
+from runtime.io.engine_format import BuildConfig, EngineManifest, read_limits, read_manifest
 from runtime.io.loading import LoadedEngine, load_engine
 from runtime.core.kv_cache import KVCache, free_memory_bytes
 from runtime.core.sampling_params import SEED_MODULUS, SamplingParams, fresh_seed, validate_request
@@ -31,13 +31,12 @@ from runtime.core.cost_profile import profile_step_costs
 from runtime.core.draft_policy import DraftPolicy
 from runtime.core.grammar import GrammarCompiler
 from runtime.core.prefix_cache import PrefixCache
-from runtime.core.plan import StepResult
 from runtime.core.scheduler import Scheduler
-from runtime.executors.base import ExecutorConfig, ExecutorStats
+from runtime.executors.base import ExecutorConfig, ExecutorStats, ServingPlan
 from runtime.executors.errors import QueueFull
 from runtime.executors.handles import RequestHandle, check_callback
 from runtime.executors.outputs import RequestOutput, RequestStats
-from runtime.executors.requests import BestOf, RequestIds, RequestTracker
+from runtime.executors.requests import OutputProcessor, RequestIds, RequestTracker
 from runtime.core.sequence import LogitBias, PenaltyState, Sequence
 from runtime.io.tokenizer import Tokenizer
 from runtime.core.model_runner import ModelRunner
@@ -47,15 +46,23 @@ __all__ = ["Executor", "ExecutorStats", "RequestHandle", "RequestOutput", "Reque
 log = logging.getLogger("runtime.executors.native")
 
 class Executor:
-    def __init__(self, engine: str | Path | LoadedEngine, config: ExecutorConfig = ExecutorConfig()):
+    def __init__(self, engine: str | Path | LoadedEngine, config: ExecutorConfig = ExecutorConfig(),
+                 manifest: EngineManifest | None = None):
+        """`manifest`: the engine directory's engine.json as the caller read it (read here when None)."""
         self.config = config
         self.ranks: RankGroup | None = None  # ranks 1.. of a tensor-parallel engine, in processes of their own
         self.tokenizer: Tokenizer | None = None
+        plan = None
         if not isinstance(engine, LoadedEngine):
-            self._check_settings(Path(engine))
+            path = Path(engine)
+            manifest = manifest or read_manifest(path)
+            plan = self._check_settings(path, manifest)
         try:
-            self.engine = engine if isinstance(engine, LoadedEngine) else self._load(Path(engine))
-            self._setup()
+            self.engine = engine if isinstance(engine, LoadedEngine) else self._load(path, manifest, plan)
+            if plan is None:  # a loaded engine given: it runs in this process
+                e = self.engine
+                plan = config.resolve(e.build, e.model_config, str(e.path), e.built, loaded=True)
+            self._setup(plan)
         except BaseException:
             if self.ranks is not None:
                 self.ranks.close(graceful=False)
@@ -64,18 +71,18 @@ class Executor:
         self._thread.start()
         stop_at_exit(self, lambda: self.shutdown(timeout=None))  # left open: stopped before the interpreter ends
 
-    def _check_settings(self, path: Path) -> None:
-        """What the settings refuse, refused from engine.json / config.json before a weight loads (or a rank starts),
-        and the tokenizer read (a bad one is said before the weights load, not after); a directory without either is
-        left to the loader to refuse."""
-        built = (path / ENGINE_JSON).is_file()
-        if built or (path / "config.json").is_file():
-            cfg, build = read_limits(path)
-            self.config.world_size_for(build, str(path))
-            self.config.serving(build, cfg, str(path), built)
-            self.tokenizer = Tokenizer.from_dir(path)
+    def _check_settings(self, path: Path, manifest: EngineManifest | None) -> ServingPlan | None:
+        """The settings resolved against engine.json / config.json, so what they refuse is refused before a weight
+        loads (or a rank starts), and the tokenizer read (a bad one is said before the weights load, not after); a
+        directory without either is left to the loader to refuse (None)."""
+        if manifest is None and not (path / "config.json").is_file():
+            return None
+        cfg, build = read_limits(path, manifest)
+        plan = self.config.resolve(build, cfg, str(path), built=manifest is not None)
+        self.tokenizer = Tokenizer.from_dir(path)
+        return plan
 
-    def _load(self, path: Path) -> LoadedEngine:
+    def _load(self, path: Path, manifest: EngineManifest | None, plan: ServingPlan | None) -> LoadedEngine:
         """The engine in this process, or its rank 0 with the other ranks started alongside (runtime.executors.ranks)."""
         config = self.config
         device = torch.device(config.device)
@@ -83,15 +90,14 @@ class Executor:
             raise ValueError(f"device {config.device}: torch here sees {torch.cuda.device_count()} CUDA device(s)"
                              + ("; use device cpu" if not torch.cuda.device_count() else ""))
         options = dict(device=config.device, dtype=config.dtype, cpu_kernels=config.cpu_kernels,
-                       fp8_weights=config.fp8_weights)
-        if not (path / ENGINE_JSON).is_file():  # a plain checkpoint (or no model: load_engine says so)
-            config.world_size_for(BuildConfig(), str(path))  # one rank
+                       fp8_weights=config.fp8_weights, manifest=manifest)
+        if plan is None:  # no model here: load_engine says so (after a world_size that no model can take)
+            config.world_size_for(BuildConfig(), str(path))
             return load_engine(path, **options)
-        build = EngineManifest.read(path).build
-        world = config.world_size_for(build, str(path))
-        if world == 1:
+        if plan.world_size == 1:
             return load_engine(path, **options)
-        self.ranks = RankGroup.open(path, build, RankOptions(config.dtype, config.cpu_kernels, fp8_weights=config.fp8_weights))
+        self.ranks = RankGroup.open(path, manifest.build, RankOptions(config.dtype, config.cpu_kernels,
+                                                                      fp8_weights=config.fp8_weights))
         engine = load_engine(path, **options, par=self.ranks.par)
         self.ranks.connect()
         engine.model = drive(engine.model, self.ranks)
@@ -101,12 +107,12 @@ class Executor:
     def world_size(self) -> int:
         return 1 if self.ranks is None else self.ranks.world_size
 
-    def _setup(self) -> None:
+    def _setup(self, plan: ServingPlan) -> None:
         build, cfg, config = self.engine.build, self.engine.model_config, self.config
-        self.limits, k = config.serving(build, cfg, str(self.engine.path), self.engine.built)
+        self.limits, k = plan.limits, plan.draft_len
         self.model_config = cfg
         if self.tokenizer is None:  # a loaded engine given
-            self.tokenizer = Tokenizer.from_dir(self.engine.tokenizer_dir)
+            self.tokenizer = Tokenizer.from_dir(self.engine.path)
         if note := self.tokenizer.adopt_eos(cfg.eos_token_id):
             log.warning(note)
         self._grammars: GrammarCompiler | None = None  # built at the first guided request
@@ -132,7 +138,7 @@ class Executor:
         self._groups: dict[str, list[str]] = {}  # request id -> its sequences' ids in flight (several: n / best_of)
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._wake = threading.Event()
-        self._counts = dict(generated=0, drafted=0, accepted=0, reused_blocks=0, missed_blocks=0)
+        self.outputs = OutputProcessor(self._requests, self.cache.blocks_for)
         self._ids = RequestIds()
         self._stopping = False
         self._error: str | None = None  # why the step loop stopped, if it failed
@@ -211,16 +217,13 @@ class Executor:
         seed = int(params.seed) if params.seed is not None else fresh_seed()  # numpy ints too
         handle = RequestHandle(rid, self, params.n, delivered_by=self._thread)
         size = params.num_sequences
-        best_of = BestOf(params.n, size, params.logprobs is not None) if size > params.n else None
+        trackers = RequestTracker.create_group(rid, len(prompt_token_ids), params, size, self.tokenizer, handle,
+                                               on_output)
         group: list[tuple[Sequence, RequestTracker]] = []
         bias = LogitBias.create(params.logit_bias, self.cache.tensor.device) if params.logit_bias else None
-        for i in range(size):
-            # best_of ranks by cumulative logprob; the leader alone computes prompt logprobs, which all report
-            p = replace(params, logprobs=0) if best_of is not None and params.logprobs is None else params
-            tracker = RequestTracker.create(rid, len(prompt_token_ids), p, self.tokenizer, handle, on_output)
-            tracker.index, tracker.best_of = i, best_of
-            if i:
-                tracker.prompt_logprobs, p = group[0][1].prompt_logprobs, replace(p, prompt_logprobs=None)
+        for i, tracker in enumerate(trackers):
+            # the leader alone computes prompt logprobs, which all report
+            p = replace(tracker.params, prompt_logprobs=None) if i else tracker.params
             penalty = PenaltyState.create(list(prompt_token_ids), self.model_config.vocab_size,
                                           self.cache.tensor.device) if params.penalized else None
             seq = Sequence(rid if size == 1 else f"{rid}#{i}", list(prompt_token_ids), len(prompt_token_ids), p,
@@ -269,7 +272,7 @@ class Executor:
         return self.cache.block_size
 
     def stats(self) -> ExecutorStats:
-        c = self._counts
+        c = self.outputs.counts
         return ExecutorStats(
             running=len(self.scheduler.running), queued=self._queued(),
             kv_blocks_used=self.cache.allocator.num_used, kv_blocks_free=self.cache.allocator.num_free,
@@ -367,18 +370,7 @@ class Executor:
             self._wake.wait(0.01)
             self._wake.clear()
             return
-        for item in plan:
-            tracker = self._requests[item.seq.request_id][1]
-            if tracker.first_scheduled_time is None:
-                tracker.first_scheduled_time = t0
-                prompt_blocks = self.cache.blocks_for(tracker.num_prompt_tokens)
-                self._counts["reused_blocks"] += item.seq.num_reused_blocks
-                self._counts["missed_blocks"] += prompt_blocks - item.seq.num_reused_blocks
-                # an output of n / best_of reports what its request found in the prefix cache: what the first
-                # sequence found (the others share the blocks it computed)
-                first = item.seq.leader or item.seq
-                tracker.num_reused_blocks = first.num_reused_blocks
-                tracker.num_missed_blocks = prompt_blocks - first.num_reused_blocks
+        self.outputs.scheduled(plan, t0)
         try:
             results = self.runner.step(plan)
         except RankFailure:  # the ranks are gone or out of step: nothing can run any more
@@ -388,53 +380,9 @@ class Executor:
             for item in plan:
                 self._finish(item.seq.request_id, "error", error=str(e))
             return
-        now = time.perf_counter()
-        # a grammar that failed while this step's masks were computed: the rows it masked are not its guide's, so
-        # the request keeps none of this step's tokens and ends (its grammar, not the engine: the others go on)
-        failed = self._failed_grammars(results)
-        reports, kept, finished = [], {}, set()
-        for r in results:  # the stop rules decide how many emitted tokens each request keeps
-            if r.prompt_logprobs:
-                self._requests[r.seq.request_id][1].prompt_logprobs += r.prompt_logprobs
-            if r.seq.request_id in failed:
-                kept[r.seq] = 0
-                finished.add(r.seq)
-            elif r.new_token_ids:
-                tracker = self._requests[r.seq.request_id][1]
-                tokens, logprobs = r.new_token_ids, r.logprobs
-                if r.seq.grammar is not None:
-                    keep = r.seq.grammar.num_keepable(tokens)
-                    tokens, logprobs = tokens[:keep], logprobs[:keep] if logprobs is not None else None
-                new, delta, reason = tracker.consume(tokens, now, logprobs)
-                accepted = min(r.num_accepted, len(new))  # drafts the output keeps (a stop can cut the rest)
-                tracker.num_steps += 1
-                tracker.num_draft_tokens += r.num_drafts
-                tracker.num_accepted_draft_tokens += accepted
-                self._counts["drafted"] += r.num_drafts
-                self._counts["accepted"] += accepted
-                self._counts["generated"] += len(new)
-                kept[r.seq] = len(new)
-                if reason is not None:
-                    finished.add(r.seq)
-                reports.append((r.seq.request_id, new, delta, reason))
+        kept, finished, reports = self.outputs.process(results, time.perf_counter())
         self.scheduler.update_from_output(plan, results, kept, finished, time.perf_counter() - t0)
-        # one that failed consuming the tokens it kept (drawn under its masks): it ends with them
-        refused = {rid: error for rid, error in self._failed_grammars(results).items() if rid not in failed}
-        for rid, new, delta, reason in reports:
-            if rid in refused:
-                self._finish(rid, "error", new, delta, error=refused[rid])
-            elif reason is None:
-                self._requests[rid][1].report(new, delta, None)
-            else:
-                self._finish(rid, reason, new, delta)
-        for rid, error in failed.items():
-            self._finish(rid, "error", error=error)
-
-    @staticmethod
-    def _failed_grammars(results: list[StepResult]) -> dict[str, str]:
-        """The step's sequences whose grammar has failed, with the error they end with."""
-        return {r.seq.request_id: f"guided_decoding.{r.seq.params.guided_decoding.kind}: {r.seq.grammar.error}"
-                for r in results if r.seq.grammar is not None and r.seq.grammar.error is not None}
+        self.outputs.deliver(reports, self._finish)
 
     def _drain_inbox(self) -> None:
         while True:

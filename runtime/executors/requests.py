@@ -1,6 +1,7 @@
 """A request's life in an executor, shared by every backend's: its id, its stop conditions (stop token ids and eos,
 max_tokens, stop strings), UTF-8-safe text deltas and statistics (RequestTracker), and the ranking of best_of's
-candidates, so the native executor and the TensorRT-LLM adapter answer the same request the same way.
+candidates, so the native executor and the TensorRT-LLM adapter answer the same request the same way; and what the
+native executor's requests make of each step (OutputProcessor).
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Any, Callable, TypeVar
 
+from runtime.core.plan import Scheduled, StepResult
 from runtime.core.sampling import TokenLogprob
 from runtime.core.sampling_params import SamplingParams
+from runtime.core.sequence import Sequence
 from runtime.executors.handles import RequestHandle
 from runtime.executors.outputs import FAILED_REASONS, RequestOutput, RequestStats, so_far
 from runtime.io.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -90,6 +93,9 @@ class BestOf:
                 for i, o in enumerate(finals[: self.n])]
 
 
+T = TypeVar("T", bound="RequestTracker")
+
+
 @dataclass(eq=False)
 class RequestTracker:
     """What a request has reported so far, and the rules for what it reports next."""
@@ -118,22 +124,40 @@ class RequestTracker:
     logprobs: list[TokenLogprob] | None = None  # of the output tokens reported, when asked for
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[TokenLogprob | None] | None = None  # filled by the prefill steps, when asked for
-    index: int = 0  # which of the request's sequences (n / best_of) it follows
+    index: int = 0  # which of the request's outputs (n / best_of) it follows
     best_of: BestOf | None = None  # best_of > n: where its outputs wait for the ranking
     stop_reason: str | int | None = None  # RequestOutput.stop_reason, once consume() finds it
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
             self.logprobs = []
-        if self.params.prompt_logprobs is not None:
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None]
 
     @classmethod
-    def create(cls, request_id: str, num_prompt_tokens: int, params: SamplingParams, tokenizer: Tokenizer,
-               handle: RequestHandle,
-               callback: Callable[[RequestOutput], None] | None = None) -> "RequestTracker":
+    def create(cls: type[T], request_id: str, num_prompt_tokens: int, params: SamplingParams, tokenizer: Tokenizer,
+               handle: RequestHandle, callback: Callable[[RequestOutput], None] | None = None, **fields: Any) -> T:
         return cls(request_id, num_prompt_tokens, params, handle, IncrementalDetokenizer(tokenizer),
-                   params.stop_ids(tokenizer.eos_token_id), callback)
+                   params.stop_ids(tokenizer.eos_token_id), callback, **fields)
+
+    @classmethod
+    def create_group(cls: type[T], request_id: str, num_prompt_tokens: int, params: SamplingParams, size: int,
+                     tokenizer: Tokenizer, handle: RequestHandle,
+                     callback: Callable[[RequestOutput], None] | None = None, **fields: Any) -> list[T]:
+        """The trackers of a request's `size` outputs, output i at `index` i: its n outputs, or (size > n) best_of's
+        candidates, whose outputs wait for their ranking (`BestOf`; each computes logprobs to be ranked by). The
+        prompt logprobs, computed once, are every output's: the first's list is theirs. `fields`: a subclass's own,
+        the same for every output. The trackers hold no reference to each other: a request's are freed as its
+        sequences end, not left to the cycle collector (which may run where what their callbacks hold is gone)."""
+        best_of = BestOf(params.n, size, params.logprobs is not None) if size > params.n else None
+        if best_of is not None and params.logprobs is None:
+            params = replace(params, logprobs=0)
+        group: list[T] = []
+        for i in range(size):
+            group.append(cls.create(request_id, num_prompt_tokens, params, tokenizer, handle, callback, index=i,
+                                    best_of=best_of,
+                                    prompt_logprobs=group[0].prompt_logprobs if i else None, **fields))
+        return group
 
     def consume(self, new: list[int], now: float, logprobs: list[TokenLogprob] | None = None
                 ) -> tuple[list[int], str, str | None]:
@@ -226,3 +250,86 @@ class RequestTracker:
             log.info("request %s[%d] finished (%s): %d prompt + %d output tokens, %d/%d drafts accepted",
                      self.request_id, self.index, reason, s.prompt_tokens, s.output_tokens, s.num_accepted_draft_tokens,
                      s.num_draft_tokens)
+
+
+Report = tuple[str, list[int], str, "str | None"]  # a sequence's id, the tokens it keeps, their text, why it ends
+
+
+class OutputProcessor:
+    """What the native executor's requests make of each step, the one writer of their RequestTrackers in the step
+    loop (when each was first scheduled, what it found in the prefix cache, prompt logprobs, the stop rules and a
+    grammar's cut of its tokens, its speculation counts) and of the executor's totals (`counts`), as vLLM v1's output
+    processor: the scheduler plans, the runner computes, `process` decides what each request keeps and how it ends,
+    the scheduler applies that to its sequences, `deliver` reports it."""
+
+    def __init__(self, requests: dict[str, tuple[Sequence, RequestTracker]], blocks_for: Callable[[int], int]):
+        self.requests = requests  # the executor's requests in flight, by Sequence.request_id (read here)
+        self.blocks_for = blocks_for  # KV blocks that hold a number of tokens
+        # ExecutorStats' totals: output tokens, drafts run and kept, prompt blocks found in the prefix cache and not
+        self.counts = dict(generated=0, drafted=0, accepted=0, reused_blocks=0, missed_blocks=0)
+
+    def scheduled(self, plan: list[Scheduled], now: float) -> None:
+        """A step's sequences scheduled at `now` (before it runs: a step that fails reports them too): when each request
+        was first scheduled, and what its prompt found in the prefix cache."""
+        for item in plan:
+            tracker = self.requests[item.seq.request_id][1]
+            if tracker.first_scheduled_time is None:
+                tracker.first_scheduled_time = now
+                prompt_blocks = self.blocks_for(tracker.num_prompt_tokens)
+                self.counts["reused_blocks"] += item.seq.num_reused_blocks
+                self.counts["missed_blocks"] += prompt_blocks - item.seq.num_reused_blocks
+                # an output of n / best_of reports what its request found in the prefix cache: what the first
+                # sequence found (the others share the blocks it computed)
+                first = item.seq.leader or item.seq
+                tracker.num_reused_blocks = first.num_reused_blocks
+                tracker.num_missed_blocks = prompt_blocks - first.num_reused_blocks
+
+    def process(self, results: list[StepResult], now: float) -> tuple[dict[Sequence, int], set[Sequence], list[Report]]:
+        """A step's results at `now`, through each request's stop rules: how many emitted tokens each sequence keeps
+        (for `Scheduler.update_from_output`), those that end, and what to report once the scheduler has applied the
+        step (`deliver`)."""
+        reports, failed, kept, finished = [], [], {}, set()
+        for r in results:
+            tracker = self.requests[r.seq.request_id][1]
+            if r.prompt_logprobs:
+                tracker.prompt_logprobs += r.prompt_logprobs
+            if r.grammar_error is not None:
+                # a grammar that failed while this step's masks were computed: the rows it masked are not its guide's,
+                # so the request keeps none of this step's tokens and ends (its grammar, not the engine: the others
+                # go on)
+                kept[r.seq] = 0
+                finished.add(r.seq)
+                failed.append((r.seq.request_id, [], "", None))
+            elif r.new_token_ids:
+                tokens, logprobs = r.new_token_ids, r.logprobs
+                if r.seq.grammar is not None:
+                    keep = r.seq.grammar.num_keepable(tokens)
+                    tokens, logprobs = tokens[:keep], logprobs[:keep] if logprobs is not None else None
+                new, delta, reason = tracker.consume(tokens, now, logprobs)
+                accepted = min(r.num_accepted, len(new))  # drafts the output keeps (a stop can cut the rest)
+                tracker.num_steps += 1
+                tracker.num_draft_tokens += r.num_drafts
+                tracker.num_accepted_draft_tokens += accepted
+                self.counts["drafted"] += r.num_drafts
+                self.counts["accepted"] += accepted
+                self.counts["generated"] += len(new)
+                kept[r.seq] = len(new)
+                if reason is not None:
+                    finished.add(r.seq)
+                reports.append((r.seq.request_id, new, delta, reason))
+        return kept, finished, reports + failed
+
+    def deliver(self, reports: list[Report], finish: Callable[..., None]) -> None:
+        """Report a step's outputs, in order, once the scheduler has applied it: a request whose grammar failed
+        (computing this step's masks, or consuming the tokens it kept, drawn under its masks: it ends with them)
+        ends with that error, a finished one with its reason, through `finish` (the executor's end of a sequence:
+        its id, reason, new tokens, delta, error=...; passed, not kept, so that no cycle holds the executor)."""
+        for rid, new, delta, reason in reports:
+            seq, tracker = self.requests[rid]
+            if seq.grammar is not None and seq.grammar.error is not None:
+                error = f"guided_decoding.{seq.params.guided_decoding.kind}: {seq.grammar.error}"
+                finish(rid, "error", new, delta, error=error)
+            elif reason is None:
+                tracker.report(new, delta, None)
+            else:
+                finish(rid, reason, new, delta)

@@ -44,7 +44,7 @@ from runtime.executors.requests import RequestIds, RequestTracker
 from runtime.core.guide_check import check_guide
 from runtime.core.sampling import TokenLogprob
 from runtime.core.sampling_params import SamplingParams, fresh_seed, validate_request
-from runtime.core.scheduler import SchedulerConfig
+from runtime.core.scheduler import ServingLimits
 from runtime.io.tokenizer import Tokenizer
 
 log = logging.getLogger("runtime.executors.trtllm")
@@ -63,14 +63,15 @@ class TrtllmEngine:
     options: dict[str, Any]  # extra_llm_api_options.yaml
 
     @classmethod
-    def open(cls, path: str | Path, verify_weights: bool = False) -> "TrtllmEngine":
-        """Read engine.json (refusing a native engine), check that every listed file is there, hash
-        the small ones (options, config, tokenizer) and, with verify_weights, the weights too."""
+    def open(cls, path: str | Path, verify_weights: bool = False,
+             manifest: EngineManifest | None = None) -> "TrtllmEngine":
+        """Read engine.json (`manifest`, where the caller read it; refusing a native engine), check that every listed
+        file is there, hash the small ones (options, config, tokenizer) and, with verify_weights, the weights too."""
         path = Path(path)
         if not (path / ENGINE_JSON).is_file():
             raise EngineError(f"{path}: no {ENGINE_JSON}; expected an engine directory built with "
                               "build_engine --backend trtllm")
-        manifest = EngineManifest.read(path)
+        manifest = manifest or EngineManifest.read(path)
         if manifest.build.backend != "trtllm":
             raise EngineError(f"{path}: built with --backend {manifest.build.backend}; run it with "
                               "runtime.executors.native.Executor, or rebuild with --backend trtllm")
@@ -105,6 +106,14 @@ class _Request(RequestTracker):
     # the trackers of the request's n outputs (SamplingParams.n), one list shared by all; the first streams upstream
     group: list["_Request"] = field(default_factory=list)
 
+    @classmethod
+    def create_group(cls, *args: Any, **kwargs: Any) -> list["_Request"]:
+        """RequestTracker.create_group's, each knowing the group."""
+        group = super().create_group(*args, **kwargs)
+        for t in group:
+            t.group = group
+        return group
+
     @property
     def done(self) -> bool:
         """Every output of the request has finished."""
@@ -136,7 +145,7 @@ class TrtllmExecutor:
                                          llm_overrides, source=source)
         self.num_draft_tokens = draft_len_of(self.llm_kwargs.get("speculative_config"), source)
         build = self.engine.build
-        self.limits = SchedulerConfig(
+        self.limits = ServingLimits(
             max_batch_size=int(self.llm_kwargs.get("max_batch_size", build.max_batch_size)),
             max_num_tokens=int(self.llm_kwargs.get("max_num_tokens", build.max_num_tokens)),
             max_seq_len=int(self.llm_kwargs.get("max_seq_len", build.max_seq_len)))
@@ -211,14 +220,10 @@ class TrtllmExecutor:
         if not params.greedy and params.seed is None:  # as native: unseeded means a fresh random seed
             params = dataclasses.replace(params, seed=fresh_seed())
         handle = RequestHandle(rid, self, params.n, delivered_by=self._thread)
-        group: list[_Request] = []
-        for i in range(params.n):  # upstream returns n outputs of one request (the best of best_of)
-            t = _Request.create(rid, len(prompt_token_ids), params, self.tokenizer, handle, on_output)
-            t.index, t.prompt, t.group = i, list(prompt_token_ids), group
-            if i:  # upstream's prompt logprobs, read once (by the first), are every output's
-                t.prompt_logprobs = group[0].prompt_logprobs
-            group.append(t)
-        req = group[0]
+        # upstream returns n outputs of one request (the best of best_of); its prompt logprobs, read once (by the
+        # first), are every output's
+        req = _Request.create_group(rid, len(prompt_token_ids), params, params.n, self.tokenizer, handle, on_output,
+                                    prompt=list(prompt_token_ids))[0]
         try:
             self._loop.call_soon_threadsafe(self._start, req)
         except RuntimeError:  # the loop closed since the check above

@@ -305,7 +305,7 @@ def llm_kwargs_for(options: Mapping[str, Any], manifest: EngineManifest, config:
         if config.max_queued_requests is not None:
             raise ValueError(f"max_queued_requests {config.max_queued_requests}: not available with a --backend "
                              "trtllm engine (TensorRT-LLM's LLM API takes no queue bound); leave it unset")
-        limits = config.limits(build, cfg, source)
+        limits = config.limits_for(build, cfg, source)
         for name in ("max_batch_size", "max_num_tokens", "max_seq_len"):
             if getattr(config, name) is not None:
                 kwargs[name] = getattr(limits, name)

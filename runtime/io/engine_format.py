@@ -321,16 +321,21 @@ def tokenizer_dir(path: str | Path) -> Path:
     return Path(path) / HF_DIR if engine_backend(path) == "trtllm" else Path(path)
 
 
+def read_manifest(path: str | Path) -> EngineManifest | None:
+    """engine.json of an engine directory (EngineError where it is unreadable); None where there is none (a plain
+    checkpoint, or no model)."""
+    path = Path(path)
+    return EngineManifest.read(path) if (path / ENGINE_JSON).is_file() else None
+
+
 def engine_backend(path: str | Path) -> str | None:
     """The backend an engine directory was built for ("native" or "trtllm"); None for anything else (a plain
     checkpoint, an unreadable engine.json: loading it says what is wrong)."""
-    path = Path(path)
-    if not (path / ENGINE_JSON).is_file():
-        return None
     try:
-        return EngineManifest.read(path).build.backend
+        manifest = read_manifest(path)
     except EngineError:
         return None
+    return None if manifest is None else manifest.build.backend
 
 
 def file_sha256(path: Path) -> str:
@@ -361,12 +366,12 @@ def checkpoint_limits(ckpt: HFCheckpoint) -> BuildConfig:
                        quant_algo=released_quant_algo(ckpt.stored_fp8))
 
 
-def read_limits(path: str | Path) -> tuple[ModelConfig, BuildConfig]:
+def read_limits(path: str | Path, manifest: EngineManifest | None = None) -> tuple[ModelConfig, BuildConfig]:
     """The model config and the limits an executor on `path` (engine directory or HF checkpoint) starts from,
-    read without touching the weights."""
+    read without touching the weights (from `manifest` where engine.json was read already)."""
     path = Path(path)
-    if (path / ENGINE_JSON).is_file():
-        manifest = EngineManifest.read(path)
+    manifest = manifest or read_manifest(path)
+    if manifest is not None:
         return manifest.model_config, manifest.build
     try:
         ckpt = HFCheckpoint(path)

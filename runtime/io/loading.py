@@ -43,14 +43,13 @@ class LoadedEngine:
     model: DeepseekV3ForCausalLM  # eval mode, on its device, in build.dtype, requires_grad False
     model_config: ModelConfig
     build: BuildConfig  # as built, with dtype the one loaded
-    tokenizer_dir: Path
-    path: Path
+    path: Path  # the engine or checkpoint directory, its tokenizer's too
     built: bool = True  # False for a plain HF checkpoint: its limits are defaults, not build choices
 
 
 def load_engine(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
                 *, verify: bool = True, cpu_kernels: bool = True, fp8_weights: bool | None = None,
-                par: Parallel = WHOLE) -> LoadedEngine:
+                par: Parallel = WHOLE, manifest: EngineManifest | None = None) -> LoadedEngine:
     """Load an engine directory (engine.json) or a plain HF DeepSeek-V3 checkpoint directory.
 
     dtype overrides the engine's build dtype; verify=False skips hashing the files (big engines);
@@ -58,13 +57,14 @@ def load_engine(path: str | Path, device: str | torch.device = "cpu", dtype: str
     fp8_weights: in bfloat16, keep FP8-stored weights FP8 (runtime.model.fp8_linear) rather than dequantize them at
     load: None (default) where a fast FP8 product runs (GPUs of compute capability 8.9 or newer), True everywhere,
     False never;
-    par: one rank of the engine's tp_size, which loads its rank file alone (default: the whole model).
+    par: one rank of the engine's tp_size, which loads its rank file alone (default: the whole model);
+    manifest: engine.json as the caller read it (read here when None).
     """
     path = Path(path)
     if par.size > 1:
-        source = _RankSource(path, verify, par)
+        source = _RankSource(path, verify, par, manifest)
     elif (path / ENGINE_JSON).is_file():
-        source = _EngineSource(path, verify)
+        source = _EngineSource(path, verify, manifest)
     elif (path / "config.json").is_file():
         source = _CheckpointSource(path)
     else:
@@ -90,7 +90,7 @@ def load_engine(path: str | Path, device: str | torch.device = "cpu", dtype: str
         kernel_modules.finish(model)
     if fp8_here:
         fp8_linear.finish(model, keep_all=fp8_weights is True)
-    return LoadedEngine(model, source.cfg, build, path, path, built=source.built)
+    return LoadedEngine(model, source.cfg, build, path, built=source.built)
 
 
 def _as_loaded(build: BuildConfig, dtype: str | torch.dtype | None) -> BuildConfig:
@@ -211,9 +211,9 @@ class _CheckpointSource:
             yield internal, expert, tensor, scale
 
 
-def _native_manifest(path: Path) -> EngineManifest:
-    """engine.json of a native engine with one weight file per rank."""
-    manifest = EngineManifest.read(path)
+def _native_manifest(path: Path, manifest: EngineManifest | None) -> EngineManifest:
+    """engine.json of a native engine with one weight file per rank (`manifest`, or read here)."""
+    manifest = manifest or EngineManifest.read(path)
     if manifest.build.backend == "trtllm":
         raise EngineError(
             f"{path}: built with --backend trtllm; run it with the TensorRT-LLM backend "
@@ -232,8 +232,8 @@ class _RankSource:
 
     built = True
 
-    def __init__(self, path: Path, verify: bool, par: Parallel):
-        manifest = _native_manifest(path)
+    def __init__(self, path: Path, verify: bool, par: Parallel, manifest: EngineManifest | None):
+        manifest = _native_manifest(path, manifest)
         self.cfg, self.build, rank = manifest.model_config, manifest.build, par.layout.rank
         if par.layout != self.build.layout(rank):
             raise EngineError(f"{path}: built for tp_size {self.build.tp_size}, ep_size {self.build.ep_size}; "
@@ -277,8 +277,8 @@ class _EngineSource:
 
     built = True
 
-    def __init__(self, path: Path, verify: bool):
-        manifest = _native_manifest(path)
+    def __init__(self, path: Path, verify: bool, manifest: EngineManifest | None):
+        manifest = _native_manifest(path, manifest)
         headers = manifest.verify_files(path, hashes=verify)
         self.cfg, self.build = manifest.model_config, manifest.build
         self.files = [path / f for f in manifest.weights]
