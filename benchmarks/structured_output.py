@@ -26,6 +26,7 @@ from typing import Any
 from benchmarks.common import (add_common_args, check_minimums, comma_list, drafting_summary, load_prompts,
                                machine_info, machine_md, md_table, mean, ms, parse_with_quick, ratio,
                                round_robin_by_source, set_threads, write_results)
+from runtime.core.grammar import grammar_bitmasks
 from runtime.core.sampling_params import GuidedDecodingParams, SamplingParams
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
@@ -63,7 +64,7 @@ def mask_cost(ex: Executor, output: list[int], k: int) -> dict[str, float]:
     masks = advance = 0.0
     for i, token in enumerate(output):
         t0 = time.perf_counter()
-        matcher.masks(output[i : i + k], 0, k + 1)
+        grammar_bitmasks([matcher], [output[i : i + k]], 0, k + 1)
         t1 = time.perf_counter()
         matcher.advance([token])
         masks, advance = masks + t1 - t0, advance + time.perf_counter() - t1
@@ -76,7 +77,7 @@ def summarize(outs: list[RequestOutput]) -> dict[str, Any]:
             "parsed": sum(_parses(o.text) for o in outs) / len(outs)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
     p.add_argument("--prompts", help="prompts JSON (default: <model>/heldout_prompts.json)")
@@ -85,7 +86,7 @@ def main() -> None:
     p.add_argument("--max_tokens", type=int, default=160)
     p.add_argument("--rounds", type=int, default=3, help="rounds per setting (each round: one request per slot)")
     p.add_argument("--name", default="structured_output")
-    args = parse_with_quick(p, None, dict(rounds=1, ks="0,2", concurrency="1"))
+    args = parse_with_quick(p, argv, dict(rounds=1, ks="0,2", concurrency="1"))
     ks, levels = comma_list(p, "--ks", args.ks), comma_list(p, "--concurrency", args.concurrency)
     check_minimums(p, args, dict(max_tokens=2, rounds=1))
     set_threads(args.threads)

@@ -316,6 +316,16 @@ def test_cpu_seconds_counts_each_group_and_this_process():
     assert 0.25 <= after["this process"] - before["this process"] <= 0.5
 
 
+def test_structured_output_quick_run_times_the_grammar(tmp_path):
+    """The script called GrammarMatcher.masks, which had left runtime.core.grammar: every run died before writing."""
+    import benchmarks.structured_output as so
+
+    so.main(["--quick", "--threads", "1", "--max_tokens", "8", "--out_dir", str(tmp_path)])
+    res = json.loads((tmp_path / "structured_output_quick.json").read_text())["results"]
+    assert all(r["json_schema"]["masks_us_per_step"] > 0 and r["json_schema"]["advance_us_per_token"] > 0
+               for r in res.values()) and len(res) >= 2
+
+
 def test_attention_threads_quick_run_writes_every_kernel_and_shape(tmp_path):
     assert att.main(["--quick", "--threads", "2", "--out_dir", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "attention_threads_quick.json").read_text())

@@ -15,7 +15,7 @@ from runtime.core.sampling_params import RelaxedAcceptance, SamplingParams
 from runtime.core.scheduler import ServingLimits
 from runtime.executors.handles import RequestHandle
 from runtime.executors.outputs import RequestOutput
-from runtime.io.engine_format import MAX_DRAFT_LEN, BuildConfig, check_model_limits
+from runtime.io.engine_format import FREE_MEMORY_FRACTION, MAX_DRAFT_LEN, BuildConfig, check_model_limits
 from runtime.io.tokenizer import Tokenizer
 from runtime.model.config import ModelConfig, is_bool, is_int, is_number
 
@@ -77,7 +77,7 @@ class ExecutorConfig:
     kv_cache_tokens: int | None = None
     # share of the memory free once the weights are loaded that the KV cache may take, as TensorRT-LLM's
     # kv_cache_config.free_gpu_memory_fraction (on CPU: of MemAvailable, within a container's limit)
-    free_memory_fraction: float = 0.9
+    free_memory_fraction: float = FREE_MEMORY_FRACTION
     device: str = "cpu"
     dtype: str | None = None
     relaxed_acceptance: RelaxedAcceptance | None = None
