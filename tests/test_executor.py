@@ -8,6 +8,7 @@ token for token with the same prompt decoded alone without speculation.
 
 from __future__ import annotations
 
+import json
 import re
 import dataclasses
 import logging
@@ -1281,6 +1282,32 @@ def test_draft_policy_recovers_from_a_profile_that_over_priced_drafting() -> Non
             (profiled, real, picks.count(0))
 
 
+def test_an_executor_whose_profile_over_priced_drafting_drafts(shipped_model_dir, monkeypatch) -> None:
+    """The recovery above in the executor: a k explored once from k = 0 is a sequence's first drafting step, whose MTP
+    catch-up over the prompt keeps it out of the costs, so k = 1 was never priced and an executor profiled at 2x the
+    drafting cost drafted 85-132 of ~30000 tokens. Explored on two decisions in a row, the second step prices it."""
+    from runtime.core.sampling_params import SamplingParams as Params
+
+    real = native_executor.profile_step_costs
+
+    def over_priced(runner, *args, **kwargs) -> StepCosts:
+        costs = real(runner, *args, **kwargs)
+        return StepCosts(costs.batch_sizes, {q: [t * (2.0 if q > 1 else 1.0) for t in times]
+                                             for q, times in costs.target.items()}, [t * 2.0 for t in costs.mtp])
+
+    monkeypatch.setattr(native_executor, "profile_step_costs", over_priced)
+    with Executor(shipped_model_dir, ExecutorConfig(max_batch_size=4, max_seq_len=512)) as ex:
+        prompts = [ex.tokenizer.encode(p["text"])[:64] for p in json.loads(
+            (shipped_model_dir / "heldout_prompts.json").read_text())]
+        assert not ex.policy.drafts_at(1)  # the profile rules drafting out
+        for i in range(24):
+            ex.submit(prompts[i % len(prompts)], Params(max_tokens=48, temperature=0.0)).result()
+        before = ex.stats().draft_tokens
+        for i in range(8):
+            ex.submit(prompts[i % len(prompts)], Params(max_tokens=48, temperature=0.0)).result()
+        assert ex.stats().draft_tokens - before > 8 * 48 // 2, ex.policy.first_ratios
+
+
 def scheduler_with_one_decode(engine, policy: DraftPolicy, max_num_tokens: int = 64):
     """A scheduler over a small cache, running one decoding sequence of 8 tokens with MTP inputs pending."""
     import torch
@@ -1362,7 +1389,7 @@ def test_draft_policy_explores_the_draft_lengths_next_to_its_choice() -> None:
     policy = measured(DraftPolicy("adaptive", 3, costs(target_per_token=0.2, target_fixed=0.8, mtp=0.1),
                                   prior_acceptance=0.6), 1.6)
     assert set(policy.choose(1) for _ in range(n)) == {0}
-    policy = DraftPolicy("adaptive", 3, costs(target_per_token=0.2, target_fixed=0.8, mtp=0.1))
+    policy = measured(DraftPolicy("adaptive", 3, costs(target_per_token=0.2, target_fixed=0.8, mtp=0.1)), 1.0)
     policy.acceptance_by_depth["greedy"] = [0.9, 0.9, 0.05]  # rates 1, 1.46, 1.69, 1.45 x plain: k = 2
     picks = [policy.choose(1) for _ in range(n)]
     assert picks[every] == [3, 1, 3, 1] and set(chosen(picks)) == {2}

@@ -73,12 +73,14 @@ class DraftPolicy:
     would price every later step), and so are steps in which not every sequence drafted k. Over a k's
     first MIN_COST_SAMPLES steps its ratio is their median (a profile taken on a busy start-up can be
     off by more than smoothing would mend soon, and one slow step among them does not count), then
-    each step moves it by smoothing; every sample is clipped to within 2x of the ratio. Drafting needs a predicted gain of at least MIN_GAIN, for what stays
-    unmodelled (those prompt catch-ups, the prefill work drafts delay). Every EXPLORE_EVERY-th step
-    at a batch size runs a neighbour of the chosen k instead (one more draft and one fewer in turn; one
-    more only where it would win if that draft were always accepted, or where it has run fewer than
-    MIN_COST_SAMPLES steps there, so that a profile that over-priced it cannot rule it out for good),
-    so the costs and acceptance next to the choice are measured again; the gain is one-peaked in k
+    each step moves it by smoothing; every sample is clipped to within 2x of the ratio. Drafting needs a
+    predicted gain of at least MIN_GAIN, for what stays unmodelled (those prompt catch-ups, the prefill
+    work drafts delay). Every EXPLORE_EVERY-th step at a batch size runs a neighbour of the chosen k
+    instead (one more draft and one fewer in turn; one more only where it would win if that draft were
+    always accepted), so the costs and acceptance next to the choice are measured again. A k one above
+    the choice that has not yet been priced by MIN_COST_SAMPLES steps there is run on that step and the
+    next, whatever the profile predicts (the first is a sequence's catch-up, left out; the second is
+    priced), so a profile that over-priced drafting cannot rule it out for good; the gain is one-peaked in k
     (each extra draft costs more than the last and is accepted less often), so a far k never beats a
     near one that loses, and trying it, at a large batch size, costs a step several times plain's.
     """
@@ -185,6 +187,11 @@ class DraftPolicy:
         choice = best if rate[best] >= self.MIN_GAIN * rate[0] else 0
         bucket = self.costs.bucket(batch_size)
         n = self.decisions[bucket] = self.decisions.get(bucket, 0) + 1
+        if choice < self.max_k and n > 1 and n % self.EXPLORE_EVERY < 2 \
+                and len(self.first_ratios.get((bucket, choice + 1), ())) < self.MIN_COST_SAMPLES:
+            # a k not yet priced is tried on two decisions in a row: a sequence's first drafting step catches the MTP
+            # layer up over its prompt and is left out of the costs, the second is priced
+            return choice + 1
         if self.max_k and n % self.EXPLORE_EVERY == 0:  # explore a neighbour: one draft more, then one fewer
             up = choice == 0 or ((n // self.EXPLORE_EVERY) % 2 == 1 and choice < self.max_k)
             if not up:
@@ -194,7 +201,6 @@ class DraftPolicy:
             # step (with a catch-up over every prompt not yet drafted from) to learn nothing.
             always = {kind: self.expected_tokens(choice, kind) + math.prod(self.acceptance_by_depth[kind][:choice])
                       for kind in drafters}
-            if self._rate(batch_size, drafters, choice + 1, always) >= max(rate[choice], self.MIN_GAIN * rate[0]) \
-                    or len(self.first_ratios.get((bucket, choice + 1), ())) < self.MIN_COST_SAMPLES:
+            if self._rate(batch_size, drafters, choice + 1, always) >= max(rate[choice], self.MIN_GAIN * rate[0]):
                 return choice + 1
         return choice
