@@ -518,7 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     if engine is None:
         engine = work / "engine"
         run_tool([Path(sys.executable).with_name("build_engine"), "--model_dir", args.model, "--output_dir", engine,
-                  "--max_batch_size", str(max(8, args.concurrency)), "--max_draft_len", "3"])
+                  "--max_batch_size", str(max(8, args.concurrency)), "--max_draft_len", "3",
+                  "--max_seq_len", "1024"])  # the recorded soaks' engine (its long prompts follow it)
     _, build = read_limits(engine)
     values = default_values(engine.resolve(), **({"torch_threads": str(args.threads)} if args.threads else {}))
     repo = fill_model_repo(work / "repo", values)

@@ -189,7 +189,7 @@ def main() -> int:
     try:
         engine = work / "engine"
         run_tool([Path(sys.executable).with_name("build_engine"), "--model_dir", args.model, "--output_dir",
-                  engine, "--max_batch_size", str(max(levels)), "--max_draft_len", "3"])
+                  engine, "--max_batch_size", str(max(levels)), "--max_draft_len", "3", "--max_seq_len", "1024"])
         tokenizer = Tokenizer.from_dir(engine)
         results: dict[str, dict] = {}
         for mode, values in MODES.items():

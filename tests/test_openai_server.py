@@ -356,11 +356,14 @@ def test_prompt_logprobs_a_request_may_ask_are_bounded(server: Server) -> None:
     prompts = [[5 + i % 50] * 1000 for i in range(13)]  # 13000 tokens
     for extra, field, per, asked in (({"prompt_logprobs": 20}, "prompt_logprobs", "", 273000),
                                      ({"echo": True, "logprobs": 9, "n": 3}, "logprobs", " x 3 choices each", 390000),
-                                     ({"prompt_logprobs": 2, "n": 7}, "prompt_logprobs", " x 7 choices each", 273000)):
+                                     ({"prompt_logprobs": 2, "n": 7}, "prompt_logprobs", " x 7 choices each", 273000),
+                                     # each choice carries both: counted once, the response held twice the bound
+                                     ({"prompt_logprobs": 4, "echo": True, "logprobs": 4, "n": 3},
+                                      "prompt_logprobs 4 and logprobs", " x 3 choices each", 390000)):
         assert asked > MAX_PROMPT_LOGPROBS
         status, answer = server.post("/v1/completions", {"prompt": prompts, "max_tokens": 1, **extra})
-        alternatives = extra.get("prompt_logprobs", extra.get("logprobs"))
-        assert (status, answer["error"]["param"], answer["error"]["message"]) == (400, field, (
+        alternatives = extra["logprobs"] if "echo" in extra else extra["prompt_logprobs"]
+        assert (status, answer["error"]["param"], answer["error"]["message"]) == (400, field.split()[0], (
             f"{field} {alternatives} over 13000 prompt tokens{per} asks {asked} log-probabilities (each token's and "
             f"its alternatives'); at most {MAX_PROMPT_LOGPROBS} a request: send fewer or shorter prompts a request, "
             "or fewer alternatives")), answer

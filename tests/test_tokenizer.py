@@ -216,6 +216,12 @@ def test_config_variants(tmp_path: Path, tiny_dir: Path) -> None:
     assert tok.bos_token_id == 0 and tok.special_ids == {0, 1, 2}
     assert tok.encode("hi") == reference.encode("hi") == [0, *tok.encode("hi", add_bos=False)]
     backend = Backend.from_file(str(tmp_path / "tokenizer.json"))
+    backend.post_processor = processors.TemplateProcessing(single=f"{BOS} $A {EOS}", special_tokens=[(BOS, 0),
+                                                                                                   (EOS, 1)])
+    backend.save(str(tmp_path / "tokenizer.json"))  # bos before and eos after: bos is still the one before
+    tok = Tokenizer.from_dir(tmp_path)
+    assert tok.bos_token_id == 0 and tok.encode("hi") == [0, *tok.encode("hi", add_bos=False)]
+    assert PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json")).encode("hi")[:-1] == tok.encode("hi")
     backend.post_processor = None  # one that adds nothing: no bos
     backend.save(str(tmp_path / "tokenizer.json"))
     tok = Tokenizer.from_dir(tmp_path)

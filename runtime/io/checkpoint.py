@@ -183,6 +183,8 @@ def is_mtp_tensor(name: str, cfg: ModelConfig) -> bool:
 # safetensors' own bound on a header (safetensors/src/tensor.rs: `const MAX_HEADER_SIZE: usize = 100_000_000;`,
 # read_metadata refuses a larger one with HeaderTooLarge), so no file safetensors wrote or reads is refused here.
 MAX_HEADER_BYTES = 100_000_000
+
+
 def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
     """Tensors of one safetensors file in data order, from its header only.
 

@@ -69,10 +69,11 @@ def _chat_template(value: Any, where: Path) -> str | None:
 
 
 def _post_processor_bos(backend: tokenizers.Tokenizer) -> int | None:
-    """The one token tokenizer.json's post-processor puts before a text (None: none, or several)."""
+    """The one token tokenizer.json's post-processor puts before a text (None: none, or several), whatever it puts
+    after it (an eos, say: appended by transformers too, not here, where generation follows the prompt)."""
     plain = backend.encode("a", add_special_tokens=False).ids
     special = backend.encode("a", add_special_tokens=True).ids
-    return special[0] if len(special) == len(plain) + 1 and special[1:] == plain else None
+    return special[0] if len(special) > len(plain) and special[1:1 + len(plain)] == plain else None
 
 
 class Tokenizer:

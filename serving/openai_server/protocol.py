@@ -379,16 +379,18 @@ def _vllm_extras(body: dict, stream: bool) -> dict[str, Any]:
             "return_token_ids": _flag(body, "return_token_ids")}
 
 
-def _check_prompt_logprobs(prompts: list[list[int]], copies: int, alternatives: int, field: str) -> None:
+def _check_prompt_logprobs(prompts: list[list[int]], copies: int, alternatives: dict[str, int]) -> None:
     """Refuse a response of more than MAX_PROMPT_LOGPROBS prompt log-probabilities: `copies` of each prompt's (one a
-    choice), each token's with its `alternatives`."""
+    choice), each token's with its alternatives, for each parameter asking them (`alternatives`: parameter -> how
+    many; prompt_logprobs and echo's logprobs each carry their own)."""
     tokens = sum(map(len, prompts))
-    asked = tokens * copies * (1 + alternatives)
+    asked = tokens * copies * sum(1 + n for n in alternatives.values())
     if asked > MAX_PROMPT_LOGPROBS:
         per = f" x {copies} choices each" if copies > 1 else ""
-        raise APIError(f"{field} {alternatives} over {tokens} prompt tokens{per} asks {asked} log-probabilities "
-                       f"(each token's and its alternatives'); at most {MAX_PROMPT_LOGPROBS} a request: send fewer or "
-                       f"shorter prompts a request, or fewer alternatives", field)
+        what = " and ".join(f"{name} {n}" for name, n in alternatives.items())
+        raise APIError(f"{what} over {tokens} prompt tokens{per} asks {asked} log-probabilities (each token's and "
+                       f"its alternatives'); at most {MAX_PROMPT_LOGPROBS} a request: send fewer or shorter prompts a "
+                       "request, or fewer alternatives", next(iter(alternatives)))
 
 
 def completion_request(body: Any, tokenizer: Tokenizer, max_text_bytes: int) -> Generation:
@@ -433,8 +435,8 @@ def completion_request(body: Any, tokenizer: Tokenizer, max_text_bytes: int) -> 
     if echo and logprobs is not None or extras["prompt_logprobs"] is not None:  # echo's: the prompt's too (scoring)
         asked = [n for n in (logprobs if echo else None, extras["prompt_logprobs"]) if n is not None]
         params = replace(params, prompt_logprobs=max(asked))
-        _check_prompt_logprobs(prompts, params.n, params.prompt_logprobs,
-                               "prompt_logprobs" if extras["prompt_logprobs"] == max(asked) else "logprobs")
+        _check_prompt_logprobs(prompts, params.n, {name: n for name, n in (
+            ("prompt_logprobs", extras["prompt_logprobs"]), ("logprobs", logprobs if echo else None)) if n is not None})
     if len(prompts) * params.num_sequences > MAX_SEQUENCES:
         name = params.num_sequences_name
         raise APIError(f"{len(prompts)} prompts x {name} {params.num_sequences} = "
@@ -712,7 +714,7 @@ def chat_request(body: Any, tokenizer: Tokenizer, max_text_bytes: int, *, max_se
     extras = _vllm_extras(body, stream)
     if extras["prompt_logprobs"] is not None:
         params = replace(params, prompt_logprobs=extras["prompt_logprobs"])
-        _check_prompt_logprobs([ids], 1, params.prompt_logprobs, "prompt_logprobs")
+        _check_prompt_logprobs([ids], 1, {"prompt_logprobs": params.prompt_logprobs})
     include_usage, continuous = _stream_options(body, stream)
     role = "assistant" if generation_prompt else body["messages"][-1]["role"]
     return Generation([ids], params, stream, include_usage, guide_field=guide_field, continuous_usage=continuous,
