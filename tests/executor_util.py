@@ -6,12 +6,15 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 from runtime.core.model_runner import ModelRunner
 from runtime.core.sampling_params import SamplingParams
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
 from runtime.executors.outputs import RequestOutput
+
+from conftest import chi2_pvalue
 
 
 def seeded_requests_take_rejection_sampling(mp: pytest.MonkeyPatch) -> None:
@@ -54,3 +57,63 @@ def run_fresh(engine, prompts: list[list[int]], params: SamplingParams | list[Sa
             outs = [h.result(120) for h in [ex.submit(p, sp) for p, sp in zip(prompts, params)]]
         assert_all_free(ex)
     return outs
+
+
+def seeded_params() -> list[SamplingParams]:
+    """Sampled, seeded requests with every feature a row's distribution has: temperature, top-k, top-p,
+    penalties, bans, min_tokens, logprobs (n > 1 runs sequences seeded seed + i: tests/test_n_best_of.py)."""
+    return [SamplingParams(temperature=1.0, seed=11, max_tokens=56, ignore_eos=True),
+            SamplingParams(temperature=0.7, top_p=0.9, seed=12, logprobs=2, max_tokens=24, ignore_eos=True),
+            SamplingParams(temperature=1.2, top_k=20, seed=2**40 + 3, repetition_penalty=1.2, max_tokens=32,
+                           ignore_eos=True),
+            SamplingParams(temperature=0.9, seed=14, presence_penalty=0.5, frequency_penalty=0.3,
+                           bad_token_ids=(5, 6, 7), max_tokens=16, ignore_eos=True),
+            SamplingParams(temperature=0.8, seed=15, min_tokens=30, max_tokens=40, stop_token_ids=(1, 2))]
+
+
+def assert_first_tokens_follow_the_target(model, prompt: list[int], outs: list[RequestOutput], temperature: float,
+                                          p_min: float) -> None:
+    """Over many sampled requests of one prompt drafting 2 tokens, the first generated token (decided against two MTP
+    drafts) follows the target softmax at the prompt's last position, and the second token the target's marginal
+    given the first; each check has power (the draft's distribution, and conditioning on the wrong first token, are
+    rejected)."""
+    n = len(outs)
+    device = next(model.parameters()).device
+    first = torch.tensor([o.token_ids[0] for o in outs])
+    with torch.inference_mode():
+        h = model(torch.tensor([prompt], device=device))[0]
+        probs = (model.logits(h[-1]).double() / temperature).softmax(-1).cpu()
+        q_logits, _ = model.mtp_forward(0, torch.tensor([prompt[1:]], device=device), h[None, :-1])
+        q = (q_logits[0, -1].double() / temperature).softmax(-1).cpu()
+    top = probs.argsort(descending=True)[:25]
+    top = top[probs[top] * n >= 10]
+    assert len(top) >= 8, "the model's distribution is too peaked at this prompt for this test"
+    counts = torch.cat([torch.bincount(first, minlength=probs.numel())[top].double(),
+                        torch.tensor([float((~torch.isin(first, top)).sum())])])
+    pv = chi2_pvalue(counts, torch.cat([probs[top], (1 - probs[top].sum())[None]]))
+    assert pv > p_min, f"first-token distribution differs from the target (p-value {pv:.2e})"
+    assert chi2_pvalue(counts, torch.cat([q[top], (1 - q[top].sum())[None]])) < 1e-6, \
+        "the draft distribution is too close to the target's for the check to have power"
+
+    # The second token (accepted draft 2, a residual sample or a bonus token) follows the target given the first:
+    # the randomized probability integral transform u = F(t2-) + w p(t2) under p(. | prompt, t1), tokens ordered by
+    # probability, must be uniform (20 equal bins).
+    first_ids = first.unique()
+    with torch.inference_mode():
+        ids = torch.cat([torch.tensor(prompt).expand(len(first_ids), -1), first_ids[:, None]], dim=1).to(device)
+        p2 = (model.logits(model(ids)[:, -1]).double() / temperature).softmax(-1).cpu()  # [unique t1, V]
+    row = torch.searchsorted(first_ids, first)
+    second = torch.tensor([o.token_ids[1] for o in outs])
+
+    def pit_pvalue(cond: torch.Tensor) -> tuple[float, torch.Tensor]:
+        sorted_p, order = cond.sort(-1, descending=True)
+        rank = (order == second[:, None]).float().argmax(-1)
+        before = (sorted_p.cumsum(-1) - sorted_p).gather(1, rank[:, None]).squeeze(1)
+        w = torch.rand(n, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        u = before + w * cond.gather(1, second[:, None]).squeeze(1)
+        bins = torch.bincount((u * 20).long().clamp(max=19), minlength=20)
+        return chi2_pvalue(bins, torch.full((20,), 1 / 20)), bins
+
+    pv2, bins = pit_pvalue(p2[row])
+    assert pv2 > p_min, f"second token is not distributed as the target given the first (p-value {pv2:.2e}): {bins}"
+    assert pit_pvalue(p2[(row + 1) % len(first_ids)])[0] < 1e-6, "conditioning on the wrong first token passed"

@@ -14,13 +14,17 @@ from runtime.core.cuda_graphs import CUBLASLT_MAX_TOKENS
 from runtime.io.loading import load_engine
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
-from runtime.core.sampling_params import SamplingParams
+from runtime.core.sampling_params import GuidedDecodingParams, SamplingParams
+from runtime.io.tokenizer import Tokenizer
 from runtime.model.fp8 import FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8
 from runtime.model.fp8_linear import ACTIVATION_BLOCK, FP8Experts, FP8Linear, gemm_paths
+
+from executor_util import assert_first_tokens_follow_the_target, seeded_params, seeded_requests_take_rejection_sampling
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "deepseek-v3-mini"
+BU, THE = 674, 274  # " bu" (the first token the logit-bias request below samples without its bias), " the"
 
 
 def test_cuda_logits_match_cpu():
@@ -64,6 +68,55 @@ def test_cuda_speculative_greedy_equals_plain(temperature):
             outputs[k] = [h.result(timeout=300) for h in handles]
     assert [o.token_ids for o in outputs[3]] == [o.token_ids for o in outputs[0]]
     assert sum(o.stats.num_accepted_draft_tokens for o in outputs[3]) > 0
+
+
+def test_cuda_every_sampling_feature_with_drafts_is_plain_decodings_output():
+    """Seeded sampled requests with every feature of a row's distribution (temperature, top-k, top-p, min-p,
+    penalties, bans, logit bias, min_tokens, logprobs, a regex guide's masks) give plain decoding's tokens with
+    3 drafts a step on the GPU, and logprobs within 1e-4 (the verify forward's GEMMs sum in another order)."""
+    params = [*seeded_params(),
+              SamplingParams(temperature=1.0, min_p=0.05, seed=16, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=17, logit_bias={BU: -100.0, THE: 6.0}, logprobs=3, max_tokens=40,
+                             ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=18, max_tokens=40,
+                             guided_decoding=GuidedDecodingParams(regex="[a-z][a-z ]{10,80}[.]"))]
+    prompts = [p["text"] for p in json.loads((MODEL / "heldout_prompts.json").read_text())[:len(params)]]
+    outputs = {}
+    for k in (0, 3):
+        config = ExecutorConfig(num_draft_tokens=k, speculation="fixed", device="cuda", dtype="float32")
+        with Executor(MODEL, config) as ex:
+            handles = [ex.submit(ex.tokenizer.encode(p), sp) for p, sp in zip(prompts, params)]
+            outputs[k] = [h.result(timeout=300) for h in handles]
+            assert ex.stats().kv_blocks_used == 0
+    worst = 0.0
+    for i, (got, want) in enumerate(zip(outputs[3], outputs[0])):
+        assert got.token_ids == want.token_ids, f"request {i}: tokens differ"
+        assert (got.logprobs is None) == (want.logprobs is None), i
+        for x, y in zip(got.logprobs or [], want.logprobs or []):
+            assert (x.token_id, x.rank, [t for t, _ in x.top]) == (y.token_id, y.rank, [t for t, _ in y.top]), i
+            worst = max(worst, abs(x.logprob - y.logprob), *(abs(a - b) for (_, a), (_, b) in zip(x.top, y.top)))
+    assert worst <= 1e-4, worst
+    assert BU not in outputs[0][6].token_ids and outputs[0][6].token_ids.count(THE) > 3
+    guided = outputs[0][7]
+    assert guided.text[-1] == "." and guided.text[:-1].replace(" ", "").isalpha(), guided.text
+    assert sum(o.stats.num_accepted_draft_tokens for o in outputs[3]) > 0
+    print(f"largest logprob difference, 3 drafts against plain: {worst:.2e}")
+
+
+def test_cuda_rejection_sampling_follows_the_target(monkeypatch):
+    """Sampled requests that take rejection sampling (drafts accepted with probability min(1, p / q), the residual
+    max(0, p - q) sampled on rejection) give the target's distribution on the GPU: over 2000 requests drafting 2
+    tokens, the first token follows the target softmax and the second its marginal given the first."""
+    seeded_requests_take_rejection_sampling(monkeypatch)
+    prompt = Tokenizer.from_dir(MODEL).encode("    return")
+    n = 2000
+    params = [SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
+    config = ExecutorConfig(num_draft_tokens=2, speculation="fixed", device="cuda", dtype="float32")
+    with Executor(MODEL, config) as ex:
+        outs = [h.result(timeout=300) for h in [ex.submit(prompt, sp) for sp in params]]
+        stats = ex.stats()
+        assert stats.draft_tokens >= 2 * n and stats.accepted_draft_tokens > 0.1 * stats.draft_tokens, stats
+        assert_first_tokens_follow_the_target(ex.engine.model, prompt, outs, 1.0, 1e-3)
 
 
 @pytest.mark.parametrize("k", [0, 3])

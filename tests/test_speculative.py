@@ -40,7 +40,8 @@ from runtime.model.kernels.modules import GreedyStep, cpu_kernels_serve
 from runtime.core.plan import Scheduled, StepResult
 
 from conftest import REPO_ROOT, chi2_pvalue, tiny_config_dict
-from executor_util import seeded_requests_take_rejection_sampling
+from executor_util import (assert_first_tokens_follow_the_target, seeded_params,
+                           seeded_requests_take_rejection_sampling)
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -1009,19 +1010,6 @@ def test_sampling_seed_reproducible(tiny_engine) -> None:
     assert len(distinct) == 5, "different seeds gave the same output"
 
 
-
-def seeded_params() -> list[SamplingParams]:
-    """Sampled, seeded requests with every feature a row's distribution has: temperature, top-k, top-p,
-    penalties, bans, min_tokens, logprobs (n > 1 runs sequences seeded seed + i: tests/test_n_best_of.py)."""
-    return [SamplingParams(temperature=1.0, seed=11, max_tokens=56, ignore_eos=True),
-            SamplingParams(temperature=0.7, top_p=0.9, seed=12, logprobs=2, max_tokens=24, ignore_eos=True),
-            SamplingParams(temperature=1.2, top_k=20, seed=2**40 + 3, repetition_penalty=1.2, max_tokens=32,
-                           ignore_eos=True),
-            SamplingParams(temperature=0.9, seed=14, presence_penalty=0.5, frequency_penalty=0.3,
-                           bad_token_ids=(5, 6, 7), max_tokens=16, ignore_eos=True),
-            SamplingParams(temperature=0.8, seed=15, min_tokens=30, max_tokens=40, stop_token_ids=(1, 2))]
-
-
 @pytest.mark.parametrize("k, speculation, one_at_a_time", [(1, "fixed", False), (2, "fixed", True),
                                                            (3, "fixed", False), (4, "fixed", False),
                                                            (3, "adaptive", False)])
@@ -1115,50 +1103,7 @@ def test_first_token_distribution_matches_target(tiny_engine, monkeypatch, coupl
     outs, stats = run_executor(tiny_engine, [prompt] * n, params, num_draft_tokens=2, speculation="fixed", timeout=300)
     assert stats.draft_tokens >= 2 * n, "the first step did not draft"
     assert stats.accepted_draft_tokens > 0.1 * stats.draft_tokens, stats
-    first = torch.tensor([o.token_ids[0] for o in outs])
-    with torch.inference_mode():
-        logits = tiny_engine.model.logits(tiny_engine.model(torch.tensor([prompt]))[0, -1])
-    probs = logits.double().softmax(-1)
-    top = probs.argsort(descending=True)[:25]
-    top = top[probs[top] * n >= 10]
-    assert len(top) >= 8, "the tiny model's distribution is too flat for this test"
-    counts = torch.cat([torch.bincount(first, minlength=probs.numel())[top].double(),
-                        torch.tensor([float((~torch.isin(first, top)).sum())])])
-    expected = torch.cat([probs[top], (1 - probs[top].sum())[None]])
-    pv = chi2_pvalue(counts, expected)
-    assert pv > P_MIN, f"first-token distribution differs from the target (p-value {pv:.2e})"
-    # and the check has power: the MTP draft's own distribution would be rejected
-    with torch.inference_mode():
-        m = tiny_engine.model
-        h = m(torch.tensor([prompt]))[0]
-        q_logits, _ = m.mtp_forward(0, torch.tensor([prompt[1:]]), h[None, :-1])
-    q = q_logits[0, -1].double().softmax(-1)
-    q_expected = torch.cat([q[top], (1 - q[top].sum())[None]])
-    assert chi2_pvalue(counts, q_expected) < 1e-6, "the draft distribution is too close to the target's"
-
-    # The second token (accepted draft 2, a residual sample or a bonus token) follows the target
-    # given the first: randomized probability integral transform u = F(t2-) + w p(t2) under
-    # p(. | prompt, t1), tokens ordered by probability, must be uniform (20 equal bins).
-    first_ids = first.unique()
-    with torch.inference_mode():
-        ids = torch.cat([torch.tensor(prompt).expand(len(first_ids), -1), first_ids[:, None]], dim=1)
-        p2 = m.logits(m(ids)[:, -1]).double().softmax(-1)  # [unique t1, V]
-    row = torch.searchsorted(first_ids, first)
-    cond = p2[row]  # [n, V]: p(. | prompt, t1) of each sample
-    second = torch.tensor([o.token_ids[1] for o in outs])
-    def pit_pvalue(cond: torch.Tensor) -> tuple[float, torch.Tensor]:
-        sorted_p, order = cond.sort(-1, descending=True)
-        rank = (order == second[:, None]).float().argmax(-1)
-        before = (sorted_p.cumsum(-1) - sorted_p).gather(1, rank[:, None]).squeeze(1)
-        w = torch.rand(n, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-        u = before + w * cond.gather(1, second[:, None]).squeeze(1)
-        bins = torch.bincount((u * 20).long().clamp(max=19), minlength=20)
-        return chi2_pvalue(bins, torch.full((20,), 1 / 20)), bins
-
-    pv2, bins = pit_pvalue(cond)
-    assert pv2 > P_MIN, f"second token is not distributed as the target given the first (p-value {pv2:.2e}): {bins}"
-    # power: conditioning on the wrong first token is rejected
-    assert pit_pvalue(p2[(row + 1) % len(first_ids)])[0] < 1e-6
+    assert_first_tokens_follow_the_target(tiny_engine.model, prompt, outs, 1.0, P_MIN)
 
 
 # ---------------------------------------------------------------------------------------------
