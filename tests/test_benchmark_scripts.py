@@ -613,7 +613,7 @@ def test_soak_test_smoke(shipped_model_dir, tmp_path):
     _no_temporaries(tmp_path)
     checks = res["checks"]
     for c in ("no_unexpected_errors", "no_probe_mismatches", "clients_stopped", "server_processes_alive",
-              "kv_blocks_all_free", "cancels_reached_the_executor", "healthy_at_end"):
+              "kv_blocks_all_free", "cancels_reached_the_executor", "healthy_at_end", "no_stub_crash_in_log"):
         assert checks[c], (c, res["unexpected_errors"], res["mismatches"], res["end"])
     assert checks["clean_shutdown"] == (res["server_exit_status"] == 0)
     assert res["settings"]["concurrency"] == 4 and res["settings"]["host"] == "127.0.0.1"

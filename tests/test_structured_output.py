@@ -493,6 +493,35 @@ def test_a_guide_checked_lately_is_looked_up_without_a_compile_thread(monkeypatc
     assert len(compiles) == 2
 
 
+def test_a_refused_guide_leaves_its_callers_objects_to_reference_counting() -> None:
+    """The compile thread handed its exception back through a list its frame held, a reference cycle: the refusal's
+    traceback kept every caller's frame, and their objects, until a garbage collection. In the Triton BLS those were
+    the server's request objects; collected only at the stub's exit, after its connection to the server was gone,
+    they crashed every instance (segmentation faults at shutdown after invalid guides, in the soak test)."""
+    import gc
+    import weakref
+
+    class Held:
+        pass
+
+    def caller(held: Held) -> None:
+        check_guide(GuidedDecodingParams(regex="a{2"))
+
+    held = Held()
+    ref = weakref.ref(held)
+    gc.disable()
+    try:
+        try:
+            caller(held)
+            pytest.fail("the invalid guide was taken")
+        except ValueError as e:  # unlike pytest.raises, keeps no reference to the exception past this block
+            assert "unclosed counted repetition" in str(e)
+        del held
+        assert ref() is None, "a cycle keeps the refused guide's callers alive until a garbage collection"
+    finally:
+        gc.enable()
+
+
 def test_locating_a_schema_error_compiles_a_bounded_share_of_the_schema(monkeypatch) -> None:
     """An invalid schema's error is located by compiling its subschemas level by level: with a large valid sibling
     at every level that cost grew with the square of the schema (a 196 KB body took 2.4 s of CPU to refuse, and

@@ -78,6 +78,9 @@ def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         yield srv
     finally:
         srv.stop()
+    # after every test's requests, refused ones too: a stub that crashed at shutdown logs its stacks (faulthandler)
+    crashes = (work / "server.log").read_text(errors="replace").count("Fatal Python error")
+    assert not crashes, f"{crashes} Python backend stub(s) crashed as the server stopped: {work / 'server.log'}"
 
 
 # ---- clients ----------------------------------------------------------------------------------

@@ -65,10 +65,13 @@ def on_compile_stack(compile_: Callable[[], T]) -> T:
         finally:
             threading.stack_size(previous)
     thread.join()
-    ok, value = result[0]
-    if not ok:
-        raise value
-    return value
+    ok, value = result.pop()  # not left in the list run's frame holds: with the exception, a reference cycle
+    try:
+        if not ok:
+            raise value
+        return value
+    finally:
+        del value  # its traceback holds this frame: the cycle through the local, broken as concurrent.futures does
 
 
 def _grammar_text(kind: str, text: str) -> str:
