@@ -69,12 +69,14 @@ class TritonPythonModel(EngineModel):
                 self.tokenizer.encode(req.text))
 
     def response(self, stream: Stream, chunk: Chunk, out: RequestOutput) -> Any:
-        """text_output, finish_reason / stop_reason as the LLM API's str() of them ("None" while unfinished),
-        cumulative_logprob, and the perf metrics, shaped [1] (with max_batch_size > 0: [1, 1])."""
+        """text_output (the whole text so far, streamed or not: upstream's model sends the LLM API's
+        CompletionOutput.text, which grows, in every response), finish_reason / stop_reason as the LLM API's str() of
+        them ("None" while unfinished), cumulative_logprob, and the perf metrics, shaped [1] (with max_batch_size > 0:
+        [1, 1])."""
         def tensor(name: str, value: Any, dtype: Any) -> Any:
             return pb_utils.Tensor(name, np.array([value], dtype).reshape((1, 1) if self.batched else (1,)))
 
-        tensors = [tensor("text_output", chunk.text.encode("utf-8"), object)]
+        tensors = [tensor("text_output", out.text.encode("utf-8"), object)]
         if "finish_reason" in stream.outputs:
             tensors.append(tensor("finish_reason", str(out.finish_reason).encode(), object))
         if "stop_reason" in stream.outputs:
