@@ -119,13 +119,18 @@ def check_response_count(decoupled: bool, streaming: bool, n: int, streaming_inp
                            "false: one response per request)")
 
 
+SHOWN_KEYS, SHOWN_KEY_CHARS = 8, 64  # of a refused request's unknown keys, in its error
+
+
 def no_unknown_parameters(parameters_json: str, surface: str) -> None:
     """Refuse request parameters a surface does not take. Triton's HTTP generate endpoint turns every JSON key
     that is not an input name into such a parameter, so a misspelt input (`max_token`) arrives here rather than
     being dropped."""
     unknown = sorted(json.loads(parameters_json or "{}"))
-    if unknown:
-        raise RequestError(f"unknown parameter(s) {', '.join(unknown)}: {surface} takes inputs only (a generate "
+    if unknown:  # the client's keys, echoed: a few and short, however many and long it sent
+        shown = ", ".join(f"{k:.{SHOWN_KEY_CHARS}}" for k in unknown[:SHOWN_KEYS])
+        more = f" and {len(unknown) - SHOWN_KEYS} more" if len(unknown) > SHOWN_KEYS else ""
+        raise RequestError(f"unknown parameter(s) {shown}{more}: {surface} takes inputs only (a generate "
                            "endpoint's JSON keys must be input names)")
 
 

@@ -84,3 +84,20 @@ def test_the_engine_models_unknown_parameters_are_refused() -> None:
                                    "parameters: cancellation_check_period_ms, device, ")
     del given["parameters"]["speculaton"], given["parameters"]["num_draft_token"]
     assert engine_parameters(given, decoupled=True).executor.speculation == "adaptive"
+
+
+def test_a_refusal_of_unknown_keys_shows_a_few_of_them_shortened() -> None:
+    """Every unknown generate key was joined into the error: 100,000 keys made an error as long as the body (found by
+    an adversarial run). A few are shown, each cut short, with how many more there were."""
+    import json
+
+    from serving.request_validation import SHOWN_KEY_CHARS, SHOWN_KEYS, RequestError, no_unknown_parameters
+
+    keys = {f"k{i:03d}" + "x" * 1000: 1 for i in range(100)}
+    with pytest.raises(RequestError) as e:
+        no_unknown_parameters(json.dumps(keys), "tensorrt_llm")
+    shown = ", ".join(f"k{i:03d}" + "x" * (SHOWN_KEY_CHARS - 4) for i in range(SHOWN_KEYS))
+    assert str(e.value) == (f"unknown parameter(s) {shown} and {100 - SHOWN_KEYS} more: tensorrt_llm takes inputs "
+                            "only (a generate endpoint's JSON keys must be input names)")
+    with pytest.raises(RequestError, match=r"^unknown parameter\(s\) max_token: tensorrt_llm takes inputs only"):
+        no_unknown_parameters('{"max_token": 3}', "tensorrt_llm")
