@@ -522,6 +522,16 @@ def test_a_refused_guide_leaves_its_callers_objects_to_reference_counting() -> N
         gc.enable()
 
 
+def test_a_guide_past_the_lexers_budget_is_refused_in_the_clients_terms(shipped_tokenizer) -> None:
+    """llguidance's message named its own settings ("either increase limits.initial_lexer_fuel or disable
+    limits.precompute_large_lexemes"), which no request can change (found by an adversarial run)."""
+    compiler = GrammarCompiler(shipped_tokenizer.backend.to_str(), 4096, shipped_tokenizer.eos_token_id)
+    with pytest.raises(ValueError) as e:
+        compiler.check(GuidedDecodingParams(regex="(a|b)*" * 2000))
+    assert str(e.value) == ("guided_decoding.regex cannot be served: the guide is too large for the grammar engine's "
+                            "lexer (its precomputation ran out of budget)")
+
+
 def test_locating_a_schema_error_compiles_a_bounded_share_of_the_schema(monkeypatch) -> None:
     """An invalid schema's error is located by compiling its subschemas level by level: with a large valid sibling
     at every level that cost grew with the square of the schema (a 196 KB body took 2.4 s of CPU to refuse, and

@@ -38,8 +38,12 @@ CACHE_GUIDE_BYTES = 4 * 2**20
 
 
 def first_line(error: str) -> str:
-    """llguidance's error without the parser state it appends."""
-    return error.split("\n", 1)[0][:200]
+    """llguidance's error without the parser state it appends; its lexer's budget said as what it means to a client
+    (the message names llguidance's own limits, which no request can change)."""
+    line = error.split("\n", 1)[0][:200]
+    if line.startswith("lexer precomputation failed"):
+        return "the guide is too large for the grammar engine's lexer (its precomputation ran out of budget)"
+    return line
 
 
 class GrammarMatcher:
