@@ -107,6 +107,18 @@ def parameter(model_config: dict, name: str, cast: Callable[[str], Any] = str, d
         raise ValueError(f"model {model_config.get('name', '?')}: parameter {name}: {e}") from None
 
 
+def check_one_instance(model_config: dict) -> None:
+    """ValueError unless the engine model runs one instance: its executor batches every request in flight, and a
+    second instance would load the model and a KV cache of its own, while a `stop` request and the model's metrics
+    reach one instance only (a stop landing on the other did nothing)."""
+    count = sum(int(group.get("count", 1)) for group in model_config.get("instance_group") or [{}])
+    if count != 1:
+        raise ValueError(f"model {model_config.get('name', '?')}: instance_group count {count}: one instance serves "
+                         "every request, batched in flight by its executor (more would each load the model and a KV "
+                         "cache, and a stop request or the metrics would reach one of them); set count: 1 in "
+                         "config.pbtxt")
+
+
 def model_path(model_config: dict, name: str, model_dir: str) -> Path:
     """A required path parameter; a relative one is relative to the model's own directory (`args["model_repository"]`
     in `initialize`), so a repository can name its engine without showing clients the server's absolute paths."""

@@ -101,3 +101,19 @@ def test_a_refusal_of_unknown_keys_shows_a_few_of_them_shortened() -> None:
                             "only (a generate endpoint's JSON keys must be input names)")
     with pytest.raises(RequestError, match=r"^unknown parameter\(s\) max_token: tensorrt_llm takes inputs only"):
         no_unknown_parameters('{"max_token": 3}', "tensorrt_llm")
+
+
+def test_the_engine_models_refuse_a_second_instance() -> None:
+    """instance_group count 2 loaded two executors: a stop request reached one of them (4 of 4 stops did nothing in
+    an adversarial run) and the KV-cache metrics of both carried the same labels."""
+    from serving.triton_parameters import check_one_instance
+
+    check_one_instance({"name": "tensorrt_llm", "instance_group": [{"count": 1, "kind": "KIND_CPU"}]})
+    check_one_instance({"name": "tensorrt_llm"})  # Triton's default: one
+    for groups in ([{"count": 2, "kind": "KIND_CPU"}], [{"count": 1}, {"count": 1}]):
+        with pytest.raises(ValueError) as e:
+            check_one_instance({"name": "tensorrt_llm", "instance_group": groups})
+        assert str(e.value) == ("model tensorrt_llm: instance_group count 2: one instance serves every request, "
+                                "batched in flight by its executor (more would each load the model and a KV cache, "
+                                "and a stop request or the metrics would reach one of them); set count: 1 in "
+                                "config.pbtxt")

@@ -22,7 +22,7 @@ from serving.legacy_request import INPUT_NAMES, engine_request, scalar
 from serving.request_validation import no_unknown_parameters
 from serving.triton_contract import client_named
 from serving.triton_engine import Chunk, EngineModel, Stream
-from serving.triton_parameters import model_path
+from serving.triton_parameters import check_one_instance, model_path
 
 
 class TritonPythonModel(EngineModel):
@@ -32,6 +32,7 @@ class TritonPythonModel(EngineModel):
     def initialize(self, args: dict) -> None:
         faulthandler.enable()  # a crash of this stub is logged with its Python stacks, not lost
         config = json.loads(args["model_config"])
+        check_one_instance(config)
         settings = engine_parameters(config, pb_utils.using_decoupled_model_transaction_policy(config))
         self.exclude_input_default = settings.exclude_input_in_output
         self.start(model_path(config, "gpt_model_path", args["model_repository"]), settings.executor, settings.triton,

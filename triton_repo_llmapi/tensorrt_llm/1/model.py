@@ -28,6 +28,7 @@ from serving.llmapi_config import MODEL_YAML, read_model_yaml
 from serving.llmapi_request import INPUT_NAMES, INPUTS, llmapi_request, scalar
 from serving.request_validation import no_unknown_parameters
 from serving.triton_engine import Chunk, EngineModel, Stream, given
+from serving.triton_parameters import check_one_instance
 
 
 
@@ -38,6 +39,7 @@ class TritonPythonModel(EngineModel):
     def initialize(self, args: dict) -> None:
         faulthandler.enable()  # a crash of this stub is logged with its Python stacks, not lost
         config = json.loads(args["model_config"])
+        check_one_instance(config)
         model_dir = Path(args["model_repository"])
         yaml_path = model_dir / args["model_version"] / os.environ.get("LLM_CONFIG_PATH", MODEL_YAML)  # as upstream
         llm = read_model_yaml(yaml_path, model_dir)
