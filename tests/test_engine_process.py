@@ -339,3 +339,35 @@ def test_no_engine_process_outlives_its_parent(spec_checkpoint, tmp_path):
         finally:
             parent.kill()
             parent.wait()
+
+
+def test_a_refusal_from_the_engine_leaves_its_callers_objects_to_reference_counting(engine):
+    """The caller's frame held the future that held the engine's refusal, whose traceback holds that frame: a cycle
+    that kept every caller's objects (in a Triton stub, the server's request and response sender) until a garbage
+    collection; collected at the stub's exit, after its connection to the server was gone, they crashed it
+    (a segmentation fault at shutdown after such refusals)."""
+    import gc
+    import weakref
+
+    class Held:
+        pass
+
+    def caller(held: Held) -> None:
+        engine.submit(PROMPTS[0], SamplingParams(max_tokens=100_000))
+
+    held = Held()
+    ref = weakref.ref(held)
+    gc.disable()
+    try:
+        try:
+            caller(held)
+            pytest.fail("the request was taken")
+        except ValueError as e:  # unlike pytest.raises, keeps no reference to the exception past this block
+            assert "max_tokens 100000" in str(e), str(e)
+        del held
+        deadline = time.monotonic() + 5  # the pipe's reader lets go of the refusal just after handing it over
+        while ref() is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ref() is None, "a cycle keeps the refused request's callers alive until a garbage collection"
+    finally:
+        gc.enable()

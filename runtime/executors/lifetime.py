@@ -87,6 +87,8 @@ def spawn(args: Sequence[str | Path], **kwargs: Any) -> subprocess.Popen:
     except BaseException:  # interrupted while it started (Ctrl-C): nobody will own the child
         future.add_done_callback(_kill_unowned)
         raise
+    finally:
+        del future  # it holds a raised error, whose traceback holds this frame: a reference cycle
 
 
 _at_exit: dict[int, tuple[object, Callable[[], None]]] = {}  # id(owner) -> (owner, how to stop it), kept till exit

@@ -164,7 +164,7 @@ class ProcessExecutor:
                                      f"{path}; its log says why") from None
         if kind == "failed":
             self._process.wait(5)
-            raise payload[0]
+            raise payload.pop()  # not left in a local: its traceback holds this frame
         self.model_config, self.limits, self.config, self.tokenizer, self.kv_block_size = payload
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # the maps below
@@ -273,6 +273,7 @@ class ProcessExecutor:
             self._post(("call", call, name, args))
             return future.result(timeout)
         finally:
+            del future  # it holds a raised refusal, whose traceback holds this frame: a reference cycle
             with self._lock:
                 self._calls.pop(call, None)
 
@@ -290,6 +291,7 @@ class ProcessExecutor:
                         future = self._calls.get(call)
                     if future is not None:
                         future.set_exception(error) if error is not None else future.set_result(value)
+                    future = value = error = payload = None  # the caller's now: not held here until the next reply
         except (EOFError, OSError):
             pass
         with contextlib.suppress(subprocess.TimeoutExpired):

@@ -230,8 +230,8 @@ class RankGroup:
                 raise RankFailure(f"the ranks of {self.path} did not form their group within "
                                   f"{CONNECT_TIMEOUT.total_seconds():.0f} s")
             thread.join(0.05)
-        if "error" in formed:
-            raise RankFailure(f"the ranks of {self.path} could not form their group: {formed['error']}")
+        if "error" in formed:  # taken out: its traceback holds form's frame, which holds `formed` (a cycle)
+            raise RankFailure(f"the ranks of {self.path} could not form their group: {formed.pop('error')}")
         return formed["group"]
 
     def _remove_rendezvous(self) -> None:
