@@ -52,7 +52,7 @@ from benchmarks.soak_common import (CANCEL_TOKENS, PROBE_TOKENS, Kinds, Record, 
                                     add_soak_args, check_soak_args, errors_by_kind, latency_stats, make_prompts,
                                     metric, read_metrics, report_md, rss_checks, rss_kb, rss_results, rss_table,
                                     run_load, summarize_kinds, wait_drained)
-from serving.launcher import TritonServer, python_stubs, start_server
+from serving.launcher import STUB_CRASH, TritonServer, python_stubs, start_server
 from serving.model_repo import default_values, fill_model_repo
 
 import numpy as np
@@ -564,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
         "kv_blocks_all_free": end["kv_all_free"],
         "cancels_reached_the_executor": int(cancelled) == cancels_sent,
         "healthy_at_end": end["ready"] and end["server_alive"] and end["request"] == "ok",
-        "no_stub_crash_in_log": "Fatal Python error" not in log_text,  # each stub logs a crash (faulthandler)
+        "no_stub_crash_in_log": STUB_CRASH not in log_text,  # each stub logs a crash (faulthandler)
         "clean_shutdown": exit_status == 0,  # 1: a model still held requests after --exit-timeout-secs
     }
     failures = [c for c, ok in checks.items() if ok is False]

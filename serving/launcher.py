@@ -314,6 +314,13 @@ class TritonServer:
             return []
         return named_crash_frames(self.log_path.read_text(errors="replace"), Path(self.process.args[0]))
 
+    def stub_crashes(self) -> int:
+        """How many Python backend stubs logged a crash (each model's stub enables faulthandler, which writes
+        STUB_CRASH and the stub's Python stacks); 0 when the server's output is not captured."""
+        if self.log_path is None or not self.log_path.is_file():
+            return 0
+        return self.log_path.read_text(errors="replace").count(STUB_CRASH)
+
     def stop(self, sig: int = signal.SIGINT, timeout_s: float = 30.0) -> int | None:
         """Forward `sig` (tritonserver shuts down gracefully on SIGINT/SIGTERM), wait, then kill the whole
         process group (the stubs and the engine's rank processes with them); return the exit status."""
@@ -437,6 +444,7 @@ def live_descendants(root_pid: int) -> dict[int, list[bytes]]:
     return found
 
 
+STUB_CRASH = "Fatal Python error"  # faulthandler's first line
 FATAL_SIGNAL = re.compile(r"^Signal \((?:4|6|7|8|11)\) received\.$", re.M)  # Triton's handler, then a backtrace
 FRAME = re.compile(r"^ ?(\d+)# (?:0x([0-9A-Fa-f]+) in (\S+)|.*)$")
 

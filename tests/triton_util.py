@@ -71,5 +71,12 @@ def repo_values(engine_dir: Path, **overrides: str) -> dict[str, str]:
                                          **overrides})
 
 
-__all__ = ["PROMPTS", "TEMPLATE_REPO", "TOKENS", "TritonServer", "add_model", "fill_model_repo", "make_tiny_checkpoint", "repo_values",
+__all__ = ["PROMPTS", "TEMPLATE_REPO", "assert_no_stub_crash", "TOKENS", "TritonServer", "add_model", "fill_model_repo", "make_tiny_checkpoint", "repo_values",
            "start_server"]
+
+
+def assert_no_stub_crash(server: TritonServer) -> None:
+    """After a server's tests, refused requests included, and its shutdown: no Python backend stub crashed (a crash at
+    shutdown is invisible to every request)."""
+    crashes = server.stub_crashes()
+    assert not crashes, f"{crashes} Python backend stub(s) crashed: {server.log_path}"
