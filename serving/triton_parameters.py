@@ -111,7 +111,8 @@ def check_one_instance(model_config: dict) -> None:
     """ValueError unless the engine model runs one instance: its executor batches every request in flight, and a
     second instance would load the model and a KV cache of its own, while a `stop` request and the model's metrics
     reach one instance only (a stop landing on the other did nothing)."""
-    count = sum(int(group.get("count", 1)) for group in model_config.get("instance_group") or [{}])
+    count = sum(int(group.get("count", 1)) * (len(group.get("gpus") or [0]) if group.get("kind") == "KIND_GPU" else 1)
+                for group in model_config.get("instance_group") or [{}])  # KIND_GPU: count instances on each GPU
     if count != 1:
         raise ValueError(f"model {model_config.get('name', '?')}: instance_group count {count}: one instance serves "
                          "every request, batched in flight by its executor (more would each load the model and a KV "

@@ -1,6 +1,7 @@
 """Reading a Triton model's config.pbtxt parameters: unset and unfilled template values fall back to
 the default; a value that does not parse names the model and the parameter (the model then fails to
-load with that message instead of serving with a silently wrong setting)."""
+load with that message instead of serving with a silently wrong setting); the engine models' one instance; and
+the refusal of unknown request keys the models share."""
 
 from __future__ import annotations
 
@@ -109,8 +110,10 @@ def test_the_engine_models_refuse_a_second_instance() -> None:
     from serving.triton_parameters import check_one_instance
 
     check_one_instance({"name": "tensorrt_llm", "instance_group": [{"count": 1, "kind": "KIND_CPU"}]})
-    check_one_instance({"name": "tensorrt_llm"})  # Triton's default: one
-    for groups in ([{"count": 2, "kind": "KIND_CPU"}], [{"count": 1}, {"count": 1}]):
+    check_one_instance({"name": "tensorrt_llm", "instance_group": [{"count": 1, "kind": "KIND_GPU", "gpus": [3]}]})
+    # Triton lists every visible GPU in a KIND_GPU group that names none, and runs `count` instances on each
+    for groups in ([{"count": 2, "kind": "KIND_CPU"}], [{"count": 1}, {"count": 1}],
+                   [{"count": 1, "kind": "KIND_GPU", "gpus": [0, 1]}]):
         with pytest.raises(ValueError) as e:
             check_one_instance({"name": "tensorrt_llm", "instance_group": groups})
         assert str(e.value) == ("model tensorrt_llm: instance_group count 2: one instance serves every request, "
