@@ -127,11 +127,16 @@ def no_unknown_parameters(parameters_json: str, surface: str) -> None:
     that is not an input name into such a parameter, so a misspelt input (`max_token`) arrives here rather than
     being dropped."""
     unknown = sorted(json.loads(parameters_json or "{}"))
-    if unknown:  # the client's keys, echoed: a few and short, however many and long it sent
-        shown = ", ".join(f"{k:.{SHOWN_KEY_CHARS}}" for k in unknown[:SHOWN_KEYS])
-        more = f" and {len(unknown) - SHOWN_KEYS} more" if len(unknown) > SHOWN_KEYS else ""
-        raise RequestError(f"unknown parameter(s) {shown}{more}: {surface} takes inputs only (a generate "
+    if unknown:
+        raise RequestError(f"unknown parameter(s) {shown_keys(unknown)}: {surface} takes inputs only (a generate "
                            "endpoint's JSON keys must be input names)")
+
+
+def shown_keys(keys: list[str]) -> str:
+    """A client's keys as an error shows them: a few, each cut short, however many and long it sent (every key was
+    joined in: 100,000 keys made an error as long as the body)."""
+    more = f" and {len(keys) - SHOWN_KEYS} more" if len(keys) > SHOWN_KEYS else ""
+    return ", ".join(f"{k:.{SHOWN_KEY_CHARS}}" for k in keys[:SHOWN_KEYS]) + more
 
 
 @dataclass(frozen=True)

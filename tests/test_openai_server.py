@@ -609,6 +609,8 @@ BAD = [
      "max_tokens must be an integer in [0, 2147483647], got -1"),
     ("/v1/completions", {"prompt": "x", "max_tokens": True}, "max_tokens", "max_tokens must be an integer, got True"),
     ("/v1/completions", {"prompt": "x", "max_token": 3}, "max_token", "Unrecognized request argument supplied: max_token"),
+    ("/v1/completions", {"prompt": "x", **{f"k{i:02d}" + "x" * 100: 1 for i in range(20)}}, "k00" + "x" * 61,
+     "Unrecognized request argument supplied: " + ", ".join(f"k{i:02d}" + "x" * 61 for i in range(8)) + " and 12 more"),
     ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature", "temperature must be >= 0.0, got -1"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p", "top_p must be in (0.0, 1.0], got 0"),
     ("/v1/completions", {"prompt": "x", "n": 0}, "n", "n must be an integer in [1, 128], got 0"),

@@ -26,7 +26,8 @@ from runtime.executors.outputs import RequestStats
 from runtime.io.tokenizer import Tokenizer, utf8_size
 from serving.openai_server.chat import RESERVED_NAMES, ChatTemplateFault, render_chat, template_uses_tools
 from serving.openai_server.tool_calls import ToolSyntax, tool_call_grammar
-from serving.request_validation import CONTEXT_BYTES, INT32_MAX, RequestError, bounds_text, refused_parameter
+from serving.request_validation import (CONTEXT_BYTES, INT32_MAX, RequestError, bounds_text, refused_parameter,
+                                       shown_keys)
 
 MAX_N = 128  # choices per request, as OpenAI allows
 MAX_SEQUENCES = 2048  # prompts x (best_of or n) a completions request runs: one small body could queue 10^5
@@ -246,7 +247,7 @@ def _check_keys(body: Any, known: set[str]) -> dict:
     body = {k: v for k, v in body.items() if v is not None}
     unknown = sorted(set(body) - known)
     if unknown:
-        raise APIError(f"Unrecognized request argument supplied: {', '.join(unknown)}", unknown[0])
+        raise APIError(f"Unrecognized request argument supplied: {shown_keys(unknown)}", shown_keys(unknown[:1]))
     for name, (neutral, takes) in NEUTRAL.items():
         if name in body and not neutral(body[name]):
             raise APIError(f"{name} {body[name]!r} is not supported by this server; it takes {takes}", name)
