@@ -163,7 +163,8 @@ class EngineModel:
         raise NotImplementedError
 
     def response(self, stream: Stream, chunk: Chunk, out: RequestOutput) -> Any:
-        """The pb_utils.InferenceResponse carrying `chunk`."""
+        """The pb_utils.InferenceResponse for `out`: `chunk` is what is new since the stream's last response (its
+        ids and text; for a non-streamed request the whole output), which a flavour sends or not."""
         raise NotImplementedError
 
     def _submit(self, stream: Stream, prompt: list[int]) -> None:

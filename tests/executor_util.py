@@ -1,5 +1,6 @@
 """Helpers shared by the executor tests: ordering the step loop against the test's thread, outputs of a fresh
-executor, and the end-of-test check that every KV block came back."""
+executor, the end-of-test check that every KV block came back, seeded requests with every sampling feature, and the
+statistical check that sampled tokens follow the target's distribution (CPU and CUDA tests alike)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from runtime.executors.native import Executor
 from runtime.executors.outputs import RequestOutput
 
 from conftest import chi2_pvalue
+
+P_MIN = 1e-3  # a correct sampler passes the chi-square check at this level (the draws are seeded)
 
 
 def seeded_requests_take_rejection_sampling(mp: pytest.MonkeyPatch) -> None:
@@ -72,7 +75,7 @@ def seeded_params() -> list[SamplingParams]:
 
 
 def assert_first_tokens_follow_the_target(model, prompt: list[int], outs: list[RequestOutput], temperature: float,
-                                          p_min: float) -> None:
+                                          p_min: float = P_MIN) -> None:
     """Over many sampled requests of one prompt drafting 2 tokens, the first generated token (decided against two MTP
     drafts) follows the target softmax at the prompt's last position, and the second token the target's marginal
     given the first; each check has power (the draft's distribution, and conditioning on the wrong first token, are

@@ -5,7 +5,7 @@ serving.triton_engine's, shared with the legacy `tensorrt_llm` model.
 
 Decoupled (streaming allowed) or not (unary: one response), as model.yaml's triton_config says. text_output is the
 generated text (the LLM API's `CompletionOutput.text`: never the prompt, nor a stop string that ended it); streamed,
-each response carries the new text, cut on whole characters.
+each response carries the whole text so far, cut on whole characters, as upstream's model sends it.
 
 Structured output: upstream's llmapi model has no input for it; this one takes the legacy model's
 guided_decoding_guide_type / guided_decoding_guide (json, json_schema, regex, ebnf_grammar), the names TensorRT-LLM's
