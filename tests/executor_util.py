@@ -4,7 +4,11 @@ statistical check that sampled tokens follow the target's distribution (CPU and 
 
 from __future__ import annotations
 
+import gc
 import threading
+import time
+import weakref
+from typing import Callable
 
 import pytest
 import torch
@@ -120,3 +124,32 @@ def assert_first_tokens_follow_the_target(model, prompt: list[int], outs: list[R
     pv2, bins = pit_pvalue(p2[row])
     assert pv2 > p_min, f"second token is not distributed as the target given the first (p-value {pv2:.2e}): {bins}"
     assert pit_pvalue(p2[(row + 1) % len(first_ids)])[0] < 1e-6, "conditioning on the wrong first token passed"
+
+
+def assert_a_refusal_frees_its_callers(refuse: Callable[[], object], refusal: str, wait_s: float = 0.0) -> None:
+    """`refuse()` raises ValueError with `refusal` in it; then, with the garbage collector off, nothing keeps its
+    callers' objects alive (wait_s: how long another thread may still hold the refusal): no reference cycle holds the
+    refusal's traceback. In a Triton stub such a cycle kept the server's request objects until the stub's exit,
+    after its connection was gone, where their destructors crashed it."""
+    class Held:
+        pass
+
+    def caller(held: Held) -> None:
+        refuse()
+
+    held = Held()
+    ref = weakref.ref(held)
+    gc.disable()
+    try:
+        try:
+            caller(held)
+            pytest.fail("it was taken")
+        except ValueError as e:  # unlike pytest.raises, keeps no reference to the exception past this block
+            assert refusal in str(e), str(e)
+        del held
+        deadline = time.monotonic() + wait_s
+        while ref() is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ref() is None, "a reference cycle keeps the refusal's callers alive until a garbage collection"
+    finally:
+        gc.enable()

@@ -23,6 +23,8 @@ from runtime.executors.errors import QueueFull
 from runtime.executors.lifetime import running
 from runtime.executors.process import ProcessExecutor, _delta_of, _Stream
 
+from executor_util import assert_a_refusal_frees_its_callers
+
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 PROMPTS = [[5, 17, 42, 99, 7], [300, 12], list(range(40, 70))]
@@ -344,30 +346,7 @@ def test_no_engine_process_outlives_its_parent(spec_checkpoint, tmp_path):
 def test_a_refusal_from_the_engine_leaves_its_callers_objects_to_reference_counting(engine):
     """The caller's frame held the future that held the engine's refusal, whose traceback holds that frame: a cycle
     that kept every caller's objects (in a Triton stub, the server's request and response sender) until a garbage
-    collection; collected at the stub's exit, after its connection to the server was gone, they crashed it
-    (a segmentation fault at shutdown after such refusals)."""
-    import gc
-    import weakref
-
-    class Held:
-        pass
-
-    def caller(held: Held) -> None:
-        engine.submit(PROMPTS[0], SamplingParams(max_tokens=100_000))
-
-    held = Held()
-    ref = weakref.ref(held)
-    gc.disable()
-    try:
-        try:
-            caller(held)
-            pytest.fail("the request was taken")
-        except ValueError as e:  # unlike pytest.raises, keeps no reference to the exception past this block
-            assert "max_tokens 100000" in str(e), str(e)
-        del held
-        deadline = time.monotonic() + 5  # the pipe's reader lets go of the refusal just after handing it over
-        while ref() is not None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert ref() is None, "a cycle keeps the refused request's callers alive until a garbage collection"
-    finally:
-        gc.enable()
+    collection; collected at the stub's exit they crashed it (a segmentation fault at shutdown after such refusals).
+    The pipe's reader lets go of the refusal just after handing it over."""
+    assert_a_refusal_frees_its_callers(lambda: engine.submit(PROMPTS[0], SamplingParams(max_tokens=100_000)),
+                                       "max_tokens 100000", wait_s=5)

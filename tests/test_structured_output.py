@@ -29,7 +29,7 @@ from runtime.executors.outputs import RequestOutput
 from runtime.executors.session import Session
 
 from conftest import chi2_pvalue
-from executor_util import assert_all_free, run_fresh as run
+from executor_util import assert_a_refusal_frees_its_callers, assert_all_free, run_fresh as run
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -498,28 +498,8 @@ def test_a_refused_guide_leaves_its_callers_objects_to_reference_counting() -> N
     traceback kept every caller's frame, and their objects, until a garbage collection. In the Triton BLS those were
     the server's request objects; collected only at the stub's exit, after its connection to the server was gone,
     they crashed every instance (segmentation faults at shutdown after invalid guides, in the soak test)."""
-    import gc
-    import weakref
-
-    class Held:
-        pass
-
-    def caller(held: Held) -> None:
-        check_guide(GuidedDecodingParams(regex="a{2"))
-
-    held = Held()
-    ref = weakref.ref(held)
-    gc.disable()
-    try:
-        try:
-            caller(held)
-            pytest.fail("the invalid guide was taken")
-        except ValueError as e:  # unlike pytest.raises, keeps no reference to the exception past this block
-            assert "unclosed counted repetition" in str(e)
-        del held
-        assert ref() is None, "a cycle keeps the refused guide's callers alive until a garbage collection"
-    finally:
-        gc.enable()
+    assert_a_refusal_frees_its_callers(lambda: check_guide(GuidedDecodingParams(regex="a{2")),
+                                       "unclosed counted repetition")
 
 
 def test_a_guide_past_the_lexers_budget_is_refused_in_the_clients_terms(shipped_tokenizer) -> None:
