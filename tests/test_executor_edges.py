@@ -402,8 +402,8 @@ def test_cache_too_small_for_a_request_is_refused_with_the_numbers(shipped_engin
         watch = Watch(ex)
         with pytest.raises(ValueError) as e:
             ex.submit(prompt(corpus, 0, 40), greedy(10))
-        assert str(e.value) == ("max_tokens 10 with a 40-token prompt needs 4 KV blocks; the cache has 3 "
-                                "(raise kv_cache_tokens)")
+        assert str(e.value) == ("max_tokens 10 with a 40-token prompt needs 4 KV blocks; the cache has 3 of 16 "
+                                "tokens")
         out = ex.submit(prompt(corpus, 0, 40), greedy(8)).result(30)
         assert out.finish_reason == "length" and out.token_ids == alone(prompt(corpus, 0, 40), 8)
         assert out.stats.num_draft_tokens > 0

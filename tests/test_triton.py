@@ -1396,7 +1396,7 @@ def test_bls_refusals_are_400_under_jemalloc(checkpoint: Path, session: Session,
         blocks = int(metric(m, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="max"))
         hello = len(session.tokenizer.encode("hello"))
         message = (f"max_tokens 500 with a {hello}-token prompt needs {-(-(hello + 499) // block)} KV blocks; the cache "
-                   f"has {blocks} (raise kv_cache_tokens)")
+                   f"has {blocks} of {block} tokens")
         assert http_generate(srv, "tensorrt_llm_bls", **dict(GOOD, max_tokens=500)) == (400, {"error": message})
         assert http_generate(srv, "ensemble", **dict(GOOD, max_tokens=500)) == \
             (400, {"error": f"in ensemble 'ensemble', {message}"})

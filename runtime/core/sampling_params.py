@@ -331,4 +331,4 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_
         need = -(-(n + params.max_tokens - 1) // block_size)
         if need > blocks:
             raise ValueError(f"max_tokens {params.max_tokens} with a {n}-token prompt needs {need} KV blocks; the cache "
-                             f"has {blocks} (raise kv_cache_tokens)")
+                             f"has {blocks} of {block_size} tokens")  # its setting has a name of its own on each surface
