@@ -65,13 +65,11 @@ def on_compile_stack(compile_: Callable[[], T]) -> T:
         finally:
             threading.stack_size(previous)
     thread.join()
-    ok, value = result.pop()  # not left in the list run's frame holds: with the exception, a reference cycle
-    try:
-        if not ok:
-            raise value
-        return value
-    finally:
-        del value  # its traceback holds this frame: the cycle through the local, broken as concurrent.futures does
+    if result[0][0]:
+        return result.pop()[1]
+    # raised straight from the list, which it leaves: bound to a name here (or left in the list run's frame holds),
+    # the exception's traceback, which holds this frame, would make a reference cycle
+    raise result.pop()[1]
 
 
 def _grammar_text(kind: str, text: str) -> str:
