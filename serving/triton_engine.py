@@ -182,15 +182,15 @@ class EngineModel:
                 raise RequestError(named_for_client(str(e), self.input_names)) from None
             raise
 
-    def stop(self, triton_id: str, sender: Any) -> None:
-        """TensorRT-LLM's `stop` input: cancel the requests in flight with this request id."""
+    def stop(self, triton_id: str) -> None:
+        """TensorRT-LLM's `stop` input: cancel the requests in flight with this request id (each flavour answers the
+        stop request as its upstream model does)."""
         if not triton_id:
             raise RequestError("stop: a request id is needed to say which request to stop")
         with self._lock:
             ids = [s.executor_id for s in self._active if s.triton_id == triton_id]
         for i in ids:
             self.executor.cancel(i)
-        sender.send(pb_utils.InferenceResponse([]), flags=FINAL)
 
     # ---- responses ------------------------------------------------------------------------------
     def _send_loop(self) -> None:

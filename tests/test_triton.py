@@ -110,6 +110,8 @@ class Streamed:
     ids: list[int] = field(default_factory=list)  # output_ids, for tensorrt_llm
     stats: dict[str, float] = field(default_factory=dict)  # last response's perf metrics and token counts
     error: str | None = None
+    status: str | None = None  # the error's gRPC status
+    finish_reason: str | None = None  # the last response's, where the request asked for it
     times: list[float] = field(default_factory=list)  # arrival time of each response
 
     @property

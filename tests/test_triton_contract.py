@@ -91,9 +91,10 @@ def llmapi(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     assert_no_stub_crash(srv)
 
 
-def llmapi_stream(server: TritonServer, model: str, **values: Any) -> Streamed:
+def llmapi_stream(server: TritonServer, model: str, request_id: str = "", on_first: Any = None,
+                  **values: Any) -> Streamed:
     """One request over gRPC streaming with its inputs shaped as given (the llmapi model's max_batch_size is 0: no
-    batch dimension)."""
+    batch dimension); `on_first()` runs after the first response."""
     client = grpcclient.InferenceServerClient(server.grpc_url)
     responses: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
@@ -103,16 +104,20 @@ def llmapi_stream(server: TritonServer, model: str, **values: Any) -> Streamed:
         inputs[-1].set_data_from_numpy(arr)
     out = Streamed()
     try:
-        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        client.async_stream_infer(model, inputs, request_id=request_id, enable_empty_final_response=True)
         while True:
             result, error = responses.get(timeout=60)
             if error is not None:
-                out.error = error.message()
+                out.error, out.status = error.message(), error.status()
                 return out
             if result.as_numpy("text_output") is not None:
                 out.chunks += list(result.as_numpy("text_output"))
+            if result.as_numpy("finish_reason") is not None:
+                out.finish_reason = result.as_numpy("finish_reason")[0].decode()
             if result.get_response().parameters["triton_final_response"].bool_param:
                 return out
+            if on_first is not None and len(out.chunks) == 1:
+                on_first()
     finally:
         client.stop_stream()
         client.close()
@@ -332,6 +337,31 @@ def test_llmapi_streams_the_session_text(llmapi: TritonServer, expected: dict) -
         for texts in ([c.decode("utf-8") for c in out.chunks], [json.loads(e)["text_output"] for e in events]):
             assert texts[-1] == expected[prompt].text
             assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), texts
+
+
+def test_llmapi_stop_request_ends_the_stream_and_is_answered_cancelled(llmapi: TritonServer) -> None:
+    """Upstream's llmapi model: a `stop` request naming a running request's id aborts that request (its stream ends,
+    finish_reason cancelled) and is itself answered with a CANCELLED error, "Request cancelled by client"."""
+    stopped: dict[str, Streamed] = {}
+
+    def stop() -> None:
+        stopped["reply"] = llmapi_stream(llmapi, "tensorrt_llm", request_id="job-9", text_input=np.array([b""], object),
+                                         stop=np.array([True]))
+
+    out = llmapi_stream(llmapi, "tensorrt_llm", request_id="job-9", on_first=stop,
+                        text_input=np.array([PROMPTS[0].encode()], object), streaming=np.array([True]),
+                        sampling_param_max_tokens=np.array([900], np.int32), return_finish_reason=np.array([True]))
+    assert stopped["reply"].error == "Request cancelled by client"  # a stream's error carries no code in 2.51
+    assert out.error is None and out.finish_reason == "cancelled" and len(out.chunks) < 900, out
+    reply = llmapi_stream(llmapi, "tensorrt_llm", text_input=np.array([b""], object), stop=np.array([True]))
+    assert reply.error == "stop: a request id is needed to say which request to stop"
+    from tritonclient.utils import InferenceServerException
+    inputs = [grpcclient.InferInput("text_input", [1], "BYTES"), grpcclient.InferInput("stop", [1], "BOOL")]
+    inputs[0].set_data_from_numpy(np.array([b""], object))
+    inputs[1].set_data_from_numpy(np.array([True]))
+    with pytest.raises(InferenceServerException) as unary:  # unary over gRPC, the code arrives
+        grpcclient.InferenceServerClient(llmapi.grpc_url).infer("tensorrt_llm_unary", inputs, request_id="job-10")
+    assert (unary.value.status(), unary.value.message()) == ("StatusCode.CANCELLED", "Request cancelled by client")
 
 
 def test_llmapi_finish_reason_stop_reason_and_perf_metrics(llmapi: TritonServer, expected: dict) -> None:

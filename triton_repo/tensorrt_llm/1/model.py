@@ -23,6 +23,7 @@ from serving.request_validation import no_unknown_parameters
 from serving.triton_contract import client_named
 from serving.triton_engine import Chunk, EngineModel, Stream
 from serving.triton_parameters import check_one_instance, model_path
+from serving.triton_responses import FINAL
 
 
 class TritonPythonModel(EngineModel):
@@ -54,7 +55,8 @@ class TritonPythonModel(EngineModel):
         no_unknown_parameters(request.parameters(), "tensorrt_llm")
         inputs = {t.name(): t.as_numpy() for t in request.inputs()}
         if scalar(inputs, "stop", False):
-            self.stop(request.request_id(), sender)
+            self.stop(request.request_id())
+            sender.send(pb_utils.InferenceResponse([]), flags=FINAL)  # the C++ backend's empty final response
             return None
         return inputs
 

@@ -29,6 +29,7 @@ from serving.llmapi_request import INPUT_NAMES, INPUTS, llmapi_request, scalar
 from serving.request_validation import no_unknown_parameters
 from serving.triton_engine import Chunk, EngineModel, Stream, given
 from serving.triton_parameters import check_one_instance
+from serving.triton_responses import FINAL
 
 
 
@@ -61,7 +62,10 @@ class TritonPythonModel(EngineModel):
         no_unknown_parameters(request.parameters(), "tensorrt_llm")
         inputs = given(request, INPUTS)
         if scalar(inputs, "stop"):
-            self.stop(request.request_id(), sender)
+            self.stop(request.request_id())
+            # upstream's llmapi model answers a stop request with its CANCELLED error
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                "Request cancelled by client", pb_utils.TritonError.CANCELLED)), flags=FINAL)
             return None
         return inputs
 
