@@ -116,7 +116,8 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
     max_beam_width = doc.pop("max_beam_width", 1)
     if max_beam_width != 1:
         raise ModelYamlError(f"{source}: max_beam_width {shown(max_beam_width)}: supported: 1 (no beam search)")
-    limits = {k: _int(doc.pop(k), k, source) for k in ("max_batch_size", "max_seq_len", "max_num_tokens") if k in doc}
+    limits = {k: _int(doc.pop(k), k, source, low=2 if k == "max_seq_len" else 1)  # ExecutorConfig's bounds
+              for k in ("max_batch_size", "max_seq_len", "max_num_tokens") if k in doc}
 
     # a --backend trtllm engine runs on TensorRT-LLM with the file's LLM-API keys as written (as upstream's llmapi
     # model passes them to LLM()): what the native runtime does not apply, TensorRT-LLM does

@@ -381,7 +381,8 @@ def test_a_checkpoints_max_seq_len_is_bounded_by_its_positions(shipped_model_dir
 @pytest.mark.parametrize("field,value,message", [
     ("max_num_tokens", 0, "max_num_tokens must be an integer >= 1, got 0"),
     ("max_batch_size", 0, "max_batch_size must be an integer >= 1, got 0"),
-    ("max_seq_len", 2.5, "max_seq_len must be an integer >= 1, got 2.5"),
+    ("max_seq_len", 2.5, "max_seq_len must be an integer >= 2, got 2.5"),
+    ("max_seq_len", 1, "max_seq_len must be an integer >= 2, got 1"),
     ("kv_cache_tokens", -16, "kv_cache_tokens must be an integer >= 1, got -16"),
     ("num_draft_tokens", -1, "num_draft_tokens must be an integer >= 0, got -1"),
 ])

@@ -598,7 +598,7 @@ BOMB = "xa: &a [x,x,x,x,x,x,x,x,x]\n" + "".join(  # nine levels of aliases: 9^9 
 
 
 @pytest.mark.parametrize("text, message", [
-    (BOMB, "max_seq_len must be an integer >= 1, got [[...], [...], [...], [...], ...]"),
+    (BOMB, "max_seq_len must be an integer >= 2, got [[...], [...], [...], [...], ...]"),
     ("1: 2\n", "unknown key(s) 1: not implemented by this runtime"),
     ("max_seq_len: " + "9" * 5000 + "\n", "cannot read it: Exceeds the limit (4300 digits)"),
     ("max_seq_len: 64\nkv_cache_config: {}\nmax_seq_len: 128\n", "found duplicate key 'max_seq_len'\n  in"),

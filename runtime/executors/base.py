@@ -106,10 +106,12 @@ class ExecutorConfig:
         check_speculation(self.speculation)
         if k == 0:  # drafting nothing is plain decoding, whatever the mode
             object.__setattr__(self, "speculation", "off")
-        for name in ("max_batch_size", "max_num_tokens", "max_seq_len", "kv_cache_tokens", "max_queued_requests"):
+        # max_seq_len 1 would hold no prompt token and a generated one: a server refusing every request
+        for name, low in (("max_batch_size", 1), ("max_num_tokens", 1), ("max_seq_len", 2), ("kv_cache_tokens", 1),
+                          ("max_queued_requests", 1)):
             value = getattr(self, name)
-            if value is not None and (not is_int(value) or value < 1):
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            if value is not None and (not is_int(value) or value < low):
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         for name in ("enable_block_reuse", "cpu_kernels", "cuda_graphs"):
             if not is_bool(getattr(self, name)):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
