@@ -981,6 +981,15 @@ def test_contract_finish_reasons_from_upstream(engine_dir: Path, trtllm: ModuleT
         assert ex.submit([5], SamplingParams(max_tokens=3)).result(5).finish_reason == "length"
 
 
+def test_a_final_response_without_new_tokens_keeps_the_logprobs(engine_dir: Path, trtllm: ModuleType) -> None:
+    """Upstream's final response can carry no new token (the last came in the response before): a request that asked
+    for logprobs ended in "error" there (a TypeError reading the missing new logprobs)."""
+    trtllm.plan = lambda prompt, sp: Plan([100, 101, 102], steps=(3,))  # 3 tokens, then an empty final response
+    with TrtllmExecutor(engine_dir) as ex:
+        out = ex.submit([5], SamplingParams(max_tokens=10, ignore_eos=True, logprobs=1)).result(5)
+    assert (out.token_ids, out.finish_reason, len(out.logprobs)) == ([100, 101, 102], "length", 3)
+
+
 def test_contract_submit_validation_and_shutdown(engine_dir: Path, trtllm: ModuleType) -> None:
     def token(i: int) -> int:  # the second waits for shutdown: a slow test thread must not see the request end first
         if i == 1:

@@ -357,15 +357,18 @@ class TrtllmExecutor:
 
     @staticmethod
     def _new_logprobs(req: _Request, completion: Any, new: list[int]) -> list[TokenLogprob] | None:
-        """The logprobs of the newly streamed ids (None unless asked for); the prompt's, once, into `req`.
+        """The logprobs of the newly streamed ids (None unless asked for; none new for a final response without a
+        token); the prompt's, once, into `req`.
         Upstream's prompt logprobs are taken as those of prompt tokens 1.. (the last len(prompt) - 1)."""
         params = req.params
         if params.prompt_logprobs is not None and req.prompt_logprobs == [None] and len(req.prompt) > 1:
             entries = (getattr(completion, "prompt_logprobs", None) or [])[1 - len(req.prompt):]
             if entries:
                 req.prompt_logprobs += logprobs_from_upstream(entries, req.prompt[1:], params.prompt_logprobs)
-        if params.logprobs is None or not new:
+        if params.logprobs is None:
             return None
+        if not new:
+            return []
         entries = (getattr(completion, "logprobs", None) or [])[req.seen : req.seen + len(new)]
         if len(entries) < len(new):
             raise RuntimeError(f"TensorRT-LLM returned {len(entries)} logprobs for {len(new)} new tokens")
