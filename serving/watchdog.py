@@ -64,7 +64,10 @@ class Watchdog:
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
             for name, probe in self.probes.items():
-                reason = probe()
+                try:
+                    reason = probe()
+                except Exception as e:  # a probe that cannot tell is a failure, not the end of the watching
+                    reason = f"its check raised {type(e).__name__}: {e}"
                 if reason is not None:
                     self.failure = f"{name}: {reason}"
                     log.error("watchdog: %s; every thread's stack follows", self.failure)

@@ -292,6 +292,23 @@ def test_health_answers_within_its_timeout(engine):
     assert engine.health(30) is None
 
 
+def test_health_reports_an_engine_that_dies_during_the_call(spec_checkpoint):
+    """An engine process killed while a health call waits is a reason for the watchdog: it was a RuntimeError, which
+    ended the watchdog's thread, so nothing took the server down."""
+    ex = ProcessExecutor(spec_checkpoint, CONFIG, torch_threads=1)
+    try:
+        os.kill(ex._process.pid, signal.SIGSTOP)
+        answer: list = []
+        asking = threading.Thread(target=lambda: answer.append(ex.health(30)))
+        asking.start()
+        time.sleep(0.3)
+        os.kill(ex._process.pid, signal.SIGKILL)
+        asking.join(20)
+        assert answer and answer[0].startswith("the engine process exited"), answer
+    finally:
+        ex.shutdown()
+
+
 def test_a_load_error_is_raised_in_the_caller(tmp_path, spec_checkpoint):
     with pytest.raises(ValueError, match=r"missing: neither engine.json nor config.json found"):
         ProcessExecutor(tmp_path / "missing", CONFIG)

@@ -1471,6 +1471,21 @@ def test_watchdog_calls_on_failure_once_with_the_reason() -> None:
     dog.stop()
 
 
+def test_a_watchdog_probe_that_raises_is_a_failure() -> None:
+    """A probe that raises (an engine process dying during the health call) ended the watchdog's thread unheard."""
+    from serving.watchdog import Watchdog
+
+    failures: list[str] = []
+
+    def probe() -> str | None:
+        raise RuntimeError("the engine process exited (status -9)")
+
+    dog = Watchdog({"executor": probe}, failures.append, period_s=0.01)
+    wait_until(lambda: failures, what="the failure")
+    assert failures == ["executor: its check raised RuntimeError: the engine process exited (status -9)"]
+    dog.stop()
+
+
 @pytest.mark.parametrize("ignores_sigterm", [False, True])
 def test_a_stalled_server_is_killed_when_sigterm_does_not_stop_it(ignores_sigterm: bool) -> None:
     """A server wedged in its own shutdown (tritonserver deadlocked in its abort handler) ignores SIGTERM and keeps

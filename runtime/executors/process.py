@@ -20,7 +20,7 @@ import socket
 import subprocess
 import sys
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, fields, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -225,8 +225,10 @@ class ProcessExecutor:
             return self._error
         try:  # the engine answers at once (its executor's health reads a clock): a wait is its own stall
             return self._call("health", timeout_s, timeout=timeout_s)
-        except TimeoutError:
+        except (TimeoutError, FutureTimeout):  # one class from Python 3.11, two before
             return f"the engine process did not answer within {timeout_s:g} s"
+        except RuntimeError as e:  # it died during the call: a reason for the watchdog, not an exception
+            return str(e)
 
     def shutdown(self, timeout: float | None = 30) -> None:
         """Stop the engine (it ends what is in flight as "cancelled") and wait for its process to exit."""
