@@ -1437,6 +1437,15 @@ def test_kv_cache_is_sized_from_free_memory(engine, prompts, alone) -> None:
         ExecutorConfig(free_memory_fraction=0)
 
 
+def test_a_kv_cache_where_free_memory_is_unknown_is_what_the_settings_ask(engine, prompts, alone,
+                                                                          monkeypatch) -> None:
+    """free_memory_bytes is None where /proc/meminfo cannot be read: the sizing formatted None as GiB (TypeError)."""
+    monkeypatch.setattr(native_executor, "free_memory_bytes", lambda device: None)
+    with Executor(engine, ExecutorConfig(speculation="off", max_batch_size=2)) as ex:
+        assert ex.cache.allocator.num_blocks * ex.cache.block_size >= 2 * 256
+        assert ex.submit(prompts[0], SamplingParams(max_tokens=16)).result().token_ids == alone[0][:16]
+
+
 def test_health_reports_a_stalled_or_stopped_step_loop(engine, prompts) -> None:
     """What a server's watchdog polls: a step stuck past the timeout, or a loop that died, is reported with why."""
     with Executor(engine, ExecutorConfig(speculation="off")) as ex:

@@ -680,6 +680,22 @@ def test_request_ids_reused_after_finish(shipped_engine, corpus, alone) -> None:
         assert_all_free(ex)
 
 
+def test_a_submit_that_fails_frees_its_request_id(shipped_engine, corpus, alone, monkeypatch) -> None:
+    """A failure while the request's state is made (a device allocation, a guide recompiled) left its id claimed: every
+    later request under that id was refused "already in flight"."""
+    with Executor(shipped_engine, ExecutorConfig(num_draft_tokens=0, max_seq_len=MAX_SEQ_LEN)) as ex:
+        def fail(*args, **kwargs):
+            raise MemoryError("test: no room for the penalty counts")
+
+        with monkeypatch.context() as m:
+            m.setattr(native.PenaltyState, "create", fail)
+            with pytest.raises(MemoryError):
+                ex.submit(prompt(corpus, 0, 8), SamplingParams(max_tokens=3, repetition_penalty=1.2), request_id="x")
+        out = ex.submit(prompt(corpus, 0, 8), greedy(3), request_id="x").result(30)
+        assert out.token_ids == alone(prompt(corpus, 0, 8), 3)
+        assert_all_free(ex)
+
+
 # ---------------------------------------------------------------------------------------------
 # Batch limits and statistics
 # ---------------------------------------------------------------------------------------------

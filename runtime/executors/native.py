@@ -158,12 +158,14 @@ class Executor:
         free_memory_fraction of the memory free now (the weights loaded). A cache the memory cannot hold, or (sized
         here) one that cannot hold a single max_seq_len sequence, is refused naming the setting, before anything is
         allocated: an allocator error or the OOM killer names nothing. A kv_cache_tokens given may hold less than
-        max_seq_len: a request that cannot fit it alone is refused at submit, naming kv_cache_tokens."""
+        max_seq_len: a request that cannot fit it alone is refused at submit, with the cache's size. Where the free
+        memory is unknown, the cache is what the settings ask."""
         config, limits = self.config, self.limits
         free = free_memory_bytes(torch.device(config.device))
         budget = None if free is None else int(free * config.free_memory_fraction) // bytes_per_token
-        where = (f"{budget} tokens of {bytes_per_token} bytes fit in free_memory_fraction {config.free_memory_fraction} "
-                 f"of the {free / 2**30:.1f} GiB free on {config.device}")
+        where = "" if free is None else (f"{budget} tokens of {bytes_per_token} bytes fit in free_memory_fraction "
+                                         f"{config.free_memory_fraction} of the {free / 2**30:.1f} GiB free on "
+                                         f"{config.device}")
         one = limits.max_seq_len + k + block
         if config.kv_cache_tokens is not None:
             if budget is not None and config.kv_cache_tokens > budget:
@@ -214,6 +216,15 @@ class Executor:
         self.validate(prompt_token_ids, params)
         check_callback(on_output)
         rid = self._ids.claim(request_id)
+        try:
+            return self._enqueue(rid, prompt_token_ids, params, on_output, bounded)
+        except BaseException:  # refused, shut down, or a failure making its state: the id is free again
+            self._ids.release(rid)
+            raise
+
+    def _enqueue(self, rid: str, prompt_token_ids: list[int], params: SamplingParams,
+                 on_output: Callable[[RequestOutput], None] | None, bounded: bool) -> RequestHandle:
+        """The request's sequences and trackers, handed to the step loop's inbox (or QueueFull)."""
         seed = int(params.seed) if params.seed is not None else fresh_seed()  # numpy ints too
         handle = RequestHandle(rid, self, params.n, delivered_by=self._thread)
         size = params.num_sequences
@@ -237,7 +248,6 @@ class Executor:
             group.append((seq, tracker))
         with self._submit_lock:
             if self._stopping:
-                self._ids.release(rid)
                 raise RuntimeError(f"executor is shut down{f' ({self._error})' if self._error else ''}")
             places, overflow = 0, 0  # what this request adds to load shedding's count (nothing without a bound)
             bound = self.config.max_queued_requests
@@ -245,7 +255,6 @@ class Executor:
                 places = params.num_sequences
                 if self._inbox_places + places > self._free_places:
                     if bounded and self._waiting_requests + self._overflow >= bound:
-                        self._ids.release(rid)
                         raise QueueFull(bound)
                     places, overflow = 0, 1
                 self._inbox_places += places
