@@ -145,6 +145,9 @@ def test_distill_refuses_an_out_it_cannot_or_must_not_write(run, capsys):
         assert error(capsys, distill.main, *distill_args(run, out, "--time_budget_min", 30)) == (2, f"{prog} {message}")
     assert error(capsys, distill.main, *distill_args(run, run.parent / "d.pt", "--seq_len", 0)) == (
         2, f"{prog} --seq_len must be >= 1, got 0")
+    # a window longer than the corpus was numpy's "high <= 0" traceback (train_model checked it, distill did not)
+    assert error(capsys, distill.main, *distill_args(run, run.parent / "d.pt", "--seq_len", 5000)) == (
+        2, f"{prog} --data_dir {run.parent}: train.bin holds 2000 tokens; a window of --seq_len 5000 needs more")
     assert (run / "ckpt.pt").read_bytes() == before
     assert sorted(p.name for p in run.iterdir()) == ["ckpt.pt", "notes"]
 
@@ -181,7 +184,7 @@ def test_train_model_keeps_a_run_it_was_not_told_to_replace(run, capsys):
              f"--data_dir {data / 'nowhere'}: no train.bin (training.prepare_data writes train.bin and val.bin)"),
             (("--out_dir", fresh, "--batch_size", 0), "--batch_size must be >= 1, got 0"),
             (("--out_dir", fresh, "--seq_len", 5000),
-             f"--data_dir {data}: train.bin holds 2000 tokens, fewer than a window of --seq_len 5000 + 2"),
+             f"--data_dir {data}: train.bin holds 2000 tokens; a window of --seq_len 5000 + 2 needs more"),
             (("--out_dir", fresh, "--config", data / "bad.json"), f"--config {data / 'bad.json'}: not valid JSON (")):
         status, err = error(capsys, train_model.main, "--data_dir", data, "--config", data / "config.json", *argv)
         assert status == 2 and err.startswith(f"{prog} {message}"), err
@@ -401,6 +404,17 @@ def test_export_model_on_a_full_disk_names_the_out_dir(run, monkeypatch, capsys)
     out = run.parent / "release"
     assert error(capsys, export.main, "--ckpt", run / "ckpt.pt", "--tokenizer_dir", run, "--out_dir", out) == (
         2, f"python -m training.export_model: error: {out}: No space left on device; no checkpoint was written")
+
+
+@pytest.mark.parametrize("size", ["inf", "1e-9", "0", "nan"])
+def test_export_model_refuses_a_shard_size_of_no_bytes_or_no_end(run, capsys, size):
+    """--max_shard_mb inf was an OverflowError traceback and 1e-9 the writer's ValueError (0-byte shards)."""
+    (run / "tokenizer.json").write_text("{}")
+    status, err = error(capsys, export.main, "--ckpt", run / "ckpt.pt", "--tokenizer_dir", run, "--out_dir",
+                        run.parent / "release", "--max_shard_mb", size)
+    assert (status, err) == (2, f"python -m training.export_model: error: argument --max_shard_mb: {size!r} is not a "
+                                "finite size of at least one byte (1/1048576 MB)")
+    assert not (run.parent / "release").exists()
 
 
 def test_export_model_errors_name_its_flags(run, capsys):

@@ -94,12 +94,20 @@ def check_token_ids(p: Parser, data_dir: Path, tokens: dict[str, np.ndarray], vo
                     f"(vocab_size {vocab_size})")
 
 
-def token_file(p: Parser, data_dir: Path, name: str) -> Path:
-    """data_dir/name, or a parser error naming it and --data_dir (the files training.prepare_data writes)."""
-    path = data_dir / name
-    if not path.is_file():
-        p.error(f"--data_dir {data_dir}: no {name} (training.prepare_data writes train.bin and val.bin)")
-    return path
+def token_files(p: Parser, data_dir: Path, window: int, shown: str) -> tuple[np.ndarray, np.ndarray]:
+    """data_dir's train.bin and val.bin (what training.prepare_data writes) as token arrays, or a parser error naming
+    --data_dir: a file missing, or too short for one training window of `window` tokens (`shown`: the flags that set
+    it), which numpy's random window start refused with a traceback."""
+    arrays = []
+    for name in ("train.bin", "val.bin"):
+        path = data_dir / name
+        if not path.is_file():
+            p.error(f"--data_dir {data_dir}: no {name} (training.prepare_data writes train.bin and val.bin)")
+        tokens = np.memmap(path, dtype=np.uint16, mode="r")
+        if len(tokens) <= window:
+            p.error(f"--data_dir {data_dir}: {name} holds {len(tokens)} tokens; a window of {shown} needs more")
+        arrays.append(tokens)
+    return arrays[0], arrays[1]
 
 
 def load_checkpoint(p: Parser, flag: str, path: Path, keys: tuple[str, ...], device: str = "cpu",

@@ -38,7 +38,7 @@ from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM, Gate
 from runtime.cli import interrupt_on_sigterm
 from training.balance import ExpertBalancer
 from training.cli import (Parser, add_training_flags, at_least_one, check_token_ids, check_training_numbers,
-                          check_writable_file, load_checkpoint, token_file)
+                          check_writable_file, load_checkpoint, token_files)
 from training.train_model import batches, save
 
 
@@ -118,8 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--out {args.out} is --ckpt; writing it would replace the training checkpoint (train_model "
                 "--resume needs it); choose another path")
     check_writable_file(p, "--out", args.out)
-    train = np.memmap(token_file(p, args.data_dir, "train.bin"), dtype=np.uint16, mode="r")
-    val = np.memmap(token_file(p, args.data_dir, "val.bin"), dtype=np.uint16, mode="r")
+    train, val = token_files(p, args.data_dir, args.seq_len, f"--seq_len {args.seq_len}")
     state = load_checkpoint(p, "--ckpt", args.ckpt, ("config", "model", "step", "args"))
     check_token_ids(p, args.data_dir, {"train.bin": train, "val.bin": val}, state["config"]["vocab_size"],
                     f"--ckpt {args.ckpt}")

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -18,10 +19,11 @@ from runtime.cli import interrupt_on_sigterm
 from training.cli import Parser, load_checkpoint
 
 
-def _positive_float(text: str) -> float:
+def _shard_mb(text: str) -> float:
+    """A shard size in MB that is a whole number of bytes >= 1 (inf overflowed int(), 1e-9 made shards of 0 bytes)."""
     value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number > 0")
+    if not (math.isfinite(value) and value * 2**20 >= 1):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite size of at least one byte (1/1048576 MB)")
     return value
 
 
@@ -30,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ckpt", type=Path, required=True, help="checkpoint of training.train_model or distill_mtp")
     p.add_argument("--tokenizer_dir", type=Path, required=True, help="directory of the tokenizer.json to ship")
     p.add_argument("--out_dir", type=Path, required=True, help="release directory to write")
-    p.add_argument("--max_shard_mb", type=_positive_float, default=12.0, help="shard size (the release has several shards)")
+    p.add_argument("--max_shard_mb", type=_shard_mb, default=12.0, help="shard size (the release has several shards)")
     p.add_argument("--bf16", action="store_true", help="write bf16 Linear weights instead of FP8 blocks")
     p.add_argument("--force", action="store_true", help="replace an existing --out_dir")
     args = p.parse_args(argv)

@@ -32,7 +32,7 @@ from runtime.model.config import ConfigError, ModelConfig
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM, Gate
 from training.balance import ExpertBalancer
 from training.cli import (Parser, add_training_flags, at_least_one, check_device, check_token_ids,
-                          check_training_numbers, load_checkpoint, token_file)
+                          check_training_numbers, load_checkpoint, token_files)
 
 # Every DeepSeek-V3 feature on, proportioned so one MTP step is cheap next to the 21-layer target.
 # Head dims keep V3's proportions (nope 2 x rope, v = nope); every FP8 matrix dimension is below 128
@@ -127,12 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     check_device(p, args.device)
     if args.resume and args.force:
         p.error("--resume continues --out_dir's checkpoint and --force starts over; give one of them")
-    train_tokens = np.memmap(token_file(p, args.data_dir, "train.bin"), dtype=np.uint16, mode="r")
-    val = np.memmap(token_file(p, args.data_dir, "val.bin"), dtype=np.uint16, mode="r")
-    for name, tokens in (("train.bin", train_tokens), ("val.bin", val)):
-        if len(tokens) <= args.seq_len + 2:
-            p.error(f"--data_dir {args.data_dir}: {name} holds {len(tokens)} tokens, fewer than a window of --seq_len "
-                    f"{args.seq_len} + 2")
+    train_tokens, val = token_files(p, args.data_dir, args.seq_len + 2, f"--seq_len {args.seq_len} + 2")
     try:
         cfg = ModelConfig.from_json(args.config) if args.config else ModelConfig.from_dict(MINI_CONFIG)
     except ConfigError as e:
