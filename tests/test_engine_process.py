@@ -309,6 +309,29 @@ def test_health_reports_an_engine_that_dies_during_the_call(spec_checkpoint):
         ex.shutdown()
 
 
+def test_a_submit_that_times_out_is_cancelled_in_the_engine(spec_checkpoint):
+    """A submit whose reply does not come in time is refused here and its id freed; the engine may have taken it, and
+    it ran there to max_tokens, holding a place in the batch, for no one: the cancel follows it down the pipe."""
+    ex = ProcessExecutor(spec_checkpoint, CONFIG, torch_threads=1)
+    try:
+        call = ex._call
+        ex._call = lambda name, *args, timeout=60: call(name, *args, timeout=0.5 if name == "submit" else timeout)
+        os.kill(ex._process.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(TimeoutError):
+                ex.submit(PROMPTS[0], SamplingParams(max_tokens=80, ignore_eos=True), request_id="late")
+        finally:
+            os.kill(ex._process.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while (stats := ex.stats()).requests_finished < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stats.requests_finished == 1 and stats.generated_tokens < 80, stats
+        assert ex.submit(PROMPTS[0], SamplingParams(max_tokens=3), request_id="late").result(30).finish_reason == \
+            "length"
+    finally:
+        ex.shutdown()
+
+
 def test_a_load_error_is_raised_in_the_caller(tmp_path, spec_checkpoint):
     with pytest.raises(ValueError, match=r"missing: neither engine.json nor config.json found"):
         ProcessExecutor(tmp_path / "missing", CONFIG)

@@ -204,10 +204,13 @@ class ProcessExecutor:
             self._streams[rid] = _Stream(handle, on_output, len(prompt_token_ids))
         try:
             self._call("submit", list(prompt_token_ids), params, rid, bounded)
-        except BaseException:
+        except BaseException as e:
             with self._lock:
                 self._streams.pop(rid, None)
             self._ids.release(rid)
+            if isinstance(e, (TimeoutError, FutureTimeout)):  # it may be running there: the cancel follows it
+                with contextlib.suppress(RuntimeError):
+                    self._post(("cancel", rid))
             raise
         return handle
 
