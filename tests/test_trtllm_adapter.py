@@ -990,6 +990,49 @@ def test_a_final_response_without_new_tokens_keeps_the_logprobs(engine_dir: Path
     assert (out.token_ids, out.finish_reason, len(out.logprobs)) == ([100, 101, 102], "length", 3)
 
 
+def test_a_submit_racing_shutdown_is_refused_or_finished(engine_dir: Path, trtllm: ModuleType, monkeypatch) -> None:
+    """A submit that passed the shutdown check before shutdown stopped the loop, and queued its start after, left a
+    handle that never finished; it is queued before shutdown begins, or refused."""
+    from runtime.executors import trtllm as adapter
+
+    trtllm.plan = default_plan
+    ex = TrtllmExecutor(engine_dir)
+    made, go = threading.Event(), threading.Event()
+    create_group = adapter._Request.create_group.__func__
+
+    def paused(cls, *args, **kwargs):  # the submit stops between its checks and queuing its start
+        made.set()
+        go.wait(10)
+        return create_group(cls, *args, **kwargs)
+
+    monkeypatch.setattr(adapter._Request, "create_group", classmethod(paused))
+    outcome: list = []
+
+    def submit() -> None:
+        try:
+            outcome.append(ex.submit([5], SamplingParams(max_tokens=3)))
+        except RuntimeError as e:
+            outcome.append(e)
+
+    racing = threading.Thread(target=submit)
+    racing.start()
+    assert made.wait(10)
+    join = ex._thread.join
+
+    def stopped_then_go(timeout: float | None = None) -> None:  # the loop's stop is queued: let the submit on
+        join(timeout)
+        go.set()
+        racing.join(10)
+
+    monkeypatch.setattr(ex._thread, "join", stopped_then_go)
+    ex.shutdown()
+    [got] = outcome
+    if isinstance(got, RuntimeError):
+        assert str(got) == "executor is shut down"
+    else:
+        assert got.result(5).finish_reason == "cancelled"
+
+
 def test_contract_submit_validation_and_shutdown(engine_dir: Path, trtllm: ModuleType) -> None:
     def token(i: int) -> int:  # the second waits for shutdown: a slow test thread must not see the request end first
         if i == 1:

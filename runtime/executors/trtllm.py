@@ -170,6 +170,7 @@ class TrtllmExecutor:
         self._counts = dict(generated=0, drafted=0, accepted=0)
         self._ids = RequestIds()
         self._stopping = False
+        self._submit_lock = threading.Lock()  # a submit is queued to the loop before a shutdown begins, or refused
         self._closed = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="trtllm-executor", daemon=True)
@@ -214,8 +215,6 @@ class TrtllmExecutor:
         bound here, max_queued_requests is refused.)"""
         self.validate(prompt_token_ids, params)
         check_callback(on_output)
-        if self._stopping:
-            raise RuntimeError("executor is shut down")
         rid = self._ids.claim(request_id)
         if not params.greedy and params.seed is None:  # as native: unseeded means a fresh random seed
             params = dataclasses.replace(params, seed=fresh_seed())
@@ -224,11 +223,11 @@ class TrtllmExecutor:
         # first), are every output's
         req = _Request.create_group(rid, len(prompt_token_ids), params, params.n, self.tokenizer, handle, on_output,
                                     prompt=list(prompt_token_ids))[0]
-        try:
+        with self._submit_lock:  # queued after shutdown's stop of the loop, _start would never run
+            if self._stopping:
+                self._ids.release(rid)
+                raise RuntimeError("executor is shut down")
             self._loop.call_soon_threadsafe(self._start, req)
-        except RuntimeError:  # the loop closed since the check above
-            self._ids.release(rid)
-            raise RuntimeError("executor is shut down") from None
         return handle
 
     def cancel(self, request_id: str, handle: RequestHandle | None = None) -> None:
@@ -252,7 +251,8 @@ class TrtllmExecutor:
         """Cancel what is in flight (finish reason "cancelled"), shut TensorRT-LLM down, stop the loop."""
         if self._closed:
             return
-        self._stopping = True
+        with self._submit_lock:
+            self._stopping = True
         try:
             asyncio.run_coroutine_threadsafe(self._shutdown_on_loop(), self._loop).result(timeout=30)
         except Exception:
