@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 from runtime.executors.base import ExecutorConfig, ExecutorProtocol
 from runtime.executors.native import Executor
@@ -26,7 +25,7 @@ def check_settings(path: str | Path, config: ExecutorConfig) -> None:
     config.resolve(build, cfg, source, built=manifest is not None)  # a checkpoint's limits are defaults, not choices
 
 
-def create_executor(path: str | Path, config: ExecutorConfig = ExecutorConfig(), **kwargs: Any) -> ExecutorProtocol:
+def create_executor(path: str | Path, config: ExecutorConfig = ExecutorConfig()) -> ExecutorProtocol:
     """TensorRT-LLM for an engine built with --backend trtllm, else the native executor; engine.json is read here
     once and handed on."""
     if not isinstance(path, (str, os.PathLike)):
@@ -35,6 +34,5 @@ def create_executor(path: str | Path, config: ExecutorConfig = ExecutorConfig(),
     if manifest is None:  # a checkpoint (or no model: the executor says so)
         return Executor(path, config)
     if manifest.build.backend == "trtllm":
-        engine = TrtllmEngine.open(path, kwargs.pop("verify_weights", False), manifest)
-        return TrtllmExecutor(engine, config, **kwargs)
+        return TrtllmExecutor(TrtllmEngine.open(path, manifest=manifest), config)
     return Executor(path, config, manifest)

@@ -45,11 +45,6 @@ class ExecutorStats:
     kv_missed_blocks: int = 0  # and those not found
 
     @property
-    def kv_cache_hit_rate(self) -> float:
-        blocks = self.kv_reused_blocks + self.kv_missed_blocks
-        return self.kv_reused_blocks / blocks if blocks else 0.0
-
-    @property
     def acceptance_rate(self) -> float:
         return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
 

@@ -144,8 +144,7 @@ class ProcessExecutor:
     """An executor (native or TensorRT-LLM, as create_executor picks) run in a child process, behind the
     same interface. The child ends with this object's shutdown, at this process's exit, or with its death."""
 
-    def __init__(self, path: str | Path, config: ExecutorConfig = ExecutorConfig(), torch_threads: int | None = None,
-                 **kwargs: Any):
+    def __init__(self, path: str | Path, config: ExecutorConfig = ExecutorConfig(), torch_threads: int | None = None):
         parent, child = socket.socketpair()
         # a fresh interpreter (not multiprocessing's spawn, which re-runs the caller's __main__), told its end
         # of the pair by descriptor; the settings follow as the first message
@@ -153,7 +152,7 @@ class ProcessExecutor:
                               pass_fds=[child.fileno()])
         child.close()
         self._conn = Connection(parent.detach())
-        self._conn.send((str(path), config, torch_threads, kwargs, _logging_levels()))
+        self._conn.send((str(path), config, torch_threads, _logging_levels()))
         if not self._conn.poll(START_TIMEOUT_S):
             self._process.kill()
             raise EngineProcessError(f"the engine process did not load {path} within {START_TIMEOUT_S:.0f} s")
@@ -341,7 +340,7 @@ def _logging_levels() -> dict[str, int]:
 
 def _engine_main(conn: Connection) -> None:
     """The child: load the executor, then serve the parent's messages until it says shutdown or goes away."""
-    path, config, torch_threads, kwargs, levels = conn.recv()
+    path, config, torch_threads, levels = conn.recv()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent decides
     logging.basicConfig(level=levels.pop(""), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for name, level in levels.items():
@@ -356,7 +355,7 @@ def _engine_main(conn: Connection) -> None:
             conn.send_bytes(data)
 
     try:
-        executor = create_executor(path, config, **kwargs)
+        executor = create_executor(path, config)
     except BaseException as e:
         send(("failed", e if _picklable(e) else RuntimeError(f"{type(e).__name__}: {e}")))
         return

@@ -120,7 +120,6 @@ class RankOptions:
 
     dtype: str | None = None
     cpu_kernels: bool = True
-    verify: bool = True
     threads: int = 1  # torch intra-op threads per rank
     fp8_weights: bool | None = None
 
@@ -473,7 +472,7 @@ def _worker(path: str, rank: int, world: int, store: dist.Store, options: RankOp
     torch.set_num_threads(options.threads)
     try:
         par = Parallel(EngineManifest.read(Path(path)).build.layout(rank))
-        engine = load_engine(path, dtype=options.dtype, verify=options.verify, cpu_kernels=options.cpu_kernels,
+        engine = load_engine(path, dtype=options.dtype, cpu_kernels=options.cpu_kernels,
                              fp8_weights=options.fp8_weights, par=par)
     except Exception as e:  # rank 0 reports it
         store.set(f"error/{rank}", f"{type(e).__name__}: {e}")
