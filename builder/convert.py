@@ -7,7 +7,7 @@ extended with the MTP module as a draft layer under `transformer.mtp_layers.{j}.
 Memory: a rank file's header (every name, dtype, shape and offset) follows from the config and
 the build options alone, so `RankFileWriter` writes it first and then drops each tensor's bytes at
 its offset as the tensor streams by. No rank's tensors are ever accumulated; the process holds
-the source shard being read (memory-mapped) plus one tensor and its shards. docs/engine-format.md
+one source tensor (read into a reused buffer, no memory map) and its shards. docs/engine-format.md
 has the names, the sharding rules and the measured peak memory.
 """
 

@@ -307,7 +307,8 @@ class RankGroup:
                            "the ranks are out of step")
 
     def memory(self) -> list[int]:
-        """Each rank's resident memory in bytes, rank 0 first."""
+        """Each rank's resident memory in bytes, rank 0 first (rank 0's alone under torchrun, which started the
+        others: their pids are not known here)."""
         return [rss_bytes(pid) for pid in [os.getpid(), *(p.pid for p in self.procs)]]
 
     def close(self, graceful: bool = True) -> None:
