@@ -38,12 +38,11 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 from runtime.core.sampling_params import SamplingParams  # noqa: E402
 from runtime.executors.session import Session  # noqa: E402
 from runtime.io.engine_format import read_limits  # noqa: E402
-from runtime.executors.lifetime import PID_NAMESPACE  # noqa: E402
+from runtime.executors.lifetime import PID_NAMESPACE, free_ports, live_descendants  # noqa: E402
 from serving.engine_limits import server_dir  # noqa: E402
 from serving.fill_template import fill, parse_substitutions  # noqa: E402
 from serving.launcher import (PYTHON_SHM_REGION_BYTES, SHM_DIR, build_command, find_install,  # noqa: E402
-                              free_ports, live_descendants, named_crash_frames, python_stubs,
-                              remove_stale_leftovers)
+                              named_crash_frames, python_stubs, remove_stale_leftovers)
 from triton_util import (EOS, PROMPTS, TEMPLATE_REPO, TOKENS, TritonServer, add_model,  # noqa: E402
                          assert_no_stub_crash, fill_model_repo, repo_values, start_server)
 
