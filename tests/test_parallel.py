@@ -500,8 +500,8 @@ def test_triton_world_size_serves_the_engine_from_its_ranks(tp2, tmp_path):
     """launch_triton_server --world_size 2 on a tp-2 engine: one tritonserver, whose engine model starts rank 1 and
     answers as the joined engine does; stopping the server ends the rank. --world_size 3 fails to load, naming it."""
     pytest.importorskip("tritonclient.http")
-    from serving.launcher import start_server
-    from serving.model_repo import add_llmapi_model
+    from serving.triton.launcher import start_server
+    from serving.triton.model_repo import add_llmapi_model
     from test_triton import http_generate
 
     (tmp_path / "repo").mkdir()

@@ -46,8 +46,8 @@ from typing import Sequence
 from runtime.executors.lifetime import (PID_NAMESPACE, free_ports, live_descendants, remove_dead_pids_leftovers,
                                         spawn, stop_signals_to)
 from runtime.cli import show_defaults
-from serving.engine_limits import SERVER_DIR_PREFIX, server_dir
-from serving.triton_parameters import WORLD_SIZE_ENV
+from serving.triton.engine_limits import SERVER_DIR_PREFIX, server_dir
+from serving.triton.parameters import WORLD_SIZE_ENV
 from serving.watchdog import KILL_AFTER_S, STOP_REASON_ENV
 
 CONTAINER_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
