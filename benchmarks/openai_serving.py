@@ -25,8 +25,8 @@ from typing import Any
 from benchmarks.common import (CpuTime, add_common_args, load_prompts, machine_info, machine_md, md_table, mean,
                                ms, parse_with_quick, ratio, request_ttft_tpot, round_robin_by_source, save_figure,
                                session_request, set_threads, target_line, write_results)
+from runtime.executors.lifetime import live_descendants
 from runtime.executors.session import Session
-from serving.launcher import live_descendants
 from serving.openai_server.process import start_dsv3_serve
 
 MODES = {"plain": ["--num_draft_tokens", "0"], "mtp": ["--num_draft_tokens", "3", "--speculation", "adaptive"]}

@@ -50,9 +50,8 @@ from benchmarks.soak_common import (CANCEL_TOKENS, PROBE_TOKENS, Kinds, Record, 
                                     add_soak_args, check_soak_args, errors_by_kind, latency_stats, make_prompts,
                                     metric, read_metrics, report_md, rss_checks, rss_kb, rss_results, rss_table,
                                     run_load, summarize_kinds, wait_drained)
-from runtime.executors.lifetime import running
+from runtime.executors.lifetime import live_descendants, running
 from runtime.io.tokenizer import Tokenizer
-from serving.launcher import live_descendants
 from serving.openai_server.process import ServeProcess, start_dsv3_serve
 
 TOOLS_TEMPLATE = ROOT / "serving" / "openai_server" / "templates" / "deepseek_v3_tools.jinja"

@@ -52,8 +52,8 @@ from benchmarks.soak_common import (CANCEL_TOKENS, PROBE_TOKENS, Kinds, Record, 
                                     add_soak_args, check_soak_args, errors_by_kind, latency_stats, make_prompts,
                                     metric, read_metrics, report_md, rss_checks, rss_kb, rss_results, rss_table,
                                     run_load, summarize_kinds, wait_drained)
-from serving.launcher import STUB_CRASH, TritonServer, python_stubs, start_server
-from serving.model_repo import default_values, fill_model_repo
+from serving.triton.launcher import STUB_CRASH, TritonServer, python_stubs, start_server
+from serving.triton.model_repo import default_values, fill_model_repo
 
 import numpy as np
 import tritonclient.grpc as grpcclient

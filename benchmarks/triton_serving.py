@@ -32,9 +32,9 @@ from benchmarks.common import (CpuTime, add_common_args, closed_loop_clients, co
                                write_results)
 from runtime.executors.session import Session
 from runtime.io.tokenizer import Tokenizer
-from serving.launcher import python_stubs, start_server
-from serving.model_repo import default_values, fill_model_repo
-from serving.client import text_inputs, token_id_inputs
+from serving.triton.client import text_inputs, token_id_inputs
+from serving.triton.launcher import python_stubs, start_server
+from serving.triton.model_repo import default_values, fill_model_repo
 
 MODES = {"plain": dict(num_draft_tokens="0", speculation="off"),
          "mtp": dict(num_draft_tokens="3", speculation="adaptive")}

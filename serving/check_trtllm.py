@@ -8,7 +8,7 @@
    (runtime.executors.trtllm.TrtllmExecutor, one request at a time) and checks that every draft
    length gives the same tokens as the first;
 3. unless --skip_triton: writes the legacy model repository for the engine as make_model_repo does,
-   starts tritonserver with serving/launcher.py and sends the same prompts to `ensemble` over gRPC
+   starts tritonserver with serving/triton/launcher.py and sends the same prompts to `ensemble` over gRPC
    streaming (tritonclient), checking that the text equals the executor's;
 4. prints TPOT (mean time per output token after the first) and the draft acceptance rate.
 
@@ -133,8 +133,8 @@ def triton_runs(engine: Path, k: int, prompts: list[str], n_tokens: list[int], w
     """The prompts through `ensemble` over gRPC streaming, one at a time."""
     import numpy as np
     import tritonclient.grpc as grpcclient
-    from serving.launcher import start_server
-    from serving.model_repo import default_values, fill_model_repo
+    from serving.triton.launcher import start_server
+    from serving.triton.model_repo import default_values, fill_model_repo
 
     repo = work / f"triton_repo_k{k}"
     if repo.exists():

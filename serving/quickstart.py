@@ -11,10 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-from serving.client import stream_generate
-from serving.launcher import start_server
-from serving.model_repo import default_values, fill_model_repo
 from serving.openai_server.process import start_dsv3_serve
+from serving.triton.client import stream_generate
+from serving.triton.launcher import start_server
+from serving.triton.model_repo import default_values, fill_model_repo
 
 ROOT = Path(__file__).resolve().parents[1]
 

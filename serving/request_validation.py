@@ -1,4 +1,4 @@
-"""How a Triton model's request values are checked (the legacy flavour's contract is serving.triton_contract; the
+"""How a Triton model's request values are checked (the legacy flavour's contract is serving.triton.contract; the
 OpenAI server reads JSON its own way and shares the refusal's form: `RequestError`, `refused_parameter`, bounds).
 
 A request's values are checked where they arrive, in the type they were declared with and before they

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.engine_limits import EngineLimits, PublishedLimits, publish, server_dir, withdraw
+from serving.triton.engine_limits import EngineLimits, PublishedLimits, publish, server_dir, withdraw
 
 
 @pytest.fixture(autouse=True)

@@ -490,7 +490,7 @@ def test_world_size_must_fit_the_engine(tp2):
 
 def _ranks_under(root: int) -> list[str]:
     """Command lines of the rank processes among root's live descendants."""
-    from serving.launcher import live_descendants
+    from runtime.executors.lifetime import live_descendants
 
     lines = [b" ".join(argv).decode() for argv in live_descendants(root).values()]
     return [c for c in lines if "runtime.executors.ranks" in c]
@@ -500,8 +500,8 @@ def test_triton_world_size_serves_the_engine_from_its_ranks(tp2, tmp_path):
     """launch_triton_server --world_size 2 on a tp-2 engine: one tritonserver, whose engine model starts rank 1 and
     answers as the joined engine does; stopping the server ends the rank. --world_size 3 fails to load, naming it."""
     pytest.importorskip("tritonclient.http")
-    from serving.launcher import start_server
-    from serving.model_repo import add_llmapi_model
+    from serving.triton.launcher import start_server
+    from serving.triton.model_repo import add_llmapi_model
     from test_triton import http_generate
 
     (tmp_path / "repo").mkdir()
@@ -529,7 +529,7 @@ def test_triton_world_size_serves_the_engine_from_its_ranks(tp2, tmp_path):
 def test_dsv3_serve_stops_when_a_rank_dies(tp2, tmp_path):
     """A server whose executor has stopped serving answered 503 for ever (its /health said why); as vLLM's, it now
     takes itself down, exit status 1 and the reason on stderr, for a supervisor to restart it."""
-    from serving.launcher import live_descendants
+    from runtime.executors.lifetime import live_descendants
     from serving.openai_server.process import start_dsv3_serve
 
     log = tmp_path / "serve.log"

@@ -633,7 +633,7 @@ def test_triton_guided_decoding_inputs() -> None:
     import numpy as np
 
     from serving.request_validation import RequestError
-    from serving.triton_contract import guided_decoding
+    from serving.triton.contract import guided_decoding
 
     def read(kind: str | None, guide: str | None) -> GuidedDecodingParams | None:
         inputs = {name: np.array([value.encode()], object) for name, value in

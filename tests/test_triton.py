@@ -38,12 +38,11 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 from runtime.core.sampling_params import SamplingParams  # noqa: E402
 from runtime.executors.session import Session  # noqa: E402
 from runtime.io.engine_format import read_limits  # noqa: E402
-from runtime.executors.lifetime import PID_NAMESPACE  # noqa: E402
-from serving.engine_limits import server_dir  # noqa: E402
-from serving.fill_template import fill, parse_substitutions  # noqa: E402
-from serving.launcher import (PYTHON_SHM_REGION_BYTES, SHM_DIR, build_command, find_install,  # noqa: E402
-                              free_ports, live_descendants, named_crash_frames, python_stubs,
-                              remove_stale_leftovers)
+from runtime.executors.lifetime import PID_NAMESPACE, free_ports, live_descendants  # noqa: E402
+from serving.triton.engine_limits import server_dir  # noqa: E402
+from serving.triton.fill_template import fill, parse_substitutions  # noqa: E402
+from serving.triton.launcher import (PYTHON_SHM_REGION_BYTES, SHM_DIR, build_command, find_install,  # noqa: E402
+                                     named_crash_frames, python_stubs, remove_stale_leftovers)
 from triton_util import (EOS, PROMPTS, TEMPLATE_REPO, TOKENS, TritonServer, add_model,  # noqa: E402
                          assert_no_stub_crash, fill_model_repo, repo_values, start_server)
 
@@ -428,7 +427,7 @@ def test_a_server_slow_to_take_a_connection_is_not_taken_for_stopping() -> None:
     connect that timed out (a busy server, its backlog full) counted as closed, and the launcher said "tritonserver is
     stopping (its endpoints closed, as on a SIGTERM or SIGINT sent to it)" though no signal was sent and waited. Only a
     refused connection counts."""
-    import serving.launcher as launcher
+    import serving.triton.launcher as launcher
 
     with socket.socket() as busy, contextlib.ExitStack() as queued:
         busy.bind(("127.0.0.1", 0))
@@ -448,7 +447,7 @@ def test_a_server_slow_to_take_a_connection_is_not_taken_for_stopping() -> None:
 def test_launcher_refuses_a_repository_without_models(tmp_path: Path, shipped_model_dir: Path) -> None:
     """Given the engine directory by mistake, or an empty one, tritonserver served nothing and said it was ready (a
     load balancer would send it traffic): refused, naming the flag."""
-    from serving.launcher import start_server
+    from serving.triton.launcher import start_server
 
     with pytest.raises(FileNotFoundError, match=re.escape(f"--model_repo {shipped_model_dir}: no model in it (no "
                                                           "<model>/config.pbtxt); make one with make_model_repo")):
@@ -461,7 +460,7 @@ def test_launcher_refuses_a_repository_without_models(tmp_path: Path, shipped_mo
 def test_launcher_kills_a_server_stuck_after_its_watchdog_stopped_it(monkeypatch, capsys) -> None:
     """The watchdog's SIGKILL escalation lives in a stub, which exits as the server shuts down: a tritonserver stuck in
     its own shutdown was waited on for ever. The launcher stops it KILL_AFTER_S after the watchdog did."""
-    import serving.launcher as launcher
+    import serving.triton.launcher as launcher
 
     class Stuck:
         def __init__(self) -> None:
@@ -1723,9 +1722,9 @@ def test_text_models_do_not_import_torch() -> None:
     """preprocessing, postprocessing and the BLS run in stubs of their own (ten in the default repository): what
     their modules import, each stub holds. Importing torch through request validation's guided decoding took each
     from about 49 MB to 243 MB resident (2 GB over the default repository); only tensorrt_llm needs torch. The BLS
-    runs tensorrt_llm's request conversion and checks (serving.legacy_request), without it."""
-    code = ("import sys, serving.request_validation, serving.text_processing, serving.triton_parameters, "
-            "serving.legacy_request, serving.engine_limits, serving.bls; "
+    runs tensorrt_llm's request conversion and checks (serving.triton.legacy_request), without it."""
+    code = ("import sys, serving.request_validation, serving.triton.text_processing, serving.triton.parameters, "
+            "serving.triton.legacy_request, serving.triton.engine_limits, serving.triton.bls; "
             "print(sorted(m for m in ('torch', 'llguidance', 'runtime.core.sampling') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
                          text=True, timeout=120)
@@ -1787,9 +1786,9 @@ def test_streaming_without_a_required_input_is_refused(server: TritonServer, mod
 def test_word_lists_are_counted_before_they_are_converted(shipped_model_dir: Path) -> None:
     """600,000 stop words were tokenized (preprocessing) or decoded (tensorrt_llm) one by one, ~10 s on the one
     thread admitting requests, before the 64-string bound refused them; counted first now."""
-    from serving.legacy_request import word_list
     from serving.request_validation import RequestError, max_stop_words
-    from serving.text_processing import Preprocessor
+    from serving.triton.legacy_request import word_list
+    from serving.triton.text_processing import Preprocessor
     from runtime.io.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(shipped_model_dir)
@@ -1806,7 +1805,7 @@ def test_word_lists_are_counted_before_they_are_converted(shipped_model_dir: Pat
 def test_a_guide_too_large_is_refused_for_its_own_bound() -> None:
     """A guide's bound is its own, not the context's (the refusal said it could not fit the model's context)."""
     from serving.request_validation import RequestError
-    from serving.triton_contract import MAX_GUIDE_BYTES, guided_decoding
+    from serving.triton.contract import MAX_GUIDE_BYTES, guided_decoding
 
     guide = np.array([[b"a" * (MAX_GUIDE_BYTES + 1)]], object)
     with pytest.raises(RequestError, match=rf"^guided_decoding_guide is {MAX_GUIDE_BYTES + 1} bytes, more than the "

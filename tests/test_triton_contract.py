@@ -33,11 +33,11 @@ from builder.trtllm_engine import TrtllmOptions, llm_api_options  # noqa: E402
 from runtime.core.sampling_params import GuidedDecodingParams, RelaxedAcceptance, SamplingParams  # noqa: E402
 from runtime.executors.session import Session  # noqa: E402
 from runtime.io.engine_format import read_limits  # noqa: E402
-from serving.llmapi_config import ModelYamlError, read_model_yaml  # noqa: E402
-from serving.model_repo import add_llmapi_model  # noqa: E402
 from serving.request_validation import RequestError, refuse_unsupported  # noqa: E402
-from serving.triton_contract import GUIDED_INPUTS, UNSUPPORTED_ENGINE_INPUTS  # noqa: E402
-from serving.triton_parameters import TritonConfig  # noqa: E402
+from serving.triton.contract import GUIDED_INPUTS, UNSUPPORTED_ENGINE_INPUTS  # noqa: E402
+from serving.triton.llmapi_config import ModelYamlError, read_model_yaml  # noqa: E402
+from serving.triton.model_repo import add_llmapi_model  # noqa: E402
+from serving.triton.parameters import TritonConfig  # noqa: E402
 from runtime.executors.base import ExecutorConfig  # noqa: E402
 from test_triton import DTYPES, Streamed, grpc_inputs, http_generate, metric, metrics, wait_for  # noqa: E402
 from triton_util import (PROMPTS as ALL_PROMPTS, TEMPLATE_REPO, TOKENS, TritonServer, add_model,  # noqa: E402
@@ -482,7 +482,7 @@ def test_llmapi_best_of_greedy_names_what_made_it_greedy(sampling: dict[str, np.
     """The llmapi model decodes greedily by the LLM API's rule (llm_api_sampling); best_of > 1 is refused then by
     SamplingParams' one check, naming what made the request greedy (it was checked twice, with a list of causes here
     and "temperature 0", which the client may not have sent, there). Sampling, it is taken."""
-    from serving.llmapi_request import llmapi_request
+    from serving.triton.llmapi_request import llmapi_request
 
     inputs = {"text_input": np.array([b"hello"], object), "sampling_param_best_of": np.array([3], np.int32)}
     with pytest.raises(RequestError) as e:
@@ -621,7 +621,7 @@ def test_a_hostile_model_yaml_gets_a_short_error_naming_the_file(tmp_path: Path,
 def test_max_queue_size_is_the_executors_queue_bound(tmp_path: Path, checkpoint: Path) -> None:
     """TensorRT-LLM's max_queue_size (fill_template's default 0: no bound, as upstream's) sets the executor's
     max_queued_requests in both flavours; a negative one is refused naming it."""
-    from serving.triton_parameters import queue_bound
+    from serving.triton.parameters import queue_bound
 
     assert (queue_bound(0), queue_bound(8)) == (None, 8)
     with pytest.raises(ValueError, match=r"^must be an integer >= 0 \(0: no bound\), got -1$"):
@@ -651,8 +651,8 @@ def test_the_launchers_world_size_is_read_with_the_executor_config(tmp_path: Pat
     """launch_triton_server --world_size reaches the engine models as DSV3_WORLD_SIZE, read where each flavour builds
     its ExecutorConfig (engine_parameters, read_model_yaml), so make_model_repo's checks and the model read one
     config; a value that is not an integer is refused naming the variable."""
-    from serving.engine_parameters import engine_parameters
-    from serving.triton_parameters import WORLD_SIZE_ENV, read_model_config
+    from serving.triton.engine_parameters import engine_parameters
+    from serving.triton.parameters import WORLD_SIZE_ENV, read_model_config
 
     config = read_model_config(fill_model_repo(tmp_path / "repo", repo_values(checkpoint)) / "tensorrt_llm")
     (tmp_path / "llmapi").mkdir()
@@ -794,7 +794,7 @@ def test_make_model_repo_reads_the_engine_model_as_it_loads(tmp_path: Path, chec
     """Every value the legacy tensorrt_llm model would refuse when a server loads it (its parameters read by the
     model's own reader, then checked against the engine) is refused when the repository is written, naming the
     parameter; they were written, and the server then failed to load the model."""
-    import serving.model_repo as model_repo
+    import serving.triton.model_repo as model_repo
 
     assert model_repo.main(["--engine_dir", str(checkpoint), "--output_dir", str(tmp_path / "repo"),
                             "--set", setting]) == 2
@@ -822,7 +822,7 @@ def test_make_model_repo_reads_every_model_as_it_loads(tmp_path: Path, checkpoin
     """The text models' and the BLS's settings too (each model's own reader, the tokenizers loaded), and Triton's own
     numbers: each of these repositories was written, and then a server failed to load it or every BLS request
     failed."""
-    import serving.model_repo as model_repo
+    import serving.triton.model_repo as model_repo
 
     assert model_repo.main(["--engine_dir", str(checkpoint), "--output_dir", str(tmp_path / "repo"),
                             "--set", setting]) == 2
@@ -834,7 +834,7 @@ def test_make_model_repo_interrupted_leaves_nothing_and_clears_what_a_killed_run
         tmp_path: Path, checkpoint: Path, capsys, monkeypatch) -> None:
     """SIGTERM / Ctrl-C while writing left its temporary repository and lock, which a rerun (even --force) left too;
     as build_engine: nothing left, exit 130, and a killed run's leftovers removed by the next."""
-    import serving.model_repo as model_repo
+    import serving.triton.model_repo as model_repo
 
     def interrupted(dst: Path, values: dict) -> None:
         (dst / "half").mkdir()
@@ -853,7 +853,7 @@ def test_make_model_repo_interrupted_leaves_nothing_and_clears_what_a_killed_run
 
 def test_make_model_repo_names_a_bad_tokenizer_where_it_is(tmp_path: Path, checkpoint: Path, capsys) -> None:
     """A tokenizer.json that does not read was named inside the temporary repository being written (deleted since)."""
-    import serving.model_repo as model_repo
+    import serving.triton.model_repo as model_repo
 
     tok = tmp_path / "tok"
     tok.mkdir()
@@ -867,7 +867,7 @@ def test_make_model_repo_names_a_bad_tokenizer_where_it_is(tmp_path: Path, check
 def test_make_model_repo_says_which_upstream_settings_it_ignores(tmp_path: Path, checkpoint: Path, capsys) -> None:
     """Upstream's settings this repository does not use are taken, and said to be ignored (as fill_template says;
     they were dropped without a word)."""
-    import serving.model_repo as model_repo
+    import serving.triton.model_repo as model_repo
 
     assert model_repo.main(["--engine_dir", str(checkpoint), "--output_dir", str(tmp_path / "repo"), "--set",
                             "batch_scheduler_policy:max_utilization,max_attention_window_size:64"]) == 0
@@ -878,7 +878,7 @@ def test_make_model_repo_says_which_upstream_settings_it_ignores(tmp_path: Path,
 def test_make_model_repo_refuses_an_output_inside_what_it_links(tmp_path: Path, checkpoint: Path, capsys) -> None:
     """The repository links the engine (and a --set tokenizer_dir): inside either, Triton walked the loop and never
     became ready (a 740 MB log in 2 minutes)."""
-    import serving.model_repo as model_repo
+    import serving.triton.model_repo as model_repo
 
     engine = tmp_path / "engine"
     shutil.copytree(checkpoint, engine)
@@ -897,7 +897,7 @@ def test_make_model_repo_refuses_a_truncated_or_missing_rank_file(tmp_path: Path
     """A rank file cut short (a copy that ran out of space) or missing was taken, and the server then refused the
     engine on its hash; hashing reads every weight, too slow for a full-size engine, so the file's size is checked
     against what its safetensors header declares: one line naming it, exit status 2, nothing written."""
-    import serving.model_repo as model_repo
+    import serving.triton.model_repo as model_repo
     from builder.cli import main as build_main
 
     engine = tmp_path / "engine"
@@ -925,7 +925,7 @@ def test_make_model_repo_on_a_full_disk_is_one_line(tmp_path: Path, checkpoint: 
     import errno
     import os
 
-    import serving.model_repo as model_repo
+    import serving.triton.model_repo as model_repo
 
     def full_disk(repo: Path, values: dict) -> None:
         (repo / "ensemble").mkdir()
@@ -993,7 +993,7 @@ def test_fp32_inputs_are_read_as_the_decimal_the_client_wrote() -> None:
     range [0.01, 100] takes (it was read as 0.009999999776482582 and refused, on every legacy model)."""
     import numpy as np
 
-    from serving.triton_contract import TENSORRT_LLM_SCALARS
+    from serving.triton.contract import TENSORRT_LLM_SCALARS
 
     read = TENSORRT_LLM_SCALARS["repetition_penalty"].read
     assert read(np.array([[0.01]], np.float32), "repetition_penalty") == 0.01

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from serving.triton_parameters import FALSE_VALUES, TRUE_VALUES, boolean, integer, parameter
+from serving.triton.parameters import FALSE_VALUES, TRUE_VALUES, boolean, integer, parameter
 
 
 def config(**values: str) -> dict:
@@ -56,9 +56,9 @@ def test_a_long_value_is_quoted_short() -> None:
 def test_sibling_config_reads_another_models_parameters(tmp_path) -> None:
     """The BLS filled by upstream's commands has no tokenizer_dir: it takes preprocessing's settings from that
     model's config.pbtxt, read in the shape Triton gives a model its own."""
-    from serving.fill_template import fill
-    from serving.model_repo import TEMPLATE_REPO
-    from serving.triton_parameters import sibling_config
+    from serving.triton.fill_template import fill
+    from serving.triton.model_repo import TEMPLATE_REPO
+    from serving.triton.parameters import sibling_config
 
     (tmp_path / "preprocessing").mkdir()
     (tmp_path / "preprocessing" / "config.pbtxt").write_text(fill(
@@ -75,7 +75,7 @@ def test_the_engine_models_unknown_parameters_are_refused() -> None:
     """A misspelt parameter of the legacy tensorrt_llm model left its setting at the default without a word
     (speculaton: off drafted adaptively); upstream's own parameters are taken (and not used), as fill_template takes
     them."""
-    from serving.engine_parameters import engine_parameters
+    from serving.triton.engine_parameters import engine_parameters
 
     given = {"name": "tensorrt_llm", "parameters": {k: {"string_value": v} for k, v in (
         ("speculaton", "off"), ("num_draft_token", "1"), ("batch_scheduler_policy", "guaranteed_no_evict"))}}
@@ -107,7 +107,7 @@ def test_a_refusal_of_unknown_keys_shows_a_few_of_them_shortened() -> None:
 def test_the_engine_models_refuse_a_second_instance() -> None:
     """instance_group count 2 loaded two executors: a stop request reached one of them (4 of 4 stops did nothing in
     an adversarial run) and the KV-cache metrics of both carried the same labels."""
-    from serving.triton_parameters import check_one_instance
+    from serving.triton.parameters import check_one_instance
 
     check_one_instance({"name": "tensorrt_llm", "instance_group": [{"count": 1, "kind": "KIND_CPU"}]})
     check_one_instance({"name": "tensorrt_llm", "instance_group": [{"count": 1, "kind": "KIND_GPU", "gpus": [3]}]})

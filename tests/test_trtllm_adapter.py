@@ -299,7 +299,7 @@ def test_make_model_repo_checks_the_settings_as_the_trtllm_executor_does(engine_
     """The legacy tensorrt_llm model serves a --backend trtllm engine through TrtllmExecutor, whose LLM-API
     arguments refuse a queue bound: make_model_repo refuses it too (it wrote the repository, and the server then
     failed to load the model), and takes the engine's settings (no TensorRT-LLM needed for either)."""
-    import serving.model_repo as model_repo
+    import serving.triton.model_repo as model_repo
 
     assert model_repo.main(["--engine_dir", str(engine_dir), "--output_dir", str(tmp_path / "repo"),
                             "--set", "max_queue_size:4"]) == 2
@@ -604,7 +604,7 @@ def test_the_draft_length_under_either_name(engine: TrtllmEngine, engine_dir: Pa
     it) and max_draft_len (upstream's 2026 name). The adapter reads either and writes both at one value; so does
     make_model_repo's llmapi model.yaml (max_draft_len alone would draft one token on 1.0 / 1.1), which
     read_model_yaml takes without a deprecation warning."""
-    from serving.llmapi_config import model_yaml, read_model_yaml
+    from serving.triton.llmapi_config import model_yaml, read_model_yaml
 
     m = engine.manifest
     two = {"decoding_type": "MTP", "max_draft_len": 2, "num_nextn_predict_layers": 2}
@@ -639,7 +639,7 @@ def test_the_draft_length_under_either_name(engine: TrtllmEngine, engine_dir: Pa
 def test_an_engine_with_max_draft_len_alone_gets_both_names_in_its_model_yaml(engine_dir: Path, tmp_path: Path) -> None:
     """An engine whose options name the draft length max_draft_len alone (edited to 2026's name): the llmapi
     model.yaml carries num_nextn_predict_layers too, which 1.0 / 1.1 read (it was copied as is: one draft there)."""
-    from serving.llmapi_config import model_yaml
+    from serving.triton.llmapi_config import model_yaml
 
     engine = tmp_path / "engine"
     shutil.copytree(engine_dir, engine, symlinks=True)
@@ -676,7 +676,7 @@ def test_the_llmapi_model_yaml_is_what_tensorrt_llm_runs(engine_dir: Path, tmp_p
     """Upstream's llmapi model passes model.yaml's LLM-API keys to LLM(): edited, they reach TensorRT-LLM (relaxed
     acceptance turned on or off, the memory fraction, CUDA graphs, block reuse), none of them called 'not applied'.
     They were dropped for the engine's own options without a word."""
-    from serving.llmapi_config import model_yaml, read_model_yaml
+    from serving.triton.llmapi_config import model_yaml, read_model_yaml
 
     doc = model_yaml(engine_dir, "engine", decoupled=True)
     assert doc["cuda_graph_config"] and doc["kv_cache_config"]["free_gpu_memory_fraction"] == 0.9
@@ -739,7 +739,7 @@ def test_an_engine_cannot_ask_to_run_remote_code(engine_dir: Path, tmp_path: Pat
     """trust_remote_code in an engine's LLM-API options would have TensorRT-LLM run Python from the engine's hf/
     directory (an auto_map in its config.json): refused when the engine is opened and when make_model_repo copies
     the options into an llmapi model.yaml (which upstream's llmapi model hands to LLM() as they are)."""
-    from serving.llmapi_config import model_yaml
+    from serving.triton.llmapi_config import model_yaml
 
     engine = tmp_path / "engine"
     shutil.copytree(engine_dir, engine)

@@ -1,6 +1,6 @@
 """Helpers for tests that run the real tritonserver: a tiny model (its fixtures, `checkpoint`, `session` and
 `expected`, are tests/conftest.py's), the prompts compared, a filled model repository, and the server itself
-(serving/launcher.py as a library).
+(serving/triton/launcher.py as a library).
 
 The tiny checkpoint has a byte-level BPE trained here on mixed ASCII/CJK/emoji text, so many
 tokens are pieces of a multi-byte character: random weights then generate split characters,
@@ -17,8 +17,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from builder.hf_writer import write_hf_checkpoint
 from conftest import random_tensors, tiny_config_dict
 from runtime.model.config import ModelConfig
-from serving.launcher import TritonServer, start_server
-from serving.model_repo import TEMPLATE_REPO, add_model, default_values, fill_model_repo
+from serving.triton.launcher import TritonServer, start_server
+from serving.triton.model_repo import TEMPLATE_REPO, add_model, default_values, fill_model_repo
 
 
 BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"

@@ -1,7 +1,7 @@
 """Child processes and threads of ours: the interpreter children run on, their ending with their parent (the engine
 process, tensor-parallel ranks, servers started by tests and benchmarks), executors stopped at exit, resident
-memory, and the removal of what killed processes left. Kept free of torch so the light command-line tools can use
-it."""
+memory, a process's live descendants, free ports for the servers we start, and the removal of what killed processes
+left. Kept free of torch so the light command-line tools can use it."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import queue
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -154,6 +155,30 @@ def running(pid: int) -> bool:
     return fields is not None and fields[0] not in ("Z", "X")
 
 
+def live_descendants(root_pid: int) -> dict[int, list[bytes]]:
+    """The live (not zombie) descendants of `root_pid`: pid -> its command line's arguments."""
+    children: dict[int, list[int]] = {}
+    state: dict[int, str] = {}
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        pid = int(stat_file.parent.name)
+        fields = proc_stat(pid)
+        if fields is None:
+            continue
+        state[pid] = fields[0]
+        children.setdefault(int(fields[1]), []).append(pid)
+    found, todo = {}, [root_pid]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            todo.append(pid)
+            try:
+                argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if state[pid] != "Z":
+                found[pid] = argv
+    return found
+
+
 def remove_dead_pids_leftovers(directory: Path, pattern: re.Pattern[str]) -> list[Path]:
     """Remove the files and directories in `directory` whose names `pattern` matches with the pid (group 1) of a
     process of this pid namespace that has ended: what a process killed before its cleanup left. A dead pid
@@ -189,3 +214,14 @@ def status_kb(pid: int, field: str) -> int | None:
 def rss_bytes(pid: int, peak: bool = False) -> int:
     """A process's resident memory (VmRSS), or its peak (VmHWM), in bytes; 0 once it is gone."""
     return (status_kb(pid, "VmHWM" if peak else "VmRSS") or 0) * 1024
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct ports free on `host` now (all sockets held until all are chosen)."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(n):
+            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            s.bind((host, 0))
+            ports.append(s.getsockname()[1])
+        return ports

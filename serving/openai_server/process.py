@@ -11,8 +11,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.executors.lifetime import spawn
-from serving.launcher import free_ports
+from runtime.executors.lifetime import free_ports, spawn
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Triton `postprocessing`: output ids -> text (serving.text_processing). Reached directly (`/infer`), ids
+"""Triton `postprocessing`: output ids -> text (serving.triton.text_processing). Reached directly (`/infer`), ids
 outside the vocabulary and lengths outside the ids are refused, naming the input."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import json
 import triton_python_backend_utils as pb_utils
 
 from serving.request_validation import no_unknown_parameters
-from serving.text_processing import Postprocessor
-from serving.triton_responses import error_response
+from serving.triton.responses import error_response
+from serving.triton.text_processing import Postprocessor
 
 
 class TritonPythonModel:

@@ -1,4 +1,4 @@
-"""Triton `preprocessing`: text -> token ids in TensorRT-LLM's tensor layout (serving.text_processing)."""
+"""Triton `preprocessing`: text -> token ids in TensorRT-LLM's tensor layout (serving.triton.text_processing)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import json
 import triton_python_backend_utils as pb_utils
 
 from serving.request_validation import no_unknown_parameters
-from serving.text_processing import DEFAULT_MAX_INPUT_BYTES, Preprocessor
-from serving.triton_parameters import parameter
-from serving.triton_responses import error_response
+from serving.triton.parameters import parameter
+from serving.triton.responses import error_response
+from serving.triton.text_processing import DEFAULT_MAX_INPUT_BYTES, Preprocessor
 
 
 class TritonPythonModel:

@@ -1,9 +1,9 @@
 """Triton `tensorrt_llm`: TensorRT-LLM's engine model (the legacy `inflight_batcher_llm` contract: token ids in and
 out) over runtime's executor (the native `Executor`, or `TrtllmExecutor` for a --backend trtllm engine:
 `create_executor` picks). The executor, sender thread, cancellation, watchdog and metrics are
-serving.triton_engine's, shared with the llmapi model; serving.legacy_request reads TensorRT-LLM's tensors (shared
-with the BLS, which checks requests with it before calling this model); this file writes its outputs. Decoupled
-(streaming) or not (unary ModelInfer), one instance; stop words stay in the output, as upstream's do.
+serving.triton.engine_model's, shared with the llmapi model; serving.triton.legacy_request reads TensorRT-LLM's
+tensors (shared with the BLS, which checks requests with it before calling this model); this file writes its outputs.
+Decoupled (streaming) or not (unary ModelInfer), one instance; stop words stay in the output, as upstream's do.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from runtime.executors.outputs import RequestOutput
-from serving.engine_limits import EngineLimits, publish, withdraw
-from serving.engine_parameters import engine_parameters
-from serving.legacy_request import INPUT_NAMES, engine_request, scalar
 from serving.request_validation import no_unknown_parameters
-from serving.triton_contract import client_named
-from serving.triton_engine import Chunk, EngineModel, Stream
-from serving.triton_parameters import check_one_instance, model_path
-from serving.triton_responses import FINAL
+from serving.triton.contract import client_named
+from serving.triton.engine_limits import EngineLimits, publish, withdraw
+from serving.triton.engine_model import Chunk, EngineModel, Stream
+from serving.triton.engine_parameters import engine_parameters
+from serving.triton.legacy_request import INPUT_NAMES, engine_request, scalar
+from serving.triton.parameters import check_one_instance, model_path
+from serving.triton.responses import FINAL
 
 
 class TritonPythonModel(EngineModel):

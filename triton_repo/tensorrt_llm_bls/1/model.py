@@ -1,8 +1,8 @@
 """Triton `tensorrt_llm_bls`: the ensemble's pipeline as business-logic scripting.
 
 Tokenize -> tensorrt_llm (decoupled, a BLS call) -> detokenize each response, with the ensemble's inputs and
-outputs; the pipeline's logic is serving.bls's, this file moves tensors between it and Triton. Each instance serves
-one request at a time inside `execute`, as upstream's BLS does, and concurrent requests take one instance each
+outputs; the pipeline's logic is serving.triton.bls's, this file moves tensors between it and Triton. Each instance
+serves one request at a time inside `execute`, as upstream's BLS does, and concurrent requests take one instance each
 (`bls_instance_count`: Triton's Python backend stub crashes streaming several at once from threads,
 docs/reliability.md). Between responses the request's cancellation is checked and turned into TensorRT-LLM's `stop`
 request.
@@ -18,10 +18,10 @@ from typing import Any, Iterator
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from serving.bls import (STATS, accumulated, bls_settings, check_client_request, engine_inputs, engine_request_id,
-                         stop_inputs)
-from serving.engine_limits import PublishedLimits
-from serving.triton_responses import FINAL, RelayedError, error_response
+from serving.triton.bls import (STATS, accumulated, bls_settings, check_client_request, engine_inputs,
+                                engine_request_id, stop_inputs)
+from serving.triton.engine_limits import PublishedLimits
+from serving.triton.responses import FINAL, RelayedError, error_response
 
 LABEL = "tensorrt_llm_bls"  # how the model names itself in the server log
 

@@ -1,7 +1,7 @@
 """Triton `tensorrt_llm`, the `llmapi` flavour: TensorRT-LLM's current Triton model (text in, text out, sampling as
 the LLM API's `SamplingParams`) over this project's executor, configured by `1/model.yaml` (LLM-API keys plus
-`triton_config`, read by serving.llmapi_config). The executor, sender thread, cancellation, watchdog and metrics are
-serving.triton_engine's, shared with the legacy `tensorrt_llm` model.
+`triton_config`, read by serving.triton.llmapi_config). The executor, sender thread, cancellation, watchdog and
+metrics are serving.triton.engine_model's, shared with the legacy `tensorrt_llm` model.
 
 Decoupled (streaming allowed) or not (unary: one response), as model.yaml's triton_config says. text_output is the
 generated text (the LLM API's `CompletionOutput.text`: never the prompt, nor a stop string that ended it); streamed,
@@ -24,12 +24,12 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from runtime.executors.outputs import RequestOutput
-from serving.llmapi_config import MODEL_YAML, read_model_yaml
-from serving.llmapi_request import INPUT_NAMES, INPUTS, llmapi_request, scalar
 from serving.request_validation import no_unknown_parameters
-from serving.triton_engine import Chunk, EngineModel, Stream, given
-from serving.triton_parameters import check_one_instance
-from serving.triton_responses import FINAL
+from serving.triton.engine_model import Chunk, EngineModel, Stream, given
+from serving.triton.llmapi_config import MODEL_YAML, read_model_yaml
+from serving.triton.llmapi_request import INPUT_NAMES, INPUTS, llmapi_request, scalar
+from serving.triton.parameters import check_one_instance
+from serving.triton.responses import FINAL
 
 
 

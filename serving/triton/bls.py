@@ -12,13 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from serving.engine_limits import EngineLimits
-from serving.legacy_request import Inputs, bls_values, check_engine_request, engine_request
-from serving.perf_metrics import PERF_OUTPUTS
 from serving.request_validation import check_response_count, no_unknown_parameters
-from serving.text_processing import Postprocessor, Preprocessor
-from serving.triton_contract import ENGINE_INPUTS, PREPROCESSED, PREPROCESSING_INPUTS
-from serving.triton_parameters import boolean, parameter, sibling_config
+from serving.triton.contract import ENGINE_INPUTS, PREPROCESSED, PREPROCESSING_INPUTS
+from serving.triton.engine_limits import EngineLimits
+from serving.triton.legacy_request import Inputs, bls_values, check_engine_request, engine_request
+from serving.triton.parameters import boolean, parameter, sibling_config
+from serving.triton.perf_metrics import PERF_OUTPUTS
+from serving.triton.text_processing import Postprocessor, Preprocessor
 
 # tensorrt_llm's optional outputs, passed on when it sends them (return_perf_metrics, return_num_*_tokens,
 # return_log_probs, num_return_sequences above 1)

@@ -18,12 +18,12 @@ import numpy as np
 
 from runtime.core.sampling_params import LOGIT_BIAS_LIMIT, SamplingParams, seed_from_client, validate_request
 from runtime.io.tokenizer import Tokenizer
-from serving.engine_limits import EngineLimits
 from serving.request_validation import (RequestError, integer, max_stop_words, named_for_client, refuse_unsupported,
-                                       token_ids)
-from serving.triton_contract import (ENGINE_INPUTS, GUIDED_INPUTS, NEUTRAL, TENSORRT_LLM_SCALARS,
+                                        token_ids)
+from serving.triton.contract import (ENGINE_INPUTS, GUIDED_INPUTS, NEUTRAL, TENSORRT_LLM_SCALARS,
                                      UNSUPPORTED_BLS_INPUTS, UNSUPPORTED_ENGINE_INPUTS, client_named, guided_decoding,
                                      refuse_non_neutral)
+from serving.triton.engine_limits import EngineLimits
 
 Inputs = dict[str, np.ndarray]  # a request's input tensors by tensorrt_llm's names
 

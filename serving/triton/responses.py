@@ -9,7 +9,7 @@ from typing import Any
 import triton_python_backend_utils as pb_utils
 
 from runtime.executors.errors import QueueFull
-from serving.triton_parameters import QUEUE_SIZE
+from serving.triton.parameters import QUEUE_SIZE
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 

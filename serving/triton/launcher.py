@@ -43,10 +43,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from runtime.executors.lifetime import PID_NAMESPACE, proc_stat, remove_dead_pids_leftovers, spawn, stop_signals_to
+from runtime.executors.lifetime import (PID_NAMESPACE, free_ports, live_descendants, remove_dead_pids_leftovers,
+                                        spawn, stop_signals_to)
 from runtime.cli import show_defaults
-from serving.engine_limits import SERVER_DIR_PREFIX, server_dir
-from serving.triton_parameters import WORLD_SIZE_ENV
+from serving.triton.engine_limits import SERVER_DIR_PREFIX, server_dir
+from serving.triton.parameters import WORLD_SIZE_ENV
 from serving.watchdog import KILL_AFTER_S, STOP_REASON_ENV
 
 CONTAINER_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
@@ -133,17 +134,6 @@ def find_libpython_dir() -> Path:
     raise FileNotFoundError(
         f"no shared libpython{version} found (looked in {', '.join(str(d) for d in dirs if d)}); the "
         f"Python backend stub needs one: use a Python built with --enable-shared or install libpython{version}")
-
-
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """`n` distinct ports free on `host` now (all sockets held until all are chosen)."""
-    with contextlib.ExitStack() as stack:
-        ports = []
-        for _ in range(n):
-            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            s.bind((host, 0))
-            ports.append(s.getsockname()[1])
-        return ports
 
 
 def prepare_backends(install: TritonInstall, workdir: Path) -> Path:
@@ -418,30 +408,6 @@ def start_server(model_repo: str | Path, *, http_port: int = 0, grpc_port: int =
         raise
     server.stubs = python_stubs(proc.pid)
     return server
-
-
-def live_descendants(root_pid: int) -> dict[int, list[bytes]]:
-    """The live (not zombie) descendants of `root_pid`: pid -> its command line's arguments."""
-    children: dict[int, list[int]] = {}
-    state: dict[int, str] = {}
-    for stat_file in Path("/proc").glob("[0-9]*/stat"):
-        pid = int(stat_file.parent.name)
-        fields = proc_stat(pid)
-        if fields is None:
-            continue
-        state[pid] = fields[0]
-        children.setdefault(int(fields[1]), []).append(pid)
-    found, todo = {}, [root_pid]
-    while todo:
-        for pid in children.get(todo.pop(), []):
-            todo.append(pid)
-            try:
-                argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if state[pid] != "Z":
-                found[pid] = argv
-    return found
 
 
 STUB_CRASH = "Fatal Python error"  # faulthandler's first line

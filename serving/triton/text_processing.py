@@ -17,9 +17,9 @@ import numpy as np
 
 from runtime.io.tokenizer import Tokenizer
 from serving.request_validation import (INT32_MAX, RequestError, integer, max_stop_words, refuse_unsupported, texts,
-                                       token_ids)
-from serving.triton_contract import PREPROCESSING_INPUTS, UNSUPPORTED_TEXT_INPUTS
-from serving.triton_parameters import boolean, integer as integer_parameter, model_path, parameter
+                                        token_ids)
+from serving.triton.contract import PREPROCESSING_INPUTS, UNSUPPORTED_TEXT_INPUTS
+from serving.triton.parameters import boolean, integer as integer_parameter, model_path, parameter
 
 DEFAULT_MAX_INPUT_BYTES = 1 << 20  # when max_input_tokens is not set
 Inputs = Callable[[str], "np.ndarray | None"]  # an input tensor by name, None when the request has none

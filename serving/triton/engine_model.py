@@ -35,11 +35,11 @@ from runtime.executors.base import ExecutorConfig, ExecutorProtocol
 from runtime.executors.process import open_server_executor
 from runtime.executors.outputs import RequestOutput, RequestStats
 from runtime.core.sampling_params import SamplingParams
-from serving.perf_metrics import PERF_OUTPUTS, PerfMetrics
 from serving.request_validation import RequestError, check_response_count, named_for_client
-from serving.triton_contract import GUIDED_INPUTS
-from serving.triton_parameters import TritonConfig
-from serving.triton_responses import FINAL, error_response
+from serving.triton.contract import GUIDED_INPUTS
+from serving.triton.parameters import TritonConfig
+from serving.triton.perf_metrics import PERF_OUTPUTS, PerfMetrics
+from serving.triton.responses import FINAL, error_response
 from serving.watchdog import Progress, Watchdog, stop_server
 
 

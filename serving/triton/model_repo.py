@@ -27,16 +27,16 @@ from runtime.io.atomic import (atomic_write, check_not_replacing, new_output_dir
 from runtime.io.engine_format import ENGINE_JSON, EngineManifest, read_limits, tokenizer_dir
 from runtime.io.tokenizer import TOKENIZER_FILE
 from runtime.cli import interrupt_on_sigterm, show_defaults
-from serving.bls import bls_settings
-from serving.engine_parameters import PARAMETER_OF, engine_parameters
-from serving.fill_template import UPSTREAM_ONLY, fill, parse_substitutions, placeholders
-from serving.llmapi_config import MODEL_YAML, model_yaml
 from serving.request_validation import refused_parameter
-from serving.text_processing import Postprocessor, Preprocessor
-from serving.triton_parameters import TritonConfig, read_model_config
+from serving.triton.bls import bls_settings
+from serving.triton.engine_parameters import PARAMETER_OF, engine_parameters
+from serving.triton.fill_template import UPSTREAM_ONLY, fill, parse_substitutions, placeholders
+from serving.triton.llmapi_config import MODEL_YAML, model_yaml
+from serving.triton.parameters import TritonConfig, read_model_config
+from serving.triton.text_processing import Postprocessor, Preprocessor
 
-TEMPLATE_REPO = Path(__file__).resolve().parents[1] / "triton_repo"
-LLMAPI_TEMPLATE = Path(__file__).resolve().parents[1] / "triton_repo_llmapi" / "tensorrt_llm"
+TEMPLATE_REPO = Path(__file__).resolve().parents[2] / "triton_repo"
+LLMAPI_TEMPLATE = Path(__file__).resolve().parents[2] / "triton_repo_llmapi" / "tensorrt_llm"
 PATH_KEYS = ("engine_dir", "tokenizer_dir")
 ENGINE_LINK = "engine"  # the engine's name inside an llmapi model's directory
 

@@ -23,7 +23,7 @@ from runtime.model.config import is_int
 from runtime.executors.trtllm_api import draft_len_of, read_llm_api_options
 from runtime.io.engine_format import HF_DIR, LLM_API_OPTIONS, engine_backend, read_limits, with_draft_len
 from runtime.io.yaml_file import read_yaml, shown
-from serving.triton_parameters import QUEUE_SIZE, TritonConfig, launcher_world_size, queue_bound, settings
+from serving.triton.parameters import QUEUE_SIZE, TritonConfig, launcher_world_size, queue_bound, settings
 
 MODEL_YAML = "model.yaml"
 SPECULATION_WARNED = ("use_mtp_vanilla", "mtp_eagle_one_model", "max_concurrency", "draft_len_schedule",
@@ -149,7 +149,7 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
             unapplied.append(f"{key}: not applied (it changes how the work is done, not what is generated)")
     if doc:
         raise ModelYamlError(f"{source}: unknown key(s) {', '.join(sorted(map(str, doc)))}: not implemented by this "
-                             "runtime (see serving/llmapi_config.py for the keys it reads)")
+                             "runtime (see serving/triton/llmapi_config.py for the keys it reads)")
 
     device, world_size = triton.get("device"), launcher_world_size()
     try:

@@ -1,6 +1,6 @@
 """The llmapi `tensorrt_llm` model's request as the executor takes it: `text_input` and the `sampling_param_*` inputs
 read and checked in their declared types, then converted to a prompt text and SamplingParams as TensorRT-LLM's LLM
-API reads them (`llmapi_request`). No torch, as the legacy flavour's (serving.legacy_request)."""
+API reads them (`llmapi_request`). No torch, as the legacy flavour's (serving.triton.legacy_request)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 from runtime.core.sampling_params import PENALTY_LIMIT, SamplingParams, seed_from_client
 from serving.request_validation import (INT32_MAX, RequestError, Scalar, named_for_client, refused_parameter,
                                         refuse_unsupported, texts)
-from serving.triton_contract import GUIDED_INPUTS, guided_decoding
+from serving.triton.contract import GUIDED_INPUTS, guided_decoding
 
 Inputs = dict[str, np.ndarray]  # a request's input tensors by name
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from runtime.executors.base import ExecutorConfig
-from serving.fill_template import UPSTREAM_ONLY
-from serving.triton_parameters import (QUEUE_SIZE, TritonConfig, boolean, integer, launcher_world_size, number,
+from serving.triton.fill_template import UPSTREAM_ONLY
+from serving.triton.parameters import (QUEUE_SIZE, TritonConfig, boolean, integer, launcher_world_size, number,
                                        parameter, queue_bound, settings)
 
 
