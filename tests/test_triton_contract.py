@@ -364,6 +364,27 @@ def test_llmapi_stop_request_ends_the_stream_and_is_answered_cancelled(llmapi: T
     assert (unary.value.status(), unary.value.message()) == ("StatusCode.CANCELLED", "Request cancelled by client")
 
 
+def test_a_setting_the_machine_cannot_hold_fails_the_load_under_the_files_name(checkpoint: Path, tmp_path: Path) -> None:
+    """A KV cache larger than the memory is refused when the engine model loads, with the names the model's file set it
+    by (it said kv_cache_tokens and free_memory_fraction, the executor's): model.yaml's keys for the llmapi model,
+    config.pbtxt's parameters for the legacy one."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    model = add_llmapi_model(repo, checkpoint, name="llmapi_too_big")
+    doc = yaml.safe_load((model / "1" / "model.yaml").read_text())
+    doc["kv_cache_config"] = {"max_tokens": 10**13}
+    (model / "1" / "model.yaml").write_text(yaml.safe_dump(doc))
+    add_model(repo, TEMPLATE_REPO / "tensorrt_llm", repo_values(checkpoint, max_tokens_in_paged_kv_cache=str(10**13)),
+              name="legacy_too_big")
+    with pytest.raises(RuntimeError) as e:
+        start_server(repo, log_file=tmp_path / "server.log", ready_timeout_s=240, exit_timeout_s=3)
+    log = (tmp_path / "server.log").read_text()
+    assert "kv_cache_config.max_tokens 10000000000000 does not fit: " in log, str(e.value)
+    assert "max_tokens_in_paged_kv_cache 10000000000000 does not fit: " in log, str(e.value)
+    assert " bytes fit in kv_cache_config.free_gpu_memory_fraction 0.9 of the " in log
+    assert " bytes fit in kv_cache_free_gpu_mem_fraction 0.9 of the " in log
+
+
 def test_llmapi_finish_reason_stop_reason_and_perf_metrics(llmapi: TritonServer, expected: dict) -> None:
     """As upstream: finish_reason / stop_reason only when asked for (str() of the LLM API's values), the perf
     metrics only with sampling_param_return_perf_metrics."""
@@ -585,6 +606,9 @@ def test_relaxed_acceptance_keeps_upstreams_defaults(tmp_path: Path, checkpoint:
     (dict(triton_config={"speculation": False}), "triton_config.speculation is false: YAML reads an unquoted off as "
                                                  "false; write speculation: 'off'"),
     (dict(triton_config={"device": "gpu"}), "device must be cpu or cuda[:index], got 'gpu'"),
+    # the executor's check, under model.yaml's key (it said free_memory_fraction)
+    (dict(kv_cache_config={"free_gpu_memory_fraction": 1.5}),
+     "kv_cache_config.free_gpu_memory_fraction must be in (0, 1], got 1.5"),
 ])
 def test_model_yaml_refuses_what_changes_the_output_naming_the_key(tmp_path: Path, checkpoint: Path,
                                                                    keys: dict, message: str) -> None:

@@ -120,3 +120,20 @@ def test_the_engine_models_refuse_a_second_instance() -> None:
                                 "batched in flight by its executor (more would each load the model and a KV cache, "
                                 "and a stop request or the metrics would reach one of them); set count: 1 in "
                                 "config.pbtxt")
+
+
+def test_executor_messages_are_named_as_deployed() -> None:
+    """A load error of the executor names each setting as the model's file does; an engine's own limit, a flag and a
+    dotted key keep their names."""
+    from serving.triton.engine_parameters import SETTING_NAMES as LEGACY
+    from serving.triton.llmapi_config import SETTING_NAMES as LLMAPI
+    from serving.triton.parameters import named_as_deployed
+
+    message = ("max_batch_size 16 exceeds the engine's max_batch_size 8; rebuild the engine with --max_batch_size 16; "
+               "kv_cache_config.max_tokens kv_cache_tokens free_memory_fraction")
+    assert named_as_deployed(message, LEGACY) == (
+        "executor_max_batch_size 16 exceeds the engine's max_batch_size 8; rebuild the engine with --max_batch_size 16; "
+        "kv_cache_config.max_tokens max_tokens_in_paged_kv_cache kv_cache_free_gpu_mem_fraction")
+    assert named_as_deployed("num_draft_tokens 3 needs max_num_tokens >= 4", LLMAPI) == \
+        "speculative_config.max_draft_len 3 needs max_num_tokens >= 4"
+    assert named_as_deployed(message, {}) == message

@@ -37,7 +37,7 @@ from runtime.executors.outputs import RequestOutput, RequestStats
 from runtime.core.sampling_params import SamplingParams
 from serving.request_validation import RequestError, check_response_count, named_for_client
 from serving.triton.contract import GUIDED_INPUTS
-from serving.triton.parameters import TritonConfig
+from serving.triton.parameters import TritonConfig, named_as_deployed
 from serving.triton.perf_metrics import PERF_OUTPUTS, PerfMetrics
 from serving.triton.responses import FINAL, error_response
 from serving.watchdog import Progress, Watchdog, stop_server
@@ -86,6 +86,8 @@ class EngineModel:
     label = "tensorrt_llm"  # how the model names itself in the server log
     # the model's input names for the executor's parameters its refusals start with (SamplingParams' names)
     input_names: dict[str, str] = {}
+    # the model file's names for the executor's settings (ExecutorConfig's) where they differ, for load errors
+    setting_names: dict[str, str] = {}
 
     # ---- set-up ---------------------------------------------------------------------------------
     def start(self, engine_dir: Path, executor_config: ExecutorConfig, triton: TritonConfig, *, model_name: str,
@@ -97,8 +99,11 @@ class EngineModel:
                 f"rank {rank}: one tritonserver serves every rank of an engine (its engine model starts them); "
                 "run one, with launch_triton_server --world_size N, not one per rank under mpirun")
         pb_utils.Logger.log_info(f"{self.label}: loading {engine_dir}")
-        self.executor: ExecutorProtocol = open_server_executor(engine_dir, executor_config, triton.engine_process,
-                                                               triton.torch_threads)
+        try:
+            self.executor: ExecutorProtocol = open_server_executor(engine_dir, executor_config, triton.engine_process,
+                                                                   triton.torch_threads)
+        except ValueError as e:  # a setting the engine or this machine cannot take, by the name it was set by
+            raise ValueError(named_as_deployed(str(e), self.setting_names)) from None
         self.tokenizer = self.executor.tokenizer
         self.vocab_size = self.executor.model_config.vocab_size
         self.decoupled = triton.decoupled

@@ -33,6 +33,7 @@ EXECUTOR_PARAMETERS = {
     "enable_kv_cache_reuse": ("enable_block_reuse", boolean),  # TensorRT-LLM's legacy name
     QUEUE_SIZE: ("max_queued_requests", lambda value: queue_bound(integer(value))), "device": ("device", str)}
 PARAMETER_OF = {field: name for name, (field, _) in EXECUTOR_PARAMETERS.items()}  # an executor setting's parameter
+SETTING_NAMES = {field: name for field, name in PARAMETER_OF.items() if field != name}  # those named otherwise
 TRITON_PARAMETERS = {
     name: (name, cast) for name, cast in (
         ("torch_threads", integer), ("engine_process", boolean), ("cancellation_check_period_ms", integer),

@@ -23,9 +23,16 @@ from runtime.model.config import is_int
 from runtime.executors.trtllm_api import draft_len_of, read_llm_api_options
 from runtime.io.engine_format import HF_DIR, LLM_API_OPTIONS, engine_backend, read_limits, with_draft_len
 from runtime.io.yaml_file import read_yaml, shown
-from serving.triton.parameters import QUEUE_SIZE, TritonConfig, launcher_world_size, queue_bound, settings
+from serving.triton.parameters import (QUEUE_SIZE, TritonConfig, launcher_world_size, named_as_deployed, queue_bound,
+                                       settings)
 
 MODEL_YAML = "model.yaml"
+# model.yaml's keys for the executor settings whose names differ (its refusals, at reading and at loading, say these)
+SETTING_NAMES = {"kv_cache_tokens": "kv_cache_config.max_tokens",
+                 "free_memory_fraction": "kv_cache_config.free_gpu_memory_fraction",
+                 "enable_block_reuse": "kv_cache_config.enable_block_reuse",
+                 "max_queued_requests": f"triton_config.{QUEUE_SIZE}",
+                 "num_draft_tokens": "speculative_config.max_draft_len"}
 SPECULATION_WARNED = ("use_mtp_vanilla", "mtp_eagle_one_model", "max_concurrency", "draft_len_schedule",
                       "acceptance_rate_window_size", "acceptance_rate_threshold", "use_rejection_sampling",
                       "max_total_draft_tokens")
@@ -166,7 +173,7 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
             relaxed_acceptance=relaxed, cuda_graphs=cuda_graphs, enable_block_reuse=kv.get("enable_block_reuse"),
             max_queued_requests=queued, world_size=world_size, llm_api_options=llm_api_options)
     except ValueError as e:
-        raise ModelYamlError(f"{source}: {e}") from None
+        raise ModelYamlError(f"{source}: {named_as_deployed(str(e), SETTING_NAMES)}") from None
     checks = {"max_batch_size": lambda v, key, src: _int(v, key, src, low=0), "decoupled": _bool,
               "cancellation_check_period_ms": _int, "stats_check_period_ms": _int, "watchdog_timeout_s": _number,
               "torch_threads": _int, "engine_process": _bool}

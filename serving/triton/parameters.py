@@ -9,7 +9,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Mapping, TypeVar
 
 from runtime.executors.lifetime import MAX_TORCH_THREADS
 from runtime.io.yaml_file import shown
@@ -88,6 +88,16 @@ class TritonConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
                 raise ValueError(f"{name} must be a number in [{low}, {high}], got {value!r}")
+
+
+def named_as_deployed(message: str, names: Mapping[str, str]) -> str:
+    """An executor's message about its settings (ExecutorConfig's names) under the names the deployment's file sets
+    them by: each whole name, not part of a flag (`--max_seq_len`) or of a dotted key, nor the engine's own limit
+    ("the engine's max_seq_len")."""
+    if not names:
+        return message
+    pattern = r"(?<![\w.-])(?<!engine's )(" + "|".join(map(re.escape, names)) + r")(?![\w.])"
+    return re.sub(pattern, lambda m: names[m.group(1)], message)
 
 
 def settings(cls: Callable[..., T], **given: Any) -> T:

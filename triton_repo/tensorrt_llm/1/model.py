@@ -20,7 +20,7 @@ from serving.request_validation import no_unknown_parameters
 from serving.triton.contract import client_named
 from serving.triton.engine_limits import EngineLimits, publish, withdraw
 from serving.triton.engine_model import Chunk, EngineModel, Stream
-from serving.triton.engine_parameters import engine_parameters
+from serving.triton.engine_parameters import SETTING_NAMES, engine_parameters
 from serving.triton.legacy_request import INPUT_NAMES, engine_request, scalar
 from serving.triton.parameters import check_one_instance, model_path
 from serving.triton.responses import FINAL
@@ -29,6 +29,7 @@ from serving.triton.responses import FINAL
 class TritonPythonModel(EngineModel):
     streaming_input = client_named("streaming")
     input_names = INPUT_NAMES
+    setting_names = SETTING_NAMES
 
     def initialize(self, args: dict) -> None:
         faulthandler.enable()  # a crash of this stub is logged with its Python stacks, not lost

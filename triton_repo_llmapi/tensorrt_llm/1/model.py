@@ -26,7 +26,7 @@ import triton_python_backend_utils as pb_utils
 from runtime.executors.outputs import RequestOutput
 from serving.request_validation import no_unknown_parameters
 from serving.triton.engine_model import Chunk, EngineModel, Stream, given
-from serving.triton.llmapi_config import MODEL_YAML, read_model_yaml
+from serving.triton.llmapi_config import MODEL_YAML, SETTING_NAMES, read_model_yaml
 from serving.triton.llmapi_request import INPUT_NAMES, INPUTS, llmapi_request, scalar
 from serving.triton.parameters import check_one_instance
 from serving.triton.responses import FINAL
@@ -36,6 +36,7 @@ from serving.triton.responses import FINAL
 class TritonPythonModel(EngineModel):
     label = "tensorrt_llm (llmapi)"
     input_names = INPUT_NAMES
+    setting_names = SETTING_NAMES
 
     def initialize(self, args: dict) -> None:
         faulthandler.enable()  # a crash of this stub is logged with its Python stacks, not lost
