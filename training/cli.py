@@ -59,8 +59,8 @@ def at_least_one(p: Parser, args: argparse.Namespace, names: tuple[str, ...]) ->
 
 def check_training_numbers(p: Parser, args: argparse.Namespace, at_least_zero: tuple[str, ...] = ()) -> None:
     """A parser error for the first of the shared flags (`add_training_flags`) or of `at_least_zero` (float flags) out
-    of range, NaN or infinite: a NaN weight trained to a NaN checkpoint, a negative learning rate ascended the loss,
-    and torch's own refusals were tracebacks."""
+    of range, NaN or infinite: a NaN weight trains a NaN checkpoint, a negative learning rate ascends the loss, and
+    torch's own refusals are tracebacks."""
     bounds = {"lr": (0.0, False, math.inf), "min_lr_ratio": (0.0, True, 1.0), "bias_gamma": (0.0, True, math.inf),
               **{name: (0.0, True, math.inf) for name in at_least_zero}}
     for name, (low, low_allowed, high) in bounds.items():
