@@ -804,6 +804,18 @@ def test_engine_directory_checks(engine_dir: Path, spec_checkpoint: Path, tmp_pa
                                                                                           "max_batch_size: 64"))
     with pytest.raises(EngineError, match="extra_llm_api_options.yaml: content hash mismatch"):
         TrtllmEngine.open(edited)
+    flipped = tmp_path / "flipped"  # a weight's last byte changed: hashed only when asked (a release is hundreds of GB)
+    shutil.copytree(engine_dir, flipped)
+    weight = flipped / next(iter(TrtllmEngine.open(engine_dir).manifest.weights))
+    data = bytearray(weight.read_bytes())
+    data[-1] ^= 1
+    weight.write_bytes(bytes(data))
+    assert TrtllmEngine.open(flipped).model_dir == flipped / "hf"
+    with pytest.raises(EngineError, match=re.escape(f"{weight}: content hash mismatch (sha256 ")):
+        TrtllmEngine.open(flipped, verify_weights=True)
+    weight.unlink()
+    with pytest.raises(EngineError, match=re.escape(f"{weight}: weight file missing")):
+        TrtllmEngine.open(flipped)
 
 
 # ---- without TensorRT-LLM -----------------------------------------------------------------------------

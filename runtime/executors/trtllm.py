@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from runtime.io.engine_format import ENGINE_JSON, LLM_API_OPTIONS, BuildConfig, EngineError, EngineManifest, file_sha256
+from runtime.io.engine_format import ENGINE_JSON, LLM_API_OPTIONS, BuildConfig, EngineError, EngineManifest
 from runtime.executors.base import ExecutorConfig, ExecutorStats
 from runtime.executors.trtllm_api import (GUIDED_DECODING_BACKENDS, adapt_llm_kwargs, adapt_to_upstream_fields,
                                           chosen_options, draft_len_of, import_tensorrt_llm, kv_cache_counts, llm_kwargs_for,
@@ -75,14 +75,7 @@ class TrtllmEngine:
         if manifest.build.backend != "trtllm":
             raise EngineError(f"{path}: built with --backend {manifest.build.backend}; run it with "
                               "runtime.executors.native.Executor, or rebuild with --backend trtllm")
-        manifest.verify_files(path, hashes=False)
-        for name, digest in manifest.files.items():
-            file = path / name
-            if not file.is_file():
-                raise EngineError(f"{file}: file missing, expected it as listed in {ENGINE_JSON}")
-            if (verify_weights or name not in manifest.weights) and file_sha256(file) != digest:
-                raise EngineError(f"{file}: content hash mismatch with {ENGINE_JSON}; the file changed "
-                                  "or is corrupt, rebuild the engine")
+        manifest.verify_files(path, hash_weights=verify_weights)
         parents = {Path(w).parent for w in manifest.weights}
         if len(parents) != 1:
             raise EngineError(f"{path / ENGINE_JSON}: weights {list(manifest.weights)} are not in one directory")
