@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from runtime.io.atomic import atomic_dir
+from runtime.io.atomic import atomic_dir, check_output_dir
 from runtime.io.checkpoint import INDEX_NAME, SCALE_SUFFIX, is_fp8_quantized
 from runtime.io.tokenizer import TOKENIZER_FILES
 from runtime.model.config import ModelConfig, QuantizationConfig
@@ -43,8 +43,7 @@ def write_hf_checkpoint(
     release dtypes: float32 for `e_score_correction_bias`, bfloat16 for everything else.
     """
     out_dir = Path(out_dir)
-    if out_dir.exists() and not force:
-        raise FileExistsError(f"{out_dir}: already exists, expected a new directory (or force=True)")
+    check_output_dir(out_dir, force)
     if max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
     if tokenizer_dir is not None and not (Path(tokenizer_dir) / "tokenizer.json").is_file():  # before the work
