@@ -10,8 +10,8 @@ held-out prompts are served with penalized drafts and with unpenalized ones, and
 step and the output tokens are compared, the latter with k = 0's.
 
 Unpenalized drafting is not an option of the runtime; this benchmark gets it by hiding each sequence's penalties
-from the MTP proposer's `propose` (its target rows still see them). Both variants run the general step path (the greedy
-step in one kernel call drafts penalized, as the general path does, and tests check the two agree), so they
+from the MTP proposer's `propose` (its target rows still see them). Both variants run the general step path (the
+greedy step in one kernel call drafts penalized, as the general path does, and tests check the two agree), so they
 differ in the drafts alone. Acceptance does not depend on timing: this can run beside other work.
 
   python -m benchmarks.penalized_drafts
