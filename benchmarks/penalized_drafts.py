@@ -10,8 +10,8 @@ held-out prompts are served with penalized drafts and with unpenalized ones, and
 step and the output tokens are compared, the latter with k = 0's.
 
 Unpenalized drafting is not an option of the runtime; this benchmark gets it by hiding each sequence's penalties
-from the runner's `draft` (its target rows still see them). Both variants run the general step path (the greedy
-step in one kernel call drafts penalized, as the general path does, and tests check the two agree), so they
+from the MTP proposer's `propose` (its target rows still see them). Both variants run the general step path (the
+greedy step in one kernel call drafts penalized, as the general path does, and tests check the two agree), so they
 differ in the drafts alone. Acceptance does not depend on timing: this can run beside other work.
 
   python -m benchmarks.penalized_drafts
@@ -41,7 +41,7 @@ DRAFTS = ("penalized", "unpenalized")
 
 
 def unpenalized_draft(draft: Callable) -> Callable:
-    """`ModelRunner.draft` with each sequence's penalties hidden while it drafts (put back after)."""
+    """`MtpProposer.propose` with each sequence's penalties hidden while it drafts (put back after)."""
 
     def run(items: list) -> Any:
         saved = [(it.seq, it.seq.params, it.seq.penalty) for it in items]
@@ -64,7 +64,7 @@ def serve(engine: Any, k: int, drafts: str, texts: list[str], params: list[Sampl
         runner: ModelRunner = ex.runner
         runner.greedy_step = None  # the general path for both variants
         if drafts == "unpenalized":
-            runner.draft = unpenalized_draft(runner.draft)
+            runner.proposer.propose = unpenalized_draft(runner.proposer.propose)
         prompts = [ex.tokenizer.encode(t)[:64] for t in texts]
         return [h.result() for h in [ex.submit(p, sp) for p, sp in zip(prompts, params)]]
 

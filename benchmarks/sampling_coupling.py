@@ -39,7 +39,7 @@ def serve(engine: Any, k: int, coupling: str, prompts: list[list[int]], params: 
     config = ExecutorConfig(num_draft_tokens=k, speculation="fixed", max_batch_size=1, device=device)
     with Executor(engine, config) as ex:
         if coupling == "rejection":
-            ex.runner._raced_rows = lambda seqs: []  # type: ignore[method-assign]
+            ex.runner.inputs.raced_rows = lambda seqs: []  # type: ignore[method-assign]
         outs, tpots = [], []
         for p, sp in zip(prompts, params):
             t0 = time.perf_counter()

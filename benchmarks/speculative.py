@@ -71,7 +71,7 @@ def measure_step_costs(model, max_k: int, context: int, repeats: int, block_size
 
     def mtp():
         ids = torch.randint(0, cfg.vocab_size, (1,), generator=gen).to(device)
-        return runner.forward_mtp(tables, [context], [1], ids, hidden)
+        return runner.proposer.forward_mtp(tables, [context], [1], ids, hidden)
 
     fns = {f"target_q{q}": (lambda q=q: target(q)) for q in range(1, max_k + 2)}
     fns["mtp"] = mtp
@@ -276,16 +276,17 @@ def hf_generate(model, prompt_ids: list[int], max_new_tokens: int, use_mtp: bool
 
 # ---- our runtime --------------------------------------------------------------------------------
 class RunnerClock:
-    """Seconds an executor's runner spends drafting, in the rest of its general step, and in its step in one kernel
-    call: its methods wrapped on the instance, so the runtime itself carries no timers. Each part ends waiting for
-    the device (the steps end in host reads of their tokens; the drafts are synchronized here), so on CUDA they time
-    its work, not the launches."""
+    """Seconds an executor's runner spends drafting (in its proposer), in the rest of its general step, and in its
+    step in one kernel call: their methods wrapped on the instances, so the runtime itself carries no timers. Each
+    part ends waiting for the device (the steps end in host reads of their tokens; the drafts are synchronized here),
+    so on CUDA they time its work, not the launches."""
 
     def __init__(self, runner: ModelRunner):
         self.seconds = {"draft": 0.0, "step": 0.0, "one_call": 0.0}
         self.sync = runner.device.type == "cuda"
-        for method, part in (("draft", "draft"), ("step", "step"), ("_step_in_one_call", "one_call")):
-            setattr(runner, method, self._timed(getattr(runner, method), part))
+        for owner, method, part in ((runner.proposer, "propose", "draft"), (runner, "step", "step"),
+                                    (runner, "_step_in_one_call", "one_call")):
+            setattr(owner, method, self._timed(getattr(owner, method), part))
 
     def _timed(self, method: Any, part: str) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:

@@ -115,7 +115,7 @@ class StepClock:
         self.wrap(RequestTracker, "consume", "detok_stop")
         self.wrap(RequestTracker, "report", "callback")
         self.wrap(runner, "step", "runner", counts_emitted=True)
-        self.wrap(runner, "draft", "draft")
+        self.wrap(runner.proposer, "propose", "draft")
         self.wrap(runner, "forward_target", "forward_target")
         self.wrap(model, "logits", "logits")
         self.wrap(kernels, "decoder_layers", "layers_kernel")

@@ -13,8 +13,8 @@ from typing import Callable
 import pytest
 import torch
 
-from runtime.core.model_runner import ModelRunner
 from runtime.core.sampling_params import SamplingParams
+from runtime.core.step_inputs import StepInputs
 from runtime.executors.base import ExecutorConfig
 from runtime.executors.native import Executor
 from runtime.executors.outputs import RequestOutput
@@ -27,7 +27,7 @@ P_MIN = 1e-3  # a correct sampler passes the chi-square check at this level (the
 def seeded_requests_take_rejection_sampling(mp: pytest.MonkeyPatch) -> None:
     """Seeded sampled requests race (runtime.core.sampling); the others, whose seeds a test cannot choose, take
     rejection sampling: this gives seeded requests the others' path, for tests of it."""
-    mp.setattr(ModelRunner, "_raced_rows", lambda self, seqs: [])
+    mp.setattr(StepInputs, "raced_rows", lambda self, seqs: [])
 
 
 def hold_inbox_until(ex: Executor, event: threading.Event) -> None:

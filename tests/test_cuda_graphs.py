@@ -79,8 +79,8 @@ def test_padded_mtp_forward_equals_ragged(model, layout) -> None:
     ids = torch.randint(model.cfg.vocab_size, (sum(lens),), generator=gen)
     hidden = torch.randn(sum(lens), model.cfg.hidden_size, generator=gen)
     with torch.inference_mode():
-        want = eager.forward_mtp(seqs, starts, lens, ids, hidden)
-        got = padded.forward_mtp(seqs, starts, lens, ids, hidden)
+        want = eager.proposer.forward_mtp(seqs, starts, lens, ids, hidden)
+        got = padded.proposer.forward_mtp(seqs, starts, lens, ids, hidden)
     for g, w in zip(got, want):
         assert g.shape == w.shape == (len(layout), g.shape[1])
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)

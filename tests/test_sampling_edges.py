@@ -243,7 +243,7 @@ def test_drafts_never_propose_banned_tokens(shipped_engine, shipped_tokenizer, h
     cfg = ExecutorConfig(num_draft_tokens=3, speculation="fixed", max_seq_len=MAX_SEQ_LEN)
     proposed: list[int] = []
     with Executor(shipped_engine, cfg) as ex:
-        draft = ex.runner.draft
+        draft = ex.runner.proposer.propose
 
         def recording(items):
             d, q = draft(items)
@@ -251,7 +251,7 @@ def test_drafts_never_propose_banned_tokens(shipped_engine, shipped_tokenizer, h
                 proposed.extend(row[: it.num_drafts])
             return d, q
 
-        ex.runner.draft = recording
+        ex.runner.proposer.propose = recording
         ex.runner._in_one_call = lambda items: False
         outs = [h.result(60) for h in [ex.submit(p, sp) for p, sp in zip(prompts, params)]]
     assert proposed

@@ -302,7 +302,7 @@ def test_every_draft_is_drawn_within_the_grammar(shipped_engine, shipped_tokeniz
     compiler = GrammarCompiler(tok.backend.to_str(), 4096, tok.eos_token_id)
     chains = []
     with Executor(shipped_engine, ExecutorConfig(num_draft_tokens=3, speculation="fixed", max_seq_len=256)) as ex:
-        draft = ex.runner.draft
+        draft = ex.runner.proposer.propose
 
         def spy(items):
             drafts, probs = draft(items)
@@ -310,7 +310,7 @@ def test_every_draft_is_drawn_within_the_grammar(shipped_engine, shipped_tokeniz
                           for it, row in zip(items, drafts.tolist()))
             return drafts, probs
 
-        ex.runner.draft = spy
+        ex.runner.proposer.propose = spy
         params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=temperature, seed=1, guided_decoding=g)
                   for g in GUIDES.values()]
         [h.result(120) for h in [ex.submit(p, sp) for p, sp in zip(prompts, params)]]

@@ -1,1 +1,2 @@
-"""One step: sequences, KV cache, plan, scheduler, draft policy, model runner, sampling, CUDA graphs."""
+"""One step: sequences, KV cache, plan, scheduler, draft policy, model runner, MTP proposer, step inputs, sampling,
+CUDA graphs."""

@@ -53,7 +53,7 @@ def profile_step_costs(runner: ModelRunner, max_batch_size: int, max_k: int, con
                     runner.forward_target(tables[:b], [context] * b, [q] * b, ids))))
             ids = torch.randint(vocab, (b,), generator=gen).to(device)
             hidden = torch.randn(b, model.cfg.hidden_size, generator=gen).to(cache.tensor.dtype).to(device)
-            mtp.append(timed(lambda: runner.forward_mtp(tables[:b], [context] * b, [1] * b, ids, hidden)))
+            mtp.append(timed(lambda: runner.proposer.forward_mtp(tables[:b], [context] * b, [1] * b, ids, hidden)))
     finally:
         for t in tables:
             cache.allocator.free(t)

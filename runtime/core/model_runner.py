@@ -1,31 +1,27 @@
-"""The model runner: turns a scheduled step into forwards, then drafts, verifies and accepts.
+"""The model runner: turns a scheduled step into forwards, verifies the MTP proposer's drafts and accepts them.
 
 One step for a batch of sequences, each with its own number of new target tokens:
-1. draft: for sequences given k > 0, one MTP forward catches the MTP cache up over the positions the
-   target verified since the last draft (teacher-forced: true hidden states, true next tokens);
-   its output at the last position proposes draft 1; drafts 2..k re-run the single MTP module on
-   its own previous draft and its own hidden state after shared_head.norm (greedy, with one k for all:
-   the whole chain in one kernel call, `FusedMTPLayer.greedy_drafts`);
+1. draft: the sequences given k > 0 get k drafts each, and the distributions they were drawn from, from the MTP
+   proposer (runtime.core.mtp_proposer);
 2. verify: one ragged target forward over prefill chunks and [last token, d1..dk] chunks together;
 3. accept a prefix of each sequence's drafts and emit one more token (sampling.accept); rejected
    positions are simply left behind: the sequence's length is what the cache is trusted up to,
    and the scheduler gives back blocks past it.
 k = 0 is plain decoding through the same code. Where the CPU kernels run the whole model, a step of greedy decodes,
 each with its own k (no grammar; penalties, bans and logprobs computed in the call), runs 1-3 in one kernel call
-(`GreedyStep`; a sequence with k = 0: the target forward and argmax alone; a step where none drafts also for a model
-without an MTP layer): only the emitted tokens, their logprobs and the verified hidden states come back. The
-runner reads sequences and writes none: what a step computed comes back as `StepResult`s, which
-`Scheduler.update_from_output` applies (a grammar that fails while its masks are computed is reported there too,
-`StepResult.grammar_error`, and the executor ends the request).
+(`GreedyStep`, from the proposer's catch-up inputs; a sequence with k = 0: the target forward and argmax alone; a
+step where none drafts also for a model without an MTP layer): only the emitted tokens, their logprobs and the
+verified hidden states come back. The runner reads sequences and writes none: what a step computed comes back as
+`StepResult`s, which `Scheduler.update_from_output` applies (a grammar that fails while its masks are computed is
+reported there too, `StepResult.grammar_error`, and the executor ends the request).
 
-A guided request's grammar is one more ban per row: draft j is drawn from the MTP distribution masked by
-the grammar state after drafts 1..j-1, and each verified row is masked by its own state (a bitmask per
-row); the state advances by the kept tokens only in the update, so rejected drafts leave no trace.
+Each verified row is decided under its own rules (`StepInputs`, the proposer's too): penalties and min_tokens bans
+with the counts of the row's own prefix (sampling module docstring), and a guided request's grammar as one more ban,
+the state after the drafts before the row (a bitmask per row); the state advances by the kept tokens only in the
+update, so rejected drafts leave no trace.
 
 Logprobs come from the verification forward's logits at the emitted positions, the same logits plain
-decoding would compute there; prompt logprobs from the prefill chunks' hidden states. Penalties and
-min_tokens bans are applied per row with the counts of the row's own prefix (sampling module docstring),
-to the target rows and to the drafts alike.
+decoding would compute there; prompt logprobs from the prefill chunks' hidden states.
 """
 
 from __future__ import annotations
@@ -38,20 +34,22 @@ import torch
 from torch import Tensor
 
 from runtime.core.cuda_graphs import CudaGraphRunner
-from runtime.core.grammar import grammar_bitmasks
 from runtime.core.kv_cache import KVCache
-from runtime.model.batch import SHORT_QUERY, PagedBatch
-from runtime.model.kernels.modules import FusedMTPLayer, GreedyStep, attends_in_kernels
+from runtime.model.batch import SHORT_QUERY
+from runtime.model.kernels.modules import GreedyStep
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM
-from runtime.core.sampling import (PURPOSE_DRAFT, Adjustments, SamplingTensors, TokenLogprob, accept,
-                                   accept_greedy, adjusted_logits, probabilities, processed_logprobs,
-                                   race, read_token_logprobs, sample, token_logprobs, uniforms)
+from runtime.core.mtp_proposer import MtpProposer
+from runtime.core.sampling import (SamplingTensors, TokenLogprob, accept, accept_greedy, adjusted_logits,
+                                   probabilities, processed_logprobs, read_token_logprobs, token_logprobs)
 from runtime.core.plan import Scheduled, StepResult
 from runtime.core.sampling_params import RelaxedAcceptance
-from runtime.core.sequence import LogitBias, Sequence
+from runtime.core.sequence import Sequence
+from runtime.core.step_inputs import StepInputs
 
 
 class ModelRunner:
+    """Runs a scheduled step: the proposer's drafts, one target forward over every item, acceptance."""
+
     def __init__(self, model: DeepseekV3ForCausalLM, kv_cache: KVCache,
                  relaxed: RelaxedAcceptance | None = None, keep_mtp_inputs: bool = True,
                  graphs: CudaGraphRunner | None = None):
@@ -60,20 +58,10 @@ class ModelRunner:
         self.graphs = graphs
         self.relaxed = relaxed
         self.keep_mtp_inputs = keep_mtp_inputs and model.cfg.num_nextn_predict_layers > 0
-        self.for_kernels = attends_in_kernels(model)  # paged batches in the per-token form the kernels read
+        self.inputs = StepInputs(model, kv_cache)
+        self.proposer = MtpProposer(model, kv_cache, self.inputs, graphs)
         # greedy steps in one kernel call where the whole target is on the kernels (None: the general path only)
         self.greedy_step = GreedyStep.of(model) if graphs is None else None
-        # the step's grammars that failed computing masks, with why: their later rows in the step are left unmasked
-        self._grammar_errors: dict[Sequence, str] = {}
-
-    # ---- batch plumbing -----------------------------------------------------------------------
-    def _paged_batch(self, tables: list[list[int]], starts: list[int], lens: list[int]) -> PagedBatch:
-        width = max(map(len, tables))
-        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-        return PagedBatch.build(starts, lens, padded.to(self.device), self.cache.block_size, self.for_kernels)
-
-    def _ids(self, values: list[int]) -> Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def forward_target(self, tables: list[list[int]], starts: list[int], lens: list[int], ids: list[int]) -> Tensor:
         """Hidden states [sum(lens), H] of lens[b] new tokens after starts[b] cached ones per sequence, whose
@@ -82,141 +70,8 @@ class ModelRunner:
             hidden = self.graphs.target(ids, starts, lens, tables)
             if hidden is not None:
                 return hidden
-        batch = self._paged_batch(tables, starts, lens)
-        return self.model(self._ids(ids), batch=batch, kv_cache=self.cache.tensor)
-
-    def forward_mtp(self, tables: list[list[int]], starts: list[int], lens: list[int], ids: Tensor,
-                    hidden: Tensor) -> tuple[Tensor, Tensor]:
-        """The MTP layer over the same layout: (logits, hidden after shared_head.norm) at each sequence's last token."""
-        if self.graphs is not None:
-            out = self.graphs.mtp(ids, hidden, starts, lens, tables)
-            if out is not None:
-                return out
-        batch = self._paged_batch(tables, starts, lens)
-        return self.model.mtp_forward(0, ids, hidden, batch=batch, kv_cache=self.cache.tensor, rows=batch.last_index)
-
-    def sampling_tensors(self, seqs: list[Sequence], drafts: Tensor | None, first: int, num_rows: int) -> SamplingTensors:
-        """Rows j = first .. first + num_rows - 1 of each sequence: its output token num_output + j, decided after
-        drafts[:, :j] ([B, >= first + num_rows - 1]; None when no row follows a draft)."""
-        V, dev = self.model.cfg.vocab_size, self.device
-        values = torch.tensor([[s.params.temperature, min(s.params.top_k, V), s.params.top_p, s.params.min_p]
-                               for s in seqs], dtype=torch.float64).repeat_interleave(num_rows, dim=0).to(dev)
-        min_p = values[:, 3].float() if any(s.params.min_p > 0 for s in seqs) else None  # known here: no device sync
-        return SamplingTensors(values[:, 0].float(), values[:, 1].long(), values[:, 2].float(), min_p,
-                               self.adjustments(seqs, drafts, first, num_rows))
-
-    def adjustments(self, seqs: list[Sequence], drafts: Tensor | None, first: int, num_rows: int) -> Adjustments | None:
-        """What changes the logits of those rows before temperature (all a greedy row needs): the logit biases, the
-        banned tokens (bad tokens, stop tokens while min_tokens is not reached by that row's index, and what a guided
-        request's grammar refuses after the drafts before the row, as the grammar's bitmasks) and the penalties, which
-        count the drafts before it; applied in one kernel call."""
-        bad = [list(s.params.bad_token_ids) for s in seqs]
-        stops = [list(s.stop_ids) if s.bans_stop_ids else [] for s in seqs]
-        # rows before min_tokens is reached
-        stop_rows = [max(s.params.min_tokens - s.num_output_tokens - first, 0) if s.bans_stop_ids else 0 for s in seqs]
-        allowed = None
-        grammars = [s.grammar for s in seqs]
-        if any(g is not None for g in grammars):
-            # row j: what the grammar allows after the drafts before it
-            rows = None if drafts is None or first + num_rows == 1 else drafts[:, : first + num_rows - 1].tolist()
-            failed = {b for b, s in enumerate(seqs) if s in self._grammar_errors}
-            allowed, errors = grammar_bitmasks(grammars, rows, first, num_rows, failed)
-            self._grammar_errors.update((seqs[b], error) for b, error in errors.items())
-        pen = [b for b, s in enumerate(seqs) if s.penalty is not None]
-        biased = any(s.logit_bias is not None for s in seqs)
-        if not pen and not any(bad) and not any(stop_rows) and allowed is None and not biased:
-            return None
-        values = [v for b in pen for v in (seqs[b].params.repetition_penalty, seqs[b].params.presence_penalty,
-                                           seqs[b].params.frequency_penalty)]
-        return Adjustments(num_rows, first, drafts, pen, [seqs[b].penalty.counts for b in pen],
-                           [seqs[b].penalty.in_prompt for b in pen], values, bad, stops, stop_rows,
-                           [NO_BIAS.tokens if s.logit_bias is None else s.logit_bias.tokens for s in seqs],
-                           [NO_BIAS.values if s.logit_bias is None else s.logit_bias.values for s in seqs], allowed)
-
-    # ---- drafting -----------------------------------------------------------------------------
-    @torch.inference_mode()
-    def draft(self, items: list[Scheduled]) -> tuple[Tensor, Tensor | None]:
-        """Drafts [B, K] (K = max k) and their draft distributions [B, K, V] (None if all greedy)."""
-        model, seqs = self.model, [it.seq for it in items]
-        ks = [it.num_drafts for it in items]
-        K = max(ks)
-        tables, starts, lens, next_ids, hidden = self._catch_up(seqs)
-        # Plain argmax drafts unless a row samples, bans or penalizes tokens (its drafts then come from the MTP's
-        # own distribution under the same rules as the target's rows, so a banned token is never drafted only to
-        # be rejected, and a penalized greedy row drafts what its target row will choose).
-        plain = all(s.plain_argmax for s in seqs)
-        if plain and min(ks) == K > 1 and isinstance(model.mtp[0], FusedMTPLayer) and self.for_kernels:
-            return model.mtp[0].greedy_drafts(model.rope, next_ids, hidden, self._paged_batch(tables, starts, lens),
-                                              self.cache.tensor, K), None
-        logits, h = self.forward_mtp(tables, starts, lens, next_ids, hidden)
-        greedy = all(s.params.greedy for s in seqs)  # then drafts are argmaxes: no distribution, no draw
-        if not plain:
-            # rules that depend on the drafts before a row (penalties, min_tokens) need fresh tensors per draft
-            per_draft = any(s.penalty is not None or s.bans_stop_ids or s.grammar is not None for s in seqs)
-            rules = self.adjustments if greedy else self.sampling_tensors  # greedy: the adjustments only
-            st = rules(seqs, None, 0, 1)
-            if not greedy:
-                seeds = self._ids([s.seed for s in seqs])
-                positions = self._ids([s.num_tokens for s in seqs])  # absolute position of draft 1
-                raced_rows = self._raced_rows(seqs)  # known on the host: no device sync, no boolean-mask indexing
-                raced = self._ids(raced_rows) if raced_rows else None
-                rejecting = [not s.params.greedy and b not in raced_rows for b, s in enumerate(seqs)]
-                rejecting_mask = self._ids(rejecting).bool() if any(rejecting) else None
-        drafts, probs = [], []
-        for j in range(K):
-            if not plain and per_draft and j:
-                st = rules(seqs, torch.stack(drafts, dim=1), j, 1)
-            if plain:
-                d = logits.argmax(-1)
-            elif greedy:
-                d = adjusted_logits(logits, st).argmax(-1)
-            else:
-                q = probabilities(logits, st)
-                d = q.argmax(-1)  # a greedy row's q is one-hot on its argmax
-                if raced is not None:  # with the noise its target row will race with at this position
-                    d[raced] = race(q[raced], seeds[raced], positions[raced] + j)
-                if rejecting_mask is not None:  # rejection sampling's drafts, and their distribution for acceptance
-                    d = torch.where(rejecting_mask, sample(q, uniforms(seeds, positions + j, PURPOSE_DRAFT)), d)
-                    probs.append(q)
-            drafts.append(d)
-            if j + 1 == K:
-                break
-            logits, h = self._next_draft_logits(tables, seqs, ks, j, d, logits, h)
-        draft_probs = torch.stack(probs, dim=1) if probs else None
-        return torch.stack(drafts, dim=1), draft_probs
-
-    def _raced_rows(self, seqs: list[Sequence]) -> list[int]:
-        """The rows of the sampled sequences of seeded requests, which race (runtime.core.sampling)."""
-        return [b for b, s in enumerate(seqs) if s.params.races]
-
-    def _raced_mask(self, seqs: list[Sequence]) -> Tensor | None:
-        """[B] bool of `_raced_rows`, None if no row races."""
-        rows = set(self._raced_rows(seqs))
-        return self._ids([b in rows for b in range(len(seqs))]).bool() if rows else None
-
-    def _catch_up(self, seqs: list[Sequence]) -> tuple[list[list[int]], list[int], list[int], Tensor, Tensor]:
-        """The MTP catch-up's layout (tables, starts, lens) and inputs: positions num_mtp .. num_cached-1, each with
-        the target's hidden state h_i there and the true token t_{i+1}."""
-        tables = [s.block_table for s in seqs]
-        starts = [s.num_mtp for s in seqs]
-        lens = [s.num_cached - s.num_mtp for s in seqs]  # the pending hidden rows
-        next_ids = self._ids([t for s in seqs for t in s.token_ids[s.num_mtp + 1 : s.num_cached + 1]])
-        return tables, starts, lens, next_ids, torch.cat([h for s in seqs for h in s.pending_hidden])
-
-    def _next_draft_logits(self, tables: list[list[int]], seqs: list[Sequence], ks: list[int], j: int, d: Tensor,
-                           logits: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
-        """Draft j+2 at position num_tokens - 1 + j from the MTP's own hidden state and draft j+1 (rows whose k
-        ends before keep their last logits)."""
-        active = [i for i, k in enumerate(ks) if k > j + 1]
-        sub = [tables[i] for i in active]
-        starts = [seqs[i].num_tokens - 1 + j for i in active]
-        if len(active) == len(seqs):
-            return self.forward_mtp(sub, starts, [1] * len(sub), d, h)
-        idx = self._ids(active)
-        sub_logits, sub_h = self.forward_mtp(sub, starts, [1] * len(sub), d[idx], h[idx])
-        logits, h = logits.clone(), h.clone()
-        logits[idx], h[idx] = sub_logits, sub_h
-        return logits, h
+        batch = self.inputs.paged_batch(tables, starts, lens)
+        return self.model(self.inputs.ids(ids), batch=batch, kv_cache=self.cache.tensor)
 
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -225,11 +80,11 @@ class ModelRunner:
         decode items feed [last token, drafts...] and emit 1..k+1 tokens. Items run shortest context
         first, long chunks last, so sequences of similar length share attention groups."""
         items = sorted(items, key=lambda it: (it.num_new > SHORT_QUERY, it.seq.num_cached + it.num_new))
-        self._grammar_errors.clear()
+        self.inputs.grammar_errors.clear()
         if self.greedy_step is not None and self._in_one_call(items):
             return self._step_in_one_call(items)
         drafting = [it for it in items if it.num_drafts > 0]
-        drafts, draft_probs = self.draft(drafting) if drafting else (None, None)
+        drafts, draft_probs = self.proposer.propose(drafting) if drafting else (None, None)
         rows = drafts.tolist() if drafting else []
         draft_of = {id(it.seq): row[: it.num_drafts] for row, it in zip(rows, drafting)}
 
@@ -259,7 +114,7 @@ class ModelRunner:
                 for t in emitted:
                     thinking = self.relaxed.advance(thinking, t)
             out.append(StepResult(s, emitted, it.num_drafts, accepted, trusted, kept, it.num_drafts > 0, thinking,
-                                  logprobs, prompt_logprobs.get(i), self._grammar_errors.get(s)))
+                                  logprobs, prompt_logprobs.get(i), self.inputs.grammar_errors.get(s)))
         return out
 
     def _in_one_call(self, items: list[Scheduled]) -> bool:
@@ -275,8 +130,9 @@ class ModelRunner:
         seqs, ks = [it.seq for it in items], [it.num_drafts for it in items]
         next_ids = hidden = _NO_CATCH_UP  # plain decoding has no MTP catch-up
         if max(ks):
-            _, _, _, next_ids, hidden = self._catch_up([s for s, k in zip(seqs, ks) if k])
-        adjustments = self.adjustments(seqs, None, 0, max(ks) + 1)  # the rows from draft 1's on (no grammar here)
+            _, _, _, next_ids, hidden = self.proposer.catch_up([s for s, k in zip(seqs, ks) if k])
+        # the rows from draft 1's on (no grammar here)
+        adjustments = self.inputs.adjustments(seqs, None, 0, max(ks) + 1)
         top_n = [-1 if s.params.logprobs is None else s.params.logprobs for s in seqs]
         logprobs = None
         if max(top_n) >= 0:
@@ -301,14 +157,14 @@ class ModelRunner:
                 ) -> dict[int, tuple[list[int], int, list[TokenLogprob] | None]]:
         """Target distributions at each decoding sequence's last k+1 positions, then acceptance: per item index,
         (emitted tokens, accepted drafts, their logprobs when asked for)."""
-        V = self.model.cfg.vocab_size
+        V, ids = self.model.cfg.vocab_size, self.inputs.ids
         seqs = [items[i].seq for i in decoding]
         ks = [items[i].num_drafts for i in decoding]
         B, K = len(seqs), max(ks)
         # Row j of sequence b is chunk position j (j <= k_b); rows past k_b repeat the last one.
         ends = list(accumulate(it.num_new for it in items))
         rows = [ends[i] - 1 - max(k - j, 0) for i, k in zip(decoding, ks) for j in range(K + 1)]
-        logits = self.model.logits(hidden[self._ids(rows)]).view(B, K + 1, V)
+        logits = self.model.logits(hidden[ids(rows)]).view(B, K + 1, V)
         row_of = {id(it.seq): r for r, it in enumerate(drafting)}
         d = [drafts[row_of[id(s)]] if k else [0] * K for s, k in zip(seqs, ks)]  # [B][K]; past k_b: ignored
         # Greedy rows need only the argmax: of the logits themselves when nothing adjusts them (the fast path)
@@ -316,8 +172,9 @@ class ModelRunner:
         if self.relaxed is None and all(s.params.greedy for s in seqs):
             scores = logits
             if not all(s.plain_argmax for s in seqs):  # else the fast path: the logits' own argmax
-                dt = self._ids(d).view(B, K)
-                scores = adjusted_logits(logits.flatten(0, 1), self.adjustments(seqs, dt, 0, K + 1)).view(B, K + 1, V)
+                dt = ids(d).view(B, K)
+                adjustments = self.inputs.adjustments(seqs, dt, 0, K + 1)
+                scores = adjusted_logits(logits.flatten(0, 1), adjustments).view(B, K + 1, V)
                 # a greedy row's processed distribution is that of its adjusted logits (processed_logprobs)
                 processed = partial(_rows_log_softmax, scores.view(B * (K + 1), V))
             emitted = []
@@ -325,12 +182,12 @@ class ModelRunner:
                 n = accept_greedy(db[:k], argmax)
                 emitted.append(db[:n] + [argmax[n]])
         else:
-            dt = self._ids(d).view(B, K)
-            st = self.sampling_tensors(seqs, dt, 0, K + 1)
+            dt = ids(d).view(B, K)
+            st = self.inputs.sampling_tensors(seqs, dt, 0, K + 1)
             dp = None
             if draft_probs is not None:
-                has = self._ids(ks) > 0
-                dp = torch.where(has[:, None, None], draft_probs[self._ids([row_of.get(id(s), 0) for s in seqs])], 0.0)
+                has = ids(ks) > 0
+                dp = torch.where(has[:, None, None], draft_probs[ids([row_of.get(id(s), 0) for s in seqs])], 0.0)
             target_probs = probabilities(logits.flatten(0, 1), st).view(B, K + 1, V)
             greedy = st.temperature.view(B, K + 1)[:, 0] == 0
             relaxed_kw = {}
@@ -339,8 +196,9 @@ class ModelRunner:
                 adjusted = adjusted_logits(logits.flatten(0, 1), st.adjustments).view(B, K + 1, V)
                 relaxed_kw = dict(relaxed=self.relaxed, relaxed_probs=adjusted[:, :K].softmax(-1),
                                   relaxed_mask=self._thinking_mask(seqs, dt, ks))
-            num_acc, nxt = accept(dt, dp, target_probs, self._ids(ks), self._ids([s.seed for s in seqs]),
-                                  self._ids([s.num_tokens for s in seqs]), greedy, self._raced_mask(seqs), **relaxed_kw)
+            num_acc, nxt = accept(dt, dp, target_probs, ids(ks), ids([s.seed for s in seqs]),
+                                  ids([s.num_tokens for s in seqs]), greedy, self.inputs.raced_mask(seqs),
+                                  **relaxed_kw)
             emitted = [d[b][:n] + [t] for b, (n, t) in enumerate(zip(num_acc.tolist(), nxt.tolist()))]
             processed = partial(_processed_rows, logits.flatten(0, 1), st)
         logprobs = self._logprobs(seqs, logits, processed, emitted)
@@ -356,16 +214,16 @@ class ModelRunner:
         if not asking:
             return out
         B, R, V = logits.shape
-        rows = self._ids([b * R + j for b in asking for j in range(len(emitted[b]))])
+        rows = self.inputs.ids([b * R + j for b in asking for j in range(len(emitted[b]))])
         flat = logits.view(B * R, V)
         if processed is not None and any(seqs[b].params.logprobs_mode == "processed_logprobs" for b in asking):
             raw = flat[rows].float().log_softmax(-1)
-            mode = self._ids([seqs[b].params.logprobs_mode == "processed_logprobs" for b in asking
-                              for _ in emitted[b]]).bool()
+            mode = self.inputs.ids([seqs[b].params.logprobs_mode == "processed_logprobs" for b in asking
+                                    for _ in emitted[b]]).bool()
             lp = torch.where(mode[:, None], processed(rows), raw)
         else:
             lp = flat[rows].float().log_softmax(-1)
-        tokens = self._ids([t for b in asking for t in emitted[b]])
+        tokens = self.inputs.ids([t for b in asking for t in emitted[b]])
         found = iter(token_logprobs(lp, tokens, [seqs[b].params.logprobs for b in asking for _ in emitted[b]]))
         for b in asking:
             out[b] = [next(found) for _ in emitted[b]]
@@ -389,8 +247,8 @@ class ModelRunner:
                 top_n += [s.params.prompt_logprobs] * (hi - lo)
         if not rows:
             return {}
-        lp = self.model.logits(hidden[self._ids(rows)]).float().log_softmax(-1)
-        found = token_logprobs(lp, self._ids(tokens), top_n)
+        lp = self.model.logits(hidden[self.inputs.ids(rows)]).float().log_softmax(-1)
+        found = token_logprobs(lp, self.inputs.ids(tokens), top_n)
         return {i: found[start : start + n] for i, (start, n) in spans.items()}
 
     def _thinking_mask(self, seqs: list[Sequence], drafts: Tensor, ks: list[int]) -> Tensor:
@@ -405,7 +263,6 @@ class ModelRunner:
 
 
 _NO_CATCH_UP = torch.empty(0)  # the MTP catch-up's inputs of a step that drafts nothing
-NO_BIAS = LogitBias.create({}, "cpu")  # a sequence without a logit_bias, in Adjustments' per-sequence lists
 
 
 def _rows_log_softmax(logits: Tensor, rows: Tensor) -> Tensor:
