@@ -1,2 +1,4 @@
-"""One step: sequences, KV cache, plan, scheduler, draft policy, model runner, MTP proposer, step inputs, sampling,
-CUDA graphs."""
+"""One step: sequences and their sampling parameters, the KV cache and its prefix reuse (prefix_cache), the plan, the
+scheduler, the draft policy and its step-cost profile (cost_profile), the model runner (verify and accept), the MTP
+proposer, the inputs both build (step_inputs), sampling and acceptance rules, guided decoding's grammars (grammar,
+guide_check), CUDA graphs."""
