@@ -37,7 +37,7 @@ from builder.rank_file import RankFileWriter
 
 
 def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, build: BuildConfig, *,
-                       force: bool = False, progress: bool = True) -> Path:
+                       progress: bool = True) -> Path:
     """Write the TensorRT-LLM checkpoint of the HF checkpoint in model_dir; return output_dir."""
     model_dir, output_dir = Path(model_dir), Path(output_dir)
     ckpt, cfg = open_hf_checkpoint(model_dir, build)
@@ -50,7 +50,7 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, build: Bui
         print(f"note: tp_size {build.tp_size} cuts through the 128x128 FP8 blocks of {len(split)} "
               f"tensors (e.g. {split[0]}); their rank pieces are quantized again on their own grid, so the "
               "engine is close to, not bit-identical with, the release (docs/engine-format.md)", file=sys.stderr)
-    with new_output_dir(output_dir, force) as tmp:
+    with new_output_dir(output_dir, force=False) as tmp:
         (tmp / "config.json").write_text(json.dumps(trtllm_config(cfg, build), indent=2) + "\n")
         specs = {}
         for t in layout:

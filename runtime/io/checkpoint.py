@@ -55,8 +55,8 @@ class TensorInfo:
 
     dtype: str  # safetensors dtype code: "BF16", "F32", "F8_E4M3", ...
     shape: tuple[int, ...]
-    offset: int = 0  # of its first byte in the file
-    nbytes: int = 0
+    offset: int  # of its first byte in the file
+    nbytes: int
 
 
 TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, FP8_CODE: torch.float8_e4m3fn,
