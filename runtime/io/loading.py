@@ -262,11 +262,9 @@ class _RankSource:
                 raise EngineError(f"{self.file}: unexpected tensor {name!r}")
             tensor = check_finite(read_tensor(self.file, info, self._scratch), name, self.file)
             scale = None
-            if info.dtype == "F8_E4M3":
-                scale_info = self.header.get(name + SCALE_SUFFIX)
-                if scale_info is None:  # raw FP8 codes read as values would be a silently wrong model
-                    raise EngineError(f"{self.file}: FP8 tensor {name!r} has no {name + SCALE_SUFFIX!r}")
-                scale = check_finite(read_tensor(self.file, scale_info), name + SCALE_SUFFIX, self.file)
+            if info.dtype == "F8_E4M3":  # its scale is there: check_stored_dtypes
+                scale = check_finite(read_tensor(self.file, self.header[name + SCALE_SUFFIX]), name + SCALE_SUFFIX,
+                                     self.file)
             if name.endswith("kv_b_proj.weight"):  # stored per head [heads, nope + v, kv_lora]
                 tensor = tensor.flatten(0, 1)
             yield name, None, tensor, scale
