@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from runtime.model.config import ModelConfig
-from runtime.model.fp8 import BLOCK, FP8_DTYPE, dequantize_block_fp8, scale_shape
+from runtime.model.fp8 import FP8_DTYPE, dequantize_block_fp8, scale_shape
 
 log = logging.getLogger(__name__)
 
@@ -259,8 +259,6 @@ class HFCheckpoint:
             self._headers = {files[0].name: read_safetensors_header(files[0])}
             weight_map = {name: files[0].name for name in self._headers[files[0].name]}
         self._weight_map = weight_map
-        qc = self.config.quantization_config
-        self.block: tuple[int, int] = tuple(qc.weight_block_size) if qc else BLOCK
         cfg = self.config
         if cfg.num_nextn_predict_layers and not any(is_mtp_tensor(n, cfg) for n in weight_map):
             # What transformers' save_pretrained writes for a fine-tuned model: the config keeps the MTP layer,
@@ -367,7 +365,7 @@ class HFCheckpoint:
                                           f"{list(shape)}, expected one of {wider} (FP8 block scales are for 2-D "
                                           "weights)")
                 scale = self._scale_of(name)
-                self._check_shape(scale, scale_shape(shape, self.block))
+                self._check_shape(scale, scale_shape(shape))
                 if self.tensor_info(scale).dtype != "F32":
                     raise CheckpointError(f"{self.path / self._shard_of(scale)}: tensor {scale!r} is "
                                           f"{self.tensor_info(scale).dtype}, expected F32 (block scales)")
@@ -422,7 +420,7 @@ class HFCheckpoint:
         t = self.read(name)
         if not (dequantize and t.dtype == FP8_DTYPE):
             return t if dtype is None else t.to(dtype)
-        return dequantize_block_fp8(t, self.read(self._scale_of(name)), self.block, dtype or torch.float32)
+        return dequantize_block_fp8(t, self.read(self._scale_of(name)), dtype=dtype or torch.float32)
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
         """(name, tensor as stored, its FP8 scale or None) for every weight, shard by shard: an FP8 weight comes
