@@ -24,7 +24,6 @@ from runtime.model.config import ModelConfig, QuantizationConfig
 from runtime.model.fp8 import FP8_DTYPE, quantize_block_fp8
 
 
-
 def write_hf_checkpoint(
     out_dir: str | Path,
     config: ModelConfig,
