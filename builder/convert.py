@@ -30,7 +30,7 @@ from runtime.io.checkpoint import FP8_CODE, SCALE_SUFFIX, HFCheckpoint
 from runtime.io.engine_format import BuildConfig, shard_index
 from runtime.io.weights import parameter_shapes, to_internal
 from runtime.model.config import ModelConfig
-from runtime.model.fp8 import BLOCK, dequantize_block_fp8, quantize_block_fp8, quantize_tensor_fp8
+from runtime.model.fp8 import covering_blocks, dequantize_block_fp8, quantize_block_fp8, quantize_tensor_fp8
 from builder.validation import BuildError, copy_tokenizer, open_hf_checkpoint
 from builder.trtllm_layout import FLOAT32, PartLayout, TensorLayout, is_quantized, rank_layout, trtllm_config
 from builder.rank_file import RankFileWriter
@@ -160,13 +160,5 @@ def blocks_split(ckpt: HFCheckpoint, cfg: ModelConfig, build: BuildConfig,
 
 def _source_grid(index: tuple[slice, ...], shape: Sequence[int]) -> tuple[slice, ...] | None:
     """The source block scales of a piece, if each 128x128 block of it lies in one source block."""
-    grid = tuple(_block_slice(s, n) for s, n in zip(index, shape))
+    grid = tuple(covering_blocks(s, n) for s, n in zip(index, shape))
     return None if None in grid else grid
-
-
-def _block_slice(s: slice, n: int) -> slice | None:
-    """Source block rows (or columns) covering s, if each block of the piece lies in one of them."""
-    start, stop, b = s.start or 0, n if s.stop is None else s.stop, BLOCK[0]
-    if start % b == 0 or start // b == (stop - 1) // b:
-        return slice(start // b, (stop - 1) // b + 1)
-    return None

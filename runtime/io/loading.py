@@ -26,7 +26,7 @@ from runtime.io.checkpoint import (SCALE_SUFFIX, TORCH_DTYPES, CheckpointError, 
 from runtime.model.config import ConfigError, ModelConfig
 from runtime.io.engine_format import (DTYPES, ENGINE_JSON, BuildConfig, EngineError, EngineManifest, checkpoint_limits,
                             shard_index, shard_shape, split_dim)
-from runtime.model.fp8 import BLOCK, FP8_DTYPE, dequantize_block_fp8, dequantize_tensor_fp8, scale_shape
+from runtime.model.fp8 import FP8_DTYPE, covering_blocks, dequantize_block_fp8, dequantize_tensor_fp8, scale_shape
 from runtime.model import fp8_linear
 from runtime.model.kernels import modules as kernel_modules
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM
@@ -332,12 +332,9 @@ class _EngineSource:
                 scale[index[:lead]] = piece
                 continue
             scale = torch.full((*full[:lead], *scale_shape(full[lead:])), float("nan")) if scale is None else scale
-            blocks = []
-            for i, n in zip(index[lead:], full[lead:]):
-                start, stop = (0, n) if i.start is None else (i.start, i.stop)
-                if start % BLOCK[0] and start // BLOCK[0] != (stop - 1) // BLOCK[0]:
-                    return None  # a piece's block straddles two of the whole tensor's
-                blocks.append(slice(start // BLOCK[0], -(-stop // BLOCK[0])))
+            blocks = [covering_blocks(i, n) for i, n in zip(index[lead:], full[lead:])]
+            if None in blocks:
+                return None  # a piece's block straddles two of the whole tensor's
             local = piece[(*[slice(None)] * lead, *(slice(0, b.stop - b.start) for b in blocks))]
             region = scale[(*index[:lead], *blocks)]
             if not torch.where(region.isnan(), local, region).equal(local):
