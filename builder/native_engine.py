@@ -27,7 +27,7 @@ from builder.trtllm_layout import (DEVICE_LIMITED, DEVICE_LIMITED_RENORM, NORMAL
 from runtime.io.atomic import new_output_dir
 from runtime.io.checkpoint import SAFETENSORS_CODES, SCALE_SUFFIX, read_safetensors_header
 from runtime.model.config import ModelConfig, is_int
-from runtime.io.engine_format import BuildConfig, EngineError, EngineManifest
+from runtime.io.engine_format import BuildConfig, EngineError, EngineManifest, stored_shape
 
 BUILDER_VERSION = importlib.metadata.version("dsv3-mtp")
 
@@ -240,11 +240,7 @@ def _build_rank(src: Path, dst: Path, layout: list[TensorLayout], cfg: ModelConf
     specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     for t in layout:
         for p in t.parts:
-            shape = p.shape
-            if p.name.endswith("kv_b_proj.weight"):  # per head: [heads, nope + v, kv_lora]
-                d = cfg.qk_nope_head_dim + cfg.v_head_dim
-                shape = (shape[0] // d, d, shape[1])
-            specs[p.name] = (t.dtype, shape)
+            specs[p.name] = (t.dtype, stored_shape(p.name, p.shape, cfg))
             if p.scale_shape is not None:
                 specs[p.name + SCALE_SUFFIX] = (torch.float32, p.scale_shape)
     with safe_open(src, "pt") as f, RankFileWriter(dst, specs) as writer:

@@ -198,6 +198,21 @@ def shard_shape(name: str, shape: Sequence[int], build: BuildConfig) -> tuple[in
     return tuple(out)
 
 
+def stored_per_head(name: str) -> bool:
+    """Whether a native engine stores parameter `name` per attention head: kv_b_proj, whose W_UK / W_UV split
+    absorbed MLA reads head by head."""
+    return name.endswith("kv_b_proj.weight")
+
+
+def stored_shape(name: str, shape: Sequence[int], cfg: ModelConfig) -> tuple[int, ...]:
+    """Shape a native engine stores parameter `name` of `shape` (whole or a rank's piece) in: kv_b_proj as
+    [heads, nope + v, kv_lora], every other parameter as it is."""
+    if not stored_per_head(name):
+        return tuple(shape)
+    per_head = cfg.qk_nope_head_dim + cfg.v_head_dim
+    return shape[0] // per_head, per_head, shape[1]
+
+
 # ---- engine.json ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class EngineManifest:

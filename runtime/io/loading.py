@@ -25,7 +25,7 @@ from runtime.io.checkpoint import (SCALE_SUFFIX, TORCH_DTYPES, CheckpointError, 
                                 check_stored_dtypes, read_tensor)
 from runtime.model.config import ConfigError, ModelConfig
 from runtime.io.engine_format import (DTYPES, ENGINE_JSON, BuildConfig, EngineError, EngineManifest, checkpoint_limits,
-                            shard_index, shard_shape, split_dim)
+                            shard_index, shard_shape, split_dim, stored_per_head, stored_shape)
 from runtime.model.fp8 import FP8_DTYPE, covering_blocks, dequantize_block_fp8, dequantize_tensor_fp8, scale_shape
 from runtime.model import fp8_linear
 from runtime.model.kernels import modules as kernel_modules
@@ -265,7 +265,7 @@ class _RankSource:
             if info.dtype == "F8_E4M3":  # its scale is there: check_stored_dtypes
                 scale = check_finite(read_tensor(self.file, self.header[name + SCALE_SUFFIX]), name + SCALE_SUFFIX,
                                      self.file)
-            if name.endswith("kv_b_proj.weight"):  # stored per head [heads, nope + v, kv_lora]
+            if stored_per_head(name):
                 tensor = tensor.flatten(0, 1)
             yield name, None, tensor, scale
 
@@ -303,11 +303,8 @@ class _EngineSource:
             return torch.float32 if self._whole_scale(name) is None else dtype
 
     def _full_shape(self, name: str) -> tuple[int, ...]:
-        full = self.shapes[name]
-        if name.endswith("kv_b_proj.weight"):  # stored per head [heads, nope+v, kv_lora]
-            heads = self.cfg.num_attention_heads
-            full = (heads, full[0] // heads, full[1])
-        return full
+        """The whole tensor's shape in the layout its rank pieces are stored in."""
+        return stored_shape(name, self.shapes[name], self.cfg)
 
     def _ranks(self, name: str) -> range:
         return range(self.build.tp_size) if split_dim(name) is not None else range(1)
@@ -395,6 +392,6 @@ class _EngineSource:
                 out.view(torch.uint8)[index] = t.view(torch.uint8)
             else:
                 out[index] = t
-        if name.endswith("kv_b_proj.weight"):
+        if stored_per_head(name):
             out = out.reshape(self.shapes[name])
         return out, scale
