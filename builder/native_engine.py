@@ -27,7 +27,7 @@ from builder.trtllm_layout import (DEVICE_LIMITED, DEVICE_LIMITED_RENORM, NORMAL
 from runtime.io.atomic import new_output_dir
 from runtime.io.checkpoint import SAFETENSORS_CODES, SCALE_SUFFIX, read_safetensors_header
 from runtime.model.config import ModelConfig, is_int
-from runtime.io.engine_format import BuildConfig, EngineError, EngineManifest, stored_shape
+from runtime.io.engine_format import QUANT_ALGOS, BuildConfig, EngineError, EngineManifest, stored_shape
 
 BUILDER_VERSION = importlib.metadata.version("dsv3-mtp")
 
@@ -72,10 +72,9 @@ class TrtllmCheckpoint:
                 "and moe_tp_size * moe_ep_size = tp_size"
             )
         algo = quant.get("quant_algo")
-        if algo not in (None, "FP8_BLOCK_SCALES", "FP8"):
-            raise BuildError(
-                f"{source}: unsupported quantization: quant_algo {algo!r}, expected FP8_BLOCK_SCALES, FP8 or null"
-            )
+        if algo not in QUANT_ALGOS:  # BuildConfig's check too, here naming the field as this file spells it
+            raise BuildError(f"{source}: unsupported quantization: quant_algo {algo!r}, expected "
+                             f"{', '.join(a for a in QUANT_ALGOS if a)} or null")
         try:
             build = BuildConfig(dtype=raw["dtype"], tp_size=tp, ep_size=ep, quant_algo=algo,
                                 max_draft_len=(raw.get("speculative_decoding") or {}).get("max_draft_len", 0))

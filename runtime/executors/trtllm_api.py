@@ -56,8 +56,6 @@ from runtime.model.config import is_int
 
 log = logging.getLogger("runtime.executors.trtllm_api")
 
-GUIDED_DECODING_BACKENDS = ("xgrammar", "llguidance")  # llm_args.py: TorchLlmArgs.guided_decoding_backend
-
 TRTLLM_MISSING_MESSAGE = (
     "TensorRT-LLM is not available: the Python package `tensorrt_llm` could not be imported. "
     "Engines built with --backend trtllm run only where TensorRT-LLM and its CUDA libraries are installed: "

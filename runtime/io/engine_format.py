@@ -28,7 +28,7 @@ from runtime.model.parallel import Layout, chunk
 FORMAT_VERSION = 1
 ENGINE_JSON = "engine.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-QUANT_ALGOS = (None, "FP8_BLOCK_SCALES", "FP8")
+QUANT_ALGOS = ("FP8_BLOCK_SCALES", "FP8", None)
 BACKENDS = ("native", "trtllm")
 HF_MAX_SEQ_LEN = 4096  # cap on the default max_seq_len (a plain HF checkpoint, a build without the flag)
 DEFAULT_MAX_DRAFT_LEN = 4  # an engine built without --max_draft_len, and a plain checkpoint with an MTP layer
@@ -40,6 +40,7 @@ MAX_DRAFT_LEN = 8  # cap when one MTP module is re-run per draft token (native r
 FREE_MEMORY_FRACTION = 0.9  # share of the memory free after loading that the KV cache may take
 RELAXED_TOP_N = 1  # relaxed acceptance's candidates (upstream MTPDecodingConfig.relaxed_topk's default)
 RELAXED_DELTA = 0.0  # relaxed acceptance's probability margin (upstream relaxed_delta's default)
+GUIDED_DECODING_BACKENDS = ("xgrammar", "llguidance")  # llm_args.py: TorchLlmArgs.guided_decoding_backend
 # speculative_config's draft length: upstream's name since 2026, and the older one every release reads
 DRAFT_LEN_NAMES = ("max_draft_len", "num_nextn_predict_layers")
 
