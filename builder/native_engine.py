@@ -25,7 +25,7 @@ from builder.rank_file import RankFileWriter
 from builder.trtllm_layout import (DEVICE_LIMITED, DEVICE_LIMITED_RENORM, NORMALIZATION_MODES, TensorLayout,
                                    rank_layout, trtllm_config)
 from runtime.io.atomic import new_output_dir
-from runtime.io.checkpoint import SAFETENSORS_CODES, SCALE_SUFFIX, read_safetensors_header
+from runtime.io.checkpoint import SAFETENSORS_CODES, SCALE_CODE, SCALE_SUFFIX, read_safetensors_header
 from runtime.model.config import ModelConfig, is_int
 from runtime.io.engine_format import QUANT_ALGOS, BuildConfig, EngineError, EngineManifest, stored_shape
 
@@ -94,7 +94,7 @@ class TrtllmCheckpoint:
         for t in layout:
             expected[t.tensor.name] = (SAFETENSORS_CODES[t.dtype], t.shape)
             if t.scale_shape is not None:
-                expected[t.tensor.scale_name] = ("F32", t.scale_shape)
+                expected[t.tensor.scale_name] = (SCALE_CODE, t.scale_shape)
         for file in self.rank_files:
             if not file.is_file():
                 raise BuildError(

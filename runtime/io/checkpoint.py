@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 INDEX_NAME = "model.safetensors.index.json"
 SCALE_SUFFIX = "_scale_inv"
 FP8_CODE = "F8_E4M3"  # safetensors' name for float8_e4m3fn
+SCALE_CODE = "F32"  # safetensors' name for float32, the dtype of FP8 block scales
 FLOAT_CODES = ("BF16", "F16", "F32", FP8_CODE)  # what a release tensor may be stored as
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
@@ -366,9 +367,9 @@ class HFCheckpoint:
                                           "weights)")
                 scale = self._scale_of(name)
                 self._check_shape(scale, scale_shape(shape))
-                if self.tensor_info(scale).dtype != "F32":
+                if self.tensor_info(scale).dtype != SCALE_CODE:
                     raise CheckpointError(f"{self.path / self._shard_of(scale)}: tensor {scale!r} is "
-                                          f"{self.tensor_info(scale).dtype}, expected F32 (block scales)")
+                                          f"{self.tensor_info(scale).dtype}, expected {SCALE_CODE} (block scales)")
         stacks: dict[tuple[str, str], tuple[str, str]] = {}  # (layer, projection) -> (a routed expert, its dtype)
         for name in expected:
             if (m := _EXPERT_RE.match(name)) is None:
@@ -461,8 +462,8 @@ def check_stored_dtypes(header: Mapping[str, TensorInfo], file: Path) -> None:
             raise CheckpointError(f"{file}: tensor {name!r} is {info.dtype}, expected one of {', '.join(FLOAT_CODES)}")
         weight = name.removesuffix(SCALE_SUFFIX)
         if name != weight:
-            if info.dtype != "F32":
-                raise CheckpointError(f"{file}: tensor {name!r} is {info.dtype}, expected F32 (block scales)")
+            if info.dtype != SCALE_CODE:
+                raise CheckpointError(f"{file}: tensor {name!r} is {info.dtype}, expected {SCALE_CODE} (block scales)")
             if weight not in header or header[weight].dtype != FP8_CODE:
                 raise CheckpointError(f"{file}: tensor {name!r} scales no {FP8_CODE} weight {weight!r}")
         elif info.dtype == FP8_CODE and name + SCALE_SUFFIX not in header:

@@ -21,8 +21,8 @@ from typing import Iterable, Iterator
 import torch
 from torch import Tensor
 
-from runtime.io.checkpoint import (SCALE_SUFFIX, TORCH_DTYPES, CheckpointError, HFCheckpoint, Scratch, check_finite,
-                                check_stored_dtypes, read_tensor)
+from runtime.io.checkpoint import (FP8_CODE, SCALE_SUFFIX, TORCH_DTYPES, CheckpointError, HFCheckpoint, Scratch,
+                                check_finite, check_stored_dtypes, read_tensor)
 from runtime.model.config import ConfigError, ModelConfig
 from runtime.io.engine_format import (DTYPES, ENGINE_JSON, BuildConfig, EngineError, EngineManifest, checkpoint_limits,
                             shard_index, shard_shape, split_dim, stored_per_head, stored_shape)
@@ -262,7 +262,7 @@ class _RankSource:
                 raise EngineError(f"{self.file}: unexpected tensor {name!r}")
             tensor = check_finite(read_tensor(self.file, info, self._scratch), name, self.file)
             scale = None
-            if info.dtype == "F8_E4M3":  # its scale is there: check_stored_dtypes
+            if info.dtype == FP8_CODE:  # its scale is there: check_stored_dtypes
                 scale = check_finite(read_tensor(self.file, self.header[name + SCALE_SUFFIX]), name + SCALE_SUFFIX,
                                      self.file)
             if stored_per_head(name):
@@ -375,7 +375,7 @@ class _EngineSource:
         """The whole tensor from its rank pieces: FP8 codes with the whole tensor's scales where they join, else the
         values (dequantized piece by piece)."""
         full = self._full_shape(name)
-        fp8 = self.headers[0][name].dtype == "F8_E4M3"
+        fp8 = self.headers[0][name].dtype == FP8_CODE
         scale = self._whole_scale(name) if fp8 else None
         if len(self._ranks(name)) == 1 and self.headers[0][name].shape == full and (scale is not None or not fp8):
             return self._piece(0, name, full).reshape(self.shapes[name]), scale  # whole already: no copy
