@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> None:
                          "model), so there is nothing to draft with; build with --max_draft_len 0")
     build = build_config(args, cfg, dtype=default_dtype(args.backend), tp_size=1, ep_size=1,
                          quant_algo=released_quant_algo(hf_ckpt.stored_fp8))
-    open_hf_checkpoint(args.model_dir, build)
+    open_hf_checkpoint(hf_ckpt, build)
     wide = [n for n in hf_ckpt.wide_weights if n.endswith(QUANTIZED)]  # the weights an FP8 engine stores as FP8
     if args.quant_algo is None and build.quant_algo is not None and args.backend == "native" and wide:
         print(f"build_engine: {len(wide)} weight(s) of {args.model_dir} stored wider than FP8 ({', '.join(wide[:3])}"
@@ -209,11 +209,11 @@ def run(args: argparse.Namespace) -> None:
     tokenizer_dir = args.tokenizer_dir or args.model_dir
     check_tokenizer(tokenizer_dir, cfg.vocab_size)
     if args.backend == "trtllm":
-        build_trtllm_engine(args.model_dir, args.output_dir, build, options, tokenizer_dir=tokenizer_dir, force=args.force)
+        build_trtllm_engine(hf_ckpt, args.output_dir, build, options, tokenizer_dir=tokenizer_dir, force=args.force)
         return
     validate_build(cfg, build, str(args.model_dir / "config.json"), use_mtp_vanilla=args.use_mtp_vanilla)
     with owned_tempdir(args.output_dir.parent, f".{args.output_dir.name}.ckpt-") as tmp:
-        convert_checkpoint(args.model_dir, tmp / "ckpt", build)
+        convert_checkpoint(hf_ckpt, tmp / "ckpt", build)
         build_engine(tmp / "ckpt", args.output_dir, build, tokenizer_dir=tokenizer_dir, force=args.force)
 
 

@@ -36,11 +36,12 @@ from builder.trtllm_layout import FLOAT32, PartLayout, TensorLayout, is_quantize
 from builder.rank_file import RankFileWriter
 
 
-def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, build: BuildConfig, *,
+def convert_checkpoint(model: str | Path | HFCheckpoint, output_dir: str | Path, build: BuildConfig, *,
                        progress: bool = True) -> Path:
-    """Write the TensorRT-LLM checkpoint of the HF checkpoint in model_dir; return output_dir."""
-    model_dir, output_dir = Path(model_dir), Path(output_dir)
-    ckpt, cfg = open_hf_checkpoint(model_dir, build)
+    """Write the TensorRT-LLM checkpoint of the HF checkpoint `model` (its directory, or it opened); return
+    output_dir."""
+    output_dir = Path(output_dir)
+    ckpt, cfg = open_hf_checkpoint(model, build)
     layout = rank_layout(cfg, build)
     where = {p.name: (t, p) for t in layout for p in t.parts}
     shapes = parameter_shapes(cfg)
@@ -71,8 +72,8 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, build: Bui
                     _write_shard(writer, tensor, part, source, shapes[internal], expert, build, rank)
                 del source, tensor, scale  # before the next tensor is read
                 bar.update()
-        if (model_dir / "tokenizer.json").is_file():
-            copy_tokenizer(model_dir, tmp)
+        if (ckpt.path / "tokenizer.json").is_file():
+            copy_tokenizer(ckpt.path, tmp)
     return output_dir
 
 
