@@ -95,7 +95,8 @@ class BuildConfig:
 
     @property
     def moe_tp_size(self) -> int:
-        return self.tp_size // self.ep_size
+        """How many ranks split each routed expert's features (Layout's rule; the same on every rank)."""
+        return self.layout(0).moe_tp_size
 
     def layout(self, rank: int) -> Layout:
         """Rank `rank`'s place (TensorRT-LLM's rank order: rank = moe_tp_rank * moe_ep_size + moe_ep_rank)."""
