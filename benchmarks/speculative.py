@@ -137,12 +137,12 @@ def _fix_fp8_dequantization(model, model_dir: Path) -> dict[str, Any]:
     pads edge blocks): e.g. a [192, 128] q_b_proj gets 96-row blocks. Re-dequantize every 2-D
     FP8 weight HF holds under its checkpoint name; report fused ones that could not be checked."""
     from runtime.io.checkpoint import HFCheckpoint
+    from runtime.model.fp8 import BLOCK
 
     ckpt = HFCheckpoint(model_dir)
     fp8 = [n[: -len("_scale_inv")] for n in ckpt.tensor_names if n.endswith("_scale_inv")]
     params = dict(model.named_parameters())
     fixed, max_err, unchecked = [], 0.0, []
-    block = ckpt.block
     for name, w in _checkpoint_tensors(model_dir, [n for n in fp8 if n in params]).items():
         p = params[name]
         if p.shape != w.shape:
@@ -158,7 +158,7 @@ def _fix_fp8_dequantization(model, model_dir: Path) -> dict[str, Any]:
     for n in fp8:
         if n not in params and not n.startswith(mtp_prefixes):
             shape = ckpt.tensor_info(n).shape
-            if any(d % b for d, b in zip(shape, block)):
+            if any(d % b for d, b in zip(shape, BLOCK)):
                 unchecked.append(n)
     return {"fp8_weights_redequantized": len(fixed), "fp8_max_abs_error_fixed": max_err,
             "fp8_examples": fixed[:4], "fp8_unchecked_non_multiple_of_block": unchecked[:8]}

@@ -17,15 +17,15 @@ from builder.native_engine import TrtllmCheckpoint, build_engine, check_matches_
 from builder.trtllm_engine import TrtllmOptions, build_trtllm_engine
 from builder.trtllm_layout import QUANTIZED
 from builder.validation import (NO_QUANT, BuildError, check_tokenizer, machine_memory, memory_notes,
-                                open_hf_checkpoint, plan_text, validate_build)
+                                open_hf_checkpoint, plan_text, quant_algo_flag, validate_build)
 from runtime.io.atomic import (OutputDirError, check_not_replacing, check_output_dir, os_error_text, owned_tempdir,
                                release_owned, remove_stale)
 from runtime.io.checkpoint import CheckpointError, HFCheckpoint
-from runtime.io.engine_format import (DEFAULT_MAX_DRAFT_LEN, HF_MAX_SEQ_LEN, BuildConfig, EngineError,
-                                     default_max_seq_len, max_draft_len_allowed, released_quant_algo)
+from runtime.io.engine_format import (BACKENDS, DEFAULT_MAX_DRAFT_LEN, DTYPES, GUIDED_DECODING_BACKENDS, HF_MAX_SEQ_LEN,
+                                     QUANT_ALGOS, BuildConfig, EngineError, default_max_seq_len,
+                                     max_draft_len_allowed, released_quant_algo)
 from runtime.model.config import ConfigError, ModelConfig
 from runtime.cli import interrupt_on_sigterm, show_defaults
-
 
 
 def _positive(text: str) -> int:
@@ -70,7 +70,7 @@ def parser() -> argparse.ArgumentParser:
     src.add_argument("--model_dir", type=Path, help="HF DeepSeek-V3 checkpoint (converted on the fly)")
     p.add_argument("--output_dir", type=Path, help="required unless --dry_run (which writes nothing there)")
     p.add_argument("--tokenizer_dir", type=Path, help="default: the input directory")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"],
+    p.add_argument("--dtype", choices=list(DTYPES),
                    help="default: the checkpoint's; from --model_dir float32 (native) or bfloat16 (trtllm)")
     p.add_argument("--max_batch_size", type=_positive, default=BuildConfig.max_batch_size)
     p.add_argument("--max_seq_len", type=_positive,
@@ -82,9 +82,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv_block_size", type=_positive, default=BuildConfig.kv_block_size)
     p.add_argument("--tp_size", type=_positive, help="default: 1, or the checkpoint's")
     p.add_argument("--ep_size", type=_positive, help="default: 1, or the checkpoint's")
-    p.add_argument("--quant_algo", choices=["FP8_BLOCK_SCALES", "FP8", NO_QUANT],
+    p.add_argument("--quant_algo", choices=[quant_algo_flag(a) for a in QUANT_ALGOS],
                    help="default: as the checkpoint is (FP8_BLOCK_SCALES for the FP8 release)")
-    p.add_argument("--backend", choices=["native", "trtllm"], default="native")
+    p.add_argument("--backend", choices=BACKENDS, default=BuildConfig.backend)
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
     p.add_argument("--dry_run", action="store_true",
                    help="write nothing: print each rank's weight bytes, the KV cache bytes per token and the tokens "
@@ -102,7 +102,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--use_relaxed_acceptance_for_thinking", action="store_true")
     t.add_argument("--relaxed_topk", type=_positive, default=TrtllmOptions.relaxed_topk)
     t.add_argument("--relaxed_delta", type=_unit_interval, default=TrtllmOptions.relaxed_delta)
-    t.add_argument("--guided_decoding_backend", choices=["xgrammar", "llguidance"],
+    t.add_argument("--guided_decoding_backend", choices=GUIDED_DECODING_BACKENDS,
                    help="serve structured output (GuidedDecodingParams) with this grammar engine; default: off")
     return p
 
@@ -182,7 +182,7 @@ def run(args: argparse.Namespace) -> None:
         ckpt = TrtllmCheckpoint.read(args.checkpoint_dir)
         given = {name: getattr(args, name) for name in ("dtype", "tp_size", "ep_size") if getattr(args, name)}
         if args.quant_algo is not None:
-            given["quant_algo"] = None if args.quant_algo == NO_QUANT else args.quant_algo
+            given["quant_algo"] = _quant_algo(args.quant_algo)
         check_matches_checkpoint(ckpt, given)  # before BuildConfig's own rules could name a mix of the two
         b = ckpt.build
         build = build_config(args, ckpt.model_config, dtype=b.dtype, tp_size=b.tp_size, ep_size=b.ep_size,
@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> None:
                          "model), so there is nothing to draft with; build with --max_draft_len 0")
     build = build_config(args, cfg, dtype=default_dtype(args.backend), tp_size=1, ep_size=1,
                          quant_algo=released_quant_algo(hf_ckpt.stored_fp8))
-    open_hf_checkpoint(args.model_dir, build)
+    open_hf_checkpoint(hf_ckpt, build)
     wide = [n for n in hf_ckpt.wide_weights if n.endswith(QUANTIZED)]  # the weights an FP8 engine stores as FP8
     if args.quant_algo is None and build.quant_algo is not None and args.backend == "native" and wide:
         print(f"build_engine: {len(wide)} weight(s) of {args.model_dir} stored wider than FP8 ({', '.join(wide[:3])}"
@@ -209,12 +209,17 @@ def run(args: argparse.Namespace) -> None:
     tokenizer_dir = args.tokenizer_dir or args.model_dir
     check_tokenizer(tokenizer_dir, cfg.vocab_size)
     if args.backend == "trtllm":
-        build_trtllm_engine(args.model_dir, args.output_dir, build, options, tokenizer_dir=tokenizer_dir, force=args.force)
+        build_trtllm_engine(hf_ckpt, args.output_dir, build, options, tokenizer_dir=tokenizer_dir, force=args.force)
         return
     validate_build(cfg, build, str(args.model_dir / "config.json"), use_mtp_vanilla=args.use_mtp_vanilla)
     with owned_tempdir(args.output_dir.parent, f".{args.output_dir.name}.ckpt-") as tmp:
-        convert_checkpoint(args.model_dir, tmp / "ckpt", build)
+        convert_checkpoint(hf_ckpt, tmp / "ckpt", build)
         build_engine(tmp / "ckpt", args.output_dir, build, tokenizer_dir=tokenizer_dir, force=args.force)
+
+
+def _quant_algo(flag: str) -> str | None:
+    """--quant_algo's value as BuildConfig takes it (quant_algo_flag's inverse)."""
+    return None if flag == NO_QUANT else flag
 
 
 def default_dtype(backend: str) -> str:
@@ -229,7 +234,7 @@ def build_config(args: argparse.Namespace, cfg: ModelConfig, *, dtype: str, tp_s
     default_max_seq_len (an explicit value above the model's is refused later, naming the flag); with `notes`,
     what the limits ask of this machine's memory is printed."""
     if args.quant_algo is not None:
-        quant_algo = None if args.quant_algo == NO_QUANT else args.quant_algo
+        quant_algo = _quant_algo(args.quant_algo)
     max_draft_len = args.max_draft_len
     if max_draft_len is None:
         max_draft_len = min(DEFAULT_MAX_DRAFT_LEN, max_draft_len_allowed(cfg, args.backend, args.use_mtp_vanilla)[0])

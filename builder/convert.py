@@ -30,17 +30,18 @@ from runtime.io.checkpoint import FP8_CODE, SCALE_SUFFIX, HFCheckpoint
 from runtime.io.engine_format import BuildConfig, shard_index
 from runtime.io.weights import parameter_shapes, to_internal
 from runtime.model.config import ModelConfig
-from runtime.model.fp8 import BLOCK, dequantize_block_fp8, quantize_block_fp8, quantize_tensor_fp8
+from runtime.model.fp8 import covering_blocks, dequantize_block_fp8, quantize_block_fp8, quantize_tensor_fp8
 from builder.validation import BuildError, copy_tokenizer, open_hf_checkpoint
 from builder.trtllm_layout import FLOAT32, PartLayout, TensorLayout, is_quantized, rank_layout, trtllm_config
 from builder.rank_file import RankFileWriter
 
 
-def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, build: BuildConfig, *,
-                       force: bool = False, progress: bool = True) -> Path:
-    """Write the TensorRT-LLM checkpoint of the HF checkpoint in model_dir; return output_dir."""
-    model_dir, output_dir = Path(model_dir), Path(output_dir)
-    ckpt, cfg = open_hf_checkpoint(model_dir, build)
+def convert_checkpoint(model: str | Path | HFCheckpoint, output_dir: str | Path, build: BuildConfig, *,
+                       progress: bool = True) -> Path:
+    """Write the TensorRT-LLM checkpoint of the HF checkpoint `model` (its directory, or it opened); return
+    output_dir."""
+    output_dir = Path(output_dir)
+    ckpt, cfg = open_hf_checkpoint(model, build)
     layout = rank_layout(cfg, build)
     where = {p.name: (t, p) for t in layout for p in t.parts}
     shapes = parameter_shapes(cfg)
@@ -50,7 +51,7 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, build: Bui
         print(f"note: tp_size {build.tp_size} cuts through the 128x128 FP8 blocks of {len(split)} "
               f"tensors (e.g. {split[0]}); their rank pieces are quantized again on their own grid, so the "
               "engine is close to, not bit-identical with, the release (docs/engine-format.md)", file=sys.stderr)
-    with new_output_dir(output_dir, force) as tmp:
+    with new_output_dir(output_dir, force=False) as tmp:
         (tmp / "config.json").write_text(json.dumps(trtllm_config(cfg, build), indent=2) + "\n")
         specs = {}
         for t in layout:
@@ -71,8 +72,8 @@ def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, build: Bui
                     _write_shard(writer, tensor, part, source, shapes[internal], expert, build, rank)
                 del source, tensor, scale  # before the next tensor is read
                 bar.update()
-        if (model_dir / "tokenizer.json").is_file():
-            copy_tokenizer(model_dir, tmp)
+        if (ckpt.path / "tokenizer.json").is_file():
+            copy_tokenizer(ckpt.path, tmp)
     return output_dir
 
 
@@ -160,13 +161,5 @@ def blocks_split(ckpt: HFCheckpoint, cfg: ModelConfig, build: BuildConfig,
 
 def _source_grid(index: tuple[slice, ...], shape: Sequence[int]) -> tuple[slice, ...] | None:
     """The source block scales of a piece, if each 128x128 block of it lies in one source block."""
-    grid = tuple(_block_slice(s, n) for s, n in zip(index, shape))
+    grid = tuple(covering_blocks(s, n) for s, n in zip(index, shape))
     return None if None in grid else grid
-
-
-def _block_slice(s: slice, n: int) -> slice | None:
-    """Source block rows (or columns) covering s, if each block of the piece lies in one of them."""
-    start, stop, b = s.start or 0, n if s.stop is None else s.stop, BLOCK[0]
-    if start % b == 0 or start // b == (stop - 1) // b:
-        return slice(start // b, (stop - 1) // b + 1)
-    return None

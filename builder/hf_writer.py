@@ -24,7 +24,6 @@ from runtime.model.config import ModelConfig, QuantizationConfig
 from runtime.model.fp8 import FP8_DTYPE, quantize_block_fp8
 
 
-
 def write_hf_checkpoint(
     out_dir: str | Path,
     config: ModelConfig,
@@ -52,7 +51,6 @@ def write_hf_checkpoint(
         config = dataclasses.replace(config, quantization_config=QuantizationConfig())
     elif not fp8:
         config = dataclasses.replace(config, quantization_config=None)
-    block = config.quantization_config.weight_block_size if fp8 else None
 
     with atomic_dir(out_dir, force) as tmp:
         (tmp / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
@@ -71,7 +69,7 @@ def write_hf_checkpoint(
 
         seen: set[str] = set()
         for name, tensor in tqdm(tensors, desc=f"writing {out_dir.name}", unit="tensor"):
-            for out_name, t in _release_tensors(name, tensor, block):
+            for out_name, t in _release_tensors(name, tensor, fp8):
                 if out_name in seen:
                     raise ValueError(f"{out_dir}: tensor {out_name!r} given twice, expected each name once")
                 seen.add(out_name)
@@ -101,17 +99,15 @@ def write_hf_checkpoint(
     return out_dir
 
 
-def _release_tensors(
-    name: str, t: torch.Tensor, block: tuple[int, int] | None
-) -> list[tuple[str, torch.Tensor]]:
-    """The stored tensor(s) for one logical tensor; block is None when writing without FP8."""
+def _release_tensors(name: str, t: torch.Tensor, fp8: bool) -> list[tuple[str, torch.Tensor]]:
+    """The stored tensor(s) for one logical tensor: FP8 ones in 128x128 blocks, the one size config.py accepts."""
     t = t.detach()
     if t.dtype == FP8_DTYPE or name.endswith(SCALE_SUFFIX):
-        if block is None:
+        if not fp8:
             raise ValueError(f"tensor {name!r} is already FP8-quantized, expected dequantized tensors when fp8=False")
         return [(name, t.contiguous())]
-    if block is not None and is_fp8_quantized(name):
-        q, scale = quantize_block_fp8(t, block)
+    if fp8 and is_fp8_quantized(name):
+        q, scale = quantize_block_fp8(t)
         return [(name, q), (name + SCALE_SUFFIX, scale)]
     dtype = torch.float32 if name.endswith("e_score_correction_bias") else torch.bfloat16
     # copy: the caller may reuse its buffer, and safetensors refuses tensors sharing storage

@@ -25,9 +25,9 @@ from builder.rank_file import RankFileWriter
 from builder.trtllm_layout import (DEVICE_LIMITED, DEVICE_LIMITED_RENORM, NORMALIZATION_MODES, TensorLayout,
                                    rank_layout, trtllm_config)
 from runtime.io.atomic import new_output_dir
-from runtime.io.checkpoint import SAFETENSORS_CODES, SCALE_SUFFIX, read_safetensors_header
+from runtime.io.checkpoint import SAFETENSORS_CODES, SCALE_CODE, SCALE_SUFFIX, read_safetensors_header
 from runtime.model.config import ModelConfig, is_int
-from runtime.io.engine_format import BuildConfig, EngineError, EngineManifest
+from runtime.io.engine_format import QUANT_ALGOS, BuildConfig, EngineError, EngineManifest, stored_shape
 
 BUILDER_VERSION = importlib.metadata.version("dsv3-mtp")
 
@@ -72,10 +72,9 @@ class TrtllmCheckpoint:
                 "and moe_tp_size * moe_ep_size = tp_size"
             )
         algo = quant.get("quant_algo")
-        if algo not in (None, "FP8_BLOCK_SCALES", "FP8"):
-            raise BuildError(
-                f"{source}: unsupported quantization: quant_algo {algo!r}, expected FP8_BLOCK_SCALES, FP8 or null"
-            )
+        if algo not in QUANT_ALGOS:  # BuildConfig's check too, here naming the field as this file spells it
+            raise BuildError(f"{source}: unsupported quantization: quant_algo {algo!r}, expected "
+                             f"{', '.join(a for a in QUANT_ALGOS if a)} or null")
         try:
             build = BuildConfig(dtype=raw["dtype"], tp_size=tp, ep_size=ep, quant_algo=algo,
                                 max_draft_len=(raw.get("speculative_decoding") or {}).get("max_draft_len", 0))
@@ -95,7 +94,7 @@ class TrtllmCheckpoint:
         for t in layout:
             expected[t.tensor.name] = (SAFETENSORS_CODES[t.dtype], t.shape)
             if t.scale_shape is not None:
-                expected[t.tensor.scale_name] = ("F32", t.scale_shape)
+                expected[t.tensor.scale_name] = (SCALE_CODE, t.scale_shape)
         for file in self.rank_files:
             if not file.is_file():
                 raise BuildError(
@@ -240,11 +239,7 @@ def _build_rank(src: Path, dst: Path, layout: list[TensorLayout], cfg: ModelConf
     specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     for t in layout:
         for p in t.parts:
-            shape = p.shape
-            if p.name.endswith("kv_b_proj.weight"):  # per head: [heads, nope + v, kv_lora]
-                d = cfg.qk_nope_head_dim + cfg.v_head_dim
-                shape = (shape[0] // d, d, shape[1])
-            specs[p.name] = (t.dtype, shape)
+            specs[p.name] = (t.dtype, stored_shape(p.name, p.shape, cfg))
             if p.scale_shape is not None:
                 specs[p.name + SCALE_SUFFIX] = (torch.float32, p.scale_shape)
     with safe_open(src, "pt") as f, RankFileWriter(dst, specs) as writer:

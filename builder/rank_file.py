@@ -14,9 +14,6 @@ from runtime.io.checkpoint import SAFETENSORS_CODES
 from builder.validation import BuildError
 
 
-
-
-# ---- streaming safetensors writer ----------------------------------------------------------------
 class RankFileWriter:
     """A safetensors file laid out up front: the header is written when the file is opened, and
     `write` fills each tensor's bytes, in any order and in pieces, without holding them."""

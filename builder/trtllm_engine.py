@@ -21,7 +21,7 @@ from tqdm import tqdm
 from builder.validation import BuildError, copy_tokenizer, open_hf_checkpoint, quant_algo_flag, validate_build
 from builder.native_engine import BUILDER_VERSION
 from runtime.io.atomic import new_output_dir
-from runtime.io.checkpoint import FP8_CODE, INDEX_NAME
+from runtime.io.checkpoint import FP8_CODE, INDEX_NAME, HFCheckpoint
 from runtime.io.engine_format import (FREE_MEMORY_FRACTION, HF_DIR, LLM_API_OPTIONS, RELAXED_DELTA, RELAXED_TOP_N,
                                      BuildConfig, EngineManifest, released_quant_algo, with_draft_len)
 
@@ -73,12 +73,13 @@ def llm_api_options(build: BuildConfig, options: TrtllmOptions) -> dict[str, Any
     return out
 
 
-def build_trtllm_engine(model_dir: str | Path, output_dir: str | Path, build: BuildConfig,
+def build_trtllm_engine(model: str | Path | HFCheckpoint, output_dir: str | Path, build: BuildConfig,
                         options: TrtllmOptions = TrtllmOptions(), *, tokenizer_dir: str | Path | None = None,
                         force: bool = False, progress: bool = True) -> Path:
-    """Write a --backend trtllm engine directory for the HF checkpoint in model_dir; return output_dir."""
-    model_dir = Path(model_dir)
-    ckpt, cfg = open_hf_checkpoint(model_dir, build)
+    """Write a --backend trtllm engine directory for the HF checkpoint `model` (its directory, or it opened); return
+    output_dir."""
+    ckpt, cfg = open_hf_checkpoint(model, build)
+    model_dir = ckpt.path
     source = str(model_dir / "config.json")
     if ckpt.quantized and not ckpt.stored_fp8:  # TensorRT-LLM reads config.json's quantization_config
         raise BuildError(f"{source}: field 'quantization_config' declares FP8 weights but the files store none; remove "

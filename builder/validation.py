@@ -150,10 +150,11 @@ def copy_tokenizer(src: Path, dst: Path) -> list[str]:
     return names
 
 
-def open_hf_checkpoint(model_dir: Path, build: BuildConfig) -> tuple[HFCheckpoint, ModelConfig]:
-    """Open and validate (headers only) an HF checkpoint against the build options."""
-    ckpt = HFCheckpoint(model_dir)
+def open_hf_checkpoint(model: str | Path | HFCheckpoint, build: BuildConfig) -> tuple[HFCheckpoint, ModelConfig]:
+    """Open an HF checkpoint (unless given open: its shards' headers are read once) and validate it (headers only)
+    against the build options."""
+    ckpt = model if isinstance(model, HFCheckpoint) else HFCheckpoint(model)
     cfg = ckpt.config
     ckpt.validate()
-    validate_sharding(cfg, build, str(model_dir / "config.json"))
+    validate_sharding(cfg, build, str(ckpt.path / "config.json"))
     return ckpt, cfg

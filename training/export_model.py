@@ -12,7 +12,7 @@ from pathlib import Path
 
 from builder.hf_writer import write_hf_checkpoint
 from runtime.io.atomic import OutputDirError, check_not_replacing, check_output_dir, os_error_text, release_owned
-from runtime.model.config import ModelConfig, QuantizationConfig
+from runtime.model.config import ModelConfig
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM
 from runtime.io.weights import release_tensors
 from runtime.cli import interrupt_on_sigterm
@@ -46,9 +46,6 @@ def main(argv: list[str] | None = None) -> None:
     if not (args.tokenizer_dir / "tokenizer.json").is_file():
         p.error(f"--tokenizer_dir {args.tokenizer_dir}: no tokenizer.json")
     cfg = ModelConfig.from_dict({**state["config"], "torch_dtype": "bfloat16"})
-    if not args.bf16:
-        cfg = ModelConfig.from_dict({**cfg.to_dict(), "quantization_config": vars(QuantizationConfig()) | {
-            "weight_block_size": [128, 128]}})
     model = DeepseekV3ForCausalLM(cfg)
     model.load_state_dict(state["model"])
     interrupt_on_sigterm()

@@ -472,9 +472,10 @@ def _worker(path: str, rank: int, world: int, store: dist.Store, options: RankOp
     one, to `report`, where rank 0 reads it when a call fails or the rank has exited."""
     torch.set_num_threads(options.threads)
     try:
-        par = Parallel(EngineManifest.read(Path(path)).build.layout(rank))
+        manifest = EngineManifest.read(Path(path))
+        par = Parallel(manifest.build.layout(rank))
         engine = load_engine(path, dtype=options.dtype, cpu_kernels=options.cpu_kernels,
-                             fp8_weights=options.fp8_weights, par=par)
+                             fp8_weights=options.fp8_weights, par=par, manifest=manifest)
     except Exception as e:  # rank 0 reports it
         store.set(f"error/{rank}", f"{type(e).__name__}: {e}")
         return 1

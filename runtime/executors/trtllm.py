@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from runtime.io.engine_format import ENGINE_JSON, LLM_API_OPTIONS, BuildConfig, EngineError, EngineManifest
+from runtime.io.engine_format import (ENGINE_JSON, GUIDED_DECODING_BACKENDS, LLM_API_OPTIONS, BuildConfig, EngineError,
+                                     EngineManifest)
 from runtime.executors.base import ExecutorConfig, ExecutorStats
-from runtime.executors.trtllm_api import (GUIDED_DECODING_BACKENDS, adapt_llm_kwargs, adapt_to_upstream_fields,
+from runtime.executors.trtllm_api import (adapt_llm_kwargs, adapt_to_upstream_fields,
                                           chosen_options, draft_len_of, import_tensorrt_llm, kv_cache_counts, llm_kwargs_for,
                                           logprobs_from_upstream, model_fields, read_llm_api_options,
                                           speculative_counts, to_trtllm_sampling_kwargs, upstream_sampling_params)

@@ -56,8 +56,6 @@ from runtime.model.config import is_int
 
 log = logging.getLogger("runtime.executors.trtllm_api")
 
-GUIDED_DECODING_BACKENDS = ("xgrammar", "llguidance")  # llm_args.py: TorchLlmArgs.guided_decoding_backend
-
 TRTLLM_MISSING_MESSAGE = (
     "TensorRT-LLM is not available: the Python package `tensorrt_llm` could not be imported. "
     "Engines built with --backend trtllm run only where TensorRT-LLM and its CUDA libraries are installed: "
@@ -415,16 +413,18 @@ def draft_len_of(spec: Mapping[str, Any] | None, source: str) -> int:
     return next(iter(given.values()), 1)
 
 
+def _perf_metrics(result: Any) -> Any:
+    """The request's `request_perf_metrics`, or None: upstream keeps them on the first CompletionOutput
+    (tensorrt_llm/executor/result.py), and has none before 1.0 or without return_perf_metrics."""
+    outputs = getattr(result, "outputs", None) or []
+    return getattr(outputs[0], "request_perf_metrics", None) if outputs else None
+
+
 def speculative_counts(result: Any) -> tuple[int, int] | None:
     """(total_draft_tokens, total_accepted_draft_tokens) TensorRT-LLM reports for a request so far,
-    or None where it reports none (no `request_perf_metrics`, e.g. before 1.0 or without
-    return_perf_metrics, no `speculative_decoding` in it, or that section left at zero: the PyTorch
-    backend's TorchSampler never fills it in the 1.x releases)."""
-    outputs = getattr(result, "outputs", None) or []
-    metrics = getattr(outputs[0], "request_perf_metrics", None) if outputs else None
-    if metrics is None:
-        metrics = getattr(result, "request_perf_metrics", None)
-    spec = getattr(metrics, "speculative_decoding", None) if metrics is not None else None
+    or None where it reports none (no `request_perf_metrics`, no `speculative_decoding` in them, or that
+    section left at zero: the PyTorch backend's TorchSampler never fills it in the 1.x releases)."""
+    spec = getattr(_perf_metrics(result), "speculative_decoding", None)
     if spec is None:
         return None
     try:
@@ -437,9 +437,7 @@ def speculative_counts(result: Any) -> tuple[int, int] | None:
 def kv_cache_counts(result: Any) -> tuple[int, int] | None:
     """(num_reused_blocks, num_missed_blocks) of `request_perf_metrics.kv_cache_metrics` (tensorrt_llm/executor/
     result.py), None where TensorRT-LLM reports none."""
-    outputs = getattr(result, "outputs", None) or []
-    metrics = getattr(outputs[0], "request_perf_metrics", None) if outputs else None
-    kv = getattr(metrics, "kv_cache_metrics", None) if metrics is not None else None
+    kv = getattr(_perf_metrics(result), "kv_cache_metrics", None)
     try:
         return int(kv.num_reused_blocks), int(kv.num_missed_blocks)
     except (AttributeError, TypeError, ValueError):

@@ -22,13 +22,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from runtime.model.config import ModelConfig
-from runtime.model.fp8 import BLOCK, FP8_DTYPE, dequantize_block_fp8, scale_shape
+from runtime.model.fp8 import FP8_DTYPE, dequantize_block_fp8, scale_shape
 
 log = logging.getLogger(__name__)
 
 INDEX_NAME = "model.safetensors.index.json"
 SCALE_SUFFIX = "_scale_inv"
 FP8_CODE = "F8_E4M3"  # safetensors' name for float8_e4m3fn
+SCALE_CODE = "F32"  # safetensors' name for float32, the dtype of FP8 block scales
 FLOAT_CODES = ("BF16", "F16", "F32", FP8_CODE)  # what a release tensor may be stored as
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
@@ -55,8 +56,8 @@ class TensorInfo:
 
     dtype: str  # safetensors dtype code: "BF16", "F32", "F8_E4M3", ...
     shape: tuple[int, ...]
-    offset: int = 0  # of its first byte in the file
-    nbytes: int = 0
+    offset: int  # of its first byte in the file
+    nbytes: int
 
 
 TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, FP8_CODE: torch.float8_e4m3fn,
@@ -259,8 +260,6 @@ class HFCheckpoint:
             self._headers = {files[0].name: read_safetensors_header(files[0])}
             weight_map = {name: files[0].name for name in self._headers[files[0].name]}
         self._weight_map = weight_map
-        qc = self.config.quantization_config
-        self.block: tuple[int, int] = tuple(qc.weight_block_size) if qc else BLOCK
         cfg = self.config
         if cfg.num_nextn_predict_layers and not any(is_mtp_tensor(n, cfg) for n in weight_map):
             # What transformers' save_pretrained writes for a fine-tuned model: the config keeps the MTP layer,
@@ -367,10 +366,10 @@ class HFCheckpoint:
                                           f"{list(shape)}, expected one of {wider} (FP8 block scales are for 2-D "
                                           "weights)")
                 scale = self._scale_of(name)
-                self._check_shape(scale, scale_shape(shape, self.block))
-                if self.tensor_info(scale).dtype != "F32":
+                self._check_shape(scale, scale_shape(shape))
+                if self.tensor_info(scale).dtype != SCALE_CODE:
                     raise CheckpointError(f"{self.path / self._shard_of(scale)}: tensor {scale!r} is "
-                                          f"{self.tensor_info(scale).dtype}, expected F32 (block scales)")
+                                          f"{self.tensor_info(scale).dtype}, expected {SCALE_CODE} (block scales)")
         stacks: dict[tuple[str, str], tuple[str, str]] = {}  # (layer, projection) -> (a routed expert, its dtype)
         for name in expected:
             if (m := _EXPERT_RE.match(name)) is None:
@@ -422,7 +421,7 @@ class HFCheckpoint:
         t = self.read(name)
         if not (dequantize and t.dtype == FP8_DTYPE):
             return t if dtype is None else t.to(dtype)
-        return dequantize_block_fp8(t, self.read(self._scale_of(name)), self.block, dtype or torch.float32)
+        return dequantize_block_fp8(t, self.read(self._scale_of(name)), dtype=dtype or torch.float32)
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
         """(name, tensor as stored, its FP8 scale or None) for every weight, shard by shard: an FP8 weight comes
@@ -463,8 +462,8 @@ def check_stored_dtypes(header: Mapping[str, TensorInfo], file: Path) -> None:
             raise CheckpointError(f"{file}: tensor {name!r} is {info.dtype}, expected one of {', '.join(FLOAT_CODES)}")
         weight = name.removesuffix(SCALE_SUFFIX)
         if name != weight:
-            if info.dtype != "F32":
-                raise CheckpointError(f"{file}: tensor {name!r} is {info.dtype}, expected F32 (block scales)")
+            if info.dtype != SCALE_CODE:
+                raise CheckpointError(f"{file}: tensor {name!r} is {info.dtype}, expected {SCALE_CODE} (block scales)")
             if weight not in header or header[weight].dtype != FP8_CODE:
                 raise CheckpointError(f"{file}: tensor {name!r} scales no {FP8_CODE} weight {weight!r}")
         elif info.dtype == FP8_CODE and name + SCALE_SUFFIX not in header:

@@ -28,7 +28,7 @@ from runtime.model.parallel import Layout, chunk
 FORMAT_VERSION = 1
 ENGINE_JSON = "engine.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-QUANT_ALGOS = (None, "FP8_BLOCK_SCALES", "FP8")
+QUANT_ALGOS = ("FP8_BLOCK_SCALES", "FP8", None)
 BACKENDS = ("native", "trtllm")
 HF_MAX_SEQ_LEN = 4096  # cap on the default max_seq_len (a plain HF checkpoint, a build without the flag)
 DEFAULT_MAX_DRAFT_LEN = 4  # an engine built without --max_draft_len, and a plain checkpoint with an MTP layer
@@ -40,6 +40,7 @@ MAX_DRAFT_LEN = 8  # cap when one MTP module is re-run per draft token (native r
 FREE_MEMORY_FRACTION = 0.9  # share of the memory free after loading that the KV cache may take
 RELAXED_TOP_N = 1  # relaxed acceptance's candidates (upstream MTPDecodingConfig.relaxed_topk's default)
 RELAXED_DELTA = 0.0  # relaxed acceptance's probability margin (upstream relaxed_delta's default)
+GUIDED_DECODING_BACKENDS = ("xgrammar", "llguidance")  # llm_args.py: TorchLlmArgs.guided_decoding_backend
 # speculative_config's draft length: upstream's name since 2026, and the older one every release reads
 DRAFT_LEN_NAMES = ("max_draft_len", "num_nextn_predict_layers")
 
@@ -94,7 +95,8 @@ class BuildConfig:
 
     @property
     def moe_tp_size(self) -> int:
-        return self.tp_size // self.ep_size
+        """How many ranks split each routed expert's features (Layout's rule; the same on every rank)."""
+        return self.layout(0).moe_tp_size
 
     def layout(self, rank: int) -> Layout:
         """Rank `rank`'s place (TensorRT-LLM's rank order: rank = moe_tp_rank * moe_ep_size + moe_ep_rank)."""
@@ -196,6 +198,21 @@ def shard_shape(name: str, shape: Sequence[int], build: BuildConfig) -> tuple[in
         else:
             out[dim] = math.ceil(shape[dim] / build.tp_size)
     return tuple(out)
+
+
+def stored_per_head(name: str) -> bool:
+    """Whether a native engine stores parameter `name` per attention head: kv_b_proj, whose W_UK / W_UV split
+    absorbed MLA reads head by head."""
+    return name.endswith("kv_b_proj.weight")
+
+
+def stored_shape(name: str, shape: Sequence[int], cfg: ModelConfig) -> tuple[int, ...]:
+    """Shape a native engine stores parameter `name` of `shape` (whole or a rank's piece) in: kv_b_proj as
+    [heads, nope + v, kv_lora], every other parameter as it is."""
+    if not stored_per_head(name):
+        return tuple(shape)
+    per_head = cfg.qk_nope_head_dim + cfg.v_head_dim
+    return shape[0] // per_head, per_head, shape[1]
 
 
 # ---- engine.json ------------------------------------------------------------------------------

@@ -21,12 +21,12 @@ from typing import Iterable, Iterator
 import torch
 from torch import Tensor
 
-from runtime.io.checkpoint import (SCALE_SUFFIX, TORCH_DTYPES, CheckpointError, HFCheckpoint, Scratch, check_finite,
-                                check_stored_dtypes, read_tensor)
+from runtime.io.checkpoint import (FP8_CODE, SCALE_SUFFIX, TORCH_DTYPES, CheckpointError, HFCheckpoint, Scratch,
+                                check_finite, check_stored_dtypes, read_tensor)
 from runtime.model.config import ConfigError, ModelConfig
 from runtime.io.engine_format import (DTYPES, ENGINE_JSON, BuildConfig, EngineError, EngineManifest, checkpoint_limits,
-                            shard_index, shard_shape, split_dim)
-from runtime.model.fp8 import BLOCK, FP8_DTYPE, dequantize_block_fp8, dequantize_tensor_fp8, scale_shape
+                            shard_index, shard_shape, split_dim, stored_per_head, stored_shape)
+from runtime.model.fp8 import FP8_DTYPE, covering_blocks, dequantize_block_fp8, dequantize_tensor_fp8, scale_shape
 from runtime.model import fp8_linear
 from runtime.model.kernels import modules as kernel_modules
 from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM
@@ -262,12 +262,10 @@ class _RankSource:
                 raise EngineError(f"{self.file}: unexpected tensor {name!r}")
             tensor = check_finite(read_tensor(self.file, info, self._scratch), name, self.file)
             scale = None
-            if info.dtype == "F8_E4M3":
-                scale_info = self.header.get(name + SCALE_SUFFIX)
-                if scale_info is None:  # raw FP8 codes read as values would be a silently wrong model
-                    raise EngineError(f"{self.file}: FP8 tensor {name!r} has no {name + SCALE_SUFFIX!r}")
-                scale = check_finite(read_tensor(self.file, scale_info), name + SCALE_SUFFIX, self.file)
-            if name.endswith("kv_b_proj.weight"):  # stored per head [heads, nope + v, kv_lora]
+            if info.dtype == FP8_CODE:  # its scale is there: check_stored_dtypes
+                scale = check_finite(read_tensor(self.file, self.header[name + SCALE_SUFFIX]), name + SCALE_SUFFIX,
+                                     self.file)
+            if stored_per_head(name):
                 tensor = tensor.flatten(0, 1)
             yield name, None, tensor, scale
 
@@ -305,11 +303,8 @@ class _EngineSource:
             return torch.float32 if self._whole_scale(name) is None else dtype
 
     def _full_shape(self, name: str) -> tuple[int, ...]:
-        full = self.shapes[name]
-        if name.endswith("kv_b_proj.weight"):  # stored per head [heads, nope+v, kv_lora]
-            heads = self.cfg.num_attention_heads
-            full = (heads, full[0] // heads, full[1])
-        return full
+        """The whole tensor's shape in the layout its rank pieces are stored in."""
+        return stored_shape(name, self.shapes[name], self.cfg)
 
     def _ranks(self, name: str) -> range:
         return range(self.build.tp_size) if split_dim(name) is not None else range(1)
@@ -334,12 +329,9 @@ class _EngineSource:
                 scale[index[:lead]] = piece
                 continue
             scale = torch.full((*full[:lead], *scale_shape(full[lead:])), float("nan")) if scale is None else scale
-            blocks = []
-            for i, n in zip(index[lead:], full[lead:]):
-                start, stop = (0, n) if i.start is None else (i.start, i.stop)
-                if start % BLOCK[0] and start // BLOCK[0] != (stop - 1) // BLOCK[0]:
-                    return None  # a piece's block straddles two of the whole tensor's
-                blocks.append(slice(start // BLOCK[0], -(-stop // BLOCK[0])))
+            blocks = [covering_blocks(i, n) for i, n in zip(index[lead:], full[lead:])]
+            if None in blocks:
+                return None  # a piece's block straddles two of the whole tensor's
             local = piece[(*[slice(None)] * lead, *(slice(0, b.stop - b.start) for b in blocks))]
             region = scale[(*index[:lead], *blocks)]
             if not torch.where(region.isnan(), local, region).equal(local):
@@ -383,7 +375,7 @@ class _EngineSource:
         """The whole tensor from its rank pieces: FP8 codes with the whole tensor's scales where they join, else the
         values (dequantized piece by piece)."""
         full = self._full_shape(name)
-        fp8 = self.headers[0][name].dtype == "F8_E4M3"
+        fp8 = self.headers[0][name].dtype == FP8_CODE
         scale = self._whole_scale(name) if fp8 else None
         if len(self._ranks(name)) == 1 and self.headers[0][name].shape == full and (scale is not None or not fp8):
             return self._piece(0, name, full).reshape(self.shapes[name]), scale  # whole already: no copy
@@ -400,6 +392,6 @@ class _EngineSource:
                 out.view(torch.uint8)[index] = t.view(torch.uint8)
             else:
                 out[index] = t
-        if name.endswith("kv_b_proj.weight"):
+        if stored_per_head(name):
             out = out.reshape(self.shapes[name])
         return out, scale

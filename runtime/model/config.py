@@ -253,7 +253,7 @@ class ModelConfig:
         kwargs["extra"] = {k: v for k, v in raw.items() if k not in known and k not in DERIVED and k not in ALIASES}
         _warn_unread(source, sorted(set(kwargs["extra"]) - NO_EFFECT))
         cfg = cls(**kwargs)
-        cfg.validate(source)
+        cfg._validate(source)
         return cfg
 
     @classmethod
@@ -285,7 +285,8 @@ class ModelConfig:
             out["num_key_value_heads"] = self.num_attention_heads
         return {**extra, **out}
 
-    def validate(self, source: str = "config.json") -> None:
+    def _validate(self, source: str) -> None:
+        """from_dict's checks across fields, made on the constructed config."""
         def bad(field_name: str, expected: str) -> ConfigError:
             return ConfigError(f"{source}: field {field_name!r} is {getattr(self, field_name)!r}, expected {expected}")
 
@@ -309,8 +310,6 @@ class ModelConfig:
         if self.moe_layer_freq != 1:  # DeepSeek's code reads it, transformers ignores it: a layout would be a guess
             raise bad("moe_layer_freq", "1 (every DeepSeek-V3 release; transformers ignores the field, DeepSeek's "
                       "own code reads it, so the layers' layout for another value depends on who saved them)")
-        if self.num_nextn_predict_layers < 0:
-            raise bad("num_nextn_predict_layers", ">= 0")
         # fields the model reads but does not vary on: any other value would be silently ignored
         for name in ("norm_topk_prob", "tie_word_embeddings", "attention_bias"):
             if not isinstance(getattr(self, name), bool):

@@ -87,6 +87,12 @@ class MLP(nn.Module):
 # ---------------------------------------------------------------------------------------------
 # Multi-head latent attention
 # ---------------------------------------------------------------------------------------------
+def read_per_head(linear: str) -> bool:
+    """Whether MLA reads Linear `linear`'s weight itself, per head (kv_b_proj: absorbed attention's W_UK / W_UV):
+    such a Linear stays an nn.Linear where the FP8 and kernel paths swap every other one."""
+    return linear.endswith("kv_b_proj")
+
+
 class MLA(nn.Module):
     """This rank's heads (all of them at world size 1); its output is their part of o_proj's sum."""
 

@@ -24,6 +24,16 @@ def scale_shape(shape: tuple[int, ...] | torch.Size, block: tuple[int, int] = BL
     return math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1])
 
 
+def covering_blocks(piece: slice, size: int) -> slice | None:
+    """The 128-wide blocks of a dimension of `size` that hold `piece` of it, if each block of the piece's own grid
+    lies inside one of them (the piece starts on a block boundary, or lies within one block): then the piece keeps
+    their scales. None where a block of the piece straddles two."""
+    start, stop, b = piece.start or 0, size if piece.stop is None else piece.stop, BLOCK[0]
+    if start % b == 0 or start // b == (stop - 1) // b:
+        return slice(start // b, (stop - 1) // b + 1)
+    return None
+
+
 def _to_fp8(x: torch.Tensor) -> torch.Tensor:
     # Clamp first: rounding of x/scale can land a hair above 448, and e4m3fn has no infinity.
     return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)

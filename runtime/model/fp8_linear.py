@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM, Experts, MoE
+from runtime.model.deepseek_v3 import DeepseekV3ForCausalLM, Experts, MoE, read_per_head
 from runtime.model.fp8 import BLOCK, FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8, scale_shape
 from runtime.model.kernels import block_scales
 from runtime.model.kernels.modules import StoredDtype, replace_submodule
@@ -176,8 +176,7 @@ def prepare(model: DeepseekV3ForCausalLM, stored: StoredDtype, dtype: torch.dtyp
     for name, module in list(model.named_modules()):
         if isinstance(module, MoE) and stored(f"{name}.experts.gate_proj") == FP8_DTYPE:
             module.experts = FP8Experts(module.experts, dtype)
-        elif isinstance(module, nn.Linear) and not name.endswith("kv_b_proj") and \
-                stored(f"{name}.weight") == FP8_DTYPE:  # kv_b_proj: absorbed MLA reads its weight per head
+        elif isinstance(module, nn.Linear) and not read_per_head(name) and stored(f"{name}.weight") == FP8_DTYPE:
             replace_submodule(model, name, FP8Linear(module.in_features, module.out_features))
 
 

@@ -58,7 +58,7 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, b_scale_ptr, M, N, K, BLOCK_M: tl.cons
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-def fp8_gemm(a: Tensor, b: Tensor, b_scale: Tensor, block_n: int = 32, num_stages: int = 3) -> Tensor:
+def fp8_gemm(a: Tensor, b: Tensor, b_scale: Tensor, block_n: int = 32) -> Tensor:
     """a [M, K] (bf16) times b [N, K] FP8 with scales [ceil(N/128), ceil(K/128)], transposed: [M, N] in a's dtype.
     Each token's activations are quantized per 128 channels inside the kernel (as `quantize_block_fp8` with 1x128
     blocks does). Every operand contiguous."""
@@ -68,7 +68,7 @@ def fp8_gemm(a: Tensor, b: Tensor, b_scale: Tensor, block_n: int = 32, num_stage
     block_m = 16 if M <= 16 else 32
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
     _fp8_gemm_kernel[grid](a, b, c, b_scale, M, N, K, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-                           SCALE_N=SCALE_N, num_warps=4, num_stages=num_stages)
+                           SCALE_N=SCALE_N, num_warps=4, num_stages=3)
     return c
 
 

@@ -21,7 +21,8 @@ from torch import Tensor, nn
 from runtime.model import kernels
 from runtime.model.batch import PagedBatch
 from runtime.model.fp8 import FP8_DTYPE
-from runtime.model.deepseek_v3 import MLA, MLP, DecoderLayer, DecoderStack, DeepseekV3ForCausalLM, Experts, MoE, MTPLayer, RMSNorm
+from runtime.model.deepseek_v3 import (MLA, MLP, DecoderLayer, DecoderStack, DeepseekV3ForCausalLM, Experts, MoE,
+                                      MTPLayer, RMSNorm, read_per_head)
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +227,7 @@ def prepare(model: DeepseekV3ForCausalLM, stored: StoredDtype) -> None:
             replace_submodule(model, name, swap_class(module, KernelRMSNorm))
         elif isinstance(module, MLA) and attention_fits:
             replace_submodule(model, name, swap_class(module, KernelMLA))
-        elif isinstance(module, nn.Linear) and not name.endswith("kv_b_proj"):  # kv_b_proj: read per head
+        elif isinstance(module, nn.Linear) and not read_per_head(name):
             replace_submodule(model, name, PackedLinear(module.in_features, module.out_features))
 
 
