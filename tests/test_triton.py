@@ -1223,8 +1223,10 @@ def test_http_disconnect_cancels_the_request(server: TritonServer) -> None:
     assert_healthy(server)
 
 
-def test_stop_request_cancels_an_ensemble_stream(server: TritonServer) -> None:
-    """TensorRT-LLM's way to cancel through the ensemble: a `stop` request with the same id."""
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_stop_request_cancels_a_stream_by_its_id(server: TritonServer, model: str) -> None:
+    """TensorRT-LLM's way to cancel through the ensemble or the BLS: a `stop` request to tensorrt_llm with the same id
+    (the BLS's engine request carries the id with a suffix: the stop was answered and stopped nothing)."""
     before = _cancelled(server)
 
     def stop(_client: Any) -> bool:
@@ -1232,9 +1234,9 @@ def test_stop_request_cancels_an_ensemble_stream(server: TritonServer) -> None:
                             input_lengths=np.zeros((1, 1), np.int32), request_output_len=np.zeros((1, 1), np.int32),
                             stop=np.ones((1, 1), bool))
         assert reply.error is None
-        return False  # keep reading the ensemble's stream to its end
+        return False  # keep reading the client's stream to its end
 
-    out = grpc_stream(server, "ensemble", request_id="job-7", on_first=stop, **LONG)
+    out = grpc_stream(server, model, request_id="job-7", on_first=stop, **LONG)
     assert out.error is None
     assert wait_for(lambda: _cancelled(server) == before + 1 and _kv_free(server))
     assert len(out.chunks) < MAX_SEQ_LEN - 8

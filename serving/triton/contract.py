@@ -87,6 +87,9 @@ NEUTRAL: dict[str, tuple[Any, str]] = {
 
 # TensorRT-LLM's Triton guided decoding (the legacy model's names, taken by the llmapi flavour too): guide type ->
 # GuidedDecodingParams field ("json": any JSON object, as json_object)
+# the BLS calls tensorrt_llm with the client's request id, this, and a unique suffix: a stop naming the client's id
+# reaches it (tensorrt_llm stops every request made for that id), the BLS's own stop its request alone
+ENGINE_ID_SEPARATOR = "#"
 GUIDED_INPUTS = ("guided_decoding_guide_type", "guided_decoding_guide")
 GUIDE_TYPES = {"json": "json_object", "json_schema": "json", "regex": "regex", "ebnf_grammar": "grammar"}
 MAX_GUIDE_BYTES = 1 << 20  # a guide is not bounded by the context: by this
