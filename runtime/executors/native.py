@@ -171,8 +171,9 @@ class Executor:
             if budget is not None and config.kv_cache_tokens > budget:
                 raise ValueError(f"kv_cache_tokens {config.kv_cache_tokens} does not fit: {where}")
             if config.kv_cache_tokens < one:
-                log.warning("kv_cache_tokens %d holds less than one sequence of max_seq_len %d (%d tokens with the "
-                            "drafts and a block): a request that needs more is refused; lower max_seq_len to match",
+                # said by size, not setting: each deployment's file names the setting its own way
+                log.warning("a KV cache of %d tokens holds less than one sequence of the %d-token context served (%d "
+                            "tokens with the drafts and a block): a request that needs more is refused",
                             config.kv_cache_tokens, limits.max_seq_len, one)
             return config.kv_cache_tokens
         if budget is not None and budget < one:
