@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from serving.triton.parameters import FALSE_VALUES, TRUE_VALUES, boolean, integer, parameter
+from serving.triton.parameters import FALSE_VALUES, TRUE_VALUES, boolean, integer, number, parameter
 
 
 def config(**values: str) -> dict:
@@ -29,6 +29,8 @@ def test_booleans_read_both_ways_in_any_case() -> None:
 
 def test_integers_and_strings() -> None:
     assert parameter(config(n="12"), "n", integer) == 12
+    assert parameter(config(n=" -3 "), "n", integer) == -3
+    assert [parameter(config(x=v), "x", number) for v in ("0.5", "1e3", ".25", "2.", "-4")] == [0.5, 1000.0, 0.25, 2.0, -4.0]
     assert parameter(config(s="cpu"), "s") == "cpu"
 
 
@@ -39,6 +41,14 @@ def test_integers_and_strings() -> None:
      "model postprocessing: parameter num_draft_tokens: expected an integer, got 'three'"),
     ("num_draft_tokens", "2.5", integer,
      "model postprocessing: parameter num_draft_tokens: expected an integer, got '2.5'"),
+    # what Python reads and a config.pbtxt does not mean: other scripts' digits, underscores, NaN
+    ("max_tokens_in_paged_kv_cache", "\uff11\uff12", integer,
+     "model postprocessing: parameter max_tokens_in_paged_kv_cache: expected an integer, got '\uff11\uff12'"),
+    ("max_tokens_in_paged_kv_cache", "1_000", integer,
+     "model postprocessing: parameter max_tokens_in_paged_kv_cache: expected an integer, got '1_000'"),
+    ("watchdog_timeout_s", "nan", number, "model postprocessing: parameter watchdog_timeout_s: expected a number, got 'nan'"),
+    ("watchdog_timeout_s", "1_0.5", number,
+     "model postprocessing: parameter watchdog_timeout_s: expected a number, got '1_0.5'"),
 ])
 def test_a_value_that_does_not_parse_names_the_model_and_parameter(name: str, raw: str, cast, message: str) -> None:
     with pytest.raises(ValueError) as e:

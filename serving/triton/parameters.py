@@ -33,11 +33,19 @@ def boolean(value: str) -> bool:
     raise ValueError(f"expected true or false, got {shown(value)}")
 
 
+# decimal numbers in ASCII, as a config.pbtxt is written: Python's int() and float() also read other scripts' digits,
+# underscores between digits, NaN and infinity
+_INTEGER = re.compile(r"\s*[+-]?[0-9]+\s*")
+_NUMBER = re.compile(r"\s*[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?\s*")
+
+
 def integer(value: str) -> int:
     try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"expected an integer, got {shown(value)}") from None
+        if _INTEGER.fullmatch(value):
+            return int(value)
+    except ValueError:  # past Python's 4300 digits
+        pass
+    raise ValueError(f"expected an integer, got {shown(value)}")
 
 
 def queue_bound(value: Any) -> int | None:
@@ -58,10 +66,9 @@ def launcher_world_size() -> int | None:
 
 
 def number(value: str) -> float:
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError(f"expected a number, got {shown(value)}") from None
+    if not _NUMBER.fullmatch(value):
+        raise ValueError(f"expected a number, got {shown(value)}")
+    return float(value)
 
 
 @dataclass(frozen=True)
