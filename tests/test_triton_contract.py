@@ -606,6 +606,9 @@ def test_relaxed_acceptance_keeps_upstreams_defaults(tmp_path: Path, checkpoint:
     (dict(triton_config={"speculation": False}), "triton_config.speculation is false: YAML reads an unquoted off as "
                                                  "false; write speculation: 'off'"),
     (dict(triton_config={"device": "gpu"}), "device must be cpu or cuda[:index], got 'gpu'"),
+    # a null model was read as a directory named None; true is 1 to Python
+    (dict(model=None), "model must be the engine directory or Hugging Face checkpoint (a path), got None"),
+    (dict(max_beam_width=True), "max_beam_width True: supported: 1 (no beam search)"),
     # the executor's check, under model.yaml's key (it said free_memory_fraction)
     (dict(kv_cache_config={"free_gpu_memory_fraction": 1.5}),
      "kv_cache_config.free_gpu_memory_fraction must be in (0, 1], got 1.5"),

@@ -103,7 +103,11 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
     warnings: list[str] = []
     if "model" not in doc:
         raise ModelYamlError(f"{source}: model (the engine directory or Hugging Face checkpoint) is not set")
-    model = model_dir / str(doc.pop("model"))
+    given = doc.pop("model")
+    if not isinstance(given, str) or not given:
+        raise ModelYamlError(f"{source}: model must be the engine directory or Hugging Face checkpoint (a path), got "
+                             f"{shown(given)}")
+    model = model_dir / given
     if model.name == HF_DIR and engine_backend(model.parent) == "trtllm":
         model = model.parent  # upstream's LLM loads the engine's checkpoint directory, this runtime the engine
     _, build = read_limits(model)
@@ -121,7 +125,7 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
         raise ModelYamlError(f"{source}: dtype {shown(dtype)}: the engine's is {build.dtype!r}; rebuild it with --dtype "
                              f"or set dtype auto")
     max_beam_width = doc.pop("max_beam_width", 1)
-    if max_beam_width != 1:
+    if max_beam_width != 1 or isinstance(max_beam_width, bool):  # true == 1 in Python
         raise ModelYamlError(f"{source}: max_beam_width {shown(max_beam_width)}: supported: 1 (no beam search)")
     limits = {k: _int(doc.pop(k), k, source, low=2 if k == "max_seq_len" else 1)  # ExecutorConfig's bounds
               for k in ("max_batch_size", "max_seq_len", "max_num_tokens") if k in doc}
