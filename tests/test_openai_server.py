@@ -664,6 +664,8 @@ BAD = [
      "top_logprobs needs logprobs: true"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options",
      "stream_options is only allowed when stream is true"),
+    ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"include_usage": "yes"}},
+     "stream_options.include_usage", "stream_options.include_usage must be true or false, got 'yes'"),
     ("/v1/chat/completions", {"messages": []}, "messages", "messages must be a non-empty list of {role, content}"),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages",
      "messages[0].tool_call_id (the id of the call it answers) is required on a tool message, and only there"),

@@ -159,12 +159,13 @@ def _number(body: dict, name: str, low: float, high: float, default: float, abov
     return float(value)
 
 
-def _flag(body: dict, name: str, default: bool = False) -> bool:
+def _flag(body: dict, name: str, default: bool = False, within: str = "") -> bool:
+    """body[name] as a boolean; `within` names the object body is in ("stream_options.")."""
     value = body.get(name)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise APIError(f"{name} must be true or false, got {value!r}", name)
+        raise APIError(f"{within}{name} must be true or false, got {value!r}", within + name)
     return value
 
 
@@ -359,8 +360,8 @@ def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
     if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
         raise APIError(f"stream_options takes include_usage (and continuous_usage_stats), got {options!r}",
                        "stream_options")
-    include = _flag(options, "include_usage")  # continuous_usage_stats adds to include_usage, as vLLM reads them
-    return include, include and _flag(options, "continuous_usage_stats")
+    include = _flag(options, "include_usage", within="stream_options.")  # continuous_usage_stats adds to it (vLLM)
+    return include, include and _flag(options, "continuous_usage_stats", within="stream_options.")
 
 
 def _vllm_extras(body: dict, stream: bool) -> dict[str, Any]:
