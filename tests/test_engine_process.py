@@ -332,6 +332,44 @@ def test_a_submit_that_times_out_is_cancelled_in_the_engine(spec_checkpoint):
         ex.shutdown()
 
 
+def test_a_retry_of_a_submit_that_timed_out_is_not_cancelled(spec_checkpoint):
+    """The cancel that follows a timed-out submit goes down the pipe before its id is free again: a client's retry
+    under that id, sent at once, came before it and was cancelled (where the engine had refused the first)."""
+    ex = ProcessExecutor(spec_checkpoint, CONFIG, torch_threads=1)
+    try:
+        call, release = ex._call, ex._ids.release
+        first = [True]
+
+        def call_once_short(name, *args, timeout=60):
+            short = name == "submit" and first.pop() if first else False
+            return call(name, *args, timeout=0.5 if short else timeout)
+
+        retry: list = []
+
+        def release_then_retry(rid: str) -> None:  # the client retries the moment the id is free
+            release(rid)
+            if rid == "again" and not retry:
+                retry.append(None)
+                worker = threading.Thread(target=lambda: retry.append(
+                    ex.submit(PROMPTS[0], SamplingParams(max_tokens=3), request_id="again")))
+                worker.start()
+                time.sleep(0.3)  # its submit is in the pipe
+
+        ex._call, ex._ids.release = call_once_short, release_then_retry
+        os.kill(ex._process.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(TimeoutError):  # refused there too: a draft length the engine cannot run
+                ex.submit(PROMPTS[0], SamplingParams(max_tokens=3, num_draft_tokens=99), request_id="again")
+        finally:
+            os.kill(ex._process.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while len(retry) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert retry[1].result(30).finish_reason == "length"
+    finally:
+        ex.shutdown()
+
+
 def test_a_load_error_is_raised_in_the_caller(tmp_path, spec_checkpoint):
     with pytest.raises(ValueError, match=r"missing: neither engine.json nor config.json found"):
         ProcessExecutor(tmp_path / "missing", CONFIG)

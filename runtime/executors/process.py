@@ -204,12 +204,12 @@ class ProcessExecutor:
         try:
             self._call("submit", list(prompt_token_ids), params, rid, bounded)
         except BaseException as e:
+            if isinstance(e, (TimeoutError, FutureTimeout)):  # it may be running there: the cancel follows it, before
+                with contextlib.suppress(RuntimeError):       # the id is free for a retry the cancel must not reach
+                    self._post(("cancel", rid))
             with self._lock:
                 self._streams.pop(rid, None)
             self._ids.release(rid)
-            if isinstance(e, (TimeoutError, FutureTimeout)):  # it may be running there: the cancel follows it
-                with contextlib.suppress(RuntimeError):
-                    self._post(("cancel", rid))
             raise
         return handle
 
