@@ -1002,6 +1002,19 @@ def test_a_final_response_without_new_tokens_keeps_the_logprobs(engine_dir: Path
     assert (out.token_ids, out.finish_reason, len(out.logprobs)) == ([100, 101, 102], "length", 3)
 
 
+def test_a_submit_that_fails_frees_its_request_id(engine_dir: Path, trtllm: ModuleType, monkeypatch) -> None:
+    """A failure while the request's trackers are made left its id claimed: 'already in flight' ever after."""
+    from runtime.executors import trtllm as adapter
+
+    trtllm.plan = default_plan
+    with TrtllmExecutor(engine_dir) as ex:
+        with monkeypatch.context() as m:
+            m.setattr(adapter._Request, "create_group", classmethod(lambda cls, *a, **k: 1 / 0))
+            with pytest.raises(ZeroDivisionError):
+                ex.submit([5], SamplingParams(max_tokens=3), request_id="x")
+        assert ex.submit([5], SamplingParams(max_tokens=3), request_id="x").result(5).finish_reason == "length"
+
+
 def test_a_submit_racing_shutdown_is_refused_or_finished(engine_dir: Path, trtllm: ModuleType, monkeypatch) -> None:
     """A submit that passed the shutdown check before shutdown stopped the loop, and queued its start after, left a
     handle that never finished; it is queued before shutdown begins, or refused."""

@@ -210,6 +210,15 @@ class TrtllmExecutor:
         self.validate(prompt_token_ids, params)
         check_callback(on_output)
         rid = self._ids.claim(request_id)
+        try:
+            return self._enqueue(rid, prompt_token_ids, params, on_output)
+        except BaseException:  # shut down, or a failure making its state: the id is free again
+            self._ids.release(rid)
+            raise
+
+    def _enqueue(self, rid: str, prompt_token_ids: list[int], params: SamplingParams,
+                 on_output: Callable[[RequestOutput], None] | None) -> RequestHandle:
+        """The request's trackers, its start handed to the loop."""
         if not params.greedy and params.seed is None:  # as native: unseeded means a fresh random seed
             params = dataclasses.replace(params, seed=fresh_seed())
         handle = RequestHandle(rid, self, params.n, delivered_by=self._thread)
@@ -219,7 +228,6 @@ class TrtllmExecutor:
                                     prompt=list(prompt_token_ids))[0]
         with self._submit_lock:  # queued after shutdown's stop of the loop, _start would never run
             if self._stopping:
-                self._ids.release(rid)
                 raise RuntimeError("executor is shut down")
             self._loop.call_soon_threadsafe(self._start, req)
         return handle
