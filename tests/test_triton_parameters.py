@@ -147,3 +147,15 @@ def test_executor_messages_are_named_as_deployed() -> None:
     assert named_as_deployed("num_draft_tokens 3 needs max_num_tokens >= 4", LLMAPI) == \
         "speculative_config.max_draft_len 3 needs max_num_tokens >= 4"
     assert named_as_deployed(message, {}) == message
+
+
+def test_a_stop_reaches_the_clients_request_and_the_bls_one_made_for_it_only() -> None:
+    """The BLS calls tensorrt_llm as `<client id>#<32 hex digits>`; a stop for `job` must not end `job#1` or the BLS
+    request of a client whose id is `job#1`."""
+    from serving.triton.bls import engine_request_id
+    from serving.triton.contract import made_for
+
+    assert made_for("job", "job") and made_for(engine_request_id("job"), "job")
+    assert made_for(engine_request_id("job#1"), "job#1") and not made_for(engine_request_id("job#1"), "job")
+    assert not made_for("job#1", "job") and not made_for("jobs", "job") and not made_for("job", "jo")
+    assert not made_for("job#" + "A" * 32, "job") and not made_for("job#" + "a" * 31, "job")

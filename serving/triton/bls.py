@@ -75,7 +75,7 @@ def engine_inputs(preprocess: Preprocessor, inputs: Inputs, limits: EngineLimits
 def engine_request_id(client_request_id: str) -> str:
     """The id of the engine request serving a client's: unique, so that the BLS's own stop ends this request only
     (a client's stop by its id ends every engine request made for it, `EngineModel.stop`)."""
-    return f"{client_request_id}{ENGINE_ID_SEPARATOR}{uuid.uuid4().hex}"
+    return f"{client_request_id}{ENGINE_ID_SEPARATOR}{uuid.uuid4().hex}"  # 32 hex digits: contract.made_for
 
 
 def accumulated(out: Inputs, so_far: dict[int, list[int]]) -> Inputs:

@@ -1,10 +1,11 @@
 """The legacy Triton flavour's contract, TensorRT-LLM's `tensorrt_llm` / ensemble / BLS models': each input's names
 along the pipeline, how its scalars are read, the inputs taken at their neutral value only or not at all (each with
-why), and its guided-decoding inputs (which the llmapi flavour takes too). The checks themselves are
-serving.request_validation's."""
+why), its guided-decoding inputs (which the llmapi flavour takes too), and the ids of the requests the BLS makes.
+The checks themselves are serving.request_validation's."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -87,12 +88,21 @@ NEUTRAL: dict[str, tuple[Any, str]] = {
 
 # TensorRT-LLM's Triton guided decoding (the legacy model's names, taken by the llmapi flavour too): guide type ->
 # GuidedDecodingParams field ("json": any JSON object, as json_object)
-# the BLS calls tensorrt_llm with the client's request id, this, and a unique suffix: a stop naming the client's id
-# reaches it (tensorrt_llm stops every request made for that id), the BLS's own stop its request alone
-ENGINE_ID_SEPARATOR = "#"
 GUIDED_INPUTS = ("guided_decoding_guide_type", "guided_decoding_guide")
 GUIDE_TYPES = {"json": "json_object", "json_schema": "json", "regex": "regex", "ebnf_grammar": "grammar"}
 MAX_GUIDE_BYTES = 1 << 20  # a guide is not bounded by the context: by this
+# the BLS calls tensorrt_llm with the client's request id, this, and 32 hex digits: a stop naming the client's id
+# reaches that request too (`made_for`), the BLS's own stop its request alone
+ENGINE_ID_SEPARATOR = "#"
+_ENGINE_ID_SUFFIX = re.compile(r"[0-9a-f]{32}")
+
+
+def made_for(request_id: str, client_id: str) -> bool:
+    """Whether a tensorrt_llm request is the client's own or the one the BLS made for it (`bls.engine_request_id`)."""
+    if request_id == client_id:
+        return True
+    head, sep, suffix = request_id.rpartition(ENGINE_ID_SEPARATOR)
+    return bool(sep) and head == client_id and _ENGINE_ID_SUFFIX.fullmatch(suffix) is not None
 
 
 def guided_decoding(inputs: dict[str, np.ndarray]) -> GuidedDecodingParams | None:

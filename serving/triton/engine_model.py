@@ -36,7 +36,7 @@ from runtime.executors.process import open_server_executor
 from runtime.executors.outputs import RequestOutput, RequestStats
 from runtime.core.sampling_params import SamplingParams
 from serving.request_validation import RequestError, check_response_count, named_for_client
-from serving.triton.contract import ENGINE_ID_SEPARATOR, GUIDED_INPUTS
+from serving.triton.contract import GUIDED_INPUTS, made_for
 from serving.triton.parameters import TritonConfig, named_as_deployed
 from serving.triton.perf_metrics import PERF_OUTPUTS, PerfMetrics
 from serving.triton.responses import FINAL, error_response
@@ -188,14 +188,12 @@ class EngineModel:
             raise
 
     def stop(self, triton_id: str) -> None:
-        """TensorRT-LLM's `stop` input: cancel the requests in flight with this request id, the BLS's included (it
-        calls this model with the client's id and a unique suffix, `bls.engine_request_id`); each flavour answers the
-        stop request as its upstream model does."""
+        """TensorRT-LLM's `stop` input: cancel the requests in flight with this request id, and those the BLS made for
+        it (`contract.made_for`); each flavour answers the stop request as its upstream model does."""
         if not triton_id:
             raise RequestError("stop: a request id is needed to say which request to stop")
         with self._lock:
-            ids = [s.executor_id for s in self._active
-                   if s.triton_id == triton_id or s.triton_id.startswith(triton_id + ENGINE_ID_SEPARATOR)]
+            ids = [s.executor_id for s in self._active if made_for(s.triton_id, triton_id)]
         for i in ids:
             self.executor.cancel(i)
 
