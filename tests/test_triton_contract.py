@@ -600,12 +600,12 @@ def test_relaxed_acceptance_keeps_upstreams_defaults(tmp_path: Path, checkpoint:
      f"triton_config.cancellation_check_period_ms must be a number in [1, 3600000], got {10**20}"),
     (dict(triton_config={"torch_threads": 10**9}), "triton_config.torch_threads must be a number in [1, 1024]"),
     (dict(speculative_config={"decoding_type": "MTP", "max_draft_len": 1}, triton_config={"speculation": "always"}),
-     "speculation must be 'off', 'fixed' or 'adaptive'"),
+     "triton_config.speculation must be 'off', 'fixed' or 'adaptive'"),
     # read as an empty mapping, a YAML boolean, a path said twice, torch's words
     (dict(triton_config=[]), "triton_config must be a mapping, got []"),
     (dict(triton_config={"speculation": False}), "triton_config.speculation is false: YAML reads an unquoted off as "
                                                  "false; write speculation: 'off'"),
-    (dict(triton_config={"device": "gpu"}), "device must be cpu or cuda[:index], got 'gpu'"),
+    (dict(triton_config={"device": "gpu"}), "triton_config.device must be cpu or cuda[:index], got 'gpu'"),
     # a null model was read as a directory named None; true is 1 to Python
     (dict(model=None), "model must be the engine directory or Hugging Face checkpoint (a path), got None"),
     (dict(max_beam_width=True), "max_beam_width True: supported: 1 (no beam search)"),
@@ -811,11 +811,9 @@ def test_make_model_repo_never_deletes_its_inputs_nor_leaves_half_a_repository(t
      "parameter kv_cache_free_gpu_mem_fraction: must be in (0, 1], got 2.0"),
     ("watchdog_timeout_s:0", "parameter watchdog_timeout_s: must be a number in [0.001, 86400], got 0.0"),
     ("device:tpu", "parameter device: must be cpu or cuda[:index], got 'tpu'"),
-    # and against the engine, as its executor checks them
-    ("executor_max_seq_len:100000",
-     "parameter executor_max_seq_len: 100000 exceeds max_position_embeddings (1024) of {checkpoint}"),
-    ("num_draft_tokens:9", "parameter num_draft_tokens: 9 exceeds 8, the most the MTP module is re-run for "
-                           "({checkpoint})")])
+    # and against the engine, as its executor checks them and the model's load says it
+    ("executor_max_seq_len:100000", "executor_max_seq_len 100000 exceeds max_position_embeddings (1024) of {checkpoint}"),
+    ("num_draft_tokens:9", "num_draft_tokens 9 exceeds 8, the most the MTP module is re-run for ({checkpoint})")])
 def test_make_model_repo_reads_the_engine_model_as_it_loads(tmp_path: Path, checkpoint: Path, capsys, setting: str,
                                                            message: str) -> None:
     """Every value the legacy tensorrt_llm model would refuse when a server loads it (its parameters read by the

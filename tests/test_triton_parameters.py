@@ -146,6 +146,8 @@ def test_executor_messages_are_named_as_deployed() -> None:
         "kv_cache_config.max_tokens max_tokens_in_paged_kv_cache kv_cache_free_gpu_mem_fraction")
     assert named_as_deployed("num_draft_tokens 3 needs max_num_tokens >= 4", LLMAPI) == \
         "speculative_config.max_draft_len 3 needs max_num_tokens >= 4"
+    assert named_as_deployed("device cuda: torch here sees 0 CUDA device(s); use device cpu", LLMAPI) == \
+        "triton_config.device cuda: torch here sees 0 CUDA device(s); use triton_config.device cpu"
     assert named_as_deployed(message, {}) == message
 
 

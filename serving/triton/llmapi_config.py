@@ -32,7 +32,8 @@ SETTING_NAMES = {"kv_cache_tokens": "kv_cache_config.max_tokens",
                  "free_memory_fraction": "kv_cache_config.free_gpu_memory_fraction",
                  "enable_block_reuse": "kv_cache_config.enable_block_reuse",
                  "max_queued_requests": f"triton_config.{QUEUE_SIZE}",
-                 "num_draft_tokens": "speculative_config.max_draft_len"}
+                 "num_draft_tokens": "speculative_config.max_draft_len",
+                 "device": "triton_config.device", "speculation": "triton_config.speculation"}
 SPECULATION_WARNED = ("use_mtp_vanilla", "mtp_eagle_one_model", "max_concurrency", "draft_len_schedule",
                       "acceptance_rate_window_size", "acceptance_rate_threshold", "use_rejection_sampling",
                       "max_total_draft_tokens")

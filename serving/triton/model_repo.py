@@ -27,12 +27,11 @@ from runtime.io.atomic import (atomic_write, check_not_replacing, new_output_dir
 from runtime.io.engine_format import ENGINE_JSON, EngineManifest, read_limits, tokenizer_dir
 from runtime.io.tokenizer import TOKENIZER_FILE
 from runtime.cli import interrupt_on_sigterm, show_defaults
-from serving.request_validation import refused_parameter
 from serving.triton.bls import bls_settings
-from serving.triton.engine_parameters import PARAMETER_OF, engine_parameters
+from serving.triton.engine_parameters import SETTING_NAMES, engine_parameters
 from serving.triton.fill_template import UPSTREAM_ONLY, fill, parse_substitutions, placeholders
 from serving.triton.llmapi_config import MODEL_YAML, model_yaml
-from serving.triton.parameters import TritonConfig, read_model_config
+from serving.triton.parameters import TritonConfig, named_as_deployed, read_model_config
 from serving.triton.text_processing import Postprocessor, Preprocessor
 
 TEMPLATE_REPO = Path(__file__).resolve().parents[2] / "triton_repo"
@@ -129,12 +128,8 @@ def check_engine_model(repo: Path, engine_dir: Path, decoupled: bool) -> None:
     settings = engine_parameters(read_model_config(repo / "tensorrt_llm"), decoupled).executor
     try:
         check_settings(engine_dir, settings)
-    except ValueError as e:
-        field = refused_parameter(str(e))
-        if field not in PARAMETER_OF:
-            raise ValueError(f"model tensorrt_llm: {e}") from None
-        reason = str(e).removeprefix(f"{field} ")
-        raise ValueError(f"model tensorrt_llm: parameter {PARAMETER_OF[field]}: {reason}") from None
+    except ValueError as e:  # as the model's load would say it
+        raise ValueError(f"model tensorrt_llm: {named_as_deployed(str(e), SETTING_NAMES)}") from None
 
 
 def add_llmapi_model(repo: Path, engine_dir: Path, *, decoupled: bool = True, name: str = "tensorrt_llm") -> Path:

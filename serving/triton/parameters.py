@@ -99,11 +99,11 @@ class TritonConfig:
 
 def named_as_deployed(message: str, names: Mapping[str, str]) -> str:
     """An executor's message about its settings (ExecutorConfig's names) under the names the deployment's file sets
-    them by: each whole name, not part of a flag (`--max_seq_len`) or of a dotted key, nor the engine's own limit
-    ("the engine's max_seq_len")."""
+    them by: each whole name, not part of a flag (`--max_seq_len`), a dotted key or a word ("device(s)"), nor the
+    engine's own limit ("the engine's max_seq_len")."""
     if not names:
         return message
-    pattern = r"(?<![\w.-])(?<!engine's )(" + "|".join(map(re.escape, names)) + r")(?![\w.])"
+    pattern = r"(?<![\w.-])(?<!engine's )(" + "|".join(map(re.escape, names)) + r")(?![\w.(])"
     return re.sub(pattern, lambda m: names[m.group(1)], message)
 
 
