@@ -182,6 +182,9 @@ def test_build_config_rules():
         "kv_block_size": 16, "tp_size": 1, "ep_size": 1, "quant_algo": None, "backend": "native"}
     for kwargs, msg in [
         (dict(max_batch_size=0), "max_batch_size is 0, expected a positive integer"),
+        # an engine of 1 position would serve nothing (build_engine --max_seq_len 1 --kv_block_size 1 built one)
+        (dict(max_seq_len=1, kv_block_size=1), "max_seq_len is 1, expected at least 2 (a prompt token and a generated "
+                                               "one)"),
         (dict(max_draft_len=-1), "max_draft_len is -1, expected an integer >= 0"),
         (dict(kv_block_size=24), "kv_block_size is 24, expected a power of two (as TensorRT-LLM's tokens_per_block) "
                                  "at most max_seq_len (1024)"),

@@ -15,7 +15,7 @@ from runtime.core.sampling_params import RelaxedAcceptance, SamplingParams
 from runtime.core.scheduler import ServingLimits
 from runtime.executors.handles import RequestHandle
 from runtime.executors.outputs import RequestOutput
-from runtime.io.engine_format import FREE_MEMORY_FRACTION, MAX_DRAFT_LEN, BuildConfig, check_model_limits
+from runtime.io.engine_format import FREE_MEMORY_FRACTION, MAX_DRAFT_LEN, MIN_SEQ_LEN, BuildConfig, check_model_limits
 from runtime.io.tokenizer import Tokenizer
 from runtime.model.config import ModelConfig, is_bool, is_int, is_number
 
@@ -101,9 +101,8 @@ class ExecutorConfig:
         check_speculation(self.speculation)
         if k == 0:  # drafting nothing is plain decoding, whatever the mode
             object.__setattr__(self, "speculation", "off")
-        # max_seq_len 1 would hold no prompt token and a generated one: a server refusing every request
-        for name, low in (("max_batch_size", 1), ("max_num_tokens", 1), ("max_seq_len", 2), ("kv_cache_tokens", 1),
-                          ("max_queued_requests", 1)):
+        for name, low in (("max_batch_size", 1), ("max_num_tokens", 1), ("max_seq_len", MIN_SEQ_LEN),
+                          ("kv_cache_tokens", 1), ("max_queued_requests", 1)):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value < low):
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")

@@ -30,6 +30,7 @@ ENGINE_JSON = "engine.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 QUANT_ALGOS = ("FP8_BLOCK_SCALES", "FP8", None)
 BACKENDS = ("native", "trtllm")
+MIN_SEQ_LEN = 2  # a prompt token and a generated one: less serves nothing
 HF_MAX_SEQ_LEN = 4096  # cap on the default max_seq_len (a plain HF checkpoint, a build without the flag)
 DEFAULT_MAX_DRAFT_LEN = 4  # an engine built without --max_draft_len, and a plain checkpoint with an MTP layer
 LLM_API_OPTIONS = "extra_llm_api_options.yaml"  # a --backend trtllm engine's LLM-API options
@@ -69,6 +70,9 @@ class BuildConfig:
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 raise EngineError(f"{name} is {value!r}, expected a positive integer")
+        if self.max_seq_len < MIN_SEQ_LEN:
+            raise EngineError(f"max_seq_len is {self.max_seq_len}, expected at least {MIN_SEQ_LEN} (a prompt token and "
+                              "a generated one)")
         if self.kv_block_size & (self.kv_block_size - 1) or self.kv_block_size > self.max_seq_len:
             raise EngineError(f"kv_block_size is {self.kv_block_size}, expected a power of two (as TensorRT-LLM's "
                               f"tokens_per_block) at most max_seq_len ({self.max_seq_len})")

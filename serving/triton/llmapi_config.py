@@ -21,7 +21,7 @@ from runtime.core.sampling_params import RelaxedAcceptance
 from runtime.executors.base import ExecutorConfig
 from runtime.model.config import is_int
 from runtime.executors.trtllm_api import draft_len_of, read_llm_api_options
-from runtime.io.engine_format import HF_DIR, LLM_API_OPTIONS, engine_backend, read_limits, with_draft_len
+from runtime.io.engine_format import HF_DIR, LLM_API_OPTIONS, MIN_SEQ_LEN, engine_backend, read_limits, with_draft_len
 from runtime.io.yaml_file import read_yaml, shown
 from serving.triton.parameters import (QUEUE_SIZE, TritonConfig, launcher_world_size, named_as_deployed, queue_bound,
                                        settings)
@@ -128,7 +128,7 @@ def read_model_yaml(path: Path, model_dir: Path) -> LlmApiModel:
     max_beam_width = doc.pop("max_beam_width", 1)
     if max_beam_width != 1 or isinstance(max_beam_width, bool):  # true == 1 in Python
         raise ModelYamlError(f"{source}: max_beam_width {shown(max_beam_width)}: supported: 1 (no beam search)")
-    limits = {k: _int(doc.pop(k), k, source, low=2 if k == "max_seq_len" else 1)  # ExecutorConfig's bounds
+    limits = {k: _int(doc.pop(k), k, source, low=MIN_SEQ_LEN if k == "max_seq_len" else 1)  # ExecutorConfig's bounds
               for k in ("max_batch_size", "max_seq_len", "max_num_tokens") if k in doc}
 
     # a --backend trtllm engine runs on TensorRT-LLM with the file's LLM-API keys as written (as upstream's llmapi
