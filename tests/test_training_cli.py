@@ -148,6 +148,15 @@ def test_distill_refuses_an_out_it_cannot_or_must_not_write(run, capsys):
     # a window longer than the corpus was numpy's "high <= 0" traceback (train_model checked it, distill did not)
     assert error(capsys, distill.main, *distill_args(run, run.parent / "d.pt", "--seq_len", 5000)) == (
         2, f"{prog} --data_dir {run.parent}: train.bin holds 2000 tokens; a window of --seq_len 5000 needs more")
+    # numpy maps neither an empty file nor half a token: tracebacks
+    odd = run.parent / "odd"
+    odd.mkdir()
+    for size, message in ((0, "holds 0 tokens; a window of --seq_len 16 needs more"),
+                          (3, "is 3 bytes, not whole 2-byte tokens")):
+        (odd / "train.bin").write_bytes(b"\0" * size)
+        (odd / "val.bin").write_bytes((run.parent / "val.bin").read_bytes())
+        assert error(capsys, distill.main, *distill_args(run, run.parent / "d.pt"), "--data_dir", odd) == (
+            2, f"{prog} --data_dir {odd}: train.bin {message}")
     assert (run / "ckpt.pt").read_bytes() == before
     assert sorted(p.name for p in run.iterdir()) == ["ckpt.pt", "notes"]
 

@@ -49,6 +49,8 @@ def test_integers_and_strings() -> None:
     ("watchdog_timeout_s", "nan", number, "model postprocessing: parameter watchdog_timeout_s: expected a number, got 'nan'"),
     ("watchdog_timeout_s", "1_0.5", number,
      "model postprocessing: parameter watchdog_timeout_s: expected a number, got '1_0.5'"),
+    ("watchdog_timeout_s", "1e999", number, "model postprocessing: parameter watchdog_timeout_s: expected a number, got '1e999'"),
+    ("max_queue_size", "\xa012", integer, "model postprocessing: parameter max_queue_size: expected an integer, got '\\xa012'"),
 ])
 def test_a_value_that_does_not_parse_names_the_model_and_parameter(name: str, raw: str, cast, message: str) -> None:
     with pytest.raises(ValueError) as e:

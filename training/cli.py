@@ -103,10 +103,12 @@ def token_files(p: Parser, data_dir: Path, window: int, shown: str) -> tuple[np.
         path = data_dir / name
         if not path.is_file():
             p.error(f"--data_dir {data_dir}: no {name} (training.prepare_data writes train.bin and val.bin)")
-        tokens = np.memmap(path, dtype=np.uint16, mode="r")
-        if len(tokens) <= window:
-            p.error(f"--data_dir {data_dir}: {name} holds {len(tokens)} tokens; a window of {shown} needs more")
-        arrays.append(tokens)
+        size = path.stat().st_size  # numpy maps neither an empty file nor a half token
+        if size % 2:
+            p.error(f"--data_dir {data_dir}: {name} is {size} bytes, not whole 2-byte tokens")
+        if size // 2 <= window:
+            p.error(f"--data_dir {data_dir}: {name} holds {size // 2} tokens; a window of {shown} needs more")
+        arrays.append(np.memmap(path, dtype=np.uint16, mode="r"))
     return arrays[0], arrays[1]
 
 

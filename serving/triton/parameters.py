@@ -5,6 +5,7 @@ with that message rather than running on a silently wrong setting."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -35,8 +36,8 @@ def boolean(value: str) -> bool:
 
 # decimal numbers in ASCII, as a config.pbtxt is written: Python's int() and float() also read other scripts' digits,
 # underscores between digits, NaN and infinity
-_INTEGER = re.compile(r"\s*[+-]?[0-9]+\s*")
-_NUMBER = re.compile(r"\s*[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?\s*")
+_INTEGER = re.compile(r"[ \t]*[+-]?[0-9]+[ \t]*")
+_NUMBER = re.compile(r"[ \t]*[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?[ \t]*")
 
 
 def integer(value: str) -> int:
@@ -66,7 +67,7 @@ def launcher_world_size() -> int | None:
 
 
 def number(value: str) -> float:
-    if not _NUMBER.fullmatch(value):
+    if not _NUMBER.fullmatch(value) or not math.isfinite(float(value)):  # 1e999 reads as infinity
         raise ValueError(f"expected a number, got {shown(value)}")
     return float(value)
 
