@@ -283,7 +283,7 @@ class RunnerClock:
 
     def __init__(self, runner: ModelRunner):
         self.seconds = {"draft": 0.0, "step": 0.0, "one_call": 0.0}
-        self.sync = runner.device.type == "cuda"
+        self.sync = runner.inputs.device.type == "cuda"
         for owner, method, part in ((runner.proposer, "propose", "draft"), (runner, "step", "step"),
                                     (runner, "_step_in_one_call", "one_call")):
             setattr(owner, method, self._timed(getattr(owner, method), part))

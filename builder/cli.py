@@ -17,7 +17,7 @@ from builder.native_engine import TrtllmCheckpoint, build_engine, check_matches_
 from builder.trtllm_engine import TrtllmOptions, build_trtllm_engine
 from builder.trtllm_layout import QUANTIZED
 from builder.validation import (NO_QUANT, BuildError, check_tokenizer, machine_memory, memory_notes,
-                                open_hf_checkpoint, plan_text, quant_algo_flag, validate_build)
+                                open_hf_checkpoint, plan_text, quant_algo_flag, quant_algo_of_flag, validate_build)
 from runtime.io.atomic import (OutputDirError, check_not_replacing, check_output_dir, os_error_text, owned_tempdir,
                                release_owned, remove_stale)
 from runtime.io.checkpoint import CheckpointError, HFCheckpoint
@@ -182,7 +182,7 @@ def run(args: argparse.Namespace) -> None:
         ckpt = TrtllmCheckpoint.read(args.checkpoint_dir)
         given = {name: getattr(args, name) for name in ("dtype", "tp_size", "ep_size") if getattr(args, name)}
         if args.quant_algo is not None:
-            given["quant_algo"] = _quant_algo(args.quant_algo)
+            given["quant_algo"] = quant_algo_of_flag(args.quant_algo)
         check_matches_checkpoint(ckpt, given)  # before BuildConfig's own rules could name a mix of the two
         b = ckpt.build
         build = build_config(args, ckpt.model_config, dtype=b.dtype, tp_size=b.tp_size, ep_size=b.ep_size,
@@ -217,11 +217,6 @@ def run(args: argparse.Namespace) -> None:
         build_engine(tmp / "ckpt", args.output_dir, build, tokenizer_dir=tokenizer_dir, force=args.force)
 
 
-def _quant_algo(flag: str) -> str | None:
-    """--quant_algo's value as BuildConfig takes it (quant_algo_flag's inverse)."""
-    return None if flag == NO_QUANT else flag
-
-
 def default_dtype(backend: str) -> str:
     """The compute dtype a backend builds for without --dtype: TensorRT-LLM's GPUs bfloat16, the native CPU float32."""
     return "bfloat16" if backend == "trtllm" else "float32"
@@ -234,7 +229,7 @@ def build_config(args: argparse.Namespace, cfg: ModelConfig, *, dtype: str, tp_s
     default_max_seq_len (an explicit value above the model's is refused later, naming the flag); with `notes`,
     what the limits ask of this machine's memory is printed."""
     if args.quant_algo is not None:
-        quant_algo = _quant_algo(args.quant_algo)
+        quant_algo = quant_algo_of_flag(args.quant_algo)
     max_draft_len = args.max_draft_len
     if max_draft_len is None:
         max_draft_len = min(DEFAULT_MAX_DRAFT_LEN, max_draft_len_allowed(cfg, args.backend, args.use_mtp_vanilla)[0])

@@ -31,6 +31,11 @@ def quant_algo_flag(quant_algo: str | None) -> str:
     return NO_QUANT if quant_algo is None else quant_algo
 
 
+def quant_algo_of_flag(flag: str) -> str | None:
+    """--quant_algo's value as BuildConfig takes it (quant_algo_flag's inverse)."""
+    return None if flag == NO_QUANT else flag
+
+
 # ---- validation shared by convert, engine and trtllm builds -----------------------------------
 def validate_build(cfg: ModelConfig, build: BuildConfig, source: str, use_mtp_vanilla: bool = False) -> None:
     """Check the build options against the model before any work is done."""

@@ -1286,9 +1286,9 @@ def test_draft_policy_recovers_from_a_profile_that_over_priced_drafting() -> Non
 def test_an_executor_whose_profile_over_priced_drafting_prices_drafting(shipped_model_dir, monkeypatch) -> None:
     """The recovery above in the executor: a k explored once from k = 0 is a sequence's first drafting step, whose MTP
     catch-up over the prompt keeps it out of the costs, so k = 1 was never priced and an executor profiled at 2x the
-    drafting cost drafted 85-132 of ~30000 tokens. Explored on two decisions in a row, the second step prices it.
-    Whether it then drafts is this machine's economics (short prompts here accept 0.55-0.8 of drafts, near
-    break-even on a 2-core CPU), so the check is that the measured steps corrected the profile's 2x."""
+    drafting cost (almost) never drafted. Explored on two decisions in a row, the second step prices it. Whether it
+    then drafts is the machine's economics (these short prompts are near break-even on a small CPU), so the check is
+    that k = 1 was priced and that its measured steps brought the doubled profile down."""
     from runtime.core.sampling_params import SamplingParams as Params
 
     real = native_executor.profile_step_costs
@@ -1307,8 +1307,8 @@ def test_an_executor_whose_profile_over_priced_drafting_prices_drafting(shipped_
             ex.submit(prompts[i % len(prompts)], Params(max_tokens=48, temperature=0.0)).result()
         priced = ex.policy.first_ratios.get((1, 1), [])
         assert len(priced) == DraftPolicy.MIN_COST_SAMPLES, ex.policy.first_ratios
-        # real k = 1 steps against k = 0 ones cost about half what the doubled profile says (0.54-0.78 seen)
-        assert ex.policy.cost_ratio[(1, 1)] / ex.policy.cost_ratio[(1, 0)] < 0.85, ex.policy.cost_ratio
+        # real k = 1 steps against k = 0 ones cost less than the doubled profile says (about half)
+        assert ex.policy.cost_ratio[(1, 1)] / ex.policy.cost_ratio[(1, 0)] < 1.0, ex.policy.cost_ratio
 
 
 def scheduler_with_one_decode(engine, policy: DraftPolicy, max_num_tokens: int = 64):

@@ -54,7 +54,6 @@ class ModelRunner:
                  relaxed: RelaxedAcceptance | None = None, keep_mtp_inputs: bool = True,
                  graphs: CudaGraphRunner | None = None):
         self.model, self.cache = model, kv_cache
-        self.device = kv_cache.tensor.device
         self.graphs = graphs
         self.relaxed = relaxed
         self.keep_mtp_inputs = keep_mtp_inputs and model.cfg.num_nextn_predict_layers > 0
@@ -259,7 +258,7 @@ class ModelRunner:
             for j, t in enumerate(drafts[b, : ks[b]].tolist()):
                 mask[b, j] = state
                 state = self.relaxed.advance(state, t)
-        return mask.to(self.device)
+        return mask.to(self.inputs.device)
 
 
 _NO_CATCH_UP = torch.empty(0)  # the MTP catch-up's inputs of a step that drafts nothing
