@@ -304,7 +304,7 @@ def test_make_model_repo_checks_the_settings_as_the_trtllm_executor_does(engine_
     assert model_repo.main(["--engine_dir", str(engine_dir), "--output_dir", str(tmp_path / "repo"),
                             "--set", "max_queue_size:4"]) == 2
     assert capsys.readouterr().err == (
-        "make_model_repo: model tensorrt_llm: parameter max_queue_size: 4: not available with a --backend trtllm "
+        "make_model_repo: model tensorrt_llm: max_queue_size 4: not available with a --backend trtllm "
         "engine (TensorRT-LLM's LLM API takes no queue bound); leave it unset\n")
     assert model_repo.main(["--engine_dir", str(engine_dir), "--output_dir", str(tmp_path / "repo"),
                             "--set", "num_draft_tokens:2,speculation:fixed"]) == 0
