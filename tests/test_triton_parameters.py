@@ -156,8 +156,7 @@ def test_executor_messages_are_named_as_deployed() -> None:
 def test_a_stop_reaches_the_clients_request_and_the_bls_one_made_for_it_only() -> None:
     """The BLS calls tensorrt_llm as `<client id>#<32 hex digits>`; a stop for `job` must not end `job#1` or the BLS
     request of a client whose id is `job#1`."""
-    from serving.triton.bls import engine_request_id
-    from serving.triton.contract import made_for
+    from serving.triton.contract import engine_request_id, made_for
 
     assert made_for("job", "job") and made_for(engine_request_id("job"), "job")
     assert made_for(engine_request_id("job#1"), "job#1") and not made_for(engine_request_id("job#1"), "job")

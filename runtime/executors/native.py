@@ -216,12 +216,8 @@ class Executor:
         bounded False: taken whatever max_queued_requests says (a client request's later prompts, `submit_all`)."""
         self.validate(prompt_token_ids, params)
         check_callback(on_output)
-        rid = self._ids.claim(request_id)
-        try:
+        with self._ids.claimed(request_id) as rid:
             return self._enqueue(rid, prompt_token_ids, params, on_output, bounded)
-        except BaseException:  # refused, shut down, or a failure making its state: the id is free again
-            self._ids.release(rid)
-            raise
 
     def _enqueue(self, rid: str, prompt_token_ids: list[int], params: SamplingParams,
                  on_output: Callable[[RequestOutput], None] | None, bounded: bool) -> RequestHandle:

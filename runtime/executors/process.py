@@ -197,20 +197,19 @@ class ProcessExecutor:
         validation). The handle is registered before the request leaves, so no output can arrive unclaimed."""
         self._check_here(prompt_token_ids, params)
         check_callback(on_output)
-        rid = self._ids.claim(request_id)
-        handle = RequestHandle(rid, self, params.n, delivered_by=self._reader)
-        with self._lock:
-            self._streams[rid] = _Stream(handle, on_output, len(prompt_token_ids))
-        try:
-            self._call("submit", list(prompt_token_ids), params, rid, bounded)
-        except BaseException as e:
-            if isinstance(e, (TimeoutError, FutureTimeout)):  # it may be running there: the cancel follows it, before
-                with contextlib.suppress(RuntimeError):       # the id is free for a retry the cancel must not reach
-                    self._post(("cancel", rid))
+        with self._ids.claimed(request_id) as rid:
+            handle = RequestHandle(rid, self, params.n, delivered_by=self._reader)
             with self._lock:
-                self._streams.pop(rid, None)
-            self._ids.release(rid)
-            raise
+                self._streams[rid] = _Stream(handle, on_output, len(prompt_token_ids))
+            try:
+                self._call("submit", list(prompt_token_ids), params, rid, bounded)
+            except BaseException as e:
+                if isinstance(e, (TimeoutError, FutureTimeout)):  # it may be running there: the cancel follows it,
+                    with contextlib.suppress(RuntimeError):       # before the id is free for a retry it must not reach
+                        self._post(("cancel", rid))
+                with self._lock:
+                    self._streams.pop(rid, None)
+                raise
         return handle
 
     def cancel(self, request_id: str, handle: RequestHandle | None = None) -> None:

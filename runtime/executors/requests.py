@@ -6,13 +6,14 @@ native executor's requests make of each step (OutputProcessor).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 from runtime.core.plan import Scheduled, StepResult
 from runtime.core.sampling import TokenLogprob
@@ -50,6 +51,17 @@ class RequestIds:
     def release(self, request_id: str) -> None:
         with self._lock:
             self._live.discard(request_id)
+
+    @contextlib.contextmanager
+    def claimed(self, request_id: str | None) -> Iterator[str]:
+        """`claim`, released again if submitting the request fails in the block (refused, shut down, a failure
+        making its state): a leaked id stays "already in flight" for good."""
+        rid = self.claim(request_id)
+        try:
+            yield rid
+        except BaseException:
+            self.release(rid)
+            raise
 
     def end(self, tracker: "RequestTracker", last: bool, reason: str, new: list[int] | None = None, delta: str = "",
             error: str | None = None) -> None:

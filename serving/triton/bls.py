@@ -6,14 +6,13 @@ light.
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from serving.request_validation import check_response_count, no_unknown_parameters
-from serving.triton.contract import ENGINE_ID_SEPARATOR, ENGINE_INPUTS, PREPROCESSED, PREPROCESSING_INPUTS
+from serving.triton.contract import ENGINE_INPUTS, PREPROCESSED, PREPROCESSING_INPUTS
 from serving.triton.engine_limits import EngineLimits
 from serving.triton.legacy_request import Inputs, bls_values, check_engine_request, engine_request
 from serving.triton.parameters import boolean, parameter, sibling_config
@@ -70,12 +69,6 @@ def engine_inputs(preprocess: Preprocessor, inputs: Inputs, limits: EngineLimits
         check_engine_request(engine_request(out, preprocess.tokenizer, limits.vocab_size, False), preprocess.tokenizer,
                              limits)
     return out
-
-
-def engine_request_id(client_request_id: str) -> str:
-    """The id of the engine request serving a client's: unique, so that the BLS's own stop ends this request only
-    (a client's stop by its id ends every engine request made for it, `EngineModel.stop`)."""
-    return f"{client_request_id}{ENGINE_ID_SEPARATOR}{uuid.uuid4().hex}"  # 32 hex digits: contract.made_for
 
 
 def accumulated(out: Inputs, so_far: dict[int, list[int]]) -> Inputs:

@@ -6,6 +6,7 @@ The checks themselves are serving.request_validation's."""
 from __future__ import annotations
 
 import re
+import uuid
 from typing import Any
 
 import numpy as np
@@ -97,8 +98,14 @@ ENGINE_ID_SEPARATOR = "#"
 _ENGINE_ID_SUFFIX = re.compile(r"[0-9a-f]{32}")
 
 
+def engine_request_id(client_request_id: str) -> str:
+    """The id of the tensorrt_llm request the BLS makes for a client's: unique, so that the BLS's own stop ends this
+    request only, and recognisable (`made_for`), so that a client's stop by its id ends it too."""
+    return f"{client_request_id}{ENGINE_ID_SEPARATOR}{uuid.uuid4().hex}"
+
+
 def made_for(request_id: str, client_id: str) -> bool:
-    """Whether a tensorrt_llm request is the client's own or the one the BLS made for it (`bls.engine_request_id`)."""
+    """Whether a tensorrt_llm request is the client's own or the one the BLS made for it (`engine_request_id`)."""
     if request_id == client_id:
         return True
     head, sep, suffix = request_id.rpartition(ENGINE_ID_SEPARATOR)

@@ -18,8 +18,8 @@ from typing import Any, Iterator
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from serving.triton.bls import (STATS, accumulated, bls_settings, check_client_request, engine_inputs,
-                                engine_request_id, stop_inputs)
+from serving.triton.bls import STATS, accumulated, bls_settings, check_client_request, engine_inputs, stop_inputs
+from serving.triton.contract import engine_request_id
 from serving.triton.engine_limits import PublishedLimits
 from serving.triton.responses import FINAL, RelayedError, error_response
 
