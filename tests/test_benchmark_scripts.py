@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 import benchmarks.acceptance as ma
 import benchmarks.attention_threads as att
+import benchmarks.draft_overlap as dov
 import benchmarks.common as bc
 import benchmarks.load_test as lt
 import benchmarks.serving as bs
@@ -334,6 +335,17 @@ def test_attention_threads_quick_run_writes_every_kernel_and_shape(tmp_path):
         ("DeepSeek-V3", "mla_attention"), ("DeepSeek-V3", "mla_prepare"), ("shipped model", "mla_attention"),
         ("shipped model", "mla_prepare")]
     assert all(r["us_1_thread"] > 0 and r["us_2_threads"] > 0 and r["context"] == 64 for r in res["results"])
+
+
+def test_draft_overlap_quick_run_bounds_the_pipelined_step(tmp_path):
+    assert dov.main(["--quick", "--threads", "2", "--out_dir", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "draft_overlap_quick.json").read_text())
+    assert [r["k"] for r in res["results"]] == [1, 2, 3, 4] and res["threads"] == 2
+    for r in res["results"]:
+        assert r["serial_us"] == pytest.approx(r["verify_us_2_threads"] + r["draft_us_2_threads"], abs=0.2)
+        assert r["pipelined_bound_us"] == max(r["verify_us_1_thread"], r["draft_us_1_thread"])
+    one = res["us_per_forward"]["1"]  # k = 3's drafting: the catch-up over 4 positions and 2 chain steps
+    assert res["results"][2]["draft_us_1_thread"] == pytest.approx(one["mtp_q4"] + 2 * one["mtp_q1"], abs=0.1)
 
 
 def test_cpu_time_sums_each_sides_spans_per_token():
