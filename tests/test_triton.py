@@ -591,6 +591,37 @@ def test_http_generate_matches_session(server: TritonServer, expected: dict, mod
     assert not {"acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens"} & set(body), body
 
 
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls", "tensorrt_llm"])
+def test_num_draft_tokens_caps_the_requests_mtp_drafts(server: TritonServer, session: Session, model: str) -> None:
+    """num_draft_tokens (upstream's BLS input; the ensemble and tensorrt_llm declare it too) is the request's
+    SamplingParams.num_draft_tokens (the server drafts 3): greedy, 0 and 2 give the same tokens, the session's, and
+    the perf metrics count what the session's request with that cap drafted: nothing for 0, some for 2."""
+    prompt = PROMPTS[4]
+    ids = session.tokenizer.encode(prompt)
+    got: dict[int, Streamed] = {}
+    for k in (0, 2):
+        if model == "tensorrt_llm":
+            out = grpc_stream(server, model, input_ids=np.array([ids], np.int32),
+                              input_lengths=np.array([[len(ids)]], np.int32),
+                              request_output_len=np.array([[TOKENS]], np.int32), streaming=np.array([[True]]),
+                              return_perf_metrics=True, num_draft_tokens=k)
+        else:
+            out = grpc_stream(server, model, text_input=prompt, max_tokens=TOKENS, stream=True,
+                              return_perf_metrics=True, num_draft_tokens=k)
+        assert out.error is None, out.error
+        want = session.generate([prompt], SamplingParams(max_tokens=TOKENS, num_draft_tokens=k))[0]
+        assert (out.ids if model == "tensorrt_llm" else out.text) == (want.token_ids if model == "tensorrt_llm"
+                                                                      else want.text)
+        assert out.stats["total_draft_tokens"] == want.stats.num_draft_tokens
+        assert out.stats["total_accepted_draft_tokens"] == want.stats.num_accepted_draft_tokens
+        got[k] = out
+    assert (got[0].ids, got[0].text) == (got[2].ids, got[2].text)
+    assert got[0].stats["total_draft_tokens"] == 0 < got[2].stats["total_draft_tokens"]
+    if model == "tensorrt_llm_bls":  # the draft model's logits stay refused
+        out = grpc_stream(server, model, text_input=prompt, max_tokens=4, num_draft_tokens=2, use_draft_logits=True)
+        assert out.error == "use_draft_logits=True is not supported by this runtime (supported: false)", out.error
+
+
 @pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
 def test_perf_metrics_and_token_counts_as_upstream(server: TritonServer, session: Session, model: str) -> None:
     """end_to_end_grpc_client.py --return-perf-metrics reads upstream's KV-cache and timing outputs from
@@ -1338,6 +1369,8 @@ ENGINE_REFUSALS = {  # requests only tensorrt_llm refused before -> its message,
                       "guided_decoding_guide is invalid at position 1: unclosed counted repetition"),
     "guided_with_eos_banned": (dict(GOOD, guided_decoding_guide_type="json", bad_words=[[EOS]]),
                                "guided_decoding ends the output with eos; bad_token_ids must not ban it"),
+    "num_draft_tokens_past_the_draft_length": (dict(GOOD, num_draft_tokens=4),
+                                               "num_draft_tokens 4 exceeds this executor's draft length 3"),
 }
 
 
@@ -1594,6 +1627,8 @@ REFUSALS = {  # values -> (refusal through the ensemble, through the BLS)
                        "-2147483648", "end_id must be an integer in [-1, 2147483647], got -2147483648"),
     "end_id_past_vocab": (dict(GOOD, end_id=10**7), "end_id must be an integer in [-1, {v1}], got 10000000",
                           "end_id must be an integer in [-1, {v1}], got 10000000"),
+    "num_draft_tokens_negative": (dict(GOOD, num_draft_tokens=-1),
+                                  "num_draft_tokens must be an integer in [0, 2147483647], got -1", None),
     "text_input_too_long": (dict(GOOD, text_input="x" * 2_000_000),
                             "text_input is 2000000 bytes, more than the {max_bytes} that can fit the model's context "
                             "(max_seq_len tokens of at most the tokenizer's longest token)", None),

@@ -154,6 +154,18 @@ def test_legacy_models_declare_every_upstream_tensor(unary: TritonServer, model:
             assert ours[section].get(name) == [dtype, dims], (model, section, name, ours[section].get(name))
 
 
+def test_num_draft_tokens_is_declared_as_upstreams_bls_declares_it(unary: TritonServer) -> None:
+    """Upstream's BLS input num_draft_tokens (INT32 [1]) is the request's MTP draft cap; the ensemble and tensorrt_llm,
+    whose upstream models have no such input, declare it the same way, for the ensemble's clients and for the BLS to
+    pass it on."""
+    upstream = UPSTREAM["legacy"]["tensorrt_llm_bls"]["input"]["num_draft_tokens"]
+    assert upstream == ["INT32", [1]]
+    assert "num_draft_tokens" not in UPSTREAM["legacy"]["ensemble"]["input"]
+    assert "num_draft_tokens" not in UPSTREAM["legacy"]["tensorrt_llm"]["input"]
+    for model in ("tensorrt_llm_bls", "ensemble", "tensorrt_llm"):
+        assert declared(unary, model)["input"]["num_draft_tokens"] == upstream, model
+
+
 def test_upstream_end_to_end_test_runs_unchanged(unary: TritonServer, expected: dict) -> None:
     """tools/inflight_batcher_llm/end_to_end_test.py: preprocessing, unary tensorrt_llm (with the padded decoder
     inputs it reads from preprocessing) and postprocessing by hand, then the ensemble and the BLS, all unary; the
@@ -284,9 +296,11 @@ def test_unary_models_refuse_several_sequences_naming_the_input(unary: TritonSer
 @pytest.mark.parametrize("model", ["tensorrt_llm", "tensorrt_llm_unary"])
 def test_llmapi_model_declares_upstreams_tensors_exactly(llmapi: TritonServer, model: str) -> None:
     upstream = UPSTREAM["llmapi"]["tensorrt_llm"]
-    # plus the legacy model's guided decoding inputs (upstream's llmapi model has no structured output)
+    # plus the legacy model's guided decoding inputs (upstream's llmapi model has no structured output) and this
+    # runtime's per-request draft length, typed as upstream's sampling_param_* integers
     guided = {name: UPSTREAM["legacy"]["tensorrt_llm"]["input"][name] for name in GUIDED_INPUTS}
-    assert declared(llmapi, model) == {"input": {**upstream["input"], **guided}, "output": upstream["output"]}
+    draft = {"sampling_param_num_draft_tokens": upstream["input"]["sampling_param_max_tokens"]}
+    assert declared(llmapi, model) == {"input": {**upstream["input"], **guided, **draft}, "output": upstream["output"]}
     config = grpcclient.InferenceServerClient(llmapi.grpc_url).get_model_config(model).config
     assert config.max_batch_size == 0 and config.model_transaction_policy.decoupled == (model == "tensorrt_llm")
 
@@ -458,6 +472,27 @@ def test_llmapi_best_of_returns_the_most_likely_candidate(llmapi: TritonServer, 
     assert result.as_numpy("text_output")[0].decode() == want.text
 
 
+def test_llmapi_num_draft_tokens_caps_the_requests_mtp_drafts(llmapi: TritonServer, session: Session) -> None:
+    """sampling_param_num_draft_tokens (this runtime's input) is the request's SamplingParams.num_draft_tokens (the
+    model drafts 3): greedy, 0 and 2 give the same text, the session's, and the perf metrics count what the session's
+    request with that cap drafted: nothing for 0, some for 2; unary and streamed alike."""
+    prompt = PROMPTS[0]
+    drafted = {}
+    for k in (0, 2):
+        want = session.generate([prompt], SamplingParams(max_tokens=TOKENS, num_draft_tokens=k))[0]
+        values = dict(text_input=np.array([prompt], object), sampling_param_max_tokens=np.array([TOKENS], np.int32),
+                      sampling_param_num_draft_tokens=np.array([k], np.int32),
+                      sampling_param_return_perf_metrics=np.array([True]))
+        result = infer(llmapi, "tensorrt_llm_unary", **values)
+        assert result.as_numpy("text_output")[0].decode() == want.text
+        assert result.as_numpy("total_draft_tokens")[0] == want.stats.num_draft_tokens
+        assert result.as_numpy("total_accepted_draft_tokens")[0] == want.stats.num_accepted_draft_tokens
+        streamed = llmapi_stream(llmapi, "tensorrt_llm", **values, streaming=np.array([True]))
+        assert streamed.error is None and streamed.chunks[-1].decode() == want.text
+        drafted[k] = want.stats.num_draft_tokens
+    assert drafted[0] == 0 < drafted[2]
+
+
 LLMAPI_BAD_REQUESTS = {
     "max_tokens_zero": (dict(sampling_param_max_tokens=0), "sampling_param_max_tokens"),
     "top_p_above_one": (dict(sampling_param_top_p=1.5), "sampling_param_top_p"),
@@ -479,6 +514,19 @@ LLMAPI_BAD_REQUESTS = {
     "streaming_on_unary": (dict(streaming=True), "streaming"),
     "two_prompts": (dict(text_input=["a", "b"]), "one prompt per request"),
 }
+
+
+@pytest.mark.parametrize("value, message", [
+    (-1, "sampling_param_num_draft_tokens must be an integer in [0, 2147483647], got -1"),
+    (4, "sampling_param_num_draft_tokens 4 exceeds this executor's draft length 3")])
+def test_llmapi_num_draft_tokens_refusals_name_the_input(llmapi: TritonServer, value: int, message: str) -> None:
+    """A negative draft cap, refused as read; one above the model's draft length (3), by the executor, as Session and
+    the OpenAI server refuse it, under this model's name for it."""
+    assert http_generate(llmapi, "tensorrt_llm_unary", text_input="hello",
+                         sampling_param_num_draft_tokens=value) == (400, {"error": message})
+    out = llmapi_stream(llmapi, "tensorrt_llm", text_input=np.array([b"hello"], object),
+                        sampling_param_num_draft_tokens=np.array([value], np.int32))
+    assert out.error == message
 
 
 @pytest.mark.parametrize("case", list(LLMAPI_BAD_REQUESTS))
@@ -1027,3 +1075,27 @@ def test_fp32_inputs_are_read_as_the_decimal_the_client_wrote() -> None:
         read(np.array([[0.0099]], np.float32), "repetition_penalty")
     assert str(e.value) == "repetition_penalty must be a finite number in [0.01, 100.0], got 0.0099"
     assert TENSORRT_LLM_SCALARS["temperature"].read(np.array([[0.7]], np.float32), "temperature") == 0.7
+
+
+@pytest.mark.parametrize("values, message", [
+    (np.array([[2.0]], np.float32), "{name}: expected an integer, got float32 2.0"),
+    (np.array([[2**31]], np.int64), "{name} must be an integer in [0, 2147483647], got 2147483648"),
+    (np.array([[-1]], np.int32), "{name} must be an integer in [0, 2147483647], got -1"),
+])
+def test_num_draft_tokens_is_read_in_its_declared_type(values: np.ndarray, message: str) -> None:
+    """Each model reads its draft cap as the INT32 it declares, before anything converts it, and its refusal names the
+    input: the BLS (the client's input), tensorrt_llm (behind the ensemble too) and the llmapi model."""
+    from serving.triton.legacy_request import bls_values, scalar
+    from serving.triton.llmapi_request import llmapi_request
+
+    with pytest.raises(RequestError) as e:
+        bls_values({"num_draft_tokens": values})
+    assert str(e.value) == message.format(name="num_draft_tokens")
+    with pytest.raises(RequestError) as e:
+        scalar({"num_draft_tokens": values}, "num_draft_tokens")
+    assert str(e.value) == message.format(name="num_draft_tokens")
+    with pytest.raises(RequestError) as e:
+        llmapi_request({"text_input": np.array([b"hello"], object),
+                        "sampling_param_num_draft_tokens": values.reshape(1)}, 1000)
+    assert str(e.value) == message.format(name="sampling_param_num_draft_tokens")
+    assert bls_values({"num_draft_tokens": np.array([[2]], np.int32)}) == {"num_draft_tokens": 2}

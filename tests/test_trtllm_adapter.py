@@ -529,6 +529,38 @@ def test_contract_guided_decoding_passes_through(engine_dir: Path, spec_checkpoi
                     G(json_object=True), None]
 
 
+def test_contract_triton_draft_caps_reach_tensorrt_llms_refusal(engine_dir: Path, trtllm: ModuleType) -> None:
+    """A Triton request's draft cap (the legacy models' num_draft_tokens, the llmapi model's
+    sampling_param_num_draft_tokens) is read as every other and handed to the executor, so a TensorRT-LLM-backed
+    deployment answers it with TensorRT-LLM's refusal, under the client's name; the engine publishes no draft length
+    for the BLS, which leaves this check to it rather than refusing by the native executor's rule."""
+    from serving.request_validation import named_for_client
+    from serving.triton import legacy_request, llmapi_request
+    from serving.triton.engine_limits import EngineLimits
+
+    with TrtllmExecutor(engine_dir, ExecutorConfig(num_draft_tokens=3, speculation="fixed")) as ex:
+        assert ex.request_draft_len is None
+        prompt = ex.tokenizer.encode("def fib(n):")
+        llmapi = llmapi_request.llmapi_request({"text_input": np.array([b"def fib(n):"], object),
+                                                "sampling_param_num_draft_tokens": np.array([1], np.int32)}, 1000)
+        legacy = legacy_request.engine_request({"input_ids": np.array([prompt], np.int32),
+                                                "request_output_len": np.array([[4]], np.int32),
+                                                "num_draft_tokens": np.array([[1]], np.int32)},
+                                               ex.tokenizer, ex.model_config.vocab_size, False)
+        limits = EngineLimits(ex.model_config.vocab_size, ex.limits.max_seq_len, ex.limits.max_batch_size,
+                              ex.kv_block_size, 0, ex.request_draft_len)
+        legacy_request.check_engine_request(legacy, ex.tokenizer, limits)  # the BLS passes it on
+        for request, names, name in ((llmapi, llmapi_request.INPUT_NAMES, "sampling_param_num_draft_tokens"),
+                                     (legacy, legacy_request.INPUT_NAMES, "num_draft_tokens")):
+            assert request.params.num_draft_tokens == 1
+            with pytest.raises(ValueError) as e:
+                ex.submit(prompt, request.params)
+            assert named_for_client(str(e.value), names) == (
+                f"{name} 1 per request is not available with TensorRT-LLM, whose MTP drafts 3 for every request; "
+                "leave it unset")
+    assert trtllm.llms[-1].requests == []
+
+
 def test_contract_logprobs_stream_through(engine_dir: Path, trtllm: ModuleType) -> None:
     """Upstream's per-token LogprobResults and prompt logprobs become ours: one per kept token (none for a stop
     token), the top-N asked for, deltas per output, the cumulative logprob of the kept tokens. What this

@@ -301,10 +301,11 @@ def check_request_form(prompt_token_ids: list[int], params: SamplingParams) -> N
 
 def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_seq_len: int,
                      max_batch_size: int, eos_token_id: int | None,
-                     kv_cache: tuple[int, int] | None = None) -> None:
+                     kv_cache: tuple[int, int] | None = None, draft_len: int | None = None) -> None:
     """Raise ValueError naming the parameter and what was expected. `eos_token_id` is the executor's eos (None: the
     tokenizer has none): a guided request must be able to end with it. With `kv_cache`, its (tokens per block,
-    blocks): the request must fit it alone."""
+    blocks): the request must fit it alone. With `draft_len`, the executor's draft length: a request's
+    num_draft_tokens may not ask for more."""
     check_request_form(prompt_token_ids, params)
     params.validate(vocab_size)
     if params.guided_decoding is not None and eos_token_id is not None and eos_token_id in params.bad_token_ids:
@@ -332,3 +333,5 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_
         if need > blocks:
             raise ValueError(f"max_tokens {params.max_tokens} with a {n}-token prompt needs {need} KV blocks; the cache "
                              f"has {blocks} of {block_size} tokens")  # its setting has a name of its own on each surface
+    if draft_len is not None and params.num_draft_tokens is not None and params.num_draft_tokens > draft_len:
+        raise ValueError(f"num_draft_tokens {params.num_draft_tokens} exceeds this executor's draft length {draft_len}")

@@ -209,6 +209,9 @@ class ExecutorProtocol(Protocol):
     limits: ServingLimits
     tokenizer: Tokenizer
     kv_block_size: int  # tokens per KV block (0: the backend does not say)
+    # the most drafts a request's num_draft_tokens may ask for (the native executor's draft length); None: the backend
+    # checks it by a rule of its own (TensorRT-LLM takes none but its own draft length)
+    request_draft_len: int | None
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
 

@@ -191,12 +191,14 @@ class Executor:
         """Raise ValueError naming the parameter when this request cannot run here."""
         validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.limits.max_seq_len,
                          self.limits.max_batch_size, self.tokenizer.eos_token_id,
-                         (self.cache.block_size, self.cache.allocator.num_blocks))
+                         (self.cache.block_size, self.cache.allocator.num_blocks), self.request_draft_len)
         if params.guided_decoding is not None:
             self.grammars.check(params.guided_decoding)
-        if params.num_draft_tokens is not None and params.num_draft_tokens > self.policy.max_k:
-            raise ValueError(f"num_draft_tokens {params.num_draft_tokens} exceeds this executor's draft length "
-                             f"{self.policy.max_k}")
+
+    @property
+    def request_draft_len(self) -> int:
+        """The most drafts a request's num_draft_tokens may ask for: the draft length it serves with."""
+        return self.policy.max_k
 
     @property
     def grammars(self) -> GrammarCompiler:

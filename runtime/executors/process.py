@@ -164,7 +164,8 @@ class ProcessExecutor:
         if kind == "failed":
             self._process.wait(5)
             raise payload.pop()  # not left in a local: its traceback holds this frame
-        self.model_config, self.limits, self.config, self.tokenizer, self.kv_block_size = payload
+        (self.model_config, self.limits, self.config, self.tokenizer, self.kv_block_size,
+         self.request_draft_len) = payload
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # the maps below
         self._streams: dict[str, _Stream] = {}
@@ -358,7 +359,8 @@ def _engine_main(conn: Connection) -> None:
     except BaseException as e:
         send(("failed", e if _picklable(e) else RuntimeError(f"{type(e).__name__}: {e}")))
         return
-    send(("ready", executor.model_config, executor.limits, executor.config, executor.tokenizer, executor.kv_block_size))
+    send(("ready", executor.model_config, executor.limits, executor.config, executor.tokenizer, executor.kv_block_size,
+          executor.request_draft_len))
 
     unanswered: set[str] = set()  # requests submitted that have sent no output yet
 

@@ -128,6 +128,7 @@ class TrtllmExecutor:
     """
 
     kv_block_size = 0  # its blocks are TensorRT-LLM's own; their counts read 0 here
+    request_draft_len = None  # a per-request num_draft_tokens other than its own draft length is refused (validate)
 
     def __init__(self, engine: str | Path | TrtllmEngine, config: ExecutorConfig | None = None, *,
                  llm_overrides: Mapping[str, Any] | None = None, verify_weights: bool = False):

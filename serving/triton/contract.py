@@ -31,7 +31,8 @@ ENGINE_INPUTS = {name: name for name in (
     "exclude_input_in_output", "temperature", "repetition_penalty", "min_tokens", "presence_penalty",
     "frequency_penalty", "seed", "random_seed", "min_length", "return_log_probs", "return_context_logits",
     "return_generation_logits", "return_perf_metrics", "return_num_input_tokens", "return_num_output_tokens",
-    "beam_width", "num_return_sequences", "guided_decoding_guide_type", "guided_decoding_guide")} | {
+    "beam_width", "num_return_sequences", "guided_decoding_guide_type", "guided_decoding_guide",
+    "num_draft_tokens")} | {
     "top_k": "runtime_top_k", "top_p": "runtime_top_p", "length_penalty": "len_penalty", "stream": "streaming"}
 # tensorrt_llm's inputs by the client's name where it differs: a refusal from tensorrt_llm names both, since behind
 # the ensemble the client only knows its own name
@@ -82,8 +83,7 @@ NEUTRAL: dict[str, tuple[Any, str]] = {
     "beam_width": (lambda v: v == 1, "1 (no beam search)"),
     "return_context_logits": (lambda v: not v, "false"),
     "return_generation_logits": (lambda v: not v, "false"),
-    # the BLS's draft-model speculation
-    "num_draft_tokens": (lambda v: v == 0, "0; MTP drafting is configured on the server (num_draft_tokens parameter)"),
+    # the BLS's draft-model speculation (its num_draft_tokens caps the request's MTP drafts here)
     "use_draft_logits": (lambda v: not v, "false"),
 }
 

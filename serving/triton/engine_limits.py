@@ -29,6 +29,8 @@ class EngineLimits:
     max_batch_size: int
     kv_block_size: int = 0  # tokens per KV block (0: the executor does not say)
     kv_blocks: int = 0  # blocks in its KV cache
+    # the most drafts a request's num_draft_tokens may ask for (None: the executor checks it by a rule of its own)
+    request_draft_len: int | None = None
 
 
 SERVER_DIR_PREFIX = f"tritonserver-{os.getuid()}-{PID_NAMESPACE}-"  # then the tritonserver's pid

@@ -151,7 +151,8 @@ def engine_request(inputs: Inputs, tokenizer: Tokenizer, vocab_size: int,
         frequency_penalty=scalar(inputs, "frequency_penalty", 0.0),
         guided_decoding=guided_decoding({name: inputs[name] for name in GUIDED_INPUTS if name in inputs}),
         n=n,
-        logit_bias=logit_bias(inputs, vocab_size))
+        logit_bias=logit_bias(inputs, vocab_size),
+        num_draft_tokens=scalar(inputs, "num_draft_tokens"))
     return EngineRequest(prompt, params, bool(scalar(inputs, "streaming", False)),
                          bool(scalar(inputs, "exclude_input_in_output", exclude_input_default)))
 
@@ -175,7 +176,7 @@ def bls_values(inputs: Inputs) -> dict[str, Any]:
     client did wrong is left for tensorrt_llm to refuse. Returns the scalar values read, by tensorrt_llm's names."""
     refuse_unsupported(inputs, UNSUPPORTED_BLS_INPUTS)
     values = {}
-    for client, engine in {**ENGINE_INPUTS, **{n: n for n in ("num_draft_tokens", "use_draft_logits")}}.items():
+    for client, engine in {**ENGINE_INPUTS, "use_draft_logits": "use_draft_logits"}.items():
         if client in inputs and engine in TENSORRT_LLM_SCALARS:
             values[engine] = TENSORRT_LLM_SCALARS[engine].read(inputs[client], client)
     refuse_non_neutral(values)
@@ -189,7 +190,8 @@ def check_engine_request(request: EngineRequest, tokenizer: Tokenizer, limits: E
     try:
         validate_request(request.prompt, request.params, limits.vocab_size, limits.max_seq_len, limits.max_batch_size,
                          tokenizer.eos_token_id,
-                         (limits.kv_block_size, limits.kv_blocks) if limits.kv_block_size else None)
+                         (limits.kv_block_size, limits.kv_blocks) if limits.kv_block_size else None,
+                         limits.request_draft_len)
     except ValueError as e:
         raise RequestError(named_for_client(str(e), INPUT_NAMES)) from None
 

@@ -31,6 +31,8 @@ SCALARS: dict[str, Scalar] = {
     "sampling_param_best_of": Scalar("integer", 1, INT32_MAX),
     "sampling_param_max_tokens": Scalar("integer", 1, INT32_MAX),
     "sampling_param_seed": Scalar("integer", 0, 2**64 - 1),
+    # this runtime's own: SamplingParams.num_draft_tokens (at most this many MTP drafts a step; 0: plain decoding)
+    "sampling_param_num_draft_tokens": Scalar("integer", 0, INT32_MAX),
 }
 INPUTS = frozenset({"text_input", "sampling_param_stop", *SCALARS, *UNSUPPORTED, *GUIDED_INPUTS})  # all it reads
 DEFAULT_MAX_TOKENS = 32  # the LLM API's SamplingParams.max_tokens
@@ -99,6 +101,7 @@ def llmapi_request(inputs: Inputs, max_input_bytes: int) -> LlmApiRequest:
                             presence_penalty=scalar(inputs, "sampling_param_presence_penalty") or 0.0,
                             logprobs=0 if "cumulative_logprob" in outputs else None,
                             guided_decoding=guided_decoding(inputs),
+                            num_draft_tokens=scalar(inputs, "sampling_param_num_draft_tokens"),
                             # as upstream's model: n 1, the most likely of best_of sampled candidates
                             best_of=best_of)
     try:  # the rules of SamplingParams alone (n / best_of), refused under this model's input names

@@ -41,7 +41,8 @@ class TritonPythonModel(EngineModel):
                    model_name=args["model_name"], model_version=args["model_version"])
         stats = self.executor.stats()  # nothing runs yet: every block is free
         limits = EngineLimits(self.vocab_size, self.executor.limits.max_seq_len, self.executor.limits.max_batch_size,
-                              self.kv_block_size, stats.kv_blocks_used + stats.kv_blocks_free)
+                              self.kv_block_size, stats.kv_blocks_used + stats.kv_blocks_free,
+                              self.executor.request_draft_len)
         self.model_name = args["model_name"]
         try:  # for the BLS, which checks requests against them before it calls this model
             publish(self.model_name, limits)

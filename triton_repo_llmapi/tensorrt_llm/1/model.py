@@ -9,7 +9,8 @@ each response carries the whole text so far, cut on whole characters, as upstrea
 
 Structured output: upstream's llmapi model has no input for it; this one takes the legacy model's
 guided_decoding_guide_type / guided_decoding_guide (json, json_schema, regex, ebnf_grammar), the names TensorRT-LLM's
-Triton clients already send.
+Triton clients already send. Per-request speculation, which upstream's model has no input for either:
+sampling_param_num_draft_tokens, SamplingParams.num_draft_tokens under upstream's sampling_param_* naming.
 """
 
 from __future__ import annotations
