@@ -144,6 +144,170 @@ def test_streaming_equals_unary_and_ends_with_usage(server: Server) -> None:
     assert len(chunks) - 1 < unary.usage.completion_tokens
 
 
+# ---- a stream's chunks are the executor's steps ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def drafting(shipped_model_dir: Path) -> Iterator[Session]:
+    """The server's drafting (k = 3 every step) in a Session, whose output callback sees each step's output."""
+    with Session(shipped_model_dir, num_draft_tokens=3, speculation="fixed") as s:
+        yield s
+
+
+def _step_outputs(session: Session, ids: list[int], params: SamplingParams) -> list:
+    """A request's outputs as the executor reports them, one per decoding step (the callback's: never merged)."""
+    outs: list = []
+    session.executor.submit(ids, params, on_output=outs.append).result()
+    return outs
+
+
+def _steps_of(session: Session, ids: list[int], k: int | None) -> tuple[list[list[int]], list[str]]:
+    """The token ids and the text of each step of a greedy, fixed-length request drafting k a step (None: the
+    executor's 3): each step's tokens 1..k+1 and its text its own (no character split over steps, no stop string
+    holding text back), so no stream's chunk waits for the text of a later step."""
+    steps = _step_outputs(session, ids, SamplingParams(max_tokens=TOKENS, ignore_eos=True, num_draft_tokens=k))
+    k_max = 3 if k is None else k
+    assert all(o.text_delta and not o.mid_character for o in steps)
+    want_ids, want_texts = [list(o.new_token_ids) for o in steps], [o.text_delta for o in steps]
+    assert all(1 <= len(ids) <= k_max + 1 for ids in want_ids) and sum(map(len, want_ids)) == TOKENS
+    assert max(map(len, want_ids)) == 1 if k_max == 0 else max(map(len, want_ids)) > 1  # steps of several tokens
+    return want_ids, want_texts
+
+
+def _sse_events(server: Server, path: str, body: dict) -> list[dict]:
+    req = urllib.request.Request(server.base + path, data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    lines = urllib.request.urlopen(req, timeout=60).read().decode().splitlines()
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+
+
+class _Gated:
+    """An executor whose step loop hands a request its next output only once the stream has taken the one before: a
+    stream that keeps up with the steps, however loaded the machine (a stream that falls behind is handed the steps
+    it missed merged into one output, as vLLM merges them: RequestHandle)."""
+
+    def __init__(self, executor: object):
+        self._executor = executor
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._executor, name)
+
+    def submit(self, ids: list[int], params: SamplingParams, on_output: object = None, request_id: str | None = None,
+               bounded: bool = True) -> object:
+        assert on_output is None  # the server reads its handles
+
+        def gate(out: object) -> None:  # on the step loop, before the output reaches the handle
+            deadline = time.monotonic() + 30
+            while handle is not None and handle._pending and time.monotonic() < deadline:
+                time.sleep(0.0005)
+
+        handle = None
+        handle = self._executor.submit(ids, params, on_output=gate, request_id=request_id, bounded=bounded)
+        assert isinstance(handle._pending, dict)  # what the gate reads: the outputs not taken yet
+        return handle
+
+
+def _gated_stream(session: Session, path: str, body: dict) -> list[dict]:
+    """The events the server's stream of `body` sends (OpenAIServer._stream, what the route responds with), on the
+    session's executor gated (_Gated)."""
+    from serving.openai_server import protocol
+    from serving.openai_server.app import OpenAIServer
+
+    srv = OpenAIServer(_Gated(session.executor), "deepseek-v3-mini")
+    chat = path.endswith("/chat/completions")
+    g = (srv.chat_request if chat else protocol.completion_request)({**body, "stream": True}, srv.tokenizer,
+                                                                       srv.max_text_bytes)
+
+    async def read() -> list[str]:
+        return [s async for s in srv._stream(g, srv._submit(g, chat), chat, time.perf_counter())]
+
+    sent = asyncio.run(read())
+    assert all(s.count("data: ") == 1 for s in sent)  # an event each
+    return [json.loads(s[6:]) for s in sent if s.startswith("data: {")]
+
+
+def _ids(c: dict) -> list[int] | None:
+    return c.get("token_ids")
+
+
+def _logprob_ids(c: dict) -> list[int] | None:  # with return_tokens_as_token_ids
+    return [int(t.removeprefix("token_id:")) for t in c["logprobs"]["tokens"]] if c.get("logprobs") else None
+
+
+def _text(c: dict) -> str | None:
+    return (c["delta"].get("content") if "delta" in c else c["text"]) or None
+
+
+def _pieces(events: list[dict], read) -> list:
+    return [p for e in events for c in e["choices"] if (p := read(c)) is not None]
+
+
+def _ends(pieces: list) -> set[int]:
+    """Where each piece ends in the pieces joined (tokens or characters)."""
+    ends, n = set(), 0
+    for p in pieces:
+        n += len(p)
+        ends.add(n)
+    return ends
+
+
+def _joined(pieces: list) -> list | str:
+    return "".join(pieces) if pieces and isinstance(pieces[0], str) else [t for p in pieces for t in p]
+
+
+STEP_CHUNKS = [({"return_token_ids": True}, _ids), ({"logprobs": 0, "return_tokens_as_token_ids": True}, _logprob_ids),
+               ({}, _text)]  # what a stream is asked for, and how a chunk's tokens or text are read
+
+
+@pytest.mark.parametrize("k", [None, 1, 0], ids=["k3", "k1", "k0"])
+def test_a_stream_sends_each_decoding_step_as_one_chunk(drafting: Session, k: int | None) -> None:
+    """With MTP a step emits 1..k+1 tokens; streamed, they come in one chunk, and each step in its own chunk, as
+    TensorRT-LLM and vLLM stream a step's accepted tokens: the chunks' token ids (vLLM's return_token_ids), their
+    logprobs' tokens, and (without either) their text are each step's, in order, as many chunks as the usage's
+    decode_steps; k = 0 (the request's own draft length) is a chunk per token. The server's stream over the executor
+    of a Session, gated so that the stream keeps up with the step loop (test_a_served_stream_never_splits_a_step
+    has the real server)."""
+    prompt = PROMPTS[2]
+    want_ids, want_texts = _steps_of(drafting, drafting.tokenizer.encode(prompt), k)
+    body = {"prompt": prompt, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True,
+            "stream_options": {"include_usage": True}, **({} if k is None else {"num_draft_tokens": k})}
+    for asked, read in STEP_CHUNKS:
+        events = _gated_stream(drafting, "/v1/completions", {**body, **asked})
+        assert _pieces(events, read) == (want_texts if read is _text else want_ids), asked
+        assert len(events) == len(want_ids) + 1  # a chunk per step, then the usage
+        assert events[-1]["usage"]["speculative_decoding"]["decode_steps"] == len(want_ids)
+    chat = {"messages": [{"role": "user", "content": "Who made the light?"}], "max_tokens": TOKENS,
+            "temperature": 0, "ignore_eos": True, **({} if k is None else {"num_draft_tokens": k})}
+    events = _gated_stream(drafting, "/v1/chat/completions", {**chat, "return_token_ids": True})
+    want_ids, want_texts = _steps_of(drafting, events[0]["prompt_token_ids"], k)
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant" and "token_ids" not in events[0]["choices"][0]
+    assert _pieces(events[1:], _ids) == want_ids and len(events) == len(want_ids) + 1  # the role's chunk first
+    events = _gated_stream(drafting, "/v1/chat/completions", chat)
+    assert _pieces(events, _text) == want_texts and len(events) == len(want_ids) + 1
+
+
+@pytest.mark.parametrize("k", [None, 1], ids=["k3", "k1"])
+def test_a_served_stream_never_splits_a_step(server: Server, drafting: Session, k: int | None) -> None:
+    """Through dsv3-serve itself (the engine process, HTTP): every chunk holds whole steps, in order, never part of
+    one; the usage counts the steps. A stream that falls behind the step loop is sent the steps it missed in one chunk
+    (RequestHandle merges them, as vLLM does), so how many chunks a stream gets depends on the machine's load: on a
+    busy 2-core machine, steps a few milliseconds apart often come two or more to a chunk (plain decoding's, 1-2 ms
+    apart, several to a chunk nearly always); test_a_stream_sends_each_decoding_step_as_one_chunk has the chunk per
+    step of a stream that keeps up."""
+    prompt = PROMPTS[2]
+    want_ids, want_texts = _steps_of(drafting, drafting.tokenizer.encode(prompt), k)
+    body = {"prompt": prompt, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True,
+            **({} if k is None else {"num_draft_tokens": k})}
+    status, unary = server.post("/v1/completions", body)
+    assert status == 200 and unary["choices"][0]["text"] == "".join(want_texts), unary
+    for asked, read in STEP_CHUNKS:
+        want = want_texts if read is _text else want_ids
+        events = _sse_events(server, "/v1/completions", {**body, **asked, "stream_options": {"include_usage": True}})
+        got = _pieces(events, read)
+        assert _joined(got) == _joined(want), asked
+        assert _ends(got) <= _ends(want), f"{asked}: a chunk holds part of a step: {got} for the steps {want}"
+        assert len(events) - 1 == len(got) <= len(want_ids)  # no chunk without tokens; the usage's last
+        assert events[-1]["usage"]["speculative_decoding"]["decode_steps"] == len(want_ids)
+
+
 def test_chat_uses_the_models_template(server: Server, plain: Session) -> None:
     messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Who made the light?"}]
     r = server.client.chat.completions.create(model="deepseek-v3-mini", messages=messages, max_tokens=TOKENS,

@@ -1478,6 +1478,104 @@ def test_shipped_model_streams_what_the_session_generates(shipped_server: Triton
     assert sum(r.stats["total_accepted_draft_tokens"] for r in results.values()) > 0  # the MTP head works
 
 
+def _steps(model_dir: Path, prompt: str, params: SamplingParams) -> tuple[list[int], list[Any]]:
+    """The prompt's ids and a request's outputs as a Session drafting as the servers do (k = 3 every step) reports
+    them: one per decoding step (its output callback's, never merged)."""
+    with Session(model_dir, num_draft_tokens=3, speculation="fixed") as s:
+        ids, outs = s.tokenizer.encode(prompt), []
+        s.executor.submit(ids, params, on_output=outs.append).result()
+    assert all(o.text_delta and not o.mid_character for o in outs)  # no step's text waits for a later step's
+    assert max(len(o.new_token_ids) for o in outs) > 1  # steps of several tokens
+    return ids, outs
+
+
+def _responses(server: TritonServer, model: str, inputs: list) -> list[Any]:
+    """Every response of one gRPC stream that carries output, in order."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    got = []
+    try:
+        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        while True:
+            result, error = responses.get(timeout=60)
+            assert error is None, error.message()
+            if result.as_numpy("output_ids") is not None or result.as_numpy("text_output") is not None:
+                got.append(result)
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return got
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def _tokens_per_response(responses: list[Any]) -> list[int]:
+    """Each response's tokens as its perf metrics count them: the drafts accepted since the response before, and the
+    one token every step adds."""
+    accepted = [0] + [int(r.as_numpy("total_accepted_draft_tokens").item()) for r in responses]
+    return [1 + b - a for a, b in zip(accepted, accepted[1:])]
+
+
+def test_shipped_model_streams_a_response_per_decoding_step(shipped_server: TritonServer,
+                                                             shipped_model_dir: Path) -> None:
+    """With MTP (k = 3) a step emits 1..4 tokens; streamed, each step is one response, as TensorRT-LLM streams a
+    step's accepted tokens: tensorrt_llm's output_ids of each response are one step's tokens, in order, and the
+    ensemble's and the BLS's text_output one step's text; each response's perf metrics say the same (its tokens are
+    the drafts accepted since the response before, plus one), and there are as many responses as the request's
+    output tokens less its accepted drafts. A greedy fixed-length output (end_id -1) whose every step has text of its
+    own: no response waits for a later step's text."""
+    prompt, n = "def fibonacci(n):", 32
+    ids, steps = _steps(shipped_model_dir, prompt, SamplingParams(max_tokens=n, ignore_eos=True))
+    want_ids = [list(o.new_token_ids) for o in steps]
+    assert len(steps) == n - steps[-1].stats.num_accepted_draft_tokens
+    direct = _responses(shipped_server, "tensorrt_llm", grpc_inputs(
+        input_ids=np.array([ids], np.int32), input_lengths=np.array([[len(ids)]], np.int32),
+        request_output_len=np.array([[n]], np.int32), end_id=np.array([[-1]], np.int32),
+        streaming=np.array([[True]]), return_perf_metrics=np.array([[True]])))
+    assert [r.as_numpy("output_ids").reshape(-1).tolist() for r in direct] == want_ids
+    assert _tokens_per_response(direct) == list(map(len, want_ids))
+    for model in ("ensemble", "tensorrt_llm_bls"):
+        texts = _responses(shipped_server, model, grpc_inputs(
+            text_input=prompt, max_tokens=n, end_id=-1, stream=True, exclude_input_in_output=True,
+            return_perf_metrics=True, return_num_output_tokens=True))
+        assert [r.as_numpy("text_output").reshape(-1)[0].decode() for r in texts] == [o.text_delta for o in steps]
+        assert _tokens_per_response(texts) == list(map(len, want_ids)), model
+        last = texts[-1]
+        assert len(texts) == last.as_numpy("num_output_tokens").item() - \
+            last.as_numpy("total_accepted_draft_tokens").item() == len(steps), model
+
+
+def test_llmapi_flavour_streams_a_response_per_decoding_step(shipped_model_dir: Path, tmp_path: Path) -> None:
+    """The same of the llmapi flavour's tensorrt_llm (its executor in a process of its own, as on a GPU), whose
+    responses each carry the whole text so far: each response's text is the text after one more step, and its perf
+    metrics count that step's tokens."""
+    import yaml
+
+    from serving.triton.model_repo import add_llmapi_model
+
+    prompt, n = "def fibonacci(n):", 32
+    _, steps = _steps(shipped_model_dir, prompt, SamplingParams(max_tokens=n))  # no ignore_eos: no llmapi input
+    model = add_llmapi_model(tmp_path / "repo", shipped_model_dir)
+    doc = yaml.safe_load((model / "1" / "model.yaml").read_text())
+    doc["triton_config"].update(speculation="fixed", engine_process=True)
+    (model / "1" / "model.yaml").write_text(yaml.safe_dump(doc))
+    srv = start_server(tmp_path / "repo", log_file=tmp_path / "server.log", ready_timeout_s=240, exit_timeout_s=3)
+    try:
+        inputs = []
+        for name, arr in dict(text_input=np.array([prompt.encode()], object), streaming=np.array([True]),
+                              sampling_param_max_tokens=np.array([n], np.int32),
+                              sampling_param_return_perf_metrics=np.array([True])).items():
+            inputs.append(grpcclient.InferInput(name, list(arr.shape), DTYPES[arr.dtype]))
+            inputs[-1].set_data_from_numpy(arr)
+        responses = _responses(srv, "tensorrt_llm", inputs)
+    finally:
+        srv.stop()
+    assert_no_stub_crash(srv)
+    assert [r.as_numpy("text_output")[0].decode() for r in responses] == \
+        ["".join(o.text_delta for o in steps[:i + 1]) for i in range(len(steps))]
+    assert _tokens_per_response(responses) == [len(o.new_token_ids) for o in steps]
+
+
 # ---- metrics ---------------------------------------------------------------------------------
 def test_metrics_report_requests_tokens_acceptance_kv_and_queue(server: TritonServer, checkpoint: Path) -> None:
     long = " ".join(f"word{i}" for i in range(120))  # several full KV blocks, found in the prefix cache the second time

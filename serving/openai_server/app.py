@@ -4,8 +4,9 @@ and `vllm serve` run.
 
 Handlers only translate: each prompt of a request is submitted to the executor with its n choices (one
 executor request, the prompt computed once), whose thread runs every request in flight in one batch, and the handler waits on each `RequestHandle` asynchronously. A
-streamed chunk carries what one executor output brought (every token of one MTP step together). A
-client that disconnects, streaming or not, has its requests cancelled, which frees their KV blocks.
+streamed chunk carries what one executor output brought (every token of one MTP step together; a stream that falls
+behind the step loop is handed the steps it missed merged, RequestHandle, as vLLM merges them). A client that
+disconnects, streaming or not, has its requests cancelled, which frees their KV blocks.
 """
 
 from __future__ import annotations
