@@ -705,9 +705,14 @@ KINDS: Kinds = {
 def server_processes(server: ServeProcess) -> dict[int, str]:
     """pid -> name of dsv3-serve and each process under it (the engine process with --engine_process)."""
     pid = server.process.pid
-    return {pid: "dsv3-serve", **{child: "under dsv3-serve: " + " ".join(a.decode(errors="replace")
-                                                                         for a in argv[1:] if a)
+    return {pid: "dsv3-serve", **{child: "under dsv3-serve: " + _module_or_command(argv)
                                   for child, argv in live_descendants(pid).items()}}
+
+
+def _module_or_command(argv: list[bytes]) -> str:
+    """The module of ours a child runs (runtime.executors.lifetime.python_module), else its command's arguments."""
+    args = [a.decode(errors="replace") for a in argv[1:] if a]
+    return next((a for a in args if a.startswith("runtime.")), " ".join(args))
 
 
 def gauges(server: ServeProcess) -> dict[str, float]:

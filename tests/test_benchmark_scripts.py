@@ -674,7 +674,7 @@ def test_soak_openai_smoke(shipped_model_dir, tmp_path):
     assert res["cancellation"]["logged_client_disconnected"] == res["cancellation"]["cancels_and_disconnects"] > 0
     assert set(res["end"]["probes"].values()) == {"ok"} and len(res["end"]["probes"]) == 12
     server, engine = sorted(p["process"] for p in res["rss"]["processes"])
-    assert server == "dsv3-serve" and engine.startswith("under dsv3-serve: -m runtime.executors.process")
+    assert server == "dsv3-serve" and engine == "under dsv3-serve: runtime.executors.process"
     assert all(p["alive"] and p["start_kb"] > 0 for p in res["rss"]["processes"])
     assert res["shutdown"]["exit_status"] == 0 and res["shutdown"]["children_left"] == []
     assert res["end"]["gauges"]["kv_used"] == 0 and res["end"]["gauges"]["kv_free"] > 0

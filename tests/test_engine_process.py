@@ -395,7 +395,7 @@ def test_an_executor_made_on_a_thread_that_ends_lives_on(spec_checkpoint):
 
 def test_no_engine_process_outlives_its_parent(spec_checkpoint, tmp_path):
     """Shut down: the engine process has exited. Parent killed by SIGKILL (the executor made on the main thread, or
-    on a thread that has ended): the engine gets SIGTERM and exits."""
+    on a thread that has ended, or with the engine process stopped by SIGSTOP): the engine is killed too."""
     script = (f"import sys, threading; from runtime.executors.process import ProcessExecutor\n"
               f"made = []\n"
               f"make = lambda: made.append(ProcessExecutor({str(spec_checkpoint)!r}, torch_threads=1))\n"
@@ -406,10 +406,12 @@ def test_no_engine_process_outlives_its_parent(spec_checkpoint, tmp_path):
               f"print(ex._process.pid, flush=True)\n"
               f"if sys.argv[1] == 'shutdown':\n    ex.shutdown(); print('down', flush=True)\n"
               f"else:\n    import time; time.sleep(600)\n")
-    for how in ("shutdown", "sigkill", "thread"):
+    for how in ("shutdown", "sigkill", "thread", "stopped"):
         parent = subprocess.Popen([sys.executable, "-c", script, how], stdout=subprocess.PIPE, text=True)
         try:
             child = int(parent.stdout.readline())
+            if how == "stopped":  # SIGTERM would wait, pending, for a SIGCONT that never comes: an orphan for ever
+                os.kill(child, signal.SIGSTOP)
             if how != "shutdown":
                 time.sleep(0.5)
                 parent.kill()
@@ -419,6 +421,18 @@ def test_no_engine_process_outlives_its_parent(spec_checkpoint, tmp_path):
         finally:
             parent.kill()
             parent.wait()
+
+
+def test_the_engine_process_runs_our_runtime_whatever_its_working_directory_holds(spec_checkpoint, tmp_path,
+                                                                                  monkeypatch):
+    """`python -m` put the working directory first on the child's sys.path: a server started from a directory with a
+    `runtime/` package in it (another checkout, a file someone left in /tmp) ran that package in its engine process."""
+    (tmp_path / "runtime").mkdir()
+    (tmp_path / "runtime" / "__init__.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
+    monkeypatch.chdir(tmp_path)
+    with ProcessExecutor(spec_checkpoint, CONFIG, torch_threads=1) as ex:
+        assert ex.submit(PROMPTS[0], SamplingParams(max_tokens=4)).result(30).finish_reason == "length"
+    assert not (tmp_path / "ran").exists()
 
 
 def test_a_refusal_from_the_engine_leaves_its_callers_objects_to_reference_counting(engine):

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -46,9 +47,17 @@ def python_executable() -> str:
     return found
 
 
-def _terminate_with_parent() -> None:
-    """In a child (as a Popen preexec_fn): get SIGTERM when the thread that forked it ends."""
-    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+# runs `module` as __main__ with the directory this project's packages were imported from first on sys.path, where
+# `python -m` puts the working directory: a `runtime/` there (another checkout, a stranger's file in /tmp) is not run
+_RUN_MODULE = ("import runpy, sys; sys.path[0] = sys.argv.pop(2); "
+               "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)")
+PACKAGES_ROOT = str(Path(__file__).resolve().parents[2])  # holds runtime/
+
+
+def python_module(module: str) -> list[str]:
+    """The command that runs our `module` as `python -m module` would, but importing our packages from where this
+    process did, whatever the child's working directory holds."""
+    return [python_executable(), "-c", _RUN_MODULE, module, PACKAGES_ROOT]
 
 
 _spawns: queue.SimpleQueue = queue.SimpleQueue()  # (args, Popen keyword arguments, future) for the spawner
@@ -58,9 +67,10 @@ _spawner_lock = threading.Lock()
 
 def _spawn_forever(spawns: queue.SimpleQueue) -> None:
     while True:
-        args, kwargs, future = spawns.get()
-        try:
-            future.set_result(subprocess.Popen(args, preexec_fn=_terminate_with_parent, **kwargs))
+        args, kwargs, death_signal, future = spawns.get()
+        try:  # the child gets death_signal when this thread ends
+            future.set_result(subprocess.Popen(args, preexec_fn=partial(_prctl, PR_SET_PDEATHSIG, death_signal),
+                                               **kwargs))
         except BaseException as e:
             future.set_exception(e)
 
@@ -70,11 +80,13 @@ def _kill_unowned(future: Future) -> None:
         future.result().kill()
 
 
-def spawn(args: Sequence[str | Path], **kwargs: Any) -> subprocess.Popen:
-    """`subprocess.Popen(args, **kwargs)` for a child that gets SIGTERM when this process dies, even by SIGKILL, so
-    that nothing it started keeps running, holding memory or ports. The signal (PR_SET_PDEATHSIG) comes when the
+def spawn(args: Sequence[str | Path], death_signal: signal.Signals = signal.SIGTERM, **kwargs: Any) -> subprocess.Popen:
+    """`subprocess.Popen(args, **kwargs)` for a child that gets `death_signal` when this process dies, even by SIGKILL,
+    so that nothing it started keeps running, holding memory or ports. The signal (PR_SET_PDEATHSIG) comes when the
     thread that forked the child ends, not the process: every child is forked by one thread that lives as long as the
-    process, whatever thread asks (a worker thread that loads an executor, asyncio.to_thread, ends before it)."""
+    process, whatever thread asks (a worker thread that loads an executor, asyncio.to_thread, ends before it).
+    SIGTERM lets a server child shut down cleanly; a child with nothing to save once its parent is gone takes SIGKILL,
+    which also ends it while it is stopped (SIGSTOP), where SIGTERM would wait until it is continued."""
     global _spawner
     with _spawner_lock:
         if _spawner is None:
@@ -82,7 +94,7 @@ def spawn(args: Sequence[str | Path], **kwargs: Any) -> subprocess.Popen:
                                         daemon=True)
             _spawner.start()
     future: Future = Future()
-    _spawns.put((list(args), kwargs, future))
+    _spawns.put((list(args), kwargs, death_signal, future))
     try:
         return future.result()
     except BaseException:  # interrupted while it started (Ctrl-C): nobody will own the child

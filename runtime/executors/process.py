@@ -32,7 +32,7 @@ from runtime.core.sampling import TokenLogprob
 from runtime.core.sampling_params import SamplingParams, check_request_form
 from runtime.executors.backends import create_executor
 from runtime.executors.base import ExecutorConfig, ExecutorProtocol, ExecutorStats
-from runtime.executors.lifetime import forget_at_exit, python_executable, spawn, stop_at_exit
+from runtime.executors.lifetime import forget_at_exit, python_module, spawn, stop_at_exit
 from runtime.executors.handles import RequestHandle, check_callback
 from runtime.executors.outputs import RequestOutput, RequestStats, so_far
 from runtime.executors.requests import RequestIds
@@ -148,7 +148,7 @@ class ProcessExecutor:
         parent, child = socket.socketpair()
         # a fresh interpreter (not multiprocessing's spawn, which re-runs the caller's __main__), told its end
         # of the pair by descriptor; the settings follow as the first message
-        self._process = spawn([python_executable(), "-m", "runtime.executors.process", str(child.fileno())],
+        self._process = spawn([*python_module("runtime.executors.process"), str(child.fileno())], signal.SIGKILL,
                               pass_fds=[child.fileno()])
         child.close()
         self._conn = Connection(parent.detach())

@@ -14,13 +14,13 @@ Ranks started here meet through a file store in a directory only this user can o
 formed) and connect over loopback: torch's TCPStore listens on every interface, whatever host it is given, and
 the ranks' calls are pickles. Ranks torchrun started meet at its store and connect as torch.distributed chooses.
 
-Lifetime: a worker dies with rank 0's process (runtime.executors.lifetime) or when the group's connections
-close; `RankGroup.close` sends a stop, then SIGTERM, then SIGKILL. Any failure inside a driven forward leaves the
-ranks out of step (some wait in a collective the others never reach), so it ends the group and raises
-`RankFailure`, naming the rank that failed and why (a rank writes its exception before it exits: to a pipe if started
-here, else to torchrun's store) or its exit code: the executor stops with it. When one rank dies, the others lose their
-connections to it and report that too; the rank named is the one that failed on its own, or where each that stopped
-only lost a peer, the one that sent no report (`culprit`).
+Lifetime: a worker is killed (SIGKILL) with rank 0's process, even while stopped (runtime.executors.lifetime), and
+exits when the group's connections close; `RankGroup.close` sends a stop, then SIGTERM, then SIGKILL. Any failure
+inside a driven forward leaves the ranks out of step (some wait in a collective the others never reach), so it ends
+the group and raises `RankFailure`, naming the rank that failed and why (a rank writes its exception before it exits:
+to a pipe if started here, else to torchrun's store) or its exit code: the executor stops with it. When one rank dies,
+the others lose their connections to it and report that too; the rank named is the one that failed on its own, or
+where each that stopped only lost a peer, the one that sent no report (`culprit`).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from runtime.executors.lifetime import PID_NAMESPACE, python_executable, remove_dead_pids_leftovers, rss_bytes, spawn
+from runtime.executors.lifetime import PID_NAMESPACE, python_module, remove_dead_pids_leftovers, rss_bytes, spawn
 from runtime.io.engine_format import BuildConfig, EngineManifest
 from runtime.io.loading import load_engine
 from runtime.model.batch import PagedBatch
@@ -141,6 +141,8 @@ class RankGroup:
         self.owner = os.getpid()  # a fork()ed copy of this process must leave the ranks alone
         _groups.add(self)
         self.sent_bytes = 0  # calls broadcast to each other rank
+        # rank 0's share of this process's torch threads, for the thread that runs its steps (None: torchrun's setting)
+        self.threads: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -150,7 +152,8 @@ class RankGroup:
     def open(cls, path: str | Path, build: BuildConfig, options: RankOptions) -> "RankGroup":
         """Rank 0's group for a tp > 1 engine: the ranks torchrun started (on any other rank of those, serve rank 0's
         calls, then exit the process), else ranks 1.. started here; rank 0 loads its own file, then `connect`s.
-        Torch threads: torchrun's setting, or this process's divided among the ranks (the host's cores)."""
+        Torch threads: torchrun's setting, or this process's divided among the ranks (the host's cores): rank 0's share
+        is `threads`, which the executor's step loop takes, leaving the caller's own setting as it was."""
         world = build.tp_size
         launched = torchrun_rank()
         if launched is not None:
@@ -164,8 +167,9 @@ class RankGroup:
                                          report=lambda reason: store.set(f"failed/{rank}", reason)))
             return cls(Path(path), build, _torchrun_store(0, world), [])  # torchrun watches and ends the ranks
         threads = max(1, torch.get_num_threads() // world)
-        torch.set_num_threads(threads)
-        return cls.start(path, build, dataclasses.replace(options, threads=threads))
+        group = cls.start(path, build, dataclasses.replace(options, threads=threads))
+        group.threads = threads
+        return group
 
     @classmethod
     def start(cls, path: str | Path, build: BuildConfig, options: RankOptions) -> "RankGroup":
@@ -181,8 +185,8 @@ class RankGroup:
             os.set_blocking(read, False)
             reports.append(os.fdopen(read, "rb", buffering=0))
             try:
-                procs.append(spawn([python_executable(), "-m", "runtime.executors.ranks", str(path), str(r),
-                                    str(build.tp_size), store_file, opts, str(write)], pass_fds=(write,)))
+                procs.append(spawn([*python_module("runtime.executors.ranks"), str(path), str(r), str(build.tp_size),
+                                    store_file, opts, str(write)], signal.SIGKILL, pass_fds=(write,)))
             finally:
                 os.close(write)
         log.info("started ranks 1..%d of %s (pids %s)", build.tp_size - 1, path, [p.pid for p in procs])
