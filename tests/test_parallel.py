@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import urllib.request
 import os
 import signal
 import subprocess
@@ -361,7 +362,47 @@ def test_shutdown_shorter_than_a_step_cancels_as_one_process_does(tp2):
     assert took < 4, f"shutdown(timeout=0.01) took {took:.1f} s"  # it waited 5 s for ranks never told to stop
 
 
-def test_ranks_die_with_a_killed_executor_process(tp2):
+def test_a_server_watchdog_stops_the_executor_and_a_stopped_rank(tp2, shipped_model_dir, monkeypatch):
+    """dsv3-serve's watchdog, finding a rank stopped (SIGSTOP) mid-request, only stopped the server: uvicorn waited on
+    the requests in flight until the watchdog killed it, their clients got a dropped connection, and the rank stayed
+    behind, stopped. The executor stops first now: its requests end, the rank is killed."""
+    from serving.openai_server import cli
+
+    stopped = []
+    monkeypatch.setattr(cli, "stop_server", lambda pid, reason: stopped.append((pid, reason)))
+    ex = executor(tp2, None)
+    [worker] = ex.ranks.procs
+    handle = ex.submit(prompts(shipped_model_dir)[0], SamplingParams(max_tokens=200, ignore_eos=True))
+    next(iter(handle))  # generating
+    os.kill(worker.pid, signal.SIGSTOP)
+    time.sleep(0.5)  # rank 0 waits in a collective for rank 1
+    cli.stop_after_executor(ex, "engine: stalled")
+    assert handle.result(30).finish_reason == "cancelled"
+    assert _gone(worker.pid) and stopped == [(os.getpid(), "engine: stalled")]
+
+
+def test_rank_0_takes_its_share_of_threads_on_its_step_loop_alone(tp2):
+    """Rank 0 steps with its share of the process's threads while its ranks run; each tp-2 executor halved the
+    caller's threads for good (16, 8, 4, 2 after three), and later executors ran on what was left."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for _ in range(2):
+            ex = executor(tp2, None)
+            assert ex.ranks.threads == 1 and torch.get_num_threads() == 2
+            ex.shutdown()
+            assert torch.get_num_threads() == 2
+        seen = []  # a thread started now takes torch's process-wide setting
+        threading.Thread(target=lambda: seen.append(torch.get_num_threads())).start()
+        time.sleep(0.2)
+        assert seen == [2]
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("rank_stopped", [False, True], ids=["running", "stopped"])
+def test_ranks_die_with_a_killed_executor_process(tp2, rank_stopped):
+    """Also a rank stopped by SIGSTOP: SIGTERM would stay pending until a SIGCONT that never comes, an orphan."""
     script = (f"import sys; from runtime.executors.native import Executor; from runtime.executors.base import ExecutorConfig\n"
               f"ex = Executor({str(tp2)!r}, ExecutorConfig(kv_cache_tokens=512, num_draft_tokens=0))\n"
               f"print(*[p.pid for p in ex.ranks.procs], flush=True)\n"
@@ -371,6 +412,8 @@ def test_ranks_die_with_a_killed_executor_process(tp2):
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert pids
+        if rank_stopped:
+            os.kill(pids[0], signal.SIGSTOP)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         assert all(_gone(pid) for pid in pids)
@@ -526,15 +569,25 @@ def test_triton_world_size_serves_the_engine_from_its_ranks(tp2, tmp_path):
                      exit_timeout_s=5)
 
 
-def test_dsv3_serve_stops_when_a_rank_dies(tp2, tmp_path):
-    """A server whose executor has stopped serving answered 503 for ever (its /health said why); as vLLM's, it now
-    takes itself down, exit status 1 and the reason on stderr, for a supervisor to restart it."""
+def test_dsv3_serve_stops_when_a_rank_dies(tp2, shipped_model_dir, tmp_path):
+    """dsv3-serve on a tp-2 engine serves the joined engine's tokens. A server whose executor has stopped serving
+    answered 503 for ever (its /health said why); as vLLM's, it now takes itself down, exit status 1 and the reason
+    on stderr, for a supervisor to restart it."""
     from runtime.executors.lifetime import live_descendants
     from serving.openai_server.process import start_dsv3_serve
 
     log = tmp_path / "serve.log"
+    ids = prompts(shipped_model_dir)[0]
+    with executor(tp2, 1) as joined:  # the same engine in one process
+        want = joined.submit(ids, SamplingParams(max_tokens=16, ignore_eos=True)).result(60).token_ids
     server = start_dsv3_serve(tp2, "--num_draft_tokens", "2", "--kv_cache_tokens", "1024", log=log)
-    try:
+    try:  # first it serves from its ranks what the joined engine gives
+        body = json.dumps({"model": tp2.name, "prompt": ids, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+                           "return_token_ids": True}).encode()
+        request = urllib.request.Request(server.base_url + "/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert json.load(response)["choices"][0]["token_ids"] == want
         [pid] = [p for p, argv in live_descendants(server.process.pid).items()
                  if b"runtime.executors.ranks" in b" ".join(argv)]
         os.kill(pid, signal.SIGKILL)

@@ -340,6 +340,15 @@ class Executor:
 
     # ---- the step loop ------------------------------------------------------------------------
     def _loop(self) -> None:
+        threads = torch.get_num_threads()
+        if self.ranks is not None and self.ranks.threads is not None:
+            torch.set_num_threads(self.ranks.threads)  # rank 0's share of the cores, on the thread that steps
+        try:
+            self._serve()
+        finally:
+            torch.set_num_threads(threads)  # torch's setting for threads started later is process-wide
+
+    def _serve(self) -> None:
         error = None
         try:
             while not self._stopping:
