@@ -1347,6 +1347,20 @@ def test_load_shedding_is_a_503_logged_as_a_warning(shipped_model_dir: Path, tmp
     assert " ERROR " not in log
 
 
+def test_a_rank_that_cannot_load_is_one_line(shipped_model_dir: Path, monkeypatch, capsys) -> None:
+    """A tp > 1 engine whose rank 1 could not load its file printed a traceback (rank 0's own bad file: one line)."""
+    import serving.openai_server.cli as cli
+    from runtime.executors.ranks import RankFailure
+
+    def failing(*args, **kwargs):
+        raise RankFailure("rank 1 could not load engines/tp2: rank1.safetensors is truncated")
+
+    monkeypatch.setattr(cli, "open_server_executor", failing)
+    monkeypatch.setattr(cli, "interrupt_on_sigterm", lambda: None)
+    assert cli.main([str(shipped_model_dir), "--port", "0"]) == 2
+    assert capsys.readouterr().err == "dsv3-serve: rank 1 could not load engines/tp2: rank1.safetensors is truncated\n"
+
+
 def test_interrupted_while_loading_is_one_line(shipped_model_dir: Path, monkeypatch, capsys) -> None:
     """Ctrl-C (or SIGTERM, routed the same way until the server takes the signals over) while the model loads printed
     a traceback; one line and exit 130 now."""

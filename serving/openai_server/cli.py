@@ -20,9 +20,10 @@ from pathlib import Path
 import uvicorn
 
 from runtime.core.draft_policy import SPECULATION_MODES
-from runtime.executors.base import ExecutorConfig
+from runtime.executors.base import ExecutorConfig, ExecutorProtocol
 from runtime.executors.lifetime import MAX_TORCH_THREADS, stop_signals_to
 from runtime.executors.process import EngineProcessError, open_server_executor
+from runtime.executors.ranks import RankFailure
 from runtime.executors.trtllm_api import TensorRTLLMUnavailable
 from runtime.cli import interrupt_on_sigterm, show_defaults
 from serving.openai_server.app import api_key_problem, create_app
@@ -31,6 +32,8 @@ from serving.watchdog import STALL_TIMEOUT_S, Watchdog, stop_server
 from serving.openai_server.tool_calls import TOOL_CALL_PARSERS
 
 log = logging.getLogger("serving.openai_server")
+
+EXECUTOR_STOP_S = 5.0  # how long a failed executor's step under way gets to end before its ranks are signalled
 
 
 class Server(uvicorn.Server):
@@ -136,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     interrupt_on_sigterm()  # until the server takes the signals over: loading takes seconds to minutes
     try:
         executor = open_server_executor(args.model, config, args.engine_process, args.torch_threads)
-    except (ValueError, FileNotFoundError, EngineProcessError, TensorRTLLMUnavailable) as e:
+    except (ValueError, FileNotFoundError, EngineProcessError, TensorRTLLMUnavailable, RankFailure) as e:
         print(f"dsv3-serve: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -150,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         # an executor that stopped serving (a rank died, its step loop stalled) takes the server down, as vLLM's
         # engine does: a supervisor restarts it, where a server answering 503 for ever would not be
         watchdog = Watchdog({"engine": lambda: executor.health(STALL_TIMEOUT_S)},
-                            lambda reason: stop_server(os.getpid(), reason))
+                            lambda reason: stop_after_executor(executor, reason))
         try:
             # h11 parses HTTP: it bounds a request's head (h11_max_incomplete_event_size), where httptools let a
             # header line that never ended grow without bound, burning the event loop's CPU; the app logs each
@@ -165,6 +168,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dsv3-serve: stopped: {watchdog.failure}", file=sys.stderr)
         return 1
     return 0
+
+
+def stop_after_executor(executor: ExecutorProtocol, reason: str) -> None:
+    """The watchdog's failure: stop the executor first, which ends the requests in flight (their clients get an
+    answer, so the server's graceful stop does not wait on them) and its ranks (a stalled rank is killed, not left
+    behind), then the server."""
+    executor.shutdown(timeout=EXECUTOR_STOP_S)
+    stop_server(os.getpid(), reason)
 
 
 if __name__ == "__main__":
