@@ -4,7 +4,8 @@
 Triton tokenizer models) do not load the model code and torch.
 """
 
-__all__ = ["CompletionOutput", "GenerationResult", "GuidedDecodingParams", "SamplingParams", "Session"]
+__all__ = ["CompletionOutput", "GenerationFailed", "GenerationResult", "GuidedDecodingParams", "SamplingParams",
+           "Session"]
 
 
 def __getattr__(name: str):
@@ -12,7 +13,7 @@ def __getattr__(name: str):
         from runtime.core import sampling_params
 
         return getattr(sampling_params, name)
-    if name in ("Session", "GenerationResult", "CompletionOutput"):
+    if name in ("Session", "GenerationResult", "CompletionOutput", "GenerationFailed"):
         from runtime.executors import session
 
         return getattr(session, name)

@@ -21,7 +21,7 @@ import torch
 
 from runtime import SamplingParams, Session
 from runtime.executors.base import ExecutorConfig
-from runtime.executors.session import GenerationResult
+from runtime.executors.session import GenerationFailed, GenerationResult
 from runtime.io.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -130,6 +130,33 @@ def test_stream_multibyte_characters_are_never_split(spec_checkpoint) -> None:
     assert "".join(deltas) == full.text == s.tokenizer.decode(full.token_ids)
     for d in deltas:
         d.encode("utf-8")
+
+
+def test_a_failed_request_says_why_in_generate_and_stream(spec_checkpoint, monkeypatch) -> None:
+    """A request whose step failed ended "error", and the reason was only in the log: generate's outputs carry it,
+    and a stream raises it after its last delta rather than end as if the text were whole."""
+    with Session(spec_checkpoint, num_draft_tokens=0, max_seq_len=MAX_SEQ_LEN) as s:
+        def broken(plan):
+            raise RuntimeError("the kernel broke")
+
+        monkeypatch.setattr(s.executor.runner, "step", broken)
+        [result] = s.generate([PROMPT], SamplingParams(max_tokens=8))
+        assert (result.finish_reason, result.error, result.outputs[0].error) == ("error", "the kernel broke",
+                                                                                "the kernel broke")
+        with pytest.raises(GenerationFailed, match="^the request ended error: the kernel broke$"):
+            list(s.stream(PROMPT, SamplingParams(max_tokens=8)))
+
+
+def test_a_stream_cut_by_close_raises(spec_checkpoint, monkeypatch) -> None:
+    s = Session(spec_checkpoint, num_draft_tokens=0, max_seq_len=MAX_SEQ_LEN)
+    closed = hold_after_first_text(monkeypatch)
+    gen = s.stream(PROMPT, SamplingParams(max_tokens=80, ignore_eos=True))
+    next(gen)
+    threading.Thread(target=s.close).start()  # it waits for the step under way, which waits for `closed`
+    time.sleep(0.2)
+    closed.set()
+    with pytest.raises(GenerationFailed, match="^the request ended cancelled$"):
+        list(gen)
 
 
 def test_stream_closed_early_cancels(session, monkeypatch) -> None:

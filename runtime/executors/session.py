@@ -34,6 +34,7 @@ class CompletionOutput:
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids (SamplingParams.logprobs)
     cumulative_logprob: float | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: eos or another end)
+    error: str | None = None  # what went wrong, when finish_reason is "error" (an executor or rank that failed)
 
 
 @dataclass
@@ -73,6 +74,14 @@ class GenerationResult:
     def cumulative_logprob(self) -> float | None:
         return self.outputs[0].cumulative_logprob
 
+    @property
+    def error(self) -> str | None:
+        return self.outputs[0].error
+
+
+class GenerationFailed(RuntimeError):
+    """A streamed request that ended without running to its end: cancelled (the session closed) or an error."""
+
 
 class Session:
     def __init__(self, path: str | Path, speculation: str = "fixed", **config: Any):
@@ -105,7 +114,7 @@ class Session:
                 outs = handle.results()
                 results.append(GenerationResult(prompt, [CompletionOutput(o.index, o.text, o.token_ids, o.finish_reason,
                                                                           o.stats, o.logprobs, o.cumulative_logprob,
-                                                                          o.stop_reason)
+                                                                          o.stop_reason, o.error)
                                                          for o in outs], outs[0].prompt_logprobs))
         finally:  # interrupted (Ctrl-C): nobody will read the rest, so they stop and free their blocks
             for handle in handles:
@@ -115,7 +124,9 @@ class Session:
 
     def stream(self, prompt: str, params: SamplingParams | None = None) -> Iterator[str]:
         """Text deltas as they are decoded; each is valid UTF-8 on its own. Invalid parameters raise
-        here; the request starts at the first next(). One output only (n = 1)."""
+        here; the request starts at the first next(). One output only (n = 1). A request that ends without running
+        to its end (the executor failed or was shut down) raises `GenerationFailed` after its last delta, so a
+        cut-off text never reads as finished."""
         ids, params = self._encode(prompt), params or SamplingParams()
         self.executor.validate(ids, params)
         if params.num_sequences != 1:
@@ -128,6 +139,9 @@ class Session:
             for out in handle:
                 if out.text_delta:
                     yield out.text_delta
+                if out.failed:
+                    raise GenerationFailed(f"the request ended {out.finish_reason}"
+                                           + (f": {out.error}" if out.error else ""))
         finally:
             if not handle.finished:
                 handle.cancel()
