@@ -673,12 +673,16 @@ def test_soak_llmapi_streamed_text_is_the_whole_text_so_far():
     assert inputs <= INPUTS
 
 
-@pytest.mark.parametrize("name", ["soak_openai", "soak_openai_engine_process"])
-def test_soak_report_is_the_one_written_with_its_results(name):
-    """The report the OpenAI soak writes, from the results it wrote with it (docs/benchmarks): the soaks' shared
-    report (soak_common.report_md) gives it byte for byte."""
-    from benchmarks.soak_openai import markdown
+@pytest.mark.parametrize("soak, name", [("soak_openai", "soak_openai"), ("soak_openai", "soak_openai_engine_process"),
+                                        ("soak_test", "soak_llmapi_quick")])
+def test_soak_report_is_the_one_written_with_its_results(soak, name):
+    """The report the OpenAI soak (and the Triton soak's llmapi flavour) writes, from the results it wrote with it
+    (docs/benchmarks): the soaks' shared report (soak_common.report_md) gives it byte for byte."""
+    if soak == "soak_test":
+        pytest.importorskip("tritonclient.grpc")
+    import importlib
 
+    markdown = importlib.import_module(f"benchmarks.{soak}").markdown
     docs = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
     assert markdown(json.loads((docs / f"{name}.json").read_text())) + "\n" == (docs / f"{name}.md").read_text()
 
