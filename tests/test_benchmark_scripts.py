@@ -603,26 +603,101 @@ def test_soak_rss_reads_proc_status_as_the_runtime_does():
     assert st.rss_kb({os.getpid(): "me"}, "RssShmem")[os.getpid()] == status_kb(os.getpid(), "RssShmem")
 
 
-@pytest.mark.parametrize("name", ["soak_openai", "soak_openai_engine_process"])
-def test_soak_report_is_the_one_written_with_its_results(name):
-    """The report the OpenAI soak writes, from the results it wrote with it (docs/benchmarks): the soaks' shared
-    report (soak_common.report_md) gives it byte for byte."""
-    from benchmarks.soak_openai import markdown
+# the llmapi soak's bad requests that serving/triton/llmapi_request.py refuses (the others are refused by Triton, the
+# executor or the model's stop handling: the llmapi smoke test sends them to the real server)
+LLMAPI_REQUEST_REFUSALS = ["max_tokens_zero", "temperature_negative", "top_k_negative", "top_p_above_one", "top_p_nan",
+                           "frequency_penalty_past_limit", "best_of_greedy", "text_input_too_long", "text_input_not_utf8",
+                           "text_input_missing", "two_prompts", "too_many_stops", "image_url"]
 
+
+@pytest.mark.parametrize("case", LLMAPI_REQUEST_REFUSALS)
+def test_soak_llmapi_bad_requests_expect_llmapi_requests_refusals(case, monkeypatch):
+    """Each such bad kind of `soak_test --flavour llmapi`, over every transport it picks, its values converted as its
+    gRPC client converts them (no batch dimension), and read by llmapi_request as the llmapi model reads them: the
+    refusal is the one the soak expects (a message changed on one side fails here, not minutes into a soak), and
+    LLMAPI_GOOD, which each case departs from, is served."""
+    pytest.importorskip("tritonclient.grpc")
+    import random
+
+    import benchmarks.soak_test as st
+    from serving.request_validation import RequestError
+    from serving.triton.llmapi_request import llmapi_request
+
+    max_bytes = 1000
+
+    def model(values: dict) -> st.Reply:
+        try:
+            llmapi_request(st.grpc_arrays(values, batched=False), max_bytes)
+        except RequestError as e:
+            return st.Reply(error=str(e), status=400)
+        return st.Reply(text=b"served", status=200)
+
+    sent = []
+    monkeypatch.setattr(st, "grpc_stream", lambda ctx, name, values, **kw: sent.append("grpc") or model(values))
+    monkeypatch.setattr(st, "http_generate", lambda ctx, name, body: sent.append("generate") or model(body))
+    monkeypatch.setattr(st, "http_sse", lambda ctx, name, body: sent.append("sse") or model(body))
+    ctx = st.Ctx(None, st.FLAVOURS["llmapi"], SimpleNamespace(vocab_size=1000, max_text_bytes=lambda n: max_bytes), 64,
+                 [], [], {})
+    assert model(st.LLMAPI_GOOD).error is None
+    run = st.LLMAPI_KINDS[f"bad_{case}"][1]
+    for seed in range(12):
+        assert run(ctx, random.Random(seed)).outcome == "expected_refusal"
+    assert set(sent) in ({"grpc"}, {"generate", "sse"}, {"grpc", "generate", "sse"}), sent
+
+
+def test_soak_llmapi_streamed_text_is_the_whole_text_so_far():
+    """The llmapi flavour's streamed text_output is the whole text so far: each must extend the previous (the reply
+    keeps the last); the legacy flavour's are added up. Its requests use the llmapi model's input names."""
+    pytest.importorskip("tritonclient.grpc")
+    import benchmarks.soak_test as st
+
+    legacy, llmapi = st.FLAVOURS["legacy"], st.FLAVOURS["llmapi"]
+    reply = st.Reply()
+    for text in (b"Hel", b"Hello", b"Hello"):
+        reply.add_text(text, llmapi.cumulative)
+    assert reply.text == b"Hello"
+    with pytest.raises(st.Unexpected, match="does not extend"):
+        reply.add_text(b"Help", llmapi.cumulative)
+    reply = st.Reply()
+    for text in (b"Hel", b"lo"):
+        reply.add_text(text, legacy.cumulative)
+    assert reply.text == b"Hello"
+    ctx = SimpleNamespace(flavour=llmapi)
+    assert st.text_request(ctx, None, "hi", max_tokens=4, stream=True, num_draft_tokens=0) == {
+        "text_input": "hi", "sampling_param_max_tokens": 4, "sampling_param_exclude_input_from_output": True,
+        "sampling_param_num_draft_tokens": 0, "streaming": True}
+    inputs = {f"sampling_param_{name}" for name in ("max_tokens", "temperature", "top_p", "seed", "num_draft_tokens",
+                                                     "exclude_input_from_output")} | {"streaming"}
+    assert set(llmapi.names.values()) == inputs  # each an input the llmapi model declares
+    from serving.triton.llmapi_request import INPUTS
+    assert inputs <= INPUTS
+
+
+@pytest.mark.parametrize("soak, name", [("soak_openai", "soak_openai"), ("soak_openai", "soak_openai_engine_process"),
+                                        ("soak_test", "soak_llmapi_quick")])
+def test_soak_report_is_the_one_written_with_its_results(soak, name):
+    """The report the OpenAI soak (and the Triton soak's llmapi flavour) writes, from the results it wrote with it
+    (docs/benchmarks): the soaks' shared report (soak_common.report_md) gives it byte for byte."""
+    if soak == "soak_test":
+        pytest.importorskip("tritonclient.grpc")
+    import importlib
+
+    markdown = importlib.import_module(f"benchmarks.{soak}").markdown
     docs = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
     assert markdown(json.loads((docs / f"{name}.json").read_text())) + "\n" == (docs / f"{name}.md").read_text()
 
 
-def test_soak_test_smoke(shipped_model_dir, tmp_path):
-    """A few seconds of the soak's mixed load on the real tritonserver: every kind is sent, nothing unexpected
-    comes back, and the results hold the figures the soak reports (memory growth is not judged this short)."""
+def _soak_test_smoke(model_dir: Path, out: Path, title: str, *flags: str) -> dict:
+    """A few seconds of `soak_test` at concurrency 4 (with `flags`), and what both flavours' smoke tests check of its
+    results: every kind sent, nothing unexpected, every check but memory's (not judged this short) passed, every KV
+    block free, every cancel in the executor, each process alive and sampled."""
     pytest.importorskip("tritonclient.grpc")
-    r = _run_benchmark("soak_test", ["--engine_dir", str(shipped_model_dir), "--out", str(tmp_path / "soak"),
-                                     "--minutes", "0.2", "--concurrency", "4"], timeout=300)
-    res = json.loads((tmp_path / "soak.json").read_text())
+    r = _run_benchmark("soak_test", ["--engine_dir", str(model_dir), "--out", str(out / "soak"), "--minutes", "0.2",
+                                     "--concurrency", "4", *flags], timeout=300)
+    res = json.loads((out / "soak.json").read_text())
     assert r.returncode == (0 if res["passed"] else 1), r.stderr[-3000:]
-    assert (tmp_path / "soak.md").read_text().startswith("# Soak test: ")
-    _no_temporaries(tmp_path)
+    assert (out / "soak.md").read_text().startswith(f"# {title}: ")
+    _no_temporaries(out)
     checks = res["checks"]
     for c in ("no_unexpected_errors", "no_probe_mismatches", "clients_stopped", "server_processes_alive",
               "kv_blocks_all_free", "cancels_reached_the_executor", "healthy_at_end", "no_stub_crash_in_log"):
@@ -637,16 +712,39 @@ def test_soak_test_smoke(shipped_model_dir, tmp_path):
     assert all(k["weight"] > 0 for k in res["kinds"].values()) and "probe_greedy" in res["kinds"]
     lat = res["latency"]["all"]
     assert 0 < lat["latency_p50_s"] <= lat["latency_p99_s"]
+    assert all(p["alive"] and p["start_kb"] > 0 and p["end_kb"] > 0 for p in res["rss"]["processes"])
+    kv = res["end"]["kv_blocks"]
+    assert kv["used"] == 0 and kv["free"] == kv["max"] > 0
+    assert res["cancellation"]["executor_cancelled"] == res["cancellation"]["cancels_and_disconnects"] > 0
+    assert res["machine"]["git_commit"]
+    assert res["machine"]["command"].startswith("python -m benchmarks.soak_test --engine_dir ")
+    return res
+
+
+def test_soak_test_smoke(shipped_model_dir, tmp_path):
+    """A few seconds of the soak's mixed load on the real tritonserver (the legacy repository): every kind is sent,
+    nothing unexpected comes back, and the results hold the figures the soak reports."""
+    res = _soak_test_smoke(shipped_model_dir, tmp_path, "Soak test")
+    assert res["flavour"] == "legacy" and "repo_values" in res["settings"]
     names = {p["process"] for p in res["rss"]["processes"]}
     bls = {n for n in names if n.startswith("stub tensorrt_llm_bls_")}  # Triton: <model>_<i>_<device>
     assert names - bls == {"tritonserver", "stub preprocessing_0_0", "stub postprocessing_0_0", "stub tensorrt_llm_0_0"}
     assert len(bls) == 8  # make_model_repo's bls_instance_count
-    assert all(p["alive"] and p["start_kb"] > 0 and p["end_kb"] > 0 for p in res["rss"]["processes"])
-    kv = res["end"]["kv_blocks"]
-    assert kv["used"] == 0 and kv["free"] == kv["max"] > 0
-    assert res["cancellation"]["executor_cancelled"] == res["cancellation"]["cancels_and_disconnects"]
-    assert res["machine"]["git_commit"]
-    assert res["machine"]["command"].startswith("python -m benchmarks.soak_test --engine_dir ")
+
+
+def test_soak_test_llmapi_smoke(shipped_model_dir, tmp_path):
+    """The same with --flavour llmapi: the llmapi repository's one decoupled tensorrt_llm over every surface, its
+    stop requests by id and each bad request's exact refusal; the memory and KV checks cover its processes."""
+    res = _soak_test_smoke(shipped_model_dir, tmp_path, "Soak test, llmapi flavour", "--flavour", "llmapi")
+    assert res["flavour"] == "llmapi" and res["settings"]["model_yaml"]["triton_config"]["decoupled"] is True
+    assert {"stop_by_id", "cancel_grpc", "disconnect_http_sse", "bad_unary_infer_on_decoupled"} <= set(res["kinds"])
+    assert res["priming"]["by_outcome"]["expected_refusal"] == 4 * sum(k.startswith("bad_") for k in res["kinds"])
+    assert set(res["kinds"]["stop_by_id"]["outcomes"]) <= {"cancelled"}  # priming's 4 too: no unexpected error
+    assert res["settings"]["cancel_prompts"] > 0
+    names = {p["process"] for p in res["rss"]["processes"]}
+    assert {"tritonserver", "stub tensorrt_llm_0_0"} <= names  # and the engine's own process where it has one
+    assert all(n.startswith("under stub tensorrt_llm_0_0: -m runtime.executors.") for n in names
+               - {"tritonserver", "stub tensorrt_llm_0_0"})
 
 
 def test_soak_openai_smoke(shipped_model_dir, tmp_path):
