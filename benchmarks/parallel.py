@@ -100,7 +100,8 @@ def tpot(engine: Path, world: int | None, threads: int, batches: list[int], max_
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         ex.submit(prompts[0], SamplingParams(max_tokens=8, ignore_eos=True)).result()  # warm up
         par = ex.engine.model.par
-        out = {"world_size": ex.stats().world_size, "threads_per_rank": torch.get_num_threads(), "batches": {}}
+        per_rank = ex.ranks.threads if ex.ranks else torch.get_num_threads()  # rank 0's step loop runs on its share
+        out = {"world_size": ex.stats().world_size, "threads_per_rank": per_rank, "batches": {}}
         for b in batches:
             steps[0], gathered, calls = 0, par.received_bytes, ex.ranks.sent_bytes if ex.ranks else 0
             t0 = time.perf_counter()
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         mem = memory(work, config)
         from benchmarks.common import machine_info, machine_md, md_table, run_tool, write_results
 
-        info = machine_info()  # before the cases, which leave this process at one torch thread
+        info = machine_info()  # before the cases, which set this process's torch threads
 
         engine = work / "shipped-tp2"
         run_tool([Path(sys.executable).with_name("build_engine"), "--model_dir", SHIPPED, "--output_dir", engine,

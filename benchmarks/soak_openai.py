@@ -50,7 +50,7 @@ from benchmarks.soak_common import (CANCEL_TOKENS, PROBE_TOKENS, Kinds, Record, 
                                     add_soak_args, check_soak_args, errors_by_kind, latency_stats, make_prompts,
                                     metric, read_metrics, report_md, rss_checks, rss_kb, rss_results, rss_table,
                                     run_load, summarize_kinds, wait_drained)
-from runtime.executors.lifetime import live_descendants, running
+from runtime.executors.lifetime import live_descendants, module_run_by, running
 from runtime.io.tokenizer import Tokenizer
 from serving.openai_server.process import ServeProcess, start_dsv3_serve
 
@@ -705,14 +705,8 @@ KINDS: Kinds = {
 def server_processes(server: ServeProcess) -> dict[int, str]:
     """pid -> name of dsv3-serve and each process under it (the engine process with --engine_process)."""
     pid = server.process.pid
-    return {pid: "dsv3-serve", **{child: "under dsv3-serve: " + _module_or_command(argv)
-                                  for child, argv in live_descendants(pid).items()}}
-
-
-def _module_or_command(argv: list[bytes]) -> str:
-    """The module of ours a child runs (runtime.executors.lifetime.python_module), else its command's arguments."""
-    args = [a.decode(errors="replace") for a in argv[1:] if a]
-    return next((a for a in args if a.startswith("runtime.")), " ".join(args))
+    return {pid: "dsv3-serve", **{child: "under dsv3-serve: " + (module_run_by(argv) or " ".join(
+        a.decode(errors="replace") for a in argv[1:] if a)) for child, argv in live_descendants(pid).items()}}
 
 
 def gauges(server: ServeProcess) -> dict[str, float]:

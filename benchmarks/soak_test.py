@@ -82,11 +82,11 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 import yaml
 
-from runtime.executors.lifetime import live_descendants
+from runtime.executors.lifetime import live_descendants, module_run_by
 from runtime.io.engine_format import read_limits
 from runtime.io.tokenizer import Tokenizer
 
-EXECUTOR_MODULES = (b"runtime.executors.process", b"runtime.executors.ranks")  # an engine's processes under a stub
+EXECUTOR_MODULES = ("runtime.executors.process", "runtime.executors.ranks")  # an engine's processes under a stub
 CANCEL_PROMPTS = 8  # prompts tried for the llmapi flavour's cancels (record_cancel_prompts)
 DRAIN_S = 60.0  # after the load, how long the server may take to report no active request and no used KV block
 QUICK = dict(minutes=2.0, concurrency=8, sample_every_s=30.0)
@@ -681,9 +681,9 @@ def server_processes(server: TritonServer) -> dict[int, str]:
     """pid -> name of tritonserver, each Python backend stub (named by its model instance) and each executor process
     under a stub (its engine in a process of its own, triton_config.engine_process: the default on CUDA devices)."""
     stubs = python_stubs(server.process.pid)
-    executors = {pid: f"under stub {name}: -m {argv[argv.index(b'-m') + 1].decode()}"
+    executors = {pid: f"under stub {name}: {module}"
                  for stub, name in stubs.items() for pid, argv in live_descendants(stub).items()
-                 if b"-m" in argv[:-1] and argv[argv.index(b"-m") + 1].startswith(EXECUTOR_MODULES)}
+                 if (module := module_run_by(argv)) is not None and module.startswith(EXECUTOR_MODULES)}
     return {server.process.pid: "tritonserver", **{pid: f"stub {name}" for pid, name in stubs.items()}, **executors}
 
 

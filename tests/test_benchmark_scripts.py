@@ -743,8 +743,19 @@ def test_soak_test_llmapi_smoke(shipped_model_dir, tmp_path):
     assert res["settings"]["cancel_prompts"] > 0
     names = {p["process"] for p in res["rss"]["processes"]}
     assert {"tritonserver", "stub tensorrt_llm_0_0"} <= names  # and the engine's own process where it has one
-    assert all(n.startswith("under stub tensorrt_llm_0_0: -m runtime.executors.") for n in names
+    assert all(n.startswith("under stub tensorrt_llm_0_0: runtime.executors.") for n in names
                - {"tritonserver", "stub tensorrt_llm_0_0"})
+
+
+def test_the_soaks_name_our_children_by_their_module():
+    """The soaks found an engine's processes by `-m` in their command lines, which python_module's do not have: the
+    Triton soak sampled none of them."""
+    from runtime.executors.lifetime import module_run_by, python_module
+
+    argv = [a.encode() for a in python_module("runtime.executors.process")] + [b"7"]
+    assert module_run_by(argv) == "runtime.executors.process"
+    assert module_run_by([b"python", b"-m", b"runtime.executors.process", b"7"]) is None
+    assert module_run_by(argv[:3]) is None  # the runner's code with nothing after it
 
 
 def test_soak_openai_smoke(shipped_model_dir, tmp_path):

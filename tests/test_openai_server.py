@@ -1361,6 +1361,20 @@ def test_a_rank_that_cannot_load_is_one_line(shipped_model_dir: Path, monkeypatc
     assert capsys.readouterr().err == "dsv3-serve: rank 1 could not load engines/tp2: rank1.safetensors is truncated\n"
 
 
+def test_the_watchdog_stops_the_server_whatever_the_executors_shutdown_does(monkeypatch) -> None:
+    import serving.openai_server.cli as cli
+
+    class Failing:
+        def shutdown(self, timeout: float | None = 30) -> None:
+            raise RuntimeError("its shutdown broke")
+
+    stopped = []
+    monkeypatch.setattr(cli, "stop_server", lambda pid, reason: stopped.append(reason))
+    with pytest.raises(RuntimeError, match="its shutdown broke"):
+        cli.stop_after_executor(Failing(), "engine: stalled")
+    assert stopped == ["engine: stalled"]
+
+
 def test_interrupted_while_loading_is_one_line(shipped_model_dir: Path, monkeypatch, capsys) -> None:
     """Ctrl-C (or SIGTERM, routed the same way until the server takes the signals over) while the model loads printed
     a traceback; one line and exit 130 now."""

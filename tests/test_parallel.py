@@ -389,13 +389,16 @@ def test_rank_0_takes_its_share_of_threads_on_its_step_loop_alone(tp2):
     try:
         for _ in range(2):
             ex = executor(tp2, None)
-            assert ex.ranks.threads == 1 and torch.get_num_threads() == 2
+            stepping = []  # an output callback runs on the step loop's thread
+            ex.submit([5, 6, 7], SamplingParams(max_tokens=2), on_output=lambda out: stepping.append(
+                torch.get_num_threads())).result(60)
+            assert ex.ranks.threads == 1 and set(stepping) == {1} and torch.get_num_threads() == 2
+            started = []  # a thread started while it runs takes torch's process-wide setting: the caller's
+            threading.Thread(target=lambda: started.append(torch.get_num_threads())).start()
+            time.sleep(0.2)
+            assert started == [2]
             ex.shutdown()
             assert torch.get_num_threads() == 2
-        seen = []  # a thread started now takes torch's process-wide setting
-        threading.Thread(target=lambda: seen.append(torch.get_num_threads())).start()
-        time.sleep(0.2)
-        assert seen == [2]
     finally:
         torch.set_num_threads(before)
 

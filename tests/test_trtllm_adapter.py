@@ -1111,7 +1111,7 @@ def test_contract_submit_validation_and_shutdown(engine_dir: Path, trtllm: Modul
     with pytest.raises(ValueError, match="request_id 'same' is already in flight"):
         ex.submit([5, 6], SamplingParams(max_tokens=5), request_id="same")
     next(iter(h))
-    ex.shutdown()
+    ex.shutdown(timeout=5)  # as a server's watchdog calls every executor's (it took no timeout: TypeError there)
     assert h.result(5).finish_reason == "cancelled"
     assert trtllm.llms[0].requests[0].abort_calls == 1 and trtllm.llms[0].shutdown_calls == 1
     with pytest.raises(RuntimeError, match="executor is shut down"):

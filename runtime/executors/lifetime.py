@@ -49,7 +49,9 @@ def python_executable() -> str:
 
 # runs `module` as __main__ with the directory this project's packages were imported from first on sys.path, where
 # `python -m` puts the working directory: a `runtime/` there (another checkout, a stranger's file in /tmp) is not run
-_RUN_MODULE = ("import runpy, sys; sys.path[0] = sys.argv.pop(2); "
+# (where PYTHONSAFEPATH leaves the working directory out, the root goes first all the same)
+_RUN_MODULE = ("import runpy, sys; root = sys.argv.pop(2); "
+               "sys.path[:1] = [root] if sys.path[:1] == [''] else [root, *sys.path[:1]]; "
                "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)")
 PACKAGES_ROOT = str(Path(__file__).resolve().parents[2])  # holds runtime/
 
@@ -58,6 +60,12 @@ def python_module(module: str) -> list[str]:
     """The command that runs our `module` as `python -m module` would, but importing our packages from where this
     process did, whatever the child's working directory holds."""
     return [python_executable(), "-c", _RUN_MODULE, module, PACKAGES_ROOT]
+
+
+def module_run_by(argv: Sequence[bytes]) -> str | None:
+    """The module a process started by `python_module` runs, from its command line as /proc holds it; else None."""
+    code = _RUN_MODULE.encode()
+    return argv[argv.index(code) + 1].decode() if code in argv[:-1] else None
 
 
 _spawns: queue.SimpleQueue = queue.SimpleQueue()  # (args, Popen keyword arguments, future) for the spawner

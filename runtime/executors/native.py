@@ -8,6 +8,7 @@ UTF-8) to callbacks and iterators. The executor owns time and threads, and frees
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -16,7 +17,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -45,6 +46,19 @@ __all__ = ["Executor", "ExecutorStats", "RequestHandle", "RequestOutput", "Reque
 
 log = logging.getLogger("runtime.executors.native")
 
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """This thread's torch threads at `n` inside the block (None: as they are); the setting before comes back after."""
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n is not None:
+            torch.set_num_threads(before)
+
+
 class Executor:
     def __init__(self, engine: str | Path | LoadedEngine, config: ExecutorConfig = ExecutorConfig(),
                  manifest: EngineManifest | None = None):
@@ -62,13 +76,20 @@ class Executor:
             if plan is None:  # a loaded engine given: it runs in this process
                 e = self.engine
                 plan = config.resolve(e.build, e.model_config, str(e.path), e.built, loaded=True)
-            self._setup(plan)
+            share = self.ranks.threads if self.ranks is not None else None
+            with torch_threads(share):  # the step costs profiled as the steps will run
+                self._setup(plan)
         except BaseException:
             if self.ranks is not None:
                 self.ranks.close(graceful=False)
             raise
+        own = torch.get_num_threads()
+        self._threads_set = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="executor", daemon=True)
         self._thread.start()
+        if share is not None:  # torch keeps one setting for threads started later: the caller's again, not the share
+            self._threads_set.wait()
+            torch.set_num_threads(own)
         stop_at_exit(self, lambda: self.shutdown(timeout=None))  # left open: stopped before the interpreter ends
 
     def _check_settings(self, path: Path, manifest: EngineManifest | None) -> ServingPlan | None:
@@ -340,15 +361,10 @@ class Executor:
 
     # ---- the step loop ------------------------------------------------------------------------
     def _loop(self) -> None:
-        threads = torch.get_num_threads()
-        if self.ranks is not None and self.ranks.threads is not None:
-            torch.set_num_threads(self.ranks.threads)  # rank 0's share of the cores, on the thread that steps
-        try:
-            self._serve()
-        finally:
-            torch.set_num_threads(threads)  # torch's setting for threads started later is process-wide
-
-    def _serve(self) -> None:
+        if self.ranks is not None and self.ranks.threads is not None:  # rank 0's share of the cores, on this thread
+            torch.get_num_threads()  # torch sets a thread's count from its process-wide one at its first use: first
+            torch.set_num_threads(self.ranks.threads)
+        self._threads_set.set()
         error = None
         try:
             while not self._stopping:

@@ -1,14 +1,14 @@
 """The ranks of a tensor/expert-parallel engine as processes of their own, on torch.distributed (gloo on CPU).
 
-Rank 0 is the executor's process: it alone schedules, samples and accepts. `RankGroup.start` starts ranks
-1.. (`python -m runtime.executors.ranks`), or torchrun has started every rank (`RankGroup.open`: rank 0's
-executor joins them; any other rank's executor becomes a worker that exits when rank 0 stops it); each
-loads its own rank file (`load_engine(par=...)`), then runs every
-forward rank 0 runs, with the same arguments: rank 0's model becomes a `DrivingModel`, whose forwards first
-broadcast their call (the method and its arguments: token ids, positions, the `PagedBatch`, hidden states)
-to the other ranks. Each rank keeps a KV cache of the same shape, written by the same forwards at the same
-slots (the latent cache is replicated, see runtime.model.deepseek_v3), so block tables mean the same on every
-rank, and scheduling, speculation, in-flight batching, preemption and cancellation stay on rank 0 unchanged.
+Rank 0 is the executor's process: it alone schedules, samples and accepts. `RankGroup.start` starts ranks 1.. (this
+module as `python -m` runs it: `lifetime.python_module`), or torchrun has started every rank (`RankGroup.open`: rank
+0's executor joins them; any other rank's executor becomes a worker that exits when rank 0 stops it); each loads its
+own rank file (`load_engine(par=...)`), then runs every forward rank 0 runs, with the same arguments: rank 0's model
+becomes a `DrivingModel`, whose forwards first broadcast their call (the method and its arguments: token ids,
+positions, the `PagedBatch`, hidden states) to the other ranks. Each rank keeps a KV cache of the same shape, written
+by the same forwards at the same slots (the latent cache is replicated, see runtime.model.deepseek_v3), so block
+tables mean the same on every rank, and scheduling, speculation, in-flight batching, preemption and cancellation stay
+on rank 0 unchanged.
 
 Ranks started here meet through a file store in a directory only this user can open (removed once the group has
 formed) and connect over loopback: torch's TCPStore listens on every interface, whatever host it is given, and

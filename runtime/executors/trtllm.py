@@ -246,14 +246,15 @@ class TrtllmExecutor:
             draft_tokens=c["drafted"], accepted_draft_tokens=c["accepted"], current_draft_len=self.num_draft_tokens,
             acceptance_estimate=c["accepted"] / c["drafted"] if c["drafted"] else 0.0)
 
-    def shutdown(self) -> None:
-        """Cancel what is in flight (finish reason "cancelled"), shut TensorRT-LLM down, stop the loop."""
+    def shutdown(self, timeout: float | None = 30) -> None:
+        """Cancel what is in flight (finish reason "cancelled"), shut TensorRT-LLM down, stop the loop; `timeout`
+        bounds each wait for our loop (the cancels, its end)."""
         if self._closed:
             return
         with self._submit_lock:
             self._stopping = True
         try:
-            asyncio.run_coroutine_threadsafe(self._shutdown_on_loop(), self._loop).result(timeout=30)
+            asyncio.run_coroutine_threadsafe(self._shutdown_on_loop(), self._loop).result(timeout=timeout)
         except Exception:
             log.exception("cancelling requests at shutdown failed")
         self._closed = True
@@ -262,7 +263,7 @@ class TrtllmExecutor:
         except Exception:
             log.exception("tensorrt_llm.LLM.shutdown failed")
         self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=timeout)
         if not self._thread.is_alive():
             self._loop.close()
 

@@ -174,8 +174,10 @@ def stop_after_executor(executor: ExecutorProtocol, reason: str) -> None:
     """The watchdog's failure: stop the executor first, which ends the requests in flight (their clients get an
     answer, so the server's graceful stop does not wait on them) and its ranks (a stalled rank is killed, not left
     behind), then the server."""
-    executor.shutdown(timeout=EXECUTOR_STOP_S)
-    stop_server(os.getpid(), reason)
+    try:
+        executor.shutdown(timeout=EXECUTOR_STOP_S)
+    finally:  # whatever the executor does, the server stops
+        stop_server(os.getpid(), reason)
 
 
 if __name__ == "__main__":
