@@ -46,6 +46,7 @@ __all__ = ["Executor", "ExecutorStats", "RequestHandle", "RequestOutput", "Reque
 
 log = logging.getLogger("runtime.executors.native")
 
+
 @contextlib.contextmanager
 def torch_threads(n: int | None) -> Iterator[None]:
     """This thread's torch threads at `n` inside the block (None: as they are); the setting before comes back after."""
